@@ -1,0 +1,28 @@
+# Two entry points: `make demo` and `make test`. Both create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU machines: take the local CPU build of torch first, so the wide torch range
+	# in pyproject.toml is already satisfied and no multi-GB CUDA build is pulled.
+	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+		$(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/eagle3 demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,291 @@
+"""Typed run config: the one place every setting of a run is declared and documented.
+
+A config is YAML validated by pydantic v2 with unknown keys rejected, so a misspelled key fails
+before any GPU hour is spent. `load_config` turns every problem into a `ConfigError` whose lines
+name the file, the key path (`datasets[2].token_budget`) and what is expected.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Section):
+    """The target model whose responses and hidden states the draft learns from."""
+
+    path: str = Field(
+        description="Hugging Face repo id or local directory of the target: its tokenizer and chat "
+        "template build the prompts; its weights are loaded by the capture stage."
+    )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Pass trust_remote_code=True to transformers (Kimi-K2.5's tokenizer needs it).",
+    )
+    build_tiny_target: bool = Field(
+        default=False,
+        description="Build the deterministic tiny demo target at `path` if it is not there yet "
+        "(demo and tests only).",
+    )
+
+
+class ServerConfig(Section):
+    """The SGLang server (or router) that the generate stage sends /generate requests to."""
+
+    url: str = Field(
+        default="http://127.0.0.1:30000",
+        description="Base URL of SGLang's native HTTP API (no trailing /generate).",
+    )
+    max_concurrency: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description="Most requests in flight to this server at once, over all datasets together.",
+    )
+    request_timeout_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="Seconds one /generate request may take before it is cancelled and retried; "
+        "long enough for max_new_tokens at the slowest expected decode speed.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"must be an http(s) URL like http://127.0.0.1:30000, got {value!r}")
+        return value.rstrip("/")
+
+
+class SamplingConfig(Section):
+    """Sampling parameters sent with every /generate request (SGLang's `sampling_params`)."""
+
+    max_new_tokens: int = Field(
+        default=16384,
+        ge=1,
+        description="Most completion tokens per response. Set it explicitly: SGLang's own default "
+        "is 128, which silently truncates reasoning responses.",
+    )
+    temperature: float = Field(default=1.0, ge=0, description="0 means greedy decoding.")
+    top_p: float = Field(default=0.95, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(default=-1, ge=-1, description="-1 disables top-k filtering.")
+    stop_token_ids: list[int] | None = Field(
+        default=None,
+        description="Token ids that end a response (kept in output_ids). Default: the target "
+        "tokenizer's eos token.",
+    )
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("must be -1 (off) or a positive number of candidates")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(i < 0 for i in value)):
+            raise ValueError("must be a non-empty list of non-negative token ids (or omitted)")
+        return value
+
+
+class DatasetConfig(Section):
+    """One input dataset: a file or directory of prompt rows (generate) or finished rows (passthrough)."""
+
+    name: str = Field(
+        description="Unique name; used as the directory name under responses/, records/, rejects/."
+    )
+    kind: Literal["passthrough", "generate"] = Field(
+        description="`generate`: prompts sent to the target through SGLang. `passthrough`: rows "
+        "that already hold the responses (`messages` with assistant turns, or `input_ids` + "
+        "`loss_mask`)."
+    )
+    path: Path = Field(
+        description="JSONL file, Parquet file or directory, or a local Hugging Face `datasets` "
+        "directory (save_to_disk). Relative paths resolve against the config's base directory."
+    )
+    token_budget: int | None = Field(
+        default=None,
+        ge=1,
+        description="Generate datasets: stop once the server has spent this many completion "
+        "tokens on this dataset. Omitted: no token limit.",
+    )
+    max_prompts: int | None = Field(
+        default=None,
+        ge=1,
+        description="Use at most this many prompts of the dataset (in file order).",
+    )
+    on_bad_row: Literal["fail", "skip"] = Field(
+        default="fail",
+        description="`fail`: a malformed row stops the run with its file and row. `skip`: the row "
+        "and the reason go to RUN_DIR/rejects/<name>/ and the rest is used.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_directory_name(cls, value: str) -> str:
+        if not DATASET_NAME.match(value):
+            raise ValueError(
+                f"{value!r} cannot be a directory name: use letters, digits, '_', '.', '-' "
+                "and start with a letter or digit"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _budget_only_for_generate(self) -> DatasetConfig:
+        if self.kind == "passthrough" and self.token_budget is not None:
+            raise ValueError(
+                "token_budget applies to generate datasets only; a passthrough dataset already "
+                "holds its responses (remove token_budget or set kind: generate)"
+            )
+        return self
+
+
+class RunConfig(Section):
+    """A whole run: where it lives, the target, the server, sampling and the datasets."""
+
+    run_dir: Path = Field(
+        description="Directory of this run (config, responses, records, hidden states, draft). "
+        "Relative paths resolve against the config's base directory."
+    )
+    target: TargetConfig
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    datasets: list[DatasetConfig] = Field(min_length=1, description="The input datasets, in order.")
+
+    @model_validator(mode="after")
+    def _unique_dataset_names(self) -> RunConfig:
+        seen: set[str] = set()
+        for dataset in self.datasets:
+            if dataset.name in seen:
+                raise ValueError(f"dataset name {dataset.name!r} is used twice; names must be unique")
+            seen.add(dataset.name)
+        return self
+
+    def resolve_paths(self, base: Path) -> RunConfig:
+        """Return a copy whose relative paths are made absolute against `base`."""
+        out = self.model_copy(deep=True)
+        out.run_dir = _absolute(out.run_dir, base)
+        for dataset in out.datasets:
+            dataset.path = _absolute(dataset.path, base)
+        if out.target.build_tiny_target or not _looks_like_hub_id(out.target.path):
+            out.target.path = str(_absolute(Path(out.target.path), base))
+        return out
+
+    def dataset(self, name: str) -> DatasetConfig:
+        """The dataset called `name`; KeyError lists the names there are."""
+        for dataset in self.datasets:
+            if dataset.name == name:
+                return dataset
+        raise KeyError(f"no dataset {name!r} in this config (there are: {', '.join(d.name for d in self.datasets)})")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; `problems` holds one line per problem."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source}: invalid config ({len(problems)} problem(s)):\n{lines}")
+
+
+def load_config(path: str | Path, base: Path | None = None) -> RunConfig:
+    """Read, validate and resolve a YAML run config; raise ConfigError naming every problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(str(path), [f"no such file {str(path)!r} (give the path of a YAML run config)"])
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), [f"not UTF-8 text ({exc})"]) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(str(path), [f"{where}YAML syntax error: {problem}"]) from None
+    return parse_config(data, source=str(path), base=base if base is not None else Path.cwd())
+
+
+def parse_config(data: Any, *, source: str = "<config>", base: Path | None = None) -> RunConfig:
+    """Validate an already-parsed mapping; relative paths resolve against `base` (default cwd)."""
+    if not isinstance(data, dict):
+        raise ConfigError(source, [f"the top level must be a mapping of keys (run_dir, target, ...), got {type(data).__name__}"])
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, [_describe(err) for err in exc.errors()]) from None
+    return config.resolve_paths(base if base is not None else Path.cwd())
+
+
+def dump_config(config: RunConfig) -> str:
+    """The config as YAML, the form saved as RUN_DIR/config.yaml."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def _describe(err: dict[str, Any]) -> str:
+    """One line for one pydantic error: key path, what is wrong, what is expected."""
+    loc = err["loc"]
+    key = _key_path(loc)
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc[:-1])
+        hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        suggestion = f"did you mean {hint[0]!r}? " if hint else ""
+        return f"{key}: unknown key; {suggestion}allowed keys here: {', '.join(allowed)}"
+    if err["type"] == "missing":
+        return f"{key}: required key is missing"
+    message = err["msg"].removeprefix("Value error, ")
+    value = err.get("input")
+    shown = "" if isinstance(value, (dict, list)) or value is None else f" (got {value!r})"
+    return f"{key or '<top level>'}: {message}{shown}"
+
+
+def _key_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the section at `loc` (for 'did you mean')."""
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        annotation = field.annotation
+        inner = getattr(annotation, "__args__", None)
+        candidates = [annotation, *(inner or [])]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _absolute(path: Path, base: Path) -> Path:
+    path = path.expanduser()
+    return path if path.is_absolute() else (base / path)
+
+
+def _looks_like_hub_id(value: str) -> bool:
+    """`org/name` with no local directory of that name is a Hub id, not a relative path."""
+    if value.startswith((".", "/", "~")) or Path(value).exists():
+        return False
+    return bool(re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", value))

@@ -1,0 +1,68 @@
+"""`eagle3 validate`: check a run config's datasets before any GPU hour is spent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from flows.config import RunConfig
+from tasks.datasets import DatasetError, load_dataset
+
+
+def validate_datasets(config: RunConfig, *, config_path: Path, console: Console) -> bool:
+    """Parse every dataset of `config` and print one table row each; True if all are usable."""
+    table = Table(title=f"{config_path}: datasets", title_justify="left")
+    for column in ("#", "dataset", "kind", "rows", "bad rows", "duplicates", "token budget", "max prompts", "status"):
+        table.add_column(column, justify="right" if column in {"#", "rows", "bad rows", "duplicates", "token budget", "max prompts"} else "left")
+    problems: list[str] = []
+    missing: list[str] = []
+    for i, dataset in enumerate(config.datasets):
+        budget = f"{dataset.token_budget:,}" if dataset.token_budget else "-"
+        cap = f"{dataset.max_prompts:,}" if dataset.max_prompts else "-"
+        if not dataset.path.exists():
+            missing.append(f"datasets[{i}] {dataset.name}: {dataset.path}")
+            table.add_row(str(i), escape(dataset.name), dataset.kind, "-", "-", "-", budget, cap, "[red]missing file[/red]")
+            continue
+        try:
+            loaded = load_dataset(dataset.path, dataset.kind, on_bad_row="skip")
+        except DatasetError as exc:  # unreadable as a whole (unknown format, corrupt Parquet, ...)
+            problems.append(f"datasets[{i}] {dataset.name}: {exc}")
+            table.add_row(str(i), escape(dataset.name), dataset.kind, "-", "-", "-", budget, cap, "[red]unreadable[/red]")
+            continue
+        bad = len(loaded.rejects)
+        status = "[green]ok[/green]"
+        if bad and dataset.on_bad_row == "fail":
+            status = "[red]bad rows[/red]"
+            shown = "\n    ".join(f"{r.location}: {r.reason}" for r in loaded.rejects[:5])
+            more = f"\n    ... and {bad - 5} more" if bad > 5 else ""
+            problems.append(
+                f"datasets[{i}] {dataset.name}: {bad} bad row(s) (on_bad_row: fail):\n    {shown}{more}\n"
+                f"  Fix the rows, or set datasets[{i}].on_bad_row: skip to send them to the run's rejects."
+            )
+        elif bad:
+            status = f"[yellow]ok, {bad} to rejects[/yellow]"
+        if not loaded.rows:
+            status = "[red]no usable rows[/red]"
+            problems.append(f"datasets[{i}] {dataset.name}: {dataset.path} holds no usable rows")
+        table.add_row(
+            str(i), escape(dataset.name), dataset.kind, f"{len(loaded.rows):,}", str(bad), str(loaded.duplicates), budget, cap, status
+        )
+    console.print(table)
+    console.print(escape(f"target: {config.target.path}    server: {config.server.url}    run_dir: {config.run_dir}"), highlight=False)
+    if missing:
+        console.print(
+            f"[red]{len(missing)} data file(s) missing[/red] (the data is yours to provide: put each file "
+            + escape(f"there, or edit its datasets[i].path in {config_path}):"),
+            highlight=False,
+        )
+        for line in missing:
+            console.print(f"  - {escape(line)}", highlight=False)
+    for line in problems:
+        console.print(f"[red]problem:[/red] {escape(line)}", highlight=False)
+    ok = not missing and not problems
+    if ok:
+        console.print(f"[green]{config_path} is valid:[/green] {len(config.datasets)} dataset(s) ready.", highlight=False)
+    return ok

@@ -1,0 +1,1 @@
+"""Prefect tasks and the plain functions behind them."""

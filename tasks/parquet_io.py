@@ -1,0 +1,136 @@
+"""Atomic Parquet parts: the on-disk unit every stage checkpoints in.
+
+A stage directory holds `part-000000.parquet`, `part-000001.parquet`, ... Each part is written
+to a hidden temporary name in the same directory, fsynced, renamed into place and the directory
+fsynced, so a reader (or a resumed run) sees either a complete part or none at all. Temporary
+names start with `.` and end with `.tmp`; `list_parts` never returns them.
+
+One writer per directory: part numbers are taken from what is on disk, so two processes writing
+the same directory at once could pick the same number.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Mapping
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+PART_SUFFIX = ".parquet"
+TMP_SUFFIX = ".tmp"
+# Zero padding keeps names in lexical order up to a million parts per directory.
+PART_DIGITS = 6
+
+
+def write_parquet_atomic(
+    table: pa.Table,
+    path: Path,
+    metadata: Mapping[str, Any] | None = None,
+    **write_options: Any,
+) -> Path:
+    """Write `table` to `path` so that readers see the whole file or nothing; return `path`.
+
+    `metadata` is merged into the schema metadata (keys and values stored as str), where
+    `read_metadata` finds it without reading any rows. `write_options` go to `pq.write_table`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if metadata:
+        merged = dict(table.schema.metadata or {})
+        merged.update({str(k).encode(): str(v).encode() for k, v in metadata.items()})
+        table = table.replace_schema_metadata(merged)
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f, **write_options)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # Best effort: a kill -9 leaves the temp file behind, which readers ignore and
+        # `clean_stale_temps` removes.
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def next_part_path(directory: Path, prefix: str = "part") -> Path:
+    """The next free part name in `directory`: one past the highest existing number."""
+    numbers = [n for n, _ in _numbered_parts(Path(directory), prefix)]
+    n = max(numbers) + 1 if numbers else 0
+    return Path(directory) / f"{prefix}-{n:0{PART_DIGITS}d}{PART_SUFFIX}"
+
+
+def list_parts(directory: Path, prefix: str = "part") -> list[Path]:
+    """Complete parts in `directory`, in part-number order; [] if the directory is missing."""
+    return [p for _, p in sorted(_numbered_parts(Path(directory), prefix))]
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The schema metadata of a Parquet file, read from the footer only (no row data)."""
+    raw = pq.read_schema(path).metadata or {}
+    return {
+        k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
+        for k, v in raw.items()
+        if k != b"ARROW:schema"
+    }
+
+
+def clean_stale_temps(directory: Path, older_than_s: float = 0.0) -> list[Path]:
+    """Delete temp files left by interrupted writes; return what was removed.
+
+    Call it before a writer starts on `directory` (one writer per directory), or pass
+    `older_than_s` to spare temp files a live writer may still be filling.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    now = time.time()
+    removed = []
+    for p in directory.iterdir():
+        if not (p.name.startswith(".") and p.name.endswith(TMP_SUFFIX) and p.is_file()):
+            continue
+        try:
+            if older_than_s and now - p.stat().st_mtime < older_than_s:
+                continue
+            p.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(p)
+    return removed
+
+
+def _numbered_parts(directory: Path, prefix: str) -> list[tuple[int, Path]]:
+    if not directory.is_dir():
+        return []
+    pattern = re.compile(rf"^{re.escape(prefix)}-(\d+){re.escape(PART_SUFFIX)}$")
+    found = []
+    for p in directory.iterdir():
+        m = pattern.match(p.name)
+        if m and p.is_file():
+            found.append((int(m.group(1)), p))
+    return found
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable. Some platforms/filesystems cannot open a directory.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

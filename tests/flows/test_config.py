@@ -1,0 +1,176 @@
+"""Typed run config: presets load, mistakes are named by key path with what is expected."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.config import ConfigError, RunConfig, dump_config, load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+MINIMAL = {
+    "run_dir": "runs/x",
+    "target": {"path": "models/t"},
+    "datasets": [
+        {"name": "A1", "kind": "passthrough", "path": "a.jsonl"},
+        {"name": "B1", "kind": "generate", "path": "b.jsonl", "token_budget": 1000},
+    ],
+}
+
+
+def problems(data, **kw) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, source="cfg.yaml", **kw)
+    assert str(info.value).startswith("cfg.yaml: invalid config")
+    return info.value.problems
+
+
+def test_minimal_config_gets_documented_defaults(tmp_path):
+    config = parse_config(copy.deepcopy(MINIMAL), base=tmp_path)
+    assert config.run_dir == tmp_path / "runs/x"
+    assert config.datasets[1].path == tmp_path / "b.jsonl"
+    assert config.target.path == "models/t" or config.target.path == str(tmp_path / "models/t")
+    assert config.server.url == "http://127.0.0.1:30000"
+    assert config.server.max_concurrency == 64
+    assert config.sampling.max_new_tokens == 16384  # never SGLang's silent default of 128
+    assert config.datasets[0].on_bad_row == "fail"
+    assert config.datasets[1].token_budget == 1000
+
+
+def test_every_field_is_documented():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, RunConfig.__base__):
+                walk(field.annotation)
+            else:
+                assert field.description, f"{model.__name__}.{name} has no description"
+
+    walk(RunConfig)
+    from flows.config import DatasetConfig
+
+    walk(DatasetConfig)
+
+
+def test_misspelled_key_is_named_with_a_suggestion():
+    data = copy.deepcopy(MINIMAL)
+    data["server"] = {"max_concurency": 8}
+    (line,) = problems(data)
+    assert line.startswith("server.max_concurency: unknown key")
+    assert "did you mean 'max_concurrency'?" in line
+
+
+def test_misspelled_key_inside_a_dataset_names_its_index():
+    data = copy.deepcopy(MINIMAL)
+    data["datasets"][1]["tokens_budget"] = 5
+    (line,) = problems(data)
+    assert line.startswith("datasets[1].tokens_budget: unknown key")
+    assert "'token_budget'" in line
+
+
+def test_misspelled_top_level_key():
+    data = copy.deepcopy(MINIMAL)
+    data["samplng"] = {}
+    (line,) = problems(data)
+    assert line.startswith("samplng: unknown key; did you mean 'sampling'?")
+
+
+def test_all_problems_are_reported_at_once():
+    data = copy.deepcopy(MINIMAL)
+    data["datasets"][1]["token_budget"] = -5
+    data["datasets"][0]["kind"] = "gen"
+    data["sampling"] = {"top_p": 1.5, "top_k": 0}
+    lines = problems(data)
+    assert len(lines) == 4
+    joined = "\n".join(lines)
+    assert "datasets[1].token_budget: Input should be greater than or equal to 1 (got -5)" in joined
+    assert "datasets[0].kind: Input should be 'passthrough' or 'generate' (got 'gen')" in joined
+    assert "sampling.top_p: Input should be less than or equal to 1 (got 1.5)" in joined
+    assert "sampling.top_k: must be -1 (off) or a positive number of candidates (got 0)" in joined
+
+
+def test_missing_required_keys():
+    lines = problems({"datasets": []})
+    assert "run_dir: required key is missing" in lines
+    assert "target: required key is missing" in lines
+    assert any(line.startswith("datasets: List should have at least 1 item") for line in lines)
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (lambda d: d["datasets"][0].update(token_budget=5), "token_budget applies to generate datasets only"),
+        (lambda d: d["datasets"][1].update(name="A1"), "dataset name 'A1' is used twice"),
+        (lambda d: d["datasets"][1].update(name="../evil"), "cannot be a directory name"),
+        (lambda d: d.update(server={"url": "localhost:30000"}), "server.url: must be an http(s) URL"),
+        (lambda d: d.update(sampling={"stop_token_ids": []}), "sampling.stop_token_ids: must be a non-empty list"),
+        (lambda d: d["datasets"][1].update(on_bad_row="ignore"), "datasets[1].on_bad_row: Input should be 'fail' or 'skip'"),
+        (lambda d: d.update(datasets="b.jsonl"), "datasets: Input should be a valid list"),
+    ],
+)
+def test_semantic_errors(change, expected):
+    data = copy.deepcopy(MINIMAL)
+    change(data)
+    assert any(expected in line for line in problems(data)), problems(data)
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("run_dir: x\ntarget: {path: t\ndatasets: []\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+    assert "line 3" in info.value.problems[0] or "line 2" in info.value.problems[0]
+
+
+def test_top_level_not_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(path)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_relative_paths_resolve_against_base_and_hub_ids_stay(tmp_path):
+    data = copy.deepcopy(MINIMAL)
+    data["target"] = {"path": "moonshotai/Kimi-K2.5"}
+    config = parse_config(data, base=tmp_path)
+    assert config.target.path == "moonshotai/Kimi-K2.5"
+    data["target"] = {"path": "./local/model"}
+    assert parse_config(data, base=tmp_path).target.path == str(tmp_path / "local/model")
+
+
+def test_dump_round_trips(tmp_path):
+    config = parse_config(copy.deepcopy(MINIMAL), base=tmp_path)
+    again = parse_config(yaml.safe_load(dump_config(config)), base=tmp_path)
+    assert again == config
+
+
+def test_demo_preset_loads():
+    config = load_config(REPO / "configs/demo.yaml", base=REPO)
+    kinds = {d.name: d.kind for d in config.datasets}
+    assert list(kinds.values()).count("passthrough") == 1
+    assert list(kinds.values()).count("generate") >= 3
+    assert config.target.build_tiny_target
+    assert all(d.path.exists() for d in config.datasets)
+
+
+def test_kimi_preset_is_the_reference_run():
+    config = load_config(REPO / "configs/kimi-k25.yaml", base=REPO)
+    names = [d.name for d in config.datasets]
+    assert names[:2] == ["A1_deepswekimi", "A2_kimik25"]
+    assert all(d.kind == "passthrough" for d in config.datasets[:2])
+    generate = config.datasets[2:]
+    assert [d.name.split("_")[0] for d in generate] == [f"B{i}" for i in range(1, 9)]
+    assert names[2:6] == ["B1_glaive", "B2_opencodeinstruct", "B3_magicoder", "B4_mixturethoughts"]
+    assert all(d.kind == "generate" and d.token_budget == 10_000_000 for d in generate)
+    assert config.sampling.stop_token_ids == [163586]
+    assert config.target.trust_remote_code
+    assert config.target.path == "moonshotai/Kimi-K2.5"

@@ -1,0 +1,374 @@
+import hashlib
+import json
+import logging
+import pickle
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tasks.datasets import (
+    DatasetError,
+    PassthroughRow,
+    PromptRow,
+    Reject,
+    iter_rows,
+    load_dataset,
+    stable_id,
+    write_rejects,
+)
+
+GENERATE_EXPECTED = "each row needs 'messages' [{role, content}] or 'prompt' (string)"
+
+
+def _hash(content) -> str:
+    # The contract, restated independently of the code under test.
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+PROMPTS = [
+    {"id": "a", "prompt": "Say hi."},
+    {"id": 7, "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Why?"}]},
+    {"prompt": "What is 2+2?"},
+    {"messages": [{"role": "user", "content": "Ünïcødé ✓", "name": "bob"}]},
+    {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]},
+]
+PROMPT_IDS = [
+    "a",
+    "7",
+    "d4e2520adda51c13",  # literal: ids must not drift between releases
+    _hash({"messages": [{"role": "user", "content": "Ünïcødé ✓", "name": "bob"}]}),
+    _hash({"messages": PROMPTS[4]["messages"]}),
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _all_keys(rows):
+    # from_pylist and Dataset.from_list take their columns from the first row only.
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return [{k: r.get(k) for k in keys} for r in rows]
+
+
+def write_parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(_all_keys(rows)), path)
+    return path
+
+
+def make_format(fmt, tmp_path, rows):
+    if fmt == "jsonl":
+        return write_jsonl(tmp_path / "d.jsonl", rows)
+    if fmt == "json":
+        return write_jsonl(tmp_path / "d.json", rows)
+    if fmt == "parquet":
+        return write_parquet(tmp_path / "d.parquet", rows)
+    if fmt == "parquet_dir":
+        d = tmp_path / "dir"
+        d.mkdir()
+        # Same schema in both parts; sorted names give the row order.
+        table = pa.Table.from_pylist(_all_keys(rows))
+        pq.write_table(table.slice(0, 2), d / "000.parquet")
+        pq.write_table(table.slice(2), d / "001.parquet")
+        (d / "_SUCCESS").write_text("")
+        return d
+    import datasets  # dev dependency: only tests build HF directories
+
+    rows = _all_keys(rows)
+
+    if fmt == "hf":
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+        return tmp_path / "hf"
+    if fmt == "hf_dict":
+        ds = datasets.Dataset.from_list(rows)
+        datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "hfdd"))
+        return tmp_path / "hfdd"
+    raise AssertionError(fmt)
+
+
+FORMATS = ["jsonl", "json", "parquet", "parquet_dir", "hf", "hf_dict"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_loads_the_same_prompt_rows(fmt, tmp_path):
+    # HF and Parquet stringify the mixed int/str id column; keep ids strings there.
+    rows = [dict(r, id=str(r["id"])) if "id" in r else r for r in PROMPTS] if fmt != "jsonl" else PROMPTS
+    loaded = load_dataset(make_format(fmt, tmp_path, rows), "generate")
+
+    assert [r.id for r in loaded.rows] == PROMPT_IDS
+    assert loaded.rows[0] == PromptRow("a", [{"role": "user", "content": "Say hi."}])
+    assert loaded.rows[1].messages == PROMPTS[1]["messages"]
+    # Arrow fills the absent "name" key with null; the row must still look as written.
+    assert [r.messages for r in loaded.rows[2:]] == [
+        [{"role": "user", "content": "What is 2+2?"}],
+        [{"role": "user", "content": "Ünïcødé ✓", "name": "bob"}],
+        PROMPTS[4]["messages"],
+    ]
+    assert loaded.rejects == [] and loaded.duplicates == 0
+
+
+PASSTHROUGH = [
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+    {"id": "agent", "messages": [
+        {"role": "user", "content": "ls"},
+        {"role": "assistant", "content": "", "reasoning_content": "run it"},
+        {"role": "tool", "content": ""},
+        {"role": "assistant", "content": "empty dir"},
+    ]},
+    {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
+]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "hf"])
+def test_every_format_loads_the_same_passthrough_rows(fmt, tmp_path):
+    loaded = load_dataset(make_format(fmt, tmp_path, PASSTHROUGH), "passthrough")
+
+    assert [r.id for r in loaded.rows] == [_hash({"messages": PASSTHROUGH[0]["messages"]}), "agent", "e7f4eeb455ea3e51"]
+    assert loaded.rows[1].messages[1] == {"role": "assistant", "content": "", "reasoning_content": "run it"}
+    assert loaded.rows[1].messages[2] == {"role": "tool", "content": ""}
+    assert loaded.rows[2] == PassthroughRow("e7f4eeb455ea3e51", None, [1, 2, 3], [0, 1, 1])
+
+
+def test_bool_loss_mask_normalises_and_hashes_like_ints(tmp_path):
+    path = write_parquet(tmp_path / "m.parquet", [{"input_ids": [1, 2, 3], "loss_mask": [False, True, True]}])
+    (row,) = load_dataset(path, "passthrough").rows
+    assert row.loss_mask == [0, 1, 1] and row.id == "e7f4eeb455ea3e51"
+
+
+def test_stable_ids_match_across_formats_and_differ_by_content(tmp_path):
+    rows = [{"prompt": "x"}, {"prompt": "y"}, {"messages": [{"role": "user", "content": "x"}]}]
+    from_jsonl = [r.id for r in load_dataset(write_jsonl(tmp_path / "a.jsonl", rows), "generate", on_bad_row="skip").rows]
+    parquet = load_dataset(write_parquet(tmp_path / "a.parquet", rows[:2]), "generate")
+
+    # A prompt and the same single user message are the same prompt: one id, the second dropped.
+    assert from_jsonl == [_hash({"messages": [{"role": "user", "content": "x"}]}), _hash({"messages": [{"role": "user", "content": "y"}]})]
+    assert [r.id for r in parquet.rows] == from_jsonl
+    assert from_jsonl[0] != from_jsonl[1]
+    assert stable_id({"messages": [{"role": "user", "content": "x"}]}) == from_jsonl[0]
+
+
+def _bad_line_file(tmp_path, line: bytes, name="b1.jsonl"):
+    path = tmp_path / name
+    path.write_bytes(b'{"prompt": "fine"}\n   \n' + line + b'\n{"prompt": "after"}\n')
+    return path
+
+
+GENERATE_BAD = [
+    (b'{"prompt": "x"', "invalid JSON"),
+    (b'{"prompt": "caf\xe9"}', "not valid UTF-8 (byte 0xe9"),
+    (b"[1, 2]", "expected a JSON object, got list"),
+    (b'"just a string"', "expected a JSON object, got string"),
+    (b"{}", "missing 'messages' or 'prompt'"),
+    (b'{"text": "hi"}', "missing 'messages' or 'prompt' (row has: text)"),
+    (b'{"messages": [{"role": "user", "content": 3}]}', "'messages[0].content' must be a string, got int"),
+    (b'{"messages": [{"role": "user"}]}', "'messages[0].content' is missing"),
+    (b'{"messages": [{"role": "user", "content": " "}]}', "'messages[0].content' is empty"),
+    (b'{"messages": [{"content": "x"}]}', "'messages[0].role' is missing"),
+    (b'{"messages": [{"role": "bot", "content": "x"}]}', "'messages[0].role' must be one of system, user, assistant, got 'bot'"),
+    (b'{"messages": [{"role": "tool", "content": "x"}]}', "'messages[0].role' must be one of"),
+    (b'{"messages": ["hi"]}', "'messages[0]' must be an object {role, content}, got string"),
+    (b'{"messages": "hi"}', "'messages' must be a list of {role, content} objects, got string"),
+    (b'{"messages": []}', "'messages' is empty"),
+    (b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}',
+     "'messages' must end with a user turn (the prompt to answer), got 'assistant' last"),
+    (b'{"prompt": ""}', "'prompt' is empty"),
+    (b'{"prompt": 5}', "'prompt' must be a string, got int"),
+    (b'{"prompt": "x", "messages": [{"role": "user", "content": "x"}]}', "has both 'messages' and 'prompt'"),
+    (b'{"id": 1.5, "prompt": "x"}', "'id' must be a string or int, got float"),
+    (b'{"id": true, "prompt": "x"}', "'id' must be a string or int, got bool"),
+    (b'{"id": "", "prompt": "x"}', "'id' is empty"),
+    (b'{"prompt": "\\ud83d"}', "'prompt' is not valid Unicode"),
+]
+
+
+@pytest.mark.parametrize("line,reason", GENERATE_BAD, ids=[r for _, r in GENERATE_BAD])
+def test_bad_prompt_row_names_file_line_and_field(tmp_path, line, reason):
+    path = _bad_line_file(tmp_path, line)
+    with pytest.raises(DatasetError) as info:
+        load_dataset(path, "generate")
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert err.path == path and err.row == 3 and reason in err.reason
+    assert str(err).startswith(f"{path} line 3: ")
+    assert reason in str(err) and "b1.jsonl" in str(err)
+
+
+PASSTHROUGH_BAD = [
+    (b'{"messages": [{"role": "user", "content": "q"}]}', "'messages' has no assistant turn"),
+    (b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}', "'messages[1].content' is empty"),
+    (b'{"messages": [{"role": "assistant", "content": "a"}], "input_ids": [1]}', "has both 'messages' and 'input_ids'"),
+    (b'{"input_ids": [1, 2, 3], "loss_mask": [0, 1]}', "'loss_mask' has 2 entries but 'input_ids' has 3"),
+    (b'{"input_ids": [1, 2], "loss_mask": [0, 0]}', "'loss_mask' has no 1s"),
+    (b'{"input_ids": [1, 2], "loss_mask": [1, 2]}', "'loss_mask[1]' must be 0 or 1, got 2"),
+    (b'{"input_ids": [1, 2], "loss_mask": [1, 0.5]}', "'loss_mask[1]' must be 0 or 1, got float"),
+    (b'{"input_ids": [1, -5], "loss_mask": [1, 1]}', "'input_ids[1]' must be a non-negative int, got -5"),
+    (b'{"input_ids": ["a", 2], "loss_mask": [1, 1]}', "'input_ids[0]' must be a non-negative int, got string"),
+    (b'{"input_ids": [], "loss_mask": []}', "'input_ids' is empty"),
+    (b'{"input_ids": "1 2", "loss_mask": [1]}', "'input_ids' must be a list of ints, got string"),
+    (b'{"input_ids": [1, 2]}', "'loss_mask' is missing"),
+    (b'{"loss_mask": [1]}', "'input_ids' is missing"),
+    (b"{}", "missing 'messages' or 'input_ids' + 'loss_mask'"),
+]
+
+
+@pytest.mark.parametrize("line,reason", PASSTHROUGH_BAD, ids=[r for _, r in PASSTHROUGH_BAD])
+def test_bad_passthrough_row_names_file_line_and_field(tmp_path, line, reason):
+    path = tmp_path / "a1.jsonl"
+    path.write_bytes(b'{"input_ids": [1], "loss_mask": [1]}\n' + line + b"\n")
+    with pytest.raises(DatasetError) as info:
+        load_dataset(path, "passthrough")
+    assert info.value.row == 2
+    assert str(info.value).startswith(f"{path} line 2: {reason}")
+    assert "each row needs 'messages' [{role, content}] with an assistant turn" in str(info.value)
+
+
+def test_error_message_format_exactly(tmp_path):
+    path = _bad_line_file(tmp_path, b'{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 3}]}')
+    with pytest.raises(DatasetError) as info:
+        load_dataset(path, "generate")
+    assert str(info.value) == (
+        f"{path} line 3: 'messages[1].content' must be a string, got int — {GENERATE_EXPECTED}"
+    )
+    clone = pickle.loads(pickle.dumps(info.value))  # crosses process/Prefect boundaries intact
+    assert (str(clone), clone.path, clone.row, clone.reason) == (str(info.value), path, 3, info.value.reason)
+
+
+def test_bad_parquet_row_is_reported_by_row_number(tmp_path):
+    path = write_parquet(tmp_path / "b2.parquet", [{"prompt": "ok"}, {"prompt": "ok2"}, {"prompt": ""}])
+    with pytest.raises(DatasetError, match=r"b2\.parquet row 3: 'prompt' is empty — each row needs"):
+        load_dataset(path, "generate")
+
+
+def test_bad_row_in_parquet_directory_names_the_part_file(tmp_path):
+    d = tmp_path / "parts"
+    d.mkdir()
+    write_parquet(d / "a.parquet", [{"prompt": "1"}, {"prompt": "2"}])
+    write_parquet(d / "b.parquet", [{"prompt": "3"}, {"prompt": " "}])
+    with pytest.raises(DatasetError) as info:
+        load_dataset(d, "generate")
+    assert (info.value.path, info.value.row) == (d / "b.parquet", 2)
+
+
+def test_skip_mode_keeps_good_rows_and_writes_rejects(tmp_path, caplog):
+    path = tmp_path / "b1.jsonl"
+    path.write_bytes(
+        b'{"id": "g1", "prompt": "one"}\n'
+        b'{"id": "b1", "prompt": ""}\n'
+        b"not json\n"
+        b"\n"
+        b'{"id": "g2", "messages": [{"role": "user", "content": "two"}]}\n'
+        b'{"id": 9, "messages": [{"role": "assistant", "content": "x"}]}\n'
+        b"\xff\xfe\n"
+    )
+    with caplog.at_level(logging.WARNING, logger="eagle3.datasets"):
+        loaded = load_dataset(path, "generate", on_bad_row="skip")
+
+    assert [r.id for r in loaded.rows] == ["g1", "g2"]
+    assert loaded.rows[1].messages == [{"role": "user", "content": "two"}]
+    assert [(r.row, r.id) for r in loaded.rejects] == [(2, "b1"), (3, None), (6, "9"), (7, None)]
+    assert loaded.rejects[0] == Reject(path, 2, "b1", "'prompt' is empty", '{"id": "b1", "prompt": ""}')
+    assert loaded.rejects[1].reason.startswith("invalid JSON")
+    assert loaded.rejects[2].reason.startswith("'messages' must end with a user turn")
+    assert loaded.rejects[3].reason.startswith("not valid UTF-8")
+    assert any("skipped 4 bad row(s)" in m for m in caplog.messages)
+
+    out = write_rejects(loaded.rejects, tmp_path / "rejects" / "B1", stage="load")
+    assert out == tmp_path / "rejects" / "B1" / "part-000000.parquet"
+    table = pq.read_table(out)
+    assert table.schema.field("id").type == pa.string() and table.schema.field("row").type == pa.int64()
+    assert table.to_pylist()[0] == {
+        "id": "b1", "source": str(path), "row": 2, "stage": "load",
+        "reason": "'prompt' is empty", "raw": '{"id": "b1", "prompt": ""}',
+    }
+    assert table.column("row").to_pylist() == [2, 3, 6, 7]
+    assert table.column("raw").to_pylist()[1:] == ["not json", '{"id": 9, "messages": [{"role": "assistant", "content": "x"}]}', "\ufffd\ufffd"]
+    # A resumed run loading the same file does not write the same rejects twice.
+    assert write_rejects(loaded.rejects, tmp_path / "rejects" / "B1") == out
+    assert write_rejects([], tmp_path / "rejects" / "B1") is None
+
+
+def test_duplicate_ids_keep_first_and_count_rest(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"id": "x", "prompt": "first"},
+        {"prompt": "same"},
+        {"id": "x", "prompt": "second"},
+        {"prompt": "same"},
+        {"id": "x", "prompt": "third"},
+    ])
+    with caplog.at_level(logging.WARNING, logger="eagle3.datasets"):
+        loaded = load_dataset(path, "generate")
+
+    assert [(r.id, r.messages[0]["content"]) for r in loaded.rows] == [("x", "first"), (_hash({"messages": [{"role": "user", "content": "same"}]}), "same")]
+    assert loaded.duplicates == 3
+    warnings = [r for r in caplog.records if r.name == "eagle3.datasets"]
+    assert len(warnings) == 1 and "dropped 3 row(s)" in warnings[0].getMessage()
+
+
+def test_missing_path_is_the_users_to_provide(tmp_path):
+    missing = tmp_path / "data" / "b9.jsonl"
+    with pytest.raises(FileNotFoundError) as info:
+        load_dataset(missing, "generate")
+    assert isinstance(info.value, DatasetError)
+    assert str(info.value).startswith(f"{missing}: does not exist")
+    assert "datasets[i].path" in str(info.value)
+    with pytest.raises(DatasetError, match="does not exist"):
+        iter_rows(missing, "generate")  # raised at the call, not at the first row
+
+
+def test_unsupported_inputs_list_accepted_formats(tmp_path):
+    csv = tmp_path / "d.csv"
+    csv.write_text("a,b\n")
+    with pytest.raises(DatasetError, match=r"unsupported file type '\.csv'.*accepted: a \.jsonl/\.json file"):
+        load_dataset(csv, "generate")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="no \\*\\.parquet files.*accepted:"):
+        load_dataset(tmp_path / "empty", "generate")
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet")
+    with pytest.raises(DatasetError, match="not a readable Parquet file"):
+        load_dataset(bad, "generate")
+
+
+def test_parquet_without_content_columns_is_a_file_error(tmp_path):
+    path = write_parquet(tmp_path / "x.parquet", [{"id": "1", "text": "hi"}])
+    with pytest.raises(DatasetError) as info:
+        load_dataset(path, "generate", on_bad_row="skip")
+    assert info.value.row is None
+    assert str(info.value).startswith(f"{path}: has no 'messages' or 'prompt' column (columns: id, text)")
+
+
+def test_dataset_dict_without_train_lists_splits(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"prompt": "x"}])
+    datasets.DatasetDict({"validation": ds, "test": ds}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DatasetError, match=r"without a 'train' split \(splits: validation, test\).*dd/validation"):
+        load_dataset(tmp_path / "dd", "generate")
+
+
+def test_json_array_file_gets_a_hint(tmp_path):
+    path = tmp_path / "arr.json"
+    path.write_text('[\n  {"prompt": "x"}\n]\n')
+    with pytest.raises(DatasetError, match="line 1: invalid JSON .*looks like one JSON array"):
+        load_dataset(path, "generate")
+
+
+def test_iter_rows_yields_line_numbers_and_raises_on_unparseable(tmp_path):
+    path = _bad_line_file(tmp_path, b"{oops")
+    rows = iter_rows(path, "generate")
+    assert next(rows) == (1, {"prompt": "fine"})
+    with pytest.raises(DatasetError, match=r"b1\.jsonl line 3: invalid JSON"):
+        next(rows)
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a", "extra": 1}, {"prompt": 3}])
+    assert list(iter_rows(ok, "generate")) == [(1, {"prompt": "a", "extra": 1}), (2, {"prompt": 3})]
+
+
+def test_argument_checks(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x"}])
+    with pytest.raises(ValueError, match="on_bad_row"):
+        load_dataset(path, "generate", on_bad_row="ignore")
+    with pytest.raises(ValueError, match="kind"):
+        load_dataset(path, "chat")
