@@ -45,6 +45,103 @@ def validate(config: Path = typer.Argument(..., help="The YAML run config to che
     raise typer.Exit(0 if ok else 1)
 
 
+STAGES = ("generate",)  # the stages built so far, in pipeline order
+
+
+@app.command()
+def generate(config: Path = typer.Argument(..., help="The YAML run config.")) -> None:
+    """Stage 1: generate responses for every dataset (same as `run CONFIG --stages generate`)."""
+    _run_stages(config, ["generate"])
+
+
+@app.command()
+def run(
+    config: Path = typer.Argument(..., help="The YAML run config."),
+    stages: str = typer.Option(",".join(STAGES), help=f"Comma-separated stages to run, of: {', '.join(STAGES)}."),
+) -> None:
+    """Run the pipeline's stages on a config (each stage resumes where it stopped)."""
+    chosen = [s.strip() for s in stages.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in STAGES]
+    if unknown or not chosen:
+        err.print(f"[red]error:[/red] unknown stage(s) {', '.join(unknown) or '(none given)'}; available: {', '.join(STAGES)}", highlight=False)
+        raise typer.Exit(2)
+    _run_stages(config, chosen)
+
+
+def _run_stages(config: Path, stages: list[str]) -> None:
+    import asyncio
+
+    from flows.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config)  # fail on a bad config before Prefect starts
+    except ConfigError as exc:
+        err.print(escape(str(exc)), style="red", highlight=False)
+        raise typer.Exit(2) from None
+    if "generate" in stages:
+        from flows.generate import generate as generate_flow
+
+        try:
+            asyncio.run(generate_flow(str(config)))
+        except Exception as exc:  # the flow run's log has the details
+            err.print(f"[red]generate failed:[/red] {escape(str(exc))}", highlight=False)
+            raise typer.Exit(1) from None
+    _print_stats(cfg.run_dir, as_json=False)
+
+
+@app.command()
+def stats(
+    run_dir: Path = typer.Argument(..., help="A run directory (run_dir of a config)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Per-dataset table of a run from Parquet footers only (fast, safe while a run is writing)."""
+    if not run_dir.is_dir():
+        err.print(f"[red]error:[/red] {escape(str(run_dir))} is not a directory (give the run_dir of a config)", highlight=False)
+        raise typer.Exit(2)
+    _print_stats(run_dir, as_json=as_json)
+
+
+def _print_stats(run_dir: Path, *, as_json: bool) -> None:
+    import json
+
+    from tasks.stats import collect_stats, render_stats_table, stats_rows
+
+    collected = collect_stats(run_dir)
+    if as_json:
+        print(json.dumps(stats_rows(collected), indent=2))
+    else:
+        console.print(render_stats_table(collected))
+
+
+@app.command("import-jsonl")
+def import_jsonl(
+    run_dir: Path = typer.Argument(..., help="The run directory to import into (its config.yaml names the target tokenizer)."),
+    dataset: str = typer.Argument(..., help="Dataset name (directory under responses/)."),
+    file: Path = typer.Argument(..., help="A legacy raw_responses.jsonl."),
+    target: Optional[str] = typer.Option(None, help="Target tokenizer path (default: target.path of RUN_DIR/config.yaml)."),
+) -> None:
+    """Adopt a legacy raw_responses.jsonl (nested usage.completion_tokens or flat completion_tokens) as checkpoints."""
+    from flows.config import ConfigError, load_config
+    from tasks.legacy_import import import_jsonl as do_import
+
+    if not file.is_file():
+        err.print(f"[red]error:[/red] no such file {escape(str(file))}", highlight=False)
+        raise typer.Exit(2)
+    trust = False
+    if target is None:
+        try:
+            cfg = load_config(run_dir / "config.yaml")
+        except ConfigError as exc:
+            err.print(f"[red]error:[/red] cannot tell the target tokenizer: {escape(str(exc))}\nPass --target PATH.", highlight=False)
+            raise typer.Exit(2) from None
+        target, trust = cfg.target.path, cfg.target.trust_remote_code
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust)
+    report = do_import(run_dir, dataset, file, tokenizer=tokenizer)
+    console.print(escape(str(report)), highlight=False)
+
+
 @app.command("tiny-target")
 def tiny_target(
     out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer to."),

@@ -62,6 +62,24 @@ class ServerConfig(Section):
         "long enough for max_new_tokens at the slowest expected decode speed.",
     )
 
+    outage_window_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="How long the server may stay unreachable (connect errors, 5xx, 429) before "
+        "the generate task fails cleanly; Prefect task retries then resume it.",
+    )
+    health_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="How long to wait for /health_generate at the start of the generate stage "
+        "(a 1T model takes minutes to load).",
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        description="Name of the environment variable holding the server's API key (sent as a "
+        "Bearer token). The key itself never goes into the config, logs or artifacts.",
+    )
+
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:
@@ -101,6 +119,30 @@ class SamplingConfig(Section):
         if value is not None and (not value or any(i < 0 for i in value)):
             raise ValueError("must be a non-empty list of non-negative token ids (or omitted)")
         return value
+
+
+class GenerateConfig(Section):
+    """Checkpointing, progress and retries of the generate stage."""
+
+    flush_every: int = Field(default=256, ge=1, description="Write a checkpoint part every this many responses.")
+    flush_interval_s: float = Field(
+        default=60.0, gt=0, description="...and at least this often (seconds): a kill loses at most this window."
+    )
+    log_interval_s: float = Field(
+        default=30.0, gt=0, description="Seconds between progress log lines and progress-artifact updates."
+    )
+    throughput_window_s: float = Field(
+        default=120.0, gt=0, description="Tokens/s and the ETA are measured over this recent window."
+    )
+    compact_min_parts: int = Field(
+        default=64, ge=2, description="Merge small checkpoint parts once this many have been written."
+    )
+    retries: int = Field(
+        default=3, ge=0, description="Prefect retries of a dataset task that failed (e.g. server outage)."
+    )
+    retry_delay_s: float = Field(
+        default=60.0, ge=0, description="First delay before a retry; doubles each time, with jitter."
+    )
 
 
 class DatasetConfig(Section):
@@ -156,7 +198,7 @@ class DatasetConfig(Section):
 
 
 class RunConfig(Section):
-    """A whole run: where it lives, the target, the server, sampling and the datasets."""
+    """A whole run: where it lives, the target, the server, sampling, stage settings, the datasets."""
 
     run_dir: Path = Field(
         description="Directory of this run (config, responses, records, hidden states, draft). "
@@ -165,6 +207,7 @@ class RunConfig(Section):
     target: TargetConfig
     server: ServerConfig = Field(default_factory=ServerConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
     datasets: list[DatasetConfig] = Field(min_length=1, description="The input datasets, in order.")
 
     @model_validator(mode="after")

@@ -5,19 +5,20 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from flows.config import RunConfig, load_config
+from flows.config import RunConfig, dump_config, load_config
+from flows.generate import generate
 from models.tiny_target import build_tiny_target
-from tasks.datasets import load_dataset
+from tasks.checkpoints import live_parts
 from tasks.processes import dev_server
-from tasks.prompts import chat_prompt_ids, default_stop_ids, request_sampling_params
-from tasks.sglang_client import Completion, SGLangClient
+from tasks.stats import collect_stats, render_stats_table
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
-PROMPTS_PER_DATASET = 2
+SHOWN_PER_DATASET = 2
 
 
 def demo_config(run_dir: Path | None = None) -> RunConfig:
@@ -28,8 +29,8 @@ def demo_config(run_dir: Path | None = None) -> RunConfig:
     return config
 
 
-def run_demo(run_dir: Path | None = None, console: Console | None = None, target_dir: Path | None = None) -> list[Completion]:
-    """Build the tiny target, serve it, generate a few responses per sample dataset, print them."""
+def run_demo(run_dir: Path | None = None, console: Console | None = None, target_dir: Path | None = None) -> RunConfig:
+    """Build the tiny target, serve it, run the generate flow on the sample data, print the results."""
     console = console or Console()
     config = demo_config(run_dir)
     if target_dir is not None:
@@ -38,45 +39,40 @@ def run_demo(run_dir: Path | None = None, console: Console | None = None, target
     target = build_tiny_target(config.target.path)
     console.print(f"tiny target: {target}")
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    prompts = []
-    for dataset in config.datasets:
-        if dataset.kind == "generate":
-            rows = load_dataset(dataset.path, "generate", on_bad_row=dataset.on_bad_row).rows
-            prompts += [(dataset.name, row) for row in rows[:PROMPTS_PER_DATASET]]
-
     server = dev_server(target, log_path=config.run_dir / "logs" / "dev-server.log")
+    config.server.url = server.url
+    config_path = config.run_dir / "demo-config.yaml"  # the resolved demo config, as the flow's input
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(dump_config(config))
     console.print(f"starting the dev server at {server.url} (log: {server.log_path})")
     with server:
         server.wait_healthy(timeout_s=180)
-        completions = asyncio.run(_generate(config, server.url, tokenizer, prompts))
+        console.rule("stage 1: generate (Prefect flow)")
+        asyncio.run(generate(str(config_path)))
     console.print("dev server stopped")
 
-    table = Table(title="generated responses (dev server, tiny random-weight target)", show_lines=True)
-    for column in ("dataset", "id", "prompt", "response", "tokens", "finish"):
+    console.print(_sample_table(config))
+    console.print(render_stats_table(collect_stats(config.run_dir)))
+    console.print(f"run directory: {config.run_dir}   (`eagle3 stats {config.run_dir}` prints the table again)")
+    return config
+
+
+def _sample_table(config: RunConfig) -> Table:
+    """A few generated responses per dataset, read back from the checkpoints."""
+    table = Table(title="sample responses (tiny random-weight target: gibberish by design)", show_lines=True)
+    for column in ("dataset", "id", "response", "tokens", "finish"):
         table.add_column(column, overflow="fold")
-    for (name, row), done in zip(prompts, completions):
-        table.add_row(
-            name, row.id, _short(row.messages[-1]["content"], 60), _short(done.text, 120),
-            f"{done.prompt_tokens}+{done.completion_tokens}", done.finish_reason,
-        )
-    console.print(table)
-    return completions
-
-
-async def _generate(config: RunConfig, url: str, tokenizer, prompts) -> list[Completion]:
-    stop_ids = config.sampling.stop_token_ids or default_stop_ids(tokenizer)
-    params = request_sampling_params(config.sampling.model_dump(), stop_ids)
-    limit = asyncio.Semaphore(config.server.max_concurrency)
-
-    async def one(client: SGLangClient, name: str, row) -> Completion:
-        async with limit:
-            return await client.generate(chat_prompt_ids(tokenizer, row.messages), params, rid=f"{name}:{row.id}")
-
-    async with SGLangClient(url, request_timeout_s=config.server.request_timeout_s) as client:
-        return await asyncio.gather(*(one(client, name, row) for name, row in prompts))
+    for dataset in config.datasets:
+        parts = live_parts(config.run_dir / "responses" / dataset.name)
+        if not parts:
+            continue
+        rows = pq.read_table(parts[0], columns=["id", "text", "prompt_tokens", "completion_tokens", "finish_reason"]).to_pylist()
+        for row in rows[:SHOWN_PER_DATASET]:
+            table.add_row(
+                dataset.name, row["id"], _short(row["text"], 100),
+                f"{row['prompt_tokens']}+{row['completion_tokens']}", row["finish_reason"],
+            )
+    return table
 
 
 def _short(text: str, n: int) -> str:

@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -69,6 +70,12 @@ _FORMAT_VERSION = 1
 # log V), so sampled "responses" are noise and a draft has nothing to learn. A wider lm_head
 # gives peaked, context-dependent distributions (~1.7 nats at temperature 0.6), like a real LM.
 LM_HEAD_INIT_STD = 0.3
+# Random weights almost never pick the end-of-turn token, so every response would end by length
+# and the later stages (which train on responses that ended properly) would get nothing. The eos
+# row of lm_head is shifted along the mean final hidden state of the sample text so that
+# <|im_end|> is the greedy choice at about this fraction of positions: responses then end by
+# "stop" at varied lengths, like a real model's.
+EOS_TARGET_RATE = 0.03
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -118,6 +125,7 @@ def build_tiny_target(
         "intermediate_size": intermediate_size,
         "max_position_embeddings": max_position_embeddings,
         "lm_head_init_std": LM_HEAD_INIT_STD,
+        "eos_target_rate": EOS_TARGET_RATE,
         "corpus_sha256": _corpus_digest(files),
     }
     if _read_build_info(out_dir) == params:
@@ -130,8 +138,9 @@ def build_tiny_target(
     try:
         tokenizer = _build_tokenizer(files, vocab_size, max_position_embeddings)
         _save_tokenizer(tokenizer, tmp)
+        calibration = [_chat_prompt(tokenizer, t[:400]) for t in islice(_corpus_texts(files), 8)]
         model = _build_model(tokenizer, seed, hidden_size, num_layers, num_heads, num_kv_heads,
-                             intermediate_size, max_position_embeddings)
+                             intermediate_size, max_position_embeddings, calibration)
         _save_model(model, tmp)
         (tmp / _BUILD_INFO).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
         _fix_permissions(tmp)
@@ -207,6 +216,7 @@ def _build_model(
     num_kv_heads: int,
     intermediate_size: int,
     max_position_embeddings: int,
+    calibration: list[list[int]],
 ) -> LlamaForCausalLM:
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(PAD)
@@ -230,8 +240,49 @@ def _build_model(
         model = LlamaForCausalLM(config).to(torch.float32)
         torch.nn.init.normal_(model.lm_head.weight, mean=0.0, std=LM_HEAD_INIT_STD)
     model.eval()
+    _calibrate_eos(model, eos_id, calibration)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
     return model
+
+
+def _chat_prompt(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], chat_template=CHAT_TEMPLATE, add_generation_prompt=True, return_dict=True
+    )
+    return list(encoded["input_ids"])
+
+
+@torch.no_grad()
+def _calibrate_eos(model: LlamaForCausalLM, eos_id: int, calibration: list[list[int]], steps: int = 48) -> None:
+    """Shift the eos row of lm_head so eos is the argmax at about EOS_TARGET_RATE of generated positions.
+
+    Calibrated on the model's own sampled continuations of chat prompts (that is where stopping
+    matters), with eos held out while they are sampled.
+    """
+    generator = torch.Generator().manual_seed(0)
+    hidden = []
+    for ids in calibration:
+        seq = torch.tensor([ids])
+        for _ in range(steps):
+            logits = model(seq).logits[0, -1]
+            logits[eos_id] = float("-inf")
+            token = torch.multinomial(torch.softmax(logits / 0.8, -1), 1, generator=generator)
+            seq = torch.cat([seq, token[None]], dim=1)
+        hidden.append(model.model(seq).last_hidden_state[0, len(ids):])
+    hidden = torch.cat(hidden)  # [N, H] states at generated positions
+    direction = hidden.mean(0)
+    direction = direction / direction.dot(direction)  # h . direction ~= 1 for typical h
+    logits = hidden @ model.lm_head.weight.T  # [N, V]
+    eos = logits[:, eos_id].clone()
+    logits[:, eos_id] = float("-inf")
+    gap = logits.max(-1).values - eos  # eos wins where shift * (h . direction) > gap
+    along = hidden @ direction
+    lo, hi = 0.0, float(gap.abs().max() * 4 + 1)
+    for _ in range(50):  # bisection on the shift: the win rate grows with it
+        mid = (lo + hi) / 2
+        rate = (mid * along > gap).float().mean().item()
+        lo, hi = (mid, hi) if rate < EOS_TARGET_RATE else (lo, mid)
+    model.lm_head.weight[eos_id] += hi * direction
 
 
 def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:

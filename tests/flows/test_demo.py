@@ -1,39 +1,48 @@
-"""`eagle3 demo` end to end: tiny target, dev server subprocess, real /generate over loopback."""
+"""`eagle3 demo` end to end: tiny target, dev server subprocess, the generate flow over loopback."""
 
 from __future__ import annotations
 
 import io
 
+import pyarrow.parquet as pq
 from rich.console import Console
 from transformers import AutoTokenizer
 
-from flows.demo import PROMPTS_PER_DATASET, demo_config, run_demo
+from flows.demo import run_demo
+from tasks.checkpoints import live_parts
 from tasks.datasets import load_dataset
 from tasks.prompts import chat_prompt_ids
 
 
-def test_demo_generates_responses_for_each_generate_dataset(tmp_path, tiny_target_dir):
+def test_demo_runs_the_generate_flow_on_every_dataset(tmp_path, tiny_target_dir):
     out = io.StringIO()
-    completions = run_demo(run_dir=tmp_path / "run", console=Console(file=out, width=200), target_dir=tiny_target_dir)
-
-    config = demo_config()
-    generate = [d for d in config.datasets if d.kind == "generate"]
-    assert len(completions) == PROMPTS_PER_DATASET * len(generate)
+    config = run_demo(run_dir=tmp_path / "run", console=Console(file=out, width=200), target_dir=tiny_target_dir)
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    rows = [row for d in generate for row in load_dataset(d.path, "generate").rows[:PROMPTS_PER_DATASET]]
-    for row, done in zip(rows, completions):
-        assert done.rid.endswith(f":{row.id}")
-        assert done.prompt_tokens == len(chat_prompt_ids(tokenizer, row.messages))
-        assert done.completion_tokens == len(done.output_ids) > 0
-        assert done.completion_tokens <= config.sampling.max_new_tokens
-        if done.finish_reason == "stop":
-            assert done.output_ids[-1] == eos  # the stop token is kept (no_stop_trim)
-        else:
-            assert done.finish_reason == "length"
-            assert done.completion_tokens == config.sampling.max_new_tokens
+    max_new = config.sampling.max_new_tokens
+    for dataset in config.datasets:
+        if dataset.kind == "passthrough":
+            assert (config.run_dir / "passthrough" / dataset.name / "part-000000.parquet").exists()
+            continue
+        prompts = {row.id: row for row in load_dataset(dataset.path, "generate").rows[: dataset.max_prompts]}
+        rows = [r for p in live_parts(config.run_dir / "responses" / dataset.name) for r in pq.read_table(p).to_pylist()]
+        assert rows, dataset.name
+        ids = [r["id"] for r in rows]
+        assert len(ids) == len(set(ids))  # exactly once
+        assert set(ids) <= set(prompts)
+        spent = sum(r["completion_tokens"] for r in rows)
+        if dataset.token_budget and len(rows) < len(prompts):
+            # stopped by the budget: within one response of it
+            assert dataset.token_budget <= spent <= dataset.token_budget + max_new
+        for r in rows:
+            assert r["prompt_ids"] == chat_prompt_ids(tokenizer, prompts[r["id"]].messages)
+            assert r["completion_tokens"] == len(r["output_ids"]) <= max_new
+            if r["finish_reason"] == "stop":
+                assert r["output_ids"][-1] == eos  # kept: no_stop_trim
+            else:
+                assert r["finish_reason"] == "length" and len(r["output_ids"]) == max_new
     printed = out.getvalue()
-    assert "generated responses" in printed
+    assert "responses per dataset" in printed and "TOTAL" in printed
     assert "dev server stopped" in printed
-    assert (tmp_path / "run" / "logs" / "dev-server.log").exists()
+    assert (config.run_dir / "config.yaml").exists()

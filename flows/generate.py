@@ -1,0 +1,83 @@
+"""Flow `generate`: one task per dataset; passthrough datasets are copied, generate datasets go through SGLang."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from prefect import flow
+
+from flows.config import RunConfig, dump_config, load_config
+from tasks.generate_tasks import (
+    RunPaths,
+    ServerSettings,
+    copy_passthrough_task,
+    generate_responses,
+    publish_generate_summary,
+)
+from tasks.generation import GenerateSettings
+from tasks.prompts import request_sampling_params
+
+
+@flow(name="generate", flow_run_name="generate {config_path}", log_prints=True)
+async def generate(config_path: str) -> list[dict]:
+    """Stage 1: fan out one task per dataset, all sharing the server's concurrency limit."""
+    config = load_config(config_path)
+    paths = RunPaths(config.run_dir)
+    save_resolved_config(config)
+    slots = asyncio.Semaphore(config.server.max_concurrency)  # shared by every dataset: one server
+    results = await asyncio.gather(*(dataset_task(config, i, paths, slots) for i in range(len(config.datasets))), return_exceptions=True)
+    rows = await publish_generate_summary(config.run_dir, Path(config_path).stem)
+    failures = [(d.name, r) for d, r in zip(config.datasets, results) if isinstance(r, BaseException)]
+    if failures:
+        names = ", ".join(name for name, _ in failures)
+        raise RuntimeError(
+            f"generate failed for {names}; the other datasets finished. Everything written is kept: "
+            f"re-run the same command to resume. First error: {failures[0][1]!r}"
+        ) from failures[0][1]
+    return rows
+
+
+def dataset_task(config: RunConfig, index: int, paths: RunPaths, slots: asyncio.Semaphore):
+    """The task call for dataset `index`: a copy for passthrough, generation otherwise."""
+    dataset = config.datasets[index]
+    if dataset.kind == "passthrough":
+        return asyncio.to_thread(copy_passthrough_task, dataset.name, dataset.path, dataset.on_bad_row, paths)
+    gen = config.generate
+    settings = GenerateSettings(
+        dataset=dataset.name,
+        sampling_params=request_sampling_params(config.sampling.model_dump(), config.sampling.stop_token_ids or []),
+        token_budget=dataset.token_budget,
+        max_prompts=dataset.max_prompts,
+        flush_every=gen.flush_every,
+        flush_interval_s=gen.flush_interval_s,
+        log_interval_s=gen.log_interval_s,
+        throughput_window_s=gen.throughput_window_s,
+        compact_min_parts=gen.compact_min_parts,
+    )
+    server = ServerSettings(
+        url=config.server.url,
+        request_timeout_s=config.server.request_timeout_s,
+        outage_window_s=config.server.outage_window_s,
+        health_timeout_s=config.server.health_timeout_s,
+        api_key_env=config.server.api_key_env,
+    )
+    task = generate_responses.with_options(
+        retries=gen.retries,
+        retry_delay_seconds=[gen.retry_delay_s * 2**i for i in range(gen.retries)],
+        retry_jitter_factor=0.5 if gen.retries else None,
+    )
+    return task(
+        dataset.name, dataset.path, dataset.on_bad_row, config.target.path, config.target.trust_remote_code,
+        server, settings, paths, slots,
+    )
+
+
+def save_resolved_config(config: RunConfig) -> Path:
+    """RUN_DIR/config.yaml: the config as run, paths resolved (names of secrets only, never values)."""
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    path = config.run_dir / "config.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(dump_config(config))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,248 @@
+"""Generation checkpoints: responses as atomic Parquet parts, resumable by prompt id.
+
+`RUN_DIR/responses/<dataset>/part-*.parquet` holds every finished response of a dataset. Each
+part's footer carries the figures that resume and `eagle3 stats` need (rows, token sums, finish
+reasons, the completion lengths), so neither has to read row data: resume reads only the `id`
+column, stats only footers.
+
+Compaction merges many small parts into one without ever exposing a partial file and without a
+moment where a reader could count a response twice: the merged part lists the parts it replaces in
+its footer (`eagle3.replaces`), and readers skip replaced parts until they are deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tasks.parquet_io import clean_stale_temps, list_parts, next_part_path, read_metadata, write_parquet_atomic
+
+RESPONSE_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("output_ids", pa.list_(pa.int32())),
+        ("prompt_tokens", pa.int32()),
+        ("completion_tokens", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("text", pa.string()),
+        ("latency", pa.float64()),  # seconds from send to answer, as the client saw it
+        ("cached_tokens", pa.int32()),
+        ("reasoning_tokens", pa.int32()),
+        ("finished_at", pa.float64()),  # unix time the answer arrived
+    ]
+)
+
+META = "eagle3."  # prefix of our footer keys
+
+
+@dataclass
+class PartSummary:
+    """What one part's footer says about its responses."""
+
+    rows: int = 0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    lengths: list[int] = field(default_factory=list)  # completion tokens per response
+    first_finished_at: float | None = None
+    last_finished_at: float | None = None
+
+    def add(self, other: PartSummary) -> None:
+        self.rows += other.rows
+        self.completion_tokens += other.completion_tokens
+        self.prompt_tokens += other.prompt_tokens
+        for reason, n in other.finish_reasons.items():
+            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + n
+        self.lengths.extend(other.lengths)
+        firsts = [t for t in (self.first_finished_at, other.first_finished_at) if t is not None]
+        lasts = [t for t in (self.last_finished_at, other.last_finished_at) if t is not None]
+        self.first_finished_at = min(firsts) if firsts else None
+        self.last_finished_at = max(lasts) if lasts else None
+
+    @classmethod
+    def of_table(cls, table: pa.Table) -> PartSummary:
+        lengths = table.column("completion_tokens").to_pylist()
+        reasons: dict[str, int] = {}
+        for reason in table.column("finish_reason").to_pylist():
+            reasons[reason] = reasons.get(reason, 0) + 1
+        finished = [t for t in table.column("finished_at").to_pylist() if t is not None]
+        return cls(
+            rows=table.num_rows,
+            completion_tokens=sum(lengths),
+            prompt_tokens=sum(table.column("prompt_tokens").to_pylist()),
+            finish_reasons=reasons,
+            lengths=lengths,
+            first_finished_at=min(finished) if finished else None,
+            last_finished_at=max(finished) if finished else None,
+        )
+
+    def to_metadata(self) -> dict[str, str]:
+        return {
+            f"{META}rows": str(self.rows),
+            f"{META}completion_tokens": str(self.completion_tokens),
+            f"{META}prompt_tokens": str(self.prompt_tokens),
+            f"{META}finish_reasons": json.dumps(self.finish_reasons, sort_keys=True),
+            f"{META}lengths": json.dumps(self.lengths, separators=(",", ":")),
+            f"{META}first_finished_at": json.dumps(self.first_finished_at),
+            f"{META}last_finished_at": json.dumps(self.last_finished_at),
+        }
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> PartSummary:
+        return cls(
+            rows=int(meta[f"{META}rows"]),
+            completion_tokens=int(meta[f"{META}completion_tokens"]),
+            prompt_tokens=int(meta[f"{META}prompt_tokens"]),
+            finish_reasons=json.loads(meta[f"{META}finish_reasons"]),
+            lengths=json.loads(meta[f"{META}lengths"]),
+            first_finished_at=json.loads(meta[f"{META}first_finished_at"]),
+            last_finished_at=json.loads(meta[f"{META}last_finished_at"]),
+        )
+
+
+def responses_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
+    """Rows (dicts with RESPONSE_SCHEMA's columns) as a table in that schema."""
+    rows = list(rows)
+    return pa.Table.from_pylist(rows, schema=RESPONSE_SCHEMA)
+
+
+def write_part(directory: Path, table: pa.Table, *, replaces: list[str] | None = None) -> Path:
+    """Write `table` as the next part of `directory`, its summary in the footer."""
+    meta = PartSummary.of_table(table).to_metadata()
+    if replaces:
+        meta[f"{META}replaces"] = json.dumps(replaces)
+    return write_parquet_atomic(table, next_part_path(directory), meta)
+
+
+def live_parts(directory: Path) -> list[Path]:
+    """Parts that count: complete ones not replaced by a complete compacted part."""
+    parts = list_parts(directory)
+    replaced: set[str] = set()
+    for part in parts:
+        listed = read_metadata(part).get(f"{META}replaces")
+        if listed:
+            replaced.update(json.loads(listed))
+    return [p for p in parts if p.name not in replaced]
+
+
+def finish_compaction(directory: Path) -> list[Path]:
+    """Delete parts that a complete compacted part replaces (left behind by a crash); return them."""
+    live = set(live_parts(directory))
+    stale = [p for p in list_parts(directory) if p not in live]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
+def summarize(directory: Path) -> PartSummary:
+    """Totals of a dataset's responses from part footers only."""
+    total = PartSummary()
+    for part in live_parts(directory):
+        total.add(PartSummary.from_metadata(read_metadata(part)))
+    return total
+
+
+def done_ids(directory: Path) -> set[str]:
+    """Ids of every response (or reject) already on disk, reading only the `id` column."""
+    ids: set[str] = set()
+    for part in live_parts(directory):
+        ids.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
+    return ids
+
+
+def compact(directory: Path, *, min_parts: int = 16, max_rows: int = 50_000) -> Path | None:
+    """Merge the leading run of small parts into one part; None if fewer than `min_parts` qualify.
+
+    Only parts below `max_rows` rows are merged and the merged part stays below it, so the work
+    per compaction is bounded and large parts are never rewritten.
+    """
+    chosen: list[Path] = []
+    rows = 0
+    for part in live_parts(directory):
+        n = int(read_metadata(part).get(f"{META}rows", "0"))
+        if n >= max_rows or rows + n > max_rows:
+            if len(chosen) >= min_parts:
+                break
+            chosen, rows = [], 0
+            continue
+        chosen.append(part)
+        rows += n
+    if len(chosen) < min_parts:
+        return None
+    table = pa.concat_tables(pq.read_table(p, schema=RESPONSE_SCHEMA) for p in chosen)
+    merged = write_part(directory, table, replaces=[p.name for p in chosen])
+    for part in chosen:  # after the merged part is durable; a crash here is finished by finish_compaction
+        part.unlink(missing_ok=True)
+    return merged
+
+
+class ResponseWriter:
+    """Buffers finished responses and flushes them as parts every `flush_every` rows or `flush_interval_s`.
+
+    A kill loses at most the unflushed buffer, which resume then regenerates: those prompts are
+    not in any part, so they are not done.
+    """
+
+    def __init__(
+        self, directory: Path, *, flush_every: int = 256, flush_interval_s: float = 60.0, compact_min_parts: int = 64
+    ):
+        self.directory = Path(directory)
+        self.flush_every = flush_every
+        self.flush_interval_s = flush_interval_s
+        self.compact_min_parts = compact_min_parts
+        self._buffer: list[dict[str, Any]] = []
+        self._oldest: float | None = None
+        self._lock = asyncio.Lock()
+        self.parts_written = 0
+        clean_stale_temps(self.directory)
+        finish_compaction(self.directory)
+
+    def add(self, row: dict[str, Any]) -> None:
+        if not self._buffer:
+            self._oldest = time.monotonic()
+        self._buffer.append(row)
+
+    @property
+    def pending(self) -> int:
+        return len(self._buffer)
+
+    def due(self) -> bool:
+        if not self._buffer:
+            return False
+        return len(self._buffer) >= self.flush_every or time.monotonic() - (self._oldest or 0) >= self.flush_interval_s
+
+    async def maybe_flush(self) -> None:
+        if self.due():
+            await self.flush()
+
+    async def flush(self) -> Path | None:
+        """Write the buffer as one part (off the event loop); None when there is nothing to write."""
+        async with self._lock:
+            if not self._buffer:
+                return None
+            rows, oldest = self._buffer, self._oldest
+            self._buffer, self._oldest = [], None
+            try:
+                path = await asyncio.to_thread(write_part, self.directory, responses_table(rows))
+            except BaseException:
+                # e.g. a full disk: keep the rows so a later flush (or the final one) can retry
+                self._buffer, self._oldest = rows + self._buffer, oldest
+                raise
+            self.parts_written += 1
+            if self.parts_written % self.compact_min_parts == 0:
+                await asyncio.to_thread(compact, self.directory, min_parts=self.compact_min_parts)
+            return path
+
+    async def run_timer(self) -> None:
+        """Flush on time even when no response arrives to trigger it (run as a background task)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.flush_interval_s / 4))
+            await self.maybe_flush()

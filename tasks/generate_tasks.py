@@ -1,0 +1,155 @@
+"""Prefect tasks of the generate stage: one per dataset, plus the run summary artifact."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
+from prefect.cache_policies import NO_CACHE
+
+from tasks.datasets import load_dataset, write_rejects
+from tasks.generation import GenerateReport, GenerateSettings, Progress, generate_dataset
+from tasks.prompts import default_stop_ids
+from tasks.passthrough import PassthroughReport, copy_passthrough
+from tasks.sglang_client import RetryPolicy, SGLangClient, ServerOutage
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How to reach the SGLang server (the API key is read from `api_key_env` at use, never stored)."""
+
+    url: str
+    request_timeout_s: float = 1800.0
+    outage_window_s: float = 900.0
+    health_timeout_s: float = 600.0
+    api_key_env: str | None = None
+
+    def api_key(self) -> str | None:
+        if self.api_key_env is None:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise RuntimeError(f"server.api_key_env names ${self.api_key_env}, which is not set in this environment")
+        return key
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where one dataset's outputs go inside the run directory."""
+
+    run_dir: Path
+
+    def responses(self, dataset: str) -> Path:
+        return self.run_dir / "responses" / dataset
+
+    def rejects(self, dataset: str) -> Path:
+        return self.run_dir / "rejects" / dataset
+
+    def passthrough(self, dataset: str) -> Path:
+        return self.run_dir / "passthrough" / dataset
+
+
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits, dashes) from free-form parts."""
+    return "-".join(re.sub(r"[^a-z0-9]+", "-", p.lower()).strip("-") for p in parts if p)
+
+
+async def _retry_on_outage(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry a dataset task only when the server was unreachable; bad data or bugs fail at once."""
+    try:
+        await state.aresult()
+    except ServerOutage:
+        return True
+    except BaseException:
+        return False
+    return False
+
+
+@task(
+    name="generate-dataset",
+    task_run_name="generate {name}",
+    cache_policy=NO_CACHE,
+    retry_condition_fn=_retry_on_outage,
+)
+async def generate_responses(
+    name: str,
+    source: Path,
+    on_bad_row: str,
+    target_path: str,
+    trust_remote_code: bool,
+    server: ServerSettings,
+    settings: GenerateSettings,
+    paths: RunPaths,
+    slots: asyncio.Semaphore,
+) -> GenerateReport:
+    """Generate one dataset's responses through SGLang; resumes from its checkpoints."""
+    logger = get_run_logger()
+    loaded = await asyncio.to_thread(load_dataset, source, "generate", on_bad_row=on_bad_row)  # type: ignore[arg-type]
+    if loaded.rejects:
+        await asyncio.to_thread(write_rejects, loaded.rejects, paths.rejects(name), "load")
+        logger.warning("%s: %d bad row(s) sent to %s", name, len(loaded.rejects), paths.rejects(name))
+
+    from transformers import AutoTokenizer
+
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, target_path, trust_remote_code=trust_remote_code)
+    if not settings.sampling_params.get("stop_token_ids"):
+        stop = default_stop_ids(tokenizer)
+        settings = replace(settings, sampling_params={**settings.sampling_params, "stop_token_ids": stop})
+    artifact_id = await acreate_progress_artifact(
+        progress=0.0, key=artifact_key("generate", name), description=f"{name}: starting"
+    )
+
+    async def on_progress(p: Progress) -> None:
+        await aupdate_progress_artifact(artifact_id, progress=round(p.percent, 2), description=p.line())
+
+    retry = RetryPolicy(outage_window_s=server.outage_window_s)
+    async with SGLangClient(server.url, request_timeout_s=server.request_timeout_s, retry=retry, api_key=server.api_key()) as client:
+        await client.wait_healthy(server.health_timeout_s)
+        report = await generate_dataset(
+            loaded.rows,
+            client=client,
+            tokenizer=tokenizer,
+            responses_dir=paths.responses(name),
+            rejects_dir=paths.rejects(name),
+            source=source,
+            settings=settings,
+            slots=slots,
+            on_progress=on_progress,
+            logger=logger,
+        )
+    await aupdate_progress_artifact(
+        artifact_id, progress=100.0,
+        description=f"{name}: {report.status}, {report.responses:,} responses, {report.completion_tokens:,} completion tokens",
+    )
+    logger.info("%s: %s — %d responses (%d new), %d rejects, %d completion tokens, %d wasted by aborts",
+                name, report.status, report.responses, report.new_responses, report.rejects, report.completion_tokens, report.wasted_tokens)
+    return report
+
+
+@task(name="copy-passthrough", task_run_name="passthrough {name}", cache_policy=NO_CACHE)
+def copy_passthrough_task(name: str, source: Path, on_bad_row: str, paths: RunPaths) -> PassthroughReport:
+    """Validate a passthrough dataset and copy it into the run."""
+    report = copy_passthrough(name, source, paths.passthrough(name), paths.rejects(name), on_bad_row)
+    get_run_logger().info(
+        "%s: %d passthrough rows %s (%d rejects, %d duplicates)",
+        name, report.rows, "copied" if report.copied else "already in the run", report.rejects, report.duplicates,
+    )
+    return report
+
+
+@task(name="generate-summary", cache_policy=NO_CACHE)
+async def publish_generate_summary(run_dir: Path, config_name: str) -> list[dict[str, Any]]:
+    """The per-dataset table of the whole run as a Prefect table artifact (same figures as `eagle3 stats`)."""
+    from tasks.stats import collect_stats, stats_rows
+
+    rows = stats_rows(await asyncio.to_thread(collect_stats, run_dir))
+    await acreate_table_artifact(
+        table=rows, key=artifact_key("generate-summary", config_name), description=f"Generate stage of {run_dir}"
+    )
+    return rows

@@ -1,0 +1,65 @@
+"""Passthrough datasets: validated once and copied into the run, so later stages read the run only."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from tasks.datasets import load_dataset, write_rejects
+from tasks.parquet_io import list_parts, read_metadata, write_parquet_atomic
+
+PASSTHROUGH_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("messages", pa.string()),  # JSON of [{role, content, ...}], or null for pre-tokenized rows
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+    ]
+)
+PART = "part-000000.parquet"
+
+
+@dataclass
+class PassthroughReport:
+    dataset: str
+    rows: int
+    rejects: int
+    duplicates: int
+    copied: bool  # False when the run already held this exact source
+
+
+def copy_passthrough(name: str, source: Path, out_dir: Path, rejects_dir: Path, on_bad_row: str = "fail") -> PassthroughReport:
+    """Validate `source` and write its rows as one atomic part in `out_dir`; a no-op if unchanged."""
+    stat = source.stat() if source.is_file() else None
+    fingerprint = json.dumps([str(source), stat.st_size, stat.st_mtime_ns] if stat else [str(source)])
+    part = out_dir / PART
+    if part.exists():
+        meta = read_metadata(part)
+        if stat is not None and meta.get("eagle3.source") == fingerprint:
+            return PassthroughReport(name, int(meta["eagle3.rows"]), int(meta.get("eagle3.rejects", 0)), int(meta.get("eagle3.duplicates", 0)), copied=False)
+    loaded = load_dataset(source, "passthrough", on_bad_row=on_bad_row)  # type: ignore[arg-type]
+    table = pa.Table.from_pylist(
+        [
+            {
+                "id": row.id,
+                "messages": json.dumps(row.messages, ensure_ascii=False) if row.messages is not None else None,
+                "input_ids": row.input_ids,
+                "loss_mask": row.loss_mask,
+            }
+            for row in loaded.rows
+        ],
+        schema=PASSTHROUGH_SCHEMA,
+    )
+    write_rejects(loaded.rejects, rejects_dir, "load")
+    write_parquet_atomic(
+        table,
+        part,
+        {"eagle3.source": fingerprint, "eagle3.rows": len(loaded.rows), "eagle3.rejects": len(loaded.rejects), "eagle3.duplicates": loaded.duplicates},
+    )
+    for stale in list_parts(out_dir):  # the single part replaced everything an older copy had
+        if stale.name != PART:
+            stale.unlink(missing_ok=True)
+    return PassthroughReport(name, len(loaded.rows), len(loaded.rejects), loaded.duplicates, copied=True)

@@ -1,0 +1,397 @@
+"""The simulated SGLang server: pure outputs, the protocol, the capacity model, fault injection."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from deploy.sim_server import SimConfig, SimServer, simulate_output
+
+PROMPT = [101, 102, 103, 104]
+
+
+@pytest.fixture
+def make_server():
+    """Start SimServers in background threads; all are stopped at the end of the test."""
+    servers: list[SimServer] = []
+
+    def make(**kw) -> SimServer:
+        kw.setdefault("decode_s_per_token", 0.001)
+        srv = SimServer(**kw).start()
+        servers.append(srv)
+        return srv
+
+    yield make
+    for srv in servers:
+        srv.stop()
+
+
+async def poll(condition, timeout: float = 5.0) -> None:
+    """Bounded polling from async test code (the server runs on its own thread)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+# -- the pure function -------------------------------------------------------------------------
+
+
+def test_outputs_are_a_pure_function_of_prompt_and_params():
+    cfg = SimConfig()
+    params = {"max_new_tokens": 1000, "temperature": 0.6, "top_p": 0.95}
+    a, b = simulate_output(PROMPT, params, cfg), simulate_output(list(PROMPT), dict(params), cfg)
+    assert a == b and a.output_ids
+    assert simulate_output([101, 102, 103, 105], params, cfg).output_ids != a.output_ids
+    assert simulate_output(PROMPT, params, SimConfig(seed=1)).output_ids != a.output_ids
+    assert simulate_output(PROMPT, {**params, "sampling_seed": 7}, cfg).output_ids != a.output_ids
+    assert simulate_output(PROMPT, {**params, "temperature": 0.7}, cfg).output_ids != a.output_ids
+    # Greedy does not sample: the seed does not matter.
+    greedy = {"max_new_tokens": 1000, "temperature": 0}
+    assert simulate_output(PROMPT, {**greedy, "sampling_seed": 1}, cfg) == simulate_output(PROMPT, greedy, cfg)
+
+
+def test_length_distribution_has_the_configured_mean_and_a_long_tail():
+    cfg = SimConfig(mean_len=200, sigma=1.0, context_length=1_000_000)
+    params = {"max_new_tokens": 100_000}
+    lengths = [len(simulate_output([i, i + 1, 7], params, cfg).output_ids) for i in range(2000)]
+    mean = statistics.fmean(lengths)
+    assert 180 <= mean <= 220, mean
+    assert statistics.median(lengths) < 0.8 * mean  # lognormal: the median sits well below the mean
+    assert max(lengths) > 4 * mean and min(lengths) >= 1
+
+    fixed = SimConfig(length_dist="fixed", mean_len=37)
+    assert {len(simulate_output([i], {"max_new_tokens": 100}, fixed).output_ids) for i in range(20)} == {37}
+
+
+def test_stop_and_length_semantics():
+    cfg = SimConfig(length_dist="fixed", mean_len=30, vocab_size=50)
+    stop = simulate_output(PROMPT, {"max_new_tokens": 100}, cfg)
+    assert len(stop.output_ids) == 30 and stop.natural_length == 30
+    assert stop.output_ids[-1] == 1 and stop.finish_reason == {"type": "stop", "matched": 1}
+    assert all(10 <= t < 50 for t in stop.output_ids[:-1])
+    assert stop.text == " ".join(f"t{t}" for t in stop.output_ids[:-1])  # stop token trimmed
+    untrimmed = simulate_output(PROMPT, {"max_new_tokens": 100, "no_stop_trim": True}, cfg)
+    assert untrimmed.text.endswith(" t1")
+
+    # A stop id inside the content range never shows up before the end.
+    own = simulate_output(PROMPT, {"max_new_tokens": 100, "stop_token_ids": [17, 18]}, cfg)
+    assert own.output_ids[-1] == 17 and own.finish_reason == {"type": "stop", "matched": 17}
+    assert 17 not in own.output_ids[:-1] and 18 not in own.output_ids[:-1]
+
+    cut = simulate_output(PROMPT, {"max_new_tokens": 30}, cfg)  # natural end == the cap: length wins
+    assert cut.finish_reason == {"type": "length", "length": 30} and len(cut.output_ids) == 30
+    short = simulate_output(PROMPT, {"max_new_tokens": 12}, cfg)
+    assert short.finish_reason == {"type": "length", "length": 12}
+    assert short.output_ids == stop.output_ids[:12]  # a smaller cap gives a prefix of the same answer
+
+    forced = simulate_output(PROMPT, {"max_new_tokens": 80, "ignore_eos": True}, cfg)
+    assert forced.finish_reason == {"type": "length", "length": 80} and len(forced.output_ids) == 80
+    assert forced.output_ids[:29] == stop.output_ids[:29]
+
+    default = simulate_output(PROMPT, None, SimConfig(length_dist="fixed", mean_len=500))
+    assert default.finish_reason == {"type": "length", "length": 128}  # SGLang's default max_new_tokens
+
+
+# -- the protocol ------------------------------------------------------------------------------
+
+
+def test_generate_single_and_batch_match_the_pure_function(make_server):
+    srv = make_server(vocab_size=1000, mean_len=20)
+    params = {"max_new_tokens": 50, "temperature": 0.6}
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        body = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": params, "rid": "r1"}).json()
+        expected = simulate_output(PROMPT, params, srv.config)
+        assert body["output_ids"] == expected.output_ids and body["text"] == expected.text
+        meta = body["meta_info"]
+        assert set(meta) == {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+                             "reasoning_tokens", "e2e_latency"}
+        assert meta["id"] == "r1" and meta["finish_reason"] == expected.finish_reason
+        assert meta["prompt_tokens"] == 4 and meta["completion_tokens"] == len(expected.output_ids)
+        assert meta["cached_tokens"] == 0 and meta["reasoning_tokens"] == 0 and meta["e2e_latency"] > 0
+        # Again: the same answer.
+        again = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": params}).json()
+        assert again["output_ids"] == body["output_ids"]
+
+        prompts = [[5, 6], PROMPT, [7]]
+        batch = c.post("/generate", json={"input_ids": prompts, "sampling_params": params,
+                                          "rid": ["a", "b", "c"]}).json()
+        assert [b["meta_info"]["id"] for b in batch] == ["a", "b", "c"]
+        assert [b["output_ids"] for b in batch] == [
+            simulate_output(p, params, srv.config).output_ids for p in prompts
+        ]
+
+        info = c.get("/server_info").json()
+        assert info["max_running_requests"] == 16 and info["max_req_input_len"] == 32768 - 6
+        assert c.get("/model_info").json()["is_generation"] is True
+        assert c.get("/health").status_code == 200 and c.get("/health_generate").status_code == 200
+    s = srv.snapshot()
+    assert s.requests == 3 and s.sequences == 5 and s.completed == 5
+    assert s.served_tokens == len(expected.output_ids) * 2 + sum(len(b["output_ids"]) for b in batch)
+
+
+def test_bad_input_gets_sglang_error_bodies(make_server):
+    srv = make_server(context_length=64)
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        r = c.post("/generate", json={"input_ids": list(range(64)), "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 400
+        assert r.json() == {"error": {"message": "The input (64 tokens) is longer than the model's context "
+                                                 "length (64 tokens)."}}
+        # max_req_input_len = 64 - 1 - 5 = 58: a prompt that long is refused as the scheduler does.
+        assert c.get("/server_info").json()["max_req_input_len"] == 58
+        r = c.post("/generate", json={"input_ids": list(range(58)), "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"].startswith("Input length (58 tokens) exceeds")
+        r = c.post("/generate", json={"input_ids": list(range(57)), "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 200
+
+        r = c.post("/generate", content=b"{not json")
+        assert r.status_code == 400 and r.json()["object"] == "error" and r.json()["code"] == 400
+        r = c.post("/generate", json={"input_ids": [1, "x"]})
+        assert r.status_code == 400 and r.json()["type"] == "Bad Request"
+        r = c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"top_p": 0}})
+        assert r.status_code == 400 and r.json() == {"error": {"message": "top_p must be in (0, 1], got 0.0."}}
+        assert c.post("/generate", json={"text": "hello"}).status_code == 400
+    assert srv.snapshot().rejected == 6
+
+
+# -- the capacity model --------------------------------------------------------------------------
+
+
+def test_capacity_runs_max_running_at_once_and_queues_the_rest(make_server):
+    srv = make_server(max_running=4, decode_s_per_token=0.01)
+    params = {"max_new_tokens": 30, "ignore_eos": True}  # 30 tokens each: 0.3 s of decode
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=10) as c:
+            rs = await asyncio.gather(*[
+                c.post("/generate", json={"input_ids": [i, 1, 2], "sampling_params": params}) for i in range(8)
+            ])
+        return [r.json() for r in rs]
+
+    bodies = asyncio.run(run())
+    assert all(b["meta_info"]["completion_tokens"] == 30 for b in bodies)
+    s = srv.snapshot()
+    assert s.max_running_seen == 4 and s.max_in_flight == 8 and s.queued_sequences == 4
+    assert s.served_tokens == 240 and s.completed == 8 and s.in_flight == 0
+    assert 2.39 <= s.busy_slot_s <= 2.4 * 2  # 8 sequences x 0.3 s, never faster (late timers: slower)
+    # Two batches: the queued four waited for the first four (0.3 s each, less their later arrival).
+    assert s.queue_wait_s >= 4 * 0.3 * 0.7
+    latencies = sorted(b["meta_info"]["e2e_latency"] for b in bodies)
+    assert latencies[0] >= 0.29 and latencies[4] >= 0.5  # one batch alone would take 0.3 s
+    assert srv.config.capacity_tokens_per_s == 400
+
+
+def test_in_flight_counters_follow_the_client_concurrency(make_server):
+    srv = make_server(max_running=64, decode_s_per_token=0.002)
+
+    async def run():
+        sem = asyncio.Semaphore(3)
+        async with httpx.AsyncClient(base_url=srv.url, timeout=10) as c:
+            async def one(i):
+                async with sem:
+                    body = {"input_ids": [i + 5], "sampling_params": {"max_new_tokens": 20}}
+                    r = await c.post("/generate", json=body)
+                    r.raise_for_status()
+            await asyncio.gather(*[one(i) for i in range(12)])
+
+    asyncio.run(run())
+    s = srv.snapshot()
+    assert s.max_in_flight == 3 and s.max_open_requests == 3 and s.max_running_seen == 3
+    assert s.completed == 12 and s.open_requests == 0
+
+
+# -- abort -------------------------------------------------------------------------------------
+
+
+def test_abort_returns_a_deterministic_prefix_and_counts_the_waste(make_server):
+    srv = make_server(max_running=1, decode_s_per_token=0.01)
+    params = {"max_new_tokens": 200, "ignore_eos": True}
+    full = simulate_output(PROMPT, params, srv.config).output_ids
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=10) as c:
+            def post(ids, rid):
+                return asyncio.create_task(
+                    c.post("/generate", json={"input_ids": ids, "sampling_params": params, "rid": rid})
+                )
+
+            running, waiting = post(PROMPT, "long"), post([9], "queued")
+            await poll(lambda: srv.stats.in_flight == 2)
+            await poll(lambda: srv.snapshot().busy_slot_s >= 0.05)  # >= 5 tokens generated
+            assert (await c.post("/abort_request", json={"rid": "queued"})).status_code == 200
+            assert (await c.post("/abort_request", json={"rid": "long"})).status_code == 200
+            return (await running).json(), (await waiting).json()
+
+    long, queued = asyncio.run(run())
+    k = long["meta_info"]["completion_tokens"]
+    assert 5 <= k < 200 and long["output_ids"] == full[:k]
+    assert long["meta_info"]["finish_reason"]["type"] == "abort"
+    assert set(long["meta_info"]["finish_reason"]) == {"type", "message", "status_code"}
+    assert queued["output_ids"] == []
+    assert queued["meta_info"]["finish_reason"]["message"] == "Abort in waiting queue"
+    s = srv.snapshot()
+    assert s.aborted == 2 and s.aborted_tokens == k and s.served_tokens == 0 and s.in_flight == 0
+
+
+def test_abort_all_and_client_disconnect_abort(make_server):
+    srv = make_server(max_running=2, decode_s_per_token=0.01)
+    params = {"max_new_tokens": 500, "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=10) as c:
+            tasks = [asyncio.create_task(c.post("/generate", json={"input_ids": [i], "sampling_params": params}))
+                     for i in range(3)]
+            await poll(lambda: srv.stats.in_flight == 3)
+            await c.post("/abort_request", json={"abort_all": True})
+            bodies = [(await t).json() for t in tasks]
+        # A client that gives up (timeout) makes the server abort its request, as SGLang does.
+        async with httpx.AsyncClient(base_url=srv.url, timeout=0.1) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post("/generate", json={"input_ids": [42], "sampling_params": params})
+        return bodies
+
+    bodies = asyncio.run(run())
+    assert [b["meta_info"]["finish_reason"]["type"] for b in bodies] == ["abort"] * 3
+    srv.wait_for(lambda s: s.aborted == 4 and s.in_flight == 0)
+
+
+# -- fault injection -----------------------------------------------------------------------------
+
+
+def test_fail_next_answers_errors_then_serves(make_server):
+    srv = make_server()
+    srv.fail_next(2)
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}}
+        codes = [c.post("/generate", json=body) for _ in range(3)]
+        assert [r.status_code for r in codes] == [503, 503, 200]
+        assert codes[0].json()["code"] == 503 and "message" in codes[0].json()
+        srv.fail_next(1, status=429)
+        assert c.post("/generate", json=body).status_code == 429
+        assert c.get("/health").status_code == 200  # only /generate fails by default
+    assert srv.snapshot().injected_errors == 3
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_drop_next_closes_the_connection_without_an_answer(make_server, reset):
+    srv = make_server()
+    srv.drop_next(1, reset=reset)
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}}
+        with pytest.raises(httpx.ReadError if reset else httpx.RemoteProtocolError):
+            c.post("/generate", json=body)
+        assert c.post("/generate", json=body).status_code == 200
+    s = srv.snapshot()
+    assert s.dropped_connections == 1 and s.sequences == 1 and s.requests == 2
+
+
+def test_slow_starting_and_reject_if(make_server):
+    srv = make_server()
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        srv.set_starting(True)
+        assert c.get("/health_generate").status_code == 503 and c.get("/health").status_code == 503
+        srv.set_starting(False)
+        assert c.get("/health_generate").status_code == 200
+
+        srv.slow(0.2)
+        r = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200 and r.json()["meta_info"]["e2e_latency"] >= 0.19
+        srv.slow(0)
+
+        srv.reject_if(lambda ids: 666 in ids)
+        r = c.post("/generate", json={"input_ids": [[1, 2], [3, 666]]})
+        assert r.status_code == 400 and "reject_if" in r.json()["error"]["message"]
+        srv.reject_if(lambda ids: "custom reason" if ids == [7] else False)
+        assert c.post("/generate", json={"input_ids": [7]}).json() == {"error": {"message": "custom reason"}}
+        assert c.post("/generate", json={"input_ids": [8]}).status_code == 200
+
+
+def test_down_drops_in_flight_and_up_serves_again(make_server):
+    srv = make_server(decode_s_per_token=0.01)
+    url = srv.url
+    params = {"max_new_tokens": 500, "ignore_eos": True}
+    expected = simulate_output(PROMPT, params, srv.config).output_ids
+
+    async def in_flight_then_down():
+        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+            task = asyncio.create_task(c.post("/generate", json={"input_ids": PROMPT, "sampling_params": params}))
+            await poll(lambda: srv.stats.running == 1)
+            await asyncio.to_thread(srv.down)
+            with pytest.raises(httpx.TransportError):
+                await task
+
+    asyncio.run(in_flight_then_down())
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=5)
+    srv.up()
+    assert srv.url == url
+    with httpx.Client(base_url=url, timeout=10) as c:
+        assert c.get("/health").status_code == 200
+        # A restarted server gives the same answer to the same prompt.
+        short = {"max_new_tokens": 5, "ignore_eos": True}
+        again = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": short}).json()
+        assert again["output_ids"] == expected[:5]
+        srv.down(refuse=False)
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["code"] == 503
+        srv.up()
+        assert c.get("/health").status_code == 200
+    s = srv.snapshot()
+    assert s.restarts == 2 and s.aborted == 1 and s.in_flight == 0
+
+
+def test_admin_endpoint_and_stats(make_server):
+    srv = make_server()
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        state = c.post("/_fault", json={"fail_next": 1, "status": 500}).json()
+        assert state["fail_next"] == 1
+        assert c.post("/generate", json={"input_ids": [1]}).status_code == 500
+        c.post("/_fault", json={"reject_token": 9})
+        assert c.post("/generate", json={"input_ids": [1, 9]}).status_code == 400
+        c.post("/_fault", json={"clear": True})
+        ok = c.post("/generate", json={"input_ids": [1, 9], "sampling_params": {"max_new_tokens": 3}})
+        assert ok.status_code == 200
+        stats = c.get("/_stats").json()
+        assert stats["injected_errors"] == 1 and stats["rejected"] == 1 and stats["completed"] == 1
+        c.post("/_fault", json={"reset_stats": True})
+        assert c.get("/_stats").json()["completed"] == 0
+
+
+def test_cli_runs_in_the_foreground():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deploy.sim_server", "--port", "0", "--seed", "3", "--mean-len", "40",
+         "--decode-ms", "0.5"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        line = proc.stdout.readline()  # blocks until the server prints its address (or exits)
+        assert line.startswith("sim_server listening on http://127.0.0.1:"), line
+        url = line.split()[-1]
+        params = {"max_new_tokens": 300}
+        with httpx.Client(base_url=url, timeout=10) as c:
+            body = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": params}).json()
+            expected = simulate_output(PROMPT, params, SimConfig(seed=3, mean_len=40))
+            assert body["output_ids"] == expected.output_ids
+            c.post("/_fault", json={"down": 0.2})  # an outage of 0.2 s, then it listens again
+            deadline = time.monotonic() + 10
+            saw_outage = False
+            while True:  # bounded polling until it is back
+                try:
+                    if c.get("/health").status_code == 200 and saw_outage:
+                        break
+                except httpx.TransportError:
+                    saw_outage = True
+                assert time.monotonic() < deadline, "the CLI server did not come back"
+                time.sleep(0.01)
+            assert c.get("/_stats").json()["restarts"] == 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stdout.close()
