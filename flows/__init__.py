@@ -1,0 +1,7 @@
+"""Prefect flows, the typed run config and the `eagle3` CLI."""
+
+import os
+
+# Machines that run the pipeline are often offline: do not let Prefect's local server try to
+# send telemetry (it logs an error on every start when it cannot).
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

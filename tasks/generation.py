@@ -293,7 +293,13 @@ class _Run:
             await asyncio.gather(*(self.client.abort(rid) for rid in rids))
 
     async def close(self) -> None:
-        """Flush what arrived and record the rejects, also when the run failed."""
+        """Flush what arrived and record the rejects, also when the run failed or was cancelled."""
+        if self.in_flight:  # cancelled (Ctrl-C, Prefect cancellation): free the GPUs, then forget them
+            rids, tasks = list(self.in_flight), list(self.in_flight.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.wait_for(asyncio.gather(*(self.client.abort(rid) for rid in rids)), 10)
         await self.writer.flush()
         if self.rejects:
             await asyncio.to_thread(write_rejects, self.rejects, self.writer.directory.parent.parent / "rejects" / self.settings.dataset, "generate")

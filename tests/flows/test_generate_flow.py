@@ -1,0 +1,82 @@
+"""The `generate` flow under a real (test) Prefect server against the simulated SGLang server."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from prefect.client.orchestration import get_client
+
+from deploy.sim_server import SimServer
+from flows.generate import generate
+from tasks.checkpoints import live_parts
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_config(tmp_path: Path, url: str, target: Path, **extra) -> Path:
+    config = {
+        "run_dir": str(tmp_path / "run"),
+        "target": {"path": str(target)},
+        "server": {"url": url, "max_concurrency": 4, "outage_window_s": 5, "health_timeout_s": 10},
+        "sampling": {"max_new_tokens": 32, "temperature": 0.5},
+        "generate": {"flush_every": 10, "log_interval_s": 0.2, "retries": 0},
+        "datasets": [
+            {"name": "A1_chat", "kind": "passthrough", "path": str(REPO / "data/samples/passthrough_chat.jsonl")},
+            {"name": "B1_code", "kind": "generate", "path": str(REPO / "data/samples/gen_code.jsonl"), "token_budget": 300},
+            {"name": "B2_math", "kind": "generate", "path": str(REPO / "data/samples/gen_math.jsonl")},
+        ],
+        **extra,
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+async def artifacts_by_key() -> dict[str, object]:
+    async with get_client() as client:
+        return {a.key: a for a in await client.read_artifacts() if a.key}
+
+
+def test_generate_flow_runs_every_dataset_and_publishes_artifacts(tmp_path, tiny_target_dir):
+    with SimServer(max_running=4, decode_s_per_token=0.0005, mean_len=12, vocab_size=2048, eos_token_id=1) as srv:
+        config = write_config(tmp_path, srv.url, tiny_target_dir)
+        rows = asyncio.run(generate(str(config)))
+        assert srv.snapshot().max_in_flight <= 4
+
+    run = tmp_path / "run"
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["server"]["url"] == srv.url and saved["datasets"][1]["token_budget"] == 300
+    by_name = {r["dataset"]: r for r in rows}
+    assert by_name["B2_math"]["responses"] == 50  # every math prompt, hashed ids included
+    b1 = by_name["B1_code"]
+    assert 300 <= b1["completion_tokens"] <= 300 + 3 * 32 and b1["responses"] < 42
+    passthrough = pq.read_table(run / "passthrough/A1_chat/part-000000.parquet")
+    assert passthrough.num_rows == 32
+
+    artifacts = asyncio.run(artifacts_by_key())
+    assert artifacts["generate-b1-code"].type == "progress" and artifacts["generate-b1-code"].data == 100.0
+    assert artifacts["generate-b2-math"].data == 100.0
+    table = artifacts["generate-summary-cfg"]
+    assert table.type == "table"
+    assert "B1_code" in str(table.data) and "B2_math" in str(table.data)
+
+
+def test_a_bad_dataset_fails_the_flow_but_not_the_others(tmp_path, tiny_target_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": 7}\n')
+    with SimServer(max_running=4, decode_s_per_token=0.0005, mean_len=12, vocab_size=2048) as srv:
+        config = write_config(tmp_path, srv.url, tiny_target_dir)
+        data = yaml.safe_load(config.read_text())
+        data["datasets"].append({"name": "B3_bad", "kind": "generate", "path": str(bad)})
+        config.write_text(yaml.safe_dump(data))
+        with pytest.raises(RuntimeError) as info:
+            asyncio.run(generate(str(config)))
+    message = str(info.value)
+    assert "B3_bad" in message and "re-run the same command to resume" in message
+    assert "line 2" in repr(info.value.__cause__)
+    assert len(live_parts(tmp_path / "run/responses/B2_math")) >= 1  # the good datasets finished

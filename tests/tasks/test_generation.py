@@ -1,0 +1,329 @@
+"""The generate loop against a simulated SGLang server on a real loopback socket, with faults."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from deploy.sim_server import SimConfig, SimServer, simulate_output
+from tasks.checkpoints import done_ids, live_parts, summarize
+from tasks.datasets import PromptRow
+from tasks.generation import GenerateSettings, generate_dataset
+from tasks.prompts import chat_prompt_ids, request_sampling_params
+from tasks.sglang_client import RetryPolicy, SGLangClient, ServerOutage
+
+REPO = Path(__file__).resolve().parents[2]
+EOS = 1  # <|im_end|> of the tiny target; also the sim server's eos
+SAMPLING = request_sampling_params({"max_new_tokens": 64, "temperature": 0.7, "top_p": 0.95}, [EOS])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target_dir):
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+def prompts(n: int, prefix: str = "p") -> list[PromptRow]:
+    rng = random.Random(n)
+    return [
+        PromptRow(id=f"{prefix}{i}", messages=[{"role": "user", "content": f"question {i}: " + "word " * rng.randint(1, 30)}])
+        for i in range(n)
+    ]
+
+
+def settings(**kw) -> GenerateSettings:
+    base = dict(dataset="B1", sampling_params=SAMPLING, flush_every=8, flush_interval_s=0.5, log_interval_s=0.2)
+    base.update(kw)
+    return GenerateSettings(**base)
+
+
+def run(server: SimServer, rows, run_dir: Path, *, slots: int = 8, retry: RetryPolicy | None = None, timeout: float = 30.0, tokenizer, **kw):
+    async def go():
+        retry_policy = retry or RetryPolicy(initial_s=0.01, max_s=0.1, outage_window_s=10)
+        async with SGLangClient(server.url, request_timeout_s=timeout, retry=retry_policy) as client:
+            return await generate_dataset(
+                rows, client=client, tokenizer=tokenizer, responses_dir=run_dir / "responses/B1",
+                rejects_dir=run_dir / "rejects/B1", source=Path("b1.jsonl"), settings=settings(**kw),
+                slots=asyncio.Semaphore(slots),
+            )
+
+    return asyncio.run(go())
+
+
+def responses(run_dir: Path, dataset: str = "B1") -> list[dict]:
+    return [r for p in live_parts(run_dir / "responses" / dataset) for r in pq.read_table(p).to_pylist()]
+
+
+def expected_output(tokenizer, row: PromptRow, config: SimConfig):
+    return simulate_output(chat_prompt_ids(tokenizer, row.messages), SAMPLING, config)
+
+
+@pytest.fixture
+def server():
+    with SimServer(max_running=4, decode_s_per_token=0.0005, mean_len=20, vocab_size=2048, eos_token_id=EOS) as srv:
+        yield srv
+
+
+def test_every_prompt_once_with_the_servers_exact_output(server, tmp_path, tokenizer):
+    rows = prompts(40)
+    report = run(server, rows, tmp_path, tokenizer=tokenizer)
+    got = {r["id"]: r for r in responses(tmp_path)}
+    assert sorted(got) == sorted(r.id for r in rows)
+    assert report.status == "complete" and report.new_responses == 40 and report.rejects == 0
+    for row in rows:
+        want = expected_output(tokenizer, row, server.config)
+        assert got[row.id]["output_ids"] == want.output_ids
+        assert got[row.id]["prompt_ids"] == chat_prompt_ids(tokenizer, row.messages)
+        assert got[row.id]["finish_reason"] == want.finish_reason["type"]
+    assert report.completion_tokens == sum(len(r["output_ids"]) for r in got.values())
+    assert len(live_parts(tmp_path / "responses/B1")) >= 40 // 8  # flushed every 8 responses
+
+
+def test_in_flight_never_exceeds_the_shared_limit_across_datasets(tmp_path, tokenizer):
+    with SimServer(max_running=64, decode_s_per_token=0.002, mean_len=20, vocab_size=2048) as srv:
+        async def go():
+            slots = asyncio.Semaphore(5)  # one server, one limit, two datasets
+            async with SGLangClient(srv.url) as client:
+                return await asyncio.gather(*(
+                    generate_dataset(
+                        prompts(30, prefix=name), client=client, tokenizer=tokenizer,
+                        responses_dir=tmp_path / "responses" / name, rejects_dir=tmp_path / "rejects" / name,
+                        source=Path("x"), settings=settings(dataset=name), slots=slots,
+                    )
+                    for name in ("B1", "B2")
+                ))
+
+        reports = asyncio.run(go())
+        stats = srv.snapshot()
+    assert [r.new_responses for r in reports] == [30, 30]
+    assert stats.max_in_flight == 5  # saturated, and never above the limit
+
+
+def test_503_bursts_and_dropped_connections_are_retried(server, tmp_path, tokenizer):
+    rows = prompts(20)
+    server.fail_next(6, status=503)
+    server.drop_next(3)
+    report = run(server, rows, tmp_path, tokenizer=tokenizer)
+    stats = server.snapshot()
+    assert stats.injected_errors == 6 and stats.dropped_connections == 3
+    assert report.new_responses == 20
+    got = {r["id"]: r["output_ids"] for r in responses(tmp_path)}
+    assert all(got[row.id] == expected_output(tokenizer, row, server.config).output_ids for row in rows)
+
+
+def test_429_from_a_router_is_retried(server, tmp_path, tokenizer):
+    server.fail_next(4, status=429)
+    assert run(server, prompts(5), tmp_path, tokenizer=tokenizer).new_responses == 5
+
+
+def test_a_400_is_never_retried_and_goes_to_rejects(server, tmp_path, tokenizer):
+    rows = prompts(12)
+    bad = {chat_prompt_ids(tokenizer, rows[i].messages)[-6] for i in (2, 7)}  # a token only those prompts have
+    server.reject_if(lambda ids: "poisoned prompt" if any(ids[-6] == b for b in bad) and len(ids) > 6 else None)
+    report = run(server, rows, tmp_path, tokenizer=tokenizer)
+    rejected = pq.read_table(live_parts(tmp_path / "rejects/B1")[0]).to_pylist()
+    assert report.new_rejects == len(rejected) == server.snapshot().rejected  # one request each: no retry
+    assert {r["id"] for r in rejected} >= {"p2", "p7"}
+    assert all("HTTP 400" in r["reason"] and "poisoned prompt" in r["reason"] for r in rejected)
+    assert done_ids(tmp_path / "responses/B1").isdisjoint(r["id"] for r in rejected)
+    # a resume neither retries the rejects nor repeats the rest
+    again = run(server, rows, tmp_path, tokenizer=tokenizer)
+    assert again.new_responses == 0 and again.new_rejects == 0
+
+
+def test_over_long_prompts_are_rejected_before_sending(tmp_path, tokenizer):
+    rows = prompts(6) + [PromptRow(id="long", messages=[{"role": "user", "content": "word " * 400}])]
+    with SimServer(max_running=4, decode_s_per_token=0.0005, mean_len=10, context_length=200, vocab_size=2048) as srv:
+        report = run(srv, rows, tmp_path, tokenizer=tokenizer, sampling_params={**SAMPLING, "max_new_tokens": 16})
+        assert srv.snapshot().sequences == 6  # the long one never reached the server
+    (reject,) = pq.read_table(live_parts(tmp_path / "rejects/B1")[0]).to_pylist()
+    assert reject["id"] == "long" and "max_req_input_len" in reject["reason"]
+    assert report.new_responses == 6
+
+
+def test_budget_stops_within_one_response_and_aborts_in_flight(tmp_path, tokenizer):
+    rows = prompts(300)
+    with SimServer(max_running=16, decode_s_per_token=0.001, mean_len=30, vocab_size=2048, eos_token_id=EOS) as srv:
+        report = run(srv, rows, tmp_path, tokenizer=tokenizer, slots=16, token_budget=2000)
+        stats = srv.snapshot()
+    spent = summarize(tmp_path / "responses/B1").completion_tokens
+    assert report.status == "budget reached"
+    # past the budget by the crossing response, plus any that had already finished on the server
+    # when the abort arrived (kept: those tokens are spent either way)
+    assert 2000 <= spent <= 2000 + 3 * 64
+    assert report.completion_tokens == spent
+    assert stats.aborted == report.aborted  # aborted requests are not recorded...
+    assert report.wasted_tokens == stats.aborted_tokens
+    ids = [r["id"] for r in responses(tmp_path)]
+    assert len(ids) == len(set(ids)) < 300
+
+    # raising the budget continues where it stopped, never repeating a prompt
+    with SimServer(max_running=16, decode_s_per_token=0.001, mean_len=30, vocab_size=2048, eos_token_id=EOS) as srv:
+        more = run(srv, rows, tmp_path, tokenizer=tokenizer, slots=16, token_budget=4000)
+    ids = [r["id"] for r in responses(tmp_path)]
+    assert len(ids) == len(set(ids)) and more.new_responses > 0
+    assert 4000 <= summarize(tmp_path / "responses/B1").completion_tokens <= 4000 + 3 * 64
+
+
+def test_max_prompts_caps_the_dataset(server, tmp_path, tokenizer):
+    report = run(server, prompts(30), tmp_path, tokenizer=tokenizer, max_prompts=7)
+    assert sorted(r["id"] for r in responses(tmp_path)) == sorted(f"p{i}" for i in range(7))
+    assert report.responses == 7
+
+
+def test_outage_fails_cleanly_keeps_work_and_resumes(server, tmp_path, tokenizer):
+    rows = prompts(30)
+    server.config  # noqa: B018
+    done_first = 10
+
+    async def go():
+        retry = RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=0.5)
+        async with SGLangClient(server.url, retry=retry) as client:
+            async def cut():
+                await asyncio.to_thread(server.wait_for, lambda s: s.completed >= done_first, 20)
+                await asyncio.to_thread(server.down)
+            cutter = asyncio.create_task(cut())
+            try:
+                return await generate_dataset(
+                    rows, client=client, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
+                    rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(), slots=asyncio.Semaphore(2),
+                )
+            finally:
+                await cutter
+
+    with pytest.raises(ServerOutage):
+        asyncio.run(go())
+    kept = {r["id"] for r in responses(tmp_path)}
+    assert len(kept) >= done_first  # what finished before the outage was flushed on the way out
+    server.up()
+    report = run(server, rows, tmp_path, tokenizer=tokenizer)
+    ids = [r["id"] for r in responses(tmp_path)]
+    assert sorted(ids) == sorted(r.id for r in rows)  # complete, and nobody twice
+    assert report.new_responses == 30 - len(kept)
+
+
+def test_slow_server_times_out_and_the_request_is_aborted(server, tmp_path, tokenizer):
+    server.slow(5.0)
+    retry = RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=0.6)
+    with pytest.raises(ServerOutage, match="ReadTimeout"):
+        run(server, prompts(2), tmp_path, tokenizer=tokenizer, timeout=0.2, retry=retry)
+    server.wait_for(lambda s: s.aborted >= 2, timeout=10)  # timed-out requests were not left running
+
+
+def test_server_side_abort_is_sent_again(server, tmp_path, tokenizer):
+    rows = prompts(12)
+    server.slow(0.3)
+
+    async def go():
+        async with SGLangClient(server.url) as client:
+            async def abort_some():
+                await asyncio.to_thread(server.wait_for, lambda s: s.in_flight >= 4, 10)
+                await asyncio.to_thread(server.abort_all)  # e.g. the server drained its queue
+                server.slow(0)
+            killer = asyncio.create_task(abort_some())
+            report = await generate_dataset(
+                rows, client=client, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
+                rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(), slots=asyncio.Semaphore(4),
+            )
+            await killer
+            return report
+
+    report = asyncio.run(go())
+    assert report.aborted >= 4
+    assert sorted(r["id"] for r in responses(tmp_path)) == sorted(r.id for r in rows)
+
+
+RUNNER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from pathlib import Path
+    from transformers import AutoTokenizer
+    from tasks.datasets import PromptRow
+    from tasks.generation import GenerateSettings, generate_dataset
+    from tasks.sglang_client import SGLangClient
+
+    url, tok_dir, run_dir, prompts_file, params = sys.argv[1:6]
+    rows = [PromptRow(**json.loads(l)) for l in open(prompts_file)]
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+
+    async def main():
+        async with SGLangClient(url) as client:
+            await generate_dataset(
+                rows, client=client, tokenizer=tokenizer, responses_dir=Path(run_dir) / "responses/B1",
+                rejects_dir=Path(run_dir) / "rejects/B1", source=Path(prompts_file),
+                settings=GenerateSettings(dataset="B1", sampling_params=json.loads(params), flush_every=3, flush_interval_s=0.2),
+                slots=asyncio.Semaphore(6),
+            )
+
+    asyncio.run(main())
+    print("DONE", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, tiny_target_dir, tokenizer):
+    rows = prompts(60)
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"id": r.id, "messages": r.messages}) + "\n" for r in rows))
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER)
+    rng = random.Random(1234)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with SimServer(max_running=6, decode_s_per_token=0.002, mean_len=25, vocab_size=2048, eos_token_id=EOS) as srv:
+        args = [sys.executable, str(script), srv.url, str(tiny_target_dir), str(tmp_path / "run"), str(prompts_file), json.dumps(SAMPLING)]
+        kills = 0
+        for _ in range(3):
+            before = srv.snapshot().completed
+            proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            target = before + rng.randint(3, 12)  # a random moment: after this many more answers
+            try:
+                srv.wait_for(lambda s: s.completed >= target or proc.poll() is not None, timeout=60)
+            finally:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    kills += 1
+                proc.wait()
+        final = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+        assert final.returncode == 0, final.stderr[-2000:]
+        assert "DONE" in final.stdout
+    assert kills >= 2
+    got = responses(tmp_path / "run")
+    ids = [r["id"] for r in got]
+    assert sorted(ids) == sorted(r.id for r in rows)  # every prompt exactly once
+    by_id = {r["id"]: r for r in got}
+    for row in rows:  # and the same answers as a clean run against this deterministic server
+        want = expected_output(tokenizer, row, srv.config)
+        assert by_id[row.id]["output_ids"] == want.output_ids
+        assert by_id[row.id]["completion_tokens"] == len(want.output_ids)
+    assert summarize(tmp_path / "run/responses/B1").completion_tokens == sum(len(r["output_ids"]) for r in got)
+
+
+def test_cancellation_aborts_in_flight_requests_and_keeps_what_finished(tmp_path, tokenizer):
+    with SimServer(max_running=4, decode_s_per_token=0.01, mean_len=20, vocab_size=2048, eos_token_id=EOS) as srv:
+        async def go():
+            async with SGLangClient(srv.url) as client:
+                task = asyncio.create_task(generate_dataset(
+                    prompts(40), client=client, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
+                    rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(), slots=asyncio.Semaphore(4),
+                ))
+                await asyncio.to_thread(srv.wait_for, lambda s: s.completed >= 5 and s.running >= 2, 20)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+
+        asyncio.run(go())
+        stats = srv.wait_for(lambda s: s.in_flight == 0, timeout=10)  # nothing left running on the server
+        assert stats.aborted >= 1
+    kept = responses(tmp_path)
+    assert len(kept) >= 5 and len({r["id"] for r in kept}) == len(kept)
