@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/eagle3 demo
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/eagle3 demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests

@@ -110,6 +110,7 @@ async def generate_responses(
 
     retry = RetryPolicy(outage_window_s=server.outage_window_s)
     async with SGLangClient(server.url, request_timeout_s=server.request_timeout_s, retry=retry, api_key=server.api_key()) as client:
+        logger.info("%s: waiting up to %.0fs for %s/health_generate", name, server.health_timeout_s, server.url)
         await client.wait_healthy(server.health_timeout_s)
         report = await generate_dataset(
             loaded.rows,

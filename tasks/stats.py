@@ -140,7 +140,7 @@ def render_stats_table(stats: Sequence[DatasetStats]) -> Table:
         ("wall", "right"),
         ("parts", "right"),
     ):
-        table.add_column(header, justify=justify)
+        table.add_column(header, justify=justify, no_wrap=True)
     rows = list(stats)
     for i, s in enumerate(rows + [total_stats(rows)]):
         is_total = i == len(rows)

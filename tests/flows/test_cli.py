@@ -94,3 +94,34 @@ def test_serve_dev_without_a_model_says_how_to_build_one(tmp_path):
     result = eagle3("serve-dev", "--model", str(tmp_path))
     assert result.returncode == 2
     assert "eagle3 tiny-target" in result.stderr
+
+
+def test_import_jsonl_then_stats(tmp_path, tiny_target_dir):
+    legacy = tmp_path / "raw_responses.jsonl"
+    lines = [
+        {"id": "a", "prompt_ids": [5, 6, 7], "output_ids": [9, 10, 1], "completion_tokens": 3, "prompt_tokens": 3, "finish_reason": "stop"},
+        {"id": "b", "messages": [{"role": "user", "content": "hi"}], "choices": [{"message": {"content": "hello there"}, "finish_reason": "length"}],
+         "usage": {"prompt_tokens": 4, "completion_tokens": 2}},
+    ]
+    legacy.write_text("\n".join(json.dumps(x) for x in lines) + '\n{"id": "c", "output_')  # killed mid-write
+    run_dir = tmp_path / "run"
+    result = eagle3("import-jsonl", str(run_dir), "B1_glaive", str(legacy), "--target", str(tiny_target_dir))
+    assert result.returncode == 0, result.stderr
+    again = eagle3("import-jsonl", str(run_dir), "B1_glaive", str(legacy), "--target", str(tiny_target_dir))
+    assert again.returncode == 0  # idempotent
+    result = eagle3("stats", str(run_dir), "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {r["dataset"]: r for r in json.loads(result.stdout)}
+    assert rows["B1_glaive"]["responses"] == 2
+    assert rows["B1_glaive"]["completion_tokens"] == 3 + 2
+    assert rows["B1_glaive"]["finish_reasons"] == {"stop": 1, "length": 1}
+
+
+def test_stats_on_a_missing_dir_explains(tmp_path):
+    result = eagle3("stats", str(tmp_path / "nope"))
+    assert result.returncode == 2 and "not a directory" in result.stderr
+
+
+def test_run_rejects_unknown_stages():
+    result = eagle3("run", "configs/demo.yaml", "--stages", "generate,trian")
+    assert result.returncode == 2 and "trian" in result.stderr and "available: generate" in result.stderr

@@ -33,8 +33,8 @@ def test_demo_runs_the_generate_flow_on_every_dataset(tmp_path, tiny_target_dir)
         assert set(ids) <= set(prompts)
         spent = sum(r["completion_tokens"] for r in rows)
         if dataset.token_budget and len(rows) < len(prompts):
-            # stopped by the budget: within one response of it
-            assert dataset.token_budget <= spent <= dataset.token_budget + max_new
+            # stopped by the budget: within a few responses of it (those already finished when the abort came)
+            assert dataset.token_budget <= spent <= dataset.token_budget + 3 * max_new
         for r in rows:
             assert r["prompt_ids"] == chat_prompt_ids(tokenizer, prompts[r["id"]].messages)
             assert r["completion_tokens"] == len(r["output_ids"]) <= max_new
