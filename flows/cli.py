@@ -47,7 +47,7 @@ def validate(config: Path = typer.Argument(..., help="The YAML run config to che
     raise typer.Exit(0 if ok else 1)
 
 
-STAGES = ("generate",)  # the stages built so far, in pipeline order
+STAGES = ("generate", "records")  # the stages built so far, in pipeline order
 
 
 @app.command()
@@ -80,13 +80,15 @@ def _run_stages(config: Path, stages: list[str]) -> None:
     except ConfigError as exc:
         err.print(escape(str(exc)), style="red", highlight=False)
         raise typer.Exit(2) from None
-    if "generate" in stages:
-        from flows.generate import generate as generate_flow
+    from flows.generate import generate as generate_flow
+    from flows.records import records as records_flow
 
+    runners = {"generate": lambda: asyncio.run(generate_flow(str(config))), "records": lambda: records_flow(str(config))}
+    for stage in [s for s in STAGES if s in stages]:
         try:
-            asyncio.run(generate_flow(str(config)))
+            runners[stage]()
         except Exception as exc:  # the flow run's log has the details
-            err.print(f"[red]generate failed:[/red] {escape(str(exc))}", highlight=False)
+            err.print(f"[red]{stage} failed:[/red] {escape(str(exc))}", highlight=False)
             raise typer.Exit(1) from None
     _print_stats(cfg.run_dir, as_json=False)
 
@@ -106,13 +108,18 @@ def stats(
 def _print_stats(run_dir: Path, *, as_json: bool) -> None:
     import json
 
-    from tasks.stats import collect_stats, render_stats_table, stats_rows
+    from tasks.records import record_stats
+    from tasks.records_tasks import records_row
+    from tasks.stats import collect_stats, render_rows_table, render_stats_table, stats_rows
 
     collected = collect_stats(run_dir)
+    records = [records_row(r) for r in record_stats(run_dir)]
     if as_json:
-        print(json.dumps(stats_rows(collected), indent=2))
-    else:
-        console.print(render_stats_table(collected))
+        print(json.dumps({"responses": stats_rows(collected), "records": records}, indent=2))
+        return
+    console.print(render_stats_table(collected))
+    if records:
+        console.print(render_rows_table("training records per dataset", records))
 
 
 @app.command("import-jsonl")

@@ -145,6 +145,33 @@ class GenerateConfig(Section):
     )
 
 
+class RecordsConfig(Section):
+    """How responses and passthrough rows become training records (input_ids + loss_mask)."""
+
+    max_seq_len: int | None = Field(
+        default=8192, ge=16, description="Longest record in tokens; longer ones are cut or dropped (see overflow). null: no limit."
+    )
+    overflow: Literal["truncate", "drop"] = Field(
+        default="truncate", description="`truncate`: keep the first max_seq_len tokens. `drop`: leave the record out."
+    )
+    min_loss_tokens: int = Field(
+        default=1, ge=1, description="Records with fewer loss tokens than this are left out."
+    )
+    keep_truncated: bool = Field(
+        default=False,
+        description="Also train on responses that ended by length (cut off by max_new_tokens) or abort.",
+    )
+    on_rewrite: Literal["split", "reject"] = Field(
+        default="split",
+        description="Passthrough conversations whose chat template rewrites earlier turns (e.g. drops "
+        "their reasoning): `split` makes one record per assistant turn, exactly as the model saw it; "
+        "`reject` sends the row to rejects.",
+    )
+    draft_vocab_size: int = Field(
+        default=32000, ge=1, description="Draft vocabulary size: the token-frequency report gives the share of loss tokens the top this-many tokens cover."
+    )
+
+
 class DatasetConfig(Section):
     """One input dataset: a file or directory of prompt rows (generate) or finished rows (passthrough)."""
 
@@ -208,6 +235,7 @@ class RunConfig(Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    records: RecordsConfig = Field(default_factory=RecordsConfig)
     datasets: list[DatasetConfig] = Field(min_length=1, description="The input datasets, in order.")
 
     @model_validator(mode="after")
@@ -278,6 +306,16 @@ def parse_config(data: Any, *, source: str = "<config>", base: Path | None = Non
 def dump_config(config: RunConfig) -> str:
     """The config as YAML, the form saved as RUN_DIR/config.yaml."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def save_run_config(config: RunConfig) -> Path:
+    """RUN_DIR/config.yaml: the config as run, paths resolved (names of secrets only, never values)."""
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    path = config.run_dir / "config.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(dump_config(config))
+    tmp.replace(path)
+    return path
 
 
 def _describe(err: dict[str, Any]) -> str:

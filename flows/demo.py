@@ -11,10 +11,12 @@ from rich.table import Table
 
 from flows.config import RunConfig, dump_config, load_config
 from flows.generate import generate
+from flows.records import records
 from models.tiny_target import build_tiny_target
 from tasks.checkpoints import live_parts
 from tasks.processes import dev_server
-from tasks.stats import collect_stats, render_stats_table
+from tasks.records import TOKEN_COUNTS
+from tasks.stats import collect_stats, render_rows_table, render_stats_table
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
@@ -50,10 +52,14 @@ def run_demo(run_dir: Path | None = None, console: Console | None = None, target
         console.rule("stage 1: generate (Prefect flow)")
         asyncio.run(generate(str(config_path)))
     console.print("dev server stopped")
-
     console.print(_sample_table(config))
     console.print(render_stats_table(collect_stats(config.run_dir)))
-    console.print(f"run directory: {config.run_dir}   (`eagle3 stats {config.run_dir}` prints the table again)")
+
+    console.rule("stage 2: records (Prefect flow)")
+    report = records(str(config_path))
+    console.print(render_rows_table("data report: training records per dataset", report))
+    console.print(f"token counts for the draft vocabulary: {config.run_dir / 'records' / TOKEN_COUNTS}")
+    console.print(f"run directory: {config.run_dir}   (`eagle3 stats {config.run_dir}` prints the tables again)")
     return config
 
 

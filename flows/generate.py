@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.config import RunConfig, dump_config, load_config
+from flows.config import RunConfig, load_config, save_run_config
 from tasks.generate_tasks import (
     RunPaths,
     ServerSettings,
@@ -24,7 +24,7 @@ async def generate(config_path: str) -> list[dict]:
     """Stage 1: fan out one task per dataset, all sharing the server's concurrency limit."""
     config = load_config(config_path)
     paths = RunPaths(config.run_dir)
-    save_resolved_config(config)
+    save_run_config(config)
     slots = asyncio.Semaphore(config.server.max_concurrency)  # shared by every dataset: one server
     results = await asyncio.gather(*(dataset_task(config, i, paths, slots) for i in range(len(config.datasets))), return_exceptions=True)
     rows = await publish_generate_summary(config.run_dir, Path(config_path).stem)
@@ -71,13 +71,3 @@ def dataset_task(config: RunConfig, index: int, paths: RunPaths, slots: asyncio.
         dataset.name, dataset.path, dataset.on_bad_row, config.target.path, config.target.trust_remote_code,
         server, settings, paths, slots,
     )
-
-
-def save_resolved_config(config: RunConfig) -> Path:
-    """RUN_DIR/config.yaml: the config as run, paths resolved (names of secrets only, never values)."""
-    config.run_dir.mkdir(parents=True, exist_ok=True)
-    path = config.run_dir / "config.yaml"
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(dump_config(config))
-    tmp.replace(path)
-    return path

@@ -268,3 +268,17 @@ def _duration(seconds: float) -> str:
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def render_rows_table(title: str, rows: list[dict[str, Any]]) -> Table:
+    """A rich table of uniform dict rows (integers right-aligned with thousands separators)."""
+    from rich.markup import escape
+
+    table = Table(title=title)
+    if not rows:
+        return table
+    for key, value in rows[0].items():
+        table.add_column(key.replace("_", " "), justify="right" if isinstance(value, (int, float)) else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(*(f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else escape(str(v)) for v in row.values()))
+    return table

@@ -111,7 +111,7 @@ def test_import_jsonl_then_stats(tmp_path, tiny_target_dir):
     assert again.returncode == 0  # idempotent
     result = eagle3("stats", str(run_dir), "--json")
     assert result.returncode == 0, result.stderr
-    rows = {r["dataset"]: r for r in json.loads(result.stdout)}
+    rows = {r["dataset"]: r for r in json.loads(result.stdout)["responses"]}
     assert rows["B1_glaive"]["responses"] == 2
     assert rows["B1_glaive"]["completion_tokens"] == 3 + 2
     assert rows["B1_glaive"]["finish_reasons"] == {"stop": 1, "length": 1}
@@ -124,4 +124,4 @@ def test_stats_on_a_missing_dir_explains(tmp_path):
 
 def test_run_rejects_unknown_stages():
     result = eagle3("run", "configs/demo.yaml", "--stages", "generate,trian")
-    assert result.returncode == 2 and "trian" in result.stderr and "available: generate" in result.stderr
+    assert result.returncode == 2 and "trian" in result.stderr and "available: generate, records" in result.stderr

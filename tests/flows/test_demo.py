@@ -42,7 +42,17 @@ def test_demo_runs_the_generate_flow_on_every_dataset(tmp_path, tiny_target_dir)
                 assert r["output_ids"][-1] == eos  # kept: no_stop_trim
             else:
                 assert r["finish_reason"] == "length" and len(r["output_ids"]) == max_new
+    for dataset in config.datasets:  # records: generated ones train on exactly the generated text
+        if dataset.kind != "generate":
+            continue
+        texts = {r["id"]: r["text"] for p in live_parts(config.run_dir / "responses" / dataset.name) for r in pq.read_table(p).to_pylist() if r["finish_reason"] == "stop"}
+        records = [r for p in live_parts(config.run_dir / "records" / dataset.name) for r in pq.read_table(p).to_pylist()]
+        assert sorted(r["id"] for r in records) == sorted(texts)
+        for r in records:
+            trained = [t for t, m in zip(r["input_ids"], r["loss_mask"]) if m]
+            assert tokenizer.decode(trained, skip_special_tokens=False) == texts[r["id"]]
     printed = out.getvalue()
+    assert "data report" in printed
     assert "responses per dataset" in printed and "TOTAL" in printed
     assert "dev server stopped" in printed
     assert (config.run_dir / "config.yaml").exists()

@@ -13,6 +13,7 @@ from prefect.client.orchestration import get_client
 
 from deploy.sim_server import SimServer
 from flows.generate import generate
+from flows.records import records
 from tasks.checkpoints import live_parts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +43,7 @@ async def artifacts_by_key() -> dict[str, object]:
         return {a.key: a for a in await client.read_artifacts() if a.key}
 
 
-def test_generate_flow_runs_every_dataset_and_publishes_artifacts(tmp_path, tiny_target_dir):
+def test_generate_then_records_flows_publish_their_artifacts(tmp_path, tiny_target_dir):
     with SimServer(max_running=4, decode_s_per_token=0.0005, mean_len=12, vocab_size=2048, eos_token_id=1) as srv:
         config = write_config(tmp_path, srv.url, tiny_target_dir)
         rows = asyncio.run(generate(str(config)))
@@ -64,6 +65,15 @@ def test_generate_flow_runs_every_dataset_and_publishes_artifacts(tmp_path, tiny
     table = artifacts["generate-summary-cfg"]
     assert table.type == "table"
     assert "B1_code" in str(table.data) and "B2_math" in str(table.data)
+
+    report = {r["dataset"]: r for r in records(str(config))}
+    assert report["A1_chat"]["records"] >= 32  # every conversation, some split per turn
+    stops = sum(1 for p in live_parts(run / "responses/B2_math") for f in pq.read_table(p).column("finish_reason").to_pylist() if f == "stop")
+    assert report["B2_math"]["records"] == stops  # length-finished responses left out
+    assert (run / "records/token_counts.parquet").exists()
+    artifacts = asyncio.run(artifacts_by_key())
+    assert artifacts["records-report-cfg"].type == "table"
+    assert "cover" in artifacts["records-vocab-cfg"].data
 
 
 def test_a_bad_dataset_fails_the_flow_but_not_the_others(tmp_path, tiny_target_dir):

@@ -1,0 +1,265 @@
+"""The records stage: training records (input_ids, loss_mask) from responses and passthrough rows.
+
+Generated responses become `prompt_ids + output_ids` with the loss on the output ids, stop token
+included: the exact ids the target produced, never a re-rendered conversation. Passthrough rows are
+either taken as they are (pre-tokenized) or tokenized with the target's chat template with the loss
+on assistant turns only (tasks/chat_masks.py decides, and refuses to guess).
+
+Each records part is derived from exactly one source part of the same name
+(`responses/<ds>/part-000003.parquet` -> `records/<ds>/part-000003.parquet`) and its footer records
+the settings it was built with. Re-running converts only the source parts that have no up-to-date
+records part, so the stage is resumable and idempotent; records of source parts that no longer
+exist (merged by compaction) are removed and rebuilt from the merged part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from tasks.chat_masks import MaskError, conversation_records
+from tasks.checkpoints import live_parts
+from tasks.datasets import Reject, write_rejects
+from tasks.parquet_io import list_parts, read_metadata, write_parquet_atomic
+from tasks.stats import nearest_rank
+
+RECORD_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("num_tokens", pa.int32()),
+        ("num_loss_tokens", pa.int32()),
+        ("truncated", pa.bool_()),
+    ]
+)
+META = "eagle3."
+TOKEN_COUNTS = "token_counts.parquet"
+
+
+@dataclass(frozen=True)
+class RecordSettings:
+    """How records are cut and filtered (explicit values from the run config)."""
+
+    vocab_size: int
+    max_seq_len: int | None = None
+    overflow: Literal["truncate", "drop"] = "truncate"
+    min_loss_tokens: int = 1
+    keep_truncated: bool = False  # keep responses that ended by length (or abort)
+    on_rewrite: Literal["split", "reject"] = "split"
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class PartReport:
+    """What one records part holds and what was left out of it (kept in the part's footer)."""
+
+    records: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    truncated: int = 0
+    lengths: list[int] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def add(self, other: PartReport) -> None:
+        self.records += other.records
+        self.tokens += other.tokens
+        self.loss_tokens += other.loss_tokens
+        self.truncated += other.truncated
+        self.lengths += other.lengths
+        for reason, n in other.dropped.items():
+            self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+    def to_metadata(self) -> dict[str, str]:
+        return {f"{META}records_summary": json.dumps(asdict(self), separators=(",", ":"))}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> PartReport:
+        return cls(**json.loads(meta[f"{META}records_summary"]))
+
+
+@dataclass
+class RecordsReport:
+    """The records of one dataset after the stage ran."""
+
+    dataset: str
+    records: int
+    tokens: int
+    loss_tokens: int
+    truncated: int
+    dropped: dict[str, int]
+    rejects: int
+    parts_built: int
+    p50_length: int
+    p95_length: int
+    max_length: int
+
+
+def build_records(
+    dataset: str,
+    kind: Literal["generate", "passthrough"],
+    source_dir: Path,
+    records_dir: Path,
+    rejects_dir: Path,
+    settings: RecordSettings,
+    tokenizer: Any = None,
+) -> RecordsReport:
+    """Bring `records_dir` up to date with the live parts of `source_dir`; return the dataset's totals."""
+    sources = {p.name: p for p in live_parts(source_dir)}
+    digest = settings.digest()
+    for part in list_parts(records_dir):  # records of vanished sources or other settings go
+        if part.name not in sources or read_metadata(part).get(f"{META}settings") != digest:
+            part.unlink()
+    done = {p.name for p in list_parts(records_dir)}
+    built = 0
+    rejects: list[Reject] = []
+    for name, source in sorted(sources.items()):
+        if name in done:
+            continue
+        if kind == "generate":
+            rows, report = _from_responses(pq.read_table(source), settings)
+        else:
+            rows, report, bad = _from_passthrough(pq.read_table(source), settings, tokenizer, source)
+            rejects += bad
+        table = pa.Table.from_pylist(rows, schema=RECORD_SCHEMA)
+        meta = {f"{META}settings": digest, f"{META}source": name, **report.to_metadata()}
+        write_parquet_atomic(table, records_dir / name, meta)
+        built += 1
+    if rejects:
+        write_rejects(rejects, rejects_dir, "records")
+    report = dataset_report(dataset, records_dir)
+    report.parts_built = built
+    return report
+
+
+def summarize_records(records_dir: Path) -> PartReport:
+    """Totals of a dataset's records from part footers only."""
+    total = PartReport()
+    for part in list_parts(records_dir):
+        total.add(PartReport.from_metadata(read_metadata(part)))
+    return total
+
+
+def _from_responses(table: pa.Table, settings: RecordSettings) -> tuple[list[dict], PartReport]:
+    report = PartReport()
+    rows = []
+    columns = table.select(["id", "prompt_ids", "output_ids", "finish_reason"]).to_pylist()
+    for r in columns:
+        if r["finish_reason"] != "stop" and not settings.keep_truncated:
+            report.drop(f"finish_{r['finish_reason']}")  # ended by length/abort: not a whole answer
+            continue
+        ids = r["prompt_ids"] + r["output_ids"]
+        mask = [0] * len(r["prompt_ids"]) + [1] * len(r["output_ids"])
+        _keep(r["id"], ids, mask, settings, report, rows)
+    return rows, report
+
+
+def _from_passthrough(table: pa.Table, settings: RecordSettings, tokenizer: Any, source: Path) -> tuple[list[dict], PartReport, list[Reject]]:
+    report = PartReport()
+    rows: list[dict] = []
+    rejects: list[Reject] = []
+    for n, r in enumerate(table.to_pylist(), 1):
+        if r["messages"] is None:  # pre-tokenized: validate, take as is
+            problem = _check_tokenized(r["input_ids"], r["loss_mask"], settings.vocab_size)
+            if problem:
+                report.drop("rejected")
+                rejects.append(Reject(path=source, row=n, id=r["id"], reason=problem, raw=""))
+                continue
+            _keep(r["id"], r["input_ids"], r["loss_mask"], settings, report, rows)
+            continue
+        messages = json.loads(r["messages"])
+        try:
+            turns = conversation_records(r["id"], messages, tokenizer, on_rewrite=settings.on_rewrite)
+        except MaskError as exc:
+            report.drop("rejected")
+            rejects.append(Reject(path=source, row=n, id=r["id"], reason=exc.reason, raw=r["messages"]))
+            continue
+        for turn in turns:
+            _keep(turn.id, turn.input_ids, turn.loss_mask, settings, report, rows)
+    return rows, report, rejects
+
+
+def _check_tokenized(input_ids: list[int], loss_mask: list[int], vocab_size: int) -> str | None:
+    if len(input_ids) != len(loss_mask):
+        return f"input_ids has {len(input_ids)} tokens but loss_mask has {len(loss_mask)}; they must be equally long"
+    bad = [t for t in input_ids if not 0 <= t < vocab_size]
+    if bad:
+        return f"token id {bad[0]} is outside the target's vocabulary (0..{vocab_size - 1}); were these ids made with another tokenizer?"
+    if not any(loss_mask):
+        return "loss_mask has no 1: nothing to train on"
+    return None
+
+
+def _keep(row_id: str, ids: list[int], mask: list[int], settings: RecordSettings, report: PartReport, rows: list[dict]) -> None:
+    """Apply max_seq_len and min_loss_tokens, then append the record (or count why not)."""
+    truncated = False
+    if settings.max_seq_len is not None and len(ids) > settings.max_seq_len:
+        if settings.overflow == "drop":
+            report.drop("too_long")
+            return
+        ids, mask, truncated = ids[: settings.max_seq_len], mask[: settings.max_seq_len], True
+    loss = int(sum(mask))
+    if loss < settings.min_loss_tokens:
+        report.drop("few_loss_tokens")
+        return
+    rows.append({"id": row_id, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids), "num_loss_tokens": loss, "truncated": truncated})
+    report.records += 1
+    report.tokens += len(ids)
+    report.loss_tokens += loss
+    report.truncated += truncated
+    report.lengths.append(len(ids))
+
+
+def count_tokens(records_dirs: Iterable[Path], out_path: Path, vocab_size: int) -> tuple[int, np.ndarray]:
+    """Write per-token counts over loss-masked tokens of all records; return (total, counts by id)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for directory in records_dirs:
+        for part in list_parts(directory):
+            table = pq.read_table(part, columns=["input_ids", "loss_mask"])
+            ids = pc.list_flatten(table.column("input_ids")).to_numpy()
+            mask = pc.list_flatten(table.column("loss_mask")).to_numpy().astype(bool)
+            counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    order = np.argsort(-counts, kind="stable")
+    nonzero = order[counts[order] > 0]
+    table = pa.table({"token_id": pa.array(nonzero, pa.int32()), "count": pa.array(counts[nonzero], pa.int64())})
+    total = int(counts.sum())
+    write_parquet_atomic(table, out_path, {f"{META}loss_tokens": total, f"{META}vocab_size": vocab_size})
+    return total, counts
+
+
+def coverage(counts: np.ndarray, k: int) -> float:
+    """Share of loss tokens whose token is among the `k` most frequent."""
+    total = counts.sum()
+    return float(np.sort(counts)[::-1][:k].sum() / total) if total else 0.0
+
+
+def dataset_report(dataset: str, records_dir: Path) -> RecordsReport:
+    """One dataset's data report from its records' footers only."""
+    total = summarize_records(records_dir)
+    lengths = sorted(total.lengths)
+    return RecordsReport(
+        dataset=dataset, records=total.records, tokens=total.tokens, loss_tokens=total.loss_tokens,
+        truncated=total.truncated, dropped=total.dropped, rejects=total.dropped.get("rejected", 0), parts_built=0,
+        p50_length=nearest_rank(lengths, 50) or 0, p95_length=nearest_rank(lengths, 95) or 0,
+        max_length=lengths[-1] if lengths else 0,
+    )
+
+
+def record_stats(run_dir: Path) -> list[RecordsReport]:
+    """The data report of every dataset with records (footers only)."""
+    root = Path(run_dir) / "records"
+    directories = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    return [dataset_report(d.name, d) for d in directories]

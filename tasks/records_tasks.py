@@ -1,0 +1,82 @@
+"""Prefect tasks of the records stage: one per dataset, the token counts, the data report."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from tasks.generate_tasks import artifact_key
+from tasks.records import TOKEN_COUNTS, RecordSettings, RecordsReport, build_records, count_tokens, coverage
+
+
+@task(name="target-vocab-size", cache_policy=NO_CACHE)
+def target_vocab_size(target_path: str, trust_remote_code: bool) -> int:
+    """Size of the target tokenizer's vocabulary (what every token id must be below)."""
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code))
+
+
+@task(name="build-records", task_run_name="records {dataset}", cache_policy=NO_CACHE)
+def build_dataset_records(
+    dataset: str,
+    kind: Literal["generate", "passthrough"],
+    run_dir: Path,
+    target_path: str,
+    trust_remote_code: bool,
+    settings: RecordSettings,
+) -> RecordsReport:
+    """Bring one dataset's records up to date with its responses or passthrough rows."""
+    tokenizer = None
+    if kind == "passthrough":  # only conversations need the chat template
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+    source = run_dir / ("responses" if kind == "generate" else "passthrough") / dataset
+    report = build_records(dataset, kind, source, run_dir / "records" / dataset, run_dir / "rejects" / dataset, settings, tokenizer)
+    dropped = ", ".join(f"{k}={v}" for k, v in sorted(report.dropped.items())) or "none"
+    get_run_logger().info(
+        "%s: %d records (%d parts built now), %d tokens, %d loss tokens, %d truncated; left out: %s",
+        dataset, report.records, report.parts_built, report.tokens, report.loss_tokens, report.truncated, dropped,
+    )
+    return report
+
+
+@task(name="token-counts", cache_policy=NO_CACHE)
+def count_record_tokens(run_dir: Path, datasets: list[str], vocab_size: int, draft_vocab_size: int) -> dict[str, Any]:
+    """records/token_counts.parquet over loss-masked tokens, and the draft vocabulary's coverage."""
+    total, counts = count_tokens([run_dir / "records" / d for d in datasets], run_dir / "records" / TOKEN_COUNTS, vocab_size)
+    k = min(draft_vocab_size, vocab_size)
+    share = coverage(counts, k)
+    get_run_logger().info(
+        "token counts: %d loss tokens over %d distinct ids; the top %d cover %.2f%%", total, int((counts > 0).sum()), k, 100 * share
+    )
+    return {"loss_tokens": total, "distinct_tokens": int((counts > 0).sum()), "draft_vocab_size": k, "coverage": share}
+
+
+@task(name="records-report", cache_policy=NO_CACHE)
+def publish_records_report(reports: list[RecordsReport], tokens: dict[str, Any], config_name: str) -> list[dict[str, Any]]:
+    """The data report as a Prefect table artifact plus a markdown note on vocabulary coverage."""
+    rows = [records_row(r) for r in reports]
+    create_table_artifact(table=rows, key=artifact_key("records-report", config_name), description="Training records per dataset")
+    create_markdown_artifact(
+        markdown=(
+            f"**Loss tokens:** {tokens['loss_tokens']:,} over {tokens['distinct_tokens']:,} distinct token ids.\n\n"
+            f"**Draft vocabulary:** the top {tokens['draft_vocab_size']:,} tokens cover "
+            f"{100 * tokens['coverage']:.2f}% of the loss tokens."
+        ),
+        key=artifact_key("records-vocab", config_name),
+    )
+    return rows
+
+
+def records_row(report: RecordsReport) -> dict[str, Any]:
+    row = asdict(report)
+    del row["parts_built"]  # a fact of one run of the stage (logged), not of the data
+    row["dropped"] = ", ".join(f"{k}={v}" for k, v in sorted(report.dropped.items()))
+    return row
