@@ -26,16 +26,24 @@ class TokenBudget:
     wasted: int = 0
     _finished: int = 0
     _finished_tokens: int = 0
+    _finished_sq: int = 0  # sum of squared lengths: for the size-biased mean
 
     @property
     def exhausted(self) -> bool:
         return self.limit is not None and self.spent >= self.limit
 
     def expected_length(self) -> float:
-        """Expected completion tokens of a request not yet finished."""
-        if self._finished < MIN_SAMPLES:
+        """Expected completion tokens of a request still running.
+
+        Not the mean of finished lengths: a request is in flight for a time proportional to its
+        length, so the ones running at any moment are the long ones (length-biased sampling). Their
+        expected length is sum(L^2) / sum(L) over finished responses, which with long-tailed lengths
+        is well above the plain mean; using the plain mean admits too much near the budget and the
+        abort then wastes the long runners' tokens.
+        """
+        if self._finished < MIN_SAMPLES or self._finished_tokens == 0:
             return float(self.max_new_tokens)
-        return self._finished_tokens / self._finished
+        return min(float(self.max_new_tokens), self._finished_sq / self._finished_tokens)
 
     def can_admit(self) -> bool:
         if self.limit is None:
@@ -46,10 +54,11 @@ class TokenBudget:
             return True
         return self.spent + (self.in_flight + 1) * self.expected_length() <= self.limit
 
-    def seed(self, count: int, tokens: int) -> None:
+    def seed(self, lengths: list[int]) -> None:
         """Start the length estimate from responses recorded before a restart."""
-        self._finished += count
-        self._finished_tokens += tokens
+        self._finished += len(lengths)
+        self._finished_tokens += sum(lengths)
+        self._finished_sq += sum(n * n for n in lengths)
 
     def admit(self) -> None:
         self.in_flight += 1
@@ -60,6 +69,7 @@ class TokenBudget:
         self.spent += completion_tokens
         self._finished += 1
         self._finished_tokens += completion_tokens
+        self._finished_sq += completion_tokens * completion_tokens
 
     def discard(self, wasted_tokens: int = 0) -> None:
         """A request ended without a recorded response (aborted, rejected, failed)."""

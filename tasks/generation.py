@@ -119,7 +119,7 @@ async def generate_dataset(
     rejected_before = len(done_ids(rejects_dir))
     queue = deque(p for p in prompts if p.id not in skip)
     budget = TokenBudget(settings.token_budget, int(settings.sampling_params.get("max_new_tokens", 128)), spent=before.completion_tokens)
-    budget.seed(before.rows, before.completion_tokens)
+    budget.seed(before.lengths)
     logger.info(
         "%s: %d prompts, %d already done (%d completion tokens), %d to go",
         settings.dataset, len(prompts), len(prompts) - len(queue), before.completion_tokens, len(queue),
@@ -198,11 +198,15 @@ class _Run:
                 if self.max_input is not None and len(ids) >= self.max_input:
                     self.reject(row, f"prompt is {len(ids)} tokens; the server accepts at most {self.max_input - 1} (max_req_input_len {self.max_input})")
                     continue
-                await self.slots.acquire()
-                if self.stopping or self.failure is not None:
+                await self.slots.acquire()  # may wait for other datasets: the budget may have moved meanwhile
+                if self.stopping or self.failure is not None or not self.budget.can_admit():
                     self.slots.release()
                     queue.appendleft(row)
-                    break
+                    if self.stopping or self.failure is not None:
+                        break
+                    wake.clear()
+                    await wake.wait()
+                    continue
                 self.budget.admit()
                 rid = f"{self.settings.dataset}:{row.id}"
                 task = asyncio.create_task(self.one(row, ids, rid, queue, wake))

@@ -31,7 +31,7 @@ def test_conservative_until_enough_samples_then_mean():
 
 def test_admission_keeps_spent_plus_expected_under_limit():
     budget = TokenBudget(5_000, max_new_tokens=50)
-    budget.seed(MIN_SAMPLES, 50 * MIN_SAMPLES)  # a resumed run: mean 50 known
+    budget.seed([50] * MIN_SAMPLES)  # a resumed run: every length 50 known
     budget.spent = 4_000
     n = 0
     while budget.can_admit():
@@ -57,3 +57,14 @@ def test_exhaustion_and_waste():
     budget.discard(wasted_tokens=42)
     assert budget.wasted == 42 and budget.in_flight == 0
     assert budget.fraction == 310 / 300
+
+
+def test_in_flight_estimate_is_length_biased():
+    # long-tailed lengths: the requests still running are the long ones
+    budget = TokenBudget(10**6, max_new_tokens=10_000)
+    budget.seed([10] * 90 + [1000] * 10)
+    plain_mean = (90 * 10 + 10 * 1000) / 100
+    assert budget.expected_length() == (90 * 100 + 10 * 1000**2) / (90 * 10 + 10 * 1000)
+    assert budget.expected_length() > 8 * plain_mean
+    budget.seed([10**6])  # never above max_new_tokens
+    assert budget.expected_length() == 10_000
