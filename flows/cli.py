@@ -47,7 +47,7 @@ def validate(config: Path = typer.Argument(..., help="The YAML run config to che
     raise typer.Exit(0 if ok else 1)
 
 
-STAGES = ("generate", "records")  # the stages built so far, in pipeline order
+STAGES = ("generate", "records", "capture")  # the stages built so far, in pipeline order
 
 
 @app.command()
@@ -81,9 +81,14 @@ def _run_stages(config: Path, stages: list[str]) -> None:
         err.print(escape(str(exc)), style="red", highlight=False)
         raise typer.Exit(2) from None
     from flows.generate import generate as generate_flow
+    from flows.capture import capture as capture_flow
     from flows.records import records as records_flow
 
-    runners = {"generate": lambda: asyncio.run(generate_flow(str(config))), "records": lambda: records_flow(str(config))}
+    runners = {
+        "generate": lambda: asyncio.run(generate_flow(str(config))),
+        "records": lambda: records_flow(str(config)),
+        "capture": lambda: capture_flow(str(config)),
+    }
     for stage in [s for s in STAGES if s in stages]:
         try:
             runners[stage]()
@@ -91,6 +96,20 @@ def _run_stages(config: Path, stages: list[str]) -> None:
             err.print(f"[red]{stage} failed:[/red] {escape(str(exc))}", highlight=False)
             raise typer.Exit(1) from None
     _print_stats(cfg.run_dir, as_json=False)
+
+
+@app.command()
+def plan(config: Path = typer.Argument(..., help="The YAML run config.")) -> None:
+    """What every stage still has to do: tokens, disk bytes against free space, time when known."""
+    from flows.config import ConfigError, load_config
+    from flows.plan import print_plan
+
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        err.print(escape(str(exc)), style="red", highlight=False)
+        raise typer.Exit(2) from None
+    raise typer.Exit(0 if print_plan(cfg, console) else 1)
 
 
 @app.command()
@@ -109,11 +128,10 @@ def _print_stats(run_dir: Path, *, as_json: bool) -> None:
     import json
 
     from tasks.records import record_stats
-    from tasks.records_tasks import records_row
     from tasks.stats import collect_stats, render_rows_table, render_stats_table, stats_rows
 
     collected = collect_stats(run_dir)
-    records = [records_row(r) for r in record_stats(run_dir)]
+    records = [r.row() for r in record_stats(run_dir)]
     if as_json:
         print(json.dumps({"responses": stats_rows(collected), "records": records}, indent=2))
         return

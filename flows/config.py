@@ -172,6 +172,55 @@ class RecordsConfig(Section):
     )
 
 
+class CaptureConfig(Section):
+    """The DeepSpeed job that captures the target's hidden states for every training record."""
+
+    num_gpus: int = Field(
+        default=8, ge=1, description="Ranks of the capture job: one per GPU (on a CPU-only machine, CPU processes)."
+    )
+    mode: Literal["replicate", "zero3"] = Field(
+        default="replicate",
+        description="`replicate`: every rank holds the whole target (data parallel; the target must "
+        "fit one GPU). `zero3`: parameters partitioned over the ranks with DeepSpeed ZeRO-3 "
+        "(targets larger than one GPU; see offload).",
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="Dtype the target runs and the hidden states are stored in; auto: the checkpoint's."
+    )
+    aux_layers: list[int] | None = Field(
+        default=None,
+        description="0-based decoder layers whose outputs are captured; default [1, L//2-1, L-4] (EAGLE-3).",
+    )
+    max_batch_tokens: int = Field(default=16384, ge=1, description="Padded tokens per forward pass on one rank.")
+    shard_tokens: int = Field(
+        default=16384, ge=1, description="Tokens per safetensors shard (a kill loses at most one unfinished shard per rank)."
+    )
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="Capture at most this many tokens in total (one way to fit a disk: the remaining records are not captured)."
+    )
+    offload: Literal["none", "cpu", "nvme"] = Field(
+        default="none", description="zero3 only: where partitioned parameters live between uses."
+    )
+    nvme_path: Path | None = Field(default=None, description="zero3 with offload: nvme: a fast local directory.")
+    out_dir: Path | None = Field(
+        default=None, description="Where the hidden states go; default RUN_DIR/hidden. Put it on a big disk."
+    )
+    disk_margin: float = Field(
+        default=0.05, ge=0, lt=1, description="Share of the free space kept free: the job must fit in the rest."
+    )
+    launcher: Literal["auto", "torchrun", "deepspeed"] = Field(
+        default="auto", description="auto: the deepspeed launcher on a CUDA machine, torchrun (gloo, DS_ACCELERATOR=cpu) otherwise."
+    )
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> CaptureConfig:
+        if self.offload == "nvme" and self.nvme_path is None:
+            raise ValueError("offload: nvme needs nvme_path (a fast local directory for the parameters)")
+        if self.offload != "none" and self.mode != "zero3":
+            raise ValueError("offload applies to mode: zero3 only")
+        return self
+
+
 class DatasetConfig(Section):
     """One input dataset: a file or directory of prompt rows (generate) or finished rows (passthrough)."""
 
@@ -236,6 +285,7 @@ class RunConfig(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     records: RecordsConfig = Field(default_factory=RecordsConfig)
+    capture: CaptureConfig = Field(default_factory=CaptureConfig)
     datasets: list[DatasetConfig] = Field(min_length=1, description="The input datasets, in order.")
 
     @model_validator(mode="after")
@@ -251,11 +301,20 @@ class RunConfig(Section):
         """Return a copy whose relative paths are made absolute against `base`."""
         out = self.model_copy(deep=True)
         out.run_dir = _absolute(out.run_dir, base)
+        if out.capture.out_dir is not None:
+            out.capture.out_dir = _absolute(out.capture.out_dir, base)
+        if out.capture.nvme_path is not None:
+            out.capture.nvme_path = _absolute(out.capture.nvme_path, base)
         for dataset in out.datasets:
             dataset.path = _absolute(dataset.path, base)
         if out.target.build_tiny_target or not _looks_like_hub_id(out.target.path):
             out.target.path = str(_absolute(Path(out.target.path), base))
         return out
+
+    @property
+    def hidden_dir(self) -> Path:
+        """Where the capture stage writes hidden states."""
+        return self.capture.out_dir or self.run_dir / "hidden"
 
     def dataset(self, name: str) -> DatasetConfig:
         """The dataset called `name`; KeyError lists the names there are."""

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flows.config import RunConfig, dump_config, load_config
+from flows.capture import capture
 from flows.generate import generate
 from flows.records import records
 from models.tiny_target import build_tiny_target
@@ -59,6 +60,13 @@ def run_demo(run_dir: Path | None = None, console: Console | None = None, target
     report = records(str(config_path))
     console.print(render_rows_table("data report: training records per dataset", report))
     console.print(f"token counts for the draft vocabulary: {config.run_dir / 'records' / TOKEN_COUNTS}")
+
+    console.rule("stage 3: capture (Prefect flow, DeepSpeed/torchrun job)")
+    hidden = capture(str(config_path))
+    console.print(
+        f"hidden states: {hidden['samples']:,} samples, {hidden['tokens']:,} tokens, aux layers {hidden['aux_layers']} "
+        f"+ final, {hidden['dtype']}, in {config.hidden_dir}"
+    )
     console.print(f"run directory: {config.run_dir}   (`eagle3 stats {config.run_dir}` prints the tables again)")
     return config
 

@@ -107,6 +107,13 @@ class RecordsReport:
     p95_length: int
     max_length: int
 
+    def row(self) -> dict[str, Any]:
+        """The report as a table row (artifact, `eagle3 stats`)."""
+        row = asdict(self)
+        del row["parts_built"]  # a fact of one run of the stage (logged), not of the data
+        row["dropped"] = ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items()))
+        return row
+
 
 def build_records(
     dataset: str,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,7 +61,7 @@ def count_record_tokens(run_dir: Path, datasets: list[str], vocab_size: int, dra
 @task(name="records-report", cache_policy=NO_CACHE)
 def publish_records_report(reports: list[RecordsReport], tokens: dict[str, Any], config_name: str) -> list[dict[str, Any]]:
     """The data report as a Prefect table artifact plus a markdown note on vocabulary coverage."""
-    rows = [records_row(r) for r in reports]
+    rows = [r.row() for r in reports]
     create_table_artifact(table=rows, key=artifact_key("records-report", config_name), description="Training records per dataset")
     create_markdown_artifact(
         markdown=(
@@ -73,10 +72,3 @@ def publish_records_report(reports: list[RecordsReport], tokens: dict[str, Any],
         key=artifact_key("records-vocab", config_name),
     )
     return rows
-
-
-def records_row(report: RecordsReport) -> dict[str, Any]:
-    row = asdict(report)
-    del row["parts_built"]  # a fact of one run of the stage (logged), not of the data
-    row["dropped"] = ", ".join(f"{k}={v}" for k, v in sorted(report.dropped.items()))
-    return row

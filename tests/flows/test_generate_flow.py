@@ -12,8 +12,12 @@ import yaml
 from prefect.client.orchestration import get_client
 
 from deploy.sim_server import SimServer
+from flows.capture import capture
 from flows.generate import generate
 from flows.records import records
+from models.hidden_shards import read_sample
+from tasks import capture_plan
+from tasks.capture_plan import DiskTooSmall
 from tasks.checkpoints import live_parts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +47,7 @@ async def artifacts_by_key() -> dict[str, object]:
         return {a.key: a for a in await client.read_artifacts() if a.key}
 
 
-def test_generate_then_records_flows_publish_their_artifacts(tmp_path, tiny_target_dir):
+def test_generate_records_capture_flows_publish_their_artifacts(tmp_path, tiny_target_dir, monkeypatch):
     with SimServer(max_running=4, decode_s_per_token=0.0005, mean_len=12, vocab_size=2048, eos_token_id=1) as srv:
         config = write_config(tmp_path, srv.url, tiny_target_dir)
         rows = asyncio.run(generate(str(config)))
@@ -74,6 +78,27 @@ def test_generate_then_records_flows_publish_their_artifacts(tmp_path, tiny_targ
     artifacts = asyncio.run(artifacts_by_key())
     assert artifacts["records-report-cfg"].type == "table"
     assert "cover" in artifacts["records-vocab-cfg"].data
+
+    # capture: refused up front when the disk is too small, then run on 2 CPU ranks
+    usage = capture_plan.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(capture_plan.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    with pytest.raises(DiskTooSmall, match="capture.max_tokens"):
+        capture(str(config))
+    assert not (run / "jobs/capture.json").exists()  # nothing launched
+    monkeypatch.undo()
+    data = yaml.safe_load(config.read_text())
+    data["capture"] = {"num_gpus": 2, "shard_tokens": 2000, "max_batch_tokens": 1024}
+    config.write_text(yaml.safe_dump(data))
+    hidden = capture(str(config))
+    total_records = sum(r["records"] for r in report.values())
+    assert hidden["samples"] == total_records and hidden["aux_layers"] == [1, 3, 4] and hidden["hidden_size"] == 128
+    index = pq.read_table(run / "hidden/index.parquet").to_pylist()
+    assert len({(r["dataset"], r["id"]) for r in index}) == len(index) == total_records
+    sample = read_sample(run / "hidden" / index[0]["shard"], index[0]["offset"], index[0]["length"])
+    assert sample["aux_hidden"].shape == (index[0]["length"], 3 * 128) and sample["last_hidden"].shape == (index[0]["length"], 128)
+    assert asyncio.run(artifacts_by_key())["capture-cfg"].data == 100.0
+    again = capture(str(config))  # resume: nothing left to capture, nothing duplicated
+    assert again["samples"] == total_records
 
 
 def test_a_bad_dataset_fails_the_flow_but_not_the_others(tmp_path, tiny_target_dir):

@@ -1,0 +1,589 @@
+"""Capture rank entry point: run the target over the training records, keep EAGLE-3 hidden states.
+
+    torchrun --nproc_per_node N -m models.capture --job JOB.json     (or the `deepspeed` launcher)
+    python -m models.capture --job JOB.json                          (WORLD_SIZE unset: one process)
+
+For every record (trimmed after its last loss token: later tokens train nothing) a rank stores
+the outputs of the three aux decoder layers (`hidden_states[k+1]` for 0-based layer k, concatenated
+to [n, 3H]) and the final hidden state (`hidden_states[-1]`, [n, H]) in the target dtype, as
+safetensors shards (models/hidden_shards.py) in `out_dir`; rank 0 writes `index.parquet` at the end.
+
+Work split. Every rank reads the same records and the same finished shards, so every rank computes
+the same pending set and the same deal without talking to the others: pending samples sorted by
+length (longest first, ties by (dataset, id)), each given to the rank with the fewest tokens so far.
+A resumed run skips every sample in a complete shard; shards are atomic, so a kill loses at most
+what the ranks held in memory (< shard_tokens per rank).
+
+Modes.
+- replicate: every rank holds a whole copy of the target (fits one device).
+- zero3: the target's parameters are partitioned over the ranks with DeepSpeed ZeRO-3 (optionally
+  offloaded to CPU or NVMe); every forward gathers each layer's parameters collectively, so all ranks
+  must call forward the same number of times: ranks with fewer batches run 1-token dummy forwards.
+  MoE blocks are made ZeRO-3 leaf modules (all experts gathered at once) because a rank whose tokens
+  route to other experts than its peers' would otherwise wait for a gather its peers never start.
+  Quantized (e.g. INT4) checkpoints are not partitioned by ZeRO-3: use a BF16 copy with offload.
+
+The final hidden state: with transformers 5, `@capture_outputs` replaces `hidden_states[-1]` by the
+base model's `last_hidden_state` (after the final norm) unless `config.tie_last_hidden_states` is
+False, which this module refuses; transformers 4.x Llama and DeepSeek-V3 remote code append the
+normed state last as well. tests/models/test_capture.py checks it against the final norm's output.
+
+Progress goes to stdout as `CAPTURE_PROGRESS rank=R done=a total=b tokens=t` (samples done / this
+rank's samples this run, tokens captured this run), at most every 2 s and at the end. Errors go to
+stderr with a traceback and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import inspect
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import numpy as np
+import torch
+
+from models.hidden_shards import ShardWriter, clean_temps, list_shards, shard_metadata, write_index
+
+PROGRESS_EVERY_S = 2.0
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Name fragments of MoE block classes (DeepseekV3MoE, Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock,
+# *Experts in transformers 5). Only the outermost match becomes a ZeRO-3 leaf: a leaf gathers
+# everything below it in one go.
+MOE_NAME_HINTS = ("moe", "sparsemoe", "experts")
+
+
+@dataclass
+class DatasetRecords:
+    """One dataset's training records: RUN_DIR/records/<name>/part-*.parquet."""
+
+    name: str
+    records_dir: str
+
+
+@dataclass
+class CaptureJob:
+    """The JOB.json a capture launch reads (written by the pipeline; unknown keys are rejected)."""
+
+    target_path: str  # HF checkpoint dir or hub id of the target
+    datasets: list[DatasetRecords]
+    out_dir: str  # shards + index.parquet go here (RUN_DIR/hidden)
+    trust_remote_code: bool = False
+    aux_layers: list[int] | None = None  # 0-based decoder layers; None -> [1, L//2-1, L-4]
+    mode: Literal["replicate", "zero3"] = "replicate"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"  # auto: the checkpoint's dtype
+    max_batch_tokens: int = 8192  # padded tokens per forward (a longer sample runs alone)
+    shard_tokens: int = 65536  # a rank writes a shard once it holds this many tokens
+    max_tokens: int | None = None  # cap on the tokens THIS launch captures (the caller subtracts earlier runs')
+    offload: Literal["none", "cpu", "nvme"] = "none"  # zero3 parameter offload
+    nvme_path: str | None = None  # required for offload "nvme"
+    device: Literal["cpu", "cuda"] = "cuda"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> CaptureJob:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"capture job: unknown keys {unknown}")
+        missing = sorted(f.name for f in fields(cls) if f.name in ("target_path", "datasets", "out_dir") and f.name not in raw)
+        if missing:
+            raise ValueError(f"capture job: missing keys {missing}")
+        data = dict(raw)
+        datasets = []
+        for i, d in enumerate(data["datasets"]):
+            if not isinstance(d, dict) or set(d) != {"name", "records_dir"}:
+                raise ValueError(f"capture job: datasets[{i}] must be {{name, records_dir}}, got {d!r}")
+            datasets.append(DatasetRecords(str(d["name"]), str(d["records_dir"])))
+        data["datasets"] = datasets
+        job = cls(**data)
+        job.validate()
+        return job
+
+    @classmethod
+    def load(cls, path: str | Path) -> CaptureJob:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot read capture job: {e}") from e
+        try:
+            return cls.from_dict(raw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def validate(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"capture job: {msg}")
+
+        check(self.mode in ("replicate", "zero3"), f"mode must be replicate|zero3, got {self.mode!r}")
+        check(self.dtype in (*DTYPES, "auto"), f"dtype must be one of {[*DTYPES, 'auto']}, got {self.dtype!r}")
+        check(self.offload in ("none", "cpu", "nvme"), f"offload must be none|cpu|nvme, got {self.offload!r}")
+        check(self.device in ("cpu", "cuda"), f"device must be cpu|cuda, got {self.device!r}")
+        check(self.offload == "none" or self.mode == "zero3", "offload needs mode zero3")
+        check(self.offload != "nvme" or bool(self.nvme_path), "offload nvme needs nvme_path")
+        check(isinstance(self.max_batch_tokens, int) and self.max_batch_tokens >= 1, "max_batch_tokens must be >= 1")
+        check(isinstance(self.shard_tokens, int) and self.shard_tokens >= 1, "shard_tokens must be >= 1")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
+              "max_tokens must be null or >= 0")
+        check(self.aux_layers is None or (len(self.aux_layers) == 3 and len(set(self.aux_layers)) == 3
+                                          and all(isinstance(k, int) and k >= 0 for k in self.aux_layers)),
+              f"aux_layers must be null or 3 distinct layer indices, got {self.aux_layers!r}")
+        names = [d.name for d in self.datasets]
+        check(len(names) == len(set(names)), f"duplicate dataset names in {names}")
+
+
+# --- records and the plan -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One record to capture: rows [start, start+length) of `part`'s flat arrays (already trimmed)."""
+
+    dataset: str
+    id: str
+    part: int
+    start: int
+    length: int
+
+
+@dataclass
+class RecordPart:
+    """A records part held as flat token arrays (row i starts at `Sample.start`)."""
+
+    path: Path
+    input_ids: np.ndarray  # int32 [tokens]
+    loss_mask: np.ndarray  # uint8 [tokens]
+
+
+def trimmed_length(loss_mask: np.ndarray) -> int:
+    """Tokens up to and including the last loss token (0 when nothing is trained)."""
+    nz = np.flatnonzero(loss_mask)
+    return int(nz[-1]) + 1 if nz.size else 0
+
+
+def load_records(datasets: list[DatasetRecords], vocab_size: int | None = None) -> tuple[list[Sample], list[RecordPart], int]:
+    """Every record with at least one loss token, trimmed; also the parts and how many had none."""
+    import pyarrow.parquet as pq
+
+    samples: list[Sample] = []
+    parts: list[RecordPart] = []
+    seen: dict[tuple[str, str], Path] = {}
+    no_loss = 0
+    for ds in datasets:
+        records_dir = Path(ds.records_dir)
+        if not records_dir.is_dir():
+            raise FileNotFoundError(f"records of dataset {ds.name!r}: {records_dir} is not a directory")
+        for path in sorted(records_dir.glob("part-*.parquet")):
+            table = pq.read_table(path, columns=["id", "input_ids", "loss_mask"])
+            ids = table.column("id").to_pylist()
+            input_ids, id_starts = _flat_lists(table.column("input_ids"), path, "input_ids")
+            loss_mask, mask_starts = _flat_lists(table.column("loss_mask"), path, "loss_mask")
+            if not np.array_equal(np.diff(id_starts), np.diff(mask_starts)):
+                row = int(np.flatnonzero(np.diff(id_starts) != np.diff(mask_starts))[0])
+                raise ValueError(f"{path}: row {row} (id {ids[row]!r}): input_ids and loss_mask lengths differ")
+            input_ids = input_ids.astype(np.int32, copy=False)
+            loss_mask = (loss_mask != 0).astype(np.uint8)
+            if input_ids.size and (input_ids.min() < 0 or (vocab_size is not None and input_ids.max() >= vocab_size)):
+                bad = int(np.flatnonzero((input_ids < 0) | (input_ids >= (vocab_size or np.iinfo(np.int32).max)))[0])
+                row = int(np.searchsorted(id_starts, bad, side="right") - 1)
+                raise ValueError(f"{path}: row {row} (id {ids[row]!r}): token id {int(input_ids[bad])} "
+                                 f"outside the target vocab [0, {vocab_size})")
+            part = len(parts)
+            parts.append(RecordPart(path, input_ids, loss_mask))
+            for row, sample_id in enumerate(ids):
+                if sample_id is None:
+                    raise ValueError(f"{path}: row {row}: id is null")
+                key = (ds.name, sample_id)
+                if key in seen:
+                    raise ValueError(f"dataset {ds.name!r}: id {sample_id!r} in both {seen[key]} and {path} (row {row})")
+                seen[key] = path
+                start, end = int(id_starts[row]), int(id_starts[row + 1])
+                n = trimmed_length(loss_mask[start:end])
+                if n == 0:
+                    no_loss += 1
+                    continue
+                samples.append(Sample(ds.name, sample_id, part, start, n))
+    return samples, parts, no_loss
+
+
+def _flat_lists(column: Any, path: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as (flat values, row starts with a final end), rebased to 0."""
+    arr = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    if arr.null_count:
+        raise ValueError(f"{path}: column {name} has {arr.null_count} null rows")
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    return values, offsets - offsets[0]
+
+
+def within_token_cap(pending: list[Sample], budget: int | None) -> list[Sample]:
+    """The samples this launch captures under `budget` tokens: a prefix in a stable hash order of (dataset, id).
+
+    The hash order mixes datasets and lengths (a length order would keep only short or long ones),
+    and it is the same on every resume: given the overall cap minus the tokens earlier launches
+    captured, a killed capture continues with exactly the samples it would have taken anyway.
+    """
+    if budget is None:
+        return pending
+    chosen, used = [], 0
+    for s in sorted(pending, key=lambda s: hashlib.sha256(f"{s.dataset}\0{s.id}".encode()).digest()):
+        if used + s.length > budget:
+            break
+        chosen.append(s)
+        used += s.length
+    return chosen
+
+
+def deal(samples: list[Sample], world_size: int) -> list[list[Sample]]:
+    """Split samples over ranks with balanced token counts; each share comes out longest first."""
+    shares: list[list[Sample]] = [[] for _ in range(world_size)]
+    loads = [(0, r) for r in range(world_size)]  # (tokens so far, rank): ties go to the lower rank
+    for s in sorted(samples, key=lambda s: (-s.length, s.dataset, s.id)):
+        tokens, r = heapq.heappop(loads)
+        shares[r].append(s)
+        heapq.heappush(loads, (tokens + s.length, r))
+    return shares
+
+
+def make_batches(samples: list[Sample], max_batch_tokens: int) -> list[list[Sample]]:
+    """Group longest-first samples so that batch size x longest length <= max_batch_tokens."""
+    batches: list[list[Sample]] = []
+    current: list[Sample] = []
+    for s in samples:
+        if current and current[0].length * (len(current) + 1) > max_batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(s)
+    if current:
+        batches.append(current)
+    return batches
+
+
+# --- the target --------------------------------------------------------------------------------------
+
+
+def resolve_dtype(name: str, config: Any) -> torch.dtype:
+    """The capture dtype: the named one, or for "auto" the checkpoint's (float32 when it says none)."""
+    if name != "auto":
+        return DTYPES[name]
+    found = getattr(config, "dtype", None) or config.to_dict().get("torch_dtype")
+    if isinstance(found, str):
+        found = getattr(torch, found.removeprefix("torch."), None)
+    return found if isinstance(found, torch.dtype) else torch.float32
+
+
+def ds_inference_config(dtype: torch.dtype, offload: str, nvme_path: str | None, device: str,
+                        largest_param_numel: int = 0) -> dict[str, Any]:
+    """A ZeRO-3 inference config (no optimizer): parameters partitioned, optionally offloaded."""
+    zero: dict[str, Any] = {"stage": 3}
+    if offload == "cpu":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": device == "cuda"}
+    elif offload == "nvme":
+        zero["offload_param"] = {
+            "device": "nvme",
+            "nvme_path": nvme_path,
+            "pin_memory": device == "cuda",
+            # every swap buffer must hold the largest parameter (the embedding, for big vocabs)
+            "buffer_size": int(max(1e8, largest_param_numel)),
+        }
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def moe_leaf_classes(model: torch.nn.Module) -> list[type]:
+    """Classes of the outermost modules whose class name looks like an MoE block (see MOE_NAME_HINTS)."""
+    classes: list[type] = []
+    matched: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(m + ".") for m in matched):
+            continue
+        cls_name = type(module).__name__.lower()
+        if any(h in cls_name for h in MOE_NAME_HINTS):
+            matched.append(name)
+            if type(module) not in classes:
+                classes.append(type(module))
+    return classes
+
+
+def num_decoder_layers(config: Any) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.num_hidden_layers)
+
+
+# --- the rank ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    """This process's place in the launch (WORLD_SIZE unset: a single process, no process group)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    group: bool = False  # a torch.distributed process group is up
+
+    @classmethod
+    def from_env(cls) -> Dist:
+        if "WORLD_SIZE" not in os.environ:
+            return cls()
+        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+
+    def barrier(self) -> None:
+        if self.group:
+            torch.distributed.barrier()
+
+    def max(self, value: int, device: torch.device) -> int:
+        if not self.group:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
+
+def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
+    """Capture this rank's share of the pending samples; return {"samples", "tokens"} captured here."""
+    from transformers import AutoConfig
+
+    out_dir = Path(job.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(f"cuda:{dist.local_rank}" if job.device == "cuda" else "cpu")
+    if job.device == "cuda":
+        torch.cuda.set_device(device)
+
+    config = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
+    if getattr(config, "tie_last_hidden_states", True) is False:
+        raise ValueError(f"{job.target_path}: config.tie_last_hidden_states=False: hidden_states[-1] "
+                         "would be the pre-norm state; the capture needs the post-norm one")
+    dtype = resolve_dtype(job.dtype, config)
+    num_layers = num_decoder_layers(config)
+    if job.aux_layers is None:
+        from models.tiny_target import default_aux_layers
+
+        aux_layers = default_aux_layers(num_layers)
+    else:
+        aux_layers = list(job.aux_layers)
+    if max(aux_layers) >= num_layers:
+        raise ValueError(f"aux_layers {aux_layers} out of range for a {num_layers}-layer target")
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden_size = int(text_config.hidden_size)
+    vocab_size = getattr(text_config, "vocab_size", None)
+
+    _init_process_group(job, dist)
+
+    # The plan: identical on every rank, because every rank reads the same files before any rank
+    # writes (the barrier below) and the deal is deterministic.
+    existing = [shard_metadata(p) for p in list_shards(out_dir)]
+    _check_compatible(existing, out_dir, hidden_size, aux_layers, dtype)
+    done = {(s["dataset"], s["id"]) for m in existing for s in m["samples"]}
+    samples, parts, no_loss = load_records(job.datasets, vocab_size)
+    pending = within_token_cap([s for s in samples if (s.dataset, s.id) not in done], job.max_tokens)
+    mine = deal(pending, dist.world_size)[dist.rank]
+    batches = make_batches(mine, job.max_batch_tokens)
+    if dist.rank == 0:
+        clean_temps(out_dir)  # leftovers of killed writers; nobody writes before the barrier
+        _log(f"capture: {len(samples)} records with loss tokens ({no_loss} without, skipped), "
+             f"{len(done)} already captured, {len(pending)} pending over {dist.world_size} rank(s); "
+             f"aux_layers={aux_layers} dtype={str(dtype).removeprefix('torch.')} mode={job.mode}")
+    dist.barrier()
+    del samples, pending  # only this rank's share stays referenced
+
+    forward, model = _load_target(job, dist, dtype, device)
+    call_kwargs = {"output_hidden_states": True, "use_cache": False}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        call_kwargs["logits_to_keep"] = 1  # the capture never reads logits: skip the [n, vocab] matmul
+    pad_id = config.pad_token_id if isinstance(getattr(config, "pad_token_id", None), int) else 0
+
+    # ZeRO-3 gathers parameters collectively inside forward: every rank runs the same number.
+    steps = dist.max(len(batches), device) if job.mode == "zero3" else len(batches)
+    total = len(mine)
+    done_here = tokens_here = 0
+    last_report = time.monotonic()
+    print(f"CAPTURE_PROGRESS rank={dist.rank} done=0 total={total} tokens=0", flush=True)
+    with ShardWriter(out_dir, dist.rank, job.shard_tokens, aux_layers=aux_layers) as writer, torch.no_grad():
+        for step in range(steps):
+            if step >= len(batches):
+                forward(input_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device),
+                        attention_mask=torch.ones((1, 1), dtype=torch.long, device=device), **call_kwargs)
+                continue
+            batch = batches[step]
+            for s, aux, last in capture_batch(forward, batch, parts, aux_layers, num_layers, pad_id, device, call_kwargs):
+                part = parts[s.part]
+                writer.add(s.id, s.dataset,
+                           torch.from_numpy(part.input_ids[s.start : s.start + s.length].copy()),
+                           torch.from_numpy(part.loss_mask[s.start : s.start + s.length].copy()),
+                           aux, last)
+                done_here += 1
+                tokens_here += s.length
+            if time.monotonic() - last_report >= PROGRESS_EVERY_S:
+                print(f"CAPTURE_PROGRESS rank={dist.rank} done={done_here} total={total} tokens={tokens_here}", flush=True)
+                last_report = time.monotonic()
+    print(f"CAPTURE_PROGRESS rank={dist.rank} done={done_here} total={total} tokens={tokens_here}", flush=True)
+    _log(f"capture: rank {dist.rank} ran {len(batches)} batches and {steps - len(batches)} padding forwards, "
+         f"wrote {len(writer.written)} shards")
+
+    dist.barrier()  # every rank's shards are complete
+    if dist.rank == 0:
+        write_index(out_dir)
+    dist.barrier()
+    return {"samples": done_here, "tokens": tokens_here}
+
+
+def capture_batch(forward: Callable[..., Any], batch: list[Sample], parts: list[RecordPart], aux_layers: list[int],
+                  num_layers: int, pad_id: int, device: torch.device, call_kwargs: dict[str, Any]):
+    """One right-padded forward; yield (sample, aux [n, 3H], last [n, H]) on the CPU, unpadded."""
+    width = max(s.length for s in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, S]
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, S]
+    for i, s in enumerate(batch):
+        input_ids[i, : s.length] = torch.from_numpy(parts[s.part].input_ids[s.start : s.start + s.length].astype(np.int64))
+        attention_mask[i, : s.length] = 1
+    out = forward(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **call_kwargs)
+    hidden = out.hidden_states  # L+1 tensors [B, S, H]; [0] is the embeddings
+    if len(hidden) != num_layers + 1:
+        raise RuntimeError(f"the target returned {len(hidden)} hidden states, expected {num_layers + 1}")
+    aux = torch.cat([hidden[k + 1] for k in aux_layers], dim=-1).cpu()  # [B, S, 3H]
+    last = hidden[-1].cpu()  # [B, S, H], after the final norm
+    for i, s in enumerate(batch):
+        yield s, aux[i, : s.length], last[i, : s.length]
+
+
+def _init_process_group(job: CaptureJob, dist: Dist) -> None:
+    backend = "nccl" if job.device == "cuda" else "gloo"
+    if job.mode == "zero3":
+        if job.device == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if "WORLD_SIZE" not in os.environ:  # a lone process still needs a (1-rank) group for DeepSpeed
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=backend)
+        dist.group = True
+    elif dist.world_size > 1:
+        torch.distributed.init_process_group(backend=backend)
+        dist.group = True
+
+
+def _load_target(job: CaptureJob, dist: Dist, dtype: torch.dtype, device: torch.device) -> tuple[Callable[..., Any], torch.nn.Module]:
+    """(forward, model): the model itself (replicate) or its DeepSpeed engine (zero3), and the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    if job.mode == "replicate":
+        model = AutoModelForCausalLM.from_pretrained(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code)
+        model = model.to(device).eval().requires_grad_(False)
+        return model, model
+
+    import deepspeed
+    from deepspeed.utils import set_z3_leaf_modules
+    from transformers import AutoConfig
+    from transformers.integrations import HfDeepSpeedConfig
+
+    config = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    largest = int(getattr(text, "vocab_size", 0) or 0) * int(getattr(text, "hidden_size", 0) or 0)
+    ds_config = ds_inference_config(dtype, job.offload, job.nvme_path, job.device, largest)
+    # Must exist (and stay referenced: transformers keeps only a weak reference) BEFORE
+    # from_pretrained, so the weights are created partitioned (zero.Init) instead of whole on every rank.
+    hf_ds_config = HfDeepSpeedConfig(ds_config)
+    model = AutoModelForCausalLM.from_pretrained(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code)
+    leaves = moe_leaf_classes(model)
+    if leaves:
+        set_z3_leaf_modules(model, leaves)
+        if dist.rank == 0:
+            _log(f"capture: ZeRO-3 leaf modules: {[c.__name__ for c in leaves]}")
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    engine.module.eval().requires_grad_(False)
+    params = list(engine.module.parameters())
+    held = sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor"))
+    _log(f"capture: rank {dist.rank} holds {held:,} of {sum(getattr(p, 'ds_numel', p.numel()) for p in params):,} "
+         f"parameters (ZeRO-3, offload {job.offload})")
+    engine._capture_hf_ds_config = hf_ds_config  # keep it alive as long as the engine
+    return engine, engine.module
+
+
+def _check_compatible(existing: list[dict], out_dir: Path, hidden_size: int, aux_layers: list[int], dtype: torch.dtype) -> None:
+    want = {"hidden_size": hidden_size, "aux_layers": aux_layers, "dtype": str(dtype).removeprefix("torch.")}
+    for meta in existing[:1]:  # all shards come from runs that passed this same check
+        have = {k: meta.get(k) for k in want}
+        if have != want:
+            raise ValueError(f"{out_dir} holds shards captured with {have}, this job captures {want}: "
+                             "use another out_dir or remove the old shards")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _exit_with_launcher() -> None:
+    """Exit when the launcher dies: torchrun starts each rank in its own session, so a SIGKILL of the
+    launcher's process group would otherwise leave the ranks running (and writing shards)."""
+    parent = os.getppid()
+    if parent == 1:
+        return
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                _log(f"capture: launcher (pid {parent}) is gone; exiting")
+                os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m models.capture", description=__doc__.splitlines()[0])
+    parser.add_argument("--job", required=True, help="path of the capture JOB.json")
+    # The `deepspeed` launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    dist = Dist.from_env()
+    try:
+        if "WORLD_SIZE" in os.environ:
+            _exit_with_launcher()
+        job = CaptureJob.load(args.job)
+        run(job, dist)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher as a nonzero exit
+        if isinstance(e, SystemExit) and not e.code:
+            return 0
+        print(f"capture rank {dist.rank} failed: {e!r}", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        return 1
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            try:
+                torch.distributed.destroy_process_group()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

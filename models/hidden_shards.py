@@ -1,0 +1,239 @@
+"""Captured hidden states on disk: safetensors shards of many samples, plus a Parquet index.
+
+A shard `shard-{rank:03d}-{seq:06d}.safetensors` holds whole samples concatenated along the token
+axis (T = the shard's tokens, H = the target's hidden size):
+
+    input_ids    int32        [T]
+    loss_mask    uint8        [T]
+    aux_hidden   target dtype [T, 3H]   outputs of the three aux decoder layers, concatenated
+    last_hidden  target dtype [T, H]    the final hidden state, after the final norm
+
+Its string metadata (read from the header alone, no tensor bytes) says which rows belong to which
+sample: `samples` = JSON list of {"id", "dataset", "offset", "length"}, and `hidden_size`,
+`aux_layers` (JSON list), `dtype` (e.g. "float32"), `num_tokens`, `format`.
+
+Shards are written to a temporary name starting with '.', fsynced and renamed into place, so a
+shard that exists is complete: a resumed capture trusts every `shard-*.safetensors` and skips the
+samples listed in them. Each rank writes only its own `shard-{rank:03d}-*` names, so ranks never
+race for a file name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT = "eagle3-hidden-v1"
+TENSORS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
+INDEX_NAME = "index.parquet"
+_SHARD_RE = re.compile(r"^shard-(\d{3,})-(\d{6,})\.safetensors$")
+_TMP_PREFIX = ".shard-"
+
+
+def shard_name(rank: int, seq: int) -> str:
+    return f"shard-{rank:03d}-{seq:06d}.safetensors"
+
+
+def list_shards(out_dir: str | Path) -> list[Path]:
+    """Complete shards in `out_dir` in (rank, seq) order; temp files are never listed."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    found = []
+    for p in out_dir.iterdir():
+        m = _SHARD_RE.match(p.name)
+        if m:
+            found.append((int(m.group(1)), int(m.group(2)), p))
+    return [p for _, _, p in sorted(found)]
+
+
+def shard_metadata(path: str | Path) -> dict:
+    """The decoded metadata of one shard (header only): samples, hidden_size, aux_layers, dtype, ..."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = f.metadata() or {}
+        meta = dict(raw)
+        meta["samples"] = json.loads(raw["samples"])
+        meta["aux_layers"] = json.loads(raw["aux_layers"])
+        meta["hidden_size"] = int(raw["hidden_size"])
+        meta["num_tokens"] = int(raw.get("num_tokens", sum(s["length"] for s in meta["samples"])))
+    except Exception as e:  # a complete shard is never partial: this is damage, not a crash
+        raise ValueError(f"{path}: not a readable hidden-state shard: {e}") from e
+    return meta
+
+
+def iter_shard_index(out_dir: str | Path) -> Iterator[dict]:
+    """One row per captured sample: {"id", "dataset", "shard" (file name), "offset", "length"}."""
+    for path in list_shards(out_dir):
+        for s in shard_metadata(path)["samples"]:
+            yield {"id": s["id"], "dataset": s["dataset"], "shard": path.name,
+                   "offset": int(s["offset"]), "length": int(s["length"])}
+
+
+def done_sample_keys(out_dir: str | Path) -> set[tuple[str, str]]:
+    """(dataset, id) of every sample in a complete shard of `out_dir`, from shard headers only."""
+    return {(row["dataset"], row["id"]) for row in iter_shard_index(out_dir)}
+
+
+def read_sample(shard_path: str | Path, offset: int, length: int) -> dict[str, torch.Tensor]:
+    """The rows [offset, offset+length) of every tensor in a shard, read through a memory map."""
+    out = {}
+    with safe_open(str(shard_path), framework="pt") as f:
+        for name in TENSORS:
+            out[name] = f.get_slice(name)[offset : offset + length]
+    return out
+
+
+def clean_temps(out_dir: str | Path, rank: int | None = None) -> int:
+    """Remove temp files a killed writer left behind (all ranks', or only `rank`'s); return how many."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return 0
+    prefix = _TMP_PREFIX if rank is None else f"{_TMP_PREFIX}{rank:03d}-"
+    n = 0
+    for p in out_dir.iterdir():
+        if p.name.startswith(prefix):
+            p.unlink(missing_ok=True)
+            n += 1
+    return n
+
+
+def write_index(out_dir: str | Path) -> Path:
+    """Write `index.parquet` (one row per sample, see `iter_shard_index`) atomically; return its path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out_dir = Path(out_dir)
+    rows = list(iter_shard_index(out_dir))
+    table = pa.Table.from_pylist(rows, schema=pa.schema([
+        ("id", pa.string()), ("dataset", pa.string()), ("shard", pa.string()),
+        ("offset", pa.int64()), ("length", pa.int64()),
+    ]))
+    path = out_dir / INDEX_NAME
+    tmp = out_dir / f".{INDEX_NAME}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+    with open(tmp, "wb") as f:
+        pq.write_table(table, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(out_dir)
+    return path
+
+
+class ShardWriter:
+    """Collects one rank's samples and writes a shard once it holds >= `shard_tokens` tokens.
+
+    Samples are never split across shards, so a shard can exceed `shard_tokens` by one sample.
+    Call `close()` (or use as a context manager) to write the remainder.
+    """
+
+    def __init__(self, out_dir: str | Path, rank: int, shard_tokens: int, *,
+                 aux_layers: list[int] | None = None):
+        if shard_tokens < 1:
+            raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.shard_tokens = shard_tokens
+        self.aux_layers = list(aux_layers) if aux_layers is not None else None
+        seqs = [int(_SHARD_RE.match(p.name).group(2)) for p in list_shards(self.out_dir)
+                if int(_SHARD_RE.match(p.name).group(1)) == rank]
+        self.next_seq = max(seqs) + 1 if seqs else 0
+        self.written: list[Path] = []
+        self._pending: list[tuple[str, str, dict[str, torch.Tensor]]] = []
+        self._pending_tokens = 0
+        self._hidden_size: int | None = None
+        self._dtype: torch.dtype | None = None
+
+    def add(self, sample_id: str, dataset: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+            aux_hidden: torch.Tensor, last_hidden: torch.Tensor) -> Path | None:
+        """Queue one sample ([n] ids and mask, [n, 3H] aux, [n, H] last); return a shard path if one was written."""
+        n = int(input_ids.shape[0])
+        h = int(last_hidden.shape[-1])
+        if n == 0:
+            raise ValueError(f"{dataset}/{sample_id}: empty sample")
+        if loss_mask.shape != (n,) or aux_hidden.shape != (n, 3 * h) or last_hidden.shape != (n, h):
+            raise ValueError(
+                f"{dataset}/{sample_id}: inconsistent shapes ids {tuple(input_ids.shape)} mask "
+                f"{tuple(loss_mask.shape)} aux {tuple(aux_hidden.shape)} last {tuple(last_hidden.shape)}")
+        if aux_hidden.dtype != last_hidden.dtype:
+            raise ValueError(f"{dataset}/{sample_id}: aux dtype {aux_hidden.dtype} != last dtype {last_hidden.dtype}")
+        if self._hidden_size is None:
+            self._hidden_size, self._dtype = h, last_hidden.dtype
+        elif (h, last_hidden.dtype) != (self._hidden_size, self._dtype):
+            raise ValueError(f"{dataset}/{sample_id}: hidden {h}/{last_hidden.dtype} differs from "
+                             f"{self._hidden_size}/{self._dtype} earlier in this shard writer")
+        self._pending.append((str(sample_id), str(dataset), {
+            "input_ids": input_ids.detach().to("cpu", torch.int32),
+            "loss_mask": loss_mask.detach().to("cpu", torch.uint8),
+            "aux_hidden": aux_hidden.detach().to("cpu"),
+            "last_hidden": last_hidden.detach().to("cpu"),
+        }))
+        self._pending_tokens += n
+        if self._pending_tokens >= self.shard_tokens:
+            return self.flush()
+        return None
+
+    def flush(self) -> Path | None:
+        """Write whatever is queued as one shard (atomically); return its path, or None if nothing was queued."""
+        if not self._pending:
+            return None
+        samples, offset = [], 0
+        for sample_id, dataset, t in self._pending:
+            n = int(t["input_ids"].shape[0])
+            samples.append({"id": sample_id, "dataset": dataset, "offset": offset, "length": n})
+            offset += n
+        tensors = {name: torch.cat([t[name] for _, _, t in self._pending]).contiguous() for name in TENSORS}
+        metadata = {
+            "format": FORMAT,
+            "samples": json.dumps(samples, separators=(",", ":")),
+            "hidden_size": str(self._hidden_size),
+            "aux_layers": json.dumps(self.aux_layers),
+            "dtype": str(self._dtype).removeprefix("torch."),
+            "num_tokens": str(offset),
+        }
+        name = shard_name(self.rank, self.next_seq)
+        path = self.out_dir / name
+        tmp = self.out_dir / f".{name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(self.out_dir)
+        self.next_seq += 1
+        self.written.append(path)
+        self._pending, self._pending_tokens = [], 0
+        return path
+
+    def close(self) -> Path | None:
+        return self.flush()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        if exc_type is None:  # on an error, what is queued is not written: it is recaptured on resume
+            self.close()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

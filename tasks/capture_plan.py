@@ -1,0 +1,127 @@
+"""Disk and time planning for the capture stage: refuse a job that cannot fit before it starts.
+
+EAGLE-3 stores, per token, three aux hidden states and the final one (4H values) in the target
+dtype, plus the token id and loss flag: for Kimi-K2.5 (H = 7168, bf16) 56 KiB a token, terabytes
+for a full run. The plan counts the tokens of the records not yet captured.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from models.tiny_target import default_aux_layers
+from tasks.records import summarize_records
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ID_BYTES = 4 + 1  # int32 input id + uint8 loss flag per token
+
+
+class DiskTooSmall(RuntimeError):
+    """The capture would not fit in the free space of its output directory."""
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    hidden_size: int
+    num_layers: int
+    dtype: str  # the checkpoint's torch dtype name
+
+
+@dataclass
+class CapturePlan:
+    tokens_total: int  # tokens of all records (upper bound: trailing non-loss tokens are trimmed)
+    tokens_done: int  # already in complete shards
+    tokens_todo: int
+    bytes_per_token: int
+    bytes_needed: int
+    free_bytes: int
+    usable_bytes: int  # free space less the margin
+    out_dir: str
+    dtype: str
+    hidden_size: int
+    est_seconds: float | None  # from a previous capture's throughput, when known
+
+    @property
+    def fits(self) -> bool:
+        return self.bytes_needed <= self.usable_bytes
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "fits": self.fits}
+
+
+def target_shape(target_path: str, trust_remote_code: bool = False) -> TargetShape:
+    """Hidden size, layer count and dtype of the target from its config (text config of multimodal ones)."""
+    config_file = Path(target_path) / "config.json"
+    if config_file.is_file():
+        data = json.loads(config_file.read_text())
+    else:
+        from transformers import AutoConfig
+
+        data = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code).to_dict()
+    text = data.get("text_config") or data  # Kimi-K2.5 nests the DeepSeek-V3 text config
+    dtype = text.get("dtype") or text.get("torch_dtype") or data.get("dtype") or data.get("torch_dtype") or "float32"
+    return TargetShape(int(text["hidden_size"]), int(text["num_hidden_layers"]), str(dtype).removeprefix("torch."))
+
+
+def capture_layers(num_layers: int, override: list[int] | None) -> list[int]:
+    """The decoder layers to capture: the config's, checked against the target, or EAGLE-3's default."""
+    if override is None:
+        return default_aux_layers(num_layers)
+    bad = [k for k in override if not 0 <= k < num_layers]
+    if len(override) != 3 or bad or len(set(override)) != 3:
+        raise ValueError(
+            f"capture.aux_layers must be 3 distinct 0-based layers below {num_layers} (the target's layer count), got {override}"
+        )
+    return list(override)
+
+
+def plan_capture(
+    records_dirs: list[Path], out_dir: Path, shape: TargetShape, dtype: str, *, margin: float,
+    max_tokens: int | None = None, tokens_done: int = 0, tokens_per_s: float | None = None,
+) -> CapturePlan:
+    """Bytes the capture still needs against the free space of `out_dir`'s filesystem."""
+    dtype = shape.dtype if dtype == "auto" else dtype
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"cannot plan for dtype {dtype!r}; set capture.dtype to one of {', '.join(DTYPE_BYTES)}")
+    total = sum(summarize_records(d).tokens for d in records_dirs)
+    todo = max(0, (min(total, max_tokens) if max_tokens else total) - tokens_done)
+    per_token = 4 * shape.hidden_size * DTYPE_BYTES[dtype] + ID_BYTES
+    free = shutil.disk_usage(_existing_parent(out_dir)).free
+    return CapturePlan(
+        tokens_total=total, tokens_done=tokens_done, tokens_todo=todo, bytes_per_token=per_token,
+        bytes_needed=todo * per_token, free_bytes=free, usable_bytes=int(free * (1 - margin)),
+        out_dir=str(out_dir), dtype=dtype, hidden_size=shape.hidden_size,
+        est_seconds=todo / tokens_per_s if tokens_per_s else None,
+    )
+
+
+def check_fits(plan: CapturePlan) -> None:
+    """Raise DiskTooSmall with the figures and the ways out when the plan does not fit."""
+    if plan.fits:
+        return
+    fit_tokens = plan.usable_bytes // plan.bytes_per_token
+    raise DiskTooSmall(
+        f"the capture needs {human_bytes(plan.bytes_needed)} ({plan.tokens_todo:,} tokens x "
+        f"{plan.bytes_per_token:,} B: 4 x hidden {plan.hidden_size} x {plan.dtype} + ids) but "
+        f"{plan.out_dir} has {human_bytes(plan.free_bytes)} free ({human_bytes(plan.usable_bytes)} after the "
+        f"margin). Ways out: capture.max_tokens: {fit_tokens:,} (what fits); capture.out_dir on a bigger disk; "
+        f"or train online (train.mode: online) so no hidden states are stored."
+    )
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n):,} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def _existing_parent(path: Path) -> Path:
+    path = Path(path)
+    while not path.exists():
+        path = path.parent
+    return path

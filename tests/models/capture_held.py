@@ -1,0 +1,32 @@
+"""`models.capture` whose ranks stop after writing their first shard, for the kill-and-resume test.
+
+Run like the real entry point (`torchrun ... tests/models/capture_held.py --job JOB.json`). After a
+rank writes its first shard it waits for `<out_dir>/.release` (bounded): the test sees the shard,
+SIGKILLs the launch while it is certainly mid-run, and never releases it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from models import capture, hidden_shards
+
+HOLD_S = 120.0
+_flush = hidden_shards.ShardWriter.flush
+
+
+def _held_flush(self: hidden_shards.ShardWriter):
+    path = _flush(self)
+    if path is not None and len(self.written) == 1:
+        deadline = time.monotonic() + HOLD_S
+        while not (self.out_dir / ".release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return path
+
+
+hidden_shards.ShardWriter.flush = _held_flush
+
+if __name__ == "__main__":
+    sys.exit(capture.main())

@@ -1,0 +1,520 @@
+"""Hidden-state capture: the shard format, the plan, and real 2-rank torchrun launches on CPU.
+
+The launches run `models.capture` under `torch.distributed.run` with 2 gloo ranks in both modes
+(replicate, DeepSpeed ZeRO-3) and compare every stored row with a plain forward of the same tiny
+target; a launch SIGKILLed after its first shard resumes without duplicates or gaps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from models.capture import (
+    CaptureJob,
+    DatasetRecords,
+    Sample,
+    deal,
+    ds_inference_config,
+    load_records,
+    main,
+    make_batches,
+    moe_leaf_classes,
+    trimmed_length,
+    within_token_cap,
+)
+from models.hidden_shards import (
+    ShardWriter,
+    clean_temps,
+    done_sample_keys,
+    iter_shard_index,
+    list_shards,
+    read_sample,
+    shard_metadata,
+    write_index,
+)
+from models.tiny_target import SAMPLES_DIR
+
+REPO = Path(__file__).resolve().parents[2]
+AUX_LAYERS = [1, 3, 4]  # default_aux_layers(8)
+ATOL = 1e-5
+LAUNCH_TIMEOUT_S = 240
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def records(tiny_target_dir, tmp_path_factory) -> dict:
+    """Two datasets of records written as the records stage does: {"dirs", "rows": {(ds, id): row}}."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    texts = []
+    for f in sorted(SAMPLES_DIR.glob("*.jsonl")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            texts += [m["content"] for m in row.get("messages", [])] + ([row["prompt"]] if "prompt" in row else [])
+    rng = random.Random(0)
+    root = tmp_path_factory.mktemp("records")
+    dirs, rows = {}, {}
+    # beta stores its mask as bool, like passthrough records may.
+    for ds, n, mask_type in (("alpha", 22, pa.uint8()), ("beta", 16, pa.bool_())):
+        ds_rows = []
+        for i in range(n):
+            ids = []
+            while len(ids) < 6:
+                ids = tok.encode(rng.choice(texts), add_special_tokens=False)[: rng.randint(6, 150)]
+            tail = 3 if i % 3 == 0 else 0  # tokens after the last loss token: trimmed away by the capture
+            prompt = rng.randint(1, len(ids) - 1 - tail)
+            mask = [0] * prompt + [1] * (len(ids) - prompt - tail) + [0] * tail
+            ds_rows.append({"id": f"{ds}-{i:03d}", "input_ids": ids, "loss_mask": mask})
+        if ds == "alpha":
+            ds_rows[5]["loss_mask"] = [0] * len(ds_rows[5]["loss_mask"])  # nothing to train: skipped
+        rows.update({(ds, r["id"]): r for r in ds_rows})
+        if ds == "beta":
+            # Longer than all others together: under 2 ranks it is rank 0's whole share, so rank 0
+            # runs one batch and (under ZeRO-3) pads with dummy forwards while rank 1 works.
+            n_long = sum(trimmed_length(np.array(r["loss_mask"])) for r in rows.values()) + 20
+            long_ids = sum((tok.encode(t, add_special_tokens=False) for t in texts), [])[:n_long]
+            assert len(long_ids) == n_long
+            ds_rows.append({"id": "beta-long", "input_ids": long_ids, "loss_mask": [0] * 50 + [1] * (n_long - 50)})
+            rows[(ds, "beta-long")] = ds_rows[-1]
+        schema = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(mask_type)),
+                            ("num_tokens", pa.int32())])
+        d = root / ds
+        d.mkdir()
+        half = len(ds_rows) // 2
+        for k, chunk in enumerate((ds_rows[:half], ds_rows[half:])):
+            table = pa.Table.from_pylist(
+                [{**r, "loss_mask": [bool(x) for x in r["loss_mask"]] if mask_type == pa.bool_() else r["loss_mask"],
+                  "num_tokens": len(r["input_ids"])} for r in chunk], schema=schema)
+            pq.write_table(table, d / f"part-{k:06d}.parquet")
+        dirs[ds] = d
+    return {"dirs": dirs, "rows": rows}
+
+
+@pytest.fixture(scope="module")
+def expected(model, records) -> dict:
+    """(dataset, id) -> trimmed ids, mask, and aux/last from a plain unbatched forward."""
+    out = {}
+    for key, row in records["rows"].items():
+        n = trimmed_length(np.array(row["loss_mask"]))
+        if n == 0:
+            continue
+        ids = torch.tensor(row["input_ids"][:n])
+        with torch.no_grad():
+            hs = model(ids[None], output_hidden_states=True).hidden_states
+        out[key] = {
+            "input_ids": ids.to(torch.int32),
+            "loss_mask": torch.tensor(row["loss_mask"][:n], dtype=torch.uint8),
+            "aux_hidden": torch.cat([hs[k + 1] for k in AUX_LAYERS], -1)[0],
+            "last_hidden": hs[-1][0],
+        }
+    return out
+
+
+def _job(tiny_target_dir: Path, records: dict, out_dir: Path, mode: str, **over) -> Path:
+    job = {
+        "target_path": str(tiny_target_dir),
+        "trust_remote_code": False,
+        "datasets": [{"name": ds, "records_dir": str(d)} for ds, d in records["dirs"].items()],
+        "out_dir": str(out_dir),
+        "aux_layers": None,
+        "mode": mode,
+        "dtype": "auto",
+        "max_batch_tokens": 256,
+        "shard_tokens": 300,
+        "max_tokens": None,
+        "offload": "none",
+        "nvme_path": None,
+        "device": "cpu",
+        **over,
+    }
+    path = out_dir.parent / f"{out_dir.name}.job.json"
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(job))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch_cmd(job: Path, entry: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(_free_port()), *entry, "--job", str(job)]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _torchrun(job: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(_launch_cmd(job, ["-m", "models.capture"]), env=_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, f"capture failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def _check_capture(out_dir: Path, expected: dict) -> float:
+    """Every expected sample exactly once with equal values; return the max abs diff of hidden states."""
+    index = list(iter_shard_index(out_dir))
+    keys = [(r["dataset"], r["id"]) for r in index]
+    assert len(keys) == len(set(keys)), "a sample was captured twice"
+    assert set(keys) == set(expected)
+    assert done_sample_keys(out_dir) == set(expected)
+    assert pq.read_table(out_dir / "index.parquet").num_rows == len(expected)
+    for shard in list_shards(out_dir):
+        meta = shard_metadata(shard)
+        assert meta["aux_layers"] == AUX_LAYERS
+        assert meta["hidden_size"] == 128 and meta["dtype"] == "float32"
+    worst = 0.0
+    for r in index:
+        got = read_sample(out_dir / r["shard"], r["offset"], r["length"])
+        want = expected[(r["dataset"], r["id"])]
+        assert torch.equal(got["input_ids"], want["input_ids"]), r
+        assert torch.equal(got["loss_mask"], want["loss_mask"]), r
+        assert got["loss_mask"][-1] == 1  # trimmed after the last loss token
+        for name in ("aux_hidden", "last_hidden"):
+            assert got[name].dtype == torch.float32 and got[name].shape == want[name].shape, (r, name)
+            diff = (got[name] - want[name]).abs().max().item()
+            assert torch.allclose(got[name], want[name], atol=ATOL, rtol=0), (r, name, diff)
+            worst = max(worst, diff)
+    assert not [p for p in out_dir.iterdir() if p.name.startswith(".")], "temp files left behind"
+    return worst
+
+
+# --- the shard format ---------------------------------------------------------------------------
+
+
+def _tensors(n: int, h: int = 4, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 100, (n,), generator=g, dtype=torch.int32), (torch.arange(n) % 2).to(torch.uint8),
+            torch.randn(n, 3 * h, generator=g).to(dtype), torch.randn(n, h, generator=g).to(dtype))
+
+
+def test_shard_writer_round_trip_and_index(tmp_path):
+    written = {}
+    with ShardWriter(tmp_path, rank=1, shard_tokens=10, aux_layers=AUX_LAYERS) as w:
+        for i, n in enumerate([4, 5, 3, 7, 2]):  # 4+5 < 10, +3 -> shard; 7+2 -> written on close
+            t = _tensors(n, seed=i)
+            written[("d", f"s{i}")] = t
+            w.add(f"s{i}", "d", *t)
+    assert [p.name for p in list_shards(tmp_path)] == ["shard-001-000000.safetensors", "shard-001-000001.safetensors"]
+    meta = shard_metadata(tmp_path / "shard-001-000000.safetensors")
+    assert meta["samples"] == [{"id": "s0", "dataset": "d", "offset": 0, "length": 4},
+                               {"id": "s1", "dataset": "d", "offset": 4, "length": 5},
+                               {"id": "s2", "dataset": "d", "offset": 9, "length": 3}]
+    assert (meta["hidden_size"], meta["aux_layers"], meta["dtype"], meta["num_tokens"]) == (4, AUX_LAYERS, "float32", 12)
+    assert done_sample_keys(tmp_path) == set(written)
+    for row in iter_shard_index(tmp_path):
+        got = read_sample(tmp_path / row["shard"], row["offset"], row["length"])
+        for name, want in zip(("input_ids", "loss_mask", "aux_hidden", "last_hidden"), written[(row["dataset"], row["id"])]):
+            assert torch.equal(got[name], want), (row, name)
+    assert pq.read_table(write_index(tmp_path)).column("id").to_pylist() == [f"s{i}" for i in range(5)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_shard_writer_continues_numbering_and_keeps_dtype(tmp_path):
+    for _ in range(2):
+        with ShardWriter(tmp_path, rank=0, shard_tokens=1) as w:
+            w.add("a", "d", *_tensors(3, dtype=torch.bfloat16))
+    with ShardWriter(tmp_path, rank=2, shard_tokens=1) as w:
+        w.add("b", "d", *_tensors(3, dtype=torch.bfloat16))
+    assert [p.name for p in list_shards(tmp_path)] == [
+        "shard-000-000000.safetensors", "shard-000-000001.safetensors", "shard-002-000000.safetensors"]
+    got = read_sample(tmp_path / "shard-002-000000.safetensors", 1, 2)
+    assert got["aux_hidden"].dtype == torch.bfloat16 and got["aux_hidden"].shape == (2, 12)
+    assert shard_metadata(tmp_path / "shard-002-000000.safetensors")["dtype"] == "bfloat16"
+
+
+def test_temps_are_invisible_and_cleaned(tmp_path):
+    with ShardWriter(tmp_path, rank=0, shard_tokens=100) as w:
+        w.add("a", "d", *_tensors(3))
+    (tmp_path / ".shard-000-000001.safetensors.123-abcd.tmp").write_bytes(b"partial")
+    (tmp_path / ".shard-001-000000.safetensors.456-abcd.tmp").write_bytes(b"partial")
+    assert done_sample_keys(tmp_path) == {("d", "a")}
+    assert ShardWriter(tmp_path, rank=0, shard_tokens=1).next_seq == 1
+    assert clean_temps(tmp_path, rank=1) == 1
+    assert clean_temps(tmp_path) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["shard-000-000000.safetensors"]
+    assert done_sample_keys(tmp_path / "missing") == set()
+
+
+def test_writer_rejects_inconsistent_samples(tmp_path):
+    w = ShardWriter(tmp_path, rank=0, shard_tokens=100)
+    ids, mask, aux, last = _tensors(3)
+    with pytest.raises(ValueError, match="shapes"):
+        w.add("a", "d", ids, mask, aux[:2], last)
+    w.add("a", "d", ids, mask, aux, last)
+    with pytest.raises(ValueError, match="differs"):
+        w.add("b", "d", *_tensors(3, h=8))
+
+
+# --- the plan -----------------------------------------------------------------------------------
+
+
+def _samples(lengths: list[int]) -> list[Sample]:
+    return [Sample("d" if i % 2 else "e", f"s{i:03d}", 0, 0, n) for i, n in enumerate(lengths)]
+
+
+def test_trimmed_length():
+    assert trimmed_length(np.array([0, 1, 1, 0, 0], dtype=np.uint8)) == 3
+    assert trimmed_length(np.array([0, 0], dtype=np.uint8)) == 0
+    assert trimmed_length(np.array([1], dtype=np.uint8)) == 1
+
+
+def test_deal_balances_tokens_deterministically():
+    rng = random.Random(1)
+    samples = _samples([rng.randint(1, 500) for _ in range(200)])
+    shares = deal(samples, 3)
+    assert deal(list(reversed(samples)), 3) == shares  # input order does not matter
+    dealt = [s for share in shares for s in share]
+    assert len(dealt) == len(samples) and set(dealt) == set(samples)
+    loads = [sum(s.length for s in share) for share in shares]
+    assert max(loads) - min(loads) <= 500
+    for share in shares:
+        assert [s.length for s in share] == sorted((s.length for s in share), reverse=True)
+
+
+def test_make_batches_bounds_padded_tokens():
+    samples = sorted(_samples([300, 120, 100, 90, 60, 60, 10, 5]), key=lambda s: -s.length)
+    batches = make_batches(samples, 256)
+    assert [s for b in batches for s in b] == samples
+    assert [len(b) for b in batches] == [1, 2, 2, 3]  # 300 | 120 100 | 90 60 | 60 10 5
+    for b in batches[1:]:
+        assert b[0].length * len(b) <= 256
+
+
+def test_token_cap_is_resume_consistent():
+    samples = _samples([random.Random(2).randint(1, 100) for _ in range(100)])
+    chosen = within_token_cap(samples, 2000)
+    assert sum(s.length for s in chosen) <= 2000
+    assert {s.dataset for s in chosen} == {"d", "e"}
+    done = set(chosen[:7])  # a killed run captured some of them
+    rest = within_token_cap([s for s in samples if s not in done], 2000 - sum(s.length for s in done))
+    assert set(rest) | done == set(chosen)
+    assert within_token_cap(samples, None) == samples
+
+
+def test_load_records_trims_and_skips(records):
+    samples, parts, no_loss = load_records([DatasetRecords(ds, str(d)) for ds, d in records["dirs"].items()], 2048)
+    assert no_loss == 1
+    by_key = {(s.dataset, s.id): s for s in samples}
+    assert ("alpha", "alpha-005") not in by_key
+    for key, s in by_key.items():
+        row = records["rows"][key]
+        n = trimmed_length(np.array(row["loss_mask"]))
+        assert s.length == n
+        assert parts[s.part].input_ids[s.start : s.start + n].tolist() == row["input_ids"][:n]
+
+
+def test_load_records_errors_name_file_and_row(tmp_path):
+    d = tmp_path / "bad"
+    d.mkdir()
+    schema = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8()))])
+    rows = [{"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1]}, {"id": "b", "input_ids": [1, 2, 3], "loss_mask": [0, 1]}]
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), d / "part-000000.parquet")
+    with pytest.raises(ValueError, match=r"part-000000.parquet: row 1 \(id 'b'\)"):
+        load_records([DatasetRecords("bad", str(d))])
+    rows[1]["loss_mask"] = [0, 1, 1]
+    rows[0]["input_ids"] = [1, 5000]
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), d / "part-000000.parquet")
+    with pytest.raises(ValueError, match=r"row 0 \(id 'a'\): token id 5000"):
+        load_records([DatasetRecords("bad", str(d))], vocab_size=2048)
+    rows[0]["input_ids"] = [1, 2]
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), d / "part-000001.parquet")
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), d / "part-000000.parquet")
+    with pytest.raises(ValueError, match="id 'a' in both"):
+        load_records([DatasetRecords("bad", str(d))])
+
+
+def test_job_validation(tmp_path):
+    base = {"target_path": "t", "datasets": [{"name": "a", "records_dir": "r"}], "out_dir": "o"}
+    job = CaptureJob.from_dict(base)
+    assert (job.mode, job.dtype, job.aux_layers, job.offload) == ("replicate", "auto", None, "none")
+    assert CaptureJob.from_dict(job.to_dict()) == job
+    for bad, match in (({"bogus": 1}, "unknown keys"), ({"mode": "zero2"}, "mode"), ({"offload": "cpu"}, "zero3"),
+                       ({"mode": "zero3", "offload": "nvme"}, "nvme_path"), ({"aux_layers": [1, 1, 2]}, "aux_layers"),
+                       ({"max_batch_tokens": 0}, "max_batch_tokens")):
+        with pytest.raises(ValueError, match=match):
+            CaptureJob.from_dict({**base, **bad})
+
+
+def test_ds_config_and_moe_leaves():
+    cfg = ds_inference_config(torch.bfloat16, "nvme", "/nvme", "cuda", largest_param_numel=163840 * 7168)
+    assert cfg["zero_optimization"]["stage"] == 3 and cfg["train_micro_batch_size_per_gpu"] == 1
+    assert cfg["zero_optimization"]["offload_param"]["buffer_size"] >= 163840 * 7168
+    assert cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]
+    assert "offload_param" not in ds_inference_config(torch.float32, "none", None, "cpu")["zero_optimization"]
+
+    class MixtralExperts(torch.nn.Module):
+        pass
+
+    class DeepseekV3MoE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = MixtralExperts()
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = DeepseekV3MoE()
+
+    assert moe_leaf_classes(torch.nn.Sequential(Layer(), Layer())) == [DeepseekV3MoE]
+    assert moe_leaf_classes(torch.nn.Sequential(torch.nn.Linear(2, 2))) == []
+
+
+def test_reference_last_hidden_is_post_norm(model):
+    """transformers 5 ties hidden_states[-1] to the output of the final norm (what EAGLE-3 needs)."""
+    seen = []
+    handle = model.model.norm.register_forward_hook(lambda m, i, o: seen.append((i[0], o)))
+    try:
+        with torch.no_grad():
+            hs = model(torch.tensor([[3, 10, 20, 30]]), output_hidden_states=True).hidden_states
+    finally:
+        handle.remove()
+    pre, post = seen[0]
+    assert len(hs) == 9 and torch.equal(hs[-1], post) and not torch.allclose(hs[-1], pre)
+
+
+# --- single process, in process -----------------------------------------------------------------
+
+
+def test_single_process_token_cap_then_rest(tiny_target_dir, records, expected, tmp_path, monkeypatch, capsys):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "hidden"
+    # max_tokens caps what one launch captures (the flow passes its cap minus earlier runs' tokens)
+    assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate", max_tokens=600))]) == 0
+    first = {(r["dataset"], r["id"]): r["length"] for r in iter_shard_index(out)}
+    assert 0 < sum(first.values()) <= 600
+    assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate", max_tokens=600)),
+                 "--local_rank=0"]) == 0  # what the deepspeed launcher appends
+    second = {(r["dataset"], r["id"]): r["length"] for r in iter_shard_index(out)}
+    assert sum(second.values()) - sum(first.values()) <= 600 and len(second) < len(expected)
+    first = second
+    assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate"))]) == 0
+    _check_capture(out, expected)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("CAPTURE_PROGRESS")]
+    assert lines[-1] == f"CAPTURE_PROGRESS rank=0 done={len(expected) - len(first)} total={len(expected) - len(first)} " \
+                        f"tokens={sum(e['input_ids'].numel() for e in expected.values()) - sum(first.values())}"
+
+
+def test_errors_exit_nonzero_with_traceback(tiny_target_dir, records, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    job = _job(tiny_target_dir, {"dirs": {"gone": tmp_path / "nowhere"}}, tmp_path / "hidden", "replicate")
+    assert main(["--job", str(job)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "nowhere" in err
+    # shards of another capture setting are not mixed in
+    out = tmp_path / "other"
+    with ShardWriter(out, rank=0, shard_tokens=1, aux_layers=[0, 1, 2]) as w:
+        w.add("x", "alpha", *_tensors(2, h=128))
+    assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate"))]) == 1
+    assert "captured with" in capsys.readouterr().err
+
+
+# --- torchrun, 2 CPU ranks ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["replicate", "zero3"])
+def test_torchrun_two_ranks_match_plain_forward(mode, tiny_target_dir, records, expected, tmp_path):
+    out = tmp_path / "hidden"
+    start = time.monotonic()
+    proc = _torchrun(_job(tiny_target_dir, records, out, mode))
+    worst = _check_capture(out, expected)
+    print(f"{mode}: {len(expected)} samples, max abs diff {worst:.3g}, {time.monotonic() - start:.1f}s")
+    assert {p.name.split("-")[1] for p in list_shards(out)} == {"000", "001"}
+    finals = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CAPTURE_PROGRESS"):
+            fields = dict(kv.split("=") for kv in line.split()[1:])
+            finals[fields["rank"]] = fields
+    assert set(finals) == {"0", "1"} and all(f["done"] == f["total"] for f in finals.values())
+    assert sum(int(f["done"]) for f in finals.values()) == len(expected)
+    if mode == "zero3":
+        # beta-long is rank 0's whole share: rank 0 pads with dummy forwards while rank 1 works
+        assert "rank 0 ran 1 batches and" in proc.stderr and "holds" in proc.stderr
+        assert "rank 0 ran 1 batches and 0 padding" not in proc.stderr
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["replicate", "zero3"])
+def test_killed_capture_resumes_exactly_once(mode, tiny_target_dir, records, expected, tmp_path):
+    out = tmp_path / "hidden"
+    job = _job(tiny_target_dir, records, out, mode, shard_tokens=120)
+    with open(tmp_path / "held.log", "wb") as log:
+        held = subprocess.Popen(_launch_cmd(job, [str(REPO / "tests" / "models" / "capture_held.py")]), env=_env(),
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while not list_shards(out) and held.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling for the file, bounded by the deadline
+        assert list_shards(out), f"no shard appeared (exit {held.poll()}):\n{(tmp_path / 'held.log').read_text()[-4000:]}"
+    finally:
+        # torchrun starts every rank in its own session: kill the ranks' groups and the launcher's.
+        victims = [held.pid, *_descendants(held.pid)]
+        for pid in victims:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        held.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in victims[1:]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in victims[1:]), "capture ranks survived SIGKILL"
+    partial = done_sample_keys(out)
+    assert 0 < len(partial) < len(expected)
+    (out / ".shard-000-000099.safetensors.1-dead.tmp").write_bytes(b"half a shard")
+
+    _torchrun(job)
+    _check_capture(out, expected)

@@ -1,0 +1,79 @@
+"""Disk planning for the capture stage."""
+
+from __future__ import annotations
+
+import json
+from collections import namedtuple
+
+import pytest
+
+from tasks import capture_plan
+from tasks.capture_plan import DiskTooSmall, TargetShape, capture_layers, check_fits, plan_capture, target_shape
+from tasks.checkpoints import responses_table, write_part
+from tasks.records import RecordSettings, build_records
+
+KIMI = TargetShape(hidden_size=7168, num_layers=61, dtype="bfloat16")
+
+
+def records_dir(tmp_path, n_tokens: list[int]):
+    rows = [
+        {"id": f"r{i}", "prompt_ids": [5] * (n - 2), "output_ids": [6, 1], "prompt_tokens": n - 2, "completion_tokens": 2,
+         "finish_reason": "stop", "text": "", "latency": 0.0, "cached_tokens": 0, "reasoning_tokens": 0, "finished_at": 1.0}
+        for i, n in enumerate(n_tokens)
+    ]
+    write_part(tmp_path / "responses", responses_table(rows))
+    build_records("B1", "generate", tmp_path / "responses", tmp_path / "records", tmp_path / "rej", RecordSettings(vocab_size=10))
+    return tmp_path / "records"
+
+
+def fake_disk(monkeypatch, free: int):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(capture_plan.shutil, "disk_usage", lambda path: usage(free * 2, free, free))
+
+
+def test_kimi_bytes_per_token_is_8h_plus_ids(tmp_path, monkeypatch):
+    fake_disk(monkeypatch, 10**15)
+    plan = plan_capture([records_dir(tmp_path, [100, 300])], tmp_path / "hidden", KIMI, "auto", margin=0.05)
+    assert plan.bytes_per_token == 4 * 7168 * 2 + 5 == 57349  # 56 KiB of hidden states per token
+    assert plan.tokens_todo == 400 and plan.bytes_needed == 400 * 57349
+    assert plan.fits and plan.dtype == "bfloat16"
+
+
+def test_resume_counts_only_what_is_left_and_max_tokens_caps(tmp_path, monkeypatch):
+    fake_disk(monkeypatch, 10**15)
+    d = records_dir(tmp_path, [100, 300, 600])
+    assert plan_capture([d], tmp_path / "h", KIMI, "auto", margin=0.0, tokens_done=250).tokens_todo == 750
+    assert plan_capture([d], tmp_path / "h", KIMI, "auto", margin=0.0, max_tokens=500, tokens_done=100).tokens_todo == 400
+    assert plan_capture([d], tmp_path / "h", KIMI, "auto", margin=0.0, tokens_per_s=100.0).est_seconds == 10.0
+
+
+def test_refuses_a_job_that_does_not_fit_with_figures_and_ways_out(tmp_path, monkeypatch):
+    fake_disk(monkeypatch, 10 * 57349 * 10)  # room for about 100 tokens
+    plan = plan_capture([records_dir(tmp_path, [1000])], tmp_path / "hidden", KIMI, "auto", margin=0.05)
+    assert not plan.fits
+    with pytest.raises(DiskTooSmall) as info:
+        check_fits(plan)
+    message = str(info.value)
+    assert "1,000 tokens" in message and "57,349 B" in message
+    assert f"capture.max_tokens: {int(plan.usable_bytes // 57349):,}" in message
+    assert "capture.out_dir" in message and "train.mode: online" in message
+
+
+def test_target_shape_reads_nested_text_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "kimi_k25", "text_config": {"hidden_size": 7168, "num_hidden_layers": 61, "torch_dtype": "bfloat16"}
+    }))
+    assert target_shape(str(tmp_path)) == KIMI
+
+
+def test_target_shape_of_the_tiny_target(tiny_target_dir):
+    shape = target_shape(str(tiny_target_dir))
+    assert (shape.hidden_size, shape.num_layers, shape.dtype) == (128, 8, "float32")
+
+
+def test_capture_layers():
+    assert capture_layers(61, None) == [1, 29, 57]
+    assert capture_layers(8, [0, 2, 7]) == [0, 2, 7]
+    for bad in ([1, 2], [1, 1, 2], [1, 2, 8], [-1, 2, 3]):
+        with pytest.raises(ValueError, match="3 distinct"):
+            capture_layers(8, bad)
