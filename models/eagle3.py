@@ -1,0 +1,602 @@
+"""The EAGLE-3 draft model: one Llama decoder layer over the target's fused features, trained with TTT.
+
+Names follow SGLang's `LlamaForCausalLMEagle3` so a state dict exports as is: `embed_tokens`
+(frozen copy of the target's embedding), `fc` (3*Ht -> H), `midlayer.{self_attn,mlp,hidden_norm,
+input_layernorm,post_attention_layernorm}`, `norm`, `lm_head` (H -> D draft tokens), buffers `d2t`,
+`t2d` (see models/draft_vocab.py).
+
+One draft step, at every position t of a sequence (B batch, T tokens, H hidden, D draft vocab):
+
+    h      = fc(aux_hidden[t])                 at step 0 (the target's three aux layers, [3*Ht] -> [H]);
+             the step's own previous output    at later steps
+    x      = cat(input_layernorm(embed(token)), hidden_norm(h))      [2H]  (embedding first)
+    h'     = h + o_proj(attention(q/k/v_proj(x)))                    residual = h, not x
+    h_out  = h' + mlp(post_attention_layernorm(h'))                  fed to the next step
+    logits = lm_head(norm(h_out))                                    [D]
+
+Training-time test (TTT), `Eagle3Draft.forward_ttt`, unrolls K steps over the whole sequence at
+once. With x = input_ids, z = target logits (z[j] is the target's distribution for x[j+1]) and
+pos = position_ids (default arange(T)), step k = 0..K-1 at position t:
+
+    token embedded    x[t+k+1]                       (step 0: the token after t)
+    hidden input      fc(aux[t]) at k = 0, else h_out of step k-1 at the SAME t (not shifted)
+    RoPE position     pos[t] + k                     (queries and this step's keys)
+    attends to        step-0 keys/values at t' <= t (causal, padding masked)
+                      + the same-position key/value of steps 1..k (the "diagonal")
+    target            softmax(z[t+k+1]) over the draft vocab, renormalized: the token x[t+k+2]
+    counted when      loss_mask[t+k+2] (the predicted token is a trained token) and
+                      t+k+2 < T; dropped from the loss (not from accuracy) when the
+                      target's full-vocab argmax of z[t+k+1] is outside the draft vocab
+
+So the steps at one t form the chain a serving engine drafts after verifying up to t+1: step 0
+is the draft-extend position t (target features of t, the verified token t+1), step k drafts
+token t+k+2 at position t+k and sees the extend cache (keys <= t) plus its own chain. This is
+the attention of SafeAILab/EAGLE `eagle/traineagle3/cnets.py` and SpecForge
+`specforge/modeling/draft/llama3_eagle.py` (cache list, causal step-0 block + per-step diagonal,
+`position_ids + len(cache)`), without the later-removed causal-mask shift (SpecForge PR #244
+"remove attention mask shift & add pe shift"). The loss mask differs on purpose: both references
+gate step k at t by loss_mask[t+k] (SpecForge PR #895 proposes [t+k+1]); here it is the
+predicted token's own mask, [t+k+2], as in any causal-LM loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.draft_vocab import draft_to_target_ids
+
+STEP_DECAY = 0.8  # weight of step k's loss is STEP_DECAY**k (EAGLE-3)
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+@dataclass(kw_only=True)
+class Eagle3Config:
+    """Shape of the draft; `vocab_size` is the target's, `draft_vocab_size` the draft lm_head's."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads (resolved on init)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096  # the target's: SGLang sizes the draft's RoPE cache from it
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int | None = None  # None: hidden_size; fc input is 3 * this
+    aux_layers: list[int] = field(default_factory=list)  # 0-based target layers fused by fc
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
+                                 f"num_attention_heads {self.num_attention_heads}; set head_dim")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
+        if len(self.aux_layers) != 3 or len(set(self.aux_layers)) != 3:
+            raise ValueError(f"aux_layers must be 3 distinct layer ids, got {self.aux_layers}")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} not one of {sorted(_ACTIVATIONS)}")
+        self.aux_layers = [int(i) for i in self.aux_layers]
+
+    @classmethod
+    def from_target_config(cls, hf_config, draft_vocab_size: int, aux_layers: list[int],
+                           **overrides) -> Eagle3Config:
+        """The usual draft for a target: its hidden size, heads, MLP width, RoPE base and context.
+
+        Reads a transformers config (a multimodal one through its text config). For attention
+        that is not Llama-like (MLA: Kimi/DeepSeek) the target's head_dim is ignored and
+        hidden_size // heads is used; pass `overrides` (e.g. head_dim=128, rope_theta=1e6) to choose.
+        """
+        cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        heads = int(cfg.num_attention_heads)
+        head_dim = getattr(cfg, "head_dim", None)
+        if not isinstance(head_dim, int) or hasattr(cfg, "kv_lora_rank"):
+            head_dim = None
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        rope_theta = getattr(cfg, "rope_theta", None) or rope.get("rope_theta") or 10000.0
+        layers = getattr(cfg, "num_hidden_layers", None)
+        if layers is not None and any(not 0 <= i < layers for i in aux_layers):
+            raise ValueError(f"aux_layers {aux_layers} outside the target's {layers} layers")
+        values = dict(
+            hidden_size=int(cfg.hidden_size),
+            intermediate_size=int(cfg.intermediate_size),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(cfg.max_position_embeddings),
+            vocab_size=int(cfg.vocab_size),
+            draft_vocab_size=int(draft_vocab_size),
+            target_hidden_size=int(cfg.hidden_size),
+            aux_layers=list(aux_layers),
+            hidden_act=str(getattr(cfg, "hidden_act", "silu")),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or as is when already wider (fp64 in the reference tests)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalized in fp32 (fp64 stays fp64), scaled in the input dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = _at_least_fp32(x)
+        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * wide.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Llama RoPE (no scaling): dims i and i + head_dim/2 rotate together by pos * theta^(-2i/head_dim).
+
+    The frequencies are recomputed per call (head_dim/2 numbers), not kept in a buffer that
+    `model.to(torch.bfloat16)` would round; angles are fp32 like HF's, fp64 for an fp64 model.
+    """
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = float(theta)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        exponent = torch.arange(0, self.head_dim, 2, device=position_ids.device, dtype=work) / self.head_dim
+        inv_freq = 1.0 / self.theta ** exponent                      # [hd/2]
+        freqs = position_ids.to(work)[..., None] * inv_freq          # [B, S, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)                      # [B, S, hd]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, S, hd] rotated by cos/sin [B, S, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, kv_heads, S, hd] -> [B, kv_heads * groups, S, hd]; query head h uses kv head h // groups."""
+    if groups == 1:
+        return x
+    b, kv, s, d = x.shape
+    return x[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention over the 2H-wide [embedding; hidden] input; the cache decides who sees whom."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)     # [B, h, S, hd]
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, S, hd]
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, S, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = cache.attend(q, k, v, self.num_heads // self.num_kv_heads)                 # [B, h, S, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """`midlayer`: a Llama layer whose attention reads cat(input_layernorm(embeds), hidden_norm(hidden))."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = Eagle3MLP(config)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache) -> torch.Tensor:
+        residual = hidden                                                            # [B, S, H]
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # [B, S, 2H]
+        hidden = residual + self.self_attn(x, cos, sin, cache)                       # [B, S, H]
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))              # [B, S, H]
+
+
+# ----------------------------------------------------------------------------- attention caches
+
+
+def _masked_softmax_attention(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax in (at least) fp32 over the last axis of `scores`, only where `allowed` (every row allows >= 1)."""
+    return torch.softmax(_at_least_fp32(scores).masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+class TTTCache:
+    """Training-time-test attention: causal over step-0 keys, plus the diagonal of every later step.
+
+    `attend` is called once per TTT step with that step's q/k/v over all T positions. Query (k, t)
+    sees step-0 keys t' <= t whose token is not padding (its own t' = t always, so no row is
+    empty) and the keys of steps 1..k at the same position t.
+
+    impl="sdpa" puts every step's keys side by side ([T * (k+1)] keys) behind one boolean mask and
+    calls F.scaled_dot_product_attention (memory-efficient kernels on GPU, no stored [T, T]
+    probabilities); impl="eager" spells the same thing out with explicit scores (fp32 softmax).
+    """
+
+    def __init__(self, key_padding: torch.Tensor, impl: str = "sdpa"):
+        if impl not in ("sdpa", "eager"):
+            raise ValueError(f"impl must be 'sdpa' or 'eager', got {impl!r}")
+        b, t = key_padding.shape
+        idx = torch.arange(t, device=key_padding.device)
+        causal = idx[None, :] <= idx[:, None]                  # [T, T] key t' <= query t
+        same = idx[None, :] == idx[:, None]                    # [T, T] key t' == query t
+        real_key = key_padding.bool()[:, None, None, :]        # [B, 1, 1, T]
+        # A query's own step-0 key is always allowed, so a padded query's row is never empty (no NaN).
+        self.step0_allowed = (causal & real_key) | same        # [B, 1, T, T]
+        self.same_position = same.expand(b, 1, t, t)           # [B, 1, T, T] what a later step's keys allow
+        self.keys: list[torch.Tensor] = []    # per step [B, kv, T, hd], RoPE at pos + step
+        self.values: list[torch.Tensor] = []
+        self.impl = impl
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        if self.impl == "sdpa":
+            keys = repeat_kv(torch.cat(self.keys, dim=2), groups)       # [B, h, T*(k+1), hd]
+            values = repeat_kv(torch.cat(self.values, dim=2), groups)
+            allowed = torch.cat([self.step0_allowed] + [self.same_position] * (len(self.keys) - 1), dim=-1)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)  # [B, h, T, hd]
+
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        k0, v0 = repeat_kv(self.keys[0], groups), repeat_kv(self.values[0], groups)   # [B, h, T, hd]
+        later_k = [repeat_kv(ki, groups) for ki in self.keys[1:]]
+        later_v = [repeat_kv(vi, groups) for vi in self.values[1:]]
+        scores = [q @ k0.transpose(-1, -2) * scale]                                  # [B, h, T, T]
+        scores += [(q * ki).sum(-1, keepdim=True) * scale for ki in later_k]        # k x [B, h, T, 1]
+        diagonal = torch.ones_like(self.step0_allowed[..., :1]).expand(-1, -1, -1, len(later_k))
+        allowed = torch.cat([self.step0_allowed, diagonal], dim=-1)                # [B, 1, T, T+k]
+        weights = _masked_softmax_attention(torch.cat(scores, dim=-1), allowed).to(q.dtype)  # [B, h, T, T+k]
+        t = q.shape[2]
+        out = weights[..., :t] @ v0                                                  # [B, h, T, hd]
+        for i, vi in enumerate(later_v):
+            out = out + weights[..., t + i, None] * vi                               # diagonal terms
+        return out
+
+
+class KVCache:
+    """Inference cache: every key the draft has processed, in order; new tokens see all of it plus
+    themselves causally. After verification, `crop(n)` drops the rejected draft positions."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None  # [B, kv, L, hd]
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+        past, s = len(self), q.shape[2]
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        keys, values = repeat_kv(self.k, groups), repeat_kv(self.v, groups)       # [B, h, L, hd]
+        idx = torch.arange(past + s, device=q.device)
+        allowed = idx[None, :] <= idx[past:, None]                                # [S, L]
+        scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])              # [B, h, S, L]
+        return _masked_softmax_attention(scores, allowed).to(q.dtype) @ values
+
+
+# ----------------------------------------------------------------------------- target side
+
+
+@dataclass
+class TargetLogits:
+    """What the loss needs from the target at every position j (z[j] predicts token j+1)."""
+
+    logits: torch.Tensor    # [B, T, D] target logits at the draft-vocab ids (fp32, or fp64)
+    in_draft: torch.Tensor  # [B, T] bool: the full-vocab argmax is a draft-vocab token
+    argmax: torch.Tensor    # [B, T] int64: the full-vocab argmax (target id)
+
+
+class TargetHead(nn.Module):
+    """The target's frozen lm_head applied to stored final hidden states (nobody stores logits).
+
+    Full logits are [T, V] (Kimi: 163840 wide) only to find the argmax, so the vocab is walked
+    in chunks of `chunk_size` rows keeping a running max: peak memory is [N, chunk_size], not
+    [N, V]. The draft-vocab columns of each chunk are kept on the way; since draft ids are
+    sorted they fill a contiguous slice of the [N, D] output. Ties resolve to the lowest id,
+    like torch.argmax over the full row.
+    """
+
+    def __init__(self, lm_head_weight: torch.Tensor, d2t: torch.Tensor, chunk_size: int = 16384):
+        super().__init__()
+        self.register_buffer("weight", lm_head_weight.detach(), persistent=False)       # [V, H]
+        draft_ids = draft_to_target_ids(d2t).to(lm_head_weight.device)
+        t2d = torch.zeros(lm_head_weight.shape[0], dtype=torch.bool, device=lm_head_weight.device)
+        t2d[draft_ids] = True
+        self.register_buffer("draft_ids", draft_ids, persistent=False)                  # [D]
+        self.register_buffer("t2d", t2d, persistent=False)                              # [V]
+        self.chunk_size = int(chunk_size)
+
+    @torch.no_grad()
+    def forward(self, last_hidden: torch.Tensor) -> TargetLogits:
+        *lead, h = last_hidden.shape
+        x = last_hidden.reshape(-1, h).to(self.weight.dtype)                          # [N, H]
+        n, vocab = x.shape[0], self.weight.shape[0]
+        work = torch.promote_types(x.dtype, torch.float32)
+        best = torch.full((n,), float("-inf"), device=x.device, dtype=work)            # running max
+        best_id = torch.zeros(n, dtype=torch.int64, device=x.device)
+        draft_logits = torch.empty(n, self.draft_ids.shape[0], device=x.device, dtype=work)  # [N, D]
+        for c0 in range(0, vocab, self.chunk_size):
+            c1 = min(vocab, c0 + self.chunk_size)
+            logits = (x @ self.weight[c0:c1].T).to(work)                               # [N, c]
+            idx = logits.argmax(-1)
+            top = logits.gather(-1, idx[:, None])[:, 0]
+            better = top > best  # strict: on a tie the earlier (lower-id) chunk keeps it
+            best = torch.where(better, top, best)
+            best_id = torch.where(better, idx + c0, best_id)
+            d0, d1 = torch.searchsorted(self.draft_ids, torch.tensor([c0, c1], device=x.device)).tolist()
+            draft_logits[:, d0:d1] = logits[:, self.draft_ids[d0:d1] - c0]
+        return TargetLogits(logits=draft_logits.view(*lead, -1), in_draft=self.t2d[best_id].view(*lead),
+                            argmax=best_id.view(*lead))
+
+
+# ----------------------------------------------------------------------------- the draft
+
+
+@dataclass
+class Eagle3Output:
+    """TTT result. Counts are per step (summed over the batch) so metrics aggregate over many batches.
+
+    per_step_loss[k]  mean over counted positions with in-draft target argmax of
+                      KL(target restricted to the draft vocab, renormalized || draft)
+    loss              sum_k STEP_DECAY**k * per_step_loss[k]  (the only tensor with a graph)
+    per_step_acc[k]   correct[k] / tokens[k]: draft argmax == target full-vocab argmax among
+                      positions whose predicted token is a loss token; out-of-draft-vocab
+                      argmaxes count as misses (the draft can never propose them)
+    chain_accepted[k] / chain_reached[k]: of the chains (roots t) whose predicted tokens
+                      x[t+2..t+k+2] are all loss tokens and whose steps 0..k-1 were all correct,
+                      how many got step k right too: the conditional acceptance a_k
+    acceptance_length 1 + sum_k prod_{i<=k} a_i: tokens per target forward of a greedy chain
+                      draft of K tokens (the 1 is the token the target adds itself), like
+                      SGLang's accept length; simulated with the true tokens as draft inputs
+    """
+
+    loss: torch.Tensor
+    per_step_loss: torch.Tensor   # [K] (detached)
+    per_step_acc: torch.Tensor    # [K]
+    acceptance_length: torch.Tensor  # scalar
+    per_step_cond_acc: torch.Tensor  # [K] a_k
+    tokens: torch.Tensor          # [K] positions whose predicted token is a loss token
+    valid: torch.Tensor           # [K] ... and whose target argmax is in the draft vocab (loss denominators)
+    correct: torch.Tensor         # [K]
+    chain_reached: torch.Tensor   # [K]
+    chain_accepted: torch.Tensor  # [K]
+    step_logits: list[torch.Tensor] | None = None  # K x [B, T, D] when return_steps
+    step_hidden: list[torch.Tensor] | None = None  # K x [B, T, H] when return_steps
+
+
+def acceptance_length(chain_accepted: torch.Tensor, chain_reached: torch.Tensor) -> torch.Tensor:
+    """1 + sum_k prod_{i<=k} a_i with a_i = accepted_i / reached_i (0 where nothing reached step i)."""
+    rate = chain_accepted.double() / chain_reached.double().clamp(min=1)
+    return 1.0 + torch.cumprod(rate, 0).sum()
+
+
+@dataclass
+class DraftStep:
+    """Inference output: logits [B, S, D] (or [B, S, V] in target ids), hidden [B, S, H] for the next step."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    cache: KVCache
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 draft model with SGLang's parameter names; `forward_ttt` trains, `forward` drafts."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen: see load_target_embedding
+        self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # Identity vocab until set_draft_vocab: draft index i is target id i.
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+
+    # -- setup
+
+    def load_target_embedding(self, weight: torch.Tensor) -> None:
+        """Copy the target's input embedding [V, H] (it stays frozen)."""
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(f"embedding shape {tuple(weight.shape)} != {tuple(self.embed_tokens.weight.shape)}")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocab (models/draft_vocab.py); d2t and t2d must describe the same ids."""
+        if tuple(d2t.shape) != tuple(self.d2t.shape) or tuple(t2d.shape) != tuple(self.t2d.shape):
+            raise ValueError(f"d2t/t2d shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} != "
+                             f"{tuple(self.d2t.shape)}/{tuple(self.t2d.shape)}")
+        ids = draft_to_target_ids(d2t).to(t2d.device)
+        if ids.min() < 0 or ids.max() >= t2d.shape[0] or not torch.all(ids[1:] > ids[:-1]):
+            raise ValueError("d2t does not map to strictly increasing target ids inside the vocab")
+        expected = torch.zeros(t2d.shape[0], dtype=torch.bool, device=t2d.device)
+        expected[ids] = True
+        if not torch.equal(expected, t2d.bool()):
+            raise ValueError("t2d does not mark exactly the target ids of d2t")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self, draft_index: torch.Tensor) -> torch.Tensor:
+        """Target ids of draft indices (any shape)."""
+        return draft_index + self.d2t[draft_index]
+
+    def to_target_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[..., D] draft logits -> [..., V] target-id logits, -inf outside the draft vocab."""
+        out = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        out[..., draft_to_target_ids(self.d2t)] = draft_logits
+        return out
+
+    # -- inference
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cache: KVCache | None = None, *, target_vocab_logits: bool = False) -> DraftStep:
+        """One draft step for S new positions appended to `cache` (a new KVCache when None).
+
+        input_ids [B, S]: the token that FOLLOWS each position (x[t+1] at position t).
+        hidden [B, S, 3*Ht] (target aux features: extend/first step, goes through fc) or
+        [B, S, H] (a previous step's `hidden`). position_ids [B, S] default: len(cache) + arange(S).
+        Over a whole prefix with aux features this is TTT step 0; one token at position t+1
+        after it, fed step 0's hidden at t and the token x[t+2], is TTT step 1 at t; and so on.
+        """
+        cache = KVCache() if cache is None else cache
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = (len(cache) + torch.arange(s, device=input_ids.device)).expand(b, s)
+        embeds = self.embed_tokens(input_ids)                                        # [B, S, H]
+        if hidden.shape[-1] == 3 * self.config.target_hidden_size and hidden.shape[-1] != self.config.hidden_size:
+            hidden = self.fc(hidden.to(self.fc.weight.dtype))                        # [B, S, H]
+        elif hidden.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"hidden width {hidden.shape[-1]} is neither 3*target_hidden_size nor hidden_size")
+        cos, sin = self.rotary(position_ids, embeds.dtype)                          # [B, S, hd]
+        hidden = self.midlayer(embeds, hidden, cos, sin, cache)                      # [B, S, H] pre-norm
+        logits = self.lm_head(self.norm(hidden))                                     # [B, S, D]
+        if target_vocab_logits:
+            logits = self.to_target_vocab(logits)                                    # [B, S, V]
+        return DraftStep(logits=logits, hidden=hidden, cache=cache)
+
+    # -- training
+
+    def forward_ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target: TargetLogits,
+                    loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    position_ids: torch.Tensor | None = None, ttt_steps: int = 7, *,
+                    step_decay: float = STEP_DECAY, attn_impl: str = "sdpa",
+                    return_steps: bool = False) -> Eagle3Output:
+        """Training-time test over K = ttt_steps unrolled steps; the alignment is in the module docstring.
+
+        input_ids [B, T], aux_hidden [B, T, 3*Ht] (unshifted, as captured), target =
+        TargetHead(last_hidden [B, T, Ht]) (unshifted: target.logits[:, j] predicts x[j+1]),
+        loss_mask [B, T] (1 on trained tokens), attention_mask [B, T] (1 on real tokens, default all).
+        """
+        b, t = input_ids.shape
+        dev = input_ids.device
+        if attention_mask is None:
+            attention_mask = torch.ones(b, t, dtype=torch.bool, device=dev)
+        if position_ids is None:
+            position_ids = torch.arange(t, device=dev).expand(b, t)
+        trained = loss_mask.bool() & attention_mask.bool()                  # [B, T] token j is a loss token
+        target_logp = torch.log_softmax(_at_least_fp32(target.logits), -1)  # [B, T, D] restricted, renormalized
+        cache = TTTCache(attention_mask, impl=attn_impl)
+
+        hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))               # [B, T, H]
+        losses, tokens, valid, correct, chain_steps, step_logits, step_hidden = [], [], [], [], [], [], []
+        for k in range(ttt_steps):
+            embeds = self.embed_tokens(_shift_left(input_ids, k + 1))      # [B, T, H]   x[t+k+1]
+            cos, sin = self.rotary(position_ids + k, embeds.dtype)          # [B, T, hd]  RoPE at pos+k
+            hidden = self.midlayer(embeds, hidden, cos, sin, cache)         # [B, T, H]   next step's input
+            logits = self.lm_head(self.norm(hidden))                        # [B, T, D]
+            if return_steps:
+                step_logits.append(logits)
+                step_hidden.append(hidden)
+
+            # Step k at t is scored against z[t+k+1] (the target's view of x[t+k+2]).
+            n = max(t - (k + 1), 0)                                         # positions that have one
+            draft_logp = torch.log_softmax(_at_least_fp32(logits[:, :n]), -1)  # [B, n, D]
+            tgt_logp = target_logp[:, k + 1:]                               # [B, n, D]
+            counted = _shift_left(trained, k + 2)[:, :n]                    # [B, n] x[t+k+2] is trained
+            ok = counted & target.in_draft[:, k + 1:]                       # [B, n] usable for the loss
+            kl = (tgt_logp.exp() * (tgt_logp - draft_logp)).sum(-1)         # [B, n]
+            losses.append(torch.where(ok, kl, 0.0).sum() / ok.sum().clamp(min=1))
+            hit = ok & (draft_logp.argmax(-1) == tgt_logp.argmax(-1))       # [B, n]
+            tokens.append(counted.sum())
+            valid.append(ok.sum())
+            correct.append(hit.sum())
+            chain_steps.append((F.pad(counted, (0, t - n)), F.pad(hit, (0, t - n))))  # back to [B, T]
+
+        per_step_loss = torch.stack(losses)
+        weights = step_decay ** torch.arange(ttt_steps, device=dev, dtype=per_step_loss.dtype)
+        loss = (weights * per_step_loss).sum()
+
+        # Greedy chain from root t: step k is reached if steps < k were right and x[t+2..t+k+2] are trained.
+        reached, accepted = [], []
+        chain_ok = torch.ones(b, t, dtype=torch.bool, device=dev)          # steps < k all right
+        chain_counted = torch.ones(b, t, dtype=torch.bool, device=dev)     # x[t+2..t+k+2] all trained
+        for counted_k, hit_k in chain_steps:
+            chain_counted = chain_counted & counted_k
+            reached.append((chain_counted & chain_ok).sum())
+            chain_ok = chain_ok & hit_k
+            accepted.append((chain_counted & chain_ok).sum())
+        chain_reached, chain_accepted = torch.stack(reached), torch.stack(accepted)
+        tokens, valid, correct = torch.stack(tokens), torch.stack(valid), torch.stack(correct)
+        return Eagle3Output(
+            loss=loss,
+            per_step_loss=per_step_loss.detach(),
+            per_step_acc=correct.double() / tokens.double().clamp(min=1),
+            acceptance_length=acceptance_length(chain_accepted, chain_reached),
+            per_step_cond_acc=chain_accepted.double() / chain_reached.double().clamp(min=1),
+            tokens=tokens, valid=valid, correct=correct,
+            chain_reached=chain_reached, chain_accepted=chain_accepted,
+            step_logits=step_logits if return_steps else None,
+            step_hidden=step_hidden if return_steps else None,
+        )
+
+
+def _shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, j] -> x[:, j + n] along axis 1, zero (or False) filled past the end; same shape."""
+    t = x.shape[1]
+    if n >= t:
+        return torch.zeros_like(x)
+    return torch.cat([x[:, n:], torch.zeros_like(x[:, :n])], dim=1)
