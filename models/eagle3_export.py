@@ -1,0 +1,289 @@
+"""Export an `Eagle3Draft` as the directory SGLang serves with `--speculative-algorithm EAGLE3`.
+
+The directory holds `config.json` and `model.safetensors`. What SGLang does with them (read in
+sgl-project/sglang python/sglang/srt/models/llama_eagle3.py, models/llama.py,
+speculative/eagle_worker.py, model_executor/model_runner.py):
+
+- `LlamaForCausalLMEagle3.load_weights`: a name containing "d2t" becomes
+  `hot_token_id = d2t + arange(D)` (draft index -> target id); "t2d" is skipped; q/k/v_proj are
+  fused into qkv_proj and gate/up_proj into gate_up_proj; any other name is looked up as is or as
+  `model.{name}` and SILENTLY DROPPED when neither exists (the parameter keeps its random init).
+  Hence `validate_export` rejects every name outside `SGLANG_REQUIRED_WEIGHTS` + embed_tokens.
+- `embed_tokens.weight` is loaded when present. `EAGLEWorker.init_lm_head` then calls
+  `set_embed(target embedding)`, which `LlamaForCausalLM.set_embed` skips when
+  `target_hidden_size != hidden_size`: there the file's copy is the only embedding (missing ->
+  uninitialized). We always write it (it is the frozen target embedding): right in both cases, at
+  a cost of V*H (Kimi: 163840 x 7168 = 2.3 GB in bf16). Required by `validate_export` only when
+  the two sizes differ.
+- config: `draft_vocab_size: null` makes SGLang take the target's full lm_head and
+  `tie_word_embeddings: true` makes lm_head = embed_tokens, so both are written explicitly;
+  `fc` is Linear(3 * target_hidden_size, hidden_size); the layer is SGLang's Llama attention/MLP
+  (head_dim, heads, kv heads, rms_norm_eps, rope_theta, rope_scaling, max_position_embeddings
+  for the RoPE cache; LlamaMLP raises unless hidden_act == "silu"); num_hidden_layers 1 (more
+  would add `BasicDecoderLayer`s). The target reads `eagle_config.eagle_aux_hidden_state_layer_ids`
+  from the draft's config and captures the input of layer id+1, i.e. the output of 0-based layer
+  id: our `aux_layers` convention (Kimi: [1, 29, 57]).
+- RoPE: `Eagle3Draft` trains with unscaled RoPE at `config.rope_theta`, so `rope_scaling` is null
+  and rope_theta is the draft's own, never the target's (copying Kimi's YaRN scaling would rotate
+  differently from training). max_position_embeddings is the target's, so long contexts fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from models.eagle3 import Eagle3Config, Eagle3Draft
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+EMBED = "embed_tokens.weight"
+
+_Shape = Callable[[Mapping], tuple[int, ...]]
+# name -> expected shape from the exported config.json (H hidden, Ht target hidden, hd head_dim).
+SGLANG_REQUIRED_WEIGHTS: dict[str, _Shape] = {
+    "fc.weight": lambda c: (c["hidden_size"], 3 * c["target_hidden_size"]),
+    "midlayer.self_attn.q_proj.weight": lambda c: (c["num_attention_heads"] * c["head_dim"], 2 * c["hidden_size"]),
+    "midlayer.self_attn.k_proj.weight": lambda c: (c["num_key_value_heads"] * c["head_dim"], 2 * c["hidden_size"]),
+    "midlayer.self_attn.v_proj.weight": lambda c: (c["num_key_value_heads"] * c["head_dim"], 2 * c["hidden_size"]),
+    "midlayer.self_attn.o_proj.weight": lambda c: (c["hidden_size"], c["num_attention_heads"] * c["head_dim"]),
+    "midlayer.mlp.gate_proj.weight": lambda c: (c["intermediate_size"], c["hidden_size"]),
+    "midlayer.mlp.up_proj.weight": lambda c: (c["intermediate_size"], c["hidden_size"]),
+    "midlayer.mlp.down_proj.weight": lambda c: (c["hidden_size"], c["intermediate_size"]),
+    "midlayer.hidden_norm.weight": lambda c: (c["hidden_size"],),
+    "midlayer.input_layernorm.weight": lambda c: (c["hidden_size"],),
+    "midlayer.post_attention_layernorm.weight": lambda c: (c["hidden_size"],),
+    "norm.weight": lambda c: (c["hidden_size"],),
+    "lm_head.weight": lambda c: (c["draft_vocab_size"], c["hidden_size"]),
+    "d2t": lambda c: (c["draft_vocab_size"],),
+    "t2d": lambda c: (c["vocab_size"],),
+}
+_EMBED_SHAPE: _Shape = lambda c: (c["vocab_size"], c["hidden_size"])  # noqa: E731
+_INT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "max_position_embeddings", "vocab_size", "draft_vocab_size", "target_hidden_size")
+_ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}  # torch_dtype -> safetensors dtype
+
+
+def _text_config(target_config) -> dict:
+    cfg = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
+    return dict(cfg.get("text_config") or cfg)  # multimodal targets (Kimi-K2.5) nest the LM config
+
+
+def sglang_config(config: Eagle3Config, target_config, dtype: torch.dtype) -> dict:
+    """The config.json of the export (see the module docstring for each key)."""
+    target = _text_config(target_config)
+    for key, ours in (("vocab_size", config.vocab_size), ("hidden_size", config.target_hidden_size)):
+        if key in target and int(target[key]) != ours:
+            raise ValueError(f"target {key} {target[key]} != the draft's {ours}")
+    if "max_position_embeddings" not in target:
+        raise ValueError("target_config has no max_position_embeddings")
+    out = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": int(target["max_position_embeddings"]),
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layers), "use_aux_hidden_state": True},
+    }
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if target.get(key) is not None:
+            out[key] = target[key]
+    return out
+
+
+def export_draft(draft: Eagle3Draft, out_dir: str | Path, *, target_config,
+                 dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write `out_dir/{config.json, model.safetensors}` for SGLang, validated, atomically; return out_dir.
+
+    `target_config`: the target's HF config (dict or PretrainedConfig) for max_position_embeddings
+    and the vocab/hidden-size cross-checks. The files are assembled in a sibling temp dir, checked
+    with `validate_export` (ValueError listing every problem) and renamed into place; an existing
+    export at `out_dir` is replaced only once the new one is complete. A non-empty `out_dir` that
+    is not an EAGLE-3 export is never replaced.
+    """
+    if str(dtype).removeprefix("torch.") not in _ST_DTYPES:
+        raise ValueError(f"dtype must be one of torch.{'/'.join(_ST_DTYPES)}, got {dtype}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not _is_export(out_dir):
+        raise FileExistsError(f"{out_dir} exists, is not empty and is not an EAGLE-3 export; refusing to replace it")
+    config = sglang_config(draft.config, target_config, dtype)
+    tensors = {}
+    for name, t in draft.state_dict().items():
+        t = t.detach().to("cpu")
+        tensors[name] = (t.to(torch.int64) if name == "d2t" else t.bool() if name == "t2d" else t.to(dtype)).contiguous()
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        problems = validate_export(tmp)
+        if problems:
+            raise ValueError("EAGLE-3 export is not loadable by SGLang:\n  " + "\n  ".join(problems))
+        tmp.chmod(0o755)  # mkdtemp makes 0700
+        for p in tmp.iterdir():
+            p.chmod(0o644)
+        _replace_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _is_export(path: Path) -> bool:
+    try:
+        return json.loads((path / CONFIG_FILE).read_text()).get("architectures") == [ARCHITECTURE]
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> None:
+    """Rename `tmp` to `out_dir`; an old `out_dir` is moved aside first and restored if that fails."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except BaseException:
+        if old is not None:
+            os.rename(old, out_dir)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def validate_export(out_dir: str | Path) -> list[str]:
+    """Problems that would make SGLang fail, or silently serve something else; [] when fine.
+
+    Checks config.json keys, every required tensor (name, shape, dtype), no unknown names, and
+    d2t/t2d: draft ids = arange(D) + d2t strictly increasing inside the vocab, t2d marking exactly them.
+    """
+    out_dir = Path(out_dir)
+    try:
+        cfg = json.loads((out_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        return [f"{CONFIG_FILE}: cannot read: {e}"]
+    problems = _config_problems(cfg)
+    if problems:
+        return problems  # shapes cannot be derived from a broken config
+    try:
+        with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:
+            names = set(f.keys())
+            meta = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in names}
+            d2t = f.get_tensor("d2t") if "d2t" in names else None
+            t2d = f.get_tensor("t2d") if "t2d" in names else None
+    except Exception as e:  # safetensors raises its own error types for a bad file
+        return [f"{WEIGHTS_FILE}: cannot read: {e}"]
+
+    rules = dict(SGLANG_REQUIRED_WEIGHTS)
+    rules[EMBED] = _EMBED_SHAPE
+    if EMBED not in names and cfg["hidden_size"] != cfg["target_hidden_size"]:
+        problems.append(f"missing {EMBED}: SGLang shares the target's embedding only when "
+                        "hidden_size == target_hidden_size")
+    float_dtype = _ST_DTYPES[cfg["torch_dtype"]]
+    for name, rule in rules.items():
+        if name not in names:
+            if name != EMBED:
+                problems.append(f"missing tensor {name}")
+            continue
+        shape, dt = meta[name]
+        if shape != rule(cfg):
+            problems.append(f"{name}: shape {list(shape)} != expected {list(rule(cfg))}")
+        want = "I64" if name == "d2t" else "BOOL" if name == "t2d" else float_dtype
+        if dt != want:
+            problems.append(f"{name}: dtype {dt} != {want}")
+    problems += [f"unknown tensor {n}: SGLang would silently skip it" for n in sorted(names - set(rules))]
+    if d2t is not None and t2d is not None and not any(n.startswith(("d2t", "t2d")) for n in problems):
+        ids = torch.arange(d2t.shape[0], dtype=torch.int64) + d2t.to(torch.int64)
+        if ids.numel() and (ids.min() < 0 or ids.max() >= t2d.shape[0] or not torch.all(ids[1:] > ids[:-1])):
+            problems.append("d2t: draft ids (arange + d2t) are not strictly increasing ids inside the vocab")
+        else:
+            expected = torch.zeros(t2d.shape[0], dtype=torch.bool)
+            expected[ids] = True
+            if not torch.equal(expected, t2d.bool()):
+                problems.append("t2d does not mark exactly the target ids of d2t")
+    return problems
+
+
+def _config_problems(cfg: dict) -> list[str]:
+    p = []
+    if cfg.get("architectures") != [ARCHITECTURE]:
+        p.append(f"architectures {cfg.get('architectures')!r} != [{ARCHITECTURE!r}]")
+    if cfg.get("model_type") != "llama":
+        p.append(f"model_type {cfg.get('model_type')!r} != 'llama'")
+    for key in _INT_KEYS:
+        v = cfg.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            p.append(f"config {key} must be a positive int, got {v!r}")
+    if not p and cfg["draft_vocab_size"] > cfg["vocab_size"]:
+        p.append(f"draft_vocab_size {cfg['draft_vocab_size']} > vocab_size {cfg['vocab_size']}")
+    if cfg.get("num_hidden_layers") != 1:
+        p.append(f"num_hidden_layers {cfg.get('num_hidden_layers')!r} != 1")
+    if cfg.get("tie_word_embeddings") is not False:
+        p.append("tie_word_embeddings must be false (true makes SGLang use embed_tokens as lm_head)")
+    if cfg.get("hidden_act") != "silu":
+        p.append(f"hidden_act {cfg.get('hidden_act')!r}: SGLang's LlamaMLP supports only 'silu'")
+    if cfg.get("rope_scaling") is not None:
+        p.append("rope_scaling must be null: the draft is trained with unscaled RoPE")
+    for key in ("rms_norm_eps", "rope_theta"):
+        if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
+            p.append(f"config {key} must be a positive number, got {cfg.get(key)!r}")
+    if cfg.get("torch_dtype") not in _ST_DTYPES:
+        p.append(f"torch_dtype {cfg.get('torch_dtype')!r} not one of {sorted(_ST_DTYPES)}")
+    eagle = cfg.get("eagle_config")
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+    if not (isinstance(ids, list) and len(ids) == 3 and len(set(ids)) == 3
+            and all(isinstance(i, int) and i >= 0 for i in ids)):
+        p.append(f"eagle_config.eagle_aux_hidden_state_layer_ids must be 3 distinct layer ids, got {ids!r}")
+    if not isinstance(eagle, dict) or eagle.get("use_aux_hidden_state") is not True:
+        p.append("eagle_config.use_aux_hidden_state must be true")
+    return p
+
+
+def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Eagle3Draft:
+    """The `Eagle3Draft` of an export (validated first), in `dtype` (default: the file's torch_dtype).
+
+    An export without embed_tokens (allowed when hidden_size == target_hidden_size) leaves the
+    embedding uninitialized: call `load_target_embedding` with the target's.
+    """
+    out_dir = Path(out_dir)
+    problems = validate_export(out_dir)
+    if problems:
+        raise ValueError(f"{out_dir} is not a valid EAGLE-3 export:\n  " + "\n  ".join(problems))
+    cfg = json.loads((out_dir / CONFIG_FILE).read_text())
+    config = Eagle3Config(
+        **{k: cfg[k] for k in _INT_KEYS},
+        rms_norm_eps=float(cfg["rms_norm_eps"]), rope_theta=float(cfg["rope_theta"]),
+        aux_layers=list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]), hidden_act=cfg["hidden_act"],
+    )
+    draft = Eagle3Draft(config).to(dtype or getattr(torch, cfg["torch_dtype"]))
+    with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:
+        state = {n: f.get_tensor(n) for n in f.keys()}
+    missing, _ = draft.load_state_dict(state, strict=False)  # unknown names were rejected by validate_export
+    if set(missing) - {EMBED}:
+        raise ValueError(f"{out_dir}: missing tensors {sorted(set(missing) - {EMBED})}")
+    return draft
