@@ -1,0 +1,885 @@
+"""Capture-stage benchmark: our capture job against a bare forward loop, in one run.
+
+On a tiny Llama target (models/tiny_target.py, larger than its default: hidden 256, 8 layers) and
+a synthetic records set (lognormal lengths, loss on the second half, written as records parts in
+RECORD_SCHEMA), one run measures:
+
+1. Capture throughput (tokens/s) of `models.capture` launched as the pipeline launches it
+   (tasks.launch.rank_command + run_job: torchrun, DS_ACCELERATOR=cpu, gloo, OMP_NUM_THREADS per
+   rank), for (a) 1 rank replicate, (b) 2 ranks replicate, (c) 2 ranks ZeRO-3, against baselines
+   measured in the same run, each a fresh Python process like a rank:
+   - bare: a forward loop over the same batches (the 1-rank deal, models.capture.make_batches),
+     the same model, dtype and call kwargs (`output_hidden_states=True, use_cache=False,
+     logits_to_keep=1`), nothing kept or written; at the ranks' thread count, before and after (a);
+   - in-process: models.capture.capture_batch + ShardWriter in a plain process (our per-batch code
+     without the launcher): splits (a)'s overhead into code path vs launch;
+   - bare on all cores: one bare process with ranks x threads threads;
+   - bare side by side: `ranks` bare processes at once, each over the share the deal gives a rank:
+     the baseline of (b) and (c), on the same cores under the same conditions.
+   Start-up (launch -> the first rank's `CAPTURE_PROGRESS done=0` line: interpreter, imports,
+   process group, records, model load) is timed apart from the forward phase (first `done=0` line
+   -> the last rank's final `CAPTURE_PROGRESS` line, printed after its last shard is written); the
+   tail (barriers, index.parquet, teardown) is the rest up to the launcher's exit. Lines are
+   time-stamped when they reach this process. The baselines time their loop only (after a barrier
+   once every process has loaded the model). CPU seconds of the forward phase are read from /proc
+   for the launcher and its ranks, and from the baselines' own process clocks.
+2. Stored bytes per token: shard file sizes / captured tokens, split into the hidden-state payload
+   (4H values x dtype bytes: 16H at fp32, 8H at bf16), input_ids + loss_mask (5 B) and the
+   safetensors header (tensor table + the JSON sample list), plus index.parquet.
+
+Nothing is asserted and there is no target: the figures are ratios to the baselines. Usage::
+
+    .venv/bin/python bench/capture.py [--quick] [--json out.json] [--keep DIR] [--verbose]
+                                      [--PARAM VALUE ...]   # any field of Params, e.g. --hidden-size 512
+
+`--repeats N` runs the whole sequence N times (every other pass in reverse order) and takes the
+best pass of each. The target build is cached in runs/bench-capture/ (gitignored; the first build
+takes a minute or two). Results and their reading: docs/bench-capture.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import resource
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint only; inherited by the ranks and baselines
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+
+from models.capture import CaptureJob, DatasetRecords, deal, load_records, make_batches  # noqa: E402
+from models.hidden_shards import INDEX_NAME, list_shards, read_sample, shard_metadata  # noqa: E402
+from models.tiny_target import build_tiny_target, default_aux_layers  # noqa: E402
+from tasks.launch import RankFailure, rank_command, run_job  # noqa: E402
+from tasks.records import RECORD_SCHEMA  # noqa: E402
+
+# The rank's progress line (models/capture.py); tasks/capture_tasks.py parses the same format.
+PROGRESS = re.compile(r"CAPTURE_PROGRESS rank=(\d+) done=(\d+) total=(\d+) tokens=(\d+)")
+FIRST_ID = 8  # record ids are drawn from [FIRST_ID, vocab): clear of the special tokens 0..7
+DATASET = "bench"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Params:
+    """Every knob of one bench run (printed and saved with the figures)."""
+
+    quick: bool = False
+    seed: int = 0
+    # target (build_tiny_target)
+    hidden_size: int = 256
+    num_layers: int = 8
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 704  # 2.75 x hidden, as the default tiny target
+    vocab_size: int = 2048  # an upper bound: the BPE trainer decides the real size
+    dtype: str = "float32"  # the capture dtype (the tiny target is saved in fp32)
+    # records
+    records: int = 200
+    mean_len: float = 256.0
+    sigma: float = 0.9
+    min_len: int = 16
+    max_len: int = 3072
+    records_per_part: int = 64
+    # the capture job
+    max_batch_tokens: int = 16384  # the run config's default (capture.max_batch_tokens)
+    shard_tokens: int = 16384  # the run config's default (capture.shard_tokens): several shards per rank
+    threads: int = 1  # OMP_NUM_THREADS per rank: what rank_command gives CPU ranks
+    ranks: int = 2  # for (b) and (c)
+    repeats: int = 1  # passes over the whole sequence (odd passes in reverse order); each figure: its best pass
+    timeout_s: float = 900.0  # per launch or baseline
+
+    @classmethod
+    def quick_preset(cls) -> "Params":
+        return cls(quick=True, records=48, mean_len=128.0, max_len=1024, records_per_part=16, shard_tokens=2048)
+
+
+def target_dir_for(p: Params) -> Path:
+    return REPO / "runs" / "bench-capture" / (
+        f"target-h{p.hidden_size}-l{p.num_layers}-a{p.num_heads}-kv{p.num_kv_heads}-i{p.intermediate_size}"
+        f"-v{p.vocab_size}-s{p.seed}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------------------------
+
+
+def write_records(p: Params, records_dir: Path, vocab: int) -> dict[str, Any]:
+    """`p.records` records in RECORD_SCHEMA parts: lognormal lengths, random ids, loss on the second half."""
+    rng = np.random.default_rng(p.seed + 1)
+    mu = math.log(p.mean_len) - p.sigma**2 / 2
+    lengths = np.clip(np.rint(rng.lognormal(mu, p.sigma, p.records)), p.min_len, p.max_len).astype(int)
+    records_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, n in enumerate(lengths.tolist()):
+        ids = rng.integers(FIRST_ID, vocab, n, dtype=np.int32).tolist()
+        prompt = n // 2
+        rows.append({"id": f"{DATASET}-{i:06d}", "input_ids": ids, "loss_mask": [0] * prompt + [1] * (n - prompt),
+                     "num_tokens": n, "num_loss_tokens": n - prompt, "truncated": False})
+    parts = 0
+    for k in range(0, len(rows), p.records_per_part):
+        table = pa.Table.from_pylist(rows[k : k + p.records_per_part], schema=RECORD_SCHEMA)
+        pq.write_table(table, records_dir / f"part-{parts:06d}.parquet")
+        parts += 1
+    srt = np.sort(lengths)
+    return {"records": int(len(lengths)), "parts": parts, "tokens": int(lengths.sum()),
+            "mean_len": float(lengths.mean()), "p50_len": int(srt[len(srt) // 2]),
+            "p95_len": int(srt[min(len(srt) - 1, int(0.95 * len(srt)))]), "max_len": int(srt[-1])}
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Baselines: fresh processes, like a rank
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Bare:
+    label: str
+    kind: str  # "bare" (the 1-rank baseline), "in-process", "bare-all-cores", "bare-parallel"
+    processes: int
+    threads: int
+    batches: int
+    tokens: int
+    padded_tokens: int
+    wall_s: float  # the loop(s) only: first process's start -> last process's end
+    cpu_s: float  # the loops' CPU seconds, all processes
+    tokens_per_s: float
+    startup_s: float | None = None  # spawn -> every process ready (interpreter, imports, model load)
+    model_load_s: float | None = None  # from_pretrained alone, slowest process
+    per_process: list[dict[str, Any]] = field(default_factory=list)
+    pass_no: int = 0
+
+
+def call_kwargs_for(model: torch.nn.Module) -> dict[str, Any]:
+    """What models.capture passes to forward (logits_to_keep=1: no [n, vocab] matmul)."""
+    import inspect
+
+    kwargs: dict[str, Any] = {"output_hidden_states": True, "use_cache": False}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1
+    return kwargs
+
+
+def padded_batch(batch, parts, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The right-padded [B, S] ids and mask, built as models.capture.capture_batch builds them."""
+    width = max(s.length for s in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, s in enumerate(batch):
+        input_ids[i, : s.length] = torch.from_numpy(parts[s.part].input_ids[s.start : s.start + s.length].astype(np.int64))
+        attention_mask[i, : s.length] = 1
+    return input_ids, attention_mask
+
+
+def bare_loop(model, batches, parts, pad_id: int, aux_layers: list[int], keep: set[tuple[str, str]]) -> tuple[int, dict]:
+    """Forward every batch; the hidden states are dropped (cloned only for the `keep` samples). Returns tokens."""
+    kwargs = call_kwargs_for(model)
+    kept: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    tokens = 0
+    with torch.no_grad():
+        for batch in batches:
+            input_ids, attention_mask = padded_batch(batch, parts, pad_id)
+            out = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            tokens += sum(s.length for s in batch)
+            for i, s in enumerate(batch):
+                if (s.dataset, s.id) in keep:
+                    h = out.hidden_states
+                    kept[(s.dataset, s.id)] = (torch.cat([h[k + 1][i, : s.length] for k in aux_layers], -1).clone(),
+                                               h[-1][i, : s.length].clone())
+            del out
+    return tokens, kept
+
+
+def inproc_loop(model, batches, parts, pad_id: int, aux_layers: list[int], num_layers: int, shard_tokens: int,
+                out_dir: Path) -> int:
+    """The rank's loop body without the launcher: models.capture.capture_batch + ShardWriter. Returns tokens."""
+    from models.capture import capture_batch
+    from models.hidden_shards import ShardWriter
+
+    kwargs = call_kwargs_for(model)
+    tokens = 0
+    with ShardWriter(out_dir, 0, shard_tokens, aux_layers=aux_layers) as writer, torch.no_grad():
+        for batch in batches:
+            for s, aux, last in capture_batch(model, batch, parts, aux_layers, num_layers, pad_id, torch.device("cpu"), kwargs):
+                part = parts[s.part]
+                writer.add(s.id, s.dataset, torch.from_numpy(part.input_ids[s.start : s.start + s.length].copy()),
+                           torch.from_numpy(part.loss_mask[s.start : s.start + s.length].copy()), aux, last)
+                tokens += s.length
+    return tokens
+
+
+def _baseline_worker(cfg: dict[str, Any], rank: int, barrier: Any, queue: Any) -> None:
+    """One baseline process (spawned): load the model, wait for its peers, run its share, report."""
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        torch.set_num_threads(cfg["threads"])
+        t0 = time.monotonic()
+        model = AutoModelForCausalLM.from_pretrained(cfg["target"], dtype=getattr(torch, cfg["dtype"]))
+        model = model.eval().requires_grad_(False)
+        load_s = time.monotonic() - t0
+        samples, parts, _ = load_records([DatasetRecords(DATASET, cfg["records_dir"])], model.config.vocab_size)
+        batches = make_batches(deal(samples, cfg["processes"])[rank], cfg["max_batch_tokens"])
+        ready = time.monotonic()
+        barrier.wait()
+        start, cpu0 = time.monotonic(), time.process_time()
+        kept: dict = {}
+        if cfg["kind"] == "in-process":
+            tokens = inproc_loop(model, batches, parts, cfg["pad_id"], cfg["aux_layers"], model.config.num_hidden_layers,
+                                 cfg["shard_tokens"], Path(cfg["out_dir"]))
+        else:
+            tokens, kept = bare_loop(model, batches, parts, cfg["pad_id"], cfg["aux_layers"], set(map(tuple, cfg["keep"])))
+        end, cpu = time.monotonic(), time.process_time() - cpu0
+        queue.put({"rank": rank, "ready": ready, "start": start, "end": end, "cpu_s": cpu, "tokens": tokens,
+                   "batches": len(batches), "padded_tokens": sum(len(b) * max(s.length for s in b) for b in batches),
+                   "load_s": load_s,  # numpy, pickled by value (no shared-memory handles outliving this process)
+                   "kept": {k: (a.numpy(), b.numpy()) for k, (a, b) in kept.items()}})
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        queue.put({"rank": rank, "error": repr(e)})
+        barrier.abort()
+
+
+def baseline(p: Params, label: str, kind: str, processes: int, threads: int, target: Path, records_dir: Path,
+             pad_id: int, aux_layers: list[int], keep: set | None = None, out_dir: Path | None = None) -> tuple[Bare, dict]:
+    """Run a baseline in `processes` fresh processes at once (spawned with OMP_NUM_THREADS=threads, as a rank)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(processes), ctx.Queue()
+    cfg = {"kind": kind, "processes": processes, "threads": threads, "target": str(target), "dtype": p.dtype,
+           "records_dir": str(records_dir), "max_batch_tokens": p.max_batch_tokens, "shard_tokens": p.shard_tokens,
+           "pad_id": pad_id, "aux_layers": aux_layers, "keep": sorted(keep or ()), "out_dir": str(out_dir)}
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the children's environment, as rank_command sets it for a rank
+    try:
+        spawned = time.monotonic()
+        procs = [ctx.Process(target=_baseline_worker, args=(cfg, r, barrier, queue)) for r in range(processes)]
+        for proc in procs:
+            proc.start()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    results = [queue.get(timeout=p.timeout_s) for _ in procs]
+    for proc in procs:
+        proc.join()
+    errors = [x["error"] for x in results if "error" in x]
+    if errors:
+        raise RuntimeError(f"baseline {label!r} failed: {errors}")
+    results.sort(key=lambda x: x["rank"])
+    wall = max(x["end"] for x in results) - min(x["start"] for x in results)
+    tokens = sum(x["tokens"] for x in results)
+    kept = {k: (torch.from_numpy(a), torch.from_numpy(b)) for x in results for k, (a, b) in x.pop("kept").items()}
+    b = Bare(label, kind, processes, threads, sum(x["batches"] for x in results), tokens,
+             sum(x["padded_tokens"] for x in results), wall, sum(x["cpu_s"] for x in results), tokens / wall,
+             startup_s=max(x["ready"] for x in results) - spawned, model_load_s=max(x["load_s"] for x in results),
+             per_process=[{"rank": x["rank"], "tokens": x["tokens"], "wall_s": x["end"] - x["start"], "cpu_s": x["cpu_s"],
+                           "tokens_per_s": x["tokens"] / (x["end"] - x["start"])} for x in results])
+    return b, kept
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Our capture job (the pipeline's launcher path)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Launch:
+    label: str
+    mode: str
+    ranks: int
+    ok: bool = False
+    error: str | None = None
+    samples: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0  # launch -> launcher exit
+    planned_s: float | None = None  # launch -> rank 0's "pending over" line (interpreter, imports, process group, records)
+    startup_s: float | None = None  # launch -> first rank's done=0 line (model loaded)
+    startup_last_rank_s: float | None = None  # launch -> last rank's done=0 line
+    forward_s: float | None = None  # first done=0 line -> last rank's final progress line (shards written)
+    tail_s: float | None = None  # last final line -> launcher exit (barrier, index, teardown)
+    tokens_per_s: float | None = None  # steady state: tokens / forward_s
+    end_to_end_tokens_per_s: float | None = None  # tokens / wall_s (what metadata.json's tokens_per_s measures)
+    per_rank: list[dict[str, Any]] = field(default_factory=list)
+    children_cpu_s: float | None = None  # user+sys CPU of the launcher and its ranks, start-up included
+    forward_cpu_s: float | None = None  # the ranks' CPU over the forward phase (read from /proc at the progress lines)
+    launcher_cpu_s: float | None = None  # the launcher's (torchrun agent) over the same span
+    ops_built: list[str] = field(default_factory=list)  # torch extensions (re)built during this launch
+    storage: dict[str, Any] | None = None
+    check: dict[str, Any] | None = None
+    pass_no: int = 0
+
+
+def extension_builds() -> dict[str, float]:
+    """Modification times of the JIT-built torch extensions (DeepSpeed's CPU comm op is one)."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    found = {}
+    for so in root.glob("*/*/*.so"):
+        try:
+            found[so.parent.name] = so.stat().st_mtime
+        except OSError:
+            pass
+    return found
+
+
+def launch(p: Params, label: str, mode: str, ranks: int, target: Path, records_dir: Path, out_dir: Path,
+           job_path: Path, log_path: Path, verbose: bool) -> Launch:
+    job = CaptureJob(target_path=str(target), datasets=[DatasetRecords(DATASET, str(records_dir))], out_dir=str(out_dir),
+                     mode=mode, dtype=p.dtype, max_batch_tokens=p.max_batch_tokens, shard_tokens=p.shard_tokens,
+                     device="cpu")
+    job.validate()
+    job_path.write_text(json.dumps(job.to_dict(), indent=2))
+    command, env = rank_command("models.capture", ["--job", str(job_path)], num_ranks=ranks, launcher="torchrun")
+    env = {**env, "OMP_NUM_THREADS": str(p.threads)}
+    r = Launch(label, mode, ranks)
+    started: dict[int, float] = {}
+    last: dict[int, tuple[float, int, int, int]] = {}  # rank -> (t, done, total, tokens) of its latest line
+    cpu_at: dict[float, tuple[float, float]] = {}  # time of a progress line -> CPU s of (launcher, ranks) then
+    log = open(log_path, "w")
+
+    def on_line(line: str) -> None:
+        t = time.monotonic() - t0
+        log.write(f"{t:9.3f} {line}\n")
+        if verbose:
+            print(f"      | {line}", flush=True)
+        m = PROGRESS.search(line)
+        if m:
+            rank, done, total, tokens = map(int, m.groups())
+            if done == 0 and rank not in started:
+                started[rank] = t
+            last[rank] = (t, done, total, tokens)
+            c = descendants_cpu_s(os.getpid())
+            if c is not None:
+                cpu_at[t] = c
+        elif r.planned_s is None and "pending over" in line:
+            r.planned_s = t
+
+    usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    builds = extension_builds()
+    t0 = time.monotonic()
+    try:
+        run_job(command, env=env, on_line=on_line)
+        r.ok = True
+    except RankFailure as e:
+        r.error = str(e)[-2000:]
+    finally:
+        r.wall_s = time.monotonic() - t0
+        log.close()
+    usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r.ops_built = sorted(name for name, mtime in extension_builds().items() if builds.get(name) != mtime)
+    r.children_cpu_s = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
+    r.per_rank = [{"rank": k, "start_s": started.get(k), "end_s": v[0], "done": v[1], "total": v[2], "tokens": v[3],
+                   "tokens_per_s": v[3] / (v[0] - started[k]) if k in started and v[0] > started[k] else None}
+                  for k, v in sorted(last.items())]
+    r.samples = sum(v[1] for v in last.values())
+    r.tokens = sum(v[3] for v in last.values())
+    if r.ok and started and len(last) == ranks:
+        first, last_start = min(started.values()), max(started.values())
+        end = max(v[0] for v in last.values())
+        r.startup_s, r.startup_last_rank_s = first, last_start
+        r.forward_s = end - first
+        r.tail_s = r.wall_s - end
+        r.tokens_per_s = r.tokens / r.forward_s if r.forward_s > 0 else None
+        if first in cpu_at and end in cpu_at:
+            r.launcher_cpu_s = cpu_at[end][0] - cpu_at[first][0]
+            r.forward_cpu_s = cpu_at[end][1] - cpu_at[first][1]
+        r.end_to_end_tokens_per_s = r.tokens / r.wall_s
+    return r
+
+
+def descendants_cpu_s(root: int) -> tuple[float, float] | None:
+    """User + system CPU seconds so far of the live descendants of `root`: (its children, e.g. the
+    launcher; their descendants, e.g. the ranks)."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        parent: dict[int, int] = {}
+        cpu: dict[int, int] = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            parent[int(name)], cpu[int(name)] = int(fields[1]), int(fields[11]) + int(fields[12])
+    except (OSError, ValueError):
+        return None
+    children = deeper = 0
+    for pid, ticks in cpu.items():
+        p, depth = parent.get(pid), 1
+        while p is not None and p > 1 and p != root:
+            p, depth = parent.get(p), depth + 1
+        if p == root:
+            if depth == 1:
+                children += ticks
+            else:
+                deeper += ticks
+    return children / tick, deeper / tick
+
+
+def writer_alone(lengths: list[int], hidden: int, dtype: torch.dtype, aux_layers: list[int], shard_tokens: int,
+                 out_dir: Path) -> dict[str, Any]:
+    """ShardWriter alone (concatenation, safetensors, fsync, rename) over samples of these lengths, no forward."""
+    from models.hidden_shards import ShardWriter
+
+    g = torch.Generator().manual_seed(0)
+    n_max = max(lengths)
+    aux = torch.randn(n_max, 3 * hidden, generator=g).to(dtype)  # views of these, as capture_batch yields
+    last = torch.randn(n_max, hidden, generator=g).to(dtype)
+    ids, mask = torch.zeros(n_max, dtype=torch.int32), torch.ones(n_max, dtype=torch.uint8)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    with ShardWriter(out_dir, 0, shard_tokens, aux_layers=aux_layers) as writer:
+        for i, n in enumerate(lengths):
+            writer.add(f"w{i}", DATASET, ids[:n], mask[:n], aux[:n], last[:n])
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    size = sum(f.stat().st_size for f in list_shards(out_dir))
+    tokens = sum(lengths)
+    return {"tokens": tokens, "bytes": size, "shards": len(writer.written), "wall_s": wall, "cpu_s": cpu,
+            "mb_per_s": size / wall / 1e6, "us_per_token": 1e6 * wall / tokens}
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Stored bytes per token
+# ---------------------------------------------------------------------------------------------
+
+
+def storage(out_dir: Path) -> dict[str, Any]:
+    """Shard bytes split into payload, ids + mask and header; read from the files themselves."""
+    shards = list_shards(out_dir)
+    total = header = tokens = samples = 0
+    hidden = dtype_bytes = None
+    for path in shards:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))  # safetensors: u64 header length, JSON header, data
+        meta = shard_metadata(path)
+        hidden, dtype_bytes = meta["hidden_size"], DTYPE_BYTES[meta["dtype"]]
+        total += path.stat().st_size
+        header += 8 + n
+        tokens += meta["num_tokens"]
+        samples += len(meta["samples"])
+    if not tokens:
+        return {"shards": len(shards), "tokens": 0}
+    payload = 4 * hidden * dtype_bytes  # aux [3H] + last [H] per token
+    ids_mask = 4 + 1  # int32 input_ids + uint8 loss_mask
+    index = out_dir / INDEX_NAME
+    index_bytes = index.stat().st_size if index.is_file() else 0
+    return {
+        "shards": len(shards), "samples": samples, "tokens": tokens, "hidden_size": hidden, "dtype_bytes": dtype_bytes,
+        "shard_bytes": total, "bytes_per_token": total / tokens,
+        "payload_per_token": payload, "ids_mask_per_token": ids_mask,
+        "header_bytes": header, "header_per_token": header / tokens, "header_per_sample": header / samples,
+        "data_matches_layout": total - header == tokens * (payload + ids_mask),
+        "overhead_pct": 100 * (total / tokens - payload) / payload,
+        "index_bytes": index_bytes, "index_per_token": index_bytes / tokens,
+        "overhead_with_index_pct": 100 * ((total + index_bytes) / tokens - payload) / payload,
+        "planner_per_token": payload + ids_mask,  # tasks/capture_plan.py: 4H x dtype bytes + 5
+    }
+
+
+def projected_overhead_pct(s: dict[str, Any], hidden: int, dtype_bytes: int, mean_len: float | None = None) -> float:
+    """The format's overhead (ids, mask, headers) at another hidden size / dtype (and sample length)."""
+    payload = 4 * hidden * dtype_bytes
+    header = s["header_per_token"] if mean_len is None else s["header_per_sample"] / mean_len
+    return 100 * (s["ids_mask_per_token"] + header) / payload
+
+
+def check_against_bare(out_dir: Path, kept: dict) -> dict[str, Any]:
+    """Max abs difference between stored rows and the bare forward's for the kept samples."""
+    index = {(row["dataset"], row["id"]): row for row in pq.read_table(out_dir / INDEX_NAME).to_pylist()}
+    worst = 0.0
+    for key, (aux, last) in kept.items():
+        row = index[key]
+        got = read_sample(out_dir / row["shard"], row["offset"], row["length"])
+        worst = max(worst, (got["aux_hidden"].float() - aux.float()).abs().max().item(),
+                    (got["last_hidden"].float() - last.float()).abs().max().item())
+    return {"samples_compared": len(kept), "max_abs_diff": worst, "samples_indexed": len(index)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    target = target_dir_for(p)
+    print(f"  target: {target.relative_to(REPO)} (built once, then reused) ...", flush=True)
+    t0 = time.perf_counter()
+    build_tiny_target(target, seed=p.seed, vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_layers=p.num_layers,
+                      num_heads=p.num_heads, num_kv_heads=p.num_kv_heads, intermediate_size=p.intermediate_size,
+                      max_position_embeddings=max(4096, p.max_len))
+    build_s = time.perf_counter() - t0
+    config = AutoConfig.from_pretrained(target)
+    n_params = 0
+    for f in target.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            n_params += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    aux_layers = default_aux_layers(p.num_layers)
+    pad_id = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
+    records_dir = tmp / "records" / DATASET
+    rec = write_records(p, records_dir, config.vocab_size)
+    samples, _, _ = load_records([DatasetRecords(DATASET, str(records_dir))], config.vocab_size)
+    batches = make_batches(deal(samples, 1)[0], p.max_batch_tokens)  # exactly the 1-rank capture's batches
+    tokens = sum(s.length for s in samples)
+    padded = sum(len(b) * max(s.length for s in b) for b in batches)
+    out["setup"] = {
+        "target": str(target), "target_build_or_reuse_s": build_s, "parameters": n_params,
+        "vocab_size": config.vocab_size, "aux_layers": aux_layers, "records": rec, "captured_tokens": tokens,
+        "batches_1_rank": len(batches), "padded_tokens_1_rank": padded, "padding_pct": 100 * (padded - tokens) / padded,
+    }
+    print(f"  records: {rec['records']} ({rec['parts']} parts), {tokens:,} tokens (mean {rec['mean_len']:.0f}, "
+          f"p95 {rec['p95_len']}, max {rec['max_len']}); 1-rank deal: {len(batches)} batches, "
+          f"{100 * (padded - tokens) / padded:.1f}% padding", flush=True)
+
+    # The stored rows are compared with the bare loop's for the longest and the shortest sample.
+    keep = {(batches[0][0].dataset, batches[0][0].id), (batches[-1][-1].dataset, batches[-1][-1].id)}
+    kept: dict = {}
+    bares: list[Bare] = []
+    launches: list[Launch] = []
+
+    def base(label: str, kind: str, processes: int, threads: int, k: int) -> None:
+        print(f"  {label} ...", flush=True)
+        out_dir = tmp / f"hidden-inproc-{k}" if kind == "in-process" else None
+        b, rows = baseline(p, label, kind, processes, threads, target, records_dir, pad_id, aux_layers,
+                           keep=keep if kind == "bare" and not kept else None, out_dir=out_dir)
+        if out_dir is not None:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        kept.update(rows)
+        b.pass_no = k
+        bares.append(b)
+
+    def capture(label: str, mode: str, ranks: int, k: int) -> None:
+        tag = f"{mode}-{ranks}-{k}"
+        print(f"  {label}: torchrun --nproc_per_node {ranks}, OMP_NUM_THREADS={p.threads} ...", flush=True)
+        out_dir = tmp / f"hidden-{tag}"
+        r = launch(p, label, mode, ranks, target, records_dir, out_dir, tmp / f"job-{tag}.json", tmp / f"log-{tag}.txt",
+                   verbose)
+        r.pass_no = k
+        if r.ok:
+            r.storage = storage(out_dir)
+            r.check = check_against_bare(out_dir, kept)
+        else:
+            print(f"    FAILED:\n{r.error}", flush=True)
+        shutil.rmtree(out_dir, ignore_errors=True)  # ~4 KB a token at fp32: keep the disk free
+        launches.append(r)
+
+    def writer(k: int) -> None:
+        print("  ShardWriter alone (no forward) ...", flush=True)
+        torch.set_num_threads(p.threads)
+        out_dir = tmp / f"hidden-writer-{k}"
+        w = writer_alone([s.length for b in batches for s in b], config.hidden_size, getattr(torch, p.dtype), aux_layers,
+                         p.shard_tokens, out_dir)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        out.setdefault("writer_alone", []).append({**w, "pass_no": k})
+
+    t, n = p.threads, p.ranks
+    sequence = [
+        lambda k: base(f"bare, {t} thread(s), before", "bare", 1, t, k),
+        lambda k: capture("(a) 1 rank, replicate", "replicate", 1, k),
+        lambda k: base("in-process capture_batch + ShardWriter", "in-process", 1, t, k),
+        writer,
+        lambda k: base(f"bare, {t} thread(s), after", "bare", 1, t, k),
+        lambda k: base(f"bare, 1 process x {n * t} threads", "bare-all-cores", 1, n * t, k),
+        lambda k: base(f"bare, {n} processes x {t} thread(s) side by side", "bare-parallel", n, t, k),
+        lambda k: capture(f"(b) {n} ranks, replicate", "replicate", n, k),
+        lambda k: capture(f"(c) {n} ranks, zero3", "zero3", n, k),
+    ]
+    for k in range(p.repeats):
+        if p.repeats > 1:
+            print(f"  pass {k + 1} of {p.repeats}" + (" (reverse order)" if k % 2 else ""), flush=True)
+        for step in sequence if k % 2 == 0 else sequence[::-1]:
+            step(k)
+
+    out["bare"] = [b.__dict__ for b in bares]
+    out["launches"] = [r.__dict__ for r in launches]
+    out["ratios"] = ratios(p, bares, launches)
+    w = min(out["writer_alone"], key=lambda x: x["wall_s"])
+    bare_us = 1e6 / out["ratios"]["bare_tokens_per_s"]
+    out["writer"] = {**w, "bare_forward_us_per_token": bare_us, "share_of_bare_forward": w["us_per_token"] / bare_us}
+
+
+def best(entries: list[Any]) -> dict[str, dict[str, Any]]:
+    """Per label: the pass with the highest tokens/s, every pass's tokens/s, the lowest CPU per token."""
+    found: dict[str, dict[str, Any]] = {}
+    for e in entries:
+        if not e.tokens_per_s:
+            continue
+        cpu = e.forward_cpu_s if isinstance(e, Launch) else e.cpu_s
+        cpt = cpu / e.tokens if cpu else None
+        cur = found.setdefault(e.label, {"entry": e, "passes": [], "cpu_per_token": cpt})
+        cur["passes"].append(e.tokens_per_s)
+        if e.tokens_per_s > cur["entry"].tokens_per_s:
+            cur["entry"] = e
+        if cpt is not None and (cur["cpu_per_token"] is None or cpt < cur["cpu_per_token"]):
+            cur["cpu_per_token"] = cpt
+    return found
+
+
+def ratios(p: Params, bares: list[Bare], launches: list[Launch]) -> dict[str, Any]:
+    """Each run against its baseline: the bare loop (1 rank) or the bare processes side by side (more ranks).
+
+    Best pass against best pass. The bare loop has two passes (before and after (a)) for each of ours,
+    so if anything the overhead is overstated.
+    """
+    bb, lb = best(bares), best(launches)
+    one = [x for x in bb.values() if x["entry"].kind == "bare"]
+    bare_tps = max(t for x in one for t in x["passes"])
+    bare_cpt = min(x["cpu_per_token"] for x in one)
+    passes = [t for x in one for t in x["passes"]]
+    all_cores = next((x for x in bb.values() if x["entry"].kind == "bare-all-cores"), None)
+    parallel = next((x for x in bb.values() if x["entry"].kind == "bare-parallel"), None)
+    bare_startup = min(b.startup_s for b in bares if b.kind == "bare")
+    res: dict[str, Any] = {
+        "bare_tokens_per_s": bare_tps, "bare_cpu_ms_per_1k_tokens": 1e6 * bare_cpt, "bare_passes": passes,
+        "bare_spread_pct": 100 * (max(passes) - min(passes)) / bare_tps, "bare_startup_s": bare_startup,
+        "bare_all_cores_tokens_per_s": all_cores["entry"].tokens_per_s if all_cores else None,
+        "bare_parallel_tokens_per_s": parallel["entry"].tokens_per_s if parallel else None,
+        "parallel_speedup": parallel["entry"].tokens_per_s / bare_tps if parallel else None,
+        "all_cores_speedup": all_cores["entry"].tokens_per_s / bare_tps if all_cores else None,
+        "best": {label: {"tokens_per_s": x["entry"].tokens_per_s, "passes": x["passes"],
+                         "cpu_ms_per_1k_tokens": 1e6 * x["cpu_per_token"] if x["cpu_per_token"] else None}
+                 for label, x in {**bb, **lb}.items()},
+        "runs": {},
+    }
+    def row(label: str, ranks: int, x: dict[str, Any]) -> None:
+        e = x["entry"]
+        if ranks > 1 and parallel is not None:
+            name, b_tps, b_cpt = parallel["entry"].label, parallel["entry"].tokens_per_s, parallel["cpu_per_token"]
+        else:
+            name, b_tps, b_cpt = "bare, 1 process", bare_tps, bare_cpt
+        e2e = getattr(e, "end_to_end_tokens_per_s", None)
+        res["runs"][label] = {
+            "ranks": ranks, "tokens_per_s": e.tokens_per_s, "baseline": name, "baseline_tokens_per_s": b_tps,
+            "overhead_ratio": b_tps / e.tokens_per_s,  # baseline / ours: > 1 = ours slower by that factor
+            "cpu_ratio": x["cpu_per_token"] / b_cpt if x["cpu_per_token"] else None,  # CPU per token, ours / baseline
+            "vs_bare_1_process": bare_tps / e.tokens_per_s,
+            "vs_bare_all_cores": all_cores["entry"].tokens_per_s / e.tokens_per_s if all_cores else None,
+            "end_to_end_ratio": b_tps / e2e if e2e else None,  # start-up and tail included
+            "startup_s": getattr(e, "startup_s", None),
+        }
+
+    for label, x in bb.items():
+        if x["entry"].kind == "in-process":
+            row(label, 1, x)
+    for label, x in lb.items():
+        row(label, x["entry"].ranks, x)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def print_report(p: Params, out: dict[str, Any]) -> None:
+    s = out["setup"]
+    multi = p.repeats > 1
+    tag = (lambda x: x["label"] + f" #{x['pass_no'] + 1}") if multi else (lambda x: x["label"])
+    print()
+    print(f"target: Llama hidden {p.hidden_size}, {p.num_layers} layers, {p.num_heads} heads / {p.num_kv_heads} kv, "
+          f"intermediate {p.intermediate_size}, vocab {s['vocab_size']}, {s['parameters'] / 1e6:.1f}M parameters, "
+          f"{p.dtype}; aux layers {s['aux_layers']}")
+    r = s["records"]
+    print(f"records: {r['records']} in {r['parts']} parts, {s['captured_tokens']:,} tokens (lognormal mean "
+          f"{p.mean_len:g} sigma {p.sigma}: mean {r['mean_len']:.0f}, p50 {r['p50_len']}, p95 {r['p95_len']}, max "
+          f"{r['max_len']}); max_batch_tokens {p.max_batch_tokens}: {s['batches_1_rank']} batches at 1 rank, "
+          f"{s['padding_pct']:.1f}% padding; shard_tokens {p.shard_tokens}")
+    print()
+    print("1. capture throughput: baselines (fresh processes, the loop timed) and our job (torchrun, the forward phase "
+          "timed)")
+    rows = []
+    for b in out["bare"]:
+        rows.append((tag(b), f"{b['processes']}", f"{b['threads']}", f"{b['startup_s']:.1f}", f"{b['wall_s']:.1f}", "-",
+                     f"{b['tokens_per_s']:,.0f}", f"{b['cpu_s']:.1f}", f"{1e6 * b['cpu_s'] / b['tokens']:.0f}", "-"))
+    for x in out["launches"]:
+        if x["tokens_per_s"] is None:
+            rows.append((tag(x), f"{x['ranks']}", f"{p.threads}", "FAILED", "-", "-", "-", "-", "-", f"{x['wall_s']:.1f}"))
+            continue
+        cpu = x["forward_cpu_s"]
+        rows.append((tag(x), f"{x['ranks']}", f"{p.threads}", f"{x['startup_s']:.1f}", f"{x['forward_s']:.1f}",
+                     f"{x['tail_s']:.1f}", f"{x['tokens_per_s']:,.0f}",
+                     "-" if cpu is None else f"{cpu:.1f} + {x['launcher_cpu_s']:.1f}",
+                     "-" if cpu is None else f"{1e6 * cpu / x['tokens']:.0f}",
+                     f"{x['wall_s']:.1f} ({x['end_to_end_tokens_per_s']:,.0f} tok/s)"))
+    _table(("run", "procs", "threads", "start-up s", "forward s", "tail s", "tok/s", "CPU s", "CPU ms/1k tok",
+            "whole job s"), rows)
+    ra = out["ratios"]
+    print("   start-up: baselines spawn -> model loaded; ours launch -> first rank's done=0 line. tail: last final "
+          "line -> launcher exit.\n   CPU s of ours: ranks + launcher (torchrun agent); CPU ms/1k tok: ranks only")
+    print(f"   bare, 1 process ({len(ra['bare_passes'])} passes): best {ra['bare_tokens_per_s']:,.0f} tok/s, "
+          f"{ra['bare_cpu_ms_per_1k_tokens']:.0f} CPU ms per 1k tokens; its passes spread {ra['bare_spread_pct']:.1f}% "
+          "(other load on the machine)")
+    if ra["bare_parallel_tokens_per_s"]:
+        print(f"   these cores: {p.ranks} bare processes side by side give {ra['parallel_speedup']:.2f}x one bare process, "
+              f"one process on {p.ranks * p.threads} threads {ra['all_cores_speedup']:.2f}x")
+    print()
+    if multi:
+        print(f"   best of {p.repeats} passes each:")
+    rows = []
+    for label, x in ra["runs"].items():
+        rows.append((label, f"{x['tokens_per_s']:,.0f}", x["baseline"], f"{x['baseline_tokens_per_s']:,.0f}",
+                     f"{x['overhead_ratio']:.3f}", "-" if x["cpu_ratio"] is None else f"{x['cpu_ratio']:.3f}",
+                     f"{x['vs_bare_1_process']:.3f}",
+                     "-" if x["vs_bare_all_cores"] is None else f"{x['vs_bare_all_cores']:.3f}",
+                     "-" if x["end_to_end_ratio"] is None else f"{x['end_to_end_ratio']:.2f}"))
+    _table(("run", "tok/s", "baseline", "tok/s", "baseline/ours", "CPU/token ours/baseline", "bare 1 proc/ours",
+            f"bare {p.ranks * p.threads} thr/ours", "baseline/ours incl. start-up"), rows)
+    print("   baseline/ours > 1: ours is slower than its baseline by that factor (1 rank: the bare loop; "
+          f"{p.ranks} ranks: {p.ranks} bare\n   processes side by side on the same cores). CPU/token: CPU seconds per "
+          "captured token, less sensitive than wall\n   time to other load on the machine")
+
+    w = out["writer"]
+    print(f"   ShardWriter alone (cat, safetensors, fsync; best pass): {w['mb_per_s']:,.0f} MB/s, {w['us_per_token']:.0f} us "
+          f"per token = {100 * w['share_of_bare_forward']:.1f}% of the bare forward's {w['bare_forward_us_per_token']:.0f} "
+          "us per token")
+
+    per = [(tag(x), f"rank {q['rank']}", f"{q['start_s']:.1f}", f"{q['end_s']:.1f}", f"{q['tokens']:,}",
+            f"{q['tokens_per_s']:,.0f}" if q["tokens_per_s"] else "-")
+           for x in out["launches"] for q in x["per_rank"] if q["start_s"] is not None]
+    if per:
+        print()
+        print("   per rank (seconds after launch)")
+        _table(("run", "rank", "done=0 at", "final at", "tokens", "tok/s"), per)
+    rows = [(tag(x), f"{x['planned_s']:.1f}" if x["planned_s"] else "-", f"{x['startup_s']:.1f}", f"{x['tail_s']:.1f}",
+             ", ".join(x["ops_built"]) or "-")
+            for x in out["launches"] if x["ok"] and x["startup_s"] is not None]
+    if rows:
+        print()
+        print("   start-up (seconds after launch): rank 0 planned (interpreter, torchrun, imports, config, process "
+              "group,\n   records read), first done=0 (model loaded; ZeRO-3: partitioned); tail = last final line -> "
+              "launcher exit;\n   a DeepSpeed CPU comm op (re)built meanwhile (JIT, ~45 s on 2 cores) is part of the start-up")
+        _table(("run", "planned", "done=0", "tail", "torch extension built meanwhile"), rows)
+        print(f"   a bare process: spawn -> model loaded {ra['bare_startup_s']:.1f} s (interpreter, imports, "
+              f"from_pretrained {min(b['model_load_s'] for b in out['bare']):.2f} s)")
+
+    print()
+    st = [x for x in out["launches"] if x.get("storage") and x["storage"].get("tokens") and x["pass_no"] == 0]
+    if st:
+        g = st[0]["storage"]
+        h, db = g["hidden_size"], g["dtype_bytes"]
+        print(f"2. stored bytes per token (H = {h}, {p.dtype}: payload 4H x {db} B = {g['payload_per_token']:,} B/token)")
+        rows = []
+        for x in st:
+            q = x["storage"]
+            rows.append((x["label"], f"{q['shards']}", f"{q['samples']}", f"{q['tokens']:,}", f"{q['shard_bytes'] / 2**20:,.1f}",
+                         f"{q['bytes_per_token']:,.2f}", f"{q['payload_per_token']:,}", f"{q['ids_mask_per_token']}",
+                         f"{q['header_per_token']:.2f}", f"{q['overhead_pct']:.3f}%", f"{q['index_per_token']:.3f}",
+                         "yes" if q["data_matches_layout"] else "NO"))
+        _table(("run", "shards", "samples", "tokens", "MiB", "B/token", "payload", "ids+mask", "header",
+                "overhead", "index B/tok", "layout ok"), rows)
+        print(f"   header {g['header_per_sample']:.0f} B per sample (tensor table + JSON sample list); planner estimate "
+              f"{g['planner_per_token']:,} B/token (4H x dtype + 5).\n   The format's overhead with these samples at bf16 "
+              f"H={h}: {projected_overhead_pct(g, h, 2):.3f}%; bf16 H=7168 (Kimi): {projected_overhead_pct(g, 7168, 2):.4f}%, "
+              f"or {projected_overhead_pct(g, 7168, 2, 1400):.4f}% with 1,400-token samples")
+        checks = [(x["label"], f"{x['check']['samples_compared']}", f"{x['check']['max_abs_diff']:.2e}",
+                   f"{x['check']['samples_indexed']}") for x in st if x.get("check")]
+        print()
+        print("   stored rows vs the bare loop's hidden states (the longest and the shortest sample):")
+        _table(("run", "samples", "max abs diff", "samples in index"), checks)
+
+
+def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    fmt = "   " + "  ".join("{:<%d}" % w if i == 0 else "{:>%d}" % w for i, w in enumerate(widths))
+    print(fmt.format(*head))
+    print("   " + "  ".join("-" * w for w in widths))
+    for row in rows:
+        print(fmt.format(*row))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a smaller run: smoke test of the bench")
+    ap.add_argument("--json", type=Path, help="write the figures here as JSON")
+    ap.add_argument("--keep", type=Path, help="write records, jobs and rank logs here and keep them (default: a temp dir)")
+    ap.add_argument("--verbose", action="store_true", help="echo the ranks' output")
+    for name, value in Params().__dict__.items():
+        if name != "quick":
+            ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
+    args = ap.parse_args(argv)
+    p = Params.quick_preset() if args.quick else Params()
+    for name in p.__dict__:
+        if name != "quick" and getattr(args, name) is not None:
+            setattr(p, name, getattr(args, name))
+
+    import transformers
+
+    out: dict[str, Any] = {
+        "params": dict(p.__dict__),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "processor": _cpu_model(), "torch": torch.__version__, "transformers": transformers.__version__,
+                    "loadavg_start": _loadavg()},
+    }
+    started = time.monotonic()
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-capture-", dir=args.keep))
+    try:
+        print("capture-stage bench" + (" (--quick)" if p.quick else ""), flush=True)
+        run(p, tmp, out, args.verbose)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"records, jobs and rank logs kept in {tmp}")
+    out["machine"]["loadavg_end"] = _loadavg()
+    out["total_s"] = time.monotonic() - started
+    print_report(p, out)
+    print(f"\ntotal {out['total_s']:.0f} s on {os.cpu_count()} CPU(s); load average at start "
+          f"{out['machine']['loadavg_start']}, at end {out['machine']['loadavg_end']}"
+          + ("  (--quick: a smoke run; take the figures from the default run)" if p.quick else ""))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
+        print(f"figures written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
