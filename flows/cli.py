@@ -35,14 +35,9 @@ def demo(
 @app.command()
 def validate(config: Path = typer.Argument(..., help="The YAML run config to check.")) -> None:
     """Check a run config and every dataset file it names; print a table of the datasets."""
-    from flows.config import ConfigError, load_config
     from flows.validate import validate_datasets
 
-    try:
-        cfg = load_config(config)
-    except ConfigError as exc:
-        err.print(escape(str(exc)), style="red", highlight=False)
-        raise typer.Exit(2) from None
+    cfg = _config_or_exit(config)
     ok = validate_datasets(cfg, config_path=config, console=console)
     raise typer.Exit(0 if ok else 1)
 
@@ -73,13 +68,7 @@ def run(
 def _run_stages(config: Path, stages: list[str]) -> None:
     import asyncio
 
-    from flows.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(config)  # fail on a bad config before Prefect starts
-    except ConfigError as exc:
-        err.print(escape(str(exc)), style="red", highlight=False)
-        raise typer.Exit(2) from None
+    cfg = _config_or_exit(config)  # fail on a bad config before Prefect starts
     from flows.generate import generate as generate_flow
     from flows.capture import capture as capture_flow
     from flows.records import records as records_flow
@@ -101,15 +90,9 @@ def _run_stages(config: Path, stages: list[str]) -> None:
 @app.command()
 def plan(config: Path = typer.Argument(..., help="The YAML run config.")) -> None:
     """What every stage still has to do: tokens, disk bytes against free space, time when known."""
-    from flows.config import ConfigError, load_config
     from flows.plan import print_plan
 
-    try:
-        cfg = load_config(config)
-    except ConfigError as exc:
-        err.print(escape(str(exc)), style="red", highlight=False)
-        raise typer.Exit(2) from None
-    raise typer.Exit(0 if print_plan(cfg, console) else 1)
+    raise typer.Exit(0 if print_plan(_config_or_exit(config), console) else 1)
 
 
 @app.command()
@@ -202,6 +185,17 @@ def serve_dev(
         err.print(f"[red]error:[/red] {model} has no config.json; build one with `eagle3 tiny-target {model}`", highlight=False)
         raise typer.Exit(2)
     serve(model, host=host, port=port, context_length=context_length, max_batch_size=max_batch_size)
+
+
+def _config_or_exit(path: Path):
+    """The validated config at `path`; on any problem print them all and exit with status 2."""
+    from flows.config import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        err.print(escape(str(exc)), style="red", highlight=False)
+        raise typer.Exit(2) from None
 
 
 def main() -> None:
