@@ -32,9 +32,10 @@ Nothing is asserted and there is no target: the figures are ratios to the baseli
     .venv/bin/python bench/capture.py [--quick] [--json out.json] [--keep DIR] [--verbose]
                                       [--PARAM VALUE ...]   # any field of Params, e.g. --hidden-size 512
 
-`--repeats N` runs the whole sequence N times (every other pass in reverse order) and takes the
-best pass of each. The target build is cached in runs/bench-capture/ (gitignored; the first build
-takes a minute or two). Results and their reading: docs/bench-capture.md.
+Each ratio pairs a run with its baseline from the same pass; `--repeats N` runs the whole sequence
+N times (every other pass in reverse order) and reports the median of the per-pass ratios. The
+target build is cached in runs/bench-capture/ (gitignored; the first build takes a minute or two).
+Results and their reading: docs/bench-capture.md.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import platform
 import re
 import resource
 import shutil
+import statistics
 import struct
 import sys
 import tempfile
@@ -109,7 +111,7 @@ class Params:
     shard_tokens: int = 16384  # the run config's default (capture.shard_tokens): several shards per rank
     threads: int = 1  # OMP_NUM_THREADS per rank: what rank_command gives CPU ranks
     ranks: int = 2  # for (b) and (c)
-    repeats: int = 1  # passes over the whole sequence (odd passes in reverse order); each figure: its best pass
+    repeats: int = 1  # passes over the whole sequence (odd passes in reverse order); ratios: median over passes
     timeout_s: float = 900.0  # per launch or baseline
 
     @classmethod
@@ -627,71 +629,60 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
     out["writer"] = {**w, "bare_forward_us_per_token": bare_us, "share_of_bare_forward": w["us_per_token"] / bare_us}
 
 
-def best(entries: list[Any]) -> dict[str, dict[str, Any]]:
-    """Per label: the pass with the highest tokens/s, every pass's tokens/s, the lowest CPU per token."""
-    found: dict[str, dict[str, Any]] = {}
-    for e in entries:
-        if not e.tokens_per_s:
-            continue
-        cpu = e.forward_cpu_s if isinstance(e, Launch) else e.cpu_s
-        cpt = cpu / e.tokens if cpu else None
-        cur = found.setdefault(e.label, {"entry": e, "passes": [], "cpu_per_token": cpt})
-        cur["passes"].append(e.tokens_per_s)
-        if e.tokens_per_s > cur["entry"].tokens_per_s:
-            cur["entry"] = e
-        if cpt is not None and (cur["cpu_per_token"] is None or cpt < cur["cpu_per_token"]):
-            cur["cpu_per_token"] = cpt
-    return found
-
-
 def ratios(p: Params, bares: list[Bare], launches: list[Launch]) -> dict[str, Any]:
-    """Each run against its baseline: the bare loop (1 rank) or the bare processes side by side (more ranks).
+    """Each run against its baseline measured in the same pass, then the median over the passes.
 
-    Best pass against best pass. The bare loop has two passes (before and after (a)) for each of ours,
-    so if anything the overhead is overstated.
+    Baselines: (a) and in-process: the mean of the pass's bare loops before and after them;
+    more ranks: the pass's bare processes side by side. Pairing within a pass keeps slow drifts of
+    the machine's other load out of the ratios; the median keeps one disturbed pass out.
     """
-    bb, lb = best(bares), best(launches)
-    one = [x for x in bb.values() if x["entry"].kind == "bare"]
-    bare_tps = max(t for x in one for t in x["passes"])
-    bare_cpt = min(x["cpu_per_token"] for x in one)
-    passes = [t for x in one for t in x["passes"]]
-    all_cores = next((x for x in bb.values() if x["entry"].kind == "bare-all-cores"), None)
-    parallel = next((x for x in bb.values() if x["entry"].kind == "bare-parallel"), None)
-    bare_startup = min(b.startup_s for b in bares if b.kind == "bare")
-    res: dict[str, Any] = {
-        "bare_tokens_per_s": bare_tps, "bare_cpu_ms_per_1k_tokens": 1e6 * bare_cpt, "bare_passes": passes,
-        "bare_spread_pct": 100 * (max(passes) - min(passes)) / bare_tps, "bare_startup_s": bare_startup,
-        "bare_all_cores_tokens_per_s": all_cores["entry"].tokens_per_s if all_cores else None,
-        "bare_parallel_tokens_per_s": parallel["entry"].tokens_per_s if parallel else None,
-        "parallel_speedup": parallel["entry"].tokens_per_s / bare_tps if parallel else None,
-        "all_cores_speedup": all_cores["entry"].tokens_per_s / bare_tps if all_cores else None,
-        "best": {label: {"tokens_per_s": x["entry"].tokens_per_s, "passes": x["passes"],
-                         "cpu_ms_per_1k_tokens": 1e6 * x["cpu_per_token"] if x["cpu_per_token"] else None}
-                 for label, x in {**bb, **lb}.items()},
-        "runs": {},
-    }
-    def row(label: str, ranks: int, x: dict[str, Any]) -> None:
-        e = x["entry"]
-        if ranks > 1 and parallel is not None:
-            name, b_tps, b_cpt = parallel["entry"].label, parallel["entry"].tokens_per_s, parallel["cpu_per_token"]
-        else:
-            name, b_tps, b_cpt = "bare, 1 process", bare_tps, bare_cpt
-        e2e = getattr(e, "end_to_end_tokens_per_s", None)
-        res["runs"][label] = {
-            "ranks": ranks, "tokens_per_s": e.tokens_per_s, "baseline": name, "baseline_tokens_per_s": b_tps,
-            "overhead_ratio": b_tps / e.tokens_per_s,  # baseline / ours: > 1 = ours slower by that factor
-            "cpu_ratio": x["cpu_per_token"] / b_cpt if x["cpu_per_token"] else None,  # CPU per token, ours / baseline
-            "vs_bare_1_process": bare_tps / e.tokens_per_s,
-            "vs_bare_all_cores": all_cores["entry"].tokens_per_s / e.tokens_per_s if all_cores else None,
-            "end_to_end_ratio": b_tps / e2e if e2e else None,  # start-up and tail included
-            "startup_s": getattr(e, "startup_s", None),
-        }
+    med = statistics.median
 
-    for label, x in bb.items():
-        if x["entry"].kind == "in-process":
-            row(label, 1, x)
-    for label, x in lb.items():
-        row(label, x["entry"].ranks, x)
+    def of(kind: str, k: int) -> list[Bare]:
+        return [b for b in bares if b.kind == kind and b.pass_no == k]
+
+    base: dict[int, dict[str, float]] = {}
+    for k in range(p.repeats):
+        one, par, allc = of("bare", k), of("bare-parallel", k), of("bare-all-cores", k)
+        base[k] = {
+            "tps": statistics.fmean(b.tokens_per_s for b in one),
+            "cpt": statistics.fmean(b.cpu_s / b.tokens for b in one),
+            "spread": (max(b.tokens_per_s for b in one) - min(b.tokens_per_s for b in one))
+            / statistics.fmean(b.tokens_per_s for b in one),
+            "par_tps": par[0].tokens_per_s if par else math.nan, "par_cpt": par[0].cpu_s / par[0].tokens if par else math.nan,
+            "all_tps": allc[0].tokens_per_s if allc else math.nan,
+        }
+    bare_tps = med(x["tps"] for x in base.values())
+    res: dict[str, Any] = {
+        "bare_tokens_per_s": bare_tps, "bare_cpu_ms_per_1k_tokens": 1e6 * med(x["cpt"] for x in base.values()),
+        "bare_spread_pct": 100 * max(x["spread"] for x in base.values()),
+        "bare_startup_s": min(b.startup_s for b in bares if b.kind == "bare"),
+        "bare_parallel_tokens_per_s": med(x["par_tps"] for x in base.values()),
+        "bare_all_cores_tokens_per_s": med(x["all_tps"] for x in base.values()),
+        "parallel_speedup": med(x["par_tps"] / x["tps"] for x in base.values()),
+        "all_cores_speedup": med(x["all_tps"] / x["tps"] for x in base.values()),
+        "per_pass_baselines": base, "runs": {},
+    }
+    entries = [b for b in bares if b.kind == "in-process"] + [r for r in launches if r.tokens_per_s]
+    for label in dict.fromkeys(e.label for e in entries):
+        rows = []
+        for e in (e for e in entries if e.label == label):
+            b, ranks = base[e.pass_no], getattr(e, "ranks", 1)
+            tps_b, cpt_b = (b["par_tps"], b["par_cpt"]) if ranks > 1 else (b["tps"], b["cpt"])
+            cpu = e.forward_cpu_s if isinstance(e, Launch) else e.cpu_s
+            e2e = getattr(e, "end_to_end_tokens_per_s", None)
+            rows.append({"pass_no": e.pass_no, "tokens_per_s": e.tokens_per_s, "baseline_tokens_per_s": tps_b,
+                         "overhead_ratio": tps_b / e.tokens_per_s,  # baseline / ours: > 1 = ours slower
+                         "cpu_ratio": (cpu / e.tokens) / cpt_b if cpu else None,  # CPU per token, ours / baseline
+                         "vs_bare_1_process": b["tps"] / e.tokens_per_s, "vs_bare_all_cores": b["all_tps"] / e.tokens_per_s,
+                         "end_to_end_ratio": tps_b / e2e if e2e else None})
+        ranks = getattr(next(e for e in entries if e.label == label), "ranks", 1)
+        summary = {key: med(r[key] for r in rows) if all(r[key] is not None for r in rows) else None
+                   for key in rows[0] if key != "pass_no"}
+        summary.update(ranks=ranks, passes=rows, overhead_ratio_range=[min(r["overhead_ratio"] for r in rows),
+                                                                       max(r["overhead_ratio"] for r in rows)],
+                       baseline=f"bare, {p.ranks} processes" if ranks > 1 else "bare, 1 process (before+after)/2")
+        res["runs"][label] = summary
     return res
 
 
@@ -735,28 +726,24 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
     ra = out["ratios"]
     print("   start-up: baselines spawn -> model loaded; ours launch -> first rank's done=0 line. tail: last final "
           "line -> launcher exit.\n   CPU s of ours: ranks + launcher (torchrun agent); CPU ms/1k tok: ranks only")
-    print(f"   bare, 1 process ({len(ra['bare_passes'])} passes): best {ra['bare_tokens_per_s']:,.0f} tok/s, "
-          f"{ra['bare_cpu_ms_per_1k_tokens']:.0f} CPU ms per 1k tokens; its passes spread {ra['bare_spread_pct']:.1f}% "
-          "(other load on the machine)")
-    if ra["bare_parallel_tokens_per_s"]:
-        print(f"   these cores: {p.ranks} bare processes side by side give {ra['parallel_speedup']:.2f}x one bare process, "
-              f"one process on {p.ranks * p.threads} threads {ra['all_cores_speedup']:.2f}x")
+    print(f"   bare, 1 process: {ra['bare_tokens_per_s']:,.0f} tok/s, {ra['bare_cpu_ms_per_1k_tokens']:.0f} CPU ms per "
+          f"1k tokens; before and after (a) differ by up to {ra['bare_spread_pct']:.1f}% (other load on the machine)")
+    print(f"   these cores: {p.ranks} bare processes side by side give {ra['parallel_speedup']:.2f}x one bare process, "
+          f"one process on {p.ranks * p.threads} threads {ra['all_cores_speedup']:.2f}x")
     print()
-    if multi:
-        print(f"   best of {p.repeats} passes each:")
+    print("   ratios to the baseline measured in the same pass" + (f" (median of {p.repeats} passes)" if multi else ""))
     rows = []
     for label, x in ra["runs"].items():
+        lo, hi = x["overhead_ratio_range"]
         rows.append((label, f"{x['tokens_per_s']:,.0f}", x["baseline"], f"{x['baseline_tokens_per_s']:,.0f}",
-                     f"{x['overhead_ratio']:.3f}", "-" if x["cpu_ratio"] is None else f"{x['cpu_ratio']:.3f}",
-                     f"{x['vs_bare_1_process']:.3f}",
-                     "-" if x["vs_bare_all_cores"] is None else f"{x['vs_bare_all_cores']:.3f}",
+                     f"{x['overhead_ratio']:.3f}" + (f" ({lo:.2f}-{hi:.2f})" if multi else ""),
+                     "-" if x["cpu_ratio"] is None else f"{x['cpu_ratio']:.3f}",
+                     f"{x['vs_bare_1_process']:.3f}", f"{x['vs_bare_all_cores']:.3f}",
                      "-" if x["end_to_end_ratio"] is None else f"{x['end_to_end_ratio']:.2f}"))
     _table(("run", "tok/s", "baseline", "tok/s", "baseline/ours", "CPU/token ours/baseline", "bare 1 proc/ours",
             f"bare {p.ranks * p.threads} thr/ours", "baseline/ours incl. start-up"), rows)
-    print("   baseline/ours > 1: ours is slower than its baseline by that factor (1 rank: the bare loop; "
-          f"{p.ranks} ranks: {p.ranks} bare\n   processes side by side on the same cores). CPU/token: CPU seconds per "
-          "captured token, less sensitive than wall\n   time to other load on the machine")
-
+    print("   baseline/ours > 1: ours is slower than its baseline by that factor. CPU/token: CPU seconds per captured "
+          "token,\n   less sensitive than wall time to other load on the machine")
     w = out["writer"]
     print(f"   ShardWriter alone (cat, safetensors, fsync; best pass): {w['mb_per_s']:,.0f} MB/s, {w['us_per_token']:.0f} us "
           f"per token = {100 * w['share_of_bare_forward']:.1f}% of the bare forward's {w['bare_forward_us_per_token']:.0f} "
