@@ -167,9 +167,6 @@ class RecordsConfig(Section):
         "their reasoning): `split` makes one record per assistant turn, exactly as the model saw it; "
         "`reject` sends the row to rejects.",
     )
-    draft_vocab_size: int = Field(
-        default=32000, ge=1, description="Draft vocabulary size: the token-frequency report gives the share of loss tokens the top this-many tokens cover."
-    )
 
 
 class CaptureConfig(Section):
@@ -219,6 +216,74 @@ class CaptureConfig(Section):
         if self.offload != "none" and self.mode != "zero3":
             raise ValueError("offload applies to mode: zero3 only")
         return self
+
+
+class TrainConfig(Section):
+    """The DeepSpeed job that trains the EAGLE-3 draft (ZeRO-2, training-time test)."""
+
+    num_gpus: int = Field(default=8, ge=1, description="Ranks of the training job: one per GPU (CPU processes on a CPU-only machine).")
+    mode: Literal["offline", "online"] = Field(
+        default="offline",
+        description="`offline`: train on the captured hidden states (RUN_DIR/hidden). `online`: every rank runs the "
+        "target itself on the records (no capture, no disk; only for a target that fits one device).",
+    )
+    launcher: Literal["auto", "torchrun", "deepspeed"] = Field(
+        default="auto", description="auto: the deepspeed launcher on a CUDA machine, torchrun (gloo, DS_ACCELERATOR=cpu) otherwise."
+    )
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        default="auto", description="auto: bf16 on GPUs (fp32 master weights in the optimizer), fp32 on CPU."
+    )
+    draft_vocab_size: int = Field(
+        default=32000, ge=1,
+        description="Tokens the draft can propose: the most frequent loss tokens of the records (capped by the target vocab).",
+    )
+    ttt_steps: int = Field(default=7, ge=1, le=16, description="Training-time-test steps unrolled per position (EAGLE-3: 7).")
+    epochs: int = Field(default=1, ge=1, description="Passes over the training samples.")
+    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
+    max_batch_tokens: int = Field(
+        default=16384, ge=16, description="Padded tokens per micro batch on one rank; longer samples are cut to this length."
+    )
+    grad_accum: int = Field(default=1, ge=1, description="Micro batches per optimizer step on each rank.")
+    lr: float = Field(default=1e-4, gt=0, description="Peak AdamW learning rate.")
+    warmup_ratio: float = Field(default=0.015, ge=0, lt=1, description="Share of the steps with linear warmup; cosine decay after.")
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="Learning rate at the last step, as a share of lr.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(default=0.5, gt=0, description="Gradient norm clipping (DeepSpeed gradient_clipping).")
+    checkpoint_every: int = Field(default=500, ge=1, description="Optimizer steps between checkpoints (also one at the end).")
+    keep_checkpoints: int = Field(default=2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
+    eval_every: int = Field(default=500, ge=1, description="Optimizer steps between evaluations on the held-out split (also one at the end).")
+    eval_fraction: float = Field(
+        default=0.02, ge=0, lt=1, description="Share of the samples held out (a stable hash of dataset and id): never trained on; "
+        "the training eval and `eagle3 eval` use them."
+    )
+    log_every: int = Field(default=10, ge=1, description="Optimizer steps per metrics.jsonl / TensorBoard line.")
+    seed: int = Field(default=0, description="Seed of the draft's initial weights and of the data order.")
+    draft_overrides: dict[str, int | float] = Field(
+        default_factory=dict,
+        description="Draft shape settings that differ from the target's (head_dim, num_attention_heads, num_key_value_heads, "
+        "intermediate_size, rope_theta, rms_norm_eps); e.g. head_dim: 128 for an MLA target.",
+    )
+    out_dir: Path | None = Field(default=None, description="Checkpoints, metrics and the exported draft; default RUN_DIR/draft.")
+
+    @field_validator("draft_overrides")
+    @classmethod
+    def _known_overrides(cls, value: dict[str, int | float]) -> dict[str, int | float]:
+        allowed = {"head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size", "rope_theta", "rms_norm_eps"}
+        unknown = sorted(set(value) - allowed)
+        if unknown:
+            raise ValueError(f"unknown draft setting(s) {unknown}; allowed: {sorted(allowed)}")
+        return value
+
+
+class EvalConfig(Section):
+    """`eagle3 eval`: speculative decoding with the HF target (greedy) and the exported draft on held-out prompts."""
+
+    prompts: int = Field(default=32, ge=1, description="Held-out records whose prompts are decoded.")
+    max_new_tokens: int = Field(default=128, ge=1, description="Tokens generated per prompt.")
+    num_steps: int = Field(
+        default=3, ge=1, le=16, description="Draft tokens per verify round (SGLang --speculative-num-steps; top-k 1, num-draft-tokens = this + 1)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="Where the target and draft run; auto: cuda if available.")
 
 
 class DatasetConfig(Section):
@@ -286,6 +351,8 @@ class RunConfig(Section):
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     records: RecordsConfig = Field(default_factory=RecordsConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     datasets: list[DatasetConfig] = Field(min_length=1, description="The input datasets, in order.")
 
     @model_validator(mode="after")
@@ -303,6 +370,8 @@ class RunConfig(Section):
         out.run_dir = _absolute(out.run_dir, base)
         if out.capture.out_dir is not None:
             out.capture.out_dir = _absolute(out.capture.out_dir, base)
+        if out.train.out_dir is not None:
+            out.train.out_dir = _absolute(out.train.out_dir, base)
         if out.capture.nvme_path is not None:
             out.capture.nvme_path = _absolute(out.capture.nvme_path, base)
         for dataset in out.datasets:
@@ -315,6 +384,11 @@ class RunConfig(Section):
     def hidden_dir(self) -> Path:
         """Where the capture stage writes hidden states."""
         return self.capture.out_dir or self.run_dir / "hidden"
+
+    @property
+    def draft_dir(self) -> Path:
+        """Where the train stage writes checkpoints, metrics and the exported draft (final/)."""
+        return self.train.out_dir or self.run_dir / "draft"
 
     def dataset(self, name: str) -> DatasetConfig:
         """The dataset called `name`; KeyError lists the names there are."""

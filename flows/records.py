@@ -22,7 +22,7 @@ def records(config_path: str) -> list[dict]:
         build_dataset_records(d.name, d.kind, config.run_dir, config.target.path, config.target.trust_remote_code, settings)
         for d in config.datasets
     ]
-    tokens = count_record_tokens(config.run_dir, [d.name for d in config.datasets], vocab_size, config.records.draft_vocab_size)
+    tokens = count_record_tokens(config.run_dir, [d.name for d in config.datasets], vocab_size, config.train.draft_vocab_size)
     return publish_records_report(reports, tokens, Path(config_path).stem)
 
 

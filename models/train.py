@@ -1,0 +1,600 @@
+"""Training rank entry point: the EAGLE-3 draft under DeepSpeed ZeRO-2, with the training-time test.
+
+    torchrun --nproc_per_node N -m models.train --job JOB.json     (CPU: gloo, DS_ACCELERATOR=cpu)
+    deepspeed --num_gpus N --module models.train --job JOB.json    (GPU: NCCL, bf16)
+
+Every rank holds the whole (small) draft; ZeRO-2 partitions its gradients and optimizer state.
+Data: the captured hidden states (`mode: offline`) or, for a target that fits every device,
+the records with the target run inside the job (`mode: online`, nothing written to disk).
+The held-out split (models/train_data.py) is never trained on; its TTT metrics are the eval.
+
+Files under `out_dir` (RUN_DIR/draft):
+    checkpoints/step-NNNNNNNN/   DeepSpeed checkpoint (model, optimizer, scheduler) + client state
+                                 (epoch, step, tokens) + rng-rank-R.pt per rank + COMPLETE marker
+    checkpoints/latest           tag of the newest COMPLETE checkpoint (written atomically, last)
+    metrics.jsonl                one line per log interval ("train") and per eval ("eval")
+    tensorboard/                 the same scalars as TensorBoard events
+    final/                       config.json + model.safetensors for SGLang (models/eagle3_export.py)
+    train_summary.json           the final eval and where the draft is
+
+A relaunch resumes from `latest` (model, optimizer and scheduler states, the data position and
+every rank's RNG) and drops metrics lines past that step; a kill loses at most the steps since the
+last checkpoint. Output protocol for the flow: `TRAIN_PROGRESS step=S total=N ...`,
+`TRAIN_EVAL step=S acceptance_length=A`, `TRAIN_CHECKPOINT step=S`, `TRAIN_DONE final=DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from models.capture import DatasetRecords, Dist, _exit_with_launcher, _free_port, _log, capture_batch, load_records
+from models.draft_vocab import draft_vocab, draft_vocab_coverage, load_token_counts
+from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead, acceptance_length
+from models.eagle3_export import export_draft
+from models.target_weights import load_target_tensors
+from models.train_data import (Batch, HiddenSource, TrainSample, epoch_batches, eval_share, pad_batch,
+                               rank_micro_batches, split_samples, steps_per_epoch)
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+PROGRESS_EVERY_S = 2.0
+
+
+@dataclass
+class TrainJob:
+    """The JOB.json a training launch reads (written by the train flow; unknown keys are rejected)."""
+
+    target_path: str
+    out_dir: str                     # RUN_DIR/draft
+    token_counts: str                # RUN_DIR/records/token_counts.parquet (draft vocab)
+    ds_config: dict[str, Any]        # the DeepSpeed config (generated from the run config, saved with the run)
+    mode: Literal["offline", "online"] = "offline"
+    hidden_dir: str | None = None    # offline: the capture shards
+    datasets: list[DatasetRecords] = field(default_factory=list)  # online: records to run the target on
+    trust_remote_code: bool = False
+    aux_layers: list[int] | None = None  # None: the capture's (offline) or [1, L//2-1, L-4]
+    draft_vocab_size: int = 32000
+    ttt_steps: int = 7
+    epochs: int = 1
+    max_steps: int | None = None     # stop after this many optimizer steps in total (None: epochs)
+    max_batch_tokens: int = 16384    # padded tokens per micro batch per rank; longer samples are cut
+    lr: float = 1e-4
+    warmup_ratio: float = 0.015
+    min_lr_ratio: float = 0.0
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    eval_every: int = 500
+    eval_fraction: float = 0.02
+    log_every: int = 10
+    seed: int = 0
+    device: Literal["cpu", "cuda"] = "cuda"
+    draft_overrides: dict[str, Any] = field(default_factory=dict)  # Eagle3Config fields (head_dim, ...)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainJob:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot read training job: {e}") from e
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {unknown}")
+        raw["datasets"] = [DatasetRecords(d["name"], d["records_dir"]) for d in raw.get("datasets", [])]
+        job = cls(**raw)
+        if job.mode == "offline" and not job.hidden_dir:
+            raise ValueError(f"{path}: mode offline needs hidden_dir")
+        if job.mode == "online" and not job.datasets:
+            raise ValueError(f"{path}: mode online needs datasets")
+        return job
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def grad_accum(self) -> int:
+        return int(self.ds_config.get("gradient_accumulation_steps", 1))
+
+    @property
+    def bf16(self) -> bool:
+        return bool(self.ds_config.get("bf16", {}).get("enabled", False))
+
+
+def ds_train_config(*, world_size: int, grad_accum: int, lr: float, weight_decay: float, betas: tuple[float, float],
+                    grad_clip: float, bf16: bool, torch_adam: bool) -> dict[str, Any]:
+    """The DeepSpeed config of a draft training job: ZeRO-2, AdamW, clipping, bf16 on GPUs."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,  # one token-budget batch (models/train_data.py)
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": world_size * grad_accum,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "eps": 1e-8,
+                                                  "weight_decay": weight_decay, "torch_adam": torch_adam}},
+        "steps_per_print": 10**9,  # our own logging
+        "wall_clock_breakdown": False,
+    }
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float):
+    """Linear warmup to 1 over `warmup_steps`, then cosine down to `min_ratio` at `total_steps`."""
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+class Metrics:
+    """Sums of TTT counts over batches (and ranks), turned into losses, accuracies and acceptance."""
+
+    def __init__(self, steps: int, device: torch.device):
+        self.v = torch.zeros(6, steps, dtype=torch.float64, device=device)  # loss*valid, tokens, valid, correct, reached, accepted
+
+    def add(self, out) -> None:
+        self.v += torch.stack([out.per_step_loss.double() * out.valid, out.tokens, out.valid, out.correct,
+                               out.chain_reached, out.chain_accepted]).double().to(self.v.device)
+
+    def all_reduce(self, dist: Dist) -> None:
+        if dist.group:
+            torch.distributed.all_reduce(self.v)
+
+    def summary(self, decay: float) -> dict[str, Any]:
+        loss_sum, tokens, valid, correct, reached, accepted = self.v.cpu()
+        per_step_loss = (loss_sum / valid.clamp(min=1)).tolist()
+        weights = decay ** torch.arange(len(per_step_loss), dtype=torch.float64)
+        return {
+            "loss": float((weights * torch.tensor(per_step_loss)).sum()),
+            "per_step_loss": [round(x, 6) for x in per_step_loss],
+            "per_step_acc": [round(x, 6) for x in (correct / tokens.clamp(min=1)).tolist()],
+            "per_step_cond_acc": [round(x, 6) for x in (accepted / reached.clamp(min=1)).tolist()],
+            "acceptance_length": round(float(acceptance_length(accepted, reached)), 6),
+            "tokens": int(tokens[0]),
+        }
+
+
+@dataclass
+class Position:
+    """Where training stands: saved in every checkpoint's client state."""
+
+    step: int = 0            # optimizer steps done in total
+    epoch: int = 0
+    step_in_epoch: int = 0   # optimizer steps done in `epoch`
+    tokens: int = 0          # real (unpadded) tokens trained on, all ranks
+
+
+def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
+    """Train (or resume) on this rank; rank 0 exports the draft at the end. Returns the final eval."""
+    from transformers import AutoConfig
+
+    out_dir = Path(job.out_dir)
+    ckpt_dir = out_dir / "checkpoints"
+    device = torch.device(f"cuda:{dist.local_rank}" if job.device == "cuda" else "cpu")
+    if job.device == "cuda":
+        torch.cuda.set_device(device)
+    _init_distributed(job, dist)
+
+    # --- the draft and its frozen target pieces
+    target_config = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    source, aux_layers = _data_source(job, text, device)
+    embed, head = load_target_tensors(job.target_path, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
+    counts = load_token_counts(job.token_counts, int(text.vocab_size))
+    d2t, t2d = draft_vocab(counts, int(text.vocab_size), job.draft_vocab_size)
+    torch.manual_seed(job.seed)  # identical initial weights on every rank
+    config = Eagle3Config.from_target_config(text, draft_vocab_size=int(d2t.shape[0]), aux_layers=aux_layers, **job.draft_overrides)
+    draft = Eagle3Draft(config)
+    draft.load_target_embedding(embed.to(draft.embed_tokens.weight.dtype))
+    draft.set_draft_vocab(d2t, t2d)
+    target_head = TargetHead(head.to(device), d2t.to(device))
+    del embed, head
+
+    # --- data, schedule, engine
+    train_samples, eval_samples = split_samples(source.samples, job.eval_fraction)
+    if not train_samples:
+        raise ValueError("no training samples (all held out or none captured)")
+    per_epoch = steps_per_epoch(len(epoch_batches(train_samples, job.max_batch_tokens, job.seed, 0)), dist.world_size, job.grad_accum)
+    total_steps = per_epoch * job.epochs if job.max_steps is None else job.max_steps
+    warmup = max(1, round(job.warmup_ratio * total_steps))
+    engine = _engine(job, draft, total_steps, warmup)
+    if dist.rank == 0:
+        _log(f"train: {len(train_samples)} training samples ({sum(s.length for s in train_samples):,} tokens), "
+             f"{len(eval_samples)} held out, {per_epoch} steps/epoch over {dist.world_size} rank(s) x {job.grad_accum} "
+             f"micro batches, {total_steps} steps; draft vocab {config.draft_vocab_size} of {config.vocab_size} "
+             f"(covers {draft_vocab_coverage(counts, t2d):.1%} of loss tokens); mode {job.mode}, "
+             f"{'bf16' if job.bf16 else 'fp32'}, ZeRO-2" + (f"; {source.cut} samples cut to {job.max_batch_tokens} tokens" if source.cut else ""))
+
+    position = _resume(engine, ckpt_dir, dist)
+    writer = _MetricsWriter(out_dir, position.step, enabled=dist.rank == 0)
+
+    # --- the loop
+    eval_batches = epoch_batches(eval_samples, job.max_batch_tokens, job.seed, 0) if eval_samples else []
+    running = Metrics(job.ttt_steps, device)
+    last_report, window_start, window_tokens = 0.0, time.monotonic(), 0
+    last_eval: dict[str, Any] | None = None
+    say = print if dist.rank == 0 else (lambda *a, **k: None)  # the protocol lines come from rank 0 only
+    say(f"TRAIN_PROGRESS step={position.step} total={total_steps} tokens={position.tokens}", flush=True)
+    while position.step < total_steps:
+        batches = epoch_batches(train_samples, job.max_batch_tokens, job.seed, position.epoch)
+        while position.step_in_epoch < per_epoch and position.step < total_steps:
+            engine.train()
+            step_tokens = 0
+            for micro in rank_micro_batches(batches, position.step_in_epoch, dist.rank, dist.world_size, job.grad_accum):
+                batch = source.batch(micro, device)
+                out = _forward(engine, batch, target_head, job.ttt_steps)
+                engine.backward(out.loss)
+                engine.step()
+                running.add(out)
+                step_tokens += batch.tokens
+            position.step += 1
+            position.step_in_epoch += 1
+            position.tokens += _sum(step_tokens, dist, device)
+            window_tokens += step_tokens
+
+            if position.step % job.log_every == 0 or position.step == total_steps:
+                running.all_reduce(dist)
+                elapsed = max(1e-9, time.monotonic() - window_start)
+                tokens_per_s = _sum(window_tokens, dist, device) / elapsed
+                line = {"kind": "train", "step": position.step, "epoch": position.epoch, "time": time.time(),
+                        **running.summary(STEP_DECAY), "lr": engine.get_lr()[0],
+                        "grad_norm": _grad_norm(engine), "tokens": position.tokens, "tokens_per_s": round(tokens_per_s, 2)}
+                writer.write(line)
+                running = Metrics(job.ttt_steps, device)
+                window_start, window_tokens = time.monotonic(), 0
+            if time.monotonic() - last_report >= PROGRESS_EVERY_S or position.step == total_steps:
+                last_report = time.monotonic()
+                say(f"TRAIN_PROGRESS step={position.step} total={total_steps} tokens={position.tokens} "
+                    f"loss={out.loss.item():.4f} lr={engine.get_lr()[0]:.3g}", flush=True)
+            if eval_batches and (position.step % job.eval_every == 0 or position.step == total_steps):
+                last_eval = _evaluate(engine, source, eval_batches, target_head, job, dist, device)
+                writer.write({"kind": "eval", "step": position.step, "epoch": position.epoch, "time": time.time(), **last_eval})
+                say(f"TRAIN_EVAL step={position.step} acceptance_length={last_eval['acceptance_length']:.3f} "
+                    f"loss={last_eval['loss']:.4f}", flush=True)
+            if position.step % job.checkpoint_every == 0 or position.step == total_steps:
+                _save(engine, ckpt_dir, position, job.keep_checkpoints, dist)
+                say(f"TRAIN_CHECKPOINT step={position.step}", flush=True)
+        if position.step_in_epoch >= per_epoch:
+            position.epoch += 1
+            position.step_in_epoch = 0
+    writer.close()
+
+    # --- export (every rank holds the whole model under ZeRO-2; rank 0 writes)
+    final = out_dir / "final"
+    summary = {"final": str(final), "steps": position.step, "tokens": position.tokens, "eval": last_eval,
+               "draft_vocab_size": config.draft_vocab_size, "aux_layers": aux_layers}
+    if dist.rank == 0:
+        export_draft(engine.module, final, target_config=target_config,
+                     dtype=torch.bfloat16 if job.bf16 else torch.float32)
+        tmp = out_dir / ".train_summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        tmp.replace(out_dir / "train_summary.json")
+        print(f"TRAIN_DONE final={final}", flush=True)
+    dist.barrier()
+    return summary
+
+
+def _forward(model, batch: Batch, target_head: TargetHead, ttt_steps: int):
+    return model(*_ttt_args(batch, target_head), ttt_steps=ttt_steps)
+
+
+class _TTT(torch.nn.Module):
+    """The draft with `forward` = `forward_ttt`, the method DeepSpeed's engine calls."""
+
+    def __init__(self, draft: Eagle3Draft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, *args, **kwargs):
+        return self.draft.forward_ttt(*args, **kwargs)
+
+
+def _engine(job: TrainJob, draft: Eagle3Draft, total_steps: int, warmup: int):
+    import deepspeed
+
+    wrapped = _TTT(draft)
+    params = [p for p in wrapped.parameters() if p.requires_grad]
+    schedule = lr_lambda(total_steps, warmup, job.min_lr_ratio)
+    engine, *_ = deepspeed.initialize(
+        model=wrapped, model_parameters=params, config=job.ds_config,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+    )
+    return _EngineView(engine)
+
+
+class _EngineView:
+    """The DeepSpeed engine, with `module` meaning the draft itself (for export) and the TTT call as `__call__`."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    @property
+    def module(self) -> Eagle3Draft:
+        return self.engine.module.draft
+
+    def __call__(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+
+@torch.no_grad()
+def _evaluate(engine, source, eval_batches: list[list[TrainSample]], target_head: TargetHead, job: TrainJob,
+              dist: Dist, device: torch.device) -> dict[str, Any]:
+    """TTT metrics over the held-out samples, summed over ranks (every rank evaluates a share)."""
+    engine.eval()
+    metrics = Metrics(job.ttt_steps, device)
+    for samples in eval_share(eval_batches, dist.rank, dist.world_size):
+        batch = source.batch(samples, device)
+        metrics.add(engine.module.forward_ttt(*_ttt_args(batch, target_head), ttt_steps=job.ttt_steps))
+    metrics.all_reduce(dist)
+    engine.train()
+    return metrics.summary(STEP_DECAY)
+
+
+def _ttt_args(batch: Batch, target_head: TargetHead) -> tuple:
+    return (batch.input_ids, batch.aux_hidden, target_head(batch.last_hidden), batch.loss_mask, batch.attention_mask)
+
+
+def _grad_norm(engine) -> float | None:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    norm = float(norm)
+    return round(norm, 6) if math.isfinite(norm) else None
+
+
+def _sum(value: int, dist: Dist, device: torch.device) -> int:
+    if not dist.group:
+        return int(value)
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(t)
+    return int(t.item())
+
+
+# --- data sources -----------------------------------------------------------------------------------
+
+
+def _data_source(job: TrainJob, text_config, device: torch.device):
+    """(source, aux_layers): captured shards (offline) or the target itself over the records (online)."""
+    if job.mode == "offline":
+        meta_path = Path(job.hidden_dir) / "metadata.json"
+        captured = json.loads(meta_path.read_text()).get("aux_layers") if meta_path.is_file() else None
+        aux_layers = list(job.aux_layers or captured or _default_aux(text_config))
+        if captured and list(captured) != aux_layers:
+            raise ValueError(f"{job.hidden_dir} holds aux layers {captured}, the job asks for {aux_layers}")
+        return HiddenSource(job.hidden_dir, job.max_batch_tokens), aux_layers
+    aux_layers = list(job.aux_layers or _default_aux(text_config))
+    return OnlineSource(job, aux_layers, int(text_config.vocab_size), device), aux_layers
+
+
+def _default_aux(text_config) -> list[int]:
+    from models.tiny_target import default_aux_layers
+
+    return default_aux_layers(int(text_config.num_hidden_layers))
+
+
+class OnlineSource:
+    """Samples from the records; hidden states computed by the target on this rank, per batch."""
+
+    def __init__(self, job: TrainJob, aux_layers: list[int], vocab_size: int, device: torch.device):
+        from transformers import AutoModelForCausalLM
+
+        from models.capture import resolve_dtype
+
+        records, self.parts, _ = load_records(job.datasets, vocab_size)
+        self.max_len = job.max_batch_tokens
+        self.cut = sum(1 for s in records if s.length > self.max_len)
+        self.samples = [TrainSample(s.dataset, s.id, min(s.length, self.max_len), (s.part, s.start)) for s in records]
+        if not self.samples:
+            raise ValueError("no records with loss tokens to train on")
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
+        dtype = torch.bfloat16 if job.bf16 else resolve_dtype("auto", cfg)
+        self.model = AutoModelForCausalLM.from_pretrained(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code)
+        self.model = self.model.to(device).eval().requires_grad_(False)
+        self.num_layers = len(self.model.model.layers) if hasattr(self.model, "model") and hasattr(self.model.model, "layers") \
+            else int(cfg.get_text_config().num_hidden_layers)
+        self.aux_layers = aux_layers
+        self.pad_id = cfg.pad_token_id if isinstance(getattr(cfg, "pad_token_id", None), int) else 0
+
+    @torch.no_grad()
+    def batch(self, samples: list[TrainSample], device: torch.device) -> Batch:
+        from models.capture import Sample
+
+        as_capture = [Sample(s.dataset, s.id, s.ref[0], s.ref[1], s.length) for s in samples]
+        rows = []
+        for s, aux, last in capture_batch(self.model, as_capture, self.parts, self.aux_layers, self.num_layers,
+                                          self.pad_id, device, {"output_hidden_states": True, "use_cache": False}):
+            part = self.parts[s.part]
+            ids = torch.from_numpy(part.input_ids[s.start : s.start + s.length].astype(np.int64))
+            mask = torch.from_numpy(part.loss_mask[s.start : s.start + s.length].copy())
+            rows.append((ids, mask, aux, last))
+        return pad_batch(rows, max(s.length for s in samples), device)
+
+
+# --- checkpoints ------------------------------------------------------------------------------------
+
+
+def complete_checkpoints(ckpt_dir: Path) -> list[tuple[int, str]]:
+    """(step, tag) of every checkpoint with its COMPLETE marker, oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = []
+    for p in ckpt_dir.iterdir():
+        if p.is_dir() and p.name.startswith("step-") and (p / COMPLETE).is_file():
+            found.append((int(p.name.removeprefix("step-")), p.name))
+    return sorted(found)
+
+
+def _save(engine, ckpt_dir: Path, position: Position, keep: int, dist: Dist) -> None:
+    """Save a checkpoint; it counts only once COMPLETE and `latest` are written (rank 0, after every rank)."""
+    tag = f"step-{position.step:08d}"
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"position": asdict(position)}, save_latest=False)
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and engine.device.type == "cuda" else None}
+    torch.save(rng, ckpt_dir / tag / f"rng-rank-{dist.rank}.pt")
+    dist.barrier()  # every rank's files are on disk
+    if dist.rank == 0:
+        _fsync_tree(ckpt_dir / tag)
+        (ckpt_dir / tag / COMPLETE).write_text(json.dumps(asdict(position)))
+        tmp = ckpt_dir / f".{LATEST}.tmp"
+        tmp.write_text(tag)
+        os.replace(tmp, ckpt_dir / LATEST)
+        for _, old in complete_checkpoints(ckpt_dir)[:-keep]:
+            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    dist.barrier()
+
+
+def _resume(engine, ckpt_dir: Path, dist: Dist) -> Position:
+    """Load the newest complete checkpoint, if any; drop incomplete ones (a kill during a save)."""
+    done = complete_checkpoints(ckpt_dir)
+    dist.barrier()  # everyone listed before rank 0 cleans up
+    if dist.rank == 0 and ckpt_dir.is_dir():
+        keep = {tag for _, tag in done}
+        for p in ckpt_dir.iterdir():
+            if p.is_dir() and p.name.startswith("step-") and p.name not in keep:
+                _log(f"train: removing incomplete checkpoint {p.name}")
+                shutil.rmtree(p, ignore_errors=True)
+    dist.barrier()
+    if not done:
+        return Position()
+    step, tag = done[-1]
+    _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    position = Position(**client["position"])
+    rng_path = ckpt_dir / tag / f"rng-rank-{dist.rank}.pt"
+    if rng_path.is_file():  # a different world size than the saved run: fresh RNG for the new ranks
+        rng = torch.load(rng_path, weights_only=False)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    if dist.rank == 0:
+        _log(f"train: resuming from checkpoint {tag} (step {position.step}, epoch {position.epoch}, "
+             f"{position.tokens:,} tokens trained)")
+    return position
+
+
+def _fsync_tree(directory: Path) -> None:
+    for p in directory.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+class _MetricsWriter:
+    """metrics.jsonl and TensorBoard scalars (rank 0); lines past the resumed step are dropped first."""
+
+    def __init__(self, out_dir: Path, resumed_step: int, enabled: bool):
+        self.enabled = enabled
+        self.path = out_dir / "metrics.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file():
+            kept = []
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resumed_step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by a kill
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(k + "\n" for k in kept))
+            os.replace(tmp, self.path)
+        self.file = open(self.path, "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
+        except ImportError:
+            _log("train: tensorboard is not installed; metrics go to metrics.jsonl only")
+
+    def write(self, line: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            kind, step = line["kind"], line["step"]
+            for key in ("loss", "acceptance_length", "lr", "grad_norm", "tokens_per_s"):
+                if isinstance(line.get(key), (int, float)):
+                    self.tb.add_scalar(f"{kind}/{key}", line[key], step)
+            for k, acc in enumerate(line.get("per_step_acc", [])):
+                self.tb.add_scalar(f"{kind}/acc_{k}", acc, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+# --- process ------------------------------------------------------------------------------------------
+
+
+def _init_distributed(job: TrainJob, dist: Dist) -> None:
+    """DeepSpeed needs a process group even for one process; CPU ranks use its CPU accelerator and gloo."""
+    if job.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if job.device == "cuda" else "gloo")
+    dist.group = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m models.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--job", required=True, help="path of the training JOB.json")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    dist = Dist.from_env()
+    try:
+        if "WORLD_SIZE" in os.environ:
+            _exit_with_launcher()
+        run(TrainJob.load(args.job), dist)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher as a nonzero exit
+        if isinstance(e, SystemExit) and not e.code:
+            return 0
+        print(f"train rank {dist.rank} failed: {e!r}", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        return 1
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            try:
+                torch.distributed.destroy_process_group()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
