@@ -42,13 +42,19 @@ def validate(config: Path = typer.Argument(..., help="The YAML run config to che
     raise typer.Exit(0 if ok else 1)
 
 
-STAGES = ("generate", "records", "capture")  # the stages built so far, in pipeline order
+STAGES = ("generate", "records", "capture", "train", "eval")  # in pipeline order
 
 
 @app.command()
 def generate(config: Path = typer.Argument(..., help="The YAML run config.")) -> None:
     """Stage 1: generate responses for every dataset (same as `run CONFIG --stages generate`)."""
     _run_stages(config, ["generate"])
+
+
+@app.command("eval")
+def eval_(config: Path = typer.Argument(..., help="The YAML run config (its train stage must have exported a draft).")) -> None:
+    """Stage 5: acceptance length of the exported draft by speculative decoding with the target (same as `run CONFIG --stages eval`)."""
+    _run_stages(config, ["eval"])
 
 
 @app.command()
@@ -71,12 +77,16 @@ def _run_stages(config: Path, stages: list[str]) -> None:
     cfg = _config_or_exit(config)  # fail on a bad config before Prefect starts
     from flows.generate import generate as generate_flow
     from flows.capture import capture as capture_flow
+    from flows.eval import evaluate as eval_flow
     from flows.records import records as records_flow
+    from flows.train import train as train_flow
 
     runners = {
         "generate": lambda: asyncio.run(generate_flow(str(config))),
         "records": lambda: records_flow(str(config)),
         "capture": lambda: capture_flow(str(config)),
+        "train": lambda: train_flow(str(config)),
+        "eval": lambda: eval_flow(str(config)),
     }
     for stage in [s for s in STAGES if s in stages]:
         try:
@@ -85,6 +95,10 @@ def _run_stages(config: Path, stages: list[str]) -> None:
             err.print(f"[red]{stage} failed:[/red] {escape(str(exc))}", highlight=False)
             raise typer.Exit(1) from None
     _print_stats(cfg.run_dir, as_json=False)
+    if "eval" in stages:
+        from flows.demo import render_eval
+
+        console.print(render_eval(cfg.draft_dir))
 
 
 @app.command()

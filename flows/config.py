@@ -284,6 +284,9 @@ class EvalConfig(Section):
         default=3, ge=1, le=16, description="Draft tokens per verify round (SGLang --speculative-num-steps; top-k 1, num-draft-tokens = this + 1)."
     )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="Where the target and draft run; auto: cuda if available.")
+    compare_untrained: bool = Field(
+        default=True, description="Also measure the draft as training starts it (same seed, untrained): the baseline the trained one must beat."
+    )
 
 
 class DatasetConfig(Section):

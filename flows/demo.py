@@ -1,8 +1,9 @@
-"""`eagle3 demo`: the pipeline so far, on the embedded default (tiny target, dev server, sample data)."""
+"""`eagle3 demo`: every stage of the pipeline on the embedded default (tiny target, dev server, sample data)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -11,8 +12,10 @@ from rich.table import Table
 
 from flows.config import RunConfig, dump_config, load_config
 from flows.capture import capture
+from flows.eval import evaluate
 from flows.generate import generate
 from flows.records import records
+from flows.train import train
 from models.tiny_target import build_tiny_target
 from tasks.checkpoints import live_parts
 from tasks.processes import dev_server
@@ -33,7 +36,7 @@ def demo_config(run_dir: Path | None = None) -> RunConfig:
 
 
 def run_demo(run_dir: Path | None = None, console: Console | None = None, target_dir: Path | None = None) -> RunConfig:
-    """Build the tiny target, serve it, run the generate flow on the sample data, print the results."""
+    """Build the tiny target, serve it, run every stage's flow on the sample data, print the results."""
     console = console or Console()
     config = demo_config(run_dir)
     if target_dir is not None:
@@ -67,8 +70,34 @@ def run_demo(run_dir: Path | None = None, console: Console | None = None, target
         f"hidden states: {hidden['samples']:,} samples, {hidden['tokens']:,} tokens, aux layers {hidden['aux_layers']} "
         f"+ final, {hidden['dtype']}, in {config.hidden_dir}"
     )
+
+    console.rule("stage 4: train (Prefect flow, DeepSpeed ZeRO-2 job)")
+    trained = train(str(config_path))
+    console.print(f"trained {trained['steps']:,} steps on {trained['tokens']:,} tokens; metrics {config.draft_dir / 'metrics.jsonl'}, "
+                  f"plot {trained['plot']}")
+
+    console.rule("stage 5: eval (Prefect flow, speculative decoding with the target)")
+    evaluate(str(config_path))
+    console.print(render_eval(config.draft_dir))
     console.print(f"run directory: {config.run_dir}   (`eagle3 stats {config.run_dir}` prints the tables again)")
     return config
+
+
+def render_eval(draft_dir: Path) -> Table:
+    """The eval stage's result (draft_dir/eval.json): acceptance length per draft, the TTT estimate, where the draft is."""
+    report = json.loads((draft_dir / "eval.json").read_text())
+    k = report["num_steps"]
+    table = Table(title=f"acceptance length: {k} draft tokens per round (SGLang topk 1), greedy target, "
+                        f"{report['prompts']} held-out prompts", caption=f"draft: {report['draft']}\nserve: {report['sglang_command']}")
+    for column in ("draft", "acceptance length", *[f"pos {i + 1}" for i in range(k)], "rounds"):
+        table.add_column(column, justify="left" if column == "draft" else "right")
+    rows = [(name, report[name]) for name in ("untrained", "trained") if name in report]
+    if report.get("ttt_estimate"):
+        rows.append(("trained, training-time estimate", {**report["ttt_estimate"], "rounds": None}))
+    for name, r in rows:
+        table.add_row(name, f"{r['acceptance_length']:.3f}", *[f"{a:.3f}" for a in r["per_position_acceptance"]],
+                      "" if r.get("rounds") is None else f"{r['rounds']:,}")
+    return table
 
 
 def _sample_table(config: RunConfig) -> Table:
