@@ -77,8 +77,11 @@ def run_demo(run_dir: Path | None = None, console: Console | None = None, target
                   f"plot {trained['plot']}")
 
     console.rule("stage 5: eval (Prefect flow, speculative decoding with the target)")
-    evaluate(str(config_path))
+    report = evaluate(str(config_path))
     console.print(render_eval(config.draft_dir))
+    baseline = f" (untrained: {report['untrained']['acceptance_length']:.2f})" if "untrained" in report else ""
+    console.print(f"acceptance length {report['trained']['acceptance_length']:.2f}{baseline} with "
+                  f"{report['num_steps']} draft tokens per round; exported draft: {config.draft_dir / 'final'}")
     console.print(f"run directory: {config.run_dir}   (`eagle3 stats {config.run_dir}` prints the tables again)")
     return config
 

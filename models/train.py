@@ -277,6 +277,8 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
 
     # --- export (every rank holds the whole model under ZeRO-2; rank 0 writes)
     final = out_dir / "final"
+    if last_eval is None:  # a relaunch of a finished run: its last eval is in the metrics
+        last_eval = _last_eval(writer.path)
     summary = {"final": str(final), "steps": position.step, "tokens": position.tokens, "eval": last_eval,
                "draft_vocab_size": config.draft_vocab_size, "aux_layers": aux_layers}
     if dist.rank == 0:
@@ -351,6 +353,20 @@ def _evaluate(engine, source, eval_batches: list[list[TrainSample]], target_head
 
 def _ttt_args(batch: Batch, target_head: TargetHead) -> tuple:
     return (batch.input_ids, batch.aux_hidden, target_head(batch.last_hidden), batch.loss_mask, batch.attention_mask)
+
+
+def _last_eval(metrics_path: Path) -> dict[str, Any] | None:
+    """The last eval line of metrics.jsonl (without kind/step/epoch/time), or None."""
+    last = None
+    if metrics_path.is_file():
+        for line in metrics_path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row.get("kind") == "eval":
+                last = {k: v for k, v in row.items() if k not in ("kind", "step", "epoch", "time")}
+    return last
 
 
 def _grad_norm(engine) -> float | None:

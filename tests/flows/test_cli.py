@@ -124,4 +124,4 @@ def test_stats_on_a_missing_dir_explains(tmp_path):
 
 def test_run_rejects_unknown_stages():
     result = eagle3("run", "configs/demo.yaml", "--stages", "generate,trian")
-    assert result.returncode == 2 and "trian" in result.stderr and "available: generate, records, capture" in result.stderr
+    assert result.returncode == 2 and "trian" in result.stderr and "available: generate, records, capture, train, eval" in result.stderr

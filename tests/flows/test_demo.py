@@ -1,20 +1,22 @@
-"""`eagle3 demo` end to end: tiny target, dev server subprocess, the generate flow over loopback."""
+"""`eagle3 demo` end to end: tiny target, dev server subprocess, every stage's flow, down to the acceptance length."""
 
 from __future__ import annotations
 
 import io
+import json
 
 import pyarrow.parquet as pq
 from rich.console import Console
 from transformers import AutoTokenizer
 
 from flows.demo import run_demo
+from models.eagle3_export import validate_export
 from tasks.checkpoints import live_parts
 from tasks.datasets import load_dataset
 from tasks.prompts import chat_prompt_ids
 
 
-def test_demo_runs_the_generate_flow_on_every_dataset(tmp_path, tiny_target_dir):
+def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     out = io.StringIO()
     config = run_demo(run_dir=tmp_path / "run", console=Console(file=out, width=200), target_dir=tiny_target_dir)
 
@@ -56,3 +58,16 @@ def test_demo_runs_the_generate_flow_on_every_dataset(tmp_path, tiny_target_dir)
     assert "responses per dataset" in printed and "TOTAL" in printed
     assert "dev server stopped" in printed
     assert (config.run_dir / "config.yaml").exists()
+
+    # train: an SGLang-loadable draft, metrics and the plot; eval: the trained draft beats the untrained one
+    draft = config.draft_dir
+    assert validate_export(draft / "final") == []
+    assert (draft / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    train_lines = [json.loads(line) for line in (draft / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in train_lines if x["kind"] == "train"]
+    assert losses[-1] < losses[0]
+    report = json.loads((draft / "eval.json").read_text())
+    assert report["untrained"]["acceptance_length"] < 1.1
+    assert report["trained"]["acceptance_length"] > report["untrained"]["acceptance_length"] + 0.3
+    assert "acceptance length" in printed and str(draft / "final") in printed
+    assert "--speculative-algorithm EAGLE3" in printed

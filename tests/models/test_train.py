@@ -239,6 +239,41 @@ def test_two_rank_zero2_training_learns_and_exports(tiny_target_dir, train_data,
     assert (out / "checkpoints" / "latest").read_text() == "step-00000008"
 
 
+def _single_process(job: Path) -> str:
+    """One rank without a launcher (WORLD_SIZE unset): the job makes its own 1-rank group."""
+    env = {k: v for k, v in _env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "models.train", "--job", str(job)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout + proc.stderr
+
+
+def test_online_mode_trains_like_offline_on_the_same_records(tiny_target_dir, train_data, tmp_path):
+    """Online computes the hidden states in the job: same batches, same losses as from the captured shards."""
+    one_rank = ds_train_config(world_size=1, grad_accum=1, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95), grad_clip=0.5,
+                               bf16=False, torch_adam=True)
+    common = {"max_steps": 3, "checkpoint_every": 100, "eval_every": 100, "ds_config": one_rank}
+    offline = tmp_path / "offline" / "draft"
+    online = tmp_path / "online" / "draft"
+    _single_process(_job(tiny_target_dir, train_data, offline, **common))
+    log = _single_process(_job(tiny_target_dir, train_data, online, mode="online", hidden_dir=None,
+                               datasets=[{"name": "G1", "records_dir": str(train_data["records"])}], **common))
+    assert "mode online" in log
+    a, b = _metric_lines(offline), _metric_lines(online)
+    assert [(x["kind"], x["step"], x["tokens"]) for x in a] == [(x["kind"], x["step"], x["tokens"]) for x in b]
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4), (x, y)
+    assert validate_export(online / "final") == []
+    # A relaunch of a finished run trains nothing, re-exports, and keeps the last eval in the summary.
+    before = json.loads((online / "train_summary.json").read_text())
+    log = _single_process(_job(tiny_target_dir, train_data, online, mode="online", hidden_dir=None,
+                               datasets=[{"name": "G1", "records_dir": str(train_data["records"])}], **common))
+    assert "resuming from checkpoint step-00000003" in log
+    after = json.loads((online / "train_summary.json").read_text())
+    assert after["steps"] == 3 and after["eval"] == before["eval"] is not None
+    assert len(_metric_lines(online)) == len(b)
+
+
 @pytest.mark.slow
 def test_killed_training_resumes_with_the_same_state(tiny_target_dir, train_data, tmp_path):
     reference = tmp_path / "ref" / "draft"

@@ -1,0 +1,677 @@
+"""Train-stage benchmark: our DeepSpeed ZeRO-2 training step against a plain PyTorch loop, in one run.
+
+On the tiny Llama target (models/tiny_target.py, its default shape) and records made of its own
+greedy continuations of the sample conversations (data/samples/*.jsonl; loss on the continuation),
+whose hidden states are captured in-process with `models.capture.run`, one run measures the draft's
+training throughput (real tokens per second) of:
+
+- ours: `models.train` launched as the train flow launches it (tasks.launch.rank_command + run_job:
+  torchrun, DS_ACCELERATOR=cpu, gloo, OMP_NUM_THREADS per rank) with `--ranks` ranks (default: 1,
+  then 2), a fixed `max_steps`, and checkpoint/eval intervals past `max_steps` (the job still
+  evaluates, checkpoints and exports once at the end: outside the measured window);
+- the baseline: a plain PyTorch loop over the same draft and data: the same Eagle3Draft init (seed,
+  config, target embedding, draft vocabulary), the same held-out split and micro batches
+  (HiddenSource + epoch_batches + rank_micro_batches, same seed), the same `forward_ttt` with the
+  same TargetHead, the same Metrics sums, torch.optim.AdamW with the same lr/betas/eps/weight
+  decay, clip_grad_norm_ at the job's clipping and the same LambdaLR schedule. No DeepSpeed, no
+  process group, no launcher. One process at `--threads` threads (in this process) for 1 rank;
+  for N ranks, N such processes side by side (spawned), each over the micro batches the deal gives
+  that rank, without exchanging gradients: the same cores under the same conditions, minus the
+  communication and the ZeRO machinery.
+
+Throughput is measured over the same steps on both sides: from the end of step `--skip` to the
+end of the last step (the first steps are warmup: allocator, lazy init, first-touch), tokens =
+real (unpadded) tokens of those steps, all ranks. For ours it is read from metrics.jsonl: the
+`tokens` and `time` of the train lines at step `--skip` and at the last step (the job logs every
+`--log-every` steps). The whole launch (start-up, the final eval, checkpoint and export, teardown)
+is timed separately.
+
+Ratio = ours tokens/s / baseline tokens/s (1.0: no overhead; 0.9: ours 10% slower). Nothing is
+asserted. With 1 rank the two sides do the same arithmetic, so their losses are also compared at
+every logged step (a check that the baseline trains the same thing). Usage::
+
+    .venv/bin/python bench/train.py [--repeats 3] [--steps 30] [--ranks 1,2] [--json out.json]
+                                    [--keep DIR] [--verbose] [--PARAM VALUE ...]   # any field of Params
+
+Each ratio pairs a run with its baseline from the same pass; `--repeats N` runs the sequence N
+times (every other pass in reverse order) and reports the median of the per-pass ratios. The
+target, records and captured hidden states are cached in runs/bench-train/ (gitignored).
+Results and their reading: docs/bench-train.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint only; inherited by the ranks and baselines
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+
+import models  # noqa: E402,F401  (flushes CPU denormals in this process, as in every rank)
+from models.capture import CaptureJob, DatasetRecords, Dist, run as run_capture  # noqa: E402
+from models.draft_vocab import draft_vocab, load_token_counts  # noqa: E402
+from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead  # noqa: E402
+from models.target_weights import load_target_tensors  # noqa: E402
+from models.tiny_target import SAMPLES_DIR, build_tiny_target  # noqa: E402
+from models.train import Metrics, TrainJob, ds_train_config, lr_lambda  # noqa: E402
+from models.train_data import (HiddenSource, epoch_batches, rank_micro_batches, split_samples,  # noqa: E402
+                               steps_per_epoch)
+from tasks.launch import RankFailure, rank_command, run_job  # noqa: E402
+from tasks.records import RECORD_SCHEMA  # noqa: E402
+
+DATASET = "bench"
+BETAS = (0.9, 0.95)  # flows/train.py
+EPS = 1e-8  # ds_train_config
+STEP0 = re.compile(r"TRAIN_PROGRESS step=0 ")
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Params:
+    """Every knob of one bench run (printed and saved with the figures)."""
+
+    seed: int = 0
+    # target (build_tiny_target; its defaults: the test and demo target)
+    hidden_size: int = 128
+    num_layers: int = 8
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 352
+    vocab_size: int = 2048  # an upper bound: the BPE trainer decides the real size
+    # records: every sample conversation, cut to max_prompt_tokens, + its greedy continuation
+    max_prompt_tokens: int = 768
+    max_new_tokens: int = 96
+    # the training job (the demo config's draft vocab and lr; the run config's defaults elsewhere)
+    draft_vocab_size: int = 1024
+    ttt_steps: int = 7
+    max_batch_tokens: int = 2048  # padded tokens per micro batch per rank
+    grad_accum: int = 1
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    warmup_ratio: float = 0.05  # lr warmup (schedule), not the measurement's skip
+    eval_fraction: float = 0.02
+    steps: int = 30  # optimizer steps per run (max_steps)
+    skip: int = 5  # steps left out of the measurement at the start (a multiple of log_every)
+    log_every: int = 5  # the job's metrics line interval (the run config's default is 10)
+    threads: int = 1  # OMP_NUM_THREADS per rank (what rank_command gives CPU ranks) and per baseline process
+    ranks: str = "1,2"  # comma-separated rank counts, each a row
+    repeats: int = 3  # passes over the whole sequence (odd passes in reverse order); ratios: median over passes
+    timeout_s: float = 900.0  # per launch or baseline
+
+    def rank_list(self) -> list[int]:
+        return [int(x) for x in self.ranks.split(",") if x.strip()]
+
+    def validate(self) -> None:
+        if not 0 < self.skip < self.steps:
+            raise SystemExit(f"--skip must be in [1, --steps), got {self.skip} with --steps {self.steps}")
+        if self.skip % self.log_every:
+            raise SystemExit(f"--skip ({self.skip}) must be a multiple of --log-every ({self.log_every})")
+        if not self.rank_list() or min(self.rank_list()) < 1:
+            raise SystemExit(f"--ranks: comma-separated positive rank counts, got {self.ranks!r}")
+
+
+def target_dir_for(p: Params) -> Path:
+    return REPO / "runs" / "bench-train" / (
+        f"target-h{p.hidden_size}-l{p.num_layers}-a{p.num_heads}-kv{p.num_kv_heads}-i{p.intermediate_size}"
+        f"-v{p.vocab_size}-s{p.seed}")
+
+
+def data_dir_for(p: Params, target: Path) -> Path:
+    key = json.dumps({"target": target.name, "prompt": p.max_prompt_tokens, "new": p.max_new_tokens,
+                      "samples": sorted(f.name for f in SAMPLES_DIR.glob("*.jsonl"))}, sort_keys=True)
+    return REPO / "runs" / "bench-train" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: records of the target's greedy continuations, captured hidden states, token counts
+# ---------------------------------------------------------------------------------------------
+
+
+def conversations() -> list[list[dict[str, str]]]:
+    """Every sample conversation (a bare prompt as one user turn; a trailing assistant turn dropped)."""
+    out = []
+    for f in sorted(SAMPLES_DIR.glob("*.jsonl")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+            if len(messages) > 1 and messages[-1]["role"] == "assistant":
+                messages = messages[:-1]
+            out.append(messages)
+    return out
+
+
+def prepare_data(p: Params, target: Path) -> dict[str, Any]:
+    """Records, token_counts.parquet and the captured hidden states, built once into runs/bench-train/."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    root = data_dir_for(p, target)
+    done = root / "DONE.json"
+    if done.is_file():
+        return {**json.loads(done.read_text()), "root": str(root), "reused": True}
+    shutil.rmtree(root, ignore_errors=True)
+    records = root / "records" / DATASET
+    records.mkdir(parents=True)
+    hf_logging.set_verbosity_error()
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    t0 = time.perf_counter()
+    rows = []
+    for i, messages in enumerate(conversations()):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tok(text)["input_ids"][: p.max_prompt_tokens]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=p.max_new_tokens, do_sample=False, pad_token_id=0)[0].tolist()
+        n = len(out) - len(prompt)
+        rows.append({"id": f"c{i:04d}", "input_ids": out, "loss_mask": [0] * len(prompt) + [1] * n,
+                     "num_tokens": len(out), "num_loss_tokens": n, "truncated": False})
+    generate_s = time.perf_counter() - t0
+    del model
+    pq.write_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), records / "part-00000.parquet")
+    counts = np.zeros(len(tok), dtype=np.int64)
+    for r in rows:
+        np.add.at(counts, [t for t, m in zip(r["input_ids"], r["loss_mask"]) if m], 1)
+    pq.write_table(pa.table({"token_id": np.flatnonzero(counts), "count": counts[counts > 0]}),
+                   root / "records" / "token_counts.parquet")
+    t0 = time.perf_counter()
+    saved = torch.get_num_threads()
+    run_capture(CaptureJob.from_dict({"target_path": str(target), "datasets": [{"name": DATASET, "records_dir": str(records)}],
+                                      "out_dir": str(root / "hidden"), "device": "cpu", "dtype": "float32",
+                                      "shard_tokens": 16384}), Dist())
+    torch.set_num_threads(saved)
+    lengths = sorted(len(r["input_ids"]) for r in rows)
+    info = {"records": len(rows), "tokens": int(sum(lengths)), "loss_tokens": int(sum(r["num_loss_tokens"] for r in rows)),
+            "mean_len": float(np.mean(lengths)), "p50_len": lengths[len(lengths) // 2],
+            "p95_len": lengths[min(len(lengths) - 1, int(0.95 * len(lengths)))], "max_len": lengths[-1],
+            "generate_s": generate_s, "capture_s": time.perf_counter() - t0}
+    done.write_text(json.dumps(info, indent=2))
+    return {**info, "root": str(root), "reused": False}
+
+
+# ---------------------------------------------------------------------------------------------
+# Ours: the real job under torchrun
+# ---------------------------------------------------------------------------------------------
+
+
+def job_dict(p: Params, target: Path, data: Path, out_dir: Path, ranks: int) -> dict[str, Any]:
+    """The JOB.json, as flows/train.py writes it, with intervals that keep checkpoints and evals at the end."""
+    far = p.steps + 10**6
+    job = {
+        "target_path": str(target), "out_dir": str(out_dir), "token_counts": str(data / "records" / "token_counts.parquet"),
+        "mode": "offline", "hidden_dir": str(data / "hidden"), "draft_vocab_size": p.draft_vocab_size,
+        "ttt_steps": p.ttt_steps, "epochs": 1, "max_steps": p.steps, "max_batch_tokens": p.max_batch_tokens,
+        "lr": p.lr, "warmup_ratio": p.warmup_ratio, "min_lr_ratio": 0.0, "checkpoint_every": far, "keep_checkpoints": 1,
+        "eval_every": far, "eval_fraction": p.eval_fraction, "log_every": p.log_every, "seed": p.seed, "device": "cpu",
+        "ds_config": ds_train_config(world_size=ranks, grad_accum=p.grad_accum, lr=p.lr, weight_decay=p.weight_decay,
+                                     betas=BETAS, grad_clip=p.grad_clip, bf16=False, torch_adam=True),
+    }
+    TrainJob(**{k: v for k, v in job.items()})  # the job's own dataclass accepts every key
+    return job
+
+
+def extension_builds() -> dict[str, float]:
+    """Modification times of the JIT-built torch extensions (DeepSpeed's CPU comm op is one)."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    found = {}
+    for so in root.glob("*/*/*.so"):
+        try:
+            found[so.parent.name] = so.stat().st_mtime
+        except OSError:
+            pass
+    return found
+
+
+def ours(p: Params, ranks: int, target: Path, data: Path, tmp: Path, tag: str, verbose: bool) -> dict[str, Any]:
+    """Launch models.train; throughput from its metrics.jsonl train lines, the launch's phases from the clock."""
+    out_dir = tmp / f"draft-{tag}"
+    job_path = tmp / f"job-{tag}.json"
+    job_path.write_text(json.dumps(job_dict(p, target, data, out_dir, ranks), indent=2))
+    command, env = rank_command("models.train", ["--job", str(job_path)], num_ranks=ranks, launcher="torchrun")
+    env = {**env, "OMP_NUM_THREADS": str(p.threads), "PYTHONPATH": str(REPO)}
+    r: dict[str, Any] = {"ranks": ranks, "ok": False, "error": None, "step0_at": None}
+    log = open(tmp / f"log-{tag}.txt", "w")
+
+    def on_line(line: str) -> None:
+        now = time.time()
+        log.write(f"{now - t0:9.3f} {line}\n")
+        if verbose:
+            print(f"      | {line}", flush=True)
+        if r["step0_at"] is None and STEP0.search(line):
+            r["step0_at"] = now
+
+    builds = extension_builds()
+    t0 = time.time()
+    try:
+        run_job(command, env=env, on_line=on_line)
+        r["ok"] = True
+    except RankFailure as e:
+        r["error"] = str(e)[-3000:]
+    finally:
+        r["wall_s"] = time.time() - t0
+        log.close()
+    r["ops_built"] = sorted(name for name, mtime in extension_builds().items() if builds.get(name) != mtime)
+    if not r["ok"]:
+        return r
+    lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train = {x["step"]: x for x in lines if x["kind"] == "train"}
+    first, last = train[p.skip], train[p.steps]
+    r["window_s"] = last["time"] - first["time"]
+    r["window_tokens"] = last["tokens"] - first["tokens"]
+    r["tokens_per_s"] = r["window_tokens"] / r["window_s"]
+    r["losses"] = {s: x["loss"] for s, x in sorted(train.items())}
+    r["window_tokens_per_s"] = [x["tokens_per_s"] for s, x in sorted(train.items()) if s > p.skip]  # per log window
+    r["tokens"] = last["tokens"]
+    # the launch's phases: start-up (launch -> TRAIN_PROGRESS step=0: interpreter, imports, process group,
+    # data index, draft, DeepSpeed engine), the steps (-> the last train line), the tail (final eval,
+    # checkpoint, export, teardown)
+    r["startup_s"] = r["step0_at"] - t0 if r["step0_at"] else None
+    r["steps_s"] = last["time"] - r["step0_at"] if r["step0_at"] else None
+    r["tail_s"] = t0 + r["wall_s"] - last["time"]
+    r["end_to_end_tokens_per_s"] = last["tokens"] / r["wall_s"]
+    ckpt = out_dir / "checkpoints"
+    r["checkpoint_mb"] = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 1e6 if ckpt.is_dir() else None
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return r
+
+
+# ---------------------------------------------------------------------------------------------
+# The baseline: a plain PyTorch loop over the same draft and data
+# ---------------------------------------------------------------------------------------------
+
+
+def plain_loop(cfg: dict[str, Any], rank: int, world: int, barrier: Any = None) -> dict[str, Any]:
+    """The job's training loop without DeepSpeed, the process group or the launcher (rank's share only)."""
+    from transformers import AutoConfig
+
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg["threads"])
+    try:
+        device = torch.device("cpu")
+        target = cfg["target_path"]
+        text = AutoConfig.from_pretrained(target)
+        text = text.get_text_config() if hasattr(text, "get_text_config") else text
+        source = HiddenSource(cfg["hidden_dir"], cfg["max_batch_tokens"])
+        aux_layers = json.loads((Path(cfg["hidden_dir"]) / "metadata.json").read_text())["aux_layers"]
+        embed, head = load_target_tensors(target, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
+        counts = load_token_counts(cfg["token_counts"], int(text.vocab_size))
+        d2t, t2d = draft_vocab(counts, int(text.vocab_size), cfg["draft_vocab_size"])
+        torch.manual_seed(cfg["seed"])  # as models.train.run: the same initial weights
+        config = Eagle3Config.from_target_config(text, draft_vocab_size=int(d2t.shape[0]), aux_layers=aux_layers)
+        draft = Eagle3Draft(config)
+        draft.load_target_embedding(embed.to(draft.embed_tokens.weight.dtype))
+        draft.set_draft_vocab(d2t, t2d)
+        target_head = TargetHead(head.to(device), d2t.to(device))
+        del embed, head
+
+        train_samples, _ = split_samples(source.samples, cfg["eval_fraction"])
+        grad_accum, total = cfg["grad_accum"], cfg["steps"]
+        per_epoch = steps_per_epoch(len(epoch_batches(train_samples, cfg["max_batch_tokens"], cfg["seed"], 0)), world, grad_accum)
+        warmup = max(1, round(cfg["warmup_ratio"] * total))
+        params = [q for q in draft.parameters() if q.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg["lr"], betas=BETAS, eps=EPS, weight_decay=cfg["weight_decay"])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, warmup, 0.0))
+        ttt = cfg["ttt_steps"]
+        if barrier is not None:
+            barrier.wait()  # side by side: every process starts its loop together
+
+        step = epoch = step_in_epoch = 0
+        times = [time.monotonic()]  # end of step s at times[s]
+        cpu = [time.process_time()]
+        tokens = [0]  # cumulative real tokens after step s
+        losses: dict[int, float] = {}
+        running = Metrics(ttt, device)
+        draft.train()
+        while step < total:
+            batches = epoch_batches(train_samples, cfg["max_batch_tokens"], cfg["seed"], epoch)
+            while step_in_epoch < per_epoch and step < total:
+                step_tokens = 0
+                for micro in rank_micro_batches(batches, step_in_epoch, rank, world, grad_accum):
+                    batch = source.batch(micro, device)
+                    out = draft.forward_ttt(batch.input_ids, batch.aux_hidden, target_head(batch.last_hidden),
+                                            batch.loss_mask, batch.attention_mask, ttt_steps=ttt)
+                    (out.loss / grad_accum).backward()
+                    running.add(out)
+                    step_tokens += batch.tokens
+                torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                step_in_epoch += 1
+                tokens.append(tokens[-1] + step_tokens)
+                if step % cfg["log_every"] == 0 or step == total:
+                    losses[step] = running.summary(STEP_DECAY)["loss"]
+                    running = Metrics(ttt, device)
+                times.append(time.monotonic())
+                cpu.append(time.process_time())
+            if step_in_epoch >= per_epoch:
+                epoch += 1
+                step_in_epoch = 0
+        return {"rank": rank, "times": times, "cpu": cpu, "tokens": tokens, "losses": losses,
+                "trainable_parameters": sum(q.numel() for q in params), "per_epoch": per_epoch,
+                "train_samples": len(train_samples)}
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _plain_worker(cfg: dict[str, Any], rank: int, world: int, barrier: Any, queue: Any) -> None:
+    try:
+        queue.put(plain_loop(cfg, rank, world, barrier))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        import traceback
+
+        queue.put({"rank": rank, "error": f"{e!r}\n{traceback.format_exc()}"})
+        barrier.abort()
+
+
+def baseline(p: Params, processes: int, target: Path, data: Path) -> dict[str, Any]:
+    """The plain loop: in this process for 1, else `processes` spawned processes side by side (ranks' shares)."""
+    cfg = {"target_path": str(target), "hidden_dir": str(data / "hidden"),
+           "token_counts": str(data / "records" / "token_counts.parquet"), **{k: v for k, v in asdict(p).items()}}
+    if processes == 1:
+        results = [plain_loop(cfg, 0, 1)]
+    else:
+        import multiprocessing as mp
+        import queue as queue_mod
+
+        ctx = mp.get_context("spawn")
+        barrier, queue = ctx.Barrier(processes), ctx.Queue()
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(p.threads)  # the children's environment, as for a rank
+        try:
+            procs = [ctx.Process(target=_plain_worker, args=(cfg, k, processes, barrier, queue)) for k in range(processes)]
+            for proc in procs:
+                proc.start()
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        results = []
+        deadline = time.monotonic() + p.timeout_s
+        try:
+            while len(results) < processes:
+                try:
+                    results.append(queue.get(timeout=max(1.0, deadline - time.monotonic())))
+                except queue_mod.Empty:
+                    raise RuntimeError(f"baseline: {processes} processes did not finish in {p.timeout_s:.0f} s") from None
+        finally:
+            for proc in procs:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
+        errors = [x["error"] for x in results if "error" in x]
+        if errors:
+            raise RuntimeError("baseline process failed:\n" + "\n".join(errors))
+        results.sort(key=lambda x: x["rank"])
+    k = p.skip
+    start = min(x["times"][k] for x in results)
+    end = max(x["times"][-1] for x in results)
+    window_tokens = sum(x["tokens"][-1] - x["tokens"][k] for x in results)
+    cpu = sum(x["cpu"][-1] - x["cpu"][k] for x in results)
+    step_s = [b - a for x in results for a, b in zip(x["times"][k:], x["times"][k + 1:])]
+    return {"processes": processes, "window_s": end - start, "window_tokens": window_tokens,
+            "tokens_per_s": window_tokens / (end - start), "cpu_s": cpu, "cpu_ms_per_1k_tokens": 1e6 * cpu / window_tokens,
+            "median_step_s": statistics.median(step_s), "losses": results[0]["losses"],
+            "trainable_parameters": results[0]["trainable_parameters"], "per_epoch": results[0]["per_epoch"],
+            "train_samples": results[0]["train_samples"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
+    target = target_dir_for(p)
+    print(f"  target: {target.relative_to(REPO)} (built once, then reused) ...", flush=True)
+    build_tiny_target(target, seed=p.seed, vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_layers=p.num_layers,
+                      num_heads=p.num_heads, num_kv_heads=p.num_kv_heads, intermediate_size=p.intermediate_size)
+    print("  records (greedy continuations) + captured hidden states (built once, then reused) ...", flush=True)
+    info = prepare_data(p, target)
+    data = Path(info["root"])
+    source = HiddenSource(data / "hidden", p.max_batch_tokens)
+    train_samples, held = split_samples(source.samples, p.eval_fraction)
+    batches = epoch_batches(train_samples, p.max_batch_tokens, p.seed, 0)
+    real = sum(s.length for b in batches for s in b)
+    padded = sum(len(b) * max(s.length for s in b) for b in batches)
+    out["setup"] = {"target": str(target.relative_to(REPO)), "data": str(data.relative_to(REPO)), **info,
+                    "train_samples": len(train_samples), "held_out": len(held), "batches_per_epoch": len(batches),
+                    "tokens_per_epoch": real, "padding_pct": 100 * (padded - real) / padded,
+                    "tokens_per_batch": real / len(batches)}
+    print(f"  data: {info['records']} records, {info['tokens']:,} tokens ({info['loss_tokens']:,} loss tokens), "
+          f"{len(train_samples)} train / {len(held)} held out; {len(batches)} micro batches per epoch "
+          f"(max_batch_tokens {p.max_batch_tokens}, {100 * (padded - real) / padded:.1f}% padding)", flush=True)
+
+    runs: list[dict[str, Any]] = []
+    for k in range(p.repeats):
+        order = [(kind, n) for n in p.rank_list() for kind in ("baseline", "ours")]
+        if k % 2:
+            order.reverse()
+        for kind, n in order:
+            if kind == "baseline":
+                what = "in this process" if n == 1 else f"{n} spawned processes side by side"
+                print(f"  pass {k + 1}: baseline, plain PyTorch loop, {what}, {p.threads} thread(s) each ...", flush=True)
+                r = baseline(p, n, target, data)
+            else:
+                print(f"  pass {k + 1}: ours, torchrun --nproc_per_node {n} -m models.train, OMP_NUM_THREADS={p.threads} ...",
+                      flush=True)
+                r = ours(p, n, target, data, tmp, f"{n}-{k}", verbose)
+                if not r["ok"]:
+                    print(f"    FAILED:\n{r['error']}", flush=True)
+            r.update(kind=kind, n=n, pass_no=k)
+            if r.get("tokens_per_s"):
+                print(f"    {r['tokens_per_s']:,.0f} tok/s over steps {p.skip + 1}-{p.steps} ({r['window_s']:.1f} s)", flush=True)
+            runs.append(r)
+    out["runs"] = runs
+    out["ratios"] = ratios(p, runs)
+
+
+def ratios(p: Params, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each launch against the baseline of the same pass and rank count; medians over the passes."""
+    med = statistics.median
+    res: dict[str, Any] = {}
+    for n in p.rank_list():
+        rows = []
+        for k in range(p.repeats):
+            b = next((r for r in runs if r["kind"] == "baseline" and r["n"] == n and r["pass_no"] == k), None)
+            o = next((r for r in runs if r["kind"] == "ours" and r["n"] == n and r["pass_no"] == k), None)
+            b1 = next((r for r in runs if r["kind"] == "baseline" and r["n"] == 1 and r["pass_no"] == k), None)
+            if not (b and o and o.get("tokens_per_s")):
+                continue
+            row = {"pass_no": k, "ours": o["tokens_per_s"], "baseline": b["tokens_per_s"],
+                   "ratio": o["tokens_per_s"] / b["tokens_per_s"],
+                   "end_to_end_ratio": o["end_to_end_tokens_per_s"] / b["tokens_per_s"],
+                   "per_rank_vs_1_process": (o["tokens_per_s"] / n / b1["tokens_per_s"]) if b1 else None,
+                   "startup_s": o["startup_s"], "tail_s": o["tail_s"], "wall_s": o["wall_s"], "steps_s": o["steps_s"]}
+            if n == 1:
+                common = sorted(set(o["losses"]) & set(int(s) for s in b["losses"]))
+                diffs = [abs(o["losses"][s] - b["losses"][s]) / max(1e-12, abs(b["losses"][s])) for s in common]
+                row["loss_max_rel_diff"] = max(diffs) if diffs else None
+                row["loss_first_last"] = (b["losses"][common[0]], b["losses"][common[-1]]) if common else None
+            rows.append(row)
+        if not rows:
+            continue
+        summary = {key: med(r[key] for r in rows) for key in ("ours", "baseline", "ratio", "end_to_end_ratio",
+                                                             "startup_s", "tail_s", "wall_s", "steps_s")}
+        summary["ratio_range"] = [min(r["ratio"] for r in rows), max(r["ratio"] for r in rows)]
+        vs1 = [r["per_rank_vs_1_process"] for r in rows if r["per_rank_vs_1_process"] is not None]
+        summary["per_rank_vs_1_process"] = med(vs1) if vs1 else None
+        if n == 1:
+            d = [r["loss_max_rel_diff"] for r in rows if r.get("loss_max_rel_diff") is not None]
+            summary["loss_max_rel_diff"] = max(d) if d else None
+            summary["loss_first_last"] = rows[0].get("loss_first_last")
+        summary["passes"] = rows
+        res[str(n)] = summary
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def print_report(p: Params, out: dict[str, Any]) -> None:
+    s = out["setup"]
+    runs = out["runs"]
+    b1 = next((r for r in runs if r["kind"] == "baseline" and r.get("trainable_parameters")), None)
+    print()
+    print(f"target: tiny Llama hidden {p.hidden_size}, {p.num_layers} layers, {p.num_heads} heads / {p.num_kv_heads} kv, "
+          f"intermediate {p.intermediate_size}, vocab {p.vocab_size} ({s['target']})")
+    print(f"draft: 1 layer, hidden {p.hidden_size}, draft vocab {p.draft_vocab_size}, TTT {p.ttt_steps} steps"
+          + (f", {b1['trainable_parameters']:,} trainable parameters" if b1 else "") + "; fp32")
+    print(f"data: {s['records']} records (sample conversations cut to {p.max_prompt_tokens} tokens + greedy continuation "
+          f"<= {p.max_new_tokens}): {s['tokens']:,} tokens, mean {s['mean_len']:.0f}, p50 {s['p50_len']}, p95 {s['p95_len']}, "
+          f"max {s['max_len']}; {s['train_samples']} train / {s['held_out']} held out; {s['batches_per_epoch']} micro "
+          f"batches per epoch at max_batch_tokens {p.max_batch_tokens} ({s['tokens_per_batch']:,.0f} real tokens each, "
+          f"{s['padding_pct']:.1f}% padding)")
+    print(f"job: {p.steps} optimizer steps, grad_accum {p.grad_accum}, lr {p.lr:g} (warmup {p.warmup_ratio:g}), AdamW "
+          f"betas {BETAS} wd {p.weight_decay:g}, clip {p.grad_clip:g}, log every {p.log_every}; measured: steps "
+          f"{p.skip + 1}-{p.steps}; {p.threads} thread(s) per rank / baseline process")
+    print()
+    print("runs (tok/s over the measured steps, all ranks)")
+    rows = []
+    for r in runs:
+        label = f"#{r['pass_no'] + 1} " + (f"ours, {r['n']} rank(s)" if r["kind"] == "ours" else
+                                            f"baseline, {r['n']} process(es)")
+        if not r.get("tokens_per_s"):
+            rows.append((label, "FAILED", "-", "-", "-", "-", "-", "-"))
+            continue
+        if r["kind"] == "ours":
+            rows.append((label, f"{r['tokens_per_s']:,.0f}", f"{r['window_s']:.1f}", f"{r['startup_s']:.1f}",
+                         f"{r['steps_s']:.1f}", f"{r['tail_s']:.1f}", f"{r['wall_s']:.1f}",
+                         ", ".join(r["ops_built"]) or "-"))
+        else:
+            rows.append((label, f"{r['tokens_per_s']:,.0f}", f"{r['window_s']:.1f}", "-", "-", "-", "-",
+                         f"CPU {r['cpu_ms_per_1k_tokens']:.0f} ms/1k tok, step {1e3 * r['median_step_s']:.0f} ms"))
+    _table(("run", "tok/s", "measured s", "start-up s", "all steps s", "tail s", "launch s", "notes"), rows)
+    print("   start-up: launch -> TRAIN_PROGRESS step=0 (interpreter, imports, process group, data index, draft, engine);"
+          "\n   all steps: -> the last step's metrics line; tail: final eval + checkpoint + export + teardown;"
+          "\n   notes (ours): torch extensions (re)built during the launch")
+    print()
+    multi = p.repeats > 1
+    print("ratios: ours tok/s / baseline tok/s of the same pass (1.00 = no overhead; < 1 = ours slower)"
+          + (f"; median of {p.repeats} passes [range]" if multi else ""))
+    rows = []
+    for n, x in out["ratios"].items():
+        lo, hi = x["ratio_range"]
+        base = "1 process" if n == "1" else f"{n} processes side by side"
+        rows.append((f"{n} rank(s)", f"{x['ours']:,.0f}", base, f"{x['baseline']:,.0f}",
+                     f"{x['ratio']:.3f}" + (f" [{lo:.2f}-{hi:.2f}]" if multi else ""),
+                     "-" if x["per_rank_vs_1_process"] is None else f"{x['per_rank_vs_1_process']:.3f}",
+                     f"{x['startup_s']:.1f} + {x['tail_s']:.1f}", f"{x['end_to_end_ratio']:.3f}"))
+    _table(("ours", "tok/s", "baseline", "tok/s", "ours/baseline", "per rank / 1 process",
+            "start-up + tail s", "whole launch / baseline"), rows)
+    one = out["ratios"].get("1")
+    if one and one.get("loss_max_rel_diff") is not None:
+        a, b = one["loss_first_last"]
+        print(f"   1 rank, same arithmetic: logged losses of ours and the baseline differ by at most "
+              f"{100 * one['loss_max_rel_diff']:.3f}% (relative; loss {a:.3f} at step {p.log_every} -> {b:.3f} "
+              f"at step {p.steps})")
+
+
+def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A markdown table (pipes), columns padded for the terminal."""
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    print(line(head))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print(line(row))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, help="write the figures here as JSON")
+    ap.add_argument("--keep", type=Path, help="write jobs and rank logs here and keep them (default: a temp dir)")
+    ap.add_argument("--verbose", action="store_true", help="echo the ranks' output")
+    for name, value in Params().__dict__.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
+    args = ap.parse_args(argv)
+    p = Params()
+    for name in p.__dict__:
+        if getattr(args, name) is not None:
+            setattr(p, name, getattr(args, name))
+    p.validate()
+
+    import deepspeed
+    import transformers
+
+    out: dict[str, Any] = {
+        "params": asdict(p),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "processor": _cpu_model(),
+                    "torch": torch.__version__, "transformers": transformers.__version__,
+                    "deepspeed": deepspeed.__version__, "loadavg_start": _loadavg()},
+    }
+    started = time.monotonic()
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-train-", dir=args.keep))
+    try:
+        print("train-stage bench", flush=True)
+        run(p, tmp, out, args.verbose)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"jobs and rank logs kept in {tmp}")
+    out["machine"]["loadavg_end"] = _loadavg()
+    out["total_s"] = time.monotonic() - started
+    print_report(p, out)
+    print(f"\ntotal {out['total_s']:.0f} s on {os.cpu_count()} CPU(s) ({out['machine']['processor']}); load average at "
+          f"start {out['machine']['loadavg_start']}, at end {out['machine']['loadavg_end']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
+        print(f"figures written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

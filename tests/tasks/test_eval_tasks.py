@@ -1,0 +1,46 @@
+"""The eval stage's plain helpers: merging chunked results, the TTT estimate, the SGLang command."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from models.spec_eval import SpecEvalResult
+from tasks.eval_tasks import eval_rows, merge_results, sglang_command, ttt_estimate
+
+
+def _result(rounds: int, accepted_total: int, reached: list[int], accepted: list[int], prompts: int) -> SpecEvalResult:
+    return SpecEvalResult(acceptance_length=(accepted_total + rounds) / rounds, per_position_acceptance=[],
+                          per_position_reached=reached, per_position_accepted=accepted, rounds=rounds,
+                          new_tokens=accepted_total + rounds, prompts=prompts, num_steps=len(reached), outputs=[])
+
+
+def test_merged_chunks_equal_one_pass_over_all_rounds():
+    a = _result(10, 12, [10, 6, 4], [6, 4, 2], 2)
+    b = _result(30, 6, [30, 5, 1], [5, 1, 0], 3)
+    merged = merge_results([a, b])
+    assert merged["rounds"] == 40 and merged["prompts"] == 5
+    assert merged["acceptance_length"] == pytest.approx((12 + 6 + 40) / 40, abs=1e-4)
+    assert merged["per_position_acceptance"] == [round(11 / 40, 4), round(5 / 11, 4), round(2 / 5, 4)]
+
+
+def test_ttt_estimate_uses_the_first_num_steps_conditional_rates(tmp_path):
+    assert ttt_estimate(tmp_path, 3) is None
+    (tmp_path / "train_summary.json").write_text(json.dumps({"eval": {"per_step_cond_acc": [0.5, 0.5, 1.0, 0.9, 0.9]}}))
+    est = ttt_estimate(tmp_path, 3)
+    assert est["acceptance_length"] == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+    assert est["per_position_acceptance"] == [0.5, 0.5, 1.0]
+    rows = eval_rows({"trained": {"acceptance_length": 2.0, "per_position_acceptance": [0.5, 0.5, 1.0], "rounds": 4,
+                                  "new_tokens": 8}, "ttt_estimate": est})
+    assert [r["draft"] for r in rows] == ["trained", "trained (TTT estimate)"] and rows[0]["pos_3"] == 1.0
+
+
+def test_sglang_command_serves_the_draft_with_chain_settings():
+    cmd = shlex.split(sglang_command("moonshotai/Kimi-K2.5", "/runs/k/draft/final", 3, True))
+    args = dict(zip(cmd[3::2], cmd[4::2]))
+    assert cmd[:3] == ["python", "-m", "sglang.launch_server"] and cmd[-1] == "--trust-remote-code"
+    assert args["--speculative-algorithm"] == "EAGLE3" and args["--speculative-draft-model-path"] == "/runs/k/draft/final"
+    assert args["--speculative-num-steps"] == "3" and args["--speculative-eagle-topk"] == "1"
+    assert args["--speculative-num-draft-tokens"] == "4"
