@@ -1,10 +1,11 @@
 # Two entry points: `make demo` and `make test`. Both create .venv on first use.
+# `make up` / `make down`: a local Prefect server with the work pools, deployments and workers.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv clean up down
 
 venv: $(STAMP)
 
@@ -24,5 +25,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
 
+up: $(STAMP)
+	deploy/local-up.sh
+
+down:
+	deploy/local-up.sh stop
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .prefect-local

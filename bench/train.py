@@ -73,7 +73,7 @@ from models.capture import CaptureJob, DatasetRecords, Dist, run as run_capture 
 from models.draft_vocab import draft_vocab, load_token_counts  # noqa: E402
 from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead  # noqa: E402
 from models.target_weights import load_target_tensors  # noqa: E402
-from models.tiny_target import SAMPLES_DIR, build_tiny_target  # noqa: E402
+from models.tiny_target import SAMPLES_DIR, build_tiny_target, default_aux_layers  # noqa: E402
 from models.train import Metrics, TrainJob, ds_train_config, lr_lambda  # noqa: E402
 from models.train_data import (HiddenSource, epoch_batches, rank_micro_batches, split_samples,  # noqa: E402
                                steps_per_epoch)
@@ -109,7 +109,7 @@ class Params:
     # the training job (the demo config's draft vocab and lr; the run config's defaults elsewhere)
     draft_vocab_size: int = 1024
     ttt_steps: int = 7
-    max_batch_tokens: int = 2048  # padded tokens per micro batch per rank
+    max_batch_tokens: int = 1024  # padded tokens per micro batch per rank (the demo config's)
     grad_accum: int = 1
     lr: float = 2e-3
     weight_decay: float = 0.0
@@ -122,6 +122,8 @@ class Params:
     threads: int = 1  # OMP_NUM_THREADS per rank (what rank_command gives CPU ranks) and per baseline process
     ranks: str = "1,2"  # comma-separated rank counts, each a row
     repeats: int = 3  # passes over the whole sequence (odd passes in reverse order); ratios: median over passes
+    baseline_here: bool = False  # the 1-process baseline in this process instead of a fresh spawned one
+    in_process_steps: int = 30  # the interleaved in-process comparison (1 rank; once per run); 0: skip it
     timeout_s: float = 900.0  # per launch or baseline
 
     def rank_list(self) -> list[int]:
@@ -250,6 +252,82 @@ def extension_builds() -> dict[str, float]:
     return found
 
 
+def descendants_cpu_s(root: int) -> tuple[float, float] | None:
+    """User + system CPU seconds so far of the live descendants of `root`: (its children, e.g. the
+    launcher; their descendants, e.g. the ranks)."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        parent: dict[int, int] = {}
+        cpu: dict[int, int] = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            parent[int(name)], cpu[int(name)] = int(fields[1]), int(fields[11]) + int(fields[12])
+    except (OSError, ValueError):
+        return None
+    children = deeper = 0
+    for pid, ticks in cpu.items():
+        q, depth = parent.get(pid), 1
+        while q is not None and q > 1 and q != root:
+            q, depth = parent.get(q), depth + 1
+        if q == root:
+            if depth == 1:
+                children += ticks
+            else:
+                deeper += ticks
+    return children / tick, deeper / tick
+
+
+class MetricsWatch:
+    """Polls the job's metrics.jsonl; reads the ranks' CPU seconds when the train lines of the given steps appear.
+
+    The ranks go on computing while the poll notices a line (every `interval` s): the CPU window
+    is off by at most about that much at either end.
+    """
+
+    def __init__(self, path: Path, steps: set[int], interval: float = 0.05):
+        import threading
+
+        self.path, self.steps, self.interval = path, steps, interval
+        self.cpu: dict[int, tuple[float, float]] = {}  # step -> (launcher CPU s, ranks CPU s)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> MetricsWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        offset, pending = 0, ""
+        while not self.stop.wait(self.interval):
+            try:
+                with open(self.path) as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                    offset = f.tell()
+            except OSError:
+                continue
+            pending += chunk
+            *complete, pending = pending.split("\n")
+            for line in complete:
+                try:
+                    x = json.loads(line)
+                except ValueError:
+                    continue
+                if x.get("kind") == "train" and x.get("step") in self.steps and x["step"] not in self.cpu:
+                    c = descendants_cpu_s(os.getpid())
+                    if c is not None:
+                        self.cpu[x["step"]] = c
+
+
 def ours(p: Params, ranks: int, target: Path, data: Path, tmp: Path, tag: str, verbose: bool) -> dict[str, Any]:
     """Launch models.train; throughput from its metrics.jsonl train lines, the launch's phases from the clock."""
     out_dir = tmp / f"draft-{tag}"
@@ -271,7 +349,8 @@ def ours(p: Params, ranks: int, target: Path, data: Path, tmp: Path, tag: str, v
     builds = extension_builds()
     t0 = time.time()
     try:
-        run_job(command, env=env, on_line=on_line)
+        with MetricsWatch(out_dir / "metrics.jsonl", {p.skip, p.steps}) as watch:
+            run_job(command, env=env, on_line=on_line)
         r["ok"] = True
     except RankFailure as e:
         r["error"] = str(e)[-3000:]
@@ -287,6 +366,10 @@ def ours(p: Params, ranks: int, target: Path, data: Path, tmp: Path, tag: str, v
     r["window_s"] = last["time"] - first["time"]
     r["window_tokens"] = last["tokens"] - first["tokens"]
     r["tokens_per_s"] = r["window_tokens"] / r["window_s"]
+    if p.skip in watch.cpu and p.steps in watch.cpu:
+        r["cpu_s"] = watch.cpu[p.steps][1] - watch.cpu[p.skip][1]  # the ranks (the torchrun agent apart)
+        r["launcher_cpu_s"] = watch.cpu[p.steps][0] - watch.cpu[p.skip][0]
+        r["cpu_ms_per_1k_tokens"] = 1e6 * r["cpu_s"] / r["window_tokens"]
     r["losses"] = {s: x["loss"] for s, x in sorted(train.items())}
     r["window_tokens_per_s"] = [x["tokens_per_s"] for s, x in sorted(train.items()) if s > p.skip]  # per log window
     r["tokens"] = last["tokens"]
@@ -308,38 +391,52 @@ def ours(p: Params, ranks: int, target: Path, data: Path, tmp: Path, tag: str, v
 # ---------------------------------------------------------------------------------------------
 
 
-def plain_loop(cfg: dict[str, Any], rank: int, world: int, barrier: Any = None) -> dict[str, Any]:
-    """The job's training loop without DeepSpeed, the process group or the launcher (rank's share only)."""
+def setup(cfg: dict[str, Any], world: int) -> dict[str, Any]:
+    """What models.train.run builds before its loop: data source and split, the draft (seeded), TargetHead."""
     from transformers import AutoConfig
 
+    device = torch.device("cpu")
+    target = cfg["target_path"]
+    text = AutoConfig.from_pretrained(target)
+    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+    source = HiddenSource(cfg["hidden_dir"], cfg["max_batch_tokens"])
+    meta = Path(cfg["hidden_dir"]) / "metadata.json"  # as models.train._data_source: the capture's, else the default
+    aux_layers = (json.loads(meta.read_text()).get("aux_layers") if meta.is_file() else None) \
+        or default_aux_layers(int(text.num_hidden_layers))
+    embed, head = load_target_tensors(target, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
+    counts = load_token_counts(cfg["token_counts"], int(text.vocab_size))
+    d2t, t2d = draft_vocab(counts, int(text.vocab_size), cfg["draft_vocab_size"])
+    torch.manual_seed(cfg["seed"])  # as models.train.run: the same initial weights
+    config = Eagle3Config.from_target_config(text, draft_vocab_size=int(d2t.shape[0]), aux_layers=aux_layers)
+    draft = Eagle3Draft(config)
+    draft.load_target_embedding(embed.to(draft.embed_tokens.weight.dtype))
+    draft.set_draft_vocab(d2t, t2d)
+    target_head = TargetHead(head.to(device), d2t.to(device))
+    train_samples, _ = split_samples(source.samples, cfg["eval_fraction"])
+    per_epoch = steps_per_epoch(len(epoch_batches(train_samples, cfg["max_batch_tokens"], cfg["seed"], 0)), world,
+                                cfg["grad_accum"])
+    return {"device": device, "source": source, "draft": draft, "target_head": target_head, "train_samples": train_samples,
+            "per_epoch": per_epoch, "warmup": max(1, round(cfg["warmup_ratio"] * cfg["steps"]))}
+
+
+def plain_optimizer(cfg: dict[str, Any], draft: Eagle3Draft, warmup: int):
+    """AdamW + LambdaLR as the job's DeepSpeed config and scheduler set them up."""
+    params = [q for q in draft.parameters() if q.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg["lr"], betas=BETAS, eps=EPS, weight_decay=cfg["weight_decay"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg["steps"], warmup, 0.0))
+    return params, optimizer, scheduler
+
+
+def plain_loop(cfg: dict[str, Any], rank: int, world: int, barrier: Any = None) -> dict[str, Any]:
+    """The job's training loop without DeepSpeed, the process group or the launcher (rank's share only)."""
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(cfg["threads"])
     try:
-        device = torch.device("cpu")
-        target = cfg["target_path"]
-        text = AutoConfig.from_pretrained(target)
-        text = text.get_text_config() if hasattr(text, "get_text_config") else text
-        source = HiddenSource(cfg["hidden_dir"], cfg["max_batch_tokens"])
-        aux_layers = json.loads((Path(cfg["hidden_dir"]) / "metadata.json").read_text())["aux_layers"]
-        embed, head = load_target_tensors(target, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
-        counts = load_token_counts(cfg["token_counts"], int(text.vocab_size))
-        d2t, t2d = draft_vocab(counts, int(text.vocab_size), cfg["draft_vocab_size"])
-        torch.manual_seed(cfg["seed"])  # as models.train.run: the same initial weights
-        config = Eagle3Config.from_target_config(text, draft_vocab_size=int(d2t.shape[0]), aux_layers=aux_layers)
-        draft = Eagle3Draft(config)
-        draft.load_target_embedding(embed.to(draft.embed_tokens.weight.dtype))
-        draft.set_draft_vocab(d2t, t2d)
-        target_head = TargetHead(head.to(device), d2t.to(device))
-        del embed, head
-
-        train_samples, _ = split_samples(source.samples, cfg["eval_fraction"])
-        grad_accum, total = cfg["grad_accum"], cfg["steps"]
-        per_epoch = steps_per_epoch(len(epoch_batches(train_samples, cfg["max_batch_tokens"], cfg["seed"], 0)), world, grad_accum)
-        warmup = max(1, round(cfg["warmup_ratio"] * total))
-        params = [q for q in draft.parameters() if q.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg["lr"], betas=BETAS, eps=EPS, weight_decay=cfg["weight_decay"])
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, warmup, 0.0))
-        ttt = cfg["ttt_steps"]
+        x = setup(cfg, world)
+        device, source, draft, target_head = x["device"], x["source"], x["draft"], x["target_head"]
+        train_samples, per_epoch = x["train_samples"], x["per_epoch"]
+        params, optimizer, scheduler = plain_optimizer(cfg, draft, x["warmup"])
+        grad_accum, total, ttt = cfg["grad_accum"], cfg["steps"], cfg["ttt_steps"]
         if barrier is not None:
             barrier.wait()  # side by side: every process starts its loop together
 
@@ -393,11 +490,12 @@ def _plain_worker(cfg: dict[str, Any], rank: int, world: int, barrier: Any, queu
         barrier.abort()
 
 
-def baseline(p: Params, processes: int, target: Path, data: Path) -> dict[str, Any]:
-    """The plain loop: in this process for 1, else `processes` spawned processes side by side (ranks' shares)."""
+def baseline(p: Params, processes: int, target: Path, data: Path, here: bool = False) -> dict[str, Any]:
+    """The plain loop in `processes` spawned processes side by side (each over its rank's share), or in this process."""
     cfg = {"target_path": str(target), "hidden_dir": str(data / "hidden"),
            "token_counts": str(data / "records" / "token_counts.parquet"), **{k: v for k, v in asdict(p).items()}}
-    if processes == 1:
+    if here:
+        assert processes == 1
         results = [plain_loop(cfg, 0, 1)]
     else:
         import multiprocessing as mp
@@ -446,6 +544,184 @@ def baseline(p: Params, processes: int, target: Path, data: Path) -> dict[str, A
             "train_samples": results[0]["train_samples"]}
 
 
+def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
+    """One process (1 rank): the plain step and the job's DeepSpeed step in alternation, on the same batch tensors.
+
+    Both drafts start from the same seed and see the same batches; each step runs the plain loop's
+    step and the job's (models.train._engine / _forward, engine.backward / step, the per-step token
+    all-reduce), alternating which goes first. Whatever else runs on the machine hits both alike, so
+    the difference is the engine's per-step cost. Phases: forward (TargetHead + forward_ttt, through
+    the engine for ours), backward (engine.backward: autograd + ZeRO-2 gradient hooks), the rest
+    (plain: clip + AdamW + LambdaLR + zero_grad; ours: engine.step: ZeRO-2 reduction, norm, clip,
+    AdamW on the flat partition, copy back, scheduler; + train() and the token all-reduce).
+    """
+    from tasks.processes import free_port
+
+    os.environ.update(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    torch.set_num_threads(cfg["threads"])
+    import deepspeed
+
+    from models.train import _engine, _forward, _sum
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    dist = Dist(group=True)
+    a, b = setup(cfg, 1), setup(cfg, 1)  # the same seed: the same initial weights
+    device, source, train_samples, per_epoch = a["device"], a["source"], a["train_samples"], a["per_epoch"]
+    params, optimizer, scheduler = plain_optimizer(cfg, a["draft"], a["warmup"])
+    engine = _engine(TrainJob(**job), b["draft"], cfg["steps"], b["warmup"])
+    grad_accum, total, ttt = cfg["grad_accum"], cfg["steps"], cfg["ttt_steps"]
+    running = {"plain": Metrics(ttt, device), "ours": Metrics(ttt, device)}
+    a["draft"].train()
+
+    def plain_step(batches) -> tuple[float, float, float]:
+        fwd = bwd = 0.0
+        start = time.perf_counter()
+        for batch in batches:
+            t0 = time.perf_counter()
+            out = a["draft"].forward_ttt(batch.input_ids, batch.aux_hidden, a["target_head"](batch.last_hidden),
+                                         batch.loss_mask, batch.attention_mask, ttt_steps=ttt)
+            t1 = time.perf_counter()
+            (out.loss / grad_accum).backward()
+            fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
+            running["plain"].add(out)
+        torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return fwd, bwd, time.perf_counter() - start - fwd - bwd
+
+    def ours_step(batches) -> tuple[float, float, float]:
+        fwd = bwd = 0.0
+        start = time.perf_counter()
+        engine.train()
+        step_tokens = 0
+        for batch in batches:
+            t0 = time.perf_counter()
+            out = _forward(engine, batch, b["target_head"], ttt)
+            t1 = time.perf_counter()
+            engine.backward(out.loss)
+            fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
+            engine.step()
+            running["ours"].add(out)
+            step_tokens += batch.tokens
+        _sum(step_tokens, dist, device)
+        return fwd, bwd, time.perf_counter() - start - fwd - bwd
+
+    phases: dict[str, list[tuple[float, float, float]]] = {"plain": [], "ours": []}
+    losses: dict[str, dict[int, float]] = {"plain": {}, "ours": {}}
+    tokens: list[int] = []
+    step = epoch = step_in_epoch = 0
+    while step < total:
+        batches = epoch_batches(train_samples, cfg["max_batch_tokens"], cfg["seed"], epoch)
+        while step_in_epoch < per_epoch and step < total:
+            micro = [source.batch(m, device) for m in rank_micro_batches(batches, step_in_epoch, 0, 1, grad_accum)]
+            order = (("plain", plain_step), ("ours", ours_step))
+            for name, fn in order if step % 2 == 0 else reversed(order):
+                phases[name].append(fn(micro))
+            tokens.append(sum(m.tokens for m in micro))
+            step += 1
+            step_in_epoch += 1
+            if step % cfg["log_every"] == 0 or step == total:
+                for name in running:
+                    losses[name][step] = running[name].summary(STEP_DECAY)["loss"]
+                    running[name] = Metrics(ttt, device)
+        if step_in_epoch >= per_epoch:
+            epoch += 1
+            step_in_epoch = 0
+    torch.distributed.destroy_process_group()
+    return {"phases": phases, "tokens": tokens, "losses": losses}
+
+
+def _interleaved_worker(cfg: dict[str, Any], job: dict[str, Any], queue: Any) -> None:
+    try:
+        queue.put(interleaved(cfg, job))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        import traceback
+
+        queue.put({"error": f"{e!r}\n{traceback.format_exc()}"})
+
+
+def run_interleaved(p: Params, target: Path, data: Path, tmp: Path) -> dict[str, Any]:
+    """`interleaved` in a fresh spawned process; medians per phase over the measured steps."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    cfg = {"target_path": str(target), "hidden_dir": str(data / "hidden"),
+           "token_counts": str(data / "records" / "token_counts.parquet"), **asdict(p), "steps": p.in_process_steps}
+    job = job_dict(Params(**{**asdict(p), "steps": p.in_process_steps}), target, data, tmp / "draft-interleaved", 1)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(p.threads)
+    try:
+        proc = ctx.Process(target=_interleaved_worker, args=(cfg, job, queue))
+        proc.start()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    try:
+        res = queue.get(timeout=p.timeout_s)
+    except queue_mod.Empty:
+        raise RuntimeError(f"interleaved run did not finish in {p.timeout_s:.0f} s") from None
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    if "error" in res:
+        raise RuntimeError("interleaved run failed:\n" + res["error"])
+    k = p.skip
+    out: dict[str, Any] = {"steps_measured": len(res["tokens"]) - k, "tokens": sum(res["tokens"][k:])}
+    for name, rows in res["phases"].items():
+        rows = rows[k:]
+        out[name] = {"forward_ms": 1e3 * statistics.fmean(r[0] for r in rows),  # means over the same steps
+                     "backward_ms": 1e3 * statistics.fmean(r[1] for r in rows),
+                     "rest_ms": 1e3 * statistics.fmean(r[2] for r in rows),
+                     "step_ms": 1e3 * statistics.fmean(sum(r) for r in rows),
+                     "total_s": sum(sum(r) for r in rows)}
+        out[name]["tokens_per_s"] = out["tokens"] / out[name]["total_s"]
+    out["ratio"] = out["plain"]["total_s"] / out["ours"]["total_s"]  # = ours tok/s / plain tok/s
+    diff = [sum(o) - sum(q) for o, q in zip(res["phases"]["ours"][k:], res["phases"]["plain"][k:])]
+    out["extra_ms_per_step"] = 1e3 * statistics.median(diff)
+    out["extra_ms_per_step_mean"] = 1e3 * statistics.fmean(diff)
+    out["step_ratio_median"] = statistics.median(sum(o) / sum(q) for o, q in zip(res["phases"]["ours"][k:],
+                                                                                res["phases"]["plain"][k:]))
+    common = sorted(set(res["losses"]["plain"]) & set(res["losses"]["ours"]))
+    out["loss_max_rel_diff"] = max(abs(res["losses"]["ours"][s] - res["losses"]["plain"][s])
+                                   / max(1e-12, abs(res["losses"]["plain"][s])) for s in common) if common else None
+    return out
+
+
+def lockstep_bound(p: Params, train_samples: list, world: int) -> dict[str, Any]:
+    """What lockstep alone costs N ranks against N free-running processes over the measured steps.
+
+    Every rank of the job waits for the slowest at each step (gradients are reduced every step); a
+    side-by-side baseline process runs its own share freely. With a micro batch's cost taken as its
+    padded tokens (B x longest), the bound is max_r sum_s cost[r, s] / sum_s max_r cost[r, s]: the
+    ours/baseline ratio to expect with no communication and no other overhead (1.0 for 1 rank).
+    """
+    per_epoch = steps_per_epoch(len(epoch_batches(train_samples, p.max_batch_tokens, p.seed, 0)), world, p.grad_accum)
+    cost = [[0] * p.steps for _ in range(world)]
+    step = epoch = 0
+    while step < p.steps:
+        batches = epoch_batches(train_samples, p.max_batch_tokens, p.seed, epoch)
+        for in_epoch in range(per_epoch):
+            if step >= p.steps:
+                break
+            for r in range(world):
+                cost[r][step] = sum(len(b) * max(x.length for x in b)
+                                    for b in rank_micro_batches(batches, in_epoch, r, world, p.grad_accum))
+            step += 1
+        epoch += 1
+    window = range(p.skip, p.steps)
+    free = max(sum(cost[r][s] for s in window) for r in range(world))
+    locked = sum(max(cost[r][s] for r in range(world)) for s in window)
+    return {"bound": free / locked, "padded_tokens_per_rank_step": sum(cost[r][s] for r in range(world) for s in window)
+            / (world * len(window))}
+
+
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
@@ -467,10 +743,18 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
     out["setup"] = {"target": str(target.relative_to(REPO)), "data": str(data.relative_to(REPO)), **info,
                     "train_samples": len(train_samples), "held_out": len(held), "batches_per_epoch": len(batches),
                     "tokens_per_epoch": real, "padding_pct": 100 * (padded - real) / padded,
-                    "tokens_per_batch": real / len(batches)}
+                    "tokens_per_batch": real / len(batches),
+                    "lockstep": {str(n): lockstep_bound(p, train_samples, n) for n in p.rank_list()}}
     print(f"  data: {info['records']} records, {info['tokens']:,} tokens ({info['loss_tokens']:,} loss tokens), "
           f"{len(train_samples)} train / {len(held)} held out; {len(batches)} micro batches per epoch "
           f"(max_batch_tokens {p.max_batch_tokens}, {100 * (padded - real) / padded:.1f}% padding)", flush=True)
+
+    if p.in_process_steps > p.skip:
+        print(f"  in-process, interleaved: the plain step and the job's DeepSpeed step alternately, {p.in_process_steps} "
+              "steps each, one spawned process ...", flush=True)
+        out["interleaved"] = run_interleaved(p, target, data, tmp)
+        x = out["interleaved"]
+        print(f"    ours/plain {x['ratio']:.3f}, {x['extra_ms_per_step']:+.1f} ms per step", flush=True)
 
     runs: list[dict[str, Any]] = []
     for k in range(p.repeats):
@@ -479,9 +763,10 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
             order.reverse()
         for kind, n in order:
             if kind == "baseline":
-                what = "in this process" if n == 1 else f"{n} spawned processes side by side"
+                here = p.baseline_here and n == 1
+                what = "in this process" if here else f"{n} spawned process(es)" + (" side by side" if n > 1 else "")
                 print(f"  pass {k + 1}: baseline, plain PyTorch loop, {what}, {p.threads} thread(s) each ...", flush=True)
-                r = baseline(p, n, target, data)
+                r = baseline(p, n, target, data, here=here)
             else:
                 print(f"  pass {k + 1}: ours, torchrun --nproc_per_node {n} -m models.train, OMP_NUM_THREADS={p.threads} ...",
                       flush=True)
@@ -510,8 +795,11 @@ def ratios(p: Params, runs: list[dict[str, Any]]) -> dict[str, Any]:
                 continue
             row = {"pass_no": k, "ours": o["tokens_per_s"], "baseline": b["tokens_per_s"],
                    "ratio": o["tokens_per_s"] / b["tokens_per_s"],
+                   # tokens per CPU second, ours / baseline (ranks' CPU; the torchrun agent's apart)
+                   "cpu_ratio": b["cpu_ms_per_1k_tokens"] / o["cpu_ms_per_1k_tokens"] if o.get("cpu_ms_per_1k_tokens") else None,
                    "end_to_end_ratio": o["end_to_end_tokens_per_s"] / b["tokens_per_s"],
                    "per_rank_vs_1_process": (o["tokens_per_s"] / n / b1["tokens_per_s"]) if b1 else None,
+                   "baseline_per_process_vs_1": (b["tokens_per_s"] / n / b1["tokens_per_s"]) if b1 else None,
                    "startup_s": o["startup_s"], "tail_s": o["tail_s"], "wall_s": o["wall_s"], "steps_s": o["steps_s"]}
             if n == 1:
                 common = sorted(set(o["losses"]) & set(int(s) for s in b["losses"]))
@@ -524,8 +812,13 @@ def ratios(p: Params, runs: list[dict[str, Any]]) -> dict[str, Any]:
         summary = {key: med(r[key] for r in rows) for key in ("ours", "baseline", "ratio", "end_to_end_ratio",
                                                              "startup_s", "tail_s", "wall_s", "steps_s")}
         summary["ratio_range"] = [min(r["ratio"] for r in rows), max(r["ratio"] for r in rows)]
+        cpu = [r["cpu_ratio"] for r in rows if r["cpu_ratio"] is not None]
+        summary["cpu_ratio"] = med(cpu) if cpu else None
+        summary["cpu_ratio_range"] = [min(cpu), max(cpu)] if cpu else None
         vs1 = [r["per_rank_vs_1_process"] for r in rows if r["per_rank_vs_1_process"] is not None]
         summary["per_rank_vs_1_process"] = med(vs1) if vs1 else None
+        bvs1 = [r["baseline_per_process_vs_1"] for r in rows if r["baseline_per_process_vs_1"] is not None]
+        summary["baseline_per_process_vs_1"] = med(bvs1) if bvs1 else None
         if n == 1:
             d = [r["loss_max_rel_diff"] for r in rows if r.get("loss_max_rel_diff") is not None]
             summary["loss_max_rel_diff"] = max(d) if d else None
@@ -566,17 +859,23 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
         if not r.get("tokens_per_s"):
             rows.append((label, "FAILED", "-", "-", "-", "-", "-", "-"))
             continue
+        cpu = f"{r['cpu_ms_per_1k_tokens']:.0f}" if r.get("cpu_ms_per_1k_tokens") else "-"
+        share = f"{r['cpu_s'] / (r['window_s'] * r['n']):.2f}" if r.get("cpu_s") else "-"
         if r["kind"] == "ours":
-            rows.append((label, f"{r['tokens_per_s']:,.0f}", f"{r['window_s']:.1f}", f"{r['startup_s']:.1f}",
+            rows.append((label, f"{r['tokens_per_s']:,.0f}", f"{r['window_s']:.1f}", cpu, share, f"{r['startup_s']:.1f}",
                          f"{r['steps_s']:.1f}", f"{r['tail_s']:.1f}", f"{r['wall_s']:.1f}",
-                         ", ".join(r["ops_built"]) or "-"))
+                         f"agent CPU {r.get('launcher_cpu_s', 0):.2f} s" + (f"; built {', '.join(r['ops_built'])}"
+                                                                           if r["ops_built"] else "")))
         else:
-            rows.append((label, f"{r['tokens_per_s']:,.0f}", f"{r['window_s']:.1f}", "-", "-", "-", "-",
-                         f"CPU {r['cpu_ms_per_1k_tokens']:.0f} ms/1k tok, step {1e3 * r['median_step_s']:.0f} ms"))
-    _table(("run", "tok/s", "measured s", "start-up s", "all steps s", "tail s", "launch s", "notes"), rows)
-    print("   start-up: launch -> TRAIN_PROGRESS step=0 (interpreter, imports, process group, data index, draft, engine);"
+            rows.append((label, f"{r['tokens_per_s']:,.0f}", f"{r['window_s']:.1f}", cpu, share, "-", "-", "-", "-",
+                         f"median step {1e3 * r['median_step_s']:.0f} ms"))
+    _table(("run", "tok/s", "measured s", "CPU ms/1k tok", "CPU/wall", "start-up s", "all steps s", "tail s", "launch s",
+            "notes"), rows)
+    print("   measured: steps after the skip; CPU: the ranks' (ours) or the processes' (baseline) over those steps;\n"
+          "   CPU/wall: CPU s / (measured s x processes): 1.00 = each process had a core to itself all along.\n"
+          "   start-up: launch -> TRAIN_PROGRESS step=0 (interpreter, imports, process group, data index, draft, engine);"
           "\n   all steps: -> the last step's metrics line; tail: final eval + checkpoint + export + teardown;"
-          "\n   notes (ours): torch extensions (re)built during the launch")
+          "\n   agent: the torchrun agent's CPU over the measured steps; built: torch extensions (re)built meanwhile")
     print()
     multi = p.repeats > 1
     print("ratios: ours tok/s / baseline tok/s of the same pass (1.00 = no overhead; < 1 = ours slower)"
@@ -585,18 +884,39 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
     for n, x in out["ratios"].items():
         lo, hi = x["ratio_range"]
         base = "1 process" if n == "1" else f"{n} processes side by side"
+        cpu = "-" if x["cpu_ratio"] is None else f"{x['cpu_ratio']:.3f}" + (
+            f" [{x['cpu_ratio_range'][0]:.2f}-{x['cpu_ratio_range'][1]:.2f}]" if multi else "")
+        per = "-" if x["per_rank_vs_1_process"] is None else (
+            f"{x['per_rank_vs_1_process']:.2f}" + ("" if n == "1" else f" ({x['baseline_per_process_vs_1']:.2f})"))
         rows.append((f"{n} rank(s)", f"{x['ours']:,.0f}", base, f"{x['baseline']:,.0f}",
-                     f"{x['ratio']:.3f}" + (f" [{lo:.2f}-{hi:.2f}]" if multi else ""),
-                     "-" if x["per_rank_vs_1_process"] is None else f"{x['per_rank_vs_1_process']:.3f}",
+                     f"{x['ratio']:.3f}" + (f" [{lo:.2f}-{hi:.2f}]" if multi else ""), cpu,
+                     f"{s['lockstep'][n]['bound']:.3f}", per,
                      f"{x['startup_s']:.1f} + {x['tail_s']:.1f}", f"{x['end_to_end_ratio']:.3f}"))
-    _table(("ours", "tok/s", "baseline", "tok/s", "ours/baseline", "per rank / 1 process",
-            "start-up + tail s", "whole launch / baseline"), rows)
+    _table(("ours", "tok/s", "baseline", "tok/s", "ours/baseline", "tok per CPU-s, ours/baseline", "lockstep bound",
+            "per rank / 1-process baseline (baseline's)", "start-up + tail s", "whole launch / baseline"), rows)
+    print("   lockstep bound: the ratio that waiting for the slowest rank at every step alone gives (padded tokens as the cost);"
+          "\n   per rank / 1-process baseline: ours' tok/s per rank over the 1-process baseline's (in brackets: the same for"
+          "\n   one of the side-by-side baseline processes: what the cores give N processes); whole launch: all tokens / launch"
+          "\n   wall time (start-up, warmup steps, final eval, checkpoint, export included) over the baseline's tok/s")
+    x = out.get("interleaved")
+    if x:
+        print()
+        print(f"in-process, interleaved (1 rank, one process, the same batch tensors; steps {p.skip + 1}-{p.in_process_steps};"
+              " ms per step, mean):")
+        rows = [(name, f"{x[key]['forward_ms']:.1f}", f"{x[key]['backward_ms']:.1f}", f"{x[key]['rest_ms']:.1f}",
+                 f"{x[key]['step_ms']:.1f}", f"{x[key]['tokens_per_s']:,.0f}")
+                for name, key in (("plain PyTorch step", "plain"), ("our DeepSpeed step (models.train)", "ours"))]
+        _table(("step", "forward ms", "backward ms", "rest ms", "step ms", "tok/s"), rows)
+        print(f"   ours/plain tok/s {x['ratio']:.3f}; per step, ours - plain: median {x['extra_ms_per_step']:+.1f} ms, mean "
+              f"{x['extra_ms_per_step_mean']:+.1f} ms; ours/plain step time, median {x['step_ratio_median']:.3f};"
+              f"\n   losses differ by at most {x['loss_max_rel_diff']:.1e} (relative)\n"
+              "   rest: plain = clip + AdamW + LambdaLR + zero_grad; ours = engine.step (ZeRO-2 reduce, norm, clip, AdamW on"
+              " the\n   flat partition, copy back, scheduler) + engine.train() + the per-step token all-reduce")
     one = out["ratios"].get("1")
     if one and one.get("loss_max_rel_diff") is not None:
         a, b = one["loss_first_last"]
-        print(f"   1 rank, same arithmetic: logged losses of ours and the baseline differ by at most "
-              f"{100 * one['loss_max_rel_diff']:.3f}% (relative; loss {a:.3f} at step {p.log_every} -> {b:.3f} "
-              f"at step {p.steps})")
+        print(f"   1 rank, same arithmetic: the logged losses of ours and the baseline differ by at most "
+              f"{one['loss_max_rel_diff']:.1e} (relative; loss {a:.3f} at step {p.log_every} -> {b:.3f} at step {p.steps})")
 
 
 def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
@@ -632,7 +952,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=Path, help="write jobs and rank logs here and keep them (default: a temp dir)")
     ap.add_argument("--verbose", action="store_true", help="echo the ranks' output")
     for name, value in Params().__dict__.items():
-        ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
+        if isinstance(value, bool):
+            ap.add_argument(f"--{name.replace('_', '-')}", action="store_true", default=None)
+        else:
+            ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
     args = ap.parse_args(argv)
     p = Params()
     for name in p.__dict__:

@@ -42,7 +42,7 @@ def validate(config: Path = typer.Argument(..., help="The YAML run config to che
     raise typer.Exit(0 if ok else 1)
 
 
-STAGES = ("generate", "records", "capture", "train", "eval")  # in pipeline order
+STAGES = ("generate", "records", "capture", "train", "eval")  # in pipeline order (flows/pipeline.py)
 
 
 @app.command()
@@ -72,28 +72,14 @@ def run(
 
 
 def _run_stages(config: Path, stages: list[str]) -> None:
-    import asyncio
-
     cfg = _config_or_exit(config)  # fail on a bad config before Prefect starts
-    from flows.generate import generate as generate_flow
-    from flows.capture import capture as capture_flow
-    from flows.eval import evaluate as eval_flow
-    from flows.records import records as records_flow
-    from flows.train import train as train_flow
+    from flows.pipeline import pipeline
 
-    runners = {
-        "generate": lambda: asyncio.run(generate_flow(str(config))),
-        "records": lambda: records_flow(str(config)),
-        "capture": lambda: capture_flow(str(config)),
-        "train": lambda: train_flow(str(config)),
-        "eval": lambda: eval_flow(str(config)),
-    }
-    for stage in [s for s in STAGES if s in stages]:
-        try:
-            runners[stage]()
-        except Exception as exc:  # the flow run's log has the details
-            err.print(f"[red]{stage} failed:[/red] {escape(str(exc))}", highlight=False)
-            raise typer.Exit(1) from None
+    try:
+        pipeline(str(config), ",".join(stages))
+    except Exception as exc:  # the flow run's log has the details
+        err.print(f"[red]pipeline failed:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(1) from None
     _print_stats(cfg.run_dir, as_json=False)
     if "eval" in stages:
         from flows.demo import render_eval

@@ -80,6 +80,24 @@ class ServerConfig(Section):
         "Bearer token). The key itself never goes into the config, logs or artifacts.",
     )
 
+    launch: Literal["none", "dev", "command"] = Field(
+        default="none",
+        description="Who runs the server during the generate stage. `none`: it is already running at `url`. "
+        "`dev`: the pipeline starts the built-in dev server on the target (demo, tests). `command`: the pipeline "
+        "starts `command` (e.g. SGLang's launch_server), waits for /health_generate, and stops it after generation, "
+        "also on failure or cancellation, so the GPUs are free for capture and training.",
+    )
+    command: list[str] | None = Field(
+        default=None,
+        description="launch: command: the server command as a list of arguments; its log goes to RUN_DIR/logs/server.log.",
+    )
+
+    @model_validator(mode="after")
+    def _command_for_launch(self) -> ServerConfig:
+        if self.launch == "command" and not self.command:
+            raise ValueError("launch: command needs `command` (e.g. [python, -m, sglang.launch_server, --model-path, ...])")
+        return self
+
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:

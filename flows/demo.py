@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -11,14 +10,9 @@ from rich.console import Console
 from rich.table import Table
 
 from flows.config import RunConfig, dump_config, load_config
-from flows.capture import capture
-from flows.eval import evaluate
-from flows.generate import generate
-from flows.records import records
-from flows.train import train
-from models.tiny_target import build_tiny_target
+from flows.pipeline import pipeline
 from tasks.checkpoints import live_parts
-from tasks.processes import dev_server
+from tasks.processes import free_port
 from tasks.records import TOKEN_COUNTS
 from tasks.stats import collect_stats, render_rows_table, render_stats_table
 
@@ -36,53 +30,45 @@ def demo_config(run_dir: Path | None = None) -> RunConfig:
 
 
 def run_demo(run_dir: Path | None = None, console: Console | None = None, target_dir: Path | None = None) -> RunConfig:
-    """Build the tiny target, serve it, run every stage's flow on the sample data, print the results."""
+    """Run the whole pipeline as one Prefect flow run on the sample data (dev server on a free port), print the results."""
     console = console or Console()
     config = demo_config(run_dir)
     if target_dir is not None:
         config.target.path = str(target_dir)
-    console.rule("eagle3 demo")
-    target = build_tiny_target(config.target.path)
-    console.print(f"tiny target: {target}")
-
-    server = dev_server(target, log_path=config.run_dir / "logs" / "dev-server.log")
-    config.server.url = server.url
+    config.server.launch = "dev"
+    config.server.url = f"http://127.0.0.1:{free_port()}"
     config_path = config.run_dir / "demo-config.yaml"  # the resolved demo config, as the flow's input
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(dump_config(config))
-    console.print(f"starting the dev server at {server.url} (log: {server.log_path})")
-    with server:
-        server.wait_healthy(timeout_s=180)
-        console.rule("stage 1: generate (Prefect flow)")
-        asyncio.run(generate(str(config_path)))
+    console.rule("eagle3 demo: flow `pipeline` (generate -> records -> capture -> train -> eval)")
+    console.print(f"config: {config_path}; the dev server runs at {config.server.url} during generate "
+                  f"(log: {config.run_dir / 'logs' / 'server.log'})")
+    results = pipeline(str(config_path))
     console.print("dev server stopped")
+
+    console.rule("stage 1: generate")
     console.print(_sample_table(config))
     console.print(render_stats_table(collect_stats(config.run_dir)))
-
-    console.rule("stage 2: records (Prefect flow)")
-    report = records(str(config_path))
-    console.print(render_rows_table("data report: training records per dataset", report))
+    console.rule("stage 2: records")
+    console.print(render_rows_table("data report: training records per dataset", results["records"]))
     console.print(f"token counts for the draft vocabulary: {config.run_dir / 'records' / TOKEN_COUNTS}")
-
-    console.rule("stage 3: capture (Prefect flow, DeepSpeed/torchrun job)")
-    hidden = capture(str(config_path))
+    console.rule("stage 3: capture")
+    hidden = results["capture"]
     console.print(
         f"hidden states: {hidden['samples']:,} samples, {hidden['tokens']:,} tokens, aux layers {hidden['aux_layers']} "
         f"+ final, {hidden['dtype']}, in {config.hidden_dir}"
     )
-
-    console.rule("stage 4: train (Prefect flow, DeepSpeed ZeRO-2 job)")
-    trained = train(str(config_path))
+    console.rule("stage 4: train")
+    trained = results["train"]
     console.print(f"trained {trained['steps']:,} steps on {trained['tokens']:,} tokens; metrics {config.draft_dir / 'metrics.jsonl'}, "
                   f"plot {trained['plot']}")
-
-    console.rule("stage 5: eval (Prefect flow, speculative decoding with the target)")
-    report = evaluate(str(config_path))
+    console.rule("stage 5: eval")
+    report = results["eval"]
     console.print(render_eval(config.draft_dir))
     baseline = f" (untrained: {report['untrained']['acceptance_length']:.2f})" if "untrained" in report else ""
+    console.print(f"run directory: {config.run_dir}   (`eagle3 stats {config.run_dir}` prints the tables again)")
     console.print(f"acceptance length {report['trained']['acceptance_length']:.2f}{baseline} with "
                   f"{report['num_steps']} draft tokens per round; exported draft: {config.draft_dir / 'final'}")
-    console.print(f"run directory: {config.run_dir}   (`eagle3 stats {config.run_dir}` prints the tables again)")
     return config
 
 

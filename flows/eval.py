@@ -17,7 +17,7 @@ def evaluate(config_path: str) -> dict:
     save_run_config(config)
     records = [(d.name, config.run_dir / "records" / d.name) for d in config.datasets]
     report = evaluate_draft(config.target.path, config.target.trust_remote_code, config.draft_dir, records,
-                            eval_settings(config), Path(config_path).stem)
+                            eval_settings(config), config.run_dir / "jobs" / "eval.json", Path(config_path).stem)
     get_run_logger().info("serve it with SGLang:\n%s", report["sglang_command"])
     return report
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,9 +16,10 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.cache_policies import NO_CACHE
 
 from tasks.generate_tasks import artifact_key
+from tasks.launch import run_job
 
 EVAL_FILE = "eval.json"
-CHUNKS = 10  # progress updates per evaluated draft
+PROGRESS = re.compile(r"EVAL_PROGRESS draft=(\w+) done=(\d+) total=(\d+)")
 
 
 @dataclass
@@ -33,84 +37,52 @@ class EvalSettings:
 
 @task(name="spec-eval", cache_policy=NO_CACHE)
 def evaluate_draft(target_path: str, trust_remote_code: bool, draft_dir: Path, records: list[tuple[str, Path]],
-                   settings: EvalSettings, config_name: str) -> dict[str, Any]:
+                   settings: EvalSettings, job_path: Path, config_name: str) -> dict[str, Any]:
     """Chain speculative decoding (greedy target, top-1 draft) on held-out prompts; write draft_dir/eval.json."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from models.capture import DatasetRecords
-    from models.eagle3 import Eagle3Draft
-    from models.eagle3_export import load_exported_draft
-    from models.spec_eval import evaluate_acceptance
-    from models.train_data import held_out_prompts
-
     logger = get_run_logger()
     final = draft_dir / "final"
     if not (final / "config.json").is_file():
         raise FileNotFoundError(f"{final}: no exported draft; run the train stage first (eagle3 run CONFIG --stages train)")
-    device = torch.device("cuda" if settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available()) else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                  **({"device_map": "auto"} if device.type == "cuda" else {}))
-    target = target.eval().requires_grad_(False).to(device) if device.type == "cpu" else target.eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    trained = load_exported_draft(final, dtype=dtype).to(device).eval()
-
-    prompts = held_out_prompts([DatasetRecords(n, str(d)) for n, d in records], settings.eval_fraction, settings.prompts,
-                               int(trained.config.vocab_size))
-    if not prompts:
-        raise ValueError(f"no held-out prompts (train.eval_fraction={settings.eval_fraction}); raise eval_fraction "
-                         "and retrain, or the records hold no prompt before their first loss token")
-    if len(prompts) < settings.prompts:
-        logger.warning("only %d held-out prompts (asked for %d): raise train.eval_fraction for more", len(prompts), settings.prompts)
-    ids = [p for _, _, p in prompts]
-
-    drafts = {"trained": trained}
-    if settings.compare_untrained:
-        drafts = {"untrained": _untrained_like(trained, settings.seed, Eagle3Draft).to(device).eval(), **drafts}
+    raw_path = draft_dir / ".eval-raw.json"
+    job = {"target_path": target_path, "trust_remote_code": trust_remote_code, "draft_dir": str(final), "out": str(raw_path),
+           "datasets": [{"name": n, "records_dir": str(d)} for n, d in records], "prompts": settings.prompts,
+           "max_new_tokens": settings.max_new_tokens, "num_steps": settings.num_steps, "device": settings.device,
+           "eval_fraction": settings.eval_fraction, "seed": settings.seed, "compare_untrained": settings.compare_untrained}
+    job_path.parent.mkdir(parents=True, exist_ok=True)
+    job_path.write_text(json.dumps(job, indent=2))
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("eval", config_name), description="eval: starting")
-    results: dict[str, dict[str, Any]] = {}
-    chunk = max(1, -(-len(ids) // CHUNKS))
-    for n, (name, draft) in enumerate(drafts.items()):
-        parts = []
-        for start in range(0, len(ids), chunk):
-            parts.append(evaluate_acceptance(target, draft, ids[start : start + chunk], num_steps=settings.num_steps,
-                                             max_new_tokens=settings.max_new_tokens, eos_token_ids=eos))
-            done = (n + min(1.0, (start + chunk) / len(ids))) / len(drafts)
-            update_progress_artifact(artifact, progress=round(100 * done, 1),
-                                     description=f"eval: {name} draft, {min(start + chunk, len(ids))}/{len(ids)} prompts")
-        results[name] = merge_results(parts)
-        logger.info("%s draft: acceptance length %.3f over %d rounds (%d prompts, %d tokens); per position %s",
-                    name, results[name]["acceptance_length"], results[name]["rounds"], len(ids), results[name]["new_tokens"],
-                    results[name]["per_position_acceptance"])
+    drafts = 2 if settings.compare_untrained else 1
+    seen: list[str] = []
 
-    estimate = ttt_estimate(draft_dir, settings.num_steps)
-    report = {"num_steps": settings.num_steps, "prompts": len(ids), "max_new_tokens": settings.max_new_tokens,
-              "device": str(device), "draft": str(final), "ttt_estimate": estimate, **results,
+    def on_line(line: str) -> None:
+        match = PROGRESS.search(line)
+        if not match:
+            logger.info(line)
+            return
+        name, done, total = match.group(1), int(match.group(2)), int(match.group(3))
+        if name not in seen:
+            seen.append(name)
+        progress = 100.0 * (len(seen) - 1 + done / total) / drafts
+        update_progress_artifact(artifact, progress=round(progress, 1), description=f"eval: {name} draft, {done}/{total} prompts")
+
+    raw_path.unlink(missing_ok=True)
+    # Batch-1 decoding is many tiny ops: one CPU thread beats two that spin-wait for each other
+    # (measured 20x on 2 busy cores); on GPUs it does not matter.
+    run_job([sys.executable, "-m", "models.eval_job", "--job", str(job_path)], on_line=on_line,
+            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    results = json.loads(raw_path.read_text())
+    raw_path.unlink()
+    report = {"num_steps": settings.num_steps, "max_new_tokens": settings.max_new_tokens, "draft": str(final),
+              **results, "ttt_estimate": ttt_estimate(draft_dir, settings.num_steps),
               "sglang_command": sglang_command(target_path, final, settings.num_steps, trust_remote_code)}
     tmp = draft_dir / f".{EVAL_FILE}.tmp"
     tmp.write_text(json.dumps(report, indent=2))
     tmp.replace(draft_dir / EVAL_FILE)
     create_table_artifact(table=eval_rows(report), key=artifact_key("eval-summary", config_name),
                           description=f"Acceptance length, chain speculative decoding, {settings.num_steps} draft tokens per round "
-                                      f"(SGLang topk 1), greedy target, {len(ids)} held-out prompts")
+                                      f"(SGLang topk 1), greedy target, {report['prompts']} held-out prompts")
     update_progress_artifact(artifact, progress=100.0, description=f"eval: acceptance length {results['trained']['acceptance_length']:.3f}")
     return report
-
-
-def merge_results(parts: list) -> dict[str, Any]:
-    """One summary from SpecEvalResults over disjoint prompt chunks."""
-    k = parts[0].num_steps
-    reached = [sum(p.per_position_reached[i] for p in parts) for i in range(k)]
-    accepted = [sum(p.per_position_accepted[i] for p in parts) for i in range(k)]
-    rounds = sum(p.rounds for p in parts)
-    return {
-        "acceptance_length": round(sum(p.acceptance_length * p.rounds for p in parts) / max(1, rounds), 4),
-        "per_position_acceptance": [round(a / r, 4) if r else 0.0 for a, r in zip(accepted, reached)],
-        "per_position_reached": reached, "per_position_accepted": accepted,
-        "rounds": rounds, "new_tokens": sum(p.new_tokens for p in parts), "prompts": sum(p.prompts for p in parts),
-    }
 
 
 def ttt_estimate(draft_dir: Path, num_steps: int) -> dict[str, Any] | None:
@@ -154,14 +126,3 @@ def sglang_command(target_path: str, draft_dir: Path, num_steps: int, trust_remo
     if trust_remote_code:
         args.append("--trust-remote-code")
     return shlex.join(args)
-
-
-def _untrained_like(trained, seed: int, draft_class):
-    """A draft as training starts it: the same seed's initial weights, the trained draft's embedding and vocab."""
-    import torch
-
-    torch.manual_seed(seed)
-    draft = draft_class(trained.config).to(trained.fc.weight.dtype)
-    draft.load_target_embedding(trained.embed_tokens.weight.detach().cpu())
-    draft.set_draft_vocab(trained.d2t.cpu(), trained.t2d.cpu())
-    return draft

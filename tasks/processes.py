@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
 
@@ -103,3 +107,43 @@ def dev_server(model_dir: Path, *, port: int | None = None, log_path: Path | Non
     port = port or free_port(host)
     command = [sys.executable, "-m", "deploy.dev_server", "--model", str(model_dir), "--host", host, "--port", str(port)]
     return ServerProcess(command, f"http://{host}:{port}", log_path=log_path)
+
+
+def launched_server(launch: str, url: str, *, target: Path | None = None, command: list[str] | None = None,
+                    log_path: Path | None = None, health_timeout_s: float = 600.0) -> contextlib.AbstractContextManager:
+    """A context that runs the server for the generate stage (launch `dev` or `command`), or nothing (`none`).
+
+    The server listens where `url` says. It is stopped when the context exits, whether generation
+    finished, failed or was cancelled (SIGTERM, as Prefect sends to a cancelled flow run, is turned
+    into an exception so the stop runs).
+    """
+    if launch == "none":
+        return contextlib.nullcontext()
+    if launch == "dev":
+        if target is None:
+            raise ValueError("launch: dev needs the target directory")
+        parsed = urlparse(url)
+        server = dev_server(target, port=parsed.port or 80, host=parsed.hostname or "127.0.0.1", log_path=log_path)
+    elif launch == "command":
+        if not command:
+            raise ValueError("launch: command needs a command")
+        server = ServerProcess(list(command), url, log_path=log_path)
+    else:
+        raise ValueError(f"unknown server launch {launch!r}: none, dev or command")
+    return _serving(server, health_timeout_s)
+
+
+@contextlib.contextmanager
+def _serving(server: ServerProcess, health_timeout_s: float) -> Iterator[ServerProcess]:
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        def on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
+            raise SystemExit(f"terminated (signal {signum}) while the server was running")
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        with server:
+            server.wait_healthy(timeout_s=health_timeout_s)
+            yield server
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

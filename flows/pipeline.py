@@ -1,0 +1,66 @@
+"""Flow `pipeline`: generate -> records -> capture -> train -> eval, as one flow run with a subflow per stage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from prefect.utilities.asyncutils import run_coro_as_sync
+
+from flows.capture import capture
+from flows.config import RunConfig, load_config
+from flows.eval import evaluate
+from flows.generate import generate
+from flows.records import records
+from flows.train import train
+from models.tiny_target import build_tiny_target
+from tasks.processes import launched_server
+
+STAGES = ("generate", "records", "capture", "train", "eval")  # in pipeline order
+ALL_STAGES = ",".join(STAGES)
+
+
+def parse_stages(stages: str) -> list[str]:
+    """The chosen stages in pipeline order; ValueError naming unknown ones."""
+    chosen = [s.strip() for s in stages.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in STAGES]
+    if unknown or not chosen:
+        raise ValueError(f"unknown stage(s) {', '.join(unknown) or '(none given)'}; available: {ALL_STAGES}")
+    return [s for s in STAGES if s in chosen]
+
+
+def _run_name() -> str:
+    params = flow_run.parameters
+    return f"pipeline {Path(params['config_path']).stem} [{params.get('stages') or ALL_STAGES}]"
+
+
+@flow(name="pipeline", flow_run_name=_run_name)
+def pipeline(config_path: str, stages: str = ALL_STAGES) -> dict:
+    """The whole run, or the chosen stages; every stage resumes where it stopped."""
+    config = load_config(config_path)
+    chosen = parse_stages(stages)
+    if config.target.build_tiny_target:  # demo and tests: the deterministic tiny target, built once
+        build_tiny_target(config.target.path)
+    results: dict = {}
+    if "generate" in chosen:
+        with serving(config):
+            results["generate"] = run_coro_as_sync(generate(config_path))
+    if "records" in chosen:
+        results["records"] = records(config_path)
+    if "capture" in chosen:
+        results["capture"] = capture(config_path)
+    if "train" in chosen:
+        results["train"] = train(config_path)
+    if "eval" in chosen:
+        results["eval"] = evaluate(config_path)
+    return results
+
+
+def serving(config: RunConfig):
+    """The server for the generate stage: started here when `server.launch` says so, stopped after."""
+    s = config.server
+    if s.launch != "none":
+        get_run_logger().info("starting the %s server at %s (log %s)", s.launch, s.url, config.run_dir / "logs" / "server.log")
+    return launched_server(s.launch, s.url, target=Path(config.target.path), command=s.command,
+                           log_path=config.run_dir / "logs" / "server.log", health_timeout_s=s.health_timeout_s)

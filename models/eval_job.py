@@ -1,0 +1,145 @@
+"""Eval entry point: acceptance length of an exported draft on held-out prompts, in its own process.
+
+    python -m models.eval_job --job JOB.json
+
+A process of its own (like the capture and training ranks) because the target may need every
+GPU, and because CPU math must start with denormals flushed in every thread (models/__init__.py):
+a Prefect worker thread that was created before that setting decodes up to 40x slower.
+
+Progress goes to stdout as `EVAL_PROGRESS draft=NAME done=i total=n`; the result (one entry per
+evaluated draft, see `merge_results`) is written atomically to the job's `out` path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.capture import DatasetRecords
+from models.eagle3 import Eagle3Draft
+from models.eagle3_export import load_exported_draft
+from models.spec_eval import SpecEvalResult, evaluate_acceptance
+from models.train_data import held_out_prompts
+
+
+@dataclass
+class EvalJob:
+    """The JOB.json of an eval launch (written by the eval flow; unknown keys are rejected)."""
+
+    target_path: str
+    draft_dir: str               # the export: config.json + model.safetensors
+    out: str                     # where the result JSON goes
+    datasets: list[DatasetRecords] = field(default_factory=list)
+    trust_remote_code: bool = False
+    prompts: int = 32
+    max_new_tokens: int = 128
+    num_steps: int = 3
+    device: str = "auto"
+    eval_fraction: float = 0.02
+    seed: int = 0
+    compare_untrained: bool = True
+
+    @classmethod
+    def load(cls, path: str | Path) -> EvalJob:
+        raw = json.loads(Path(path).read_text())
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {unknown}")
+        raw["datasets"] = [DatasetRecords(d["name"], d["records_dir"]) for d in raw.get("datasets", [])]
+        return cls(**raw)
+
+
+def run(job: EvalJob) -> dict[str, Any]:
+    """Decode the held-out prompts with each draft; return {"prompts", "device", "untrained"?, "trained"}."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = Path(job.draft_dir)
+    if not (final / "config.json").is_file():
+        raise FileNotFoundError(f"{final}: no exported draft; run the train stage first (eagle3 run CONFIG --stages train)")
+    device = torch.device("cuda" if job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available()) else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":  # spread a target larger than one GPU over all of them
+        target = AutoModelForCausalLM.from_pretrained(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code,
+                                                      device_map="auto")
+    else:
+        target = AutoModelForCausalLM.from_pretrained(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code)
+    target = target.eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    first_device = next(target.parameters()).device
+    trained = load_exported_draft(final, dtype=dtype).to(first_device).eval()
+
+    prompts = [p for _, _, p in held_out_prompts(job.datasets, job.eval_fraction, job.prompts, int(trained.config.vocab_size))]
+    if not prompts:
+        raise ValueError(f"no held-out prompts (train.eval_fraction={job.eval_fraction}): raise eval_fraction and retrain, "
+                         "or the records hold no prompt before their first loss token")
+    if len(prompts) < job.prompts:
+        print(f"eval: only {len(prompts)} held-out prompts (asked for {job.prompts}): raise train.eval_fraction for more", flush=True)
+
+    drafts = {"trained": trained}
+    if job.compare_untrained:
+        drafts = {"untrained": untrained_like(trained, job.seed).to(first_device).eval(), **drafts}
+    result: dict[str, Any] = {"prompts": len(prompts), "device": str(first_device)}
+    for name, draft in drafts.items():
+        parts = []
+        for i, prompt in enumerate(prompts):
+            parts.append(evaluate_acceptance(target, draft, [prompt], num_steps=job.num_steps,
+                                             max_new_tokens=job.max_new_tokens, eos_token_ids=eos))
+            print(f"EVAL_PROGRESS draft={name} done={i + 1} total={len(prompts)}", flush=True)
+        result[name] = merge_results(parts)
+        print(f"eval: {name} draft: acceptance length {result[name]['acceptance_length']:.3f} over {result[name]['rounds']} "
+              f"rounds; per position {result[name]['per_position_acceptance']}", flush=True)
+    out = Path(job.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out)
+    return result
+
+
+def merge_results(parts: list[SpecEvalResult]) -> dict[str, Any]:
+    """One summary from SpecEvalResults over disjoint prompts (same num_steps)."""
+    k = parts[0].num_steps
+    reached = [sum(p.per_position_reached[i] for p in parts) for i in range(k)]
+    accepted = [sum(p.per_position_accepted[i] for p in parts) for i in range(k)]
+    rounds = sum(p.rounds for p in parts)
+    return {
+        "acceptance_length": round(sum(p.acceptance_length * p.rounds for p in parts) / max(1, rounds), 4),
+        "per_position_acceptance": [round(a / r, 4) if r else 0.0 for a, r in zip(accepted, reached)],
+        "per_position_reached": reached, "per_position_accepted": accepted,
+        "rounds": rounds, "new_tokens": sum(p.new_tokens for p in parts), "prompts": sum(p.prompts for p in parts),
+    }
+
+
+def untrained_like(trained: Eagle3Draft, seed: int) -> Eagle3Draft:
+    """The draft as training starts it: the same seed's initial weights, the trained draft's embedding and vocab."""
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(trained.config).to(trained.fc.weight.dtype)
+    draft.load_target_embedding(trained.embed_tokens.weight.detach().cpu())
+    draft.set_draft_vocab(trained.d2t.cpu(), trained.t2d.cpu())
+    return draft
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m models.eval_job", description=__doc__.splitlines()[0])
+    parser.add_argument("--job", required=True, help="path of the eval JOB.json")
+    args = parser.parse_args(argv)
+    try:
+        run(EvalJob.load(args.job))
+    except Exception as e:  # noqa: BLE001 - the flow reads the traceback from the output
+        print(f"eval failed: {e!r}", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

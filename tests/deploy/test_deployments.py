@@ -1,0 +1,157 @@
+"""End to end through a real Prefect server: pools, `prefect deploy --all`, a process worker, the pipeline deployment.
+
+Everything runs as the user would: `prefect server start` on loopback with a temporary
+PREFECT_HOME, `prefect work-pool create`, `prefect deploy --all` from the repository's
+prefect.yaml, `prefect worker start`, `prefect deployment run 'pipeline/demo'` with a small
+config, then the Prefect client (in a subprocess pointed at that server) reads the flow run's
+state, its subflow runs and its artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tasks.processes import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+PREFECT = str(Path(sys.executable).parent / "prefect")
+RUN_TIMEOUT_S = 900
+
+CLIENT_CHECK = r"""
+import asyncio, json, sys
+from prefect.client.orchestration import get_client
+
+async def main(flow_run_id):
+    async with get_client() as client:
+        run = await client.read_flow_run(flow_run_id)
+        deployment = await client.read_deployment(run.deployment_id)
+        children = await client.read_flow_runs()
+        keys = sorted({a.key for a in await client.read_artifacts() if a.key})
+        names = sorted(r.name for r in children)
+        print(json.dumps({"state": run.state.type.value, "name": run.name, "deployment": deployment.name,
+                          "pool": deployment.work_pool_name, "keys": keys, "runs": names,
+                          "states": sorted({r.state.type.value for r in children})}))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def _config(tmp_path: Path, tiny_target_dir: Path) -> Path:
+    """A small run: two datasets, one CPU rank per job, a short training."""
+    samples = REPO / "data" / "samples"
+    config = {
+        "run_dir": str(tmp_path / "run"),
+        "target": {"path": str(tiny_target_dir)},
+        "server": {"url": f"http://127.0.0.1:{free_port()}", "launch": "dev", "max_concurrency": 8, "request_timeout_s": 120},
+        "sampling": {"max_new_tokens": 48, "temperature": 0.8},
+        "capture": {"num_gpus": 1, "max_batch_tokens": 2048, "shard_tokens": 4096},
+        "train": {"num_gpus": 1, "draft_vocab_size": 1024, "max_batch_tokens": 1024, "epochs": 2, "lr": 0.002,
+                  "checkpoint_every": 10, "eval_every": 10, "eval_fraction": 0.2, "log_every": 1},
+        "eval": {"prompts": 3, "max_new_tokens": 16, "num_steps": 3},
+        "datasets": [
+            {"name": "A1_chat", "kind": "passthrough", "path": str(samples / "passthrough_chat.jsonl"), "max_prompts": 16},
+            {"name": "B2_math", "kind": "generate", "path": str(samples / "gen_math.jsonl"), "token_budget": 300, "max_prompts": 20},
+        ],
+    }
+    path = tmp_path / "e2e.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
+def _prefect(args: list[str], env: dict[str, str], timeout: float = 300) -> str:
+    proc = subprocess.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"prefect {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.mark.e2e
+def test_pipeline_deployment_runs_on_a_real_prefect_server(tmp_path, tiny_target_dir):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", EAGLE3_HOME=str(REPO), PREFECT_WORKER_QUERY_SECONDS="2",
+               PREFECT_WORKER_PREFETCH_SECONDS="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO))
+    config = _config(tmp_path, tiny_target_dir)
+    server = _start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, tmp_path / "server.log")
+    worker = None
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(0.5)  # polling a server that has no other readiness signal
+        else:
+            pytest.fail("prefect server did not come up:\n" + (tmp_path / "server.log").read_text()[-3000:])
+
+        for pool in ("eagle3-cpu", "eagle3-gpu"):
+            _prefect(["work-pool", "create", pool, "--type", "process"], env)
+        deployed = _prefect(["--no-prompt", "deploy", "--all"], env)
+        for name in ("pipeline/demo", "pipeline/run", "generate/generate", "capture/capture", "train/train", "eval/eval"):
+            assert name in deployed, deployed[-3000:]
+        worker = _start([PREFECT, "worker", "start", "--pool", "eagle3-cpu", "--type", "process"], env, tmp_path / "worker.log")
+
+        started = _prefect(["deployment", "run", "pipeline/demo", "--param", f"config_path={config}",
+                            "--param", "stages=generate,records,capture,train,eval"], env)
+        found = re.search(r"UUID:\s*([0-9a-f-]{36})", started)
+        assert found, started
+        flow_run_id = found.group(1)
+        state = ""
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            state = httpx.get(f"http://127.0.0.1:{port}/api/flow_runs/{flow_run_id}", timeout=30).json()["state"]["type"]
+            if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+                break
+            time.sleep(2)  # polling the API for a state change
+        assert state == "COMPLETED", f"flow run {state}:\n{(tmp_path / 'worker.log').read_text()[-6000:]}"
+
+        check = subprocess.run([sys.executable, "-c", CLIENT_CHECK, flow_run_id], env=env, cwd=REPO,
+                               capture_output=True, text=True, timeout=120)
+        assert check.returncode == 0, check.stderr[-3000:]
+        seen = json.loads(check.stdout.strip().splitlines()[-1])
+    finally:
+        if worker is not None:
+            _stop(worker)
+        _stop(server)
+
+    assert seen["state"] == "COMPLETED" and seen["deployment"] == "demo" and seen["pool"] == "eagle3-cpu"
+    assert seen["name"] == "pipeline e2e [generate,records,capture,train,eval]"
+    assert seen["states"] == ["COMPLETED"]
+    for stage in ("generate", "records", "capture", "train", "eval"):
+        assert any(name.startswith(f"{stage} ") for name in seen["runs"]), seen["runs"]
+    for key in ("generate-summary-e2e", "generate-b2-math", "records-report-e2e", "capture-e2e", "capture-summary-e2e",
+                "train-e2e", "train-eval-e2e", "train-report-e2e", "eval-e2e", "eval-summary-e2e"):
+        assert key in seen["keys"], seen["keys"]
+    report = json.loads((tmp_path / "run" / "draft" / "eval.json").read_text())
+    assert report["trained"]["rounds"] > 0 and (tmp_path / "run" / "draft" / "final" / "model.safetensors").is_file()
