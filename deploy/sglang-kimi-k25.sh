@@ -19,7 +19,8 @@
 #               --tp, "8", --trust-remote-code, --host, 127.0.0.1, --port, "30000", --enable-metrics]
 #
 # The pipeline sends SIGTERM to the server's process group when generation ends (SIGKILL after 10 s);
-# `exec` below keeps SGLang itself in that group. Its output goes to RUN_DIR/logs/server.log.
+# `exec` below makes SGLang the very process it started (no shell in between). Its output goes to
+# RUN_DIR/logs/server.log.
 #
 # Environment:
 #   KIMI_MODEL_PATH      the published checkpoint: a local directory (download it first) or the Hub id

@@ -92,6 +92,14 @@ class ServerConfig(Section):
         description="launch: command: the server command as a list of arguments; its log goes to RUN_DIR/logs/server.log.",
     )
 
+    @field_validator("command", mode="before")
+    @classmethod
+    def _command_words(cls, value: Any) -> Any:
+        # YAML reads `--tp, 8` as a number: every argument is a string on the command line anyway
+        if isinstance(value, list):
+            return [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
+        return value
+
     @model_validator(mode="after")
     def _command_for_launch(self) -> ServerConfig:
         if self.launch == "command" and not self.command:

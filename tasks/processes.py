@@ -119,6 +119,9 @@ def launched_server(launch: str, url: str, *, target: Path | None = None, comman
     """
     if launch == "none":
         return contextlib.nullcontext()
+    if _answers(url):
+        raise RuntimeError(f"something already answers at {url}: stop it (an old server would be used instead "
+                           f"of the one this run starts) or set server.launch: none to use it")
     if launch == "dev":
         if target is None:
             raise ValueError("launch: dev needs the target directory")
@@ -131,6 +134,14 @@ def launched_server(launch: str, url: str, *, target: Path | None = None, comman
     else:
         raise ValueError(f"unknown server launch {launch!r}: none, dev or command")
     return _serving(server, health_timeout_s)
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=2.0)
+        return True
+    except httpx.HTTPError:
+        return False
 
 
 @contextlib.contextmanager

@@ -1,0 +1,41 @@
+"""The server lifecycle of the generate stage: started for it, stopped after, also on failure."""
+
+from __future__ import annotations
+
+import contextlib
+
+import httpx
+import pytest
+
+from tasks.processes import free_port, launched_server
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_launch_none_starts_nothing():
+    assert isinstance(launched_server("none", "http://127.0.0.1:1"), contextlib.nullcontext)
+
+
+def test_dev_server_runs_inside_and_is_stopped_after_a_failure(tiny_target_dir, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RuntimeError, match="generation broke"):
+        with launched_server("dev", url, target=tiny_target_dir, log_path=tmp_path / "server.log", health_timeout_s=120) as server:
+            assert _up(url) and server.url == url
+            raise RuntimeError("generation broke")
+    assert server.process.poll() is not None and not _up(url)
+
+    # Something already answering at the URL would silently be used instead: refused.
+    with launched_server("dev", url, target=tiny_target_dir, log_path=tmp_path / "server.log", health_timeout_s=120):
+        with pytest.raises(RuntimeError, match="already answers"):
+            launched_server("command", url, command=["true"])
+    assert not _up(url)
+
+
+def test_command_launch_needs_a_command():
+    with pytest.raises(ValueError, match="needs a command"):
+        launched_server("command", f"http://127.0.0.1:{free_port()}")
