@@ -14,29 +14,38 @@ training throughput (real tokens per second) of:
   (HiddenSource + epoch_batches + rank_micro_batches, same seed), the same `forward_ttt` with the
   same TargetHead, the same Metrics sums, torch.optim.AdamW with the same lr/betas/eps/weight
   decay, clip_grad_norm_ at the job's clipping and the same LambdaLR schedule. No DeepSpeed, no
-  process group, no launcher. One process at `--threads` threads (in this process) for 1 rank;
-  for N ranks, N such processes side by side (spawned), each over the micro batches the deal gives
-  that rank, without exchanging gradients: the same cores under the same conditions, minus the
-  communication and the ZeRO machinery.
+  process group, no launcher. For 1 rank one fresh process at `--threads` threads (`--baseline-here`:
+  in this process); for N ranks, N such processes side by side, each over the micro batches the
+  deal gives that rank, without exchanging gradients: the same cores under the same conditions,
+  minus the communication, the lockstep and the ZeRO machinery. The baseline is started like a job
+  (a child in a new session, the N loops its children), so that both sides share the cores with
+  other load on the same terms (Linux schedules each session as one group).
+- in-process, interleaved (once per run, 1 rank): one process holding both a plain draft and the
+  job's DeepSpeed engine (models.train._engine) alternates their steps on the same batch tensors,
+  timing forward, backward and the rest of each step: other load hits both alike, so this isolates
+  the engine's per-step cost from everything else (launcher, job loop, process, machine).
 
 Throughput is measured over the same steps on both sides: from the end of step `--skip` to the
 end of the last step (the first steps are warmup: allocator, lazy init, first-touch), tokens =
 real (unpadded) tokens of those steps, all ranks. For ours it is read from metrics.jsonl: the
-`tokens` and `time` of the train lines at step `--skip` and at the last step (the job logs every
-`--log-every` steps). The whole launch (start-up, the final eval, checkpoint and export, teardown)
-is timed separately.
+`tokens` and `time` of the train lines (the job logs every `--log-every` steps, default every step);
+the ranks' CPU seconds over the same steps are read from /proc when those lines appear. The whole
+launch (start-up, the final eval, checkpoint and export, teardown) is timed separately.
 
-Ratio = ours tokens/s / baseline tokens/s (1.0: no overhead; 0.9: ours 10% slower). Nothing is
-asserted. With 1 rank the two sides do the same arithmetic, so their losses are also compared at
-every logged step (a check that the baseline trains the same thing). Usage::
+Ratio = ours tokens/s / baseline tokens/s (1.0: no overhead; 0.9: ours 10% slower). Also: the
+median over steps of the paired step-time ratio (the same micro batches on both sides), tokens per
+CPU second (ours/baseline), and the lockstep bound (what waiting for the slowest rank alone costs).
+Nothing is asserted. With 1 rank the two sides do the same arithmetic, so their losses are also
+compared at every logged step (a check that the baseline trains the same thing). Usage::
 
     .venv/bin/python bench/train.py [--repeats 3] [--steps 30] [--ranks 1,2] [--json out.json]
                                     [--keep DIR] [--verbose] [--PARAM VALUE ...]   # any field of Params
 
 Each ratio pairs a run with its baseline from the same pass; `--repeats N` runs the sequence N
 times (every other pass in reverse order) and reports the median of the per-pass ratios. The
-target, records and captured hidden states are cached in runs/bench-train/ (gitignored).
-Results and their reading: docs/bench-train.md.
+target, records and captured hidden states are cached in runs/bench-train/ (gitignored; the first
+run generates the continuations: several minutes on 2 cores). Results and their reading:
+docs/bench-train.md.
 """
 
 from __future__ import annotations
@@ -44,7 +53,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import platform
 import re
@@ -53,7 +61,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +70,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint only; inherited by the ranks and baselines
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# DeepSpeed JIT-builds its CPU comm op into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions, shared by
+# every virtualenv: another checkout's build of the same op name forces a ~45 s rebuild at the next launch).
+# A directory of the bench's own keeps such rebuilds out of its start-up figures; inherited by every launch.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "runs" / "bench-train" / "torch_extensions"))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
@@ -69,7 +81,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 import models  # noqa: E402,F401  (flushes CPU denormals in this process, as in every rank)
-from models.capture import CaptureJob, DatasetRecords, Dist, run as run_capture  # noqa: E402
+from models.capture import CaptureJob, Dist, run as run_capture  # noqa: E402
 from models.draft_vocab import draft_vocab, load_token_counts  # noqa: E402
 from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead  # noqa: E402
 from models.target_weights import load_target_tensors  # noqa: E402
@@ -115,10 +127,11 @@ class Params:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     warmup_ratio: float = 0.05  # lr warmup (schedule), not the measurement's skip
+    zero_stage: int = 2  # ds_config zero_optimization.stage: 2 as the flow generates it; 0 or 1 to take ZeRO-2 apart
     eval_fraction: float = 0.02
     steps: int = 30  # optimizer steps per run (max_steps)
     skip: int = 5  # steps left out of the measurement at the start (a multiple of log_every)
-    log_every: int = 5  # the job's metrics line interval (the run config's default is 10)
+    log_every: int = 1  # the job's metrics line interval: per-step times for the paired ratio (run config default: 10)
     threads: int = 1  # OMP_NUM_THREADS per rank (what rank_command gives CPU ranks) and per baseline process
     ranks: str = "1,2"  # comma-separated rank counts, each a row
     repeats: int = 3  # passes over the whole sequence (odd passes in reverse order); ratios: median over passes
@@ -236,6 +249,7 @@ def job_dict(p: Params, target: Path, data: Path, out_dir: Path, ranks: int) -> 
         "ds_config": ds_train_config(world_size=ranks, grad_accum=p.grad_accum, lr=p.lr, weight_decay=p.weight_decay,
                                      betas=BETAS, grad_clip=p.grad_clip, bf16=False, torch_adam=True),
     }
+    job["ds_config"]["zero_optimization"]["stage"] = p.zero_stage
     TrainJob(**{k: v for k, v in job.items()})  # the job's own dataclass accepts every key
     return job
 
@@ -371,6 +385,7 @@ def ours(p: Params, ranks: int, target: Path, data: Path, tmp: Path, tag: str, v
         r["launcher_cpu_s"] = watch.cpu[p.steps][0] - watch.cpu[p.skip][0]
         r["cpu_ms_per_1k_tokens"] = 1e6 * r["cpu_s"] / r["window_tokens"]
     r["losses"] = {s: x["loss"] for s, x in sorted(train.items())}
+    r["step_times"] = {s: x["time"] for s, x in sorted(train.items())}
     r["window_tokens_per_s"] = [x["tokens_per_s"] for s, x in sorted(train.items()) if s > p.skip]  # per log window
     r["tokens"] = last["tokens"]
     # the launch's phases: start-up (launch -> TRAIN_PROGRESS step=0: interpreter, imports, process group,
@@ -490,47 +505,70 @@ def _plain_worker(cfg: dict[str, Any], rank: int, world: int, barrier: Any, queu
         barrier.abort()
 
 
-def baseline(p: Params, processes: int, target: Path, data: Path, here: bool = False) -> dict[str, Any]:
-    """The plain loop in `processes` spawned processes side by side (each over its rank's share), or in this process."""
+def spawn_plain(cfg: dict[str, Any], processes: int, timeout_s: float) -> list[dict[str, Any]]:
+    """`processes` spawned plain loops side by side (each over its rank's share), started together."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_plain_worker, args=(cfg, k, processes, barrier, queue)) for k in range(processes)]
+    for proc in procs:
+        proc.start()
+    results = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < processes:
+            try:
+                results.append(queue.get(timeout=max(1.0, deadline - time.monotonic())))
+            except queue_mod.Empty:
+                raise RuntimeError(f"baseline: {processes} processes did not finish in {timeout_s:.0f} s") from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    errors = [x["error"] for x in results if "error" in x]
+    if errors:
+        raise RuntimeError("baseline process failed:\n" + "\n".join(errors))
+    return sorted(results, key=lambda x: x["rank"])
+
+
+def baseline_worker(cfg_path: str, processes: int, out_path: str) -> None:
+    """`bench/train.py --baseline-worker CFG N OUT`: the baseline's own launch (a session of its own, like a job's)."""
+    cfg = json.loads(Path(cfg_path).read_text())
+    results = [plain_loop(cfg, 0, 1)] if processes == 1 else spawn_plain(cfg, processes, cfg["timeout_s"])
+    Path(out_path).write_text(json.dumps(results))
+
+
+def baseline(p: Params, processes: int, target: Path, data: Path, tmp: Path, here: bool = False) -> dict[str, Any]:
+    """The plain loop: a fresh process (N: side by side, each over its rank's share), or this process (`here`).
+
+    The fresh processes are started like a job's ranks: a child in a new session (with
+    `start_new_session`, as tasks.launch.run_job starts torchrun; with N > 1 it spawns the N loops and
+    waits, like the torchrun agent), OMP_NUM_THREADS set. A new session is a new scheduler autogroup
+    on Linux: under other load, both sides then compete for the cores on the same terms.
+    """
     cfg = {"target_path": str(target), "hidden_dir": str(data / "hidden"),
            "token_counts": str(data / "records" / "token_counts.parquet"), **{k: v for k, v in asdict(p).items()}}
     if here:
         assert processes == 1
         results = [plain_loop(cfg, 0, 1)]
     else:
-        import multiprocessing as mp
-        import queue as queue_mod
+        import subprocess
 
-        ctx = mp.get_context("spawn")
-        barrier, queue = ctx.Barrier(processes), ctx.Queue()
-        saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = str(p.threads)  # the children's environment, as for a rank
-        try:
-            procs = [ctx.Process(target=_plain_worker, args=(cfg, k, processes, barrier, queue)) for k in range(processes)]
-            for proc in procs:
-                proc.start()
-        finally:
-            if saved is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = saved
-        results = []
-        deadline = time.monotonic() + p.timeout_s
-        try:
-            while len(results) < processes:
-                try:
-                    results.append(queue.get(timeout=max(1.0, deadline - time.monotonic())))
-                except queue_mod.Empty:
-                    raise RuntimeError(f"baseline: {processes} processes did not finish in {p.timeout_s:.0f} s") from None
-        finally:
-            for proc in procs:
-                proc.join(timeout=30)
-                if proc.is_alive():
-                    proc.kill()
-        errors = [x["error"] for x in results if "error" in x]
-        if errors:
-            raise RuntimeError("baseline process failed:\n" + "\n".join(errors))
-        results.sort(key=lambda x: x["rank"])
+        cfg_path, out_path = tmp / f"baseline-{processes}.json", tmp / f"baseline-{processes}.out.json"
+        cfg_path.write_text(json.dumps(cfg))
+        out_path.unlink(missing_ok=True)
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--baseline-worker", str(cfg_path),
+                               str(processes), str(out_path)],
+                              env={**os.environ, "OMP_NUM_THREADS": str(p.threads), "PYTHONUNBUFFERED": "1"},
+                              start_new_session=True, capture_output=True, text=True, timeout=p.timeout_s)
+        if proc.returncode != 0 or not out_path.is_file():
+            raise RuntimeError(f"baseline ({processes} processes) failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        results = json.loads(out_path.read_text())
+        for x in results:
+            x["losses"] = {int(k): v for k, v in x["losses"].items()}
     k = p.skip
     start = min(x["times"][k] for x in results)
     end = max(x["times"][-1] for x in results)
@@ -538,6 +576,7 @@ def baseline(p: Params, processes: int, target: Path, data: Path, here: bool = F
     cpu = sum(x["cpu"][-1] - x["cpu"][k] for x in results)
     step_s = [b - a for x in results for a, b in zip(x["times"][k:], x["times"][k + 1:])]
     return {"processes": processes, "window_s": end - start, "window_tokens": window_tokens,
+            "times_per_process": [x["times"] for x in results],
             "tokens_per_s": window_tokens / (end - start), "cpu_s": cpu, "cpu_ms_per_1k_tokens": 1e6 * cpu / window_tokens,
             "median_step_s": statistics.median(step_s), "losses": results[0]["losses"],
             "trainable_parameters": results[0]["trainable_parameters"], "per_epoch": results[0]["per_epoch"],
@@ -611,11 +650,14 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     phases: dict[str, list[tuple[float, float, float]]] = {"plain": [], "ours": []}
     losses: dict[str, dict[int, float]] = {"plain": {}, "ours": {}}
     tokens: list[int] = []
+    load_s: list[float] = []
     step = epoch = step_in_epoch = 0
     while step < total:
         batches = epoch_batches(train_samples, cfg["max_batch_tokens"], cfg["seed"], epoch)
         while step_in_epoch < per_epoch and step < total:
+            t0 = time.perf_counter()
             micro = [source.batch(m, device) for m in rank_micro_batches(batches, step_in_epoch, 0, 1, grad_accum)]
+            load_s.append(time.perf_counter() - t0)
             order = (("plain", plain_step), ("ours", ours_step))
             for name, fn in order if step % 2 == 0 else reversed(order):
                 phases[name].append(fn(micro))
@@ -630,7 +672,7 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             epoch += 1
             step_in_epoch = 0
     torch.distributed.destroy_process_group()
-    return {"phases": phases, "tokens": tokens, "losses": losses}
+    return {"phases": phases, "tokens": tokens, "losses": losses, "load_s": load_s}
 
 
 def _interleaved_worker(cfg: dict[str, Any], job: dict[str, Any], queue: Any) -> None:
@@ -683,6 +725,7 @@ def run_interleaved(p: Params, target: Path, data: Path, tmp: Path) -> dict[str,
                      "total_s": sum(sum(r) for r in rows)}
         out[name]["tokens_per_s"] = out["tokens"] / out[name]["total_s"]
     out["ratio"] = out["plain"]["total_s"] / out["ours"]["total_s"]  # = ours tok/s / plain tok/s
+    out["load_ms"] = 1e3 * statistics.fmean(res["load_s"][k:])  # HiddenSource.batch: read + pad (both sides pay it)
     diff = [sum(o) - sum(q) for o, q in zip(res["phases"]["ours"][k:], res["phases"]["plain"][k:])]
     out["extra_ms_per_step"] = 1e3 * statistics.median(diff)
     out["extra_ms_per_step_mean"] = 1e3 * statistics.fmean(diff)
@@ -766,7 +809,7 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
                 here = p.baseline_here and n == 1
                 what = "in this process" if here else f"{n} spawned process(es)" + (" side by side" if n > 1 else "")
                 print(f"  pass {k + 1}: baseline, plain PyTorch loop, {what}, {p.threads} thread(s) each ...", flush=True)
-                r = baseline(p, n, target, data, here=here)
+                r = baseline(p, n, target, data, tmp, here=here)
             else:
                 print(f"  pass {k + 1}: ours, torchrun --nproc_per_node {n} -m models.train, OMP_NUM_THREADS={p.threads} ...",
                       flush=True)
@@ -801,6 +844,12 @@ def ratios(p: Params, runs: list[dict[str, Any]]) -> dict[str, Any]:
                    "per_rank_vs_1_process": (o["tokens_per_s"] / n / b1["tokens_per_s"]) if b1 else None,
                    "baseline_per_process_vs_1": (b["tokens_per_s"] / n / b1["tokens_per_s"]) if b1 else None,
                    "startup_s": o["startup_s"], "tail_s": o["tail_s"], "wall_s": o["wall_s"], "steps_s": o["steps_s"]}
+            # paired: the same steps (the same micro batches) on both sides, window by window between logged steps;
+            # the baseline's window = its slowest process's (what lockstep would have made it); median over windows
+            marks = [s for s in sorted(o["step_times"]) if s >= p.skip]
+            pairs = [max(t[e] - t[a] for t in b["times_per_process"]) / (o["step_times"][e] - o["step_times"][a])
+                     for a, e in zip(marks, marks[1:])]
+            row["paired_ratio"] = med(pairs) if pairs else None
             if n == 1:
                 common = sorted(set(o["losses"]) & set(int(s) for s in b["losses"]))
                 diffs = [abs(o["losses"][s] - b["losses"][s]) / max(1e-12, abs(b["losses"][s])) for s in common]
@@ -812,6 +861,9 @@ def ratios(p: Params, runs: list[dict[str, Any]]) -> dict[str, Any]:
         summary = {key: med(r[key] for r in rows) for key in ("ours", "baseline", "ratio", "end_to_end_ratio",
                                                              "startup_s", "tail_s", "wall_s", "steps_s")}
         summary["ratio_range"] = [min(r["ratio"] for r in rows), max(r["ratio"] for r in rows)]
+        paired = [r["paired_ratio"] for r in rows if r["paired_ratio"] is not None]
+        summary["paired_ratio"] = med(paired) if paired else None
+        summary["paired_ratio_range"] = [min(paired), max(paired)] if paired else None
         cpu = [r["cpu_ratio"] for r in rows if r["cpu_ratio"] is not None]
         summary["cpu_ratio"] = med(cpu) if cpu else None
         summary["cpu_ratio_range"] = [min(cpu), max(cpu)] if cpu else None
@@ -847,7 +899,7 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
           f"max {s['max_len']}; {s['train_samples']} train / {s['held_out']} held out; {s['batches_per_epoch']} micro "
           f"batches per epoch at max_batch_tokens {p.max_batch_tokens} ({s['tokens_per_batch']:,.0f} real tokens each, "
           f"{s['padding_pct']:.1f}% padding)")
-    print(f"job: {p.steps} optimizer steps, grad_accum {p.grad_accum}, lr {p.lr:g} (warmup {p.warmup_ratio:g}), AdamW "
+    print(f"job: ZeRO stage {p.zero_stage}, {p.steps} optimizer steps, grad_accum {p.grad_accum}, lr {p.lr:g} (warmup {p.warmup_ratio:g}), AdamW "
           f"betas {BETAS} wd {p.weight_decay:g}, clip {p.grad_clip:g}, log every {p.log_every}; measured: steps "
           f"{p.skip + 1}-{p.steps}; {p.threads} thread(s) per rank / baseline process")
     print()
@@ -888,13 +940,18 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
             f" [{x['cpu_ratio_range'][0]:.2f}-{x['cpu_ratio_range'][1]:.2f}]" if multi else "")
         per = "-" if x["per_rank_vs_1_process"] is None else (
             f"{x['per_rank_vs_1_process']:.2f}" + ("" if n == "1" else f" ({x['baseline_per_process_vs_1']:.2f})"))
+        paired = "-" if x["paired_ratio"] is None else f"{x['paired_ratio']:.3f}" + (
+            f" [{x['paired_ratio_range'][0]:.2f}-{x['paired_ratio_range'][1]:.2f}]" if multi else "")
         rows.append((f"{n} rank(s)", f"{x['ours']:,.0f}", base, f"{x['baseline']:,.0f}",
-                     f"{x['ratio']:.3f}" + (f" [{lo:.2f}-{hi:.2f}]" if multi else ""), cpu,
+                     f"{x['ratio']:.3f}" + (f" [{lo:.2f}-{hi:.2f}]" if multi else ""), paired, cpu,
                      f"{s['lockstep'][n]['bound']:.3f}", per,
                      f"{x['startup_s']:.1f} + {x['tail_s']:.1f}", f"{x['end_to_end_ratio']:.3f}"))
-    _table(("ours", "tok/s", "baseline", "tok/s", "ours/baseline", "tok per CPU-s, ours/baseline", "lockstep bound",
+    _table(("ours", "tok/s", "baseline", "tok/s", "ours/baseline", "paired per step", "tok per CPU-s, ours/baseline",
+            "lockstep bound",
             "per rank / 1-process baseline (baseline's)", "start-up + tail s", "whole launch / baseline"), rows)
-    print("   lockstep bound: the ratio that waiting for the slowest rank at every step alone gives (padded tokens as the cost);"
+    print("   paired per step: median over the measured steps of baseline step time / ours (same micro batches; N ranks: the"
+          "\n   slowest baseline process's step, so lockstep waiting is not counted): robust to bursts of other load"
+          "\n   lockstep bound: the ratio that waiting for the slowest rank at every step alone gives (padded tokens as the cost);"
           "\n   per rank / 1-process baseline: ours' tok/s per rank over the 1-process baseline's (in brackets: the same for"
           "\n   one of the side-by-side baseline processes: what the cores give N processes); whole launch: all tokens / launch"
           "\n   wall time (start-up, warmup steps, final eval, checkpoint, export included) over the baseline's tok/s")
@@ -909,7 +966,8 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
         _table(("step", "forward ms", "backward ms", "rest ms", "step ms", "tok/s"), rows)
         print(f"   ours/plain tok/s {x['ratio']:.3f}; per step, ours - plain: median {x['extra_ms_per_step']:+.1f} ms, mean "
               f"{x['extra_ms_per_step_mean']:+.1f} ms; ours/plain step time, median {x['step_ratio_median']:.3f};"
-              f"\n   losses differ by at most {x['loss_max_rel_diff']:.1e} (relative)\n"
+              f"\n   losses differ by at most {x['loss_max_rel_diff']:.1e} (relative); loading a step's batch (HiddenSource.batch,"
+              f" in both loops, not timed above): {x['load_ms']:.1f} ms\n"
               "   rest: plain = clip + AdamW + LambdaLR + zero_grad; ours = engine.step (ZeRO-2 reduce, norm, clip, AdamW on"
               " the\n   flat partition, copy back, scheduler) + engine.train() + the per-step token all-reduce")
     one = out["ratios"].get("1")
@@ -951,12 +1009,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the figures here as JSON")
     ap.add_argument("--keep", type=Path, help="write jobs and rank logs here and keep them (default: a temp dir)")
     ap.add_argument("--verbose", action="store_true", help="echo the ranks' output")
+    ap.add_argument("--baseline-worker", nargs=3, metavar=("CFG", "N", "OUT"), help=argparse.SUPPRESS)
     for name, value in Params().__dict__.items():
         if isinstance(value, bool):
             ap.add_argument(f"--{name.replace('_', '-')}", action="store_true", default=None)
         else:
             ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
     args = ap.parse_args(argv)
+    if args.baseline_worker:
+        cfg_path, n, out_path = args.baseline_worker
+        baseline_worker(cfg_path, int(n), out_path)
+        return 0
     p = Params()
     for name in p.__dict__:
         if getattr(args, name) is not None:
