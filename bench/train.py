@@ -57,7 +57,9 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -196,6 +198,10 @@ def prepare_data(p: Params, target: Path) -> dict[str, Any]:
     records = root / "records" / DATASET
     records.mkdir(parents=True)
     hf_logging.set_verbosity_error()
+    saved = torch.get_num_threads()
+    # One thread: this tiny model's single-token decode steps are too small to share; with two threads on a
+    # busy 2-core machine every step waits for a descheduled thread (10-20x slower here).
+    torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     t0 = time.perf_counter()
@@ -218,7 +224,6 @@ def prepare_data(p: Params, target: Path) -> dict[str, Any]:
     pq.write_table(pa.table({"token_id": np.flatnonzero(counts), "count": counts[counts > 0]}),
                    root / "records" / "token_counts.parquet")
     t0 = time.perf_counter()
-    saved = torch.get_num_threads()
     run_capture(CaptureJob.from_dict({"target_path": str(target), "datasets": [{"name": DATASET, "records_dir": str(records)}],
                                       "out_dir": str(root / "hidden"), "device": "cpu", "dtype": "float32",
                                       "shard_tokens": 16384}), Dist())
@@ -250,7 +255,7 @@ def job_dict(p: Params, target: Path, data: Path, out_dir: Path, ranks: int) -> 
                                      betas=BETAS, grad_clip=p.grad_clip, bf16=False, torch_adam=True),
     }
     job["ds_config"]["zero_optimization"]["stage"] = p.zero_stage
-    TrainJob(**{k: v for k, v in job.items()})  # the job's own dataclass accepts every key
+    TrainJob(**job)  # the job's own dataclass accepts every key
     return job
 
 
@@ -555,17 +560,23 @@ def baseline(p: Params, processes: int, target: Path, data: Path, tmp: Path, her
         assert processes == 1
         results = [plain_loop(cfg, 0, 1)]
     else:
-        import subprocess
-
         cfg_path, out_path = tmp / f"baseline-{processes}.json", tmp / f"baseline-{processes}.out.json"
         cfg_path.write_text(json.dumps(cfg))
         out_path.unlink(missing_ok=True)
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--baseline-worker", str(cfg_path),
-                               str(processes), str(out_path)],
-                              env={**os.environ, "OMP_NUM_THREADS": str(p.threads), "PYTHONUNBUFFERED": "1"},
-                              start_new_session=True, capture_output=True, text=True, timeout=p.timeout_s)
-        if proc.returncode != 0 or not out_path.is_file():
-            raise RuntimeError(f"baseline ({processes} processes) failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        err_path = tmp / f"baseline-{processes}.stderr.txt"
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--baseline-worker", str(cfg_path),
+                                     str(processes), str(out_path)],
+                                    env={**os.environ, "OMP_NUM_THREADS": str(p.threads), "PYTHONUNBUFFERED": "1"},
+                                    start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
+            try:
+                code = proc.wait(timeout=p.timeout_s)
+            except BaseException:
+                os.killpg(proc.pid, signal.SIGKILL)  # the session this call started: the worker and its loops
+                proc.wait()
+                raise
+        if code != 0 or not out_path.is_file():
+            raise RuntimeError(f"baseline ({processes} processes) failed ({code}):\n{err_path.read_text()[-4000:]}")
         results = json.loads(out_path.read_text())
         for x in results:
             x["losses"] = {int(k): v for k, v in x["losses"].items()}
@@ -592,7 +603,9 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     the difference is the engine's per-step cost. Phases: forward (TargetHead + forward_ttt, through
     the engine for ours), backward (engine.backward: autograd + ZeRO-2 gradient hooks), the rest
     (plain: clip + AdamW + LambdaLR + zero_grad; ours: engine.step: ZeRO-2 reduction, norm, clip,
-    AdamW on the flat partition, copy back, scheduler; + train() and the token all-reduce).
+    AdamW on the flat partition, copy back, scheduler; + train(), the token all-reduce and, every
+    `log_every` steps, the job's metrics line: Metrics all-reduce, grad norm, metrics.jsonl and
+    TensorBoard, as rank 0 writes it).
     """
     from tasks.processes import free_port
 
@@ -601,7 +614,7 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(cfg["threads"])
     import deepspeed
 
-    from models.train import _engine, _forward, _sum
+    from models.train import _engine, _forward, _grad_norm, _MetricsWriter, _sum
 
     deepspeed.init_distributed(dist_backend="gloo")
     dist = Dist(group=True)
@@ -611,9 +624,15 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     engine = _engine(TrainJob(**job), b["draft"], cfg["steps"], b["warmup"])
     grad_accum, total, ttt = cfg["grad_accum"], cfg["steps"], cfg["ttt_steps"]
     running = {"plain": Metrics(ttt, device), "ours": Metrics(ttt, device)}
+    losses: dict[str, dict[int, float]] = {"plain": {}, "ours": {}}
+    writer = _MetricsWriter(Path(job["out_dir"]), 0, enabled=True)  # metrics.jsonl + TensorBoard, as rank 0's
+    window = {"tokens": 0, "start": time.monotonic()}
     a["draft"].train()
 
-    def plain_step(batches) -> tuple[float, float, float]:
+    def log_step(n: int) -> bool:
+        return n % cfg["log_every"] == 0 or n == total
+
+    def plain_step(batches, n: int) -> tuple[float, float, float]:
         fwd = bwd = 0.0
         start = time.perf_counter()
         for batch in batches:
@@ -628,9 +647,12 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if log_step(n):  # a plain loop keeps its loss too
+            losses["plain"][n] = running["plain"].summary(STEP_DECAY)["loss"]
+            running["plain"] = Metrics(ttt, device)
         return fwd, bwd, time.perf_counter() - start - fwd - bwd
 
-    def ours_step(batches) -> tuple[float, float, float]:
+    def ours_step(batches, n: int) -> tuple[float, float, float]:
         fwd = bwd = 0.0
         start = time.perf_counter()
         engine.train()
@@ -645,10 +667,20 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             running["ours"].add(out)
             step_tokens += batch.tokens
         _sum(step_tokens, dist, device)
+        window["tokens"] += step_tokens
+        if log_step(n):  # the job's metrics line (models.train.run)
+            running["ours"].all_reduce(dist)
+            elapsed = max(1e-9, time.monotonic() - window["start"])
+            line = {"kind": "train", "step": n, "epoch": 0, "time": time.time(), **running["ours"].summary(STEP_DECAY),
+                    "lr": engine.get_lr()[0], "grad_norm": _grad_norm(engine), "tokens": 0,
+                    "tokens_per_s": round(_sum(window["tokens"], dist, device) / elapsed, 2)}
+            writer.write(line)
+            losses["ours"][n] = line["loss"]
+            running["ours"] = Metrics(ttt, device)
+            window.update(tokens=0, start=time.monotonic())
         return fwd, bwd, time.perf_counter() - start - fwd - bwd
 
     phases: dict[str, list[tuple[float, float, float]]] = {"plain": [], "ours": []}
-    losses: dict[str, dict[int, float]] = {"plain": {}, "ours": {}}
     tokens: list[int] = []
     load_s: list[float] = []
     step = epoch = step_in_epoch = 0
@@ -660,17 +692,14 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             load_s.append(time.perf_counter() - t0)
             order = (("plain", plain_step), ("ours", ours_step))
             for name, fn in order if step % 2 == 0 else reversed(order):
-                phases[name].append(fn(micro))
+                phases[name].append(fn(micro, step + 1))
             tokens.append(sum(m.tokens for m in micro))
             step += 1
             step_in_epoch += 1
-            if step % cfg["log_every"] == 0 or step == total:
-                for name in running:
-                    losses[name][step] = running[name].summary(STEP_DECAY)["loss"]
-                    running[name] = Metrics(ttt, device)
         if step_in_epoch >= per_epoch:
             epoch += 1
             step_in_epoch = 0
+    writer.close()
     torch.distributed.destroy_process_group()
     return {"phases": phases, "tokens": tokens, "losses": losses, "load_s": load_s}
 
@@ -962,14 +991,15 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
               " ms per step, mean):")
         rows = [(name, f"{x[key]['forward_ms']:.1f}", f"{x[key]['backward_ms']:.1f}", f"{x[key]['rest_ms']:.1f}",
                  f"{x[key]['step_ms']:.1f}", f"{x[key]['tokens_per_s']:,.0f}")
-                for name, key in (("plain PyTorch step", "plain"), ("our DeepSpeed step (models.train)", "ours"))]
+                for name, key in (("plain PyTorch step", "plain"), ("our step: DeepSpeed engine + job loop body", "ours"))]
         _table(("step", "forward ms", "backward ms", "rest ms", "step ms", "tok/s"), rows)
         print(f"   ours/plain tok/s {x['ratio']:.3f}; per step, ours - plain: median {x['extra_ms_per_step']:+.1f} ms, mean "
               f"{x['extra_ms_per_step_mean']:+.1f} ms; ours/plain step time, median {x['step_ratio_median']:.3f};"
               f"\n   losses differ by at most {x['loss_max_rel_diff']:.1e} (relative); loading a step's batch (HiddenSource.batch,"
               f" in both loops, not timed above): {x['load_ms']:.1f} ms\n"
               "   rest: plain = clip + AdamW + LambdaLR + zero_grad; ours = engine.step (ZeRO-2 reduce, norm, clip, AdamW on"
-              " the\n   flat partition, copy back, scheduler) + engine.train() + the per-step token all-reduce")
+              f" the\n   flat partition, copy back, scheduler) + engine.train() + the per-step token all-reduce + every "
+              f"{p.log_every} step(s)\n   the job's metrics line (all-reduces, grad norm, metrics.jsonl, TensorBoard)")
     one = out["ratios"].get("1")
     if one and one.get("loss_max_rel_diff") is not None:
         a, b = one["loss_first_last"]
