@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from models.capture import make_batches
 from models.hidden_shards import iter_shard_index, read_sample
 
 SORT_WINDOW = 64  # samples sorted by length inside windows this big before packing: less padding, still shuffled
@@ -81,15 +82,7 @@ def epoch_batches(samples: list[TrainSample], max_batch_tokens: int, seed: int, 
     rng.shuffle(order)
     batches: list[list[TrainSample]] = []
     for w in range(0, len(order), SORT_WINDOW):
-        window = sorted(order[w : w + SORT_WINDOW], key=lambda s: -s.length)
-        current: list[TrainSample] = []
-        for s in window:
-            if current and current[0].length * (len(current) + 1) > max_batch_tokens:
-                batches.append(current)
-                current = []
-            current.append(s)
-        if current:
-            batches.append(current)
+        batches += make_batches(sorted(order[w : w + SORT_WINDOW], key=lambda s: -s.length), max_batch_tokens)
     rng.shuffle(batches)
     return batches
 
