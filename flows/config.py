@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import difflib
 import re
+import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -22,6 +24,16 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic takes true/false as 1/0 for an int or float, so `max_concurrency: true` would
+        # quietly mean 1; every number field of every section (present and future) refuses them.
+        problem = _bool_for_number(value, cls.model_fields[info.field_name].annotation)
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 class TargetConfig(Section):
@@ -47,7 +59,8 @@ class ServerConfig(Section):
 
     url: str = Field(
         default="http://127.0.0.1:30000",
-        description="Base URL of SGLang's native HTTP API (no trailing /generate).",
+        description="Base URL of SGLang's native HTTP API: scheme://host:port with no path (not .../generate, "
+        "not .../v1). https is allowed; without a port the scheme's default (80, 443) is used, as behind a proxy.",
     )
     max_concurrency: int = Field(
         default=64,
@@ -109,9 +122,7 @@ class ServerConfig(Section):
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:
-        if not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError(f"must be an http(s) URL like http://127.0.0.1:30000, got {value!r}")
-        return value.rstrip("/")
+        return _server_url(value)
 
 
 class SamplingConfig(Section):
@@ -234,6 +245,11 @@ class CaptureConfig(Section):
     launcher: Literal["auto", "torchrun", "deepspeed"] = Field(
         default="auto", description="auto: the deepspeed launcher on a CUDA machine, torchrun (gloo, DS_ACCELERATOR=cpu) otherwise."
     )
+    retries: int = Field(
+        default=2, ge=0, description="Prefect retries of a capture job whose rank crashed or was killed; a retry "
+        "resumes (complete shards are skipped). A full disk, a damaged file or a refused job is not retried."
+    )
+    retry_delay_s: float = Field(default=60.0, ge=0, description="Seconds to wait before each retry of the capture job.")
 
     @model_validator(mode="after")
     def _nvme_needs_a_path(self) -> CaptureConfig:
@@ -290,6 +306,11 @@ class TrainConfig(Section):
         "intermediate_size, rope_theta, rms_norm_eps); e.g. head_dim: 128 for an MLA target.",
     )
     out_dir: Path | None = Field(default=None, description="Checkpoints, metrics and the exported draft; default RUN_DIR/draft.")
+    retries: int = Field(
+        default=2, ge=0, description="Prefect retries of a training job whose rank crashed or was killed; a retry resumes "
+        "from the last checkpoint. A failed write, a checkpoint of other data or settings, or a refused job is not retried."
+    )
+    retry_delay_s: float = Field(default=60.0, ge=0, description="Seconds to wait before each retry of the training job.")
 
     @field_validator("draft_overrides")
     @classmethod
@@ -462,7 +483,11 @@ def parse_config(data: Any, *, source: str = "<config>", base: Path | None = Non
         config = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(source, [_describe(err) for err in exc.errors()]) from None
-    return config.resolve_paths(base if base is not None else Path.cwd())
+    config = config.resolve_paths(base if base is not None else Path.cwd())
+    problems = _directory_problems(config)
+    if problems:
+        raise ConfigError(source, problems)
+    return config
 
 
 def dump_config(config: RunConfig) -> str:
@@ -475,8 +500,14 @@ def save_run_config(config: RunConfig) -> Path:
     config.run_dir.mkdir(parents=True, exist_ok=True)
     path = config.run_dir / "config.yaml"
     tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(dump_config(config))
-    tmp.replace(path)
+    try:
+        tmp.write_text(dump_config(config))
+        tmp.replace(path)
+    except OSError as exc:  # the first write of every stage: a full disk shows here first
+        tmp.unlink(missing_ok=True)
+        from models.write_failure import WriteFailed
+
+        raise WriteFailed(path, exc, kept="everything the run wrote before", resume="free space there, then run the same command again") from None
     return path
 
 
@@ -520,6 +551,94 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
         if model is None:
             return []
     return list(model.model_fields)
+
+
+SERVER_URL_FORM = "scheme://host:port, e.g. http://127.0.0.1:30000"
+_NETLOC = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^:\[\]@]+)(?::(?P<port>[^:]*))?")
+
+
+def _server_url(value: str) -> str:
+    """`value` as scheme://host[:port] without a trailing slash; ValueError showing the right form."""
+    parts = urlsplit(value)
+    if "@" in parts.netloc:
+        # Credentials in the URL would end up in logs and RUN_DIR/config.yaml.
+        raise ValueError(
+            f"must not hold a user or password; the form is {SERVER_URL_FORM}"
+            " (put the API key in the environment variable named by server.api_key_env)"
+        )
+    netloc = _NETLOC.fullmatch(parts.netloc)
+    if parts.scheme not in ("http", "https") or netloc is None or re.search(r"\s", value):
+        raise ValueError(f"must be an http(s) URL of the form {SERVER_URL_FORM}")
+    port = netloc["port"]
+    if port is not None and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"port {port!r} is not a number from 1 to 65535; the form is {SERVER_URL_FORM}")
+    base = f"{parts.scheme}://{parts.netloc}"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        # The client appends /generate, /health_generate and /abort_request to this base itself.
+        raise ValueError(
+            f"must be the server's base URL, scheme://host:port with no path: use {base!r}"
+            " (SGLang's native API is at the root; the pipeline adds /generate itself)"
+        )
+    return base
+
+
+def _union_members(annotation: Any) -> tuple[Any, ...]:
+    if get_origin(annotation) in (Union, types.UnionType):
+        return get_args(annotation)
+    return (annotation,)
+
+
+def _bool_for_number(value: Any, annotation: Any) -> str | None:
+    """Why `value` holds a bool where `annotation` wants a number (also inside lists and dicts), or None."""
+    members = _union_members(annotation)
+    if isinstance(value, bool):
+        if bool in members or not {int, float} & set(members):
+            return None
+        number = "a number" if float in members else "a whole number"
+        return f"must be {number}, not true/false"
+    for member in members:
+        origin = get_origin(member)
+        if origin is list and isinstance(value, list):
+            (item,) = get_args(member)
+            for i, v in enumerate(value):
+                problem = _bool_for_number(v, item)
+                if problem:
+                    return f"item {i} {problem} (got {v!r})"
+        elif origin is dict and isinstance(value, dict):
+            item = get_args(member)[1]
+            for k, v in value.items():
+                problem = _bool_for_number(v, item)
+                if problem:
+                    return f"{k!r} {problem} (got {v!r})"
+    return None
+
+
+def _directory_problems(config: RunConfig) -> list[str]:
+    """One line per directory setting that names a file (or lies under one): it could never be created."""
+    problems = []
+    settings = {
+        "run_dir": config.run_dir,
+        "capture.out_dir": config.capture.out_dir,
+        "capture.nvme_path": config.capture.nvme_path,
+        "train.out_dir": config.train.out_dir,
+    }
+    for key, path in settings.items():
+        if path is None:
+            continue
+        existing = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
+        if existing is None or existing.is_dir():
+            continue
+        if existing == path:
+            problems.append(
+                f"{key}: {path} exists and is not a directory; it must be a directory or absent"
+                " (point it at a new or existing directory, or move the file away)"
+            )
+        else:
+            problems.append(
+                f"{key}: {path} cannot be a directory because {existing} is a file;"
+                " it must be a directory or absent (point it elsewhere)"
+            )
+    return problems
 
 
 def _absolute(path: Path, base: Path) -> Path:

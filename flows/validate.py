@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flows.config import RunConfig
-from tasks.datasets import DatasetError, load_dataset
+from tasks.datasets import DatasetError, EmptyDatasetError, LoadedDataset, load_dataset
 
 
 def validate_datasets(config: RunConfig, *, config_path: Path, console: Console) -> bool:
@@ -26,27 +26,33 @@ def validate_datasets(config: RunConfig, *, config_path: Path, console: Console)
             missing.append(f"datasets[{i}] {dataset.name}: {dataset.path}")
             table.add_row(str(i), escape(dataset.name), dataset.kind, "-", "-", "-", budget, cap, "[red]missing file[/red]")
             continue
+        empty: EmptyDatasetError | None = None
         try:
             loaded = load_dataset(dataset.path, dataset.kind, on_bad_row="skip")
+        except EmptyDatasetError as exc:  # no rows, or none left after the bad ones: still list those
+            empty = exc
+            loaded = LoadedDataset(rows=[], rejects=list(exc.rejects), duplicates=0, path=dataset.path)
         except DatasetError as exc:  # unreadable as a whole (unknown format, corrupt Parquet, ...)
             problems.append(f"datasets[{i}] {dataset.name}: {exc}")
             table.add_row(str(i), escape(dataset.name), dataset.kind, "-", "-", "-", budget, cap, "[red]unreadable[/red]")
             continue
         bad = len(loaded.rejects)
         status = "[green]ok[/green]"
+        shown = "\n    ".join(f"{r.location}: {r.reason}" for r in loaded.rejects[:5])
+        more = f"\n    ... and {bad - 5} more" if bad > 5 else ""
         if bad and dataset.on_bad_row == "fail":
             status = "[red]bad rows[/red]"
-            shown = "\n    ".join(f"{r.location}: {r.reason}" for r in loaded.rejects[:5])
-            more = f"\n    ... and {bad - 5} more" if bad > 5 else ""
             problems.append(
                 f"datasets[{i}] {dataset.name}: {bad} bad row(s) (on_bad_row: fail):\n    {shown}{more}\n"
                 f"  Fix the rows, or set datasets[{i}].on_bad_row: skip to send them to the run's rejects."
             )
         elif bad:
             status = f"[yellow]ok, {bad} to rejects[/yellow]"
-        if not loaded.rows:
-            status = "[red]no usable rows[/red]"
-            problems.append(f"datasets[{i}] {dataset.name}: {dataset.path} holds no usable rows")
+        if empty is not None:
+            status = "[red]no usable rows[/red]" if bad else "[red]empty[/red]"
+            if not (bad and dataset.on_bad_row == "fail"):  # else the bad rows above are the problem
+                listed = f":\n    {shown}{more}" if bad else ""
+                problems.append(f"datasets[{i}] {dataset.name}: {empty}{listed}")
         table.add_row(
             str(i), escape(dataset.name), dataset.kind, f"{len(loaded.rows):,}", str(bad), str(loaded.duplicates), budget, cap, status
         )

@@ -26,8 +26,14 @@ A row without `id` gets `stable_id` of its content: generate rows hash {"message
 `prompt` row hashes as its one user message, so both spellings of a prompt share an id);
 passthrough rows hash {"messages": [...]} or {"input_ids": [...], "loss_mask": [0/1 ...]}.
 
+Ids are strings: an int id 7 becomes "7". Each id names one row. A repeat with the same content
+(the same messages, or input_ids + loss_mask; other keys are ignored) is a duplicate: dropped and
+counted. A repeat with different content, or an int id meeting the same id as a string (7 and "7"),
+is a bad row naming both rows; the first occurrence is kept.
+
 Bad rows raise `DatasetError` naming the file, the line (JSONL) or row (1-based), what is wrong
-and what is expected; with `on_bad_row="skip"` they become `Reject`s and loading goes on.
+and what is expected; with `on_bad_row="skip"` they become `Reject`s and loading goes on. A
+dataset with no usable row left raises `EmptyDatasetError`.
 """
 
 from __future__ import annotations
@@ -43,7 +49,6 @@ from typing import Any, Callable, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.parquet_io import next_part_path, list_parts, read_metadata, write_parquet_atomic
 
 log = logging.getLogger("eagle3.datasets")
 
@@ -67,6 +72,11 @@ EXPECTED: dict[str, str] = {
     ),
 }
 JSONL_EXPECTED = "expected JSON Lines: one JSON object per line, UTF-8"
+REPEATED_ID_FIX = (
+    "ids must be unique within a dataset: give one of the two rows another id (or remove its id to"
+    " get a content hash), or delete the repeat; with on_bad_row: skip the first row is kept and"
+    " the repeat goes to rejects"
+)
 ACCEPTED_FORMATS = (
     "accepted: a .jsonl/.json file (one JSON object per line), a .parquet file, a directory of"
     " *.parquet files, or a directory written by datasets' save_to_disk"
@@ -118,6 +128,15 @@ class DatasetNotFoundError(DatasetError, FileNotFoundError):
     """The configured dataset path does not exist."""
 
 
+class EmptyDatasetError(DatasetError):
+    """A dataset with no usable row: no rows at all, or every row bad (under on_bad_row="skip").
+
+    `rejects` holds the bad rows, so that `eagle3 validate` can list them (empty after pickling).
+    """
+
+    rejects: tuple[Reject, ...] = ()
+
+
 def _rebuild_error(cls, path, row, reason, expected, unit):
     return cls(path, row, reason, expected=expected, unit=unit)
 
@@ -149,6 +168,7 @@ class Reject:
     id: str | None
     reason: str
     raw: str
+    cause: str | None = None  # tasks.rejects.CAUSES; None: derived from the stage and reason
 
     @property
     def location(self) -> str:
@@ -202,7 +222,9 @@ def load_dataset(
     """Read and validate every row; the first occurrence of each id wins.
 
     on_bad_row="fail" raises DatasetError on the first bad row; "skip" records a Reject and goes
-    on. Duplicate ids are dropped, counted, and reported in one warning on `eagle3.datasets`.
+    on. A repeated id is a bad row unless the repeat has the same content (and the id the same
+    type): such duplicates are dropped, counted, and reported in one warning on `eagle3.datasets`.
+    Raises EmptyDatasetError when no usable row is left.
     """
     _check_kind(kind)
     if on_bad_row not in ("fail", "skip"):
@@ -211,7 +233,9 @@ def load_dataset(
     build = _BUILDERS[kind]
     rows: list = []
     rejects: list[Reject] = []
-    seen: set[str] = set()
+    # id -> (index in rows, source, row number, whether the id was given as an int): enough to
+    # compare a repeat with its first occurrence and to name both.
+    seen: dict[str, tuple[int, Path, int, bool]] = {}
     duplicates = 0
     first_duplicate: tuple[str, Path, int] | None = None
 
@@ -227,18 +251,28 @@ def load_dataset(
                 ) from None
             rejects.append(Reject(raw.source, raw.row, _loose_id(raw.data), bad.reason, raw.text()))
             continue
-        if row.id in seen:
+        int_id = type(raw.data.get("id")) is int
+        first = seen.get(row.id)
+        if first is None:
+            seen[row.id] = (len(rows), raw.source, raw.row, int_id)
+            rows.append(row)
+            continue
+        conflict = _repeat_conflict(row, int_id, rows[first[0]], first, raw.source)
+        if conflict is None:
             duplicates += 1
             if first_duplicate is None:
                 first_duplicate = (row.id, raw.source, raw.row)
             continue
-        seen.add(row.id)
-        rows.append(row)
+        if on_bad_row == "fail":
+            raise DatasetError(raw.source, raw.row, conflict, expected=REPEATED_ID_FIX, unit=raw.unit)
+        rejects.append(Reject(raw.source, raw.row, _utf8(row.id), conflict, raw.text()))
 
+    if not rows:  # before the warnings: the error says it all
+        raise _empty_dataset(path, rejects)
     if duplicates:
         dup_id, dup_source, dup_row = first_duplicate
         log.warning(
-            "%s: dropped %d row(s) whose id repeats an earlier row (the first occurrence is kept);"
+            "%s: dropped %d row(s) that repeat an earlier row's id and content (the first occurrence is kept);"
             " first repeat: id %r at %s %s %d",
             path, duplicates, dup_id, dup_source, "line" if _is_jsonl(dup_source) else "row", dup_row,
         )
@@ -251,51 +285,45 @@ def load_dataset(
     return LoadedDataset(rows=rows, rejects=rejects, duplicates=duplicates, path=path)
 
 
-REJECTS_SCHEMA = pa.schema(
-    [
-        pa.field("id", pa.string(), nullable=True),
-        pa.field("source", pa.string()),
-        pa.field("row", pa.int64()),
-        pa.field("stage", pa.string()),
-        pa.field("reason", pa.string()),
-        pa.field("raw", pa.string()),
-    ]
-)
-
-
-def write_rejects(rejects: list[Reject], directory: Path | str, stage: str = "load") -> Path | None:
-    """Write rejects as one atomic Parquet part in `directory`; None when there are none.
-
-    Idempotent across resumes: if a part with the same stage and the same rejects exists
-    already (compared by a fingerprint in the footer), that part is returned instead.
-    """
-    if not rejects:
-        return None
-    directory = Path(directory)
-    fingerprint = hashlib.sha256(
-        json.dumps([[str(r.path), r.row, r.reason] for r in rejects], ensure_ascii=False).encode(
-            "utf-8", "surrogatepass"
+def _repeat_conflict(
+    row: PromptRow | PassthroughRow, int_id: bool, first_row: Any, first: tuple[int, Path, int, bool], source: Path
+) -> str | None:
+    """Why a row whose id was seen before is bad, or None when it is a plain duplicate."""
+    _, first_source, first_number, first_int = first
+    where = f"{'line' if _is_jsonl(first_source) else 'row'} {first_number}"
+    if first_source != source:
+        where = f"{first_source} {where}"
+    if int_id != first_int:
+        # str() made both "7": a file that mixes them means two different rows or a typo.
+        quoted = json.dumps(row.id, ensure_ascii=False)
+        shown, first_shown = (row.id, quoted) if int_id else (quoted, row.id)
+        return (
+            f"id {_utf8(shown)} collides with id {_utf8(first_shown)} at {where}: ids are compared as"
+            " strings, so an int id and the same digits as a string are the same id"
         )
-    ).hexdigest()[:16]
-    for part in list_parts(directory):
-        meta = read_metadata(part)
-        if meta.get("stage") == stage and meta.get("rejects_fingerprint") == fingerprint:
-            return part
-    table = pa.table(
-        {
-            "id": [r.id for r in rejects],
-            "source": [str(r.path) for r in rejects],
-            "row": [r.row for r in rejects],
-            "stage": [stage] * len(rejects),
-            "reason": [_utf8(r.reason) for r in rejects],
-            "raw": [_utf8(r.raw) for r in rejects],
-        },
-        schema=REJECTS_SCHEMA,
-    )
-    return write_parquet_atomic(
-        table,
-        next_part_path(directory),
-        metadata={"stage": stage, "rows": len(rejects), "rejects_fingerprint": fingerprint},
+    if row != first_row:  # same id, so this compares the content
+        return f"id {_utf8(row.id)!r} repeats {where} with different content"
+    return None
+
+
+def _empty_dataset(path: Path, rejects: list[Reject]) -> EmptyDatasetError:
+    """The error for a dataset without a usable row: says whether it had rows at all."""
+    if rejects:
+        first = rejects[0]
+        error = EmptyDatasetError(
+            path,
+            None,
+            f"has no usable row: all {len(rejects)} row(s) are bad (first: {first.location}: {first.reason})",
+            expected="fix the rows (`eagle3 validate CONFIG` lists them), or remove the dataset from the config",
+        )
+        error.rejects = tuple(rejects)
+        return error
+    return EmptyDatasetError(
+        path,
+        None,
+        "has no rows",
+        expected="a dataset needs at least one row: check that datasets[i].path names the right file,"
+        " or remove the dataset from the config",
     )
 
 

@@ -174,3 +174,137 @@ def test_kimi_preset_is_the_reference_run():
     assert config.sampling.stop_token_ids == [163586]
     assert config.target.trust_remote_code
     assert config.target.path == "moonshotai/Kimi-K2.5"
+
+
+def _number_fields():
+    """(key path, data change) for every int/float field of every section, present and future."""
+    import types
+    import typing
+
+    from flows.config import DatasetConfig
+
+    def numeric(annotation):
+        members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+        return bool({int, float} & set(members)) and bool not in members
+
+    out = []
+    for section, field in RunConfig.model_fields.items():
+        model = field.annotation
+        if isinstance(model, type) and issubclass(model, RunConfig.__base__):
+            out += [(f"{section}.{name}", section, name) for name, f in model.model_fields.items() if numeric(f.annotation)]
+    out += [(f"datasets[1].{name}", "datasets", name) for name, f in DatasetConfig.model_fields.items() if numeric(f.annotation)]
+    return out
+
+
+NUMBER_FIELDS = _number_fields()
+
+
+def test_number_fields_are_found():
+    keys = [key for key, _, _ in NUMBER_FIELDS]
+    assert {"server.max_concurrency", "server.request_timeout_s", "sampling.temperature", "train.seed",
+            "capture.disk_margin", "datasets[1].token_budget", "datasets[1].max_prompts"} <= set(keys)
+
+
+@pytest.mark.parametrize("key,section,name", NUMBER_FIELDS, ids=[k for k, _, _ in NUMBER_FIELDS])
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_bool_is_never_a_number(key, section, name, flag):
+    data = copy.deepcopy(MINIMAL)
+    if section == "datasets":
+        data["datasets"][1][name] = flag
+    else:
+        data[section] = {name: flag}
+    lines = problems(data)
+    assert any(
+        line.startswith(f"{key}: must be a ") and f"number, not true/false (got {flag})" in line for line in lines
+    ), lines
+
+
+def test_a_bool_inside_a_list_or_mapping_of_numbers_is_named():
+    data = copy.deepcopy(MINIMAL)
+    data["sampling"] = {"stop_token_ids": [2, True]}
+    data["capture"] = {"aux_layers": [False, 3, 5]}
+    data["train"] = {"draft_overrides": {"head_dim": True}}
+    assert sorted(problems(data)) == [
+        "capture.aux_layers: item 0 must be a whole number, not true/false (got False)",
+        "sampling.stop_token_ids: item 1 must be a whole number, not true/false (got True)",
+        "train.draft_overrides: 'head_dim' must be a number, not true/false (got True)",
+    ]
+
+
+def test_bools_and_numbers_still_load_where_they_belong(tmp_path):
+    data = copy.deepcopy(MINIMAL)
+    data["target"]["trust_remote_code"] = True
+    data["server"] = {"max_concurrency": 8.0, "request_timeout_s": 30}
+    data["records"] = {"keep_truncated": False}
+    config = parse_config(data, base=tmp_path)
+    assert (config.target.trust_remote_code, config.server.max_concurrency, config.server.request_timeout_s) == (True, 8, 30.0)
+    assert config.records.keep_truncated is False
+    config.server.max_concurrency = 16  # assignment is validated too
+    with pytest.raises(ValueError, match="must be a whole number, not true/false"):
+        config.server.max_concurrency = True
+
+
+URL_FORM = "scheme://host:port, e.g. http://127.0.0.1:30000"
+
+
+@pytest.mark.parametrize(
+    "url, expected",
+    [
+        ("http://127.0.0.1:99999", f"server.url: port '99999' is not a number from 1 to 65535; the form is {URL_FORM} (got 'http://127.0.0.1:99999')"),
+        ("http://127.0.0.1:0", "server.url: port '0' is not a number from 1 to 65535"),
+        ("http://127.0.0.1:", "server.url: port '' is not a number from 1 to 65535"),
+        ("http://127.0.0.1:30k", "server.url: port '30k' is not a number from 1 to 65535"),
+        ("http://127.0.0.1:30000/generate",
+         "server.url: must be the server's base URL, scheme://host:port with no path: use 'http://127.0.0.1:30000'"
+         " (SGLang's native API is at the root; the pipeline adds /generate itself) (got 'http://127.0.0.1:30000/generate')"),
+        ("http://gpu-node-3:8000/v1", "server.url: must be the server's base URL, scheme://host:port with no path: use 'http://gpu-node-3:8000'"),
+        ("http://h:30000?x=1", "server.url: must be the server's base URL, scheme://host:port with no path: use 'http://h:30000'"),
+        ("localhost:30000", f"server.url: must be an http(s) URL of the form {URL_FORM} (got 'localhost:30000')"),
+        ("ftp://h:30000", f"server.url: must be an http(s) URL of the form {URL_FORM}"),
+        ("http://", f"server.url: must be an http(s) URL of the form {URL_FORM}"),
+        ("http://bad host:30000", f"server.url: must be an http(s) URL of the form {URL_FORM}"),
+        ("http://user:secret@h:30000", "server.url: must not hold a user or password"),
+    ],
+)
+def test_server_url_must_be_scheme_host_port(url, expected):
+    data = copy.deepcopy(MINIMAL)
+    data["server"] = {"url": url}
+    (line,) = problems(data)
+    assert line.startswith(expected), line
+
+
+@pytest.mark.parametrize(
+    "url, stored",
+    [
+        ("http://127.0.0.1:30000", "http://127.0.0.1:30000"),
+        ("http://127.0.0.1:30000/", "http://127.0.0.1:30000"),
+        ("https://sglang.example.com", "https://sglang.example.com"),  # a proxy on the default port
+        ("https://sglang.example.com:8443", "https://sglang.example.com:8443"),
+        ("http://[::1]:65535", "http://[::1]:65535"),
+    ],
+)
+def test_good_server_urls_are_kept(tmp_path, url, stored):
+    data = copy.deepcopy(MINIMAL)
+    data["server"] = {"url": url}
+    assert parse_config(data, base=tmp_path).server.url == stored
+
+
+def test_run_dir_must_be_a_directory_or_absent(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    data = copy.deepcopy(MINIMAL)
+    data["run_dir"] = "notes.txt"
+    assert problems(data, base=tmp_path) == [
+        f"run_dir: {tmp_path / 'notes.txt'} exists and is not a directory; it must be a directory or absent"
+        " (point it at a new or existing directory, or move the file away)"
+    ]
+    data["run_dir"] = "notes.txt/run"
+    (line,) = problems(data, base=tmp_path)
+    assert line.startswith(f"run_dir: {tmp_path / 'notes.txt/run'} cannot be a directory because {tmp_path / 'notes.txt'} is a file")
+    data["run_dir"] = "runs/new"
+    data["train"] = {"out_dir": "notes.txt"}
+    (line,) = problems(data, base=tmp_path)
+    assert line.startswith(f"train.out_dir: {tmp_path / 'notes.txt'} exists and is not a directory")
+    del data["train"]
+    assert parse_config(data, base=tmp_path).run_dir == tmp_path / "runs/new"  # absent: created later
+    (tmp_path / "runs/new").mkdir(parents=True)
+    assert parse_config(data, base=tmp_path).run_dir == tmp_path / "runs/new"

@@ -9,14 +9,15 @@ import pytest
 
 from tasks.datasets import (
     DatasetError,
+    EmptyDatasetError,
     PassthroughRow,
     PromptRow,
     Reject,
     iter_rows,
     load_dataset,
     stable_id,
-    write_rejects,
 )
+from tasks.rejects import write_rejects
 
 GENERATE_EXPECTED = "each row needs 'messages' [{role, content}] or 'prompt' (string)"
 
@@ -280,7 +281,7 @@ def test_skip_mode_keeps_good_rows_and_writes_rejects(tmp_path, caplog):
     table = pq.read_table(out)
     assert table.schema.field("id").type == pa.string() and table.schema.field("row").type == pa.int64()
     assert table.to_pylist()[0] == {
-        "id": "b1", "source": str(path), "row": 2, "stage": "load",
+        "id": "b1", "source": str(path), "row": 2, "stage": "load", "cause": "bad_row",
         "reason": "'prompt' is empty", "raw": '{"id": "b1", "prompt": ""}',
     }
     assert table.column("row").to_pylist() == [2, 3, 6, 7]
@@ -291,20 +292,153 @@ def test_skip_mode_keeps_good_rows_and_writes_rejects(tmp_path, caplog):
 
 
 def test_duplicate_ids_keep_first_and_count_rest(tmp_path, caplog):
+    # Repeats with the same content (extra keys ignored, either spelling of a prompt) are duplicates.
     path = write_jsonl(tmp_path / "d.jsonl", [
         {"id": "x", "prompt": "first"},
         {"prompt": "same"},
-        {"id": "x", "prompt": "second"},
+        {"id": "x", "prompt": "first", "source": "mirror"},
         {"prompt": "same"},
-        {"id": "x", "prompt": "third"},
+        {"id": "x", "messages": [{"role": "user", "content": "first"}]},
     ])
     with caplog.at_level(logging.WARNING, logger="eagle3.datasets"):
         loaded = load_dataset(path, "generate")
 
     assert [(r.id, r.messages[0]["content"]) for r in loaded.rows] == [("x", "first"), (_hash({"messages": [{"role": "user", "content": "same"}]}), "same")]
-    assert loaded.duplicates == 3
+    assert loaded.duplicates == 3 and loaded.rejects == []
     warnings = [r for r in caplog.records if r.name == "eagle3.datasets"]
     assert len(warnings) == 1 and "dropped 3 row(s)" in warnings[0].getMessage()
+    assert "first repeat: id 'x' at " + f"{path} line 3" in warnings[0].getMessage()
+
+
+REPEATED_ID_FIX = "ids must be unique within a dataset: give one of the two rows another id"
+
+
+def test_repeated_id_with_different_content_fails_naming_both_rows(tmp_path):
+    path = write_jsonl(tmp_path / "b1.jsonl", [
+        {"id": "x", "prompt": "first"},
+        {"id": "y", "prompt": "other"},
+        {"id": "x", "prompt": "second"},
+    ])
+    with pytest.raises(DatasetError) as info:
+        load_dataset(path, "generate")
+    assert (info.value.path, info.value.row) == (path, 3)
+    assert str(info.value).startswith(
+        f"{path} line 3: id 'x' repeats line 1 with different content — {REPEATED_ID_FIX}"
+    )
+    assert "on_bad_row: skip" in str(info.value)
+
+
+def test_repeated_id_with_different_content_is_rejected_under_skip(tmp_path):
+    path = write_jsonl(tmp_path / "b1.jsonl", [
+        {"id": "x", "prompt": "first"},
+        {"id": "y", "prompt": "other"},
+        {"id": "x", "prompt": "second"},
+        {"id": "x", "prompt": "first"},
+        {"id": "x", "prompt": "third"},
+    ])
+    loaded = load_dataset(path, "generate", on_bad_row="skip")
+
+    assert [(r.id, r.messages[0]["content"]) for r in loaded.rows] == [("x", "first"), ("y", "other")]
+    assert loaded.duplicates == 1
+    assert [(r.row, r.id, r.reason) for r in loaded.rejects] == [
+        (3, "x", "id 'x' repeats line 1 with different content"),
+        (5, "x", "id 'x' repeats line 1 with different content"),
+    ]
+    assert loaded.rejects[0].raw == '{"id": "x", "prompt": "second"}'
+    table = pq.read_table(write_rejects(loaded.rejects, tmp_path / "rejects"))
+    assert table.column("row").to_pylist() == [3, 5]
+
+
+def test_repeated_passthrough_id_with_different_tokens_is_a_bad_row(tmp_path):
+    path = write_jsonl(tmp_path / "a1.jsonl", [
+        {"id": "t", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
+        {"id": "t", "input_ids": [1, 2, 3], "loss_mask": [False, True, True]},  # same content
+        {"id": "t", "input_ids": [1, 2, 4], "loss_mask": [0, 1, 1]},
+    ])
+    with pytest.raises(DatasetError, match=r"a1\.jsonl line 3: id 't' repeats line 1 with different content"):
+        load_dataset(path, "passthrough")
+    loaded = load_dataset(path, "passthrough", on_bad_row="skip")
+    assert [r.input_ids for r in loaded.rows] == [[1, 2, 3]]
+    assert (loaded.duplicates, [r.row for r in loaded.rejects]) == (1, [3])
+
+
+@pytest.mark.parametrize(
+    "first,repeat,reason",
+    [
+        (7, "7", 'id "7" collides with id 7 at line 1'),
+        ("7", 7, 'id 7 collides with id "7" at line 1'),
+    ],
+)
+def test_int_and_string_id_collide_even_with_the_same_content(tmp_path, first, repeat, reason):
+    path = write_jsonl(tmp_path / "b1.jsonl", [
+        {"id": first, "prompt": "same"},
+        {"id": "8", "prompt": "eight"},
+        {"id": repeat, "prompt": "same"},
+    ])
+    with pytest.raises(DatasetError) as info:
+        load_dataset(path, "generate")
+    assert info.value.row == 3
+    assert str(info.value).startswith(f"{path} line 3: {reason}: ids are compared as strings")
+    assert REPEATED_ID_FIX in str(info.value)
+
+    loaded = load_dataset(path, "generate", on_bad_row="skip")
+    assert [r.id for r in loaded.rows] == ["7", "8"]
+    assert [(r.row, r.id) for r in loaded.rejects] == [(3, "7")] and loaded.duplicates == 0
+    assert loaded.rejects[0].reason.startswith(reason)
+
+
+def test_repeat_across_parquet_parts_names_the_first_part(tmp_path):
+    d = tmp_path / "parts"
+    d.mkdir()
+    pq.write_table(pa.table({"id": [7, 8], "prompt": ["a", "b"]}), d / "a.parquet")
+    pq.write_table(pa.table({"id": ["8", "9"], "prompt": ["b", "c"]}), d / "b.parquet")
+    with pytest.raises(DatasetError) as info:
+        load_dataset(d, "generate")
+    assert (info.value.path, info.value.row) == (d / "b.parquet", 1)
+    assert f'id "8" collides with id 8 at {d / "a.parquet"} row 2' in str(info.value)
+
+    pq.write_table(pa.table({"id": [8, 9], "prompt": ["B", "c"]}), d / "b.parquet")
+    with pytest.raises(DatasetError, match=r"b\.parquet row 1: id '8' repeats .*a\.parquet row 2 with different content"):
+        load_dataset(d, "generate")
+
+
+@pytest.mark.parametrize("kind", ["generate", "passthrough"])
+@pytest.mark.parametrize("content", [b"", b"\n  \n\r\n"], ids=["empty", "blank-lines"])
+def test_empty_jsonl_is_an_error(tmp_path, kind, content):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(content)
+    for on_bad_row in ("fail", "skip"):
+        with pytest.raises(EmptyDatasetError) as info:
+            load_dataset(path, kind, on_bad_row=on_bad_row)
+        assert isinstance(info.value, DatasetError) and info.value.row is None
+        assert str(info.value) == (
+            f"{path}: has no rows — a dataset needs at least one row: check that datasets[i].path"
+            " names the right file, or remove the dataset from the config"
+        )
+
+
+def test_parquet_without_rows_is_an_error(tmp_path):
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string())}), path)
+    with pytest.raises(EmptyDatasetError, match=r"d\.parquet: has no rows — a dataset needs at least one row"):
+        load_dataset(path, "generate")
+
+
+def test_no_usable_row_after_skipping_is_an_error(tmp_path):
+    path = write_jsonl(tmp_path / "b1.jsonl", [{"prompt": ""}, {"prompt": 5}])
+    with pytest.raises(EmptyDatasetError) as info:
+        load_dataset(path, "generate", on_bad_row="skip")
+    assert str(info.value) == (
+        f"{path}: has no usable row: all 2 row(s) are bad (first: {path} line 1: 'prompt' is empty)"
+        " — fix the rows (`eagle3 validate CONFIG` lists them), or remove the dataset from the config"
+    )
+    assert [r.row for r in info.value.rejects] == [1, 2]
+    clone = pickle.loads(pickle.dumps(info.value))
+    assert type(clone) is EmptyDatasetError and str(clone) == str(info.value)
+    # Under fail, the first bad row is the error, as before.
+    with pytest.raises(DatasetError) as info:
+        load_dataset(path, "generate")
+    assert not isinstance(info.value, EmptyDatasetError) and info.value.row == 1
 
 
 def test_missing_path_is_the_users_to_provide(tmp_path):
