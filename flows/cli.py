@@ -45,10 +45,19 @@ def validate(config: Path = typer.Argument(..., help="The YAML run config to che
 STAGES = ("generate", "records", "capture", "train", "eval")  # in pipeline order (flows/pipeline.py)
 
 
+RETRY_REJECTS_HELP = (
+    "Also send again the prompts the server refused with HTTP 400 in earlier runs (bad rows and prompts "
+    "rejected as too long are always checked again)."
+)
+
+
 @app.command()
-def generate(config: Path = typer.Argument(..., help="The YAML run config.")) -> None:
+def generate(
+    config: Path = typer.Argument(..., help="The YAML run config."),
+    retry_rejects: bool = typer.Option(False, "--retry-rejects", help=RETRY_REJECTS_HELP),
+) -> None:
     """Stage 1: generate responses for every dataset (same as `run CONFIG --stages generate`)."""
-    _run_stages(config, ["generate"])
+    _run_stages(config, ["generate"], retry_rejects=retry_rejects)
 
 
 @app.command("eval")
@@ -61,6 +70,7 @@ def eval_(config: Path = typer.Argument(..., help="The YAML run config (its trai
 def run(
     config: Path = typer.Argument(..., help="The YAML run config."),
     stages: str = typer.Option(",".join(STAGES), help=f"Comma-separated stages to run, of: {', '.join(STAGES)}."),
+    retry_rejects: bool = typer.Option(False, "--retry-rejects", help=RETRY_REJECTS_HELP),
 ) -> None:
     """Run the pipeline's stages on a config (each stage resumes where it stopped)."""
     chosen = [s.strip() for s in stages.split(",") if s.strip()]
@@ -68,15 +78,22 @@ def run(
     if unknown or not chosen:
         err.print(f"[red]error:[/red] unknown stage(s) {', '.join(unknown) or '(none given)'}; available: {', '.join(STAGES)}", highlight=False)
         raise typer.Exit(2)
-    _run_stages(config, chosen)
+    _run_stages(config, chosen, retry_rejects=retry_rejects)
 
 
-def _run_stages(config: Path, stages: list[str]) -> None:
+def _run_stages(config: Path, stages: list[str], *, retry_rejects: bool = False) -> None:
     cfg = _config_or_exit(config)  # fail on a bad config before Prefect starts
     from flows.pipeline import pipeline
+    from tasks.run_lock import RunDirLocked, run_lock
 
     try:
-        pipeline(str(config), ",".join(stages))
+        # Taken here too (re-entrant: the flow takes it again): a second writer is refused before
+        # a Prefect server starts, and no flow run is created for it.
+        with run_lock(cfg.run_dir, f"eagle3 {','.join(stages)}"):
+            pipeline(str(config), ",".join(stages), retry_rejects)
+    except RunDirLocked as exc:
+        err.print(f"[red]refused:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(1) from None
     except Exception as exc:  # the flow run's log has the details
         err.print(f"[red]pipeline failed:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(1) from None
@@ -100,56 +117,121 @@ def stats(
     run_dir: Path = typer.Argument(..., help="A run directory (run_dir of a config)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """Per-dataset table of a run from Parquet footers only (fast, safe while a run is writing)."""
+    """Per-dataset table of a run from Parquet footers only (fast, safe while a run is writing); exit 1 if a part is damaged."""
     if not run_dir.is_dir():
         err.print(f"[red]error:[/red] {escape(str(run_dir))} is not a directory (give the run_dir of a config)", highlight=False)
         raise typer.Exit(2)
-    _print_stats(run_dir, as_json=as_json)
+    raise typer.Exit(0 if _print_stats(run_dir, as_json=as_json) else 1)
 
 
-def _print_stats(run_dir: Path, *, as_json: bool) -> None:
+def _print_stats(run_dir: Path, *, as_json: bool) -> bool:
+    """Print the stats of a run; False when a damaged part kept a dataset out (it is named, not raised)."""
     import json
 
     from tasks.records import record_stats
     from tasks.stats import collect_stats, render_rows_table, render_stats_table, stats_rows
 
     collected = collect_stats(run_dir)
-    records = [r.row() for r in record_stats(run_dir)]
+    damaged_records: list[str] = []
+    records = [r.row() for r in record_stats(run_dir, on_damaged=lambda name, exc: damaged_records.append(str(exc)))]
+    damaged = [s.damaged for s in collected if s.damaged] + damaged_records
     if as_json:
-        print(json.dumps({"responses": stats_rows(collected), "records": records}, indent=2))
-        return
+        print(json.dumps({"responses": stats_rows(collected), "records": records, "damaged": damaged}, indent=2))
+        return not damaged
     console.print(render_stats_table(collected))
     if records:
         console.print(render_rows_table("training records per dataset", records))
+    for line in damaged_records:  # damaged response parts are named under the responses table
+        err.print(f"[red]damaged:[/red] {escape(line)}", highlight=False)
+    return not damaged
 
 
 @app.command("import-jsonl")
 def import_jsonl(
-    run_dir: Path = typer.Argument(..., help="The run directory to import into (its config.yaml names the target tokenizer)."),
+    run_dir: Path = typer.Argument(..., help="The run directory to import into (its config.yaml names the target tokenizer; with --target it may be new)."),
     dataset: str = typer.Argument(..., help="Dataset name (directory under responses/)."),
     file: Path = typer.Argument(..., help="A legacy raw_responses.jsonl."),
     target: Optional[str] = typer.Option(None, help="Target tokenizer path (default: target.path of RUN_DIR/config.yaml)."),
+    on_bad_line: str = typer.Option(
+        "fail", "--on-bad-line", metavar="fail|skip",
+        help="fail: a bad line stops the import, naming it, and nothing of FILE is imported. skip: bad lines are "
+        "counted and listed in RUN_DIR/rejects/DATASET/ (stage 'import'), the other lines are imported.",
+    ),
 ) -> None:
-    """Adopt a legacy raw_responses.jsonl (nested usage.completion_tokens or flat completion_tokens) as checkpoints."""
-    from flows.config import ConfigError, load_config
-    from tasks.legacy_import import import_jsonl as do_import
+    """Adopt a legacy raw_responses.jsonl (nested usage.completion_tokens or flat completion_tokens) as checkpoints.
 
+    All or nothing per file: every line is checked before any is added.
+
+    Ids already in RUN_DIR/responses/DATASET/ are skipped: a rerun (after a fix, a kill or a full disk) adds each response once.
+
+    Exit status: 0 done; 2 bad input (file and line named); 1 another writer holds RUN_DIR, a write failed or a part there is damaged.
+    """
+    from contextlib import ExitStack
+    from typing import NoReturn
+
+    from flows.config import DATASET_NAME, ConfigError, load_config
+    from models.write_failure import WriteFailed
+    from tasks.datasets import DatasetError
+    from tasks.legacy_import import import_jsonl as do_import
+    from tasks.parquet_io import DamagedPart
+    from tasks.run_lock import LOCK_NAME, RunDirLocked, run_lock
+
+    def fail(message: str, code: int, label: str = "error") -> NoReturn:
+        err.print(f"[red]{label}:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code)
+
+    if on_bad_line not in ("fail", "skip"):
+        fail(f"--on-bad-line must be fail or skip, got {on_bad_line!r}", 2)
+    if not DATASET_NAME.match(dataset):
+        fail(f"dataset {dataset!r} cannot be a directory name: use letters, digits, '_', '.', '-' and start with a letter or digit", 2)
     if not file.is_file():
-        err.print(f"[red]error:[/red] no such file {escape(str(file))}", highlight=False)
-        raise typer.Exit(2)
+        fail(f"{file}: {'is not a file' if file.exists() else 'no such file'}", 2)
+    if run_dir.exists() and not run_dir.is_dir():
+        fail(f"{run_dir} is not a directory: give the run directory to import into", 2)
     trust = False
     if target is None:
+        if not run_dir.is_dir():
+            fail(f"{run_dir} does not exist: check the path, or pass --target PATH to import into a new run directory", 2)
         try:
             cfg = load_config(run_dir / "config.yaml")
         except ConfigError as exc:
             err.print(f"[red]error:[/red] cannot tell the target tokenizer: {escape(str(exc))}\nPass --target PATH.", highlight=False)
             raise typer.Exit(2) from None
         target, trust = cfg.target.path, cfg.target.trust_remote_code
-    from transformers import AutoTokenizer
+        if dataset not in {d.name for d in cfg.datasets}:  # a typo would import where no stage looks
+            err.print(f"[yellow]note:[/yellow] {escape(str(run_dir / 'config.yaml'))} has no dataset {escape(dataset)!r} "
+                      f"(it has: {escape(', '.join(d.name for d in cfg.datasets))}); stages see these responses only "
+                      "under a dataset of that name", highlight=False, soft_wrap=True)
+    new_run_dir = not run_dir.exists()
+    with ExitStack() as stack:
+        # Held from before the tokenizer loads: a second writer is refused at once, not after it.
+        try:
+            stack.enter_context(run_lock(run_dir, f"import-jsonl {dataset}"))
+        except RunDirLocked as exc:
+            fail(str(exc), 1, "refused")
+        except OSError as exc:
+            fail(str(WriteFailed(run_dir / LOCK_NAME, exc, kept="nothing was imported")), 1)
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust)
-    report = do_import(run_dir, dataset, file, tokenizer=tokenizer)
-    console.print(escape(str(report)), highlight=False)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust)
+        except Exception as exc:  # a wrong path, a Hub id while offline, a broken tokenizer.json
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            fail(f"cannot load the target tokenizer from {target}: {reason}. Pass --target PATH.", 2)
+        try:
+            report = do_import(run_dir, dataset, file, tokenizer=tokenizer, on_bad_line=on_bad_line)
+        except (WriteFailed, DamagedPart) as exc:  # the run directory's fault: the message says what to do
+            fail(str(exc), 1)
+        except DatasetError as exc:
+            if exc.row is None:  # FILE or RUN_DIR, changed since the checks above
+                fail(str(exc), 2)
+            fail(f"{exc}. Nothing of this file was imported: fix or delete that line and run the import again, or pass "
+                 f"--on-bad-line skip to import the other lines and list the bad ones in {run_dir / 'rejects' / dataset}/.", 2)
+        except OSError as exc:  # writes fail as WriteFailed: this is a read (FILE or a part) the OS refused
+            fail(f"cannot read {exc.filename or file}: {exc.strerror or exc}", 1)
+    console.print(escape(report.summary()), highlight=False, soft_wrap=True)
+    if new_run_dir:
+        console.print(f"created the run directory {escape(str(run_dir))}", highlight=False)
 
 
 @app.command("tiny-target")

@@ -17,28 +17,40 @@ from tasks.generate_tasks import (
 )
 from tasks.generation import GenerateSettings
 from tasks.prompts import request_sampling_params
+from tasks.run_lock import run_lock
 
 
 @flow(name="generate", flow_run_name="generate {config_path}", log_prints=True)
-async def generate(config_path: str) -> list[dict]:
+async def generate(config_path: str, retry_rejects: bool = False) -> list[dict]:
     """Stage 1: fan out one task per dataset, all sharing the server's concurrency limit."""
     config = load_config(config_path)
-    paths = RunPaths(config.run_dir)
-    save_run_config(config)
-    slots = asyncio.Semaphore(config.server.max_concurrency)  # shared by every dataset: one server
-    results = await asyncio.gather(*(dataset_task(config, i, paths, slots) for i in range(len(config.datasets))), return_exceptions=True)
-    rows = await publish_generate_summary(config.run_dir, Path(config_path).stem)
+    with run_lock(config.run_dir, "generate"):
+        paths = RunPaths(config.run_dir)
+        save_run_config(config)
+        slots = asyncio.Semaphore(config.server.max_concurrency)  # shared by every dataset: one server
+        calls = (dataset_task(config, i, paths, slots, retry_rejects) for i in range(len(config.datasets)))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        rows = await publish_generate_summary(config.run_dir, Path(config_path).stem)
     failures = [(d.name, r) for d, r in zip(config.datasets, results) if isinstance(r, BaseException)]
     if failures:
-        names = ", ".join(name for name, _ in failures)
-        raise RuntimeError(
-            f"generate failed for {names}; the other datasets finished. Everything written is kept: "
-            f"re-run the same command to resume. First error: {failures[0][1]!r}"
-        ) from failures[0][1]
+        raise GenerateFailed(failures) from failures[0][1]
     return rows
 
 
-def dataset_task(config: RunConfig, index: int, paths: RunPaths, slots: asyncio.Semaphore):
+class GenerateFailed(RuntimeError):
+    """Some datasets failed; every error is named, the first one whole (it usually says what to do)."""
+
+    def __init__(self, failures: list[tuple[str, BaseException]]):
+        name, first = failures[0]
+        others = ", ".join(n for n, _ in failures[1:])
+        also = f" (also failed: {others})" if others else ""
+        super().__init__(
+            f"generate failed for {name}{also}: {first}. Everything written is kept: "
+            "re-run the same command to resume once the cause is fixed"
+        )
+
+
+def dataset_task(config: RunConfig, index: int, paths: RunPaths, slots: asyncio.Semaphore, retry_rejects: bool = False):
     """The task call for dataset `index`: a copy for passthrough, generation otherwise."""
     dataset = config.datasets[index]
     if dataset.kind == "passthrough":
@@ -54,6 +66,7 @@ def dataset_task(config: RunConfig, index: int, paths: RunPaths, slots: asyncio.
         log_interval_s=gen.log_interval_s,
         throughput_window_s=gen.throughput_window_s,
         compact_min_parts=gen.compact_min_parts,
+        retry_rejects=retry_rejects,
     )
     server = ServerSettings(
         url=config.server.url,

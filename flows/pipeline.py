@@ -16,6 +16,7 @@ from flows.records import records
 from flows.train import train
 from models.tiny_target import build_tiny_target
 from tasks.processes import launched_server
+from tasks.run_lock import run_lock
 
 STAGES = ("generate", "records", "capture", "train", "eval")  # in pipeline order
 ALL_STAGES = ",".join(STAGES)
@@ -36,16 +37,25 @@ def _run_name() -> str:
 
 
 @flow(name="pipeline", flow_run_name=_run_name)
-def pipeline(config_path: str, stages: str = ALL_STAGES) -> dict:
-    """The whole run, or the chosen stages; every stage resumes where it stopped."""
+def pipeline(config_path: str, stages: str = ALL_STAGES, retry_rejects: bool = False) -> dict:
+    """The whole run, or the chosen stages; every stage resumes where it stopped.
+
+    `retry_rejects`: also send again the prompts the server refused (HTTP 400) in earlier runs.
+    """
     config = load_config(config_path)
     chosen = parse_stages(stages)
+    with run_lock(config.run_dir, f"pipeline [{','.join(chosen)}]"):  # one writer per run dir, for every stage
+        return run_stages(config_path, config, chosen, retry_rejects)
+
+
+def run_stages(config_path: str, config: RunConfig, chosen: list[str], retry_rejects: bool) -> dict:
+    """The chosen stages in order, each as a subflow."""
     if config.target.build_tiny_target:  # demo and tests: the deterministic tiny target, built once
         build_tiny_target(config.target.path)
     results: dict = {}
     if "generate" in chosen:
         with serving(config):
-            results["generate"] = run_coro_as_sync(generate(config_path))
+            results["generate"] = run_coro_as_sync(generate(config_path, retry_rejects))
     if "records" in chosen:
         results["records"] = records(config_path)
     if "capture" in chosen:

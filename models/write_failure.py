@@ -63,6 +63,8 @@ def os_error_meaning(path: Path | str, error: BaseException) -> str:
         free = free_bytes(where)
         if free is not None:
             meaning += f": {free:,} bytes free on {where}"
+        if code == errno.ENOSPC and free_inodes(where) == 0:
+            meaning += " and no free inodes (too many files)"
     return meaning
 
 
@@ -88,6 +90,15 @@ def free_bytes(path: Path | str) -> int | None:
         return shutil.disk_usage(existing_parent(path)).free
     except OSError:
         return None
+
+
+def free_inodes(path: Path | str) -> int | None:
+    """Free inodes on the filesystem of `path` (None where the filesystem does not count them)."""
+    try:
+        st = os.statvfs(existing_parent(path))
+    except OSError:
+        return None
+    return st.f_favail if st.f_files else None
 
 
 def is_write_error(error: BaseException) -> bool:

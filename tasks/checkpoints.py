@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.parquet_io import clean_stale_temps, list_parts, next_part_path, read_metadata, write_parquet_atomic
+from tasks.parquet_io import DamagedPart, clean_stale_temps, list_parts, next_part_path, read_metadata, reading, write_parquet_atomic
 
 RESPONSE_SCHEMA = pa.schema(
     [
@@ -146,15 +146,25 @@ def summarize(directory: Path) -> PartSummary:
     """Totals of a dataset's responses from part footers only."""
     total = PartSummary()
     for part in live_parts(directory):
-        total.add(PartSummary.from_metadata(read_metadata(part)))
+        total.add(part_summary(part))
     return total
+
+
+def part_summary(part: Path) -> PartSummary:
+    """The summary in one part's footer; DamagedPart when the file or its summary cannot be read."""
+    meta = read_metadata(part)
+    try:
+        return PartSummary.from_metadata(meta)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise DamagedPart(part, f"its footer has no valid eagle3 summary ({exc!r}); response parts are written by eagle3 only") from None
 
 
 def done_ids(directory: Path) -> set[str]:
     """Ids of every response (or reject) already on disk, reading only the `id` column."""
     ids: set[str] = set()
     for part in live_parts(directory):
-        ids.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
+        with reading(part):
+            ids.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
     return ids
 
 
@@ -177,7 +187,11 @@ def compact(directory: Path, *, min_parts: int = 16, max_rows: int = 50_000) -> 
         rows += n
     if len(chosen) < min_parts:
         return None
-    table = pa.concat_tables(pq.read_table(p, schema=RESPONSE_SCHEMA) for p in chosen)
+    tables = []
+    for p in chosen:
+        with reading(p):
+            tables.append(pq.read_table(p, schema=RESPONSE_SCHEMA))
+    table = pa.concat_tables(tables)
     merged = write_part(directory, table, replaces=[p.name for p in chosen])
     for part in chosen:  # after the merged part is durable; a crash here is finished by finish_compaction
         part.unlink(missing_ok=True)
@@ -240,9 +254,3 @@ class ResponseWriter:
             if self.parts_written % self.compact_min_parts == 0:
                 await asyncio.to_thread(compact, self.directory, min_parts=self.compact_min_parts)
             return path
-
-    async def run_timer(self) -> None:
-        """Flush on time even when no response arrives to trigger it (run as a background task)."""
-        while True:
-            await asyncio.sleep(min(1.0, self.flush_interval_s / 4))
-            await self.maybe_flush()

@@ -13,10 +13,11 @@ from prefect import get_run_logger, task
 from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from tasks.datasets import load_dataset, write_rejects
+from tasks.datasets import load_dataset
 from tasks.generation import GenerateReport, GenerateSettings, Progress, generate_dataset
 from tasks.prompts import default_stop_ids
 from tasks.passthrough import PassthroughReport, copy_passthrough
+from tasks.rejects import replace_stage_rejects
 from tasks.sglang_client import RetryPolicy, SGLangClient, ServerOutage
 
 
@@ -91,8 +92,9 @@ async def generate_responses(
     """Generate one dataset's responses through SGLang; resumes from its checkpoints."""
     logger = get_run_logger()
     loaded = await asyncio.to_thread(load_dataset, source, "generate", on_bad_row=on_bad_row)  # type: ignore[arg-type]
+    # This load's bad rows replace the last load's: a row fixed in the file is used from now on.
+    await asyncio.to_thread(replace_stage_rejects, loaded.rejects, paths.rejects(name), "load")
     if loaded.rejects:
-        await asyncio.to_thread(write_rejects, loaded.rejects, paths.rejects(name), "load")
         logger.warning("%s: %d bad row(s) sent to %s", name, len(loaded.rejects), paths.rejects(name))
 
     from transformers import AutoTokenizer
@@ -109,7 +111,10 @@ async def generate_responses(
         await aupdate_progress_artifact(artifact_id, progress=round(p.percent, 2), description=p.line())
 
     retry = RetryPolicy(outage_window_s=server.outage_window_s)
-    async with SGLangClient(server.url, request_timeout_s=server.request_timeout_s, retry=retry, api_key=server.api_key()) as client:
+    key_hint = (f"check that ${server.api_key_env} (server.api_key_env) holds the server's current --api-key"
+                if server.api_key_env else "the server wants an API key: set server.api_key_env to the name of the variable that holds it")
+    async with SGLangClient(server.url, request_timeout_s=server.request_timeout_s, retry=retry, api_key=server.api_key(),
+                            auth_hint=key_hint, vocab_size=len(tokenizer), logger=logger) as client:
         logger.info("%s: waiting up to %.0fs for %s/health_generate", name, server.health_timeout_s, server.url)
         await client.wait_healthy(server.health_timeout_s)
         report = await generate_dataset(

@@ -1,8 +1,14 @@
 """The generate stage for one dataset: prompts -> SGLang /generate -> checkpointed responses.
 
-Exactly once: a prompt is skipped when its id is in the dataset's responses or rejects; a
-response is recorded once, when it arrives complete. Requests aborted (by the budget gate or by
-the server) are not recorded, so resume sends them again.
+Exactly once: a prompt is skipped when its id is in the dataset's responses or among the rejects
+that still stand (tasks.rejects: a prompt rejected as too long is checked again on every run); a
+response is recorded once, when it arrives complete and checked. Requests aborted (by the budget
+gate or by the server) are not recorded, so resume sends them again.
+
+Stops at once, keeping every part already written, when a checkpoint cannot be written (disk
+full: `WriteFailed`), when the server refuses the run itself (401/403/404: `ServerRefused`,
+nothing is rejected) or stays unreachable past the outage window (`ServerOutage`): in-flight
+requests are aborted at the server and nothing new is sent.
 """
 
 from __future__ import annotations
@@ -16,10 +22,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from models.write_failure import WriteFailed
 from tasks.budget import TokenBudget
 from tasks.checkpoints import ResponseWriter, done_ids, summarize
-from tasks.datasets import PromptRow, Reject, write_rejects
+from tasks.datasets import PromptRow, Reject
+from tasks.parquet_io import DamagedPart
 from tasks.prompts import chat_prompt_ids
+from tasks.rejects import settle_generate_rejects, write_rejects
 from tasks.sglang_client import BadRequest, Completion, SGLangClient, ServerOutage
 
 log = logging.getLogger("eagle3.generate")
@@ -39,6 +48,7 @@ class GenerateSettings:
     throughput_window_s: float = 120.0
     compact_min_parts: int = 64
     max_requeues: int = 2  # a request the server aborted on its own is sent again this often
+    retry_rejects: bool = False  # also send again prompts the server refused (400) in earlier runs
 
 
 @dataclass
@@ -114,9 +124,14 @@ async def generate_dataset(
     started = time.monotonic()
     if settings.max_prompts is not None:
         prompts = prompts[: settings.max_prompts]
-    before = summarize(responses_dir)
-    skip = done_ids(responses_dir) | done_ids(rejects_dir)
-    rejected_before = len(done_ids(rejects_dir))
+    try:  # every part is read before anything is sent: a damaged one stops the run here
+        before = summarize(responses_dir)
+        responded = done_ids(responses_dir)
+        standing = settle_generate_rejects(rejects_dir, responded, retry_refused=settings.retry_rejects)
+    except DamagedPart as exc:
+        raise exc.with_advice(quarantine_advice(exc.path, responses_dir.parent.parent)) from None
+    skip = responded | standing
+    rejected_before = sum(1 for p in prompts if p.id in standing)
     queue = deque(p for p in prompts if p.id not in skip)
     budget = TokenBudget(settings.token_budget, int(settings.sampling_params.get("max_new_tokens", 128)), spent=before.completion_tokens)
     budget.seed(before.lengths)
@@ -124,7 +139,7 @@ async def generate_dataset(
         "%s: %d prompts, %d already done (%d completion tokens), %d to go",
         settings.dataset, len(prompts), len(prompts) - len(queue), before.completion_tokens, len(queue),
     )
-    run = _Run(settings, client, tokenizer, budget, slots, source, logger)
+    run = _Run(settings, client, tokenizer, budget, slots, source, rejects_dir, logger)
     run.writer = ResponseWriter(
         responses_dir, flush_every=settings.flush_every, flush_interval_s=settings.flush_interval_s,
         compact_min_parts=settings.compact_min_parts,
@@ -135,7 +150,7 @@ async def generate_dataset(
     if queue and not budget.exhausted:
         info = await client.server_info()
         run.max_input = info.get("max_req_input_len")
-        timer = asyncio.create_task(run.writer.run_timer())
+        timer = asyncio.create_task(run.flush_on_time())
         reporter = asyncio.create_task(run.report_every(on_progress))
         try:
             await run.drain(queue)
@@ -143,6 +158,8 @@ async def generate_dataset(
             timer.cancel()
             reporter.cancel()
             await run.close()
+        if run.failure is not None:
+            raise run.failure
         if on_progress is not None:
             await on_progress(run.progress())
 
@@ -164,11 +181,26 @@ async def generate_dataset(
     )
 
 
+def quarantine_advice(part: Path, run_dir: Path) -> str:
+    """What to do about a damaged part: move it aside (never deleted for the user) and run again."""
+    try:
+        where = run_dir / "quarantine" / part.parent.relative_to(run_dir)
+    except ValueError:
+        where = run_dir / "quarantine"
+    held = "responses" if part.parent.parent.name == "responses" else "rejects"
+    return (
+        f"Nothing was sent. Parts are written whole (temp file, fsync, rename), so this one was damaged later "
+        f"(a disk fault, a partial copy, an edit). Move it aside: mkdir -p {where} && mv {part} {where}/ "
+        f"-- then run again: the prompts whose {held} it held are generated (or checked) again, exactly once"
+    )
+
+
 class _Run:
     """State of one generate_dataset call: in-flight requests, writer, rejects, counters."""
 
-    def __init__(self, settings, client, tokenizer, budget, slots, source, logger):
+    def __init__(self, settings, client, tokenizer, budget, slots, source, rejects_dir, logger):
         self.settings = settings
+        self.rejects_dir = Path(rejects_dir)
         self.log = logger
         self.client: SGLangClient = client
         self.tokenizer = tokenizer
@@ -182,6 +214,13 @@ class _Run:
         self.requeues: dict[str, int] = {}
         self.stopping = False  # budget reached: abort what runs, send nothing new
         self.failure: BaseException | None = None
+        self.cancelled: list[str] = []  # rids cancelled by a failure: aborted at the server in close()
+        self.write_broken = False  # a checkpoint write failed: stop writing, keep what is on disk
+        self.wake = asyncio.Event()  # set when a request ends or the run fails: the send loop looks again
+        # Clear while a checkpoint is being written: nothing new is sent until it is known to be on
+        # disk, so a failed write loses at most the flushed window plus what was in flight.
+        self.written = asyncio.Event()
+        self.written.set()
         self.aborted = 0
         self.recorded = 0
         self.done_before = 0
@@ -190,14 +229,15 @@ class _Run:
 
     async def drain(self, queue: deque[PromptRow]) -> None:
         """Send every queued prompt that the budget admits; return when nothing is left in flight."""
-        wake = asyncio.Event()
+        wake = self.wake
         while self.failure is None and not self.stopping:
             if queue and self.budget.can_admit():
                 row = queue.popleft()
                 ids = chat_prompt_ids(self.tokenizer, row.messages)
                 if self.max_input is not None and len(ids) >= self.max_input:
-                    self.reject(row, f"prompt is {len(ids)} tokens; the server accepts at most {self.max_input - 1} (max_req_input_len {self.max_input})")
+                    self.reject(row, f"prompt is {len(ids)} tokens; the server accepts at most {self.max_input - 1} (max_req_input_len {self.max_input})", "too_long")
                     continue
+                await self.written.wait()
                 await self.slots.acquire()  # may wait for other datasets: the budget may have moved meanwhile
                 if self.stopping or self.failure is not None or not self.budget.can_admit():
                     self.slots.release()
@@ -218,8 +258,6 @@ class _Run:
             await wake.wait()  # a request finished: the budget or the queue may have changed
         if self.in_flight:
             await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
-        if self.failure is not None:
-            raise self.failure
 
     async def one(self, row: PromptRow, ids: list[int], rid: str, queue: deque[PromptRow], wake: asyncio.Event) -> None:
         sent = time.monotonic()
@@ -227,7 +265,7 @@ class _Run:
             done = await self.client.generate(ids, self.settings.sampling_params, rid)
         except BadRequest as exc:
             self.budget.discard()
-            self.reject(row, f"server refused the prompt (HTTP {exc.status}): {exc.message}")
+            self.reject(row, f"server refused the prompt (HTTP {exc.status}): {exc.message}", "too_long" if exc.too_long else "refused")
             return
         except ServerOutage as exc:
             self.budget.discard()
@@ -256,7 +294,39 @@ class _Run:
         if self.budget.exhausted and not self.stopping:
             self.stopping = True
             await self.abort_in_flight()
-        await self.writer.maybe_flush()
+        await self.flush(due_only=True)
+
+    async def flush(self, *, due_only: bool) -> None:
+        """Write the buffered responses (when due); a failed write stops the whole run at once."""
+        if self.write_broken or (due_only and not self.writer.due()):
+            return
+        self.written.clear()
+        try:
+            await self.writer.flush()
+        except OSError as exc:
+            self.write_broken = True  # nothing more is written: the parts on disk stay as they are
+            self.fail(self.write_failed(self.writer.directory, exc))
+        except Exception as exc:  # not the disk: still stop cleanly rather than lose an exception in a task
+            self.write_broken = True
+            self.fail(exc)
+        finally:
+            self.written.set()
+
+    def write_failed(self, path: Path, exc: OSError) -> WriteFailed:
+        lost = self.writer.pending + len(self.in_flight)
+        return WriteFailed(
+            path, exc,
+            kept=f"{self.done_before + self.recorded - self.writer.pending:,} responses of {self.settings.dataset} in "
+                 f"{self.writer.directory} (every part written is whole); {lost:,} answered or in-flight prompts "
+                 "could not be kept and are generated again on resume",
+            resume="free space there (or move run_dir to a bigger disk), then run the same command: it resumes exactly once",
+        )
+
+    async def flush_on_time(self) -> None:
+        """Flush on time even when no response arrives to trigger it (run as a background task)."""
+        while self.failure is None:
+            await asyncio.sleep(min(1.0, self.settings.flush_interval_s / 4))
+            await self.flush(due_only=True)
 
     def record(self, row: PromptRow, ids: list[int], done: Completion, latency: float) -> None:
         self.writer.add(
@@ -277,16 +347,21 @@ class _Run:
         self.budget.finish(done.completion_tokens)
         self.recorded += 1
 
-    def reject(self, row: PromptRow, reason: str) -> None:
-        self.log.warning("%s: prompt %s rejected: %s", self.settings.dataset, row.id, reason)
-        self.rejects.append(Reject(path=self.source, row=0, id=row.id, reason=reason, raw=json.dumps(row.messages, ensure_ascii=False)))
+    def reject(self, row: PromptRow, reason: str, cause: str) -> None:
+        self.log.warning("%s: prompt %s rejected (%s): %s", self.settings.dataset, row.id, cause, reason)
+        raw = json.dumps(row.messages, ensure_ascii=False)
+        self.rejects.append(Reject(path=self.source, row=0, id=row.id, reason=reason, raw=raw, cause=cause))
 
     def fail(self, exc: BaseException) -> None:
+        """Stop the run: the first failure is the one raised; in-flight requests are cancelled (and aborted in close)."""
         if self.failure is None:
             self.failure = exc
+            self.wake.set()
+            self.log.error("%s: stopping: %s", self.settings.dataset, exc)
             current = asyncio.current_task()
-            for task in self.in_flight.values():
+            for rid, task in self.in_flight.items():
                 if task is not current:
+                    self.cancelled.append(rid)
                     task.cancel()
 
     async def abort_in_flight(self) -> None:
@@ -297,16 +372,29 @@ class _Run:
             await asyncio.gather(*(self.client.abort(rid) for rid in rids))
 
     async def close(self) -> None:
-        """Flush what arrived and record the rejects, also when the run failed or was cancelled."""
+        """Flush what arrived and record the rejects, also when the run failed or was cancelled.
+
+        Never raises over the first failure: a write that fails here becomes `failure` if there
+        was none (the caller raises it).
+        """
+        rids = self.cancelled + list(self.in_flight)
         if self.in_flight:  # cancelled (Ctrl-C, Prefect cancellation): free the GPUs, then forget them
-            rids, tasks = list(self.in_flight), list(self.in_flight.values())
+            tasks = list(self.in_flight.values())
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        if rids:  # a closed connection makes SGLang abort too; the explicit abort does not depend on it
             await asyncio.wait_for(asyncio.gather(*(self.client.abort(rid) for rid in rids)), 10)
-        await self.writer.flush()
+        await self.flush(due_only=False)
         if self.rejects:
-            await asyncio.to_thread(write_rejects, self.rejects, self.writer.directory.parent.parent / "rejects" / self.settings.dataset, "generate")
+            try:
+                await asyncio.to_thread(write_rejects, self.rejects, self.rejects_dir, "generate")
+            except OSError as exc:
+                if self.failure is None:
+                    self.failure = WriteFailed(
+                        self.rejects_dir, exc, kept=f"every response part of {self.settings.dataset}",
+                        resume=f"free space, then run again: the {len(self.rejects)} prompts rejected in this run are checked again",
+                    )
 
     def progress(self) -> Progress:
         now = time.monotonic()

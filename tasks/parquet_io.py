@@ -15,8 +15,9 @@ import os
 import re
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -60,7 +61,7 @@ def write_parquet_atomic(
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
@@ -76,9 +77,45 @@ def list_parts(directory: Path, prefix: str = "part") -> list[Path]:
     return [p for _, p in sorted(_numbered_parts(Path(directory), prefix))]
 
 
+class DamagedPart(Exception):
+    """A part on disk that cannot be read: names the file, what is wrong, and what to do."""
+
+    def __init__(self, path: Path | str, problem: str, advice: str = ""):
+        self.path = Path(path)
+        self.problem = problem
+        self.advice = advice
+        super().__init__(f"{self.path} is damaged ({problem})" + (f". {advice}" if advice else ""))
+
+    def __reduce__(self):  # Prefect pickles task exceptions
+        return (DamagedPart, (str(self.path), self.problem, self.advice))
+
+    def with_advice(self, advice: str) -> DamagedPart:
+        """The same damage, with what to do in the reader's terms."""
+        return DamagedPart(self.path, self.problem, advice)
+
+
+@contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """pyarrow's verdict that `path` is not a readable Parquet file becomes DamagedPart naming it.
+
+    Errors of the OS itself (a missing file: a compaction may have just replaced it; permission;
+    I/O) pass through unchanged.
+    """
+    try:
+        yield
+    except (pa.ArrowException, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, pa.ArrowException):
+            raise  # the OS refused the read (missing, permission, I/O): that error names the file itself
+        path = Path(path)
+        size = path.stat().st_size if path.exists() else 0
+        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise DamagedPart(path, f"{size:,} bytes, not a readable Parquet file: {first}") from None
+
+
 def read_metadata(path: Path) -> dict[str, str]:
-    """The schema metadata of a Parquet file, read from the footer only (no row data)."""
-    raw = pq.read_schema(path).metadata or {}
+    """The schema metadata of a Parquet file, read from the footer only (no row data); DamagedPart if unreadable."""
+    with reading(path):
+        raw = pq.read_schema(path).metadata or {}
     return {
         k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
         for k, v in raw.items()
@@ -122,8 +159,8 @@ def _numbered_parts(directory: Path, prefix: str) -> list[tuple[int, Path]]:
     return found
 
 
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable. Some platforms/filesystems cannot open a directory.
+def fsync_dir(directory: Path) -> None:
+    """Make renames in `directory` durable (best effort: some filesystems cannot open a directory)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

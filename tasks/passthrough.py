@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from tasks.datasets import load_dataset, write_rejects
+from tasks.datasets import load_dataset
 from tasks.parquet_io import list_parts, read_metadata, write_parquet_atomic
+from tasks.rejects import replace_stage_rejects
 
 PASSTHROUGH_SCHEMA = pa.schema(
     [
@@ -53,7 +54,7 @@ def copy_passthrough(name: str, source: Path, out_dir: Path, rejects_dir: Path, 
         ],
         schema=PASSTHROUGH_SCHEMA,
     )
-    write_rejects(loaded.rejects, rejects_dir, "load")
+    replace_stage_rejects(loaded.rejects, rejects_dir, "load")  # the latest load's bad rows, no older ones
     write_parquet_atomic(
         table,
         part,

@@ -104,8 +104,11 @@ def _acquire(run_dir: Path, purpose: str) -> int:
         os.close(fd)
         raise
     info = json.dumps(_holder_info(purpose)).encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, info, 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+    except OSError:  # a full disk: the lock holds all the same, only the holder's name is not shown
+        pass
     return fd
 
 
@@ -125,6 +128,8 @@ def _holder_info(purpose: str) -> dict[str, Any]:
         "purpose": purpose,
         "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+    if "prefect" not in sys.modules:  # not in a flow run (and importing Prefect only to learn that is slow)
+        return info
     try:  # inside a Prefect flow run: name it, that is what the UI shows
         from prefect.runtime import flow_run
 

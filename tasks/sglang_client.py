@@ -3,16 +3,28 @@
 Only token ids go over the wire: prompts are rendered with the target's chat template on our side
 and the server applies none, so the training text is exactly what the target generated.
 
-Errors split by what a retry can do:
-- `BadRequest` (HTTP 400/422, or another 4xx except 408/429): the request itself is wrong; never retried.
-- `ServerUnavailable`: connect errors, timeouts, 408, 429, 5xx; retried with exponential backoff and
-  jitter until the outage has lasted `RetryPolicy.outage_window_s`, then `ServerOutage` is raised so
-  the caller can fail cleanly (resumably) instead of spinning forever.
+A status code means what it says, on every endpoint:
+- `BadRequest` (HTTP 400, 413, 422): this request is wrong (e.g. a prompt over the context length);
+  never retried, the caller rejects the prompt.
+- `ServerRefused` (401/403 `AuthError`, 404/405 `WrongEndpoint`, any other 4xx): the run itself
+  is misconfigured (a rotated key, a URL that is not SGLang's native API). Nothing is retried and
+  nothing is rejected: the caller stops and the user fixes the cause.
+- `ServerUnavailable`: connect errors, timeouts, 408, 429, 5xx, and replies that fail the checks
+  of `check_reply` (`InvalidReply`: a server that answers 200 with impossible content is faulty,
+  not the prompt); retried with exponential backoff and jitter until the outage has lasted
+  `RetryPolicy.outage_window_s`, then `ServerOutage` is raised so the caller can fail cleanly
+  (resumably) instead of spinning forever.
+
+A reply is parsed and checked before anyone records it: output_ids a list of token ids,
+completion_tokens == len(output_ids) >= 1 (unless aborted), prompt_tokens == the ids sent,
+at most max_new_tokens, a known finish reason, a matched stop id at the end, and a body size cap.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -21,6 +33,13 @@ from typing import Any
 import httpx
 
 RETRYABLE_STATUS = {408, 429}
+PROMPT_STATUS = {400, 413, 422}  # the request (prompt) is at fault
+AUTH_STATUS = {401, 403}
+ENDPOINT_STATUS = {404, 405}
+FINISH_REASONS = ("stop", "length", "abort")
+MAX_REPLY_BYTES = 64 * 2**20  # a /generate reply of 16k tokens is ~0.2 MiB; more is a faulty server
+
+log = logging.getLogger("eagle3.sglang")
 
 
 class SGLangError(Exception):
@@ -35,9 +54,41 @@ class BadRequest(SGLangError):
         self.message = message
         super().__init__(f"HTTP {status}: {message}")
 
+    @property
+    def too_long(self) -> bool:
+        """The prompt exceeds the server's context: a bigger context later may take it."""
+        text = self.message.lower()
+        return "context length" in text or "longer than" in text or "max_req_input_len" in text
+
+
+class ServerRefused(SGLangError):
+    """The server refuses the run itself (credentials, wrong URL): stop, reject nothing, retry nothing."""
+
+    def __init__(self, status: int, url: str, message: str, hint: str):
+        self.status = status
+        self.url = url
+        self.message = message
+        super().__init__(f"HTTP {status} from {url}: {message}. {hint} Nothing was rejected: run again once fixed.")
+
+
+class AuthError(ServerRefused):
+    """401/403: the API key is missing, wrong or rotated."""
+
+
+class WrongEndpoint(ServerRefused):
+    """404/405: server.url does not point at SGLang's native API."""
+
 
 class ServerUnavailable(SGLangError):
     """One attempt failed in a way that may succeed later (connection, timeout, 429, 5xx)."""
+
+
+class InvalidReply(ServerUnavailable):
+    """A 200 whose content cannot be true (counts, ids, finish reason, size): a server fault, retried."""
+
+    def __init__(self, kind: str, detail: str):
+        self.kind = kind  # a short, stable name of the check that failed (for counting)
+        super().__init__(f"invalid reply ({kind}): {detail}")
 
 
 class ServerOutage(SGLangError):
@@ -74,35 +125,86 @@ class Completion:
     finish_detail: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_response(cls, body: dict[str, Any]) -> Completion:
-        """Parse one element of a /generate response; ValueError if it lacks SGLang's fields."""
-        try:
-            meta = body["meta_info"]
-            finish = meta.get("finish_reason") or {}
-            if isinstance(finish, str):  # older servers sent a bare string
-                finish = {"type": finish}
-            return cls(
-                rid=str(meta["id"]),
-                text=body.get("text", ""),
-                output_ids=[int(t) for t in body["output_ids"]],
-                prompt_tokens=int(meta["prompt_tokens"]),
-                completion_tokens=int(meta["completion_tokens"]),
-                cached_tokens=int(meta.get("cached_tokens") or 0),
-                reasoning_tokens=int(meta.get("reasoning_tokens") or 0),
-                e2e_latency=float(meta.get("e2e_latency") or 0.0),
-                finish_reason=str(finish.get("type", "unknown")),
-                finish_detail=dict(finish),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"not an SGLang /generate response ({exc!r}): {str(body)[:300]}") from None
+    def from_response(cls, body: Any) -> Completion:
+        """Parse one element of a /generate response; InvalidReply if it lacks SGLang's fields or types."""
+        if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+            raise InvalidReply("shape", f"not an SGLang /generate response: {str(body)[:300]}")
+        meta = body["meta_info"]
+        finish = meta.get("finish_reason")
+        if isinstance(finish, str):  # older servers sent a bare string
+            finish = {"type": finish}
+        if not isinstance(finish, dict) or finish.get("type") not in FINISH_REASONS:
+            raise InvalidReply("finish_reason", f"finish_reason must be one of {FINISH_REASONS}, got {finish!r}")
+        output_ids = body.get("output_ids")
+        if not isinstance(output_ids, list) or not all(type(t) is int and t >= 0 for t in output_ids):
+            raise InvalidReply("output_ids", f"output_ids must be a list of non-negative ints, got {str(output_ids)[:200]}")
+        text = body.get("text", "")
+        if not isinstance(text, str):
+            raise InvalidReply("text", f"text must be a string, got {type(text).__name__}")
+        return cls(
+            rid=str(meta.get("id", "")),
+            text=text,
+            output_ids=output_ids,
+            prompt_tokens=_count(meta, "prompt_tokens", required=True),
+            completion_tokens=_count(meta, "completion_tokens", required=True),
+            cached_tokens=_count(meta, "cached_tokens"),
+            reasoning_tokens=_count(meta, "reasoning_tokens"),
+            e2e_latency=_seconds(meta.get("e2e_latency")),
+            finish_reason=finish["type"],
+            finish_detail=dict(finish),
+        )
+
+
+def _count(meta: dict[str, Any], key: str, *, required: bool = False) -> int:
+    value = meta.get(key)
+    if value is None and not required:
+        return 0
+    if type(value) is not int or value < 0:
+        raise InvalidReply(key, f"meta_info.{key} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _seconds(value: Any) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidReply("e2e_latency", f"meta_info.e2e_latency must be a number, got {value!r}")
+    return float(value)
+
+
+def check_reply(done: Completion, input_ids: list[int], sampling_params: dict[str, Any], vocab_size: int | None) -> None:
+    """InvalidReply unless the answer is possible for what was sent (the checks a recorded reply passed)."""
+    if done.prompt_tokens != len(input_ids):
+        raise InvalidReply("prompt_tokens", f"prompt_tokens {done.prompt_tokens} for a prompt of {len(input_ids)} ids")
+    if done.finish_reason == "abort":
+        return  # an aborted request is never recorded: its partial counts only feed the budget's waste
+    n = len(done.output_ids)
+    if done.completion_tokens != n:
+        raise InvalidReply("completion_tokens", f"completion_tokens {done.completion_tokens} with {n} output_ids")
+    if n < 1:
+        raise InvalidReply("empty", f"finish_reason {done.finish_reason} with no output_ids")
+    limit = sampling_params.get("max_new_tokens")
+    if isinstance(limit, int) and n > limit:
+        raise InvalidReply("too_many_tokens", f"{n} output_ids but max_new_tokens is {limit}")
+    if vocab_size is not None and max(done.output_ids) >= vocab_size:
+        raise InvalidReply("token_id", f"output id {max(done.output_ids)} is outside the vocabulary of {vocab_size}")
+    matched = done.finish_detail.get("matched")
+    if done.finish_reason == "stop" and type(matched) is int and done.output_ids[-1] != matched:
+        # we send no_stop_trim: the matched stop id must be the last output id
+        raise InvalidReply("stop_token", f"finish matched stop id {matched} but the last output id is {done.output_ids[-1]}")
 
 
 def error_message(response: httpx.Response) -> str:
-    """The message of an SGLang error body (either of its two shapes), else the raw text."""
+    """The message of an SGLang error response (either of its two body shapes), else the raw text."""
+    return body_message(response.content, response.reason_phrase)
+
+
+def body_message(content: bytes, reason_phrase: str = "") -> str:
+    """The message of an SGLang error body, else its raw text (or the reason phrase when empty)."""
     try:
-        body = response.json()
+        body = json.loads(content)
     except ValueError:
-        return response.text.strip()[:500] or response.reason_phrase
+        return content.decode("utf-8", "replace").strip()[:500] or reason_phrase
     if isinstance(body, dict):
         if isinstance(body.get("error"), dict) and "message" in body["error"]:
             return str(body["error"]["message"])
@@ -114,7 +216,12 @@ def error_message(response: httpx.Response) -> str:
 
 
 class SGLangClient:
-    """One connection pool to one SGLang server (or router). Use as an async context manager."""
+    """One connection pool to one SGLang server (or router). Use as an async context manager.
+
+    `auth_hint` finishes the message of an AuthError (e.g. which setting holds the key);
+    `vocab_size` lets replies be checked against the target's vocabulary; `logger` gets one
+    warning per kind of invalid reply (then they are only counted, in `invalid_replies`).
+    """
 
     def __init__(
         self,
@@ -125,9 +232,18 @@ class SGLangClient:
         api_key: str | None = None,
         max_connections: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
+        auth_hint: str = "Check the API key the server expects.",
+        vocab_size: int | None = None,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
+        logger: logging.Logger | logging.LoggerAdapter = log,
     ):
         self.base_url = base_url.rstrip("/")
         self.retry = retry or RetryPolicy()
+        self.auth_hint = auth_hint
+        self.vocab_size = vocab_size
+        self.max_reply_bytes = max_reply_bytes
+        self.log = logger
+        self.invalid_replies: dict[str, int] = {}  # kind -> count
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
@@ -147,12 +263,17 @@ class SGLangClient:
         await self._http.aclose()
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> Completion:
-        """Generate for one prompt of token ids, retrying what can succeed on retry."""
+        """Generate for one prompt of token ids, retrying what can succeed on retry; the reply is checked."""
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid}
-        data = await self._with_retries("POST", "/generate", json=body, rid=rid)
-        if isinstance(data, list):  # a server may wrap a single request in a list
-            data = data[0]
-        return Completion.from_response(data)
+
+        def parse(data: Any) -> Completion:
+            if isinstance(data, list) and len(data) == 1:  # a server may wrap a single request in a list
+                data = data[0]
+            done = Completion.from_response(data)
+            check_reply(done, input_ids, sampling_params, self.vocab_size)
+            return done
+
+        return await self._with_retries("POST", "/generate", json=body, rid=rid, parse=parse)
 
     async def abort(self, rid: str) -> None:
         """Ask the server to stop `rid`; its pending /generate then returns finish_reason abort."""
@@ -162,7 +283,12 @@ class SGLangClient:
             pass  # best effort: an unreachable server is not generating for us either
 
     async def server_info(self) -> dict[str, Any]:
-        return await self._with_retries("GET", "/server_info")
+        """/server_info, or /get_server_info (older servers, routers) when the first is not there."""
+        try:
+            info = await self._with_retries("GET", "/server_info")
+        except WrongEndpoint:
+            info = await self._with_retries("GET", "/get_server_info")
+        return info if isinstance(info, dict) else {}
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Poll /health_generate until it answers 200; ServerOutage after `timeout_s`."""
@@ -174,6 +300,8 @@ class SGLangClient:
                 response = await self._http.get("/health_generate", timeout=min(60.0, timeout_s))
                 if response.status_code == 200:
                     return
+                # a wrong key or URL will not heal by waiting
+                self._raise_refused(response.status_code, error_message(response), "/health_generate")
                 last = f"HTTP {response.status_code}: {error_message(response)}"
             except httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}: {exc}"
@@ -185,13 +313,16 @@ class SGLangClient:
             await asyncio.sleep(min(self.retry.delay(attempt), max(0.0, deadline - time.monotonic())))
             attempt += 1
 
-    async def _with_retries(self, method: str, path: str, *, rid: str | None = None, **kw: Any) -> Any:
+    async def _with_retries(self, method: str, path: str, *, rid: str | None = None, parse: Any = None, **kw: Any) -> Any:
         started = time.monotonic()
         attempt = 0
         while True:
             try:
-                return await self._once(method, path, **kw)
+                data = await self._once(method, path, **kw)
+                return parse(data) if parse is not None else data
             except ServerUnavailable as exc:
+                if isinstance(exc, InvalidReply):
+                    self._count_invalid(exc, path)
                 if isinstance(exc.__cause__, httpx.TimeoutException) and rid is not None:
                     await self.abort(rid)  # do not leave the timed-out request running on the GPUs
                 elapsed = time.monotonic() - started
@@ -203,17 +334,47 @@ class SGLangClient:
                 await asyncio.sleep(min(self.retry.delay(attempt), self.retry.outage_window_s - elapsed))
                 attempt += 1
 
+    def _count_invalid(self, exc: InvalidReply, path: str) -> None:
+        seen = self.invalid_replies.get(exc.kind, 0)
+        self.invalid_replies[exc.kind] = seen + 1
+        if not seen:  # once per kind: a lying server must not flood the log
+            self.log.warning("%s%s sent an %s; not recorded, retried (further ones of this kind are only counted)",
+                             self.base_url, path, exc)
+
+    def _raise_refused(self, status: int, message: str, path: str) -> None:
+        url = f"{self.base_url}{path}"
+        if status in AUTH_STATUS:
+            raise AuthError(status, url, message, f"The server refused our credentials: {self.auth_hint}")
+        if status in ENDPOINT_STATUS:
+            raise WrongEndpoint(status, url, message,
+                                "server.url must be the base URL of SGLang's native API (e.g. http://host:30000, no path).")
+        if 400 <= status < 500 and status not in PROMPT_STATUS and status not in RETRYABLE_STATUS:
+            raise ServerRefused(status, url, message, "This status says the run, not one prompt, is refused.")
+
     async def _once(self, method: str, path: str, **kw: Any) -> Any:
         try:
-            response = await self._http.request(method, path, **kw)
+            async with self._http.stream(method, path, **kw) as response:
+                status, reason = response.status_code, response.reason_phrase
+                body = await self._read_capped(response)
         except (httpx.TransportError, httpx.TimeoutException) as exc:
             raise ServerUnavailable(f"{type(exc).__name__}: {exc or 'no detail'}") from exc
-        status = response.status_code
         if status == 200:
             try:
-                return response.json()
+                return json.loads(body)
             except ValueError as exc:
-                raise ServerUnavailable(f"unparseable 200 body: {response.text[:200]!r}") from exc
+                raise InvalidReply("json", f"unparseable 200 body: {body[:200]!r}") from exc
+        message = body_message(body, reason)
         if status in RETRYABLE_STATUS or status >= 500:
-            raise ServerUnavailable(f"HTTP {status}: {error_message(response)}")
-        raise BadRequest(status, error_message(response))
+            raise ServerUnavailable(f"HTTP {status}: {message}")
+        self._raise_refused(status, message, path)
+        raise BadRequest(status, message)
+
+    async def _read_capped(self, response: httpx.Response) -> bytes:
+        """The body, or InvalidReply once it passes max_reply_bytes (a runaway server cannot fill our memory)."""
+        chunks, size = [], 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > self.max_reply_bytes:
+                raise InvalidReply("size", f"reply larger than {self.max_reply_bytes:,} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)

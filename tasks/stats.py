@@ -2,8 +2,12 @@
 
 `collect_stats` never reads a response row: every figure comes from the summary that
 `tasks.checkpoints.write_part` puts in each part's footer (rows, token sums, finish reasons, the
-completion length of every response, first and last `finished_at`), and the rejects count from the
-Parquet footer's row count. That is what keeps `eagle3 stats` well under a second on a run with
+completion length of every response, first and last `finished_at`), and the rejects, by cause, from
+the counts in each rejects part's footer (tasks.rejects).
+
+A dataset with a damaged part (one that is not a readable Parquet file) is reported as damaged,
+with the file and what is wrong, and the other datasets are reported as usual: `eagle3 stats` is
+safe to run on any run directory, also while a run writes it. That is what keeps `eagle3 stats` well under a second on a run with
 hundreds of thousands of responses, where parsing the same responses as JSONL takes many seconds.
 
 Percentiles use the nearest-rank method (see `nearest_rank`): the reported p50/p95 is always a
@@ -28,7 +32,8 @@ import pyarrow.parquet as pq
 from rich.table import Table
 
 from tasks.checkpoints import META, PartSummary
-from tasks.parquet_io import list_parts
+from tasks.parquet_io import DamagedPart, list_parts, reading
+from tasks.rejects import reject_counts
 
 RESPONSES = "responses"
 REJECTS = "rejects"
@@ -55,6 +60,8 @@ class DatasetStats:
     # Every response's completion length, ascending (an int64 array from collect_stats), kept so
     # that totals over datasets can take percentiles; not part of stats_rows.
     lengths: Sequence[int] = field(default_factory=list, repr=False, compare=False)
+    reject_causes: dict[str, int] = field(default_factory=dict)  # rejects by cause (tasks.rejects.CAUSES)
+    damaged: str | None = None  # "<file> is damaged (...)": the figures above then count nothing
 
 
 def nearest_rank(sorted_values: Sequence[Any], p: float) -> Any:
@@ -96,8 +103,14 @@ def total_stats(stats: Sequence[DatasetStats]) -> DatasetStats:
             )
         )
     lengths = _sorted([np.asarray(s.lengths, dtype=np.int64) for s in stats])
+    causes: dict[str, int] = {}
+    for s in stats:
+        for cause, n in s.reject_causes.items():
+            causes[cause] = causes.get(cause, 0) + n
+    damaged = [s.dataset for s in stats if s.damaged]
     return _from_summary(
-        "TOTAL", summary, lengths, rejects=sum(s.rejects for s in stats), parts=sum(s.parts for s in stats)
+        "TOTAL", summary, lengths, rejects=causes, parts=sum(s.parts for s in stats),
+        damaged=f"damaged: {', '.join(damaged)}" if damaged else None,
     )
 
 
@@ -105,6 +118,7 @@ STATS_COLUMNS = (
     "dataset",
     "responses",
     "rejects",
+    "reject_causes",
     "completion_tokens",
     "prompt_tokens",
     "mean_length",
@@ -114,6 +128,7 @@ STATS_COLUMNS = (
     "tokens_per_s",
     "wall_s",
     "parts",
+    "damaged",
 )
 
 
@@ -139,6 +154,7 @@ def render_stats_table(stats: Sequence[DatasetStats]) -> Table:
         ("tok/s", "right"),
         ("wall", "right"),
         ("parts", "right"),
+        ("reject causes", "left"),
     ):
         table.add_column(header, justify=justify, no_wrap=True)
     rows = list(stats)
@@ -157,9 +173,14 @@ def render_stats_table(stats: Sequence[DatasetStats]) -> Table:
             "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}",
             "-" if s.wall_s is None else _duration(s.wall_s),
             f"{s.parts:,}",
-            style="bold" if is_total else None,
+            " ".join(f"{k}={v:,}" for k, v in s.reject_causes.items()) or "-",
+            style="bold red" if s.damaged else "bold" if is_total else None,
             end_section=i == len(rows) - 1,
         )
+    damaged = [s.damaged for s in rows if s.damaged]
+    if damaged:
+        table.caption = "DAMAGED (figures of these datasets are not shown):\n" + "\n".join(damaged)
+        table.caption_style = "red"
     return table
 
 
@@ -173,6 +194,15 @@ def _dataset_names(directory: Path) -> set[str]:
 
 
 def _dataset_stats(run_dir: Path, name: str) -> DatasetStats:
+    try:
+        return _read_dataset_stats(run_dir, name)
+    except DamagedPart as exc:
+        empty = _from_summary(name, PartSummary(), _sorted([]), rejects={}, parts=0)
+        empty.damaged = str(exc)
+        return empty
+
+
+def _read_dataset_stats(run_dir: Path, name: str) -> DatasetStats:
     # One footer read per part: the `replaces` lists and the summaries come from the same read
     # (checkpoints.summarize would read every footer twice).
     footers = {part: _footer(part) for part in list_parts(run_dir / RESPONSES / name)}
@@ -190,21 +220,21 @@ def _dataset_stats(run_dir: Path, name: str) -> DatasetStats:
         try:
             part_summary, part_lengths = _part_summary(meta)
         except (KeyError, ValueError, TypeError) as e:
-            raise ValueError(
-                f"{part}: footer has no valid eagle3 summary ({e!r}); response parts must be written"
-                " by tasks.checkpoints.write_part"
+            raise DamagedPart(
+                part, f"its footer has no valid eagle3 summary ({e!r}); response parts are written by eagle3 only"
             ) from None
         summary.add(part_summary)
         lengths.append(part_lengths)
         live += 1
-    rejects = sum(pq.read_metadata(p).num_rows for p in list_parts(run_dir / REJECTS / name))
+    rejects = reject_counts(run_dir / REJECTS / name)
     return _from_summary(name, summary, _sorted(lengths), rejects=rejects, parts=live)
 
 
 def _footer(part: Path) -> dict[str, str]:
     # The Parquet key-value metadata as stored: unlike pq.read_schema this does not decode the
     # embedded Arrow schema, which repeats all of it.
-    raw = pq.read_metadata(part).metadata or {}
+    with reading(part):
+        raw = pq.read_metadata(part).metadata or {}
     return {k.decode(): v.decode() for k, v in raw.items() if k.startswith(META.encode())}
 
 
@@ -233,7 +263,7 @@ def _sorted(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def _from_summary(
-    name: str, summary: PartSummary, lengths: np.ndarray, *, rejects: int, parts: int
+    name: str, summary: PartSummary, lengths: np.ndarray, *, rejects: dict[str, int], parts: int, damaged: str | None = None
 ) -> DatasetStats:
     first, last = summary.first_finished_at, summary.last_finished_at
     wall = last - first if first is not None and last is not None else None
@@ -241,7 +271,7 @@ def _from_summary(
     return DatasetStats(
         dataset=name,
         responses=summary.rows,
-        rejects=rejects,
+        rejects=sum(rejects.values()),
         completion_tokens=summary.completion_tokens,
         prompt_tokens=summary.prompt_tokens,
         mean_length=summary.completion_tokens / summary.rows if summary.rows else None,
@@ -254,6 +284,8 @@ def _from_summary(
         first_finished_at=first,
         last_finished_at=last,
         lengths=lengths,
+        reject_causes=dict(sorted(rejects.items())),
+        damaged=damaged,
     )
 
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -92,16 +93,16 @@ def _prefect(args: list[str], env: dict[str, str], timeout: float = 300) -> str:
     return proc.stdout
 
 
-@pytest.mark.e2e
-def test_pipeline_deployment_runs_on_a_real_prefect_server(tmp_path, tiny_target_dir):
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """`prefect server start` on loopback, the two pools, and every deployment of prefect.yaml."""
+    home = tmp_path_factory.mktemp("prefect")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
+    env.update(PREFECT_HOME=str(home / "prefect-home"), PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
                PREFECT_SERVER_ANALYTICS_ENABLED="false", EAGLE3_HOME=str(REPO), PREFECT_WORKER_QUERY_SECONDS="2",
                PREFECT_WORKER_PREFETCH_SECONDS="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO))
-    config = _config(tmp_path, tiny_target_dir)
-    server = _start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, tmp_path / "server.log")
-    worker = None
+    server = _start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, home / "server.log")
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -110,30 +111,49 @@ def test_pipeline_deployment_runs_on_a_real_prefect_server(tmp_path, tiny_target
                     break
             except httpx.HTTPError:
                 pass
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert server.poll() is None, (home / "server.log").read_text()[-3000:]
             time.sleep(0.5)  # polling a server that has no other readiness signal
         else:
-            pytest.fail("prefect server did not come up:\n" + (tmp_path / "server.log").read_text()[-3000:])
+            pytest.fail("prefect server did not come up:\n" + (home / "server.log").read_text()[-3000:])
 
         for pool in ("eagle3-cpu", "eagle3-gpu"):
             _prefect(["work-pool", "create", pool, "--type", "process"], env)
         deployed = _prefect(["--no-prompt", "deploy", "--all"], env)
         for name in ("pipeline/demo", "pipeline/run", "generate/generate", "capture/capture", "train/train", "eval/eval"):
             assert name in deployed, deployed[-3000:]
-        worker = _start([PREFECT, "worker", "start", "--pool", "eagle3-cpu", "--type", "process"], env, tmp_path / "worker.log")
+        yield env
+    finally:
+        _stop(server)
 
-        started = _prefect(["deployment", "run", "pipeline/demo", "--param", f"config_path={config}",
-                            "--param", "stages=generate,records,capture,train,eval"], env)
-        found = re.search(r"UUID:\s*([0-9a-f-]{36})", started)
-        assert found, started
-        flow_run_id = found.group(1)
-        state = ""
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while time.monotonic() < deadline:
-            state = httpx.get(f"http://127.0.0.1:{port}/api/flow_runs/{flow_run_id}", timeout=30).json()["state"]["type"]
-            if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-                break
-            time.sleep(2)  # polling the API for a state change
+
+def _run_deployment(env: dict[str, str], name: str, *params: str) -> str:
+    """Start a deployment run; its flow run id."""
+    args = [arg for p in params for arg in ("--param", p)]
+    started = _prefect(["deployment", "run", name, *args], env)
+    found = re.search(r"UUID:\s*([0-9a-f-]{36})", started)
+    assert found, started
+    return found.group(1)
+
+
+def _wait_final(env: dict[str, str], flow_run_id: str, timeout_s: float = RUN_TIMEOUT_S) -> str:
+    state = ""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = httpx.get(f"{env['PREFECT_API_URL']}/flow_runs/{flow_run_id}", timeout=30).json()["state"]["type"]
+        if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            break
+        time.sleep(2)  # polling the API for a state change
+    return state
+
+
+@pytest.mark.e2e
+def test_pipeline_deployment_runs_on_a_real_prefect_server(prefect_server, tmp_path, tiny_target_dir):
+    env = prefect_server
+    config = _config(tmp_path, tiny_target_dir)
+    worker = _start([PREFECT, "worker", "start", "--pool", "eagle3-cpu", "--type", "process"], env, tmp_path / "worker.log")
+    try:
+        flow_run_id = _run_deployment(env, "pipeline/demo", f"config_path={config}", "stages=generate,records,capture,train,eval")
+        state = _wait_final(env, flow_run_id)
         assert state == "COMPLETED", f"flow run {state}:\n{(tmp_path / 'worker.log').read_text()[-6000:]}"
 
         check = subprocess.run([sys.executable, "-c", CLIENT_CHECK, flow_run_id], env=env, cwd=REPO,
@@ -141,9 +161,7 @@ def test_pipeline_deployment_runs_on_a_real_prefect_server(tmp_path, tiny_target
         assert check.returncode == 0, check.stderr[-3000:]
         seen = json.loads(check.stdout.strip().splitlines()[-1])
     finally:
-        if worker is not None:
-            _stop(worker)
-        _stop(server)
+        _stop(worker)
 
     assert seen["state"] == "COMPLETED" and seen["deployment"] == "demo" and seen["pool"] == "eagle3-cpu"
     assert seen["name"] == "pipeline e2e [generate,records,capture,train,eval]"
@@ -155,3 +173,67 @@ def test_pipeline_deployment_runs_on_a_real_prefect_server(tmp_path, tiny_target
         assert key in seen["keys"], seen["keys"]
     report = json.loads((tmp_path / "run" / "draft" / "eval.json").read_text())
     assert report["trained"]["rounds"] > 0 and (tmp_path / "run" / "draft" / "final" / "model.safetensors").is_file()
+
+
+MARK_CRASHED = r"""
+import asyncio, sys
+from prefect.client.orchestration import get_client
+from prefect.states import Crashed
+
+async def main(flow_run_id):
+    async with get_client() as client:  # what the UI's Change state -> Crashed does
+        await client.set_flow_run_state(flow_run_id, Crashed(message="worker killed"), force=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.e2e
+def test_a_killed_worker_leaves_nothing_a_rerun_does_not_finish_exactly_once(prefect_server, tmp_path, tiny_target_dir):
+    from deploy.sim_server import SimServer
+    from tasks.checkpoints import live_parts
+    from tasks.run_lock import read_holder
+
+    env = prefect_server
+    prompts = tmp_path / "prompts.jsonl"
+    n = 120
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}"}) + "\n" for i in range(n)))
+    run_dir = tmp_path / "run"
+    with SimServer(max_running=4, decode_s_per_token=0.01, mean_len=30, vocab_size=2048, eos_token_id=1) as sim:
+        config = tmp_path / "killed.yaml"
+        config.write_text(yaml.safe_dump({
+            "run_dir": str(run_dir), "target": {"path": str(tiny_target_dir)},
+            "server": {"url": sim.url, "max_concurrency": 4},
+            "sampling": {"max_new_tokens": 48, "temperature": 0.8},
+            "generate": {"flush_every": 4, "retries": 0},
+            "datasets": [{"name": "B1", "kind": "generate", "path": str(prompts)}],
+        }))
+        worker = _start([PREFECT, "worker", "start", "--pool", "eagle3-cpu", "--type", "process"], env, tmp_path / "worker1.log")
+        first = _run_deployment(env, "generate/generate", f"config_path={config}")
+        deadline = time.monotonic() + 300
+        while len(live_parts(run_dir / "responses/B1")) < 3:  # mid-run: some parts written, most prompts to go
+            assert time.monotonic() < deadline, (tmp_path / "worker1.log").read_text()[-4000:]
+            time.sleep(0.2)  # polling the run directory, the only signal a killed process leaves
+        holder = read_holder(run_dir)["pid"]  # the flow-run process that writes the run dir
+        os.killpg(worker.pid, signal.SIGKILL)  # the worker, as the OOM killer or a reboot would
+        try:
+            os.kill(holder, signal.SIGKILL)  # and its flow process, should it be in a session of its own
+        except ProcessLookupError:
+            pass
+        worker.wait()
+        assert httpx.get(f"{env['PREFECT_API_URL']}/flow_runs/{first}", timeout=30).json()["state"]["type"] == "RUNNING"
+        kept = len({r["id"] for p in live_parts(run_dir / "responses/B1") for r in pq.read_table(p, columns=["id"]).to_pylist()})
+        assert 0 < kept < n
+
+        # docs/operations.md section 5: mark the stuck run Crashed, start a worker, run the deployment again
+        marked = subprocess.run([sys.executable, "-c", MARK_CRASHED, first], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert marked.returncode == 0, marked.stderr[-3000:]
+        worker = _start([PREFECT, "worker", "start", "--pool", "eagle3-cpu", "--type", "process"], env, tmp_path / "worker2.log")
+        try:
+            second = _run_deployment(env, "generate/generate", f"config_path={config}")
+            state = _wait_final(env, second)
+            assert state == "COMPLETED", f"rerun {state}:\n{(tmp_path / 'worker2.log').read_text()[-6000:]}"
+        finally:
+            _stop(worker)
+    ids = [r["id"] for p in live_parts(run_dir / "responses/B1") for r in pq.read_table(p, columns=["id"]).to_pylist()]
+    assert len(ids) == len(set(ids)) == n  # every prompt exactly once across the kill

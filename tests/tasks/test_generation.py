@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import httpx
 import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
@@ -327,3 +328,166 @@ def test_cancellation_aborts_in_flight_requests_and_keeps_what_finished(tmp_path
         assert stats.aborted >= 1
     kept = responses(tmp_path)
     assert len(kept) >= 5 and len({r["id"] for r in kept}) == len(kept)
+
+
+# -- faults that must stop the run, and rejects that must come back (issue 11) --------------------
+
+
+def test_a_401_mid_run_stops_without_rejecting_anything_and_a_rerun_finishes(server, tmp_path, tokenizer):
+    from tasks.sglang_client import AuthError
+
+    rows = prompts(30)
+
+    async def go():
+        async with SGLangClient(server.url, retry=RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=10)) as client:
+            async def rotate_key():
+                await asyncio.to_thread(server.wait_for, lambda s: s.completed >= 8, 20)
+                server.fail_next(10_000, status=401, message="Invalid API key")
+            rotator = asyncio.create_task(rotate_key())
+            try:
+                return await generate_dataset(
+                    rows, client=client, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
+                    rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(), slots=asyncio.Semaphore(2),
+                )
+            finally:
+                await rotator
+
+    with pytest.raises(AuthError, match="HTTP 401 .*Invalid API key.*Nothing was rejected"):
+        asyncio.run(go())
+    assert not (tmp_path / "rejects/B1").exists() or not live_parts(tmp_path / "rejects/B1")
+    refused = server.snapshot().injected_errors
+    assert 1 <= refused <= 2  # the first 401 stopped the run: at most the other in-flight slot also got one
+    kept = {r["id"] for r in responses(tmp_path)}
+    assert len(kept) >= 8
+
+    server.clear_faults()
+    report = run(server, rows, tmp_path, tokenizer=tokenizer)
+    assert sorted(r["id"] for r in responses(tmp_path)) == sorted(r.id for r in rows)
+    assert report.new_responses == 30 - len(kept) and report.rejects == 0
+
+
+class LyingTransport(httpx.AsyncHTTPTransport):
+    """Forwards to the real (simulated) server, then rewrites the first `n` /generate replies with `lie`."""
+
+    def __init__(self, n: int, lie):
+        super().__init__()
+        self.left, self.lie = n, lie
+
+    async def handle_async_request(self, request):
+        response = await super().handle_async_request(request)
+        if request.url.path != "/generate" or self.left <= 0 or response.status_code != 200:
+            return response
+        self.left -= 1
+        body = json.loads(await response.aread())
+        self.lie(body)
+        return httpx.Response(200, json=body)
+
+
+def test_replies_with_impossible_counts_are_never_recorded(server, tmp_path, tokenizer):
+    def lie(body):
+        body["meta_info"]["completion_tokens"] = -5 if body["meta_info"]["completion_tokens"] % 2 else 1000
+
+    rows = prompts(20)
+
+    async def go():
+        transport = LyingTransport(6, lie)
+        retry = RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=30)
+        async with SGLangClient(server.url, retry=retry, transport=transport) as client:
+            report = await generate_dataset(
+                rows, client=client, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
+                rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(), slots=asyncio.Semaphore(4),
+            )
+            return report, client.invalid_replies
+
+    report, invalid = asyncio.run(go())
+    assert invalid == {"completion_tokens": 6}
+    got = responses(tmp_path)
+    assert sorted(r["id"] for r in got) == sorted(r.id for r in rows) and report.rejects == 0
+    assert all(r["completion_tokens"] == len(r["output_ids"]) > 0 for r in got)
+    assert report.completion_tokens == sum(len(r["output_ids"]) for r in got)
+
+
+def test_a_failed_checkpoint_write_stops_the_run_at_once_and_a_rerun_finishes(server, tmp_path, tokenizer, monkeypatch):
+    import errno
+
+    from models.write_failure import WriteFailed
+    from tasks import checkpoints
+
+    rows = prompts(60)
+    real_write = checkpoints.write_part
+    written = []
+
+    def write_part(directory, table, **kw):
+        if len(written) >= 2:  # the disk fills after two parts
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(table.num_rows)
+        return real_write(directory, table, **kw)
+
+    monkeypatch.setattr(checkpoints, "write_part", write_part)
+    with pytest.raises(WriteFailed) as caught:
+        run(server, rows, tmp_path, tokenizer=tokenizer, slots=4, flush_every=5, flush_interval_s=30)
+    served = server.snapshot().completed
+    text = str(caught.value)
+    assert f"cannot write {tmp_path / 'responses/B1'}: disk full:" in text and "bytes free on" in text
+    assert "kept: 10 responses of B1" in text and "to resume: free space" in text
+    assert len(responses(tmp_path)) == 10 and written == [5, 5]  # both parts whole and readable
+    # the stop is immediate: lost = the unflushed window (5) + what was in flight (4), nothing sent after
+    assert served - 10 <= 5 + 4
+
+    monkeypatch.setattr(checkpoints, "write_part", real_write)
+    run(server, rows, tmp_path, tokenizer=tokenizer)
+    ids = [r["id"] for r in responses(tmp_path)]
+    assert sorted(ids) == sorted(r.id for r in rows)  # every prompt exactly once
+
+
+def test_a_damaged_part_stops_generate_before_sending_and_names_the_file(server, tmp_path, tokenizer):
+    from tasks.parquet_io import DamagedPart
+
+    rows = prompts(20)
+    run(server, rows[:10], tmp_path, tokenizer=tokenizer, flush_every=5)
+    part = live_parts(tmp_path / "responses/B1")[0]
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])  # a partial copy
+    sent = server.snapshot().requests
+    with pytest.raises(DamagedPart) as caught:
+        run(server, rows, tmp_path, tokenizer=tokenizer)
+    assert server.snapshot().requests == sent  # nothing was sent
+    text = str(caught.value)
+    assert str(part) in text and "not a readable Parquet file" in text and "Nothing was sent" in text
+    quarantine = tmp_path / "quarantine/responses/B1"
+    assert f"mkdir -p {quarantine} && mv {part} {quarantine}/" in text
+
+    quarantine.mkdir(parents=True)
+    part.rename(quarantine / part.name)
+    run(server, rows, tmp_path, tokenizer=tokenizer)
+    ids = [r["id"] for r in responses(tmp_path)]
+    assert sorted(ids) == sorted(r.id for r in rows)  # the quarantined part's prompts again, once
+
+
+def test_too_long_rejects_come_back_when_the_context_grows(tmp_path, tokenizer):
+    rows = prompts(6) + [PromptRow(id="long", messages=[{"role": "user", "content": "word " * 400}])]
+    small = dict(max_running=4, decode_s_per_token=0.0005, mean_len=10, vocab_size=2048, eos_token_id=EOS)
+    params = {**SAMPLING, "max_new_tokens": 16}
+    with SimServer(context_length=200, **small) as srv:
+        first = run(srv, rows, tmp_path, tokenizer=tokenizer, sampling_params=params)
+        again = run(srv, rows, tmp_path, tokenizer=tokenizer, sampling_params=params)
+    assert first.new_rejects == 1 and again.new_rejects == 1 and again.new_responses == 0
+    (reject,) = [r for p in live_parts(tmp_path / "rejects/B1") for r in pq.read_table(p).to_pylist()]
+    assert reject["id"] == "long" and reject["cause"] == "too_long"  # checked again, still one reject
+    with SimServer(context_length=4096, **small) as srv:
+        grown = run(srv, rows, tmp_path, tokenizer=tokenizer, sampling_params=params)
+    assert grown.new_responses == 1 and grown.rejects == 0
+    assert sorted(r["id"] for r in responses(tmp_path)) == sorted(r.id for r in rows)
+    assert not live_parts(tmp_path / "rejects/B1")
+
+
+def test_server_refusals_stay_skipped_unless_retry_rejects(server, tmp_path, tokenizer):
+    rows = prompts(10)
+    poisoned = chat_prompt_ids(tokenizer, rows[3].messages)
+    server.reject_if(lambda ids: "unsupported content" if ids == poisoned else None)
+    run(server, rows, tmp_path, tokenizer=tokenizer)
+    server.reject_if(None)
+    assert run(server, rows, tmp_path, tokenizer=tokenizer).new_responses == 0  # skipped: it would fail again
+    report = run(server, rows, tmp_path, tokenizer=tokenizer, retry_rejects=True)
+    assert report.new_responses == 1 and report.rejects == 0
+    assert sorted(r["id"] for r in responses(tmp_path)) == sorted(r.id for r in rows)
+    assert not live_parts(tmp_path / "rejects/B1")

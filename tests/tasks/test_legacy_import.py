@@ -1,15 +1,22 @@
+import errno
 import json
 import logging
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from models.write_failure import WriteFailed
 from tasks.checkpoints import PartSummary, done_ids
 from tasks.datasets import DatasetError, load_dataset, stable_id
 from tasks.legacy_import import ImportReport, import_jsonl
-from tasks.parquet_io import list_parts, read_metadata
+from tasks.parquet_io import DamagedPart, list_parts, read_metadata
 from tasks.prompts import chat_prompt_ids
+from tasks.run_lock import RunDirLocked
 from tasks.stats import collect_stats
 
 
@@ -234,11 +241,11 @@ def test_bad_line_names_file_and_line(tmp_path):
         import_jsonl(tmp_path / "run", "B1", file, tokenizer=None)
     assert str(err.value).startswith(f"{file} line 2: 'output_ids' must be a list of token ids, got string")
     assert err.value.row == 2
-    # The good line before it is kept; fixing the file and re-running adds the rest once.
-    assert [r["id"] for r in read_rows(tmp_path / "run")] == ["glaive-1"]
+    # Nothing of the file is imported, not even the good line before it; the fixed file goes in whole.
+    assert read_rows(tmp_path / "run") == []
     write_lines(file, FLAT)
     report = import_jsonl(tmp_path / "run", "B1", file, tokenizer=None)
-    assert (report.imported, report.skipped_existing) == (2, 1)
+    assert (report.imported, report.skipped_existing) == (3, 0)
 
     garbage = tmp_path / "garbage.jsonl"
     garbage.write_text(json.dumps(FLAT[0]) + "\nnot json\n" + json.dumps(FLAT[1]) + "\n")
@@ -328,3 +335,192 @@ def test_stats_of_an_imported_run_match_the_source_jsonl(tmp_path, tok):
     assert stats.parts == 4
     # first 1000.0 (flat), last: the file's mtime for the line without a timestamp
     assert stats.first_finished_at == 1000.0 and stats.last_finished_at == file.stat().st_mtime
+
+
+# --- all or nothing, resume, lock, write failures, damaged parts ------------------------------
+
+
+def flat_rows(n, start=0):
+    """`n` distinct flat lines with ids r<start>.. (3 prompt ids, 4 output ids each)."""
+    return [
+        {"id": f"r{i}", "prompt_ids": [2, 10 + i % 50, 3], "output_ids": [20, 21, 22, 1], "finish_reason": "stop"}
+        for i in range(start, start + n)
+    ]
+
+
+def entries(directory):
+    """Every name in `directory`, hidden temporary files included."""
+    return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+
+
+def test_a_bad_line_anywhere_imports_nothing_of_the_file(tmp_path):
+    run = tmp_path / "run"
+    earlier = import_jsonl(run, "B1", write_lines(tmp_path / "earlier.jsonl", flat_rows(2, start=100)), tokenizer=None)
+    before = entries(run / "responses" / "B1")
+    assert before == [p.name for p in earlier.parts] and len(before) == 1
+
+    # Five good lines, staged as five parts (flush_every=1), before the bad line 6.
+    lines = [*flat_rows(5), {"id": "bad", "prompt_ids": [1], "output_ids": [1, "x"]}, *flat_rows(3, start=5)]
+    file = write_lines(tmp_path / "raw.jsonl", lines)
+    with pytest.raises(DatasetError, match=r"raw\.jsonl line 6: 'output_ids\[1\]' must be a non-negative int32"):
+        import_jsonl(run, "B1", file, tokenizer=None, flush_every=1)
+    assert entries(run / "responses" / "B1") == before  # no part, no staged temp file left
+    assert {r["id"] for r in read_rows(run)} == {"r100", "r101"}
+
+    # Skip: the other eight go in, the bad line is a reject of stage "import".
+    report = import_jsonl(run, "B1", file, tokenizer=None, flush_every=3, on_bad_line="skip")
+    assert (report.lines, report.imported, report.bad_lines, len(report.parts)) == (9, 8, 1, 3)
+    check_counts(report)
+    rejects = pq.read_table(report.rejects_part).to_pylist()
+    assert [(r["row"], r["id"], r["stage"]) for r in rejects] == [(6, "bad", "import")]
+
+    # The line fixed: only it is added, and every id is there exactly once.
+    lines[5] = {"id": "bad", "prompt_ids": [1], "output_ids": [1, 2]}
+    write_lines(file, lines)
+    fixed = import_jsonl(run, "B1", file, tokenizer=None)
+    assert (fixed.imported, fixed.skipped_existing) == (1, 8)
+    ids = [r["id"] for r in read_rows(run)]
+    assert sorted(ids) == sorted(["r100", "r101", "bad", *(f"r{i}" for i in range(8))])
+    assert len(ids) == len(set(ids)) == 11
+    assert [s.rejects for s in collect_stats(run)] == [0]  # the fixed line is no longer listed as bad
+
+
+def test_parts_are_cut_by_tokens_too(tmp_path):
+    # 7 ids a row: a budget of 14 ids makes parts of 2 rows however large flush_every is.
+    report = import_jsonl(tmp_path / "run", "B1", write_lines(tmp_path / "raw.jsonl", flat_rows(5)),
+                          tokenizer=None, flush_tokens=14)
+    assert [pq.read_metadata(p).num_rows for p in report.parts] == [2, 2, 1]
+    assert [r["id"] for r in read_rows(tmp_path / "run")] == [f"r{i}" for i in range(5)]
+
+
+def fail_writes_after(monkeypatch, n, error):
+    """Make the import's part writer succeed `n` times, then raise `error`."""
+    import tasks.legacy_import as legacy
+
+    real, calls = legacy.write_parquet_atomic, []
+
+    def write(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) > n:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(legacy, "write_parquet_atomic", write)
+    return calls
+
+
+def test_disk_full_while_staging_keeps_the_run_as_it_was(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    import_jsonl(run, "B1", write_lines(tmp_path / "earlier.jsonl", flat_rows(2, start=100)), tokenizer=None)
+    before = entries(run / "responses" / "B1")
+    file = write_lines(tmp_path / "raw.jsonl", flat_rows(6))
+    calls = fail_writes_after(monkeypatch, 1, OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(WriteFailed) as failed:
+        import_jsonl(run, "B1", file, tokenizer=None, flush_every=2)
+    message = str(failed.value)
+    assert len(calls) == 2  # stopped at the first failed write, did not go on to the third part
+    assert message.startswith(f"cannot write {run / 'responses' / 'B1'}: disk full: ")
+    assert f"kept: nothing of {file} was imported" in message and "to resume: " in message
+    assert entries(run / "responses" / "B1") == before  # the staged first part is gone too
+    assert {r["id"] for r in read_rows(run)} == {"r100", "r101"}  # earlier parts readable
+
+    monkeypatch.undo()
+    report = import_jsonl(run, "B1", file, tokenizer=None, flush_every=2)
+    assert (report.imported, report.skipped_existing) == (6, 0)
+    assert sorted(r["id"] for r in read_rows(run)) == sorted(["r100", "r101", *(f"r{i}" for i in range(6))])
+
+
+def test_kill_while_committing_resumes_exactly_once(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    file = write_lines(tmp_path / "raw.jsonl", flat_rows(6))
+    real, renames = os.replace, []
+
+    def replace(src, dst):
+        renames.append(Path(dst).name)
+        if len(renames) == 5:  # 3 staged writes, the first commit rename, then "killed"
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        import_jsonl(run, "B1", file, tokenizer=None, flush_every=2)
+    monkeypatch.undo()
+    assert renames[3:] == ["part-000000.parquet", "part-000001.parquet"]
+    assert [r["id"] for r in read_rows(run)] == ["r0", "r1"]  # one whole part in place
+    # A real kill -9 would also leave the unrenamed staged parts: the rerun must not count them.
+    (run / "responses" / "B1" / ".import-999-deadbeef.tmp").write_bytes(b"PAR1 half a part")
+
+    report = import_jsonl(run, "B1", file, tokenizer=None, flush_every=2)
+    assert (report.imported, report.skipped_existing) == (4, 2)
+    ids = [r["id"] for r in read_rows(run)]
+    assert sorted(ids) == [f"r{i}" for i in range(6)] and len(ids) == 6
+    assert entries(run / "responses" / "B1") == ["part-000000.parquet", "part-000001.parquet", "part-000002.parquet"]
+
+
+def test_rename_failure_names_what_is_in_place(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    file = write_lines(tmp_path / "raw.jsonl", flat_rows(6))
+    real, renames = os.replace, []
+
+    def replace(src, dst):
+        renames.append(dst)
+        if len(renames) == 5:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(WriteFailed) as failed:
+        import_jsonl(run, "B1", file, tokenizer=None, flush_every=2)
+    monkeypatch.undo()
+    assert str(failed.value).startswith(f"cannot write {run / 'responses' / 'B1' / 'part-000001.parquet'}: I/O error")
+    assert "kept: 1 of the 3 part(s) of" in str(failed.value)
+    assert entries(run / "responses" / "B1") == ["part-000000.parquet"]
+    assert import_jsonl(run, "B1", file, tokenizer=None).imported == 4
+    assert sorted(r["id"] for r in read_rows(run)) == [f"r{i}" for i in range(6)]
+
+
+def test_a_damaged_part_is_named(tmp_path):
+    run = tmp_path / "run"
+    file = write_lines(tmp_path / "raw.jsonl", flat_rows(4))
+    report = import_jsonl(run, "B1", file, tokenizer=None, flush_every=2)
+    damaged = report.parts[1]
+    damaged.write_bytes(damaged.read_bytes()[:100])  # truncated, as a full disk or a copy cut short leaves it
+    with pytest.raises(DamagedPart) as err:
+        import_jsonl(run, "B1", file, tokenizer=None)
+    where = run / "quarantine" / "responses" / "B1"
+    assert str(err.value).startswith(f"{damaged} is damaged (100 bytes, not a readable Parquet file: ")
+    assert f"Nothing was imported. Move it aside: mkdir -p {where} && mv {damaged} {where}/ -- then" in str(err.value)
+    assert "\n" not in str(err.value)
+    assert entries(run / "responses" / "B1") == ["part-000000.parquet", "part-000001.parquet"]
+
+    # Moved away as told: its two responses are imported again, the others are not repeated.
+    damaged.rename(tmp_path / damaged.name)
+    again = import_jsonl(run, "B1", file, tokenizer=None)
+    assert (again.imported, again.skipped_existing) == (2, 2)
+    assert sorted(r["id"] for r in read_rows(run)) == ["r0", "r1", "r2", "r3"]
+
+
+def test_a_second_writer_is_refused(tmp_path):
+    run = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from tasks.run_lock import run_lock\n"
+         f"with run_lock({str(run)!r}, 'generate B1'):\n    print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirLocked, match=rf"in use by another writer: pid {holder.pid} on .*writing generate B1"):
+            import_jsonl(run, "B1", write_lines(tmp_path / "raw.jsonl", flat_rows(2)), tokenizer=None)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert entries(run / "responses" / "B1") == []
+    assert import_jsonl(run, "B1", tmp_path / "raw.jsonl", tokenizer=None).imported == 2  # free again
+
+
+def test_run_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "run").write_text("not a directory")
+    with pytest.raises(DatasetError, match="run: is not a directory"):
+        import_jsonl(tmp_path / "run", "B1", write_lines(tmp_path / "raw.jsonl", FLAT), tokenizer=None)
+    with pytest.raises(ValueError, match="cannot be a directory name"):
+        import_jsonl(tmp_path / "run2", "../B1", tmp_path / "raw.jsonl", tokenizer=None)

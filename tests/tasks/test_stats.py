@@ -1,8 +1,10 @@
 import io
 import json
 import math
+import os
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -11,7 +13,8 @@ import pytest
 from rich.console import Console
 
 from tasks.checkpoints import RESPONSE_SCHEMA, responses_table, write_part
-from tasks.datasets import Reject, write_rejects
+from tasks.datasets import Reject
+from tasks.rejects import write_rejects
 from tasks.parquet_io import write_parquet_atomic
 from tasks.stats import (
     STATS_COLUMNS,
@@ -113,6 +116,7 @@ def test_collect_stats_figures(run_dir):
         parts=2,
         first_finished_at=100.0,
         last_finished_at=140.0,
+        reject_causes={"bad_row": 3},
     )
     assert list(b1.lengths) == [10, 20, 30, 40]
     assert (a2.responses, a2.completion_tokens, a2.parts, a2.wall_s, a2.tokens_per_s) == (2, 12, 1, 10.0, 1.2)
@@ -120,6 +124,7 @@ def test_collect_stats_figures(run_dir):
     assert c3 == DatasetStats(
         dataset="C3", responses=0, rejects=2, completion_tokens=0, prompt_tokens=0, mean_length=None,
         p50_length=None, p95_length=None, finish_reasons={}, tokens_per_s=None, wall_s=None, parts=0,
+        reject_causes={"bad_row": 2},
     )
     assert (d4.responses, d4.rejects, d4.parts) == (0, 0, 0)
 
@@ -148,11 +153,35 @@ def test_empty_or_missing_run_dir(tmp_path):
     assert stats_rows([], total=True)[0]["dataset"] == "TOTAL"
 
 
-def test_part_without_summary_names_the_part(tmp_path):
+def test_part_without_summary_is_reported_as_damaged(tmp_path):
     table = responses_table([_row(0, 3)])
     part = write_parquet_atomic(table, tmp_path / "responses" / "B1" / "part-000000.parquet")
-    with pytest.raises(ValueError, match=f"{part}: footer has no valid eagle3 summary"):
-        collect_stats(tmp_path)
+    (s,) = collect_stats(tmp_path)
+    assert s.damaged.startswith(f"{part} is damaged (its footer has no valid eagle3 summary")
+
+
+def test_a_damaged_dataset_is_named_and_the_others_still_counted(run_dir):
+    part = sorted((run_dir / "responses" / "B1").glob("part-*.parquet"))[1]
+    part.write_bytes(part.read_bytes()[:100])  # truncated: no footer
+    stats = {s.dataset: s for s in collect_stats(run_dir)}
+    assert stats["B1"].damaged.startswith(f"{part} is damaged (100 bytes, not a readable Parquet file")
+    assert stats["B1"].responses == 0 and stats["A2"].responses == 2 and stats["A2"].damaged is None
+    rows = {r["dataset"]: r for r in stats_rows(list(stats.values()), total=True)}
+    assert rows["TOTAL"]["damaged"] == "damaged: B1" and rows["A2"]["damaged"] is None
+    table = render_stats_table(list(stats.values()))
+    assert "DAMAGED" in table.caption and str(part) in table.caption
+
+
+def test_rejects_are_counted_by_cause(tmp_path):
+    from tasks.rejects import write_rejects as write
+
+    rejects = _rejects(3)
+    rejects[0].cause, rejects[1].cause = "too_long", "refused"
+    write(rejects[:2], tmp_path / "rejects" / "B1", "generate")
+    write(rejects[2:], tmp_path / "rejects" / "B1", "load")
+    (s,) = collect_stats(tmp_path)
+    assert (s.rejects, s.reject_causes) == (3, {"bad_row": 1, "refused": 1, "too_long": 1})
+    assert stats_rows([s], total=True)[-1]["reject_causes"] == {"bad_row": 1, "refused": 1, "too_long": 1}
 
 
 def test_stats_rows_are_json_ready(run_dir):
@@ -319,3 +348,21 @@ def test_stats_from_footers_is_50x_faster_than_parsing_jsonl(big_run):
     ratio = slow / fast
     print(f"\nstats from footers {fast * 1000:.1f} ms, JSONL parse {slow:.2f} s: {ratio:.0f}x")
     assert ratio >= 50, f"footers {fast:.3f} s vs JSONL {slow:.3f} s: only {ratio:.1f}x"
+
+
+def test_eagle3_stats_names_a_damaged_part_without_a_traceback(run_dir):
+    import subprocess
+    import sys
+
+    part = sorted((run_dir / "responses" / "B1").glob("part-*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[:-40])  # a truncated copy
+    exe = Path(sys.executable).parent / "eagle3"
+    done = subprocess.run([str(exe), "stats", str(run_dir)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "250"})
+    out = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 1 and "Traceback" not in out
+    assert f"{part} is damaged" in out and "A2" in out  # named; the other datasets still reported
+    as_json = subprocess.run([str(exe), "stats", str(run_dir), "--json"], capture_output=True, text=True, timeout=120)
+    report = json.loads(as_json.stdout)
+    assert as_json.returncode == 1 and report["damaged"][0].startswith(f"{part} is damaged")
+    assert {r["dataset"]: r["responses"] for r in report["responses"]}["A2"] == 2

@@ -1,0 +1,161 @@
+"""The SGLang client's status rules and reply checks, against an in-process HTTP transport."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tasks.sglang_client import (
+    AuthError,
+    BadRequest,
+    RetryPolicy,
+    ServerOutage,
+    ServerRefused,
+    SGLangClient,
+    WrongEndpoint,
+)
+
+PROMPT = [5, 6, 7]
+PARAMS = {"max_new_tokens": 8, "stop_token_ids": [1], "no_stop_trim": True}
+
+
+def reply(output_ids=(11, 12, 1), **meta) -> dict:
+    """A well-formed SGLang /generate reply for PROMPT; `meta` overrides meta_info fields."""
+    info = {"id": "r", "prompt_tokens": len(PROMPT), "completion_tokens": len(output_ids),
+            "finish_reason": {"type": "stop", "matched": 1}, "cached_tokens": 0, "e2e_latency": 0.1}
+    info.update(meta)
+    return {"text": "x", "output_ids": list(output_ids), "meta_info": info}
+
+
+class Script:
+    """Answers requests from a list of (status, body) in order, repeating the last; counts calls per path."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.calls[request.url.path] = self.calls.get(request.url.path, 0) + 1
+        status, body = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.Response(status, content=content, headers={"content-type": "application/json"})
+
+
+def client(script: Script, window: float = 0.3, **kw) -> SGLangClient:
+    retry = RetryPolicy(initial_s=0.001, max_s=0.01, outage_window_s=window)
+    return SGLangClient("http://sglang.test:30000", retry=retry, transport=httpx.MockTransport(script), **kw)
+
+
+def generate(script: Script, **kw):
+    async def go():
+        async with client(script, **kw) as c:
+            return await c.generate(PROMPT, PARAMS, "rid-1"), c
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("status, kind", [(401, AuthError), (403, AuthError), (404, WrongEndpoint), (405, WrongEndpoint), (409, ServerRefused)])
+def test_statuses_that_refuse_the_run_stop_at_once_without_retry(status, kind):
+    script = Script((status, {"error": {"message": "Invalid API key"}}))
+    with pytest.raises(kind) as caught:
+        generate(script, auth_hint="check $SGLANG_KEY (server.api_key_env)")
+    assert script.calls == {"/generate": 1}  # not retried
+    text = str(caught.value)
+    assert f"HTTP {status} from http://sglang.test:30000/generate: Invalid API key" in text
+    assert "Nothing was rejected" in text
+    if kind is AuthError:
+        assert "check $SGLANG_KEY (server.api_key_env)" in text
+    assert not isinstance(caught.value, BadRequest)
+
+
+def test_400_is_a_bad_prompt_and_says_whether_it_was_too_long():
+    long = Script((400, {"object": "error", "message": "The input (9000 tokens) is longer than the model's context length (8192 tokens).", "code": 400}))
+    with pytest.raises(BadRequest) as caught:
+        generate(long)
+    assert caught.value.too_long and long.calls == {"/generate": 1}
+    other = Script((400, {"error": {"message": "temperature must be non-negative"}}))
+    with pytest.raises(BadRequest) as caught:
+        generate(other)
+    assert not caught.value.too_long and caught.value.message == "temperature must be non-negative"
+
+
+def test_retryable_statuses_are_retried_until_an_answer():
+    script = Script((503, {"message": "queue full"}), (429, b"rate limited"), (408, b""), (500, b"boom"), (200, reply()))
+    done, _ = generate(script)
+    assert script.calls == {"/generate": 5} and done.output_ids == [11, 12, 1]
+
+
+@pytest.mark.parametrize(
+    "body, kind",
+    [
+        (reply(completion_tokens=-5), "completion_tokens"),
+        (reply(completion_tokens=1000), "completion_tokens"),
+        (reply(prompt_tokens=99), "prompt_tokens"),
+        (reply(output_ids=(11, "12", 1)), "output_ids"),
+        (reply(output_ids=(11, -2, 1)), "output_ids"),
+        (reply(output_ids=(), completion_tokens=0, finish_reason={"type": "length", "length": 0}), "empty"),
+        (reply(finish_reason=None), "finish_reason"),
+        (reply(finish_reason={"type": "done"}), "finish_reason"),
+        (reply(output_ids=tuple(range(20, 30))), "too_many_tokens"),
+        (reply(output_ids=(11, 12, 13)), "stop_token"),  # says stop matched 1, but 1 is not last
+        (reply(output_ids=(11, 5000, 1)), "token_id"),
+        ({"text": "x"}, "shape"),
+        (b"<html>proxy error</html>", "json"),
+        (reply(completion_tokens=True), "completion_tokens"),
+    ],
+)
+def test_impossible_replies_are_retried_never_returned_then_outage(body, kind):
+    script = Script((200, body))
+    with pytest.raises(ServerOutage) as caught:
+        generate(script, vocab_size=1000)
+    assert script.calls["/generate"] >= 2  # retried: a faulty server, not a bad prompt
+    assert f"invalid reply ({kind})" in str(caught.value)
+
+
+def test_a_lying_reply_is_counted_and_logged_once_then_the_good_one_is_returned(caplog):
+    bad = reply(completion_tokens=1000)
+    script = Script((200, bad), (200, bad), (200, bad), (200, reply()))
+    with caplog.at_level("WARNING", logger="eagle3.sglang"):
+        done, c = generate(script, window=30)
+    assert done.completion_tokens == 3 and c.invalid_replies == {"completion_tokens": 3}
+    assert sum("invalid reply (completion_tokens)" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_oversized_reply_is_cut_off_not_buffered():
+    script = Script((200, json.dumps(reply(), indent=4).encode() + b" " * 5000), (200, reply()))
+    done, c = generate(script, window=30, max_reply_bytes=4096)
+    assert c.invalid_replies == {"size": 1} and done.output_ids == [11, 12, 1]
+
+
+def test_an_aborted_reply_is_returned_without_the_count_checks():
+    body = reply(output_ids=(11,), completion_tokens=4, finish_reason={"type": "abort", "message": "aborted"})
+    done, _ = generate(Script((200, body)))
+    assert done.finish_reason == "abort" and done.completion_tokens == 4
+
+
+def test_health_wait_stops_at_once_on_a_refused_key_instead_of_waiting():
+    script = Script((401, {"detail": "Unauthorized"}))
+
+    async def go():
+        async with client(script) as c:
+            await c.wait_healthy(timeout_s=600)
+
+    with pytest.raises(AuthError, match="HTTP 401 from http://sglang.test:30000/health_generate: Unauthorized"):
+        asyncio.run(go())
+    assert script.calls == {"/health_generate": 1}
+
+
+def test_server_info_falls_back_to_get_server_info():
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info":
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return httpx.Response(200, json={"router_manager": True, "workers_count": 2})
+
+    async def go():
+        async with SGLangClient("http://r:1", transport=httpx.MockTransport(handler)) as c:
+            return await c.server_info()
+
+    assert asyncio.run(go()) == {"router_manager": True, "workers_count": 2}
