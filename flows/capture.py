@@ -8,29 +8,33 @@ from prefect import flow
 
 from flows.config import RunConfig, load_config, save_run_config
 from tasks.capture_plan import capture_layers, target_shape
-from tasks.capture_tasks import index_hidden_states, plan_capture_task, run_capture_job
+from tasks.capture_tasks import capture_retryable, index_hidden_states, plan_capture_task, run_capture_job
 from tasks.launch import cuda_available
+from tasks.run_lock import run_lock
 
 
 @flow(name="capture", flow_run_name="capture {config_path}")
 def capture(config_path: str) -> dict:
     """Stage 3: plan the disk, run the ranks, index the shards."""
     config = load_config(config_path)
-    save_run_config(config)
-    shape = target_shape(config.target.path, config.target.trust_remote_code)
-    records_dirs = [config.run_dir / "records" / d.name for d in config.datasets]
-    c = config.capture
-    plan = plan_capture_task(records_dirs, config.hidden_dir, shape, c.dtype, c.disk_margin, c.max_tokens)
-    aux_layers = capture_layers(shape.num_layers, c.aux_layers)
-    speed = 0.0
-    if plan.tokens_todo:
-        speed = run_capture_job(capture_job(config, aux_layers, plan.tokens_done), config.run_dir / "jobs" / "capture.json", c.num_gpus, c.launcher, Path(config_path).stem)
-    metadata = {"target": config.target.path, "hidden_size": shape.hidden_size, "num_layers": shape.num_layers, "aux_layers": aux_layers, "dtype": plan.dtype}
-    return index_hidden_states(config.hidden_dir, metadata, speed, Path(config_path).stem)
+    with run_lock(config.run_dir, "capture"):  # one writer per run directory
+        save_run_config(config)
+        shape = target_shape(config.target.path, config.target.trust_remote_code)
+        records_dirs = [config.run_dir / "records" / d.name for d in config.datasets]
+        c = config.capture
+        plan = plan_capture_task(records_dirs, config.hidden_dir, shape, c.dtype, c.disk_margin, c.max_tokens)
+        aux_layers = capture_layers(shape.num_layers, c.aux_layers)
+        speed = 0.0
+        if plan.tokens_todo:
+            # a crashed or killed rank is retried (the retry resumes); capture_retryable says which failures
+            capture_task = run_capture_job.with_options(retries=c.retries, retry_delay_seconds=c.retry_delay_s, retry_condition_fn=capture_retryable)
+            speed = capture_task(capture_job(config, aux_layers), config.run_dir / "jobs" / "capture.json", c.num_gpus, c.launcher, Path(config_path).stem, c.max_tokens)
+        metadata = {"target": config.target.path, "hidden_size": shape.hidden_size, "num_layers": shape.num_layers, "aux_layers": aux_layers, "dtype": plan.dtype}
+        return index_hidden_states(config.hidden_dir, metadata, speed, Path(config_path).stem)
 
 
-def capture_job(config: RunConfig, aux_layers: list[int], tokens_done: int) -> dict:
-    """The job description every rank reads (models/capture.py)."""
+def capture_job(config: RunConfig, aux_layers: list[int]) -> dict:
+    """The job description every rank reads (models/capture.py); the job task sets its max_tokens per attempt."""
     c = config.capture
     return {
         "target_path": config.target.path,
@@ -42,7 +46,7 @@ def capture_job(config: RunConfig, aux_layers: list[int], tokens_done: int) -> d
         "dtype": c.dtype,
         "max_batch_tokens": c.max_batch_tokens,
         "shard_tokens": c.shard_tokens,
-        "max_tokens": c.max_tokens - tokens_done if c.max_tokens else None,
+        "max_tokens": None,
         "offload": c.offload,
         "nvme_path": str(c.nvme_path) if c.nvme_path else None,
         "device": "cuda" if c.launcher == "deepspeed" or (c.launcher == "auto" and cuda_available()) else "cpu",

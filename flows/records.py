@@ -9,21 +9,23 @@ from prefect import flow
 from flows.config import RunConfig, load_config, save_run_config
 from tasks.records import RecordSettings
 from tasks.records_tasks import build_dataset_records, count_record_tokens, publish_records_report, target_vocab_size
+from tasks.run_lock import run_lock
 
 
 @flow(name="records", flow_run_name="records {config_path}")
 def records(config_path: str) -> list[dict]:
     """Stage 2: one task per dataset, then the token counts for the draft vocabulary and the report."""
     config = load_config(config_path)
-    save_run_config(config)
-    vocab_size = target_vocab_size(config.target.path, config.target.trust_remote_code)
-    settings = record_settings(config, vocab_size)
-    reports = [
-        build_dataset_records(d.name, d.kind, config.run_dir, config.target.path, config.target.trust_remote_code, settings)
-        for d in config.datasets
-    ]
-    tokens = count_record_tokens(config.run_dir, [d.name for d in config.datasets], vocab_size, config.train.draft_vocab_size)
-    return publish_records_report(reports, tokens, Path(config_path).stem)
+    with run_lock(config.run_dir, "records"):  # one writer per run directory
+        save_run_config(config)
+        vocab_size = target_vocab_size(config.target.path, config.target.trust_remote_code)
+        settings = record_settings(config, vocab_size)
+        reports = [
+            build_dataset_records(d.name, d.kind, config.run_dir, config.target.path, config.target.trust_remote_code, settings)
+            for d in config.datasets
+        ]
+        tokens = count_record_tokens(config.run_dir, [d.name for d in config.datasets], vocab_size, config.train.draft_vocab_size)
+        return publish_records_report(reports, tokens, Path(config_path).stem)
 
 
 def record_settings(config: RunConfig, vocab_size: int) -> RecordSettings:

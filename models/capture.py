@@ -29,8 +29,12 @@ False, which this module refuses; transformers 4.x Llama and DeepSeek-V3 remote 
 normed state last as well. tests/models/test_capture.py checks it against the final norm's output.
 
 Progress goes to stdout as `CAPTURE_PROGRESS rank=R done=a total=b tokens=t` (samples done / this
-rank's samples this run, tokens captured this run), at most every 2 s and at the end. Errors go to
-stderr with a traceback and exit status 1.
+rank's samples this run, tokens captured this run), at most every 2 s and at the end. A failure
+exits with status 1 after one line `CAPTURE_ERROR {json}` (`error_report`) that the pipeline turns
+back into the exception: a failed write (`WriteFailed`: the rank stops at once, every complete shard
+is kept) or a damaged file (`DamagedFile`) is told in that one line; anything else also gets its
+traceback on stderr. When one rank exits, the launcher (torchrun polls every 0.1 s, deepspeed every
+1 s) terminates the others, so no rank keeps computing what could not be kept.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ from typing import Any, Callable, Literal
 import numpy as np
 import torch
 
-from models.hidden_shards import ShardWriter, clean_temps, list_shards, shard_metadata, write_index
+from models.hidden_shards import DamagedFile, ShardWriter, clean_temps, list_shards, shard_metadata, write_index
+from models.write_failure import WriteFailed
 
 PROGRESS_EVERY_S = 2.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,6 +66,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # *Experts in transformers 5). Only the outermost match becomes a ZeRO-3 leaf: a leaf gathers
 # everything below it in one go.
 MOE_NAME_HINTS = ("moe", "sparsemoe", "experts")
+ERROR_MARK = "CAPTURE_ERROR"
+RECORDS_ADVICE = "Delete it and run the records stage again (it is rebuilt from its responses), then capture"
 
 
 @dataclass
@@ -176,8 +183,6 @@ def trimmed_length(loss_mask: np.ndarray) -> int:
 
 def load_records(datasets: list[DatasetRecords], vocab_size: int | None = None) -> tuple[list[Sample], list[RecordPart], int]:
     """Every record with at least one loss token, trimmed; also the parts and how many had none."""
-    import pyarrow.parquet as pq
-
     samples: list[Sample] = []
     parts: list[RecordPart] = []
     seen: dict[tuple[str, str], Path] = {}
@@ -187,7 +192,7 @@ def load_records(datasets: list[DatasetRecords], vocab_size: int | None = None) 
         if not records_dir.is_dir():
             raise FileNotFoundError(f"records of dataset {ds.name!r}: {records_dir} is not a directory")
         for path in sorted(records_dir.glob("part-*.parquet")):
-            table = pq.read_table(path, columns=["id", "input_ids", "loss_mask"])
+            table = _read_records_part(path)
             ids = table.column("id").to_pylist()
             input_ids, id_starts = _flat_lists(table.column("input_ids"), path, "input_ids")
             loss_mask, mask_starts = _flat_lists(table.column("loss_mask"), path, "loss_mask")
@@ -217,6 +222,26 @@ def load_records(datasets: list[DatasetRecords], vocab_size: int | None = None) 
                     continue
                 samples.append(Sample(ds.name, sample_id, part, start, n))
     return samples, parts, no_loss
+
+
+def _read_records_part(path: Path) -> Any:
+    """The id, input_ids and loss_mask columns of one records part; DamagedFile if it cannot be read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path, columns=["id", "input_ids", "loss_mask"])
+    except (pa.ArrowException, OSError) as e:
+        if isinstance(e, OSError) and e.errno is not None:  # the OS refused (permissions, I/O): not damage
+            raise
+        try:
+            size = f"{path.stat().st_size:,} bytes"
+        except OSError:
+            size = "size unknown"
+        text = (str(e).splitlines() or [type(e).__name__])[0]
+        if text.startswith("Could not open"):  # "Could not open Parquet input source '<path>': <what>"
+            text = text.split("': ", 1)[-1]
+        raise DamagedFile(path, f"{size}, not a readable Parquet file: {text}", RECORDS_ADVICE) from None
 
 
 def _flat_lists(column: Any, path: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -557,6 +582,21 @@ def _exit_with_launcher() -> None:
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
+def error_report(error: BaseException, rank: int) -> dict[str, Any]:
+    """What a failed rank tells the pipeline: enough to raise the same exception there (one JSON line)."""
+    report: dict[str, Any] = {"rank": rank, "type": type(error).__name__, "message": str(error)}
+    if isinstance(error, WriteFailed):
+        report.update(kind="write_failed", path=str(error.path), errno=error.errno,
+                      error=getattr(error.error, "strerror", None) or str(error.error), kept=error.kept, resume=error.resume)
+    elif isinstance(error, DamagedFile):
+        report.update(kind="damaged", path=str(error.path), problem=error.problem, advice=error.advice)
+    elif isinstance(error, (ValueError, FileNotFoundError)):
+        report.update(kind="invalid")  # bad job, records or settings: the same again on a retry
+    else:
+        report.update(kind="error")
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models.capture", description=__doc__.splitlines()[0])
     parser.add_argument("--job", required=True, help="path of the capture JOB.json")
@@ -572,8 +612,12 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher as a nonzero exit
         if isinstance(e, SystemExit) and not e.code:
             return 0
-        print(f"capture rank {dist.rank} failed: {e!r}", file=sys.stderr)
-        traceback.print_exc(file=sys.stderr)
+        # The report first: it is what the pipeline shows, and this rank may be killed any moment now.
+        print(f"{ERROR_MARK} {json.dumps(error_report(e, dist.rank))}", file=sys.stderr, flush=True)
+        print(f"capture rank {dist.rank} failed: {e}" if isinstance(e, (WriteFailed, DamagedFile))
+              else f"capture rank {dist.rank} failed: {e!r}", file=sys.stderr)
+        if not isinstance(e, (WriteFailed, DamagedFile)):  # the message says it all for these
+            traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         return 1
     finally:

@@ -15,7 +15,8 @@ sample: `samples` = JSON list of {"id", "dataset", "offset", "length"}, and `hid
 Shards are written to a temporary name starting with '.', fsynced and renamed into place, so a
 shard that exists is complete: a resumed capture trusts every `shard-*.safetensors` and skips the
 samples listed in them. Each rank writes only its own `shard-{rank:03d}-*` names, so ranks never
-race for a file name.
+race for a file name. A shard that cannot be read (truncated, overwritten) raises `DamagedShard`,
+which names it and says what to do; a shard that cannot be written raises `WriteFailed`.
 """
 
 from __future__ import annotations
@@ -28,14 +29,50 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from models.write_failure import WriteFailed
 
 FORMAT = "eagle3-hidden-v1"
 TENSORS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 INDEX_NAME = "index.parquet"
 _SHARD_RE = re.compile(r"^shard-(\d{3,})-(\d{6,})\.safetensors$")
 _TMP_PREFIX = ".shard-"
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust I/O errors carry the errno
+SHARD_ADVICE = "Delete it and run the capture stage again: its samples are captured again, every other shard is kept"
+RESUME = ("make room there (or give capture.out_dir a bigger disk), then run the capture stage again: "
+          "complete shards are kept and skipped")
+
+
+class DamagedFile(ValueError):
+    """A file of the run cannot be read: names it, what is wrong and what to do (as tasks.parquet_io.DamagedPart)."""
+
+    def __init__(self, path: str | Path, problem: str, advice: str):
+        self.path, self.problem, self.advice = Path(path), problem, advice
+        super().__init__(f"{path} is damaged ({problem}). {advice}")
+
+    def __reduce__(self):  # Prefect pickles task exceptions into results
+        return (type(self), (str(self.path), self.problem, self.advice))
+
+
+class DamagedShard(DamagedFile):
+    """A hidden-state shard that cannot be read (a complete shard is never partial: this is damage)."""
+
+    def __init__(self, path: str | Path, problem: str, advice: str = SHARD_ADVICE):
+        super().__init__(path, problem, advice)
+
+
+def _shard_problem(path: str | Path, error: BaseException) -> str:
+    """What is wrong with a shard, in words, from the safetensors or JSON error."""
+    try:
+        size = f"{os.path.getsize(path):,} bytes"
+    except OSError:
+        size = "size unknown"
+    text = str(error).removeprefix("Error while deserializing header: ")
+    if isinstance(error, SafetensorError):
+        return f"{size}, not a complete safetensors file: {text}"
+    return f"{size}, no valid sample list in its header: {type(error).__name__}: {text}"
 
 
 def shard_name(rank: int, seq: int) -> str:
@@ -65,8 +102,8 @@ def shard_metadata(path: str | Path) -> dict:
         meta["aux_layers"] = json.loads(raw["aux_layers"])
         meta["hidden_size"] = int(raw["hidden_size"])
         meta["num_tokens"] = int(raw.get("num_tokens", sum(s["length"] for s in meta["samples"])))
-    except Exception as e:  # a complete shard is never partial: this is damage, not a crash
-        raise ValueError(f"{path}: not a readable hidden-state shard: {e}") from e
+    except (SafetensorError, KeyError, TypeError, ValueError) as e:  # a complete shard is never partial
+        raise DamagedShard(path, _shard_problem(path, e)) from None
     return meta
 
 
@@ -86,9 +123,12 @@ def done_sample_keys(out_dir: str | Path) -> set[tuple[str, str]]:
 def read_sample(shard_path: str | Path, offset: int, length: int) -> dict[str, torch.Tensor]:
     """The rows [offset, offset+length) of every tensor in a shard, read through a memory map."""
     out = {}
-    with safe_open(str(shard_path), framework="pt") as f:
-        for name in TENSORS:
-            out[name] = f.get_slice(name)[offset : offset + length]
+    try:
+        with safe_open(str(shard_path), framework="pt") as f:
+            for name in TENSORS:
+                out[name] = f.get_slice(name)[offset : offset + length]
+    except SafetensorError as e:
+        raise DamagedShard(shard_path, _shard_problem(shard_path, e)) from None
     return out
 
 
@@ -119,12 +159,17 @@ def write_index(out_dir: str | Path) -> Path:
     ]))
     path = out_dir / INDEX_NAME
     tmp = out_dir / f".{INDEX_NAME}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "wb") as f:
-        pq.write_table(table, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(out_dir)
+    try:
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(out_dir)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise WriteFailed(path, e, kept=f"{len(list_shards(out_dir))} complete shards in {out_dir}; "
+                          "the index is rebuilt from their headers", resume=RESUME) from None
     return path
 
 
@@ -211,9 +256,17 @@ class ShardWriter:
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
             tmp.unlink(missing_ok=True)
-            raise
+            error = _as_os_error(e)
+            if error is None:
+                raise
+            # Stop at once: every shard on disk is complete; what this rank held is captured again.
+            raise WriteFailed(
+                path, error, resume=RESUME,
+                kept=f"{len(list_shards(self.out_dir))} complete shards in {self.out_dir}; the "
+                     f"{len(self._pending)} sample(s) ({offset:,} tokens) this shard would have held are captured again",
+            ) from None
         _fsync_dir(self.out_dir)
         self.next_seq += 1
         self.written.append(path)
@@ -229,6 +282,18 @@ class ShardWriter:
     def __exit__(self, exc_type, *exc: object) -> None:
         if exc_type is None:  # on an error, what is queued is not written: it is recaptured on resume
             self.close()
+
+
+def _as_os_error(error: BaseException) -> OSError | None:
+    """The OSError behind a failed shard write (safetensors reports it as text), or None if not one."""
+    if isinstance(error, OSError):
+        return error
+    if isinstance(error, SafetensorError):
+        found = _OS_ERROR.search(str(error))
+        if found:
+            code = int(found.group(1))
+            return OSError(code, os.strerror(code))
+    return None
 
 
 def _fsync_dir(directory: Path) -> None:

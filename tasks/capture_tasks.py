@@ -1,4 +1,9 @@
-"""Prefect tasks of the capture stage: plan the disk, run the DeepSpeed job, index the shards."""
+"""Prefect tasks of the capture stage: plan the disk, run the DeepSpeed job, index the shards.
+
+A failed rank reports its exception in one `CAPTURE_ERROR {json}` line (models/capture.py); the
+job task raises that exception again (`rank_error`), so a full disk or a damaged file reads as one
+line in `eagle3 run`, and `capture_retryable` tells Prefect to retry only a crashed or killed rank.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +11,25 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from models.hidden_shards import iter_shard_index, write_index
+from models.capture import ERROR_MARK
+from models.hidden_shards import RESUME, DamagedFile, DamagedShard, iter_shard_index, list_shards, write_index
+from models.write_failure import WriteFailed
 from tasks.capture_plan import CapturePlan, TargetShape, check_fits, human_bytes, plan_capture
 from tasks.generate_tasks import artifact_key
-from tasks.launch import rank_command, run_job
+from tasks.launch import RankFailure, rank_command, run_job
 
 PROGRESS = re.compile(r"CAPTURE_PROGRESS rank=(\d+) done=(\d+) total=(\d+) tokens=(\d+)")
 METADATA = "metadata.json"
+
+
+class CaptureRefused(ValueError):
+    """A capture rank refused its job (records, settings or existing shards): a retry would do the same."""
 
 
 def captured_tokens(out_dir: Path) -> int:
@@ -27,9 +38,70 @@ def captured_tokens(out_dir: Path) -> int:
 
 
 def last_throughput(out_dir: Path) -> float | None:
-    """Tokens/s of the previous capture into `out_dir`, if one finished."""
+    """Tokens/s of the previous capture into `out_dir`, if one finished; DamagedFile if its metadata is."""
     meta = out_dir / METADATA
-    return json.loads(meta.read_text()).get("tokens_per_s") if meta.is_file() else None
+    if not meta.is_file():
+        return None
+    try:
+        speed = json.loads(meta.read_text()).get("tokens_per_s")
+        return float(speed) if speed is not None else None
+    except (ValueError, AttributeError, TypeError) as e:  # not JSON, not an object, not a number
+        raise DamagedFile(meta, f"not the capture's metadata: {e}",
+                          "Ignored: it only times the next capture, which writes it again") from None
+
+
+def rank_error(reports: list[dict[str, Any]]) -> Exception | None:
+    """The exception a failed capture job stands for, from its ranks' CAPTURE_ERROR reports.
+
+    None when no rank said why (killed, crashed in C) or only unexpected errors were reported: the
+    launcher's RankFailure, with the output tail, then stands. A rank's failed write or damaged file
+    is the cause when its peers fail too (they lose their connection to it), so it wins.
+    """
+    order = {"write_failed": 0, "damaged": 1, "invalid": 2}
+    known = sorted((r for r in reports if r.get("kind") in order), key=lambda r: order[r["kind"]])
+    if not known:
+        return None
+    r = known[0]
+    if r["kind"] == "write_failed":
+        cause = OSError(r["errno"], r["error"]) if r.get("errno") is not None else OSError(r["error"])
+        return WriteFailed(r["path"], cause, kept=r["kept"], resume=r["resume"])
+    if r["kind"] == "damaged":
+        cls = DamagedShard if r["type"] == "DamagedShard" else DamagedFile
+        return cls(r["path"], r["problem"], r["advice"])
+    return CaptureRefused(f"capture rank {r['rank']}: {r['message']}")
+
+
+def run_ranks(command: list[str], env: dict[str, str], on_line: Callable[[str], None]) -> None:
+    """`run_job` for capture ranks: when a rank reported why it failed, raise that (`rank_error`)."""
+    reports: list[dict[str, Any]] = []
+
+    def watch(line: str) -> None:
+        at = line.find(f"{ERROR_MARK} {{")
+        if at >= 0:
+            try:
+                reports.append(json.loads(line[at + len(ERROR_MARK):]))
+            except ValueError:
+                pass  # a line cut by a dying process: the output tail still tells
+        on_line(line)
+
+    try:
+        run_job(command, env=env, on_line=watch)
+    except RankFailure:
+        error = rank_error(reports)
+        if error is None:
+            raise
+        raise error from None  # one line: the rank's traceback, if it printed one, is in the flow-run log
+
+
+def capture_retryable(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect retry condition of the capture job: retry a crashed or killed rank, nothing a retry repeats.
+
+    A failed write, a damaged file or a refused job (CaptureRefused) fails the same way again, so
+    they fail at once; a rank that died (OOM kill, NCCL error, lost node) may well succeed, and the
+    retry resumes: complete shards are skipped.
+    """
+    error = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    return isinstance(error, RankFailure)
 
 
 @task(name="plan-capture", cache_policy=NO_CACHE)
@@ -37,11 +109,17 @@ def plan_capture_task(
     records_dirs: list[Path], out_dir: Path, shape: TargetShape, dtype: str, margin: float, max_tokens: int | None
 ) -> CapturePlan:
     """The disk plan; refuses (DiskTooSmall) a capture that cannot fit."""
+    logger = get_run_logger()
+    try:
+        speed = last_throughput(out_dir)
+    except DamagedFile as e:
+        logger.warning("%s", e)
+        speed = None
     plan = plan_capture(
         records_dirs, out_dir, shape, dtype, margin=margin, max_tokens=max_tokens,
-        tokens_done=captured_tokens(out_dir), tokens_per_s=last_throughput(out_dir),
+        tokens_done=captured_tokens(out_dir), tokens_per_s=speed,
     )
-    get_run_logger().info(
+    logger.info(
         "capture plan: %s tokens to capture (%s done), %s needed (%s/token), %s free in %s%s",
         f"{plan.tokens_todo:,}", f"{plan.tokens_done:,}", human_bytes(plan.bytes_needed), f"{plan.bytes_per_token:,} B",
         human_bytes(plan.free_bytes), out_dir,
@@ -52,11 +130,22 @@ def plan_capture_task(
 
 
 @task(name="capture-job", cache_policy=NO_CACHE)
-def run_capture_job(job: dict[str, Any], job_path: Path, num_ranks: int, launcher: str, config_name: str) -> float:
-    """Launch the ranks, stream their output into the flow-run log, track progress; return tokens/s."""
+def run_capture_job(job: dict[str, Any], job_path: Path, num_ranks: int, launcher: str, config_name: str,
+                    token_cap: int | None = None) -> float:
+    """Launch the ranks, stream their output into the flow-run log, track progress; return tokens/s.
+
+    `token_cap` caps the tokens of the whole capture: each attempt (a Prefect retry resumes) gets
+    what is left of it after the complete shards on disk. A rank's failure is raised as the rank's
+    own exception (`rank_error`) when it said one.
+    """
     logger = get_run_logger()
-    job_path.parent.mkdir(parents=True, exist_ok=True)
-    job_path.write_text(json.dumps(job, indent=2, default=str))
+    if token_cap is not None:
+        job = {**job, "max_tokens": max(0, token_cap - captured_tokens(Path(job["out_dir"])))}
+    try:
+        job_path.parent.mkdir(parents=True, exist_ok=True)
+        job_path.write_text(json.dumps(job, indent=2, default=str))
+    except OSError as e:
+        raise WriteFailed(job_path, e, kept="every complete shard (no rank was started)", resume=RESUME) from None
     command, env = rank_command("models.capture", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher)
     logger.info("launching %d rank(s): %s", num_ranks, " ".join(command))
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("capture", config_name), description="capture: starting")
@@ -83,7 +172,7 @@ def run_capture_job(job: dict[str, Any], job_path: Path, num_ranks: int, launche
             update_progress_artifact(artifact, progress=round(percent, 2), description=line)
             logger.info(line)
 
-    run_job(command, env=env, on_line=on_line)
+    run_ranks(command, env, on_line)
     tokens = sum(k for _, _, k in ranks.values())
     update_progress_artifact(artifact, progress=100.0, description=f"capture: done, {tokens:,} tokens this run")
     return tokens / max(1e-9, time.monotonic() - started)
@@ -97,8 +186,13 @@ def index_hidden_states(out_dir: Path, metadata: dict[str, Any], tokens_per_s: f
     rows = list(iter_shard_index(out_dir))
     summary = {**metadata, "samples": len(rows), "tokens": int(sum(r["length"] for r in rows)), "tokens_per_s": tokens_per_s}
     tmp = out_dir / f".{METADATA}.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    tmp.replace(out_dir / METADATA)
+    try:
+        tmp.write_text(json.dumps(summary, indent=2))
+        tmp.replace(out_dir / METADATA)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise WriteFailed(out_dir / METADATA, e, resume=RESUME,
+                          kept=f"{len(list_shards(out_dir))} complete shards and index.parquet in {out_dir}") from None
     per_dataset: dict[str, list[int]] = {}
     for r in rows:
         per_dataset.setdefault(r["dataset"], []).append(r["length"])

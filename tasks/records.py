@@ -10,6 +10,12 @@ Each records part is derived from exactly one source part of the same name
 the settings it was built with. Re-running converts only the source parts that have no up-to-date
 records part, so the stage is resumable and idempotent; records of source parts that no longer
 exist (merged by compaction) are removed and rebuilt from the merged part.
+
+Failures stop the stage at once. A write that fails (disk full, read-only, quota) raises
+`WriteFailed` naming the file: every part already written stays complete, and a rerun builds only
+the missing ones. A part that cannot be read raises `DamagedPart`, which names it, says what is
+wrong and what to do (records parts are rebuilt from their source; a damaged responses part is
+moved to RUN_DIR/quarantine/ and its prompts are generated again).
 """
 
 from __future__ import annotations
@@ -18,17 +24,19 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from models.write_failure import WriteFailed
 from tasks.chat_masks import MaskError, conversation_records
 from tasks.checkpoints import live_parts
-from tasks.datasets import Reject, write_rejects
-from tasks.parquet_io import list_parts, read_metadata, write_parquet_atomic
+from tasks.datasets import Reject
+from tasks.rejects import write_rejects
+from tasks.parquet_io import DamagedPart, list_parts, read_metadata, reading, write_parquet_atomic
 from tasks.stats import nearest_rank
 
 RECORD_SCHEMA = pa.schema(
@@ -43,6 +51,35 @@ RECORD_SCHEMA = pa.schema(
 )
 META = "eagle3."
 TOKEN_COUNTS = "token_counts.parquet"
+RESUME = "make room there, then run the records stage again: complete parts are kept, only the missing ones are built"
+REBUILD = "Delete it and run the records stage again: it is rebuilt from its responses or passthrough part"
+
+
+def _footer(path: Path, advice: str) -> dict[str, str]:
+    """`read_metadata(path)`; DamagedPart, with `advice`, when it cannot be read."""
+    try:
+        return read_metadata(path)
+    except DamagedPart as e:
+        raise e.with_advice(advice) from None
+
+
+def _table(path: Path, advice: str, columns: list[str] | None = None) -> pa.Table:
+    """`pq.read_table(path)`; DamagedPart, with `advice`, when it cannot be read."""
+    try:
+        with reading(path):
+            return pq.read_table(path, columns=columns)
+    except DamagedPart as e:
+        raise e.with_advice(advice) from None
+
+
+def source_advice(kind: str, part: Path) -> str:
+    """What to do about a damaged responses or passthrough part (RUN_DIR/<responses|passthrough>/<ds>/part-*)."""
+    if kind == "passthrough":
+        return "Delete it and run generate again (it is copied again from the dataset file), then the records stage"
+    # generate's rule: the part is moved aside, never deleted for the user, and its prompts generated again
+    where = part.parent.parent.parent / "quarantine" / part.parent.parent.name / part.parent.name
+    return (f"Move it aside: mkdir -p {where} && mv {part} {where}/ -- then run generate (the prompts it held are "
+            "generated again, exactly once) and the records stage again")
 
 
 @dataclass(frozen=True)
@@ -124,39 +161,65 @@ def build_records(
     settings: RecordSettings,
     tokenizer: Any = None,
 ) -> RecordsReport:
-    """Bring `records_dir` up to date with the live parts of `source_dir`; return the dataset's totals."""
-    sources = {p.name: p for p in live_parts(source_dir)}
+    """Bring `records_dir` up to date with the live parts of `source_dir`; return the dataset's totals.
+
+    Raises DamagedPart for a part it cannot read and WriteFailed for one it cannot write; either way
+    every part already on disk stays complete.
+    """
+    try:
+        sources = {p.name: p for p in live_parts(source_dir)}
+    except DamagedPart as e:
+        raise e.with_advice(source_advice(kind, e.path)) from None
     digest = settings.digest()
     for part in list_parts(records_dir):  # records of vanished sources or other settings go
-        if part.name not in sources or read_metadata(part).get(f"{META}settings") != digest:
+        if part.name not in sources or _footer(part, REBUILD).get(f"{META}settings") != digest:
             part.unlink()
     done = {p.name for p in list_parts(records_dir)}
     built = 0
-    rejects: list[Reject] = []
     for name, source in sorted(sources.items()):
         if name in done:
             continue
         if kind == "generate":
-            rows, report = _from_responses(pq.read_table(source), settings)
+            rows, report = _from_responses(_table(source, source_advice(kind, source)), settings)
         else:
-            rows, report, bad = _from_passthrough(pq.read_table(source), settings, tokenizer, source)
-            rejects += bad
+            rows, report, bad = _from_passthrough(_table(source, source_advice(kind, source)), settings, tokenizer, source)
+            # before the records part: a part on disk means its rejects are too (a rerun skips the part)
+            _write_rejects(bad, rejects_dir, kept=f"{len(done) + built} complete records parts in {records_dir}")
         table = pa.Table.from_pylist(rows, schema=RECORD_SCHEMA)
         meta = {f"{META}settings": digest, f"{META}source": name, **report.to_metadata()}
-        write_parquet_atomic(table, records_dir / name, meta)
+        try:
+            write_parquet_atomic(table, records_dir / name, meta)
+        except OSError as e:
+            raise WriteFailed(records_dir / name, e, kept=f"{len(done) + built} complete records parts in {records_dir}",
+                              resume=RESUME) from None
         built += 1
-    if rejects:
-        write_rejects(rejects, rejects_dir, "records")
     report = dataset_report(dataset, records_dir)
     report.parts_built = built
     return report
 
 
+def _write_rejects(rejects: list[Reject], rejects_dir: Path, kept: str) -> None:
+    """`write_rejects` for the records stage, with its failures told as WriteFailed or DamagedPart."""
+    try:
+        write_rejects(rejects, rejects_dir, "records")
+    except DamagedPart as e:  # an earlier rejects part's footer (read to skip a repeat) is unreadable
+        where = rejects_dir.parent.parent / "quarantine" / "rejects" / rejects_dir.name
+        raise e.with_advice(f"Move it aside: mkdir -p {where} && mv {e.path} {where}/ -- then run the stage again "
+                            "(a rejects part only lists rows left out: nothing trains on it)") from None
+    except OSError as e:
+        raise WriteFailed(rejects_dir, e, kept=kept, resume=RESUME) from None
+
+
 def summarize_records(records_dir: Path) -> PartReport:
-    """Totals of a dataset's records from part footers only."""
+    """Totals of a dataset's records from part footers only; DamagedPart names a part it cannot read."""
     total = PartReport()
     for part in list_parts(records_dir):
-        total.add(PartReport.from_metadata(read_metadata(part)))
+        meta = _footer(part, REBUILD)
+        try:
+            total.add(PartReport.from_metadata(meta))
+        except (KeyError, TypeError, ValueError) as e:
+            raise DamagedPart(part, f"its footer has no valid records summary ({e!r}); records parts are written "
+                                    "by eagle3 only", REBUILD) from None
     return total
 
 
@@ -235,7 +298,7 @@ def count_tokens(records_dirs: Iterable[Path], out_path: Path, vocab_size: int) 
     counts = np.zeros(vocab_size, dtype=np.int64)
     for directory in records_dirs:
         for part in list_parts(directory):
-            table = pq.read_table(part, columns=["input_ids", "loss_mask"])
+            table = _table(part, REBUILD, columns=["input_ids", "loss_mask"])
             ids = pc.list_flatten(table.column("input_ids")).to_numpy()
             mask = pc.list_flatten(table.column("loss_mask")).to_numpy().astype(bool)
             counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
@@ -243,7 +306,11 @@ def count_tokens(records_dirs: Iterable[Path], out_path: Path, vocab_size: int) 
     nonzero = order[counts[order] > 0]
     table = pa.table({"token_id": pa.array(nonzero, pa.int32()), "count": pa.array(counts[nonzero], pa.int64())})
     total = int(counts.sum())
-    write_parquet_atomic(table, out_path, {f"{META}loss_tokens": total, f"{META}vocab_size": vocab_size})
+    try:
+        write_parquet_atomic(table, out_path, {f"{META}loss_tokens": total, f"{META}vocab_size": vocab_size})
+    except OSError as e:
+        raise WriteFailed(out_path, e, kept="every records part (complete; only the token counts are missing)",
+                          resume=RESUME) from None
     return total, counts
 
 
@@ -265,8 +332,20 @@ def dataset_report(dataset: str, records_dir: Path) -> RecordsReport:
     )
 
 
-def record_stats(run_dir: Path) -> list[RecordsReport]:
-    """The data report of every dataset with records (footers only)."""
+def record_stats(run_dir: Path, on_damaged: Callable[[str, DamagedPart], None] | None = None) -> list[RecordsReport]:
+    """The data report of every dataset with records (footers only).
+
+    A dataset with a damaged part raises DamagedPart, or with `on_damaged` is passed to it and left
+    out, so a report of the others still comes out (`eagle3 stats`).
+    """
     root = Path(run_dir) / "records"
     directories = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-    return [dataset_report(d.name, d) for d in directories]
+    reports = []
+    for d in directories:
+        try:
+            reports.append(dataset_report(d.name, d))
+        except DamagedPart as e:
+            if on_damaged is None:
+                raise
+            on_damaged(d.name, e)
+    return reports

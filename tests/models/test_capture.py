@@ -7,6 +7,7 @@ target; a launch SIGKILLed after its first shard resumes without duplicates or g
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -37,6 +38,7 @@ from models.capture import (
     within_token_cap,
 )
 from models.hidden_shards import (
+    DamagedShard,
     ShardWriter,
     clean_temps,
     done_sample_keys,
@@ -47,6 +49,7 @@ from models.hidden_shards import (
     write_index,
 )
 from models.tiny_target import SAMPLES_DIR
+from models.write_failure import WriteFailed
 
 REPO = Path(__file__).resolve().parents[2]
 AUX_LAYERS = [1, 3, 4]  # default_aux_layers(8)
@@ -518,3 +521,185 @@ def test_killed_capture_resumes_exactly_once(mode, tiny_target_dir, records, exp
 
     _torchrun(job)
     _check_capture(out, expected)
+
+
+# --- failures: a full disk, damaged files ---------------------------------------------------------
+
+
+
+
+
+def _disk_for(expected: dict, share: float) -> int:
+    """Bytes (whole pages) that hold about `share` of the capture: ~4H float32 values a token."""
+    tokens = sum(e["input_ids"].numel() for e in expected.values())
+    return int(tokens * (4 * 128 * 4 + 5) * share) // 4096 * 4096
+
+
+def _fill(path: Path) -> None:
+    """Take every byte left on the filesystem of `path`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 1024)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def _check_partial(out_dir: Path, expected: dict) -> int:
+    """Every shard on disk is whole and holds the right values, no sample twice, no temp file; return samples."""
+    rows = list(iter_shard_index(out_dir))
+    keys = [(r["dataset"], r["id"]) for r in rows]
+    assert len(keys) == len(set(keys)) and set(keys) <= set(expected)
+    for r in rows:
+        got = read_sample(out_dir / r["shard"], r["offset"], r["length"])
+        assert torch.allclose(got["last_hidden"], expected[(r["dataset"], r["id"])]["last_hidden"], atol=ATOL, rtol=0)
+    assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")], "temp files left behind"
+    return len(rows)
+
+
+def test_shard_write_failures_name_the_file_and_keep_every_shard(tmp_path, tmpfs):
+    with tmpfs(tmp_path / "small", 64 * 1024) as small:
+        out = small / "hidden"
+        w = ShardWriter(out, rank=0, shard_tokens=200)
+        with pytest.raises(WriteFailed) as failed:
+            for i in range(100):  # 200 tokens x 16 values x 4 B = 12.8 KB a shard: the disk holds ~4
+                w.add(f"s{i}", "d", *_tensors(100, seed=i))
+        kept = list_shards(out)
+        assert 1 <= len(kept) < 50
+        message = str(failed.value)
+        assert message.startswith(f"cannot write {out / f'shard-000-{len(kept):06d}.safetensors'}: disk full: ")
+        assert f"bytes free on {small}. kept: {len(kept)} complete shards in {out}; the 2 sample(s) (200 tokens) " \
+               "this shard would have held are captured again. to resume: make room there" in message
+        assert failed.value.errno == errno.ENOSPC and "\n" not in message
+        assert done_sample_keys(out) == {("d", f"s{i}") for i in range(2 * len(kept))}
+        assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+        _fill(small / "filler")
+        with pytest.raises(WriteFailed, match=rf"^cannot write {out / 'index.parquet'}: disk full: .* kept: {len(kept)} "
+                                              rf"complete shards in {out}; the index is rebuilt from their headers"):
+            write_index(out)
+        tmpfs.remount(small, f"size={1024 * 1024}")  # make room: the index is written from the shards kept
+        assert pq.read_table(write_index(out)).num_rows == 2 * len(kept)
+
+
+def test_damaged_shard_is_named_with_what_to_do(tmp_path):
+    with ShardWriter(tmp_path, rank=0, shard_tokens=1) as w:
+        for i in range(2):
+            w.add(f"s{i}", "d", *_tensors(3, seed=i))
+    bad = tmp_path / "shard-000-000001.safetensors"
+    data = bad.read_bytes()
+    bad.write_bytes(data[: len(data) - 10])  # a truncated copy
+    advice = "Delete it and run the capture stage again: its samples are captured again, every other shard is kept"
+    for read in (lambda: shard_metadata(bad), lambda: done_sample_keys(tmp_path), lambda: read_sample(bad, 0, 3)):
+        with pytest.raises(DamagedShard) as failed:
+            read()
+        assert str(failed.value) == (f"{bad} is damaged ({len(data) - 10:,} bytes, not a complete safetensors file: "
+                                     f"incomplete metadata, file not fully covered). {advice}")
+    bad.write_bytes(b"not a shard")
+    with pytest.raises(DamagedShard, match=r"\(11 bytes, not a complete safetensors file: "):
+        shard_metadata(bad)
+    from safetensors.torch import save_file
+
+    save_file({"input_ids": torch.zeros(1)}, str(bad), metadata={"samples": "[{not json"})
+    with pytest.raises(DamagedShard, match=r"no valid sample list in its header: JSONDecodeError"):
+        shard_metadata(bad)
+    bad.unlink()  # the advice: what is left is whole
+    assert done_sample_keys(tmp_path) == {("d", "s0")}
+
+
+def test_damaged_files_stop_a_rank_with_one_line(tiny_target_dir, records, tmp_path, monkeypatch, capsys):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "hidden"
+    with ShardWriter(out, rank=0, shard_tokens=1, aux_layers=AUX_LAYERS) as w:
+        w.add("alpha-000", "alpha", *_tensors(2, h=128))
+    shard = list_shards(out)[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate"))]) == 1
+    err = capsys.readouterr().err
+    assert f"capture rank 0 failed: {shard} is damaged (100 bytes, not a complete safetensors file: " in err
+    assert "Traceback" not in err
+    report = json.loads(next(ln for ln in err.splitlines() if ln.startswith("CAPTURE_ERROR ")).split(" ", 1)[1])
+    assert (report["kind"], report["type"], report["path"]) == ("damaged", "DamagedShard", str(shard))
+    shard.unlink()
+    # a damaged records part: named, with the records stage's advice
+    copied = tmp_path / "records"
+    for ds, d in records["dirs"].items():
+        (copied / ds).mkdir(parents=True)
+        for part in d.iterdir():
+            (copied / ds / part.name).write_bytes(part.read_bytes())
+    bad = copied / "beta" / "part-000001.parquet"
+    bad.write_bytes(bad.read_bytes()[:-50])
+    assert main(["--job", str(_job(tiny_target_dir, {"dirs": {ds: copied / ds for ds in records["dirs"]}}, out, "replicate"))]) == 1
+    err = capsys.readouterr().err
+    assert f"capture rank 0 failed: {bad} is damaged ({bad.stat().st_size:,} bytes, not a readable Parquet file: Parquet " \
+           "magic bytes not found in footer." in err
+    assert "Delete it and run the records stage again (it is rebuilt from its responses), then capture" in err
+    assert "Traceback" not in err
+
+
+def test_single_process_full_disk_stops_keeps_shards_and_resumes(tiny_target_dir, records, expected, tmp_path, monkeypatch, capsys, tmpfs):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    # beta-long, half the tokens, is the first shard (longest first): the disk holds it and a few more
+    with tmpfs(tmp_path / "small", _disk_for(expected, 0.75)) as small:
+        out = small / "hidden"
+        job = _job(tiny_target_dir, records, out, "replicate", shard_tokens=200)
+        assert main(["--job", str(job)]) == 1
+        err = capsys.readouterr().err
+        line = next(ln for ln in err.splitlines() if ln.startswith("CAPTURE_ERROR "))
+        report = json.loads(line.split(" ", 1)[1])
+        assert (report["kind"], report["errno"], report["rank"]) == ("write_failed", errno.ENOSPC, 0)
+        assert report["message"].startswith(f"cannot write {out}/shard-000-") and "disk full: " in report["message"]
+        assert f"capture rank 0 failed: {report['message']}" in err and "Traceback" not in err
+        partial = _check_partial(out, expected)
+        assert 0 < partial < len(expected)
+        tmpfs.remount(small, f"size={_disk_for(expected, 3)}")  # the disk grows: the rerun captures the rest, exactly once
+        assert main(["--job", str(job)]) == 0
+        _check_capture(out, expected)
+
+
+def test_a_rank_that_cannot_write_stops_the_job_at_once(tiny_target_dir, records, tmp_path):
+    """Rank 1's disk is full at its first shard while rank 0 is held mid-run: the launch ends at once with one line."""
+    from prefect.states import Failed
+
+    from tasks.capture_tasks import capture_retryable, run_ranks
+
+    out = tmp_path / "hidden"
+    job = _job(tiny_target_dir, records, out, "replicate", shard_tokens=120)
+    lines: list[str] = []
+    start = time.monotonic()
+    with pytest.raises(WriteFailed) as failed:
+        run_ranks(_launch_cmd(job, [str(REPO / "tests" / "models" / "capture_failing.py")]),
+                  {**_env(), "CAPTURE_FAIL_RANK": "1"}, lines.append)
+    elapsed = time.monotonic() - start
+    message = str(failed.value)
+    assert message.startswith(f"cannot write {out / 'shard-001-000000.safetensors'}: disk full: ") and "\n" not in message
+    assert f"kept: 0 complete shards in {out}; the " in message and "to resume: make room there" in message
+    assert not capture_retryable(None, None, Failed(data=failed.value))  # a retry would fill the disk again
+    # rank 0 was stopped by the launcher while held (it would otherwise wait HOLD_S = 300 s, then finish)
+    assert elapsed < 200, f"the launch took {elapsed:.0f} s: the held rank was not stopped"
+    assert any("SIGTERM" in ln for ln in lines), "torchrun did not terminate the held rank"
+    assert not [ln for ln in lines if ln.startswith("CAPTURE_PROGRESS rank=0") and ln.split()[2][5:] == ln.split()[3][6:] != "0"]
+    assert list_shards(out) == [] and not [p for p in out.iterdir() if p.name.startswith(".shard")]
+
+
+@pytest.mark.slow
+def test_torchrun_full_disk_drill(tiny_target_dir, records, expected, tmp_path, tmpfs):
+    """The hidden dir on a small tmpfs: two ranks fill it; the job stops with one line; a rerun after it grows completes."""
+    from tasks.capture_tasks import run_ranks
+
+    with tmpfs(tmp_path / "small", _disk_for(expected, 0.4)) as small:
+        out = small / "hidden"
+        job = _job(tiny_target_dir, records, out, "replicate", shard_tokens=120)
+        with pytest.raises(WriteFailed) as failed:
+            run_ranks(_launch_cmd(job, ["-m", "models.capture"]), _env(), lambda line: None)
+        assert "disk full: " in str(failed.value) and f"bytes free on {small}" in str(failed.value)
+        assert "\n" not in str(failed.value)
+        partial = _check_partial(out, expected)
+        assert 0 < partial < len(expected)
+        print(f"{partial} of {len(expected)} samples kept; the job said: {failed.value}")
+        tmpfs.remount(small, f"size={_disk_for(expected, 3)}")
+        _torchrun(job)
+        _check_capture(out, expected)

@@ -10,6 +10,7 @@ import pytest
 from tasks import capture_plan
 from tasks.capture_plan import DiskTooSmall, TargetShape, capture_layers, check_fits, plan_capture, target_shape
 from tasks.checkpoints import responses_table, write_part
+from tasks.parquet_io import DamagedPart
 from tasks.records import RecordSettings, build_records
 
 KIMI = TargetShape(hidden_size=7168, num_layers=61, dtype="bfloat16")
@@ -57,6 +58,18 @@ def test_refuses_a_job_that_does_not_fit_with_figures_and_ways_out(tmp_path, mon
     assert "1,000 tokens" in message and "57,349 B" in message
     assert f"capture.max_tokens: {int(plan.usable_bytes // 57349):,}" in message
     assert "capture.out_dir" in message and "train.mode: online" in message
+
+
+def test_damaged_records_part_is_named_with_what_to_do(tmp_path, monkeypatch):
+    fake_disk(monkeypatch, 10**15)
+    d = records_dir(tmp_path, [100, 300])
+    part = d / "part-000000.parquet"
+    part.write_bytes(part.read_bytes()[:-100])  # truncated: the footer is gone
+    with pytest.raises(DamagedPart) as info:
+        plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.05)
+    message = str(info.value)
+    assert message.startswith(f"{part} is damaged ({part.stat().st_size:,} bytes, not a readable Parquet file: Parquet magic bytes")
+    assert message.endswith("Delete it and run the records stage again: it is rebuilt from its responses or passthrough part")
 
 
 def test_target_shape_reads_nested_text_config(tmp_path):

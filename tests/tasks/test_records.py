@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from collections import Counter
 from pathlib import Path
@@ -16,7 +17,18 @@ from tasks.checkpoints import compact, responses_table, write_part
 from tasks.passthrough import PASSTHROUGH_SCHEMA, copy_passthrough
 from tasks.parquet_io import list_parts
 from tasks.prompts import chat_prompt_ids
-from tasks.records import TOKEN_COUNTS, RecordSettings, build_records, count_tokens, coverage, record_stats
+from models.write_failure import WriteFailed
+from tasks import records as records_module
+from tasks.parquet_io import DamagedPart
+from tasks.records import (
+    TOKEN_COUNTS,
+    RecordSettings,
+    build_records,
+    count_tokens,
+    coverage,
+    record_stats,
+    summarize_records,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -165,3 +177,157 @@ def test_token_counts_and_coverage(tmp_path, tokenizer):
     assert coverage(counts, len(tokenizer)) == 1.0
     (stats,) = record_stats(tmp_path)
     assert stats.dataset == "B1" and stats.records == 5 and stats.loss_tokens == total
+
+
+# --- failures: a full disk, damaged parts ---------------------------------------------------------
+
+
+def big_responses(tmp_path: Path, parts: int, rows: int = 40, length: int = 400) -> list[str]:
+    """`parts` responses parts of `rows` rows with random (badly compressible) ids; return every id."""
+    rng = np.random.default_rng(0)
+    ids = []
+    for k in range(parts):
+        batch = []
+        for j in range(rows):
+            out = rng.integers(3, 2000, length).tolist()
+            batch.append({"id": f"p{k}-{j}", "prompt_ids": [5, 6], "output_ids": out, "prompt_tokens": 2,
+                          "completion_tokens": length, "finish_reason": "stop", "text": "", "latency": 0.1,
+                          "cached_tokens": 0, "reasoning_tokens": 0, "finished_at": 1.0})
+        write_part(tmp_path / "responses", responses_table(batch))
+        ids += [r["id"] for r in batch]
+    return ids
+
+
+def test_full_disk_stops_records_at_once_keeps_parts_and_resumes(tmp_path, tmpfs):
+    ids = big_responses(tmp_path, parts=6)
+    one_part = None
+    with tmpfs(tmp_path / "small", "160k") as small:
+        records = small / "records"
+        with pytest.raises(WriteFailed) as failed:
+            build_records("B1", "generate", tmp_path / "responses", records, tmp_path / "rejects", RecordSettings(vocab_size=2048))
+        kept = list_parts(records)
+        one_part = kept[0].stat().st_size if kept else None
+        assert 1 <= len(kept) < 6, "the disk should hold some parts, not all"
+        message = str(failed.value)
+        assert message.startswith(f"cannot write {records}/part-{len(kept):06d}.parquet: disk full: ")
+        assert f"bytes free on {small}" in message
+        assert f"kept: {len(kept)} complete records parts in {records}" in message
+        assert "to resume: make room there, then run the records stage again" in message
+        assert failed.value.errno == errno.ENOSPC
+        # what was written is whole and readable; nothing half-written is left
+        assert sorted(p.name for p in records.iterdir()) == [p.name for p in kept]
+        got = [r for p in kept for r in pq.read_table(p).column("id").to_pylist()]
+        assert got == ids[: 40 * len(kept)]
+        # the disk grows: the rerun builds only the missing parts, every record exactly once
+        tmpfs.remount(small, "size=4m")
+        report = build_records("B1", "generate", tmp_path / "responses", records, tmp_path / "rejects", RecordSettings(vocab_size=2048))
+        assert report.parts_built == 6 - len(kept)
+        got = [r["id"] for r in records_of(records)]
+        assert sorted(got) == sorted(ids) and len(got) == len(set(got)) == 240
+    assert one_part and one_part > 20_000  # the parts were big enough for the test to mean something
+
+
+@pytest.mark.parametrize("what", ["records part", "token counts", "rejects"])
+def test_write_failures_name_the_file_and_what_is_kept(what, tmp_path, tokenizer, monkeypatch):
+    source = passthrough_part(tmp_path, [
+        {"id": "ok", "messages": None, "input_ids": [5, 6, 7, 1], "loss_mask": [0, 0, 1, 1]},
+        {"id": "noloss", "messages": None, "input_ids": [5, 6], "loss_mask": [0, 0]},
+    ])
+    if what == "records part":
+        monkeypatch.setattr(records_module, "write_parquet_atomic", _refuse(errno.EROFS))
+    elif what == "rejects":
+        monkeypatch.setattr(records_module, "write_rejects", _refuse(errno.EDQUOT))
+    args = ("A1", "passthrough", source, tmp_path / "records", tmp_path / "rejects", settings(tokenizer), tokenizer)
+    if what == "token counts":
+        build_records(*args)
+        monkeypatch.setattr(records_module, "write_parquet_atomic", _refuse(errno.ENOSPC))
+        with pytest.raises(WriteFailed) as failed:
+            count_tokens([tmp_path / "records"], tmp_path / TOKEN_COUNTS, len(tokenizer))
+        assert str(failed.value).startswith(f"cannot write {tmp_path / TOKEN_COUNTS}: disk full: ")
+        assert "kept: every records part (complete; only the token counts are missing)" in str(failed.value)
+        return
+    with pytest.raises(WriteFailed) as failed:
+        build_records(*args)
+    expected = {"records part": f"cannot write {tmp_path / 'records' / 'part-000000.parquet'}: read-only file system. ",
+                "rejects": f"cannot write {tmp_path / 'rejects'}: disk quota exceeded"}[what]
+    assert str(failed.value).startswith(expected)
+    assert f"kept: 0 complete records parts in {tmp_path / 'records'}" in str(failed.value)
+    assert list_parts(tmp_path / "records") == []  # the rejects come first: a part on disk has its rejects
+
+
+def _refuse(code: int):
+    def write(*args, **kwargs):
+        raise OSError(code, "refused by the test")
+    return write
+
+
+def damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "garbage":
+        path.write_bytes(b"this is not parquet\n" * 20)
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "pages":  # footer intact, the column data overwritten
+        path.write_bytes(data[:4] + b"\xff" * 64 + data[68:])
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "empty", "pages"])
+def test_damaged_responses_part_is_named_with_what_to_do(how, tmp_path, tokenizer):
+    for k in range(2):
+        write_part(tmp_path / "run/responses/B1", responses_table([response(tokenizer, 10 * k + j, f"a{j}") for j in range(3)]))
+    bad = list_parts(tmp_path / "run/responses/B1")[1]
+    damage(bad, how)
+    with pytest.raises(DamagedPart) as failed:
+        build_records("B1", "generate", tmp_path / "run/responses/B1", tmp_path / "run/records/B1", tmp_path / "run/rejects/B1", settings(tokenizer))
+    message = str(failed.value)
+    assert message.startswith(f"{bad} is damaged ({bad.stat().st_size:,} bytes, not a readable Parquet file: ")
+    where = tmp_path / "run/quarantine/responses/B1"
+    assert message.endswith(f"). Move it aside: mkdir -p {where} && mv {bad} {where}/ -- then run generate (the prompts "
+                            "it held are generated again, exactly once) and the records stage again")
+    assert failed.value.path == bad
+    if how == "pages":  # the footer could be read, so the part before it was converted: kept
+        assert [p.name for p in list_parts(tmp_path / "run/records/B1")] == ["part-000000.parquet"]
+
+
+def test_damaged_passthrough_and_records_parts(tmp_path, tokenizer):
+    source = passthrough_part(tmp_path, [{"id": "ok", "messages": None, "input_ids": [5, 6, 7, 1], "loss_mask": [0, 0, 1, 1]}])
+    args = ("A1", "passthrough", source, tmp_path / "records", tmp_path / "rejects", settings(tokenizer), tokenizer)
+    build_records(*args)
+    record = list_parts(tmp_path / "records")[0]
+    damage(record, "truncated")
+    rebuild = "Delete it and run the records stage again: it is rebuilt from its responses or passthrough part"
+    for read in (lambda: build_records(*args), lambda: summarize_records(tmp_path / "records"),
+                 lambda: count_tokens([tmp_path / "records"], tmp_path / TOKEN_COUNTS, len(tokenizer))):
+        with pytest.raises(DamagedPart) as failed:
+            read()
+        assert str(failed.value).startswith(f"{record} is damaged ({record.stat().st_size:,} bytes, not a readable Parquet file: ")
+        assert str(failed.value).endswith(f"). {rebuild}")
+    # the advice works: delete it and the stage rebuilds it
+    record.unlink()
+    assert build_records(*args).records == 1
+    # a Parquet file that is no records part (no summary in its footer) is named too
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "records" / "part-000001.parquet")
+    with pytest.raises(DamagedPart, match=r"part-000001.parquet is damaged \(its footer has no valid records summary"):
+        summarize_records(tmp_path / "records")
+    (tmp_path / "records" / "part-000001.parquet").unlink()
+    damage(source / "part-000000.parquet", "garbage")
+    (tmp_path / "records" / "part-000000.parquet").unlink()
+    with pytest.raises(DamagedPart) as failed:
+        build_records(*args)
+    assert str(failed.value).startswith(f"{source / 'part-000000.parquet'} is damaged (400 bytes, not a readable Parquet file")
+    assert str(failed.value).endswith("Delete it and run generate again (it is copied again from the dataset file), then the records stage")
+
+
+def test_record_stats_reports_a_damaged_dataset_and_goes_on(tmp_path, tokenizer):
+    for ds in ("A1", "B1"):
+        write_part(tmp_path / "responses" / ds, responses_table([response(tokenizer, 0, "hello")]))
+        build_records(ds, "generate", tmp_path / "responses" / ds, tmp_path / "records" / ds, tmp_path / "rejects", settings(tokenizer))
+    damage(list_parts(tmp_path / "records/A1")[0], "garbage")
+    with pytest.raises(DamagedPart, match="A1/part-000000.parquet is damaged"):
+        record_stats(tmp_path)
+    seen = []
+    reports = record_stats(tmp_path, on_damaged=lambda ds, e: seen.append((ds, e.path.name)))
+    assert [r.dataset for r in reports] == ["B1"] and reports[0].records == 1
+    assert seen == [("A1", "part-000000.parquet")]

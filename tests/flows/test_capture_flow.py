@@ -1,0 +1,129 @@
+"""The `capture` flow's failure handling under a real (test) Prefect server, with the rank launch faked.
+
+What the ranks themselves do on a full disk or a damaged file is tested with real launches in
+tests/models/test_capture.py; here the launch is replaced so that the flow's side is quick to check:
+a killed rank is retried (resuming, with the token cap less what is on disk), a failed write is not,
+and the flow fails with the rank's one-line message.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from prefect.states import Failed
+
+from flows.capture import capture
+from models.capture import ERROR_MARK, error_report
+from models.hidden_shards import DamagedShard, ShardWriter
+from models.write_failure import WriteFailed
+from tasks import capture_tasks
+from tasks.capture_plan import DiskTooSmall
+from tasks.capture_tasks import CaptureRefused, capture_retryable, rank_error
+from tasks.checkpoints import responses_table, write_part
+from tasks.launch import RankFailure
+from tasks.records import RecordSettings, build_records
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_run(tmp_path: Path, target: Path, **capture_settings) -> Path:
+    """A config with one dataset whose records (10 records of 40 tokens) are already built."""
+    run = tmp_path / "run"
+    rows = [{"id": f"r{i}", "prompt_ids": [5] * 30, "output_ids": [6] * 9 + [1], "prompt_tokens": 30, "completion_tokens": 10,
+             "finish_reason": "stop", "text": "", "latency": 0.0, "cached_tokens": 0, "reasoning_tokens": 0, "finished_at": 1.0}
+            for i in range(10)]
+    write_part(run / "responses/B1", responses_table(rows))
+    build_records("B1", "generate", run / "responses/B1", run / "records/B1", run / "rejects/B1", RecordSettings(vocab_size=2048))
+    config = {
+        "run_dir": str(run),
+        "target": {"path": str(target)},
+        "server": {"url": "http://127.0.0.1:30000"},
+        "capture": {"num_gpus": 2, "launcher": "torchrun", **capture_settings},
+        "datasets": [{"name": "B1", "kind": "generate", "path": str(REPO / "data/samples/gen_math.jsonl")}],
+    }
+    path = tmp_path / "capture-flow.yaml"  # its own artifact keys: the session shares one Prefect server
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class FakeLaunch:
+    """Stands in for `run_job`: each call plays the next scripted attempt and records the job it was given."""
+
+    def __init__(self, attempts):
+        self.attempts = list(attempts)
+        self.jobs: list[dict] = []
+
+    def __call__(self, command, *, env=None, on_line, tail_lines=40):
+        job = json.loads(Path(command[command.index("--job") + 1]).read_text())
+        self.jobs.append(job)
+        self.attempts.pop(0)(job, on_line)
+
+
+def capture_some(job: dict, n: int) -> None:
+    """What a rank does before it dies: write a shard of the first `n` records (40 tokens each)."""
+    with ShardWriter(job["out_dir"], rank=0, shard_tokens=1, aux_layers=job["aux_layers"]) as w:
+        for i in range(n):
+            w.add(f"r{i}", "B1", torch.zeros(40, dtype=torch.int32), torch.ones(40, dtype=torch.uint8),
+                  torch.zeros(40, 3 * 128), torch.zeros(40, 128))
+
+
+def killed(job, on_line):
+    capture_some(job, 3)
+    on_line("W torch.distributed.elastic: Sending process 123 closing signal SIGTERM")
+    raise RankFailure("job exited with code 1: python -m torch.distributed.run ...\n--- last output ---\nexitcode: -9 (SIGKILL)")
+
+
+def disk_full(job, on_line):
+    error = WriteFailed(Path(job["out_dir"]) / "shard-001-000004.safetensors", OSError(errno.ENOSPC, "No space left on device"),
+                        kept="every complete shard", resume="make room there")
+    on_line(f"{ERROR_MARK} {json.dumps(error_report(error, 1))}")
+    on_line("Traceback (most recent call last):")
+    raise RankFailure("job exited with code 1: ...")
+
+
+def test_a_killed_rank_is_retried_and_resumes_under_the_token_cap(tmp_path, tiny_target_dir, monkeypatch):
+    config = write_run(tmp_path, tiny_target_dir, retries=1, retry_delay_s=0, max_tokens=300)
+    launch = FakeLaunch([killed, lambda job, on_line: None])
+    monkeypatch.setattr(capture_tasks, "run_job", launch)
+    summary = capture(str(config))
+    assert [job["max_tokens"] for job in launch.jobs] == [300, 300 - 3 * 40]  # the retry resumed
+    assert summary["samples"] == 3
+
+
+def test_a_failed_write_is_not_retried_and_fails_with_the_ranks_line(tmp_path, tiny_target_dir, monkeypatch):
+    config = write_run(tmp_path, tiny_target_dir, retries=2, retry_delay_s=0)
+    launch = FakeLaunch([disk_full, killed, killed])
+    monkeypatch.setattr(capture_tasks, "run_job", launch)
+    with pytest.raises(WriteFailed) as failed:
+        capture(str(config))
+    assert len(launch.jobs) == 1
+    hidden = tmp_path / "run/hidden"
+    assert str(failed.value).startswith(f"cannot write {hidden / 'shard-001-000004.safetensors'}: disk full: ")
+    assert str(failed.value).endswith(". kept: every complete shard. to resume: make room there")
+
+
+def test_retry_condition_retries_only_what_a_retry_can_fix(tmp_path):
+    def retried(error: Exception) -> bool:
+        return capture_retryable(None, None, Failed(data=error))
+
+    assert retried(RankFailure("job exited with code -9"))  # a killed or crashed rank
+    assert not retried(WriteFailed(tmp_path / "x", OSError(errno.ENOSPC, "full")))
+    assert not retried(DamagedShard(tmp_path / "shard-000-000000.safetensors", "truncated"))
+    assert not retried(CaptureRefused("capture rank 0: shards captured with other settings"))
+    assert not retried(DiskTooSmall("the capture needs 1 TiB"))
+    assert not retried(ValueError("anything else"))
+
+
+def test_rank_error_prefers_the_cause_over_its_peers_lost_connections(tmp_path):
+    peer = error_report(RuntimeError("Connection closed by peer"), 0)
+    cause = error_report(DamagedShard(tmp_path / "s.safetensors", "7 bytes, not a complete safetensors file"), 1)
+    error = rank_error([peer, cause])
+    assert isinstance(error, DamagedShard) and str(error) == str(DamagedShard(tmp_path / "s.safetensors", "7 bytes, not a complete safetensors file"))
+    assert rank_error([peer]) is None  # an unexpected error: the launcher's RankFailure (with the output tail) stands
+    refused = rank_error([error_report(ValueError("hidden holds shards captured with other settings"), 0)])
+    assert isinstance(refused, CaptureRefused) and str(refused) == "capture rank 0: hidden holds shards captured with other settings"
