@@ -9,18 +9,23 @@ from prefect import flow
 from flows.config import RunConfig, load_config, save_run_config
 from models.train import ds_train_config
 from tasks.launch import cuda_available
-from tasks.train_tasks import report_training, run_train_job
+from tasks.run_lock import run_lock
+from tasks.train_tasks import report_training, retry_train_job, run_train_job
 
 
 @flow(name="train", flow_run_name="train {config_path}")
 def train(config_path: str) -> dict:
     """Stage 4: run (or resume) the training ranks, then plot and publish the metrics."""
     config = load_config(config_path)
-    save_run_config(config)
-    name = Path(config_path).stem
-    summary = run_train_job(train_job(config), config.run_dir / "jobs" / "train.json", config.train.num_gpus, config.train.launcher, name)
-    report = report_training(config.draft_dir, name)
-    return {**summary, "plot": report["plot"]}
+    with run_lock(config.run_dir, "train"):  # one writer per run directory
+        save_run_config(config)
+        name = Path(config_path).stem
+        t = config.train
+        # A retry relaunches the ranks, which resume from the last checkpoint; only a crash is retried.
+        job = run_train_job.with_options(retries=t.retries, retry_delay_seconds=t.retry_delay_s, retry_condition_fn=retry_train_job)
+        summary = job(train_job(config), config.run_dir / "jobs" / "train.json", t.num_gpus, t.launcher, name)
+        report = report_training(config.draft_dir, name)
+        return {**summary, "plot": report["plot"]}
 
 
 def train_job(config: RunConfig) -> dict:

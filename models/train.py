@@ -10,22 +10,41 @@ The held-out split (models/train_data.py) is never trained on; its TTT metrics a
 
 Files under `out_dir` (RUN_DIR/draft):
     checkpoints/step-NNNNNNNN/   DeepSpeed checkpoint (model, optimizer, scheduler) + client state
-                                 (epoch, step, tokens) + rng-rank-R.pt per rank + COMPLETE marker
+                                 (epoch, step, tokens) + rng-rank-R.pt per rank + fingerprint.json
+                                 + COMPLETE marker
     checkpoints/latest           tag of the newest COMPLETE checkpoint (written atomically, last)
     metrics.jsonl                one line per log interval ("train") and per eval ("eval")
     tensorboard/                 the same scalars as TensorBoard events
     final/                       config.json + model.safetensors for SGLang (models/eagle3_export.py)
     train_summary.json           the final eval and where the draft is
 
-A relaunch resumes from `latest` (model, optimizer and scheduler states, the data position and
-every rank's RNG) and drops metrics lines past that step; a kill loses at most the steps since the
-last checkpoint. Output protocol for the flow: `TRAIN_PROGRESS step=S total=N ...`,
-`TRAIN_EVAL step=S acceptance_length=A`, `TRAIN_CHECKPOINT step=S`, `TRAIN_DONE final=DIR`.
+A relaunch resumes from the newest complete checkpoint (model, optimizer and scheduler states, the
+data position and every rank's RNG) and drops metrics lines past that step; a kill loses at most the
+steps since the last checkpoint.
+
+It resumes only a checkpoint of the same run: fingerprint.json holds digests of the training data
+(offline: the captured samples' (dataset, id, length) and the capture's target and layers; online:
+the records' ids and lengths), of the draft vocabulary, and the settings that shape the optimisation
+(draft shape, TTT steps, learning rate and schedule, batch tokens, grad accumulation, world size,
+precision, seed, held-out fraction). A launch whose fingerprint differs stops before it trains or
+touches a file (`CheckpointMismatch`, naming what differs). The total number of steps (from epochs
+or max_steps) is part of it: the cosine schedule is laid out over that total, so a longer run is a
+new run. log_every, checkpoint_every, keep_checkpoints and eval_every may change between launches.
+Checkpoints from before fingerprints resume with a warning.
+
+A failed write (disk full, read-only, quota) stops the job at once with `WriteFailed`: a checkpoint
+counts only once its COMPLETE marker is renamed into place, so the last complete one is never
+replaced by a partial one.
+
+Output protocol for the flow: `TRAIN_PROGRESS step=S total=N ...`, `TRAIN_EVAL step=S
+acceptance_length=A`, `TRAIN_CHECKPOINT step=S`, `TRAIN_DONE final=DIR`, and on failure one line
+`TRAIN_ERROR {json}` (`models.capture.error_report`) before the exit with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -34,6 +53,8 @@ import shutil
 import sys
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -41,17 +62,27 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from models.capture import DatasetRecords, Dist, _exit_with_launcher, _free_port, _log, capture_batch, load_records
+from models.capture import (DatasetRecords, Dist, _exit_with_launcher, _free_port, _log, capture_batch, error_report,
+                            load_records)
 from models.draft_vocab import draft_vocab, draft_vocab_coverage, load_token_counts
 from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead, acceptance_length
 from models.eagle3_export import export_draft
 from models.target_weights import load_target_tensors
-from models.train_data import (Batch, HiddenSource, TrainSample, epoch_batches, eval_share, pad_batch,
-                               rank_micro_batches, split_samples, steps_per_epoch)
+from models.train_data import (Batch, HiddenSource, TrainSample, data_fingerprint, epoch_batches, eval_share,
+                               pad_batch, rank_micro_batches, split_samples, steps_per_epoch)
+from models.write_failure import WriteFailed, existing_parent, is_write_error
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+FINGERPRINT = "fingerprint.json"
+ERROR_MARK = "TRAIN_ERROR"
 PROGRESS_EVERY_S = 2.0
+RESUME = ("make room there (or set train.out_dir to a disk with room), then run the train stage again: "
+          "it resumes from the kept checkpoint")
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint to resume was trained on other data or with other settings than this launch."""
 
 
 @dataclass
@@ -213,6 +244,12 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     per_epoch = steps_per_epoch(len(epoch_batches(train_samples, job.max_batch_tokens, job.seed, 0)), dist.world_size, job.grad_accum)
     total_steps = per_epoch * job.epochs if job.max_steps is None else job.max_steps
     warmup = max(1, round(job.warmup_ratio * total_steps))
+    fingerprint = run_fingerprint(job, source.fingerprint, d2t, config, dist.world_size, total_steps)
+    check_fingerprint(ckpt_dir, fingerprint, warn=dist.rank == 0)  # before anything is trained or removed
+    if dist.rank == 0:  # the DeepSpeed config as run, next to the checkpoints
+        with _writing(out_dir / "ds_config.json", ckpt_dir):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            _write_atomic(out_dir / "ds_config.json", json.dumps(job.ds_config, indent=2))
     engine = _engine(job, draft, total_steps, warmup)
     if dist.rank == 0:
         _log(f"train: {len(train_samples)} training samples ({sum(s.length for s in train_samples):,} tokens), "
@@ -268,7 +305,7 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
                 say(f"TRAIN_EVAL step={position.step} acceptance_length={last_eval['acceptance_length']:.3f} "
                     f"loss={last_eval['loss']:.4f}", flush=True)
             if position.step % job.checkpoint_every == 0 or position.step == total_steps:
-                _save(engine, ckpt_dir, position, job.keep_checkpoints, dist)
+                _save(engine, ckpt_dir, position, job.keep_checkpoints, dist, fingerprint)
                 say(f"TRAIN_CHECKPOINT step={position.step}", flush=True)
         if position.step_in_epoch >= per_epoch:
             position.epoch += 1
@@ -282,11 +319,14 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     summary = {"final": str(final), "steps": position.step, "tokens": position.tokens, "eval": last_eval,
                "draft_vocab_size": config.draft_vocab_size, "aux_layers": aux_layers}
     if dist.rank == 0:
-        export_draft(engine.module, final, target_config=target_config,
-                     dtype=torch.bfloat16 if job.bf16 else torch.float32)
+        # export_draft replaces final/ only once the new export is complete; a relaunch exports again
+        with _writing(final, ckpt_dir, also="the previous export in final/, if any, is unchanged"):
+            export_draft(engine.module, final, target_config=target_config,
+                         dtype=torch.bfloat16 if job.bf16 else torch.float32)
         tmp = out_dir / ".train_summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        tmp.replace(out_dir / "train_summary.json")
+        with _writing(out_dir / "train_summary.json", ckpt_dir):
+            tmp.write_text(json.dumps(summary, indent=2))
+            tmp.replace(out_dir / "train_summary.json")
         print(f"TRAIN_DONE final={final}", flush=True)
     dist.barrier()
     return summary
@@ -421,6 +461,8 @@ class OnlineSource:
         self.samples = [TrainSample(s.dataset, s.id, min(s.length, self.max_len), (s.part, s.start)) for s in records]
         if not self.samples:
             raise ValueError("no records with loss tokens to train on")
+        self.fingerprint = data_fingerprint(((s.dataset, s.id, s.length) for s in records),
+                                            {"mode": "online", "target": job.target_path})
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
@@ -461,23 +503,172 @@ def complete_checkpoints(ckpt_dir: Path) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def _save(engine, ckpt_dir: Path, position: Position, keep: int, dist: Dist) -> None:
-    """Save a checkpoint; it counts only once COMPLETE and `latest` are written (rank 0, after every rank)."""
+def _save(engine, ckpt_dir: Path, position: Position, keep: int, dist: Dist, fingerprint: dict[str, Any]) -> None:
+    """Save a checkpoint; it counts only once COMPLETE is renamed into place (rank 0, after every rank).
+
+    A failed write raises WriteFailed before COMPLETE exists: the partial tag is ignored (and removed
+    by the next launch), the older complete ones are untouched (pruning runs only after success).
+    """
     tag = f"step-{position.step:08d}"
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"position": asdict(position)}, save_latest=False)
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and engine.device.type == "cuda" else None}
-    torch.save(rng, ckpt_dir / tag / f"rng-rank-{dist.rank}.pt")
+    with _writing(ckpt_dir / tag, ckpt_dir):
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"position": asdict(position)}, save_latest=False)
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and engine.device.type == "cuda" else None}
+        torch.save(rng, ckpt_dir / tag / f"rng-rank-{dist.rank}.pt")
     dist.barrier()  # every rank's files are on disk
     if dist.rank == 0:
-        _fsync_tree(ckpt_dir / tag)
-        (ckpt_dir / tag / COMPLETE).write_text(json.dumps(asdict(position)))
-        tmp = ckpt_dir / f".{LATEST}.tmp"
-        tmp.write_text(tag)
-        os.replace(tmp, ckpt_dir / LATEST)
+        with _writing(ckpt_dir / tag, ckpt_dir):
+            (ckpt_dir / tag / FINGERPRINT).write_text(json.dumps(fingerprint, indent=1))
+            _fsync_tree(ckpt_dir / tag)
+            # Renamed, not written in place: a marker cut short by a full disk must not exist at all.
+            _write_atomic(ckpt_dir / tag / COMPLETE, json.dumps(asdict(position)))
+        with _writing(ckpt_dir / LATEST, ckpt_dir):
+            _write_atomic(ckpt_dir / LATEST, tag)
         for _, old in complete_checkpoints(ckpt_dir)[:-keep]:
             shutil.rmtree(ckpt_dir / old, ignore_errors=True)
     dist.barrier()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def kept_checkpoint(ckpt_dir: Path) -> str:
+    """What a stopped run keeps, in words: its newest complete checkpoint, or that it has none."""
+    done = complete_checkpoints(ckpt_dir)
+    if not done:
+        return f"no complete checkpoint in {ckpt_dir} yet (the next launch starts from step 0)"
+    step, tag = done[-1]
+    return f"checkpoint {tag} (complete, step {step:,}) in {ckpt_dir}"
+
+
+@contextmanager
+def _writing(path: Path, ckpt_dir: Path, also: str = "") -> Iterator[None]:
+    """Turn a failed write under `path` into WriteFailed, naming the kept checkpoint and how to resume.
+
+    torch.save and safetensors report a full disk as RuntimeError/SafetensorError text without an
+    errno: for those, a small probe write where the failed one went tells whether the storage refused.
+    """
+    try:
+        yield
+    except WriteFailed:
+        raise
+    except Exception as e:  # noqa: BLE001 - only storage errors are translated, the rest re-raised
+        cause = e if is_write_error(e) else None if isinstance(e, OSError) else _probe_write(path)
+        if cause is None:
+            raise
+        # The file inside a checkpoint that failed tells more than its directory; a temp name beside `path` less.
+        named = Path(e.filename) if isinstance(e, OSError) and e.filename else None
+        where = named if named is not None and named.is_relative_to(path) else path
+        kept = kept_checkpoint(ckpt_dir) + (f"; {also}" if also else "")
+        raise WriteFailed(where, cause, kept=kept, resume=RESUME) from None
+
+
+def _probe_write(path: Path, size: int = 1 << 20) -> OSError | None:
+    """The OSError that writing (and syncing) `size` bytes beside `path` raises now, or None if it works."""
+    probe = existing_parent(path.parent if not path.is_dir() else path) / f".write-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(size))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return e if is_write_error(e) else None
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    return None
+
+
+def run_fingerprint(job: TrainJob, data: dict[str, Any], d2t: torch.Tensor, config: Eagle3Config, world_size: int,
+                    total_steps: int) -> dict[str, Any]:
+    """What makes a checkpoint this run's: data, draft vocabulary and the settings that shape the optimisation.
+
+    Not in it, on purpose: log_every, checkpoint_every, keep_checkpoints, eval_every (how the run is
+    watched and saved) and where files live. `total_steps` stands for epochs/max_steps: the cosine
+    schedule is laid out over it, so extending a run would change the learning rate of every step left.
+    """
+    optimizer = job.ds_config.get("optimizer", {}).get("params", {})
+    settings = {
+        "mode": job.mode, "total_steps": total_steps, "ttt_steps": job.ttt_steps, "max_batch_tokens": job.max_batch_tokens,
+        "lr": job.lr, "warmup_ratio": job.warmup_ratio, "min_lr_ratio": job.min_lr_ratio,
+        "weight_decay": optimizer.get("weight_decay"), "betas": optimizer.get("betas"),
+        "grad_clip": job.ds_config.get("gradient_clipping"), "grad_accum": job.grad_accum, "world_size": world_size,
+        "bf16": job.bf16, "seed": job.seed, "eval_fraction": job.eval_fraction,
+        **{f"draft.{k}": v for k, v in asdict(config).items()},
+    }
+    ids = d2t.to(torch.int64).cpu().numpy().tobytes()
+    vocab = {"digest": hashlib.sha256(ids).hexdigest(), "size": int(d2t.shape[0]), "token_counts": job.token_counts}
+    return {"version": 1, "data": data, "vocab": vocab, "settings": settings}
+
+
+def fingerprint_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between a checkpoint's fingerprint and this launch's, as `name old -> new` phrases."""
+    out = []
+    old_data, new_data = old.get("data", {}), new["data"]
+    if old_data.get("digest") != new_data["digest"]:
+        changed = [f"{k} {_show(old_data.get(k))} -> {_show(new_data.get(k))}"
+                   for k in sorted(set(old_data) | set(new_data)) if k != "digest" and old_data.get(k) != new_data.get(k)]
+        out.append("data: " + (", ".join(changed) if changed else "same number of samples and tokens, other ids or lengths"))
+    if old.get("vocab", {}).get("digest") != new["vocab"]["digest"]:
+        out.append(f"draft vocabulary: other tokens (from {new['vocab']['token_counts']})")
+    old_set, new_set = old.get("settings", {}), new["settings"]
+    changed = [f"{_SETTING_NAMES.get(k, k)} {_show(old_set.get(k))} -> {_show(new_set.get(k))}"
+               for k in sorted(set(old_set) | set(new_set)) if old_set.get(k) != new_set.get(k)]
+    if changed:
+        out.append("settings: " + ", ".join(changed))
+    return out
+
+
+_SETTING_NAMES = {"total_steps": "total steps (epochs/max_steps; the cosine schedule spans them)",
+                  "world_size": "world size (train.num_gpus)"}
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "(none)"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return json.dumps(value) if isinstance(value, (list, dict, str)) else str(value)
+
+
+def check_fingerprint(ckpt_dir: Path, fingerprint: dict[str, Any], *, warn: bool) -> None:
+    """Refuse (CheckpointMismatch) to resume a checkpoint of other data or settings; reads only.
+
+    A checkpoint written before fingerprints existed is resumed, with a warning.
+    """
+    done = complete_checkpoints(ckpt_dir)
+    if not done:
+        return
+    _, tag = done[-1]
+    path = ckpt_dir / tag / FINGERPRINT
+    if not path.is_file():
+        if warn:
+            _log(f"train: warning: checkpoint {tag} has no {FINGERPRINT} (written before fingerprints): resuming "
+                 "without checking that its data and settings are this launch's")
+        return
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointMismatch(f"{path}: cannot read the checkpoint's fingerprint ({e}); move {ckpt_dir} aside "
+                                 "to start fresh") from None
+    differences = fingerprint_differences(old, fingerprint)
+    if differences:
+        raise CheckpointMismatch(
+            f"cannot resume {ckpt_dir / tag}: it was trained on other data or settings than this launch's "
+            f"({'; '.join(differences)}). Nothing was trained or removed. To start fresh, set train.out_dir to a "
+            f"new directory or move {ckpt_dir} aside; to continue that checkpoint, restore its data and settings")
 
 
 def _resume(engine, ckpt_dir: Path, dist: Dist) -> Position:
@@ -526,42 +717,46 @@ class _MetricsWriter:
     def __init__(self, out_dir: Path, resumed_step: int, enabled: bool):
         self.enabled = enabled
         self.path = out_dir / "metrics.jsonl"
+        self.ckpt_dir = out_dir / "checkpoints"
         self.tb = None
         if not enabled:
             return
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if self.path.is_file():
-            kept = []
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= resumed_step:
-                        kept.append(line)
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut by a kill
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(k + "\n" for k in kept))
-            os.replace(tmp, self.path)
-        self.file = open(self.path, "a")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        with _writing(self.path, self.ckpt_dir):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if self.path.is_file():
+                kept = []
+                for line in self.path.read_text().splitlines():
+                    try:
+                        if json.loads(line)["step"] <= resumed_step:
+                            kept.append(line)
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a line cut by a kill (or a full disk)
+                _write_atomic(self.path, "".join(k + "\n" for k in kept))
+            self.file = open(self.path, "a")
+        with _writing(out_dir / "tensorboard", self.ckpt_dir):
+            try:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
-        except ImportError:
-            _log("train: tensorboard is not installed; metrics go to metrics.jsonl only")
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
+            except ImportError:
+                _log("train: tensorboard is not installed; metrics go to metrics.jsonl only")
 
     def write(self, line: dict[str, Any]) -> None:
+        """Append one line (and its scalars); a line cut by a failed write is dropped on resume."""
         if not self.enabled:
             return
-        self.file.write(json.dumps(line) + "\n")
-        self.file.flush()
+        with _writing(self.path, self.ckpt_dir):
+            self.file.write(json.dumps(line) + "\n")
+            self.file.flush()
         if self.tb is not None:
-            kind, step = line["kind"], line["step"]
-            for key in ("loss", "acceptance_length", "lr", "grad_norm", "tokens_per_s"):
-                if isinstance(line.get(key), (int, float)):
-                    self.tb.add_scalar(f"{kind}/{key}", line[key], step)
-            for k, acc in enumerate(line.get("per_step_acc", [])):
-                self.tb.add_scalar(f"{kind}/acc_{k}", acc, step)
-            self.tb.flush()
+            with _writing(self.path.parent / "tensorboard", self.ckpt_dir):
+                kind, step = line["kind"], line["step"]
+                for key in ("loss", "acceptance_length", "lr", "grad_norm", "tokens_per_s"):
+                    if isinstance(line.get(key), (int, float)):
+                        self.tb.add_scalar(f"{kind}/{key}", line[key], step)
+                for k, acc in enumerate(line.get("per_step_acc", [])):
+                    self.tb.add_scalar(f"{kind}/acc_{k}", acc, step)
+                self.tb.flush()
 
     def close(self) -> None:
         if self.enabled:
@@ -599,8 +794,14 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher as a nonzero exit
         if isinstance(e, SystemExit) and not e.code:
             return 0
-        print(f"train rank {dist.rank} failed: {e!r}", file=sys.stderr)
-        traceback.print_exc(file=sys.stderr)
+        told = isinstance(e, (WriteFailed, CheckpointMismatch))  # the message says it all for these
+        # Every rank reads the same checkpoint and data: one refusal is enough, from rank 0.
+        if dist.rank == 0 or not isinstance(e, CheckpointMismatch):
+            # The report first: it is what the pipeline shows, and this rank may be killed any moment now.
+            print(f"{ERROR_MARK} {json.dumps(error_report(e, dist.rank))}", file=sys.stderr, flush=True)
+            print(f"train rank {dist.rank} failed: {e}" if told else f"train rank {dist.rank} failed: {e!r}", file=sys.stderr)
+        if not told:
+            traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         return 1
     finally:

@@ -12,15 +12,19 @@ exactly the batches it would have seen.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from models.capture import make_batches
 from models.hidden_shards import iter_shard_index, read_sample
 
+CAPTURE_IDENTITY = ("target", "hidden_size", "num_layers", "aux_layers", "dtype")  # of hidden/metadata.json
 SORT_WINDOW = 64  # samples sorted by length inside windows this big before packing: less padding, still shuffled
 
 
@@ -87,6 +91,20 @@ def epoch_batches(samples: list[TrainSample], max_batch_tokens: int, seed: int, 
     return batches
 
 
+def data_fingerprint(rows: Iterable[tuple[str, str, int]], source: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint remembers of its training data: a digest of the sorted (dataset, id, length) rows.
+
+    `source` names where the samples come from (mode, the capture's target and layers, ...); it is
+    hashed too, and kept readable so that a mismatch can say what changed. Lengths are the full
+    (uncut) ones: the cut follows from max_batch_tokens, a setting of its own.
+    """
+    keys = sorted((str(d), str(i), int(n)) for d, i, n in rows)
+    h = hashlib.sha256(json.dumps(source, sort_keys=True).encode())
+    for d, i, n in keys:
+        h.update(f"{d}\0{i}\0{n}\n".encode())
+    return {"digest": h.hexdigest(), "samples": len(keys), "tokens": sum(n for _, _, n in keys), **source}
+
+
 def steps_per_epoch(num_batches: int, world_size: int, grad_accum: int) -> int:
     """Optimizer steps in one epoch: every rank runs grad_accum micro batches per step.
 
@@ -120,6 +138,12 @@ class HiddenSource:
         self.cut = sum(1 for r in rows if r["length"] > self.max_len)
         self.samples = [TrainSample(r["dataset"], r["id"], min(int(r["length"]), self.max_len),
                                     (str(self.hidden_dir / r["shard"]), int(r["offset"]))) for r in rows]
+        # Not the shard layout (a capture resumed differently holds the same samples), but the
+        # capture's target and layers: the same ids and lengths from another target are other data.
+        meta_path = self.hidden_dir / "metadata.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        source = {"mode": "offline", **{k: meta[k] for k in CAPTURE_IDENTITY if k in meta}}
+        self.fingerprint = data_fingerprint(((r["dataset"], r["id"], r["length"]) for r in rows), source)
 
     def batch(self, samples: list[TrainSample], device: torch.device) -> Batch:
         width = max(s.length for s in samples)

@@ -333,3 +333,234 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# --- fingerprints: a relaunch resumes only its own run --------------------------------------------
+
+
+def _fingerprint(rows=(("D", "a", 5), ("D", "b", 7)), d2t=(0, 0, 1), **over):
+    from models.eagle3 import Eagle3Config
+    from models.train import run_fingerprint
+    from models.train_data import data_fingerprint
+
+    fields = {"target_path": "t", "out_dir": "o", "token_counts": "tc.parquet", "hidden_dir": "h", "lr": 2e-3,
+              "ds_config": ds_train_config(world_size=2, grad_accum=2, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95),
+                                           grad_clip=0.5, bf16=False, torch_adam=True)}
+    total_steps = over.pop("total_steps", 6)
+    world_size = over.pop("world_size", 2)
+    job = TrainJob(**{**fields, **over})
+    config = Eagle3Config(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
+                          vocab_size=10, draft_vocab_size=3, aux_layers=[0, 1, 2])
+    data = data_fingerprint(rows, {"mode": "offline", "aux_layers": [0, 1, 2]})
+    return run_fingerprint(job, data, torch.tensor(d2t), config, world_size, total_steps)
+
+
+def test_fingerprint_names_what_differs_and_ignores_how_the_run_is_watched():
+    from models.train import fingerprint_differences
+
+    base = _fingerprint()
+    assert fingerprint_differences(base, _fingerprint()) == []
+    # How often to log, save and evaluate may change between launches.
+    assert fingerprint_differences(base, _fingerprint(log_every=1, checkpoint_every=7, keep_checkpoints=9, eval_every=3)) == []
+    assert fingerprint_differences(base, _fingerprint(lr=1e-3)) == ["settings: lr 0.002 -> 0.001"]
+    assert fingerprint_differences(base, _fingerprint(ttt_steps=5, world_size=4)) == [
+        "settings: ttt_steps 7 -> 5, world size (train.num_gpus) 2 -> 4"]
+    assert fingerprint_differences(base, _fingerprint(total_steps=12)) == [
+        "settings: total steps (epochs/max_steps; the cosine schedule spans them) 6 -> 12"]
+    assert fingerprint_differences(base, _fingerprint(rows=[("D", "a", 5)])) == ["data: samples 2 -> 1, tokens 12 -> 5"]
+    # Same counts, another sample: the digest still tells.
+    assert fingerprint_differences(base, _fingerprint(rows=[("D", "a", 5), ("D", "c", 7)])) == [
+        "data: same number of samples and tokens, other ids or lengths"]
+    assert fingerprint_differences(base, _fingerprint(d2t=(0, 1, 1))) == ["draft vocabulary: other tokens (from tc.parquet)"]
+    # The order of the index does not matter: a resumed capture may have sharded differently.
+    assert fingerprint_differences(base, _fingerprint(rows=[("D", "b", 7), ("D", "a", 5)])) == []
+
+
+def test_check_fingerprint_refuses_another_run_and_warns_for_old_checkpoints(tmp_path, capsys):
+    from models.train import FINGERPRINT, CheckpointMismatch, check_fingerprint
+
+    ckpts = tmp_path / "checkpoints"
+    check_fingerprint(ckpts, _fingerprint(), warn=True)  # nothing to resume: nothing to check
+    tag = ckpts / "step-00000004"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE").write_text("{}")
+    check_fingerprint(ckpts, _fingerprint(), warn=True)  # written before fingerprints: resumed, with a warning
+    assert f"checkpoint step-00000004 has no {FINGERPRINT}" in capsys.readouterr().err
+    (tag / FINGERPRINT).write_text(json.dumps(_fingerprint()))
+    check_fingerprint(ckpts, _fingerprint(), warn=True)
+    with pytest.raises(CheckpointMismatch) as info:
+        check_fingerprint(ckpts, _fingerprint(lr=1e-3, rows=[("D", "a", 5)]), warn=True)
+    message = str(info.value)
+    assert message.startswith(f"cannot resume {tag}: it was trained on other data or settings than this launch's "
+                              "(data: samples 2 -> 1, tokens 12 -> 5; settings: lr 0.002 -> 0.001)")
+    assert f"set train.out_dir to a new directory or move {ckpts} aside" in message
+    assert sorted(p.name for p in tag.iterdir()) == ["COMPLETE", FINGERPRINT]  # nothing touched
+
+
+def _run_single(job: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in _env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "-m", "models.train", "--job", str(job)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+
+
+def _error_reports(output: str) -> list[dict]:
+    from models.train import ERROR_MARK
+
+    return [json.loads(line.removeprefix(ERROR_MARK + " ")) for line in output.splitlines() if line.startswith(ERROR_MARK + " ")]
+
+
+def _error_report(stderr: str) -> dict:
+    reports = _error_reports(stderr)
+    assert len(reports) == 1, stderr[-4000:]
+    return reports[0]
+
+
+def _tree(directory: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()}
+
+
+def test_relaunch_on_other_data_or_settings_is_refused_before_training(tiny_target_dir, train_data, tmp_path):
+    """Changed lr, data or length: exit 1 naming the change, checkpoints untouched; watch settings and old checkpoints resume."""
+    import shutil
+
+    from models.hidden_shards import list_shards
+
+    one_rank = {"max_steps": 2, "checkpoint_every": 2, "eval_every": 100,
+                "ds_config": ds_train_config(world_size=1, grad_accum=1, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95),
+                                             grad_clip=0.5, bf16=False, torch_adam=True)}
+    out = tmp_path / "run" / "draft"
+    _single_process(_job(tiny_target_dir, train_data, out, **one_rank))
+    fingerprint = json.loads((out / "checkpoints" / "step-00000002" / "fingerprint.json").read_text())
+    samples, tokens = fingerprint["data"]["samples"], fingerprint["data"]["tokens"]
+    before = _tree(out)
+
+    lower_lr = {**one_rank, "lr": 1e-3}
+    proc = _run_single(_job(tiny_target_dir, train_data, out, **lower_lr))
+    assert proc.returncode == 1
+    report = _error_report(proc.stderr)
+    assert report["type"] == "CheckpointMismatch" and report["kind"] == "invalid"
+    assert report["message"].startswith(f"cannot resume {out / 'checkpoints' / 'step-00000002'}: it was trained on other "
+                                        "data or settings than this launch's (settings: lr 0.002 -> 0.001)")
+    assert f"set train.out_dir to a new directory or move {out / 'checkpoints'} aside" in report["message"]
+    assert "Traceback" not in proc.stderr and "resuming" not in proc.stderr
+    assert _tree(out) == before  # nothing trained, written or removed
+
+    fewer = tmp_path / "fewer_hidden"
+    shutil.copytree(train_data["hidden"], fewer)
+    dropped = list_shards(fewer)[-1]
+    from models.hidden_shards import shard_metadata
+
+    gone = shard_metadata(dropped)["samples"]
+    dropped.unlink()
+    proc = _run_single(_job(tiny_target_dir, {**train_data, "hidden": fewer}, out, **one_rank))
+    assert proc.returncode == 1
+    message = _error_report(proc.stderr)["message"]
+    assert (f"(data: samples {samples:,} -> {samples - len(gone):,}, "
+            f"tokens {tokens:,} -> {tokens - sum(s['length'] for s in gone):,})") in message
+    assert _tree(out) == before
+
+    proc = _run_single(_job(tiny_target_dir, train_data, out, **{**one_rank, "max_steps": 4}))
+    assert proc.returncode == 1
+    assert "settings: total steps (epochs/max_steps; the cosine schedule spans them) 2 -> 4)" in _error_report(proc.stderr)["message"]
+    assert _tree(out) == before
+
+    # How the run is watched may change: the finished run resumes (and trains nothing).
+    log = _single_process(_job(tiny_target_dir, train_data, out, **{**one_rank, "eval_every": 1, "log_every": 5,
+                                                                      "checkpoint_every": 1, "keep_checkpoints": 5}))
+    assert "resuming from checkpoint step-00000002" in log
+    # A checkpoint from before fingerprints resumes with a warning.
+    (out / "checkpoints" / "step-00000002" / "fingerprint.json").unlink()
+    log = _single_process(_job(tiny_target_dir, train_data, out, **one_rank))
+    assert "checkpoint step-00000002 has no fingerprint.json (written before fingerprints)" in log
+    assert "resuming from checkpoint step-00000002" in log
+
+
+@pytest.fixture
+def small_disk(tmp_path, tmpfs):
+    """A 10 MiB tmpfs (root only): room for one checkpoint of the tiny draft on 2 ranks (6.4 MB), not two."""
+    with tmpfs(tmp_path / "disk", "10m") as disk:
+        yield disk
+
+
+def test_full_disk_stops_training_at_once_and_keeps_the_last_checkpoint(tiny_target_dir, train_data, small_disk, tmpfs):
+    """A real ENOSPC in the step-4 save: exit 1 with one clear report, step 2 kept intact; after the disk grows, a rerun finishes."""
+    import re
+
+    out = small_disk / "draft"
+    ckpts = out / "checkpoints"
+    job = _job(tiny_target_dir, train_data, out)  # 2 ranks, checkpoints at 2, 4, 6
+    proc = subprocess.run(_launch_cmd(job), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    written = [r for r in _error_reports(proc.stderr) if r["kind"] == "write_failed"]
+    assert written, output[-6000:]
+    for report in written:  # the rank(s) whose write failed, each in one line
+        assert re.fullmatch(
+            rf"cannot write {re.escape(str(ckpts / 'step-00000004'))}\S*: disk full: [\d,]+ bytes free on {re.escape(str(small_disk))}\. "
+            rf"kept: checkpoint step-00000002 \(complete, step 2\) in {re.escape(str(ckpts))}\. "
+            r"to resume: make room there \(or set train.out_dir to a disk with room\), then run the train stage again: "
+            r"it resumes from the kept checkpoint", report["message"]), report["message"]
+        assert f"train rank {report['rank']} failed: {report['message']}" in proc.stderr
+    # Stopped at once: nothing after the failed save, which never became a checkpoint.
+    assert "TRAIN_CHECKPOINT step=2" in proc.stdout and "TRAIN_CHECKPOINT step=4" not in proc.stdout
+    assert "step=5" not in proc.stdout
+    assert complete_checkpoints(ckpts) == [(2, "step-00000002")]
+    assert (ckpts / "latest").read_text() == "step-00000002"
+    assert not (ckpts / "step-00000004" / "COMPLETE").exists()
+    kept = torch.load(ckpts / "step-00000002" / "mp_rank_00_model_states.pt", weights_only=False)  # readable, whole
+    assert kept["position"]["step"] == 2
+    assert not (out / "final").exists()
+
+    # Read-only now (a remount after an I/O error does that): refused at the first write, before training.
+    before = _tree(out)
+    tmpfs.remount(small_disk, "ro")
+    proc = subprocess.run(_launch_cmd(job), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode != 0
+    assert [r["message"] for r in _error_reports(proc.stderr)] == [
+        f"cannot write {out / 'ds_config.json'}: read-only file system. kept: checkpoint step-00000002 (complete, step 2) "
+        f"in {ckpts}. to resume: make room there (or set train.out_dir to a disk with room), then run the train stage "
+        "again: it resumes from the kept checkpoint"], proc.stderr[-4000:]
+    assert _tree(out) == before
+
+    tmpfs.remount(small_disk, "rw,size=64m")
+    log = _torchrun(job)
+    assert "removing incomplete checkpoint step-00000004" in log
+    assert "resuming from checkpoint step-00000002 (step 2" in log
+    assert json.loads((out / "train_summary.json").read_text())["steps"] == 6
+    assert [x["step"] for x in _metric_lines(out) if x["kind"] == "train"] == [1, 2, 3, 4, 5, 6]  # each step once
+    assert validate_export(out / "final") == []
+
+
+def _fill(disk: Path) -> None:
+    """Write zeros until the filesystem refuses."""
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(bytes(1 << 20))
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_a_full_disk_under_metrics_or_torch_save_is_a_write_failure_naming_the_file(small_disk):
+    from models.train import _writing
+    from models.write_failure import WriteFailed
+
+    writer = _MetricsWriter(small_disk, resumed_step=0, enabled=True)
+    writer.write({"kind": "train", "step": 1, "loss": 1.0})
+    _fill(small_disk)
+    with pytest.raises(WriteFailed) as info:
+        for step in range(2, 10_000):  # the page cache takes a few lines before the disk refuses
+            writer.write({"kind": "train", "step": step, "loss": 1.0, "pad": "x" * 4096})
+    assert str(info.value).startswith(f"cannot write {small_disk / 'metrics.jsonl'}: disk full: ")
+    assert f"kept: no complete checkpoint in {small_disk / 'checkpoints'} yet" in str(info.value)
+    # torch.save says only "unexpected pos ..." on a full disk: the probe write finds the reason.
+    with pytest.raises(WriteFailed, match=r"^cannot write .*/ckpt: disk full: [\d,]+ bytes free on "):
+        with _writing(small_disk / "ckpt", small_disk / "checkpoints"):
+            torch.save(torch.zeros(1 << 20), small_disk / "ckpt")
+    # Any other error in a guarded write is not disguised as a storage problem.
+    (small_disk / "filler").unlink()
+    with pytest.raises(RuntimeError, match="^not storage$"):
+        with _writing(small_disk / "ckpt", small_disk / "checkpoints"):
+            raise RuntimeError("not storage")
+    assert not list(small_disk.glob(".write-probe-*"))
