@@ -9,44 +9,33 @@ from __future__ import annotations
 
 import difflib
 import re
-import types
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
-from urllib.parse import urlsplit
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from models.jobs import (
+    CaptureSettings,
+    EvalSettings,
+    GenerateSettings,
+    RecordSettings,
+    ServerSettings,
+    Spec,
+    TargetSpec,
+    TrainSettings,
+)
 
 DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, values are validated on assignment."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
-        # pydantic takes true/false as 1/0 for an int or float, so `max_concurrency: true` would
-        # quietly mean 1; every number field of every section (present and future) refuses them.
-        problem = _bool_for_number(value, cls.model_fields[info.field_name].annotation)
-        if problem:
-            raise ValueError(problem)
-        return value
+class Section(Spec):
+    """Base of every config section: unknown keys are errors, no bool for a number (models/jobs.py)."""
 
 
-class TargetConfig(Section):
+class TargetConfig(TargetSpec, Section):
     """The target model whose responses and hidden states the draft learns from."""
 
-    path: str = Field(
-        description="Hugging Face repo id or local directory of the target: its tokenizer and chat "
-        "template build the prompts; its weights are loaded by the capture stage."
-    )
-    trust_remote_code: bool = Field(
-        default=False,
-        description="Pass trust_remote_code=True to transformers (Kimi-K2.5's tokenizer needs it).",
-    )
     build_tiny_target: bool = Field(
         default=False,
         description="Build the deterministic tiny demo target at `path` if it is not there yet "
@@ -54,45 +43,15 @@ class TargetConfig(Section):
     )
 
 
-class ServerConfig(Section):
+class ServerConfig(ServerSettings, Section):
     """The SGLang server (or router) that the generate stage sends /generate requests to."""
 
-    url: str = Field(
-        default="http://127.0.0.1:30000",
-        description="Base URL of SGLang's native HTTP API: scheme://host:port with no path (not .../generate, "
-        "not .../v1). https is allowed; without a port the scheme's default (80, 443) is used, as behind a proxy.",
-    )
     max_concurrency: int = Field(
         default=64,
         ge=1,
         le=4096,
         description="Most requests in flight to this server at once, over all datasets together.",
     )
-    request_timeout_s: float = Field(
-        default=1800.0,
-        gt=0,
-        description="Seconds one /generate request may take before it is cancelled and retried; "
-        "long enough for max_new_tokens at the slowest expected decode speed.",
-    )
-
-    outage_window_s: float = Field(
-        default=900.0,
-        gt=0,
-        description="How long the server may stay unreachable (connect errors, 5xx, 429) before "
-        "the generate task fails cleanly; Prefect task retries then resume it.",
-    )
-    health_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="How long to wait for /health_generate at the start of the generate stage "
-        "(a 1T model takes minutes to load).",
-    )
-    api_key_env: str | None = Field(
-        default=None,
-        description="Name of the environment variable holding the server's API key (sent as a "
-        "Bearer token). The key itself never goes into the config, logs or artifacts.",
-    )
-
     launch: Literal["none", "dev", "command"] = Field(
         default="none",
         description="Who runs the server during the generate stage. `none`: it is already running at `url`. "
@@ -118,11 +77,6 @@ class ServerConfig(Section):
         if self.launch == "command" and not self.command:
             raise ValueError("launch: command needs `command` (e.g. [python, -m, sglang.launch_server, --model-path, ...])")
         return self
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, value: str) -> str:
-        return _server_url(value)
 
 
 class SamplingConfig(Section):
@@ -158,22 +112,9 @@ class SamplingConfig(Section):
         return value
 
 
-class GenerateConfig(Section):
+class GenerateConfig(GenerateSettings, Section):
     """Checkpointing, progress and retries of the generate stage."""
 
-    flush_every: int = Field(default=256, ge=1, description="Write a checkpoint part every this many responses.")
-    flush_interval_s: float = Field(
-        default=60.0, gt=0, description="...and at least this often (seconds): a kill loses at most this window."
-    )
-    log_interval_s: float = Field(
-        default=30.0, gt=0, description="Seconds between progress log lines and progress-artifact updates."
-    )
-    throughput_window_s: float = Field(
-        default=120.0, gt=0, description="Tokens/s and the ETA are measured over this recent window."
-    )
-    compact_min_parts: int = Field(
-        default=64, ge=2, description="Merge small checkpoint parts once this many have been written."
-    )
     retries: int = Field(
         default=3, ge=0, description="Prefect retries of a dataset task that failed (e.g. server outage)."
     )
@@ -182,158 +123,62 @@ class GenerateConfig(Section):
     )
 
 
-class RecordsConfig(Section):
+class RecordsConfig(RecordSettings, Section):
     """How responses and passthrough rows become training records (input_ids + loss_mask)."""
 
-    max_seq_len: int | None = Field(
-        default=8192, ge=16, description="Longest record in tokens; longer ones are cut or dropped (see overflow). null: no limit."
-    )
-    overflow: Literal["truncate", "drop"] = Field(
-        default="truncate", description="`truncate`: keep the first max_seq_len tokens. `drop`: leave the record out."
-    )
-    min_loss_tokens: int = Field(
-        default=1, ge=1, description="Records with fewer loss tokens than this are left out."
-    )
-    keep_truncated: bool = Field(
-        default=False,
-        description="Also train on responses that ended by length (cut off by max_new_tokens) or abort.",
-    )
-    on_rewrite: Literal["split", "reject"] = Field(
-        default="split",
-        description="Passthrough conversations whose chat template rewrites earlier turns (e.g. drops "
-        "their reasoning): `split` makes one record per assistant turn, exactly as the model saw it; "
-        "`reject` sends the row to rejects.",
-    )
 
-
-class CaptureConfig(Section):
-    """The DeepSpeed job that captures the target's hidden states for every training record."""
+class LaunchConfig(Section):
+    """How a DeepSpeed job of the pipeline is launched and retried (capture, train)."""
 
     num_gpus: int = Field(
-        default=8, ge=1, description="Ranks of the capture job: one per GPU (on a CPU-only machine, CPU processes)."
+        default=8, ge=1, description="Ranks of the job: one per GPU (on a CPU-only machine, CPU processes)."
     )
-    mode: Literal["replicate", "zero3"] = Field(
-        default="replicate",
-        description="`replicate`: every rank holds the whole target (data parallel; the target must "
-        "fit one GPU). `zero3`: parameters partitioned over the ranks with DeepSpeed ZeRO-3 "
-        "(targets larger than one GPU; see offload).",
+    launcher: Literal["auto", "torchrun", "deepspeed"] = Field(
+        default="auto", description="auto: the deepspeed launcher on a CUDA machine, torchrun (gloo, DS_ACCELERATOR=cpu) otherwise."
     )
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        default="auto", description="Dtype the target runs and the hidden states are stored in; auto: the checkpoint's."
+    retries: int = Field(
+        default=2, ge=0, description="Prefect retries of a job whose rank crashed or was killed; a retry resumes (complete "
+        "shards are skipped, training goes on from the last checkpoint). A full disk, a damaged file, a checkpoint of other "
+        "data or settings, or a refused job is not retried."
     )
-    aux_layers: list[int] | None = Field(
-        default=None,
-        description="0-based decoder layers whose outputs are captured; default [1, L//2-1, L-4] (EAGLE-3).",
-    )
-    max_batch_tokens: int = Field(default=16384, ge=1, description="Padded tokens per forward pass on one rank.")
-    shard_tokens: int = Field(
-        default=16384, ge=1, description="Tokens per safetensors shard (a kill loses at most one unfinished shard per rank)."
-    )
+    retry_delay_s: float = Field(default=60.0, ge=0, description="Seconds to wait before each retry of the job.")
+
+    @property
+    def device(self) -> Literal["cpu", "cuda"]:
+        """Where the ranks run: cuda under the deepspeed launcher (or auto on a CUDA machine), cpu otherwise."""
+        from tasks.launch import cuda_available
+
+        return "cuda" if self.launcher == "deepspeed" or (self.launcher == "auto" and cuda_available()) else "cpu"
+
+
+class CaptureConfig(CaptureSettings, LaunchConfig):
+    """The DeepSpeed job that captures the target's hidden states for every training record."""
+
     max_tokens: int | None = Field(
         default=None, ge=1, description="Capture at most this many tokens in total (one way to fit a disk: the remaining records are not captured)."
     )
-    offload: Literal["none", "cpu", "nvme"] = Field(
-        default="none", description="zero3 only: where partitioned parameters live between uses."
-    )
-    nvme_path: Path | None = Field(default=None, description="zero3 with offload: nvme: a fast local directory.")
     out_dir: Path | None = Field(
         default=None, description="Where the hidden states go; default RUN_DIR/hidden. Put it on a big disk."
     )
     disk_margin: float = Field(
         default=0.05, ge=0, lt=1, description="Share of the free space kept free: the job must fit in the rest."
     )
-    launcher: Literal["auto", "torchrun", "deepspeed"] = Field(
-        default="auto", description="auto: the deepspeed launcher on a CUDA machine, torchrun (gloo, DS_ACCELERATOR=cpu) otherwise."
-    )
-    retries: int = Field(
-        default=2, ge=0, description="Prefect retries of a capture job whose rank crashed or was killed; a retry "
-        "resumes (complete shards are skipped). A full disk, a damaged file or a refused job is not retried."
-    )
-    retry_delay_s: float = Field(default=60.0, ge=0, description="Seconds to wait before each retry of the capture job.")
-
-    @model_validator(mode="after")
-    def _nvme_needs_a_path(self) -> CaptureConfig:
-        if self.offload == "nvme" and self.nvme_path is None:
-            raise ValueError("offload: nvme needs nvme_path (a fast local directory for the parameters)")
-        if self.offload != "none" and self.mode != "zero3":
-            raise ValueError("offload applies to mode: zero3 only")
-        return self
 
 
-class TrainConfig(Section):
+class TrainConfig(TrainSettings, LaunchConfig):
     """The DeepSpeed job that trains the EAGLE-3 draft (ZeRO-2, training-time test)."""
 
-    num_gpus: int = Field(default=8, ge=1, description="Ranks of the training job: one per GPU (CPU processes on a CPU-only machine).")
-    mode: Literal["offline", "online"] = Field(
-        default="offline",
-        description="`offline`: train on the captured hidden states (RUN_DIR/hidden). `online`: every rank runs the "
-        "target itself on the records (no capture, no disk; only for a target that fits one device).",
-    )
-    launcher: Literal["auto", "torchrun", "deepspeed"] = Field(
-        default="auto", description="auto: the deepspeed launcher on a CUDA machine, torchrun (gloo, DS_ACCELERATOR=cpu) otherwise."
-    )
     precision: Literal["auto", "bf16", "fp32"] = Field(
         default="auto", description="auto: bf16 on GPUs (fp32 master weights in the optimizer), fp32 on CPU."
     )
-    draft_vocab_size: int = Field(
-        default=32000, ge=1,
-        description="Tokens the draft can propose: the most frequent loss tokens of the records (capped by the target vocab).",
-    )
-    ttt_steps: int = Field(default=7, ge=1, le=16, description="Training-time-test steps unrolled per position (EAGLE-3: 7).")
-    epochs: int = Field(default=1, ge=1, description="Passes over the training samples.")
-    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
-    max_batch_tokens: int = Field(
-        default=16384, ge=16, description="Padded tokens per micro batch on one rank; longer samples are cut to this length."
-    )
     grad_accum: int = Field(default=1, ge=1, description="Micro batches per optimizer step on each rank.")
-    lr: float = Field(default=1e-4, gt=0, description="Peak AdamW learning rate.")
-    warmup_ratio: float = Field(default=0.015, ge=0, lt=1, description="Share of the steps with linear warmup; cosine decay after.")
-    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="Learning rate at the last step, as a share of lr.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(default=0.5, gt=0, description="Gradient norm clipping (DeepSpeed gradient_clipping).")
-    checkpoint_every: int = Field(default=500, ge=1, description="Optimizer steps between checkpoints (also one at the end).")
-    keep_checkpoints: int = Field(default=2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
-    eval_every: int = Field(default=500, ge=1, description="Optimizer steps between evaluations on the held-out split (also one at the end).")
-    eval_fraction: float = Field(
-        default=0.02, ge=0, lt=1, description="Share of the samples held out (a stable hash of dataset and id): never trained on; "
-        "the training eval and `eagle3 eval` use them."
-    )
-    log_every: int = Field(default=10, ge=1, description="Optimizer steps per metrics.jsonl / TensorBoard line.")
-    seed: int = Field(default=0, description="Seed of the draft's initial weights and of the data order.")
-    draft_overrides: dict[str, int | float] = Field(
-        default_factory=dict,
-        description="Draft shape settings that differ from the target's (head_dim, num_attention_heads, num_key_value_heads, "
-        "intermediate_size, rope_theta, rms_norm_eps); e.g. head_dim: 128 for an MLA target.",
-    )
     out_dir: Path | None = Field(default=None, description="Checkpoints, metrics and the exported draft; default RUN_DIR/draft.")
-    retries: int = Field(
-        default=2, ge=0, description="Prefect retries of a training job whose rank crashed or was killed; a retry resumes "
-        "from the last checkpoint. A failed write, a checkpoint of other data or settings, or a refused job is not retried."
-    )
-    retry_delay_s: float = Field(default=60.0, ge=0, description="Seconds to wait before each retry of the training job.")
-
-    @field_validator("draft_overrides")
-    @classmethod
-    def _known_overrides(cls, value: dict[str, int | float]) -> dict[str, int | float]:
-        allowed = {"head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size", "rope_theta", "rms_norm_eps"}
-        unknown = sorted(set(value) - allowed)
-        if unknown:
-            raise ValueError(f"unknown draft setting(s) {unknown}; allowed: {sorted(allowed)}")
-        return value
 
 
-class EvalConfig(Section):
+class EvalConfig(EvalSettings, Section):
     """`eagle3 eval`: speculative decoding with the HF target (greedy) and the exported draft on held-out prompts."""
-
-    prompts: int = Field(default=32, ge=1, description="Held-out records whose prompts are decoded.")
-    max_new_tokens: int = Field(default=128, ge=1, description="Tokens generated per prompt.")
-    num_steps: int = Field(
-        default=3, ge=1, le=16, description="Draft tokens per verify round (SGLang --speculative-num-steps; top-k 1, num-draft-tokens = this + 1)."
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="Where the target and draft run; auto: cuda if available.")
-    compare_untrained: bool = Field(
-        default=True, description="Also measure the draft as training starts it (same seed, untrained): the baseline the trained one must beat."
-    )
 
 
 class DatasetConfig(Section):
@@ -551,66 +396,6 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
         if model is None:
             return []
     return list(model.model_fields)
-
-
-SERVER_URL_FORM = "scheme://host:port, e.g. http://127.0.0.1:30000"
-_NETLOC = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^:\[\]@]+)(?::(?P<port>[^:]*))?")
-
-
-def _server_url(value: str) -> str:
-    """`value` as scheme://host[:port] without a trailing slash; ValueError showing the right form."""
-    parts = urlsplit(value)
-    if "@" in parts.netloc:
-        # Credentials in the URL would end up in logs and RUN_DIR/config.yaml.
-        raise ValueError(
-            f"must not hold a user or password; the form is {SERVER_URL_FORM}"
-            " (put the API key in the environment variable named by server.api_key_env)"
-        )
-    netloc = _NETLOC.fullmatch(parts.netloc)
-    if parts.scheme not in ("http", "https") or netloc is None or re.search(r"\s", value):
-        raise ValueError(f"must be an http(s) URL of the form {SERVER_URL_FORM}")
-    port = netloc["port"]
-    if port is not None and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
-        raise ValueError(f"port {port!r} is not a number from 1 to 65535; the form is {SERVER_URL_FORM}")
-    base = f"{parts.scheme}://{parts.netloc}"
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        # The client appends /generate, /health_generate and /abort_request to this base itself.
-        raise ValueError(
-            f"must be the server's base URL, scheme://host:port with no path: use {base!r}"
-            " (SGLang's native API is at the root; the pipeline adds /generate itself)"
-        )
-    return base
-
-
-def _union_members(annotation: Any) -> tuple[Any, ...]:
-    if get_origin(annotation) in (Union, types.UnionType):
-        return get_args(annotation)
-    return (annotation,)
-
-
-def _bool_for_number(value: Any, annotation: Any) -> str | None:
-    """Why `value` holds a bool where `annotation` wants a number (also inside lists and dicts), or None."""
-    members = _union_members(annotation)
-    if isinstance(value, bool):
-        if bool in members or not {int, float} & set(members):
-            return None
-        number = "a number" if float in members else "a whole number"
-        return f"must be {number}, not true/false"
-    for member in members:
-        origin = get_origin(member)
-        if origin is list and isinstance(value, list):
-            (item,) = get_args(member)
-            for i, v in enumerate(value):
-                problem = _bool_for_number(v, item)
-                if problem:
-                    return f"item {i} {problem} (got {v!r})"
-        elif origin is dict and isinstance(value, dict):
-            item = get_args(member)[1]
-            for k, v in value.items():
-                problem = _bool_for_number(v, item)
-                if problem:
-                    return f"{k!r} {problem} (got {v!r})"
-    return None
 
 
 def _directory_problems(config: RunConfig) -> list[str]:

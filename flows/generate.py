@@ -8,14 +8,13 @@ from pathlib import Path
 from prefect import flow
 
 from flows.config import RunConfig, load_config, save_run_config
+from models.jobs import GenerateJob, GenerateSettings, ServerSettings
 from tasks.generate_tasks import (
     RunPaths,
-    ServerSettings,
     copy_passthrough_task,
     generate_responses,
     publish_generate_summary,
 )
-from tasks.generation import GenerateSettings
 from tasks.prompts import request_sampling_params
 from tasks.run_lock import run_lock
 
@@ -56,25 +55,12 @@ def dataset_task(config: RunConfig, index: int, paths: RunPaths, slots: asyncio.
     if dataset.kind == "passthrough":
         return asyncio.to_thread(copy_passthrough_task, dataset.name, dataset.path, dataset.on_bad_row, paths)
     gen = config.generate
-    settings = GenerateSettings(
-        dataset=dataset.name,
+    settings = GenerateJob(
+        **gen.pick(GenerateSettings), dataset=dataset.name, token_budget=dataset.token_budget, max_prompts=dataset.max_prompts,
         sampling_params=request_sampling_params(config.sampling.model_dump(), config.sampling.stop_token_ids or []),
-        token_budget=dataset.token_budget,
-        max_prompts=dataset.max_prompts,
-        flush_every=gen.flush_every,
-        flush_interval_s=gen.flush_interval_s,
-        log_interval_s=gen.log_interval_s,
-        throughput_window_s=gen.throughput_window_s,
-        compact_min_parts=gen.compact_min_parts,
         retry_rejects=retry_rejects,
     )
-    server = ServerSettings(
-        url=config.server.url,
-        request_timeout_s=config.server.request_timeout_s,
-        outage_window_s=config.server.outage_window_s,
-        health_timeout_s=config.server.health_timeout_s,
-        api_key_env=config.server.api_key_env,
-    )
+    server = ServerSettings(**config.server.pick(ServerSettings))
     task = generate_responses.with_options(
         retries=gen.retries,
         retry_delay_seconds=[gen.retry_delay_s * 2**i for i in range(gen.retries)],

@@ -7,7 +7,7 @@ from pathlib import Path
 from prefect import flow
 
 from flows.config import RunConfig, load_config, save_run_config
-from tasks.records import RecordSettings
+from models.jobs import RecordSettings, RecordsJob
 from tasks.records_tasks import build_dataset_records, count_record_tokens, publish_records_report, target_vocab_size
 from tasks.run_lock import run_lock
 
@@ -28,9 +28,6 @@ def records(config_path: str) -> list[dict]:
         return publish_records_report(reports, tokens, Path(config_path).stem)
 
 
-def record_settings(config: RunConfig, vocab_size: int) -> RecordSettings:
-    r = config.records
-    return RecordSettings(
-        vocab_size=vocab_size, max_seq_len=r.max_seq_len, overflow=r.overflow, min_loss_tokens=r.min_loss_tokens,
-        keep_truncated=r.keep_truncated, on_rewrite=r.on_rewrite,
-    )
+def record_settings(config: RunConfig, vocab_size: int) -> RecordsJob:
+    """The records job of this run: the `records` section and the target's vocabulary size."""
+    return RecordsJob(**config.records.pick(RecordSettings), vocab_size=vocab_size)

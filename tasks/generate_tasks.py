@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,31 +12,13 @@ from prefect import get_run_logger, task
 from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from models.jobs import GenerateJob, ServerSettings
 from tasks.datasets import load_dataset
-from tasks.generation import GenerateReport, GenerateSettings, Progress, generate_dataset
+from tasks.generation import GenerateReport, Progress, generate_dataset
 from tasks.prompts import default_stop_ids
 from tasks.passthrough import PassthroughReport, copy_passthrough
 from tasks.rejects import replace_stage_rejects
 from tasks.sglang_client import RetryPolicy, SGLangClient, ServerOutage
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """How to reach the SGLang server (the API key is read from `api_key_env` at use, never stored)."""
-
-    url: str
-    request_timeout_s: float = 1800.0
-    outage_window_s: float = 900.0
-    health_timeout_s: float = 600.0
-    api_key_env: str | None = None
-
-    def api_key(self) -> str | None:
-        if self.api_key_env is None:
-            return None
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise RuntimeError(f"server.api_key_env names ${self.api_key_env}, which is not set in this environment")
-        return key
 
 
 @dataclass(frozen=True)
@@ -85,7 +66,7 @@ async def generate_responses(
     target_path: str,
     trust_remote_code: bool,
     server: ServerSettings,
-    settings: GenerateSettings,
+    settings: GenerateJob,
     paths: RunPaths,
     slots: asyncio.Semaphore,
 ) -> GenerateReport:
@@ -102,7 +83,7 @@ async def generate_responses(
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, target_path, trust_remote_code=trust_remote_code)
     if not settings.sampling_params.get("stop_token_ids"):
         stop = default_stop_ids(tokenizer)
-        settings = replace(settings, sampling_params={**settings.sampling_params, "stop_token_ids": stop})
+        settings = settings.model_copy(update={"sampling_params": {**settings.sampling_params, "stop_token_ids": stop}})
     artifact_id = await acreate_progress_artifact(
         progress=0.0, key=artifact_key("generate", name), description=f"{name}: starting"
     )

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from models.jobs import GenerateJob
 from models.write_failure import WriteFailed
 from tasks.budget import TokenBudget
 from tasks.checkpoints import ResponseWriter, done_ids, summarize
@@ -32,23 +33,6 @@ from tasks.rejects import settle_generate_rejects, write_rejects
 from tasks.sglang_client import BadRequest, Completion, SGLangClient, ServerOutage
 
 log = logging.getLogger("eagle3.generate")
-
-
-@dataclass(frozen=True)
-class GenerateSettings:
-    """How one dataset is generated (explicit values, not the whole run config)."""
-
-    dataset: str
-    sampling_params: dict[str, Any]
-    token_budget: int | None = None
-    max_prompts: int | None = None
-    flush_every: int = 256
-    flush_interval_s: float = 60.0
-    log_interval_s: float = 30.0
-    throughput_window_s: float = 120.0
-    compact_min_parts: int = 64
-    max_requeues: int = 2  # a request the server aborted on its own is sent again this often
-    retry_rejects: bool = False  # also send again prompts the server refused (400) in earlier runs
 
 
 @dataclass
@@ -115,7 +99,7 @@ async def generate_dataset(
     responses_dir: Path,
     rejects_dir: Path,
     source: Path,
-    settings: GenerateSettings,
+    settings: GenerateJob,
     slots: asyncio.Semaphore,
     on_progress: ProgressHook | None = None,
     logger: logging.Logger | logging.LoggerAdapter = log,

@@ -20,7 +20,6 @@ moved to RUN_DIR/quarantine/ and its prompts are generated again).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ import pyarrow.parquet as pq
 from models.write_failure import WriteFailed
 from tasks.chat_masks import MaskError, conversation_records
 from tasks.checkpoints import live_parts
+from models.jobs import RecordsJob
 from tasks.datasets import Reject
 from tasks.rejects import write_rejects
 from tasks.parquet_io import DamagedPart, list_parts, read_metadata, reading, write_parquet_atomic
@@ -80,21 +80,6 @@ def source_advice(kind: str, part: Path) -> str:
     where = part.parent.parent.parent / "quarantine" / part.parent.parent.name / part.parent.name
     return (f"Move it aside: mkdir -p {where} && mv {part} {where}/ -- then run generate (the prompts it held are "
             "generated again, exactly once) and the records stage again")
-
-
-@dataclass(frozen=True)
-class RecordSettings:
-    """How records are cut and filtered (explicit values from the run config)."""
-
-    vocab_size: int
-    max_seq_len: int | None = None
-    overflow: Literal["truncate", "drop"] = "truncate"
-    min_loss_tokens: int = 1
-    keep_truncated: bool = False  # keep responses that ended by length (or abort)
-    on_rewrite: Literal["split", "reject"] = "split"
-
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -158,7 +143,7 @@ def build_records(
     source_dir: Path,
     records_dir: Path,
     rejects_dir: Path,
-    settings: RecordSettings,
+    settings: RecordsJob,
     tokenizer: Any = None,
 ) -> RecordsReport:
     """Bring `records_dir` up to date with the live parts of `source_dir`; return the dataset's totals.
@@ -223,7 +208,7 @@ def summarize_records(records_dir: Path) -> PartReport:
     return total
 
 
-def _from_responses(table: pa.Table, settings: RecordSettings) -> tuple[list[dict], PartReport]:
+def _from_responses(table: pa.Table, settings: RecordsJob) -> tuple[list[dict], PartReport]:
     report = PartReport()
     rows = []
     columns = table.select(["id", "prompt_ids", "output_ids", "finish_reason"]).to_pylist()
@@ -237,7 +222,7 @@ def _from_responses(table: pa.Table, settings: RecordSettings) -> tuple[list[dic
     return rows, report
 
 
-def _from_passthrough(table: pa.Table, settings: RecordSettings, tokenizer: Any, source: Path) -> tuple[list[dict], PartReport, list[Reject]]:
+def _from_passthrough(table: pa.Table, settings: RecordsJob, tokenizer: Any, source: Path) -> tuple[list[dict], PartReport, list[Reject]]:
     report = PartReport()
     rows: list[dict] = []
     rejects: list[Reject] = []
@@ -273,7 +258,7 @@ def _check_tokenized(input_ids: list[int], loss_mask: list[int], vocab_size: int
     return None
 
 
-def _keep(row_id: str, ids: list[int], mask: list[int], settings: RecordSettings, report: PartReport, rows: list[dict]) -> None:
+def _keep(row_id: str, ids: list[int], mask: list[int], settings: RecordsJob, report: PartReport, rows: list[dict]) -> None:
     """Apply max_seq_len and min_loss_tokens, then append the record (or count why not)."""
     truncated = False
     if settings.max_seq_len is not None and len(ids) > settings.max_seq_len:

@@ -10,7 +10,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.generate_tasks import artifact_key
-from tasks.records import TOKEN_COUNTS, RecordSettings, RecordsReport, build_records, count_tokens, coverage
+from models.jobs import RecordsJob
+from tasks.records import TOKEN_COUNTS, RecordsReport, build_records, count_tokens, coverage
 
 
 @task(name="target-vocab-size", cache_policy=NO_CACHE)
@@ -28,7 +29,7 @@ def build_dataset_records(
     run_dir: Path,
     target_path: str,
     trust_remote_code: bool,
-    settings: RecordSettings,
+    settings: RecordsJob,
 ) -> RecordsReport:
     """Bring one dataset's records up to date with its responses or passthrough rows."""
     tokenizer = None

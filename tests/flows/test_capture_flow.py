@@ -26,7 +26,8 @@ from tasks.capture_plan import DiskTooSmall
 from tasks.capture_tasks import CaptureRefused, capture_retryable, rank_error
 from tasks.checkpoints import responses_table, write_part
 from tasks.launch import RankFailure
-from tasks.records import RecordSettings, build_records
+from models.jobs import RecordsJob
+from tasks.records import build_records
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +39,7 @@ def write_run(tmp_path: Path, target: Path, **capture_settings) -> Path:
              "finish_reason": "stop", "text": "", "latency": 0.0, "cached_tokens": 0, "reasoning_tokens": 0, "finished_at": 1.0}
             for i in range(10)]
     write_part(run / "responses/B1", responses_table(rows))
-    build_records("B1", "generate", run / "responses/B1", run / "records/B1", run / "rejects/B1", RecordSettings(vocab_size=2048))
+    build_records("B1", "generate", run / "responses/B1", run / "records/B1", run / "rejects/B1", RecordsJob(vocab_size=2048))
     config = {
         "run_dir": str(run),
         "target": {"path": str(target)},

@@ -11,7 +11,8 @@ from tasks import capture_plan
 from tasks.capture_plan import DiskTooSmall, TargetShape, capture_layers, check_fits, plan_capture, target_shape
 from tasks.checkpoints import responses_table, write_part
 from tasks.parquet_io import DamagedPart
-from tasks.records import RecordSettings, build_records
+from models.jobs import RecordsJob
+from tasks.records import build_records
 
 KIMI = TargetShape(hidden_size=7168, num_layers=61, dtype="bfloat16")
 
@@ -23,7 +24,7 @@ def records_dir(tmp_path, n_tokens: list[int]):
         for i, n in enumerate(n_tokens)
     ]
     write_part(tmp_path / "responses", responses_table(rows))
-    build_records("B1", "generate", tmp_path / "responses", tmp_path / "records", tmp_path / "rej", RecordSettings(vocab_size=10))
+    build_records("B1", "generate", tmp_path / "responses", tmp_path / "records", tmp_path / "rej", RecordsJob(vocab_size=10))
     return tmp_path / "records"
 
 

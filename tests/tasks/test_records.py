@@ -20,9 +20,9 @@ from tasks.prompts import chat_prompt_ids
 from models.write_failure import WriteFailed
 from tasks import records as records_module
 from tasks.parquet_io import DamagedPart
+from models.jobs import RecordsJob
 from tasks.records import (
     TOKEN_COUNTS,
-    RecordSettings,
     build_records,
     count_tokens,
     coverage,
@@ -38,8 +38,8 @@ def tokenizer(tiny_target_dir):
     return AutoTokenizer.from_pretrained(tiny_target_dir)
 
 
-def settings(tokenizer, **kw) -> RecordSettings:
-    return RecordSettings(vocab_size=len(tokenizer), **kw)
+def settings(tokenizer, **kw) -> RecordsJob:
+    return RecordsJob(vocab_size=len(tokenizer), **kw)
 
 
 def response(tokenizer, i: int, answer: str, finish: str = "stop") -> dict:
@@ -204,7 +204,7 @@ def test_full_disk_stops_records_at_once_keeps_parts_and_resumes(tmp_path, tmpfs
     with tmpfs(tmp_path / "small", "160k") as small:
         records = small / "records"
         with pytest.raises(WriteFailed) as failed:
-            build_records("B1", "generate", tmp_path / "responses", records, tmp_path / "rejects", RecordSettings(vocab_size=2048))
+            build_records("B1", "generate", tmp_path / "responses", records, tmp_path / "rejects", RecordsJob(vocab_size=2048))
         kept = list_parts(records)
         one_part = kept[0].stat().st_size if kept else None
         assert 1 <= len(kept) < 6, "the disk should hold some parts, not all"
@@ -220,7 +220,7 @@ def test_full_disk_stops_records_at_once_keeps_parts_and_resumes(tmp_path, tmpfs
         assert got == ids[: 40 * len(kept)]
         # the disk grows: the rerun builds only the missing parts, every record exactly once
         tmpfs.remount(small, "size=4m")
-        report = build_records("B1", "generate", tmp_path / "responses", records, tmp_path / "rejects", RecordSettings(vocab_size=2048))
+        report = build_records("B1", "generate", tmp_path / "responses", records, tmp_path / "rejects", RecordsJob(vocab_size=2048))
         assert report.parts_built == 6 - len(kept)
         got = [r["id"] for r in records_of(records)]
         assert sorted(got) == sorted(ids) and len(got) == len(set(got)) == 240

@@ -1,0 +1,457 @@
+"""Typed job specs: every setting of a stage declared once, with its default, range and meaning.
+
+Each stage has a `*Settings` class holding what a user chooses for it. The run config's section
+(flows/config.py) extends it with what only the pipeline needs (ranks, launcher, retries, where
+outputs go); the stage's `*Job` extends it with what the pipeline fills in (the target, paths, the
+device). A flow builds a job from the run config in one call (`Spec.pick`); a rank process reads
+its JSON job through the same class (`load_job`), so an unknown key or a bad value in a job file
+fails with its name, and no default can drift between the config and the job.
+
+This module is the bottom layer: pydantic only (no torch, prefect or httpx), importable by
+flows/, tasks/ and models/ alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import types
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+S = TypeVar("S", bound="Spec")
+
+
+class Spec(BaseModel):
+    """Base of every spec and config section: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic takes true/false as 1/0 for an int or float, so `max_concurrency: true` would
+        # quietly mean 1; every number field of every spec (present and future) refuses them.
+        problem = _bool_for_number(value, cls.model_fields[info.field_name].annotation)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    def pick(self, spec: type[Spec]) -> dict[str, Any]:
+        """The values of the fields `spec` declares (self is a subclass of it): a job's share of a config section."""
+        return {name: getattr(self, name) for name in spec.model_fields}
+
+
+def load_job(cls: type[S], path: str | Path) -> S:
+    """A JSON job file read through its spec; ValueError naming the file and every bad key."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read the {cls.__name__}: {e}") from e
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<top level>'}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"{path}: not a valid {cls.__name__}: {problems}") from None
+
+
+def write_job(job: Spec, path: Path) -> Path:
+    """`job` as the JSON file its rank processes read (whole or not at all)."""
+    from models.write_failure import WriteFailed
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(job.model_dump_json(indent=2))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise WriteFailed(path, e, kept="everything the run wrote before (no rank was started)",
+                          resume="free space there, then run the stage again") from None
+    return path
+
+
+# --- the target -------------------------------------------------------------------------------
+
+
+class TargetSpec(Spec):
+    """The target model whose responses and hidden states the draft learns from."""
+
+    path: str = Field(
+        description="Hugging Face repo id or local directory of the target: its tokenizer and chat "
+        "template build the prompts; its weights are loaded by the capture stage."
+    )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Pass trust_remote_code=True to transformers (Kimi-K2.5's tokenizer needs it).",
+    )
+
+
+class DatasetRecords(Spec):
+    """One dataset's training records: RUN_DIR/records/<name>/part-*.parquet."""
+
+    name: str
+    records_dir: str
+
+
+class RecordsRef(Spec):
+    """The records a job reads, per dataset."""
+
+    datasets: list[DatasetRecords] = Field(default_factory=list, description="Each dataset's records directory.")
+
+    @field_validator("datasets")
+    @classmethod
+    def _unique_names(cls, value: list[DatasetRecords]) -> list[DatasetRecords]:
+        names = [d.name for d in value]
+        if len(names) != len(set(names)):
+            raise ValueError(f"duplicate dataset names in {names}")
+        return value
+
+
+class AuxLayers(Spec):
+    """Which decoder layers' outputs EAGLE-3 reads (the capture writes them, the draft is built for them)."""
+
+    aux_layers: list[int] | None = Field(
+        default=None,
+        description="0-based decoder layers whose outputs are captured; default [1, L//2-1, L-4] (EAGLE-3).",
+    )
+
+    @field_validator("aux_layers")
+    @classmethod
+    def _three_layers(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (len(value) != 3 or len(set(value)) != 3 or min(value) < 0):
+            raise ValueError(f"must be 3 distinct non-negative layer indices (or omitted), got {value}")
+        return value
+
+
+# --- generate ---------------------------------------------------------------------------------
+
+SERVER_URL_FORM = "scheme://host:port, e.g. http://127.0.0.1:30000"
+_NETLOC = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^:\[\]@]+)(?::(?P<port>[^:]*))?")
+
+
+class ServerSettings(Spec):
+    """How to reach the SGLang server (the API key is read from `api_key_env` at use, never stored)."""
+
+    url: str = Field(
+        default="http://127.0.0.1:30000",
+        description="Base URL of SGLang's native HTTP API: scheme://host:port with no path (not .../generate, "
+        "not .../v1). https is allowed; without a port the scheme's default (80, 443) is used, as behind a proxy.",
+    )
+    request_timeout_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="Seconds one /generate request may take before it is cancelled and retried; "
+        "long enough for max_new_tokens at the slowest expected decode speed.",
+    )
+    outage_window_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="How long the server may stay unreachable (connect errors, 5xx, 429) before "
+        "the generate task fails cleanly; Prefect task retries then resume it.",
+    )
+    health_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="How long to wait for /health_generate at the start of the generate stage "
+        "(a 1T model takes minutes to load).",
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        description="Name of the environment variable holding the server's API key (sent as a "
+        "Bearer token). The key itself never goes into the config, logs or artifacts.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        return server_url(value)
+
+    def api_key(self) -> str | None:
+        """The key from the environment (None when no variable is named); RuntimeError when it is not set."""
+        if self.api_key_env is None:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise RuntimeError(f"server.api_key_env names ${self.api_key_env}, which is not set in this environment")
+        return key
+
+
+class GenerateSettings(Spec):
+    """Checkpointing and progress of the generate stage."""
+
+    flush_every: int = Field(default=256, ge=1, description="Write a checkpoint part every this many responses.")
+    flush_interval_s: float = Field(
+        default=60.0, gt=0, description="...and at least this often (seconds): a kill loses at most this window."
+    )
+    log_interval_s: float = Field(
+        default=30.0, gt=0, description="Seconds between progress log lines and progress-artifact updates."
+    )
+    throughput_window_s: float = Field(
+        default=120.0, gt=0, description="Tokens/s and the ETA are measured over this recent window."
+    )
+    compact_min_parts: int = Field(
+        default=64, ge=2, description="Merge small checkpoint parts once this many have been written."
+    )
+
+
+class GenerateJob(GenerateSettings):
+    """How one dataset is generated: the stage's settings plus what the pipeline fills in."""
+
+    dataset: str
+    sampling_params: dict[str, Any] = Field(description="SGLang sampling_params sent with every request.")
+    token_budget: int | None = Field(default=None, description="Completion tokens this dataset may spend; None: no limit.")
+    max_prompts: int | None = Field(default=None, description="Use at most this many prompts (file order).")
+    max_requeues: int = Field(default=2, ge=0, description="A request the server aborted on its own is sent again this often.")
+    retry_rejects: bool = Field(default=False, description="Also send again prompts the server refused (400) in earlier runs.")
+
+
+# --- records ----------------------------------------------------------------------------------
+
+
+class RecordSettings(Spec):
+    """How responses and passthrough rows become training records (input_ids + loss_mask)."""
+
+    max_seq_len: int | None = Field(
+        default=8192, ge=16, description="Longest record in tokens; longer ones are cut or dropped (see overflow). null: no limit."
+    )
+    overflow: Literal["truncate", "drop"] = Field(
+        default="truncate", description="`truncate`: keep the first max_seq_len tokens. `drop`: leave the record out."
+    )
+    min_loss_tokens: int = Field(default=1, ge=1, description="Records with fewer loss tokens than this are left out.")
+    keep_truncated: bool = Field(
+        default=False,
+        description="Also train on responses that ended by length (cut off by max_new_tokens) or abort.",
+    )
+    on_rewrite: Literal["split", "reject"] = Field(
+        default="split",
+        description="Passthrough conversations whose chat template rewrites earlier turns (e.g. drops "
+        "their reasoning): `split` makes one record per assistant turn, exactly as the model saw it; "
+        "`reject` sends the row to rejects.",
+    )
+
+
+class RecordsJob(RecordSettings):
+    """How records are cut and filtered, with the target vocabulary every token id must be below."""
+
+    vocab_size: int = Field(ge=1)
+
+    def digest(self) -> str:
+        """A short hash of the settings: a records part built with other settings is built again."""
+        import hashlib
+
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- capture ----------------------------------------------------------------------------------
+
+
+class CaptureSettings(AuxLayers):
+    """How the target's hidden states are captured for every training record."""
+
+    mode: Literal["replicate", "zero3"] = Field(
+        default="replicate",
+        description="`replicate`: every rank holds the whole target (data parallel; the target must "
+        "fit one GPU). `zero3`: parameters partitioned over the ranks with DeepSpeed ZeRO-3 "
+        "(targets larger than one GPU; see offload).",
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="Dtype the target runs and the hidden states are stored in; auto: the checkpoint's."
+    )
+    max_batch_tokens: int = Field(default=16384, ge=1, description="Padded tokens per forward pass on one rank.")
+    shard_tokens: int = Field(
+        default=16384, ge=1, description="Tokens per safetensors shard (a kill loses at most one unfinished shard per rank)."
+    )
+    offload: Literal["none", "cpu", "nvme"] = Field(
+        default="none", description="zero3 only: where partitioned parameters live between uses."
+    )
+    nvme_path: Path | None = Field(default=None, description="zero3 with offload: nvme: a fast local directory.")
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> CaptureSettings:
+        if self.offload == "nvme" and self.nvme_path is None:
+            raise ValueError("offload: nvme needs nvme_path (a fast local directory for the parameters)")
+        if self.offload != "none" and self.mode != "zero3":
+            raise ValueError("offload applies to mode: zero3 only")
+        return self
+
+
+class RankJob(Spec):
+    """What every rank job names: the target, and the device its ranks run on."""
+
+    target: TargetSpec
+    device: Literal["cpu", "cuda"] = Field(default="cuda", description="cuda under the deepspeed launcher, cpu (gloo) otherwise.")
+
+
+class CaptureJob(CaptureSettings, RecordsRef, RankJob):
+    """The JOB.json a capture launch reads (written by the capture task)."""
+
+    out_dir: str = Field(description="Shards + index.parquet go here (RUN_DIR/hidden).")
+    tokens_left: int | None = Field(
+        default=None, ge=0, description="Most tokens this launch captures: capture.max_tokens less the complete shards' (None: no cap)."
+    )
+
+
+# --- train ------------------------------------------------------------------------------------
+
+DRAFT_OVERRIDES = ("head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size", "rope_theta", "rms_norm_eps")
+
+
+class TrainSettings(Spec):
+    """How the EAGLE-3 draft is trained (training-time test, schedule, checkpoints, evaluation)."""
+
+    mode: Literal["offline", "online"] = Field(
+        default="offline",
+        description="`offline`: train on the captured hidden states (RUN_DIR/hidden). `online`: every rank runs the "
+        "target itself on the records (no capture, no disk; only for a target that fits one device).",
+    )
+    draft_vocab_size: int = Field(
+        default=32000, ge=1,
+        description="Tokens the draft can propose: the most frequent loss tokens of the records (capped by the target vocab).",
+    )
+    ttt_steps: int = Field(default=7, ge=1, le=16, description="Training-time-test steps unrolled per position (EAGLE-3: 7).")
+    epochs: int = Field(default=1, ge=1, description="Passes over the training samples.")
+    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
+    max_batch_tokens: int = Field(
+        default=16384, ge=16, description="Padded tokens per micro batch on one rank; longer samples are cut to this length."
+    )
+    lr: float = Field(default=1e-4, gt=0, description="Peak AdamW learning rate.")
+    warmup_ratio: float = Field(default=0.015, ge=0, lt=1, description="Share of the steps with linear warmup; cosine decay after.")
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="Learning rate at the last step, as a share of lr.")
+    checkpoint_every: int = Field(default=500, ge=1, description="Optimizer steps between checkpoints (also one at the end).")
+    keep_checkpoints: int = Field(default=2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
+    eval_every: int = Field(default=500, ge=1, description="Optimizer steps between evaluations on the held-out split (also one at the end).")
+    eval_fraction: float = Field(
+        default=0.02, ge=0, lt=1, description="Share of the samples held out (a stable hash of dataset and id): never trained on; "
+        "the training eval and `eagle3 eval` use them."
+    )
+    log_every: int = Field(default=10, ge=1, description="Optimizer steps per metrics.jsonl / TensorBoard line.")
+    seed: int = Field(default=0, description="Seed of the draft's initial weights and of the data order.")
+    draft_overrides: dict[str, int | float] = Field(
+        default_factory=dict,
+        description="Draft shape settings that differ from the target's (head_dim, num_attention_heads, num_key_value_heads, "
+        "intermediate_size, rope_theta, rms_norm_eps); e.g. head_dim: 128 for an MLA target.",
+    )
+
+    @field_validator("draft_overrides")
+    @classmethod
+    def _known_overrides(cls, value: dict[str, int | float]) -> dict[str, int | float]:
+        unknown = sorted(set(value) - set(DRAFT_OVERRIDES))
+        if unknown:
+            raise ValueError(f"unknown draft setting(s) {unknown}; allowed: {sorted(DRAFT_OVERRIDES)}")
+        return value
+
+
+class TrainJob(TrainSettings, AuxLayers, RecordsRef, RankJob):
+    """The JOB.json a training launch reads (written by the train task)."""
+
+    out_dir: str = Field(description="RUN_DIR/draft: checkpoints, metrics, the export.")
+    token_counts: str = Field(description="RUN_DIR/records/token_counts.parquet (the draft vocabulary).")
+    ds_config: dict[str, Any] = Field(description="The DeepSpeed config, generated from the run config.")
+    hidden_dir: str | None = Field(default=None, description="offline: the capture shards (online: `datasets`, the records).")
+
+    @model_validator(mode="after")
+    def _data_for_the_mode(self) -> TrainJob:
+        if self.mode == "offline" and not self.hidden_dir:
+            raise ValueError("mode offline needs hidden_dir")
+        if self.mode == "online" and not self.datasets:
+            raise ValueError("mode online needs datasets")
+        return self
+
+    @property
+    def grad_accum(self) -> int:
+        return int(self.ds_config.get("gradient_accumulation_steps", 1))
+
+    @property
+    def bf16(self) -> bool:
+        return bool(self.ds_config.get("bf16", {}).get("enabled", False))
+
+
+# --- eval -------------------------------------------------------------------------------------
+
+
+class EvalSettings(Spec):
+    """`eagle3 eval`: speculative decoding with the HF target (greedy) and the exported draft on held-out prompts."""
+
+    prompts: int = Field(default=32, ge=1, description="Held-out records whose prompts are decoded.")
+    max_new_tokens: int = Field(default=128, ge=1, description="Tokens generated per prompt.")
+    num_steps: int = Field(
+        default=3, ge=1, le=16, description="Draft tokens per verify round (SGLang --speculative-num-steps; top-k 1, num-draft-tokens = this + 1)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="Where the target and draft run; auto: cuda if available.")
+    compare_untrained: bool = Field(
+        default=True, description="Also measure the draft as training starts it (same seed, untrained): the baseline the trained one must beat."
+    )
+
+
+class EvalJob(EvalSettings, RecordsRef):
+    """The JOB.json of an eval launch (written by the eval task): held-out prompts come from `datasets`."""
+
+    target: TargetSpec
+    draft_dir: str = Field(description="The export: config.json + model.safetensors.")
+    out: str = Field(description="Where the result JSON goes.")
+    eval_fraction: float = Field(description="train.eval_fraction: the held-out split.")
+    seed: int = Field(description="train.seed: the untrained draft is built from it.")
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def server_url(value: str) -> str:
+    """`value` as scheme://host[:port] without a trailing slash; ValueError showing the right form."""
+    parts = urlsplit(value)
+    if "@" in parts.netloc:
+        # Credentials in the URL would end up in logs and RUN_DIR/config.yaml.
+        raise ValueError(
+            f"must not hold a user or password; the form is {SERVER_URL_FORM}"
+            " (put the API key in the environment variable named by server.api_key_env)"
+        )
+    netloc = _NETLOC.fullmatch(parts.netloc)
+    if parts.scheme not in ("http", "https") or netloc is None or re.search(r"\s", value):
+        raise ValueError(f"must be an http(s) URL of the form {SERVER_URL_FORM}")
+    port = netloc["port"]
+    if port is not None and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"port {port!r} is not a number from 1 to 65535; the form is {SERVER_URL_FORM}")
+    base = f"{parts.scheme}://{parts.netloc}"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        # The client appends /generate, /health_generate and /abort_request to this base itself.
+        raise ValueError(
+            f"must be the server's base URL, scheme://host:port with no path: use {base!r}"
+            " (SGLang's native API is at the root; the pipeline adds /generate itself)"
+        )
+    return base
+
+
+def _union_members(annotation: Any) -> tuple[Any, ...]:
+    if get_origin(annotation) in (Union, types.UnionType):
+        return get_args(annotation)
+    return (annotation,)
+
+
+def _bool_for_number(value: Any, annotation: Any) -> str | None:
+    """Why `value` holds a bool where `annotation` wants a number (also inside lists and dicts), or None."""
+    members = _union_members(annotation)
+    if isinstance(value, bool):
+        if bool in members or not {int, float} & set(members):
+            return None
+        number = "a number" if float in members else "a whole number"
+        return f"must be {number}, not true/false"
+    for member in members:
+        origin = get_origin(member)
+        if origin is list and isinstance(value, list):
+            (item,) = get_args(member)
+            for i, v in enumerate(value):
+                problem = _bool_for_number(v, item)
+                if problem:
+                    return f"item {i} {problem} (got {v!r})"
+        elif origin is dict and isinstance(value, dict):
+            item = get_args(member)[1]
+            for k, v in value.items():
+                problem = _bool_for_number(v, item)
+                if problem:
+                    return f"{k!r} {problem} (got {v!r})"
+    return None

@@ -1,0 +1,93 @@
+"""Job specs: every setting declared once, shared by the run config and the jobs; JSON jobs checked on load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flows.config import CaptureConfig, EvalConfig, GenerateConfig, RecordsConfig, ServerConfig, TargetConfig, TrainConfig
+from models.jobs import (
+    CaptureJob,
+    CaptureSettings,
+    EvalJob,
+    GenerateJob,
+    RecordsJob,
+    ServerSettings,
+    Spec,
+    TargetSpec,
+    TrainJob,
+    load_job,
+    write_job,
+)
+
+# (run config section, the spec the pipeline builds from it, the settings they share: None = all in common)
+PAIRS = [
+    (ServerConfig, ServerSettings, None),
+    (GenerateConfig, GenerateJob, None),
+    (RecordsConfig, RecordsJob, None),
+    (CaptureConfig, CaptureJob, None),
+    (TrainConfig, TrainJob, None),
+    (EvalConfig, EvalJob, None),
+    (TargetConfig, TargetSpec, None),
+    # across stages only what is the same setting (capture's max_batch_tokens is not train's)
+    (CaptureConfig, TrainJob, {"aux_layers"}),  # captured, then trained for
+    (TrainConfig, EvalJob, {"eval_fraction", "seed"}),  # the held-out split and the untrained draft
+    (CaptureConfig, TrainConfig, {"num_gpus", "launcher", "retries", "retry_delay_s"}),  # launching a job
+]
+
+
+def owner(cls: type[Spec], name: str) -> type:
+    """The class whose body declares field `name` (with its default and description)."""
+    return next(k for k in cls.__mro__ if name in vars(k).get("__annotations__", {}))
+
+
+@pytest.mark.parametrize("section, spec, names", PAIRS, ids=lambda c: getattr(c, "__name__", ""))
+def test_no_setting_has_two_defaults(section, spec, names):
+    shared = set(section.model_fields) & set(spec.model_fields)
+    if names is not None:
+        assert names <= shared
+        shared = names
+    assert shared, "a pair with nothing in common tests nothing"
+    for name in sorted(shared):
+        a, b = section.model_fields[name], spec.model_fields[name]
+        if a.is_required() or b.is_required():
+            continue  # the pipeline fills it in: no default to drift
+        assert owner(section, name) is owner(spec, name), (
+            f"{name} is declared in {owner(section, name).__name__} and again in {owner(spec, name).__name__}"
+        )
+        assert a.get_default(call_default_factory=True) == b.get_default(call_default_factory=True)
+
+
+def test_a_section_and_its_job_share_the_declarations_not_copies():
+    # the values a flow hands over are exactly the section's, by field name
+    capture = CaptureConfig(max_batch_tokens=4096, shard_tokens=999, aux_layers=[1, 2, 3])
+    job = CaptureJob(**capture.pick(CaptureSettings), target=TargetSpec(path="t"), out_dir="h", device="cpu")
+    assert (job.max_batch_tokens, job.shard_tokens, job.aux_layers, job.mode) == (4096, 999, [1, 2, 3], "replicate")
+
+
+def test_a_job_file_round_trips_and_bad_keys_or_values_are_named(tmp_path):
+    job = CaptureJob(target=TargetSpec(path="t"), out_dir="h", device="cpu", datasets=[{"name": "A", "records_dir": "r"}])
+    path = write_job(job, tmp_path / "jobs" / "capture.json")
+    assert load_job(CaptureJob, path) == job
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({**raw, "shard_tokenz": 5, "max_batch_tokens": True, "mode": "zero4"}))
+    with pytest.raises(ValueError) as caught:
+        load_job(CaptureJob, path)
+    text = str(caught.value)
+    assert text.startswith(f"{path}: not a valid CaptureJob: ")
+    assert "shard_tokenz: Extra inputs are not permitted" in text
+    assert "max_batch_tokens: Value error, must be a whole number, not true/false" in text
+    assert "mode: Input should be 'replicate' or 'zero3'" in text
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read the CaptureJob"):
+        load_job(CaptureJob, path)
+
+
+def test_train_job_needs_the_data_of_its_mode():
+    base = dict(target=TargetSpec(path="t"), out_dir="d", token_counts="c", ds_config={}, device="cpu")
+    with pytest.raises(ValueError, match="mode offline needs hidden_dir"):
+        TrainJob(**base)
+    with pytest.raises(ValueError, match="mode online needs datasets"):
+        TrainJob(**base, mode="online")
+    assert TrainJob(**base, hidden_dir="h").grad_accum == 1
