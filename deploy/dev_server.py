@@ -1,41 +1,18 @@
 """SGLang-compatible dev server: SGLang's native HTTP protocol over a small HF causal LM on CPU.
 
 Used by the embedded demo and the tests in place of a real SGLang server. It speaks the subset of
-SGLang's native API the pipeline uses, with SGLang's request/response shapes:
+SGLang's native API the pipeline uses -- endpoints, request rules, response and error shapes are
+defined once in ``deploy/sglang_protocol.py`` (shared with the simulated server); this module is
+the real model behind them:
 
-- ``POST /generate`` -- ``text`` or ``input_ids`` (single or batch), ``sampling_params``
-  (``max_new_tokens`` default 128, ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (-1 = off),
-  ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``no_stop_trim``, ``sampling_seed``),
-  ``rid``. No chat template, no special tokens added to ``text``. ``stream=true`` is refused (400):
-  streaming is not implemented. Response ``{"text", "output_ids", "meta_info": {"id",
-  "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens",
-  "e2e_latency"}}``; a batch returns a list in input order. ``output_ids`` keep a matched stop
-  token; ``text`` drops it unless ``no_stop_trim`` (SGLang's ``DetokenizerManager.trim_matched_stop``).
-- ``POST /abort_request`` ``{"rid": ...}`` or ``{"abort_all": true}`` -- in-flight requests finish
-  with ``{"type": "abort", ...}`` and the tokens generated so far (HTTP 200, as in SGLang).
-- ``GET /health``, ``GET /health_generate`` (1-token probe through the batcher),
-  ``GET /server_info`` and ``GET /model_info`` (also under SGLang's older ``/get_*`` names).
+- ``POST /generate`` takes ``text`` (tokenized with no chat template and no special tokens) or
+  ``input_ids``. SGLang sampling params it does not implement (stop strings, penalties,
+  grammars, ...) are refused (400) unless they have their no-op values.
+- ``GET /health_generate`` is a 1-token probe through the batcher.
 
-Error bodies -- checked against SGLang's source (sgl-project/sglang, 2025-2026):
-
-- Bad input that SGLang rejects with a ``ValueError`` (``GenerateReqInput`` normalisation,
-  ``TokenizerManager._validate_one_request`` / ``_validate_input_ids_in_vocab``,
-  ``SamplingParams.verify``, the scheduler's ``validate_input_length``): HTTP 400 with
-  ``{"error": {"message": "..."}}`` -- SGLang's ``create_error_response``
-  (``srt/server/utils.py``, earlier ``_create_error_response`` in ``entrypoints/http_server.py``).
-  Length messages are SGLang's words, e.g. ``"The input (N tokens) is longer than the model's
-  context length (M tokens)."``; ``prompt_tokens + max_new_tokens > context_length`` is an error
-  too (``validate_total_tokens`` is on and ``--allow-auto-truncate`` off by default), and a
-  prompt of ``max_req_input_len`` tokens or more is refused as SGLang's scheduler does.
-- Malformed JSON or a field of the wrong JSON type (FastAPI's ``RequestValidationError`` in
-  SGLang): HTTP 400 with ``{"object": "error", "message": "...", "type": "Bad Request",
-  "param": null, "code": 400}`` -- SGLang's ``validation_exception_handler``.
-- A failure inside the model: HTTP 500 ``{"object": "error", "message": ..., "type": "500",
-  "param": null, "code": 500}`` (SGLang's ``HTTPException`` handler shape).
-
-Deliberate differences: SGLang accepts ``text`` and ``input_ids`` together (text wins); this server
-refuses both. ``cached_tokens`` is always 0 (no prefix cache). ``max_new_tokens: 0`` returns at
-once with no tokens and finish ``length`` 0, without running the model.
+Deliberate differences from SGLang: ``cached_tokens`` is always 0 (no prefix cache).
+``max_new_tokens: 0`` returns at once with no tokens and finish ``length`` 0, without running
+the model.
 
 Concurrency: the event loop never runs the model. One worker thread owns the model and does
 iteration-level batching: up to ``max_batch_size`` active sequences, each with its own KV cache;
@@ -50,14 +27,11 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
-import json
 import logging
-import math
 import os
 import secrets
 import threading
 import time
-import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -65,173 +39,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+
+from deploy import sglang_protocol as sglang
+from deploy.sglang_protocol import SamplingParams
 
 logger = logging.getLogger("eagle3.dev_server")
 
 VERSION = "0.1.0-eagle3-dev"
-_SAMPLING_EPS = 1e-6  # SGLang treats 0 <= temperature < 1e-6 as greedy
 _HEALTH_CHECK_TIMEOUT_S = 20.0
-_SAMPLING_KEYS = {
-    "max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos",
-    "skip_special_tokens", "no_stop_trim", "sampling_seed",
-}
-# SGLang sampling params this server does not implement, with the values that make them no-ops.
-_NOOP_SAMPLING = {
-    "stop": ([], ""), "stop_regex": ([], ""), "min_p": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_new_tokens": (0,), "n": (1,),
-    "spaces_between_special_tokens": (True,), "logit_bias": ({},), "custom_params": ({},),
-    "stream_interval": (), "json_schema": (), "regex": (), "ebnf": (), "structural_tag": (),
-}
 
-
-class _BadRequest(ValueError):
-    """Bad input SGLang reports as a ValueError: 400 ``{"error": {"message": ...}}``."""
-
-
-class _Malformed(ValueError):
-    """Input SGLang's FastAPI layer rejects (bad JSON, wrong types): 400 OpenAI-style body."""
-
-
-def _error(message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message}}, status_code=400)
-
-
-def _openai_error(message: str, status: int) -> JSONResponse:
-    kind = "Bad Request" if status == 400 else str(status)
-    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-    return JSONResponse(body, status_code=status)
-
-
-# ---------------------------------------------------------------------------------------------
-# Request parsing (runs on the event loop; cheap)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling parameters, validated with SGLang's rules and messages."""
-
-    max_new_tokens: int | None = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    sampling_seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS or self.top_k == 1
-
-    @classmethod
-    def parse(cls, raw: Any) -> "SamplingParams":
-        if raw is None:
-            return cls()
-        if not isinstance(raw, dict):
-            raise _Malformed(f"sampling_params must be an object, got {type(raw).__name__}")
-        # Other SGLang params (stop strings, penalties, grammars, ...) are not implemented here:
-        # accepted only with their no-op values, since ignoring them would silently change outputs.
-        unsupported = sorted(
-            k for k, v in raw.items()
-            if k not in _SAMPLING_KEYS and v is not None and not (k in _NOOP_SAMPLING and v in _NOOP_SAMPLING[k])
-        )
-        if unsupported:
-            raise _BadRequest(f"sampling_params not supported by the dev server: {unsupported}")
-
-        def num(key, kind, default):
-            v = raw.get(key)
-            if v is None:  # SGLang treats null as "use the default"
-                return default
-            ok = isinstance(v, int) if kind is int else isinstance(v, (int, float))
-            if isinstance(v, bool) or not ok:
-                raise _Malformed(f"sampling_params.{key} must be a number, got {v!r}")
-            return kind(v)
-
-        def flag(key, default):
-            v = raw.get(key)
-            if v is None:
-                return default
-            if not isinstance(v, bool):
-                raise _Malformed(f"sampling_params.{key} must be a boolean, got {v!r}")
-            return v
-
-        stop = raw.get("stop_token_ids") or []
-        if not isinstance(stop, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in stop):
-            raise _Malformed(f"sampling_params.stop_token_ids must be a list of ints, got {stop!r}")
-        p = cls(
-            max_new_tokens=num("max_new_tokens", int, None) if "max_new_tokens" in raw else 128,
-            temperature=num("temperature", float, 1.0),
-            top_p=num("top_p", float, 1.0),
-            top_k=num("top_k", int, -1),
-            stop_token_ids=frozenset(stop),
-            ignore_eos=flag("ignore_eos", False),
-            skip_special_tokens=flag("skip_special_tokens", True),
-            no_stop_trim=flag("no_stop_trim", False),
-            sampling_seed=num("sampling_seed", int, None),
-        )
-        # Same checks and wording as SGLang's SamplingParams.verify.
-        if not math.isfinite(p.temperature) or p.temperature < 0.0:
-            raise _BadRequest(f"temperature must be a non-negative finite number, got {p.temperature}.")
-        if not 0.0 < p.top_p <= 1.0:
-            raise _BadRequest(f"top_p must be in (0, 1], got {p.top_p}.")
-        if p.top_k < 1 and p.top_k != -1:
-            raise _BadRequest(f"top_k must be -1 (disable) or at least 1, got {p.top_k}.")
-        if p.max_new_tokens is not None and p.max_new_tokens < 0:
-            raise _BadRequest(f"max_new_tokens must be at least 0, got {p.max_new_tokens}.")
-        return p
-
-
-def _is_int_list(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-
-def _split_batch(body: dict) -> tuple[bool, list[str | list[int]], list[Any], list[str]]:
-    """Normalise a /generate body into per-item prompts, sampling params and rids."""
-    text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise _BadRequest("Either text, input_ids or input_embeds should be provided.")
-    if text is not None:
-        if isinstance(text, str):
-            single, prompts = True, [text]
-        elif isinstance(text, list) and all(isinstance(t, str) for t in text):
-            single, prompts = False, list(text)
-        else:
-            raise _Malformed("text must be a string or a list of strings")
-    else:
-        if _is_int_list(input_ids) and input_ids:
-            single, prompts = True, [input_ids]
-        elif isinstance(input_ids, list) and input_ids and all(_is_int_list(s) for s in input_ids):
-            single, prompts = False, list(input_ids)
-        elif input_ids == []:
-            raise _BadRequest("input_ids cannot be empty.")
-        else:
-            raise _Malformed("input_ids must be a list of ints or a list of lists of ints")
-    n = len(prompts)
-    if n == 0:
-        raise _BadRequest("The batch is empty.")
-
-    params = body.get("sampling_params")
-    if isinstance(params, list):
-        if single or len(params) != n:
-            raise _BadRequest(f"sampling_params has {len(params)} entries for a batch of {n}.")
-    else:
-        params = [params] * n  # one dict applies to every item, as in SGLang
-
-    rid = body.get("rid")
-    if rid is None:
-        rids = [uuid.uuid4().hex for _ in range(n)]
-    elif single and isinstance(rid, str):
-        rids = [rid]
-    elif not single and isinstance(rid, list) and all(isinstance(r, str) for r in rid):
-        if len(rid) != n:
-            raise _BadRequest(f"rid has {len(rid)} entries for a batch of {n}.")
-        rids = list(rid)
-    else:
-        raise _Malformed("rid must be a string (single request) or a list of strings (batch)")
-    return single, prompts, params, rids
+__all__ = ["SamplingParams", "VERSION", "create_app", "main", "serve"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,7 +162,7 @@ class _Engine:
                 for s in aborted:
                     self._waiting.remove(s)
             for s in aborted:
-                self._finish(s, {"type": "abort", "message": "Abort in waiting queue", "status_code": None})
+                self._finish(s, sglang.finish_abort("Abort in waiting queue"))
             try:
                 with torch.inference_mode():
                     for s in admitted:
@@ -364,15 +181,15 @@ class _Engine:
             self._waiting.clear()
             self._active, self._admitted = [], []
         for s in leftover:
-            self._finish(s, {"type": "abort", "message": "Server shutting down", "status_code": 503})
+            self._finish(s, sglang.finish_abort("Server shutting down", 503))
 
     def _prefill(self, s: _Sequence) -> None:
         """Run one admitted sequence's prompt and sample its first token; it then joins `_active`."""
         reason, logits = None, None
         if s.abort_requested:
-            reason = {"type": "abort", "message": "Abort before prefill", "status_code": None}
+            reason = sglang.finish_abort("Abort before prefill")
         elif s.max_new_tokens <= 0:
-            reason = {"type": "length", "length": 0}
+            reason = sglang.finish_length(0)
         else:
             # Alone, unpadded: a prompt's prefill is exactly what it would be without batching.
             out = self.model(input_ids=torch.tensor([s.prompt_ids], dtype=torch.long), use_cache=True,
@@ -395,7 +212,7 @@ class _Engine:
             aborted = [s for s in self._active if s.abort_requested]
             self._active = batch = [s for s in self._active if not s.abort_requested]
         for s in aborted:
-            self._finish(s, {"type": "abort", "message": "Abort by /abort_request", "status_code": None})
+            self._finish(s, sglang.finish_abort("Abort by /abort_request"))
         batch = list(batch)
         if not batch:
             return
@@ -430,9 +247,9 @@ class _Engine:
         s.output_ids.append(token)
         p = s.params
         if len(s.output_ids) >= s.max_new_tokens:
-            reason = {"type": "length", "length": s.max_new_tokens}
+            reason = sglang.finish_length(s.max_new_tokens)
         elif not p.ignore_eos and (token in p.stop_token_ids or token in self.eos_ids):
-            reason = {"type": "stop", "matched": token}  # ignore_eos also disables stop_token_ids, as in SGLang
+            reason = sglang.finish_stop(token)  # ignore_eos also disables stop_token_ids, as in SGLang
         else:
             return
         with self._cond:
@@ -443,24 +260,13 @@ class _Engine:
     def _finish(self, s: _Sequence, reason: dict) -> None:
         s.finish_reason = reason
         s.kv = None
-        ids = s.output_ids
-        if reason["type"] == "stop" and not s.params.no_stop_trim:
-            ids = ids[:-1]  # text without the matched stop token; output_ids keep it
+        ids = sglang.text_token_ids(s.output_ids, reason, s.params.no_stop_trim)
         with self.tokenizer_lock:
             text = self.tokenizer.decode(ids, skip_special_tokens=s.params.skip_special_tokens) if ids else ""
-        result = {
-            "text": text,
-            "output_ids": list(s.output_ids),
-            "meta_info": {
-                "id": s.rid,
-                "finish_reason": reason,
-                "prompt_tokens": len(s.prompt_ids),
-                "completion_tokens": len(s.output_ids),
-                "cached_tokens": 0,
-                "reasoning_tokens": 0,
-                "e2e_latency": time.perf_counter() - s.created,
-            },
-        }
+        result = sglang.generate_result(
+            rid=s.rid, text=text, output_ids=list(s.output_ids), finish_reason=reason,
+            prompt_tokens=len(s.prompt_ids), e2e_latency=time.perf_counter() - s.created,
+        )
         s.loop.call_soon_threadsafe(_set_result, s.future, result)
 
 
@@ -509,6 +315,78 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+class _DevBackend:
+    """The model behind the SGLang endpoints (see sglang_protocol.SGLangBackend)."""
+
+    def __init__(self, engine: _Engine, model, tokenizer, limits: sglang.ModelLimits, *, model_path: str,
+                 served_model_name: str, max_batch_size: int):
+        self.engine, self.model, self.tokenizer, self.limits = engine, model, tokenizer, limits
+        self.model_path, self.served_model_name = model_path, served_model_name
+        self.max_batch_size = max_batch_size
+
+    def sequence(self, prompt: str | list[int], raw_params: Any, rid: str, arrived: float) -> _Sequence:
+        """Tokenize and check one prompt (SGLang's checks and words): a sequence for the engine."""
+        if isinstance(prompt, str):
+            with self.engine.tokenizer_lock:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=False)  # no chat template, no BOS
+        else:
+            ids = list(prompt)
+        params = self.limits.admit(ids, raw_params, unimplemented_by="dev server")
+        loop = asyncio.get_running_loop()
+        return _Sequence(rid=rid, prompt_ids=ids, params=params,
+                         max_new_tokens=self.limits.max_new_tokens(len(ids), params), created=arrived,
+                         loop=loop, future=loop.create_future())
+
+    async def generate(self, request: Request) -> Any:
+        arrived = time.perf_counter()
+        if not self.engine.alive:  # app used without its lifespan, or shutting down
+            raise sglang.ServerError(503, "The dev server's engine is not running.")
+        try:
+            req = sglang.parse_generate(await request.body(), server="dev server")
+            seqs = [self.sequence(p, sp, r, arrived) for p, sp, r in zip(req.prompts, req.sampling_params, req.rids)]
+        except sglang.BadRequest as exc:
+            logger.info("[dev_server] bad request: %s", exc)
+            raise
+        self.engine.submit(seqs)
+        try:
+            results = await sglang.results_or_abort(request, asyncio.gather(*(s.future for s in seqs)),
+                                                    lambda: self.engine.abort(seqs=seqs))
+        except Exception as exc:
+            raise sglang.ServerError(500, f"Generation failed: {exc!r}") from exc
+        return results[0] if req.single else results
+
+    def abort(self, rid: str | None, abort_all: bool) -> int:
+        return self.engine.abort(rid, abort_all=abort_all)
+
+    def healthy(self) -> bool:
+        return self.engine.alive
+
+    async def health_generate(self) -> bool:
+        if not self.engine.alive:
+            return False
+        probe = self.sequence([0], {"max_new_tokens": 1, "temperature": 0}, f"HEALTH_CHECK_{time.time()}",
+                              time.perf_counter())
+        self.engine.submit([probe])
+        try:
+            await asyncio.wait_for(probe.future, timeout=_HEALTH_CHECK_TIMEOUT_S)
+        except Exception:  # includes the timeout
+            self.engine.abort(seqs=[probe])
+            return False
+        return True
+
+    def server_info(self) -> dict[str, Any]:
+        return sglang.server_info(
+            model_path=self.model_path, served_model_name=self.served_model_name, limits=self.limits,
+            max_running=self.max_batch_size, dtype="float32", device="cpu", skip_tokenizer_init=False,
+            version=VERSION, running=len(self.engine._active), waiting=len(self.engine._waiting),
+        )
+
+    def model_info(self) -> dict[str, Any]:
+        config = self.model.config
+        return sglang.model_info(model_path=self.model_path, model_type=getattr(config, "model_type", None),
+                                 architectures=getattr(config, "architectures", None))
+
+
 def create_app(
     model_dir: str | Path,
     *,
@@ -535,28 +413,11 @@ def create_app(
         raise ValueError(f"context_length must be in [8, {max_positions}] for {model_dir}, got {context_len}")
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
-    vocab_size = int(model.config.vocab_size)
-    # SGLang's scheduler limits (no KV pool limit here): max_req_len = context - 1, the
-    # scheduler refuses prompts of max_req_len - 5 tokens or more and clamps max_new_tokens.
-    max_req_len = context_len - 1
-    max_req_input_len = max_req_len - 5
+    # No KV pool limit here: SGLang's scheduler limits follow from the context alone.
+    limits = sglang.ModelLimits(vocab_size=int(model.config.vocab_size), context_length=context_len)
     engine = _Engine(model, tokenizer, eos_ids=_eos_ids(model, tokenizer), max_batch_size=max_batch_size)
-    info = {
-        "model_path": str(model_dir),
-        "tokenizer_path": str(model_dir),
-        "served_model_name": model_name or str(model_dir),
-        "context_length": context_len,
-        "max_running_requests": max_batch_size,
-        "max_total_num_tokens": max_batch_size * context_len,
-        "max_req_input_len": max_req_input_len,
-        "max_req_len": max_req_len,
-        "vocab_size": vocab_size,
-        "dtype": "float32",
-        "device": "cpu",
-        "skip_tokenizer_init": False,
-        "allow_auto_truncate": False,
-        "version": VERSION,
-    }
+    backend = _DevBackend(engine, model, tokenizer, limits, model_path=str(model_dir),
+                          served_model_name=model_name or str(model_dir), max_batch_size=max_batch_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -566,143 +427,9 @@ def create_app(
         finally:
             await asyncio.to_thread(engine.stop)
 
-    app = FastAPI(title="eagle3 SGLang-compatible dev server", version=VERSION, lifespan=lifespan)
-    app.state.engine, app.state.info = engine, info
-
-    def to_sequence(prompt, raw_params, rid, loop, arrived) -> _Sequence:
-        if isinstance(prompt, str):
-            with engine.tokenizer_lock:
-                ids = tokenizer.encode(prompt, add_special_tokens=False)  # no chat template, no BOS
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise _BadRequest("input_ids cannot be empty.")
-        if any(t >= vocab_size for t in ids):
-            raise _BadRequest(f"The input_ids {ids} contains values greater than the vocab size ({vocab_size}).")
-        if any(t < 0 for t in ids):
-            raise _BadRequest(f"The input_ids {ids} contains negative values.")
-        params = SamplingParams.parse(raw_params)
-        # TokenizerManager._validate_one_request, then the scheduler's validate_input_length.
-        n = len(ids)
-        if n >= context_len:
-            raise _BadRequest(
-                f"The input ({n} tokens) is longer than the model's context length ({context_len} tokens)."
-            )
-        if params.max_new_tokens is not None and n + params.max_new_tokens > context_len:
-            raise _BadRequest(
-                f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
-                f"You requested a total of {n + params.max_new_tokens} tokens: {n} tokens from the input "
-                f"messages and {params.max_new_tokens} tokens for the completion. Please reduce the number "
-                "of tokens in the input messages or the completion to fit within the limit."
-            )
-        if n >= max_req_input_len:
-            raise _BadRequest(
-                f"Input length ({n} tokens) exceeds the maximum allowed length ({max_req_input_len} tokens). "
-                "Use a shorter input or enable --allow-auto-truncate."
-            )
-        budget = max_req_len - n - 1  # the scheduler's clamp of max_new_tokens
-        limit = budget if params.max_new_tokens is None else min(params.max_new_tokens, budget)
-        return _Sequence(rid=rid, prompt_ids=ids, params=params, max_new_tokens=limit, created=arrived,
-                         loop=loop, future=loop.create_future())
-
-    async def run(seqs: list[_Sequence], request: Request | None) -> list[dict]:
-        engine.submit(seqs)
-        futures = [s.future for s in seqs]
-        try:
-            while True:
-                _, pending = await asyncio.wait(futures, timeout=1.0)
-                if not pending:
-                    break
-                # SGLang aborts requests whose client went away; so do we, to free the batch.
-                if request is not None and await request.is_disconnected():
-                    engine.abort(seqs=seqs)
-        except asyncio.CancelledError:
-            engine.abort(seqs=seqs)
-            raise
-        return [f.result() for f in futures]
-
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request):
-        arrived = time.perf_counter()
-        if not engine.alive:  # app used without its lifespan, or shutting down
-            return _openai_error("The dev server's engine is not running.", 503)
-        try:
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise _Malformed(f"JSON decode error: {exc}") from exc
-            if not isinstance(body, dict):
-                raise _Malformed("The request body must be a JSON object.")
-            if body.get("stream"):
-                raise _BadRequest("stream=True is not supported by the eagle3 dev server; use stream=false.")
-            single, prompts, params, rids = _split_batch(body)
-            loop = asyncio.get_running_loop()
-            seqs = [to_sequence(p, sp, r, loop, arrived) for p, sp, r in zip(prompts, params, rids)]
-        except _Malformed as exc:
-            return _openai_error(str(exc), 400)
-        except _BadRequest as exc:
-            logger.info("[dev_server] bad request: %s", exc)
-            return _error(str(exc))
-        try:
-            results = await run(seqs, request)
-        except Exception as exc:
-            return _openai_error(f"Generation failed: {exc!r}", 500)
-        return JSONResponse(results[0] if single else results)
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request):
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except json.JSONDecodeError as exc:
-            return _openai_error(f"JSON decode error: {exc}", 400)
-        if not isinstance(body, dict):
-            return _openai_error("The request body must be a JSON object.", 400)
-        engine.abort(body.get("rid"), abort_all=bool(body.get("abort_all")))
-        return Response(status_code=200)
-
-    @app.get("/health")
-    async def health():
-        return Response(status_code=200 if engine.alive else 503)
-
-    @app.get("/health_generate")
-    async def health_generate():
-        if not engine.alive:
-            return Response(status_code=503)
-        loop = asyncio.get_running_loop()
-        probe = to_sequence([0], {"max_new_tokens": 1, "temperature": 0}, f"HEALTH_CHECK_{time.time()}",
-                            loop, time.perf_counter())
-        try:
-            await asyncio.wait_for(run([probe], None), timeout=_HEALTH_CHECK_TIMEOUT_S)
-        except Exception:  # includes the timeout
-            engine.abort(seqs=[probe])
-            return Response(status_code=503)
-        return Response(status_code=200)
-
-    @app.get("/server_info")
-    @app.get("/get_server_info")
-    async def server_info():
-        return {**info, "internal_states": [{"num_running_reqs": len(engine._active),
-                                             "num_waiting_reqs": len(engine._waiting)}]}
-
-    @app.get("/model_info")
-    @app.get("/get_model_info")
-    async def model_info():
-        return {
-            "model_path": info["model_path"],
-            "tokenizer_path": info["tokenizer_path"],
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": "default",
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": getattr(model.config, "model_type", None),
-            "architectures": getattr(model.config, "architectures", None),
-        }
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
-        return Response("Cache flushed.\n", status_code=200)  # nothing cached between requests
-
+    app = sglang.create_sglang_app(backend, title="eagle3 SGLang-compatible dev server", version=VERSION,
+                                   lifespan=lifespan)
+    app.state.engine = engine
     return app
 
 

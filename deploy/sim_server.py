@@ -19,10 +19,12 @@ L * decode_s_per_token`` seconds after it started, however many run together (a 
 saturation). Capacity is ``max_running / decode_s_per_token`` tokens/s. ``SimServer.stats``
 counts served and aborted tokens, the busy-slot integral and the observed maxima.
 
-Endpoints: ``POST /generate`` (``input_ids`` single or batch; ``text`` is refused: no tokenizer),
-``POST /abort_request``, ``GET /health``, ``GET /health_generate``, ``GET /server_info``,
-``GET /model_info`` (also the ``/get_*`` names), ``/flush_cache``; admin: ``POST /_fault``
-(see ``SimServer.apply_fault``) and ``GET /_stats`` for a server in another process.
+Endpoints: SGLang's, from ``deploy/sglang_protocol.py`` (``text`` is refused: no tokenizer;
+sampling params the simulation does not model are accepted and ignored); admin: ``POST /_fault``
+(see ``SimServer.apply_fault``) and ``GET /_stats`` for a server in another process. The app is
+FastAPI, as the dev server's; the faults that answer instead of the routes (an outage,
+``fail_next``, ``drop_next``) are an ASGI middleware in front of them, the others live in the
+handlers and the engine.
 
 Run it in-process (``with SimServer(max_running=4) as srv: srv.url``: uvicorn in a background
 thread with its own event loop) or in the foreground:
@@ -45,32 +47,28 @@ import struct
 import sys
 import threading
 import time
-import uuid
 from array import array
 from collections import deque
 from typing import Any, Callable
 
 import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from deploy import sglang_protocol as sglang
+from deploy.sglang_protocol import parse_sampling_params
 
 logger = logging.getLogger("eagle3.sim_server")
 
 VERSION = "0.1.0-eagle3-sim"
-_SAMPLING_EPS = 1e-6  # SGLang treats 0 <= temperature < 1e-6 as greedy
 _FIRST_ID = 10  # output ids are drawn from [10, vocab_size): clear of the usual special ids
 
 __all__ = ["SimConfig", "SimOutput", "SimServer", "SimStats", "main", "parse_sampling_params", "simulate_output"]
 
 
-class _BadRequest(ValueError):
-    """Bad input SGLang reports as a ValueError: 400 ``{"error": {"message": ...}}``."""
-
-
-class _Malformed(ValueError):
-    """Input SGLang's FastAPI layer rejects (bad JSON, wrong types): 400 OpenAI-style body."""
-
-
 # ---------------------------------------------------------------------------------------------
-# The pure part: configuration, sampling parameters, the simulated output
+# The pure part: configuration and the simulated output
 # ---------------------------------------------------------------------------------------------
 
 
@@ -104,89 +102,23 @@ class SimConfig:
         if self.decode_s_per_token < 0 or self.prefill_s_per_token < 0:
             raise ValueError("decode_s_per_token and prefill_s_per_token must be >= 0")
 
-    # SGLang's scheduler limits, as in dev_server: max_req_len = context - 1, prompts of
-    # max_req_len - 5 tokens or more are refused, max_new_tokens is clamped to what is left.
+    @property
+    def limits(self) -> sglang.ModelLimits:
+        """The vocabulary and context, and SGLang's scheduler limits from them."""
+        return sglang.ModelLimits(vocab_size=self.vocab_size, context_length=self.context_length)
+
     @property
     def max_req_len(self) -> int:
-        return self.context_length - 1
+        return self.limits.max_req_len
 
     @property
     def max_req_input_len(self) -> int:
-        return self.max_req_len - 5
+        return self.limits.max_req_input_len
 
     @property
     def capacity_tokens_per_s(self) -> float:
         """Output tokens/s with every slot busy (inf when decoding takes no time)."""
         return math.inf if self.decode_s_per_token == 0 else self.max_running / self.decode_s_per_token
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """The sampling parameters the simulation looks at (others are accepted and ignored)."""
-
-    max_new_tokens: int | None = 128  # SGLang's default; None = up to the context
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    no_stop_trim: bool = False
-    sampling_seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS or self.top_k == 1
-
-
-def parse_sampling_params(raw: Any) -> SamplingParams:
-    """Parse a request's ``sampling_params`` with SGLang's type rules and range checks."""
-    if raw is None:
-        return SamplingParams()
-    if isinstance(raw, SamplingParams):
-        return raw
-    if not isinstance(raw, dict):
-        raise _Malformed(f"sampling_params must be an object, got {type(raw).__name__}")
-
-    def num(key, kind, default):
-        v = raw.get(key)
-        if v is None:  # SGLang treats null as "use the default"
-            return default
-        ok = isinstance(v, int) if kind is int else isinstance(v, (int, float))
-        if isinstance(v, bool) or not ok:
-            raise _Malformed(f"sampling_params.{key} must be a number, got {v!r}")
-        return kind(v)
-
-    def flag(key):
-        v = raw.get(key)
-        if v is None:
-            return False
-        if not isinstance(v, bool):
-            raise _Malformed(f"sampling_params.{key} must be a boolean, got {v!r}")
-        return v
-
-    stop = raw.get("stop_token_ids") or []
-    if not isinstance(stop, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in stop):
-        raise _Malformed(f"sampling_params.stop_token_ids must be a list of ints, got {stop!r}")
-    p = SamplingParams(
-        max_new_tokens=num("max_new_tokens", int, None) if "max_new_tokens" in raw else 128,
-        temperature=num("temperature", float, 1.0),
-        top_p=num("top_p", float, 1.0),
-        top_k=num("top_k", int, -1),
-        stop_token_ids=tuple(stop),
-        ignore_eos=flag("ignore_eos"),
-        no_stop_trim=flag("no_stop_trim"),
-        sampling_seed=num("sampling_seed", int, None),
-    )
-    # Same checks and wording as SGLang's SamplingParams.verify.
-    if not math.isfinite(p.temperature) or p.temperature < 0.0:
-        raise _BadRequest(f"temperature must be a non-negative finite number, got {p.temperature}.")
-    if not 0.0 < p.top_p <= 1.0:
-        raise _BadRequest(f"top_p must be in (0, 1], got {p.top_p}.")
-    if p.top_k < 1 and p.top_k != -1:
-        raise _BadRequest(f"top_k must be -1 (disable) or at least 1, got {p.top_k}.")
-    if p.max_new_tokens is not None and p.max_new_tokens < 0:
-        raise _BadRequest(f"max_new_tokens must be at least 0, got {p.max_new_tokens}.")
-    return p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,9 +137,7 @@ class SimOutput:
 
 def _text(ids: list[int], finish: dict, no_stop_trim: bool) -> str:
     """Deterministic detokenisation: ``t<id>`` per token; the matched stop token is trimmed."""
-    if finish.get("type") == "stop" and not no_stop_trim:
-        ids = ids[:-1]
-    return " ".join([f"t{t}" for t in ids])
+    return " ".join([f"t{t}" for t in sglang.text_token_ids(ids, finish, no_stop_trim)])
 
 
 def _id_array(prompt_ids: Any) -> array:
@@ -215,11 +145,11 @@ def _id_array(prompt_ids: Any) -> array:
     if isinstance(prompt_ids, array) and prompt_ids.typecode == "q":
         return prompt_ids
     if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
-        raise _Malformed("input_ids must be a list of ints or a list of lists of ints")
+        raise sglang.MalformedRequest("input_ids must be a list of ints or a list of lists of ints")
     try:
         return array("q", prompt_ids)
     except (TypeError, OverflowError):
-        raise _Malformed("input_ids must be a list of ints or a list of lists of ints") from None
+        raise sglang.MalformedRequest("input_ids must be a list of ints or a list of lists of ints") from None
 
 
 def _natural_length(rng: random.Random, cfg: SimConfig) -> int:
@@ -246,8 +176,7 @@ def simulate_output(prompt_ids: Any, params: Any = None, config: SimConfig | Non
     ids = _id_array(prompt_ids)
     n = len(ids)
 
-    budget = max(0, cfg.max_req_len - n - 1)  # the scheduler's clamp of max_new_tokens
-    limit = budget if p.max_new_tokens is None else min(p.max_new_tokens, budget)
+    limit = cfg.limits.max_new_tokens(n, p)
 
     h = hashlib.sha256(b"eagle3-sim-v1")
     h.update(struct.pack("<q", cfg.seed))
@@ -279,9 +208,9 @@ def simulate_output(prompt_ids: Any, params: Any = None, config: SimConfig | Non
         out = [_avoid(t, stops, span) for t in out]
     if stop:
         out.append(stop_id)
-        finish = {"type": "stop", "matched": stop_id}
+        finish = sglang.finish_stop(stop_id)
     else:
-        finish = {"type": "length", "length": length}
+        finish = sglang.finish_length(length)
     return SimOutput(out, finish, natural, p.no_stop_trim)
 
 
@@ -353,20 +282,7 @@ class _Seq:
         self.state = "new"  # new -> delay (slow) -> queued -> running -> done
 
 
-def _json_bytes(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def _error_body(status: int, message: str) -> dict:
-    """SGLang's two error shapes: ValueError 400s vs HTTPException-style others."""
-    if status == 400:
-        return {"error": {"message": message}}
-    kind = str(status)
-    return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-
-
-def _malformed_body(message: str) -> dict:
-    return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+_ADMIN_PATHS = ("/_fault", "/_stats")
 
 
 class SimServer:
@@ -415,7 +331,9 @@ class SimServer:
         # Serving state.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._uv: uvicorn.Server | None = None
+        self._connections = _Connections()
+        self._app = self._create_app()
+        self._uv: _Uvicorn | None = None
         self._uv_task: asyncio.Task | None = None
         self._exit: asyncio.Event | None = None
         self._restarting = False
@@ -488,25 +406,26 @@ class SimServer:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self._asgi, host=self.host, port=self.port, lifespan="off", http="h11", ws="none",
-            interface="asgi3", proxy_headers=False, server_header=False, date_header=False,
+            self._app, host=self.host, port=self.port, lifespan="off", ws="none", interface="asgi3",
+            http=self._connections.protocol_class,  # h11, recording its connections: see _Connections
+            proxy_headers=False, server_header=False, date_header=False,
             log_config=None, log_level=self.log_level, access_log=False,
             timeout_keep_alive=120,  # idle keep-alive closes race with client reuse: keep them long
             timeout_graceful_shutdown=1,
         )
-        uv = uvicorn.Server(config)
+        uv = _Uvicorn(config)
         self._uv = uv
         self._uv_task = asyncio.create_task(self._serve_life(uv, sock))
-        deadline = time.monotonic() + 30
-        while not uv.started:  # bounded poll: uvicorn has no startup event to await
+        listening = asyncio.ensure_future(uv.listening.wait())
+        done, _ = await asyncio.wait((listening, self._uv_task), timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        if listening not in done:
+            listening.cancel()
             if self._uv_task.done():
                 self._uv_task.result()  # raises what went wrong
                 raise RuntimeError("sim server exited during startup")
-            if time.monotonic() > deadline:
-                raise RuntimeError("sim server did not start within 30 s")
-            await asyncio.sleep(0.005)
+            raise RuntimeError("sim server did not start within 30 s")
 
-    async def _serve_life(self, uv: uvicorn.Server, sock: socket.socket) -> None:
+    async def _serve_life(self, uv: _Uvicorn, sock: socket.socket) -> None:
         try:
             await uv.serve(sockets=[sock])
         finally:
@@ -520,10 +439,11 @@ class SimServer:
         if uv is None or task is None:
             return
         self._restarting = True
+        # uvicorn closes its listener only at its next tick (<= 0.1 s): until then a connection
+        # is cut as soon as it is made, so nothing new is served once down() has begun.
+        self._connections.refusing = True
         try:
-            for server in getattr(uv, "servers", []):
-                server.close()  # no new connections from here on
-            self._drop_connections()
+            self._connections.abort_all()
             await asyncio.sleep(0)  # let connection_lost run: the handlers see a disconnect
             self._drop_all_sequences("Server shutting down")
             uv.should_exit = uv.force_exit = True
@@ -531,14 +451,7 @@ class SimServer:
         finally:
             self._uv = self._uv_task = None
             self._restarting = False
-
-    def _drop_connections(self) -> None:
-        if self._uv is None:
-            return
-        for conn in list(self._uv.server_state.connections):
-            transport = getattr(conn, "transport", None)
-            if transport is not None:
-                transport.abort()
+            self._connections.refusing = False
 
     async def _shutdown(self) -> None:
         await self._stop_listening()
@@ -646,7 +559,7 @@ class SimServer:
         if refuse:
             await self._stop_listening()
         else:
-            self._drop_connections()
+            self._connections.abort_all()
             await asyncio.sleep(0)
             self._drop_all_sequences("Server shutting down")
 
@@ -836,19 +749,10 @@ class SimServer:
         seq.state = "done"
         self._live.discard(seq)
         if not seq.future.done():
-            seq.future.set_result({
-                "text": _text(ids, reason, seq.out.no_stop_trim),
-                "output_ids": ids,
-                "meta_info": {
-                    "id": seq.rid,
-                    "finish_reason": reason,
-                    "prompt_tokens": seq.prompt_len,
-                    "completion_tokens": len(ids),
-                    "cached_tokens": 0,
-                    "reasoning_tokens": 0,
-                    "e2e_latency": self._loop.time() - seq.arrived,
-                },
-            })
+            seq.future.set_result(sglang.generate_result(
+                rid=seq.rid, text=_text(ids, reason, seq.out.no_stop_trim), output_ids=ids, finish_reason=reason,
+                prompt_tokens=seq.prompt_len, e2e_latency=self._loop.time() - seq.arrived,
+            ))
         self._schedule()
         self._gauges()
 
@@ -863,14 +767,12 @@ class SimServer:
             if done >= len(ids):  # it had finished; the timer just has not fired yet
                 self._complete(seq)
                 return
-            status = None
         else:
             done = 0
             message = "Abort in waiting queue" if message.startswith("Abort by") else message
-            status = None
         self.stats.aborted += 1
         self.stats.aborted_tokens += done
-        self._finish(seq, ids[:done], {"type": "abort", "message": message, "status_code": status})
+        self._finish(seq, ids[:done], sglang.finish_abort(message))
 
     def _abort(self, rid: str | None, abort_all: bool = False) -> int:
         victims = [s for s in self._live if abort_all or s.rid == rid]
@@ -882,229 +784,230 @@ class SimServer:
         for seq in list(self._live):
             self._abort_seq(seq, message)
 
-    # -- HTTP (ASGI, event loop only) ------------------------------------------------------------
-
-    async def _asgi(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return
-        path, method = scope["path"], scope["method"]
-        if path in ("/_fault", "/_stats"):
-            await self._admin(path, method, receive, send)
-            return
-        if self._down is not None:  # the "503" outage mode (refuse mode has no listener)
-            await _read_body(receive)
-            await _send_json(send, 503, _error_body(503, "The server is down (simulated outage)."))
-            return
+    def _take_fault(self, path: str) -> str | None:
+        """The injected fault that takes this request, "fail" or "drop", counted; None: serve it."""
         if self._fail_left > 0 and self._fail_path in (None, path):
             self._fail_left -= 1
             self.stats.injected_errors += 1
-            if path == "/generate":
-                self.stats.requests += 1
-            await _read_body(receive)
-            await _send_json(send, self._fail_status, _error_body(self._fail_status, self._fail_message))
-            return
-        if self._drop_left > 0 and self._drop_path in (None, path):
+            fault = "fail"
+        elif self._drop_left > 0 and self._drop_path in (None, path):
             self._drop_left -= 1
             self.stats.dropped_connections += 1
-            if path == "/generate":
-                self.stats.requests += 1
-            await _read_body(receive)
-            await _drop(receive, self._drop_reset)
-            return
-        if path == "/generate" and method in ("POST", "PUT"):
-            await self._generate(receive, send)
-        elif path == "/abort_request" and method == "POST":
-            await self._abort_request(receive, send)
-        elif path in ("/health", "/health_generate") and method == "GET":
-            await _send_empty(send, 503 if self._starting else 200)
-        elif path in ("/server_info", "/get_server_info") and method == "GET":
-            await _send_json(send, 200, self._server_info())
-        elif path in ("/model_info", "/get_model_info") and method == "GET":
-            await _send_json(send, 200, self._model_info())
-        elif path == "/flush_cache" and method in ("GET", "POST"):
-            await _send_raw(send, 200, b"Cache flushed.\n", b"text/plain; charset=utf-8")
+            fault = "drop"
         else:
-            await _send_json(send, 404, {"detail": "Not Found"})
+            return None
+        if path == "/generate":
+            self.stats.requests += 1  # a /generate request all the same
+        return fault
 
-    async def _generate(self, receive: Callable, send: Callable) -> None:
-        stats = self.stats
+    # -- HTTP (event loop only) -----------------------------------------------------------------
+
+    def _create_app(self) -> FastAPI:
+        """SGLang's endpoints over the simulated engine, the admin endpoints, the fault middleware."""
+        app = sglang.create_sglang_app(_SimBackend(self), title="eagle3 simulated SGLang server", version=VERSION)
+
+        @app.get("/_stats")
+        async def stats():
+            return JSONResponse(self.snapshot().to_dict())
+
+        @app.post("/_fault")
+        async def fault(request: Request):
+            try:
+                spec = json.loads(await request.body() or b"{}")
+                if not isinstance(spec, dict):
+                    raise ValueError("the body must be a JSON object")
+                state = self.apply_fault(spec)
+            except (ValueError, TypeError) as exc:
+                raise sglang.BadRequest(f"bad fault spec: {exc}") from exc
+            return JSONResponse(state)
+
+        app.add_middleware(_FaultMiddleware, server=self)
+        return app
+
+
+class _SimBackend:
+    """The simulated engine behind the SGLang endpoints (see sglang_protocol.SGLangBackend)."""
+
+    def __init__(self, server: SimServer):
+        self.server = server
+
+    async def generate(self, request: Request) -> Any:
+        srv = self.server
+        stats = srv.stats
         stats.requests += 1
         stats.open_requests += 1
         if stats.open_requests > stats.max_open_requests:
             stats.max_open_requests = stats.open_requests
         try:
-            arrived = self._loop.time()
-            body = await _read_body(receive)
+            arrived = srv._loop.time()
             try:
-                single, seqs = self._parse(body, arrived)
-            except _Malformed as exc:
-                stats.rejected += 1
-                await _send_json(send, 400, _malformed_body(str(exc)))
-                return
-            except _BadRequest as exc:
-                stats.rejected += 1
-                await _send_json(send, 400, _error_body(400, str(exc)))
-                return
-            self._admit(seqs)
-            futures = [s.future for s in seqs]
-            result = futures[0] if single else asyncio.gather(*futures)
-            # SGLang aborts a request whose client went away: watch for the disconnect.
-            watcher = asyncio.ensure_future(receive())
-            done, _ = await asyncio.wait((result, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if result not in done:
-                for seq in seqs:
-                    self._abort_seq(seq, "Abort: the client disconnected")
-                return
-            watcher.cancel()
-            await _send_json(send, 200, result.result())
+                req = sglang.parse_generate(await request.body(), server="sim server", accepts_text=False)
+                seqs = [self._sequence(ids, raw, rid, arrived)
+                        for ids, raw, rid in zip(req.prompts, req.sampling_params, req.rids)]
+            except (sglang.BadRequest, sglang.MalformedRequest):
+                srv.stats.rejected += 1
+                raise
+            srv._admit(seqs)
+            results = await sglang.results_or_abort(
+                request, asyncio.gather(*(s.future for s in seqs)),
+                lambda: [srv._abort_seq(s, "Abort: the client disconnected") for s in seqs],
+            )
+            return results[0] if req.single else results
         finally:
-            stats = self.stats  # reset_stats may have replaced it meanwhile
+            stats = srv.stats  # reset_stats may have replaced it meanwhile
             stats.open_requests = max(0, stats.open_requests - 1)
 
-    def _parse(self, raw: bytes, arrived: float) -> tuple[bool, list[_Seq]]:
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise _Malformed(f"JSON decode error: {exc}") from exc
-        if not isinstance(body, dict):
-            raise _Malformed("The request body must be a JSON object.")
-        if body.get("stream"):
-            raise _BadRequest("stream=True is not supported by the eagle3 sim server; use stream=false.")
-        if body.get("text") is not None:
-            raise _BadRequest("The sim server has no tokenizer: send input_ids, not text.")
-        input_ids = body.get("input_ids")
-        if input_ids is None:
-            raise _BadRequest("Either text, input_ids or input_embeds should be provided.")
-        if not isinstance(input_ids, list):
-            raise _Malformed("input_ids must be a list of ints or a list of lists of ints")
-        if input_ids == []:
-            raise _BadRequest("input_ids cannot be empty.")
-        single = not isinstance(input_ids[0], list)
-        prompts = [_id_array(input_ids)] if single else [_id_array(p) for p in input_ids]
+    def _sequence(self, ids: list[int], raw_params: Any, rid: str, arrived: float) -> _Seq:
+        """Check one prompt as SGLang would, then as reject_if says; its simulated answer."""
+        srv = self.server
+        params = srv.config.limits.admit(ids, raw_params)
+        if srv._reject is not None:
+            verdict = srv._reject(ids)
+            if verdict:
+                raise sglang.BadRequest(verdict if isinstance(verdict, str)
+                                        else "The prompt was rejected by the sim server's reject_if rule.")
+        out = simulate_output(ids, params, srv.config)
+        return _Seq(rid, len(ids), out, arrived, srv._loop.create_future())
 
-        n = len(prompts)
-        params = body.get("sampling_params")
-        if isinstance(params, list):
-            if single or len(params) != n:
-                raise _BadRequest(f"sampling_params has {len(params)} entries for a batch of {n}.")
+    def abort(self, rid: str | None, abort_all: bool) -> int:
+        return self.server._abort(rid, abort_all)
+
+    def healthy(self) -> bool:
+        return not self.server._starting
+
+    async def health_generate(self) -> bool:
+        return not self.server._starting  # no model to probe: as healthy as /health
+
+    def server_info(self) -> dict[str, Any]:
+        srv = self.server
+        cfg = srv.config
+        return sglang.server_info(
+            model_path=cfg.model_path, served_model_name=cfg.model_path, limits=cfg.limits,
+            max_running=cfg.max_running, dtype="simulated", device="none", skip_tokenizer_init=True,
+            version=VERSION, running=len(srv._running), waiting=len(srv._live) - len(srv._running),
+        )
+
+    def model_info(self) -> dict[str, Any]:
+        return sglang.model_info(model_path=self.server.config.model_path, model_type="simulated",
+                                 architectures=["SimulatedForCausalLM"])
+
+
+class _FaultMiddleware:
+    """ASGI middleware: the faults that answer in place of the routes (admin paths exempt).
+
+    An outage in 503 mode and fail_next answer an error body; drop_next closes the connection
+    without an answer. The request body is read first, as a server that got the request would.
+    """
+
+    def __init__(self, app: Callable, server: SimServer):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        srv = self.server
+        path = scope.get("path")
+        if scope["type"] != "http" or path in _ADMIN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if srv._down is not None:  # the "503" outage mode (refuse mode has no listener)
+            fault = "down"
         else:
-            params = [params] * n  # one dict applies to every item, as in SGLang
-        rid = body.get("rid")
-        if rid is None:
-            rids = [uuid.uuid4().hex for _ in range(n)]
-        elif single and isinstance(rid, str):
-            rids = [rid]
-        elif not single and isinstance(rid, list) and all(isinstance(r, str) for r in rid):
-            if len(rid) != n:
-                raise _BadRequest(f"rid has {len(rid)} entries for a batch of {n}.")
-            rids = list(rid)
+            fault = srv._take_fault(path)
+        if fault is None:
+            await self.app(scope, receive, send)
+            return
+        await _read_body(receive)
+        if fault == "down":
+            await sglang.error_response(503, "The server is down (simulated outage).")(scope, receive, send)
+        elif fault == "fail":
+            await sglang.error_response(srv._fail_status, srv._fail_message)(scope, receive, send)
         else:
-            raise _Malformed("rid must be a string (single request) or a list of strings (batch)")
+            await srv._connections.drop(scope, receive, reset=srv._drop_reset)
 
-        cfg = self.config
-        seqs = []
-        for ids, raw_params, r in zip(prompts, params, rids):
-            p = parse_sampling_params(raw_params)
-            self._validate(ids, p)
-            if self._reject is not None:
-                verdict = self._reject(ids.tolist())
-                if verdict:
-                    raise _BadRequest(verdict if isinstance(verdict, str)
-                                      else "The prompt was rejected by the sim server's reject_if rule.")
-            out = simulate_output(ids, p, cfg)
-            seqs.append(_Seq(r, len(ids), out, arrived, self._loop.create_future()))
-        return single, seqs
 
-    def _validate(self, ids: array, p: SamplingParams) -> None:
-        """SGLang's input checks, in dev_server's order and words."""
-        cfg = self.config
-        n = len(ids)
-        if n == 0:
-            raise _BadRequest("input_ids cannot be empty.")
-        if max(ids) >= cfg.vocab_size:
-            raise _BadRequest(f"The input_ids {ids.tolist()} contains values greater than the vocab size "
-                              f"({cfg.vocab_size}).")
-        if min(ids) < 0:
-            raise _BadRequest(f"The input_ids {ids.tolist()} contains negative values.")
-        ctx = cfg.context_length
-        if n >= ctx:
-            raise _BadRequest(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
-        if p.max_new_tokens is not None and n + p.max_new_tokens > ctx:
-            raise _BadRequest(
-                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
-                f"You requested a total of {n + p.max_new_tokens} tokens: {n} tokens from the input "
-                f"messages and {p.max_new_tokens} tokens for the completion. Please reduce the number "
-                "of tokens in the input messages or the completion to fit within the limit."
-            )
-        if n >= cfg.max_req_input_len:
-            raise _BadRequest(
-                f"Input length ({n} tokens) exceeds the maximum allowed length ({cfg.max_req_input_len} tokens). "
-                "Use a shorter input or enable --allow-auto-truncate."
-            )
+class _Connections:
+    """The server's open TCP connections by client address, for the faults HTTP has no words for.
 
-    async def _abort_request(self, receive: Callable, send: Callable) -> None:
-        try:
-            body = json.loads(await _read_body(receive) or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            await _send_json(send, 400, _malformed_body(f"JSON decode error: {exc}"))
+    drop_next closes one request's connection without an answer (FIN, or RST with reset=True);
+    down() cuts every open connection at once. Both need the connection's transport, which
+    neither ASGI nor Starlette hands to an app: raising from the app makes uvicorn answer 500
+    instead (or, once a response has started, close after sending its status line), and a TCP
+    proxy in front would copy every byte through Python. uvicorn takes its HTTP protocol class
+    through its public config (``Config(http=...)``), so a subclass of its h11 protocol records
+    each connection in asyncio's own Protocol callbacks (``connection_made``/``connection_lost``),
+    keyed by the peer address that ASGI gives every request as ``scope["client"]``.
+    """
+
+    def __init__(self):
+        self.open: dict[tuple[str, int], asyncio.Transport] = {}
+        self.refusing = False  # cut new connections at once (down() before uvicorn stops listening)
+        self.protocol_class = self._tracking_protocol()
+
+    def _tracking_protocol(self) -> type[H11Protocol]:
+        connections = self
+
+        class TrackedH11Protocol(H11Protocol):
+            def connection_made(self, transport):
+                super().connection_made(transport)
+                self.tracked_transport = transport
+                connections.opened(transport)
+
+            def connection_lost(self, exc):
+                connections.closed(self.tracked_transport)
+                super().connection_lost(exc)
+
+        return TrackedH11Protocol
+
+    def opened(self, transport: asyncio.Transport) -> None:
+        if self.refusing:
+            transport.abort()
             return
-        if not isinstance(body, dict):
-            await _send_json(send, 400, _malformed_body("The request body must be a JSON object."))
-            return
-        self._abort(body.get("rid"), bool(body.get("abort_all")))
-        await _send_empty(send, 200)
+        key = _peer(transport.get_extra_info("peername"))
+        if key is not None:
+            self.open[key] = transport
 
-    def _server_info(self) -> dict[str, Any]:
-        cfg = self.config
-        return {
-            "model_path": cfg.model_path,
-            "tokenizer_path": cfg.model_path,
-            "served_model_name": cfg.model_path,
-            "context_length": cfg.context_length,
-            "max_running_requests": cfg.max_running,
-            "max_total_num_tokens": cfg.max_running * cfg.context_length,
-            "max_req_input_len": cfg.max_req_input_len,
-            "max_req_len": cfg.max_req_len,
-            "vocab_size": cfg.vocab_size,
-            "dtype": "simulated",
-            "device": "none",
-            "skip_tokenizer_init": True,
-            "allow_auto_truncate": False,
-            "version": VERSION,
-            "internal_states": [{"num_running_reqs": len(self._running),
-                                 "num_waiting_reqs": len(self._live) - len(self._running)}],
-        }
+    def closed(self, transport: asyncio.Transport) -> None:
+        key = _peer(transport.get_extra_info("peername"))
+        if key is not None and self.open.get(key) is transport:
+            del self.open[key]
 
-    def _model_info(self) -> dict[str, Any]:
-        return {
-            "model_path": self.config.model_path,
-            "tokenizer_path": self.config.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": "default",
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": "simulated",
-            "architectures": ["SimulatedForCausalLM"],
-        }
+    def abort_all(self) -> None:
+        for transport in list(self.open.values()):
+            transport.abort()
 
-    async def _admin(self, path: str, method: str, receive: Callable, send: Callable) -> None:
-        raw = await _read_body(receive)
-        if path == "/_stats" and method == "GET":
-            await _send_json(send, 200, self.snapshot().to_dict())
-            return
-        if path == "/_fault" and method == "POST":
-            try:
-                spec = json.loads(raw or b"{}")
-                if not isinstance(spec, dict):
-                    raise ValueError("the body must be a JSON object")
-                state = self.apply_fault(spec)
-            except (ValueError, TypeError) as exc:
-                await _send_json(send, 400, _error_body(400, f"bad fault spec: {exc}"))
-                return
-            await _send_json(send, 200, state)
-            return
-        await _send_json(send, 405, {"detail": "Method Not Allowed"})
+    async def drop(self, scope: dict, receive: Callable, *, reset: bool) -> None:
+        """Close the connection of the request in `scope` without a response."""
+        transport = self.open.get(_peer(scope.get("client")))
+        if transport is None:
+            raise RuntimeError(f"sim server: no open connection from {scope.get('client')} to drop")
+        if reset:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:  # linger 0: close() sends RST instead of FIN
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
+        else:
+            transport.close()
+        # Return only once uvicorn has seen the disconnect, so it does not answer 500 for us.
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+
+def _peer(address: Any) -> tuple[str, int] | None:
+    """A TCP peer address as ASGI's scope["client"] gives it: (host, port)."""
+    if not isinstance(address, (tuple, list)) or len(address) < 2:
+        return None
+    return str(address[0]), int(address[1])
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's Server, with an event for "listening" (it has none to await, only a flag to poll)."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.listening = asyncio.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        self.listening.set()
 
 
 async def _cancel_other_tasks() -> None:
@@ -1132,40 +1035,6 @@ async def _read_body(receive: Callable) -> bytes:
         if not message.get("more_body"):
             break
     return b"".join(chunks)
-
-
-async def _send_raw(send: Callable, status: int, body: bytes, content_type: bytes) -> None:
-    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _send_json(send: Callable, status: int, obj: Any) -> None:
-    await _send_raw(send, status, _json_bytes(obj), b"application/json")
-
-
-async def _send_empty(send: Callable, status: int) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-length", b"0")]})
-    await send({"type": "http.response.body", "body": b""})
-
-
-async def _drop(receive: Callable, reset: bool) -> None:
-    """Close this request's TCP connection without a response.
-
-    uvicorn's ASGI receive is a bound method of its request cycle, which holds the transport.
-    After closing it, wait for uvicorn to see the disconnect, so it does not try a 500.
-    """
-    transport = getattr(getattr(receive, "__self__", None), "transport", None)
-    if transport is None:  # another server implementation: an exception before the response
-        raise ConnectionAbortedError("sim server: injected connection drop")
-    if reset:
-        sock = transport.get_extra_info("socket")
-        if sock is not None:  # linger 0: close() sends RST instead of FIN
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        transport.abort()
-    else:
-        transport.close()
-    await receive()  # returns http.disconnect once connection_lost has run
 
 
 # ---------------------------------------------------------------------------------------------

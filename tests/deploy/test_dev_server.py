@@ -269,3 +269,39 @@ def test_server_and_model_info(client, tiny_target_dir):
     model = client.get("/model_info").json()
     assert model["model_path"] == str(tiny_target_dir) and model["is_generation"] is True
     assert client.get("/get_model_info").json() == model
+
+
+def test_dev_and_sim_servers_answer_bad_input_alike(client):
+    """One protocol module: the simulated server refuses what the dev server refuses, in the same words."""
+    from deploy.sim_server import SimServer
+
+    vocab = client.get("/server_info").json()["vocab_size"]
+    bad = [
+        {"input_ids": [5] * (CONTEXT + 3)},
+        {"input_ids": [5] * 100, "sampling_params": {"max_new_tokens": CONTEXT}},
+        {"input_ids": [5] * (CONTEXT - 6), "sampling_params": {"max_new_tokens": 1}},
+        {"input_ids": [5, vocab]},
+        {"input_ids": [5, -1]},
+        {"input_ids": []},
+        {"input_ids": [5, True]},
+        {"input_ids": "5 6"},
+        {"sampling_params": {}},
+        {"input_ids": [5], "sampling_params": {"top_p": 0}},
+        {"input_ids": [5], "sampling_params": {"temperature": "hot"}},
+        {"input_ids": [[5], [6]], "sampling_params": [{}]},
+        {"input_ids": [[5], [6]], "rid": ["a"]},
+        {"input_ids": [5], "rid": 7},
+    ]
+    with SimServer(vocab_size=vocab, context_length=CONTEXT) as sim, httpx.Client(base_url=sim.url, timeout=10) as sc:
+        for body in bad:
+            dev, simulated = client.post("/generate", json=body), sc.post("/generate", json=body)
+            assert dev.status_code == simulated.status_code == 400, body
+            assert dev.json() == simulated.json(), body
+        for path in ("/generate", "/abort_request"):
+            dev, simulated = client.post(path, content=b"[1"), sc.post(path, content=b"[1")
+            assert dev.status_code == simulated.status_code == 400 and dev.json() == simulated.json()
+        dev_info, sim_info = client.get("/server_info").json(), sc.get("/server_info").json()
+        assert set(dev_info) == set(sim_info)
+        assert {k: dev_info[k] for k in ("context_length", "max_req_len", "max_req_input_len", "vocab_size")} == {
+            k: sim_info[k] for k in ("context_length", "max_req_len", "max_req_input_len", "vocab_size")}
+        assert set(client.get("/model_info").json()) == set(sc.get("/model_info").json())

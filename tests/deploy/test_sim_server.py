@@ -395,3 +395,63 @@ def test_cli_runs_in_the_foreground():
         proc.terminate()
         proc.wait(timeout=10)
         proc.stdout.close()
+
+
+def test_injected_400s_and_bad_fault_specs_have_sglang_bodies(make_server):
+    srv = make_server()
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        srv.fail_next(1, status=400, message="nope")
+        r = c.post("/generate", json={"input_ids": PROMPT})
+        assert r.status_code == 400 and r.json() == {"error": {"message": "nope"}}  # a ValueError's shape
+        r = c.post("/_fault", json=[1])
+        assert r.status_code == 400
+        assert r.json() == {"error": {"message": "bad fault spec: the body must be a JSON object"}}
+        r = c.post("/_fault", json={"fail_next": "many"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("bad fault spec: ")
+        assert c.post("/generate", json={"input_ids": PROMPT}).status_code == 200  # nothing was armed
+    s = srv.snapshot()
+    assert s.injected_errors == 1 and s.requests == 2 and s.rejected == 0
+
+
+def test_drop_next_on_any_path_then_the_server_answers_again(make_server):
+    srv = make_server()
+    srv.drop_next(2, path=None)
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        with pytest.raises(httpx.RemoteProtocolError):
+            c.get("/health")
+        with pytest.raises(httpx.RemoteProtocolError):
+            c.get("/server_info")
+        assert c.get("/health").status_code == 200
+        assert c.get("/_stats").json()["dropped_connections"] == 2  # admin paths are never dropped
+    s = srv.snapshot()
+    assert s.dropped_connections == 2 and s.requests == 0  # only /generate counts as a request
+
+
+def test_restart_cuts_in_flight_requests_and_comes_back_starting(make_server):
+    srv = make_server(decode_s_per_token=0.01)
+    url = srv.url
+
+    async def in_flight_then_restart():
+        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+            task = asyncio.create_task(c.post("/generate", json=body))
+            await poll(lambda: srv.stats.running == 1)
+            await asyncio.to_thread(srv.restart, starting=True)
+            with pytest.raises(httpx.TransportError):
+                await task
+
+    asyncio.run(in_flight_then_restart())
+    assert srv.url == url
+    with httpx.Client(base_url=url, timeout=10) as c:
+        assert c.get("/health_generate").status_code == 503  # up, but still starting
+        assert c.post("/generate", json={"input_ids": PROMPT}).status_code == 200  # generation is served
+    s = srv.snapshot()
+    assert s.restarts == 1 and s.aborted == 1 and s.completed == 1 and s.in_flight == 0
+
+
+def test_json_true_is_not_a_token_id(make_server):
+    srv = make_server()
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        r = c.post("/generate", json={"input_ids": [5, True]})
+    assert r.status_code == 400 and r.json()["type"] == "Bad Request" and r.json()["code"] == 400
+    assert srv.snapshot().rejected == 1
