@@ -29,27 +29,20 @@ False, which this module refuses; transformers 4.x Llama and DeepSeek-V3 remote 
 normed state last as well. tests/models/test_capture.py checks it against the final norm's output.
 
 Progress goes to stdout as `CAPTURE_PROGRESS rank=R done=a total=b tokens=t` (samples done / this
-rank's samples this run, tokens captured this run), at most every 2 s and at the end. A failure
-exits with status 1 after one line `CAPTURE_ERROR {json}` (`error_report`) that the pipeline turns
-back into the exception: a failed write (`WriteFailed`: the rank stops at once, every complete shard
-is kept) or a damaged file (`DamagedFile`) is told in that one line; anything else also gets its
-traceback on stderr. When one rank exits, the launcher (torchrun polls every 0.1 s, deepspeed every
-1 s) terminates the others, so no rank keeps computing what could not be kept.
+rank's samples this run, tokens captured this run; models/rank_protocol.py), at most every 2 s and at
+the end. A failure exits through the rank harness (models/rank.py) with one `CAPTURE_ERROR {json}`
+line that the pipeline turns back into the exception: a failed write (`WriteFailed`: the rank stops
+at once, every complete shard is kept) or a damaged file (`DamagedFile`) is told in that one line.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import heapq
 import inspect
 import json
-import os
-import socket
 import sys
-import threading
 import time
-import traceback
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -57,8 +50,11 @@ from typing import Any, Callable, Literal
 import numpy as np
 import torch
 
+from models.eagle3 import default_aux_layers
 from models.hidden_shards import DamagedFile, ShardWriter, clean_temps, list_shards, shard_metadata, write_index
-from models.write_failure import WriteFailed
+from models.rank import Dist, init_process_group, log, say, serve
+# error_report: the capture's users (tests, tools) import it from here, as before the harness was shared
+from models.rank_protocol import CAPTURE, CAPTURE_PROGRESS, error_report  # noqa: F401
 
 PROGRESS_EVERY_S = 2.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,7 +62,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # *Experts in transformers 5). Only the outermost match becomes a ZeRO-3 leaf: a leaf gathers
 # everything below it in one go.
 MOE_NAME_HINTS = ("moe", "sparsemoe", "experts")
-ERROR_MARK = "CAPTURE_ERROR"
+ERROR_MARK = CAPTURE.error.mark
 RECORDS_ADVICE = "Delete it and run the records stage again (it is rebuilt from its responses), then capture"
 
 
@@ -358,42 +354,13 @@ def num_decoder_layers(config: Any) -> int:
 # --- the rank ------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Dist:
-    """This process's place in the launch (WORLD_SIZE unset: a single process, no process group)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    group: bool = False  # a torch.distributed process group is up
-
-    @classmethod
-    def from_env(cls) -> Dist:
-        if "WORLD_SIZE" not in os.environ:
-            return cls()
-        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
-
-    def barrier(self) -> None:
-        if self.group:
-            torch.distributed.barrier()
-
-    def max(self, value: int, device: torch.device) -> int:
-        if not self.group:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return int(t.item())
-
-
 def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     """Capture this rank's share of the pending samples; return {"samples", "tokens"} captured here."""
     from transformers import AutoConfig
 
     out_dir = Path(job.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device(f"cuda:{dist.local_rank}" if job.device == "cuda" else "cpu")
-    if job.device == "cuda":
-        torch.cuda.set_device(device)
+    device = dist.device(job.device)
 
     config = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
     if getattr(config, "tie_last_hidden_states", True) is False:
@@ -401,19 +368,14 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
                          "would be the pre-norm state; the capture needs the post-norm one")
     dtype = resolve_dtype(job.dtype, config)
     num_layers = num_decoder_layers(config)
-    if job.aux_layers is None:
-        from models.tiny_target import default_aux_layers
-
-        aux_layers = default_aux_layers(num_layers)
-    else:
-        aux_layers = list(job.aux_layers)
+    aux_layers = default_aux_layers(num_layers) if job.aux_layers is None else list(job.aux_layers)
     if max(aux_layers) >= num_layers:
         raise ValueError(f"aux_layers {aux_layers} out of range for a {num_layers}-layer target")
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden_size = int(text_config.hidden_size)
     vocab_size = getattr(text_config, "vocab_size", None)
 
-    _init_process_group(job, dist)
+    init_process_group(dist, job.device, deepspeed=job.mode == "zero3")
 
     # The plan: identical on every rank, because every rank reads the same files before any rank
     # writes (the barrier below) and the deal is deterministic.
@@ -426,9 +388,9 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     batches = make_batches(mine, job.max_batch_tokens)
     if dist.rank == 0:
         clean_temps(out_dir)  # leftovers of killed writers; nobody writes before the barrier
-        _log(f"capture: {len(samples)} records with loss tokens ({no_loss} without, skipped), "
-             f"{len(done)} already captured, {len(pending)} pending over {dist.world_size} rank(s); "
-             f"aux_layers={aux_layers} dtype={str(dtype).removeprefix('torch.')} mode={job.mode}")
+        log(f"capture: {len(samples)} records with loss tokens ({no_loss} without, skipped), "
+            f"{len(done)} already captured, {len(pending)} pending over {dist.world_size} rank(s); "
+            f"aux_layers={aux_layers} dtype={str(dtype).removeprefix('torch.')} mode={job.mode}")
     dist.barrier()
     del samples, pending  # only this rank's share stays referenced
 
@@ -443,7 +405,7 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     total = len(mine)
     done_here = tokens_here = 0
     last_report = time.monotonic()
-    print(f"CAPTURE_PROGRESS rank={dist.rank} done=0 total={total} tokens=0", flush=True)
+    say(CAPTURE_PROGRESS.format(rank=dist.rank, done=0, total=total, tokens=0))
     with ShardWriter(out_dir, dist.rank, job.shard_tokens, aux_layers=aux_layers) as writer, torch.no_grad():
         for step in range(steps):
             if step >= len(batches):
@@ -460,11 +422,11 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
                 done_here += 1
                 tokens_here += s.length
             if time.monotonic() - last_report >= PROGRESS_EVERY_S:
-                print(f"CAPTURE_PROGRESS rank={dist.rank} done={done_here} total={total} tokens={tokens_here}", flush=True)
+                say(CAPTURE_PROGRESS.format(rank=dist.rank, done=done_here, total=total, tokens=tokens_here))
                 last_report = time.monotonic()
-    print(f"CAPTURE_PROGRESS rank={dist.rank} done={done_here} total={total} tokens={tokens_here}", flush=True)
-    _log(f"capture: rank {dist.rank} ran {len(batches)} batches and {steps - len(batches)} padding forwards, "
-         f"wrote {len(writer.written)} shards")
+    say(CAPTURE_PROGRESS.format(rank=dist.rank, done=done_here, total=total, tokens=tokens_here))
+    log(f"capture: rank {dist.rank} ran {len(batches)} batches and {steps - len(batches)} padding forwards, "
+        f"wrote {len(writer.written)} shards")
 
     dist.barrier()  # every rank's shards are complete
     if dist.rank == 0:
@@ -490,23 +452,6 @@ def capture_batch(forward: Callable[..., Any], batch: list[Sample], parts: list[
     last = hidden[-1].cpu()  # [B, S, H], after the final norm
     for i, s in enumerate(batch):
         yield s, aux[i, : s.length], last[i, : s.length]
-
-
-def _init_process_group(job: CaptureJob, dist: Dist) -> None:
-    backend = "nccl" if job.device == "cuda" else "gloo"
-    if job.mode == "zero3":
-        if job.device == "cpu":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        if "WORLD_SIZE" not in os.environ:  # a lone process still needs a (1-rank) group for DeepSpeed
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend=backend)
-        dist.group = True
-    elif dist.world_size > 1:
-        torch.distributed.init_process_group(backend=backend)
-        dist.group = True
 
 
 def _load_target(job: CaptureJob, dist: Dist, dtype: torch.dtype, device: torch.device) -> tuple[Callable[..., Any], torch.nn.Module]:
@@ -535,13 +480,13 @@ def _load_target(job: CaptureJob, dist: Dist, dtype: torch.dtype, device: torch.
     if leaves:
         set_z3_leaf_modules(model, leaves)
         if dist.rank == 0:
-            _log(f"capture: ZeRO-3 leaf modules: {[c.__name__ for c in leaves]}")
+            log(f"capture: ZeRO-3 leaf modules: {[c.__name__ for c in leaves]}")
     engine, *_ = deepspeed.initialize(model=model, config=ds_config)
     engine.module.eval().requires_grad_(False)
     params = list(engine.module.parameters())
     held = sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor"))
-    _log(f"capture: rank {dist.rank} holds {held:,} of {sum(getattr(p, 'ds_numel', p.numel()) for p in params):,} "
-         f"parameters (ZeRO-3, offload {job.offload})")
+    log(f"capture: rank {dist.rank} holds {held:,} of {sum(getattr(p, 'ds_numel', p.numel()) for p in params):,} "
+        f"parameters (ZeRO-3, offload {job.offload})")
     engine._capture_hf_ds_config = hf_ds_config  # keep it alive as long as the engine
     return engine, engine.module
 
@@ -555,78 +500,10 @@ def _check_compatible(existing: list[dict], out_dir: Path, hidden_size: int, aux
                              "use another out_dir or remove the old shards")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _exit_with_launcher() -> None:
-    """Exit when the launcher dies: torchrun starts each rank in its own session, so a SIGKILL of the
-    launcher's process group would otherwise leave the ranks running (and writing shards)."""
-    parent = os.getppid()
-    if parent == 1:
-        return
-
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                _log(f"capture: launcher (pid {parent}) is gone; exiting")
-                os._exit(1)
-
-    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
-
-
-def error_report(error: BaseException, rank: int) -> dict[str, Any]:
-    """What a failed rank tells the pipeline: enough to raise the same exception there (one JSON line)."""
-    report: dict[str, Any] = {"rank": rank, "type": type(error).__name__, "message": str(error)}
-    if isinstance(error, WriteFailed):
-        report.update(kind="write_failed", path=str(error.path), errno=error.errno,
-                      error=getattr(error.error, "strerror", None) or str(error.error), kept=error.kept, resume=error.resume)
-    elif isinstance(error, DamagedFile):
-        report.update(kind="damaged", path=str(error.path), problem=error.problem, advice=error.advice)
-    elif isinstance(error, (ValueError, FileNotFoundError)):
-        report.update(kind="invalid")  # bad job, records or settings: the same again on a retry
-    else:
-        report.update(kind="error")
-    return report
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m models.capture", description=__doc__.splitlines()[0])
-    parser.add_argument("--job", required=True, help="path of the capture JOB.json")
-    # The `deepspeed` launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    dist = Dist.from_env()
-    try:
-        if "WORLD_SIZE" in os.environ:
-            _exit_with_launcher()
-        job = CaptureJob.load(args.job)
-        run(job, dist)
-    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher as a nonzero exit
-        if isinstance(e, SystemExit) and not e.code:
-            return 0
-        # The report first: it is what the pipeline shows, and this rank may be killed any moment now.
-        print(f"{ERROR_MARK} {json.dumps(error_report(e, dist.rank))}", file=sys.stderr, flush=True)
-        print(f"capture rank {dist.rank} failed: {e}" if isinstance(e, (WriteFailed, DamagedFile))
-              else f"capture rank {dist.rank} failed: {e!r}", file=sys.stderr)
-        if not isinstance(e, (WriteFailed, DamagedFile)):  # the message says it all for these
-            traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
-        return 1
-    finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            try:
-                torch.distributed.destroy_process_group()
-            except Exception:  # noqa: BLE001 - exiting anyway
-                pass
-    return 0
+    """The capture rank's entry point (models/rank.py): run the job, report a failure; the exit status."""
+    return serve(argv, prog="python -m models.capture", description=__doc__.splitlines()[0], protocol=CAPTURE,
+                 run=lambda job_path, dist: run(CaptureJob.load(job_path), dist))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,16 @@ _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3 aux layers: outputs of 0-based decoder layers [1, L//2-1, L-4] (Kimi, L=61: [1, 29, 57])."""
+    if num_layers < 8:
+        raise ValueError(f"EAGLE-3 needs at least 8 target layers for distinct aux layers, got {num_layers}")
+    layers = [1, num_layers // 2 - 1, num_layers - 4]
+    if len(set(layers)) != 3:  # unreachable for L >= 8; kept as the invariant callers rely on
+        raise ValueError(f"aux layers {layers} for {num_layers} layers are not distinct")
+    return layers
+
+
 @dataclass(kw_only=True)
 class Eagle3Config:
     """Shape of the draft; `vocab_size` is the target's, `draft_vocab_size` the draft lm_head's."""

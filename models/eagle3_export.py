@@ -31,7 +31,6 @@ speculative/eagle_worker.py, model_executor/model_runner.py):
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
@@ -41,6 +40,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models.atomic import replace_dir
 from models.eagle3 import Eagle3Config, Eagle3Draft
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -146,7 +146,7 @@ def export_draft(draft: Eagle3Draft, out_dir: str | Path, *, target_config,
         tmp.chmod(0o755)  # mkdtemp makes 0700
         for p in tmp.iterdir():
             p.chmod(0o644)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)  # files fsynced, then renamed: a reader sees the old export or the new one
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -157,23 +157,6 @@ def _is_export(path: Path) -> bool:
         return json.loads((path / CONFIG_FILE).read_text()).get("architectures") == [ARCHITECTURE]
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def _replace_dir(tmp: Path, out_dir: Path) -> None:
-    """Rename `tmp` to `out_dir`; an old `out_dir` is moved aside first and restored if that fails."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out_dir, old)
-    try:
-        os.rename(tmp, out_dir)
-    except BaseException:
-        if old is not None:
-            os.rename(old, out_dir)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def validate_export(out_dir: str | Path) -> list[str]:

@@ -6,26 +6,27 @@ A process of its own (like the capture and training ranks) because the target ma
 GPU, and because CPU math must start with denormals flushed in every thread (models/__init__.py):
 a Prefect worker thread that was created before that setting decodes up to 40x slower.
 
-Progress goes to stdout as `EVAL_PROGRESS draft=NAME done=i total=n`; the result (one entry per
-evaluated draft, see `merge_results`) is written atomically to the job's `out` path.
+Progress goes to stdout as `EVAL_PROGRESS draft=NAME done=i total=n` (models/rank_protocol.py); the
+result (one entry per evaluated draft, see `merge_results`) is written atomically to the job's `out`
+path. A failure exits through the rank harness (models/rank.py) with one `EVAL_ERROR {json}` line.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
-import traceback
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from models.atomic import write_atomic
 from models.capture import DatasetRecords
 from models.eagle3 import Eagle3Draft
 from models.eagle3_export import load_exported_draft
+from models.rank import say, serve
+from models.rank_protocol import EVAL, EVAL_PROGRESS
 from models.spec_eval import SpecEvalResult, evaluate_acceptance
 from models.train_data import held_out_prompts
 
@@ -93,15 +94,13 @@ def run(job: EvalJob) -> dict[str, Any]:
         for i, prompt in enumerate(prompts):
             parts.append(evaluate_acceptance(target, draft, [prompt], num_steps=job.num_steps,
                                              max_new_tokens=job.max_new_tokens, eos_token_ids=eos))
-            print(f"EVAL_PROGRESS draft={name} done={i + 1} total={len(prompts)}", flush=True)
+            say(EVAL_PROGRESS.format(draft=name, done=i + 1, total=len(prompts)))
         result[name] = merge_results(parts)
         print(f"eval: {name} draft: acceptance length {result[name]['acceptance_length']:.3f} over {result[name]['rounds']} "
               f"rounds; per position {result[name]['per_position_acceptance']}", flush=True)
     out = Path(job.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out)
+    write_atomic(out, json.dumps(result, indent=2))
     return result
 
 
@@ -129,16 +128,9 @@ def untrained_like(trained: Eagle3Draft, seed: int) -> Eagle3Draft:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m models.eval_job", description=__doc__.splitlines()[0])
-    parser.add_argument("--job", required=True, help="path of the eval JOB.json")
-    args = parser.parse_args(argv)
-    try:
-        run(EvalJob.load(args.job))
-    except Exception as e:  # noqa: BLE001 - the flow reads the traceback from the output
-        print(f"eval failed: {e!r}", file=sys.stderr)
-        traceback.print_exc(file=sys.stderr)
-        return 1
-    return 0
+    """The eval process's entry point (models/rank.py): run the job, report a failure; the exit status."""
+    return serve(argv, prog="python -m models.eval_job", description=__doc__.splitlines()[0], protocol=EVAL,
+                 run=lambda job_path, dist: run(EvalJob.load(job_path)))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ Its string metadata (read from the header alone, no tensor bytes) says which row
 sample: `samples` = JSON list of {"id", "dataset", "offset", "length"}, and `hidden_size`,
 `aux_layers` (JSON list), `dtype` (e.g. "float32"), `num_tokens`, `format`.
 
-Shards are written to a temporary name starting with '.', fsynced and renamed into place, so a
-shard that exists is complete: a resumed capture trusts every `shard-*.safetensors` and skips the
+Shards are written to a temporary name starting with '.', fsynced and renamed into place (models/atomic.py),
+so a shard that exists is complete: a resumed capture trusts every `shard-*.safetensors` and skips the
 samples listed in them. Each rank writes only its own `shard-{rank:03d}-*` names, so ranks never
 race for a file name. A shard that cannot be read (truncated, overwritten) raises `DamagedShard`,
 which names it and says what to do; a shard that cannot be written raises `WriteFailed`.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from models.atomic import atomic_file, atomic_path
 from models.write_failure import WriteFailed
 
 FORMAT = "eagle3-hidden-v1"
@@ -158,16 +158,10 @@ def write_index(out_dir: str | Path) -> Path:
         ("offset", pa.int64()), ("length", pa.int64()),
     ]))
     path = out_dir / INDEX_NAME
-    tmp = out_dir / f".{INDEX_NAME}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
     try:
-        with open(tmp, "wb") as f:
+        with atomic_file(path) as f:
             pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(out_dir)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise WriteFailed(path, e, kept=f"{len(list_shards(out_dir))} complete shards in {out_dir}; "
                           "the index is rebuilt from their headers", resume=RESUME) from None
     return path
@@ -245,19 +239,11 @@ class ShardWriter:
             "dtype": str(self._dtype).removeprefix("torch."),
             "num_tokens": str(offset),
         }
-        name = shard_name(self.rank, self.next_seq)
-        path = self.out_dir / name
-        tmp = self.out_dir / f".{name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+        path = self.out_dir / shard_name(self.rank, self.next_seq)
         try:
-            save_file(tensors, str(tmp), metadata=metadata)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp:  # `.shard-RRR-...tmp`: what clean_temps removes
+                save_file(tensors, str(tmp), metadata=metadata)
         except BaseException as e:
-            tmp.unlink(missing_ok=True)
             error = _as_os_error(e)
             if error is None:
                 raise
@@ -267,7 +253,6 @@ class ShardWriter:
                 kept=f"{len(list_shards(self.out_dir))} complete shards in {self.out_dir}; the "
                      f"{len(self._pending)} sample(s) ({offset:,} tokens) this shard would have held are captured again",
             ) from None
-        _fsync_dir(self.out_dir)
         self.next_seq += 1
         self.written.append(path)
         self._pending, self._pending_tokens = [], 0
@@ -294,11 +279,3 @@ def _as_os_error(error: BaseException) -> OSError | None:
             code = int(found.group(1))
             return OSError(code, os.strerror(code))
     return None
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

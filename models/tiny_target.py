@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -22,6 +21,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
+
+from models.atomic import replace_dir
+from models.eagle3 import default_aux_layers
 
 SAMPLES_DIR = Path(__file__).resolve().parents[1] / "data" / "samples"
 
@@ -76,16 +78,6 @@ LM_HEAD_INIT_STD = 0.3
 # <|im_end|> is the greedy choice at about this fraction of positions: responses then end by
 # "stop" at varied lengths, like a real model's.
 EOS_TARGET_RATE = 0.03
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3 aux layers: outputs of 0-based decoder layers [1, L//2-1, L-4] (Kimi, L=61: [1, 29, 57])."""
-    if num_layers < 8:
-        raise ValueError(f"EAGLE-3 needs at least 8 target layers for distinct aux layers, got {num_layers}")
-    layers = [1, num_layers // 2 - 1, num_layers - 4]
-    if len(set(layers)) != 3:  # unreachable for L >= 8; kept as the invariant callers rely on
-        raise ValueError(f"aux layers {layers} for {num_layers} layers are not distinct")
-    return layers
 
 
 def build_tiny_target(
@@ -325,15 +317,11 @@ def _read_build_info(out_dir: Path) -> dict | None:
 
 
 def _replace_dir(tmp: Path, out_dir: Path, params: dict) -> None:
-    """Move the finished build `tmp` to `out_dir`, replacing an older tiny-target build there."""
-    if out_dir.exists():
-        if _read_build_info(out_dir) == params:  # a concurrent builder finished first
-            return
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        os.rename(out_dir, old)
-        shutil.rmtree(old, ignore_errors=True)
+    """Publish the finished build `tmp` as `out_dir` (models/atomic.py), replacing an older tiny-target build there."""
+    if out_dir.exists() and _read_build_info(out_dir) == params:  # a concurrent builder finished first
+        return
     try:
-        os.rename(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except OSError:
         if _read_build_info(out_dir) != params:  # lost a race to an identical build: fine
             raise

@@ -36,14 +36,13 @@ A failed write (disk full, read-only, quota) stops the job at once with `WriteFa
 counts only once its COMPLETE marker is renamed into place, so the last complete one is never
 replaced by a partial one.
 
-Output protocol for the flow: `TRAIN_PROGRESS step=S total=N ...`, `TRAIN_EVAL step=S
-acceptance_length=A`, `TRAIN_CHECKPOINT step=S`, `TRAIN_DONE final=DIR`, and on failure one line
-`TRAIN_ERROR {json}` (`models.capture.error_report`) before the exit with status 1.
+Output protocol for the flow (models/rank_protocol.py): `TRAIN_PROGRESS step=S total=N ...`,
+`TRAIN_EVAL step=S acceptance_length=A`, `TRAIN_CHECKPOINT step=S`, `TRAIN_DONE final=DIR`, and on
+failure one line `TRAIN_ERROR {json}` before the exit with status 1 (the rank harness, models/rank.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -52,7 +51,6 @@ import random
 import shutil
 import sys
 import time
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
@@ -62,11 +60,13 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from models.capture import (DatasetRecords, Dist, _exit_with_launcher, _free_port, _log, capture_batch, error_report,
-                            load_records)
+from models.atomic import fsync_tree, write_atomic
+from models.capture import DatasetRecords, capture_batch, load_records
 from models.draft_vocab import draft_vocab, draft_vocab_coverage, load_token_counts
-from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead, acceptance_length
+from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead, acceptance_length, default_aux_layers
 from models.eagle3_export import export_draft
+from models.rank import Dist, init_process_group, log, say, serve
+from models.rank_protocol import TRAIN, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
 from models.target_weights import load_target_tensors
 from models.train_data import (Batch, HiddenSource, TrainSample, data_fingerprint, epoch_batches, eval_share,
                                pad_batch, rank_micro_batches, split_samples, steps_per_epoch)
@@ -75,7 +75,7 @@ from models.write_failure import WriteFailed, existing_parent, is_write_error
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 FINGERPRINT = "fingerprint.json"
-ERROR_MARK = "TRAIN_ERROR"
+ERROR_MARK = TRAIN.error.mark
 PROGRESS_EVERY_S = 2.0
 RESUME = ("make room there (or set train.out_dir to a disk with room), then run the train stage again: "
           "it resumes from the kept checkpoint")
@@ -217,10 +217,8 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
 
     out_dir = Path(job.out_dir)
     ckpt_dir = out_dir / "checkpoints"
-    device = torch.device(f"cuda:{dist.local_rank}" if job.device == "cuda" else "cpu")
-    if job.device == "cuda":
-        torch.cuda.set_device(device)
-    _init_distributed(job, dist)
+    device = dist.device(job.device)
+    init_process_group(dist, job.device, deepspeed=True)  # DeepSpeed even for one process
 
     # --- the draft and its frozen target pieces
     target_config = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
@@ -249,14 +247,14 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     if dist.rank == 0:  # the DeepSpeed config as run, next to the checkpoints
         with _writing(out_dir / "ds_config.json", ckpt_dir):
             out_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomic(out_dir / "ds_config.json", json.dumps(job.ds_config, indent=2))
+            write_atomic(out_dir / "ds_config.json", json.dumps(job.ds_config, indent=2))
     engine = _engine(job, draft, total_steps, warmup)
     if dist.rank == 0:
-        _log(f"train: {len(train_samples)} training samples ({sum(s.length for s in train_samples):,} tokens), "
-             f"{len(eval_samples)} held out, {per_epoch} steps/epoch over {dist.world_size} rank(s) x {job.grad_accum} "
-             f"micro batches, {total_steps} steps; draft vocab {config.draft_vocab_size} of {config.vocab_size} "
-             f"(covers {draft_vocab_coverage(counts, t2d):.1%} of loss tokens); mode {job.mode}, "
-             f"{'bf16' if job.bf16 else 'fp32'}, ZeRO-2" + (f"; {source.cut} samples cut to {job.max_batch_tokens} tokens" if source.cut else ""))
+        log(f"train: {len(train_samples)} training samples ({sum(s.length for s in train_samples):,} tokens), "
+            f"{len(eval_samples)} held out, {per_epoch} steps/epoch over {dist.world_size} rank(s) x {job.grad_accum} "
+            f"micro batches, {total_steps} steps; draft vocab {config.draft_vocab_size} of {config.vocab_size} "
+            f"(covers {draft_vocab_coverage(counts, t2d):.1%} of loss tokens); mode {job.mode}, "
+            f"{'bf16' if job.bf16 else 'fp32'}, ZeRO-2" + (f"; {source.cut} samples cut to {job.max_batch_tokens} tokens" if source.cut else ""))
 
     position = _resume(engine, ckpt_dir, dist)
     writer = _MetricsWriter(out_dir, position.step, enabled=dist.rank == 0)
@@ -266,8 +264,8 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     running = Metrics(job.ttt_steps, device)
     last_report, window_start, window_tokens = 0.0, time.monotonic(), 0
     last_eval: dict[str, Any] | None = None
-    say = print if dist.rank == 0 else (lambda *a, **k: None)  # the protocol lines come from rank 0 only
-    say(f"TRAIN_PROGRESS step={position.step} total={total_steps} tokens={position.tokens}", flush=True)
+    tell = say if dist.rank == 0 else (lambda line: None)  # the protocol lines come from rank 0 only
+    tell(TRAIN_PROGRESS.format(step=position.step, total=total_steps, tokens=position.tokens))
     while position.step < total_steps:
         batches = epoch_batches(train_samples, job.max_batch_tokens, job.seed, position.epoch)
         while position.step_in_epoch < per_epoch and position.step < total_steps:
@@ -297,16 +295,16 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
                 window_start, window_tokens = time.monotonic(), 0
             if time.monotonic() - last_report >= PROGRESS_EVERY_S or position.step == total_steps:
                 last_report = time.monotonic()
-                say(f"TRAIN_PROGRESS step={position.step} total={total_steps} tokens={position.tokens} "
-                    f"loss={out.loss.item():.4f} lr={engine.get_lr()[0]:.3g}", flush=True)
+                tell(TRAIN_PROGRESS.format(step=position.step, total=total_steps, tokens=position.tokens,
+                                           loss=out.loss.item(), lr=engine.get_lr()[0]))
             if eval_batches and (position.step % job.eval_every == 0 or position.step == total_steps):
                 last_eval = _evaluate(engine, source, eval_batches, target_head, job, dist, device)
                 writer.write({"kind": "eval", "step": position.step, "epoch": position.epoch, "time": time.time(), **last_eval})
-                say(f"TRAIN_EVAL step={position.step} acceptance_length={last_eval['acceptance_length']:.3f} "
-                    f"loss={last_eval['loss']:.4f}", flush=True)
+                tell(TRAIN_EVAL.format(step=position.step, acceptance_length=last_eval["acceptance_length"],
+                                       loss=last_eval["loss"]))
             if position.step % job.checkpoint_every == 0 or position.step == total_steps:
                 _save(engine, ckpt_dir, position, job.keep_checkpoints, dist, fingerprint)
-                say(f"TRAIN_CHECKPOINT step={position.step}", flush=True)
+                tell(TRAIN_CHECKPOINT.format(step=position.step))
         if position.step_in_epoch >= per_epoch:
             position.epoch += 1
             position.step_in_epoch = 0
@@ -323,11 +321,9 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
         with _writing(final, ckpt_dir, also="the previous export in final/, if any, is unchanged"):
             export_draft(engine.module, final, target_config=target_config,
                          dtype=torch.bfloat16 if job.bf16 else torch.float32)
-        tmp = out_dir / ".train_summary.json.tmp"
         with _writing(out_dir / "train_summary.json", ckpt_dir):
-            tmp.write_text(json.dumps(summary, indent=2))
-            tmp.replace(out_dir / "train_summary.json")
-        print(f"TRAIN_DONE final={final}", flush=True)
+            write_atomic(out_dir / "train_summary.json", json.dumps(summary, indent=2))
+        say(TRAIN_DONE.format(final=final))
     dist.barrier()
     return summary
 
@@ -433,18 +429,12 @@ def _data_source(job: TrainJob, text_config, device: torch.device):
     if job.mode == "offline":
         meta_path = Path(job.hidden_dir) / "metadata.json"
         captured = json.loads(meta_path.read_text()).get("aux_layers") if meta_path.is_file() else None
-        aux_layers = list(job.aux_layers or captured or _default_aux(text_config))
+        aux_layers = list(job.aux_layers or captured or default_aux_layers(int(text_config.num_hidden_layers)))
         if captured and list(captured) != aux_layers:
             raise ValueError(f"{job.hidden_dir} holds aux layers {captured}, the job asks for {aux_layers}")
         return HiddenSource(job.hidden_dir, job.max_batch_tokens), aux_layers
-    aux_layers = list(job.aux_layers or _default_aux(text_config))
+    aux_layers = list(job.aux_layers or default_aux_layers(int(text_config.num_hidden_layers)))
     return OnlineSource(job, aux_layers, int(text_config.vocab_size), device), aux_layers
-
-
-def _default_aux(text_config) -> list[int]:
-    from models.tiny_target import default_aux_layers
-
-    return default_aux_layers(int(text_config.num_hidden_layers))
 
 
 class OnlineSource:
@@ -519,27 +509,14 @@ def _save(engine, ckpt_dir: Path, position: Position, keep: int, dist: Dist, fin
     if dist.rank == 0:
         with _writing(ckpt_dir / tag, ckpt_dir):
             (ckpt_dir / tag / FINGERPRINT).write_text(json.dumps(fingerprint, indent=1))
-            _fsync_tree(ckpt_dir / tag)
+            fsync_tree(ckpt_dir / tag)
             # Renamed, not written in place: a marker cut short by a full disk must not exist at all.
-            _write_atomic(ckpt_dir / tag / COMPLETE, json.dumps(asdict(position)))
+            write_atomic(ckpt_dir / tag / COMPLETE, json.dumps(asdict(position)))
         with _writing(ckpt_dir / LATEST, ckpt_dir):
-            _write_atomic(ckpt_dir / LATEST, tag)
+            write_atomic(ckpt_dir / LATEST, tag)
         for _, old in complete_checkpoints(ckpt_dir)[:-keep]:
             shutil.rmtree(ckpt_dir / old, ignore_errors=True)
     dist.barrier()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def kept_checkpoint(ckpt_dir: Path) -> str:
@@ -655,8 +632,8 @@ def check_fingerprint(ckpt_dir: Path, fingerprint: dict[str, Any], *, warn: bool
     path = ckpt_dir / tag / FINGERPRINT
     if not path.is_file():
         if warn:
-            _log(f"train: warning: checkpoint {tag} has no {FINGERPRINT} (written before fingerprints): resuming "
-                 "without checking that its data and settings are this launch's")
+            log(f"train: warning: checkpoint {tag} has no {FINGERPRINT} (written before fingerprints): resuming "
+                "without checking that its data and settings are this launch's")
         return
     try:
         old = json.loads(path.read_text())
@@ -679,7 +656,7 @@ def _resume(engine, ckpt_dir: Path, dist: Dist) -> Position:
         keep = {tag for _, tag in done}
         for p in ckpt_dir.iterdir():
             if p.is_dir() and p.name.startswith("step-") and p.name not in keep:
-                _log(f"train: removing incomplete checkpoint {p.name}")
+                log(f"train: removing incomplete checkpoint {p.name}")
                 shutil.rmtree(p, ignore_errors=True)
     dist.barrier()
     if not done:
@@ -696,19 +673,9 @@ def _resume(engine, ckpt_dir: Path, dist: Dist) -> Position:
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     if dist.rank == 0:
-        _log(f"train: resuming from checkpoint {tag} (step {position.step}, epoch {position.epoch}, "
-             f"{position.tokens:,} tokens trained)")
+        log(f"train: resuming from checkpoint {tag} (step {position.step}, epoch {position.epoch}, "
+            f"{position.tokens:,} tokens trained)")
     return position
-
-
-def _fsync_tree(directory: Path) -> None:
-    for p in directory.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
 
 class _MetricsWriter:
@@ -731,7 +698,7 @@ class _MetricsWriter:
                             kept.append(line)
                     except (ValueError, KeyError, TypeError):
                         continue  # a line cut by a kill (or a full disk)
-                _write_atomic(self.path, "".join(k + "\n" for k in kept))
+                write_atomic(self.path, "".join(k + "\n" for k in kept))
             self.file = open(self.path, "a")
         with _writing(out_dir / "tensorboard", self.ckpt_dir):
             try:
@@ -739,7 +706,7 @@ class _MetricsWriter:
 
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
             except ImportError:
-                _log("train: tensorboard is not installed; metrics go to metrics.jsonl only")
+                log("train: tensorboard is not installed; metrics go to metrics.jsonl only")
 
     def write(self, line: dict[str, Any]) -> None:
         """Append one line (and its scalars); a line cut by a failed write is dropped on resume."""
@@ -768,49 +735,12 @@ class _MetricsWriter:
 # --- process ------------------------------------------------------------------------------------------
 
 
-def _init_distributed(job: TrainJob, dist: Dist) -> None:
-    """DeepSpeed needs a process group even for one process; CPU ranks use its CPU accelerator and gloo."""
-    if job.device == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="nccl" if job.device == "cuda" else "gloo")
-    dist.group = True
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m models.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--job", required=True, help="path of the training JOB.json")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    dist = Dist.from_env()
-    try:
-        if "WORLD_SIZE" in os.environ:
-            _exit_with_launcher()
-        run(TrainJob.load(args.job), dist)
-    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher as a nonzero exit
-        if isinstance(e, SystemExit) and not e.code:
-            return 0
-        told = isinstance(e, (WriteFailed, CheckpointMismatch))  # the message says it all for these
-        # Every rank reads the same checkpoint and data: one refusal is enough, from rank 0.
-        if dist.rank == 0 or not isinstance(e, CheckpointMismatch):
-            # The report first: it is what the pipeline shows, and this rank may be killed any moment now.
-            print(f"{ERROR_MARK} {json.dumps(error_report(e, dist.rank))}", file=sys.stderr, flush=True)
-            print(f"train rank {dist.rank} failed: {e}" if told else f"train rank {dist.rank} failed: {e!r}", file=sys.stderr)
-        if not told:
-            traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
-        return 1
-    finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            try:
-                torch.distributed.destroy_process_group()
-            except Exception:  # noqa: BLE001 - exiting anyway
-                pass
-    return 0
+    """The training rank's entry point (models/rank.py): run the job, report a failure; the exit status."""
+    # Every rank reads the same checkpoint and data: one refusal is enough, from rank 0.
+    return serve(argv, prog="python -m models.train", description=__doc__.splitlines()[0], protocol=TRAIN,
+                 run=lambda job_path, dist: run(TrainJob.load(job_path), dist),
+                 told=(CheckpointMismatch,), once=(CheckpointMismatch,))
 
 
 if __name__ == "__main__":

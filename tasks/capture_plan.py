@@ -12,7 +12,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from models.tiny_target import default_aux_layers
+from models.eagle3 import default_aux_layers
 from tasks.records import summarize_records
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

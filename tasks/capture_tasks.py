@@ -1,6 +1,6 @@
 """Prefect tasks of the capture stage: plan the disk, run the DeepSpeed job, index the shards.
 
-A failed rank reports its exception in one `CAPTURE_ERROR {json}` line (models/capture.py); the
+A failed rank reports its exception in one `CAPTURE_ERROR {json}` line (models/rank_protocol.py); the
 job task raises that exception again (`rank_error`), so a full disk or a damaged file reads as one
 line in `eagle3 run`, and `capture_retryable` tells Prefect to retry only a crashed or killed rank.
 """
@@ -8,7 +8,6 @@ line in `eagle3 run`, and `capture_retryable` tells Prefect to retry only a cras
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -17,18 +16,19 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from models.capture import ERROR_MARK
-from models.hidden_shards import RESUME, DamagedFile, DamagedShard, iter_shard_index, list_shards, write_index
+from models.atomic import write_atomic
+from models.hidden_shards import RESUME, DamagedFile, iter_shard_index, list_shards, write_index
+from models.rank_protocol import CAPTURE, Message
 from models.write_failure import WriteFailed
+from tasks import launch
 from tasks.capture_plan import CapturePlan, TargetShape, check_fits, human_bytes, plan_capture
 from tasks.generate_tasks import artifact_key
-from tasks.launch import RankFailure, rank_command, run_job
+from tasks.launch import RankFailure, RankRefused, follow_job, rank_command, run_job, write_job
 
-PROGRESS = re.compile(r"CAPTURE_PROGRESS rank=(\d+) done=(\d+) total=(\d+) tokens=(\d+)")
 METADATA = "metadata.json"
 
 
-class CaptureRefused(ValueError):
+class CaptureRefused(RankRefused):
     """A capture rank refused its job (records, settings or existing shards): a retry would do the same."""
 
 
@@ -51,46 +51,22 @@ def last_throughput(out_dir: Path) -> float | None:
 
 
 def rank_error(reports: list[dict[str, Any]]) -> Exception | None:
-    """The exception a failed capture job stands for, from its ranks' CAPTURE_ERROR reports.
+    """The exception a failed capture job stands for, from its ranks' CAPTURE_ERROR reports (`launch.rank_error`).
 
     None when no rank said why (killed, crashed in C) or only unexpected errors were reported: the
-    launcher's RankFailure, with the output tail, then stands. A rank's failed write or damaged file
-    is the cause when its peers fail too (they lose their connection to it), so it wins.
+    launcher's RankFailure, with the output tail, then stands (and is retried).
     """
-    order = {"write_failed": 0, "damaged": 1, "invalid": 2}
-    known = sorted((r for r in reports if r.get("kind") in order), key=lambda r: order[r["kind"]])
-    if not known:
-        return None
-    r = known[0]
-    if r["kind"] == "write_failed":
-        cause = OSError(r["errno"], r["error"]) if r.get("errno") is not None else OSError(r["error"])
-        return WriteFailed(r["path"], cause, kept=r["kept"], resume=r["resume"])
-    if r["kind"] == "damaged":
-        cls = DamagedShard if r["type"] == "DamagedShard" else DamagedFile
-        return cls(r["path"], r["problem"], r["advice"])
-    return CaptureRefused(f"capture rank {r['rank']}: {r['message']}")
+    return launch.rank_error(reports, CAPTURE, refused=CaptureRefused)
 
 
 def run_ranks(command: list[str], env: dict[str, str], on_line: Callable[[str], None]) -> None:
-    """`run_job` for capture ranks: when a rank reported why it failed, raise that (`rank_error`)."""
-    reports: list[dict[str, Any]] = []
+    """Run capture ranks, every output line to `on_line`; a rank that reported why it failed raises that (`rank_error`)."""
+    follow_job(command, protocol=CAPTURE, env=env, log=on_line, on_message=lambda message: on_line(message.line),
+               failure=_failure, run=run_job)
 
-    def watch(line: str) -> None:
-        at = line.find(f"{ERROR_MARK} {{")
-        if at >= 0:
-            try:
-                reports.append(json.loads(line[at + len(ERROR_MARK):]))
-            except ValueError:
-                pass  # a line cut by a dying process: the output tail still tells
-        on_line(line)
 
-    try:
-        run_job(command, env=env, on_line=watch)
-    except RankFailure:
-        error = rank_error(reports)
-        if error is None:
-            raise
-        raise error from None  # one line: the rank's traceback, if it printed one, is in the flow-run log
+def _failure(reports: list[dict[str, Any]], launcher_error: RankFailure) -> BaseException:
+    return rank_error(reports) or launcher_error
 
 
 def capture_retryable(task: Any, task_run: Any, state: Any) -> bool:
@@ -141,11 +117,7 @@ def run_capture_job(job: dict[str, Any], job_path: Path, num_ranks: int, launche
     logger = get_run_logger()
     if token_cap is not None:
         job = {**job, "max_tokens": max(0, token_cap - captured_tokens(Path(job["out_dir"])))}
-    try:
-        job_path.parent.mkdir(parents=True, exist_ok=True)
-        job_path.write_text(json.dumps(job, indent=2, default=str))
-    except OSError as e:
-        raise WriteFailed(job_path, e, kept="every complete shard (no rank was started)", resume=RESUME) from None
+    write_job(job, job_path, kept=lambda: "every complete shard (no rank was started)", resume=RESUME)
     command, env = rank_command("models.capture", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher)
     logger.info("launching %d rank(s): %s", num_ranks, " ".join(command))
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("capture", config_name), description="capture: starting")
@@ -153,13 +125,9 @@ def run_capture_job(job: dict[str, Any], job_path: Path, num_ranks: int, launche
     last_update = 0.0
     started = time.monotonic()
 
-    def on_line(line: str) -> None:
+    def on_progress(message: Message) -> None:
         nonlocal last_update
-        match = PROGRESS.search(line)
-        if not match:
-            logger.info(line)
-            return
-        rank, done, total, tokens = map(int, match.groups())
+        rank, done, total, tokens = (message.values[k] for k in ("rank", "done", "total", "tokens"))
         ranks[rank] = (done, total, tokens)
         if time.monotonic() - last_update >= 2 or done == total:
             last_update = time.monotonic()
@@ -172,7 +140,8 @@ def run_capture_job(job: dict[str, Any], job_path: Path, num_ranks: int, launche
             update_progress_artifact(artifact, progress=round(percent, 2), description=line)
             logger.info(line)
 
-    run_ranks(command, env, on_line)
+    # run=run_job: this module's, the seam where tests/flows/test_capture_flow.py scripts the ranks
+    follow_job(command, protocol=CAPTURE, env=env, log=logger.info, on_message=on_progress, failure=_failure, run=run_job)
     tokens = sum(k for _, _, k in ranks.values())
     update_progress_artifact(artifact, progress=100.0, description=f"capture: done, {tokens:,} tokens this run")
     return tokens / max(1e-9, time.monotonic() - started)
@@ -185,12 +154,9 @@ def index_hidden_states(out_dir: Path, metadata: dict[str, Any], tokens_per_s: f
     write_index(out_dir)  # the ranks wrote it too; again here so an empty or resumed capture has one
     rows = list(iter_shard_index(out_dir))
     summary = {**metadata, "samples": len(rows), "tokens": int(sum(r["length"] for r in rows)), "tokens_per_s": tokens_per_s}
-    tmp = out_dir / f".{METADATA}.tmp"
     try:
-        tmp.write_text(json.dumps(summary, indent=2))
-        tmp.replace(out_dir / METADATA)
+        write_atomic(out_dir / METADATA, json.dumps(summary, indent=2))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise WriteFailed(out_dir / METADATA, e, resume=RESUME,
                           kept=f"{len(list_shards(out_dir))} complete shards and index.parquet in {out_dir}") from None
     per_dataset: dict[str, list[int]] = {}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -15,11 +14,12 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from models.atomic import write_atomic
+from models.rank_protocol import EVAL, Message
 from tasks.generate_tasks import artifact_key
-from tasks.launch import run_job
+from tasks.launch import follow_job, write_job
 
 EVAL_FILE = "eval.json"
-PROGRESS = re.compile(r"EVAL_PROGRESS draft=(\w+) done=(\d+) total=(\d+)")
 
 
 @dataclass
@@ -48,18 +48,14 @@ def evaluate_draft(target_path: str, trust_remote_code: bool, draft_dir: Path, r
            "datasets": [{"name": n, "records_dir": str(d)} for n, d in records], "prompts": settings.prompts,
            "max_new_tokens": settings.max_new_tokens, "num_steps": settings.num_steps, "device": settings.device,
            "eval_fraction": settings.eval_fraction, "seed": settings.seed, "compare_untrained": settings.compare_untrained}
-    job_path.parent.mkdir(parents=True, exist_ok=True)
-    job_path.write_text(json.dumps(job, indent=2))
+    write_job(job, job_path, kept=lambda: f"the exported draft in {final} (nothing was evaluated yet)",
+              resume="make room there, then run the eval stage again")
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("eval", config_name), description="eval: starting")
     drafts = 2 if settings.compare_untrained else 1
     seen: list[str] = []
 
-    def on_line(line: str) -> None:
-        match = PROGRESS.search(line)
-        if not match:
-            logger.info(line)
-            return
-        name, done, total = match.group(1), int(match.group(2)), int(match.group(3))
+    def on_progress(message: Message) -> None:
+        name, done, total = (message.values[k] for k in ("draft", "done", "total"))
         if name not in seen:
             seen.append(name)
         progress = 100.0 * (len(seen) - 1 + done / total) / drafts
@@ -68,16 +64,14 @@ def evaluate_draft(target_path: str, trust_remote_code: bool, draft_dir: Path, r
     raw_path.unlink(missing_ok=True)
     # Batch-1 decoding is many tiny ops: one CPU thread beats two that spin-wait for each other
     # (measured 20x on 2 busy cores); on GPUs it does not matter.
-    run_job([sys.executable, "-m", "models.eval_job", "--job", str(job_path)], on_line=on_line,
-            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    follow_job([sys.executable, "-m", "models.eval_job", "--job", str(job_path)], protocol=EVAL, log=logger.info,
+               on_message=on_progress, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     results = json.loads(raw_path.read_text())
     raw_path.unlink()
     report = {"num_steps": settings.num_steps, "max_new_tokens": settings.max_new_tokens, "draft": str(final),
               **results, "ttt_estimate": ttt_estimate(draft_dir, settings.num_steps),
               "sglang_command": sglang_command(target_path, final, settings.num_steps, trust_remote_code)}
-    tmp = draft_dir / f".{EVAL_FILE}.tmp"
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(draft_dir / EVAL_FILE)
+    write_atomic(draft_dir / EVAL_FILE, json.dumps(report, indent=2))
     create_table_artifact(table=eval_rows(report), key=artifact_key("eval-summary", config_name),
                           description=f"Acceptance length, chain speculative decoding, {settings.num_steps} draft tokens per round "
                                       f"(SGLang topk 1), greedy target, {report['prompts']} held-out prompts")

@@ -1,19 +1,36 @@
-"""Launching multi-rank jobs (torchrun on CPU, the deepspeed launcher on GPU machines) with live output."""
+"""Launching rank jobs (torchrun on CPU, the deepspeed launcher on GPU machines) and following them to the end.
+
+A stage task writes the JSON job its ranks read (`write_job`), builds the launch (`rank_command`) and
+calls `follow_job`: it runs the ranks (`run_job`), puts their output in the log, hands their protocol
+lines (models/rank_protocol.py) to the task, and when the job fails raises what the failing rank
+reported, its own exception (a failed write, a damaged file, ...), rather than the launcher's exit
+code, which stays as `RankFailure` only when no rank said why.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 from collections import deque
-from typing import Callable
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Callable
 
+from models.atomic import write_atomic
+from models.rank_protocol import Message, Protocol, most_telling, reported_error
+from models.write_failure import WriteFailed, is_write_error
 from tasks.processes import free_port
 
 
 class RankFailure(RuntimeError):
     """A rank of a launched job exited with an error; the message ends with the job's output tail."""
+
+
+class RankRefused(ValueError):
+    """A rank refused its job (bad job, records, settings or files): a retry would fail the same way."""
 
 
 def cuda_available() -> bool:
@@ -64,6 +81,68 @@ def run_job(command: list[str], *, env: dict[str, str] | None = None, on_line: C
         raise
     if code != 0:
         raise RankFailure(f"job exited with code {code}: {' '.join(command[:6])} ...\n--- last output ---\n" + "\n".join(tail))
+
+
+def write_job(job: dict[str, Any], path: Path, *, kept: Callable[[], str], resume: str) -> None:
+    """Write a rank job's JSON file (atomically); a storage failure is `WriteFailed` saying what is `kept()`."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(job, indent=2, default=str))
+    except OSError as e:
+        if not is_write_error(e):
+            raise
+        raise WriteFailed(path, e, kept=kept(), resume=resume) from None
+
+
+def rank_error(reports: list[dict[str, Any]], protocol: Protocol, *, refused: Callable[[str], Exception] = RankRefused,
+               known: Iterable[type[Exception]] = ()) -> Exception | None:
+    """The exception a failed job stands for, from its ranks' error reports; None when no rank said why.
+
+    The most telling report wins (a rank's failed write over its peers' lost connections): a failed
+    write or a damaged file is raised as itself in the rank's words, a class of `known` by its name,
+    bad input as `refused("<stage> rank R: message")`. An unexpected error, or no report (a rank
+    killed or crashed in C), gives None: the launcher's RankFailure, with the output tail, stands.
+    """
+    report = most_telling(reports)
+    if report is None:
+        return None
+    error = reported_error(report, known)
+    if error is None and report.get("kind") == "invalid":
+        error = refused(f"{protocol.name} rank {report.get('rank')}: {report.get('message', '')}")
+    return error
+
+
+def follow_job(command: list[str], *, protocol: Protocol, log: Callable[[str], None],
+               on_message: Callable[[Message], None] | None = None, env: dict[str, str] | None = None,
+               failure: Callable[[list[dict[str, Any]], RankFailure], BaseException] | None = None,
+               run: Callable[..., None] | None = None) -> None:
+    """Run a rank job to its end: its output to `log`, its protocol lines to `on_message`, its failure raised.
+
+    Progress lines go to `on_message` only (the task shows a summary); events (a checkpoint, the end)
+    go to both; error reports to neither (the rank's next line says it in words). A failed job
+    raises `failure(reports, launcher_error)`, by default the rank's own exception (`rank_error`)
+    or else the launcher's RankFailure. `run` stands in for `run_job` (the tests' scripted ranks).
+    """
+    reports: list[dict[str, Any]] = []
+
+    def on_line(line: str) -> None:
+        message = protocol.parse(line)
+        if message is None or message.kind in protocol.events:
+            log(line)
+        if message is None:
+            return
+        if message.kind is protocol.error:
+            reports.append(message.values)
+        elif on_message is not None:
+            on_message(message)
+
+    try:
+        (run or run_job)(command, env=env, on_line=on_line)
+    except RankFailure as launcher_error:
+        error = failure(reports, launcher_error) if failure is not None else rank_error(reports, protocol)
+        if error is None or error is launcher_error:
+            raise
+        raise error from None  # one line: the rank's traceback, if it printed one, is in the log
 
 
 def _kill_group(process: subprocess.Popen) -> None:

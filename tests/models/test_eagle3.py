@@ -24,6 +24,7 @@ from models.eagle3 import (
     RotaryEmbedding,
     TargetHead,
     apply_rope,
+    default_aux_layers,
 )
 
 V, D = 12, 5  # small vocabs: some target argmaxes fall outside the draft vocab, some draft guesses hit
@@ -381,6 +382,15 @@ def test_config_from_target_config():
     assert Eagle3Config.from_target_config(mla, 32000, [1, 29, 57], head_dim=128).head_dim == 128
     with pytest.raises(ValueError, match="aux_layers"):
         Eagle3Config.from_target_config(hf, 512, [1, 3, 8])
+
+
+def test_default_aux_layers():
+    assert default_aux_layers(8) == [1, 3, 4]
+    assert default_aux_layers(61) == [1, 29, 57]  # Kimi-K2.5
+    assert default_aux_layers(32) == [1, 15, 28]
+    for n in (0, 4, 7):
+        with pytest.raises(ValueError):
+            default_aux_layers(n)
 
 
 # ----------------------------------------------------------------------------- (d) inference == TTT

@@ -13,9 +13,8 @@ from safetensors.torch import load_file, save_file
 
 import models.eagle3_export as ex
 from models.draft_vocab import draft_vocab
-from models.eagle3 import Eagle3Config, Eagle3Draft, KVCache
+from models.eagle3 import Eagle3Config, Eagle3Draft, KVCache, default_aux_layers
 from models.eagle3_export import export_draft, load_exported_draft, validate_export
-from models.tiny_target import default_aux_layers
 
 D = 64
 REFERENCE_NAMES = {  # /work/shared/REFERENCE.md, "Export that SGLang loads"
@@ -164,7 +163,7 @@ def test_export_is_atomic(draft, target, tmp_path, monkeypatch):
         real_rename(a, b)
 
     with monkeypatch.context() as m:
-        m.setattr(ex.os, "rename", rename_fails_second)
+        m.setattr(os, "rename", rename_fails_second)
         with pytest.raises(OSError, match="rename failed"):
             export_draft(draft, out, target_config=target)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

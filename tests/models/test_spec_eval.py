@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models.draft_vocab import draft_vocab
-from models.eagle3 import DraftStep, Eagle3Config, Eagle3Draft, KVCache
+from models.eagle3 import DraftStep, Eagle3Config, Eagle3Draft, KVCache, default_aux_layers
 from models.spec_eval import (
     SpecEvalResult,
     _speculative_decode,
@@ -17,7 +17,6 @@ from models.spec_eval import (
     greedy_generate,
     speculative_generate,
 )
-from models.tiny_target import default_aux_layers
 
 D = 256          # draft vocab < target vocab, so d2t is not the identity
 MAX_NEW = 20

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from models.eagle3 import default_aux_layers
 from models.tiny_target import (
     CHAT_TEMPLATE,
     SAMPLES_DIR,
     SPECIAL_TOKENS,
     build_tiny_target,
-    default_aux_layers,
 )
 
 EXPECTED_IDS = {
@@ -105,15 +105,6 @@ def test_too_few_layers_raise(tmp_path):
     with pytest.raises(ValueError, match="at least 8"):
         build_tiny_target(tmp_path / "t", num_layers=7)
     assert not (tmp_path / "t").exists()
-
-
-def test_default_aux_layers():
-    assert default_aux_layers(8) == [1, 3, 4]
-    assert default_aux_layers(61) == [1, 29, 57]  # Kimi-K2.5
-    assert default_aux_layers(32) == [1, 15, 28]
-    for n in (0, 4, 7):
-        with pytest.raises(ValueError):
-            default_aux_layers(n)
 
 
 # --- tokenizer ----------------------------------------------------------------------------------

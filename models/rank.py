@@ -1,0 +1,166 @@
+"""The rank harness of the capture, train and eval entry points: arguments, process group, launcher watch, teardown.
+
+    torchrun --nproc_per_node N -m models.ENTRY --job JOB.json     (CPU: gloo, DS_ACCELERATOR=cpu)
+    deepspeed --num_gpus N --module models.ENTRY --job JOB.json    (GPU: NCCL)
+    python -m models.ENTRY --job JOB.json                          (WORLD_SIZE unset: one process)
+
+An entry point's `main` is `serve(...)` with its own `run(job_path, dist)`. A failure exits with
+status 1 after one `MARK {json}` error report on stderr (models/rank_protocol.py), which the pipeline
+turns back into the exception; an exception whose message says it all (a failed write, a damaged
+file) is told in that one line, anything else also gets its traceback. When one rank exits, the
+launcher (torchrun polls every 0.1 s, deepspeed every 1 s) terminates the others, so no rank keeps
+computing what could not be kept; a rank whose launcher is killed exits on its own (`watch_launcher`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from models.hidden_shards import DamagedFile
+from models.rank_protocol import Protocol, error_report
+from models.write_failure import WriteFailed
+
+# Exceptions whose message says all there is to say: no traceback after them.
+TOLD = (WriteFailed, DamagedFile)
+
+
+@dataclass
+class Dist:
+    """This process's place in the launch (WORLD_SIZE unset: a single process, no process group)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    group: bool = False  # a torch.distributed process group is up
+
+    @classmethod
+    def from_env(cls) -> Dist:
+        if "WORLD_SIZE" not in os.environ:
+            return cls()
+        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+
+    def device(self, kind: str) -> torch.device:
+        """This rank's device for a job on `kind` ("cuda": the local rank's GPU, made current; "cpu")."""
+        if kind != "cuda":
+            return torch.device("cpu")
+        device = torch.device(f"cuda:{self.local_rank}")
+        torch.cuda.set_device(device)
+        return device
+
+    def barrier(self) -> None:
+        if self.group:
+            torch.distributed.barrier()
+
+    def max(self, value: int, device: torch.device) -> int:
+        if not self.group:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
+
+def init_process_group(dist: Dist, device: str, *, deepspeed: bool) -> None:
+    """Join the launch's process group (NCCL on GPUs, gloo on CPUs); with `deepspeed`, through DeepSpeed.
+
+    DeepSpeed needs a group even for a lone process: it gets a 1-rank one on a free port. CPU ranks
+    use DeepSpeed's CPU accelerator. Without DeepSpeed a lone process needs no group at all.
+    """
+    backend = "nccl" if device == "cuda" else "gloo"
+    if deepspeed:
+        if device == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if "WORLD_SIZE" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+        import deepspeed as ds
+
+        ds.init_distributed(dist_backend=backend)
+        dist.group = True
+    elif dist.world_size > 1:
+        torch.distributed.init_process_group(backend=backend)
+        dist.group = True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log(msg: str) -> None:
+    """A line for the job's log (stderr; the protocol lines go to stdout)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def say(line: str) -> None:
+    """Print a protocol line (models/rank_protocol.py): stdout, flushed, so the pipeline follows it live."""
+    print(line, flush=True)
+
+
+def watch_launcher(name: str) -> None:
+    """Exit when the launcher dies: torchrun starts each rank in its own session, so a SIGKILL of the
+    launcher's process group would otherwise leave the ranks running (and writing)."""
+    parent = os.getppid()
+    if parent == 1:
+        return
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)  # polling: a parent's death sends its children no signal
+            if os.getppid() != parent:
+                log(f"{name}: launcher (pid {parent}) is gone; exiting")
+                os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def serve(argv: list[str] | None, *, prog: str, description: str, protocol: Protocol,
+          run: Callable[[str, Dist], Any], told: tuple[type[BaseException], ...] = (),
+          once: tuple[type[BaseException], ...] = ()) -> int:
+    """Run one rank of an entry point (`run(job_path, dist)`); return its exit status.
+
+    `told`: more exceptions whose message says it all (besides a failed write and a damaged file).
+    `once`: exceptions every rank raises alike (they read the same files): only rank 0 reports them.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--job", required=True, help=f"path of the {protocol.name} JOB.json")
+    # The `deepspeed` launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    dist = Dist.from_env()
+    try:
+        if "WORLD_SIZE" in os.environ:
+            watch_launcher(protocol.name)
+        run(args.job, dist)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher as a nonzero exit
+        if isinstance(e, SystemExit) and not e.code:
+            return 0
+        said = isinstance(e, TOLD + told)
+        if dist.rank == 0 or not isinstance(e, once):
+            # The report first: it is what the pipeline shows, and this rank may be killed any moment now.
+            print(protocol.error.format(error_report(e, dist.rank)), file=sys.stderr, flush=True)
+            print(f"{protocol.name} rank {dist.rank} failed: {e}" if said else f"{protocol.name} rank {dist.rank} failed: {e!r}",
+                  file=sys.stderr)
+        if not said:
+            traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        return 1
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            try:
+                torch.distributed.destroy_process_group()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+    return 0

@@ -1,0 +1,80 @@
+"""Following a rank job: its output logged, its protocol lines handed over, its failure raised as the rank's own."""
+
+from __future__ import annotations
+
+import errno
+import sys
+
+import pytest
+
+from models.hidden_shards import DamagedShard
+from models.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
+from models.write_failure import WriteFailed
+from tasks import launch
+from tasks.launch import RankFailure, RankRefused, follow_job, rank_error, write_job
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_lines_go_to_the_log_progress_and_events_to_the_task():
+    # A real process (run_job): protocol lines on stdout, a log line on stderr, as the ranks print them.
+    code = ("import sys; print('TRAIN_PROGRESS step=0 total=2 tokens=0', flush=True); "
+            "print('train: resuming', file=sys.stderr, flush=True); "
+            "print('[default0]:TRAIN_PROGRESS step=2 total=2 tokens=80 loss=0.5000 lr=0.001', flush=True); "
+            "print('TRAIN_CHECKPOINT step=2', flush=True)")
+    logged, messages = [], []
+    follow_job(_python(code), protocol=TRAIN, log=logged.append, on_message=messages.append)
+    assert logged == ["train: resuming", "TRAIN_CHECKPOINT step=2"]
+    assert [(m.kind, m.values) for m in messages] == [
+        (TRAIN_PROGRESS, {"step": 0, "total": 2, "tokens": 0}),
+        (TRAIN_PROGRESS, {"step": 2, "total": 2, "tokens": 80, "loss": 0.5, "lr": 0.001}),
+        (TRAIN_CHECKPOINT, {"step": 2})]
+
+
+def test_a_failed_rank_raises_its_own_exception_in_its_words(tmp_path):
+    written = WriteFailed(tmp_path / "shard-001-000004.safetensors", OSError(errno.ENOSPC, "No space left on device"),
+                          kept="every complete shard", resume="make room there")
+    lines = [CAPTURE.error.format(error_report(RuntimeError("Connection closed by peer"), 0)),
+             CAPTURE.error.format(error_report(written, 1)), f"capture rank 1 failed: {written}"]
+    code = f"import sys; print({lines!r}[0], file=sys.stderr); print(*{lines!r}[1:], sep='\\n', file=sys.stderr); sys.exit(1)"
+    logged = []
+    with pytest.raises(WriteFailed) as failed:
+        follow_job(_python(code), protocol=CAPTURE, log=logged.append)
+    assert str(failed.value) == str(written) and "\n" not in str(failed.value)
+    assert logged == [f"capture rank 1 failed: {written}"]  # the reports themselves are not logged
+
+
+def test_no_report_leaves_the_launchers_failure_with_the_output_tail():
+    with pytest.raises(RankFailure, match=r"(?s)exited with code 3.*--- last output ---\nkilled, in words"):
+        follow_job(_python("import sys; print('killed, in words'); sys.exit(3)"), protocol=CAPTURE, log=lambda line: None)
+
+
+def test_a_stage_decides_what_refused_and_unexplained_failures_are(tmp_path):
+    refused = rank_error([error_report(ValueError("shards captured with other settings"), 0)], CAPTURE)
+    assert isinstance(refused, RankRefused) and str(refused) == "capture rank 0: shards captured with other settings"
+    damaged = DamagedShard(tmp_path / "s.safetensors", "7 bytes")
+    assert type(rank_error([error_report(damaged, 1)], CAPTURE)) is DamagedShard
+    assert rank_error([error_report(RuntimeError("NCCL timeout"), 0)], CAPTURE) is None
+
+    def scripted(command, *, env=None, on_line):
+        on_line(CAPTURE.error.format(error_report(RuntimeError("NCCL timeout"), 0)))
+        raise RankFailure("job exited with code 1")
+
+    with pytest.raises(LookupError, match="^rank 0 crashed$"):
+        follow_job(["ranks"], protocol=CAPTURE, log=print, run=scripted,
+                   failure=lambda reports, error: LookupError(f"rank {reports[0]['rank']} crashed"))
+
+
+def test_a_job_file_that_cannot_be_written_is_a_write_failure(tmp_path, monkeypatch):
+    path = tmp_path / "jobs" / "capture.json"
+    write_job({"out_dir": tmp_path, "mode": "zero3"}, path, kept=lambda: "nothing", resume="rerun")
+    assert path.read_text() == f'{{\n  "out_dir": "{tmp_path}",\n  "mode": "zero3"\n}}'
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(launch, "write_atomic", full)
+    with pytest.raises(WriteFailed, match=rf"^cannot write {path}: disk full: .*kept: every shard\. to resume: rerun$"):
+        write_job({}, path, kept=lambda: "every shard", resume="rerun")
