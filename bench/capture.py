@@ -35,50 +35,41 @@ Nothing is asserted and there is no target: the figures are ratios to the baseli
 Each ratio pairs a run with its baseline from the same pass; `--repeats N` runs the whole sequence
 N times (every other pass in reverse order) and reports the median of the per-pass ratios. The
 target build is cached in runs/bench-capture/ (gitignored; the first build takes a minute or two).
+The scaffolding (flags, launches, spawned baselines, passes, tables, JSON) is bench/harness.py.
 Results and their reading: docs/bench-capture.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import platform
-import re
 import resource
 import shutil
 import statistics
 import struct
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint only; inherited by the ranks and baselines
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.harness, models, tasks
+from bench import harness  # noqa: E402  (first: the offline environment the ranks and baselines inherit)
 
 import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 from models.capture import CaptureJob, DatasetRecords, deal, load_records, make_batches  # noqa: E402
+from models.jobs import CaptureSettings  # noqa: E402
 from models.hidden_shards import INDEX_NAME, list_shards, read_sample, shard_metadata  # noqa: E402
-from models.tiny_target import build_tiny_target, default_aux_layers  # noqa: E402
-from tasks.launch import RankFailure, rank_command, run_job  # noqa: E402
-from tasks.records import RECORD_SCHEMA  # noqa: E402
+from models.rank_protocol import CAPTURE_PROGRESS  # noqa: E402
+from models.tiny_target import default_aux_layers  # noqa: E402
 
-# The rank's progress line (models/capture.py); tasks/capture_tasks.py parses the same format.
-PROGRESS = re.compile(r"CAPTURE_PROGRESS rank=(\d+) done=(\d+) total=(\d+) tokens=(\d+)")
 FIRST_ID = 8  # record ids are drawn from [FIRST_ID, vocab): clear of the special tokens 0..7
 DATASET = "bench"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+RUN_CONFIG = CaptureSettings()  # the run config's capture section as declared: its defaults
 
 # ---------------------------------------------------------------------------------------------
 # Parameters
@@ -86,18 +77,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
-class Params:
+class Params(harness.TargetParams):
     """Every knob of one bench run (printed and saved with the figures)."""
 
-    quick: bool = False
-    seed: int = 0
-    # target (build_tiny_target)
+    # target: the tiny target's shape (harness.TargetParams), made wider so the forward has work to do
     hidden_size: int = 256
-    num_layers: int = 8
-    num_heads: int = 4
-    num_kv_heads: int = 2
     intermediate_size: int = 704  # 2.75 x hidden, as the default tiny target
-    vocab_size: int = 2048  # an upper bound: the BPE trainer decides the real size
+    quick: bool = False
     dtype: str = "float32"  # the capture dtype (the tiny target is saved in fp32)
     # records
     records: int = 200
@@ -106,9 +92,9 @@ class Params:
     min_len: int = 16
     max_len: int = 3072
     records_per_part: int = 64
-    # the capture job
-    max_batch_tokens: int = 16384  # the run config's default (capture.max_batch_tokens)
-    shard_tokens: int = 16384  # the run config's default (capture.shard_tokens): several shards per rank
+    # the capture job: the run config's max_batch_tokens and shard_tokens (several shards per rank)
+    max_batch_tokens: int = RUN_CONFIG.max_batch_tokens
+    shard_tokens: int = RUN_CONFIG.shard_tokens
     threads: int = 1  # OMP_NUM_THREADS per rank: what rank_command gives CPU ranks
     ranks: int = 2  # for (b) and (c)
     repeats: int = 1  # passes over the whole sequence (odd passes in reverse order); ratios: median over passes
@@ -119,38 +105,20 @@ class Params:
         return cls(quick=True, records=48, mean_len=128.0, max_len=1024, records_per_part=16, shard_tokens=2048)
 
 
-def target_dir_for(p: Params) -> Path:
-    return REPO / "runs" / "bench-capture" / (
-        f"target-h{p.hidden_size}-l{p.num_layers}-a{p.num_heads}-kv{p.num_kv_heads}-i{p.intermediate_size}"
-        f"-v{p.vocab_size}-s{p.seed}")
-
-
 # ---------------------------------------------------------------------------------------------
 # Records
 # ---------------------------------------------------------------------------------------------
 
 
-def write_records(p: Params, records_dir: Path, vocab: int) -> dict[str, Any]:
+def make_records(p: Params, records_dir: Path, vocab: int) -> dict[str, Any]:
     """`p.records` records in RECORD_SCHEMA parts: lognormal lengths, random ids, loss on the second half."""
     rng = np.random.default_rng(p.seed + 1)
     mu = math.log(p.mean_len) - p.sigma**2 / 2
     lengths = np.clip(np.rint(rng.lognormal(mu, p.sigma, p.records)), p.min_len, p.max_len).astype(int)
-    records_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, n in enumerate(lengths.tolist()):
-        ids = rng.integers(FIRST_ID, vocab, n, dtype=np.int32).tolist()
-        prompt = n // 2
-        rows.append({"id": f"{DATASET}-{i:06d}", "input_ids": ids, "loss_mask": [0] * prompt + [1] * (n - prompt),
-                     "num_tokens": n, "num_loss_tokens": n - prompt, "truncated": False})
-    parts = 0
-    for k in range(0, len(rows), p.records_per_part):
-        table = pa.Table.from_pylist(rows[k : k + p.records_per_part], schema=RECORD_SCHEMA)
-        pq.write_table(table, records_dir / f"part-{parts:06d}.parquet")
-        parts += 1
-    srt = np.sort(lengths)
-    return {"records": int(len(lengths)), "parts": parts, "tokens": int(lengths.sum()),
-            "mean_len": float(lengths.mean()), "p50_len": int(srt[len(srt) // 2]),
-            "p95_len": int(srt[min(len(srt) - 1, int(0.95 * len(srt)))]), "max_len": int(srt[-1])}
+    rows = [harness.record_row(f"{DATASET}-{i:06d}", rng.integers(FIRST_ID, vocab, n, dtype=np.int32).tolist(), n // 2)
+            for i, n in enumerate(lengths.tolist())]
+    parts = harness.write_records(rows, records_dir, p.records_per_part)
+    return {"records": len(rows), "parts": parts, "tokens": int(lengths.sum()), **harness.length_summary(lengths)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,68 +202,43 @@ def inproc_loop(model, batches, parts, pad_id: int, aux_layers: list[int], num_l
     return tokens
 
 
-def _baseline_worker(cfg: dict[str, Any], rank: int, barrier: Any, queue: Any) -> None:
+def baseline_process(cfg: dict[str, Any], rank: int, barrier: Any) -> dict[str, Any]:
     """One baseline process (spawned): load the model, wait for its peers, run its share, report."""
-    try:
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
-        torch.set_num_threads(cfg["threads"])
-        t0 = time.monotonic()
-        model = AutoModelForCausalLM.from_pretrained(cfg["target"], dtype=getattr(torch, cfg["dtype"]))
-        model = model.eval().requires_grad_(False)
-        load_s = time.monotonic() - t0
-        samples, parts, _ = load_records([DatasetRecords(DATASET, cfg["records_dir"])], model.config.vocab_size)
-        batches = make_batches(deal(samples, cfg["processes"])[rank], cfg["max_batch_tokens"])
-        ready = time.monotonic()
-        barrier.wait()
-        start, cpu0 = time.monotonic(), time.process_time()
-        kept: dict = {}
-        if cfg["kind"] == "in-process":
-            tokens = inproc_loop(model, batches, parts, cfg["pad_id"], cfg["aux_layers"], model.config.num_hidden_layers,
-                                 cfg["shard_tokens"], Path(cfg["out_dir"]))
-        else:
-            tokens, kept = bare_loop(model, batches, parts, cfg["pad_id"], cfg["aux_layers"], set(map(tuple, cfg["keep"])))
-        end, cpu = time.monotonic(), time.process_time() - cpu0
-        queue.put({"rank": rank, "ready": ready, "start": start, "end": end, "cpu_s": cpu, "tokens": tokens,
-                   "batches": len(batches), "padded_tokens": sum(len(b) * max(s.length for s in b) for b in batches),
-                   "load_s": load_s,  # numpy, pickled by value (no shared-memory handles outliving this process)
-                   "kept": {k: (a.numpy(), b.numpy()) for k, (a, b) in kept.items()}})
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        queue.put({"rank": rank, "error": repr(e)})
-        barrier.abort()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(cfg["threads"])
+    t0 = time.monotonic()
+    model = AutoModelForCausalLM.from_pretrained(cfg["target"], dtype=getattr(torch, cfg["dtype"]))
+    model = model.eval().requires_grad_(False)
+    load_s = time.monotonic() - t0
+    samples, parts, _ = load_records([DatasetRecords(DATASET, cfg["records_dir"])], model.config.vocab_size)
+    batches = make_batches(deal(samples, cfg["processes"])[rank], cfg["max_batch_tokens"])
+    ready = time.monotonic()
+    barrier.wait()
+    start, cpu0 = time.monotonic(), time.process_time()
+    kept: dict = {}
+    if cfg["kind"] == "in-process":
+        tokens = inproc_loop(model, batches, parts, cfg["pad_id"], cfg["aux_layers"], model.config.num_hidden_layers,
+                             cfg["shard_tokens"], Path(cfg["out_dir"]))
+    else:
+        tokens, kept = bare_loop(model, batches, parts, cfg["pad_id"], cfg["aux_layers"], set(map(tuple, cfg["keep"])))
+    end, cpu = time.monotonic(), time.process_time() - cpu0
+    return {"rank": rank, "ready": ready, "start": start, "end": end, "cpu_s": cpu, "tokens": tokens,
+            "batches": len(batches), "padded_tokens": sum(len(b) * max(s.length for s in b) for b in batches),
+            "load_s": load_s,  # numpy, pickled by value (no shared-memory handles outliving this process)
+            "kept": {k: (a.numpy(), b.numpy()) for k, (a, b) in kept.items()}}
 
 
 def baseline(p: Params, label: str, kind: str, processes: int, threads: int, target: Path, records_dir: Path,
              pad_id: int, aux_layers: list[int], keep: set | None = None, out_dir: Path | None = None) -> tuple[Bare, dict]:
     """Run a baseline in `processes` fresh processes at once (spawned with OMP_NUM_THREADS=threads, as a rank)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    barrier, queue = ctx.Barrier(processes), ctx.Queue()
     cfg = {"kind": kind, "processes": processes, "threads": threads, "target": str(target), "dtype": p.dtype,
            "records_dir": str(records_dir), "max_batch_tokens": p.max_batch_tokens, "shard_tokens": p.shard_tokens,
            "pad_id": pad_id, "aux_layers": aux_layers, "keep": sorted(keep or ()), "out_dir": str(out_dir)}
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # the children's environment, as rank_command sets it for a rank
-    try:
-        spawned = time.monotonic()
-        procs = [ctx.Process(target=_baseline_worker, args=(cfg, r, barrier, queue)) for r in range(processes)]
-        for proc in procs:
-            proc.start()
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    results = [queue.get(timeout=p.timeout_s) for _ in procs]
-    for proc in procs:
-        proc.join()
-    errors = [x["error"] for x in results if "error" in x]
-    if errors:
-        raise RuntimeError(f"baseline {label!r} failed: {errors}")
-    results.sort(key=lambda x: x["rank"])
+    results, spawned = harness.spawn(baseline_process, [(cfg, r) for r in range(processes)], threads=threads,
+                                     timeout_s=p.timeout_s, what=f"baseline {label!r}")
     wall = max(x["end"] for x in results) - min(x["start"] for x in results)
     tokens = sum(x["tokens"] for x in results)
     kept = {k: (torch.from_numpy(a), torch.from_numpy(b)) for x in results for k, (a, b) in x.pop("kept").items()}
@@ -339,63 +282,35 @@ class Launch:
     pass_no: int = 0
 
 
-def extension_builds() -> dict[str, float]:
-    """Modification times of the JIT-built torch extensions (DeepSpeed's CPU comm op is one)."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    found = {}
-    for so in root.glob("*/*/*.so"):
-        try:
-            found[so.parent.name] = so.stat().st_mtime
-        except OSError:
-            pass
-    return found
-
-
 def launch(p: Params, label: str, mode: str, ranks: int, target: Path, records_dir: Path, out_dir: Path,
            job_path: Path, log_path: Path, verbose: bool) -> Launch:
     job = CaptureJob(target_path=str(target), datasets=[DatasetRecords(DATASET, str(records_dir))], out_dir=str(out_dir),
                      mode=mode, dtype=p.dtype, max_batch_tokens=p.max_batch_tokens, shard_tokens=p.shard_tokens,
                      device="cpu")
     job.validate()
-    job_path.write_text(json.dumps(job.to_dict(), indent=2))
-    command, env = rank_command("models.capture", ["--job", str(job_path)], num_ranks=ranks, launcher="torchrun")
-    env = {**env, "OMP_NUM_THREADS": str(p.threads)}
     r = Launch(label, mode, ranks)
     started: dict[int, float] = {}
     last: dict[int, tuple[float, int, int, int]] = {}  # rank -> (t, done, total, tokens) of its latest line
     cpu_at: dict[float, tuple[float, float]] = {}  # time of a progress line -> CPU s of (launcher, ranks) then
-    log = open(log_path, "w")
 
-    def on_line(line: str) -> None:
-        t = time.monotonic() - t0
-        log.write(f"{t:9.3f} {line}\n")
-        if verbose:
-            print(f"      | {line}", flush=True)
-        m = PROGRESS.search(line)
-        if m:
-            rank, done, total, tokens = map(int, m.groups())
+    def on_line(line: str, t: float) -> None:
+        progress = CAPTURE_PROGRESS.parse(line)
+        if progress:
+            rank, done = progress["rank"], progress["done"]
             if done == 0 and rank not in started:
                 started[rank] = t
-            last[rank] = (t, done, total, tokens)
-            c = descendants_cpu_s(os.getpid())
+            last[rank] = (t, done, progress["total"], progress["tokens"])
+            c = harness.descendants_cpu_s(os.getpid())
             if c is not None:
                 cpu_at[t] = c
         elif r.planned_s is None and "pending over" in line:
             r.planned_s = t
 
     usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    builds = extension_builds()
-    t0 = time.monotonic()
-    try:
-        run_job(command, env=env, on_line=on_line)
-        r.ok = True
-    except RankFailure as e:
-        r.error = str(e)[-2000:]
-    finally:
-        r.wall_s = time.monotonic() - t0
-        log.close()
+    run = harness.launch("models.capture", job.to_dict(), ranks=ranks, threads=p.threads, job_path=job_path,
+                         log_path=log_path, verbose=verbose, on_line=on_line)
     usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    r.ops_built = sorted(name for name, mtime in extension_builds().items() if builds.get(name) != mtime)
+    r.ok, r.error, r.wall_s, r.ops_built = run.ok, run.error, run.wall_s, run.ops_built
     r.children_cpu_s = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
     r.per_rank = [{"rank": k, "start_s": started.get(k), "end_s": v[0], "done": v[1], "total": v[2], "tokens": v[3],
                    "tokens_per_s": v[3] / (v[0] - started[k]) if k in started and v[0] > started[k] else None}
@@ -414,36 +329,6 @@ def launch(p: Params, label: str, mode: str, ranks: int, target: Path, records_d
             r.forward_cpu_s = cpu_at[end][1] - cpu_at[first][1]
         r.end_to_end_tokens_per_s = r.tokens / r.wall_s
     return r
-
-
-def descendants_cpu_s(root: int) -> tuple[float, float] | None:
-    """User + system CPU seconds so far of the live descendants of `root`: (its children, e.g. the
-    launcher; their descendants, e.g. the ranks)."""
-    try:
-        tick = os.sysconf("SC_CLK_TCK")
-        parent: dict[int, int] = {}
-        cpu: dict[int, int] = {}
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # gone meanwhile
-            parent[int(name)], cpu[int(name)] = int(fields[1]), int(fields[11]) + int(fields[12])
-    except (OSError, ValueError):
-        return None
-    children = deeper = 0
-    for pid, ticks in cpu.items():
-        p, depth = parent.get(pid), 1
-        while p is not None and p > 1 and p != root:
-            p, depth = parent.get(p), depth + 1
-        if p == root:
-            if depth == 1:
-                children += ticks
-            else:
-                deeper += ticks
-    return children / tick, deeper / tick
 
 
 def writer_alone(lengths: list[int], hidden: int, dtype: torch.dtype, aux_layers: list[int], shard_tokens: int,
@@ -533,13 +418,7 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    target = target_dir_for(p)
-    print(f"  target: {target.relative_to(REPO)} (built once, then reused) ...", flush=True)
-    t0 = time.perf_counter()
-    build_tiny_target(target, seed=p.seed, vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_layers=p.num_layers,
-                      num_heads=p.num_heads, num_kv_heads=p.num_kv_heads, intermediate_size=p.intermediate_size,
-                      max_position_embeddings=max(4096, p.max_len))
-    build_s = time.perf_counter() - t0
+    target, build_s = p.build_target("bench-capture", max_position_embeddings=max(4096, p.max_len))
     config = AutoConfig.from_pretrained(target)
     n_params = 0
     for f in target.glob("*.safetensors"):
@@ -548,7 +427,7 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
     aux_layers = default_aux_layers(p.num_layers)
     pad_id = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
     records_dir = tmp / "records" / DATASET
-    rec = write_records(p, records_dir, config.vocab_size)
+    rec = make_records(p, records_dir, config.vocab_size)
     samples, _, _ = load_records([DatasetRecords(DATASET, str(records_dir))], config.vocab_size)
     batches = make_batches(deal(samples, 1)[0], p.max_batch_tokens)  # exactly the 1-rank capture's batches
     tokens = sum(s.length for s in samples)
@@ -604,7 +483,7 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
         out.setdefault("writer_alone", []).append({**w, "pass_no": k})
 
     t, n = p.threads, p.ranks
-    sequence = [
+    sequence: list[Callable[[int], None]] = [
         lambda k: base(f"bare, {t} thread(s), before", "bare", 1, t, k),
         lambda k: capture("(a) 1 rank, replicate", "replicate", 1, k),
         lambda k: base("in-process capture_batch + ShardWriter", "in-process", 1, t, k),
@@ -615,11 +494,8 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
         lambda k: capture(f"(b) {n} ranks, replicate", "replicate", n, k),
         lambda k: capture(f"(c) {n} ranks, zero3", "zero3", n, k),
     ]
-    for k in range(p.repeats):
-        if p.repeats > 1:
-            print(f"  pass {k + 1} of {p.repeats}" + (" (reverse order)" if k % 2 else ""), flush=True)
-        for step in sequence if k % 2 == 0 else sequence[::-1]:
-            step(k)
+    for k, step in harness.passes(sequence, p.repeats, announce=True):
+        step(k)
 
     out["bare"] = [b.__dict__ for b in bares]
     out["launches"] = [r.__dict__ for r in launches]
@@ -677,10 +553,8 @@ def ratios(p: Params, bares: list[Bare], launches: list[Launch]) -> dict[str, An
                          "vs_bare_1_process": b["tps"] / e.tokens_per_s, "vs_bare_all_cores": b["all_tps"] / e.tokens_per_s,
                          "end_to_end_ratio": tps_b / e2e if e2e else None})
         ranks = getattr(next(e for e in entries if e.label == label), "ranks", 1)
-        summary = {key: med(r[key] for r in rows) if all(r[key] is not None for r in rows) else None
-                   for key in rows[0] if key != "pass_no"}
-        summary.update(ranks=ranks, passes=rows, overhead_ratio_range=[min(r["overhead_ratio"] for r in rows),
-                                                                       max(r["overhead_ratio"] for r in rows)],
+        summary = {key: harness.median_of(r[key] for r in rows) for key in rows[0] if key != "pass_no"}
+        summary.update(ranks=ranks, passes=rows, overhead_ratio_range=harness.range_of(r["overhead_ratio"] for r in rows),
                        baseline=f"bare, {p.ranks} processes" if ranks > 1 else "bare, 1 process (before+after)/2")
         res["runs"][label] = summary
     return res
@@ -721,7 +595,7 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
                      "-" if cpu is None else f"{cpu:.1f} + {x['launcher_cpu_s']:.1f}",
                      "-" if cpu is None else f"{1e6 * cpu / x['tokens']:.0f}",
                      f"{x['wall_s']:.1f} ({x['end_to_end_tokens_per_s']:,.0f} tok/s)"))
-    _table(("run", "procs", "threads", "start-up s", "forward s", "tail s", "tok/s", "CPU s", "CPU ms/1k tok",
+    harness.table(("run", "procs", "threads", "start-up s", "forward s", "tail s", "tok/s", "CPU s", "CPU ms/1k tok",
             "whole job s"), rows)
     ra = out["ratios"]
     print("   start-up: baselines spawn -> model loaded; ours launch -> first rank's done=0 line. tail: last final "
@@ -740,7 +614,7 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
                      "-" if x["cpu_ratio"] is None else f"{x['cpu_ratio']:.3f}",
                      f"{x['vs_bare_1_process']:.3f}", f"{x['vs_bare_all_cores']:.3f}",
                      "-" if x["end_to_end_ratio"] is None else f"{x['end_to_end_ratio']:.2f}"))
-    _table(("run", "tok/s", "baseline", "tok/s", "baseline/ours", "CPU/token ours/baseline", "bare 1 proc/ours",
+    harness.table(("run", "tok/s", "baseline", "tok/s", "baseline/ours", "CPU/token ours/baseline", "bare 1 proc/ours",
             f"bare {p.ranks * p.threads} thr/ours", "baseline/ours incl. start-up"), rows)
     print("   baseline/ours > 1: ours is slower than its baseline by that factor. CPU/token: CPU seconds per captured "
           "token,\n   less sensitive than wall time to other load on the machine")
@@ -755,7 +629,7 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
     if per:
         print()
         print("   per rank (seconds after launch)")
-        _table(("run", "rank", "done=0 at", "final at", "tokens", "tok/s"), per)
+        harness.table(("run", "rank", "done=0 at", "final at", "tokens", "tok/s"), per)
     rows = [(tag(x), f"{x['planned_s']:.1f}" if x["planned_s"] else "-", f"{x['startup_s']:.1f}", f"{x['tail_s']:.1f}",
              ", ".join(x["ops_built"]) or "-")
             for x in out["launches"] if x["ok"] and x["startup_s"] is not None]
@@ -764,7 +638,7 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
         print("   start-up (seconds after launch): rank 0 planned (interpreter, torchrun, imports, config, process "
               "group,\n   records read), first done=0 (model loaded; ZeRO-3: partitioned); tail = last final line -> "
               "launcher exit;\n   a DeepSpeed CPU comm op (re)built meanwhile (JIT, ~45 s on 2 cores) is part of the start-up")
-        _table(("run", "planned", "done=0", "tail", "torch extension built meanwhile"), rows)
+        harness.table(("run", "planned", "done=0", "tail", "torch extension built meanwhile"), rows)
         print(f"   a bare process: spawn -> model loaded {ra['bare_startup_s']:.1f} s (interpreter, imports, "
               f"from_pretrained {min(b['model_load_s'] for b in out['bare']):.2f} s)")
 
@@ -781,7 +655,7 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
                          f"{q['bytes_per_token']:,.2f}", f"{q['payload_per_token']:,}", f"{q['ids_mask_per_token']}",
                          f"{q['header_per_token']:.2f}", f"{q['overhead_pct']:.3f}%", f"{q['index_per_token']:.3f}",
                          "yes" if q["data_matches_layout"] else "NO"))
-        _table(("run", "shards", "samples", "tokens", "MiB", "B/token", "payload", "ids+mask", "header",
+        harness.table(("run", "shards", "samples", "tokens", "MiB", "B/token", "payload", "ids+mask", "header",
                 "overhead", "index B/tok", "layout ok"), rows)
         print(f"   header {g['header_per_sample']:.0f} B per sample (tensor table + JSON sample list); planner estimate "
               f"{g['planner_per_token']:,} B/token (4H x dtype + 5).\n   The format's overhead with these samples at bf16 "
@@ -791,81 +665,19 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
                    f"{x['check']['samples_indexed']}") for x in st if x.get("check")]
         print()
         print("   stored rows vs the bare loop's hidden states (the longest and the shortest sample):")
-        _table(("run", "samples", "max abs diff", "samples in index"), checks)
-
-
-def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    fmt = "   " + "  ".join("{:<%d}" % w if i == 0 else "{:>%d}" % w for i, w in enumerate(widths))
-    print(fmt.format(*head))
-    print("   " + "  ".join("-" * w for w in widths))
-    for row in rows:
-        print(fmt.format(*row))
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except (OSError, ValueError):
-        return None
+        harness.table(("run", "samples", "max abs diff", "samples in index"), checks)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a smaller run: smoke test of the bench")
-    ap.add_argument("--json", type=Path, help="write the figures here as JSON")
-    ap.add_argument("--keep", type=Path, help="write records, jobs and rank logs here and keep them (default: a temp dir)")
-    ap.add_argument("--verbose", action="store_true", help="echo the ranks' output")
-    for name, value in Params().__dict__.items():
-        if name != "quick":
-            ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
-    args = ap.parse_args(argv)
-    p = Params.quick_preset() if args.quick else Params()
-    for name in p.__dict__:
-        if name != "quick" and getattr(args, name) is not None:
-            setattr(p, name, getattr(args, name))
+    kept = "records, jobs and rank logs"
+    args = harness.arguments(__doc__, Params(), keep=kept, verbose=True).parse_args(argv)
+    p = harness.params_from(args, Params)
 
     import transformers
 
-    out: dict[str, Any] = {
-        "params": dict(p.__dict__),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "processor": _cpu_model(), "torch": torch.__version__, "transformers": transformers.__version__,
-                    "loadavg_start": _loadavg()},
-    }
-    started = time.monotonic()
-    if args.keep is not None:
-        args.keep.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-capture-", dir=args.keep))
-    try:
-        print("capture-stage bench" + (" (--quick)" if p.quick else ""), flush=True)
-        run(p, tmp, out, args.verbose)
-    finally:
-        if args.keep is None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            print(f"records, jobs and rank logs kept in {tmp}")
-    out["machine"]["loadavg_end"] = _loadavg()
-    out["total_s"] = time.monotonic() - started
-    print_report(p, out)
-    print(f"\ntotal {out['total_s']:.0f} s on {os.cpu_count()} CPU(s); load average at start "
-          f"{out['machine']['loadavg_start']}, at end {out['machine']['loadavg_end']}"
-          + ("  (--quick: a smoke run; take the figures from the default run)" if p.quick else ""))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
-        print(f"figures written to {args.json}")
-    return 0
+    return harness.run_bench("capture", args, dict(p.__dict__),
+                             {"torch": torch.__version__, "transformers": transformers.__version__},
+                             lambda tmp, out: run(p, tmp, out, args.verbose), lambda out: print_report(p, out), kept=kept)
 
 
 if __name__ == "__main__":

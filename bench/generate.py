@@ -25,31 +25,26 @@ Nothing is asserted: each target prints PASS or FAIL next to its figures. Usage:
     .venv/bin/python bench/generate.py [--quick] [--json out.json] [--only server|checkpoints]
                                        [--PARAM VALUE ...]   # any field of Params, e.g. --ckpt-mean-len 1400
 
-Results and their reading: docs/bench-generate.md.
+The scaffolding (flags, timing, tables, JSON) is bench/harness.py. Results and their reading:
+docs/bench-generate.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
-import os
-import platform
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.harness, deploy, tasks
+from bench import harness  # noqa: E402
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -57,9 +52,10 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 
 from deploy.sim_server import SimConfig, simulate_output  # noqa: E402
+from models.jobs import GenerateJob  # noqa: E402
 from tasks.checkpoints import RESPONSE_SCHEMA, compact, done_ids, summarize, write_part  # noqa: E402
 from tasks.datasets import PromptRow  # noqa: E402
-from tasks.generation import GenerateReport, GenerateSettings, generate_dataset  # noqa: E402
+from tasks.generation import GenerateReport, generate_dataset  # noqa: E402
 from tasks.sglang_client import SGLangClient  # noqa: E402
 from tasks.stats import collect_stats, nearest_rank, stats_rows  # noqa: E402
 
@@ -154,7 +150,7 @@ class SimProcess:
             "--mean-len", str(p.mean_len), "--sigma", str(p.sigma), "--seed", str(p.seed),
             "--eos-id", str(EOS),
         ]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, cwd=harness.REPO, stdout=subprocess.PIPE, text=True)
         self.url = self._wait_listening(timeout=60.0)
         self.admin = httpx.Client(base_url=self.url, timeout=30.0)
 
@@ -186,11 +182,7 @@ class SimProcess:
 
     def cpu_s(self) -> float:
         """User + system CPU seconds of the server process so far (from /proc)."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            return math.nan
+        return harness.process_cpu_s(self.proc.pid)
 
     def close(self) -> None:
         if getattr(self, "admin", None) is not None:
@@ -321,7 +313,7 @@ def measure(server: SimProcess, p: Params, name: str, n: int, body: Callable[[],
 
 
 async def run_ours(p: Params, url: str, prompts: list[PromptRow], root: Path, *, budget: int | None) -> GenerateReport:
-    settings = GenerateSettings(
+    settings = GenerateJob(
         dataset="bench", sampling_params=p.sampling_params(), token_budget=budget,
         flush_every=p.flush_every, compact_min_parts=p.compact_min_parts,
     )
@@ -481,15 +473,6 @@ def jsonl_stats(files: list[Path]) -> list[dict[str, Any]]:
     return out
 
 
-def best_of(repeats: int, fn: Callable[[], Any]) -> tuple[float, list[float], Any]:
-    times, result = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), times, result
-
-
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
@@ -609,14 +592,14 @@ def bench_checkpoints(p: Params, tmp: Path, out: dict[str, Any]) -> None:
         skip = done_ids(responses_dir) | done_ids(rejects_dir)
         return skip, before.completion_tokens
 
-    ours_s, ours_times, (skip, tokens) = best_of(p.repeats, ours)
-    base_s, base_times, (base_ids, base_tokens) = best_of(p.jsonl_repeats, lambda: jsonl_resume(jsonl))
+    ours_s, ours_times, (skip, tokens) = harness.best_of(p.repeats, ours)
+    base_s, base_times, (base_ids, base_tokens) = harness.best_of(p.jsonl_repeats, lambda: jsonl_resume(jsonl))
 
     # The whole generate_dataset call on the fully done dataset: it returns without sending
     # (the server is never contacted), so this is its start-up plus its closing summary.
     prompts = [PromptRow(id=i, messages=[{"role": "user", "content": "1"}])
                for i in table.column("id").to_pylist()[:n_resume]]
-    settings = GenerateSettings(dataset="big", sampling_params={"max_new_tokens": p.max_new_tokens})
+    settings = GenerateJob(dataset="big", sampling_params={"max_new_tokens": p.max_new_tokens})
 
     async def call() -> tuple[float, GenerateReport]:
         async with SGLangClient("http://127.0.0.1:9") as client:
@@ -652,8 +635,8 @@ def bench_checkpoints(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     n_parts = len(list(run.glob("responses/*/part-*.parquet")))
     print(f"  stats: {p.stats_datasets} datasets x {per:,} responses, {n_parts} parts "
           f"({_mb(run)} MB) vs JSONL ({_mb(tmp / 'jsonl')} MB) ...", flush=True)
-    ours_s, ours_times, stats = best_of(p.repeats, lambda: stats_rows(collect_stats(run), total=True))
-    base_s, base_times, base = best_of(p.jsonl_repeats, lambda: jsonl_stats(files))
+    ours_s, ours_times, stats = harness.best_of(p.repeats, lambda: stats_rows(collect_stats(run), total=True))
+    base_s, base_times, base = harness.best_of(p.jsonl_repeats, lambda: jsonl_stats(files))
     consistent = len(stats) == len(base) + 1 and all(
         a["responses"] == b["responses"] and a["completion_tokens"] == b["completion_tokens"]
         and a["p50_length"] == b["p50_length"] and a["p95_length"] == b["p95_length"]
@@ -722,7 +705,8 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
         print_checkpoint_part(p, out)
     print()
     print("targets" + ("  (--quick: a smoke run; judge the targets on the default run)" if p.quick else ""))
-    _table(("target", "measured", "result"), [(t["target"], t["value"], "PASS" if t["pass"] else "FAIL") for t in out["targets"]])
+    harness.table(("target", "measured", "result"),
+                  [(t["target"], t["value"], "PASS" if t["pass"] else "FAIL") for t in out["targets"]])
 
 
 def print_server_part(p: Params, out: dict[str, Any]) -> None:
@@ -746,7 +730,7 @@ def print_server_part(p: Params, out: dict[str, Any]) -> None:
             "-" if w["drain_s"] is None else f"{w['drain_s']:.1f}",
             f"{w['requests_per_s']:.1f}", f"{w['client_cpu_pct']:.0f}%", f"{w['server_cpu_pct']:.0f}%",
         ))
-    _table(head, rows)
+    harness.table(head, rows)
     a = out["throughput"][0]
     if a["full_load_occupancy"] is not None:
         print(f"   (a) slot occupancy while the queue lasted ({a['full_load_s']:.1f} s): {100 * a['full_load_occupancy']:.1f}%; "
@@ -755,7 +739,7 @@ def print_server_part(p: Params, out: dict[str, Any]) -> None:
     b = out["budget"]
     print(f"2. token budget: generate_dataset, budget {b['token_budget']:,} = {p.budget_rounds:g} x mean x max_running "
           f"(one response can overshoot it by <= max_new_tokens = {b['one_response_bound_pct']:.2f}%)")
-    _table(("trial", "budget", "spent", "overshoot", "status", "responses", "aborted", "waste (report)",
+    harness.table(("trial", "budget", "spent", "overshoot", "status", "responses", "aborted", "waste (report)",
             "waste (server)", "util"),
            [(f"{x['trial']}", f"{x['token_budget']:,}", f"{x['spent']:,}", f"{x['overshoot_pct']:+.2f}%", x["status"],
              f"{x['responses']:,}", f"{x['aborted_requests']}",
@@ -770,7 +754,7 @@ def print_checkpoint_part(p: Params, out: dict[str, Any]) -> None:
     print(f"3. resume start-up and 4. stats, Parquet checkpoints vs JSONL (best of repeats, warm page cache; "
           f"responses of {r['completion_tokens_mean']:,.0f} completion tokens on average, "
           f"{r['jsonl_bytes_per_response']:,.0f} JSONL bytes each)")
-    _table(
+    harness.table(
         ("what", "responses", "parts", "Parquet MB", "ours s", "JSONL MB", "JSONL s", "JSONL / ours", "same answer"),
         [
             ("3 resume: done_ids + summarize", f"{r['responses']:,}", f"{r['parts']}", f"{r['parquet_mb']}",
@@ -790,68 +774,26 @@ def print_checkpoint_part(p: Params, out: dict[str, Any]) -> None:
           " the ratios grow with the response length (--ckpt-mean-len).")
 
 
-def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    fmt = "   " + "  ".join("{:<%d}" % w if i == 0 else "{:>%d}" % w for i, w in enumerate(widths))
-    print(fmt.format(*head))
-    print("   " + "  ".join("-" * w for w in widths))
-    for row in rows:
-        print(fmt.format(*row))
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a smaller run (< 60 s): smoke test of the bench")
-    ap.add_argument("--json", type=Path, help="write the figures here as JSON")
+    ap = harness.arguments(__doc__, Params(), keep="the checkpoints",
+                           quick="a smaller run (< 60 s): smoke test of the bench")
     ap.add_argument("--only", choices=["server", "checkpoints"],
                     help="run only 1+2 (against the server) or only 3+4 (checkpoints vs JSONL)")
-    ap.add_argument("--keep", type=Path, help="write the checkpoints here and keep them (default: a temp dir)")
-    for name, value in Params().__dict__.items():
-        if name != "quick":
-            ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
     args = ap.parse_args(argv)
-    p = Params.quick_preset() if args.quick else Params()
-    for name in p.__dict__:
-        if name != "quick" and getattr(args, name) is not None:
-            setattr(p, name, getattr(args, name))
+    p = harness.params_from(args, Params)
 
-    out: dict[str, Any] = {
-        "params": {**p.__dict__, "slots": p.slots, "capacity_tok_s": p.capacity_tok_s, "token_budget": p.token_budget},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "processor": _cpu_model()},
-    }
-    started = time.monotonic()
-    if args.keep is not None:
-        args.keep.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-generate-", dir=args.keep))
-    try:
-        print("generate-stage bench" + (" (--quick)" if p.quick else ""), flush=True)
+    def measure(tmp: Path, out: dict[str, Any]) -> None:
         if args.only != "checkpoints":
             bench_throughput_and_budget(p, tmp, out)
         if args.only != "server":
             bench_checkpoints(p, tmp, out)
-    finally:
-        if args.keep is None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    out["targets"] = targets(out)
-    out["total_s"] = time.monotonic() - started
-    print_report(p, out)
-    print(f"\ntotal {out['total_s']:.0f} s on {os.cpu_count()} CPU(s)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
-        print(f"figures written to {args.json}")
-    return 0
 
+    def report(out: dict[str, Any]) -> None:
+        out["targets"] = targets(out)
+        print_report(p, out)
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    params = {**p.__dict__, "slots": p.slots, "capacity_tok_s": p.capacity_tok_s, "token_budget": p.token_budget}
+    return harness.run_bench("generate", args, params, {}, measure, report, kept="checkpoints")
 
 
 if __name__ == "__main__":

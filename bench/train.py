@@ -38,13 +38,16 @@ CPU second (ours/baseline), and the lockstep bound (what waiting for the slowest
 Nothing is asserted. With 1 rank the two sides do the same arithmetic, so their losses are also
 compared at every logged step (a check that the baseline trains the same thing). Usage::
 
-    .venv/bin/python bench/train.py [--repeats 3] [--steps 30] [--ranks 1,2] [--json out.json]
+    .venv/bin/python bench/train.py [--quick] [--repeats 3] [--steps 30] [--ranks 1,2] [--json out.json]
                                     [--keep DIR] [--verbose] [--PARAM VALUE ...]   # any field of Params
 
+`--quick` is a smoke run of the whole sequence (1 and 2 ranks, the interleaved comparison) at small
+sizes: one pass of 8 steps (2 skipped), continuations of at most 32 tokens (a data set of its own).
 Each ratio pairs a run with its baseline from the same pass; `--repeats N` runs the sequence N
 times (every other pass in reverse order) and reports the median of the per-pass ratios. The
 target, records and captured hidden states are cached in runs/bench-train/ (gitignored; the first
-run generates the continuations: several minutes on 2 cores). Results and their reading:
+run generates the continuations: several minutes on 2 cores). The scaffolding (flags, launches,
+spawned baselines, passes, tables, JSON) is bench/harness.py. Results and their reading:
 docs/bench-train.md.
 """
 
@@ -54,50 +57,43 @@ import argparse
 import hashlib
 import json
 import os
-import platform
-import re
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint only; inherited by the ranks and baselines
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.harness, models, tasks
+from bench import harness  # noqa: E402  (first: the offline environment the ranks and baselines inherit)
+
 # DeepSpeed JIT-builds its CPU comm op into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions, shared by
 # every virtualenv: another checkout's build of the same op name forces a ~45 s rebuild at the next launch).
 # A directory of the bench's own keeps such rebuilds out of its start-up figures; inherited by every launch.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "runs" / "bench-train" / "torch_extensions"))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(harness.REPO / "runs" / "bench-train" / "torch_extensions"))
 
-import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 import models  # noqa: E402,F401  (flushes CPU denormals in this process, as in every rank)
+from flows.config import TrainConfig  # noqa: E402
 from models.capture import CaptureJob, Dist, run as run_capture  # noqa: E402
 from models.draft_vocab import draft_vocab, load_token_counts  # noqa: E402
 from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead  # noqa: E402
 from models.target_weights import load_target_tensors  # noqa: E402
-from models.tiny_target import SAMPLES_DIR, build_tiny_target, default_aux_layers  # noqa: E402
+from models.rank_protocol import TRAIN_PROGRESS  # noqa: E402
+from models.tiny_target import SAMPLES_DIR, default_aux_layers  # noqa: E402
 from models.train import Metrics, TrainJob, ds_train_config, lr_lambda  # noqa: E402
 from models.train_data import (HiddenSource, epoch_batches, rank_micro_batches, split_samples,  # noqa: E402
                                steps_per_epoch)
-from tasks.launch import RankFailure, rank_command, run_job  # noqa: E402
-from tasks.records import RECORD_SCHEMA  # noqa: E402
+from tasks.records import count_tokens  # noqa: E402
 
 DATASET = "bench"
 BETAS = (0.9, 0.95)  # flows/train.py
 EPS = 1e-8  # ds_train_config
-STEP0 = re.compile(r"TRAIN_PROGRESS step=0 ")
+RUN_CONFIG = TrainConfig()  # the run config's train section as declared: its defaults
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,31 +102,24 @@ STEP0 = re.compile(r"TRAIN_PROGRESS step=0 ")
 
 
 @dataclass
-class Params:
-    """Every knob of one bench run (printed and saved with the figures)."""
+class Params(harness.TargetParams):
+    """Every knob of one bench run (printed and saved with the figures); the target: harness.TargetParams."""
 
-    seed: int = 0
-    # target (build_tiny_target; its defaults: the test and demo target)
-    hidden_size: int = 128
-    num_layers: int = 8
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 352
-    vocab_size: int = 2048  # an upper bound: the BPE trainer decides the real size
+    quick: bool = False
     # records: every sample conversation, cut to max_prompt_tokens, + its greedy continuation
     max_prompt_tokens: int = 768
     max_new_tokens: int = 96
     # the training job (the demo config's draft vocab and lr; the run config's defaults elsewhere)
     draft_vocab_size: int = 1024
-    ttt_steps: int = 7
+    ttt_steps: int = RUN_CONFIG.ttt_steps
     max_batch_tokens: int = 1024  # padded tokens per micro batch per rank (the demo config's)
-    grad_accum: int = 1
+    grad_accum: int = RUN_CONFIG.grad_accum
     lr: float = 2e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
+    weight_decay: float = RUN_CONFIG.weight_decay
+    grad_clip: float = RUN_CONFIG.grad_clip
     warmup_ratio: float = 0.05  # lr warmup (schedule), not the measurement's skip
     zero_stage: int = 2  # ds_config zero_optimization.stage: 2 as the flow generates it; 0 or 1 to take ZeRO-2 apart
-    eval_fraction: float = 0.02
+    eval_fraction: float = RUN_CONFIG.eval_fraction
     steps: int = 30  # optimizer steps per run (max_steps)
     skip: int = 5  # steps left out of the measurement at the start (a multiple of log_every)
     log_every: int = 1  # the job's metrics line interval: per-step times for the paired ratio (run config default: 10)
@@ -140,6 +129,10 @@ class Params:
     baseline_here: bool = False  # the 1-process baseline in this process instead of a fresh spawned one
     in_process_steps: int = 30  # the interleaved in-process comparison (1 rank; once per run); 0: skip it
     timeout_s: float = 900.0  # per launch or baseline
+
+    @classmethod
+    def quick_preset(cls) -> Params:
+        return cls(quick=True, max_new_tokens=32, steps=8, skip=2, repeats=1, in_process_steps=8)
 
     def rank_list(self) -> list[int]:
         return [int(x) for x in self.ranks.split(",") if x.strip()]
@@ -153,16 +146,10 @@ class Params:
             raise SystemExit(f"--ranks: comma-separated positive rank counts, got {self.ranks!r}")
 
 
-def target_dir_for(p: Params) -> Path:
-    return REPO / "runs" / "bench-train" / (
-        f"target-h{p.hidden_size}-l{p.num_layers}-a{p.num_heads}-kv{p.num_kv_heads}-i{p.intermediate_size}"
-        f"-v{p.vocab_size}-s{p.seed}")
-
-
 def data_dir_for(p: Params, target: Path) -> Path:
     key = json.dumps({"target": target.name, "prompt": p.max_prompt_tokens, "new": p.max_new_tokens,
                       "samples": sorted(f.name for f in SAMPLES_DIR.glob("*.jsonl"))}, sort_keys=True)
-    return REPO / "runs" / "bench-train" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return harness.REPO / "runs" / "bench-train" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,27 +199,19 @@ def prepare_data(p: Params, target: Path) -> dict[str, Any]:
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                  max_new_tokens=p.max_new_tokens, do_sample=False, pad_token_id=0)[0].tolist()
-        n = len(out) - len(prompt)
-        rows.append({"id": f"c{i:04d}", "input_ids": out, "loss_mask": [0] * len(prompt) + [1] * n,
-                     "num_tokens": len(out), "num_loss_tokens": n, "truncated": False})
+        rows.append(harness.record_row(f"c{i:04d}", out, len(prompt)))
     generate_s = time.perf_counter() - t0
     del model
-    pq.write_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), records / "part-00000.parquet")
-    counts = np.zeros(len(tok), dtype=np.int64)
-    for r in rows:
-        np.add.at(counts, [t for t, m in zip(r["input_ids"], r["loss_mask"]) if m], 1)
-    pq.write_table(pa.table({"token_id": np.flatnonzero(counts), "count": counts[counts > 0]}),
-                   root / "records" / "token_counts.parquet")
+    harness.write_records(rows, records, len(rows))
+    count_tokens([records], root / "records" / "token_counts.parquet", len(tok))  # the records stage's counts
     t0 = time.perf_counter()
     run_capture(CaptureJob.from_dict({"target_path": str(target), "datasets": [{"name": DATASET, "records_dir": str(records)}],
                                       "out_dir": str(root / "hidden"), "device": "cpu", "dtype": "float32",
                                       "shard_tokens": 16384}), Dist())
     torch.set_num_threads(saved)
-    lengths = sorted(len(r["input_ids"]) for r in rows)
-    info = {"records": len(rows), "tokens": int(sum(lengths)), "loss_tokens": int(sum(r["num_loss_tokens"] for r in rows)),
-            "mean_len": float(np.mean(lengths)), "p50_len": lengths[len(lengths) // 2],
-            "p95_len": lengths[min(len(lengths) - 1, int(0.95 * len(lengths)))], "max_len": lengths[-1],
-            "generate_s": generate_s, "capture_s": time.perf_counter() - t0}
+    lengths = [r["num_tokens"] for r in rows]
+    info = {"records": len(rows), "tokens": sum(lengths), "loss_tokens": sum(r["num_loss_tokens"] for r in rows),
+            **harness.length_summary(lengths), "generate_s": generate_s, "capture_s": time.perf_counter() - t0}
     done.write_text(json.dumps(info, indent=2))
     return {**info, "root": str(root), "reused": False}
 
@@ -257,48 +236,6 @@ def job_dict(p: Params, target: Path, data: Path, out_dir: Path, ranks: int) -> 
     job["ds_config"]["zero_optimization"]["stage"] = p.zero_stage
     TrainJob(**job)  # the job's own dataclass accepts every key
     return job
-
-
-def extension_builds() -> dict[str, float]:
-    """Modification times of the JIT-built torch extensions (DeepSpeed's CPU comm op is one)."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    found = {}
-    for so in root.glob("*/*/*.so"):
-        try:
-            found[so.parent.name] = so.stat().st_mtime
-        except OSError:
-            pass
-    return found
-
-
-def descendants_cpu_s(root: int) -> tuple[float, float] | None:
-    """User + system CPU seconds so far of the live descendants of `root`: (its children, e.g. the
-    launcher; their descendants, e.g. the ranks)."""
-    try:
-        tick = os.sysconf("SC_CLK_TCK")
-        parent: dict[int, int] = {}
-        cpu: dict[int, int] = {}
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # gone meanwhile
-            parent[int(name)], cpu[int(name)] = int(fields[1]), int(fields[11]) + int(fields[12])
-    except (OSError, ValueError):
-        return None
-    children = deeper = 0
-    for pid, ticks in cpu.items():
-        q, depth = parent.get(pid), 1
-        while q is not None and q > 1 and q != root:
-            q, depth = parent.get(q), depth + 1
-        if q == root:
-            if depth == 1:
-                children += ticks
-            else:
-                deeper += ticks
-    return children / tick, deeper / tick
 
 
 class MetricsWatch:
@@ -342,7 +279,7 @@ class MetricsWatch:
                 except ValueError:
                     continue
                 if x.get("kind") == "train" and x.get("step") in self.steps and x["step"] not in self.cpu:
-                    c = descendants_cpu_s(os.getpid())
+                    c = harness.descendants_cpu_s(os.getpid())
                     if c is not None:
                         self.cpu[x["step"]] = c
 
@@ -350,33 +287,20 @@ class MetricsWatch:
 def ours(p: Params, ranks: int, target: Path, data: Path, tmp: Path, tag: str, verbose: bool) -> dict[str, Any]:
     """Launch models.train; throughput from its metrics.jsonl train lines, the launch's phases from the clock."""
     out_dir = tmp / f"draft-{tag}"
-    job_path = tmp / f"job-{tag}.json"
-    job_path.write_text(json.dumps(job_dict(p, target, data, out_dir, ranks), indent=2))
-    command, env = rank_command("models.train", ["--job", str(job_path)], num_ranks=ranks, launcher="torchrun")
-    env = {**env, "OMP_NUM_THREADS": str(p.threads), "PYTHONPATH": str(REPO)}
-    r: dict[str, Any] = {"ranks": ranks, "ok": False, "error": None, "step0_at": None}
-    log = open(tmp / f"log-{tag}.txt", "w")
+    step0: list[float] = []  # seconds after launch of TRAIN_PROGRESS step=0 (the first step starts)
 
-    def on_line(line: str) -> None:
-        now = time.time()
-        log.write(f"{now - t0:9.3f} {line}\n")
-        if verbose:
-            print(f"      | {line}", flush=True)
-        if r["step0_at"] is None and STEP0.search(line):
-            r["step0_at"] = now
+    def on_line(line: str, t: float) -> None:
+        progress = None if step0 else TRAIN_PROGRESS.parse(line)
+        if progress and progress["step"] == 0:
+            step0.append(t)
 
-    builds = extension_builds()
-    t0 = time.time()
-    try:
-        with MetricsWatch(out_dir / "metrics.jsonl", {p.skip, p.steps}) as watch:
-            run_job(command, env=env, on_line=on_line)
-        r["ok"] = True
-    except RankFailure as e:
-        r["error"] = str(e)[-3000:]
-    finally:
-        r["wall_s"] = time.time() - t0
-        log.close()
-    r["ops_built"] = sorted(name for name, mtime in extension_builds().items() if builds.get(name) != mtime)
+    with MetricsWatch(out_dir / "metrics.jsonl", {p.skip, p.steps}) as watch:
+        run = harness.launch("models.train", job_dict(p, target, data, out_dir, ranks), ranks=ranks, threads=p.threads,
+                             job_path=tmp / f"job-{tag}.json", log_path=tmp / f"log-{tag}.txt", verbose=verbose,
+                             on_line=on_line)
+    t0 = run.started_at
+    r: dict[str, Any] = {"ranks": ranks, "ok": run.ok, "error": run.error, "step0_at": t0 + step0[0] if step0 else None,
+                         "wall_s": run.wall_s, "ops_built": run.ops_built}
     if not r["ok"]:
         return r
     lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -500,49 +424,14 @@ def plain_loop(cfg: dict[str, Any], rank: int, world: int, barrier: Any = None) 
         torch.set_num_threads(saved_threads)
 
 
-def _plain_worker(cfg: dict[str, Any], rank: int, world: int, barrier: Any, queue: Any) -> None:
-    try:
-        queue.put(plain_loop(cfg, rank, world, barrier))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        import traceback
-
-        queue.put({"rank": rank, "error": f"{e!r}\n{traceback.format_exc()}"})
-        barrier.abort()
-
-
-def spawn_plain(cfg: dict[str, Any], processes: int, timeout_s: float) -> list[dict[str, Any]]:
-    """`processes` spawned plain loops side by side (each over its rank's share), started together."""
-    import multiprocessing as mp
-    import queue as queue_mod
-
-    ctx = mp.get_context("spawn")
-    barrier, queue = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=_plain_worker, args=(cfg, k, processes, barrier, queue)) for k in range(processes)]
-    for proc in procs:
-        proc.start()
-    results = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < processes:
-            try:
-                results.append(queue.get(timeout=max(1.0, deadline - time.monotonic())))
-            except queue_mod.Empty:
-                raise RuntimeError(f"baseline: {processes} processes did not finish in {timeout_s:.0f} s") from None
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    errors = [x["error"] for x in results if "error" in x]
-    if errors:
-        raise RuntimeError("baseline process failed:\n" + "\n".join(errors))
-    return sorted(results, key=lambda x: x["rank"])
-
-
 def baseline_worker(cfg_path: str, processes: int, out_path: str) -> None:
     """`bench/train.py --baseline-worker CFG N OUT`: the baseline's own launch (a session of its own, like a job's)."""
     cfg = json.loads(Path(cfg_path).read_text())
-    results = [plain_loop(cfg, 0, 1)] if processes == 1 else spawn_plain(cfg, processes, cfg["timeout_s"])
+    if processes == 1:
+        results = [plain_loop(cfg, 0, 1)]
+    else:  # side by side, each over its rank's share, started together
+        results, _ = harness.spawn(plain_loop, [(cfg, k, processes) for k in range(processes)], threads=cfg["threads"],
+                                   timeout_s=cfg["timeout_s"], what="baseline")
     Path(out_path).write_text(json.dumps(results))
 
 
@@ -704,45 +593,13 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     return {"phases": phases, "tokens": tokens, "losses": losses, "load_s": load_s}
 
 
-def _interleaved_worker(cfg: dict[str, Any], job: dict[str, Any], queue: Any) -> None:
-    try:
-        queue.put(interleaved(cfg, job))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        import traceback
-
-        queue.put({"error": f"{e!r}\n{traceback.format_exc()}"})
-
-
 def run_interleaved(p: Params, target: Path, data: Path, tmp: Path) -> dict[str, Any]:
     """`interleaved` in a fresh spawned process; medians per phase over the measured steps."""
-    import multiprocessing as mp
-    import queue as queue_mod
-
     cfg = {"target_path": str(target), "hidden_dir": str(data / "hidden"),
            "token_counts": str(data / "records" / "token_counts.parquet"), **asdict(p), "steps": p.in_process_steps}
     job = job_dict(Params(**{**asdict(p), "steps": p.in_process_steps}), target, data, tmp / "draft-interleaved", 1)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(p.threads)
-    try:
-        proc = ctx.Process(target=_interleaved_worker, args=(cfg, job, queue))
-        proc.start()
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    try:
-        res = queue.get(timeout=p.timeout_s)
-    except queue_mod.Empty:
-        raise RuntimeError(f"interleaved run did not finish in {p.timeout_s:.0f} s") from None
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-    if "error" in res:
-        raise RuntimeError("interleaved run failed:\n" + res["error"])
+    (res,), _ = harness.spawn(interleaved, [(cfg, job)], threads=p.threads, timeout_s=p.timeout_s,
+                              what="interleaved run", together=False)
     k = p.skip
     out: dict[str, Any] = {"steps_measured": len(res["tokens"]) - k, "tokens": sum(res["tokens"][k:])}
     for name, rows in res["phases"].items():
@@ -800,10 +657,7 @@ def lockstep_bound(p: Params, train_samples: list, world: int) -> dict[str, Any]
 
 
 def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
-    target = target_dir_for(p)
-    print(f"  target: {target.relative_to(REPO)} (built once, then reused) ...", flush=True)
-    build_tiny_target(target, seed=p.seed, vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_layers=p.num_layers,
-                      num_heads=p.num_heads, num_kv_heads=p.num_kv_heads, intermediate_size=p.intermediate_size)
+    target, _ = p.build_target("bench-train")
     print("  records (greedy continuations) + captured hidden states (built once, then reused) ...", flush=True)
     info = prepare_data(p, target)
     data = Path(info["root"])
@@ -812,7 +666,7 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
     batches = epoch_batches(train_samples, p.max_batch_tokens, p.seed, 0)
     real = sum(s.length for b in batches for s in b)
     padded = sum(len(b) * max(s.length for s in b) for b in batches)
-    out["setup"] = {"target": str(target.relative_to(REPO)), "data": str(data.relative_to(REPO)), **info,
+    out["setup"] = {"target": str(target.relative_to(harness.REPO)), "data": str(data.relative_to(harness.REPO)), **info,
                     "train_samples": len(train_samples), "held_out": len(held), "batches_per_epoch": len(batches),
                     "tokens_per_epoch": real, "padding_pct": 100 * (padded - real) / padded,
                     "tokens_per_batch": real / len(batches),
@@ -829,33 +683,29 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
         print(f"    ours/plain {x['ratio']:.3f}, {x['extra_ms_per_step']:+.1f} ms per step", flush=True)
 
     runs: list[dict[str, Any]] = []
-    for k in range(p.repeats):
-        order = [(kind, n) for n in p.rank_list() for kind in ("baseline", "ours")]
-        if k % 2:
-            order.reverse()
-        for kind, n in order:
-            if kind == "baseline":
-                here = p.baseline_here and n == 1
-                what = "in this process" if here else f"{n} spawned process(es)" + (" side by side" if n > 1 else "")
-                print(f"  pass {k + 1}: baseline, plain PyTorch loop, {what}, {p.threads} thread(s) each ...", flush=True)
-                r = baseline(p, n, target, data, tmp, here=here)
-            else:
-                print(f"  pass {k + 1}: ours, torchrun --nproc_per_node {n} -m models.train, OMP_NUM_THREADS={p.threads} ...",
-                      flush=True)
-                r = ours(p, n, target, data, tmp, f"{n}-{k}", verbose)
-                if not r["ok"]:
-                    print(f"    FAILED:\n{r['error']}", flush=True)
-            r.update(kind=kind, n=n, pass_no=k)
-            if r.get("tokens_per_s"):
-                print(f"    {r['tokens_per_s']:,.0f} tok/s over steps {p.skip + 1}-{p.steps} ({r['window_s']:.1f} s)", flush=True)
-            runs.append(r)
+    order = [(kind, n) for n in p.rank_list() for kind in ("baseline", "ours")]
+    for k, (kind, n) in harness.passes(order, p.repeats):
+        if kind == "baseline":
+            here = p.baseline_here and n == 1
+            what = "in this process" if here else f"{n} spawned process(es)" + (" side by side" if n > 1 else "")
+            print(f"  pass {k + 1}: baseline, plain PyTorch loop, {what}, {p.threads} thread(s) each ...", flush=True)
+            r = baseline(p, n, target, data, tmp, here=here)
+        else:
+            print(f"  pass {k + 1}: ours, torchrun --nproc_per_node {n} -m models.train, OMP_NUM_THREADS={p.threads} ...",
+                  flush=True)
+            r = ours(p, n, target, data, tmp, f"{n}-{k}", verbose)
+            if not r["ok"]:
+                print(f"    FAILED:\n{r['error']}", flush=True)
+        r.update(kind=kind, n=n, pass_no=k)
+        if r.get("tokens_per_s"):
+            print(f"    {r['tokens_per_s']:,.0f} tok/s over steps {p.skip + 1}-{p.steps} ({r['window_s']:.1f} s)", flush=True)
+        runs.append(r)
     out["runs"] = runs
     out["ratios"] = ratios(p, runs)
 
 
 def ratios(p: Params, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each launch against the baseline of the same pass and rank count; medians over the passes."""
-    med = statistics.median
     res: dict[str, Any] = {}
     for n in p.rank_list():
         rows = []
@@ -878,7 +728,7 @@ def ratios(p: Params, runs: list[dict[str, Any]]) -> dict[str, Any]:
             marks = [s for s in sorted(o["step_times"]) if s >= p.skip]
             pairs = [max(t[e] - t[a] for t in b["times_per_process"]) / (o["step_times"][e] - o["step_times"][a])
                      for a, e in zip(marks, marks[1:])]
-            row["paired_ratio"] = med(pairs) if pairs else None
+            row["paired_ratio"] = harness.median_of(pairs)
             if n == 1:
                 common = sorted(set(o["losses"]) & set(int(s) for s in b["losses"]))
                 diffs = [abs(o["losses"][s] - b["losses"][s]) / max(1e-12, abs(b["losses"][s])) for s in common]
@@ -887,19 +737,11 @@ def ratios(p: Params, runs: list[dict[str, Any]]) -> dict[str, Any]:
             rows.append(row)
         if not rows:
             continue
-        summary = {key: med(r[key] for r in rows) for key in ("ours", "baseline", "ratio", "end_to_end_ratio",
-                                                             "startup_s", "tail_s", "wall_s", "steps_s")}
-        summary["ratio_range"] = [min(r["ratio"] for r in rows), max(r["ratio"] for r in rows)]
-        paired = [r["paired_ratio"] for r in rows if r["paired_ratio"] is not None]
-        summary["paired_ratio"] = med(paired) if paired else None
-        summary["paired_ratio_range"] = [min(paired), max(paired)] if paired else None
-        cpu = [r["cpu_ratio"] for r in rows if r["cpu_ratio"] is not None]
-        summary["cpu_ratio"] = med(cpu) if cpu else None
-        summary["cpu_ratio_range"] = [min(cpu), max(cpu)] if cpu else None
-        vs1 = [r["per_rank_vs_1_process"] for r in rows if r["per_rank_vs_1_process"] is not None]
-        summary["per_rank_vs_1_process"] = med(vs1) if vs1 else None
-        bvs1 = [r["baseline_per_process_vs_1"] for r in rows if r["baseline_per_process_vs_1"] is not None]
-        summary["baseline_per_process_vs_1"] = med(bvs1) if bvs1 else None
+        summary = {key: harness.median_of(r[key] for r in rows)
+                   for key in ("ours", "baseline", "ratio", "end_to_end_ratio", "startup_s", "tail_s", "wall_s", "steps_s",
+                               "paired_ratio", "cpu_ratio", "per_rank_vs_1_process", "baseline_per_process_vs_1")}
+        summary.update({f"{key}_range": harness.range_of(r[key] for r in rows)
+                        for key in ("ratio", "paired_ratio", "cpu_ratio")})
         if n == 1:
             d = [r["loss_max_rel_diff"] for r in rows if r.get("loss_max_rel_diff") is not None]
             summary["loss_max_rel_diff"] = max(d) if d else None
@@ -950,7 +792,7 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
         else:
             rows.append((label, f"{r['tokens_per_s']:,.0f}", f"{r['window_s']:.1f}", cpu, share, "-", "-", "-", "-",
                          f"median step {1e3 * r['median_step_s']:.0f} ms"))
-    _table(("run", "tok/s", "measured s", "CPU ms/1k tok", "CPU/wall", "start-up s", "all steps s", "tail s", "launch s",
+    harness.markdown_table(("run", "tok/s", "measured s", "CPU ms/1k tok", "CPU/wall", "start-up s", "all steps s", "tail s", "launch s",
             "notes"), rows)
     print("   measured: steps after the skip; CPU: the ranks' (ours) or the processes' (baseline) over those steps;\n"
           "   CPU/wall: CPU s / (measured s x processes): 1.00 = each process had a core to itself all along.\n"
@@ -975,7 +817,7 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
                      f"{x['ratio']:.3f}" + (f" [{lo:.2f}-{hi:.2f}]" if multi else ""), paired, cpu,
                      f"{s['lockstep'][n]['bound']:.3f}", per,
                      f"{x['startup_s']:.1f} + {x['tail_s']:.1f}", f"{x['end_to_end_ratio']:.3f}"))
-    _table(("ours", "tok/s", "baseline", "tok/s", "ours/baseline", "paired per step", "tok per CPU-s, ours/baseline",
+    harness.markdown_table(("ours", "tok/s", "baseline", "tok/s", "ours/baseline", "paired per step", "tok per CPU-s, ours/baseline",
             "lockstep bound",
             "per rank / 1-process baseline (baseline's)", "start-up + tail s", "whole launch / baseline"), rows)
     print("   paired per step: median over the measured steps of baseline step time / ours (same micro batches; N ranks: the"
@@ -992,7 +834,7 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
         rows = [(name, f"{x[key]['forward_ms']:.1f}", f"{x[key]['backward_ms']:.1f}", f"{x[key]['rest_ms']:.1f}",
                  f"{x[key]['step_ms']:.1f}", f"{x[key]['tokens_per_s']:,.0f}")
                 for name, key in (("plain PyTorch step", "plain"), ("our step: DeepSpeed engine + job loop body", "ours"))]
-        _table(("step", "forward ms", "backward ms", "rest ms", "step ms", "tok/s"), rows)
+        harness.markdown_table(("step", "forward ms", "backward ms", "rest ms", "step ms", "tok/s"), rows)
         print(f"   ours/plain tok/s {x['ratio']:.3f}; per step, ours - plain: median {x['extra_ms_per_step']:+.1f} ms, mean "
               f"{x['extra_ms_per_step_mean']:+.1f} ms; ours/plain step time, median {x['step_ratio_median']:.3f};"
               f"\n   losses differ by at most {x['loss_max_rel_diff']:.1e} (relative); loading a step's batch (HiddenSource.batch,"
@@ -1007,86 +849,24 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
               f"{one['loss_max_rel_diff']:.1e} (relative; loss {a:.3f} at step {p.log_every} -> {b:.3f} at step {p.steps})")
 
 
-def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    """A markdown table (pipes), columns padded for the terminal."""
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    print(line(head))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in rows:
-        print(line(row))
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except (OSError, ValueError):
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", type=Path, help="write the figures here as JSON")
-    ap.add_argument("--keep", type=Path, help="write jobs and rank logs here and keep them (default: a temp dir)")
-    ap.add_argument("--verbose", action="store_true", help="echo the ranks' output")
+    kept = "jobs and rank logs"
+    ap = harness.arguments(__doc__, Params(), keep=kept, verbose=True,
+                           quick="a smaller run (1 pass of 8 steps, short continuations): smoke test of the bench")
     ap.add_argument("--baseline-worker", nargs=3, metavar=("CFG", "N", "OUT"), help=argparse.SUPPRESS)
-    for name, value in Params().__dict__.items():
-        if isinstance(value, bool):
-            ap.add_argument(f"--{name.replace('_', '-')}", action="store_true", default=None)
-        else:
-            ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
     args = ap.parse_args(argv)
     if args.baseline_worker:
         cfg_path, n, out_path = args.baseline_worker
         baseline_worker(cfg_path, int(n), out_path)
         return 0
-    p = Params()
-    for name in p.__dict__:
-        if getattr(args, name) is not None:
-            setattr(p, name, getattr(args, name))
-    p.validate()
+    p = harness.params_from(args, Params)
 
     import deepspeed
     import transformers
 
-    out: dict[str, Any] = {
-        "params": asdict(p),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "processor": _cpu_model(),
-                    "torch": torch.__version__, "transformers": transformers.__version__,
-                    "deepspeed": deepspeed.__version__, "loadavg_start": _loadavg()},
-    }
-    started = time.monotonic()
-    if args.keep is not None:
-        args.keep.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-train-", dir=args.keep))
-    try:
-        print("train-stage bench", flush=True)
-        run(p, tmp, out, args.verbose)
-    finally:
-        if args.keep is None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            print(f"jobs and rank logs kept in {tmp}")
-    out["machine"]["loadavg_end"] = _loadavg()
-    out["total_s"] = time.monotonic() - started
-    print_report(p, out)
-    print(f"\ntotal {out['total_s']:.0f} s on {os.cpu_count()} CPU(s) ({out['machine']['processor']}); load average at "
-          f"start {out['machine']['loadavg_start']}, at end {out['machine']['loadavg_end']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
-        print(f"figures written to {args.json}")
-    return 0
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "deepspeed": deepspeed.__version__}
+    return harness.run_bench("train", args, asdict(p), versions, lambda tmp, out: run(p, tmp, out, args.verbose),
+                             lambda out: print_report(p, out), kept=kept)
 
 
 if __name__ == "__main__":
