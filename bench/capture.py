@@ -60,11 +60,12 @@ import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
-from models.capture import CaptureJob, DatasetRecords, deal, load_records, make_batches  # noqa: E402
+from models.capture import deal, load_records, make_batches  # noqa: E402
+from models.jobs import CaptureJob, DatasetRecords  # noqa: E402
 from models.jobs import CaptureSettings  # noqa: E402
 from models.hidden_shards import INDEX_NAME, list_shards, read_sample, shard_metadata  # noqa: E402
 from models.rank_protocol import CAPTURE_PROGRESS  # noqa: E402
-from models.tiny_target import default_aux_layers  # noqa: E402
+from models.eagle3 import default_aux_layers  # noqa: E402
 
 FIRST_ID = 8  # record ids are drawn from [FIRST_ID, vocab): clear of the special tokens 0..7
 DATASET = "bench"
@@ -213,7 +214,7 @@ def baseline_process(cfg: dict[str, Any], rank: int, barrier: Any) -> dict[str, 
     model = AutoModelForCausalLM.from_pretrained(cfg["target"], dtype=getattr(torch, cfg["dtype"]))
     model = model.eval().requires_grad_(False)
     load_s = time.monotonic() - t0
-    samples, parts, _ = load_records([DatasetRecords(DATASET, cfg["records_dir"])], model.config.vocab_size)
+    samples, parts, _ = load_records([DatasetRecords(name=DATASET, records_dir=cfg["records_dir"])], model.config.vocab_size)
     batches = make_batches(deal(samples, cfg["processes"])[rank], cfg["max_batch_tokens"])
     ready = time.monotonic()
     barrier.wait()
@@ -284,10 +285,9 @@ class Launch:
 
 def launch(p: Params, label: str, mode: str, ranks: int, target: Path, records_dir: Path, out_dir: Path,
            job_path: Path, log_path: Path, verbose: bool) -> Launch:
-    job = CaptureJob(target_path=str(target), datasets=[DatasetRecords(DATASET, str(records_dir))], out_dir=str(out_dir),
-                     mode=mode, dtype=p.dtype, max_batch_tokens=p.max_batch_tokens, shard_tokens=p.shard_tokens,
-                     device="cpu")
-    job.validate()
+    job = CaptureJob(target_path=str(target), datasets=[DatasetRecords(name=DATASET, records_dir=str(records_dir))],
+                     out_dir=str(out_dir), mode=mode, dtype=p.dtype, max_batch_tokens=p.max_batch_tokens,
+                     shard_tokens=p.shard_tokens, max_tokens=None, device="cpu")
     r = Launch(label, mode, ranks)
     started: dict[int, float] = {}
     last: dict[int, tuple[float, int, int, int]] = {}  # rank -> (t, done, total, tokens) of its latest line
@@ -307,7 +307,7 @@ def launch(p: Params, label: str, mode: str, ranks: int, target: Path, records_d
             r.planned_s = t
 
     usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    run = harness.launch("models.capture", job.to_dict(), ranks=ranks, threads=p.threads, job_path=job_path,
+    run = harness.launch("models.capture", job.model_dump(mode="json"), ranks=ranks, threads=p.threads, job_path=job_path,
                          log_path=log_path, verbose=verbose, on_line=on_line)
     usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     r.ok, r.error, r.wall_s, r.ops_built = run.ok, run.error, run.wall_s, run.ops_built
@@ -428,7 +428,7 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
     pad_id = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
     records_dir = tmp / "records" / DATASET
     rec = make_records(p, records_dir, config.vocab_size)
-    samples, _, _ = load_records([DatasetRecords(DATASET, str(records_dir))], config.vocab_size)
+    samples, _, _ = load_records([DatasetRecords(name=DATASET, records_dir=str(records_dir))], config.vocab_size)
     batches = make_batches(deal(samples, 1)[0], p.max_batch_tokens)  # exactly the 1-rank capture's batches
     tokens = sum(s.length for s in samples)
     padded = sum(len(b) * max(s.length for s in b) for b in batches)

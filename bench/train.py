@@ -21,7 +21,7 @@ training throughput (real tokens per second) of:
   (a child in a new session, the N loops its children), so that both sides share the cores with
   other load on the same terms (Linux schedules each session as one group).
 - in-process, interleaved (once per run, 1 rank): one process holding both a plain draft and the
-  job's DeepSpeed engine (models.train._engine) alternates their steps on the same batch tensors,
+  job's DeepSpeed engine (models.train.build_engine) alternates their steps on the same batch tensors,
   timing forward, backward and the rest of each step: other load hits both alike, so this isolates
   the engine's per-step cost from everything else (launcher, job loop, process, machine).
 
@@ -79,13 +79,16 @@ import torch  # noqa: E402
 
 import models  # noqa: E402,F401  (flushes CPU denormals in this process, as in every rank)
 from flows.config import TrainConfig  # noqa: E402
-from models.capture import CaptureJob, Dist, run as run_capture  # noqa: E402
+from models.capture import run as run_capture  # noqa: E402
+from models.jobs import CaptureJob, TrainJob  # noqa: E402
+from models.rank import Dist  # noqa: E402
 from models.draft_vocab import draft_vocab, load_token_counts  # noqa: E402
 from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead  # noqa: E402
 from models.target_weights import load_target_tensors  # noqa: E402
 from models.rank_protocol import TRAIN_PROGRESS  # noqa: E402
-from models.tiny_target import SAMPLES_DIR, default_aux_layers  # noqa: E402
-from models.train import Metrics, TrainJob, ds_train_config, lr_lambda  # noqa: E402
+from models.eagle3 import default_aux_layers  # noqa: E402
+from models.tiny_target import SAMPLES_DIR  # noqa: E402
+from models.train import Metrics, ds_train_config, lr_lambda  # noqa: E402
 from models.train_data import (HiddenSource, epoch_batches, rank_micro_batches, split_samples,  # noqa: E402
                                steps_per_epoch)
 from tasks.records import count_tokens  # noqa: E402
@@ -205,9 +208,8 @@ def prepare_data(p: Params, target: Path) -> dict[str, Any]:
     harness.write_records(rows, records, len(rows))
     count_tokens([records], root / "records" / "token_counts.parquet", len(tok))  # the records stage's counts
     t0 = time.perf_counter()
-    run_capture(CaptureJob.from_dict({"target_path": str(target), "datasets": [{"name": DATASET, "records_dir": str(records)}],
-                                      "out_dir": str(root / "hidden"), "device": "cpu", "dtype": "float32",
-                                      "shard_tokens": 16384}), Dist())
+    run_capture(CaptureJob(target_path=str(target), datasets=[{"name": DATASET, "records_dir": str(records)}],
+                           out_dir=str(root / "hidden"), device="cpu", dtype="float32", shard_tokens=16384, max_tokens=None), Dist())
     torch.set_num_threads(saved)
     lengths = [r["num_tokens"] for r in rows]
     info = {"records": len(rows), "tokens": sum(lengths), "loss_tokens": sum(r["num_loss_tokens"] for r in rows),
@@ -234,7 +236,7 @@ def job_dict(p: Params, target: Path, data: Path, out_dir: Path, ranks: int) -> 
                                      betas=BETAS, grad_clip=p.grad_clip, bf16=False, torch_adam=True),
     }
     job["ds_config"]["zero_optimization"]["stage"] = p.zero_stage
-    TrainJob(**job)  # the job's own dataclass accepts every key
+    TrainJob.model_validate(job)  # the job's own spec accepts every key and value
     return job
 
 
@@ -487,7 +489,7 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     """One process (1 rank): the plain step and the job's DeepSpeed step in alternation, on the same batch tensors.
 
     Both drafts start from the same seed and see the same batches; each step runs the plain loop's
-    step and the job's (models.train._engine / _forward, engine.backward / step, the per-step token
+    step and the job's (models.train.build_engine / train_forward, engine.backward / step, the per-step token
     all-reduce), alternating which goes first. Whatever else runs on the machine hits both alike, so
     the difference is the engine's per-step cost. Phases: forward (TargetHead + forward_ttt, through
     the engine for ours), backward (engine.backward: autograd + ZeRO-2 gradient hooks), the rest
@@ -503,18 +505,18 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(cfg["threads"])
     import deepspeed
 
-    from models.train import _engine, _forward, _grad_norm, _MetricsWriter, _sum
+    from models.train import build_engine, train_forward, grad_norm, MetricsWriter, sum_over_ranks
 
     deepspeed.init_distributed(dist_backend="gloo")
     dist = Dist(group=True)
     a, b = setup(cfg, 1), setup(cfg, 1)  # the same seed: the same initial weights
     device, source, train_samples, per_epoch = a["device"], a["source"], a["train_samples"], a["per_epoch"]
     params, optimizer, scheduler = plain_optimizer(cfg, a["draft"], a["warmup"])
-    engine = _engine(TrainJob(**job), b["draft"], cfg["steps"], b["warmup"])
+    engine = build_engine(TrainJob.model_validate(job), b["draft"], cfg["steps"], b["warmup"])
     grad_accum, total, ttt = cfg["grad_accum"], cfg["steps"], cfg["ttt_steps"]
     running = {"plain": Metrics(ttt, device), "ours": Metrics(ttt, device)}
     losses: dict[str, dict[int, float]] = {"plain": {}, "ours": {}}
-    writer = _MetricsWriter(Path(job["out_dir"]), 0, enabled=True)  # metrics.jsonl + TensorBoard, as rank 0's
+    writer = MetricsWriter(Path(job["out_dir"]), 0, enabled=True)  # metrics.jsonl + TensorBoard, as rank 0's
     window = {"tokens": 0, "start": time.monotonic()}
     a["draft"].train()
 
@@ -548,21 +550,21 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
         step_tokens = 0
         for batch in batches:
             t0 = time.perf_counter()
-            out = _forward(engine, batch, b["target_head"], ttt)
+            out = train_forward(engine, batch, b["target_head"], ttt)
             t1 = time.perf_counter()
             engine.backward(out.loss)
             fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
             engine.step()
             running["ours"].add(out)
             step_tokens += batch.tokens
-        _sum(step_tokens, dist, device)
+        sum_over_ranks(step_tokens, dist, device)
         window["tokens"] += step_tokens
         if log_step(n):  # the job's metrics line (models.train.run)
             running["ours"].all_reduce(dist)
             elapsed = max(1e-9, time.monotonic() - window["start"])
             line = {"kind": "train", "step": n, "epoch": 0, "time": time.time(), **running["ours"].summary(STEP_DECAY),
-                    "lr": engine.get_lr()[0], "grad_norm": _grad_norm(engine), "tokens": 0,
-                    "tokens_per_s": round(_sum(window["tokens"], dist, device) / elapsed, 2)}
+                    "lr": engine.get_lr()[0], "grad_norm": grad_norm(engine), "tokens": 0,
+                    "tokens_per_s": round(sum_over_ranks(window["tokens"], dist, device) / elapsed, 2)}
             writer.write(line)
             losses["ours"][n] = line["loss"]
             running["ours"] = Metrics(ttt, device)

@@ -7,9 +7,9 @@ from pathlib import Path
 from prefect import flow
 
 from flows.config import RunConfig, load_config, save_run_config
+from models.jobs import CaptureJob, CaptureSettings
 from tasks.capture_plan import capture_layers, target_shape
 from tasks.capture_tasks import capture_retryable, index_hidden_states, plan_capture_task, run_capture_job
-from tasks.launch import cuda_available
 from tasks.run_lock import run_lock
 
 
@@ -33,21 +33,11 @@ def capture(config_path: str) -> dict:
         return index_hidden_states(config.hidden_dir, metadata, speed, Path(config_path).stem)
 
 
-def capture_job(config: RunConfig, aux_layers: list[int]) -> dict:
-    """The job description every rank reads (models/capture.py); the job task sets its max_tokens per attempt."""
+def capture_job(config: RunConfig, aux_layers: list[int]) -> CaptureJob:
+    """The job every rank reads (models/capture.py); the job task states its max_tokens per attempt."""
     c = config.capture
-    return {
-        "target_path": config.target.path,
-        "trust_remote_code": config.target.trust_remote_code,
-        "datasets": [{"name": d.name, "records_dir": str(config.run_dir / "records" / d.name)} for d in config.datasets],
-        "out_dir": str(config.hidden_dir),
-        "aux_layers": aux_layers,
-        "mode": c.mode,
-        "dtype": c.dtype,
-        "max_batch_tokens": c.max_batch_tokens,
-        "shard_tokens": c.shard_tokens,
-        "max_tokens": None,
-        "offload": c.offload,
-        "nvme_path": str(c.nvme_path) if c.nvme_path else None,
-        "device": "cuda" if c.launcher == "deepspeed" or (c.launcher == "auto" and cuda_available()) else "cpu",
-    }
+    return CaptureJob(
+        **{**c.pick(CaptureSettings), "aux_layers": aux_layers}, target_path=config.target.path,
+        trust_remote_code=config.target.trust_remote_code, datasets=config.dataset_records(), out_dir=str(config.hidden_dir),
+        max_tokens=None, device=c.device,
+    )

@@ -170,7 +170,7 @@ def import_jsonl(
     from typing import NoReturn
 
     from flows.config import DATASET_NAME, ConfigError, load_config
-    from models.write_failure import WriteFailed
+    from models.file_errors import WriteFailed
     from tasks.datasets import DatasetError
     from tasks.legacy_import import import_jsonl as do_import
     from tasks.parquet_io import DamagedPart

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from models.jobs import (
     CaptureSettings,
+    DatasetRecords,
     EvalSettings,
     GenerateSettings,
     RecordSettings,
@@ -280,6 +281,10 @@ class RunConfig(Section):
         """Where the capture stage writes hidden states."""
         return self.capture.out_dir or self.run_dir / "hidden"
 
+    def dataset_records(self) -> list[DatasetRecords]:
+        """Every dataset's records directory (RUN_DIR/records/<name>), as the capture, train and eval jobs name them."""
+        return [DatasetRecords(name=d.name, records_dir=str(self.run_dir / "records" / d.name)) for d in self.datasets]
+
     @property
     def draft_dir(self) -> Path:
         """Where the train stage writes checkpoints, metrics and the exported draft (final/)."""
@@ -350,7 +355,7 @@ def save_run_config(config: RunConfig) -> Path:
         tmp.replace(path)
     except OSError as exc:  # the first write of every stage: a full disk shows here first
         tmp.unlink(missing_ok=True)
-        from models.write_failure import WriteFailed
+        from models.file_errors import WriteFailed
 
         raise WriteFailed(path, exc, kept="everything the run wrote before", resume="free space there, then run the same command again") from None
     return path

@@ -7,7 +7,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from flows.config import RunConfig, load_config, save_run_config
-from tasks.eval_tasks import EvalSettings, evaluate_draft
+from models.jobs import EvalJob, EvalSettings, HeldOut
+from tasks.eval_tasks import evaluate_draft
 from tasks.run_lock import run_lock
 
 
@@ -17,14 +18,15 @@ def evaluate(config_path: str) -> dict:
     config = load_config(config_path)
     with run_lock(config.run_dir, "eval"):
         save_run_config(config)
-        records = [(d.name, config.run_dir / "records" / d.name) for d in config.datasets]
-        report = evaluate_draft(config.target.path, config.target.trust_remote_code, config.draft_dir, records,
-                                eval_settings(config), config.run_dir / "jobs" / "eval.json", Path(config_path).stem)
+        report = evaluate_draft(eval_job(config), config.run_dir / "jobs" / "eval.json", Path(config_path).stem)
     get_run_logger().info("serve it with SGLang:\n%s", report["sglang_command"])
     return report
 
 
-def eval_settings(config: RunConfig) -> EvalSettings:
-    e = config.eval
-    return EvalSettings(prompts=e.prompts, max_new_tokens=e.max_new_tokens, num_steps=e.num_steps, device=e.device,
-                        eval_fraction=config.train.eval_fraction, seed=config.train.seed, compare_untrained=e.compare_untrained)
+def eval_job(config: RunConfig) -> EvalJob:
+    """The eval job of this run: the `eval` section, the held-out split of `train`, the exported draft."""
+    return EvalJob(
+        **config.eval.pick(EvalSettings), **config.train.pick(HeldOut), target_path=config.target.path,
+        trust_remote_code=config.target.trust_remote_code, draft_dir=str(config.draft_dir / "final"),
+        out=str(config.draft_dir / ".eval-raw.json"), datasets=config.dataset_records(),
+    )

@@ -7,8 +7,8 @@ from pathlib import Path
 from prefect import flow
 
 from flows.config import RunConfig, load_config, save_run_config
+from models.jobs import TrainJob, TrainSettings
 from models.train import ds_train_config
-from tasks.launch import cuda_available
 from tasks.run_lock import run_lock
 from tasks.train_tasks import report_training, retry_train_job, run_train_job
 
@@ -28,36 +28,15 @@ def train(config_path: str) -> dict:
         return {**summary, "plot": report["plot"]}
 
 
-def train_job(config: RunConfig) -> dict:
-    """The job description every rank reads (models/train.py), with the generated DeepSpeed config."""
+def train_job(config: RunConfig) -> TrainJob:
+    """The job every rank reads (models/train.py), with the DeepSpeed config generated from the `train` section."""
     t = config.train
-    device = "cuda" if t.launcher == "deepspeed" or (t.launcher == "auto" and cuda_available()) else "cpu"
-    bf16 = t.precision == "bf16" or (t.precision == "auto" and device == "cuda")
-    return {
-        "target_path": config.target.path,
-        "trust_remote_code": config.target.trust_remote_code,
-        "out_dir": str(config.draft_dir),
-        "token_counts": str(config.run_dir / "records" / "token_counts.parquet"),
-        "mode": t.mode,
-        "hidden_dir": str(config.hidden_dir),
-        "datasets": [{"name": d.name, "records_dir": str(config.run_dir / "records" / d.name)} for d in config.datasets],
-        "aux_layers": config.capture.aux_layers,
-        "draft_vocab_size": t.draft_vocab_size,
-        "ttt_steps": t.ttt_steps,
-        "epochs": t.epochs,
-        "max_steps": t.max_steps,
-        "max_batch_tokens": t.max_batch_tokens,
-        "lr": t.lr,
-        "warmup_ratio": t.warmup_ratio,
-        "min_lr_ratio": t.min_lr_ratio,
-        "checkpoint_every": t.checkpoint_every,
-        "keep_checkpoints": t.keep_checkpoints,
-        "eval_every": t.eval_every,
-        "eval_fraction": t.eval_fraction,
-        "log_every": t.log_every,
-        "seed": t.seed,
-        "device": device,
-        "draft_overrides": dict(t.draft_overrides),
-        "ds_config": ds_train_config(world_size=t.num_gpus, grad_accum=t.grad_accum, lr=t.lr, weight_decay=t.weight_decay,
-                                     betas=(0.9, 0.95), grad_clip=t.grad_clip, bf16=bf16, torch_adam=True),
-    }
+    bf16 = t.precision == "bf16" or (t.precision == "auto" and t.device == "cuda")
+    ds_config = ds_train_config(world_size=t.num_gpus, grad_accum=t.grad_accum, lr=t.lr, weight_decay=t.weight_decay,
+                                betas=(0.9, 0.95), grad_clip=t.grad_clip, bf16=bf16, torch_adam=True)
+    return TrainJob(
+        **t.pick(TrainSettings), target_path=config.target.path, trust_remote_code=config.target.trust_remote_code,
+        device=t.device, out_dir=str(config.draft_dir), token_counts=str(config.run_dir / "records" / "token_counts.parquet"),
+        hidden_dir=str(config.hidden_dir), datasets=config.dataset_records(), aux_layers=config.capture.aux_layers,
+        ds_config=ds_config,
+    )

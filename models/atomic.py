@@ -4,7 +4,7 @@ A reader (or a resumed run) sees the old file or the complete new one, never a p
 go to `.<name>.<pid>-<random>.tmp` in the same directory (same filesystem, so the rename is atomic),
 are fsynced, renamed over `<name>`, and the directory is fsynced so that the rename itself survives a
 power cut. A failed write removes its temp file and re-raises the error as it came: callers turn it
-into `WriteFailed` with what they kept (models/write_failure.py). A kill -9 can leave a temp file
+into `WriteFailed` with what they kept (models/file_errors.py). A kill -9 can leave a temp file
 behind; its name starts with '.' and ends with `TMP_SUFFIX`, so listings that skip dot-files ignore it.
 
 Plain Python, no torch: the tasks use it too.

@@ -40,21 +40,22 @@ from __future__ import annotations
 import hashlib
 import heapq
 import inspect
-import json
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.eagle3 import default_aux_layers
-from models.hidden_shards import DamagedFile, ShardWriter, clean_temps, list_shards, shard_metadata, write_index
+from models.file_errors import DamagedFile
+from models.hidden_shards import ShardWriter, clean_temps, list_shards, shard_metadata, write_index
+from models.jobs import CaptureJob, DatasetRecords
 from models.rank import Dist, init_process_group, log, say, serve
-# error_report: the capture's users (tests, tools) import it from here, as before the harness was shared
-from models.rank_protocol import CAPTURE, CAPTURE_PROGRESS, error_report  # noqa: F401
+from models.rank_protocol import CAPTURE, CAPTURE_PROGRESS
 
 PROGRESS_EVERY_S = 2.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,88 +65,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MOE_NAME_HINTS = ("moe", "sparsemoe", "experts")
 ERROR_MARK = CAPTURE.error.mark
 RECORDS_ADVICE = "Delete it and run the records stage again (it is rebuilt from its responses), then capture"
-
-
-@dataclass
-class DatasetRecords:
-    """One dataset's training records: RUN_DIR/records/<name>/part-*.parquet."""
-
-    name: str
-    records_dir: str
-
-
-@dataclass
-class CaptureJob:
-    """The JOB.json a capture launch reads (written by the pipeline; unknown keys are rejected)."""
-
-    target_path: str  # HF checkpoint dir or hub id of the target
-    datasets: list[DatasetRecords]
-    out_dir: str  # shards + index.parquet go here (RUN_DIR/hidden)
-    trust_remote_code: bool = False
-    aux_layers: list[int] | None = None  # 0-based decoder layers; None -> [1, L//2-1, L-4]
-    mode: Literal["replicate", "zero3"] = "replicate"
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"  # auto: the checkpoint's dtype
-    max_batch_tokens: int = 8192  # padded tokens per forward (a longer sample runs alone)
-    shard_tokens: int = 65536  # a rank writes a shard once it holds this many tokens
-    max_tokens: int | None = None  # cap on the tokens THIS launch captures (the caller subtracts earlier runs')
-    offload: Literal["none", "cpu", "nvme"] = "none"  # zero3 parameter offload
-    nvme_path: str | None = None  # required for offload "nvme"
-    device: Literal["cpu", "cuda"] = "cuda"
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> CaptureJob:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"capture job: unknown keys {unknown}")
-        missing = sorted(f.name for f in fields(cls) if f.name in ("target_path", "datasets", "out_dir") and f.name not in raw)
-        if missing:
-            raise ValueError(f"capture job: missing keys {missing}")
-        data = dict(raw)
-        datasets = []
-        for i, d in enumerate(data["datasets"]):
-            if not isinstance(d, dict) or set(d) != {"name", "records_dir"}:
-                raise ValueError(f"capture job: datasets[{i}] must be {{name, records_dir}}, got {d!r}")
-            datasets.append(DatasetRecords(str(d["name"]), str(d["records_dir"])))
-        data["datasets"] = datasets
-        job = cls(**data)
-        job.validate()
-        return job
-
-    @classmethod
-    def load(cls, path: str | Path) -> CaptureJob:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: cannot read capture job: {e}") from e
-        try:
-            return cls.from_dict(raw)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}: {e}") from e
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def validate(self) -> None:
-        def check(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"capture job: {msg}")
-
-        check(self.mode in ("replicate", "zero3"), f"mode must be replicate|zero3, got {self.mode!r}")
-        check(self.dtype in (*DTYPES, "auto"), f"dtype must be one of {[*DTYPES, 'auto']}, got {self.dtype!r}")
-        check(self.offload in ("none", "cpu", "nvme"), f"offload must be none|cpu|nvme, got {self.offload!r}")
-        check(self.device in ("cpu", "cuda"), f"device must be cpu|cuda, got {self.device!r}")
-        check(self.offload == "none" or self.mode == "zero3", "offload needs mode zero3")
-        check(self.offload != "nvme" or bool(self.nvme_path), "offload nvme needs nvme_path")
-        check(isinstance(self.max_batch_tokens, int) and self.max_batch_tokens >= 1, "max_batch_tokens must be >= 1")
-        check(isinstance(self.shard_tokens, int) and self.shard_tokens >= 1, "shard_tokens must be >= 1")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
-              "max_tokens must be null or >= 0")
-        check(self.aux_layers is None or (len(self.aux_layers) == 3 and len(set(self.aux_layers)) == 3
-                                          and all(isinstance(k, int) and k >= 0 for k in self.aux_layers)),
-              f"aux_layers must be null or 3 distinct layer indices, got {self.aux_layers!r}")
-        names = [d.name for d in self.datasets]
-        check(len(names) == len(set(names)), f"duplicate dataset names in {names}")
 
 
 # --- records and the plan -------------------------------------------------------------------------
@@ -471,7 +390,8 @@ def _load_target(job: CaptureJob, dist: Dist, dtype: torch.dtype, device: torch.
     config = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     largest = int(getattr(text, "vocab_size", 0) or 0) * int(getattr(text, "hidden_size", 0) or 0)
-    ds_config = ds_inference_config(dtype, job.offload, job.nvme_path, job.device, largest)
+    nvme = str(job.nvme_path) if job.nvme_path is not None else None
+    ds_config = ds_inference_config(dtype, job.offload, nvme, job.device, largest)
     # Must exist (and stay referenced: transformers keeps only a weak reference) BEFORE
     # from_pretrained, so the weights are created partitioned (zero.Init) instead of whole on every rank.
     hf_ds_config = HfDeepSpeedConfig(ds_config)

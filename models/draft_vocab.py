@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
+
 
 def draft_vocab(
     counts: np.ndarray | Mapping[int, int], target_vocab_size: int, draft_vocab_size: int

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.draft_vocab import draft_to_target_ids
 
 STEP_DECAY = 0.8  # weight of step k's loss is STEP_DECAY**k (EAGLE-3)

@@ -40,6 +40,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.atomic import replace_dir
 from models.eagle3 import Eagle3Config, Eagle3Draft
 

@@ -15,47 +15,20 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.atomic import write_atomic
-from models.capture import DatasetRecords
 from models.eagle3 import Eagle3Draft
 from models.eagle3_export import load_exported_draft
+from models.jobs import EvalJob
 from models.rank import say, serve
 from models.rank_protocol import EVAL, EVAL_PROGRESS
 from models.spec_eval import SpecEvalResult, evaluate_acceptance
 from models.train_data import held_out_prompts
-
-
-@dataclass
-class EvalJob:
-    """The JOB.json of an eval launch (written by the eval flow; unknown keys are rejected)."""
-
-    target_path: str
-    draft_dir: str               # the export: config.json + model.safetensors
-    out: str                     # where the result JSON goes
-    datasets: list[DatasetRecords] = field(default_factory=list)
-    trust_remote_code: bool = False
-    prompts: int = 32
-    max_new_tokens: int = 128
-    num_steps: int = 3
-    device: str = "auto"
-    eval_fraction: float = 0.02
-    seed: int = 0
-    compare_untrained: bool = True
-
-    @classmethod
-    def load(cls, path: str | Path) -> EvalJob:
-        raw = json.loads(Path(path).read_text())
-        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"{path}: unknown keys {unknown}")
-        raw["datasets"] = [DatasetRecords(d["name"], d["records_dir"]) for d in raw.get("datasets", [])]
-        return cls(**raw)
 
 
 def run(job: EvalJob) -> dict[str, Any]:

@@ -31,8 +31,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.atomic import atomic_file, atomic_path
-from models.write_failure import WriteFailed
+from models.file_errors import DamagedShard, WriteFailed
 
 FORMAT = "eagle3-hidden-v1"
 TENSORS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
@@ -40,27 +41,8 @@ INDEX_NAME = "index.parquet"
 _SHARD_RE = re.compile(r"^shard-(\d{3,})-(\d{6,})\.safetensors$")
 _TMP_PREFIX = ".shard-"
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust I/O errors carry the errno
-SHARD_ADVICE = "Delete it and run the capture stage again: its samples are captured again, every other shard is kept"
 RESUME = ("make room there (or give capture.out_dir a bigger disk), then run the capture stage again: "
           "complete shards are kept and skipped")
-
-
-class DamagedFile(ValueError):
-    """A file of the run cannot be read: names it, what is wrong and what to do (as tasks.parquet_io.DamagedPart)."""
-
-    def __init__(self, path: str | Path, problem: str, advice: str):
-        self.path, self.problem, self.advice = Path(path), problem, advice
-        super().__init__(f"{path} is damaged ({problem}). {advice}")
-
-    def __reduce__(self):  # Prefect pickles task exceptions into results
-        return (type(self), (str(self.path), self.problem, self.advice))
-
-
-class DamagedShard(DamagedFile):
-    """A hidden-state shard that cannot be read (a complete shard is never partial: this is damage)."""
-
-    def __init__(self, path: str | Path, problem: str, advice: str = SHARD_ADVICE):
-        super().__init__(path, problem, advice)
 
 
 def _shard_problem(path: str | Path, error: BaseException) -> str:

@@ -41,6 +41,11 @@ class Spec(BaseModel):
             raise ValueError(problem)
         return value
 
+    @classmethod
+    def load(cls: type[S], path: str | Path) -> S:
+        """This spec read from a JSON job file (`load_job`)."""
+        return load_job(cls, path)
+
     def pick(self, spec: type[Spec]) -> dict[str, Any]:
         """The values of the fields `spec` declares (self is a subclass of it): a job's share of a config section."""
         return {name: getattr(self, name) for name in spec.model_fields}
@@ -59,35 +64,24 @@ def load_job(cls: type[S], path: str | Path) -> S:
         raise ValueError(f"{path}: not a valid {cls.__name__}: {problems}") from None
 
 
-def write_job(job: Spec, path: Path) -> Path:
-    """`job` as the JSON file its rank processes read (whole or not at all)."""
-    from models.write_failure import WriteFailed
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(job.model_dump_json(indent=2))
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise WriteFailed(path, e, kept="everything the run wrote before (no rank was started)",
-                          resume="free space there, then run the stage again") from None
-    return path
-
-
 # --- the target -------------------------------------------------------------------------------
 
 
-class TargetSpec(Spec):
+class TargetCode(Spec):
+    """Whether the target's own modelling code may run."""
+
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Pass trust_remote_code=True to transformers (Kimi-K2.5's tokenizer needs it).",
+    )
+
+
+class TargetSpec(TargetCode):
     """The target model whose responses and hidden states the draft learns from."""
 
     path: str = Field(
         description="Hugging Face repo id or local directory of the target: its tokenizer and chat "
         "template build the prompts; its weights are loaded by the capture stage."
-    )
-    trust_remote_code: bool = Field(
-        default=False,
-        description="Pass trust_remote_code=True to transformers (Kimi-K2.5's tokenizer needs it).",
     )
 
 
@@ -280,10 +274,15 @@ class CaptureSettings(AuxLayers):
         return self
 
 
-class RankJob(Spec):
-    """What every rank job names: the target, and the device its ranks run on."""
+class TargetRef(TargetCode):
+    """The target a job loads (the run config's `target`)."""
 
-    target: TargetSpec
+    target_path: str = Field(description="The target's checkpoint directory or hub id (target.path).")
+
+
+class RankJob(TargetRef):
+    """What every DeepSpeed rank job names: the target, and the device its ranks run on."""
+
     device: Literal["cpu", "cuda"] = Field(default="cuda", description="cuda under the deepspeed launcher, cpu (gloo) otherwise.")
 
 
@@ -291,8 +290,9 @@ class CaptureJob(CaptureSettings, RecordsRef, RankJob):
     """The JOB.json a capture launch reads (written by the capture task)."""
 
     out_dir: str = Field(description="Shards + index.parquet go here (RUN_DIR/hidden).")
-    tokens_left: int | None = Field(
-        default=None, ge=0, description="Most tokens this launch captures: capture.max_tokens less the complete shards' (None: no cap)."
+    max_tokens: int | None = Field(
+        ge=0, description="Most tokens THIS launch captures: capture.max_tokens less what complete shards hold (null: no cap). "
+        "Always stated by the task: no default."
     )
 
 
@@ -301,7 +301,17 @@ class CaptureJob(CaptureSettings, RecordsRef, RankJob):
 DRAFT_OVERRIDES = ("head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size", "rope_theta", "rms_norm_eps")
 
 
-class TrainSettings(Spec):
+class HeldOut(Spec):
+    """The held-out split and the seed: training never sees the split, eval decodes its prompts."""
+
+    eval_fraction: float = Field(
+        default=0.02, ge=0, lt=1, description="Share of the samples held out (a stable hash of dataset and id): never trained on; "
+        "the training eval and `eagle3 eval` use them."
+    )
+    seed: int = Field(default=0, description="Seed of the draft's initial weights and of the data order.")
+
+
+class TrainSettings(HeldOut):
     """How the EAGLE-3 draft is trained (training-time test, schedule, checkpoints, evaluation)."""
 
     mode: Literal["offline", "online"] = Field(
@@ -325,12 +335,7 @@ class TrainSettings(Spec):
     checkpoint_every: int = Field(default=500, ge=1, description="Optimizer steps between checkpoints (also one at the end).")
     keep_checkpoints: int = Field(default=2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
     eval_every: int = Field(default=500, ge=1, description="Optimizer steps between evaluations on the held-out split (also one at the end).")
-    eval_fraction: float = Field(
-        default=0.02, ge=0, lt=1, description="Share of the samples held out (a stable hash of dataset and id): never trained on; "
-        "the training eval and `eagle3 eval` use them."
-    )
     log_every: int = Field(default=10, ge=1, description="Optimizer steps per metrics.jsonl / TensorBoard line.")
-    seed: int = Field(default=0, description="Seed of the draft's initial weights and of the data order.")
     draft_overrides: dict[str, int | float] = Field(
         default_factory=dict,
         description="Draft shape settings that differ from the target's (head_dim, num_attention_heads, num_key_value_heads, "
@@ -388,14 +393,10 @@ class EvalSettings(Spec):
     )
 
 
-class EvalJob(EvalSettings, RecordsRef):
+class EvalJob(EvalSettings, HeldOut, RecordsRef, TargetRef):
     """The JOB.json of an eval launch (written by the eval task): held-out prompts come from `datasets`."""
-
-    target: TargetSpec
     draft_dir: str = Field(description="The export: config.json + model.safetensors.")
     out: str = Field(description="Where the result JSON goes.")
-    eval_fraction: float = Field(description="train.eval_fraction: the held-out split.")
-    seed: int = Field(description="train.seed: the untrained draft is built from it.")
 
 
 # --- helpers ----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ computing what could not be kept; a rank whose launcher is killed exits on its o
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import socket
 import sys
@@ -23,13 +24,14 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
-from models.hidden_shards import DamagedFile
+from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
+from models.file_errors import DamagedFile
 from models.rank_protocol import Protocol, error_report
-from models.write_failure import WriteFailed
+from models.file_errors import WriteFailed
 
 # Exceptions whose message says all there is to say: no traceback after them.
 TOLD = (WriteFailed, DamagedFile)
@@ -105,8 +107,28 @@ def log(msg: str) -> None:
 
 
 def say(line: str) -> None:
-    """Print a protocol line (models/rank_protocol.py): stdout, flushed, so the pipeline follows it live."""
-    print(line, flush=True)
+    """Print a protocol line (models/rank_protocol.py): stdout, whole, so the pipeline follows it live."""
+    whole_line(sys.stdout, line)
+
+
+def whole_line(stream: TextIO, text: str) -> None:
+    """`text` and its newline in one write(2).
+
+    print() writes a line and its newline separately: another thread of this rank (a library's
+    logger) can slip its own output in between and glue it onto a protocol line, which then no
+    longer parses. The ranks share the launcher's pipes, and a single write under PIPE_BUF is never
+    split, so one write keeps every protocol line whole.
+    """
+    stream.flush()
+    try:
+        fd = stream.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # captured in-process (tests): no descriptor
+        stream.write(text + "\n")
+        stream.flush()
+        return
+    data = (text + "\n").encode("utf-8", "replace")
+    while data:  # a signal may cut a write short: the rest follows
+        data = data[os.write(fd, data):]
 
 
 def watch_launcher(name: str) -> None:
@@ -150,9 +172,8 @@ def serve(argv: list[str] | None, *, prog: str, description: str, protocol: Prot
         said = isinstance(e, TOLD + told)
         if dist.rank == 0 or not isinstance(e, once):
             # The report first: it is what the pipeline shows, and this rank may be killed any moment now.
-            print(protocol.error.format(error_report(e, dist.rank)), file=sys.stderr, flush=True)
-            print(f"{protocol.name} rank {dist.rank} failed: {e}" if said else f"{protocol.name} rank {dist.rank} failed: {e!r}",
-                  file=sys.stderr)
+            whole_line(sys.stderr, protocol.error.format(error_report(e, dist.rank)))
+            whole_line(sys.stderr, f"{protocol.name} rank {dist.rank} failed: {e}" if said else f"{protocol.name} rank {dist.rank} failed: {e!r}")
         if not said:
             traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()

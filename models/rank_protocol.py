@@ -29,8 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.hidden_shards import DamagedFile, DamagedShard
-from models.write_failure import WriteFailed
+from models.file_errors import DamagedFile, DamagedShard
+from models.file_errors import WriteFailed
 
 # The most telling report of a failed job comes first: a rank's failed write or damaged file is
 # the cause when its peers fail too (they lose their connection to it).

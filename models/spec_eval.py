@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.eagle3 import Eagle3Draft, KVCache
 
 

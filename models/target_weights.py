@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.atomic import replace_dir
 from models.eagle3 import default_aux_layers
 

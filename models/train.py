@@ -53,24 +53,26 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
+from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.atomic import fsync_tree, write_atomic
-from models.capture import DatasetRecords, capture_batch, load_records
+from models.capture import capture_batch, load_records
 from models.draft_vocab import draft_vocab, draft_vocab_coverage, load_token_counts
 from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead, acceptance_length, default_aux_layers
 from models.eagle3_export import export_draft
+from models.jobs import TrainJob
 from models.rank import Dist, init_process_group, log, say, serve
 from models.rank_protocol import TRAIN, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
 from models.target_weights import load_target_tensors
 from models.train_data import (Batch, HiddenSource, TrainSample, data_fingerprint, epoch_batches, eval_share,
                                pad_batch, rank_micro_batches, split_samples, steps_per_epoch)
-from models.write_failure import WriteFailed, existing_parent, is_write_error
+from models.file_errors import WriteFailed, existing_parent, is_write_error
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -83,65 +85,6 @@ RESUME = ("make room there (or set train.out_dir to a disk with room), then run 
 
 class CheckpointMismatch(ValueError):
     """The checkpoint to resume was trained on other data or with other settings than this launch."""
-
-
-@dataclass
-class TrainJob:
-    """The JOB.json a training launch reads (written by the train flow; unknown keys are rejected)."""
-
-    target_path: str
-    out_dir: str                     # RUN_DIR/draft
-    token_counts: str                # RUN_DIR/records/token_counts.parquet (draft vocab)
-    ds_config: dict[str, Any]        # the DeepSpeed config (generated from the run config, saved with the run)
-    mode: Literal["offline", "online"] = "offline"
-    hidden_dir: str | None = None    # offline: the capture shards
-    datasets: list[DatasetRecords] = field(default_factory=list)  # online: records to run the target on
-    trust_remote_code: bool = False
-    aux_layers: list[int] | None = None  # None: the capture's (offline) or [1, L//2-1, L-4]
-    draft_vocab_size: int = 32000
-    ttt_steps: int = 7
-    epochs: int = 1
-    max_steps: int | None = None     # stop after this many optimizer steps in total (None: epochs)
-    max_batch_tokens: int = 16384    # padded tokens per micro batch per rank; longer samples are cut
-    lr: float = 1e-4
-    warmup_ratio: float = 0.015
-    min_lr_ratio: float = 0.0
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 2
-    eval_every: int = 500
-    eval_fraction: float = 0.02
-    log_every: int = 10
-    seed: int = 0
-    device: Literal["cpu", "cuda"] = "cuda"
-    draft_overrides: dict[str, Any] = field(default_factory=dict)  # Eagle3Config fields (head_dim, ...)
-
-    @classmethod
-    def load(cls, path: str | Path) -> TrainJob:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: cannot read training job: {e}") from e
-        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"{path}: unknown keys {unknown}")
-        raw["datasets"] = [DatasetRecords(d["name"], d["records_dir"]) for d in raw.get("datasets", [])]
-        job = cls(**raw)
-        if job.mode == "offline" and not job.hidden_dir:
-            raise ValueError(f"{path}: mode offline needs hidden_dir")
-        if job.mode == "online" and not job.datasets:
-            raise ValueError(f"{path}: mode online needs datasets")
-        return job
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def grad_accum(self) -> int:
-        return int(self.ds_config.get("gradient_accumulation_steps", 1))
-
-    @property
-    def bf16(self) -> bool:
-        return bool(self.ds_config.get("bf16", {}).get("enabled", False))
 
 
 def ds_train_config(*, world_size: int, grad_accum: int, lr: float, weight_decay: float, betas: tuple[float, float],
@@ -245,10 +188,10 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     fingerprint = run_fingerprint(job, source.fingerprint, d2t, config, dist.world_size, total_steps)
     check_fingerprint(ckpt_dir, fingerprint, warn=dist.rank == 0)  # before anything is trained or removed
     if dist.rank == 0:  # the DeepSpeed config as run, next to the checkpoints
-        with _writing(out_dir / "ds_config.json", ckpt_dir):
+        with writing(out_dir / "ds_config.json", ckpt_dir):
             out_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(out_dir / "ds_config.json", json.dumps(job.ds_config, indent=2))
-    engine = _engine(job, draft, total_steps, warmup)
+    engine = build_engine(job, draft, total_steps, warmup)
     if dist.rank == 0:
         log(f"train: {len(train_samples)} training samples ({sum(s.length for s in train_samples):,} tokens), "
             f"{len(eval_samples)} held out, {per_epoch} steps/epoch over {dist.world_size} rank(s) x {job.grad_accum} "
@@ -257,7 +200,7 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
             f"{'bf16' if job.bf16 else 'fp32'}, ZeRO-2" + (f"; {source.cut} samples cut to {job.max_batch_tokens} tokens" if source.cut else ""))
 
     position = _resume(engine, ckpt_dir, dist)
-    writer = _MetricsWriter(out_dir, position.step, enabled=dist.rank == 0)
+    writer = MetricsWriter(out_dir, position.step, enabled=dist.rank == 0)
 
     # --- the loop
     eval_batches = epoch_batches(eval_samples, job.max_batch_tokens, job.seed, 0) if eval_samples else []
@@ -273,23 +216,23 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
             step_tokens = 0
             for micro in rank_micro_batches(batches, position.step_in_epoch, dist.rank, dist.world_size, job.grad_accum):
                 batch = source.batch(micro, device)
-                out = _forward(engine, batch, target_head, job.ttt_steps)
+                out = train_forward(engine, batch, target_head, job.ttt_steps)
                 engine.backward(out.loss)
                 engine.step()
                 running.add(out)
                 step_tokens += batch.tokens
             position.step += 1
             position.step_in_epoch += 1
-            position.tokens += _sum(step_tokens, dist, device)
+            position.tokens += sum_over_ranks(step_tokens, dist, device)
             window_tokens += step_tokens
 
             if position.step % job.log_every == 0 or position.step == total_steps:
                 running.all_reduce(dist)
                 elapsed = max(1e-9, time.monotonic() - window_start)
-                tokens_per_s = _sum(window_tokens, dist, device) / elapsed
+                tokens_per_s = sum_over_ranks(window_tokens, dist, device) / elapsed
                 line = {"kind": "train", "step": position.step, "epoch": position.epoch, "time": time.time(),
                         **running.summary(STEP_DECAY), "lr": engine.get_lr()[0],
-                        "grad_norm": _grad_norm(engine), "tokens": position.tokens, "tokens_per_s": round(tokens_per_s, 2)}
+                        "grad_norm": grad_norm(engine), "tokens": position.tokens, "tokens_per_s": round(tokens_per_s, 2)}
                 writer.write(line)
                 running = Metrics(job.ttt_steps, device)
                 window_start, window_tokens = time.monotonic(), 0
@@ -318,17 +261,17 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
                "draft_vocab_size": config.draft_vocab_size, "aux_layers": aux_layers}
     if dist.rank == 0:
         # export_draft replaces final/ only once the new export is complete; a relaunch exports again
-        with _writing(final, ckpt_dir, also="the previous export in final/, if any, is unchanged"):
+        with writing(final, ckpt_dir, also="the previous export in final/, if any, is unchanged"):
             export_draft(engine.module, final, target_config=target_config,
                          dtype=torch.bfloat16 if job.bf16 else torch.float32)
-        with _writing(out_dir / "train_summary.json", ckpt_dir):
+        with writing(out_dir / "train_summary.json", ckpt_dir):
             write_atomic(out_dir / "train_summary.json", json.dumps(summary, indent=2))
         say(TRAIN_DONE.format(final=final))
     dist.barrier()
     return summary
 
 
-def _forward(model, batch: Batch, target_head: TargetHead, ttt_steps: int):
+def train_forward(model, batch: Batch, target_head: TargetHead, ttt_steps: int):
     return model(*_ttt_args(batch, target_head), ttt_steps=ttt_steps)
 
 
@@ -343,7 +286,7 @@ class _TTT(torch.nn.Module):
         return self.draft.forward_ttt(*args, **kwargs)
 
 
-def _engine(job: TrainJob, draft: Eagle3Draft, total_steps: int, warmup: int):
+def build_engine(job: TrainJob, draft: Eagle3Draft, total_steps: int, warmup: int):
     import deepspeed
 
     wrapped = _TTT(draft)
@@ -405,7 +348,7 @@ def _last_eval(metrics_path: Path) -> dict[str, Any] | None:
     return last
 
 
-def _grad_norm(engine) -> float | None:
+def grad_norm(engine) -> float | None:
     norm = engine.get_global_grad_norm()
     if norm is None:
         return None
@@ -413,7 +356,7 @@ def _grad_norm(engine) -> float | None:
     return round(norm, 6) if math.isfinite(norm) else None
 
 
-def _sum(value: int, dist: Dist, device: torch.device) -> int:
+def sum_over_ranks(value: int, dist: Dist, device: torch.device) -> int:
     if not dist.group:
         return int(value)
     t = torch.tensor([value], dtype=torch.int64, device=device)
@@ -500,19 +443,19 @@ def _save(engine, ckpt_dir: Path, position: Position, keep: int, dist: Dist, fin
     by the next launch), the older complete ones are untouched (pruning runs only after success).
     """
     tag = f"step-{position.step:08d}"
-    with _writing(ckpt_dir / tag, ckpt_dir):
+    with writing(ckpt_dir / tag, ckpt_dir):
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"position": asdict(position)}, save_latest=False)
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and engine.device.type == "cuda" else None}
         torch.save(rng, ckpt_dir / tag / f"rng-rank-{dist.rank}.pt")
     dist.barrier()  # every rank's files are on disk
     if dist.rank == 0:
-        with _writing(ckpt_dir / tag, ckpt_dir):
+        with writing(ckpt_dir / tag, ckpt_dir):
             (ckpt_dir / tag / FINGERPRINT).write_text(json.dumps(fingerprint, indent=1))
             fsync_tree(ckpt_dir / tag)
             # Renamed, not written in place: a marker cut short by a full disk must not exist at all.
             write_atomic(ckpt_dir / tag / COMPLETE, json.dumps(asdict(position)))
-        with _writing(ckpt_dir / LATEST, ckpt_dir):
+        with writing(ckpt_dir / LATEST, ckpt_dir):
             write_atomic(ckpt_dir / LATEST, tag)
         for _, old in complete_checkpoints(ckpt_dir)[:-keep]:
             shutil.rmtree(ckpt_dir / old, ignore_errors=True)
@@ -529,7 +472,7 @@ def kept_checkpoint(ckpt_dir: Path) -> str:
 
 
 @contextmanager
-def _writing(path: Path, ckpt_dir: Path, also: str = "") -> Iterator[None]:
+def writing(path: Path, ckpt_dir: Path, also: str = "") -> Iterator[None]:
     """Turn a failed write under `path` into WriteFailed, naming the kept checkpoint and how to resume.
 
     torch.save and safetensors report a full disk as RuntimeError/SafetensorError text without an
@@ -678,7 +621,7 @@ def _resume(engine, ckpt_dir: Path, dist: Dist) -> Position:
     return position
 
 
-class _MetricsWriter:
+class MetricsWriter:
     """metrics.jsonl and TensorBoard scalars (rank 0); lines past the resumed step are dropped first."""
 
     def __init__(self, out_dir: Path, resumed_step: int, enabled: bool):
@@ -688,7 +631,7 @@ class _MetricsWriter:
         self.tb = None
         if not enabled:
             return
-        with _writing(self.path, self.ckpt_dir):
+        with writing(self.path, self.ckpt_dir):
             out_dir.mkdir(parents=True, exist_ok=True)
             if self.path.is_file():
                 kept = []
@@ -700,7 +643,7 @@ class _MetricsWriter:
                         continue  # a line cut by a kill (or a full disk)
                 write_atomic(self.path, "".join(k + "\n" for k in kept))
             self.file = open(self.path, "a")
-        with _writing(out_dir / "tensorboard", self.ckpt_dir):
+        with writing(out_dir / "tensorboard", self.ckpt_dir):
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -712,11 +655,11 @@ class _MetricsWriter:
         """Append one line (and its scalars); a line cut by a failed write is dropped on resume."""
         if not self.enabled:
             return
-        with _writing(self.path, self.ckpt_dir):
+        with writing(self.path, self.ckpt_dir):
             self.file.write(json.dumps(line) + "\n")
             self.file.flush()
         if self.tb is not None:
-            with _writing(self.path.parent / "tensorboard", self.ckpt_dir):
+            with writing(self.path.parent / "tensorboard", self.ckpt_dir):
                 kind, step = line["kind"], line["step"]
                 for key in ("loss", "acceptance_length", "lr", "grad_norm", "tokens_per_s"):
                     if isinstance(line.get(key), (int, float)):

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.capture import make_batches
 from models.hidden_shards import iter_shard_index, read_sample
 

@@ -16,10 +16,12 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from models.jobs import CaptureJob
 from models.atomic import write_atomic
-from models.hidden_shards import RESUME, DamagedFile, iter_shard_index, list_shards, write_index
+from models.file_errors import DamagedFile
+from models.hidden_shards import RESUME, iter_shard_index, list_shards, write_index
 from models.rank_protocol import CAPTURE, Message
-from models.write_failure import WriteFailed
+from models.file_errors import WriteFailed
 from tasks import launch
 from tasks.capture_plan import CapturePlan, TargetShape, check_fits, human_bytes, plan_capture
 from tasks.generate_tasks import artifact_key
@@ -106,7 +108,7 @@ def plan_capture_task(
 
 
 @task(name="capture-job", cache_policy=NO_CACHE)
-def run_capture_job(job: dict[str, Any], job_path: Path, num_ranks: int, launcher: str, config_name: str,
+def run_capture_job(job: CaptureJob, job_path: Path, num_ranks: int, launcher: str, config_name: str,
                     token_cap: int | None = None) -> float:
     """Launch the ranks, stream their output into the flow-run log, track progress; return tokens/s.
 
@@ -116,7 +118,7 @@ def run_capture_job(job: dict[str, Any], job_path: Path, num_ranks: int, launche
     """
     logger = get_run_logger()
     if token_cap is not None:
-        job = {**job, "max_tokens": max(0, token_cap - captured_tokens(Path(job["out_dir"])))}
+        job = job.model_copy(update={"max_tokens": max(0, token_cap - captured_tokens(Path(job.out_dir)))})
     write_job(job, job_path, kept=lambda: "every complete shard (no rank was started)", resume=RESUME)
     command, env = rank_command("models.capture", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher)
     logger.info("launching %d rank(s): %s", num_ranks, " ".join(command))

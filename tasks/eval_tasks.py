@@ -6,7 +6,6 @@ import json
 import os
 import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from models.jobs import EvalJob
 from models.atomic import write_atomic
 from models.rank_protocol import EVAL, Message
 from tasks.generate_tasks import artifact_key
@@ -22,36 +22,18 @@ from tasks.launch import follow_job, write_job
 EVAL_FILE = "eval.json"
 
 
-@dataclass
-class EvalSettings:
-    """What `eagle3 eval` measures (config section `eval`, plus the split of `train`)."""
-
-    prompts: int
-    max_new_tokens: int
-    num_steps: int
-    device: str
-    eval_fraction: float
-    seed: int
-    compare_untrained: bool = True
-
-
 @task(name="spec-eval", cache_policy=NO_CACHE)
-def evaluate_draft(target_path: str, trust_remote_code: bool, draft_dir: Path, records: list[tuple[str, Path]],
-                   settings: EvalSettings, job_path: Path, config_name: str) -> dict[str, Any]:
-    """Chain speculative decoding (greedy target, top-1 draft) on held-out prompts; write draft_dir/eval.json."""
+def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, Any]:
+    """Chain speculative decoding (greedy target, top-1 draft) on held-out prompts; write eval.json beside the export."""
     logger = get_run_logger()
-    final = draft_dir / "final"
+    final = Path(job.draft_dir)
+    draft_dir, raw_path = final.parent, Path(job.out)
     if not (final / "config.json").is_file():
         raise FileNotFoundError(f"{final}: no exported draft; run the train stage first (eagle3 run CONFIG --stages train)")
-    raw_path = draft_dir / ".eval-raw.json"
-    job = {"target_path": target_path, "trust_remote_code": trust_remote_code, "draft_dir": str(final), "out": str(raw_path),
-           "datasets": [{"name": n, "records_dir": str(d)} for n, d in records], "prompts": settings.prompts,
-           "max_new_tokens": settings.max_new_tokens, "num_steps": settings.num_steps, "device": settings.device,
-           "eval_fraction": settings.eval_fraction, "seed": settings.seed, "compare_untrained": settings.compare_untrained}
     write_job(job, job_path, kept=lambda: f"the exported draft in {final} (nothing was evaluated yet)",
               resume="make room there, then run the eval stage again")
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("eval", config_name), description="eval: starting")
-    drafts = 2 if settings.compare_untrained else 1
+    drafts = 2 if job.compare_untrained else 1
     seen: list[str] = []
 
     def on_progress(message: Message) -> None:
@@ -68,12 +50,12 @@ def evaluate_draft(target_path: str, trust_remote_code: bool, draft_dir: Path, r
                on_message=on_progress, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     results = json.loads(raw_path.read_text())
     raw_path.unlink()
-    report = {"num_steps": settings.num_steps, "max_new_tokens": settings.max_new_tokens, "draft": str(final),
-              **results, "ttt_estimate": ttt_estimate(draft_dir, settings.num_steps),
-              "sglang_command": sglang_command(target_path, final, settings.num_steps, trust_remote_code)}
+    report = {"num_steps": job.num_steps, "max_new_tokens": job.max_new_tokens, "draft": str(final),
+              **results, "ttt_estimate": ttt_estimate(draft_dir, job.num_steps),
+              "sglang_command": sglang_command(job.target_path, final, job.num_steps, job.trust_remote_code)}
     write_atomic(draft_dir / EVAL_FILE, json.dumps(report, indent=2))
     create_table_artifact(table=eval_rows(report), key=artifact_key("eval-summary", config_name),
-                          description=f"Acceptance length, chain speculative decoding, {settings.num_steps} draft tokens per round "
+                          description=f"Acceptance length, chain speculative decoding, {job.num_steps} draft tokens per round "
                                       f"(SGLang topk 1), greedy target, {report['prompts']} held-out prompts")
     update_progress_artifact(artifact, progress=100.0, description=f"eval: acceptance length {results['trained']['acceptance_length']:.3f}")
     return report

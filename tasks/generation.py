@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from models.jobs import GenerateJob
-from models.write_failure import WriteFailed
+from models.file_errors import WriteFailed
 from tasks.budget import TokenBudget
 from tasks.checkpoints import ResponseWriter, done_ids, summarize
 from tasks.datasets import PromptRow, Reject

@@ -9,7 +9,6 @@ code, which stays as `RankFailure` only when no rank said why.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,9 +18,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable
 
+from models.jobs import Spec
 from models.atomic import write_atomic
 from models.rank_protocol import Message, Protocol, most_telling, reported_error
-from models.write_failure import WriteFailed, is_write_error
+from models.file_errors import WriteFailed, is_write_error
 from tasks.processes import free_port
 
 
@@ -83,11 +83,11 @@ def run_job(command: list[str], *, env: dict[str, str] | None = None, on_line: C
         raise RankFailure(f"job exited with code {code}: {' '.join(command[:6])} ...\n--- last output ---\n" + "\n".join(tail))
 
 
-def write_job(job: dict[str, Any], path: Path, *, kept: Callable[[], str], resume: str) -> None:
-    """Write a rank job's JSON file (atomically); a storage failure is `WriteFailed` saying what is `kept()`."""
+def write_job(job: Spec, path: Path, *, kept: Callable[[], str], resume: str) -> None:
+    """Write a rank job's JSON file (atomically) from its spec; a storage failure is `WriteFailed` saying what is `kept()`."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(job, indent=2, default=str))
+        write_atomic(path, job.model_dump_json(indent=2))
     except OSError as e:
         if not is_write_error(e):
             raise

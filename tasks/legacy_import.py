@@ -69,7 +69,7 @@ only one part's rows are in memory, a part being cut at `flush_every` rows or `f
 prompt + output ids, whichever comes first. Renames need no extra disk space.
 
 Failures: a write that the storage refuses (disk full, read-only, quota) raises
-models.write_failure.WriteFailed naming the path, what was kept and how to resume. A part already
+models.file_errors.WriteFailed naming the path, what was kept and how to resume. A part already
 in RUN_DIR/responses/<dataset>/ that cannot be read raises tasks.parquet_io.DamagedPart naming it
 and where to move it; nothing is imported until it is moved. The import holds the run
 directory's write lock (tasks.run_lock) for its whole run: a second writer gets RunDirLocked.
@@ -93,12 +93,13 @@ from typing import Any, Iterator, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from models.write_failure import WriteFailed
+from models.atomic import fsync_dir
+from models.file_errors import WriteFailed
 from tasks import datasets
 from tasks.checkpoints import PartSummary, done_ids, finish_compaction, live_parts, responses_table
 from tasks.datasets import DatasetError, Reject
 from tasks.parquet_io import (
-    TMP_SUFFIX, DamagedPart, clean_stale_temps, fsync_dir, next_part_path, read_metadata, reading, write_parquet_atomic,
+    TMP_SUFFIX, DamagedPart, clean_stale_temps, next_part_path, read_metadata, reading, write_parquet_atomic,
 )
 from tasks.prompts import chat_prompt_ids
 from tasks.rejects import write_rejects

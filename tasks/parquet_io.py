@@ -22,6 +22,9 @@ from typing import Any, Iterator, Mapping
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from models.atomic import fsync_dir
+from models.file_errors import DamagedFile
+
 PART_SUFFIX = ".parquet"
 TMP_SUFFIX = ".tmp"
 # Zero padding keeps names in lexical order up to a million parts per directory.
@@ -77,21 +80,8 @@ def list_parts(directory: Path, prefix: str = "part") -> list[Path]:
     return [p for _, p in sorted(_numbered_parts(Path(directory), prefix))]
 
 
-class DamagedPart(Exception):
-    """A part on disk that cannot be read: names the file, what is wrong, and what to do."""
-
-    def __init__(self, path: Path | str, problem: str, advice: str = ""):
-        self.path = Path(path)
-        self.problem = problem
-        self.advice = advice
-        super().__init__(f"{self.path} is damaged ({problem})" + (f". {advice}" if advice else ""))
-
-    def __reduce__(self):  # Prefect pickles task exceptions
-        return (DamagedPart, (str(self.path), self.problem, self.advice))
-
-    def with_advice(self, advice: str) -> DamagedPart:
-        """The same damage, with what to do in the reader's terms."""
-        return DamagedPart(self.path, self.problem, advice)
+class DamagedPart(DamagedFile):
+    """A Parquet part on disk that cannot be read: names the file, what is wrong, and what to do."""
 
 
 @contextmanager
@@ -157,17 +147,3 @@ def _numbered_parts(directory: Path, prefix: str) -> list[tuple[int, Path]]:
         if m and p.is_file():
             found.append((int(m.group(1)), p))
     return found
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make renames in `directory` durable (best effort: some filesystems cannot open a directory)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

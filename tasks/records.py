@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from models.write_failure import WriteFailed
+from models.file_errors import WriteFailed
 from tasks.chat_masks import MaskError, conversation_records
 from tasks.checkpoints import live_parts
 from models.jobs import RecordsJob

@@ -18,6 +18,7 @@ from prefect.artifacts import (create_markdown_artifact, create_progress_artifac
                                update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
 
+from models.jobs import TrainJob
 from models.rank_protocol import TRAIN, TRAIN_EVAL, Message, most_telling
 from models.train import RESUME, CheckpointMismatch, kept_checkpoint
 from tasks.generate_tasks import artifact_key
@@ -65,10 +66,10 @@ def job_failure(reports: list[dict[str, Any]], failure: RankFailure) -> Exceptio
 
 
 @task(name="train-job", cache_policy=NO_CACHE)
-def run_train_job(job: dict[str, Any], job_path: Path, num_ranks: int, launcher: str, config_name: str) -> dict[str, Any]:
+def run_train_job(job: TrainJob, job_path: Path, num_ranks: int, launcher: str, config_name: str) -> dict[str, Any]:
     """Launch the ranks (resuming from the latest checkpoint), stream their output, track progress; return the summary."""
     logger = get_run_logger()
-    write_job(job, job_path, kept=lambda: kept_checkpoint(Path(job["out_dir"]) / "checkpoints"), resume=RESUME)
+    write_job(job, job_path, kept=lambda: kept_checkpoint(Path(job.out_dir) / "checkpoints"), resume=RESUME)
     command, env = rank_command("models.train", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher)
     logger.info("launching %d rank(s): %s", num_ranks, " ".join(command))
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("train", config_name), description="train: starting")
@@ -98,7 +99,7 @@ def run_train_job(job: dict[str, Any], job_path: Path, num_ranks: int, launcher:
 
     # run=run_job: this module's, the seam where tests/flows/test_train_flow.py scripts the ranks
     follow_job(command, protocol=TRAIN, env=env, log=logger.info, on_message=on_message, failure=job_failure, run=run_job)
-    summary = json.loads((Path(job["out_dir"]) / SUMMARY).read_text())
+    summary = json.loads((Path(job.out_dir) / SUMMARY).read_text())
     update_progress_artifact(artifact, progress=100.0, description=f"train: done, {summary['steps']:,} steps; draft in {summary['final']}")
     return summary
 

@@ -18,9 +18,11 @@ import yaml
 from prefect.states import Failed
 
 from flows.capture import capture
-from models.capture import ERROR_MARK, error_report
-from models.hidden_shards import DamagedShard, ShardWriter
-from models.write_failure import WriteFailed
+from models.capture import ERROR_MARK
+from models.rank_protocol import error_report
+from models.file_errors import DamagedShard
+from models.hidden_shards import ShardWriter
+from models.file_errors import WriteFailed
 from tasks import capture_tasks
 from tasks.capture_plan import DiskTooSmall
 from tasks.capture_tasks import CaptureRefused, capture_retryable, rank_error

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from models.capture import error_report
+from models.rank_protocol import error_report
 from models.train import RESUME, ERROR_MARK
-from models.write_failure import WriteFailed
+from models.file_errors import WriteFailed
 from tasks.launch import RankFailure
 
 REPO = Path(__file__).resolve().parents[2]

@@ -25,8 +25,6 @@ import pytest
 import torch
 
 from models.capture import (
-    CaptureJob,
-    DatasetRecords,
     Sample,
     deal,
     ds_inference_config,
@@ -37,8 +35,9 @@ from models.capture import (
     trimmed_length,
     within_token_cap,
 )
+from models.jobs import CaptureJob, DatasetRecords
+from models.file_errors import DamagedShard
 from models.hidden_shards import (
-    DamagedShard,
     ShardWriter,
     clean_temps,
     done_sample_keys,
@@ -49,7 +48,7 @@ from models.hidden_shards import (
     write_index,
 )
 from models.tiny_target import SAMPLES_DIR
-from models.write_failure import WriteFailed
+from models.file_errors import WriteFailed
 
 REPO = Path(__file__).resolve().parents[2]
 AUX_LAYERS = [1, 3, 4]  # default_aux_layers(8)
@@ -325,7 +324,7 @@ def test_token_cap_is_resume_consistent():
 
 
 def test_load_records_trims_and_skips(records):
-    samples, parts, no_loss = load_records([DatasetRecords(ds, str(d)) for ds, d in records["dirs"].items()], 2048)
+    samples, parts, no_loss = load_records([DatasetRecords(name=ds, records_dir=str(d)) for ds, d in records["dirs"].items()], 2048)
     assert no_loss == 1
     by_key = {(s.dataset, s.id): s for s in samples}
     assert ("alpha", "alpha-005") not in by_key
@@ -343,29 +342,30 @@ def test_load_records_errors_name_file_and_row(tmp_path):
     rows = [{"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1]}, {"id": "b", "input_ids": [1, 2, 3], "loss_mask": [0, 1]}]
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), d / "part-000000.parquet")
     with pytest.raises(ValueError, match=r"part-000000.parquet: row 1 \(id 'b'\)"):
-        load_records([DatasetRecords("bad", str(d))])
+        load_records([DatasetRecords(name="bad", records_dir=str(d))])
     rows[1]["loss_mask"] = [0, 1, 1]
     rows[0]["input_ids"] = [1, 5000]
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), d / "part-000000.parquet")
     with pytest.raises(ValueError, match=r"row 0 \(id 'a'\): token id 5000"):
-        load_records([DatasetRecords("bad", str(d))], vocab_size=2048)
+        load_records([DatasetRecords(name="bad", records_dir=str(d))], vocab_size=2048)
     rows[0]["input_ids"] = [1, 2]
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), d / "part-000001.parquet")
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), d / "part-000000.parquet")
     with pytest.raises(ValueError, match="id 'a' in both"):
-        load_records([DatasetRecords("bad", str(d))])
+        load_records([DatasetRecords(name="bad", records_dir=str(d))])
 
 
 def test_job_validation(tmp_path):
-    base = {"target_path": "t", "datasets": [{"name": "a", "records_dir": "r"}], "out_dir": "o"}
-    job = CaptureJob.from_dict(base)
+    base = {"target_path": "t", "datasets": [{"name": "a", "records_dir": "r"}], "out_dir": "o", "max_tokens": None}
+    job = CaptureJob.model_validate(base)
     assert (job.mode, job.dtype, job.aux_layers, job.offload) == ("replicate", "auto", None, "none")
-    assert CaptureJob.from_dict(job.to_dict()) == job
-    for bad, match in (({"bogus": 1}, "unknown keys"), ({"mode": "zero2"}, "mode"), ({"offload": "cpu"}, "zero3"),
+    assert CaptureJob.model_validate_json(job.model_dump_json()) == job
+    for bad, match in (({"bogus": 1}, "bogus"), ({"mode": "zero2"}, "mode"), ({"offload": "cpu"}, "zero3"),
                        ({"mode": "zero3", "offload": "nvme"}, "nvme_path"), ({"aux_layers": [1, 1, 2]}, "aux_layers"),
-                       ({"max_batch_tokens": 0}, "max_batch_tokens")):
+                       ({"max_batch_tokens": 0}, "max_batch_tokens"),
+                       ({"datasets": [{"name": "a", "records_dir": "r"}] * 2}, "duplicate dataset names")):
         with pytest.raises(ValueError, match=match):
-            CaptureJob.from_dict({**base, **bad})
+            CaptureJob.model_validate({**base, **bad})
 
 
 def test_ds_config_and_moe_leaves():

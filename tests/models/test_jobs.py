@@ -18,8 +18,8 @@ from models.jobs import (
     TargetSpec,
     TrainJob,
     load_job,
-    write_job,
 )
+from tasks.launch import write_job
 
 # (run config section, the spec the pipeline builds from it, the settings they share: None = all in common)
 PAIRS = [
@@ -62,13 +62,14 @@ def test_no_setting_has_two_defaults(section, spec, names):
 def test_a_section_and_its_job_share_the_declarations_not_copies():
     # the values a flow hands over are exactly the section's, by field name
     capture = CaptureConfig(max_batch_tokens=4096, shard_tokens=999, aux_layers=[1, 2, 3])
-    job = CaptureJob(**capture.pick(CaptureSettings), target=TargetSpec(path="t"), out_dir="h", device="cpu")
+    job = CaptureJob(**capture.pick(CaptureSettings), target_path="t", out_dir="h", device="cpu", max_tokens=None)
     assert (job.max_batch_tokens, job.shard_tokens, job.aux_layers, job.mode) == (4096, 999, [1, 2, 3], "replicate")
 
 
 def test_a_job_file_round_trips_and_bad_keys_or_values_are_named(tmp_path):
-    job = CaptureJob(target=TargetSpec(path="t"), out_dir="h", device="cpu", datasets=[{"name": "A", "records_dir": "r"}])
-    path = write_job(job, tmp_path / "jobs" / "capture.json")
+    job = CaptureJob(target_path="t", out_dir="h", device="cpu", max_tokens=None, datasets=[{"name": "A", "records_dir": "r"}])
+    path = tmp_path / "jobs" / "capture.json"
+    write_job(job, path, kept=lambda: "nothing", resume="rerun")
     assert load_job(CaptureJob, path) == job
     raw = json.loads(path.read_text())
     path.write_text(json.dumps({**raw, "shard_tokenz": 5, "max_batch_tokens": True, "mode": "zero4"}))
@@ -85,7 +86,7 @@ def test_a_job_file_round_trips_and_bad_keys_or_values_are_named(tmp_path):
 
 
 def test_train_job_needs_the_data_of_its_mode():
-    base = dict(target=TargetSpec(path="t"), out_dir="d", token_counts="c", ds_config={}, device="cpu")
+    base = dict(target_path="t", out_dir="d", token_counts="c", ds_config={}, device="cpu")
     with pytest.raises(ValueError, match="mode offline needs hidden_dir"):
         TrainJob(**base)
     with pytest.raises(ValueError, match="mode online needs datasets"):

@@ -10,7 +10,7 @@ import pytest
 from models import rank
 from models.rank import Dist, serve
 from models.rank_protocol import CAPTURE
-from models.write_failure import WriteFailed
+from models.file_errors import WriteFailed
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ import errno
 
 import pytest
 
-from models.hidden_shards import DamagedFile, DamagedShard
+from models.file_errors import DamagedFile, DamagedShard
 from models.rank_protocol import (CAPTURE, CAPTURE_PROGRESS, EVAL, EVAL_PROGRESS, TRAIN, TRAIN_CHECKPOINT, TRAIN_DONE,
                                   TRAIN_EVAL, TRAIN_PROGRESS, error_report, most_telling, reported_error)
-from models.write_failure import WriteFailed
+from models.file_errors import WriteFailed
 
 
 @pytest.mark.parametrize("protocol, kind, values, text", [

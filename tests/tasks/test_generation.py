@@ -414,7 +414,7 @@ def test_replies_with_impossible_counts_are_never_recorded(server, tmp_path, tok
 def test_a_failed_checkpoint_write_stops_the_run_at_once_and_a_rerun_finishes(server, tmp_path, tokenizer, monkeypatch):
     import errno
 
-    from models.write_failure import WriteFailed
+    from models.file_errors import WriteFailed
     from tasks import checkpoints
 
     rows = prompts(60)

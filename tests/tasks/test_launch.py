@@ -7,10 +7,11 @@ import sys
 
 import pytest
 
-from models.hidden_shards import DamagedShard
+from models.file_errors import DamagedShard
 from models.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
-from models.write_failure import WriteFailed
+from models.file_errors import WriteFailed
 from tasks import launch
+from models.jobs import CaptureJob
 from tasks.launch import RankFailure, RankRefused, follow_job, rank_error, write_job
 
 
@@ -69,12 +70,13 @@ def test_a_stage_decides_what_refused_and_unexplained_failures_are(tmp_path):
 
 def test_a_job_file_that_cannot_be_written_is_a_write_failure(tmp_path, monkeypatch):
     path = tmp_path / "jobs" / "capture.json"
-    write_job({"out_dir": tmp_path, "mode": "zero3"}, path, kept=lambda: "nothing", resume="rerun")
-    assert path.read_text() == f'{{\n  "out_dir": "{tmp_path}",\n  "mode": "zero3"\n}}'
+    job = CaptureJob(target_path="t", out_dir=str(tmp_path), mode="zero3", max_tokens=None)
+    write_job(job, path, kept=lambda: "nothing", resume="rerun")
+    assert CaptureJob.load(path) == job
 
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(launch, "write_atomic", full)
     with pytest.raises(WriteFailed, match=rf"^cannot write {path}: disk full: .*kept: every shard\. to resume: rerun$"):
-        write_job({}, path, kept=lambda: "every shard", resume="rerun")
+        write_job(job, path, kept=lambda: "every shard", resume="rerun")

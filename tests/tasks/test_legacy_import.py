@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from models.write_failure import WriteFailed
+from models.file_errors import WriteFailed
 from tasks.checkpoints import PartSummary, done_ids
 from tasks.datasets import DatasetError, load_dataset, stable_id
 from tasks.legacy_import import ImportReport, import_jsonl

@@ -17,7 +17,7 @@ from tasks.checkpoints import compact, responses_table, write_part
 from tasks.passthrough import PASSTHROUGH_SCHEMA, copy_passthrough
 from tasks.parquet_io import list_parts
 from tasks.prompts import chat_prompt_ids
-from models.write_failure import WriteFailed
+from models.file_errors import WriteFailed
 from tasks import records as records_module
 from tasks.parquet_io import DamagedPart
 from models.jobs import RecordsJob

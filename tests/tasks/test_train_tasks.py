@@ -7,9 +7,9 @@ import pickle
 
 from prefect.states import Failed
 
-from models.capture import error_report
+from models.rank_protocol import error_report
 from models.train import RESUME, CheckpointMismatch
-from models.write_failure import WriteFailed
+from models.file_errors import WriteFailed
 from tasks.launch import RankFailure
 from tasks.train_tasks import TrainFailed, error_line, job_failure, retry_train_job
 

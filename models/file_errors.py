@@ -1,9 +1,11 @@
-"""What to tell the user when a file of the run cannot be written (disk full, read-only, quota, I/O).
+"""What to tell the user when a file of the run cannot be written, or cannot be read back.
 
 Every stage stops at the first failed write: going on would generate, capture or train work that
 can no longer be kept. `WriteFailed` carries one message that names the path, what the OS said in
-plain words with the free space of that filesystem, what is kept, and how to resume. It lives in
-models/ (the bottom layer) because the rank processes raise it too.
+plain words with the free space of that filesystem, what is kept, and how to resume.
+`DamagedFile` names a file that is there but cannot be read (a truncated part, a shard cut by a
+disk fault), what is wrong and what to do. Both live in models/ (the bottom layer, torch-free)
+because the rank processes raise them and the tasks read them back from the ranks' reports.
 """
 
 from __future__ import annotations
@@ -46,6 +48,31 @@ class WriteFailed(Exception):
 
     def __reduce__(self):  # Prefect pickles task exceptions into results
         return (_rebuild, (str(self.path), self.errno, str(self.error), self.kept, self.resume))
+
+
+class DamagedFile(ValueError):
+    """A file of the run cannot be read: names it, what is wrong and what to do."""
+
+    def __init__(self, path: str | Path, problem: str, advice: str = ""):
+        self.path, self.problem, self.advice = Path(path), problem, advice
+        super().__init__(f"{self.path} is damaged ({problem})" + (f". {advice}" if advice else ""))
+
+    def __reduce__(self):  # Prefect pickles task exceptions into results
+        return (type(self), (str(self.path), self.problem, self.advice))
+
+    def with_advice(self, advice: str) -> DamagedFile:
+        """The same damage, with what to do in the reader's terms."""
+        return type(self)(self.path, self.problem, advice)
+
+
+SHARD_ADVICE = "Delete it and run the capture stage again: its samples are captured again, every other shard is kept"
+
+
+class DamagedShard(DamagedFile):
+    """A hidden-state shard that cannot be read (a complete shard is never partial: this is damage)."""
+
+    def __init__(self, path: str | Path, problem: str, advice: str = SHARD_ADVICE):
+        super().__init__(path, problem, advice)
 
 
 def _rebuild(path: str, code: int | None, text: str, kept: str, resume: str) -> WriteFailed:
