@@ -1,11 +1,12 @@
 # Two entry points: `make demo` and `make test`. Both create .venv on first use.
+# `make test-fast`: the tests that start no processes of their own (the edit-test loop; CI runs `make test`).
 # `make up` / `make down`: a local Prefect server with the work pools, deployments and workers.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean up down
+.PHONY: demo test test-fast venv clean up down
 
 venv: $(STAMP)
 
@@ -24,6 +25,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not slow and not e2e and not multiprocess"
 
 up: $(STAMP)
 	deploy/local-up.sh

@@ -386,7 +386,7 @@ def storage(out_dir: Path) -> dict[str, Any]:
         "overhead_pct": 100 * (total / tokens - payload) / payload,
         "index_bytes": index_bytes, "index_per_token": index_bytes / tokens,
         "overhead_with_index_pct": 100 * ((total + index_bytes) / tokens - payload) / payload,
-        "planner_per_token": payload + ids_mask,  # tasks/capture_plan.py: 4H x dtype bytes + 5
+        "planner_per_token": payload + ids_mask,  # tasks/capture/plan.py: 4H x dtype bytes + 5
     }
 
 

@@ -5,7 +5,7 @@ and server do not share a GIL) and on checkpoints written in a temporary directo
 
 1. Throughput as a fraction of the server's capacity, from the server's own counters:
    served completion tokens / (capacity tok/s x wall time of the stats window), for
-   (a) ``tasks.generation.generate_dataset`` with a slots semaphore >= the server's max_running,
+   (a) ``tasks.generate.loop.generate_dataset`` with a slots semaphore >= the server's max_running,
    (b) a batch-with-barrier client (asyncio.gather over batches of max_running; the next batch
        only when the whole batch returned: what the old scripts did),
    (c) a sequential client (one request at a time).
@@ -55,7 +55,7 @@ from deploy.sim_server import SimConfig, simulate_output  # noqa: E402
 from models.jobs import GenerateJob  # noqa: E402
 from tasks.checkpoints import RESPONSE_SCHEMA, compact, done_ids, summarize, write_part  # noqa: E402
 from tasks.datasets import PromptRow  # noqa: E402
-from tasks.generation import GenerateReport, generate_dataset  # noqa: E402
+from tasks.generate.loop import GenerateReport, generate_dataset  # noqa: E402
 from tasks.sglang_client import SGLangClient  # noqa: E402
 from tasks.stats import collect_stats, nearest_rank, stats_rows  # noqa: E402
 
@@ -127,7 +127,7 @@ class Params:
         )
 
     def sampling_params(self) -> dict[str, Any]:
-        # What tasks.prompts.request_sampling_params sends for a typical config.
+        # What tasks.generate.prompts.request_sampling_params sends for a typical config.
         return {
             "max_new_tokens": self.max_new_tokens, "temperature": 0.6, "top_p": 0.95,
             "stop_token_ids": [EOS], "skip_special_tokens": False, "no_stop_trim": True,

@@ -218,7 +218,7 @@ def write_records(rows: list[dict[str, Any]], records_dir: Path, rows_per_part: 
     import pyarrow as pa
 
     from tasks.parquet_io import write_parquet_atomic
-    from tasks.records import RECORD_SCHEMA
+    from tasks.records.build import RECORD_SCHEMA
 
     parts = 0
     for k in range(0, len(rows), rows_per_part):

@@ -91,7 +91,7 @@ from models.tiny_target import SAMPLES_DIR  # noqa: E402
 from models.train import Metrics, ds_train_config, lr_lambda  # noqa: E402
 from models.train_data import (HiddenSource, epoch_batches, rank_micro_batches, split_samples,  # noqa: E402
                                steps_per_epoch)
-from tasks.records import count_tokens  # noqa: E402
+from tasks.records.build import count_tokens  # noqa: E402
 
 DATASET = "bench"
 BETAS = (0.9, 0.95)  # flows/train.py

@@ -57,7 +57,7 @@ __all__ = ["SamplingParams", "VERSION", "create_app", "main", "serve"]
 
 
 @dataclasses.dataclass(eq=False)
-class _Sequence:
+class EngineSequence:
     """One request's state inside the engine."""
 
     rid: str
@@ -92,7 +92,7 @@ def _cache_from_kv(kv: list[tuple[torch.Tensor, torch.Tensor]]):
     return DynamicCache.from_legacy_cache(tuple(kv))
 
 
-class _Engine:
+class Engine:
     """Continuous batching over per-sequence KV caches, run by one background thread."""
 
     def __init__(self, model, tokenizer, *, eos_ids: set[int], max_batch_size: int):
@@ -103,9 +103,9 @@ class _Engine:
         self.max_batch_size = max_batch_size
         # transformers 5 renamed the forward argument and output field `past_key_values` -> `cache`.
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self._waiting: deque[_Sequence] = deque()
-        self._admitted: list[_Sequence] = []  # taken from the queue, prefill pending
-        self._active: list[_Sequence] = []
+        self._waiting: deque[EngineSequence] = deque()
+        self._admitted: list[EngineSequence] = []  # taken from the queue, prefill pending
+        self._active: list[EngineSequence] = []
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -128,7 +128,7 @@ class _Engine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, seqs: list[_Sequence]) -> None:
+    def submit(self, seqs: list[EngineSequence]) -> None:
         with self._cond:
             self._waiting.extend(seqs)
             self._cond.notify()
@@ -183,7 +183,7 @@ class _Engine:
         for s in leftover:
             self._finish(s, sglang.finish_abort("Server shutting down", 503))
 
-    def _prefill(self, s: _Sequence) -> None:
+    def _prefill(self, s: EngineSequence) -> None:
         """Run one admitted sequence's prompt and sample its first token; it then joins `_active`."""
         reason, logits = None, None
         if s.abort_requested:
@@ -241,7 +241,7 @@ class _Engine:
             s.kv = [(k[row:row + 1, :, width - n:], v[row:row + 1, :, width - n:]) for k, v in new_kv]
             self._append(s, out.logits[row, -1])
 
-    def _append(self, s: _Sequence, logits: torch.Tensor) -> None:
+    def _append(self, s: EngineSequence, logits: torch.Tensor) -> None:
         """Sample one token for `s`, then apply SGLang's finish checks in SGLang's order."""
         token = _sample(logits.float(), s.params, s.generator)
         s.output_ids.append(token)
@@ -257,7 +257,7 @@ class _Engine:
                 self._active.remove(s)
         self._finish(s, reason)
 
-    def _finish(self, s: _Sequence, reason: dict) -> None:
+    def _finish(self, s: EngineSequence, reason: dict) -> None:
         s.finish_reason = reason
         s.kv = None
         ids = sglang.text_token_ids(s.output_ids, reason, s.params.no_stop_trim)
@@ -318,13 +318,13 @@ def _eos_ids(model, tokenizer) -> set[int]:
 class _DevBackend:
     """The model behind the SGLang endpoints (see sglang_protocol.SGLangBackend)."""
 
-    def __init__(self, engine: _Engine, model, tokenizer, limits: sglang.ModelLimits, *, model_path: str,
+    def __init__(self, engine: Engine, model, tokenizer, limits: sglang.ModelLimits, *, model_path: str,
                  served_model_name: str, max_batch_size: int):
         self.engine, self.model, self.tokenizer, self.limits = engine, model, tokenizer, limits
         self.model_path, self.served_model_name = model_path, served_model_name
         self.max_batch_size = max_batch_size
 
-    def sequence(self, prompt: str | list[int], raw_params: Any, rid: str, arrived: float) -> _Sequence:
+    def sequence(self, prompt: str | list[int], raw_params: Any, rid: str, arrived: float) -> EngineSequence:
         """Tokenize and check one prompt (SGLang's checks and words): a sequence for the engine."""
         if isinstance(prompt, str):
             with self.engine.tokenizer_lock:
@@ -333,7 +333,7 @@ class _DevBackend:
             ids = list(prompt)
         params = self.limits.admit(ids, raw_params, unimplemented_by="dev server")
         loop = asyncio.get_running_loop()
-        return _Sequence(rid=rid, prompt_ids=ids, params=params,
+        return EngineSequence(rid=rid, prompt_ids=ids, params=params,
                          max_new_tokens=self.limits.max_new_tokens(len(ids), params), created=arrived,
                          loop=loop, future=loop.create_future())
 
@@ -415,7 +415,7 @@ def create_app(
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
     # No KV pool limit here: SGLang's scheduler limits follow from the context alone.
     limits = sglang.ModelLimits(vocab_size=int(model.config.vocab_size), context_length=context_len)
-    engine = _Engine(model, tokenizer, eos_ids=_eos_ids(model, tokenizer), max_batch_size=max_batch_size)
+    engine = Engine(model, tokenizer, eos_ids=_eos_ids(model, tokenizer), max_batch_size=max_batch_size)
     backend = _DevBackend(engine, model, tokenizer, limits, model_path=str(model_dir),
                           served_model_name=model_name or str(model_dir), max_batch_size=max_batch_size)
 

@@ -8,8 +8,8 @@ from prefect import flow
 
 from flows.config import RunConfig, load_config, save_run_config
 from models.jobs import CaptureJob, CaptureSettings
-from tasks.capture_plan import capture_layers, target_shape
-from tasks.capture_tasks import capture_retryable, index_hidden_states, plan_capture_task, run_capture_job
+from tasks.capture.plan import capture_layers, target_shape
+from tasks.capture.tasks import capture_retryable, index_hidden_states, plan_capture_task, run_capture_job
 from tasks.run_lock import run_lock
 
 

@@ -128,7 +128,7 @@ def _print_stats(run_dir: Path, *, as_json: bool) -> bool:
     """Print the stats of a run; False when a damaged part kept a dataset out (it is named, not raised)."""
     import json
 
-    from tasks.records import record_stats
+    from tasks.records.build import record_stats
     from tasks.stats import collect_stats, render_rows_table, render_stats_table, stats_rows
 
     collected = collect_stats(run_dir)
@@ -172,7 +172,7 @@ def import_jsonl(
     from flows.config import DATASET_NAME, ConfigError, load_config
     from models.file_errors import WriteFailed
     from tasks.datasets import DatasetError
-    from tasks.legacy_import import import_jsonl as do_import
+    from tasks.generate.legacy_import import import_jsonl as do_import
     from tasks.parquet_io import DamagedPart
     from tasks.run_lock import LOCK_NAME, RunDirLocked, run_lock
 

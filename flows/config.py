@@ -93,9 +93,7 @@ class SamplingConfig(Section):
     top_p: float = Field(default=0.95, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(default=-1, ge=-1, description="-1 disables top-k filtering.")
     stop_token_ids: list[int] | None = Field(
-        default=None,
-        description="Token ids that end a response (kept in output_ids). Default: the target "
-        "tokenizer's eos token.",
+        default=None, description="Token ids that end a response (kept in output_ids). Default: the target tokenizer's eos token."
     )
 
     @field_validator("top_k")

@@ -8,7 +8,7 @@ from prefect import flow, get_run_logger
 
 from flows.config import RunConfig, load_config, save_run_config
 from models.jobs import EvalJob, EvalSettings, HeldOut
-from tasks.eval_tasks import evaluate_draft
+from tasks.eval.tasks import evaluate_draft
 from tasks.run_lock import run_lock
 
 

@@ -9,13 +9,13 @@ from prefect import flow
 
 from flows.config import RunConfig, load_config, save_run_config
 from models.jobs import GenerateJob, GenerateSettings, ServerSettings
-from tasks.generate_tasks import (
+from tasks.generate.tasks import (
     RunPaths,
     copy_passthrough_task,
     generate_responses,
     publish_generate_summary,
 )
-from tasks.prompts import request_sampling_params
+from tasks.generate.prompts import request_sampling_params
 from tasks.run_lock import run_lock
 
 

@@ -7,10 +7,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from flows.config import RunConfig
-from tasks.capture_plan import DiskTooSmall, check_fits, human_bytes, plan_capture, target_shape
-from tasks.capture_tasks import captured_tokens, last_throughput
+from tasks.capture.plan import DiskTooSmall, check_fits, human_bytes, plan_capture, target_shape
+from tasks.capture.tasks import captured_tokens, last_throughput
 from tasks.checkpoints import summarize
-from tasks.records import summarize_records
+from tasks.records.build import summarize_records
 
 
 def print_plan(config: RunConfig, console: Console) -> bool:

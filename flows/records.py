@@ -8,7 +8,7 @@ from prefect import flow
 
 from flows.config import RunConfig, load_config, save_run_config
 from models.jobs import RecordSettings, RecordsJob
-from tasks.records_tasks import build_dataset_records, count_record_tokens, publish_records_report, target_vocab_size
+from tasks.records.tasks import build_dataset_records, count_record_tokens, publish_records_report, target_vocab_size
 from tasks.run_lock import run_lock
 
 

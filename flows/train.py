@@ -10,7 +10,7 @@ from flows.config import RunConfig, load_config, save_run_config
 from models.jobs import TrainJob, TrainSettings
 from models.train import ds_train_config
 from tasks.run_lock import run_lock
-from tasks.train_tasks import report_training, retry_train_job, run_train_job
+from tasks.train.tasks import report_training, retry_train_job, run_train_job
 
 
 @flow(name="train", flow_run_name="train {config_path}")

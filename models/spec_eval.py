@@ -197,7 +197,7 @@ def _draft_chain(draft: Eagle3Draft, cache: KVCache, next_ids: torch.Tensor, aux
 
 
 @torch.no_grad()
-def _speculative_decode(target, draft: Eagle3Draft, prompt_ids, *, num_steps: int, max_new_tokens: int,
+def speculative_decode(target, draft: Eagle3Draft, prompt_ids, *, num_steps: int, max_new_tokens: int,
                         eos_token_ids: set[int] | None = None,
                         aux_layers: list[int] | None = None) -> tuple[list[int], list[_Round]]:
     """speculative_generate with the full record of every round."""
@@ -254,7 +254,7 @@ def speculative_generate(target, draft, prompt_ids: list[int], *, num_steps: int
     max_new_tokens is what was kept minus one (module docstring), so sum(a + 1) == len(output) - 1.
     aux_layers default: draft.config.aux_layers. eos_token_ids None: the target's eos; set(): none.
     """
-    out, rounds = _speculative_decode(target, draft, prompt_ids, num_steps=num_steps, max_new_tokens=max_new_tokens,
+    out, rounds = speculative_decode(target, draft, prompt_ids, num_steps=num_steps, max_new_tokens=max_new_tokens,
                                       eos_token_ids=eos_token_ids, aux_layers=aux_layers)
     return out, [r.kept - 1 for r in rounds]
 
@@ -268,7 +268,7 @@ def evaluate_acceptance(target, draft, prompts: list[list[int]], *, num_steps: i
     outputs: list[list[int]] = []
     lengths: list[int] = []
     for prompt in prompts:
-        out, rounds = _speculative_decode(target, draft, prompt, num_steps=num_steps, max_new_tokens=max_new_tokens,
+        out, rounds = speculative_decode(target, draft, prompt, num_steps=num_steps, max_new_tokens=max_new_tokens,
                                           eos_token_ids=eos_token_ids)
         outputs.append(out)
         for r in rounds:

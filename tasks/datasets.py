@@ -242,9 +242,9 @@ def load_dataset(
     for raw in _open(path, kind):
         try:
             if raw.error is not None:
-                raise _Bad(raw.error, raw.expected)
+                raise BadRow(raw.error, raw.expected)
             row = build(raw.data)
-        except _Bad as bad:
+        except BadRow as bad:
             if on_bad_row == "fail":
                 raise DatasetError(
                     raw.source, raw.row, bad.reason, expected=bad.expected or EXPECTED[kind], unit=raw.unit
@@ -522,59 +522,63 @@ def _columns_for(path: Path, kind: str, names: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation: a parsed row becomes a PromptRow / PassthroughRow, or raises _Bad(reason)
+# Validation: a parsed row becomes a PromptRow / PassthroughRow, or raises BadRow(reason)
 
 
-class _Bad(Exception):
+class BadRow(Exception):
+    """One row is not valid: why, and what a valid row looks like (the loader adds the file and row)."""
+
     def __init__(self, reason: str, expected: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.expected = expected
 
 
-def _build_prompt(data: dict) -> PromptRow:
+def build_prompt(data: dict) -> PromptRow:
+    """A prompt row from a parsed object (normalised messages, stable id); BadRow if it is not one."""
     messages, prompt = data.get("messages"), data.get("prompt")
     if messages is not None and prompt is not None:
-        raise _Bad("has both 'messages' and 'prompt'; give one")
+        raise BadRow("has both 'messages' and 'prompt'; give one")
     if prompt is not None:
         if not isinstance(prompt, str):
-            raise _Bad(f"'prompt' must be a string, got {_type_name(prompt)}")
+            raise BadRow(f"'prompt' must be a string, got {_type_name(prompt)}")
         if not prompt.strip():
-            raise _Bad("'prompt' is empty")
+            raise BadRow("'prompt' is empty")
         _check_unicode(prompt, "'prompt'")
         messages = [{"role": "user", "content": prompt}]
     elif messages is not None:
         messages = _messages(messages, GENERATE_ROLES)
         if messages[-1]["role"] != "user":
-            raise _Bad(
+            raise BadRow(
                 f"'messages' must end with a user turn (the prompt to answer), got {messages[-1]['role']!r} last"
             )
     else:
-        raise _Bad(f"missing 'messages' or 'prompt'{_keys_note(data)}")
+        raise BadRow(f"missing 'messages' or 'prompt'{_keys_note(data)}")
     row_id = _given_id(data)
     return PromptRow(id=row_id if row_id is not None else stable_id({"messages": messages}), messages=messages)
 
 
-def _build_passthrough(data: dict) -> PassthroughRow:
+def build_passthrough(data: dict) -> PassthroughRow:
+    """A passthrough row from a parsed object (messages, or input_ids + loss_mask); BadRow if it is not one."""
     has_messages = data.get("messages") is not None
     has_ids = data.get("input_ids") is not None
     has_mask = data.get("loss_mask") is not None
     if has_messages and (has_ids or has_mask):
-        raise _Bad("has both 'messages' and 'input_ids'/'loss_mask'; give one")
+        raise BadRow("has both 'messages' and 'input_ids'/'loss_mask'; give one")
     if has_messages:
         messages = _messages(data["messages"], PASSTHROUGH_ROLES)
         if not any(m["role"] == "assistant" for m in messages):
-            raise _Bad("'messages' has no assistant turn; a passthrough row must already hold the response")
+            raise BadRow("'messages' has no assistant turn; a passthrough row must already hold the response")
         row_id = _given_id(data)
         return PassthroughRow(
             id=row_id if row_id is not None else stable_id({"messages": messages}), messages=messages
         )
     if not has_ids and not has_mask:
-        raise _Bad(f"missing 'messages' or 'input_ids' + 'loss_mask'{_keys_note(data)}")
+        raise BadRow(f"missing 'messages' or 'input_ids' + 'loss_mask'{_keys_note(data)}")
     if not has_ids:
-        raise _Bad("'input_ids' is missing; a 'loss_mask' needs the token ids it masks")
+        raise BadRow("'input_ids' is missing; a 'loss_mask' needs the token ids it masks")
     if not has_mask:
-        raise _Bad("'loss_mask' is missing; 'input_ids' needs a 'loss_mask' of the same length (1 = train on it)")
+        raise BadRow("'loss_mask' is missing; 'input_ids' needs a 'loss_mask' of the same length (1 = train on it)")
     input_ids = _token_ids(data["input_ids"])
     loss_mask = _loss_mask(data["loss_mask"], len(input_ids))
     row_id = _given_id(data)
@@ -583,34 +587,26 @@ def _build_passthrough(data: dict) -> PassthroughRow:
     return PassthroughRow(id=row_id, input_ids=input_ids, loss_mask=loss_mask)
 
 
-_BUILDERS: dict[str, Callable[[dict], Any]] = {"generate": _build_prompt, "passthrough": _build_passthrough}
+_BUILDERS: dict[str, Callable[[dict], Any]] = {"generate": build_prompt, "passthrough": build_passthrough}
 
 
 def _messages(value: Any, roles: tuple[str, ...]) -> list[dict]:
     if not isinstance(value, list):
-        raise _Bad(f"'messages' must be a list of {{role, content}} objects, got {_type_name(value)}")
+        raise BadRow(f"'messages' must be a list of {{role, content}} objects, got {_type_name(value)}")
     if not value:
-        raise _Bad("'messages' is empty")
+        raise BadRow("'messages' is empty")
     out = []
     for i, m in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _Bad(f"'{where}' must be an object {{role, content}}, got {_type_name(m)}")
-        if "role" not in m:
-            raise _Bad(f"'{where}.role' is missing")
-        role = m["role"]
-        if not isinstance(role, str):
-            raise _Bad(f"'{where}.role' must be a string, got {_type_name(role)}")
+            raise BadRow(f"'{where}' must be an object {{role, content}}, got {_type_name(m)}")
+        role = _string_key(m, where, "role")
         if role not in roles:
-            raise _Bad(f"'{where}.role' must be one of {', '.join(roles)}, got {role!r}")
-        if "content" not in m:
-            raise _Bad(f"'{where}.content' is missing")
-        content = m["content"]
-        if not isinstance(content, str):
-            raise _Bad(f"'{where}.content' must be a string, got {_type_name(content)}")
+            raise BadRow(f"'{where}.role' must be one of {', '.join(roles)}, got {role!r}")
+        content = _string_key(m, where, "content")
         empty_ok = role == "tool" or (role == "assistant" and bool(m.get("tool_calls") or m.get("reasoning_content")))
         if not empty_ok and not content.strip():
-            raise _Bad(f"'{where}.content' is empty")
+            raise BadRow(f"'{where}.content' is empty")
         _check_unicode(content, f"'{where}.content'")
         message = {"role": role, "content": content}
         message.update((k, v) for k, v in m.items() if k not in message and v is not None)
@@ -618,35 +614,45 @@ def _messages(value: Any, roles: tuple[str, ...]) -> list[dict]:
     return out
 
 
+def _string_key(message: dict, where: str, key: str) -> str:
+    """`message[key]`, which must be there and be a string."""
+    if key not in message:
+        raise BadRow(f"'{where}.{key}' is missing")
+    value = message[key]
+    if not isinstance(value, str):
+        raise BadRow(f"'{where}.{key}' must be a string, got {_type_name(value)}")
+    return value
+
+
 def _token_ids(value: Any) -> list[int]:
     if not isinstance(value, list):
-        raise _Bad(f"'input_ids' must be a list of ints, got {_type_name(value)}")
+        raise BadRow(f"'input_ids' must be a list of ints, got {_type_name(value)}")
     if not value:
-        raise _Bad("'input_ids' is empty")
+        raise BadRow("'input_ids' is empty")
     # set(map(type, ...)) and min() run in C: these lists can be 100k tokens long.
     if set(map(type, value)) != {int}:
         i = next(i for i, x in enumerate(value) if type(x) is not int)
-        raise _Bad(f"'input_ids[{i}]' must be a non-negative int, got {_type_name(value[i])}")
+        raise BadRow(f"'input_ids[{i}]' must be a non-negative int, got {_type_name(value[i])}")
     if min(value) < 0:
         i = next(i for i, x in enumerate(value) if x < 0)
-        raise _Bad(f"'input_ids[{i}]' must be a non-negative int, got {value[i]}")
+        raise BadRow(f"'input_ids[{i}]' must be a non-negative int, got {value[i]}")
     return value
 
 
 def _loss_mask(value: Any, length: int) -> list[int]:
     if not isinstance(value, list):
-        raise _Bad(f"'loss_mask' must be a list of 0/1, got {_type_name(value)}")
+        raise BadRow(f"'loss_mask' must be a list of 0/1, got {_type_name(value)}")
     if len(value) != length:
-        raise _Bad(f"'loss_mask' has {len(value)} entries but 'input_ids' has {length}; they must be the same length")
+        raise BadRow(f"'loss_mask' has {len(value)} entries but 'input_ids' has {length}; they must be the same length")
     types = set(map(type, value))
     if not types <= {int, bool}:
         i = next(i for i, x in enumerate(value) if type(x) not in (int, bool))
-        raise _Bad(f"'loss_mask[{i}]' must be 0 or 1, got {_type_name(value[i])}")
+        raise BadRow(f"'loss_mask[{i}]' must be 0 or 1, got {_type_name(value[i])}")
     if not set(value) <= {0, 1}:
         i = next(i for i, x in enumerate(value) if x not in (0, 1))
-        raise _Bad(f"'loss_mask[{i}]' must be 0 or 1, got {value[i]!r}")
+        raise BadRow(f"'loss_mask[{i}]' must be 0 or 1, got {value[i]!r}")
     if not any(value):
-        raise _Bad("'loss_mask' has no 1s; at least one token must carry the loss")
+        raise BadRow("'loss_mask' has no 1s; at least one token must carry the loss")
     # Bools become 0/1 so that a mask hashes and stores the same from JSON and from Arrow.
     return list(map(int, value)) if bool in types else value
 
@@ -656,10 +662,10 @@ def _given_id(data: dict) -> str | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise _Bad(f"'id' must be a string or int, got {_type_name(value)}")
+        raise BadRow(f"'id' must be a string or int, got {_type_name(value)}")
     text = str(value)
     if not text.strip():
-        raise _Bad("'id' is empty; leave it out to get a content hash")
+        raise BadRow("'id' is empty; leave it out to get a content hash")
     return text
 
 
@@ -678,7 +684,7 @@ def _check_unicode(text: str, where: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise _Bad(f"{where} is not valid Unicode (unpaired surrogate at character {e.start})") from None
+        raise BadRow(f"{where} is not valid Unicode (unpaired surrogate at character {e.start})") from None
 
 
 def _keys_note(data: dict) -> str:

@@ -11,10 +11,8 @@ the same directory at once could pick the same number.
 
 from __future__ import annotations
 
-import os
 import re
 import time
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -22,11 +20,10 @@ from typing import Any, Iterator, Mapping
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from models.atomic import fsync_dir
+from models.atomic import TMP_SUFFIX, atomic_file
 from models.file_errors import DamagedFile
 
 PART_SUFFIX = ".parquet"
-TMP_SUFFIX = ".tmp"
 # Zero padding keeps names in lexical order up to a million parts per directory.
 PART_DIGITS = 6
 
@@ -49,22 +46,9 @@ def write_parquet_atomic(
         merged.update({str(k).encode(): str(v).encode() for k, v in metadata.items()})
         table = table.replace_schema_metadata(merged)
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
-    try:
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f, **write_options)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # Best effort: a kill -9 leaves the temp file behind, which readers ignore and
-        # `clean_stale_temps` removes.
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(path.parent)
+    # A kill -9 can leave the temp file behind: readers ignore it, `clean_stale_temps` removes it.
+    with atomic_file(path, "wb") as f:
+        pq.write_table(table, f, **write_options)
     return path
 
 

@@ -69,3 +69,36 @@ def tmpfs() -> Iterator[Tmpfs]:
     yield disks
     for directory in list(disks.mounted):
         disks.unmount(directory)
+
+
+class ProcessTree:
+    """The process tree as /proc shows it (for kill tests: every rank a launch started must die with it)."""
+
+    @staticmethod
+    def descendants(pid: int) -> list[int]:
+        children: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        out, todo = [], [pid]
+        while todo:
+            for child in children.get(todo.pop(), []):
+                out.append(child)
+                todo.append(child)
+        return out
+
+    @staticmethod
+    def alive(pid: int) -> bool:
+        """Running (a zombie waiting for its parent counts as dead)."""
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+
+@pytest.fixture
+def procs() -> ProcessTree:
+    return ProcessTree()

@@ -12,7 +12,7 @@ import pytest
 import torch
 import uvicorn
 
-from deploy.dev_server import SamplingParams, _Engine, _Sequence, create_app
+from deploy.dev_server import SamplingParams, Engine, EngineSequence, create_app
 
 CONTEXT = 512  # smaller than the tiny target's 4096 positions: over-long prompts stay cheap
 PROMPTS = [[20, 31, 42, 53], [100, 7, 250], [300, 301, 302, 303, 304, 305], [64, 65], [900, 12, 13, 14, 15]]
@@ -127,9 +127,9 @@ def test_engine_batches_mixed_lengths_and_late_joiners_exactly(hf):
     """White-box: drive the engine's steps by hand so batching (padding, joins) surely happens."""
     model, tok = hf
     loop = asyncio.new_event_loop()
-    engine = _Engine(model, tok, eos_ids=set(), max_batch_size=8)
+    engine = Engine(model, tok, eos_ids=set(), max_batch_size=8)
     params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=10)
-    seqs = [_Sequence(rid=str(i), prompt_ids=p, params=params, max_new_tokens=10, created=time.perf_counter(),
+    seqs = [EngineSequence(rid=str(i), prompt_ids=p, params=params, max_new_tokens=10, created=time.perf_counter(),
                       loop=loop, future=loop.create_future()) for i, p in enumerate(PROMPTS)]
     with torch.inference_mode():
         for s in seqs[:3]:

@@ -364,6 +364,7 @@ def test_admin_endpoint_and_stats(make_server):
         assert c.get("/_stats").json()["completed"] == 0
 
 
+@pytest.mark.multiprocess
 def test_cli_runs_in_the_foreground():
     proc = subprocess.Popen(
         [sys.executable, "-m", "deploy.sim_server", "--port", "0", "--seed", "3", "--mean-len", "40",

@@ -19,17 +19,16 @@ from prefect.states import Failed
 
 from flows.capture import capture
 from models.capture import ERROR_MARK
-from models.rank_protocol import error_report
-from models.file_errors import DamagedShard
+from models.file_errors import DamagedShard, WriteFailed
 from models.hidden_shards import ShardWriter
-from models.file_errors import WriteFailed
-from tasks import capture_tasks
-from tasks.capture_plan import DiskTooSmall
-from tasks.capture_tasks import CaptureRefused, capture_retryable, rank_error
+from models.jobs import RecordsJob
+from models.rank_protocol import error_report
+from tasks.capture import tasks as capture_tasks
+from tasks.capture.plan import DiskTooSmall
+from tasks.capture.tasks import CaptureRefused, capture_retryable, rank_error
 from tasks.checkpoints import responses_table, write_part
 from tasks.launch import RankFailure
-from models.jobs import RecordsJob
-from tasks.records import build_records
+from tasks.records.build import build_records
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,6 +14,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 EAGLE3 = Path(sys.executable).parent / "eagle3"
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes of its own
+
 
 def eagle3(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "220", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}

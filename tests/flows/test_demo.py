@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import io
 import json
 
@@ -13,7 +15,9 @@ from flows.demo import run_demo
 from models.eagle3_export import validate_export
 from tasks.checkpoints import live_parts
 from tasks.datasets import load_dataset
-from tasks.prompts import chat_prompt_ids
+from tasks.generate.prompts import chat_prompt_ids
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes of its own
 
 
 def test_demo_runs_every_stage(tmp_path, tiny_target_dir):

@@ -21,6 +21,8 @@ import yaml
 from deploy.sim_server import SimServer
 from tasks.checkpoints import live_parts
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes of its own
+
 FLUSH_EVERY = 16
 SLOTS = 8
 PROMPTS = 1500

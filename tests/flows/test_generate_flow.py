@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -16,8 +15,8 @@ from flows.capture import capture
 from flows.generate import generate
 from flows.records import records
 from models.hidden_shards import read_sample
-from tasks import capture_plan
-from tasks.capture_plan import DiskTooSmall
+from tasks.capture import plan as capture_plan
+from tasks.capture.plan import DiskTooSmall
 from tasks.checkpoints import live_parts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,6 +46,7 @@ async def artifacts_by_key() -> dict[str, object]:
         return {a.key: a for a in await client.read_artifacts() if a.key}
 
 
+@pytest.mark.multiprocess
 def test_generate_records_capture_flows_publish_their_artifacts(tmp_path, tiny_target_dir, monkeypatch):
     with SimServer(max_running=4, decode_s_per_token=0.0005, mean_len=12, vocab_size=2048, eos_token_id=1) as srv:
         config = write_config(tmp_path, srv.url, tiny_target_dir)

@@ -68,7 +68,7 @@ def test_a_killed_training_job_is_retried_and_resumes(tmp_path, monkeypatch):
 
     config = _config(tmp_path, retries=2)
     ranks = Ranks(tmp_path / "run" / "draft", ["killed", "killed", "done"])
-    monkeypatch.setattr("tasks.train_tasks.run_job", ranks)
+    monkeypatch.setattr("tasks.train.tasks.run_job", ranks)
     result = train(str(config))
     assert result["steps"] == 4 and len(ranks.launches) == 3
     assert all("models.train" in command for command in ranks.launches)
@@ -76,10 +76,10 @@ def test_a_killed_training_job_is_retried_and_resumes(tmp_path, monkeypatch):
 
 def test_retries_come_from_the_config(tmp_path, monkeypatch):
     from flows.train import train
-    from tasks.train_tasks import TrainFailed
+    from tasks.train.tasks import TrainFailed
 
     ranks = Ranks(tmp_path / "run" / "draft", ["killed", "killed", "done"])
-    monkeypatch.setattr("tasks.train_tasks.run_job", ranks)
+    monkeypatch.setattr("tasks.train.tasks.run_job", ranks)
     with pytest.raises(TrainFailed, match="died without reporting an error"):
         train(str(_config(tmp_path, retries=1)))
     assert len(ranks.launches) == 2
@@ -89,7 +89,7 @@ def test_a_full_disk_stops_the_train_flow_at_once_with_the_ranks_message(tmp_pat
     from flows.train import train
 
     ranks = Ranks(tmp_path / "run" / "draft", ["disk full", "done"])
-    monkeypatch.setattr("tasks.train_tasks.run_job", ranks)
+    monkeypatch.setattr("tasks.train.tasks.run_job", ranks)
     with pytest.raises(WriteFailed) as info:
         train(str(_config(tmp_path, retries=2)))
     assert len(ranks.launches) == 1  # a retry would fill the same disk again

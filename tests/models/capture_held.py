@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from models import capture, hidden_shards
 

@@ -445,6 +445,7 @@ def test_errors_exit_nonzero_with_traceback(tiny_target_dir, records, tmp_path, 
 # --- torchrun, 2 CPU ranks ----------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["replicate", "zero3"])
 def test_torchrun_two_ranks_match_plain_forward(mode, tiny_target_dir, records, expected, tmp_path):
     out = tmp_path / "hidden"
@@ -466,32 +467,10 @@ def test_torchrun_two_ranks_match_plain_forward(mode, tiny_target_dir, records, 
         assert "rank 0 ran 1 batches and 0 padding" not in proc.stderr
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["replicate", "zero3"])
-def test_killed_capture_resumes_exactly_once(mode, tiny_target_dir, records, expected, tmp_path):
+def test_killed_capture_resumes_exactly_once(mode, tiny_target_dir, records, expected, tmp_path, procs):
     out = tmp_path / "hidden"
     job = _job(tiny_target_dir, records, out, mode, shard_tokens=120)
     with open(tmp_path / "held.log", "wb") as log:
@@ -504,7 +483,7 @@ def test_killed_capture_resumes_exactly_once(mode, tiny_target_dir, records, exp
         assert list_shards(out), f"no shard appeared (exit {held.poll()}):\n{(tmp_path / 'held.log').read_text()[-4000:]}"
     finally:
         # torchrun starts every rank in its own session: kill the ranks' groups and the launcher's.
-        victims = [held.pid, *_descendants(held.pid)]
+        victims = [held.pid, *procs.descendants(held.pid)]
         for pid in victims:
             try:
                 os.killpg(pid, signal.SIGKILL)
@@ -512,9 +491,9 @@ def test_killed_capture_resumes_exactly_once(mode, tiny_target_dir, records, exp
                 pass
         held.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while any(_alive(p) for p in victims[1:]) and time.monotonic() < deadline:
+        while any(procs.alive(p) for p in victims[1:]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(p) for p in victims[1:]), "capture ranks survived SIGKILL"
+        assert not any(procs.alive(p) for p in victims[1:]), "capture ranks survived SIGKILL"
     partial = done_sample_keys(out)
     assert 0 < len(partial) < len(expected)
     (out / ".shard-000-000099.safetensors.1-dead.tmp").write_bytes(b"half a shard")
@@ -660,11 +639,12 @@ def test_single_process_full_disk_stops_keeps_shards_and_resumes(tiny_target_dir
         _check_capture(out, expected)
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_cannot_write_stops_the_job_at_once(tiny_target_dir, records, tmp_path):
     """Rank 1's disk is full at its first shard while rank 0 is held mid-run: the launch ends at once with one line."""
     from prefect.states import Failed
 
-    from tasks.capture_tasks import capture_retryable, run_ranks
+    from tasks.capture.tasks import capture_retryable, run_ranks
 
     out = tmp_path / "hidden"
     job = _job(tiny_target_dir, records, out, "replicate", shard_tokens=120)
@@ -685,10 +665,11 @@ def test_a_rank_that_cannot_write_stops_the_job_at_once(tiny_target_dir, records
     assert list_shards(out) == [] and not [p for p in out.iterdir() if p.name.startswith(".shard")]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_torchrun_full_disk_drill(tiny_target_dir, records, expected, tmp_path, tmpfs):
     """The hidden dir on a small tmpfs: two ranks fill it; the job stops with one line; a rerun after it grows completes."""
-    from tasks.capture_tasks import run_ranks
+    from tasks.capture.tasks import run_ranks
 
     with tmpfs(tmp_path / "small", _disk_for(expected, 0.4)) as small:
         out = small / "hidden"

@@ -12,7 +12,7 @@ from models.draft_vocab import draft_vocab
 from models.eagle3 import DraftStep, Eagle3Config, Eagle3Draft, KVCache, default_aux_layers
 from models.spec_eval import (
     SpecEvalResult,
-    _speculative_decode,
+    speculative_decode,
     evaluate_acceptance,
     greedy_generate,
     speculative_generate,
@@ -223,7 +223,7 @@ def test_rounds_equal_cache_free_reference(target, prompts, greedy, scripted):
     draft = _scripted_draft(target, prompts, greedy, _mixed) if scripted else _random_draft(target)
     accepted = set()
     for prompt in prompts[1:3]:
-        _, rounds = _speculative_decode(target, draft, prompt, num_steps=3, max_new_tokens=14, eos_token_ids=set())
+        _, rounds = speculative_decode(target, draft, prompt, num_steps=3, max_new_tokens=14, eos_token_ids=set())
         got = [(r.drafted, r.verified, r.accepted, r.kept) for r in rounds]
         assert got == _reference_rounds(target, draft, prompt, 3, 14)
         accepted |= {r.accepted for r in rounds}

@@ -230,6 +230,7 @@ def _single_process(job: Path) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_online_mode_trains_like_offline_on_the_same_records(tiny_target_dir, train_data, tmp_path):
     """Online computes the hidden states in the job: same batches, same losses as from the captured shards."""
     one_rank = ds_train_config(world_size=1, grad_accum=1, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95), grad_clip=0.5,
@@ -256,7 +257,8 @@ def test_online_mode_trains_like_offline_on_the_same_records(tiny_target_dir, tr
     assert len(_metric_lines(online)) == len(b)
 
 
-def test_killed_training_resumes_with_the_same_state(tiny_target_dir, train_data, tmp_path):
+@pytest.mark.multiprocess
+def test_killed_training_resumes_with_the_same_state(tiny_target_dir, train_data, tmp_path, procs):
     # The uninterrupted reference run: 2 ranks, ZeRO-2, learns, evaluates, checkpoints, exports.
     reference = tmp_path / "ref" / "draft"
     log = _torchrun(_job(tiny_target_dir, train_data, reference))
@@ -286,7 +288,7 @@ def test_killed_training_resumes_with_the_same_state(tiny_target_dir, train_data
             if "TRAIN_CHECKPOINT step=4" in line:
                 break
     finally:
-        victims = [proc.pid, *_descendants(proc.pid)]
+        victims = [proc.pid, *procs.descendants(proc.pid)]
         for pid in victims:
             try:
                 os.killpg(pid, signal.SIGKILL)
@@ -294,7 +296,7 @@ def test_killed_training_resumes_with_the_same_state(tiny_target_dir, train_data
                 pass
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while any(_alive(p) for p in victims[1:]) and time.monotonic() < deadline:
+        while any(procs.alive(p) for p in victims[1:]) and time.monotonic() < deadline:
             time.sleep(0.1)
     assert "TRAIN_CHECKPOINT step=4" in "".join(seen), "".join(seen)[-4000:]
     assert not (out / "final").exists()
@@ -312,29 +314,6 @@ def test_killed_training_resumes_with_the_same_state(tiny_target_dir, train_data
     assert [(x["kind"], x["step"]) for x in lines] == [(x["kind"], x["step"]) for x in ref_lines]
     for a, b in zip(lines, ref_lines):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6), (a, b)
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # --- fingerprints: a relaunch resumes only its own run --------------------------------------------
@@ -421,6 +400,7 @@ def _tree(directory: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()}
 
 
+@pytest.mark.multiprocess
 def test_relaunch_on_other_data_or_settings_is_refused_before_training(tiny_target_dir, train_data, tmp_path):
     """Changed lr, data or length: exit 1 naming the change, checkpoints untouched; watch settings and old checkpoints resume."""
     import shutil
@@ -484,6 +464,7 @@ def small_disk(tmp_path, tmpfs):
         yield disk
 
 
+@pytest.mark.multiprocess
 def test_full_disk_stops_training_at_once_and_keeps_the_last_checkpoint(tiny_target_dir, train_data, small_disk, tmpfs):
     """A real ENOSPC in the step-4 save: exit 1 with one clear report, step 2 kept intact; after the disk grows, a rerun finishes."""
     import re

@@ -19,6 +19,7 @@ def _python(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
+@pytest.mark.multiprocess
 def test_lines_go_to_the_log_progress_and_events_to_the_task():
     # A real process (run_job): protocol lines on stdout, a log line on stderr, as the ranks print them.
     code = ("import sys; print('TRAIN_PROGRESS step=0 total=2 tokens=0', flush=True); "
@@ -34,6 +35,7 @@ def test_lines_go_to_the_log_progress_and_events_to_the_task():
         (TRAIN_CHECKPOINT, {"step": 2})]
 
 
+@pytest.mark.multiprocess
 def test_a_failed_rank_raises_its_own_exception_in_its_words(tmp_path):
     written = WriteFailed(tmp_path / "shard-001-000004.safetensors", OSError(errno.ENOSPC, "No space left on device"),
                           kept="every complete shard", resume="make room there")
@@ -47,6 +49,7 @@ def test_a_failed_rank_raises_its_own_exception_in_its_words(tmp_path):
     assert logged == [f"capture rank 1 failed: {written}"]  # the reports themselves are not logged
 
 
+@pytest.mark.multiprocess
 def test_no_report_leaves_the_launchers_failure_with_the_output_tail():
     with pytest.raises(RankFailure, match=r"(?s)exited with code 3.*--- last output ---\nkilled, in words"):
         follow_job(_python("import sys; print('killed, in words'); sys.exit(3)"), protocol=CAPTURE, log=lambda line: None)

@@ -21,6 +21,7 @@ def test_launch_none_starts_nothing():
     assert isinstance(launched_server("none", "http://127.0.0.1:1"), contextlib.nullcontext)
 
 
+@pytest.mark.multiprocess
 def test_dev_server_runs_inside_and_is_stopped_after_a_failure(tiny_target_dir, tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(RuntimeError, match="generation broke"):

@@ -22,6 +22,8 @@ HOLDER = (
     "    sys.stdin.read()\n"  # holds until its stdin closes, or it is killed
 )
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes of its own
+
 
 @pytest.fixture
 def holder(tmp_path):

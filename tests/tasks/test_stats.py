@@ -350,6 +350,7 @@ def test_stats_from_footers_is_50x_faster_than_parsing_jsonl(big_run):
     assert ratio >= 50, f"footers {fast:.3f} s vs JSONL {slow:.3f} s: only {ratio:.1f}x"
 
 
+@pytest.mark.multiprocess
 def test_eagle3_stats_names_a_damaged_part_without_a_traceback(run_dir):
     import subprocess
     import sys

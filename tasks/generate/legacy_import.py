@@ -93,15 +93,15 @@ from typing import Any, Iterator, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from models.atomic import fsync_dir
+from models.atomic import TMP_SUFFIX, fsync_dir
 from models.file_errors import WriteFailed
 from tasks import datasets
 from tasks.checkpoints import PartSummary, done_ids, finish_compaction, live_parts, responses_table
 from tasks.datasets import DatasetError, Reject
 from tasks.parquet_io import (
-    TMP_SUFFIX, DamagedPart, clean_stale_temps, next_part_path, read_metadata, reading, write_parquet_atomic,
+    DamagedPart, clean_stale_temps, next_part_path, read_metadata, reading, write_parquet_atomic,
 )
-from tasks.prompts import chat_prompt_ids
+from tasks.generate.prompts import chat_prompt_ids
 from tasks.rejects import write_rejects
 from tasks.run_lock import LOCK_NAME, run_lock
 
@@ -567,8 +567,8 @@ def _prompt(d: dict, messages: Any) -> tuple[list[dict] | None, str | None]:
     try:
         # The dataset loader's own row builder: the id must be the one the dataset file gives the
         # same prompt, including its normalisation of messages (dropped nulls, prompt -> user turn).
-        row = datasets._build_prompt(content)
-    except datasets._Bad as bad:
+        row = datasets.build_prompt(content)
+    except datasets.BadRow as bad:
         raise _BadLine(f"prompt: {bad.reason}") from None
     return row.messages, row.id
 

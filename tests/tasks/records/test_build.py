@@ -14,14 +14,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from tasks.checkpoints import compact, responses_table, write_part
-from tasks.passthrough import PASSTHROUGH_SCHEMA, copy_passthrough
+from tasks.generate.passthrough import PASSTHROUGH_SCHEMA, copy_passthrough
 from tasks.parquet_io import list_parts
-from tasks.prompts import chat_prompt_ids
+from tasks.generate.prompts import chat_prompt_ids
 from models.file_errors import WriteFailed
-from tasks import records as records_module
+from tasks.records import build as records_module
 from tasks.parquet_io import DamagedPart
 from models.jobs import RecordsJob
-from tasks.records import (
+from tasks.records.build import (
     TOKEN_COUNTS,
     build_records,
     count_tokens,
@@ -30,7 +30,7 @@ from tasks.records import (
     summarize_records,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

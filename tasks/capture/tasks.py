@@ -23,8 +23,8 @@ from models.hidden_shards import RESUME, iter_shard_index, list_shards, write_in
 from models.rank_protocol import CAPTURE, Message
 from models.file_errors import WriteFailed
 from tasks import launch
-from tasks.capture_plan import CapturePlan, TargetShape, check_fits, human_bytes, plan_capture
-from tasks.generate_tasks import artifact_key
+from tasks.capture.plan import CapturePlan, TargetShape, check_fits, human_bytes, plan_capture
+from tasks.artifacts import artifact_key
 from tasks.launch import RankFailure, RankRefused, follow_job, rank_command, run_job, write_job
 
 METADATA = "metadata.json"

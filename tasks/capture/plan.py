@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from models.eagle3 import default_aux_layers
-from tasks.records import summarize_records
+from tasks.records.build import summarize_records
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ID_BYTES = 4 + 1  # int32 input id + uint8 loss flag per token

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from models.tiny_target import CHAT_TEMPLATE, IM_END
-from tasks.chat_masks import MaskError, TokenizedTurns, conversation_records
+from tasks.records.chat_masks import MaskError, TokenizedTurns, conversation_records
 
-SAMPLE = Path(__file__).resolve().parents[2] / "data" / "samples" / "passthrough_chat.jsonl"
+SAMPLE = Path(__file__).resolve().parents[3] / "data" / "samples" / "passthrough_chat.jsonl"
 GEN_PROMPT = "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
 # Sample conversations with reasoning in an assistant turn before the last user turn: the template
 # drops that reasoning when it renders the whole conversation, so these must be split.

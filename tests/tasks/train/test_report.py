@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tasks.train_report import (
+from tasks.train.report import (
     PNG_SIGNATURE,
     TrainMetrics,
     eval_table,

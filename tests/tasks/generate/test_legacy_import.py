@@ -13,9 +13,9 @@ import pytest
 from models.file_errors import WriteFailed
 from tasks.checkpoints import PartSummary, done_ids
 from tasks.datasets import DatasetError, load_dataset, stable_id
-from tasks.legacy_import import ImportReport, import_jsonl
+from tasks.generate.legacy_import import ImportReport, import_jsonl
 from tasks.parquet_io import DamagedPart, list_parts, read_metadata
-from tasks.prompts import chat_prompt_ids
+from tasks.generate.prompts import chat_prompt_ids
 from tasks.run_lock import RunDirLocked
 from tasks.stats import collect_stats
 
@@ -395,7 +395,7 @@ def test_parts_are_cut_by_tokens_too(tmp_path):
 
 def fail_writes_after(monkeypatch, n, error):
     """Make the import's part writer succeed `n` times, then raise `error`."""
-    import tasks.legacy_import as legacy
+    import tasks.generate.legacy_import as legacy
 
     real, calls = legacy.write_parquet_atomic, []
 
@@ -500,12 +500,13 @@ def test_a_damaged_part_is_named(tmp_path):
     assert sorted(r["id"] for r in read_rows(run)) == ["r0", "r1", "r2", "r3"]
 
 
+@pytest.mark.multiprocess
 def test_a_second_writer_is_refused(tmp_path):
     run = tmp_path / "run"
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from tasks.run_lock import run_lock\n"
          f"with run_lock({str(run)!r}, 'generate B1'):\n    print('held', flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[3],
     )
     try:
         assert holder.stdout.readline().strip() == "held"

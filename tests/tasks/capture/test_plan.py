@@ -7,12 +7,12 @@ from collections import namedtuple
 
 import pytest
 
-from tasks import capture_plan
-from tasks.capture_plan import DiskTooSmall, TargetShape, capture_layers, check_fits, plan_capture, target_shape
+from tasks.capture import plan as capture_plan
+from tasks.capture.plan import DiskTooSmall, TargetShape, capture_layers, check_fits, plan_capture, target_shape
 from tasks.checkpoints import responses_table, write_part
 from tasks.parquet_io import DamagedPart
 from models.jobs import RecordsJob
-from tasks.records import build_records
+from tasks.records.build import build_records
 
 KIMI = TargetShape(hidden_size=7168, num_layers=61, dtype="bfloat16")
 

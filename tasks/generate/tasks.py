@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,10 +12,11 @@ from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact,
 from prefect.cache_policies import NO_CACHE
 
 from models.jobs import GenerateJob, ServerSettings
+from tasks.artifacts import artifact_key
 from tasks.datasets import load_dataset
-from tasks.generation import GenerateReport, Progress, generate_dataset
-from tasks.prompts import default_stop_ids
-from tasks.passthrough import PassthroughReport, copy_passthrough
+from tasks.generate.loop import GenerateReport, Progress, generate_dataset
+from tasks.generate.prompts import default_stop_ids
+from tasks.generate.passthrough import PassthroughReport, copy_passthrough
 from tasks.rejects import replace_stage_rejects
 from tasks.sglang_client import RetryPolicy, SGLangClient, ServerOutage
 
@@ -35,11 +35,6 @@ class RunPaths:
 
     def passthrough(self, dataset: str) -> Path:
         return self.run_dir / "passthrough" / dataset
-
-
-def artifact_key(*parts: str) -> str:
-    """A Prefect artifact key (lowercase letters, digits, dashes) from free-form parts."""
-    return "-".join(re.sub(r"[^a-z0-9]+", "-", p.lower()).strip("-") for p in parts if p)
 
 
 async def _retry_on_outage(task: Any, task_run: Any, state: Any) -> bool:

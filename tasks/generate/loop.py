@@ -24,11 +24,11 @@ from typing import Any, Awaitable, Callable
 
 from models.jobs import GenerateJob
 from models.file_errors import WriteFailed
-from tasks.budget import TokenBudget
+from tasks.generate.budget import TokenBudget
 from tasks.checkpoints import ResponseWriter, done_ids, summarize
 from tasks.datasets import PromptRow, Reject
 from tasks.parquet_io import DamagedPart
-from tasks.prompts import chat_prompt_ids
+from tasks.generate.prompts import chat_prompt_ids
 from tasks.rejects import settle_generate_rejects, write_rejects
 from tasks.sglang_client import BadRequest, Completion, SGLangClient, ServerOutage
 

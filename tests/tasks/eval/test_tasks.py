@@ -9,7 +9,7 @@ import pytest
 
 from models.spec_eval import SpecEvalResult
 from models.eval_job import merge_results
-from tasks.eval_tasks import eval_rows, sglang_command, ttt_estimate
+from tasks.eval.tasks import eval_rows, sglang_command, ttt_estimate
 
 
 def _result(rounds: int, accepted_total: int, reached: list[int], accepted: list[int], prompts: int) -> SpecEvalResult:

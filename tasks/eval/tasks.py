@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from models.jobs import EvalJob
 from models.atomic import write_atomic
 from models.rank_protocol import EVAL, Message
-from tasks.generate_tasks import artifact_key
+from tasks.artifacts import artifact_key
 from tasks.launch import follow_job, write_job
 
 EVAL_FILE = "eval.json"

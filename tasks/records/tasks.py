@@ -9,9 +9,9 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from tasks.generate_tasks import artifact_key
+from tasks.artifacts import artifact_key
 from models.jobs import RecordsJob
-from tasks.records import TOKEN_COUNTS, RecordsReport, build_records, count_tokens, coverage
+from tasks.records.build import TOKEN_COUNTS, RecordsReport, build_records, count_tokens, coverage
 
 
 @task(name="target-vocab-size", cache_policy=NO_CACHE)

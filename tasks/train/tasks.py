@@ -21,9 +21,9 @@ from prefect.cache_policies import NO_CACHE
 from models.jobs import TrainJob
 from models.rank_protocol import TRAIN, TRAIN_EVAL, Message, most_telling
 from models.train import RESUME, CheckpointMismatch, kept_checkpoint
-from tasks.generate_tasks import artifact_key
+from tasks.artifacts import artifact_key
 from tasks.launch import RankFailure, follow_job, rank_command, rank_error, run_job, write_job
-from tasks.train_report import eval_table, load_metrics, plot_training, report_markdown
+from tasks.train.report import eval_table, load_metrics, plot_training, report_markdown
 
 SUMMARY = "train_summary.json"
 PLOT = "training.png"

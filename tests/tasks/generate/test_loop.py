@@ -21,11 +21,11 @@ from deploy.sim_server import SimConfig, SimServer, simulate_output
 from tasks.checkpoints import done_ids, live_parts, summarize
 from tasks.datasets import PromptRow
 from models.jobs import GenerateJob
-from tasks.generation import generate_dataset
-from tasks.prompts import chat_prompt_ids, request_sampling_params
+from tasks.generate.loop import generate_dataset
+from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.sglang_client import RetryPolicy, SGLangClient, ServerOutage
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EOS = 1  # <|im_end|> of the tiny target; also the sim server's eos
 SAMPLING = request_sampling_params({"max_new_tokens": 64, "temperature": 0.7, "top_p": 0.95}, [EOS])
 
@@ -254,7 +254,7 @@ RUNNER = textwrap.dedent(
     from transformers import AutoTokenizer
     from tasks.datasets import PromptRow
     from models.jobs import GenerateJob
-    from tasks.generation import generate_dataset
+    from tasks.generate.loop import generate_dataset
     from tasks.sglang_client import SGLangClient
 
     url, tok_dir, run_dir, prompts_file, params = sys.argv[1:6]
@@ -276,6 +276,7 @@ RUNNER = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, tiny_target_dir, tokenizer):
     rows = prompts(60)

@@ -1,6 +1,6 @@
 """Token budget admission control as plain logic."""
 
-from tasks.budget import MIN_SAMPLES, TokenBudget
+from tasks.generate.budget import MIN_SAMPLES, TokenBudget
 
 
 def test_unlimited_budget_always_admits():

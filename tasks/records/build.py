@@ -3,7 +3,7 @@
 Generated responses become `prompt_ids + output_ids` with the loss on the output ids, stop token
 included: the exact ids the target produced, never a re-rendered conversation. Passthrough rows are
 either taken as they are (pre-tokenized) or tokenized with the target's chat template with the loss
-on assistant turns only (tasks/chat_masks.py decides, and refuses to guess).
+on assistant turns only (tasks/records/chat_masks.py decides, and refuses to guess).
 
 Each records part is derived from exactly one source part of the same name
 (`responses/<ds>/part-000003.parquet` -> `records/<ds>/part-000003.parquet`) and its footer records
@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from models.file_errors import WriteFailed
-from tasks.chat_masks import MaskError, conversation_records
+from tasks.records.chat_masks import MaskError, conversation_records
 from tasks.checkpoints import live_parts
 from models.jobs import RecordsJob
 from tasks.datasets import Reject
@@ -39,16 +39,14 @@ from tasks.rejects import write_rejects
 from tasks.parquet_io import DamagedPart, list_parts, read_metadata, reading, write_parquet_atomic
 from tasks.stats import nearest_rank
 
-RECORD_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.uint8())),
-        ("num_tokens", pa.int32()),
-        ("num_loss_tokens", pa.int32()),
-        ("truncated", pa.bool_()),
-    ]
-)
+RECORD_SCHEMA = pa.schema({
+    "id": pa.string(),
+    "input_ids": pa.list_(pa.int32()),  # prompt_ids + output_ids, as the target saw and produced them
+    "loss_mask": pa.list_(pa.uint8()),  # 1 on the ids the draft learns to predict
+    "num_tokens": pa.int32(),
+    "num_loss_tokens": pa.int32(),
+    "truncated": pa.bool_(),  # cut at records.max_seq_len
+})
 META = "eagle3."
 TOKEN_COUNTS = "token_counts.parquet"
 RESUME = "make room there, then run the records stage again: complete parts are kept, only the missing ones are built"

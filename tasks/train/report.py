@@ -31,10 +31,11 @@ from __future__ import annotations
 import base64
 import json
 import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from models.atomic import atomic_path
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 KINDS = ("train", "eval")
@@ -162,16 +163,8 @@ def plot_training(metrics: TrainMetrics, png_path: str | os.PathLike) -> Path:
         ax.grid(True, alpha=0.3)
         ax.legend(loc="best")
 
-    tmp = png_path.with_name(f".{png_path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
-    try:
+    with atomic_path(png_path) as tmp:
         fig.savefig(tmp, format="png")
-        os.replace(tmp, png_path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        raise
     return png_path
 
 

@@ -1,0 +1,49 @@
+"""The layout rules the code relies on: imports point flows -> tasks -> models, and no private names cross modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("flows", "tasks", "models", "deploy", "bench", "tests")
+LAYER = {"flows": 2, "tasks": 1, "models": 0}
+
+
+def sources():
+    for package in PACKAGES:
+        yield from sorted((REPO / package).rglob("*.py"))
+
+
+def imports(path: Path):
+    """(imported module, name or None, line) for every import in the file, nested ones included."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                yield node.module, alias.name, node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None, node.lineno
+
+
+def test_no_module_imports_a_private_name_of_another():
+    found = [f"{path.relative_to(REPO)}:{line}: {module}.{name}" for path in sources()
+             for module, name, line in imports(path)
+             if name and name.startswith("_") and not name.startswith("__") and module.split(".")[0] in PACKAGES]
+    assert found == []
+
+
+@pytest.mark.parametrize("package", ["flows", "tasks", "models"])
+def test_imports_point_flows_to_tasks_to_models(package):
+    upward = [f"{path.relative_to(REPO)}:{line}: {module}" for path in sorted((REPO / package).rglob("*.py"))
+              for module, _, line in imports(path)
+              if module.split(".")[0] in LAYER and LAYER[module.split(".")[0]] > LAYER[package]]
+    assert upward == []
+
+
+def test_models_import_no_prefect_or_httpx():
+    found = [f"{path.relative_to(REPO)}:{line}: {module}" for path in sorted((REPO / "models").rglob("*.py"))
+             for module, _, line in imports(path) if module.split(".")[0] in ("prefect", "httpx")]
+    assert found == []
