@@ -9,13 +9,15 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+from prefect.utilities.asyncutils import run_coro_as_sync
+
+from tasks.sglang_client import RetryPolicy, ServerOutage, SGLangClient
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -63,24 +65,25 @@ class ServerProcess:
             if log is not subprocess.DEVNULL:
                 log.close()
 
-    def wait_healthy(self, timeout_s: float = 120.0, path: str = "/health_generate") -> None:
-        """Block until GET `path` answers 200; RuntimeError with the log tail if it dies or times out."""
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        """Block until /health_generate answers 200 (SGLangClient.wait_healthy); RuntimeError with the log tail
+        if the process dies or the time runs out."""
         assert self.process is not None, "start() first"
-        deadline = time.monotonic() + timeout_s
-        delay = 0.05
-        while time.monotonic() < deadline:
+
+        def alive() -> None:
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"server exited with code {self.process.returncode} before becoming healthy:\n{self.log_tail()}"
                 )
-            try:
-                if httpx.get(self.url + path, timeout=30.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(delay)  # polling a child process that has no other readiness signal
-            delay = min(delay * 2, 1.0)
-        raise RuntimeError(f"server at {self.url} not healthy after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+        async def wait() -> None:
+            async with SGLangClient(self.url, retry=RetryPolicy(initial_s=0.05, max_s=1.0, jitter=0.0)) as client:
+                await client.wait_healthy(timeout_s, alive=alive)
+
+        try:
+            run_coro_as_sync(wait())
+        except ServerOutage as e:
+            raise RuntimeError(f"{e}\n{self.log_tail()}") from None
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self.process is None or self.process.poll() is not None:

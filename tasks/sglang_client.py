@@ -28,7 +28,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -290,12 +290,18 @@ class SGLangClient:
             info = await self._with_retries("GET", "/get_server_info")
         return info if isinstance(info, dict) else {}
 
-    async def wait_healthy(self, timeout_s: float) -> None:
-        """Poll /health_generate until it answers 200; ServerOutage after `timeout_s`."""
+    async def wait_healthy(self, timeout_s: float, alive: Callable[[], None] | None = None) -> None:
+        """Poll /health_generate until it answers 200; ServerOutage after `timeout_s`.
+
+        `alive` is called before every poll: it raises when the server process the caller started
+        has died, so a crash at start-up is reported at once, not after the whole timeout.
+        """
         deadline = time.monotonic() + timeout_s
         attempt = 0
         last = "no answer yet"
         while True:
+            if alive is not None:
+                alive()
             try:
                 response = await self._http.get("/health_generate", timeout=min(60.0, timeout_s))
                 if response.status_code == 200:

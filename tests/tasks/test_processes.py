@@ -40,3 +40,19 @@ def test_dev_server_runs_inside_and_is_stopped_after_a_failure(tiny_target_dir, 
 def test_command_launch_needs_a_command():
     with pytest.raises(ValueError, match="needs a command"):
         launched_server("command", f"http://127.0.0.1:{free_port()}")
+
+
+@pytest.mark.multiprocess
+def test_a_server_that_dies_at_start_is_reported_at_once_with_its_log(tmp_path):
+    import sys
+    import time
+
+    url = f"http://127.0.0.1:{free_port()}"
+    crash = [sys.executable, "-c", "import sys; print('CUDA out of memory while loading', flush=True); sys.exit(3)"]
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as caught:
+        with launched_server("command", url, command=crash, log_path=tmp_path / "server.log", health_timeout_s=600):
+            pytest.fail("a dead server was taken as healthy")
+    assert time.monotonic() - started < 60  # not the 600 s health timeout
+    assert "server exited with code 3 before becoming healthy" in str(caught.value)
+    assert "CUDA out of memory while loading" in str(caught.value)
