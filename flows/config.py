@@ -11,6 +11,7 @@ import difflib
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -25,6 +26,7 @@ from models.jobs import (
     Spec,
     TargetSpec,
     TrainSettings,
+    replica_url,
 )
 
 DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -51,7 +53,8 @@ class ServerConfig(ServerSettings, Section):
         default=64,
         ge=1,
         le=4096,
-        description="Most requests in flight to this server at once, over all datasets together.",
+        description="Most requests in flight to each server at once, over all datasets together "
+        "(behind a router: to the router).",
     )
     launch: Literal["none", "dev", "command"] = Field(
         default="none",
@@ -62,7 +65,32 @@ class ServerConfig(ServerSettings, Section):
     )
     command: list[str] | None = Field(
         default=None,
-        description="launch: command: the server command as a list of arguments; its log goes to RUN_DIR/logs/server.log.",
+        description="launch: command: the server command as a list of arguments; its log goes to RUN_DIR/logs/server.log "
+        "(server-N.log for replica N). Placeholders filled per replica: {host}, {port}, {replica} (0, 1, ...) and "
+        "{gpus} (e.g. 0,1,2,3: the replica's GPUs when gpus_per_replica is set, also put in CUDA_VISIBLE_DEVICES).",
+    )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="launch: dev|command: how many servers the pipeline starts. Replica N listens on url's port + N "
+        "(without a router), or on port + 1 + N behind the router, which takes url's port. With several replicas "
+        "a `command` must use {port}.",
+    )
+    gpus_per_replica: int | None = Field(
+        default=None,
+        ge=1,
+        description="launch: command: GPUs each replica gets (e.g. 4 for two TP-4 servers on 8 GPUs): replica N gets "
+        "GPUs N*g .. N*g+g-1 as {gpus} and in CUDA_VISIBLE_DEVICES. Unset: every replica sees every GPU.",
+    )
+    router: bool = Field(
+        default=False,
+        description="launch: dev|command: also start an SGLang router (pip install sglang-router) at `url` in front of "
+        "the replicas; requests then go to the router, which spreads them (see docs/operations.md for what it changes).",
+    )
+    router_args: list[str] = Field(
+        default_factory=list,
+        description="Extra arguments for sglang_router.launch_router (e.g. [--policy, cache_aware]).",
     )
 
     @field_validator("command", mode="before")
@@ -77,7 +105,38 @@ class ServerConfig(ServerSettings, Section):
     def _command_for_launch(self) -> ServerConfig:
         if self.launch == "command" and not self.command:
             raise ValueError("launch: command needs `command` (e.g. [python, -m, sglang.launch_server, --model-path, ...])")
+        if self.launch != "none" and self.urls:
+            raise ValueError("urls lists servers that are already running (launch: none); to have the pipeline start "
+                             "several, set url (the first one's address) and replicas")
+        if self.launch == "none" and (self.replicas > 1 or self.router):
+            raise ValueError("replicas and router are started by the pipeline: set launch: dev or command "
+                             "(servers already running go in urls; a router already running goes in url)")
+        if self.launch == "command" and self.replicas > 1 and not any("{port}" in word for word in self.command or []):
+            raise ValueError("with replicas > 1 the command must put each replica on its own port: use {port} "
+                             "(e.g. --port, '{port}')")
+        if self.launch == "command":
+            for word in self.command or []:
+                for name in re.findall(r"{([a-z_]+)}", word):
+                    if name not in PLACEHOLDERS:
+                        raise ValueError(f"command word {word!r}: unknown placeholder {{{name}}}; known: "
+                                         + ", ".join("{" + p + "}" for p in PLACEHOLDERS))
+        if self.launch != "none":
+            port = urlsplit(self.url).port or (443 if self.url.startswith("https") else 80)
+            if port + self.replicas + (1 if self.router else 0) - 1 > 65535:
+                raise ValueError(f"{self.replicas} replicas from port {port} go past port 65535: lower url's port")
         return self
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The servers the generate stage sends to: the running ones, the launched replicas, or the router."""
+        if self.launch == "none" or self.router or self.replicas == 1:
+            return super().endpoints
+        return [replica_url(self.url, i, router=False) for i in range(self.replicas)]
+
+
+PLACEHOLDERS = ("host", "port", "replica", "gpus")
+
+
 
 
 class SamplingConfig(Section):

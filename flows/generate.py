@@ -5,30 +5,35 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from flows.config import RunConfig, load_config, save_run_config
-from models.jobs import GenerateJob, GenerateSettings, ServerSettings
+from models.jobs import GenerateJob, GenerateSettings
 from tasks.generate.tasks import (
     RunPaths,
     copy_passthrough_task,
     generate_responses,
     publish_generate_summary,
+    publish_server_table,
+    server_pool,
 )
+from tasks.server_pool import ServerPool
 from tasks.generate.prompts import request_sampling_params
 from tasks.run_lock import run_lock
 
 
 @flow(name="generate", flow_run_name="generate {config_path}", log_prints=True)
 async def generate(config_path: str, retry_rejects: bool = False) -> list[dict]:
-    """Stage 1: fan out one task per dataset, all sharing the server's concurrency limit."""
+    """Stage 1: fan out one task per dataset, all sharing one pool of servers and its per-server limits."""
     config = load_config(config_path)
     with run_lock(config.run_dir, "generate"):
         paths = RunPaths(config.run_dir)
         save_run_config(config)
-        slots = asyncio.Semaphore(config.server.max_concurrency)  # shared by every dataset: one server
-        calls = (dataset_task(config, i, paths, slots, retry_rejects) for i in range(len(config.datasets)))
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        async with server_pool(config.server, get_run_logger()) as pool:  # shared by every dataset
+            calls = (dataset_task(config, i, paths, pool, retry_rejects) for i in range(len(config.datasets)))
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            if pool.started_at is not None:
+                await publish_server_table(pool.rows(), Path(config_path).stem)
         rows = await publish_generate_summary(config.run_dir, Path(config_path).stem)
     failures = [(d.name, r) for d, r in zip(config.datasets, results) if isinstance(r, BaseException)]
     if failures:
@@ -49,7 +54,7 @@ class GenerateFailed(RuntimeError):
         )
 
 
-def dataset_task(config: RunConfig, index: int, paths: RunPaths, slots: asyncio.Semaphore, retry_rejects: bool = False):
+def dataset_task(config: RunConfig, index: int, paths: RunPaths, pool: ServerPool, retry_rejects: bool = False):
     """The task call for dataset `index`: a copy for passthrough, generation otherwise."""
     dataset = config.datasets[index]
     if dataset.kind == "passthrough":
@@ -60,7 +65,6 @@ def dataset_task(config: RunConfig, index: int, paths: RunPaths, slots: asyncio.
         sampling_params=request_sampling_params(config.sampling.model_dump(), config.sampling.stop_token_ids or []),
         retry_rejects=retry_rejects,
     )
-    server = ServerSettings(**config.server.pick(ServerSettings))
     task = generate_responses.with_options(
         retries=gen.retries,
         retry_delay_seconds=[gen.retry_delay_s * 2**i for i in range(gen.retries)],
@@ -68,5 +72,5 @@ def dataset_task(config: RunConfig, index: int, paths: RunPaths, slots: asyncio.
     )
     return task(
         dataset.name, dataset.path, dataset.on_bad_row, config.target.path, config.target.trust_remote_code,
-        server, settings, paths, slots,
+        settings, paths, pool,
     )

@@ -15,7 +15,7 @@ from flows.generate import generate
 from flows.records import records
 from flows.train import train
 from models.tiny_target import build_tiny_target
-from tasks.processes import launched_server
+from tasks.processes import launched_servers
 from tasks.run_lock import run_lock
 
 STAGES = ("generate", "records", "capture", "train", "eval")  # in pipeline order
@@ -68,9 +68,12 @@ def run_stages(config_path: str, config: RunConfig, chosen: list[str], retry_rej
 
 
 def serving(config: RunConfig):
-    """The server for the generate stage: started here when `server.launch` says so, stopped after."""
+    """The servers of the generate stage: started here when `server.launch` says so, stopped after."""
     s = config.server
     if s.launch != "none":
-        get_run_logger().info("starting the %s server at %s (log %s)", s.launch, s.url, config.run_dir / "logs" / "server.log")
-    return launched_server(s.launch, s.url, target=Path(config.target.path), command=s.command,
-                           log_path=config.run_dir / "logs" / "server.log", health_timeout_s=s.health_timeout_s)
+        what = f"{s.replicas} {s.launch} servers" if s.replicas > 1 else f"the {s.launch} server"
+        where = f"{s.url} (router)" if s.router else ", ".join(s.endpoints)
+        get_run_logger().info("starting %s at %s (logs in %s)", what, where, config.run_dir / "logs")
+    return launched_servers(s.launch, s.url, replicas=s.replicas, router=s.router, router_args=s.router_args,
+                            gpus_per_replica=s.gpus_per_replica, target=Path(config.target.path), command=s.command,
+                            log_dir=config.run_dir / "logs", health_timeout_s=s.health_timeout_s)

@@ -136,6 +136,19 @@ class ServerSettings(Spec):
         description="Base URL of SGLang's native HTTP API: scheme://host:port with no path (not .../generate, "
         "not .../v1). https is allowed; without a port the scheme's default (80, 443) is used, as behind a proxy.",
     )
+    urls: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        description="Several servers already running (launch: none), e.g. one per box or two TP-4 servers on one "
+        "8-GPU box: each request goes to the least-loaded healthy one, each gets max_concurrency, and a server that "
+        "fails is left for the others. When given, `url` is not used. For one server (or a router) use `url`.",
+    )
+    max_req_input_len: int | None = Field(
+        default=None,
+        ge=2,
+        description="Longest prompt + 1 that a server accepts, when it does not say (an SGLang router whose workers "
+        "cannot be asked); a server's own max_req_input_len wins where it is smaller.",
+    )
     request_timeout_s: float = Field(
         default=1800.0,
         gt=0,
@@ -164,6 +177,27 @@ class ServerSettings(Spec):
     @classmethod
     def _http_url(cls, value: str) -> str:
         return server_url(value)
+
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        urls = []
+        for i, url in enumerate(value):
+            try:
+                urls.append(server_url(url))
+            except ValueError as e:
+                raise ValueError(f"urls[{i}] {e}") from None
+        repeated = sorted({u for u in urls if urls.count(u) > 1})
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} given more than once: each server once")
+        return urls
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The servers requests go to (already running ones; a launched pool is in the pipeline's ServerConfig)."""
+        return list(self.urls) if self.urls else [self.url]
 
     def api_key(self) -> str | None:
         """The key from the environment (None when no variable is named); RuntimeError when it is not set."""
@@ -400,6 +434,13 @@ class EvalJob(EvalSettings, HeldOut, RecordsRef, TargetRef):
 
 
 # --- helpers ----------------------------------------------------------------------------------
+
+
+def replica_url(url: str, replica: int, *, router: bool) -> str:
+    """Where launched replica `replica` listens: url's port + replica (+ 1 behind a router, which takes url's port)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.scheme}://{parts.hostname}:{port + replica + (1 if router else 0)}"
 
 
 def server_url(value: str) -> str:

@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 import httpx
 from prefect.utilities.asyncutils import run_coro_as_sync
 
+from models.jobs import replica_url
 from tasks.sglang_client import RetryPolicy, ServerOutage, SGLangClient
 
 
@@ -112,33 +113,67 @@ def dev_server(model_dir: Path, *, port: int | None = None, log_path: Path | Non
     return ServerProcess(command, f"http://{host}:{port}", log_path=log_path)
 
 
-def launched_server(launch: str, url: str, *, target: Path | None = None, command: list[str] | None = None,
-                    log_path: Path | None = None, health_timeout_s: float = 600.0) -> contextlib.AbstractContextManager:
-    """A context that runs the server for the generate stage (launch `dev` or `command`), or nothing (`none`).
+def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool = False, router_args: list[str] | None = None,
+                     gpus_per_replica: int | None = None, target: Path | None = None, command: list[str] | None = None,
+                     log_dir: Path | None = None, health_timeout_s: float = 600.0) -> contextlib.AbstractContextManager:
+    """A context that runs the servers of the generate stage (launch `dev` or `command`), or nothing (`none`).
 
-    The server listens where `url` says. It is stopped when the context exits, whether generation
-    finished, failed or was cancelled (SIGTERM, as Prefect sends to a cancelled flow run, is turned
-    into an exception so the stop runs).
+    `replicas` servers are started at once, replica N on url's port + N, or + 1 + N with a `router`,
+    which then listens at `url` in front of them. Each is waited for until /health_generate answers
+    (a replica that dies at start is reported with its log). All are stopped when the context exits,
+    whether generation finished, failed or was cancelled (SIGTERM, as Prefect sends to a cancelled
+    flow run, is turned into an exception so the stop runs). Logs: log_dir/server.log for a lone
+    server, server-N.log for replica N, router.log.
     """
     if launch == "none":
         return contextlib.nullcontext()
-    if _answers(url):
-        raise RuntimeError(f"something already answers at {url}: stop it (an old server would be used instead "
-                           f"of the one this run starts) or set server.launch: none to use it")
-    if launch == "dev":
-        if target is None:
-            raise ValueError("launch: dev needs the target directory")
-        parsed = urlparse(url)
-        server = dev_server(target, port=parsed.port or 80, host=parsed.hostname or "127.0.0.1", log_path=log_path)
-    elif launch == "command":
-        if not command:
-            raise ValueError("launch: command needs a command")
-        server = ServerProcess(list(command), url, log_path=log_path)
-    else:
+    if launch not in ("dev", "command"):
         raise ValueError(f"unknown server launch {launch!r}: none, dev or command")
-    return _serving(server, health_timeout_s)
+    if launch == "dev" and target is None:
+        raise ValueError("launch: dev needs the target directory")
+    if launch == "command" and not command:
+        raise ValueError("launch: command needs a command")
+    servers: list[ServerProcess] = []
+    for i in range(replicas):
+        replica = urlparse(replica_url(url, i, router=router) if (replicas > 1 or router) else url)
+        host, port = replica.hostname or "127.0.0.1", replica.port or 80
+        log_path = None if log_dir is None else log_dir / ("server.log" if replicas == 1 and not router else f"server-{i}.log")
+        gpus = None if gpus_per_replica is None else ",".join(str(g) for g in range(i * gpus_per_replica, (i + 1) * gpus_per_replica))
+        if launch == "dev":
+            servers.append(dev_server(target, port=port, host=host, log_path=log_path))  # type: ignore[arg-type]
+        else:
+            fill = {"host": host, "port": str(port), "replica": str(i), "gpus": gpus or ""}
+            words = [fill_placeholders(word, fill) for word in command]  # type: ignore[union-attr]
+            env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
+            servers.append(ServerProcess(words, f"{replica.scheme}://{host}:{port}", log_path=log_path, env=env))
+    if router:
+        servers.append(router_process(url, [s.url for s in servers], router_args or [],
+                                      log_path=None if log_dir is None else log_dir / "router.log"))
+    busy = [s.url for s in servers if _answers(s.url)]
+    if busy:
+        raise RuntimeError(f"something already answers at {', '.join(busy)}: stop it (an old server would be used "
+                           f"instead of the one this run starts) or set server.launch: none to use it")
+    return _serving(servers, health_timeout_s)
 
 
+def fill_placeholders(word: str, values: dict[str, str]) -> str:
+    """`word` with {host}, {port}, {replica}, {gpus} filled in (other braces, e.g. JSON, left as they are)."""
+    for name, value in values.items():
+        word = word.replace("{" + name + "}", value)
+    return word
+
+
+def router_process(url: str, workers: list[str], extra: list[str], *, log_path: Path | None) -> ServerProcess:
+    """An SGLang router (the `sglang-router` package) at `url` in front of `workers`."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang_router") is None:
+        raise RuntimeError("server.router: true needs the SGLang router: pip install sglang-router "
+                           "(or start one yourself and set server.launch: none, server.url: its address)")
+    parts = urlparse(url)
+    command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers,
+               "--host", parts.hostname or "127.0.0.1", "--port", str(parts.port or 80), *extra]
+    return ServerProcess(command, url, log_path=log_path)
 def _answers(url: str) -> bool:
     try:
         httpx.get(url.rstrip("/") + "/health", timeout=2.0)
@@ -148,16 +183,19 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def _serving(server: ServerProcess, health_timeout_s: float) -> Iterator[ServerProcess]:
+def _serving(servers: list[ServerProcess], health_timeout_s: float) -> Iterator[list[ServerProcess]]:
     previous = None
     if threading.current_thread() is threading.main_thread():
         def on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
             raise SystemExit(f"terminated (signal {signum}) while the server was running")
         previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        with server:
-            server.wait_healthy(timeout_s=health_timeout_s)
-            yield server
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    with contextlib.ExitStack() as stack:
+        try:
+            for server in servers:  # all start loading at once
+                stack.enter_context(server)
+            for server in servers:
+                server.wait_healthy(timeout_s=health_timeout_s)
+            yield servers
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)

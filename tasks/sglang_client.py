@@ -218,6 +218,9 @@ def body_message(content: bytes, reason_phrase: str = "") -> str:
 class SGLangClient:
     """One connection pool to one SGLang server (or router). Use as an async context manager.
 
+    The generate stage reaches servers through tasks.server_pool (which calls `attempt` and fails
+    over between servers); `generate` retries at this one server and suits a lone caller.
+
     `auth_hint` finishes the message of an AuthError (e.g. which setting holds the key);
     `vocab_size` lets replies be checked against the target's vocabulary; `logger` gets one
     warning per kind of invalid reply (then they are only counted, in `invalid_replies`).
@@ -265,22 +268,45 @@ class SGLangClient:
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> Completion:
         """Generate for one prompt of token ids, retrying what can succeed on retry; the reply is checked."""
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid}
+        parse = self._completion_parser(input_ids, sampling_params, self.vocab_size)
+        return await self._with_retries("POST", "/generate", json=body, rid=rid, parse=parse)
 
+    async def attempt(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str, *,
+                      vocab_size: int | None = None) -> Completion:
+        """One /generate attempt, no retry (a server pool retries elsewhere): ServerUnavailable when it may succeed later.
+
+        An invalid reply is counted (and logged once per kind); a timed-out request is aborted here.
+        """
+        body = {"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid}
+        parse = self._completion_parser(input_ids, sampling_params, vocab_size if vocab_size is not None else self.vocab_size)
+        try:
+            return parse(await self._once("POST", "/generate", json=body))
+        except ServerUnavailable as exc:
+            await self._after_failure(exc, "/generate", rid)
+            raise
+
+    @staticmethod
+    def _completion_parser(input_ids: list[int], sampling_params: dict[str, Any], vocab_size: int | None) -> Callable[[Any], Completion]:
         def parse(data: Any) -> Completion:
             if isinstance(data, list) and len(data) == 1:  # a server may wrap a single request in a list
                 data = data[0]
             done = Completion.from_response(data)
-            check_reply(done, input_ids, sampling_params, self.vocab_size)
+            check_reply(done, input_ids, sampling_params, vocab_size)
             return done
 
-        return await self._with_retries("POST", "/generate", json=body, rid=rid, parse=parse)
+        return parse
 
-    async def abort(self, rid: str) -> None:
-        """Ask the server to stop `rid`; its pending /generate then returns finish_reason abort."""
+    async def abort(self, rid: str) -> bool:
+        """Ask the server to stop `rid`; its pending /generate then returns finish_reason abort.
+
+        False when the server has no /abort_request (404/405, as an SGLang router answers): the
+        caller then closes the request's connection instead, which makes SGLang abort it.
+        """
         try:
-            await self._http.post("/abort_request", json={"rid": rid}, timeout=10.0)
+            response = await self._http.post("/abort_request", json={"rid": rid}, timeout=10.0)
         except httpx.HTTPError:
-            pass  # best effort: an unreachable server is not generating for us either
+            return True  # best effort: an unreachable server is not generating for us either
+        return response.status_code not in ENDPOINT_STATUS
 
     async def server_info(self) -> dict[str, Any]:
         """/server_info, or /get_server_info (older servers, routers) when the first is not there."""
@@ -327,10 +353,7 @@ class SGLangClient:
                 data = await self._once(method, path, **kw)
                 return parse(data) if parse is not None else data
             except ServerUnavailable as exc:
-                if isinstance(exc, InvalidReply):
-                    self._count_invalid(exc, path)
-                if isinstance(exc.__cause__, httpx.TimeoutException) and rid is not None:
-                    await self.abort(rid)  # do not leave the timed-out request running on the GPUs
+                await self._after_failure(exc, path, rid)
                 elapsed = time.monotonic() - started
                 if elapsed >= self.retry.outage_window_s:
                     raise ServerOutage(
@@ -339,6 +362,12 @@ class SGLangClient:
                     ) from exc
                 await asyncio.sleep(min(self.retry.delay(attempt), self.retry.outage_window_s - elapsed))
                 attempt += 1
+
+    async def _after_failure(self, exc: ServerUnavailable, path: str, rid: str | None) -> None:
+        if isinstance(exc, InvalidReply):
+            self._count_invalid(exc, path)
+        if isinstance(exc.__cause__, httpx.TimeoutException) and rid is not None:
+            await self.abort(rid)  # do not leave the timed-out request running on the GPUs
 
     def _count_invalid(self, exc: InvalidReply, path: str) -> None:
         seen = self.invalid_replies.get(exc.kind, 0)

@@ -5,10 +5,13 @@ that still stand (tasks.rejects: a prompt rejected as too long is checked again 
 response is recorded once, when it arrives complete and checked. Requests aborted (by the budget
 gate or by the server) are not recorded, so resume sends them again.
 
+Requests go through a pool of servers (tasks.server_pool): one server, several, or a router;
+a server that fails is left for the others and its requests are sent again there.
+
 Stops at once, keeping every part already written, when a checkpoint cannot be written (disk
-full: `WriteFailed`), when the server refuses the run itself (401/403/404: `ServerRefused`,
-nothing is rejected) or stays unreachable past the outage window (`ServerOutage`): in-flight
-requests are aborted at the server and nothing new is sent.
+full: `WriteFailed`), when a server refuses the run itself (401/403/404: `ServerRefused`,
+nothing is rejected) or no server is reachable for the outage window (`ServerOutage`):
+in-flight requests are aborted at their server and nothing new is sent.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from tasks.datasets import PromptRow, Reject
 from tasks.parquet_io import DamagedPart
 from tasks.generate.prompts import chat_prompt_ids
 from tasks.rejects import settle_generate_rejects, write_rejects
-from tasks.sglang_client import BadRequest, Completion, SGLangClient, ServerOutage
+from tasks.server_pool import Lease, ServerPool
+from tasks.sglang_client import BadRequest, Completion, ServerOutage
 
 log = logging.getLogger("eagle3.generate")
 
@@ -49,6 +53,7 @@ class Progress:
     budget: int | None
     eta_s: float | None
     in_flight: int
+    servers: str = ""  # per-server throughput, when there are several
 
     @property
     def percent(self) -> float:
@@ -64,6 +69,7 @@ class Progress:
             f"{self.dataset}: {self.done:,}/{self.total:,} responses, {self.rejects:,} rejects, "
             f"{self.completion_tokens:,} completion tokens (mean {self.mean_length:,.0f}){budget}, "
             f"{self.tokens_per_s:,.0f} tok/s, {self.in_flight} in flight, ETA {eta}"
+            + (f"; {self.servers}" if self.servers else "")
         )
 
 
@@ -94,17 +100,21 @@ ProgressHook = Callable[[Progress], Awaitable[None]]
 async def generate_dataset(
     prompts: list[PromptRow],
     *,
-    client: SGLangClient,
+    pool: ServerPool,
     tokenizer: Any,
     responses_dir: Path,
     rejects_dir: Path,
     source: Path,
     settings: GenerateJob,
-    slots: asyncio.Semaphore,
+    vocab_size: int | None = None,
     on_progress: ProgressHook | None = None,
     logger: logging.Logger | logging.LoggerAdapter = log,
 ) -> GenerateReport:
-    """Generate responses for the prompts not yet done, within the budget; resumable at any point."""
+    """Generate responses for the prompts not yet done, within the budget; resumable at any point.
+
+    `pool` may be shared by several datasets: its per-server limits hold over all of them.
+    `vocab_size` checks every reply's ids against the target's vocabulary.
+    """
     started = time.monotonic()
     if settings.max_prompts is not None:
         prompts = prompts[: settings.max_prompts]
@@ -123,7 +133,7 @@ async def generate_dataset(
         "%s: %d prompts, %d already done (%d completion tokens), %d to go",
         settings.dataset, len(prompts), len(prompts) - len(queue), before.completion_tokens, len(queue),
     )
-    run = _Run(settings, client, tokenizer, budget, slots, source, rejects_dir, logger)
+    run = _Run(settings, pool, tokenizer, budget, source, rejects_dir, logger, vocab_size)
     run.writer = ResponseWriter(
         responses_dir, flush_every=settings.flush_every, flush_interval_s=settings.flush_interval_s,
         compact_min_parts=settings.compact_min_parts,
@@ -132,8 +142,7 @@ async def generate_dataset(
     run.total = len(prompts) - rejected_before
 
     if queue and not budget.exhausted:
-        info = await client.server_info()
-        run.max_input = info.get("max_req_input_len")
+        await pool.start()
         timer = asyncio.create_task(run.flush_on_time())
         reporter = asyncio.create_task(run.report_every(on_progress))
         try:
@@ -182,18 +191,18 @@ def quarantine_advice(part: Path, run_dir: Path) -> str:
 class _Run:
     """State of one generate_dataset call: in-flight requests, writer, rejects, counters."""
 
-    def __init__(self, settings, client, tokenizer, budget, slots, source, rejects_dir, logger):
+    def __init__(self, settings, pool, tokenizer, budget, source, rejects_dir, logger, vocab_size):
         self.settings = settings
         self.rejects_dir = Path(rejects_dir)
         self.log = logger
-        self.client: SGLangClient = client
+        self.pool: ServerPool = pool
+        self.vocab_size: int | None = vocab_size
         self.tokenizer = tokenizer
         self.budget: TokenBudget = budget
-        self.slots: asyncio.Semaphore = slots
         self.source = source
         self.writer: ResponseWriter
-        self.max_input: int | None = None
         self.in_flight: dict[str, asyncio.Task] = {}
+        self.closed_by_budget: set[str] = set()  # rids whose connection was closed to stop them (no /abort_request)
         self.rejects: list[Reject] = []
         self.requeues: dict[str, int] = {}
         self.stopping = False  # budget reached: abort what runs, send nothing new
@@ -218,13 +227,19 @@ class _Run:
             if queue and self.budget.can_admit():
                 row = queue.popleft()
                 ids = chat_prompt_ids(self.tokenizer, row.messages)
-                if self.max_input is not None and len(ids) >= self.max_input:
-                    self.reject(row, f"prompt is {len(ids)} tokens; the server accepts at most {self.max_input - 1} (max_req_input_len {self.max_input})", "too_long")
+                limit = self.pool.input_limit()
+                if limit is not None and len(ids) >= limit:
+                    self.reject(row, f"prompt is {len(ids)} tokens; the server accepts at most {limit - 1} (max_req_input_len {limit})", "too_long")
                     continue
                 await self.written.wait()
-                await self.slots.acquire()  # may wait for other datasets: the budget may have moved meanwhile
+                try:  # may wait for other datasets or for a server to come back: the budget may have moved meanwhile
+                    lease = await self.pool.reserve(len(ids))
+                except ServerOutage as exc:
+                    queue.appendleft(row)
+                    self.fail(exc)
+                    break
                 if self.stopping or self.failure is not None or not self.budget.can_admit():
-                    self.slots.release()
+                    self.pool.release(lease)
                     queue.appendleft(row)
                     if self.stopping or self.failure is not None:
                         break
@@ -233,7 +248,8 @@ class _Run:
                     continue
                 self.budget.admit()
                 rid = f"{self.settings.dataset}:{row.id}"
-                task = asyncio.create_task(self.one(row, ids, rid, queue, wake))
+                task = asyncio.create_task(self.one(row, ids, rid, lease, queue, wake))
+                task.add_done_callback(lambda _, lease=lease: self.pool.release(lease))  # also if cancelled before it ran
                 self.in_flight[rid] = task
                 continue
             if not self.in_flight:
@@ -243,10 +259,10 @@ class _Run:
         if self.in_flight:
             await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
 
-    async def one(self, row: PromptRow, ids: list[int], rid: str, queue: deque[PromptRow], wake: asyncio.Event) -> None:
+    async def one(self, row: PromptRow, ids: list[int], rid: str, lease: Lease, queue: deque[PromptRow], wake: asyncio.Event) -> None:
         sent = time.monotonic()
         try:
-            done = await self.client.generate(ids, self.settings.sampling_params, rid)
+            done = await self.pool.generate(lease, ids, self.settings.sampling_params, rid, vocab_size=self.vocab_size)
         except BadRequest as exc:
             self.budget.discard()
             self.reject(row, f"server refused the prompt (HTTP {exc.status}): {exc.message}", "too_long" if exc.too_long else "refused")
@@ -258,13 +274,16 @@ class _Run:
             return
         except asyncio.CancelledError:
             self.budget.discard()
+            if rid in self.closed_by_budget:  # stopped at the budget by closing its connection: an abort
+                self.aborted += 1
+                return
             raise
         except BaseException as exc:  # a bug or an unexpected answer: stop cleanly, keep what is done
             self.budget.discard()
             self.fail(exc)
             return
         finally:
-            self.slots.release()
+            self.pool.release(lease)
             self.in_flight.pop(rid, None)
             wake.set()
         if done.finish_reason == "abort":
@@ -349,11 +368,21 @@ class _Run:
                     task.cancel()
 
     async def abort_in_flight(self) -> None:
-        """Budget reached: stop every running request of this dataset (they come back as aborts)."""
+        """Budget reached: stop every running request of this dataset (they come back as aborts).
+
+        Behind a router, which has no /abort_request, a request is stopped by closing its connection
+        (SGLang aborts it); its partial tokens are then unknown, so they are not counted as waste.
+        """
         rids = list(self.in_flight)
         if rids:
             self.log.info("%s: budget reached, aborting %d in-flight request(s)", self.settings.dataset, len(rids))
-            await asyncio.gather(*(self.client.abort(rid) for rid in rids))
+            aborted = await asyncio.gather(*(self.pool.abort(rid) for rid in rids))
+            current = asyncio.current_task()
+            for rid, ok in zip(rids, aborted):
+                task = self.in_flight.get(rid)
+                if not ok and task is not None and task is not current:
+                    self.closed_by_budget.add(rid)
+                    task.cancel()
 
     async def close(self) -> None:
         """Flush what arrived and record the rejects, also when the run failed or was cancelled.
@@ -368,7 +397,7 @@ class _Run:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         if rids:  # a closed connection makes SGLang abort too; the explicit abort does not depend on it
-            await asyncio.wait_for(asyncio.gather(*(self.client.abort(rid) for rid in rids)), 10)
+            await asyncio.wait_for(asyncio.gather(*(self.pool.abort(rid) for rid in rids)), 10)
         await self.flush(due_only=False)
         if self.rejects:
             try:
@@ -408,6 +437,7 @@ class _Run:
             budget=self.budget.limit,
             eta_s=0.0 if self.budget.exhausted else eta,
             in_flight=len(self.in_flight),
+            servers=self.pool.line(),
         )
 
     async def report_every(self, on_progress: ProgressHook | None) -> None:

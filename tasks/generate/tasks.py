@@ -18,7 +18,8 @@ from tasks.generate.loop import GenerateReport, Progress, generate_dataset
 from tasks.generate.prompts import default_stop_ids
 from tasks.generate.passthrough import PassthroughReport, copy_passthrough
 from tasks.rejects import replace_stage_rejects
-from tasks.sglang_client import RetryPolicy, SGLangClient, ServerOutage
+from tasks.server_pool import ServerPool
+from tasks.sglang_client import RetryPolicy, ServerOutage
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,11 @@ async def generate_responses(
     on_bad_row: str,
     target_path: str,
     trust_remote_code: bool,
-    server: ServerSettings,
     settings: GenerateJob,
     paths: RunPaths,
-    slots: asyncio.Semaphore,
+    pool: ServerPool,
 ) -> GenerateReport:
-    """Generate one dataset's responses through SGLang; resumes from its checkpoints."""
+    """Generate one dataset's responses through the run's SGLang servers; resumes from its checkpoints."""
     logger = get_run_logger()
     loaded = await asyncio.to_thread(load_dataset, source, "generate", on_bad_row=on_bad_row)  # type: ignore[arg-type]
     # This load's bad rows replace the last load's: a row fixed in the file is used from now on.
@@ -86,25 +86,18 @@ async def generate_responses(
     async def on_progress(p: Progress) -> None:
         await aupdate_progress_artifact(artifact_id, progress=round(p.percent, 2), description=p.line())
 
-    retry = RetryPolicy(outage_window_s=server.outage_window_s)
-    key_hint = (f"check that ${server.api_key_env} (server.api_key_env) holds the server's current --api-key"
-                if server.api_key_env else "the server wants an API key: set server.api_key_env to the name of the variable that holds it")
-    async with SGLangClient(server.url, request_timeout_s=server.request_timeout_s, retry=retry, api_key=server.api_key(),
-                            auth_hint=key_hint, vocab_size=len(tokenizer), logger=logger) as client:
-        logger.info("%s: waiting up to %.0fs for %s/health_generate", name, server.health_timeout_s, server.url)
-        await client.wait_healthy(server.health_timeout_s)
-        report = await generate_dataset(
-            loaded.rows,
-            client=client,
-            tokenizer=tokenizer,
-            responses_dir=paths.responses(name),
-            rejects_dir=paths.rejects(name),
-            source=source,
-            settings=settings,
-            slots=slots,
-            on_progress=on_progress,
-            logger=logger,
-        )
+    report = await generate_dataset(
+        loaded.rows,
+        pool=pool,
+        tokenizer=tokenizer,
+        responses_dir=paths.responses(name),
+        rejects_dir=paths.rejects(name),
+        source=source,
+        settings=settings,
+        vocab_size=len(tokenizer),
+        on_progress=on_progress,
+        logger=logger,
+    )
     await aupdate_progress_artifact(
         artifact_id, progress=100.0,
         description=f"{name}: {report.status}, {report.responses:,} responses, {report.completion_tokens:,} completion tokens",
@@ -112,6 +105,18 @@ async def generate_responses(
     logger.info("%s: %s — %d responses (%d new), %d rejects, %d completion tokens, %d wasted by aborts",
                 name, report.status, report.responses, report.new_responses, report.rejects, report.completion_tokens, report.wasted_tokens)
     return report
+
+
+def server_pool(server: ServerSettings, logger: Any, *, max_concurrency: int | None = None) -> ServerPool:
+    """The pool of the run's servers (`server.urls`, the launched replicas, or `server.url`), one for every dataset."""
+    retry = RetryPolicy(outage_window_s=server.outage_window_s)
+    key_hint = (f"check that ${server.api_key_env} (server.api_key_env) holds the server's current --api-key"
+                if server.api_key_env else "the server wants an API key: set server.api_key_env to the name of the variable that holds it")
+    return ServerPool(
+        server.endpoints, max_concurrency=max_concurrency or getattr(server, "max_concurrency", 64), retry=retry,
+        request_timeout_s=server.request_timeout_s, health_timeout_s=server.health_timeout_s, api_key=server.api_key(),
+        auth_hint=key_hint, max_input_len=server.max_req_input_len, logger=logger,
+    )
 
 
 @task(name="copy-passthrough", task_run_name="passthrough {name}", cache_policy=NO_CACHE)
@@ -123,6 +128,16 @@ def copy_passthrough_task(name: str, source: Path, on_bad_row: str, paths: RunPa
         name, report.rows, "copied" if report.copied else "already in the run", report.rejects, report.duplicates,
     )
     return report
+
+
+@task(name="generate-servers", cache_policy=NO_CACHE)
+async def publish_server_table(rows: list[dict[str, Any]], config_name: str) -> None:
+    """Per-server figures of the generate stage (throughput, busy share, failed requests) as a table artifact."""
+    await acreate_table_artifact(
+        table=rows, key=artifact_key("generate-servers", config_name),
+        description="Generate stage, per server: responses, completion tokens, tokens/s over the stage, share of the "
+                    "time busy, requests that failed there and went to another server",
+    )
 
 
 @task(name="generate-summary", cache_policy=NO_CACHE)

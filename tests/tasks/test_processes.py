@@ -7,7 +7,7 @@ import contextlib
 import httpx
 import pytest
 
-from tasks.processes import free_port, launched_server
+from tasks.processes import free_port, launched_servers
 
 
 def _up(url: str) -> bool:
@@ -18,28 +18,29 @@ def _up(url: str) -> bool:
 
 
 def test_launch_none_starts_nothing():
-    assert isinstance(launched_server("none", "http://127.0.0.1:1"), contextlib.nullcontext)
+    assert isinstance(launched_servers("none", "http://127.0.0.1:1"), contextlib.nullcontext)
 
 
 @pytest.mark.multiprocess
 def test_dev_server_runs_inside_and_is_stopped_after_a_failure(tiny_target_dir, tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(RuntimeError, match="generation broke"):
-        with launched_server("dev", url, target=tiny_target_dir, log_path=tmp_path / "server.log", health_timeout_s=120) as server:
+        with launched_servers("dev", url, target=tiny_target_dir, log_dir=tmp_path, health_timeout_s=120) as servers:
+            [server] = servers
             assert _up(url) and server.url == url
             raise RuntimeError("generation broke")
     assert server.process.poll() is not None and not _up(url)
 
     # Something already answering at the URL would silently be used instead: refused.
-    with launched_server("dev", url, target=tiny_target_dir, log_path=tmp_path / "server.log", health_timeout_s=120):
+    with launched_servers("dev", url, target=tiny_target_dir, log_dir=tmp_path, health_timeout_s=120):
         with pytest.raises(RuntimeError, match="already answers"):
-            launched_server("command", url, command=["true"])
+            launched_servers("command", url, command=["true"])
     assert not _up(url)
 
 
 def test_command_launch_needs_a_command():
     with pytest.raises(ValueError, match="needs a command"):
-        launched_server("command", f"http://127.0.0.1:{free_port()}")
+        launched_servers("command", f"http://127.0.0.1:{free_port()}")
 
 
 @pytest.mark.multiprocess
@@ -51,7 +52,7 @@ def test_a_server_that_dies_at_start_is_reported_at_once_with_its_log(tmp_path):
     crash = [sys.executable, "-c", "import sys; print('CUDA out of memory while loading', flush=True); sys.exit(3)"]
     started = time.monotonic()
     with pytest.raises(RuntimeError) as caught:
-        with launched_server("command", url, command=crash, log_path=tmp_path / "server.log", health_timeout_s=600):
+        with launched_servers("command", url, command=crash, log_dir=tmp_path, health_timeout_s=600):
             pytest.fail("a dead server was taken as healthy")
     assert time.monotonic() - started < 60  # not the 600 s health timeout
     assert "server exited with code 3 before becoming healthy" in str(caught.value)

@@ -23,7 +23,8 @@ from tasks.datasets import PromptRow
 from models.jobs import GenerateJob
 from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
-from tasks.sglang_client import RetryPolicy, SGLangClient, ServerOutage
+from tasks.server_pool import ServerPool
+from tasks.sglang_client import RetryPolicy, ServerOutage
 
 REPO = Path(__file__).resolve().parents[3]
 EOS = 1  # <|im_end|> of the tiny target; also the sim server's eos
@@ -52,11 +53,10 @@ def settings(**kw) -> GenerateJob:
 def run(server: SimServer, rows, run_dir: Path, *, slots: int = 8, retry: RetryPolicy | None = None, timeout: float = 30.0, tokenizer, **kw):
     async def go():
         retry_policy = retry or RetryPolicy(initial_s=0.01, max_s=0.1, outage_window_s=10)
-        async with SGLangClient(server.url, request_timeout_s=timeout, retry=retry_policy) as client:
+        async with ServerPool([server.url], max_concurrency=slots, request_timeout_s=timeout, retry=retry_policy) as pool:
             return await generate_dataset(
-                rows, client=client, tokenizer=tokenizer, responses_dir=run_dir / "responses/B1",
+                rows, pool=pool, tokenizer=tokenizer, responses_dir=run_dir / "responses/B1",
                 rejects_dir=run_dir / "rejects/B1", source=Path("b1.jsonl"), settings=settings(**kw),
-                slots=asyncio.Semaphore(slots),
             )
 
     return asyncio.run(go())
@@ -94,13 +94,12 @@ def test_every_prompt_once_with_the_servers_exact_output(server, tmp_path, token
 def test_in_flight_never_exceeds_the_shared_limit_across_datasets(tmp_path, tokenizer):
     with SimServer(max_running=64, decode_s_per_token=0.002, mean_len=20, vocab_size=2048) as srv:
         async def go():
-            slots = asyncio.Semaphore(5)  # one server, one limit, two datasets
-            async with SGLangClient(srv.url) as client:
+            async with ServerPool([srv.url], max_concurrency=5) as pool:  # one server, one limit, two datasets
                 return await asyncio.gather(*(
                     generate_dataset(
-                        prompts(30, prefix=name), client=client, tokenizer=tokenizer,
+                        prompts(30, prefix=name), pool=pool, tokenizer=tokenizer,
                         responses_dir=tmp_path / "responses" / name, rejects_dir=tmp_path / "rejects" / name,
-                        source=Path("x"), settings=settings(dataset=name), slots=slots,
+                        source=Path("x"), settings=settings(dataset=name),
                     )
                     for name in ("B1", "B2")
                 ))
@@ -190,15 +189,15 @@ def test_outage_fails_cleanly_keeps_work_and_resumes(server, tmp_path, tokenizer
 
     async def go():
         retry = RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=0.5)
-        async with SGLangClient(server.url, retry=retry) as client:
+        async with ServerPool([server.url], max_concurrency=2, retry=retry) as pool:
             async def cut():
                 await asyncio.to_thread(server.wait_for, lambda s: s.completed >= done_first, 20)
                 await asyncio.to_thread(server.down)
             cutter = asyncio.create_task(cut())
             try:
                 return await generate_dataset(
-                    rows, client=client, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
-                    rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(), slots=asyncio.Semaphore(2),
+                    rows, pool=pool, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
+                    rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(),
                 )
             finally:
                 await cutter
@@ -229,15 +228,15 @@ def test_server_side_abort_is_sent_again(server, tmp_path, tokenizer):
     server.slow(0.3)
 
     async def go():
-        async with SGLangClient(server.url) as client:
+        async with ServerPool([server.url], max_concurrency=4) as pool:
             async def abort_some():
                 await asyncio.to_thread(server.wait_for, lambda s: s.in_flight >= 4, 10)
                 await asyncio.to_thread(server.abort_all)  # e.g. the server drained its queue
                 server.slow(0)
             killer = asyncio.create_task(abort_some())
             report = await generate_dataset(
-                rows, client=client, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
-                rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(), slots=asyncio.Semaphore(4),
+                rows, pool=pool, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
+                rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(),
             )
             await killer
             return report
@@ -255,19 +254,18 @@ RUNNER = textwrap.dedent(
     from tasks.datasets import PromptRow
     from models.jobs import GenerateJob
     from tasks.generate.loop import generate_dataset
-    from tasks.sglang_client import SGLangClient
+    from tasks.server_pool import ServerPool
 
     url, tok_dir, run_dir, prompts_file, params = sys.argv[1:6]
     rows = [PromptRow(**json.loads(l)) for l in open(prompts_file)]
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
 
     async def main():
-        async with SGLangClient(url) as client:
+        async with ServerPool([url], max_concurrency=6) as pool:
             await generate_dataset(
-                rows, client=client, tokenizer=tokenizer, responses_dir=Path(run_dir) / "responses/B1",
+                rows, pool=pool, tokenizer=tokenizer, responses_dir=Path(run_dir) / "responses/B1",
                 rejects_dir=Path(run_dir) / "rejects/B1", source=Path(prompts_file),
                 settings=GenerateJob(dataset="B1", sampling_params=json.loads(params), flush_every=3, flush_interval_s=0.2),
-                slots=asyncio.Semaphore(6),
             )
 
     asyncio.run(main())
@@ -318,10 +316,10 @@ def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, tiny
 def test_cancellation_aborts_in_flight_requests_and_keeps_what_finished(tmp_path, tokenizer):
     with SimServer(max_running=4, decode_s_per_token=0.01, mean_len=20, vocab_size=2048, eos_token_id=EOS) as srv:
         async def go():
-            async with SGLangClient(srv.url) as client:
+            async with ServerPool([srv.url], max_concurrency=4) as pool:
                 task = asyncio.create_task(generate_dataset(
-                    prompts(40), client=client, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
-                    rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(), slots=asyncio.Semaphore(4),
+                    prompts(40), pool=pool, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
+                    rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(),
                 ))
                 await asyncio.to_thread(srv.wait_for, lambda s: s.completed >= 5 and s.running >= 2, 20)
                 task.cancel()
@@ -344,15 +342,15 @@ def test_a_401_mid_run_stops_without_rejecting_anything_and_a_rerun_finishes(ser
     rows = prompts(30)
 
     async def go():
-        async with SGLangClient(server.url, retry=RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=10)) as client:
+        async with ServerPool([server.url], max_concurrency=2, retry=RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=10)) as pool:
             async def rotate_key():
                 await asyncio.to_thread(server.wait_for, lambda s: s.completed >= 8, 20)
                 server.fail_next(10_000, status=401, message="Invalid API key")
             rotator = asyncio.create_task(rotate_key())
             try:
                 return await generate_dataset(
-                    rows, client=client, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
-                    rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(), slots=asyncio.Semaphore(2),
+                    rows, pool=pool, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
+                    rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(),
                 )
             finally:
                 await rotator
@@ -397,12 +395,12 @@ def test_replies_with_impossible_counts_are_never_recorded(server, tmp_path, tok
     async def go():
         transport = LyingTransport(6, lie)
         retry = RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=30)
-        async with SGLangClient(server.url, retry=retry, transport=transport) as client:
+        async with ServerPool([server.url], max_concurrency=4, retry=retry, transport=transport) as pool:
             report = await generate_dataset(
-                rows, client=client, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
-                rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(), slots=asyncio.Semaphore(4),
+                rows, pool=pool, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
+                rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(),
             )
-            return report, client.invalid_replies
+            return report, pool.invalid_replies
 
     report, invalid = asyncio.run(go())
     assert invalid == {"completion_tokens": 6}

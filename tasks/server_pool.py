@@ -1,0 +1,419 @@
+"""A pool of SGLang servers (or one router) that the generate stage sends its requests through.
+
+One pool serves every dataset of a run. Per server it keeps a concurrency limit
+(`server.max_concurrency` each), its health, its input limit (max_req_input_len) and its figures.
+
+- A request goes to the least-loaded healthy server that can take its prompt (`reserve`).
+- A server whose request fails in a retryable way (connection lost, timeout, 408/429/5xx, an
+  impossible reply) is marked down. The request is sent again to another server at once, or
+  waits for one. A monitor polls the down server's /health_generate, with backoff, until it
+  answers again.
+- A prompt is at one server at a time and its reply is recorded only by the caller, so every
+  prompt is still recorded exactly once. A timed-out request is aborted at the server that held it.
+- The pool fails (`ServerOutage`) only when no server has been healthy for the outage window,
+  or when one request has failed everywhere for that long.
+
+Behind an SGLang router (`sglang-router`), the pool sees one server. The router answers
+/get_server_info with its own shape: the input limit is then read from its workers (/workers,
+then each worker's /server_info), or taken from `server.max_req_input_len`. It answers
+/abort_request with 404: `abort` then returns False, and the caller cancels the HTTP request
+instead (SGLang aborts a request whose connection closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from tasks.sglang_client import (
+    BadRequest,
+    Completion,
+    RetryPolicy,
+    ServerOutage,
+    ServerUnavailable,
+    SGLangClient,
+    SGLangError,
+    log as client_log,
+)
+
+
+@dataclass
+class Server:
+    """One server of the pool: its client, limits, state and figures."""
+
+    url: str
+    client: SGLangClient
+    max_concurrency: int
+    in_flight: int = 0
+    healthy: bool = False
+    seen_healthy: bool = False
+    down_since: float | None = None
+    failures_in_a_row: int = 0
+    max_input: int | None = None  # max_req_input_len: a prompt must be shorter
+    refused: BaseException | None = None  # the server refused the run (401/403/404): stop
+    can_abort: bool = True  # False behind a router (no /abort_request)
+    router: bool = False
+    responses: int = 0
+    completion_tokens: int = 0
+    failures: int = 0  # requests that failed here (sent again elsewhere)
+    busy_s: float = 0.0  # time with at least one request in flight
+    busy_since: float | None = None
+    monitor: asyncio.Task | None = field(default=None, repr=False)
+
+    def load(self) -> float:
+        return self.in_flight / self.max_concurrency
+
+    def fits(self, prompt_len: int) -> bool:
+        return self.max_input is None or prompt_len < self.max_input
+
+    def state(self) -> str:
+        if self.healthy:
+            return "healthy"
+        return "down" if self.seen_healthy else "not up yet"
+
+
+@dataclass
+class Lease:
+    """One request's place at a server, from `reserve` until `release` (a failover moves it to another server)."""
+
+    server: Server
+    held: bool = True
+
+
+class ServerPool:
+    """The servers of a run. Use as an async context manager; share one pool across datasets."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        max_concurrency: int = 64,
+        retry: RetryPolicy | None = None,
+        request_timeout_s: float = 1800.0,
+        health_timeout_s: float | None = None,
+        api_key: str | None = None,
+        auth_hint: str = "Check the API key the server expects.",
+        max_input_len: int | None = None,
+        logger: logging.Logger | logging.LoggerAdapter = client_log,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        if not urls:
+            raise ValueError("a server pool needs at least one URL")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"server URLs repeat: {urls}")
+        self.retry = retry or RetryPolicy()
+        self.health_timeout_s = health_timeout_s if health_timeout_s is not None else self.retry.outage_window_s
+        self.max_input_len = max_input_len
+        self.log = logger
+        self.servers = [
+            Server(url.rstrip("/"), SGLangClient(url, request_timeout_s=request_timeout_s, retry=self.retry, api_key=api_key,
+                                                 auth_hint=auth_hint, max_connections=max_concurrency + 8, logger=logger,
+                                                 transport=transport),
+                   max_concurrency)
+            for url in urls
+        ]
+        self._waiters: list[asyncio.Future] = []  # woken whenever a place frees up or a server's state changes
+        self.holders: dict[str, Server] = {}  # rid -> the server that has (or last had) it
+        self.all_down_since: float | None = None
+        self.started_at: float | None = None
+        self._start_lock = asyncio.Lock()
+        self._closed = False
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def invalid_replies(self) -> dict[str, int]:
+        """Impossible replies by kind, over every server (never recorded)."""
+        out: dict[str, int] = {}
+        for s in self.servers:
+            for kind, n in s.client.invalid_replies.items():
+                out[kind] = out.get(kind, 0) + n
+        return out
+
+    @property
+    def capacity(self) -> int:
+        """Requests in flight at once when every server is healthy."""
+        return sum(s.max_concurrency for s in self.servers)
+
+    async def __aenter__(self) -> ServerPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        monitors = [s.monitor for s in self.servers if s.monitor is not None]
+        for m in monitors:
+            m.cancel()
+        await asyncio.gather(*monitors, return_exceptions=True)
+        for s in self.servers:
+            await s.client.aclose()
+
+    # --- start and health -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Wait until a server is healthy (the others join as they come up); ServerOutage after health_timeout_s.
+
+        Idempotent: every dataset calls it, the first one waits, the others find the pool started.
+        """
+        async with self._start_lock:
+            if self.started_at is not None:
+                return
+            if len(self.servers) > 1:
+                self.log.info("waiting up to %.0fs for a healthy server among %s", self.health_timeout_s, ", ".join(self.urls))
+            else:
+                self.log.info("waiting up to %.0fs for %s/health_generate", self.health_timeout_s, self.urls[0])
+            self.all_down_since = time.monotonic()
+            for s in self.servers:
+                s.monitor = asyncio.create_task(self._monitor(s, first=True))
+            deadline = time.monotonic() + self.health_timeout_s
+            while not any(s.healthy for s in self.servers):
+                self._check_refused()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ServerOutage(
+                        f"no server healthy after {self.health_timeout_s:.0f}s ({self._states()}); "
+                        "is the SGLang server running and done loading?"
+                    )
+                await self._wait(left)
+            self.started_at = time.monotonic()
+
+    async def _monitor(self, s: Server, *, first: bool = False) -> None:
+        """Poll a server that is not healthy until it is, then read its limits and put it in the pool."""
+        if not first:
+            await asyncio.sleep(self.retry.delay(min(s.failures_in_a_row, 10)))
+        try:
+            await s.client.wait_healthy(10.0**9)  # the pool, not the monitor, decides when waiting has lasted too long
+            await self._read_limits(s)
+        except SGLangError as exc:  # a refused key or a wrong URL will not heal by waiting: the run stops
+            s.refused = exc
+            self._notify()
+            return
+        s.healthy = True
+        s.down_since = None
+        if s.seen_healthy:
+            self.log.warning("server %s is healthy again", s.url)
+        s.seen_healthy = True
+        self.all_down_since = None
+        self._notify()
+
+    async def _read_limits(self, s: Server) -> None:
+        info = await s.client.server_info()
+        limit = info.get("max_req_input_len")
+        if type(limit) is int and limit > 0:
+            s.max_input = limit
+        elif info.get("router_manager") or "workers_count" in info:
+            s.router = True
+            s.max_input = await self._workers_limit(s)
+        if s.max_input is None and self.max_input_len is not None:
+            s.max_input = self.max_input_len
+        if self.max_input_len is not None and s.max_input is not None:
+            s.max_input = min(s.max_input, self.max_input_len)
+
+    async def _workers_limit(self, s: Server) -> int | None:
+        """A router's input limit: the smallest of its workers' (any worker may get the prompt); None if unknown."""
+        try:
+            response = await s.client._http.get("/workers", timeout=10.0)
+            workers = [w.get("url") for w in response.json().get("workers", []) if isinstance(w, dict)]
+        except (httpx.HTTPError, ValueError, AttributeError):
+            workers = []
+        limits = []
+        for url in workers:
+            if not isinstance(url, str):
+                continue
+            for path in ("/server_info", "/get_server_info"):
+                try:
+                    r = await s.client._http.get(url.rstrip("/") + path, timeout=10.0)
+                except httpx.HTTPError:
+                    break
+                if r.status_code == 200:
+                    value = r.json().get("max_req_input_len") if isinstance(r.json(), dict) else None
+                    if type(value) is int and value > 0:
+                        limits.append(value)
+                    break
+        if workers:
+            self.log.info("%s is an SGLang router over %d worker(s)%s", s.url, len(workers),
+                          f"; input limit {min(limits)} (the smallest of theirs)" if limits else "")
+        return min(limits) if limits else None
+
+    def _mark_down(self, s: Server, exc: BaseException) -> None:
+        """Take a server out of the pool after a failure; its monitor brings it back."""
+        s.failures += 1
+        s.failures_in_a_row += 1
+        if not s.healthy:
+            return
+        s.healthy = False
+        s.down_since = time.monotonic()
+        self.log.warning("server %s is down (%s); its requests go to the other servers, or wait (%s)",
+                         s.url, exc, self._states())
+        if not any(x.healthy for x in self.servers):
+            self.all_down_since = time.monotonic()
+        if not self._closed and (s.monitor is None or s.monitor.done()):
+            s.monitor = asyncio.create_task(self._monitor(s))
+        self._notify()
+
+    def _notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+
+    async def _wait(self, timeout: float | None) -> None:
+        """Until `_notify` or `timeout`. Callers check their condition first, with no await in between."""
+        f = asyncio.get_running_loop().create_future()
+        self._waiters.append(f)
+        try:
+            await asyncio.wait_for(f, timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def _states(self) -> str:
+        return ", ".join(f"{s.url} {s.state()}" for s in self.servers)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def input_limit(self) -> int | None:
+        """The longest prompt + 1 that some server takes (None: a server's limit is unknown, so no check)."""
+        limits = [s.max_input for s in self.servers]
+        if any(limit is None for limit in limits):
+            return None
+        return max(limits)  # type: ignore[type-var]
+
+    async def reserve(self, prompt_len: int, lease: Lease | None = None) -> Lease:
+        """A place at the least-loaded healthy server that takes the prompt (into `lease` when given, a failover);
+        waits for one; ServerOutage when none comes within the outage window."""
+        while True:
+            self._check_refused()
+            free = [s for s in self.servers if s.healthy and s.in_flight < s.max_concurrency and s.fits(prompt_len)]
+            if free:
+                s = min(free, key=Server.load)
+                if s.in_flight == 0:
+                    s.busy_since = time.monotonic()
+                s.in_flight += 1
+                if lease is None:
+                    return Lease(s)
+                lease.server, lease.held = s, True
+                return lease
+            self._check_outage()
+            await self._wait(self._outage_left())
+
+    def _check_refused(self) -> None:
+        for s in self.servers:
+            if s.refused is not None:
+                raise s.refused
+
+    def _outage_left(self) -> float | None:
+        if self.all_down_since is None:
+            return None
+        return max(0.01, self.retry.outage_window_s - (time.monotonic() - self.all_down_since))
+
+    def _check_outage(self) -> None:
+        if self.all_down_since is not None and time.monotonic() - self.all_down_since >= self.retry.outage_window_s:
+            raise ServerOutage(
+                f"no server healthy for {time.monotonic() - self.all_down_since:.0f}s "
+                f"(outage window {self.retry.outage_window_s:.0f}s): {self._states()}"
+            )
+
+    def release(self, lease: Lease) -> None:
+        """Give the lease's place back (idempotent; safe from a task's done callback)."""
+        if not lease.held:
+            return
+        lease.held = False
+        s = lease.server
+        s.in_flight -= 1
+        if s.in_flight == 0 and s.busy_since is not None:
+            s.busy_s += time.monotonic() - s.busy_since
+            s.busy_since = None
+        self._notify()
+
+    async def generate(self, lease: Lease, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
+                       *, vocab_size: int | None = None) -> Completion:
+        """Send one prompt through the pool, starting at the lease's server; the lease is released at the end.
+
+        A retryable failure marks that server down and sends the prompt again elsewhere (or waits);
+        ServerOutage once this prompt has failed for the outage window, or no server came back.
+        BadRequest and ServerRefused go to the caller as they are.
+        """
+        first_failure: float | None = None
+        try:
+            while True:
+                s = lease.server
+                self.holders[rid] = s
+                try:
+                    done = await s.client.attempt(input_ids, sampling_params, rid, vocab_size=vocab_size)
+                except ServerUnavailable as exc:
+                    self.holders.pop(rid, None)
+                    self._mark_down(s, exc)
+                    self.release(lease)
+                    now = time.monotonic()
+                    first_failure = first_failure if first_failure is not None else now
+                    if now - first_failure >= self.retry.outage_window_s:
+                        raise ServerOutage(
+                            f"request {rid} failing for {now - first_failure:.0f}s "
+                            f"(outage window {self.retry.outage_window_s:.0f}s): {exc}"
+                        ) from exc
+                    await self.reserve(len(input_ids), lease)
+                    continue
+                except BadRequest:
+                    self.holders.pop(rid, None)
+                    s.failures_in_a_row = 0
+                    raise
+                self.holders.pop(rid, None)
+                s.failures_in_a_row = 0
+                if done.finish_reason != "abort":
+                    s.responses += 1
+                    s.completion_tokens += done.completion_tokens
+                return done
+        finally:
+            self.release(lease)
+
+    async def abort(self, rid: str) -> bool:
+        """Abort `rid` at the server that holds it; False when that server cannot (a router): cancel the request instead."""
+        s = self.holders.pop(rid, None)
+        if s is None:
+            return True  # not at any server (finished, or failed over and not yet re-sent)
+        if not s.can_abort:
+            return False
+        supported = await s.client.abort(rid)
+        if not supported:
+            s.can_abort = False
+            self.log.info("%s has no /abort_request (an SGLang router?): requests are stopped by closing their connection", s.url)
+        return supported
+
+    # --- figures ----------------------------------------------------------------------------
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Per-server figures since the pool started (the summary artifact's server table)."""
+        now = time.monotonic()
+        wall = now - self.started_at if self.started_at is not None else 0.0
+        out = []
+        for s in self.servers:
+            busy = s.busy_s + (now - s.busy_since if s.busy_since is not None else 0.0)
+            out.append({
+                "server": s.url,
+                "state": s.state() + (" (router)" if s.router else ""),
+                "responses": s.responses,
+                "completion_tokens": s.completion_tokens,
+                "tok_per_s": round(s.completion_tokens / wall, 1) if wall > 0 else 0.0,
+                "busy_pct": round(100 * busy / wall, 1) if wall > 0 else 0.0,
+                "in_flight": s.in_flight,
+                "failed_requests": s.failures,
+                "max_req_input_len": s.max_input,
+            })
+        return out
+
+    def line(self) -> str:
+        """Per-server throughput in one line (for progress lines; empty for a single server)."""
+        if len(self.servers) < 2:
+            return ""
+        parts = [f"{r['server']} {r['tok_per_s']:,.0f} tok/s" + ("" if r["state"].startswith("healthy") else f" ({r['state']})")
+                 for r in self.rows()]
+        return "servers: " + ", ".join(parts)
