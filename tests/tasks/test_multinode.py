@@ -5,7 +5,7 @@ operator starts it (`eagle3 node CONFIG --node-rank 1`, reading RUN_DIR/jobs/<st
 runs are compared with one launcher of 2 ranks (nproc_per_node 2), the same world size: the shards
 are tensor-equal under the same names, the training losses and weights equal. A capture whose node 1
 is SIGKILLed mid-run fails on node 0 too; the rerun on 2 nodes resumes and ends with every sample
-once, equal to the single-node capture.
+once, equal to the single-node capture. Nodes that do not share the output directory are stopped.
 """
 
 from __future__ import annotations
@@ -249,3 +249,18 @@ def test_a_capture_whose_node_dies_resumes_on_the_rerun(tiny_target_dir, data, c
         for name in ("aux_hidden", "last_hidden"):  # other batch neighbours than the reference's: float noise only
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=f"{r['id']} {name}")
     assert pq.read_table(hidden / "index.parquet").num_rows == 24
+
+
+def test_an_output_dir_that_is_not_shared_stops_every_node(tiny_target_dir, data, tmp_path):
+    # Node 1 names another directory, as a node with RUN_DIR on its local disk would see its own.
+    nodes = Nodes(nnodes=2, master_addr="127.0.0.1", master_port=free_port(), join_timeout_s=120)
+    runs = []
+    for node_rank, run_dir in enumerate((tmp_path / "node0", tmp_path / "node1")):
+        job = _capture_job(tiny_target_dir, data, run_dir)
+        command, env = rank_command("models.capture", ["--job", str(job)], num_ranks=1, launcher="torchrun", nodes=nodes,
+                                    node_rank=node_rank)
+        runs.append((run_dir, _start(command, env, job.with_suffix(".log")), job.with_suffix(".log")))
+    for run_dir, process, log in runs:  # each rank names the directory it was given; both fail, rank 1 named blind
+        text = _finish(process, log, ok=False)
+        assert f"{run_dir / 'hidden'} is not one shared directory: rank(s) 1 on " in text, text[-3000:]
+    assert not list_shards(tmp_path / "node0" / "hidden") and not list_shards(tmp_path / "node1" / "hidden")
