@@ -25,10 +25,12 @@ def capture(config_path: str) -> dict:
         plan = plan_capture_task(records_dirs, config.hidden_dir, shape, c.dtype, c.disk_margin, c.max_tokens)
         aux_layers = capture_layers(shape.num_layers, c.aux_layers)
         speed = 0.0
-        if plan.tokens_todo:
+        # Several nodes: always launched, since the other nodes' `eagle3 node` joins every launch (ranks with nothing to do exit at once).
+        if plan.tokens_todo or config.distributed.multinode:
             # a crashed or killed rank is retried (the retry resumes); capture_retryable says which failures
             capture_task = run_capture_job.with_options(retries=c.retries, retry_delay_seconds=c.retry_delay_s, retry_condition_fn=capture_retryable)
-            speed = capture_task(capture_job(config, aux_layers), config.run_dir / "jobs" / "capture.json", c.num_gpus, c.launcher, Path(config_path).stem, c.max_tokens)
+            speed = capture_task(capture_job(config, aux_layers), config.job_file("capture"), c.num_gpus, c.launcher, Path(config_path).stem,
+                                 c.max_tokens, nodes=config.distributed)
         metadata = {"target": config.target.path, "hidden_size": shape.hidden_size, "num_layers": shape.num_layers, "aux_layers": aux_layers, "dtype": plan.dtype}
         return index_hidden_states(config.hidden_dir, metadata, speed, Path(config_path).stem)
 

@@ -234,6 +234,50 @@ def import_jsonl(
         console.print(f"created the run directory {escape(str(run_dir))}", highlight=False)
 
 
+NODE_STAGES = ("capture", "train")  # the stages whose jobs span nodes
+
+
+@app.command()
+def node(
+    config: Path = typer.Argument(..., help="The YAML run config node 0 runs (RUN_DIR on a filesystem every node shares)."),
+    node_rank: int = typer.Option(..., "--node-rank", help="This node's rank, 1..distributed.nnodes-1 (node 0 runs the pipeline)."),
+    stages: str = typer.Option(",".join(NODE_STAGES), help="Comma-separated stages to join, in order, of: capture, train."),
+) -> None:
+    """On a node other than 0: run this node's ranks of the capture and train jobs node 0 launches (torchrun, distributed.nnodes > 1)."""
+    from models.rank_protocol import CAPTURE, TRAIN
+    from tasks.launch import resolve_launcher, run_node
+
+    cfg = _config_or_exit(config)
+    chosen = [s.strip() for s in stages.split(",") if s.strip()]
+    problem = None
+    if not cfg.distributed.multinode:
+        problem = f"{config}: distributed.nnodes is 1: capture and train run on the pipeline's node alone"
+    elif not chosen or [s for s in chosen if s not in NODE_STAGES]:
+        problem = f"--stages {stages!r}: give capture, train or both"
+    elif not 1 <= node_rank < cfg.distributed.nnodes:
+        problem = f"--node-rank {node_rank}: this node's rank is 1..{cfg.distributed.nnodes - 1} (node 0 runs the pipeline)"
+    else:
+        launchers = {s: resolve_launcher(getattr(cfg, s).launcher) for s in chosen}
+        if "deepspeed" in launchers.values():
+            problem = (f"{', '.join(s for s, l in launchers.items() if l == 'deepspeed')}: the deepspeed launcher starts every "
+                       "node's ranks from node 0 over ssh (distributed.hostfile); run nothing on the other nodes")
+    if problem:
+        err.print(f"[red]error:[/red] {escape(problem)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    modules = {"capture": ("models.capture", CAPTURE), "train": ("models.train", TRAIN)}
+    for stage in chosen:
+        section = getattr(cfg, stage)
+        module, protocol = modules[stage]
+        try:
+            run_node(module, cfg.job_file(stage), protocol=protocol, num_ranks=section.num_gpus, launcher=section.launcher,
+                     nodes=cfg.distributed, node_rank=node_rank, attempts=section.retries + 1,
+                     log=lambda line: print(line, flush=True))
+        except Exception as exc:  # noqa: BLE001 - the job's failure, in its words; node 0 has the same verdict
+            err.print(f"[red]error:[/red] node {node_rank}: {escape(stage)} failed: {escape(str(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        console.print(f"node {node_rank}: {stage} done", highlight=False)
+
+
 @app.command("tiny-target")
 def tiny_target(
     out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer to."),

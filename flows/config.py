@@ -21,6 +21,7 @@ from models.jobs import (
     DatasetRecords,
     EvalSettings,
     GenerateSettings,
+    Nodes,
     RecordSettings,
     ServerSettings,
     Spec,
@@ -209,6 +210,14 @@ class LaunchConfig(Section):
         return "cuda" if self.launcher == "deepspeed" or (self.launcher == "auto" and cuda_available()) else "cpu"
 
 
+class DistributedConfig(Nodes, Section):
+    """The nodes the capture and train jobs span (models/jobs.py `Nodes`); each node runs the stage's num_gpus ranks.
+
+    torchrun: the pipeline runs on node 0 and starts its ranks; every other node runs
+    `eagle3 node CONFIG --node-rank R` (docs/operations.md). deepspeed: node 0 starts them all from the hostfile.
+    """
+
+
 class CaptureConfig(CaptureSettings, LaunchConfig):
     """The DeepSpeed job that captures the target's hidden states for every training record."""
 
@@ -306,6 +315,7 @@ class RunConfig(Section):
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     datasets: list[DatasetConfig] = Field(min_length=1, description="The input datasets, in order.")
 
     @model_validator(mode="after")
@@ -325,6 +335,8 @@ class RunConfig(Section):
             out.capture.out_dir = _absolute(out.capture.out_dir, base)
         if out.train.out_dir is not None:
             out.train.out_dir = _absolute(out.train.out_dir, base)
+        if out.distributed.hostfile is not None:
+            out.distributed.hostfile = _absolute(out.distributed.hostfile, base)
         if out.capture.nvme_path is not None:
             out.capture.nvme_path = _absolute(out.capture.nvme_path, base)
         for dataset in out.datasets:
@@ -341,6 +353,14 @@ class RunConfig(Section):
     def dataset_records(self) -> list[DatasetRecords]:
         """Every dataset's records directory (RUN_DIR/records/<name>), as the capture, train and eval jobs name them."""
         return [DatasetRecords(name=d.name, records_dir=str(self.run_dir / "records" / d.name)) for d in self.datasets]
+
+    def world_size(self, stage: LaunchConfig) -> int:
+        """Ranks of a capture or train job: distributed.nnodes x the stage's num_gpus."""
+        return self.distributed.nnodes * stage.num_gpus
+
+    def job_file(self, stage: Literal["capture", "train", "eval"]) -> Path:
+        """RUN_DIR/jobs/<stage>.json: the job its ranks read (on every node)."""
+        return self.run_dir / "jobs" / f"{stage}.json"
 
     @property
     def draft_dir(self) -> Path:
@@ -391,7 +411,7 @@ def parse_config(data: Any, *, source: str = "<config>", base: Path | None = Non
     except ValidationError as exc:
         raise ConfigError(source, [_describe(err) for err in exc.errors()]) from None
     config = config.resolve_paths(base if base is not None else Path.cwd())
-    problems = _directory_problems(config)
+    problems = _directory_problems(config) + _node_problems(config)
     if problems:
         raise ConfigError(source, problems)
     return config
@@ -486,6 +506,21 @@ def _directory_problems(config: RunConfig) -> list[str]:
                 " it must be a directory or absent (point it elsewhere)"
             )
     return problems
+
+
+def _node_problems(config: RunConfig) -> list[str]:
+    """One line per stage whose launch cannot span distributed.nnodes nodes (a missing master_addr or hostfile, ...)."""
+    if not config.distributed.multinode:
+        return []
+    from tasks.launch import node_problems, resolve_launcher
+
+    found: dict[str, list[str]] = {}  # problem -> the stages that have it
+    for name, stage in (("capture", config.capture), ("train", config.train)):
+        launcher = resolve_launcher(stage.launcher)
+        how = f"{name}: launcher {stage.launcher}" + (f" = {launcher} here" if stage.launcher == "auto" else "")
+        for problem in node_problems(config.distributed, launcher, stage.num_gpus):
+            found.setdefault(problem, []).append(how)
+    return [f"distributed: {problem} ({'; '.join(stages)})" for problem, stages in found.items()]
 
 
 def _absolute(path: Path, base: Path) -> Path:

@@ -54,7 +54,7 @@ from models.eagle3 import default_aux_layers
 from models.file_errors import DamagedFile
 from models.hidden_shards import ShardWriter, clean_temps, list_shards, shard_metadata, write_index
 from models.jobs import CaptureJob, DatasetRecords
-from models.rank import Dist, init_process_group, log, say, serve
+from models.rank import Dist, check_shared_dir, init_process_group, log, say, serve
 from models.rank_protocol import CAPTURE, CAPTURE_PROGRESS
 
 PROGRESS_EVERY_S = 2.0
@@ -295,6 +295,7 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     vocab_size = getattr(text_config, "vocab_size", None)
 
     init_process_group(dist, job.device, deepspeed=job.mode == "zero3")
+    check_shared_dir(dist, out_dir)  # ranks on several nodes: one out_dir for all, or the plan below differs
 
     # The plan: identical on every rank, because every rank reads the same files before any rank
     # writes (the barrier below) and the deal is deterministic.
@@ -311,6 +312,11 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
             f"{len(done)} already captured, {len(pending)} pending over {dist.world_size} rank(s); "
             f"aux_layers={aux_layers} dtype={str(dtype).removeprefix('torch.')} mode={job.mode}")
     dist.barrier()
+    if not pending:  # every rank knows: nothing to load the target for
+        if dist.rank == 0:
+            write_index(out_dir)
+        say(CAPTURE_PROGRESS.format(rank=dist.rank, done=0, total=0, tokens=0))
+        return {"samples": 0, "tokens": 0}
     del samples, pending  # only this rank's share stays referenced
 
     forward, model = _load_target(job, dist, dtype, device)

@@ -3,6 +3,11 @@
     torchrun --nproc_per_node N -m models.ENTRY --job JOB.json     (CPU: gloo, DS_ACCELERATOR=cpu)
     deepspeed --num_gpus N --module models.ENTRY --job JOB.json    (GPU: NCCL)
     python -m models.ENTRY --job JOB.json                          (WORLD_SIZE unset: one process)
+    torchrun --nnodes K --node_rank R --master_addr A ... (each node), or deepspeed --hostfile H ... (node 0)
+
+Ranks are global: RANK and WORLD_SIZE span every node, LOCAL_RANK picks the GPU on this one. What
+one process writes for all (an index, checkpoint markers, metrics) is written by global rank 0; a
+multi-node job first checks that its output directory is shared by every rank (`check_shared_dir`).
 
 An entry point's `main` is `serve(...)` with its own `run(job_path, dist)`. A failure exits with
 status 1 after one `MARK {json}` error report on stderr (models/rank_protocol.py), which the pipeline
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -24,6 +30,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 import torch
@@ -92,6 +99,35 @@ def init_process_group(dist: Dist, device: str, *, deepspeed: bool) -> None:
     elif dist.world_size > 1:
         torch.distributed.init_process_group(backend=backend)
         dist.group = True
+
+
+def check_shared_dir(dist: Dist, directory: Path) -> None:
+    """Refuse a job whose `directory` is not the same directory for every rank (ValueError naming the hosts).
+
+    Ranks on several nodes write one run directory: shards, checkpoints, the index. On a disk local
+    to each node every node would see only its own files (a resume would capture or train twice).
+    Rank 0 creates a file of a fresh name there; every rank must see it.
+    """
+    if not dist.group or dist.world_size == 1:
+        return
+    names = [f".shared-check-{secrets.token_hex(8)}" if dist.rank == 0 else None]
+    torch.distributed.broadcast_object_list(names, src=0)
+    probe = directory / names[0]
+    if dist.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+    dist.barrier()
+    seen: list[Any] = [None] * dist.world_size
+    torch.distributed.all_gather_object(seen, (dist.rank, socket.gethostname(), probe.exists()))
+    dist.barrier()
+    if dist.rank == 0:
+        probe.unlink(missing_ok=True)
+    blind = [(rank, host) for rank, host, ok in seen if not ok]
+    if blind:
+        hosts = sorted({host for _, host in blind})
+        raise ValueError(f"{directory} is not one shared directory: rank(s) {', '.join(str(r) for r, _ in blind)} on "
+                         f"{', '.join(hosts)} do not see the file rank 0 created there. Every node must mount RUN_DIR "
+                         "(and capture.out_dir, train.out_dir) at the same path on one shared filesystem")
 
 
 def free_port() -> int:

@@ -67,7 +67,7 @@ from models.draft_vocab import draft_vocab, draft_vocab_coverage, load_token_cou
 from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead, acceptance_length, default_aux_layers
 from models.eagle3_export import export_draft
 from models.jobs import TrainJob
-from models.rank import Dist, init_process_group, log, say, serve
+from models.rank import Dist, check_shared_dir, init_process_group, log, say, serve
 from models.rank_protocol import TRAIN, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
 from models.target_weights import load_target_tensors
 from models.train_data import (Batch, HiddenSource, TrainSample, data_fingerprint, epoch_batches, eval_share,
@@ -104,6 +104,17 @@ def ds_train_config(*, world_size: int, grad_accum: int, lr: float, weight_decay
     if bf16:
         config["bf16"] = {"enabled": True}
     return config
+
+
+def check_world_size(job: TrainJob, dist: Dist) -> None:
+    """Refuse a job built for another world size: DeepSpeed needs train_batch_size = world size x grad_accum x micro."""
+    per_rank = job.grad_accum * int(job.ds_config.get("train_micro_batch_size_per_gpu", 1))
+    if job.ds_config.get("train_batch_size") != dist.world_size * per_rank:
+        raise ValueError(f"the job's train_batch_size {job.ds_config.get('train_batch_size')} is for "
+                         f"{job.ds_config.get('train_batch_size', 0) // per_rank} rank(s), but this launch has "
+                         f"{dist.world_size} (train_batch_size must be world size x grad_accum = {dist.world_size * per_rank}): "
+                         "the job was built for another distributed.nnodes x train.num_gpus; run the train stage, which "
+                         "writes the job for its launch, or launch as many ranks as the job was built for")
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float):
@@ -162,6 +173,8 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     ckpt_dir = out_dir / "checkpoints"
     device = dist.device(job.device)
     init_process_group(dist, job.device, deepspeed=True)  # DeepSpeed even for one process
+    check_world_size(job, dist)
+    check_shared_dir(dist, out_dir)  # ranks on several nodes: one checkpoint directory for all
 
     # --- the draft and its frozen target pieces
     target_config = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)

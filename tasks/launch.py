@@ -10,6 +10,7 @@ code, which stays as `RankFailure` only when no rank said why.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable
 
-from models.jobs import Spec
+from models.jobs import Nodes, Spec
 from models.atomic import write_atomic
 from models.rank_protocol import Message, Protocol, most_telling, reported_error
 from models.file_errors import WriteFailed, is_write_error
@@ -42,15 +43,98 @@ def cuda_available() -> bool:
         return False
 
 
-def rank_command(module: str, args: list[str], *, num_ranks: int, launcher: str = "auto") -> tuple[list[str], dict[str, str]]:
-    """The command and extra environment that run `python -m module args` on `num_ranks` ranks."""
+def resolve_launcher(launcher: str) -> str:
+    """`auto` made concrete: the deepspeed launcher on a CUDA machine, torchrun otherwise."""
     if launcher == "auto":
-        launcher = "deepspeed" if cuda_available() else "torchrun"
-    port = str(free_port())
+        return "deepspeed" if cuda_available() else "torchrun"
+    return launcher
+
+
+def read_hostfile(path: Path) -> dict[str, int]:
+    """DeepSpeed's hostfile as {host: slots}, in file order; ValueError naming the file and the line.
+
+    Read as DeepSpeed reads it (`<host> slots=<N>` a line, `#` comments and blank lines skipped, a
+    host once), so a file it would refuse is refused here, before any node is started.
+    """
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read the hostfile {path}: {e.strerror or e}") from None
+    hosts: dict[str, int] = {}
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        match = HOSTFILE_LINE.match(text)
+        if match is None:
+            raise ValueError(f"{path}, line {number}: {text!r} is not `<host> slots=<GPUs>`")
+        if match["host"] in hosts:
+            raise ValueError(f"{path}, line {number}: host {match['host']!r} is listed twice")
+        hosts[match["host"]] = int(match["slots"])
+    if not hosts:
+        raise ValueError(f"{path}: no `<host> slots=<GPUs>` line")
+    return hosts
+
+
+HOSTFILE_LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\d+)")
+
+
+def node_problems(nodes: Nodes, launcher: str, num_gpus: int) -> list[str]:
+    """Why `nodes` cannot run a job of `num_gpus` ranks per node under `launcher` (torchrun or deepspeed); [] if it can."""
+    if not nodes.multinode:
+        return []
+    if launcher == "torchrun":
+        if nodes.master_addr is None:
+            return [f"nnodes {nodes.nnodes} with torchrun needs master_addr: the address of node 0 that every node "
+                    "reaches (its rendezvous runs there, on master_port)"]
+        return []
+    if nodes.hostfile is None:
+        return [f"nnodes {nodes.nnodes} with the deepspeed launcher needs hostfile: one `<host> slots=<GPUs>` line per "
+                "node (deploy/hostfile.example); node 0 starts every node's ranks from it over ssh"]
+    try:
+        hosts = read_hostfile(nodes.hostfile)
+    except ValueError as e:
+        return [str(e)]
+    if len(hosts) < nodes.nnodes:
+        return [f"nnodes {nodes.nnodes}, but the hostfile {nodes.hostfile} lists {len(hosts)} host(s)"]
+    short = {h: n for h, n in list(hosts.items())[: nodes.nnodes] if n < num_gpus}
+    if short:
+        return [f"num_gpus {num_gpus} per node, but the hostfile {nodes.hostfile} gives "
+                + ", ".join(f"{h} slots={n}" for h, n in short.items())
+                + ": every node runs num_gpus ranks (the world size is nnodes x num_gpus)"]
+    return []
+
+
+def rank_command(module: str, args: list[str], *, num_ranks: int, launcher: str = "auto", nodes: Nodes | None = None,
+                 node_rank: int = 0) -> tuple[list[str], dict[str, str]]:
+    """The command and extra environment that run `python -m module args` on `num_ranks` ranks per node.
+
+    One node: every rank here, on a free port. Several (`nodes.nnodes` > 1): torchrun starts this
+    node's ranks as node `node_rank` of a static rendezvous at master_addr:master_port (each node runs
+    it); the deepspeed launcher, run on node 0 only, starts every node's ranks from the hostfile (pdsh).
+    A setting that cannot work raises ValueError, naming it.
+    """
+    nodes = nodes or Nodes()
+    launcher = resolve_launcher(launcher)
+    problems = node_problems(nodes, launcher, num_ranks)
+    if problems:
+        raise ValueError("distributed: " + "; ".join(problems))
+    if not 0 <= node_rank < nodes.nnodes:
+        raise ValueError(f"node rank {node_rank} is outside 0..{nodes.nnodes - 1} (distributed.nnodes {nodes.nnodes})")
+    port = str(nodes.master_port if nodes.multinode else free_port())
     if launcher == "deepspeed":
-        command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks), "--master_port", port, "--module", module, *args]
+        if node_rank != 0:
+            raise ValueError("the deepspeed launcher starts every node's ranks from node 0 (over ssh, distributed.hostfile): "
+                             "start nothing on the other nodes")
+        where = ["--hostfile", str(nodes.hostfile), "--num_nodes", str(nodes.nnodes)] if nodes.multinode else []
+        where += ["--master_addr", nodes.master_addr] if nodes.multinode and nodes.master_addr else []
+        command = [sys.executable, "-m", "deepspeed.launcher.runner", *where, "--num_gpus", str(num_ranks),
+                   "--master_port", port, "--module", module, *args]
         return command, {}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_ranks), "--master_port", port, "-m", module, *args]
+    where = ["--nnodes", str(nodes.nnodes), "--node_rank", str(node_rank), "--master_addr", str(nodes.master_addr),
+             "--rdzv_conf", f"timeout={nodes.join_timeout_s}"] if nodes.multinode else []
+    command = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node", str(num_ranks),
+               "--master_port", port, "-m", module, *args]
     # CPU ranks: DeepSpeed's CPU accelerator with gloo; one thread per rank so ranks don't fight for cores
     return command, {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
@@ -143,6 +227,34 @@ def follow_job(command: list[str], *, protocol: Protocol, log: Callable[[str], N
         if error is None or error is launcher_error:
             raise
         raise error from None  # one line: the rank's traceback, if it printed one, is in the log
+
+
+def run_node(module: str, job_path: Path, *, protocol: Protocol, num_ranks: int, launcher: str, nodes: Nodes, node_rank: int,
+             attempts: int, log: Callable[[str], None]) -> None:
+    """Run node `node_rank`'s ranks of a multi-node torchrun job that node 0's pipeline launches; return when it succeeds.
+
+    Node 0 writes `job_path` before it starts its own launcher, and ranks read it only once every node
+    has joined, so this may start before or after node 0 (within distributed.join_timeout_s). Node 0
+    retries a failed job (the stage's `retries`), each retry a new rendezvous: this joins up to
+    `attempts` launches and raises the last failure.
+    """
+    if node_rank == 0:
+        raise ValueError("node 0 is the node the pipeline runs on (`eagle3 run`): it launches its own ranks; "
+                         f"give this node's rank, 1..{nodes.nnodes - 1}")
+    command, env = rank_command(module, ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher, nodes=nodes,
+                                node_rank=node_rank)
+    for attempt in range(1, attempts + 1):
+        log(f"node {node_rank}: {protocol.name} ranks {node_rank * num_ranks}..{(node_rank + 1) * num_ranks - 1} of "
+            f"{nodes.nnodes * num_ranks}, joining node 0 at {nodes.master_addr}:{nodes.master_port} (launch {attempt} of "
+            f"at most {attempts}): {' '.join(command)}")
+        try:
+            follow_job(command, protocol=protocol, env=env, log=log, on_message=lambda message: log(message.line))
+            return
+        except Exception as e:  # noqa: BLE001 - node 0 decides whether to retry; this node joins the retry if it comes
+            if attempt == attempts:
+                raise
+            log(f"node {node_rank}: the {protocol.name} job failed ({(str(e).splitlines() or [type(e).__name__])[0]}); "
+                f"waiting up to {nodes.join_timeout_s}s for node 0's next launch")
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -16,7 +16,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from models.jobs import CaptureJob
+from models.jobs import CaptureJob, Nodes
 from models.atomic import write_atomic
 from models.file_errors import DamagedFile
 from models.hidden_shards import RESUME, iter_shard_index, list_shards, write_index
@@ -109,23 +109,28 @@ def plan_capture_task(
 
 @task(name="capture-job", cache_policy=NO_CACHE)
 def run_capture_job(job: CaptureJob, job_path: Path, num_ranks: int, launcher: str, config_name: str,
-                    token_cap: int | None = None) -> float:
+                    token_cap: int | None = None, nodes: Nodes | None = None) -> float:
     """Launch the ranks, stream their output into the flow-run log, track progress; return tokens/s.
 
-    `token_cap` caps the tokens of the whole capture: each attempt (a Prefect retry resumes) gets
-    what is left of it after the complete shards on disk. A rank's failure is raised as the rank's
-    own exception (`rank_error`) when it said one.
+    `num_ranks` per node; with `nodes` over several, this is node 0: under torchrun only its own
+    ranks' progress lines reach it (the deal balances tokens, so theirs stand for all), under the
+    deepspeed launcher every node's (pdsh). `token_cap` caps the tokens of the whole capture: each
+    attempt (a Prefect retry resumes) gets what is left of it after the complete shards on disk. A
+    rank's failure is raised as the rank's own exception (`rank_error`) when it said one.
     """
     logger = get_run_logger()
+    nodes = nodes or Nodes()
+    world_size = num_ranks * nodes.nnodes
     if token_cap is not None:
         job = job.model_copy(update={"max_tokens": max(0, token_cap - captured_tokens(Path(job.out_dir)))})
+    command, env = rank_command("models.capture", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher, nodes=nodes)
     write_job(job, job_path, kept=lambda: "every complete shard (no rank was started)", resume=RESUME)
-    command, env = rank_command("models.capture", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher)
-    logger.info("launching %d rank(s): %s", num_ranks, " ".join(command))
+    logger.info("launching %d rank(s) on %d node(s): %s", world_size, nodes.nnodes, " ".join(command))
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("capture", config_name), description="capture: starting")
     ranks: dict[int, tuple[int, int, int]] = {}
     last_update = 0.0
     started = time.monotonic()
+    tokens_before = captured_tokens(Path(job.out_dir)) if nodes.multinode else 0
 
     def on_progress(message: Message) -> None:
         nonlocal last_update
@@ -138,13 +143,15 @@ def run_capture_job(job: CaptureJob, job_path: Path, num_ranks: int, launcher: s
             tokens_all = sum(k for _, _, k in ranks.values())
             percent = 100.0 * done_all / total_all if total_all else 100.0
             rate = tokens_all / max(1e-9, time.monotonic() - started)
-            line = f"capture: {done_all:,}/{total_all:,} samples, {tokens_all:,} tokens, {rate:,.0f} tok/s ({len(ranks)} rank(s) reporting)"
+            line = (f"capture: {done_all:,}/{total_all:,} samples, {tokens_all:,} tokens, {rate:,.0f} tok/s "
+                    f"({len(ranks)} of {world_size} rank(s) reporting here)")
             update_progress_artifact(artifact, progress=round(percent, 2), description=line)
             logger.info(line)
 
     # run=run_job: this module's, the seam where tests/flows/test_capture_flow.py scripts the ranks
     follow_job(command, protocol=CAPTURE, env=env, log=logger.info, on_message=on_progress, failure=_failure, run=run_job)
-    tokens = sum(k for _, _, k in ranks.values())
+    # From the shards, not the progress lines: under torchrun the other nodes' lines never reach this node.
+    tokens = captured_tokens(Path(job.out_dir)) - tokens_before if nodes.multinode else sum(k for _, _, k in ranks.values())
     update_progress_artifact(artifact, progress=100.0, description=f"capture: done, {tokens:,} tokens this run")
     return tokens / max(1e-9, time.monotonic() - started)
 

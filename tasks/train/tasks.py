@@ -18,7 +18,7 @@ from prefect.artifacts import (create_markdown_artifact, create_progress_artifac
                                update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
 
-from models.jobs import TrainJob
+from models.jobs import Nodes, TrainJob
 from models.rank_protocol import TRAIN, TRAIN_EVAL, Message, most_telling
 from models.train import RESUME, CheckpointMismatch, kept_checkpoint
 from tasks.artifacts import artifact_key
@@ -66,12 +66,17 @@ def job_failure(reports: list[dict[str, Any]], failure: RankFailure) -> Exceptio
 
 
 @task(name="train-job", cache_policy=NO_CACHE)
-def run_train_job(job: TrainJob, job_path: Path, num_ranks: int, launcher: str, config_name: str) -> dict[str, Any]:
-    """Launch the ranks (resuming from the latest checkpoint), stream their output, track progress; return the summary."""
+def run_train_job(job: TrainJob, job_path: Path, num_ranks: int, launcher: str, config_name: str,
+                  nodes: Nodes | None = None) -> dict[str, Any]:
+    """Launch the ranks (resuming from the latest checkpoint), stream their output, track progress; return the summary.
+
+    `num_ranks` per node; with `nodes` over several, this is node 0 (rank 0, which reports progress, is here).
+    """
     logger = get_run_logger()
+    nodes = nodes or Nodes()
+    command, env = rank_command("models.train", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher, nodes=nodes)
     write_job(job, job_path, kept=lambda: kept_checkpoint(Path(job.out_dir) / "checkpoints"), resume=RESUME)
-    command, env = rank_command("models.train", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher)
-    logger.info("launching %d rank(s): %s", num_ranks, " ".join(command))
+    logger.info("launching %d rank(s) on %d node(s): %s", num_ranks * nodes.nnodes, nodes.nnodes, " ".join(command))
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("train", config_name), description="train: starting")
     state = {"started": time.monotonic(), "first": None, "last": 0.0, "eval": None}
 

@@ -308,3 +308,49 @@ def test_run_dir_must_be_a_directory_or_absent(tmp_path):
     assert parse_config(data, base=tmp_path).run_dir == tmp_path / "runs/new"  # absent: created later
     (tmp_path / "runs/new").mkdir(parents=True)
     assert parse_config(data, base=tmp_path).run_dir == tmp_path / "runs/new"
+
+
+# --- distributed: capture and train over several nodes ------------------------------------------
+
+
+def test_one_node_by_default_and_world_size_is_nodes_times_gpus(tmp_path):
+    config = parse_config(copy.deepcopy(MINIMAL), base=tmp_path)
+    assert (config.distributed.nnodes, config.distributed.master_addr, config.distributed.hostfile) == (1, None, None)
+    assert config.world_size(config.train) == 8
+    data = {**copy.deepcopy(MINIMAL), "train": {"num_gpus": 4, "launcher": "torchrun"}, "capture": {"launcher": "torchrun"},
+            "distributed": {"nnodes": 3, "master_addr": "10.0.0.5"}}
+    config = parse_config(data, base=tmp_path)
+    assert config.world_size(config.train) == 12 and config.world_size(config.capture) == 24
+    assert config.job_file("train") == tmp_path / "runs/x/jobs/train.json"
+
+
+def test_several_nodes_need_a_rendezvous_or_a_hostfile(tmp_path):
+    torchrun = {**copy.deepcopy(MINIMAL), "capture": {"launcher": "torchrun"}, "train": {"launcher": "torchrun"},
+                "distributed": {"nnodes": 2}}
+    lines = problems(torchrun, base=tmp_path)
+    assert lines == ["distributed: nnodes 2 with torchrun needs master_addr: the address of node 0 that every node reaches "
+                     "(its rendezvous runs there, on master_port) (capture: launcher torchrun; train: launcher torchrun)"]
+    deepspeed = {**torchrun, "capture": {"launcher": "deepspeed"}, "train": {"launcher": "deepspeed", "num_gpus": 4}}
+    assert any("needs hostfile" in line for line in problems(deepspeed, base=tmp_path))
+
+    hostfile = tmp_path / "hostfile"
+    deepspeed["distributed"] = {"nnodes": 2, "hostfile": "hostfile"}
+    assert problems(deepspeed, base=tmp_path) == [f"distributed: cannot read the hostfile {hostfile}: No such file or directory "
+                                                 "(capture: launcher deepspeed; train: launcher deepspeed)"]
+    hostfile.write_text("# two nodes\ngpu-0 slots=8\n\ngpu-1 slots=4\n")
+    assert problems(deepspeed, base=tmp_path) == [
+        f"distributed: num_gpus 8 per node, but the hostfile {hostfile} gives gpu-1 slots=4: every node runs num_gpus ranks "
+        "(the world size is nnodes x num_gpus) (capture: launcher deepspeed)"]
+    deepspeed["capture"] = {"launcher": "deepspeed", "num_gpus": 4}
+    config = parse_config(deepspeed, base=tmp_path)
+    assert config.distributed.hostfile == hostfile and config.world_size(config.train) == 8
+    deepspeed["distributed"]["nnodes"] = 3
+    assert any(f"nnodes 3, but the hostfile {hostfile} lists 2 host(s)" in line for line in problems(deepspeed, base=tmp_path))
+    hostfile.write_text("gpu-0 slots=8\ngpu-0 slots=8\n")
+    assert any("line 2: host 'gpu-0' is listed twice" in line for line in problems(deepspeed, base=tmp_path))
+
+
+@pytest.mark.parametrize("addr", ["10.0.0.5:29500", "", "node 0"])
+def test_master_addr_is_an_address_without_a_port(addr):
+    data = {**copy.deepcopy(MINIMAL), "distributed": {"nnodes": 2, "master_addr": addr}}
+    assert any(line.startswith("distributed.master_addr: must be the host name or IP address of node 0") for line in problems(data))

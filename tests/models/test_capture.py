@@ -426,6 +426,13 @@ def test_single_process_token_cap_then_rest(tiny_target_dir, records, expected, 
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("CAPTURE_PROGRESS")]
     assert lines[-1] == f"CAPTURE_PROGRESS rank=0 done={len(expected) - len(first)} total={len(expected) - len(first)} " \
                         f"tokens={sum(e['input_ids'].numel() for e in expected.values()) - sum(first.values())}"
+    # Nothing left: the launch ends before loading the target (several nodes launch it anyway), the index rewritten.
+    (out / "index.parquet").unlink()
+    assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate"))]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[-1] == "CAPTURE_PROGRESS rank=0 done=0 total=0 tokens=0"
+    assert "0 pending over 1 rank(s)" in captured.err and "batches" not in captured.err
+    _check_capture(out, expected)
 
 
 def test_errors_exit_nonzero_with_traceback(tiny_target_dir, records, tmp_path, monkeypatch, capsys):

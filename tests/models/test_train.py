@@ -547,3 +547,16 @@ def test_a_full_disk_under_metrics_or_torch_save_is_a_write_failure_naming_the_f
         with writing(small_disk / "ckpt", small_disk / "checkpoints"):
             raise RuntimeError("not storage")
     assert not list(small_disk.glob(".write-probe-*"))
+
+
+def test_a_job_built_for_another_world_size_is_refused_before_training():
+    from models.rank import Dist
+    from models.train import check_world_size
+
+    job = TrainJob(target_path="t", out_dir="o", token_counts="c", hidden_dir="h", device="cpu",
+                   ds_config=ds_train_config(world_size=2, grad_accum=3, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
+                                             grad_clip=0.5, bf16=False, torch_adam=True))
+    check_world_size(job, Dist(rank=0, world_size=2))
+    with pytest.raises(ValueError, match=r"train_batch_size 6 is for 2 rank\(s\), but this launch has 4 "
+                                         r"\(train_batch_size must be world size x grad_accum = 12\)"):
+        check_world_size(job, Dist(rank=0, world_size=4))

@@ -11,7 +11,7 @@ from models.file_errors import DamagedShard
 from models.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
 from models.file_errors import WriteFailed
 from tasks import launch
-from models.jobs import CaptureJob
+from models.jobs import CaptureJob, Nodes
 from tasks.launch import RankFailure, RankRefused, follow_job, rank_error, write_job
 
 
@@ -83,3 +83,57 @@ def test_a_job_file_that_cannot_be_written_is_a_write_failure(tmp_path, monkeypa
     monkeypatch.setattr(launch, "write_atomic", full)
     with pytest.raises(WriteFailed, match=rf"^cannot write {path}: disk full: .*kept: every shard\. to resume: rerun$"):
         write_job(job, path, kept=lambda: "every shard", resume="rerun")
+
+
+# --- launch commands: one node, several ------------------------------------------------------------
+
+
+def test_one_node_commands_pick_a_free_port():
+    command, env = launch.rank_command("models.train", ["--job", "J"], num_ranks=2, launcher="torchrun")
+    assert command[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", command[6], "-m",
+                           "models.train", "--job", "J"]
+    assert env["DS_ACCELERATOR"] == "cpu"
+    command, env = launch.rank_command("models.train", ["--job", "J"], num_ranks=8, launcher="deepspeed")
+    assert "--hostfile" not in command and command[command.index("--num_gpus") + 1] == "8" and env == {}
+
+
+def test_torchrun_over_nodes_is_a_static_rendezvous_at_node_0():
+    nodes = Nodes(nnodes=2, master_addr="10.0.0.5", master_port=29400, join_timeout_s=300)
+    command, _ = launch.rank_command("models.capture", ["--job", "J"], num_ranks=8, launcher="torchrun", nodes=nodes, node_rank=1)
+    assert command[1:] == ["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.5",
+                           "--rdzv_conf", "timeout=300", "--nproc_per_node", "8", "--master_port", "29400",
+                           "-m", "models.capture", "--job", "J"]
+    with pytest.raises(ValueError, match=r"node rank 2 is outside 0..1"):
+        launch.rank_command("models.capture", [], num_ranks=8, launcher="torchrun", nodes=nodes, node_rank=2)
+    with pytest.raises(ValueError, match=r"distributed: nnodes 2 with torchrun needs master_addr"):
+        launch.rank_command("models.capture", [], num_ranks=8, launcher="torchrun", nodes=Nodes(nnodes=2))
+
+
+def test_deepspeed_over_nodes_starts_every_node_from_the_hostfile(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("gpu-0 slots=8\ngpu-1 slots=8\ngpu-2 slots=8\n")
+    nodes = Nodes(nnodes=2, hostfile=hostfile, master_port=29400)
+    command, env = launch.rank_command("models.train", ["--job", "J"], num_ranks=8, launcher="deepspeed", nodes=nodes)
+    assert command[1:] == ["-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--num_nodes", "2",
+                           "--num_gpus", "8", "--master_port", "29400", "--module", "models.train", "--job", "J"]
+    assert env == {}
+    with_addr = nodes.model_copy(update={"master_addr": "10.0.0.5"})
+    command, _ = launch.rank_command("models.train", [], num_ranks=8, launcher="deepspeed", nodes=with_addr)
+    assert command[command.index("--master_addr") + 1] == "10.0.0.5"
+    with pytest.raises(ValueError, match="starts every node's ranks from node 0"):
+        launch.rank_command("models.train", [], num_ranks=8, launcher="deepspeed", nodes=nodes, node_rank=1)
+    with pytest.raises(ValueError, match="node 0 is the node the pipeline runs on"):
+        launch.run_node("models.train", tmp_path / "j.json", protocol=TRAIN, num_ranks=8, launcher="deepspeed",
+                        nodes=nodes, node_rank=0, attempts=1, log=print)
+
+
+def test_hostfile_is_read_as_deepspeed_reads_it(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# comment\n\nworker-0 slots=8\nworker-1  slots=4  # trailing\n")
+    assert launch.read_hostfile(hostfile) == {"worker-0": 8, "worker-1": 4}
+    hostfile.write_text("worker-0 gpus=8\n")
+    with pytest.raises(ValueError, match=r"line 1: 'worker-0 gpus=8' is not `<host> slots=<GPUs>`"):
+        launch.read_hostfile(hostfile)
+    hostfile.write_text("# nothing\n")
+    with pytest.raises(ValueError, match="no `<host> slots=<GPUs>` line"):
+        launch.read_hostfile(hostfile)
