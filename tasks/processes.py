@@ -173,6 +173,10 @@ def router_process(url: str, workers: list[str], extra: list[str], *, log_path: 
     parts = urlparse(url)
     command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers,
                "--host", parts.hostname or "127.0.0.1", "--port", str(parts.port or 80), *extra]
+    if not any(word.startswith("--prometheus-port") for word in extra):
+        # its metrics port defaults to 29000, often taken (torch.distributed uses 29500 nearby): a router that
+        # cannot bind it dies at start, so it gets a free one unless router_args name one
+        command += ["--prometheus-port", str(free_port())]
     return ServerProcess(command, url, log_path=log_path)
 def _answers(url: str) -> bool:
     try:

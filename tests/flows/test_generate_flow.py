@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -48,14 +49,19 @@ async def artifacts_by_key() -> dict[str, object]:
 
 @pytest.mark.multiprocess
 def test_generate_records_capture_flows_publish_their_artifacts(tmp_path, tiny_target_dir, monkeypatch):
-    with SimServer(max_running=4, decode_s_per_token=0.0005, mean_len=12, vocab_size=2048, eos_token_id=1) as srv:
+    sim = dict(max_running=4, decode_s_per_token=0.0005, mean_len=12, vocab_size=2048, eos_token_id=1)
+    with SimServer(**sim) as srv, SimServer(**sim) as other:  # two servers: one pool, a limit each
         config = write_config(tmp_path, srv.url, tiny_target_dir)
+        settings = yaml.safe_load(config.read_text())
+        settings["server"]["urls"] = [srv.url, other.url]
+        config.write_text(yaml.safe_dump(settings))
         rows = asyncio.run(generate(str(config)))
-        assert srv.snapshot().max_in_flight <= 4
+        served = [srv.snapshot(), other.snapshot()]
+    assert [s.max_in_flight <= 4 for s in served] == [True, True] and min(s.completed for s in served) >= 5
 
     run = tmp_path / "run"
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    assert saved["server"]["url"] == srv.url and saved["datasets"][1]["token_budget"] == 300
+    assert saved["server"]["urls"] == [srv.url, other.url] and saved["datasets"][1]["token_budget"] == 300
     by_name = {r["dataset"]: r for r in rows}
     assert by_name["B2_math"]["responses"] == 50  # every math prompt, hashed ids included
     b1 = by_name["B1_code"]
@@ -69,6 +75,10 @@ def test_generate_records_capture_flows_publish_their_artifacts(tmp_path, tiny_t
     table = artifacts["generate-summary-cfg"]
     assert table.type == "table"
     assert "B1_code" in str(table.data) and "B2_math" in str(table.data)
+    servers = json.loads(artifacts["generate-servers-cfg"].data)  # per-server throughput
+    assert [r["server"] for r in servers] == [srv.url, other.url]
+    assert [r["responses"] for r in servers] == [s.completed for s in served]
+    assert sum(r["responses"] for r in servers) == sum(r["responses"] for r in rows if r["dataset"] != "A1_chat")
 
     report = {r["dataset"]: r for r in records(str(config))}
     assert report["A1_chat"]["records"] >= 32  # every conversation, some split per turn

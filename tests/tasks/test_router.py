@@ -1,0 +1,103 @@
+"""Generate through the real SGLang router (the `sglang-router` package) in front of two dev servers.
+
+The router answers /generate and /health_generate like a server, but /abort_request with 404 and
+/get_server_info in its own shape; the pool reads the input limit from the router's workers and
+stops requests at the budget by closing their connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from pathlib import Path
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from models.jobs import GenerateJob
+from tasks.checkpoints import live_parts
+from tasks.datasets import PromptRow
+from tasks.generate.loop import generate_dataset
+from tasks.generate.prompts import request_sampling_params
+from tasks.processes import launched_servers
+from tasks.server_pool import ServerPool
+from tasks.sglang_client import RetryPolicy
+
+pytestmark = pytest.mark.multiprocess
+
+EOS = 1
+# every answer as long as max_new_tokens: the budget test below needs to know the lengths
+SAMPLING = request_sampling_params({"max_new_tokens": 24, "temperature": 0.8, "top_p": 0.95, "ignore_eos": True}, [EOS])
+
+
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive ports that nothing listens on (router, then its replicas)."""
+    for _ in range(50):
+        base = random.randint(20000, 60000)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def prompts(n: int) -> list[PromptRow]:
+    rng = random.Random(n)
+    return [PromptRow(id=f"p{i}", messages=[{"role": "user", "content": f"q{i} " + "word " * rng.randint(1, 12)}])
+            for i in range(n)]
+
+
+def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_path, tiny_target_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    url = f"http://127.0.0.1:{free_ports(3)}"
+    rows = prompts(100)
+    out = tmp_path / "run"
+
+    async def generate(pool, rows, **kw):
+        settings = GenerateJob(**{"dataset": "B1", "sampling_params": SAMPLING, "flush_every": 8, **kw})
+        return await generate_dataset(rows, pool=pool, tokenizer=tokenizer, responses_dir=out / "responses/B1",
+                                      rejects_dir=out / "rejects/B1", source=Path("b1.jsonl"), settings=settings,
+                                      vocab_size=len(tokenizer))
+
+    logs = tmp_path / "logs"
+    with launched_servers("dev", url, replicas=2, router=True, target=tiny_target_dir, log_dir=logs, health_timeout_s=180) as procs:
+        workers = [p.url for p in procs[:2]]
+        assert procs[2].url == url and workers == [url[:-5] + str(int(url[-5:]) + i) for i in (1, 2)]
+        worker_limit = httpx.get(workers[0] + "/server_info").json()["max_req_input_len"]
+
+        async def go():
+            retry = RetryPolicy(initial_s=0.05, max_s=0.5, outage_window_s=60)
+            async with ServerPool([url], max_concurrency=48, retry=retry) as pool:
+                # 1-token answers first: the budget's length estimate is then far too low for the second
+                # run, which sends 48 requests at once; the two dev servers decode 16 each in lockstep,
+                # so 16 still wait when the first answers cross the budget: those must be stopped
+                await generate(pool, rows[:20], sampling_params={**SAMPLING, "max_new_tokens": 1})
+                budgeted = await generate(pool, rows[:80], token_budget=20 + 120)
+                rest = await generate(pool, rows)
+                return budgeted, rest, pool.servers[0]
+
+        budgeted, rest, server = asyncio.run(go())
+        idle = [httpx.get(w + "/server_info").json()["internal_states"][0] for w in workers]
+
+    assert server.router and server.max_input == worker_limit  # the limit came from the workers
+    assert budgeted.status == "budget reached" and budgeted.aborted >= 1
+    assert not server.can_abort  # the router has no /abort_request: the requests were closed instead
+    assert idle == [{"num_running_reqs": 0, "num_waiting_reqs": 0}] * 2  # nothing left generating
+    got = []
+    for part in live_parts(out / "responses/B1"):
+        got += pq.read_table(part).to_pylist()
+    assert sorted(r["id"] for r in got) == sorted(r.id for r in rows)  # every prompt once, across the three runs
+    assert rest.status == "complete"
+    served = [sum(" /generate " in line for line in (logs / f"server-{i}.log").read_text().splitlines()) for i in (0, 1)]
+    assert min(served) >= 5, served  # the router spread the requests over both workers
