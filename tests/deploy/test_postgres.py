@@ -90,19 +90,21 @@ def postgres():
 
     data, socket_dir, port = base / "data", base / "socket", free_port()
     password = secrets.token_hex(12)
-    run(str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "-E", "UTF8", "--no-sync",
-        "--auth-local=trust", "--auth-host=scram-sha-256")
-    run("mkdir", str(socket_dir))
-    # -w: pg_ctl itself waits until the server accepts connections. fsync off: a throwaway database.
-    run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(base / "postgres.log"), "-w", "-t", "60", "-o",
-        f"-c listen_addresses=127.0.0.1 -p {port} -k {socket_dir} -c fsync=off", "start")
+    started = False
     try:
-        pg = Postgres(f"postgresql+asyncpg://prefect:{password}@127.0.0.1:{port}/prefect", bindir, socket_dir, port, as_user)
+        run(str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "-E", "UTF8", "--no-sync",
+            "--auth-local=trust", "--auth-host=scram-sha-256")
+        run("mkdir", str(socket_dir))
+        # -w: pg_ctl itself waits until the server accepts connections. fsync off: a throwaway database.
+        run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(base / "postgres.log"), "-w", "-t", "60", "-o",
+            f"-c listen_addresses=127.0.0.1 -p {port} -k {socket_dir} -c fsync=off", "start")
+        started = True
         run(str(bindir / "psql"), "-h", str(socket_dir), "-p", str(port), "-U", "postgres", "-v", "ON_ERROR_STOP=1",
             "-c", f"CREATE ROLE prefect LOGIN PASSWORD '{password}'", "-c", "CREATE DATABASE prefect OWNER prefect")
-        yield pg
+        yield Postgres(f"postgresql+asyncpg://prefect:{password}@127.0.0.1:{port}/prefect", bindir, socket_dir, port, as_user)
     finally:
-        run(str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
+        if started:
+            run(str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
         shutil.rmtree(base)
 
 
