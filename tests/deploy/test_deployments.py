@@ -1,24 +1,20 @@
 """End to end through a real Prefect server: pools, `prefect deploy --all`, a process worker, the pipeline deployment.
 
-Everything runs as the user would: `prefect server start` on loopback with a temporary
-PREFECT_HOME, `prefect work-pool create`, `prefect deploy --all` from the repository's
-prefect.yaml, `prefect worker start`, `prefect deployment run 'pipeline/demo'` with a small
-config, then the Prefect client (in a subprocess pointed at that server) reads the flow run's
-state, its subflow runs and its artifacts.
+Everything runs as the user would (tests/deploy/conftest.py): `prefect server start` on loopback with
+a temporary PREFECT_HOME, `prefect work-pool create`, `prefect deploy --all` from the repository's
+prefect.yaml, `prefect worker start`, `prefect deployment run 'pipeline/demo'` with a small config,
+then the Prefect client (in a subprocess pointed at that server) reads the flow run's state, its
+subflow runs and its artifacts.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -26,8 +22,6 @@ import yaml
 from tasks.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-PREFECT = str(Path(sys.executable).parent / "prefect")
-RUN_TIMEOUT_S = 900
 
 CLIENT_CHECK = r"""
 import asyncio, json, sys
@@ -70,98 +64,26 @@ def _config(tmp_path: Path, tiny_target_dir: Path) -> Path:
     return path
 
 
-def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    with open(log, "wb") as out:
-        return subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
-
-
-def _prefect(args: list[str], env: dict[str, str], timeout: float = 300) -> str:
-    proc = subprocess.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"prefect {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
-
-
 @pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    """`prefect server start` on loopback, the two pools, and every deployment of prefect.yaml."""
-    home = tmp_path_factory.mktemp("prefect")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home / "prefect-home"), PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", EAGLE3_HOME=str(REPO), PREFECT_WORKER_QUERY_SECONDS="2",
-               PREFECT_WORKER_PREFETCH_SECONDS="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO))
-    server = _start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, home / "server.log")
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None, (home / "server.log").read_text()[-3000:]
-            time.sleep(0.5)  # polling a server that has no other readiness signal
-        else:
-            pytest.fail("prefect server did not come up:\n" + (home / "server.log").read_text()[-3000:])
-
-        for pool in ("eagle3-cpu", "eagle3-gpu"):
-            _prefect(["work-pool", "create", pool, "--type", "process"], env)
-        deployed = _prefect(["--no-prompt", "deploy", "--all"], env)
-        for name in ("pipeline/demo", "pipeline/run", "generate/generate", "capture/capture", "train/train", "eval/eval"):
-            assert name in deployed, deployed[-3000:]
-        yield env
-    finally:
-        _stop(server)
-
-
-def _run_deployment(env: dict[str, str], name: str, *params: str) -> str:
-    """Start a deployment run; its flow run id."""
-    args = [arg for p in params for arg in ("--param", p)]
-    started = _prefect(["deployment", "run", name, *args], env)
-    found = re.search(r"UUID:\s*([0-9a-f-]{36})", started)
-    assert found, started
-    return found.group(1)
-
-
-def _wait_final(env: dict[str, str], flow_run_id: str, timeout_s: float = RUN_TIMEOUT_S) -> str:
-    state = ""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = httpx.get(f"{env['PREFECT_API_URL']}/flow_runs/{flow_run_id}", timeout=30).json()["state"]["type"]
-        if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-            break
-        time.sleep(2)  # polling the API for a state change
-    return state
+def prefect_server(tmp_path_factory, launch_prefect):
+    """`prefect server start` on loopback (SQLite), the two pools, and every deployment of prefect.yaml."""
+    with launch_prefect(tmp_path_factory.mktemp("prefect")) as server:
+        server.create_pools_and_deploy()
+        yield server
 
 
 @pytest.mark.e2e
 def test_pipeline_deployment_runs_on_a_real_prefect_server(prefect_server, tmp_path, tiny_target_dir):
-    env = prefect_server
+    server = prefect_server
     config = _config(tmp_path, tiny_target_dir)
-    worker = _start([PREFECT, "worker", "start", "--pool", "eagle3-cpu", "--type", "process"], env, tmp_path / "worker.log")
+    worker = server.worker("eagle3-cpu", tmp_path / "worker.log")
     try:
-        flow_run_id = _run_deployment(env, "pipeline/demo", f"config_path={config}", "stages=generate,records,capture,train,eval")
-        state = _wait_final(env, flow_run_id)
+        flow_run_id = server.run_deployment("pipeline/demo", f"config_path={config}", "stages=generate,records,capture,train,eval")
+        state = server.wait_final(flow_run_id)
         assert state == "COMPLETED", f"flow run {state}:\n{(tmp_path / 'worker.log').read_text()[-6000:]}"
-
-        check = subprocess.run([sys.executable, "-c", CLIENT_CHECK, flow_run_id], env=env, cwd=REPO,
-                               capture_output=True, text=True, timeout=120)
-        assert check.returncode == 0, check.stderr[-3000:]
-        seen = json.loads(check.stdout.strip().splitlines()[-1])
+        seen = json.loads(server.python(CLIENT_CHECK, flow_run_id).splitlines()[-1])
     finally:
-        _stop(worker)
+        server.stop(worker)
 
     assert seen["state"] == "COMPLETED" and seen["deployment"] == "demo" and seen["pool"] == "eagle3-cpu"
     assert seen["name"] == "pipeline e2e [generate,records,capture,train,eval]"
@@ -194,7 +116,7 @@ def test_a_killed_worker_leaves_nothing_a_rerun_does_not_finish_exactly_once(pre
     from tasks.checkpoints import live_parts
     from tasks.run_lock import read_holder
 
-    env = prefect_server
+    server = prefect_server
     prompts = tmp_path / "prompts.jsonl"
     n = 120
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}"}) + "\n" for i in range(n)))
@@ -208,8 +130,8 @@ def test_a_killed_worker_leaves_nothing_a_rerun_does_not_finish_exactly_once(pre
             "generate": {"flush_every": 4, "retries": 0},
             "datasets": [{"name": "B1", "kind": "generate", "path": str(prompts)}],
         }))
-        worker = _start([PREFECT, "worker", "start", "--pool", "eagle3-cpu", "--type", "process"], env, tmp_path / "worker1.log")
-        first = _run_deployment(env, "generate/generate", f"config_path={config}")
+        worker = server.worker("eagle3-cpu", tmp_path / "worker1.log")
+        first = server.run_deployment("generate/generate", f"config_path={config}")
         deadline = time.monotonic() + 300
         while len(live_parts(run_dir / "responses/B1")) < 3:  # mid-run: some parts written, most prompts to go
             assert time.monotonic() < deadline, (tmp_path / "worker1.log").read_text()[-4000:]
@@ -221,19 +143,18 @@ def test_a_killed_worker_leaves_nothing_a_rerun_does_not_finish_exactly_once(pre
         except ProcessLookupError:
             pass
         worker.wait()
-        assert httpx.get(f"{env['PREFECT_API_URL']}/flow_runs/{first}", timeout=30).json()["state"]["type"] == "RUNNING"
+        assert server.flow_run_state(first) == "RUNNING"
         kept = len({r["id"] for p in live_parts(run_dir / "responses/B1") for r in pq.read_table(p, columns=["id"]).to_pylist()})
         assert 0 < kept < n
 
         # docs/operations.md section 5: mark the stuck run Crashed, start a worker, run the deployment again
-        marked = subprocess.run([sys.executable, "-c", MARK_CRASHED, first], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert marked.returncode == 0, marked.stderr[-3000:]
-        worker = _start([PREFECT, "worker", "start", "--pool", "eagle3-cpu", "--type", "process"], env, tmp_path / "worker2.log")
+        server.python(MARK_CRASHED, first)
+        worker = server.worker("eagle3-cpu", tmp_path / "worker2.log")
         try:
-            second = _run_deployment(env, "generate/generate", f"config_path={config}")
-            state = _wait_final(env, second)
+            second = server.run_deployment("generate/generate", f"config_path={config}")
+            state = server.wait_final(second)
             assert state == "COMPLETED", f"rerun {state}:\n{(tmp_path / 'worker2.log').read_text()[-6000:]}"
         finally:
-            _stop(worker)
+            server.stop(worker)
     ids = [r["id"] for p in live_parts(run_dir / "responses/B1") for r in pq.read_table(p, columns=["id"]).to_pylist()]
     assert len(ids) == len(set(ids)) == n  # every prompt exactly once across the kill
