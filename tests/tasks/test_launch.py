@@ -83,3 +83,42 @@ def test_a_job_file_that_cannot_be_written_is_a_write_failure(tmp_path, monkeypa
     monkeypatch.setattr(launch, "write_atomic", full)
     with pytest.raises(WriteFailed, match=rf"^cannot write {path}: disk full: .*kept: every shard\. to resume: rerun$"):
         write_job(job, path, kept=lambda: "every shard", resume="rerun")
+
+
+@pytest.mark.multiprocess
+def test_a_job_past_its_time_limit_is_killed_and_says_so():
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match=r"(?s)killed after its time limit of 1 s.*--- last output ---\nstarted"):
+        launch.run_job(_python("import time; print('started', flush=True); time.sleep(60)"), on_line=lambda line: None,
+                       timeout_s=1)
+    assert time.monotonic() - started < 30
+
+
+def test_launching_ranks_needs_neither_prefect_nor_httpx():
+    # The GPU check (bench/gpu_check.py) launches ranks through this module on a machine without them.
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    seen, todo, found = set(), ["tasks.launch"], []
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = repo / (module.replace(".", "/") + ".py")
+        if not path.is_file():
+            path = repo / module.replace(".", "/") / "__init__.py"
+        if not path.is_file():
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if name.split(".")[0] in ("prefect", "httpx"):
+                    found.append(f"{module}: {name}")
+                elif name.split(".")[0] in ("tasks", "models"):
+                    todo.append(name)
+    assert found == []
