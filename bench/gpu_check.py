@@ -77,6 +77,7 @@ class Params:
 
     quick: bool = False  # --cpu-smoke: the small CPU preset
     device: str = "cuda"  # cuda: deepspeed launcher, NCCL, bf16; cpu: torchrun, gloo, fp32
+    precision: str = "auto"  # auto: bf16 on cuda, fp32 on cpu; bf16 / fp32 to choose (bf16 on CPU: the dtype path here)
     seed: int = 0
     # the target (models/tiny_target.py); vocab_size is an upper bound: the BPE trainer decides
     hidden_size: int = 1024
@@ -131,11 +132,13 @@ class Params:
 
     @property
     def bf16(self) -> bool:
-        return self.device == "cuda"
+        return self.precision == "bf16" or (self.precision == "auto" and self.device == "cuda")
 
     def validate(self) -> None:
         if self.device not in ("cuda", "cpu"):
             raise SystemExit(f"--device must be cuda or cpu, got {self.device!r}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise SystemExit(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
         if not 0 <= self.skip_steps < self.steps or self.skip_steps % self.log_every:
             raise SystemExit(f"--skip-steps must be in [0, --steps) and a multiple of --log-every, "
                              f"got {self.skip_steps} (steps {self.steps}, log every {self.log_every})")
@@ -306,7 +309,10 @@ def machine(p: Params) -> dict[str, Any]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         facts.update(gpus=torch.cuda.device_count(), gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                     gpu_capability=f"{props.major}.{props.minor}", nccl=".".join(map(str, torch.cuda.nccl.version())))
+                     gpu_capability=f"{props.major}.{props.minor}")
+        with contextlib.suppress(Exception):  # a tuple in torch 2.x, an int before; a figure, never a failure
+            nccl = torch.cuda.nccl.version()
+            facts["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             facts["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                              capture_output=True, text=True, timeout=20).stdout.strip() or None
@@ -572,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=args.keep))
-    print(f"GPU check ({'--cpu-smoke: torchrun, gloo, fp32' if p.quick else 'deepspeed launcher, NCCL, bf16'}), "
+    print(f"GPU check ({p.launcher}, {'NCCL' if p.device == 'cuda' else 'gloo'}, {'bf16' if p.bf16 else 'fp32'}"
+          f"{', --cpu-smoke' if p.quick else ''}), "
           f"budget {p.budget_s:.0f} s; figures -> {json_path}", flush=True)
     check = Check(p, json_path, json_path.with_name("gpu_check.log"), work, bool(args.verbose))
     try:
