@@ -498,7 +498,7 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     `log_every` steps, the job's metrics line: Metrics all-reduce, grad norm, metrics.jsonl and
     TensorBoard, as rank 0 writes it).
     """
-    from tasks.processes import free_port
+    from tasks.ports import free_port
 
     os.environ.update(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))

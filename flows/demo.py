@@ -12,7 +12,7 @@ from rich.table import Table
 from flows.config import RunConfig, dump_config, load_config
 from flows.pipeline import pipeline
 from tasks.checkpoints import live_parts
-from tasks.processes import free_port
+from tasks.ports import free_port
 from tasks.records.build import TOKEN_COUNTS
 from tasks.stats import collect_stats, render_rows_table, render_stats_table
 

@@ -37,7 +37,7 @@ import torch
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.file_errors import DamagedFile
-from models.rank_protocol import Protocol, error_report
+from models.rank_protocol import RANK_MEMORY, Protocol, error_report
 from models.file_errors import WriteFailed
 
 # Exceptions whose message says all there is to say: no traceback after them.
@@ -215,9 +215,25 @@ def serve(argv: list[str] | None, *, prog: str, description: str, protocol: Prot
         sys.stderr.flush()
         return 1
     finally:
+        try:
+            say(memory_line(dist.rank))
+        except Exception:  # noqa: BLE001 - a figure for the log; never the reason a rank fails
+            pass
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             try:
                 torch.distributed.destroy_process_group()
             except Exception:  # noqa: BLE001 - exiting anyway
                 pass
     return 0
+
+
+def memory_line(rank: int) -> str:
+    """`RANK_MEMORY ...` for this process: peak resident bytes, and the CUDA allocator's peaks on its busiest GPU."""
+    import resource
+
+    values = {"rank": rank, "host_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices = range(torch.cuda.device_count())
+        values["gpu_peak_allocated"] = max(torch.cuda.max_memory_allocated(d) for d in devices)
+        values["gpu_peak_reserved"] = max(torch.cuda.max_memory_reserved(d) for d in devices)
+    return RANK_MEMORY.format(**values)

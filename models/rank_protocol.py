@@ -14,6 +14,8 @@ short by a dying process does not parse and is an ordinary log line.
              TRAIN_ERROR {json}
     eval     EVAL_PROGRESS draft=NAME done=i total=n
              EVAL_ERROR {json}
+    any      RANK_MEMORY rank=R host_peak_rss=B [gpu_peak_allocated=B gpu_peak_reserved=B]
+                                                                   every rank as it exits (bytes)
 
 The error report (`error_report`) says enough to raise the same exception in the pipeline
 (`reported_error`): a failed write (`WriteFailed`) or a damaged file (`DamagedFile`, `DamagedShard`)
@@ -153,6 +155,12 @@ TRAIN = Protocol("train", ErrorLine("TRAIN_ERROR"), TRAIN_PROGRESS, (TRAIN_EVAL,
 
 EVAL_PROGRESS = Line("EVAL_PROGRESS", (Field("draft", str), Field("done"), Field("total")))
 EVAL = Protocol("eval", ErrorLine("EVAL_ERROR"), EVAL_PROGRESS)
+
+# Printed by every rank of every entry point as it exits (models/rank.py `serve`): the peak resident
+# memory of the process and, where it used CUDA, the allocator's peaks on its busiest GPU. Not part of
+# a stage's protocol: the pipeline logs it as an ordinary line; the GPU check (bench/gpu_check.py) reads it.
+RANK_MEMORY = Line("RANK_MEMORY", (Field("rank"), Field("host_peak_rss"), Field("gpu_peak_allocated", optional=True),
+                                   Field("gpu_peak_reserved", optional=True)))
 
 
 # --- the error report ---------------------------------------------------------------------------------

@@ -93,6 +93,7 @@ def build_tiny_target(
     num_kv_heads: int = 2,
     intermediate_size: int = 352,
     max_position_embeddings: int = 4096,
+    device: str = "cpu",
 ) -> Path:
     """Build (or reuse) a tiny Llama target with a Kimi-style tokenizer in `out_dir`; return its path.
 
@@ -101,6 +102,10 @@ def build_tiny_target(
     fully determined by `seed`. An existing complete build with the same parameters and corpus is
     reused as is; the new build is assembled in a sibling temp dir and renamed into place, so a
     half-written directory is never taken for a finished one.
+
+    `device`: where the eos calibration runs (hundreds of forwards: minutes on a CPU for a
+    1024-wide, 16-layer target, seconds on a GPU). A build calibrated elsewhere than on the CPU is
+    its own build (other rounding, so other weights): its build info says where.
     """
     default_aux_layers(num_layers)  # validates num_layers
     out_dir = Path(out_dir)
@@ -121,6 +126,8 @@ def build_tiny_target(
         "eos_target_rate": EOS_TARGET_RATE,
         "corpus_sha256": _corpus_digest(files),
     }
+    if device != "cpu":
+        params["calibrated_on"] = device
     if _read_build_info(out_dir) == params:
         return out_dir
     if out_dir.exists() and _read_build_info(out_dir) is None and any(out_dir.iterdir()):
@@ -133,7 +140,7 @@ def build_tiny_target(
         _save_tokenizer(tokenizer, tmp)
         calibration = [_chat_prompt(tokenizer, t[:400]) for t in islice(_corpus_texts(files), 8)]
         model = _build_model(tokenizer, seed, hidden_size, num_layers, num_heads, num_kv_heads,
-                             intermediate_size, max_position_embeddings, calibration)
+                             intermediate_size, max_position_embeddings, calibration, torch.device(device))
         _save_model(model, tmp)
         (tmp / _BUILD_INFO).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
         _fix_permissions(tmp)
@@ -210,6 +217,7 @@ def _build_model(
     intermediate_size: int,
     max_position_embeddings: int,
     calibration: list[list[int]],
+    device: torch.device,
 ) -> LlamaForCausalLM:
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(PAD)
@@ -233,7 +241,8 @@ def _build_model(
         model = LlamaForCausalLM(config).to(torch.float32)
         torch.nn.init.normal_(model.lm_head.weight, mean=0.0, std=LM_HEAD_INIT_STD)
     model.eval()
-    _calibrate_eos(model, eos_id, calibration)
+    _calibrate_eos(model.to(device), eos_id, calibration)
+    model.to("cpu")
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
     return model
 
@@ -252,15 +261,16 @@ def _calibrate_eos(model: LlamaForCausalLM, eos_id: int, calibration: list[list[
     Calibrated on the model's own sampled continuations of chat prompts (that is where stopping
     matters), with eos held out while they are sampled.
     """
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(0)  # on the CPU wherever the model runs: the same draws
+    device = model.lm_head.weight.device
     hidden = []
     for ids in calibration:
-        seq = torch.tensor([ids])
+        seq = torch.tensor([ids], device=device)
         for _ in range(steps):
             logits = model(seq).logits[0, -1]
             logits[eos_id] = float("-inf")
-            token = torch.multinomial(torch.softmax(logits / 0.8, -1), 1, generator=generator)
-            seq = torch.cat([seq, token[None]], dim=1)
+            token = torch.multinomial(torch.softmax(logits / 0.8, -1).cpu(), 1, generator=generator)
+            seq = torch.cat([seq, token[None].to(device)], dim=1)
         hidden.append(model.model(seq).last_hidden_state[0, len(ids):])
     hidden = torch.cat(hidden)  # [N, H] states at generated positions
     direction = hidden.mean(0)

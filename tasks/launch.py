@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,7 +24,7 @@ from models.jobs import Nodes, Spec
 from models.atomic import write_atomic
 from models.rank_protocol import Message, Protocol, most_telling, reported_error
 from models.file_errors import WriteFailed, is_write_error
-from tasks.processes import free_port
+from tasks.ports import free_port
 
 
 class RankFailure(RuntimeError):
@@ -139,11 +140,13 @@ def rank_command(module: str, args: list[str], *, num_ranks: int, launcher: str 
     return command, {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-def run_job(command: list[str], *, env: dict[str, str] | None = None, on_line: Callable[[str], None], tail_lines: int = 40) -> None:
+def run_job(command: list[str], *, env: dict[str, str] | None = None, on_line: Callable[[str], None], tail_lines: int = 40,
+            timeout_s: float | None = None) -> None:
     """Run `command`, passing each output line (stdout and stderr merged) to `on_line` as it comes.
 
     A nonzero exit raises RankFailure with the last lines of output (where the failing rank's
-    traceback is). On KeyboardInterrupt or cancellation the whole process group is killed.
+    traceback is). On KeyboardInterrupt or cancellation the whole process group is killed, and so
+    it is once `timeout_s` have passed (RankFailure then says so).
     """
     tail: deque[str] = deque(maxlen=tail_lines)
     process = subprocess.Popen(
@@ -153,7 +156,17 @@ def run_job(command: list[str], *, env: dict[str, str] | None = None, on_line: C
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         start_new_session=True,
     )
+    timed_out = threading.Event()
+
+    def time_up() -> None:
+        timed_out.set()
+        _signal_group(process, signal.SIGKILL)  # the read loop below then sees the pipe close
+
+    timer = threading.Timer(timeout_s, time_up) if timeout_s is not None else None
     try:
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
         assert process.stdout is not None
         for raw in iter(process.stdout.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
@@ -163,6 +176,12 @@ def run_job(command: list[str], *, env: dict[str, str] | None = None, on_line: C
     except BaseException:
         _kill_group(process)
         raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if timed_out.is_set():
+        raise RankFailure(f"job killed after its time limit of {timeout_s:g} s: {' '.join(command[:6])} ...\n"
+                          "--- last output ---\n" + "\n".join(tail))
     if code != 0:
         raise RankFailure(f"job exited with code {code}: {' '.join(command[:6])} ...\n--- last output ---\n" + "\n".join(tail))
 
@@ -258,8 +277,12 @@ def run_node(module: str, job_path: Path, *, protocol: Protocol, num_ranks: int,
 
 
 def _kill_group(process: subprocess.Popen) -> None:
+    _signal_group(process, signal.SIGKILL)
+    process.wait()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
     try:
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(process.pid, sig)
     except ProcessLookupError:
         pass
-    process.wait()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,14 +17,8 @@ import httpx
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from models.jobs import replica_url
+from tasks.ports import free_port
 from tasks.sglang_client import RetryPolicy, ServerOutage, SGLangClient
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tasks.processes import free_port
+from tasks.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tasks.processes import free_port
+from tasks.ports import free_port
 
 RUN_ON_QUEUE = r"""
 import json, sys

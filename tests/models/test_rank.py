@@ -75,3 +75,14 @@ def test_a_clean_system_exit_is_success(one_process):
         raise SystemExit(0)
 
     assert _serve(run) == 0
+
+
+def test_every_rank_says_its_peak_memory_as_it_exits(one_process, capsys):
+    from models.rank_protocol import RANK_MEMORY
+
+    for run in (lambda job, dist: None, lambda job, dist: 1 / 0):
+        _serve(run)
+        (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith(RANK_MEMORY.mark)]
+        values = RANK_MEMORY.parse(line)
+        assert values["rank"] == 0 and values["host_peak_rss"] > 10**6  # a Python process with torch: > 1 MB
+        assert "gpu_peak_allocated" not in values  # no CUDA used here

@@ -90,7 +90,7 @@ def _job(tiny_target_dir: Path, data: dict, out_dir: Path, **over) -> Path:
 
 
 def _launch_cmd(job: Path) -> list[str]:
-    from tasks.processes import free_port
+    from tasks.ports import free_port
 
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
             "-m", "models.train", "--job", str(job)]

@@ -137,3 +137,42 @@ def test_hostfile_is_read_as_deepspeed_reads_it(tmp_path):
     hostfile.write_text("# nothing\n")
     with pytest.raises(ValueError, match="no `<host> slots=<GPUs>` line"):
         launch.read_hostfile(hostfile)
+
+
+@pytest.mark.multiprocess
+def test_a_job_past_its_time_limit_is_killed_and_says_so():
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match=r"(?s)killed after its time limit of 1 s.*--- last output ---\nstarted"):
+        launch.run_job(_python("import time; print('started', flush=True); time.sleep(60)"), on_line=lambda line: None,
+                       timeout_s=1)
+    assert time.monotonic() - started < 30
+
+
+def test_launching_ranks_needs_neither_prefect_nor_httpx():
+    # The GPU check (bench/gpu_check.py) launches ranks through this module on a machine without them.
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    seen, todo, found = set(), ["tasks.launch"], []
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = repo / (module.replace(".", "/") + ".py")
+        if not path.is_file():
+            path = repo / module.replace(".", "/") / "__init__.py"
+        if not path.is_file():
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if name.split(".")[0] in ("prefect", "httpx"):
+                    found.append(f"{module}: {name}")
+                elif name.split(".")[0] in ("tasks", "models"):
+                    todo.append(name)
+    assert found == []

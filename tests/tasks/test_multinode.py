@@ -31,7 +31,7 @@ from models.hidden_shards import iter_shard_index, list_shards, read_sample, sha
 from models.jobs import CaptureJob, Nodes, TrainJob
 from models.train import ds_train_config
 from tasks.launch import rank_command, write_job
-from tasks.processes import free_port
+from tasks.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240

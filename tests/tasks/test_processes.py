@@ -7,7 +7,8 @@ import contextlib
 import httpx
 import pytest
 
-from tasks.processes import free_port, launched_servers
+from tasks.ports import free_port
+from tasks.processes import launched_servers
 
 
 def _up(url: str) -> bool:

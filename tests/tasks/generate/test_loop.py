@@ -321,7 +321,7 @@ def test_cancellation_aborts_in_flight_requests_and_keeps_what_finished(tmp_path
                     prompts(40), pool=pool, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
                     rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(),
                 ))
-                await asyncio.to_thread(srv.wait_for, lambda s: s.completed >= 5 and s.running >= 2, 20)
+                await asyncio.to_thread(srv.wait_for, lambda s: s.completed >= 8 and s.running >= 2, 20)
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
@@ -330,7 +330,9 @@ def test_cancellation_aborts_in_flight_requests_and_keeps_what_finished(tmp_path
         stats = srv.wait_for(lambda s: s.in_flight == 0, timeout=10)  # nothing left running on the server
         assert stats.aborted >= 1
     kept = responses(tmp_path)
-    assert len(kept) >= 5 and len({r["id"] for r in kept}) == len(kept)
+    # the server counts a request done just before its answer goes out: with 4 slots, up to 4 answers
+    # can still be on the wire when the cancellation lands (on a loaded machine this happens)
+    assert len(kept) >= 8 - 4 and len({r["id"] for r in kept}) == len(kept)
 
 
 # -- faults that must stop the run, and rejects that must come back (issue 11) --------------------
