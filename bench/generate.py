@@ -19,10 +19,14 @@ and server do not share a GIL) and on checkpoints written in a temporary directo
    (done_ids + summarize of the checkpoints) vs reading the same responses as a JSONL file to find
    the done ids and re-sum the tokens (the old scripts' resume).
 4. ``eagle3 stats`` (``tasks.stats.collect_stats``) vs parsing the same responses as JSONL.
+5. Several servers (``tasks.server_pool``): generate_dataset through a pool of 1, 2 and 4 simulated
+   servers (each its own process, `max_concurrency` = slots each): served tokens as a share of the
+   servers' summed capacity; then 3 servers of which one is killed (SIGKILL) a third of the way in:
+   every prompt must still be recorded exactly once.
 
 Nothing is asserted: each target prints PASS or FAIL next to its figures. Usage::
 
-    .venv/bin/python bench/generate.py [--quick] [--json out.json] [--only server|checkpoints]
+    .venv/bin/python bench/generate.py [--quick] [--json out.json] [--only server|checkpoints|pool]
                                        [--PARAM VALUE ...]   # any field of Params, e.g. --ckpt-mean-len 1400
 
 The scaffolding (flags, timing, tables, JSON) is bench/harness.py. Results and their reading:
@@ -32,6 +36,7 @@ docs/bench-generate.md.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import statistics
@@ -56,7 +61,8 @@ from models.jobs import GenerateJob  # noqa: E402
 from tasks.checkpoints import RESPONSE_SCHEMA, compact, done_ids, summarize, write_part  # noqa: E402
 from tasks.datasets import PromptRow  # noqa: E402
 from tasks.generate.loop import GenerateReport, generate_dataset  # noqa: E402
-from tasks.sglang_client import SGLangClient  # noqa: E402
+from tasks.server_pool import ServerPool  # noqa: E402
+from tasks.sglang_client import RetryPolicy, SGLangClient  # noqa: E402
 from tasks.stats import collect_stats, nearest_rank, stats_rows  # noqa: E402
 
 FIRST_ID = 10  # prompt ids are drawn from [FIRST_ID, vocab): clear of the special ids
@@ -98,6 +104,12 @@ class Params:
     flush_every: int = 256  # as ResponseWriter: parts of this many rows, compaction every 64 parts
     compact_min_parts: int = 64
     repeats: int = 3  # ours (fast): best of
+    # several servers (5)
+    pool_sizes: str = "1,2,4"  # servers per pool run
+    pool_prompts: int = 1200  # per server: 150 per running slot, so the drain of the long tail at the end stays small
+    pool_max_running: int = 8
+    pool_decode_ms: float = 2.0  # 8 x 500 = 4,000 tok/s per server, 16,000 for 4 (one client on 2 cores)
+    pool_kill_servers: int = 3
     jsonl_repeats: int = 2  # the JSONL baselines (seconds each)
 
     @classmethod
@@ -105,7 +117,7 @@ class Params:
         return cls(
             quick=True, max_running=8, decode_ms=1.0, prompts=640, barrier_batches=8, sequential_prompts=10,
             budget_rounds=40.0, budget_trials=1, resume_rows=20_000, stats_datasets=10,
-            stats_rows_per_dataset=2_000, repeats=2, jsonl_repeats=1,
+            stats_rows_per_dataset=2_000, repeats=2, jsonl_repeats=1, pool_prompts=400,
         )
 
     @property
@@ -317,11 +329,12 @@ async def run_ours(p: Params, url: str, prompts: list[PromptRow], root: Path, *,
         dataset="bench", sampling_params=p.sampling_params(), token_budget=budget,
         flush_every=p.flush_every, compact_min_parts=p.compact_min_parts,
     )
-    async with SGLangClient(url) as client:
+    urls = [url] if isinstance(url, str) else list(url)
+    retry = RetryPolicy(initial_s=0.05, max_s=1.0, outage_window_s=120)
+    async with ServerPool(urls, max_concurrency=p.slots, retry=retry) as pool:
         return await generate_dataset(
-            prompts, client=client, tokenizer=IdsTokenizer(), responses_dir=root / "responses" / "bench",
+            prompts, pool=pool, tokenizer=IdsTokenizer(), responses_dir=root / "responses" / "bench",
             rejects_dir=root / "rejects" / "bench", source=root / "prompts.jsonl", settings=settings,
-            slots=asyncio.Semaphore(p.slots),
         )
 
 
@@ -344,6 +357,79 @@ async def run_sequential(p: Params, url: str, prompts: list[PromptRow]) -> int:
         for r in prompts:
             tokens += (await client.generate(prompt_ids(r), p.sampling_params(), f"seq:{r.id}")).completion_tokens
     return tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# 5: several servers
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_pool(p: Params, tmp: Path, out: dict[str, Any]) -> None:
+    """generate_dataset through pools of 1, 2, 4 servers (share of summed capacity); then one of 3 killed."""
+    sp = dataclasses.replace(p, decode_ms=p.pool_decode_ms, max_running=p.pool_max_running)
+    cfg = sp.sim_config()
+    runs = []
+    for n in [int(x) for x in p.pool_sizes.split(",")]:
+        prompts = make_prompts(sp, p.pool_prompts * n, cfg.vocab_size)
+        servers = [SimProcess(sp) for _ in range(n)]
+        try:
+            asyncio.run(run_sequential(sp, servers[0].url, prompts[-2:]))  # warm-up, not measured
+            print(f"  pool of {n}: {len(prompts)} prompts, {sp.slots} slots per server ...", flush=True)
+            for s in servers:
+                s.reset_stats()
+            t0 = time.monotonic()
+            report = asyncio.run(run_ours(sp, [s.url for s in servers], prompts, tmp / f"pool-{n}", budget=None))
+            wall = time.monotonic() - t0
+            stats = [s.stats() for s in servers]
+        finally:
+            for s in servers:
+                s.close()
+        capacity = sum(sp.capacity_tok_s * st["wall_s"] for st in stats)
+        served = sum(st["served_tokens"] for st in stats)
+        runs.append({
+            "servers": n, "prompts": len(prompts), "wall_s": wall, "served_tokens": served,
+            "capacity_tok_s": n * sp.capacity_tok_s, "tok_s": served / wall if wall > 0 else 0.0,
+            "share": served / capacity if capacity > 0 else 0.0,
+            "per_server_share": [st["served_tokens"] / (sp.capacity_tok_s * st["wall_s"]) for st in stats],
+            "responses": report.responses, "complete": report.responses == len(prompts),
+        })
+    out["pool"] = {"decode_ms": sp.decode_ms, "max_running": sp.max_running, "slots_per_server": sp.slots, "runs": runs}
+
+    n = p.pool_kill_servers
+    prompts = make_prompts(sp, p.pool_prompts * n, cfg.vocab_size)
+    expected = sum(expected_lengths(sp, prompts))
+    servers = [SimProcess(sp) for _ in range(n)]
+    victim = servers[1]
+    killed_at: list[float] = []
+
+    def kill_when_a_third_is_served() -> None:
+        while True:
+            served = sum(s.stats()["served_tokens"] for s in servers if s.proc.poll() is None)
+            if served >= expected / 3:
+                victim.proc.kill()  # SIGKILL: connections reset, nothing said
+                killed_at.append(served)
+                return
+            time.sleep(0.05)  # a poll interval, not synchronisation: the run goes on regardless
+
+    try:
+        print(f"  {n} servers, one killed a third of the way in: {len(prompts)} prompts ...", flush=True)
+        killer = threading.Thread(target=kill_when_a_third_is_served, daemon=True)
+        killer.start()
+        t0 = time.monotonic()
+        report = asyncio.run(run_ours(sp, [s.url for s in servers], prompts, tmp / "pool-kill", budget=None))
+        wall = time.monotonic() - t0
+        killer.join(5)
+    finally:
+        for s in servers:
+            s.close()
+    directory = tmp / "pool-kill" / "responses" / "bench"
+    ids = done_ids(directory)
+    rows = summarize(directory).rows
+    out["pool_kill"] = {
+        "servers": n, "prompts": len(prompts), "killed_after_tokens": killed_at[0] if killed_at else None,
+        "wall_s": wall, "responses": rows, "distinct_ids": len(ids),
+        "exactly_once": rows == len(ids) == len(prompts) and ids == {r.id for r in prompts},
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -602,11 +688,11 @@ def bench_checkpoints(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     settings = GenerateJob(dataset="big", sampling_params={"max_new_tokens": p.max_new_tokens})
 
     async def call() -> tuple[float, GenerateReport]:
-        async with SGLangClient("http://127.0.0.1:9") as client:
+        async with ServerPool(["http://127.0.0.1:9"], max_concurrency=1) as pool:  # all done: never contacted
             t0 = time.perf_counter()
             report = await generate_dataset(
-                prompts, client=client, tokenizer=IdsTokenizer(), responses_dir=responses_dir,
-                rejects_dir=rejects_dir, source=jsonl, settings=settings, slots=asyncio.Semaphore(1),
+                prompts, pool=pool, tokenizer=IdsTokenizer(), responses_dir=responses_dir,
+                rejects_dir=rejects_dir, source=jsonl, settings=settings,
             )
             return time.perf_counter() - t0, report
 
@@ -689,6 +775,14 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
             {"target": f"2 aborted-token waste <= 2% of budget ({len(trials)} trials)",
              "value": " ".join(f"{x:.2f}%" for x in waste), "pass": all(x <= 2.0 for x in waste)},
         ]
+    if "pool" in out:
+        for r in out["pool"]["runs"]:
+            found.append({"target": f"5 {r['servers']} server(s): >= 95% of their summed capacity, every prompt",
+                          "value": f"{100 * r['share']:.1f}%", "pass": r["share"] >= 0.95 and r["complete"]})
+        k = out["pool_kill"]
+        found.append({"target": f"5 one of {k['servers']} servers killed: every prompt recorded exactly once",
+                      "value": f"{k['responses']:,} rows, {k['distinct_ids']:,} ids of {k['prompts']:,}",
+                      "pass": k["exactly_once"] and k["killed_after_tokens"] is not None})
     if "stats" in out:
         st = out["stats"]
         found += [
@@ -703,6 +797,8 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
         print_server_part(p, out)
     if "stats" in out:
         print_checkpoint_part(p, out)
+    if "pool" in out:
+        print_pool_part(out)
     print()
     print("targets" + ("  (--quick: a smoke run; judge the targets on the default run)" if p.quick else ""))
     harness.table(("target", "measured", "result"),
@@ -774,19 +870,37 @@ def print_checkpoint_part(p: Params, out: dict[str, Any]) -> None:
           " the ratios grow with the response length (--ckpt-mean-len).")
 
 
+def print_pool_part(out: dict[str, Any]) -> None:
+    pool, k = out["pool"], out["pool_kill"]
+    print()
+    print(f"5. several servers: max_running {pool['max_running']}, decode {pool['decode_ms']} ms/token each; "
+          f"{pool['slots_per_server']} slots per server (server.max_concurrency); share = served tokens / "
+          f"(servers x capacity x wall), the end-of-run drain included")
+    harness.table(("servers", "prompts", "wall s", "served tok", "tok/s", "capacity tok/s", "share", "per server", "all recorded"),
+                  [(f"{r['servers']}", f"{r['prompts']:,}", f"{r['wall_s']:.1f}", f"{r['served_tokens']:,}",
+                    f"{r['tok_s']:,.0f}", f"{r['capacity_tok_s']:,.0f}", f"{100 * r['share']:.1f}%",
+                    " ".join(f"{100 * x:.0f}%" for x in r["per_server_share"]), "yes" if r["complete"] else "NO")
+                   for r in pool["runs"]])
+    print(f"   one of {k['servers']} killed (SIGKILL) after {k['killed_after_tokens'] or 0:,} served tokens: "
+          f"{k['responses']:,} responses, {k['distinct_ids']:,} distinct ids of {k['prompts']:,} prompts in {k['wall_s']:.1f} s "
+          f"-> {'exactly once' if k['exactly_once'] else 'NOT exactly once'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = harness.arguments(__doc__, Params(), keep="the checkpoints",
                            quick="a smaller run (< 60 s): smoke test of the bench")
-    ap.add_argument("--only", choices=["server", "checkpoints"],
-                    help="run only 1+2 (against the server) or only 3+4 (checkpoints vs JSONL)")
+    ap.add_argument("--only", choices=["server", "checkpoints", "pool"],
+                    help="run only 1+2 (against the server), only 3+4 (checkpoints vs JSONL) or only 5 (several servers)")
     args = ap.parse_args(argv)
     p = harness.params_from(args, Params)
 
     def measure(tmp: Path, out: dict[str, Any]) -> None:
-        if args.only != "checkpoints":
+        if args.only in (None, "server"):
             bench_throughput_and_budget(p, tmp, out)
-        if args.only != "server":
+        if args.only in (None, "checkpoints"):
             bench_checkpoints(p, tmp, out)
+        if args.only in (None, "pool"):
+            bench_pool(p, tmp, out)
 
     def report(out: dict[str, Any]) -> None:
         out["targets"] = targets(out)

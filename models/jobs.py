@@ -487,7 +487,8 @@ def replica_url(url: str, replica: int, *, router: bool) -> str:
     """Where launched replica `replica` listens: url's port + replica (+ 1 behind a router, which takes url's port)."""
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"{parts.scheme}://{parts.hostname}:{port + replica + (1 if router else 0)}"
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname  # IPv6 keeps its brackets
+    return f"{parts.scheme}://{host}:{port + replica + (1 if router else 0)}"
 
 
 def server_url(value: str) -> str:

@@ -354,3 +354,45 @@ def test_several_nodes_need_a_rendezvous_or_a_hostfile(tmp_path):
 def test_master_addr_is_an_address_without_a_port(addr):
     data = {**copy.deepcopy(MINIMAL), "distributed": {"nnodes": 2, "master_addr": addr}}
     assert any(line.startswith("distributed.master_addr: must be the host name or IP address of node 0") for line in problems(data))
+
+
+# --- several servers (issue 13) -------------------------------------------------------------------
+
+
+def test_servers_already_running_go_in_urls_and_launched_replicas_take_consecutive_ports(tmp_path):
+    data = copy.deepcopy(MINIMAL)
+    data["server"] = {"urls": ["http://box-a:30000/", "http://box-b:30000"], "max_concurrency": 32}
+    server = parse_config(data, base=tmp_path).server
+    assert server.endpoints == ["http://box-a:30000", "http://box-b:30000"]
+    data["server"] = {"url": "http://127.0.0.1:31000", "launch": "dev", "replicas": 3}
+    assert parse_config(data, base=tmp_path).server.endpoints == [f"http://127.0.0.1:{p}" for p in (31000, 31001, 31002)]
+    data["server"] = {"url": "http://[::1]:31000", "launch": "dev", "replicas": 2}
+    assert parse_config(data, base=tmp_path).server.endpoints == ["http://[::1]:31000", "http://[::1]:31001"]
+    data["server"] = {"url": "http://127.0.0.1:31000", "launch": "dev", "replicas": 3, "router": True}
+    assert parse_config(data, base=tmp_path).server.endpoints == ["http://127.0.0.1:31000"]  # the router
+    data["server"] = {"url": "http://127.0.0.1:31000", "launch": "command", "replicas": 2, "gpus_per_replica": 4,
+                      "command": ["python", "-m", "sglang.launch_server", "--port", "{port}", "--tp", 4,
+                                  "--json-model-override-args", '{"x": 1}']}
+    assert parse_config(data, base=tmp_path).server.command[6] == "4"  # YAML numbers become words
+
+
+@pytest.mark.parametrize(
+    "server, expected",
+    [
+        ({"urls": []}, "server.urls: List should have at least 1 item"),
+        ({"urls": ["http://a:1", "http://a:1/"]}, "server.urls: http://a:1 given more than once"),
+        ({"urls": ["http://a:1", "a:2"]}, "server.urls: urls[1] must be an http(s) URL"),
+        ({"urls": ["http://a:1"], "launch": "dev"}, "urls lists servers that are already running (launch: none)"),
+        ({"replicas": 2}, "replicas and router are started by the pipeline: set launch: dev or command"),
+        ({"router": True}, "replicas and router are started by the pipeline"),
+        ({"launch": "command", "command": ["serve"], "replicas": 2}, "with replicas > 1 the command must put each replica"),
+        ({"launch": "command", "command": ["serve", "--port", "{prot}"]}, "unknown placeholder {prot}"),
+        ({"launch": "dev", "url": "http://h:65535", "replicas": 2}, "2 replicas from port 65535 go past port 65535"),
+        ({"replicas": 0, "launch": "dev"}, "server.replicas: Input should be greater than or equal to 1"),
+        ({"max_req_input_len": 1}, "server.max_req_input_len: Input should be greater than or equal to 2"),
+    ],
+)
+def test_bad_server_pools_are_named(server, expected):
+    data = copy.deepcopy(MINIMAL)
+    data["server"] = server
+    assert any(expected in line for line in problems(data)), problems(data)

@@ -7,7 +7,7 @@ import contextlib
 import httpx
 import pytest
 
-from tasks.ports import free_port
+from tasks.ports import free_port, free_ports
 from tasks.processes import launched_servers
 
 
@@ -58,3 +58,46 @@ def test_a_server_that_dies_at_start_is_reported_at_once_with_its_log(tmp_path):
     assert time.monotonic() - started < 60  # not the 600 s health timeout
     assert "server exited with code 3 before becoming healthy" in str(caught.value)
     assert "CUDA out of memory while loading" in str(caught.value)
+
+
+# A stand-in server: answers 200 to every GET, prints its replica, port and GPUs first.
+STANDIN = (
+    "import http.server, os, sys\n"
+    "print('replica', sys.argv[1], 'port', sys.argv[2], 'gpus', os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True)\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        self.send_response(200); self.end_headers()\n"
+    "    def log_message(self, *a):\n"
+    "        pass\n"
+    "http.server.HTTPServer(('127.0.0.1', int(sys.argv[2])), H).serve_forever()\n"
+)
+
+
+@pytest.mark.multiprocess
+def test_command_replicas_each_get_their_port_and_gpus_and_all_are_stopped(tmp_path):
+    import sys
+
+    base = free_ports(2)
+    command = [sys.executable, "-c", STANDIN, "{replica}", "{port}"]
+    with launched_servers("command", f"http://127.0.0.1:{base}", replicas=2, gpus_per_replica=4, command=command,
+                          log_dir=tmp_path, health_timeout_s=60) as servers:
+        urls = [s.url for s in servers]
+        assert urls == [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+        assert [_up(u) for u in urls] == [True, True]
+    assert [_up(u) for u in urls] == [False, False]  # both stopped
+    logs = [(tmp_path / f"server-{i}.log").read_text().splitlines()[0] for i in (0, 1)]
+    assert logs == [f"replica 0 port {base} gpus 0,1,2,3", f"replica 1 port {base + 1} gpus 4,5,6,7"]
+
+
+@pytest.mark.multiprocess
+def test_a_replica_that_dies_at_start_stops_the_others(tmp_path):
+    import sys
+
+    base = free_ports(2)
+    # replica 1 exits at once, replica 0 comes up: the launch fails and replica 0 is stopped too
+    command = [sys.executable, "-c", "import sys\nif sys.argv[1] == '1': sys.exit(1)\n" + STANDIN, "{replica}", "{port}"]
+    with pytest.raises(RuntimeError, match="server exited with code 1 before becoming healthy"):
+        with launched_servers("command", f"http://127.0.0.1:{base}", replicas=2, command=command, log_dir=tmp_path,
+                              health_timeout_s=60):
+            pytest.fail("a dead replica was taken as healthy")
+    assert not _up(f"http://127.0.0.1:{base}")

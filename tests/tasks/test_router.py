@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 from pathlib import Path
 
 import httpx
@@ -22,6 +21,7 @@ from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow
 from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import request_sampling_params
+from tasks.ports import free_ports
 from tasks.processes import launched_servers
 from tasks.server_pool import ServerPool
 from tasks.sglang_client import RetryPolicy
@@ -31,25 +31,6 @@ pytestmark = pytest.mark.multiprocess
 EOS = 1
 # every answer as long as max_new_tokens: the budget test below needs to know the lengths
 SAMPLING = request_sampling_params({"max_new_tokens": 24, "temperature": 0.8, "top_p": 0.95, "ignore_eos": True}, [EOS])
-
-
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive ports that nothing listens on (router, then its replicas)."""
-    for _ in range(50):
-        base = random.randint(20000, 60000)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def prompts(n: int) -> list[PromptRow]:
