@@ -197,6 +197,11 @@ class ServerPool:
             s.refused = exc
             self._notify()
             return
+        except Exception as exc:  # a bug here must stop the run, not leave the server out in silence
+            self.log.error("watching server %s failed: %r", s.url, exc)
+            s.refused = exc
+            self._notify()
+            return
         s.healthy = True
         s.down_since = None
         if s.seen_healthy:
@@ -281,18 +286,24 @@ class ServerPool:
     # --- requests ---------------------------------------------------------------------------
 
     def input_limit(self) -> int | None:
-        """The longest prompt + 1 that some server takes (None: a server's limit is unknown, so no check)."""
-        limits = [s.max_input for s in self.servers]
-        if any(limit is None for limit in limits):
+        """The longest prompt + 1 that some server takes, over the servers seen so far (None: a limit is unknown, no check).
+
+        A prompt rejected as too long here is checked again on every run (a server with a bigger
+        context, or one that was not up yet, may take it then).
+        """
+        limits = [s.max_input for s in self.servers if s.seen_healthy]
+        if not limits or any(limit is None for limit in limits):
             return None
         return max(limits)  # type: ignore[type-var]
 
     async def reserve(self, prompt_len: int, lease: Lease | None = None) -> Lease:
         """A place at the least-loaded healthy server that takes the prompt (into `lease` when given, a failover);
         waits for one; ServerOutage when none comes within the outage window."""
+        unserved_since: float | None = None  # since when no healthy server takes this prompt at all
         while True:
             self._check_refused()
-            free = [s for s in self.servers if s.healthy and s.in_flight < s.max_concurrency and s.fits(prompt_len)]
+            takers = [s for s in self.servers if s.healthy and s.fits(prompt_len)]
+            free = [s for s in takers if s.in_flight < s.max_concurrency]
             if free:
                 s = min(free, key=Server.load)
                 if s.in_flight == 0:
@@ -303,7 +314,21 @@ class ServerPool:
                 lease.server, lease.held = s, True
                 return lease
             self._check_outage()
-            await self._wait(self._outage_left())
+            timeout = self._outage_left()
+            if not takers:  # the servers that take it are down (or still starting): they have the window to come back
+                now = time.monotonic()
+                unserved_since = unserved_since if unserved_since is not None else now
+                waited = now - unserved_since
+                if waited >= self.retry.outage_window_s:
+                    raise ServerOutage(
+                        f"no healthy server takes a prompt of {prompt_len} tokens for {waited:.0f}s "
+                        f"(outage window {self.retry.outage_window_s:.0f}s): {self._states()}"
+                    )
+                left = self.retry.outage_window_s - waited
+                timeout = left if timeout is None else min(timeout, left)
+            else:
+                unserved_since = None
+            await self._wait(timeout)
 
     def _check_refused(self) -> None:
         for s in self.servers:

@@ -236,3 +236,24 @@ def test_a_pool_shared_by_two_datasets_keeps_each_server_s_limit(tmp_path, token
         stop_all(servers)
     assert [r.new_responses for r in reports] == [30, 30]
     assert [st.max_open_requests for st in stats] == [2, 2]
+
+
+def test_a_prompt_only_a_dead_server_takes_waits_the_outage_window_then_stops_the_run(tmp_path, tokenizer):
+    short, long_ = prompts(10, "s", (1, 3)), prompts(1, "l", (40, 50))
+    small = sims(1, context_length=40 + 48)[0]
+    big = sims(1, context_length=130 + 48)[0]
+    try:
+        async def go():
+            retry = RetryPolicy(initial_s=0.01, max_s=0.05, jitter=0.0, outage_window_s=0.5)
+            async with ServerPool([small.url, big.url], max_concurrency=4, retry=retry) as pool:
+                await pool.start()
+                while not all(s.healthy for s in pool.servers):  # both seen, limits known
+                    await pool._wait(1.0)
+                await asyncio.to_thread(big.down)
+                return await generate(pool, short + long_, tmp_path, tokenizer)
+
+        with pytest.raises(ServerOutage, match=r"no healthy server takes a prompt of \d+ tokens for \d+s"):
+            asyncio.run(go())
+    finally:
+        stop_all([small, big])
+    assert {r["id"] for r in responses(tmp_path)} == {r.id for r in short}  # the rest was kept
