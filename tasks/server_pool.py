@@ -225,22 +225,15 @@ class ServerPool:
 
     async def _workers_limit(self, s: Server) -> int | None:
         """A router's input limit: the smallest of its workers' (any worker may get the prompt); None if unknown."""
-        try:
-            response = await s.client._http.get("/workers", timeout=10.0)
-            workers = [w.get("url") for w in response.json().get("workers", []) if isinstance(w, dict)]
-        except (httpx.HTTPError, ValueError, AttributeError):
-            workers = []
+        body = await s.client.get_json("/workers")
+        listed = body.get("workers", []) if isinstance(body, dict) else []
+        workers = [w["url"] for w in listed if isinstance(w, dict) and isinstance(w.get("url"), str)]
         limits = []
         for url in workers:
-            if not isinstance(url, str):
-                continue
             for path in ("/server_info", "/get_server_info"):
-                try:
-                    r = await s.client._http.get(url.rstrip("/") + path, timeout=10.0)
-                except httpx.HTTPError:
-                    break
-                if r.status_code == 200:
-                    value = r.json().get("max_req_input_len") if isinstance(r.json(), dict) else None
+                info = await s.client.get_json(url.rstrip("/") + path)
+                if isinstance(info, dict):
+                    value = info.get("max_req_input_len")
                     if type(value) is int and value > 0:
                         limits.append(value)
                     break

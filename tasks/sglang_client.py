@@ -316,6 +316,14 @@ class SGLangClient:
             info = await self._with_retries("GET", "/get_server_info")
         return info if isinstance(info, dict) else {}
 
+    async def get_json(self, path_or_url: str, timeout_s: float = 10.0) -> Any:
+        """One GET without retries (a path on this server, or a full URL, e.g. a router's worker); None unless 200 JSON."""
+        try:
+            response = await self._http.get(path_or_url, timeout=timeout_s)
+            return response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
     async def wait_healthy(self, timeout_s: float, alive: Callable[[], None] | None = None) -> None:
         """Poll /health_generate until it answers 200; ServerOutage after `timeout_s`.
 
