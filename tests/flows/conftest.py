@@ -17,3 +17,13 @@ def prefect_harness(tmp_path_factory):
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture
+def harness_api_url(prefect_harness) -> str:
+    """The session's test server, for `eagle3` subprocesses that need not start a temporary one of their own (~15 s on 2 cores)."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    assert url and url.startswith("http://127.0.0.1:"), url
+    return url

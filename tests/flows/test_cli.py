@@ -17,8 +17,11 @@ EAGLE3 = Path(sys.executable).parent / "eagle3"
 pytestmark = pytest.mark.multiprocess  # every test here starts processes of its own
 
 
-def eagle3(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+def eagle3(*args: str, cwd: Path = REPO, api_url: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`api_url`: run the flow against that Prefect server instead of a temporary one of its own."""
     env = {**os.environ, "COLUMNS": "220", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
     return subprocess.run([str(EAGLE3), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -200,7 +203,8 @@ def test_validate_rejects_repeated_ids_and_empty_datasets_with_exit_1(tmp_path):
     assert "is valid" not in out
 
 
-def test_generate_refuses_an_empty_dataset_with_exit_1(tmp_path):
+def test_generate_refuses_an_empty_dataset_with_exit_1(tmp_path, harness_api_url):
+    # Against the session's test server: a temporary server of its own is the fault drill's first run (test_fault_drill.py).
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     path = _write_config(
@@ -209,7 +213,7 @@ def test_generate_refuses_an_empty_dataset_with_exit_1(tmp_path):
         server={"url": "http://127.0.0.1:9", "health_timeout_s": 1},  # never reached: loading fails first
         generate={"retries": 0},
     )
-    result = eagle3("generate", str(path))
+    result = eagle3("generate", str(path), api_url=harness_api_url)
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"pipeline failed: generate failed for B1: {empty}: has no rows" in result.stderr.replace("\n", " ")
     assert not list((tmp_path / "run").glob("responses/B1/*.parquet"))

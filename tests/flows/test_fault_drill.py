@@ -25,7 +25,7 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes of its
 
 FLUSH_EVERY = 16
 SLOTS = 8
-PROMPTS = 1500
+PROMPTS = 600  # the disk fills after ~230 responses: the first run stops well short of them all, the rerun does the rest
 
 
 @pytest.fixture
@@ -34,15 +34,19 @@ def small_disk(tmp_path, tmpfs):
         yield disk
 
 
-def eagle3(*args: str) -> subprocess.CompletedProcess:
+def eagle3(*args: str, api_url: str | None = None) -> subprocess.CompletedProcess:
+    """Without `api_url`: its own temporary Prefect server, like a user's first run."""
     exe = Path(sys.executable).parent / "eagle3"
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)  # its own temporary Prefect server, like a user's first run
+    env.pop("PREFECT_API_URL", None)
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
     return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=600, env=env)
 
 
 @pytest.mark.slow
-def test_disk_full_stops_generate_at_once_and_a_rerun_after_the_disk_grows_finishes(small_disk, tmpfs, tmp_path, tiny_target_dir):
+def test_disk_full_stops_generate_at_once_and_a_rerun_after_the_disk_grows_finishes(small_disk, tmpfs, tmp_path, tiny_target_dir,
+                                                                                   harness_api_url):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}: " + "word " * (i % 20)}) + "\n" for i in range(PROMPTS)))
     run_dir = small_disk / "run"
@@ -75,7 +79,7 @@ def test_disk_full_stops_generate_at_once_and_a_rerun_after_the_disk_grows_finis
         print(f"drill: served {served}, kept {len(kept)}, lost {lost} (bound {FLUSH_EVERY + SLOTS})")
 
         tmpfs.remount(small_disk, "size=64m")  # the disk grows
-        second = eagle3("generate", str(config))
+        second = eagle3("generate", str(config), api_url=harness_api_url)  # the rerun: against a running server
         assert second.returncode == 0, second.stderr[-2000:]
     ids = [r["id"] for p in live_parts(run_dir / "responses/B1") for r in pq.read_table(p, columns=["id"]).to_pylist()]
     assert len(ids) == len(set(ids)) == PROMPTS  # every prompt exactly once

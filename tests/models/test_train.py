@@ -230,15 +230,25 @@ def _single_process(job: Path) -> str:
     return proc.stdout + proc.stderr
 
 
+ONE_RANK = {"max_steps": 3, "checkpoint_every": 100, "eval_every": 100,  # one checkpoint: the final step's
+            "ds_config": ds_train_config(world_size=1, grad_accum=1, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95),
+                                         grad_clip=0.5, bf16=False, torch_adam=True)}
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(tiny_target_dir, train_data, tmp_path_factory) -> Path:
+    """A finished offline run of one rank without a launcher (ONE_RANK), shared: tests that change it work on a copy."""
+    out = tmp_path_factory.mktemp("one_rank") / "offline" / "draft"
+    _single_process(_job(tiny_target_dir, train_data, out, **ONE_RANK))
+    return out
+
+
 @pytest.mark.multiprocess
-def test_online_mode_trains_like_offline_on_the_same_records(tiny_target_dir, train_data, tmp_path):
+def test_online_mode_trains_like_offline_on_the_same_records(tiny_target_dir, train_data, one_rank_run, tmp_path):
     """Online computes the hidden states in the job: same batches, same losses as from the captured shards."""
-    one_rank = ds_train_config(world_size=1, grad_accum=1, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95), grad_clip=0.5,
-                               bf16=False, torch_adam=True)
-    common = {"max_steps": 3, "checkpoint_every": 100, "eval_every": 100, "ds_config": one_rank}
-    offline = tmp_path / "offline" / "draft"
+    common = ONE_RANK
+    offline = one_rank_run
     online = tmp_path / "online" / "draft"
-    _single_process(_job(tiny_target_dir, train_data, offline, **common))
     log = _single_process(_job(tiny_target_dir, train_data, online, mode="online", hidden_dir=None,
                                datasets=[{"name": "G1", "records_dir": str(train_data["records"])}], **common))
     assert "mode online" in log
@@ -401,18 +411,16 @@ def _tree(directory: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.multiprocess
-def test_relaunch_on_other_data_or_settings_is_refused_before_training(tiny_target_dir, train_data, tmp_path):
+def test_relaunch_on_other_data_or_settings_is_refused_before_training(tiny_target_dir, train_data, one_rank_run, tmp_path):
     """Changed lr, data or length: exit 1 naming the change, checkpoints untouched; watch settings and old checkpoints resume."""
     import shutil
 
     from models.hidden_shards import list_shards
 
-    one_rank = {"max_steps": 2, "checkpoint_every": 2, "eval_every": 100,
-                "ds_config": ds_train_config(world_size=1, grad_accum=1, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95),
-                                             grad_clip=0.5, bf16=False, torch_adam=True)}
+    one_rank = ONE_RANK
     out = tmp_path / "run" / "draft"
-    _single_process(_job(tiny_target_dir, train_data, out, **one_rank))
-    fingerprint = json.loads((out / "checkpoints" / "step-00000002" / "fingerprint.json").read_text())
+    shutil.copytree(one_rank_run, out)  # the finished run (3 steps, its checkpoint at step 3), relaunched below
+    fingerprint = json.loads((out / "checkpoints" / "step-00000003" / "fingerprint.json").read_text())
     samples, tokens = fingerprint["data"]["samples"], fingerprint["data"]["tokens"]
     before = _tree(out)
 
@@ -421,7 +429,7 @@ def test_relaunch_on_other_data_or_settings_is_refused_before_training(tiny_targ
     assert proc.returncode == 1
     report = _error_report(proc.stderr)
     assert report["type"] == "CheckpointMismatch" and report["kind"] == "invalid"
-    assert report["message"].startswith(f"cannot resume {out / 'checkpoints' / 'step-00000002'}: it was trained on other "
+    assert report["message"].startswith(f"cannot resume {out / 'checkpoints' / 'step-00000003'}: it was trained on other "
                                         "data or settings than this launch's (settings: lr 0.002 -> 0.001)")
     assert f"set train.out_dir to a new directory or move {out / 'checkpoints'} aside" in report["message"]
     assert "Traceback" not in proc.stderr and "resuming" not in proc.stderr
@@ -443,18 +451,18 @@ def test_relaunch_on_other_data_or_settings_is_refused_before_training(tiny_targ
 
     proc = _run_single(_job(tiny_target_dir, train_data, out, **{**one_rank, "max_steps": 4}))
     assert proc.returncode == 1
-    assert "settings: total steps (epochs/max_steps; the cosine schedule spans them) 2 -> 4)" in _error_report(proc.stderr)["message"]
+    assert "settings: total steps (epochs/max_steps; the cosine schedule spans them) 3 -> 4)" in _error_report(proc.stderr)["message"]
     assert _tree(out) == before
 
     # How the run is watched may change: the finished run resumes (and trains nothing).
     log = _single_process(_job(tiny_target_dir, train_data, out, **{**one_rank, "eval_every": 1, "log_every": 5,
                                                                       "checkpoint_every": 1, "keep_checkpoints": 5}))
-    assert "resuming from checkpoint step-00000002" in log
+    assert "resuming from checkpoint step-00000003" in log
     # A checkpoint from before fingerprints resumes with a warning.
-    (out / "checkpoints" / "step-00000002" / "fingerprint.json").unlink()
+    (out / "checkpoints" / "step-00000003" / "fingerprint.json").unlink()
     log = _single_process(_job(tiny_target_dir, train_data, out, **one_rank))
-    assert "checkpoint step-00000002 has no fingerprint.json (written before fingerprints)" in log
-    assert "resuming from checkpoint step-00000002" in log
+    assert "checkpoint step-00000003 has no fingerprint.json (written before fingerprints)" in log
+    assert "resuming from checkpoint step-00000003" in log
 
 
 @pytest.fixture
