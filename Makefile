@@ -23,11 +23,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/eagle3 demo
 
+# Two pytest-xdist workers (one per core on a 2-core machine); --dist loadscope keeps a test file on one
+# worker, so its module fixtures are built once. A single test file runs in one process: pytest FILE.
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n 2 --dist loadscope tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests -m "not slow and not e2e and not multiprocess"
+	$(BIN)/python -m pytest -n 2 --dist loadscope tests -m "not slow and not e2e and not multiprocess"
 
 up: $(STAMP)
 	deploy/local-up.sh

@@ -110,18 +110,26 @@ def check_shared_dir(dist: Dist, directory: Path) -> None:
     """
     if not dist.group or dist.world_size == 1:
         return
-    names = [f".shared-check-{secrets.token_hex(8)}" if dist.rank == 0 else None]
-    torch.distributed.broadcast_object_list(names, src=0)
-    probe = directory / names[0]
+    made: list[Any] = [None]
     if dist.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe.touch()
-    dist.barrier()
+        probe = directory / f".shared-check-{secrets.token_hex(8)}"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe.touch()
+            made = [probe.name]
+        except OSError:
+            pass  # a full or read-only disk: the job's own first write says so, in its words (WriteFailed)
+    torch.distributed.broadcast_object_list(made, src=0)
+    if made[0] is None:
+        return
+    probe = directory / made[0]
     seen: list[Any] = [None] * dist.world_size
     torch.distributed.all_gather_object(seen, (dist.rank, socket.gethostname(), probe.exists()))
-    dist.barrier()
     if dist.rank == 0:
-        probe.unlink(missing_ok=True)
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
     blind = [(rank, host) for rank, host, ok in seen if not ok]
     if blind:
         hosts = sorted({host for _, host in blind})
