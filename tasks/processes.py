@@ -128,8 +128,9 @@ def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool =
         raise ValueError("launch: command needs a command")
     servers: list[ServerProcess] = []
     for i in range(replicas):
-        replica = urlparse(replica_url(url, i, router=router) if (replicas > 1 or router) else url)
-        host, port = replica.hostname or "127.0.0.1", replica.port or 80
+        address = replica_url(url, i, router=router) if (replicas > 1 or router) else url.rstrip("/")
+        parts = urlparse(address)
+        host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
         log_path = None if log_dir is None else log_dir / ("server.log" if replicas == 1 and not router else f"server-{i}.log")
         gpus = None if gpus_per_replica is None else ",".join(str(g) for g in range(i * gpus_per_replica, (i + 1) * gpus_per_replica))
         if launch == "dev":
@@ -138,7 +139,7 @@ def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool =
             fill = {"host": host, "port": str(port), "replica": str(i), "gpus": gpus or ""}
             words = [fill_placeholders(word, fill) for word in command]  # type: ignore[union-attr]
             env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
-            servers.append(ServerProcess(words, f"{replica.scheme}://{host}:{port}", log_path=log_path, env=env))
+            servers.append(ServerProcess(words, address, log_path=log_path, env=env))
     if router:
         servers.append(router_process(url, [s.url for s in servers], router_args or [],
                                       log_path=None if log_dir is None else log_dir / "router.log"))
