@@ -166,6 +166,9 @@ class ServerPool:
         """
         async with self._start_lock:
             if self.started_at is not None:
+                down = self.all_down_since
+                if down is not None and time.monotonic() - down >= self.retry.outage_window_s:
+                    self.all_down_since = time.monotonic()  # a retried task gets a whole outage window again
                 return
             if len(self.servers) > 1:
                 self.log.info("waiting up to %.0fs for a healthy server among %s", self.health_timeout_s, ", ".join(self.urls))
@@ -173,7 +176,8 @@ class ServerPool:
                 self.log.info("waiting up to %.0fs for %s/health_generate", self.health_timeout_s, self.urls[0])
             self.all_down_since = time.monotonic()
             for s in self.servers:
-                s.monitor = asyncio.create_task(self._monitor(s, first=True))
+                if s.monitor is None or s.monitor.done():  # a start that failed left its watchers running
+                    s.monitor = asyncio.create_task(self._monitor(s, first=True))
             deadline = time.monotonic() + self.health_timeout_s
             while not any(s.healthy for s in self.servers):
                 self._check_refused()

@@ -257,3 +257,34 @@ def test_a_prompt_only_a_dead_server_takes_waits_the_outage_window_then_stops_th
     finally:
         stop_all([small, big])
     assert {r["id"] for r in responses(tmp_path)} == {r.id for r in short}  # the rest was kept
+
+
+def test_a_retried_dataset_gets_a_whole_outage_window_again(tmp_path, tokenizer):
+    """Prefect retries a dataset task after a ServerOutage: on the same pool it must wait again, not fail at once."""
+    import time
+
+    [srv] = sims(1, decode_s_per_token=0.005)
+    try:
+        async def go():
+            retry = RetryPolicy(initial_s=0.01, max_s=0.05, jitter=0.0, outage_window_s=0.6)
+            async with ServerPool([srv.url], max_concurrency=2, retry=retry) as pool:
+                async def cut():
+                    await asyncio.to_thread(srv.wait_for, lambda s: s.completed >= 3, 30)
+                    await asyncio.to_thread(srv.down)
+                cutter = asyncio.create_task(cut())
+                with pytest.raises(ServerOutage):
+                    await generate(pool, prompts(40), tmp_path, tokenizer)
+                await cutter
+                started = time.monotonic()
+                with pytest.raises(ServerOutage):  # still down: the retry waits its window, then fails
+                    await generate(pool, prompts(40), tmp_path, tokenizer)
+                waited = time.monotonic() - started
+                srv.up()
+                report = await generate(pool, prompts(40), tmp_path, tokenizer)  # back: the next retry finishes
+                return waited, report
+
+        waited, report = asyncio.run(go())
+    finally:
+        srv.stop()
+    assert waited >= 0.6
+    assert sorted(r["id"] for r in responses(tmp_path)) == sorted(f"p{i}" for i in range(40))
