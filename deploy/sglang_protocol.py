@@ -379,10 +379,13 @@ def text_token_ids(output_ids: list[int], finish_reason: dict[str, Any], no_stop
 
 def generate_result(
     *, rid: str, text: str, output_ids: list[int], finish_reason: dict[str, Any], prompt_tokens: int,
-    e2e_latency: float,
+    e2e_latency: float, spec_verify_ct: int | None = None,
 ) -> dict[str, Any]:
-    """One /generate answer in SGLang's shape (no prefix cache, no reasoning parser)."""
-    return {
+    """One /generate answer in SGLang's shape (no prefix cache, no reasoning parser).
+
+    `spec_verify_ct` (a server with a draft): the request's verify rounds, SGLang's meta_info field.
+    """
+    result = {
         "text": text,
         "output_ids": output_ids,
         "meta_info": {
@@ -395,13 +398,24 @@ def generate_result(
             "e2e_latency": e2e_latency,
         },
     }
+    if spec_verify_ct is not None:
+        result["meta_info"]["spec_verify_ct"] = spec_verify_ct
+    return result
 
 
 def server_info(
     *, model_path: str, served_model_name: str, limits: ModelLimits, max_running: int, dtype: str, device: str,
     skip_tokenizer_init: bool, version: str, running: int, waiting: int,
+    speculative: dict[str, Any] | None = None, avg_spec_accept_length: float | None = None,
 ) -> dict[str, Any]:
-    """The /server_info fields the pipeline and the tests read, in SGLang's names."""
+    """The /server_info fields the pipeline and the tests read, in SGLang's names.
+
+    `speculative`: SGLang's `speculative_*` server args of a server with a draft (merged in);
+    `avg_spec_accept_length` goes into internal_states as SGLang's scheduler reports it.
+    """
+    state: dict[str, Any] = {"num_running_reqs": running, "num_waiting_reqs": waiting}
+    if avg_spec_accept_length is not None:
+        state["avg_spec_accept_length"] = avg_spec_accept_length
     return {
         "model_path": model_path,
         "tokenizer_path": model_path,
@@ -417,7 +431,8 @@ def server_info(
         "skip_tokenizer_init": skip_tokenizer_init,
         "allow_auto_truncate": False,
         "version": version,
-        "internal_states": [{"num_running_reqs": running, "num_waiting_reqs": waiting}],
+        "internal_states": [state],
+        **(speculative or {}),
     }
 
 
