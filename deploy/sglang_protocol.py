@@ -10,7 +10,8 @@ through `SGLangBackend`, and `create_sglang_app` gives both the same endpoints:
   one object for the batch or a list, one per item), ``rid`` (a string, or a list for a batch).
   ``stream=true`` is refused (400): streaming is not implemented. Response ``{"text",
   "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
-  "cached_tokens", "reasoning_tokens", "e2e_latency"}}``; a batch returns a list in input order.
+  "cached_tokens", "reasoning_tokens", "e2e_latency"}}`` (plus ``spec_verify_ct``, the verify rounds,
+  from a server decoding with a draft); a batch returns a list in input order.
   ``finish_reason`` is ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` or
   ``{"type": "abort", "message": ..., "status_code": ...}``. ``output_ids`` keep a matched stop
   token; ``text`` drops it unless ``no_stop_trim`` (SGLang's ``DetokenizerManager.trim_matched_stop``).

@@ -285,3 +285,35 @@ def test_partly_right_draft_counts_rounds_like_the_eval(tiny_target_dir, draft_d
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
     verify = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
     assert (completion - len(prompts)) / verify == ev.acceptance_length
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("entry", ["module", "eagle3"])
+def test_server_process_with_draft_flags(entry, tiny_target_dir, draft_dir, target, prompts, tmp_path):
+    """`python -m deploy.dev_server` and `eagle3 serve-dev` with SGLang's flags serve the draft as the eval decodes."""
+    import sys
+    from pathlib import Path
+
+    from tasks.ports import free_port
+    from tasks.processes import ServerProcess
+
+    model, tok = target
+    port = free_port()
+    start = ([sys.executable, "-m", "deploy.dev_server"] if entry == "module"
+             else [str(Path(sys.executable).parent / "eagle3"), "serve-dev"])
+    command = [*start, "--model", str(tiny_target_dir), "--port", str(port), "--speculative-algorithm", "EAGLE3",
+               "--speculative-draft-model-path", str(draft_dir), "--speculative-num-steps", "2",
+               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"]
+    with ServerProcess(command, f"http://127.0.0.1:{port}", log_path=tmp_path / "server.log") as server:
+        server.wait_healthy(timeout_s=60)
+        outs = _generate(server.url, prompts[:3], GREEDY)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            info = client.get("/server_info").json()
+    draft = load_exported_draft(draft_dir, dtype=torch.float32).eval()
+    expected = [speculative_decode(model, draft, p, num_steps=2, max_new_tokens=MAX_NEW, eos_token_ids={tok.eos_token_id})
+                for p in prompts[:3]]
+    assert [o["output_ids"] for o in outs] == [out for out, _ in expected]
+    assert [o["meta_info"]["spec_verify_ct"] for o in outs] == [len(rounds) for _, rounds in expected]
+    assert info["speculative_num_steps"] == 2 and info["speculative_num_draft_tokens"] == 3
+    rounds = [r for _, rs in expected for r in rs]
+    assert info["internal_states"][0]["avg_spec_accept_length"] == sum(r.kept for r in rounds) / len(rounds)
