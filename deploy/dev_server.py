@@ -290,8 +290,9 @@ class Engine:
             out, rounds = speculative_decode(self.model, self.draft, s.prompt_ids, num_steps=self.num_steps,
                                              max_new_tokens=s.max_new_tokens, eos_token_ids=stop)
             s.output_ids, s.spec_verify_ct = out, len(rounds)
-            self.spec_rounds += len(rounds)
-            self.spec_round_tokens += sum(r.kept for r in rounds)
+            with self._cond:  # the pair is read together by avg_spec_accept_length
+                self.spec_rounds += len(rounds)
+                self.spec_round_tokens += sum(r.kept for r in rounds)
             # The engine's order: the length limit first, then a stop token.
             reason = (sglang.finish_length(s.max_new_tokens) if len(out) >= s.max_new_tokens
                       else sglang.finish_stop(out[-1]))
@@ -302,7 +303,8 @@ class Engine:
     @property
     def avg_spec_accept_length(self) -> float | None:
         """Mean tokens per verify round over everything served (SGLang's figure); None before any round."""
-        return self.spec_round_tokens / self.spec_rounds if self.spec_rounds else None
+        with self._cond:
+            return self.spec_round_tokens / self.spec_rounds if self.spec_rounds else None
 
     def _step(self) -> None:
         """One decode step: every active sequence feeds its last token through one forward."""
