@@ -14,6 +14,23 @@ Deliberate differences from SGLang: ``cached_tokens`` is always 0 (no prefix cac
 ``max_new_tokens: 0`` returns at once with no tokens and finish ``length`` 0, without running
 the model.
 
+Speculative decoding (``--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR
+--speculative-num-steps S [--speculative-eagle-topk 1] [--speculative-num-draft-tokens S+1]``,
+SGLang's flags): the server loads an EAGLE-3 draft exported by ``models/eagle3_export.py`` and
+decodes every request with chain (top-1) speculative decoding -- the very function the in-process
+eval uses, ``models.spec_eval.speculative_decode`` (greedy target, top-1 draft). ``meta_info`` then
+carries SGLang's ``spec_verify_ct``: the request's verify rounds (target forwards after the
+prefill); the first token comes from the prefill and belongs to no round, so a request that ends
+there has 0. SGLang's acceptance length is ``completion_tokens / spec_verify_ct``; the per-round
+mean the eval reports (and ``avg_spec_accept_length`` in ``/server_info``'s ``internal_states``,
+over every round served) excludes that prefill token: ``(completion_tokens - 1) / spec_verify_ct``.
+Greedy only: a request with temperature > 0 (and top_k != 1) is refused with 400 while a draft is
+loaded (SGLang samples with a draft; this server does not). Only topk 1 and S+1 draft tokens exist.
+Greedy speculative decoding returns exactly the tokens plain greedy decoding returns.
+Throughput cost: with a draft, requests are not batched -- the worker runs one request's whole
+speculative decode at a time (batch size 1), and /abort_request reaches a request only before it
+starts.
+
 Concurrency: the event loop never runs the model. One worker thread owns the model and does
 iteration-level batching: up to ``max_batch_size`` active sequences, each with its own KV cache;
 every decode step left-pads those caches into one batch and runs one forward for all of them;
@@ -42,13 +59,57 @@ from fastapi import FastAPI, Request
 
 from deploy import sglang_protocol as sglang
 from deploy.sglang_protocol import SamplingParams
+from models.spec_eval import speculative_decode
 
 logger = logging.getLogger("eagle3.dev_server")
 
 VERSION = "0.1.0-eagle3-dev"
 _HEALTH_CHECK_TIMEOUT_S = 20.0
 
-__all__ = ["SamplingParams", "VERSION", "create_app", "main", "serve"]
+__all__ = ["SamplingParams", "Speculative", "VERSION", "create_app", "main", "serve"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculative:
+    """A draft to serve with, from SGLang's `--speculative-*` flags (checked by `from_flags`)."""
+
+    draft_model_path: str
+    num_steps: int
+
+    @classmethod
+    def from_flags(cls, *, draft_model_path: str | Path | None, algorithm: str | None = None,
+                   num_steps: int | None = None, eagle_topk: int | None = None,
+                   num_draft_tokens: int | None = None) -> Speculative | None:
+        """None without a draft path; ValueError (SGLang's flag names) for what this server cannot do."""
+        if draft_model_path is None:
+            given = {"--speculative-algorithm": algorithm, "--speculative-num-steps": num_steps,
+                     "--speculative-eagle-topk": eagle_topk, "--speculative-num-draft-tokens": num_draft_tokens}
+            extra = [flag for flag, value in given.items() if value is not None]
+            if extra:
+                raise ValueError(f"{', '.join(extra)} given without --speculative-draft-model-path")
+            return None
+        if algorithm is not None and algorithm.upper() != "EAGLE3":
+            raise ValueError(f"--speculative-algorithm must be EAGLE3 (the only draft this server runs), got {algorithm!r}")
+        if num_steps is None:
+            raise ValueError("--speculative-num-steps is required with --speculative-draft-model-path")
+        if num_steps < 1:
+            raise ValueError(f"--speculative-num-steps must be >= 1, got {num_steps}")
+        if eagle_topk is not None and eagle_topk != 1:
+            raise ValueError(f"--speculative-eagle-topk must be 1 (chain speculative decoding only), got {eagle_topk}")
+        if num_draft_tokens is not None and num_draft_tokens != num_steps + 1:
+            raise ValueError(f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = {num_steps + 1} "
+                             f"with topk 1, got {num_draft_tokens}")
+        path = Path(draft_model_path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--speculative-draft-model-path {path}: no config.json (an EAGLE-3 export, "
+                             "models/eagle3_export.py)")
+        return cls(draft_model_path=str(path), num_steps=int(num_steps))
+
+    def server_args(self) -> dict[str, Any]:
+        """SGLang's server-arg names and values, as /server_info reports them."""
+        return {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": self.draft_model_path,
+                "speculative_num_steps": self.num_steps, "speculative_eagle_topk": 1,
+                "speculative_num_draft_tokens": self.num_steps + 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,6 +133,7 @@ class EngineSequence:
     generator: torch.Generator | None = None
     abort_requested: bool = False
     finish_reason: dict | None = None
+    spec_verify_ct: int | None = None  # verify rounds, with a draft
 
     @property
     def kv_len(self) -> int:
@@ -95,8 +157,15 @@ def _cache_from_kv(kv: list[tuple[torch.Tensor, torch.Tensor]]):
 class Engine:
     """Continuous batching over per-sequence KV caches, run by one background thread."""
 
-    def __init__(self, model, tokenizer, *, eos_ids: set[int], max_batch_size: int):
+    def __init__(self, model, tokenizer, *, eos_ids: set[int], max_batch_size: int, draft=None,
+                 num_steps: int | None = None):
         self.model, self.tokenizer = model, tokenizer
+        # With a draft every request is decoded alone and to its end by `_speculate`.
+        self.draft, self.num_steps = draft, num_steps
+        if draft is not None and (num_steps is None or num_steps < 1):
+            raise ValueError(f"a draft needs num_steps >= 1, got {num_steps}")
+        self.spec_rounds = 0  # verify rounds over every request served
+        self.spec_round_tokens = 0  # tokens those rounds added (accepted drafts + bonus; no prefill tokens)
         self.eos_ids = frozenset(eos_ids)
         # Encoding runs on the event loop, decoding here: don't let them share the Rust tokenizer at once.
         self.tokenizer_lock = threading.Lock()
@@ -166,7 +235,10 @@ class Engine:
             try:
                 with torch.inference_mode():
                     for s in admitted:
-                        self._prefill(s)
+                        if self.draft is not None:
+                            self._speculate(s)
+                        else:
+                            self._prefill(s)
                     self._step()
             except Exception as exc:  # keep serving: fail what was running, not the server
                 logger.exception("model step failed")
@@ -205,6 +277,34 @@ class Engine:
             self._finish(s, reason)
         else:
             self._append(s, logits)
+
+    def _speculate(self, s: EngineSequence) -> None:
+        """Decode one admitted (greedy) sequence to its end with the draft, as models/spec_eval.py does."""
+        if s.abort_requested:
+            reason = sglang.finish_abort("Abort before prefill")
+        elif s.max_new_tokens <= 0:
+            reason = sglang.finish_length(0)
+        else:
+            # SGLang's stop rule: eos ids and the request's stop_token_ids, neither under ignore_eos.
+            stop = set() if s.params.ignore_eos else {*self.eos_ids, *s.params.stop_token_ids}
+            out, rounds = speculative_decode(self.model, self.draft, s.prompt_ids, num_steps=self.num_steps,
+                                             max_new_tokens=s.max_new_tokens, eos_token_ids=stop)
+            s.output_ids, s.spec_verify_ct = out, len(rounds)
+            with self._cond:  # the pair is read together by avg_spec_accept_length
+                self.spec_rounds += len(rounds)
+                self.spec_round_tokens += sum(r.kept for r in rounds)
+            # The engine's order: the length limit first, then a stop token.
+            reason = (sglang.finish_length(s.max_new_tokens) if len(out) >= s.max_new_tokens
+                      else sglang.finish_stop(out[-1]))
+        with self._cond:
+            self._admitted.remove(s)
+        self._finish(s, reason)
+
+    @property
+    def avg_spec_accept_length(self) -> float | None:
+        """Mean tokens per verify round over everything served (SGLang's figure); None before any round."""
+        with self._cond:
+            return self.spec_round_tokens / self.spec_rounds if self.spec_rounds else None
 
     def _step(self) -> None:
         """One decode step: every active sequence feeds its last token through one forward."""
@@ -266,6 +366,7 @@ class Engine:
         result = sglang.generate_result(
             rid=s.rid, text=text, output_ids=list(s.output_ids), finish_reason=reason,
             prompt_tokens=len(s.prompt_ids), e2e_latency=time.perf_counter() - s.created,
+            spec_verify_ct=(s.spec_verify_ct or 0) if self.draft is not None else None,
         )
         s.loop.call_soon_threadsafe(_set_result, s.future, result)
 
@@ -319,10 +420,11 @@ class _DevBackend:
     """The model behind the SGLang endpoints (see sglang_protocol.SGLangBackend)."""
 
     def __init__(self, engine: Engine, model, tokenizer, limits: sglang.ModelLimits, *, model_path: str,
-                 served_model_name: str, max_batch_size: int):
+                 served_model_name: str, max_batch_size: int, speculative: Speculative | None = None):
         self.engine, self.model, self.tokenizer, self.limits = engine, model, tokenizer, limits
         self.model_path, self.served_model_name = model_path, served_model_name
         self.max_batch_size = max_batch_size
+        self.speculative = speculative
 
     def sequence(self, prompt: str | list[int], raw_params: Any, rid: str, arrived: float) -> EngineSequence:
         """Tokenize and check one prompt (SGLang's checks and words): a sequence for the engine."""
@@ -332,6 +434,11 @@ class _DevBackend:
         else:
             ids = list(prompt)
         params = self.limits.admit(ids, raw_params, unimplemented_by="dev server")
+        if self.speculative is not None and not params.greedy:
+            raise sglang.BadRequest(
+                f"This dev server decodes speculatively (draft {self.speculative.draft_model_path}) with greedy "
+                f"sampling only; got temperature={params.temperature}, top_k={params.top_k}. Send temperature 0, "
+                "or start the server without --speculative-draft-model-path.")
         loop = asyncio.get_running_loop()
         return EngineSequence(rid=rid, prompt_ids=ids, params=params,
                          max_new_tokens=self.limits.max_new_tokens(len(ids), params), created=arrived,
@@ -379,12 +486,30 @@ class _DevBackend:
             model_path=self.model_path, served_model_name=self.served_model_name, limits=self.limits,
             max_running=self.max_batch_size, dtype="float32", device="cpu", skip_tokenizer_init=False,
             version=VERSION, running=len(self.engine._active), waiting=len(self.engine._waiting),
+            speculative=self.speculative.server_args() if self.speculative else None,
+            avg_spec_accept_length=self.engine.avg_spec_accept_length if self.speculative else None,
         )
 
     def model_info(self) -> dict[str, Any]:
         config = self.model.config
         return sglang.model_info(model_path=self.model_path, model_type=getattr(config, "model_type", None),
                                  architectures=getattr(config, "architectures", None))
+
+
+def _load_draft(draft_dir: str | Path, target):
+    """The exported draft in float32, checked against the target; SGLang's embedding rule (create_app)."""
+    from models.eagle3_export import load_exported_draft
+
+    draft = load_exported_draft(draft_dir, dtype=torch.float32).eval()
+    cfg, tcfg = draft.config, target.config
+    if cfg.vocab_size != tcfg.vocab_size or cfg.target_hidden_size != tcfg.hidden_size:
+        raise ValueError(f"draft {draft_dir} (vocab {cfg.vocab_size}, target hidden {cfg.target_hidden_size}) does not "
+                         f"fit the target (vocab {tcfg.vocab_size}, hidden {tcfg.hidden_size})")
+    if max(cfg.aux_layers) >= tcfg.num_hidden_layers:
+        raise ValueError(f"draft {draft_dir}: aux layers {cfg.aux_layers} beyond the target's {tcfg.num_hidden_layers} layers")
+    if cfg.hidden_size == tcfg.hidden_size:  # SGLang's EAGLEWorker: set_embed(target embedding)
+        draft.load_target_embedding(target.get_input_embeddings().weight.detach().float())
+    return draft
 
 
 def create_app(
@@ -394,8 +519,13 @@ def create_app(
     max_batch_size: int = 16,
     model_name: str | None = None,
     num_threads: int | None = None,
+    speculative: Speculative | None = None,
 ) -> FastAPI:
     """Load the tokenizer and model (float32, eval) and build the FastAPI app.
+
+    `speculative`: serve with that EAGLE-3 draft (module docstring), loaded in float32 as the
+    eval loads it (`load_exported_draft`); like SGLang, a draft whose hidden size is the target's
+    takes the target's input embedding.
 
     `num_threads` sets torch's process-wide intra-op threads; None leaves them as they are
     (`serve` picks a value for a dedicated process).
@@ -415,9 +545,14 @@ def create_app(
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
     # No KV pool limit here: SGLang's scheduler limits follow from the context alone.
     limits = sglang.ModelLimits(vocab_size=int(model.config.vocab_size), context_length=context_len)
-    engine = Engine(model, tokenizer, eos_ids=_eos_ids(model, tokenizer), max_batch_size=max_batch_size)
+    draft = None
+    if speculative is not None:
+        draft = _load_draft(speculative.draft_model_path, model)
+    engine = Engine(model, tokenizer, eos_ids=_eos_ids(model, tokenizer), max_batch_size=max_batch_size, draft=draft,
+                    num_steps=speculative.num_steps if speculative else None)
     backend = _DevBackend(engine, model, tokenizer, limits, model_path=str(model_dir),
-                          served_model_name=model_name or str(model_dir), max_batch_size=max_batch_size)
+                          served_model_name=model_name or str(model_dir), max_batch_size=max_batch_size,
+                          speculative=speculative)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -464,10 +599,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model-name", default=None, help="served model name (default: the model path)")
     ap.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--speculative-algorithm", default=None, help="EAGLE3 (the only one; implied by a draft path)")
+    ap.add_argument("--speculative-draft-model-path", default=None, help="an EAGLE-3 export (models/eagle3_export.py)")
+    ap.add_argument("--speculative-num-steps", type=int, default=None, help="draft tokens proposed per round")
+    ap.add_argument("--speculative-eagle-topk", type=int, default=None, help="must be 1 (chain)")
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="must be num-steps + 1")
     args = ap.parse_args(argv)
+    try:
+        speculative = Speculative.from_flags(
+            draft_model_path=args.speculative_draft_model_path, algorithm=args.speculative_algorithm,
+            num_steps=args.speculative_num_steps, eagle_topk=args.speculative_eagle_topk,
+            num_draft_tokens=args.speculative_num_draft_tokens)
+    except ValueError as exc:
+        ap.error(str(exc))
     logging.basicConfig(level=args.log_level.upper())
     serve(args.model, args.host, args.port, log_level=args.log_level, num_threads=args.num_threads,
-          context_length=args.context_length, max_batch_size=args.max_batch_size, model_name=args.model_name)
+          context_length=args.context_length, max_batch_size=args.max_batch_size, model_name=args.model_name,
+          speculative=speculative)
 
 
 if __name__ == "__main__":

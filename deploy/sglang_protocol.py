@@ -10,7 +10,8 @@ through `SGLangBackend`, and `create_sglang_app` gives both the same endpoints:
   one object for the batch or a list, one per item), ``rid`` (a string, or a list for a batch).
   ``stream=true`` is refused (400): streaming is not implemented. Response ``{"text",
   "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
-  "cached_tokens", "reasoning_tokens", "e2e_latency"}}``; a batch returns a list in input order.
+  "cached_tokens", "reasoning_tokens", "e2e_latency"}}`` (plus ``spec_verify_ct``, the verify rounds,
+  from a server decoding with a draft); a batch returns a list in input order.
   ``finish_reason`` is ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` or
   ``{"type": "abort", "message": ..., "status_code": ...}``. ``output_ids`` keep a matched stop
   token; ``text`` drops it unless ``no_stop_trim`` (SGLang's ``DetokenizerManager.trim_matched_stop``).
@@ -379,10 +380,13 @@ def text_token_ids(output_ids: list[int], finish_reason: dict[str, Any], no_stop
 
 def generate_result(
     *, rid: str, text: str, output_ids: list[int], finish_reason: dict[str, Any], prompt_tokens: int,
-    e2e_latency: float,
+    e2e_latency: float, spec_verify_ct: int | None = None,
 ) -> dict[str, Any]:
-    """One /generate answer in SGLang's shape (no prefix cache, no reasoning parser)."""
-    return {
+    """One /generate answer in SGLang's shape (no prefix cache, no reasoning parser).
+
+    `spec_verify_ct` (a server with a draft): the request's verify rounds, SGLang's meta_info field.
+    """
+    result = {
         "text": text,
         "output_ids": output_ids,
         "meta_info": {
@@ -395,13 +399,24 @@ def generate_result(
             "e2e_latency": e2e_latency,
         },
     }
+    if spec_verify_ct is not None:
+        result["meta_info"]["spec_verify_ct"] = spec_verify_ct
+    return result
 
 
 def server_info(
     *, model_path: str, served_model_name: str, limits: ModelLimits, max_running: int, dtype: str, device: str,
     skip_tokenizer_init: bool, version: str, running: int, waiting: int,
+    speculative: dict[str, Any] | None = None, avg_spec_accept_length: float | None = None,
 ) -> dict[str, Any]:
-    """The /server_info fields the pipeline and the tests read, in SGLang's names."""
+    """The /server_info fields the pipeline and the tests read, in SGLang's names.
+
+    `speculative`: SGLang's `speculative_*` server args of a server with a draft (merged in);
+    `avg_spec_accept_length` goes into internal_states as SGLang's scheduler reports it.
+    """
+    state: dict[str, Any] = {"num_running_reqs": running, "num_waiting_reqs": waiting}
+    if avg_spec_accept_length is not None:
+        state["avg_spec_accept_length"] = avg_spec_accept_length
     return {
         "model_path": model_path,
         "tokenizer_path": model_path,
@@ -417,7 +432,8 @@ def server_info(
         "skip_tokenizer_init": skip_tokenizer_init,
         "allow_auto_truncate": False,
         "version": version,
-        "internal_states": [{"num_running_reqs": running, "num_waiting_reqs": waiting}],
+        "internal_states": [state],
+        **(speculative or {}),
     }
 
 

@@ -303,14 +303,29 @@ def serve_dev(
     port: int = typer.Option(30000, help="TCP port."),
     context_length: Optional[int] = typer.Option(None, help="Context length (default: the model's max_position_embeddings)."),
     max_batch_size: int = typer.Option(16, help="Most sequences decoded together."),
+    speculative_algorithm: Optional[str] = typer.Option(None, help="EAGLE3 (the only one; implied by a draft path)."),
+    speculative_draft_model_path: Optional[Path] = typer.Option(
+        None, help="Serve with this EAGLE-3 draft export: chain speculative decoding, greedy requests only."),
+    speculative_num_steps: Optional[int] = typer.Option(None, help="Draft tokens proposed per verify round."),
+    speculative_eagle_topk: Optional[int] = typer.Option(None, help="Must be 1 (chain)."),
+    speculative_num_draft_tokens: Optional[int] = typer.Option(None, help="Must be num-steps + 1."),
 ) -> None:
     """Serve a small model over SGLang's native HTTP API on CPU (for the demo and tests)."""
-    from deploy.dev_server import serve
+    from deploy.dev_server import Speculative, serve
 
     if not (model / "config.json").is_file():
         err.print(f"[red]error:[/red] {model} has no config.json; build one with `eagle3 tiny-target {model}`", highlight=False)
         raise typer.Exit(2)
-    serve(model, host=host, port=port, context_length=context_length, max_batch_size=max_batch_size)
+    try:
+        speculative = Speculative.from_flags(
+            draft_model_path=speculative_draft_model_path, algorithm=speculative_algorithm,
+            num_steps=speculative_num_steps, eagle_topk=speculative_eagle_topk,
+            num_draft_tokens=speculative_num_draft_tokens)
+    except ValueError as exc:
+        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    serve(model, host=host, port=port, context_length=context_length, max_batch_size=max_batch_size,
+          speculative=speculative)
 
 
 def _config_or_exit(path: Path):

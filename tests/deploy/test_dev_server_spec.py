@@ -1,0 +1,319 @@
+"""The dev server with an EAGLE-3 draft: SGLang's `--speculative-*` flags, `spec_verify_ct`, and the
+engine-measured acceptance equal to the in-process eval (models/spec_eval.py) on the same prompts.
+
+The draft is an untrained (random) one, exported as SGLang reads it: the point is equality, not quality.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from deploy.dev_server import Speculative, create_app, main
+from models.draft_vocab import draft_vocab
+from models.eagle3 import DraftStep, Eagle3Config, Eagle3Draft, default_aux_layers
+from models.eagle3_export import export_draft, load_exported_draft
+from models.spec_eval import evaluate_acceptance, greedy_generate, speculative_decode
+
+CONTEXT = 512
+NUM_STEPS = 3
+MAX_NEW = 24
+D = 256  # draft vocab smaller than the target's: d2t is not the identity
+
+
+@contextmanager
+def running(app):
+    """Base URL of `app` served by uvicorn in a thread on a free loopback port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:  # bounded poll: uvicorn has no startup event to wait on
+        assert thread.is_alive() and time.monotonic() < deadline, "dev server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(target, tmp_path_factory):
+    """A random draft over the target's embedding, exported in float32 (models/eagle3_export.py)."""
+    model, _ = target
+    cfg = Eagle3Config.from_target_config(model.config, draft_vocab_size=D,
+                                          aux_layers=default_aux_layers(model.config.num_hidden_layers))
+    draft = Eagle3Draft(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name != "embed_tokens.weight":
+                p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.ndim > 1 else 0.1) + (p.ndim == 1))
+    draft.load_target_embedding(model.get_input_embeddings().weight)
+    counts = torch.randint(0, 100, (cfg.vocab_size,), generator=g).numpy()
+    draft.set_draft_vocab(*draft_vocab(counts, cfg.vocab_size, D))
+    return export_draft(draft, tmp_path_factory.mktemp("draft") / "final", target_config=model.config,
+                        dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(target) -> list[list[int]]:
+    """Prompts of varied length; the last one is a single token."""
+    model, _ = target
+    g = torch.Generator().manual_seed(3)
+    v = model.config.vocab_size
+    out = [torch.randint(8, v, (n,), generator=g).tolist() for n in (4, 7, 12, 3, 9, 5)]
+    return out + [[int(torch.randint(8, v, (1,), generator=g))]]
+
+
+def _spec_app(tiny_target_dir, draft_dir):
+    return create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=4, model_name="tiny",
+                      speculative=Speculative.from_flags(draft_model_path=draft_dir, algorithm="EAGLE3",
+                                                         num_steps=NUM_STEPS, eagle_topk=1,
+                                                         num_draft_tokens=NUM_STEPS + 1))
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_target_dir, draft_dir):
+    with running(_spec_app(tiny_target_dir, draft_dir)) as url:
+        yield url
+
+
+def _generate(url: str, prompts: list[list[int]], params: dict) -> list[dict]:
+    with httpx.Client(base_url=url, timeout=120) as client:
+        r = client.post("/generate", json={"input_ids": prompts, "sampling_params": params,
+                                           "rid": [f"r{i}" for i in range(len(prompts))]})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW}
+
+
+def test_engine_acceptance_equals_in_process_eval(tiny_target_dir, draft_dir, target, prompts):
+    """A fresh server (its avg_spec_accept_length covers exactly these prompts) against evaluate_acceptance."""
+    model, tok = target
+    with running(_spec_app(tiny_target_dir, draft_dir)) as url:
+        outs = _generate(url, prompts, GREEDY)
+        with httpx.Client(base_url=url, timeout=30) as client:
+            info = client.get("/get_server_info").json()
+            assert client.get("/server_info").json()["internal_states"] == info["internal_states"]
+
+    # The eval loads the same export the same way, with the target's eos as its stop set.
+    draft = load_exported_draft(draft_dir, dtype=torch.float32).eval()
+    eos = {tok.eos_token_id}
+    ev = evaluate_acceptance(model, draft, prompts, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW, eos_token_ids=eos)
+
+    # Per request: identical tokens, and spec_verify_ct is the number of verify rounds.
+    assert [o["output_ids"] for o in outs] == ev.outputs
+    rounds = [len(speculative_decode(model, draft, p, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW,
+                                     eos_token_ids=eos)[1]) for p in prompts]
+    verify = [o["meta_info"]["spec_verify_ct"] for o in outs]
+    assert verify == rounds
+    completion = [o["meta_info"]["completion_tokens"] for o in outs]
+    assert sum(verify) == ev.rounds > len(prompts)
+    assert sum(completion) == ev.new_tokens
+
+    # SGLang's per-request figure counts the prefill token too; the eval's per-round mean does not.
+    assert sum(completion) / sum(verify) == pytest.approx(ev.acceptance_length + len(prompts) / ev.rounds, abs=1e-12)
+    assert (sum(completion) - len(prompts)) / sum(verify) == ev.acceptance_length
+    assert info["internal_states"][0]["avg_spec_accept_length"] == ev.acceptance_length
+    assert info["speculative_algorithm"] == "EAGLE3"
+    assert info["speculative_draft_model_path"] == str(draft_dir)
+    assert (info["speculative_num_steps"], info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (
+        NUM_STEPS, 1, NUM_STEPS + 1)
+
+
+@pytest.mark.parametrize("params", [
+    {"ignore_eos": True},
+    {"stop_token_ids": "FROM_OUTPUT"},
+    {"max_new_tokens": 1},
+    {"max_new_tokens": 0},
+])
+def test_output_with_draft_equals_output_without(spec_server, tiny_target_dir, prompts, params):
+    """Greedy speculative decoding changes nothing but spec_verify_ct: tokens, text and finish reasons."""
+    params = {**GREEDY, **params}
+    with running(create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=4, model_name="tiny")) as plain:
+        if params.get("stop_token_ids") == "FROM_OUTPUT":  # a token each greedy output reaches mid-way
+            free = _generate(plain, prompts, {**GREEDY, "ignore_eos": True})
+            params["stop_token_ids"] = sorted({o["output_ids"][MAX_NEW // 2] for o in free})
+        without = _generate(plain, prompts, params)
+    with_draft = _generate(spec_server, prompts, params)
+    for a, b in zip(with_draft, without):
+        verify = a["meta_info"].pop("spec_verify_ct")
+        assert "spec_verify_ct" not in b["meta_info"]
+        assert 0 <= verify <= max(0, len(a["output_ids"]) - 1)
+        for result in (a, b):
+            result["meta_info"].pop("e2e_latency")
+        assert a == b
+    if params.get("stop_token_ids"):
+        assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in with_draft)
+
+
+def test_sampling_is_refused_with_a_draft(spec_server, prompts):
+    with httpx.Client(base_url=spec_server, timeout=30) as client:
+        r = client.post("/generate", json={"input_ids": prompts[0],
+                                           "sampling_params": {"temperature": 0.7, "max_new_tokens": 4}})
+        assert r.status_code == 400
+        assert "greedy sampling only" in r.json()["error"]["message"]
+        # top_k 1 is greedy (SGLang's rule) and is served.
+        ok = client.post("/generate", json={"input_ids": prompts[0],
+                                            "sampling_params": {"temperature": 0.7, "top_k": 1, "max_new_tokens": 4}})
+        assert ok.status_code == 200 and ok.json()["meta_info"]["spec_verify_ct"] >= 1
+        assert client.get("/health_generate").status_code == 200
+
+
+def test_flags_are_checked_with_sglang_names(draft_dir, tmp_path):
+    ok = Speculative.from_flags(draft_model_path=draft_dir, num_steps=2)
+    assert ok == Speculative(draft_model_path=str(draft_dir), num_steps=2)
+    assert Speculative.from_flags(draft_model_path=None) is None
+    bad = [
+        (dict(draft_model_path=draft_dir, num_steps=2, eagle_topk=4), "--speculative-eagle-topk must be 1"),
+        (dict(draft_model_path=draft_dir, num_steps=2, num_draft_tokens=4), "must be --speculative-num-steps + 1 = 3"),
+        (dict(draft_model_path=draft_dir, num_steps=2, algorithm="NGRAM"), "must be EAGLE3"),
+        (dict(draft_model_path=draft_dir), "--speculative-num-steps is required"),
+        (dict(draft_model_path=draft_dir, num_steps=0), ">= 1"),
+        (dict(draft_model_path=tmp_path, num_steps=2), "no config.json"),
+        (dict(draft_model_path=None, num_steps=2), "--speculative-num-steps given without --speculative-draft-model-path"),
+    ]
+    for kwargs, fragment in bad:
+        with pytest.raises(ValueError, match=fragment.replace("+", r"\+")):
+            Speculative.from_flags(**kwargs)
+
+
+def test_module_cli_refuses_bad_speculative_flags(tiny_target_dir, draft_dir, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", str(tiny_target_dir), "--speculative-draft-model-path", str(draft_dir),
+              "--speculative-num-steps", "3", "--speculative-eagle-topk", "2"])
+    assert exc.value.code == 2
+    assert "--speculative-eagle-topk must be 1" in capsys.readouterr().err
+
+
+def test_eagle3_serve_dev_refuses_bad_speculative_flags(tiny_target_dir, draft_dir):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["serve-dev", "--model", str(tiny_target_dir), "--speculative-draft-model-path",
+                                      str(draft_dir), "--speculative-num-steps", "3",
+                                      "--speculative-num-draft-tokens", "3"])
+    assert result.exit_code == 2
+    assert "must be --speculative-num-steps + 1 = 4" in result.output
+
+
+class PartlyRightDraft(Eagle3Draft):
+    """The exported draft's weights, its logits pushed to be right exactly where `hit(position)` says.
+
+    The draft step at draft position p proposes the token at p + 2 of the prompt + greedy sequence
+    (its input is the token at p + 1): where hit(p), +1e4 on that token (surely proposed), else -1e4
+    (surely not). The sequence is recognised by the extend from an empty cache (its first tokens).
+    """
+
+    def setup(self, seqs: list[list[int]], hit) -> PartlyRightDraft:
+        self.seqs, self.hit, self.seq = seqs, hit, None
+        return self
+
+    def forward(self, input_ids, hidden, position_ids=None, cache=None, *, target_vocab_logits=False):
+        past = 0 if cache is None else len(cache)
+        step = super().forward(input_ids, hidden, position_ids, cache)
+        ids = input_ids[0].tolist()
+        if past == 0:
+            found = [s for s in self.seqs if s[1:len(ids) + 1] == ids]
+            assert len(found) == 1, "an extend from an empty cache starts at a known prompt"
+            self.seq = found[0]
+        t2d_index = torch.cumsum(self.t2d.long(), 0) - 1  # target id -> draft index
+        logits = step.logits.clone()
+        for j, p in enumerate(range(past, past + len(ids))):
+            if p + 2 < len(self.seq):
+                tok = self.seq[p + 2]
+                assert self.t2d[tok], "scripted tokens must be in the draft vocab"
+                logits[0, j, t2d_index[tok]] += 1e4 if self.hit(p) else -1e4
+        return DraftStep(logits=logits, hidden=step.hidden, cache=step.cache)
+
+
+_PATTERN = "1101110111101101011110011011101"  # hits and misses: rounds accept 0..K tokens
+
+
+def test_partly_right_draft_counts_rounds_like_the_eval(tiny_target_dir, draft_dir, target, prompts):
+    """Rounds that accept 0..K drafts: spec_verify_ct and avg_spec_accept_length still match the eval."""
+    model, _ = target
+    seqs = [p + greedy_generate(model, p, max_new_tokens=MAX_NEW + NUM_STEPS + 2, eos_token_ids=set()) for p in prompts]
+    loaded = load_exported_draft(draft_dir, dtype=torch.float32)
+    draft = PartlyRightDraft(loaded.config)
+    draft.load_state_dict(loaded.state_dict())
+    counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=model.config.vocab_size)
+    assert int((counts > 0).sum()) <= D
+    draft.set_draft_vocab(*draft_vocab(counts.numpy(), model.config.vocab_size, D))
+    draft = draft.eval().setup(seqs, lambda p: _PATTERN[p % len(_PATTERN)] == "1")
+
+    app = _spec_app(tiny_target_dir, draft_dir)
+    app.state.engine.draft = draft  # white-box: the same scripted draft object serves and is evaluated
+    params = {**GREEDY, "ignore_eos": True}
+    with running(app) as url:
+        outs = _generate(url, prompts, params)
+        with httpx.Client(base_url=url, timeout=30) as client:
+            avg = client.get("/server_info").json()["internal_states"][0]["avg_spec_accept_length"]
+    ev = evaluate_acceptance(model, draft, prompts, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW, eos_token_ids=set())
+    rounds = [speculative_decode(model, draft, p, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW, eos_token_ids=set())[1]
+              for p in prompts]
+
+    assert [o["output_ids"] for o in outs] == ev.outputs == [s[len(p):len(p) + MAX_NEW] for s, p in zip(seqs, prompts)]
+    assert [o["meta_info"]["spec_verify_ct"] for o in outs] == [len(r) for r in rounds]
+    accepted = {r.accepted for rs in rounds for r in rs}
+    assert accepted == set(range(NUM_STEPS + 1)), accepted  # every outcome occurs
+    assert 1.5 < ev.acceptance_length < NUM_STEPS + 1
+    assert avg == ev.acceptance_length
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    verify = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    assert (completion - len(prompts)) / verify == ev.acceptance_length
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("entry", ["module", "eagle3"])
+def test_server_process_with_draft_flags(entry, tiny_target_dir, draft_dir, target, prompts, tmp_path):
+    """`python -m deploy.dev_server` and `eagle3 serve-dev` with SGLang's flags serve the draft as the eval decodes."""
+    import sys
+    from pathlib import Path
+
+    from tasks.ports import free_port
+    from tasks.processes import ServerProcess
+
+    model, tok = target
+    port = free_port()
+    start = ([sys.executable, "-m", "deploy.dev_server"] if entry == "module"
+             else [str(Path(sys.executable).parent / "eagle3"), "serve-dev"])
+    command = [*start, "--model", str(tiny_target_dir), "--port", str(port), "--speculative-algorithm", "EAGLE3",
+               "--speculative-draft-model-path", str(draft_dir), "--speculative-num-steps", "2",
+               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"]
+    with ServerProcess(command, f"http://127.0.0.1:{port}", log_path=tmp_path / "server.log") as server:
+        server.wait_healthy(timeout_s=60)
+        outs = _generate(server.url, prompts[:3], GREEDY)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            info = client.get("/server_info").json()
+    draft = load_exported_draft(draft_dir, dtype=torch.float32).eval()
+    expected = [speculative_decode(model, draft, p, num_steps=2, max_new_tokens=MAX_NEW, eos_token_ids={tok.eos_token_id})
+                for p in prompts[:3]]
+    assert [o["output_ids"] for o in outs] == [out for out, _ in expected]
+    assert [o["meta_info"]["spec_verify_ct"] for o in outs] == [len(rounds) for _, rounds in expected]
+    assert info["speculative_num_steps"] == 2 and info["speculative_num_draft_tokens"] == 3
+    rounds = [r for _, rs in expected for r in rs]
+    assert info["internal_states"][0]["avg_spec_accept_length"] == sum(r.kept for r in rounds) / len(rounds)
