@@ -51,13 +51,15 @@ id a = the OUTPUT of 0-based decoder layer a = transformers' `hidden_states[a + 
 - SGLang: `ModelRunner` reads `eagle_config.eagle_aux_hidden_state_layer_ids` and
   `set_eagle3_layers_to_capture` turns id j into capture index j + 1 (llama.py: "for the ith
   layer, it takes the output of the (i-1)th layer"), i.e. id j = output of layer j = ours. Newer
-  SGLang versions add the 1 only when the FIRST id is 1 and use the ids as capture indices (vLLM's
-  convention) otherwise. The two versions agree exactly when the first id is 1, so the export
+  SGLang versions (sgl-project/sglang PR #25454, merged 2026-05-16) add the 1 only when the FIRST
+  id is 1 and use the ids as capture indices (vLLM's convention) otherwise. The two versions agree
+  exactly when the first id is 1, so the export
   writes `eagle_config.eagle_aux_hidden_state_layer_ids = aux_layers` and refuses `aux_layers[0] != 1`
   (`default_aux_layers` gives [1, L//2 - 1, L - 4]; Kimi: ours/SGLang [1, 29, 57], vLLM [2, 30, 58]).
-- both engines capture in layer order and concatenate in that order, and neither captures the
-  last layer's output (capture index L is never reached): the export refuses aux layers that are
-  not increasing or that include layer L - 1 of the target.
+- both engines capture in layer order and concatenate in that order, and SGLang's Llama-style
+  loop (like vLLM's before vllm-project/vllm PR #36063, which added capture index L) never reaches
+  the last layer's output: the export refuses aux layers that are not increasing or that include
+  layer L - 1 of the target.
 """
 
 from __future__ import annotations
@@ -167,7 +169,8 @@ def check_aux_layers(aux_layers: list[int], target_layers: int | None = None) ->
                          "concatenate the aux hidden states in layer order")
     if target_layers is not None and aux[-1] >= int(target_layers) - 1:
         raise ValueError(f"aux_layers {aux}: layer {aux[-1]} is the last of the target's {target_layers} "
-                         "layers (or beyond); SGLang and vLLM capture only layer inputs, never the last output")
+                         "layers (or beyond); SGLang (and vLLM before PR #36063) captures only layer inputs, "
+                         "never the last output")
 
 
 def export_draft(draft: Eagle3Draft, out_dir: str | Path, *, target_config,
