@@ -11,7 +11,7 @@ pipeline's own code, the way the stage tasks run it, without Prefect:
             deepspeed launcher on 1 GPU and followed with tasks.launch.follow_job;
 4. train    `models.train` (DeepSpeed ZeRO-2, bf16, NCCL) likewise, a few hundred steps, a checkpoint
             and the export at the end;
-5. export   the export in draft/final/ validated and loaded back (models.eagle3_export);
+5. export   the export in draft/final/ validated (SGLang and vLLM) and loaded back (models.eagle3_export);
 6. eval     `models.eval_job`: chain speculative decoding, trained and untrained draft.
 
 Each phase runs under its own time limit, cut to what is left of the whole run's `--budget-s`; a
@@ -466,13 +466,13 @@ def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
 
 
 def check_export(p: Params, work: Path) -> dict[str, Any]:
-    """The export in draft/final/: validated and loaded back (models.eagle3_export), its size."""
+    """The export in draft/final/: validated for SGLang and vLLM and loaded back (models.eagle3_export), its size."""
     import torch
 
-    from models.eagle3_export import load_exported_draft, validate_export
+    from models.eagle3_export import load_exported_draft, validate_export, validate_export_vllm
 
     final = work / "draft" / "final"
-    problems = validate_export(final)
+    problems = validate_export(final) + [f"vLLM: {x}" for x in validate_export_vllm(final)]
     if problems:
         raise ValueError(f"{final} is not a valid EAGLE-3 export: {problems}")
     draft = load_exported_draft(final, dtype=torch.float32)

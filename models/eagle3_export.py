@@ -20,12 +20,46 @@ speculative/eagle_worker.py, model_executor/model_runner.py):
   `fc` is Linear(3 * target_hidden_size, hidden_size); the layer is SGLang's Llama attention/MLP
   (head_dim, heads, kv heads, rms_norm_eps, rope_theta, rope_scaling, max_position_embeddings
   for the RoPE cache; LlamaMLP raises unless hidden_act == "silu"); num_hidden_layers 1 (more
-  would add `BasicDecoderLayer`s). The target reads `eagle_config.eagle_aux_hidden_state_layer_ids`
-  from the draft's config and captures the input of layer id+1, i.e. the output of 0-based layer
-  id: our `aux_layers` convention (Kimi: [1, 29, 57]).
+  would add `BasicDecoderLayer`s).
 - RoPE: `Eagle3Draft` trains with unscaled RoPE at `config.rope_theta`, so `rope_scaling` is null
   and rope_theta is the draft's own, never the target's (copying Kimi's YaRN scaling would rotate
   differently from training). max_position_embeddings is the target's, so long contexts fit.
+
+The same directory is what vLLM serves with `--speculative-config '{"method": "eagle3", "model": DIR}'`
+(read in vllm-project/vllm vllm/model_executor/models/llama_eagle3.py, models/llama.py,
+models/registry.py, v1/worker/gpu_model_runner.py); `validate_export_vllm` mirrors its loader:
+
+- the registry maps `LlamaForCausalLMEagle3` to `Eagle3LlamaForCausalLM`.
+- `Eagle3LlamaForCausalLM.load_weights`: names containing "t2d" are skipped; "d2t" becomes the
+  `draft_id_to_target_id` parameter (int64, [draft_vocab_size]), used as OFFSETS like SGLang's:
+  `compute_logits` scatters draft logit i to target id `i + d2t[i]`; every name other than
+  lm_head gets a `model.` prefix; `LlamaModel.load_weights` maps `midlayer.` to `layers.0.`, fuses
+  q/k/v into qkv_proj (input 2 * hidden_size for layer 0) and gate/up into gate_up_proj, and
+  looks every other name up in its parameters: an unknown name is an error (not SILENT as in
+  SGLang), and a parameter no tensor initialized fails the load ("weights were not initialized").
+  `embed_tokens` is optional there; we always write it (see above).
+- config: `draft_vocab_size` (null -> vocab_size), `target_hidden_size` (fc input 3 * it),
+  `eagle_config.use_aux_hidden_state`, `norm_before_residual` (written false: the hidden_norm is
+  applied after the residual is taken, as in SGLang's and our layer).
+
+Aux layer ids, one convention per engine. Ours (`Eagle3Config.aux_layers`, models/capture.py):
+id a = the OUTPUT of 0-based decoder layer a = transformers' `hidden_states[a + 1]`.
+- vLLM: `_get_eagle3_aux_layers_from_config` takes the TOP-LEVEL `eagle_aux_hidden_state_layer_ids`
+  first (falling back to `eagle_config`'s, unshifted) and `LlamaModel.forward` appends the INPUT
+  of layer idx (`hidden_states + residual` before calling layer idx): capture index, 0 = the
+  embedding output. Ours a -> vLLM a + 1. Written top level: `[a + 1 for a in aux_layers]`.
+- SGLang: `ModelRunner` reads `eagle_config.eagle_aux_hidden_state_layer_ids` and
+  `set_eagle3_layers_to_capture` turns id j into capture index j + 1 (llama.py: "for the ith
+  layer, it takes the output of the (i-1)th layer"), i.e. id j = output of layer j = ours. Newer
+  SGLang versions (sgl-project/sglang PR #25454, merged 2026-05-16) add the 1 only when the FIRST
+  id is 1 and use the ids as capture indices (vLLM's convention) otherwise. The two versions agree
+  exactly when the first id is 1, so the export
+  writes `eagle_config.eagle_aux_hidden_state_layer_ids = aux_layers` and refuses `aux_layers[0] != 1`
+  (`default_aux_layers` gives [1, L//2 - 1, L - 4]; Kimi: ours/SGLang [1, 29, 57], vLLM [2, 30, 58]).
+- both engines capture in layer order and concatenate in that order, and SGLang's Llama-style
+  loop (like vLLM's before vllm-project/vllm PR #36063, which added capture index L) never reaches
+  the last layer's output: the export refuses aux layers that are not increasing or that include
+  layer L - 1 of the target.
 """
 
 from __future__ import annotations
@@ -45,6 +79,8 @@ from models.atomic import replace_dir
 from models.eagle3 import Eagle3Config, Eagle3Draft
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+VLLM_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # registry -> Eagle3LlamaForCausalLM
+VLLM_AUX_KEY = "eagle_aux_hidden_state_layer_ids"  # top level for vLLM, inside eagle_config for SGLang
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 EMBED = "embed_tokens.weight"
 
@@ -81,6 +117,7 @@ def _text_config(target_config) -> dict:
 def sglang_config(config: Eagle3Config, target_config, dtype: torch.dtype) -> dict:
     """The config.json of the export (see the module docstring for each key)."""
     target = _text_config(target_config)
+    check_aux_layers(config.aux_layers, target.get("num_hidden_layers"))
     for key, ours in (("vocab_size", config.vocab_size), ("hidden_size", config.target_hidden_size)):
         if key in target and int(target[key]) != ours:
             raise ValueError(f"target {key} {target[key]} != the draft's {ours}")
@@ -107,12 +144,33 @@ def sglang_config(config: Eagle3Config, target_config, dtype: torch.dtype) -> di
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layers), "use_aux_hidden_state": True},
+        "norm_before_residual": False,
+        "eagle_config": {VLLM_AUX_KEY: list(config.aux_layers), "use_aux_hidden_state": True},  # SGLang
+        VLLM_AUX_KEY: [a + 1 for a in config.aux_layers],  # vLLM: capture index = input of layer a + 1
     }
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if target.get(key) is not None:
             out[key] = target[key]
     return out
+
+
+def check_aux_layers(aux_layers: list[int], target_layers: int | None = None) -> None:
+    """Raise ValueError unless `aux_layers` (ours: outputs of 0-based layers) mean the same in
+    every engine: first id 1, increasing, and not the target's last layer (module docstring)."""
+    aux = list(aux_layers)
+    if not aux or aux[0] != 1:
+        raise ValueError(
+            f"aux_layers {aux}: the first aux layer must be 1. SGLang versions disagree on "
+            "eagle_config.eagle_aux_hidden_state_layer_ids whose first id is not 1 (older ones add 1 "
+            "to every id, newer ones only when the first id is 1), so the exported draft would be "
+            "served with other hidden states than it was trained on; use default_aux_layers")
+    if any(b <= a for a, b in zip(aux, aux[1:])):
+        raise ValueError(f"aux_layers {aux} must be increasing: SGLang and vLLM capture and "
+                         "concatenate the aux hidden states in layer order")
+    if target_layers is not None and aux[-1] >= int(target_layers) - 1:
+        raise ValueError(f"aux_layers {aux}: layer {aux[-1]} is the last of the target's {target_layers} "
+                         "layers (or beyond); SGLang (and vLLM before PR #36063) captures only layer inputs, "
+                         "never the last output")
 
 
 def export_draft(draft: Eagle3Draft, out_dir: str | Path, *, target_config,
@@ -141,9 +199,10 @@ def export_draft(draft: Eagle3Draft, out_dir: str | Path, *, target_config,
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        problems = validate_export(tmp)
-        if problems:
-            raise ValueError("EAGLE-3 export is not loadable by SGLang:\n  " + "\n  ".join(problems))
+        for engine, check in (("SGLang", validate_export), ("vLLM", validate_export_vllm)):
+            problems = check(tmp)
+            if problems:
+                raise ValueError(f"EAGLE-3 export is not loadable by {engine}:\n  " + "\n  ".join(problems))
         tmp.chmod(0o755)  # mkdtemp makes 0700
         for p in tmp.iterdir():
             p.chmod(0o644)
@@ -243,9 +302,174 @@ def _config_problems(cfg: dict) -> list[str]:
     if not (isinstance(ids, list) and len(ids) == 3 and len(set(ids)) == 3
             and all(isinstance(i, int) and i >= 0 for i in ids)):
         p.append(f"eagle_config.eagle_aux_hidden_state_layer_ids must be 3 distinct layer ids, got {ids!r}")
+    elif ids[0] != 1:
+        p.append(f"eagle_config.eagle_aux_hidden_state_layer_ids {ids}: first id must be 1 "
+                 "(SGLang versions read other lists differently)")
     if not isinstance(eagle, dict) or eagle.get("use_aux_hidden_state") is not True:
         p.append("eagle_config.use_aux_hidden_state must be true")
     return p
+
+
+# vLLM's loader, mirrored (module docstring): checkpoint name -> Eagle3LlamaForCausalLM parameter.
+_VLLM_STACKED = ((".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
+                 (".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1))
+_VShard = tuple[str, str | int | None]
+
+
+def vllm_param_name(name: str) -> _VShard | None:
+    """(parameter, shard id) that `Eagle3LlamaForCausalLM.load_weights` loads checkpoint tensor
+    `name` into (shard None: the whole parameter), or None when it skips the name (t2d)."""
+    if "t2d" in name:
+        return None
+    if "d2t" in name:
+        return name.replace("d2t", "draft_id_to_target_id"), None
+    if "lm_head" not in name:
+        name = "model." + name
+    name = name.replace("midlayer.", "layers.0.")
+    for shard, fused, shard_id in _VLLM_STACKED:
+        if shard in name:
+            return name.replace(shard, fused), shard_id
+    return name, None
+
+
+def _vllm_expected(cfg: Mapping) -> dict[_VShard, tuple[str, tuple[int, ...]]]:
+    """(parameter, shard) of Eagle3LlamaForCausalLM -> (our checkpoint name for it, the shape it takes).
+
+    Sizes as vLLM derives them: head_dim from config or hidden_size // heads, draft_vocab_size null
+    -> vocab_size, fc input 3 * target_hidden_size (3 * hidden_size without it), layer 0's q/k/v
+    input 2 * hidden_size (embeds and hidden states concatenated).
+    """
+    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or H // heads
+    D = cfg.get("draft_vocab_size") or V
+    Ht = cfg.get("target_hidden_size") or H
+    shapes = {
+        "fc.weight": (H, 3 * Ht),
+        "midlayer.self_attn.q_proj.weight": (heads * hd, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (kv * hd, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kv * hd, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, heads * hd),
+        "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "norm.weight": (H,),
+        "lm_head.weight": (D, H),
+        "d2t": (D,),
+        EMBED: (V, H),
+    }
+    return {vllm_param_name(n): (n, shape) for n, shape in shapes.items()}
+
+
+def _vllm_label(key: _VShard) -> str:
+    return key[0] if key[1] is None else f"{key[0]} shard {key[1]!r}"
+
+
+def vllm_load_problems(cfg: Mapping, tensors: Mapping[str, tuple[tuple[int, ...], str]],
+                       d2t: torch.Tensor | None = None) -> list[str]:
+    """What would make vLLM's `Eagle3LlamaForCausalLM` refuse the export or serve something else; [] when fine.
+
+    A pure function of the config dict, `tensors` (safetensors name -> (shape, dtype string such
+    as "BF16"/"I64")) and optionally the d2t values. Mirrors vllm/model_executor/models/llama_eagle3.py:
+    the name mapping of `load_weights` (t2d skipped, d2t -> draft_id_to_target_id, midlayer. ->
+    layers.0., q/k/v and gate/up fused), the parameter shapes of `Eagle3LlamaForCausalLM`, the
+    config keys it reads, and `compute_logits`' use of d2t as offsets (`arange(D) + d2t` must be
+    distinct target ids), plus the top-level aux layer ids of `_get_eagle3_aux_layers_from_config`.
+    """
+    p = []
+    if not any(a in VLLM_ARCHITECTURES for a in cfg.get("architectures") or ()):
+        p.append(f"architectures {cfg.get('architectures')!r}: none of {list(VLLM_ARCHITECTURES)} "
+                 "(vLLM's registry names of Eagle3LlamaForCausalLM)")
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "draft_vocab_size",
+                "target_hidden_size"):
+        v = cfg.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            p.append(f"config {key} must be a positive int, got {v!r}")
+    if p:
+        return p  # shapes cannot be derived
+    if cfg["draft_vocab_size"] > cfg["vocab_size"]:
+        p.append(f"draft_vocab_size {cfg['draft_vocab_size']} > vocab_size {cfg['vocab_size']}")
+    if cfg.get("num_hidden_layers") != 1:
+        p.append(f"num_hidden_layers {cfg.get('num_hidden_layers')!r} != 1: vLLM builds that many layers "
+                 "and midlayer.* loads only layers.0")
+    if cfg.get("hidden_act") != "silu":
+        p.append(f"hidden_act {cfg.get('hidden_act')!r}: vLLM's LlamaMLP supports only 'silu'")
+    if cfg.get("norm_before_residual", False) is not False:
+        p.append("norm_before_residual must be false: the draft applies hidden_norm after taking the residual")
+    eagle = cfg.get("eagle_config")
+    if isinstance(eagle, dict) and eagle.get("use_aux_hidden_state", True) is not True:
+        p.append("eagle_config.use_aux_hidden_state must be true (false makes vLLM skip fc)")
+
+    ids = cfg.get(VLLM_AUX_KEY)
+    if not (isinstance(ids, list) and len(ids) == 3
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in ids)
+            and all(b > a for a, b in zip(ids, ids[1:]))):
+        p.append(f"top-level {VLLM_AUX_KEY} must be 3 increasing capture indices >= 1 (vLLM reads this "
+                 f"key first; index i = input of target layer i), got {ids!r}")
+    else:
+        nested = eagle.get(VLLM_AUX_KEY) if isinstance(eagle, dict) else None
+        if isinstance(nested, list) and ids != [j + 1 for j in nested if isinstance(j, int)]:
+            p.append(f"top-level {VLLM_AUX_KEY} {ids} != eagle_config's {nested} + 1: the two engines "
+                     "would capture different layers")
+
+    expected = _vllm_expected(cfg)
+    loaded: dict[_VShard, str] = {}
+    for name in sorted(tensors):
+        key = vllm_param_name(name)
+        if key is None:
+            continue
+        shape, dtype = tensors[name]
+        if "mask_hidden" in name:  # vLLM skips it (with a warning) unless parallel drafting is on
+            p.append(f"unexpected tensor {name}: vLLM loads mask_hidden only for parallel drafting")
+            continue
+        if key not in expected:
+            p.append(f"unknown tensor {name}: vLLM looks it up as {_vllm_label(key)}, which "
+                     "Eagle3LlamaForCausalLM does not have (the load fails)")
+            continue
+        if key in loaded:
+            p.append(f"tensors {loaded[key]} and {name} both load vLLM's {_vllm_label(key)}")
+        loaded[key] = name
+        if tuple(shape) != expected[key][1]:
+            p.append(f"{name} (vLLM {_vllm_label(key)}): shape {list(shape)} != expected {list(expected[key][1])}")
+        if key[0] == "draft_id_to_target_id" and dtype not in ("I64", "I32"):
+            p.append(f"{name} (vLLM draft_id_to_target_id): dtype {dtype}, expected an integer type (I64)")
+    embed = vllm_param_name(EMBED)
+    for key in expected:
+        if key not in loaded and key != embed:
+            p.append(f"missing tensor {expected[key][0]}: vLLM's {_vllm_label(key)} would not be "
+                     "initialized from the checkpoint")
+    if embed not in loaded and cfg["hidden_size"] != cfg["target_hidden_size"]:
+        p.append(f"missing {EMBED}: the target's embedding has hidden size {cfg['target_hidden_size']}, "
+                 f"not the draft's {cfg['hidden_size']}")
+    if d2t is not None and not any(x.startswith("d2t") for x in p):
+        targets = torch.arange(d2t.shape[0], dtype=torch.int64) + d2t.to(torch.int64)
+        if targets.numel() and (targets.min() < 0 or targets.max() >= cfg["vocab_size"]
+                                or targets.unique().numel() != targets.numel()):
+            p.append(f"d2t: target ids arange(D) + d2t are not distinct ids in [0, {cfg['vocab_size']}) "
+                     "(vLLM's compute_logits scatters draft logits there)")
+    return p
+
+
+def validate_export_vllm(out_dir: str | Path) -> list[str]:
+    """`vllm_load_problems` for the export at `out_dir` (config.json + model.safetensors header and d2t)."""
+    out_dir = Path(out_dir)
+    try:
+        cfg = json.loads((out_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        return [f"{CONFIG_FILE}: cannot read: {e}"]
+    if not isinstance(cfg, dict):
+        return [f"{CONFIG_FILE}: not a JSON object"]
+    try:
+        with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:
+            tensors = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}
+            d2t = f.get_tensor("d2t") if "d2t" in tensors else None
+    except Exception as e:  # safetensors raises its own error types for a bad file
+        return [f"{WEIGHTS_FILE}: cannot read: {e}"]
+    return vllm_load_problems(cfg, tensors, d2t)
 
 
 def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Eagle3Draft:

@@ -119,6 +119,11 @@ class AuxLayers(Spec):
     def _three_layers(cls, value: list[int] | None) -> list[int] | None:
         if value is not None and (len(value) != 3 or len(set(value)) != 3 or min(value) < 0):
             raise ValueError(f"must be 3 distinct non-negative layer indices (or omitted), got {value}")
+        if value is not None and (value[0] != 1 or value != sorted(value)):
+            # the export refuses these (models/eagle3_export.py): SGLang versions read a first id other
+            # than 1 differently, and both engines concatenate the aux hidden states in layer order
+            raise ValueError(f"must be increasing and start at layer 1 so that every SGLang version and vLLM "
+                             f"read them as trained, got {value}")
         return value
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from transformers import AutoTokenizer
 
 from flows.demo import run_demo
-from models.eagle3_export import validate_export
+from models.eagle3_export import validate_export, validate_export_vllm
 from tasks.checkpoints import live_parts
 from tasks.datasets import load_dataset
 from tasks.generate.prompts import chat_prompt_ids
@@ -63,9 +63,9 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     assert "dev server stopped" in printed
     assert (config.run_dir / "config.yaml").exists()
 
-    # train: an SGLang-loadable draft, metrics and the plot; eval: the trained draft beats the untrained one
+    # train: a draft SGLang and vLLM load, metrics and the plot; eval: the trained draft beats the untrained one
     draft = config.draft_dir
-    assert validate_export(draft / "final") == []
+    assert validate_export(draft / "final") == [] and validate_export_vllm(draft / "final") == []
     assert (draft / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     train_lines = [json.loads(line) for line in (draft / "metrics.jsonl").read_text().splitlines()]
     losses = [x["loss"] for x in train_lines if x["kind"] == "train"]

@@ -1,4 +1,4 @@
-"""EAGLE-3 export for SGLang: round trip, exact names/shapes/config, validation, atomic replace."""
+"""EAGLE-3 export for SGLang and vLLM: round trip, exact names/shapes/config, both loaders' validations, atomic replace."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 import models.eagle3_export as ex
 from models.draft_vocab import draft_vocab
 from models.eagle3 import Eagle3Config, Eagle3Draft, KVCache, default_aux_layers
-from models.eagle3_export import export_draft, load_exported_draft, validate_export
+from models.eagle3_export import (export_draft, load_exported_draft, validate_export, validate_export_vllm,
+                                  vllm_load_problems, vllm_param_name)
 
 D = 64
 REFERENCE_NAMES = {  # /work/shared/REFERENCE.md, "Export that SGLang loads"
@@ -176,3 +177,98 @@ def test_export_is_atomic(draft, target, tmp_path, monkeypatch):
     (tmp_path / "other" / "notes.txt").write_text("keep me")
     with pytest.raises(FileExistsError):
         export_draft(draft, tmp_path / "other", target_config=target)
+
+
+def _header(out: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        return {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}
+
+
+def test_config_carries_aux_ids_in_each_engines_convention(draft, target, tmp_path):
+    out = export_draft(draft, tmp_path / "draft", target_config=target)
+    assert validate_export(out) == [] and validate_export_vllm(out) == []
+    cfg = json.loads((out / "config.json").read_text())
+    ours = default_aux_layers(target["num_hidden_layers"])
+    assert ours == [1, 3, 4]  # outputs of 0-based layers 1, 3, 4 of the 8-layer tiny target
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang: output of layer j
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM: input of layer i
+    assert (cfg["target_hidden_size"], cfg["draft_vocab_size"], cfg["norm_before_residual"]) == (
+        target["hidden_size"], D, False)
+
+
+def test_vllm_name_mapping_mirrors_its_loader():
+    assert vllm_param_name("midlayer.self_attn.q_proj.weight") == ("model.layers.0.self_attn.qkv_proj.weight", "q")
+    assert vllm_param_name("midlayer.self_attn.v_proj.weight") == ("model.layers.0.self_attn.qkv_proj.weight", "v")
+    assert vllm_param_name("midlayer.mlp.up_proj.weight") == ("model.layers.0.mlp.gate_up_proj.weight", 1)
+    assert vllm_param_name("midlayer.self_attn.o_proj.weight") == ("model.layers.0.self_attn.o_proj.weight", None)
+    assert vllm_param_name("fc.weight") == ("model.fc.weight", None)
+    assert vllm_param_name("embed_tokens.weight") == ("model.embed_tokens.weight", None)
+    assert vllm_param_name("lm_head.weight") == ("lm_head.weight", None)
+    assert vllm_param_name("d2t") == ("draft_id_to_target_id", None)
+    assert vllm_param_name("t2d") is None  # skipped by vLLM
+
+
+@pytest.mark.parametrize("old, new", [("midlayer.mlp.up_proj.weight", "midlayer.mlp.upproj.weight"),
+                                      ("lm_head.weight", "head.weight")])
+def test_renamed_weight_fails_both_loaders(draft, target, tmp_path, old, new):
+    good = export_draft(draft, tmp_path / "good", target_config=target, dtype=torch.float32)
+    bad = _rewrite(good, tmp_path / "bad", lambda t: {(new if k == old else k): v for k, v in t.items()})
+    assert validate_export(bad) == [f"missing tensor {old}", f"unknown tensor {new}: SGLang would silently skip it"]
+    vllm = validate_export_vllm(bad)
+    assert len(vllm) == 2, vllm
+    assert vllm[0].startswith(f"unknown tensor {new}: vLLM looks it up as "), vllm
+    assert vllm[1].startswith(f"missing tensor {old}: vLLM's "), vllm
+
+
+def test_vllm_check_catches_shapes_d2t_and_aux_ids(draft, target, tmp_path):
+    good = export_draft(draft, tmp_path / "good", target_config=target, dtype=torch.float32)
+    cfg, tensors = json.loads((good / "config.json").read_text()), _header(good)
+    d2t = load_file(str(good / "model.safetensors"))["d2t"]
+    assert vllm_load_problems(cfg, tensors, d2t) == []
+    H = cfg["hidden_size"]
+
+    def problems(cfg_edit=None, tensor_edit=None, d2t_values=d2t):
+        return vllm_load_problems({**cfg, **(cfg_edit or {})}, {**tensors, **(tensor_edit or {})}, d2t_values)
+
+    assert problems(tensor_edit={"fc.weight": ((H, 3 * H + 1), "F32")}) == [
+        f"fc.weight (vLLM model.fc.weight): shape [{H}, {3 * H + 1}] != expected [{H}, {3 * H}]"]
+    assert problems(tensor_edit={"midlayer.self_attn.k_proj.weight": ((1, 2 * H), "F32")})[0].startswith(
+        "midlayer.self_attn.k_proj.weight (vLLM model.layers.0.self_attn.qkv_proj.weight shard 'k'): shape [1,")
+    assert problems(tensor_edit={"d2t": ((D,), "F32")}) == [
+        "d2t (vLLM draft_id_to_target_id): dtype F32, expected an integer type (I64)"]
+    shifted = d2t.clone()
+    shifted[-1] = cfg["vocab_size"]  # target id D - 1 + V: outside the vocab
+    assert "d2t: target ids arange(D) + d2t are not distinct ids in" in problems(d2t_values=shifted)[0]
+    # a config whose top-level ids are SGLang's (no +1) or missing: vLLM would capture other layers
+    assert "!= eagle_config's [1, 3, 4] + 1" in problems({"eagle_aux_hidden_state_layer_ids": [1, 3, 4]})[0]
+    assert problems({"eagle_aux_hidden_state_layer_ids": None})[0].startswith(
+        "top-level eagle_aux_hidden_state_layer_ids must be 3 increasing capture indices >= 1")
+    assert problems({"target_hidden_size": None}) == ["config target_hidden_size must be a positive int, got None"]
+    assert problems({"num_hidden_layers": 2})[0].startswith("num_hidden_layers 2 != 1")
+    assert problems({"architectures": ["LlamaForCausalLM"]})[0].startswith("architectures ['LlamaForCausalLM']")
+    # an extra copy of a shard under vLLM's own layer name loads the same parameter twice
+    assert problems(tensor_edit={"layers.0.mlp.gate_proj.weight": tensors["midlayer.mlp.gate_proj.weight"]}) == [
+        "tensors layers.0.mlp.gate_proj.weight and midlayer.mlp.gate_proj.weight both load vLLM's "
+        "model.layers.0.mlp.gate_up_proj.weight shard 0"]
+
+
+@pytest.mark.parametrize("aux, needle", [
+    ([2, 3, 4], "the first aux layer must be 1. SGLang versions disagree"),
+    ([0, 3, 4], "the first aux layer must be 1"),
+    ([1, 4, 3], "must be increasing"),
+    ([1, 3, 7], "layer 7 is the last of the target's 8 layers"),
+])
+def test_export_refuses_aux_layers_engines_would_read_differently(draft, target, tmp_path, aux, needle):
+    other = Eagle3Draft(Eagle3Config(**{**vars(draft.config), "aux_layers": aux}))
+    with pytest.raises(ValueError, match=needle):
+        export_draft(other, tmp_path / "draft", target_config=target)
+    assert not (tmp_path / "draft").exists()
+
+
+def test_validate_export_refuses_first_sglang_id_not_1(draft, target, tmp_path):
+    good = export_draft(draft, tmp_path / "good", target_config=target, dtype=torch.float32)
+    cfg = json.loads((good / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 3, 4]
+    (good / "config.json").write_text(json.dumps(cfg))
+    assert validate_export(good) == ["eagle_config.eagle_aux_hidden_state_layer_ids [2, 3, 4]: first id must be 1 "
+                                     "(SGLang versions read other lists differently)"]

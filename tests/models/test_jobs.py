@@ -66,6 +66,15 @@ def test_a_section_and_its_job_share_the_declarations_not_copies():
     assert (job.max_batch_tokens, job.shard_tokens, job.aux_layers, job.mode) == (4096, 999, [1, 2, 3], "replicate")
 
 
+@pytest.mark.parametrize("aux", [[2, 3, 4], [0, 3, 4], [1, 4, 3]])
+def test_aux_layers_the_export_would_refuse_are_refused_at_config_time(aux):
+    # the export refuses them (models/eagle3_export.py: SGLang versions disagree on a first id other
+    # than 1; both engines concatenate in layer order), so a run must not capture and train for them
+    with pytest.raises(ValueError, match=r"must be increasing and start at layer 1 .* got \[" + ", ".join(map(str, aux))):
+        CaptureConfig(aux_layers=aux)
+    assert CaptureConfig(aux_layers=[1, 3, 4]).aux_layers == [1, 3, 4]
+
+
 def test_a_job_file_round_trips_and_bad_keys_or_values_are_named(tmp_path):
     job = CaptureJob(target_path="t", out_dir="h", device="cpu", max_tokens=None, datasets=[{"name": "A", "records_dir": "r"}])
     path = tmp_path / "jobs" / "capture.json"
