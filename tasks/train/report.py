@@ -180,7 +180,7 @@ def acceptance_lines(metrics: TrainMetrics, eval_steps: int, measured: float | N
     eval_steps per-step conditional accept rates (models/estimates.py), so it compares with a
     measurement at the same number of draft tokens per round; it still differs in kind.
     """
-    training = TRAINING_LABEL.format(steps=eval_steps)
+    training, measured_label = TRAINING_LABEL.format(steps=eval_steps), MEASURED_LABEL.format(steps=eval_steps)
     rates = metrics.eval[-1].get("per_step_cond_acc") if metrics.eval else None
     if not isinstance(rates, list):
         value = "not known (no held-out eval with per-step accept rates logged)"
@@ -190,8 +190,8 @@ def acceptance_lines(metrics: TrainMetrics, eval_steps: int, measured: float | N
         value = f"**{chain_acceptance_length(rates, eval_steps):.3f}**"
     shown = f"**{measured:.3f}**" if measured is not None else "not measured yet (the eval stage writes it to draft/eval.json)"
     return [
-        f"- {training[0].upper() + training[1:]}: {value}",
-        f"- {MEASURED_LABEL.format(steps=eval_steps)[0].upper() + MEASURED_LABEL.format(steps=eval_steps)[1:]}: {shown}",
+        f"- {training[0].upper()}{training[1:]}: {value}",
+        f"- {measured_label[0].upper()}{measured_label[1:]}: {shown}",
         "",
         "The first is a simulation: the draft is fed the true tokens of held-out training records and every "
         "position counts as a chain root. The second decodes the eval prompts: the draft runs on the target's "
