@@ -36,7 +36,7 @@ from models.eagle3 import Eagle3Draft, TargetLogits
 TRAINING_LABEL = "training-time estimate at {steps} steps (teacher-forced on held-out training records, chain formula)"
 MEASURED_LABEL = "measured (speculative decoding, {steps} steps, on the eval prompts)"
 REPLAY_LABEL = ("round-weighted replay at {steps} steps (draft teacher-forced on the eval's own greedy outputs, "
-                "rounds simulated; equals the measured value)")
+                "rounds simulated; equals the measured value in fp32, bf16 rounding may move a near-tie)")
 ALL_ROOTS_LABEL = "chain formula at {steps} steps on the eval's own greedy outputs (every position a root)"
 
 
