@@ -80,9 +80,9 @@ def render_eval(draft_dir: Path) -> Table:
                         f"{report['prompts']} held-out prompts", caption=f"draft: {report['draft']}\nserve: {report['sglang_command']}")
     for column in ("draft", "acceptance length", *[f"pos {i + 1}" for i in range(k)], "rounds"):
         table.add_column(column, justify="left" if column == "draft" else "right")
-    rows = [(name, report[name]) for name in ("untrained", "trained") if name in report]
-    if report.get("ttt_estimate"):
-        rows.append(("trained, training-time estimate", {**report["ttt_estimate"], "rounds": None}))
+    rows = [(f"{name}, measured", report[name]) for name in ("untrained", "trained") if name in report]
+    if report.get("ttt_estimate"):  # the same num_steps, but teacher-forced on held-out records: not a measurement
+        rows.append(("trained, training-time estimate (teacher-forced)", {**report["ttt_estimate"], "rounds": None}))
     for name, r in rows:
         table.add_row(name, f"{r['acceptance_length']:.3f}", *[f"{a:.3f}" for a in r["per_position_acceptance"]],
                       "" if r.get("rounds") is None else f"{r['rounds']:,}")

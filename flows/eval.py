@@ -10,6 +10,7 @@ from flows.config import RunConfig, load_config, save_run_config
 from models.jobs import EvalJob, EvalSettings, HeldOut
 from tasks.eval.tasks import evaluate_draft
 from tasks.run_lock import run_lock
+from tasks.train.tasks import report_training
 
 
 @flow(name="eval", flow_run_name="eval {config_path}")
@@ -19,6 +20,8 @@ def evaluate(config_path: str) -> dict:
     with run_lock(config.run_dir, "eval"):
         save_run_config(config)
         report = evaluate_draft(eval_job(config), config.run_dir / "jobs" / "eval.json", Path(config_path).stem)
+        if (config.draft_dir / "metrics.jsonl").is_file():  # the training report again, now with the measured value beside its estimate
+            report_training(config.draft_dir, Path(config_path).stem, eval_steps=config.eval.num_steps)
     get_run_logger().info("serve it with SGLang:\n%s", report["sglang_command"])
     return report
 

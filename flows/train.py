@@ -24,7 +24,7 @@ def train(config_path: str) -> dict:
         # A retry relaunches the ranks, which resume from the last checkpoint; only a crash is retried.
         job = run_train_job.with_options(retries=t.retries, retry_delay_seconds=t.retry_delay_s, retry_condition_fn=retry_train_job)
         summary = job(train_job(config), config.job_file("train"), t.num_gpus, t.launcher, name, nodes=config.distributed)
-        report = report_training(config.draft_dir, name)
+        report = report_training(config.draft_dir, name, eval_steps=config.eval.num_steps)
         return {**summary, "plot": report["plot"]}
 
 

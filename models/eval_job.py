@@ -24,6 +24,7 @@ from models import numerics  # noqa: F401  (CPU denormals flushed before any mat
 from models.atomic import write_atomic
 from models.eagle3 import Eagle3Draft
 from models.eagle3_export import load_exported_draft
+from models.estimates import replay_acceptance
 from models.jobs import EvalJob
 from models.rank import say, serve
 from models.rank_protocol import EVAL, EVAL_PROGRESS
@@ -32,7 +33,11 @@ from models.train_data import held_out_prompts
 
 
 def run(job: EvalJob) -> dict[str, Any]:
-    """Decode the held-out prompts with each draft; return {"prompts", "device", "untrained"?, "trained"}."""
+    """Decode the held-out prompts with each draft; return {"prompts", "device", "untrained"?, "trained"}.
+
+    Each draft's entry is `merge_results` plus "replay": the round-weighted replay of its own greedy
+    outputs and the chain formula over every root of them (models/estimates.py `replay_acceptance`).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     final = Path(job.draft_dir)
@@ -69,6 +74,14 @@ def run(job: EvalJob) -> dict[str, Any]:
                                              max_new_tokens=job.max_new_tokens, eos_token_ids=eos))
             say(EVAL_PROGRESS.format(draft=name, done=i + 1, total=len(prompts)))
         result[name] = merge_results(parts)
+        # The draft teacher-forced on these greedy outputs, rounds simulated (models/estimates.py): the
+        # measured value again in exact arithmetic, plus the chain formula over every root of that text.
+        replay = replay_acceptance(target, draft, prompts, [o for p in parts for o in p.outputs], job.num_steps)
+        roots = replay["all_roots"]
+        result[name]["replay"] = {
+            "acceptance_length": round(replay["acceptance_length"], 4), "rounds": replay["rounds"],
+            "all_roots": {"acceptance_length": round(roots["acceptance_length"], 4), "roots": roots["roots"],
+                          "per_step_cond_acc": [round(p, 4) for p in roots["per_step_cond_acc"]]}}
         print(f"eval: {name} draft: acceptance length {result[name]['acceptance_length']:.3f} over {result[name]['rounds']} "
               f"rounds; per position {result[name]['per_position_acceptance']}", flush=True)
     out = Path(job.out)

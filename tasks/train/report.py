@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from models.atomic import atomic_path
+from models.estimates import MEASURED_LABEL, TRAINING_LABEL, chain_acceptance_length
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 KINDS = ("train", "eval")
@@ -172,6 +173,34 @@ def plot_training(metrics: TrainMetrics, png_path: str | os.PathLike) -> Path:
 # table and markdown
 
 
+def acceptance_lines(metrics: TrainMetrics, eval_steps: int, measured: float | None) -> list[str]:
+    """Markdown lines: the last held-out eval's chain formula at `eval_steps` steps and the measured value, labelled.
+
+    The training-time number is the chain formula 1 + sum_k prod_{j<=k} p_j over the first
+    eval_steps per-step conditional accept rates (models/estimates.py), so it compares with a
+    measurement at the same number of draft tokens per round; it still differs in kind.
+    """
+    training, measured_label = TRAINING_LABEL.format(steps=eval_steps), MEASURED_LABEL.format(steps=eval_steps)
+    rates = metrics.eval[-1].get("per_step_cond_acc") if metrics.eval else None
+    if not isinstance(rates, list):
+        value = "not known (no held-out eval with per-step accept rates logged)"
+    elif len(rates) < eval_steps:
+        value = f"not known (training unrolled {len(rates)} TTT steps, fewer than {eval_steps})"
+    else:
+        value = f"**{chain_acceptance_length(rates, eval_steps):.3f}**"
+    shown = f"**{measured:.3f}**" if measured is not None else "not measured yet (the eval stage writes it to draft/eval.json)"
+    return [
+        f"- {training[0].upper()}{training[1:]}: {value}",
+        f"- {measured_label[0].upper()}{measured_label[1:]}: {shown}",
+        "",
+        "The first is a simulation: the draft is fed the true tokens of held-out training records and every "
+        "position counts as a chain root. The second decodes the eval prompts: the draft runs on the target's "
+        "own greedy text, and only the positions where a verify round starts count. Different text and different "
+        "weighting, so they need not agree; eval.json's `estimates` holds both, and the round-weighted replay "
+        "that reproduces the measured value.",
+    ]
+
+
 def eval_table(metrics: TrainMetrics) -> list[dict]:
     """One row per eval: step, epoch, loss (4 dp), acceptance_length (3 dp), acc_0.. (3 dp), tokens.
 
@@ -231,8 +260,14 @@ def report_markdown(
     draft_dir: str | os.PathLike | None = None,
     title: str = "EAGLE-3 draft training",
     embed_png: bool = True,
+    eval_steps: int | None = None,
+    measured: float | None = None,
 ) -> str:
     """A markdown report: headline figures, the eval table, the plot and the exported draft path.
+
+    With `eval_steps` (the eval stage's num_steps) it adds the training-time estimate at that many
+    steps next to `measured` (the eval stage's acceptance length at those steps; None: not yet
+    measured), each labelled (`acceptance_lines`).
 
     `png_path` is the PNG `plot_training` wrote; with `embed_png` it is read and inlined as a
     base64 data URI (Prefect markdown artifacts cannot read local files), so it must exist
@@ -246,20 +281,25 @@ def report_markdown(
         parts.append(f"- Last step: **{last['step']:,}** (epoch {last['epoch']})")
         parts.append(f"- Tokens trained: **{last['tokens']:,}**")
         parts.append(f"- Final train loss: **{float(last['loss']):.4f}**")
-        parts.append(f"- Train acceptance length (TTT estimate): {float(last['acceptance_length']):.3f}")
+        parts.append(f"- Train acceptance length (training-time estimate, teacher-forced on training batches, "
+                     f"{len(last['per_step_acc'])} TTT steps): {float(last['acceptance_length']):.3f}")
     else:
         parts.append("- No train rows logged yet.")
     if metrics.eval:
         ev = metrics.eval[-1]
         acc = " / ".join(f"{float(a):.3f}" for a in ev["per_step_acc"])
         parts.append(
-            f"- Last eval (step {ev['step']:,}): acceptance length **{float(ev['acceptance_length']):.3f}**, "
+            f"- Last eval (step {ev['step']:,}): acceptance length **{float(ev['acceptance_length']):.3f}** "
+            f"(training-time estimate at {len(ev['per_step_acc'])} TTT steps, teacher-forced on held-out records), "
             f"per-step accuracy {acc}"
         )
     else:
         parts.append("- No eval rows logged yet.")
     if draft_dir is not None:
         parts.append(f"- Exported draft: `{draft_dir}`")
+    if eval_steps is not None:
+        parts += ["", "## Acceptance length: estimate and measurement", ""]
+        parts += acceptance_lines(metrics, eval_steps, measured)
 
     parts += ["", "## Eval", ""]
     rows = eval_table(metrics)

@@ -110,15 +110,36 @@ def run_train_job(job: TrainJob, job_path: Path, num_ranks: int, launcher: str, 
 
 
 @task(name="train-report", cache_policy=NO_CACHE)
-def report_training(draft_dir: Path, config_name: str) -> dict[str, Any]:
-    """Plot metrics.jsonl to draft/training.png; publish the eval table and a markdown report as artifacts."""
+def report_training(draft_dir: Path, config_name: str, eval_steps: int | None = None) -> dict[str, Any]:
+    """Plot metrics.jsonl to draft/training.png; publish the eval table and a markdown report as artifacts.
+
+    eval_steps: the eval stage's num_steps; the report then shows the training-time estimate at that
+    many steps beside the measured value of an eval.json newer than this training (else "not measured yet").
+    """
     metrics = load_metrics(draft_dir / "metrics.jsonl")
     png = plot_training(metrics, draft_dir / PLOT)
     rows = eval_table(metrics)
     if rows:
         create_table_artifact(table=rows, key=artifact_key("train-eval", config_name),
                               description="Held-out TTT metrics during training (acceptance length simulated over the draft steps)")
-    create_markdown_artifact(markdown=report_markdown(metrics, png, draft_dir=draft_dir / "final"),
+    measured = measured_acceptance(draft_dir, eval_steps) if eval_steps is not None else None
+    create_markdown_artifact(markdown=report_markdown(metrics, png, draft_dir=draft_dir / "final", eval_steps=eval_steps,
+                                                      measured=measured),
                              key=artifact_key("train-report", config_name), description="EAGLE-3 draft training report")
     get_run_logger().info("training report: %s (plot %s)", draft_dir / "metrics.jsonl", png)
     return {"plot": str(png), "evals": rows}
+
+
+def measured_acceptance(draft_dir: Path, num_steps: int) -> float | None:
+    """The trained draft's measured acceptance length in draft/eval.json, when that eval ran at num_steps
+    after this training wrote train_summary.json (an older eval measured an older draft); else None."""
+    eval_file, summary = draft_dir / "eval.json", draft_dir / SUMMARY
+    if not eval_file.is_file() or (summary.is_file() and eval_file.stat().st_mtime < summary.stat().st_mtime):
+        return None
+    try:
+        report = json.loads(eval_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if report.get("num_steps") != num_steps or "trained" not in report:
+        return None
+    return float(report["trained"]["acceptance_length"])

@@ -73,5 +73,14 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     report = json.loads((draft / "eval.json").read_text())
     assert report["untrained"]["acceptance_length"] < 1.1
     assert report["trained"]["acceptance_length"] > report["untrained"]["acceptance_length"] + 0.3
+    # The training-time estimate at the eval's num_steps beside the measured value, labelled; the
+    # round-weighted replay on the eval's own greedy outputs reproduces the measurement.
+    est, k = report["estimates"], report["num_steps"]
+    assert est["num_steps"] == k and est["measured"]["value"] == report["trained"]["acceptance_length"]
+    assert est["training_estimate"]["label"].startswith(f"training-time estimate at {k} steps (teacher-forced")
+    assert est["training_estimate"]["value"] == report["ttt_estimate"]["acceptance_length"] <= k + 1
+    assert est["replay"]["value"] == pytest.approx(est["measured"]["value"], abs=1e-3)
+    assert est["replay"]["rounds"] == report["trained"]["rounds"]
+    assert "training-time estimate (teacher-forced)" in printed and "trained, measured" in printed
     assert "acceptance length" in printed and str(draft / "final") in printed
     assert "--speculative-algorithm EAGLE3" in printed

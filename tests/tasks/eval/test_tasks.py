@@ -9,7 +9,7 @@ import pytest
 
 from models.spec_eval import SpecEvalResult
 from models.eval_job import merge_results
-from tasks.eval.tasks import eval_rows, sglang_command, ttt_estimate
+from tasks.eval.tasks import estimates, eval_rows, sglang_command, ttt_estimate
 
 
 def _result(rounds: int, accepted_total: int, reached: list[int], accepted: list[int], prompts: int) -> SpecEvalResult:
@@ -35,7 +35,27 @@ def test_ttt_estimate_uses_the_first_num_steps_conditional_rates(tmp_path):
     assert est["per_position_acceptance"] == [0.5, 0.5, 1.0]
     rows = eval_rows({"trained": {"acceptance_length": 2.0, "per_position_acceptance": [0.5, 0.5, 1.0], "rounds": 4,
                                   "new_tokens": 8}, "ttt_estimate": est})
-    assert [r["draft"] for r in rows] == ["trained", "trained (TTT estimate)"] and rows[0]["pos_3"] == 1.0
+    assert [r["draft"] for r in rows] == ["trained: measured (speculative decoding)",
+                                          "trained: training-time estimate (teacher-forced, held-out records)"]
+    assert rows[0]["pos_3"] == 1.0 and rows[1]["acceptance_length"] == est["acceptance_length"]
+    assert "not a measurement" in est["note"] and "at 3 steps" in est["note"]
+    # Training unrolled fewer steps than the eval drafts: no estimate rather than a shorter chain's.
+    assert ttt_estimate(tmp_path, 6) is None
+
+
+def test_eval_json_estimates_label_the_training_estimate_and_the_measurement(tmp_path):
+    (tmp_path / "train_summary.json").write_text(json.dumps({"eval": {"per_step_cond_acc": [0.8, 0.5, 0.5, 0.9, 0.9, 0.9, 0.9]}}))
+    trained = {"acceptance_length": 1.8, "replay": {"acceptance_length": 1.8, "rounds": 40,
+                                                    "all_roots": {"acceptance_length": 2.3, "per_step_cond_acc": [0.7, 0.6, 0.5],
+                                                                  "roots": 90}}}
+    est = estimates(tmp_path, 3, trained)
+    assert est["num_steps"] == 3
+    assert est["training_estimate"]["value"] == pytest.approx(2.4)  # 1 + .8 + .4 + .2: at 3 steps, not the 7 trained
+    assert est["training_estimate"]["label"].startswith("training-time estimate at 3 steps (teacher-forced")
+    assert est["measured"] == {"label": "measured (speculative decoding, 3 steps, on the eval prompts)", "value": 1.8}
+    assert est["replay"]["value"] == 1.8 and est["replay"]["rounds"] == 40 and "equals the measured" in est["replay"]["label"]
+    assert est["all_roots"]["value"] == 2.3 and "every position a root" in est["all_roots"]["label"]
+    assert estimates(tmp_path / "none", 3, {"acceptance_length": 1.2})["training_estimate"]["value"] is None
 
 
 def test_sglang_command_serves_the_draft_with_chain_settings():

@@ -282,3 +282,20 @@ def test_report_table_rows_with_different_k_and_nan_loss(tmp_path):
     assert "| step | epoch | loss | acceptance_length | acc_0 | acc_1 | acc_2 | eval tokens |" in md
     assert "| 1 | 0 | 1.0000 | 2.000 | 0.500 | 0.250 |  | 4,096 |" in md
     assert "| 2 | 0 | nan | 2.000 | 0.700 | 0.550 | 0.400 | 4,096 |" in md
+
+
+def test_report_shows_the_estimate_at_the_evals_steps_beside_the_measurement(tmp_path):
+    """7 TTT steps trained, the eval drafts 3 per round: the report's figure at 3 steps is the chain formula
+    over the first 3 held-out rates (not the 7-step one), next to the measured value, each labelled."""
+    rates = (0.8, 0.5, 0.5, 0.9, 0.9, 0.9, 0.9)
+    m = TrainMetrics(train=[train_row(5)], eval=[eval_row(5, acc_len=3.019, acc=rates)])
+    md = report_markdown(m, tmp_path / "p.png", embed_png=False, eval_steps=3, measured=1.8)
+    assert "training-time estimate at 7 TTT steps, teacher-forced on held-out records" in md
+    assert ("- Training-time estimate at 3 steps (teacher-forced on held-out training records, chain formula): **2.400**"
+            in md)
+    assert "- Measured (speculative decoding, 3 steps, on the eval prompts): **1.800**" in md
+    pending = report_markdown(m, tmp_path / "p.png", embed_png=False, eval_steps=3)
+    assert "on the eval prompts): not measured yet" in pending
+    too_many = report_markdown(m, tmp_path / "p.png", embed_png=False, eval_steps=8)
+    assert "not known (training unrolled 7 TTT steps, fewer than 8)" in too_many
+    assert "Acceptance length: estimate and measurement" not in report_markdown(m, tmp_path / "p.png", embed_png=False)

@@ -61,3 +61,19 @@ def test_error_lines_are_read_even_when_prefixed():
     assert error_line('[default1]:TRAIN_ERROR {"rank": 1}') == {"rank": 1}  # torchrun --tee style prefix
     assert error_line('TRAIN_ERROR {"rank": 0') is None  # cut short by a kill
     assert error_line("TRAIN_PROGRESS step=1 total=6 tokens=10") is None
+
+
+def test_the_report_takes_the_measured_value_of_an_eval_of_this_training_only(tmp_path):
+    import json
+    import os
+
+    from tasks.train.tasks import measured_acceptance
+
+    assert measured_acceptance(tmp_path, 3) is None
+    (tmp_path / "train_summary.json").write_text("{}")
+    (tmp_path / "eval.json").write_text(json.dumps({"num_steps": 3, "trained": {"acceptance_length": 1.81}}))
+    os.utime(tmp_path / "train_summary.json", (1000, 1000))
+    assert measured_acceptance(tmp_path, 3) == 1.81
+    assert measured_acceptance(tmp_path, 4) is None           # measured at another chain length
+    os.utime(tmp_path / "eval.json", (500, 500))               # an eval of the draft before this training
+    assert measured_acceptance(tmp_path, 3) is None
