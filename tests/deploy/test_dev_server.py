@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from deploy.dev_server import SamplingParams, Engine, EngineSequence, create_app
 
@@ -19,22 +16,11 @@ PROMPTS = [[20, 31, 42, 53], [100, 7, 250], [300, 301, 302, 303, 304, 305], [64,
 
 
 @pytest.fixture(scope="module")
-def server(tiny_target_dir):
+def server(tiny_target_dir, serve_app):
     """Base URL of a dev server running on a free loopback port for the whole module."""
     app = create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=8, model_name="tiny")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # the OS picks the port; uvicorn serves on this very socket
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:  # bounded poll: uvicorn has no startup event to wait on
-        assert thread.is_alive() and time.monotonic() < deadline, "dev server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with serve_app(app) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,10 @@ The draft is an untrained (random) one, exported as SGLang reads it: the point i
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from deploy.dev_server import Speculative, create_app, main
 from models.draft_vocab import draft_vocab
@@ -26,26 +21,6 @@ CONTEXT = 512
 NUM_STEPS = 3
 MAX_NEW = 24
 D = 256  # draft vocab smaller than the target's: d2t is not the identity
-
-
-@contextmanager
-def running(app):
-    """Base URL of `app` served by uvicorn in a thread on a free loopback port."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:  # bounded poll: uvicorn has no startup event to wait on
-        assert thread.is_alive() and time.monotonic() < deadline, "dev server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +68,8 @@ def _spec_app(tiny_target_dir, draft_dir):
 
 
 @pytest.fixture(scope="module")
-def spec_server(tiny_target_dir, draft_dir):
-    with running(_spec_app(tiny_target_dir, draft_dir)) as url:
+def spec_server(tiny_target_dir, draft_dir, serve_app):
+    with serve_app(_spec_app(tiny_target_dir, draft_dir)) as url:
         yield url
 
 
@@ -109,10 +84,10 @@ def _generate(url: str, prompts: list[list[int]], params: dict) -> list[dict]:
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW}
 
 
-def test_engine_acceptance_equals_in_process_eval(tiny_target_dir, draft_dir, target, prompts):
+def test_engine_acceptance_equals_in_process_eval(serve_app, tiny_target_dir, draft_dir, target, prompts):
     """A fresh server (its avg_spec_accept_length covers exactly these prompts) against evaluate_acceptance."""
     model, tok = target
-    with running(_spec_app(tiny_target_dir, draft_dir)) as url:
+    with serve_app(_spec_app(tiny_target_dir, draft_dir)) as url:
         outs = _generate(url, prompts, GREEDY)
         with httpx.Client(base_url=url, timeout=30) as client:
             info = client.get("/get_server_info").json()
@@ -149,10 +124,10 @@ def test_engine_acceptance_equals_in_process_eval(tiny_target_dir, draft_dir, ta
     {"max_new_tokens": 1},
     {"max_new_tokens": 0},
 ])
-def test_output_with_draft_equals_output_without(spec_server, tiny_target_dir, prompts, params):
+def test_output_with_draft_equals_output_without(serve_app, spec_server, tiny_target_dir, prompts, params):
     """Greedy speculative decoding changes nothing but spec_verify_ct: tokens, text and finish reasons."""
     params = {**GREEDY, **params}
-    with running(create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=4, model_name="tiny")) as plain:
+    with serve_app(create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=4, model_name="tiny")) as plain:
         if params.get("stop_token_ids") == "FROM_OUTPUT":  # a token each greedy output reaches mid-way
             free = _generate(plain, prompts, {**GREEDY, "ignore_eos": True})
             params["stop_token_ids"] = sorted({o["output_ids"][MAX_NEW // 2] for o in free})
@@ -253,7 +228,7 @@ class PartlyRightDraft(Eagle3Draft):
 _PATTERN = "1101110111101101011110011011101"  # hits and misses: rounds accept 0..K tokens
 
 
-def test_partly_right_draft_counts_rounds_like_the_eval(tiny_target_dir, draft_dir, target, prompts):
+def test_partly_right_draft_counts_rounds_like_the_eval(serve_app, tiny_target_dir, draft_dir, target, prompts):
     """Rounds that accept 0..K drafts: spec_verify_ct and avg_spec_accept_length still match the eval."""
     model, _ = target
     seqs = [p + greedy_generate(model, p, max_new_tokens=MAX_NEW + NUM_STEPS + 2, eos_token_ids=set()) for p in prompts]
@@ -268,7 +243,7 @@ def test_partly_right_draft_counts_rounds_like_the_eval(tiny_target_dir, draft_d
     app = _spec_app(tiny_target_dir, draft_dir)
     app.state.engine.draft = draft  # white-box: the same scripted draft object serves and is evaluated
     params = {**GREEDY, "ignore_eos": True}
-    with running(app) as url:
+    with serve_app(app) as url:
         outs = _generate(url, prompts, params)
         with httpx.Client(base_url=url, timeout=30) as client:
             avg = client.get("/server_info").json()["internal_states"][0]["avg_spec_accept_length"]
