@@ -29,7 +29,7 @@ from models.jobs import EvalJob
 from models.rank import say, serve
 from models.rank_protocol import EVAL, EVAL_PROGRESS
 from models.spec_eval import SpecEvalResult, evaluate_acceptance
-from models.train_data import held_out_prompts
+from models.eval_prompts import eval_prompts
 
 
 def run(job: EvalJob) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def run(job: EvalJob) -> dict[str, Any]:
     first_device = next(target.parameters()).device
     trained = load_exported_draft(final, dtype=dtype).to(first_device).eval()
 
-    prompts = [p for _, _, p in held_out_prompts(job.datasets, job.eval_fraction, job.prompts, int(trained.config.vocab_size))]
+    prompts = [p.input_ids for p in eval_prompts(job, int(trained.config.vocab_size))]
     if not prompts:
         raise ValueError(f"no held-out prompts (train.eval_fraction={job.eval_fraction}): raise eval_fraction and retrain, "
                          "or the records hold no prompt before their first loss token")
