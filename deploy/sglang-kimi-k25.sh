@@ -36,7 +36,9 @@
 # native /generate with token ids, which no parser touches. Add them if people also chat with the server.
 #
 # Serving the trained draft afterwards (what `eagle3 eval` prints; flags from EAGLE-3 in SGLang,
-# top-k 1 chains of 3 draft steps = 4 draft tokens, the setting the eval stage measures):
+# top-k 1 chains of 3 draft steps = 4 draft tokens, the setting the eval stage measures). With
+# eval.backend: engine and server.launch: command, the eval stage runs this script with exactly these
+# --speculative-* flags appended (docs/operations.md section 11), then once more without them:
 #
 #   python3 -m sglang.launch_server --model-path "$KIMI_MODEL_PATH" --tp 8 --trust-remote-code \
 #     --host 127.0.0.1 --port 30000 \

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from models.jobs import (
     CaptureSettings,
     DatasetRecords,
+    EngineEvalSettings,
     EvalSettings,
     GenerateSettings,
     Nodes,
@@ -244,8 +245,9 @@ class TrainConfig(TrainSettings, LaunchConfig):
     out_dir: Path | None = Field(default=None, description="Checkpoints, metrics and the exported draft; default RUN_DIR/draft.")
 
 
-class EvalConfig(EvalSettings, Section):
-    """`eagle3 eval`: speculative decoding with the HF target (greedy) and the exported draft on held-out prompts."""
+class EvalConfig(EvalSettings, EngineEvalSettings, Section):
+    """`eagle3 eval`: greedy speculative decoding with the target and the exported draft on the eval prompts, measured
+    in-process (HF), through the serving engine, or both."""
 
 
 class DatasetConfig(Section):
@@ -326,6 +328,18 @@ class RunConfig(Section):
                 raise ValueError(f"dataset name {dataset.name!r} is used twice; names must be unique")
             seen.add(dataset.name)
         return self
+
+    @model_validator(mode="after")
+    def _engine_eval_server(self) -> RunConfig:
+        if self.eval.baseline_url is not None and self.server.launch != "none":
+            raise ValueError(f"eval.baseline_url is for a server already running (server.launch: none); with server.launch: "
+                             f"{self.server.launch} the eval starts the server without the draft itself: remove baseline_url")
+        return self
+
+    @property
+    def eval_server_url(self) -> str:
+        """Where the engine eval's server with the draft listens: server.url, or the first of server.urls."""
+        return self.server.urls[0] if self.server.launch == "none" and self.server.urls else self.server.url
 
     def resolve_paths(self, base: Path) -> RunConfig:
         """Return a copy whose relative paths are made absolute against `base`."""

@@ -12,6 +12,7 @@ from rich.table import Table
 from flows.config import RunConfig, dump_config, load_config
 from flows.pipeline import pipeline
 from tasks.checkpoints import live_parts
+from tasks.eval.tasks import engine_rows
 from tasks.ports import free_port
 from tasks.records.build import TOKEN_COUNTS
 from tasks.stats import collect_stats, render_rows_table, render_stats_table
@@ -65,11 +66,44 @@ def run_demo(run_dir: Path | None = None, console: Console | None = None, target
     console.rule("stage 5: eval")
     report = results["eval"]
     console.print(render_eval(config.draft_dir))
-    baseline = f" (untrained: {report['untrained']['acceptance_length']:.2f})" if "untrained" in report else ""
+    if report.get("engine"):
+        console.print(render_engine(report["engine"]))
     console.print(f"run directory: {config.run_dir}   (`eagle3 stats {config.run_dir}` prints the tables again)")
-    console.print(f"acceptance length {report['trained']['acceptance_length']:.2f}{baseline} with "
-                  f"{report['num_steps']} draft tokens per round; exported draft: {config.draft_dir / 'final'}")
+    console.print(eval_summary_line(report) + f"; exported draft: {config.draft_dir / 'final'}")
     return config
+
+
+def eval_summary_line(report: dict) -> str:
+    """The demo's last word: the measured acceptance length of each backend that ran, and whether they agree."""
+    k = report["num_steps"]
+    said = []
+    if "trained" in report:
+        baseline = f" (untrained: {report['untrained']['acceptance_length']:.3f})" if "untrained" in report else ""
+        said.append(f"acceptance length {report['trained']['acceptance_length']:.3f}{baseline} in-process (HF)")
+    if report.get("engine"):
+        o = report["engine"]["overall"]
+        speedup = f", {o['speedup']:.2f}x the tokens/s without the draft" if o.get("speedup") else ""
+        said.append(f"{o['per_round']:.3f} per verify round through the dev server with the draft (SGLang's count, with the "
+                    f"prefill token: {o['acceptance_length']:.3f}{speedup})")
+    line = "; ".join(said) + f", {k} draft tokens per round"
+    if report.get("engine_vs_hf"):
+        c = report["engine_vs_hf"]
+        line += (f"; engine and HF {'EQUAL' if c['equal'] else 'DIFFER'} on the same {c['prompts_compared']} prompts "
+                 f"({c['same_verify_rounds']} with the same verify rounds)")
+    return line
+
+
+def render_engine(engine: dict) -> Table:
+    """The engine eval per dataset (tasks/eval/tasks.py engine_rows): acceptance, its spread, tokens/s, speedup."""
+    rows = engine_rows(engine)
+    table = Table(title=f"engine eval: the dev server with the draft, then without; {engine['concurrency']} request(s) at once",
+                  caption="acceptance length: SGLang's completion tokens / verify rounds; per round: without the prefill token")
+    for column in rows[0]:
+        table.add_column(column.replace("_", " "), justify="left" if column == "dataset" else "right")
+    for row in rows:
+        table.add_row(*["" if v is None else f"{v:,}" if isinstance(v, int) else f"{v:.3f}" if isinstance(v, float) else str(v)
+                        for v in row.values()])
+    return table
 
 
 def render_eval(draft_dir: Path) -> Table:
@@ -77,14 +111,19 @@ def render_eval(draft_dir: Path) -> Table:
     report = json.loads((draft_dir / "eval.json").read_text())
     k = report["num_steps"]
     table = Table(title=f"acceptance length: {k} draft tokens per round (SGLang topk 1), greedy target, "
-                        f"{report['prompts']} held-out prompts", caption=f"draft: {report['draft']}\nserve: {report['sglang_command']}")
+                        f"{report['prompts']} eval prompts", caption=f"draft: {report['draft']}\nserve: {report['sglang_command']}")
     for column in ("draft", "acceptance length", *[f"pos {i + 1}" for i in range(k)], "rounds"):
         table.add_column(column, justify="left" if column == "draft" else "right")
     rows = [(f"{name}, measured", report[name]) for name in ("untrained", "trained") if name in report]
+    if report.get("engine"):  # per verify round, as the HF rows count; per position is not in SGLang's replies
+        o = report["engine"]["overall"]
+        rows.append(("trained, measured by the engine (dev server + draft)",
+                     {"acceptance_length": o["per_round"], "per_position_acceptance": [], "rounds": o["verify_rounds"]}))
     if report.get("ttt_estimate"):  # the same num_steps, but teacher-forced on held-out records: not a measurement
         rows.append(("trained, training-time estimate (teacher-forced)", {**report["ttt_estimate"], "rounds": None}))
     for name, r in rows:
-        table.add_row(name, f"{r['acceptance_length']:.3f}", *[f"{a:.3f}" for a in r["per_position_acceptance"]],
+        per_position = [f"{a:.3f}" for a in r["per_position_acceptance"]] or [""] * k
+        table.add_row(name, f"{r['acceptance_length']:.3f}", *per_position,
                       "" if r.get("rounds") is None else f"{r['rounds']:,}")
     return table
 

@@ -1,4 +1,5 @@
-"""Flow `eval`: acceptance length of the exported draft, by chain speculative decoding with the target."""
+"""Flow `eval`: acceptance length of the exported draft, by chain speculative decoding with the target,
+measured in-process (HF), through the serving engine, or both."""
 
 from __future__ import annotations
 
@@ -7,21 +8,27 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from flows.config import RunConfig, load_config, save_run_config
-from models.jobs import EvalJob, EvalSettings, HeldOut
-from tasks.eval.tasks import evaluate_draft
+from models.jobs import EvalJob, EvalSettings, HeldOut, ServerSettings
+from tasks.eval.engine import EngineServer
+from tasks.eval.tasks import evaluate_draft, evaluate_on_engine, publish_eval
 from tasks.run_lock import run_lock
 from tasks.train.tasks import report_training
 
 
 @flow(name="eval", flow_run_name="eval {config_path}")
 def evaluate(config_path: str) -> dict:
-    """Stage 5: decode held-out prompts with the greedy target and the draft; report the acceptance length."""
+    """Stage 5: decode the eval prompts with the greedy target and the draft; report the acceptance length."""
     config = load_config(config_path)
+    name = Path(config_path).stem
     with run_lock(config.run_dir, "eval"):
         save_run_config(config)
-        report = evaluate_draft(eval_job(config), config.run_dir / "jobs" / "eval.json", Path(config_path).stem)
+        job = eval_job(config)
+        backend = config.eval.backend
+        hf = evaluate_draft(job, config.run_dir / "jobs" / "eval.json", name) if backend in ("hf", "both") else None
+        engine = evaluate_on_engine(job, config.eval, engine_server(config), name) if backend in ("engine", "both") else None
+        report = publish_eval(job, hf, engine, name)
         if (config.draft_dir / "metrics.jsonl").is_file():  # the training report again, now with the measured value beside its estimate
-            report_training(config.draft_dir, Path(config_path).stem, eval_steps=config.eval.num_steps)
+            report_training(config.draft_dir, name, eval_steps=config.eval.num_steps)
     get_run_logger().info("serve it with SGLang:\n%s", report["sglang_command"])
     return report
 
@@ -33,3 +40,11 @@ def eval_job(config: RunConfig) -> EvalJob:
         trust_remote_code=config.target.trust_remote_code, draft_dir=str(config.draft_dir / "final"),
         out=str(config.draft_dir / ".eval-raw.json"), datasets=config.dataset_records(),
     )
+
+
+def engine_server(config: RunConfig) -> EngineServer:
+    """The engine eval's server: `server` as the generate stage starts it, one server at server.url (or the running one)."""
+    s = config.server
+    return EngineServer(settings=ServerSettings(**{**s.pick(ServerSettings), "url": config.eval_server_url, "urls": None}),
+                        launch=s.launch, target=config.target.path, log_dir=config.run_dir / "logs", command=s.command,
+                        gpus_per_replica=s.gpus_per_replica)

@@ -35,8 +35,9 @@ from models.eval_prompts import eval_prompts
 def run(job: EvalJob) -> dict[str, Any]:
     """Decode the held-out prompts with each draft; return {"prompts", "device", "untrained"?, "trained"}.
 
-    Each draft's entry is `merge_results` plus "replay": the round-weighted replay of its own greedy
-    outputs and the chain formula over every root of them (models/estimates.py `replay_acceptance`).
+    Each draft's entry is `merge_results` plus "per_prompt" (new tokens and verify rounds of each prompt) and
+    "replay": the round-weighted replay of its own greedy outputs and the chain formula over every root of
+    them (models/estimates.py `replay_acceptance`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,7 +57,8 @@ def run(job: EvalJob) -> dict[str, Any]:
     first_device = next(target.parameters()).device
     trained = load_exported_draft(final, dtype=dtype).to(first_device).eval()
 
-    prompts = [p.input_ids for p in eval_prompts(job, int(trained.config.vocab_size))]
+    selected = eval_prompts(job, int(trained.config.vocab_size))
+    prompts = [p.input_ids for p in selected]
     if not prompts:
         raise ValueError(f"no held-out prompts (train.eval_fraction={job.eval_fraction}): raise eval_fraction and retrain, "
                          "or the records hold no prompt before their first loss token")
@@ -74,6 +76,9 @@ def run(job: EvalJob) -> dict[str, Any]:
                                              max_new_tokens=job.max_new_tokens, eos_token_ids=eos))
             say(EVAL_PROGRESS.format(draft=name, done=i + 1, total=len(prompts)))
         result[name] = merge_results(parts)
+        # per prompt, to set beside the engine backend's replies (tasks/eval/engine.py compare_with_hf)
+        result[name]["per_prompt"] = [{"source": p.source, "id": p.id, "new_tokens": r.new_tokens, "rounds": r.rounds}
+                                      for p, r in zip(selected, parts)]
         # The draft teacher-forced on these greedy outputs, rounds simulated (models/estimates.py): the
         # measured value again in exact arithmetic, plus the chain formula over every root of that text.
         replay = replay_acceptance(target, draft, prompts, [o for p in parts for o in p.outputs], job.num_steps)

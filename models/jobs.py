@@ -479,6 +479,36 @@ class EvalSettings(Spec):
     )
 
 
+class EngineEvalSettings(Spec):
+    """How the eval is measured: in-process with HF transformers, through the serving engine, or both side by side."""
+
+    backend: Literal["hf", "engine", "both"] = Field(
+        default="hf",
+        description="hf: speculative decoding in-process with the HF target (the whole target in this process's GPUs: "
+        "small targets, the demo). engine: the eval starts the server (server.launch dev|command) with the exported draft "
+        "(SGLang's --speculative-* flags from num_steps), decodes the prompts greedily through /generate and reads the "
+        "acceptance from meta_info, then again without the draft for the speedup (a 1T target). both: each, on the same "
+        "prompts, side by side in eval.json.",
+    )
+    concurrency: int = Field(
+        default=1, ge=1, le=1024,
+        description="engine: eval requests in flight at once (1: batch-size-1 latency, where speculative decoding gains most).",
+    )
+    baseline: bool = Field(
+        default=True, description="engine: also decode the prompts without the draft, for the speedup in tokens/s."
+    )
+    baseline_url: str | None = Field(
+        default=None,
+        description="engine with server.launch: none: a running server of the same target WITHOUT the draft, for the "
+        "speedup (server.url must then serve the draft). Unset: no speedup is measured with launch: none.",
+    )
+
+    @field_validator("baseline_url")
+    @classmethod
+    def _baseline_url(cls, value: str | None) -> str | None:
+        return None if value is None else server_url(value)
+
+
 class EvalJob(EvalSettings, HeldOut, RecordsRef, TargetRef):
     """The JOB.json of an eval launch (written by the eval task): held-out prompts come from `datasets`."""
     draft_dir: str = Field(description="The export: config.json + model.safetensors.")

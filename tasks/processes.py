@@ -99,16 +99,20 @@ class ServerProcess:
         return b"".join(tail).decode("utf-8", "replace")
 
 
-def dev_server(model_dir: Path, *, port: int | None = None, log_path: Path | None = None, host: str = "127.0.0.1") -> ServerProcess:
-    """The SGLang-compatible dev server over `model_dir`, as a child process (not yet started)."""
+def dev_server(model_dir: Path, *, port: int | None = None, log_path: Path | None = None, host: str = "127.0.0.1",
+               extra_args: list[str] | None = None) -> ServerProcess:
+    """The SGLang-compatible dev server over `model_dir`, as a child process (not yet started); `extra_args` are its
+    further flags (e.g. SGLang's --speculative-* ones)."""
     port = port or free_port(host)
-    command = [sys.executable, "-m", "deploy.dev_server", "--model", str(model_dir), "--host", host, "--port", str(port)]
+    command = [sys.executable, "-m", "deploy.dev_server", "--model", str(model_dir), "--host", host, "--port", str(port),
+               *(extra_args or [])]
     return ServerProcess(command, f"http://{host}:{port}", log_path=log_path)
 
 
 def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool = False, router_args: list[str] | None = None,
                      gpus_per_replica: int | None = None, target: Path | None = None, command: list[str] | None = None,
-                     log_dir: Path | None = None, health_timeout_s: float = 600.0) -> contextlib.AbstractContextManager:
+                     log_dir: Path | None = None, health_timeout_s: float = 600.0,
+                     extra_args: list[str] | None = None) -> contextlib.AbstractContextManager:
     """A context that runs the servers of the generate stage (launch `dev` or `command`), or nothing (`none`).
 
     `replicas` servers are started at once, replica N on url's port + N, or + 1 + N with a `router`,
@@ -134,10 +138,10 @@ def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool =
         log_path = None if log_dir is None else log_dir / ("server.log" if replicas == 1 and not router else f"server-{i}.log")
         gpus = None if gpus_per_replica is None else ",".join(str(g) for g in range(i * gpus_per_replica, (i + 1) * gpus_per_replica))
         if launch == "dev":
-            servers.append(dev_server(target, port=port, host=host, log_path=log_path))  # type: ignore[arg-type]
+            servers.append(dev_server(target, port=port, host=host, log_path=log_path, extra_args=extra_args))  # type: ignore[arg-type]
         else:
             fill = {"host": host, "port": str(port), "replica": str(i), "gpus": gpus or ""}
-            words = [fill_placeholders(word, fill) for word in command]  # type: ignore[union-attr]
+            words = [fill_placeholders(word, fill) for word in command] + list(extra_args or [])  # type: ignore[union-attr]
             env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
             servers.append(ServerProcess(words, address, log_path=log_path, env=env))
     if router:

@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import httpx
 
+from models.jobs import ServerSettings
+
 RETRYABLE_STATUS = {408, 429}
 PROMPT_STATUS = {400, 413, 422}  # the request (prompt) is at fault
 AUTH_STATUS = {401, 403}
@@ -123,6 +125,7 @@ class Completion:
     e2e_latency: float
     finish_reason: str  # "stop" | "length" | "abort"
     finish_detail: dict[str, Any] = field(default_factory=dict)
+    spec_verify_ct: int | None = None  # verify rounds, from a server that decodes with a draft; None without one
 
     @classmethod
     def from_response(cls, body: Any) -> Completion:
@@ -152,6 +155,7 @@ class Completion:
             e2e_latency=_seconds(meta.get("e2e_latency")),
             finish_reason=finish["type"],
             finish_detail=dict(finish),
+            spec_verify_ct=None if meta.get("spec_verify_ct") is None else _count(meta, "spec_verify_ct"),
         )
 
 
@@ -186,12 +190,21 @@ def check_reply(done: Completion, input_ids: list[int], sampling_params: dict[st
     limit = sampling_params.get("max_new_tokens")
     if isinstance(limit, int) and n > limit:
         raise InvalidReply("too_many_tokens", f"{n} output_ids but max_new_tokens is {limit}")
+    if done.spec_verify_ct is not None and done.spec_verify_ct > n:
+        raise InvalidReply("spec_verify_ct", f"spec_verify_ct {done.spec_verify_ct} verify rounds for {n} output_ids")
     if vocab_size is not None and max(done.output_ids) >= vocab_size:
         raise InvalidReply("token_id", f"output id {max(done.output_ids)} is outside the vocabulary of {vocab_size}")
     matched = done.finish_detail.get("matched")
     if done.finish_reason == "stop" and type(matched) is int and done.output_ids[-1] != matched:
         # we send no_stop_trim: the matched stop id must be the last output id
         raise InvalidReply("stop_token", f"finish matched stop id {matched} but the last output id is {done.output_ids[-1]}")
+
+
+def auth_hint(server: ServerSettings) -> str:
+    """What to check when a server refuses our credentials, naming the setting that holds the key (never the key)."""
+    if server.api_key_env:
+        return f"check that ${server.api_key_env} (server.api_key_env) holds the server's current --api-key"
+    return "the server wants an API key: set server.api_key_env to the name of the variable that holds it"
 
 
 def error_message(response: httpx.Response) -> str:

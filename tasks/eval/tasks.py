@@ -1,4 +1,5 @@
-"""Prefect task of the eval stage: speculative decoding with the target and the exported draft, measured."""
+"""Prefect tasks of the eval stage: speculative decoding with the target and the exported draft, measured in-process
+(HF backend) and/or through the serving engine (tasks/eval/engine.py), then eval.json and the artifacts."""
 
 from __future__ import annotations
 
@@ -7,30 +8,37 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import aupdate_progress_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.utilities.asyncutils import run_coro_as_sync
 
-from models.estimates import chain_acceptance_length, estimates_block
-from models.jobs import EvalJob
 from models.atomic import write_atomic
+from models.estimates import chain_acceptance_length, estimates_block
+from models.eval_prompts import eval_prompts
+from models.jobs import EngineEvalSettings, EvalJob
 from models.rank_protocol import EVAL, Message
 from tasks.artifacts import artifact_key
+from tasks.eval.engine import (EngineServer, Phase, check_command, check_speculative_server, compare_with_hf, decode_prompts, engine_report,
+                               speculative_args)
+from tasks.generate.prompts import default_stop_ids, request_sampling_params
 from tasks.launch import follow_job, write_job
+from tasks.sglang_client import RetryPolicy, auth_hint
 
 EVAL_FILE = "eval.json"
 
 
 @task(name="spec-eval", cache_policy=NO_CACHE)
 def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, Any]:
-    """Chain speculative decoding (greedy target, top-1 draft) on held-out prompts; write eval.json beside the export."""
+    """HF backend: chain speculative decoding (greedy target, top-1 draft) in-process on the eval prompts.
+
+    Returns {"prompts", "device", "untrained"?, "trained"} (models/eval_job.py); eval.json is written by `publish_eval`.
+    """
     logger = get_run_logger()
-    final = Path(job.draft_dir)
-    draft_dir, raw_path = final.parent, Path(job.out)
-    if not (final / "config.json").is_file():
-        raise FileNotFoundError(f"{final}: no exported draft; run the train stage first (eagle3 run CONFIG --stages train)")
+    final = _exported(job)
     write_job(job, job_path, kept=lambda: f"the exported draft in {final} (nothing was evaluated yet)",
               resume="make room there, then run the eval stage again")
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("eval", config_name), description="eval: starting")
@@ -44,6 +52,7 @@ def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, 
         progress = 100.0 * (len(seen) - 1 + done / total) / drafts
         update_progress_artifact(artifact, progress=round(progress, 1), description=f"eval: {name} draft, {done}/{total} prompts")
 
+    raw_path = Path(job.out)
     raw_path.unlink(missing_ok=True)
     # Batch-1 decoding is many tiny ops: one CPU thread beats two that spin-wait for each other
     # (measured 20x on 2 busy cores); on GPUs it does not matter.
@@ -51,19 +60,107 @@ def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, 
                on_message=on_progress, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     results = json.loads(raw_path.read_text())
     raw_path.unlink()
-    report = {"num_steps": job.num_steps, "max_new_tokens": job.max_new_tokens, "draft": str(final),
-              **results, "ttt_estimate": ttt_estimate(draft_dir, job.num_steps),
-              "estimates": estimates(draft_dir, job.num_steps, results["trained"]),
-              "sglang_command": sglang_command(job.target_path, final, job.num_steps, job.trust_remote_code)}
+    update_progress_artifact(artifact, progress=100.0, description=f"eval: acceptance length {results['trained']['acceptance_length']:.3f}")
+    return results
+
+
+@task(name="engine-eval", cache_policy=NO_CACHE)
+def evaluate_on_engine(job: EvalJob, engine: EngineEvalSettings, server: EngineServer, config_name: str) -> dict[str, Any]:
+    """Engine backend (tasks/eval/engine.py): the eval prompts through /generate with the draft served, then without."""
+    from transformers import AutoTokenizer
+
+    logger = get_run_logger()
+    final = _exported(job)
+    if server.launch == "command":
+        check_command(server.command)
+    tokenizer = AutoTokenizer.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
+    vocab_size = int(json.loads((final / "config.json").read_text())["vocab_size"])
+    prompts = eval_prompts(job, vocab_size)
+    if not prompts:
+        raise ValueError(f"no eval prompts (train.eval_fraction={job.eval_fraction}): raise eval_fraction and retrain")
+    params = request_sampling_params({"max_new_tokens": job.max_new_tokens, "temperature": 0.0}, default_stop_ids(tokenizer))
+    artifact = create_progress_artifact(progress=0.0, key=artifact_key("eval-engine", config_name),
+                                        description="engine eval: starting the server with the draft")
+    phases = 2 if engine.baseline and (server.launch != "none" or engine.baseline_url) else 1
+
+    def measure(url: str, phase: int, what: str, check: Callable[[dict[str, Any]], None] | None = None) -> Phase:
+        async def on_done(done: int, total: int) -> None:
+            await aupdate_progress_artifact(artifact, progress=round(100.0 * (phase + done / total) / phases, 1),
+                                            description=f"engine eval: {what}, {done}/{total} prompts")
+
+        s = server.settings
+        return run_coro_as_sync(decode_prompts(
+            url, prompts, params, concurrency=engine.concurrency, retry=RetryPolicy(outage_window_s=s.outage_window_s),
+            request_timeout_s=s.request_timeout_s, api_key=s.api_key(), auth_hint=auth_hint(s), vocab_size=vocab_size,
+            on_done=on_done, check=check, logger=logger))
+
+    spec = speculative_args(str(final), job.num_steps)
+    with server.serving(spec, "eval-with-draft", logger):
+        with_draft = measure(server.settings.url, 0, "with the draft",
+                             check=lambda info: check_speculative_server(info, server.settings.url, job.num_steps))
+    if any(s.spec_verify_ct is None for s in with_draft.served):
+        raise ValueError(f"{server.settings.url} sent replies without meta_info.spec_verify_ct: it is not decoding with the "
+                         "draft, or is an SGLang too old to report it")
+    without = None
+    if phases == 2:
+        with server.serving([], "eval-without-draft", logger):
+            without = measure(engine.baseline_url or server.settings.url, 1, "without the draft")
+    report = engine_report(with_draft, without, job.num_steps, engine.concurrency)
+    overall = report["overall"]
+    speedup = f", speedup {overall['speedup']:.2f}x" if overall.get("speedup") else ""
+    logger.info("engine eval: acceptance length %s (SGLang: completion tokens / verify rounds), %s per round, over %d prompts%s",
+                overall["acceptance_length"], overall["per_round"], overall["prompts"], speedup)
+    update_progress_artifact(artifact, progress=100.0, description=f"engine eval: acceptance length {overall['acceptance_length']}{speedup}")
+    return report
+
+
+@task(name="eval-report", cache_policy=NO_CACHE)
+def publish_eval(job: EvalJob, hf: dict[str, Any] | None, engine: dict[str, Any] | None, config_name: str) -> dict[str, Any]:
+    """eval.json beside the export, and the eval-summary table artifact: each backend that ran, side by side."""
+    final = Path(job.draft_dir)
+    draft_dir = final.parent
+    report: dict[str, Any] = {"num_steps": job.num_steps, "max_new_tokens": job.max_new_tokens, "draft": str(final),
+                              "backends": [name for name, r in (("hf", hf), ("engine", engine)) if r is not None]}
+    if hf is not None:
+        report.update(hf)
+    if engine is not None:
+        report["engine"] = engine
+        report.setdefault("prompts", engine["overall"]["prompts"])
+        if hf is not None:
+            report["engine_vs_hf"] = compare_with_hf(engine, hf["trained"])
+    measured = measured_value(report)
+    report["ttt_estimate"] = ttt_estimate(draft_dir, job.num_steps)
+    report["estimates"] = estimates(draft_dir, job.num_steps, measured, hf["trained"].get("replay") if hf is not None else None)
+    report["sglang_command"] = sglang_command(job.target_path, final, job.num_steps, job.trust_remote_code)
     write_atomic(draft_dir / EVAL_FILE, json.dumps(report, indent=2))
     create_table_artifact(table=eval_rows(report), key=artifact_key("eval-summary", config_name),
                           description=f"Acceptance length at {job.num_steps} draft tokens per round (SGLang topk 1), greedy "
-                                      f"target, {report['prompts']} held-out prompts. 'measured' rows: speculative decoding "
-                                      "on the eval prompts; 'training-time estimate': the chain formula over the held-out "
+                                      f"target, {report['prompts']} eval prompts. 'measured' rows: speculative decoding "
+                                      "on the eval prompts (in-process HF, or the serving engine's meta_info); "
+                                      "'training-time estimate': the chain formula over the held-out "
                                       "TTT accept rates at the same number of steps, teacher-forced on training records "
                                       "(a different text and weighting; README, 'Two acceptance numbers')")
-    update_progress_artifact(artifact, progress=100.0, description=f"eval: acceptance length {results['trained']['acceptance_length']:.3f}")
+    if engine is not None:
+        create_table_artifact(table=engine_rows(engine), key=artifact_key("eval-engine-summary", config_name),
+                              description="Engine eval per dataset: acceptance length as SGLang counts it (completion tokens "
+                                          "/ verify rounds) and per verify round (as the HF eval counts), the per-request "
+                                          "spread, decode tokens/s with and without the draft, and the speedup")
     return report
+
+
+def measured_value(report: dict[str, Any]) -> float | None:
+    """The trained draft's measured acceptance length per verify round: the HF backend's, else the engine's."""
+    if "trained" in report:
+        return report["trained"]["acceptance_length"]
+    engine = report.get("engine")
+    return engine["overall"]["per_round"] if engine else None
+
+
+def _exported(job: EvalJob) -> Path:
+    final = Path(job.draft_dir)
+    if not (final / "config.json").is_file():
+        raise FileNotFoundError(f"{final}: no exported draft; run the train stage first (eagle3 run CONFIG --stages train)")
+    return final
 
 
 def _training_cond_acc(draft_dir: Path) -> list[float] | None:
@@ -87,18 +184,20 @@ def ttt_estimate(draft_dir: Path, num_steps: int) -> dict[str, Any] | None:
                     "(teacher-forced on held-out training records, every position a chain root), not a measurement"}
 
 
-def estimates(draft_dir: Path, num_steps: int, trained: dict[str, Any]) -> dict[str, Any]:
+def estimates(draft_dir: Path, num_steps: int, measured: float | None, replay: dict[str, Any] | None = None) -> dict[str, Any]:
     """eval.json's labelled figures at the eval's num_steps: the training-time estimate, the measured value, the replay."""
-    return estimates_block(num_steps, training_cond_acc=_training_cond_acc(draft_dir), measured=trained["acceptance_length"],
-                           replay=trained.get("replay"))
+    return estimates_block(num_steps, training_cond_acc=_training_cond_acc(draft_dir), measured=measured, replay=replay)
 
 
 MEASURED_ROW = "{name}: measured (speculative decoding)"
+ENGINE_ROW = "trained: measured by the serving engine, per verify round (as the HF eval counts)"
+ENGINE_SGLANG_ROW = "trained: measured by the serving engine, SGLang's acceptance length (completion tokens / verify rounds)"
 ESTIMATE_ROW = "trained: training-time estimate (teacher-forced, held-out records)"
 
 
 def eval_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The eval-summary table: measured rows per draft, then the trained draft's training-time estimate at the same num_steps."""
+    """The eval-summary table: measured rows per draft (HF backend), the engine's, then the trained draft's
+    training-time estimate at the same num_steps."""
     rows = []
     for name in ("untrained", "trained"):
         if name in report:
@@ -106,6 +205,12 @@ def eval_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append({"draft": MEASURED_ROW.format(name=name), "acceptance_length": r["acceptance_length"],
                          **{f"pos_{i + 1}": a for i, a in enumerate(r["per_position_acceptance"])},
                          "rounds": r["rounds"], "tokens": r["new_tokens"]})
+    if report.get("engine"):
+        o = report["engine"]["overall"]
+        rows.append({"draft": ENGINE_ROW, "acceptance_length": o["per_round"], "rounds": o["verify_rounds"],
+                     "tokens": o["completion_tokens"]})
+        rows.append({"draft": ENGINE_SGLANG_ROW, "acceptance_length": o["acceptance_length"], "rounds": o["verify_rounds"],
+                     "tokens": o["completion_tokens"]})
     if report.get("ttt_estimate"):
         e = report["ttt_estimate"]
         rows.append({"draft": ESTIMATE_ROW, "acceptance_length": e["acceptance_length"],
@@ -113,12 +218,22 @@ def eval_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def engine_rows(engine: dict[str, Any]) -> list[dict[str, Any]]:
+    """The eval-engine-summary table: one row per dataset, then all of them."""
+    rows = []
+    for name, r in [*engine["datasets"].items(), ("all", engine["overall"])]:
+        spread = r["per_request"] or {}
+        rows.append({"dataset": name, "prompts": r["prompts"], "acceptance_length": r["acceptance_length"],
+                     "per_round": r["per_round"], "per_request_p10": spread.get("p10"), "per_request_median": spread.get("median"),
+                     "per_request_p90": spread.get("p90"), "tok_s_with_draft": r["with_draft"]["tokens_per_s"],
+                     "tok_s_without": r.get("without_draft", {}).get("tokens_per_s"), "speedup": r.get("speedup")})
+    return rows
+
+
 def sglang_command(target_path: str, draft_dir: Path, num_steps: int, trust_remote_code: bool, tp: int = 8) -> str:
     """The SGLang launch that serves the target with this draft (REFERENCE: EAGLE3, top-k 1)."""
     args = ["python", "-m", "sglang.launch_server", "--model-path", target_path, "--tp", str(tp),
-            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
-            "--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", str(num_steps + 1)]
+            *speculative_args(str(draft_dir), num_steps)]
     if trust_remote_code:
         args.append("--trust-remote-code")
     return shlex.join(args)

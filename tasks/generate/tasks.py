@@ -19,7 +19,7 @@ from tasks.generate.prompts import default_stop_ids
 from tasks.generate.passthrough import PassthroughReport, copy_passthrough
 from tasks.rejects import replace_stage_rejects
 from tasks.server_pool import ServerPool
-from tasks.sglang_client import RetryPolicy, ServerOutage
+from tasks.sglang_client import RetryPolicy, ServerOutage, auth_hint
 
 
 @dataclass(frozen=True)
@@ -110,12 +110,10 @@ async def generate_responses(
 def server_pool(server: ServerSettings, logger: Any, *, max_concurrency: int | None = None) -> ServerPool:
     """The pool of the run's servers (`server.urls`, the launched replicas, or `server.url`), one for every dataset."""
     retry = RetryPolicy(outage_window_s=server.outage_window_s)
-    key_hint = (f"check that ${server.api_key_env} (server.api_key_env) holds the server's current --api-key"
-                if server.api_key_env else "the server wants an API key: set server.api_key_env to the name of the variable that holds it")
     return ServerPool(
         server.endpoints, max_concurrency=max_concurrency or getattr(server, "max_concurrency", 64), retry=retry,
         request_timeout_s=server.request_timeout_s, health_timeout_s=server.health_timeout_s, api_key=server.api_key(),
-        auth_hint=key_hint, max_input_len=server.max_req_input_len, logger=logger,
+        auth_hint=auth_hint(server), max_input_len=server.max_req_input_len, logger=logger,
     )
 
 

@@ -140,6 +140,9 @@ def measured_acceptance(draft_dir: Path, num_steps: int) -> float | None:
         report = json.loads(eval_file.read_text())
     except (OSError, ValueError):
         return None
-    if report.get("num_steps") != num_steps or "trained" not in report:
+    if report.get("num_steps") != num_steps:
         return None
-    return float(report["trained"]["acceptance_length"])
+    if "trained" in report:  # the HF backend's per-round mean
+        return float(report["trained"]["acceptance_length"])
+    engine = (report.get("engine") or {}).get("overall") or {}
+    return None if engine.get("per_round") is None else float(engine["per_round"])  # the same convention, engine-measured

@@ -53,7 +53,7 @@ def _config(tmp_path: Path, tiny_target_dir: Path) -> Path:
         "capture": {"num_gpus": 1, "max_batch_tokens": 2048, "shard_tokens": 4096},
         "train": {"num_gpus": 1, "draft_vocab_size": 1024, "max_batch_tokens": 1024, "epochs": 2, "lr": 0.002,
                   "checkpoint_every": 10, "eval_every": 10, "eval_fraction": 0.2, "log_every": 1},
-        "eval": {"prompts": 3, "max_new_tokens": 16, "num_steps": 3},
+        "eval": {"prompts": 3, "max_new_tokens": 16, "num_steps": 3, "backend": "engine"},  # the dev server with the draft
         "datasets": [
             {"name": "A1_chat", "kind": "passthrough", "path": str(samples / "passthrough_chat.jsonl"), "max_prompts": 16},
             {"name": "B2_math", "kind": "generate", "path": str(samples / "gen_math.jsonl"), "token_budget": 300, "max_prompts": 20},
@@ -91,10 +91,14 @@ def test_pipeline_deployment_runs_on_a_real_prefect_server(prefect_server, tmp_p
     for stage in ("generate", "records", "capture", "train", "eval"):
         assert any(name.startswith(f"{stage} ") for name in seen["runs"]), seen["runs"]
     for key in ("generate-summary-e2e", "generate-b2-math", "records-report-e2e", "capture-e2e", "capture-summary-e2e",
-                "train-e2e", "train-eval-e2e", "train-report-e2e", "eval-e2e", "eval-summary-e2e"):
+                "train-e2e", "train-eval-e2e", "train-report-e2e", "eval-engine-e2e", "eval-summary-e2e",
+                "eval-engine-summary-e2e"):
         assert key in seen["keys"], seen["keys"]
     report = json.loads((tmp_path / "run" / "draft" / "eval.json").read_text())
-    assert report["trained"]["rounds"] > 0 and (tmp_path / "run" / "draft" / "final" / "model.safetensors").is_file()
+    assert report["backends"] == ["engine"] and "trained" not in report  # no in-process decoding
+    assert report["engine"]["overall"]["verify_rounds"] > 0 and report["engine"]["overall"]["prompts"] == 3
+    assert (tmp_path / "run" / "logs" / "eval-with-draft" / "server.log").is_file()
+    assert (tmp_path / "run" / "draft" / "final" / "model.safetensors").is_file()
 
 
 MARK_CRASHED = r"""

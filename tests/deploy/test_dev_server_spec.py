@@ -292,3 +292,44 @@ def test_server_process_with_draft_flags(entry, tiny_target_dir, draft_dir, targ
     assert info["speculative_num_steps"] == 2 and info["speculative_num_draft_tokens"] == 3
     rounds = [r for _, rs in expected for r in rs]
     assert info["internal_states"][0]["avg_spec_accept_length"] == sum(r.kept for r in rounds) / len(rounds)
+
+
+def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(serve_app, spec_server, tiny_target_dir, target,
+                                                                      draft_dir, prompts):
+    """tasks/eval/engine.py end to end at real servers: with the draft, then without; SGLang's count and the per-round one."""
+    import asyncio
+
+    from models.eval_prompts import EvalPrompt
+    from tasks.eval.engine import check_speculative_server, compare_with_hf, decode_prompts, engine_report
+    from tasks.sglang_client import RetryPolicy
+
+    model, tok = target
+    eval_prompts = [EvalPrompt("A" if i % 2 else "B", f"p{i}", p) for i, p in enumerate(prompts)]
+    params = {**GREEDY, "stop_token_ids": [tok.eos_token_id], "no_stop_trim": True}
+
+    def decode(url, check=None):
+        return asyncio.run(decode_prompts(url, eval_prompts, params, concurrency=2, retry=RetryPolicy(outage_window_s=30),
+                                          request_timeout_s=60, api_key=None, auth_hint="", vocab_size=model.config.vocab_size,
+                                          check=check))
+
+    with_draft = decode(spec_server, check=lambda info: check_speculative_server(info, spec_server, NUM_STEPS))
+    with serve_app(create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=4, model_name="tiny")) as plain:
+        with pytest.raises(ValueError, match="serves no EAGLE-3 draft"):  # the check runs before anything is sent
+            decode(plain, check=lambda info: check_speculative_server(info, plain, NUM_STEPS))
+        without = decode(plain)
+    report = engine_report(with_draft, without, NUM_STEPS, concurrency=2)
+
+    draft = load_exported_draft(draft_dir, dtype=torch.float32).eval()
+    ev = evaluate_acceptance(model, draft, prompts, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW, eos_token_ids={tok.eos_token_id})
+    overall = report["overall"]
+    assert overall["completion_tokens"] == ev.new_tokens and overall["verify_rounds"] == ev.rounds
+    assert overall["per_round"] == round(ev.acceptance_length, 4)
+    assert overall["acceptance_length"] == round(ev.new_tokens / ev.rounds, 4)
+    assert report["outputs_differ_without_draft"] == 0 and overall["speedup"] > 0
+    assert set(report["datasets"]) == {"A", "B"}
+    assert sum(d["verify_rounds"] for d in report["datasets"].values()) == ev.rounds
+    rounds = [len(speculative_decode(model, draft, p, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW,
+                                     eos_token_ids={tok.eos_token_id})[1]) for p in prompts]
+    hf = {"acceptance_length": round(ev.acceptance_length, 4),
+          "per_prompt": [{"id": f"p{i}", "new_tokens": len(o), "rounds": r} for i, (o, r) in enumerate(zip(ev.outputs, rounds))]}
+    assert compare_with_hf(report, hf)["equal"]

@@ -174,6 +174,10 @@ def test_kimi_preset_is_the_reference_run():
     assert config.sampling.stop_token_ids == [163586]
     assert config.target.trust_remote_code
     assert config.target.path == "moonshotai/Kimi-K2.5"
+    # the eval is measured in SGLang serving the target + draft: the pipeline starts the recipe, the eval adds the draft
+    assert config.eval.backend == "engine"
+    assert config.server.launch == "command" and config.server.command == ["bash", "deploy/sglang-kimi-k25.sh"]
+    assert not any(w.startswith("--speculative") for w in config.server.command)
 
 
 def _number_fields():
@@ -395,4 +399,31 @@ def test_servers_already_running_go_in_urls_and_launched_replicas_take_consecuti
 def test_bad_server_pools_are_named(server, expected):
     data = copy.deepcopy(MINIMAL)
     data["server"] = server
+    assert any(expected in line for line in problems(data)), problems(data)
+
+
+# --- the engine eval (issue 14) ---------------------------------------------------------------------
+
+
+def test_engine_eval_settings_and_where_it_measures(tmp_path):
+    data = {**copy.deepcopy(MINIMAL), "eval": {"backend": "engine", "concurrency": 4, "baseline_url": "http://plain:30000/"},
+            "server": {"urls": ["http://with-draft:30000", "http://other:30000"]}}
+    config = parse_config(data, base=tmp_path)
+    assert (config.eval.backend, config.eval.concurrency, config.eval.baseline_url) == ("engine", 4, "http://plain:30000")
+    assert config.eval_server_url == "http://with-draft:30000"
+    assert parse_config(copy.deepcopy(MINIMAL), base=tmp_path).eval.backend == "hf"
+
+
+@pytest.mark.parametrize(
+    "section, expected",
+    [
+        ({"eval": {"backend": "vllm"}}, "eval.backend: Input should be 'hf', 'engine' or 'both'"),
+        ({"eval": {"concurrency": 0}}, "eval.concurrency: Input should be greater than or equal to 1"),
+        ({"eval": {"baseline_url": "plain:30000"}}, "eval.baseline_url: must be an http(s) URL"),
+        ({"eval": {"baseline_url": "http://plain:30000"}, "server": {"launch": "dev"}},
+         "eval.baseline_url is for a server already running (server.launch: none)"),
+    ],
+)
+def test_bad_engine_eval_settings_are_named(section, expected):
+    data = {**copy.deepcopy(MINIMAL), **section}
     assert any(expected in line for line in problems(data)), problems(data)

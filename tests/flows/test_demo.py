@@ -84,3 +84,11 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     assert "training-time estimate (teacher-forced)" in printed and "trained, measured" in printed
     assert "acceptance length" in printed and str(draft / "final") in printed
     assert "--speculative-algorithm EAGLE3" in printed
+    # the engine backend: the dev server with the exported draft measures what the in-process eval measures
+    assert report["backends"] == ["hf", "engine"]
+    engine, same = report["engine"]["overall"], report["engine_vs_hf"]
+    assert same["equal"] and same["prompts_compared"] == report["trained"]["prompts"] == engine["prompts"]
+    assert engine["per_round"] == report["trained"]["acceptance_length"] and engine["verify_rounds"] == report["trained"]["rounds"]
+    assert engine["acceptance_length"] > engine["per_round"] and engine["speedup"] > 0
+    assert report["engine"]["outputs_differ_without_draft"] == 0
+    assert "engine and HF EQUAL" in printed

@@ -105,6 +105,8 @@ def test_retryable_statuses_are_retried_until_an_answer():
         ({"text": "x"}, "shape"),
         (b"<html>proxy error</html>", "json"),
         (reply(completion_tokens=True), "completion_tokens"),
+        (reply(spec_verify_ct=4), "spec_verify_ct"),  # more verify rounds than tokens
+        (reply(spec_verify_ct=-1), "spec_verify_ct"),
     ],
 )
 def test_impossible_replies_are_retried_never_returned_then_outage(body, kind):
@@ -113,6 +115,12 @@ def test_impossible_replies_are_retried_never_returned_then_outage(body, kind):
         generate(script, vocab_size=1000)
     assert script.calls["/generate"] >= 2  # retried: a faulty server, not a bad prompt
     assert f"invalid reply ({kind})" in str(caught.value)
+
+
+def test_spec_verify_ct_is_read_when_a_draft_serves():
+    done, _ = generate(Script((200, reply(spec_verify_ct=2))))
+    assert done.spec_verify_ct == 2
+    assert generate(Script((200, reply())))[0].spec_verify_ct is None  # no draft: SGLang sends none
 
 
 def test_a_lying_reply_is_counted_and_logged_once_then_the_good_one_is_returned(caplog):

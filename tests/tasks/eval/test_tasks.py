@@ -48,14 +48,14 @@ def test_eval_json_estimates_label_the_training_estimate_and_the_measurement(tmp
     trained = {"acceptance_length": 1.8, "replay": {"acceptance_length": 1.8, "rounds": 40,
                                                     "all_roots": {"acceptance_length": 2.3, "per_step_cond_acc": [0.7, 0.6, 0.5],
                                                                   "roots": 90}}}
-    est = estimates(tmp_path, 3, trained)
+    est = estimates(tmp_path, 3, trained["acceptance_length"], trained["replay"])
     assert est["num_steps"] == 3
     assert est["training_estimate"]["value"] == pytest.approx(2.4)  # 1 + .8 + .4 + .2: at 3 steps, not the 7 trained
     assert est["training_estimate"]["label"].startswith("training-time estimate at 3 steps (teacher-forced")
     assert est["measured"] == {"label": "measured (speculative decoding, 3 steps, on the eval prompts)", "value": 1.8}
     assert est["replay"]["value"] == 1.8 and est["replay"]["rounds"] == 40 and "equals the measured" in est["replay"]["label"]
     assert est["all_roots"]["value"] == 2.3 and "every position a root" in est["all_roots"]["label"]
-    assert estimates(tmp_path / "none", 3, {"acceptance_length": 1.2})["training_estimate"]["value"] is None
+    assert estimates(tmp_path / "none", 3, 1.2)["training_estimate"]["value"] is None
 
 
 def test_sglang_command_serves_the_draft_with_chain_settings():

@@ -1,0 +1,234 @@
+"""The eval's engine backend: acceptance length and speedup measured where the draft will be served.
+
+The eval prompts (models/eval_prompts.py, the same ones the HF backend decodes) go greedily through
+SGLang's /generate, first to a server that serves the target with the exported draft, then (for the
+speedup) to one without it. From each reply's meta_info:
+
+- acceptance length, SGLang's way: sum(completion_tokens) / sum(spec_verify_ct), over the requests
+  (SpecForge's benchmark sums the same way). It counts the token of the prefill forward too.
+- per round: sum(completion_tokens - 1) / sum(spec_verify_ct), the mean tokens per verify round,
+  which is how the HF backend (models/spec_eval.py) and SGLang's own `avg_spec_accept_length` count.
+  On the same prompts, target and draft, it equals the HF backend's acceptance length exactly.
+
+Both per dataset (the prompt's source) and overall, with the per-request distribution, and the
+decode speed in completion tokens/s of each phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from models.eval_prompts import EvalPrompt
+from models.jobs import ServerSettings
+from tasks.processes import launched_servers
+from tasks.sglang_client import BadRequest, RetryPolicy, SGLangClient
+
+SPECULATIVE_ALGORITHM = "EAGLE3"
+
+
+def speculative_args(draft_dir: str, num_steps: int) -> list[str]:
+    """SGLang's flags that serve `draft_dir` as an EAGLE-3 chain draft of `num_steps` tokens per round (REFERENCE)."""
+    return ["--speculative-algorithm", SPECULATIVE_ALGORITHM, "--speculative-draft-model-path", str(draft_dir),
+            "--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(num_steps + 1)]
+
+
+@dataclass(frozen=True)
+class EngineServer:
+    """The server the engine eval measures at: started here (launch dev|command, one server) or already running."""
+
+    settings: ServerSettings  # url: where the server with the draft answers; timeouts; the API key's variable
+    launch: str  # none | dev | command
+    target: str
+    log_dir: Path
+    command: list[str] | None = None
+    gpus_per_replica: int | None = None
+
+    def serving(self, extra_args: list[str], name: str, logger: Any) -> contextlib.AbstractContextManager:
+        """The server with `extra_args` (the draft's flags, or none) for one phase; nothing to start with launch: none."""
+        if self.launch == "none":
+            return contextlib.nullcontext()
+        logger.info("engine eval: starting the %s server at %s %s(log: %s)", self.launch, self.settings.url,
+                    "with the draft " if extra_args else "without a draft ", self.log_dir / name / "server.log")
+        return launched_servers(self.launch, self.settings.url, gpus_per_replica=self.gpus_per_replica, target=Path(self.target),
+                                command=self.command, log_dir=self.log_dir / name,
+                                health_timeout_s=self.settings.health_timeout_s, extra_args=extra_args)
+
+
+@dataclass(frozen=True)
+class Served:
+    """One eval prompt's reply."""
+
+    source: str
+    id: str
+    completion_tokens: int
+    spec_verify_ct: int | None
+    seconds: float  # from sending the request to its reply, measured here
+    output_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One pass over the eval prompts at one server: the replies, the ones refused, the wall time."""
+
+    served: list[Served]
+    refused: dict[str, str]  # prompt id -> the server's message (HTTP 400: e.g. longer than it takes)
+    wall_s: float
+    server_info: dict[str, Any]
+
+
+async def decode_prompts(url: str, prompts: list[EvalPrompt], sampling_params: dict[str, Any], *, concurrency: int,
+                         retry: RetryPolicy, request_timeout_s: float, api_key: str | None, auth_hint: str,
+                         vocab_size: int | None, on_done: Callable[[int, int], Awaitable[None]] | None = None,
+                         check: Callable[[dict[str, Any]], None] | None = None, logger: Any = None) -> Phase:
+    """Every prompt through url's /generate, `concurrency` at a time, each retried within the outage window.
+
+    `check` gets the server's /server_info before anything is sent (and raises to send nothing).
+    """
+    gate = asyncio.Semaphore(concurrency)
+    done = 0
+    refused: dict[str, str] = {}
+    kw = {"logger": logger} if logger is not None else {}
+    async with SGLangClient(url, request_timeout_s=request_timeout_s, retry=retry, api_key=api_key, auth_hint=auth_hint,
+                            vocab_size=vocab_size, max_connections=max(concurrency, 1), **kw) as client:
+        async def one(i: int, p: EvalPrompt) -> Served | None:
+            nonlocal done
+            async with gate:
+                started = time.perf_counter()
+                try:
+                    reply = await client.generate(p.input_ids, sampling_params, rid=f"eval-{i}-{p.id}")
+                except BadRequest as e:
+                    refused[p.id] = str(e)
+                    reply = None
+                seconds = time.perf_counter() - started
+            done += 1
+            if on_done is not None:
+                await on_done(done, len(prompts))
+            if reply is None:
+                return None
+            return Served(p.source, p.id, reply.completion_tokens, reply.spec_verify_ct, seconds, tuple(reply.output_ids))
+
+        if check is not None:
+            check(await client.server_info())
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        wall_s = time.perf_counter() - started
+        info = await client.server_info()
+    return Phase([r for r in results if r is not None], refused, wall_s, info)
+
+
+def check_command(command: list[str] | None) -> None:
+    """ValueError when a server command to be started for the engine eval already holds --speculative-* flags."""
+    given = [w for w in command or [] if w.startswith("--speculative")]
+    if given:
+        raise ValueError(f"server.command already holds {', '.join(given)}: the eval adds SGLang's --speculative-* flags itself "
+                         "(from eval.num_steps and the exported draft) to the command it starts; remove them from server.command")
+
+
+def check_speculative_server(info: dict[str, Any], url: str, num_steps: int) -> None:
+    """ValueError unless the server at `url` serves an EAGLE-3 chain draft of num_steps tokens (its /server_info)."""
+    algorithm = info.get("speculative_algorithm")
+    if algorithm != SPECULATIVE_ALGORITHM:
+        raise ValueError(f"{url} serves no EAGLE-3 draft (server_info speculative_algorithm={algorithm!r}): start it with "
+                         f"{' '.join(speculative_args('DRAFT_DIR', num_steps))}, or let the eval start it (server.launch: dev|command)")
+    steps, topk = info.get("speculative_num_steps"), info.get("speculative_eagle_topk")
+    if steps is not None and steps != num_steps:
+        raise ValueError(f"{url} drafts {steps} tokens per round (--speculative-num-steps) but eval.num_steps is {num_steps}: "
+                         "set one to the other")
+    if topk not in (None, 1):
+        raise ValueError(f"{url} drafts a tree (--speculative-eagle-topk {topk}); the eval measures chain drafting: topk 1")
+
+
+def acceptance(served: list[Served]) -> dict[str, Any]:
+    """SGLang's acceptance length and the per-round mean over `served` (module docstring), with the per-request spread."""
+    tokens = sum(s.completion_tokens for s in served)
+    verify = sum(s.spec_verify_ct or 0 for s in served)
+    per_request = sorted(s.completion_tokens / s.spec_verify_ct for s in served if s.spec_verify_ct)
+    return {
+        "prompts": len(served), "completion_tokens": tokens, "verify_rounds": verify,
+        "acceptance_length": round(tokens / verify, 4) if verify else None,
+        "per_round": round((tokens - len(served)) / verify, 4) if verify else None,
+        "per_request": spread(per_request),
+    }
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    """min, p10, median, p90, max of sorted `values` (None when empty)."""
+    if not values:
+        return None
+    def at(q: float) -> float:
+        return round(values[min(len(values) - 1, int(q * len(values)))], 4)
+    return {"min": round(values[0], 4), "p10": at(0.1), "median": round(statistics.median(values), 4), "p90": at(0.9),
+            "max": round(values[-1], 4)}
+
+
+def speed(served: list[Served], wall_s: float) -> dict[str, Any]:
+    """Decode speed of one phase: completion tokens over the wall time, and over the requests' own times."""
+    tokens = sum(s.completion_tokens for s in served)
+    busy = sum(s.seconds for s in served)
+    return {"completion_tokens": tokens, "wall_s": round(wall_s, 3),
+            "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
+            "tokens_per_s_per_request": round(tokens / busy, 2) if busy > 0 else None}
+
+
+def engine_report(with_draft: Phase, without: Phase | None, num_steps: int, concurrency: int) -> dict[str, Any]:
+    """eval.json's `engine` block: acceptance and speed per dataset and overall, the speedup over no draft."""
+    sources = sorted({s.source for s in with_draft.served})
+    by_source = {src: [s for s in with_draft.served if s.source == src] for src in sources}
+    base_by_source = {src: [s for s in without.served if s.source == src] for src in sources} if without else {}
+    datasets = {}
+    for src, served in by_source.items():
+        row = {**acceptance(served), "with_draft": speed(served, sum(s.seconds for s in served))}
+        if without is not None:
+            base = base_by_source[src]
+            row["without_draft"] = speed(base, sum(s.seconds for s in base))
+            row["speedup"] = speedup(served, sum(s.seconds for s in served), base, sum(s.seconds for s in base))
+        datasets[src] = row
+    info = with_draft.server_info
+    internal = info.get("internal_states")
+    server_avg = internal[0].get("avg_spec_accept_length") if isinstance(internal, list) and internal and isinstance(internal[0], dict) else None
+    report: dict[str, Any] = {
+        "num_steps": num_steps, "concurrency": concurrency,
+        "overall": {**acceptance(with_draft.served), "with_draft": speed(with_draft.served, with_draft.wall_s)},
+        "datasets": datasets,
+        "server": {"speculative_draft_model_path": info.get("speculative_draft_model_path"),
+                   "avg_spec_accept_length": server_avg,
+                   "note": "the server's own running mean over every round it served (per-round convention)"},
+        "refused": with_draft.refused,
+        "per_prompt": [{"source": s.source, "id": s.id, "completion_tokens": s.completion_tokens,
+                        "spec_verify_ct": s.spec_verify_ct} for s in with_draft.served],
+    }
+    if without is not None:
+        report["overall"]["without_draft"] = speed(without.served, without.wall_s)
+        report["overall"]["speedup"] = speedup(with_draft.served, with_draft.wall_s, without.served, without.wall_s)
+        changed = [s.id for s, b in zip(sorted(with_draft.served, key=lambda s: s.id), sorted(without.served, key=lambda s: s.id))
+                   if s.id == b.id and s.output_ids != b.output_ids]
+        report["outputs_differ_without_draft"] = len(changed)  # greedy: 0 unless numerics differ between the two servers
+    return report
+
+
+def compare_with_hf(engine: dict[str, Any], hf_trained: dict[str, Any]) -> dict[str, Any]:
+    """The engine's per-round acceptance against the HF backend's on the same prompts, per prompt and overall."""
+    hf_rows = {row["id"]: row for row in hf_trained.get("per_prompt", [])}
+    same = [p for p in engine["per_prompt"] if p["id"] in hf_rows]
+    equal_tokens = sum(hf_rows[p["id"]]["new_tokens"] == p["completion_tokens"] for p in same)
+    equal_rounds = sum(hf_rows[p["id"]]["rounds"] == (p["spec_verify_ct"] or 0) for p in same)
+    return {"prompts_compared": len(same), "same_completion_tokens": equal_tokens, "same_verify_rounds": equal_rounds,
+            "hf_acceptance_length": hf_trained["acceptance_length"], "engine_per_round": engine["overall"]["per_round"],
+            "equal": len(same) > 0 and equal_tokens == equal_rounds == len(same)
+                     and engine["overall"]["per_round"] == hf_trained["acceptance_length"]}
+
+
+def speedup(with_draft: list[Served], with_s: float, without: list[Served], without_s: float) -> float | None:
+    """Tokens/s with the draft over tokens/s without it (None when either is unknown)."""
+    a, b = sum(s.completion_tokens for s in with_draft), sum(s.completion_tokens for s in without)
+    if not (a and b and with_s > 0 and without_s > 0):
+        return None
+    return round((a / with_s) / (b / without_s), 3)
