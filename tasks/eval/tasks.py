@@ -7,8 +7,8 @@ import json
 import os
 import shlex
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -22,8 +22,8 @@ from models.eval_prompts import eval_prompts
 from models.jobs import EngineEvalSettings, EvalJob
 from models.rank_protocol import EVAL, Message
 from tasks.artifacts import artifact_key
-from tasks.eval.engine import (EngineServer, Phase, check_command, check_speculative_server, compare_with_hf, decode_prompts, engine_report,
-                               speculative_args)
+from tasks.eval.engine import (EngineServer, Phase, check_command, check_speculative_server, compare_with_hf, decode_prompts,
+                               engine_report, speculative_args)
 from tasks.generate.prompts import default_stop_ids, request_sampling_params
 from tasks.launch import follow_job, write_job
 from tasks.sglang_client import RetryPolicy, auth_hint
