@@ -46,8 +46,11 @@ class ExtractionFailed(ValueError):
     """
 
     def __init__(self, path: str | Path, problem: str, advice: str):
-        self.path = str(path)
+        self.path, self.problem, self.advice = str(path), problem, advice
         super().__init__(f"{path}: {problem}. {advice}")
+
+    def __reduce__(self):  # Prefect pickles task exceptions into results
+        return (ExtractionFailed, (self.path, self.problem, self.advice))
 
 
 def engine_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
