@@ -33,7 +33,7 @@ from typing import Any, Callable
 import httpx
 import torch
 
-from models.capture import DTYPES, _check_compatible, load_records, within_token_cap
+from models.capture import DTYPES, check_compatible, load_records, within_token_cap
 from models.eagle3 import default_aux_layers
 from models.engine_hidden import (
     LOCK_SUFFIX,
@@ -189,7 +189,7 @@ async def capture_with_engine(job: CaptureJob, engine: EngineSettings, shared_di
     ids_wanted = engine_layer_ids(aux_layers, shape.num_layers)
 
     existing = [shard_metadata(p) for p in list_shards(out_dir)]
-    _check_compatible(existing, out_dir, shape.hidden_size, aux_layers, dtype)
+    check_compatible(existing, out_dir, shape.hidden_size, aux_layers, dtype)
     done_keys = {(s["dataset"], s["id"]) for m in existing for s in m["samples"]}
     samples, parts, no_loss = load_records(job.datasets, None)
     pending = within_token_cap([s for s in samples if (s.dataset, s.id) not in done_keys], job.max_tokens)

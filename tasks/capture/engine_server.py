@@ -3,7 +3,7 @@
 The command gets this capture's extraction config filled in ({speculative_config}, {kv_transfer_config}:
 the layer ids the capture reads and its shared_dir), so the server cannot extract other layers than
 the capture expects. The server is waited for on vLLM's /health, stopped (its whole process group)
-when the stage ends, fails or is cancelled -- tasks/processes.py's `ServerProcess` and `_serving`.
+when the stage ends, fails or is cancelled -- tasks/processes.py's `ServerProcess` and `serving`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 
 from models.engine_hidden import extraction_config
 from tasks.capture.engine import VLLMClient
-from tasks.processes import ServerProcess, _serving, fill_placeholders
+from tasks.processes import ServerProcess, serving, fill_placeholders
 from tasks.sglang_client import RetryPolicy, ServerOutage
 
 
@@ -77,4 +77,4 @@ def launched_engine(launch: str, url: str, *, target: str, aux_layers: list[int]
         raise RuntimeError(f"something already answers at {url}: stop it (an old server would be used instead of the one this "
                            "capture starts) or set capture.engine.launch: none to use it")
     log_path = None if log_dir is None else log_dir / "capture-server.log"
-    return _serving([EngineProcess(words, url, log_path=log_path)], health_timeout_s)
+    return serving([EngineProcess(words, url, log_path=log_path)], health_timeout_s)
