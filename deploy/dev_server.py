@@ -10,6 +10,11 @@ the real model behind them:
   grammars, ...) are refused (400) unless they have their no-op values.
 - ``GET /health_generate`` is a 1-token probe through the batcher.
 
+vLLM's hidden-state extraction (``--speculative-config`` / ``--kv-transfer-config``, vLLM's flags with
+``extract_hidden_states`` and ``ExampleHiddenStatesConnector``): the server also answers vLLM's
+``POST /v1/completions`` for token-id prompts and writes the connector's safetensors files, so the
+capture's vLLM backend runs against the tiny target (``deploy/vllm_extract.py``).
+
 Deliberate differences from SGLang: ``cached_tokens`` is always 0 (no prefix cache).
 ``max_new_tokens: 0`` returns at once with no tokens and finish ``length`` 0, without running
 the model.
@@ -58,6 +63,7 @@ import torch.nn.functional as F
 from fastapi import FastAPI, Request
 
 from deploy import sglang_protocol as sglang
+from deploy import vllm_extract
 from deploy.sglang_protocol import SamplingParams
 from models.spec_eval import speculative_decode
 
@@ -520,12 +526,15 @@ def create_app(
     model_name: str | None = None,
     num_threads: int | None = None,
     speculative: Speculative | None = None,
+    extraction: vllm_extract.Extraction | None = None,
 ) -> FastAPI:
     """Load the tokenizer and model (float32, eval) and build the FastAPI app.
 
     `speculative`: serve with that EAGLE-3 draft (module docstring), loaded in float32 as the
     eval loads it (`load_exported_draft`); like SGLang, a draft whose hidden size is the target's
     takes the target's input embedding.
+
+    `extraction`: also serve vLLM's hidden-state extraction (deploy/vllm_extract.py).
 
     `num_threads` sets torch's process-wide intra-op threads; None leaves them as they are
     (`serve` picks a value for a dedicated process).
@@ -565,6 +574,9 @@ def create_app(
     app = sglang.create_sglang_app(backend, title="eagle3 SGLang-compatible dev server", version=VERSION,
                                    lifespan=lifespan)
     app.state.engine = engine
+    if extraction is not None:
+        app.include_router(vllm_extract.router(vllm_extract.Extractor(
+            model, tokenizer, extraction, context_length=context_len, served_model_name=model_name or str(model_dir))))
     return app
 
 
@@ -604,7 +616,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speculative-num-steps", type=int, default=None, help="draft tokens proposed per round")
     ap.add_argument("--speculative-eagle-topk", type=int, default=None, help="must be 1 (chain)")
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="must be num-steps + 1")
+    ap.add_argument("--speculative-config", "--speculative_config", default=None,
+                    help="vLLM's flag: JSON with method extract_hidden_states and the layer ids (deploy/vllm_extract.py)")
+    ap.add_argument("--kv-transfer-config", "--kv_transfer_config", default=None,
+                    help="vLLM's flag: JSON with kv_connector ExampleHiddenStatesConnector and its shared_storage_path")
+    ap.add_argument("--no-enable-chunked-prefill", action="store_true", help="accepted for vLLM's command line (no chunking here)")
     args = ap.parse_args(argv)
+    try:
+        extraction = vllm_extract.Extraction.from_flags(args.speculative_config, args.kv_transfer_config)
+    except ValueError as exc:
+        ap.error(str(exc))
     try:
         speculative = Speculative.from_flags(
             draft_model_path=args.speculative_draft_model_path, algorithm=args.speculative_algorithm,
@@ -615,7 +636,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper())
     serve(args.model, args.host, args.port, log_level=args.log_level, num_threads=args.num_threads,
           context_length=args.context_length, max_batch_size=args.max_batch_size, model_name=args.model_name,
-          speculative=speculative)
+          speculative=speculative, extraction=extraction)
 
 
 if __name__ == "__main__":

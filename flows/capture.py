@@ -1,4 +1,4 @@
-"""Flow `capture`: the target's aux and final hidden states for every record, by a DeepSpeed job."""
+"""Flow `capture`: the target's aux and final hidden states for every record, by a DeepSpeed job or a vLLM server."""
 
 from __future__ import annotations
 
@@ -7,36 +7,53 @@ from pathlib import Path
 from prefect import flow
 
 from flows.config import RunConfig, load_config, save_run_config
-from models.jobs import CaptureJob, CaptureSettings
-from tasks.capture.plan import capture_layers, target_shape
-from tasks.capture.tasks import capture_retryable, index_hidden_states, plan_capture_task, run_capture_job
+from models.jobs import CaptureJob, CaptureSettings, EngineSettings
+from tasks.capture.engine_server import launched_engine
+from tasks.capture.plan import EngineWindow, capture_layers, target_shape
+from tasks.capture.tasks import (
+    capture_retryable,
+    index_hidden_states,
+    plan_capture_task,
+    run_capture_job,
+    run_engine_capture,
+)
 from tasks.run_lock import run_lock
 
 
 @flow(name="capture", flow_run_name="capture {config_path}")
 def capture(config_path: str) -> dict:
-    """Stage 3: plan the disk, run the ranks, index the shards."""
+    """Stage 3: plan the disk, run the ranks (or the vLLM server), index the shards."""
     config = load_config(config_path)
     with run_lock(config.run_dir, "capture"):  # one writer per run directory
         save_run_config(config)
         shape = target_shape(config.target.path, config.target.trust_remote_code)
         records_dirs = [config.run_dir / "records" / d.name for d in config.datasets]
         c = config.capture
-        plan = plan_capture_task(records_dirs, config.hidden_dir, shape, c.dtype, c.disk_margin, c.max_tokens)
+        engine = EngineWindow(config.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
+        plan = plan_capture_task(records_dirs, config.hidden_dir, shape, c.dtype, c.disk_margin, c.max_tokens, engine)
         aux_layers = capture_layers(shape.num_layers, c.aux_layers)
         speed = 0.0
+        # a crashed or killed rank (or a vLLM outage) is retried (the retry resumes); capture_retryable says which failures
+        retried = dict(retries=c.retries, retry_delay_seconds=c.retry_delay_s, retry_condition_fn=capture_retryable)
+        if c.backend == "vllm" and plan.tokens_todo:
+            e = c.engine
+            with launched_engine(e.launch, e.url, target=config.target.path, aux_layers=aux_layers, num_layers=shape.num_layers,
+                                 shared_dir=config.engine_dir, command=e.command, log_dir=config.run_dir / "logs",
+                                 health_timeout_s=e.health_timeout_s):
+                speed = run_engine_capture.with_options(**retried)(
+                    capture_job(config, aux_layers), EngineSettings(**e.pick(EngineSettings)), config.engine_dir,
+                    Path(config_path).stem, c.max_tokens)
         # Several nodes: always launched, since the other nodes' `eagle3 node` joins every launch (ranks with nothing to do exit at once).
-        if plan.tokens_todo or config.distributed.multinode:
-            # a crashed or killed rank is retried (the retry resumes); capture_retryable says which failures
-            capture_task = run_capture_job.with_options(retries=c.retries, retry_delay_seconds=c.retry_delay_s, retry_condition_fn=capture_retryable)
-            speed = capture_task(capture_job(config, aux_layers), config.job_file("capture"), c.num_gpus, c.launcher, Path(config_path).stem,
-                                 c.max_tokens, nodes=config.distributed)
+        elif c.backend == "deepspeed" and (plan.tokens_todo or config.distributed.multinode):
+            speed = run_capture_job.with_options(**retried)(
+                capture_job(config, aux_layers), config.job_file("capture"), c.num_gpus, c.launcher, Path(config_path).stem,
+                c.max_tokens, nodes=config.distributed)
         metadata = {"target": config.target.path, "hidden_size": shape.hidden_size, "num_layers": shape.num_layers, "aux_layers": aux_layers, "dtype": plan.dtype}
         return index_hidden_states(config.hidden_dir, metadata, speed, Path(config_path).stem)
 
 
 def capture_job(config: RunConfig, aux_layers: list[int]) -> CaptureJob:
-    """The job every rank reads (models/capture.py); the job task states its max_tokens per attempt."""
+    """The job every rank reads (models/capture.py), and the vLLM capture's; the job task states its max_tokens per attempt."""
     c = config.capture
     return CaptureJob(
         **{**c.pick(CaptureSettings), "aux_layers": aux_layers}, target_path=config.target.path,

@@ -25,11 +25,16 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 @app.command()
 def demo(
     run_dir: Optional[Path] = typer.Option(None, help="Where the demo run goes (default: runs/demo in the repository)."),
+    capture_backend: str = typer.Option("deepspeed", "--capture-backend", metavar="deepspeed|vllm",
+                                        help="vllm: capture through the dev server's emulation of vLLM's hidden-state extraction."),
 ) -> None:
     """Run the pipeline on the embedded default: tiny target, dev server, sample data."""
     from flows.demo import run_demo
 
-    run_demo(run_dir=run_dir, console=console)
+    if capture_backend not in ("deepspeed", "vllm"):
+        err.print(f"[red]error:[/red] --capture-backend must be deepspeed or vllm, got {escape(capture_backend)!r}", highlight=False)
+        raise typer.Exit(2)
+    run_demo(run_dir=run_dir, console=console, capture_backend=capture_backend)
 
 
 @app.command()

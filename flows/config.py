@@ -20,6 +20,7 @@ from models.jobs import (
     CaptureSettings,
     DatasetRecords,
     EngineEvalSettings,
+    EngineSettings,
     EvalSettings,
     GenerateSettings,
     Nodes,
@@ -219,8 +220,58 @@ class DistributedConfig(Nodes, Section):
     """
 
 
+class EngineConfig(EngineSettings, Section):
+    """capture.backend: vllm: the vLLM server that extracts hidden states, and who runs it (docs/kimi-k25.md)."""
+
+    launch: Literal["none", "dev", "command"] = Field(
+        default="none",
+        description="Who runs the vLLM server during the capture stage. `none`: it is already running at `url`, started "
+        "with the extraction config the capture logs (and docs/kimi-k25.md shows). `dev`: the built-in dev server emulates "
+        "it on the target (demo, tests). `command`: the pipeline starts `command`, waits for /health, and stops it after.",
+    )
+    command: list[str] | None = Field(
+        default=None,
+        description="launch: command: the vLLM command as a list of arguments; its log goes to RUN_DIR/logs/capture-server.log. "
+        "Placeholders: {host}, {port} (from url), {speculative_config} and {kv_transfer_config} (the extraction config "
+        "as JSON, with the layer ids and shared_dir this capture reads), {shared_dir}.",
+    )
+    health_timeout_s: float = Field(
+        default=3600.0, gt=0, description="How long to wait for the server's /health at the start (a 1T model loads for many minutes).",
+    )
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _command_words(cls, value: Any) -> Any:
+        if isinstance(value, list):  # YAML reads `--tensor-parallel-size, 8` as a number
+            return [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
+        return value
+
+    @model_validator(mode="after")
+    def _command_for_launch(self) -> EngineConfig:
+        if self.launch == "command" and not self.command:
+            raise ValueError("launch: command needs `command` (e.g. [vllm, serve, MODEL, --port, '{port}', "
+                             "--speculative-config, '{speculative_config}', --kv-transfer-config, '{kv_transfer_config}'])")
+        for word in self.command or []:
+            for name in re.findall(r"{([a-z_]+)}", word):
+                if name not in ENGINE_PLACEHOLDERS:
+                    raise ValueError(f"command word {word!r}: unknown placeholder {{{name}}}; known: "
+                                     + ", ".join("{" + p + "}" for p in ENGINE_PLACEHOLDERS))
+        return self
+
+
+ENGINE_PLACEHOLDERS = ("host", "port", "speculative_config", "kv_transfer_config", "shared_dir")
+
+
 class CaptureConfig(CaptureSettings, LaunchConfig):
-    """The DeepSpeed job that captures the target's hidden states for every training record."""
+    """The capture of the target's hidden states for every training record: a DeepSpeed job, or a vLLM server."""
+
+    backend: Literal["deepspeed", "vllm"] = Field(
+        default="deepspeed",
+        description="`deepspeed`: ranks run the HF target (mode, num_gpus, launcher; small and medium targets, the demo). "
+        "`vllm`: a vLLM server running the target (INT4 Kimi-K2.5 on 8 GPUs needs no BF16 copy) extracts them; see `engine`. "
+        "Both write the same shards, index and metadata.",
+    )
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="backend: vllm: the server and how to reach it.")
 
     max_tokens: int | None = Field(
         default=None, ge=1, description="Capture at most this many tokens in total (one way to fit a disk: the remaining records are not captured)."
@@ -353,6 +404,8 @@ class RunConfig(Section):
             out.distributed.hostfile = _absolute(out.distributed.hostfile, base)
         if out.capture.nvme_path is not None:
             out.capture.nvme_path = _absolute(out.capture.nvme_path, base)
+        if out.capture.engine.shared_dir is not None:
+            out.capture.engine.shared_dir = _absolute(out.capture.engine.shared_dir, base)
         for dataset in out.datasets:
             dataset.path = _absolute(dataset.path, base)
         if out.target.build_tiny_target or not _looks_like_hub_id(out.target.path):
@@ -363,6 +416,11 @@ class RunConfig(Section):
     def hidden_dir(self) -> Path:
         """Where the capture stage writes hidden states."""
         return self.capture.out_dir or self.run_dir / "hidden"
+
+    @property
+    def engine_dir(self) -> Path:
+        """Where the vLLM connector writes its per-request files (capture.backend: vllm)."""
+        return self.capture.engine.shared_dir or self.run_dir / "engine"
 
     def dataset_records(self) -> list[DatasetRecords]:
         """Every dataset's records directory (RUN_DIR/records/<name>), as the capture, train and eval jobs name them."""
@@ -501,6 +559,7 @@ def _directory_problems(config: RunConfig) -> list[str]:
         "run_dir": config.run_dir,
         "capture.out_dir": config.capture.out_dir,
         "capture.nvme_path": config.capture.nvme_path,
+        "capture.engine.shared_dir": config.capture.engine.shared_dir,
         "train.out_dir": config.train.out_dir,
     }
     for key, path in settings.items():

@@ -30,14 +30,22 @@ def demo_config(run_dir: Path | None = None) -> RunConfig:
     return config
 
 
-def run_demo(run_dir: Path | None = None, console: Console | None = None, target_dir: Path | None = None) -> RunConfig:
-    """Run the whole pipeline as one Prefect flow run on the sample data (dev server on a free port), print the results."""
+def run_demo(run_dir: Path | None = None, console: Console | None = None, target_dir: Path | None = None,
+             capture_backend: str = "deepspeed") -> RunConfig:
+    """Run the whole pipeline as one Prefect flow run on the sample data (dev server on a free port), print the results.
+
+    `capture_backend` "vllm": the capture stage starts the dev server with vLLM's extraction flags instead of DeepSpeed ranks.
+    """
     console = console or Console()
     config = demo_config(run_dir)
     if target_dir is not None:
         config.target.path = str(target_dir)
     config.server.launch = "dev"
     config.server.url = f"http://127.0.0.1:{free_port()}"
+    if capture_backend == "vllm":
+        config.capture.backend = "vllm"
+        config.capture.engine.launch = "dev"
+        config.capture.engine.url = f"http://127.0.0.1:{free_port()}"
     config_path = config.run_dir / "demo-config.yaml"  # the resolved demo config, as the flow's input
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(dump_config(config))

@@ -7,7 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flows.config import RunConfig
-from tasks.capture.plan import DiskTooSmall, check_fits, human_bytes, plan_capture, target_shape
+from tasks.capture.plan import DiskTooSmall, EngineWindow, check_fits, human_bytes, plan_capture, target_shape
 from tasks.capture.tasks import captured_tokens, last_throughput
 from tasks.checkpoints import summarize
 from tasks.records.build import summarize_records
@@ -39,9 +39,11 @@ def print_plan(config: RunConfig, console: Console) -> bool:
         )
         return True
     c = config.capture
+    engine = EngineWindow(config.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
     plan = plan_capture(
         [config.run_dir / "records" / d for d in records], config.hidden_dir, shape, c.dtype, margin=c.disk_margin,
         max_tokens=c.max_tokens, tokens_done=captured_tokens(config.hidden_dir), tokens_per_s=last_throughput(config.hidden_dir),
+        engine=engine,
     )
     eta = f"about {plan.est_seconds / 3600:.2f} h at the last measured speed" if plan.est_seconds else "time unknown until a capture has run"
     console.print(
@@ -50,6 +52,11 @@ def print_plan(config: RunConfig, console: Console) -> bool:
         f"{human_bytes(plan.free_bytes)} free in {escape(plan.out_dir)}; {eta}",
         highlight=False,
     )
+    if plan.temp_dir is not None:
+        where = ("counted above: the shards' filesystem" if plan.temp_usable_bytes is None
+                 else f"{human_bytes(plan.temp_usable_bytes)} usable there")
+        console.print(f"capture (vllm): the connector's files take up to {human_bytes(plan.temp_bytes)} at once in "
+                      f"{escape(plan.temp_dir)} ({where})", highlight=False)
     try:
         check_fits(plan)
     except DiskTooSmall as exc:

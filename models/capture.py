@@ -300,7 +300,7 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     # The plan: identical on every rank, because every rank reads the same files before any rank
     # writes (the barrier below) and the deal is deterministic.
     existing = [shard_metadata(p) for p in list_shards(out_dir)]
-    _check_compatible(existing, out_dir, hidden_size, aux_layers, dtype)
+    check_compatible(existing, out_dir, hidden_size, aux_layers, dtype)
     done = {(s["dataset"], s["id"]) for m in existing for s in m["samples"]}
     samples, parts, no_loss = load_records(job.datasets, vocab_size)
     pending = within_token_cap([s for s in samples if (s.dataset, s.id) not in done], job.max_tokens)
@@ -417,7 +417,8 @@ def _load_target(job: CaptureJob, dist: Dist, dtype: torch.dtype, device: torch.
     return engine, engine.module
 
 
-def _check_compatible(existing: list[dict], out_dir: Path, hidden_size: int, aux_layers: list[int], dtype: torch.dtype) -> None:
+def check_compatible(existing: list[dict], out_dir: Path, hidden_size: int, aux_layers: list[int], dtype: torch.dtype) -> None:
+    """ValueError unless the shards in `out_dir` were captured with these settings (either backend writes into them)."""
     want = {"hidden_size": hidden_size, "aux_layers": aux_layers, "dtype": str(dtype).removeprefix("torch.")}
     for meta in existing[:1]:  # all shards come from runs that passed this same check
         have = {k: meta.get(k) for k in want}

@@ -382,6 +382,60 @@ class CaptureJob(CaptureSettings, RecordsRef, RankJob):
     )
 
 
+
+class EngineSettings(Spec):
+    """How the capture reaches a vLLM server that extracts hidden states (capture.backend: vllm; docs/kimi-k25.md).
+
+    The server runs the target with `speculative_config.method = extract_hidden_states` and the
+    `ExampleHiddenStatesConnector`, which writes one safetensors file per request into
+    `shared_dir`; the capture sends each record's token ids to /v1/completions with max_tokens 1,
+    reads the file the reply names, and deletes it once the shard holding the record is on disk.
+    """
+
+    url: str = Field(
+        default="http://127.0.0.1:8000",
+        description="Base URL of the vLLM server (scheme://host:port, no path; the capture adds /v1/completions).",
+    )
+    model: str | None = Field(
+        default=None, description="The served model name sent in every request; default: target.path (vLLM's default name).",
+    )
+    shared_dir: Path | None = Field(
+        default=None,
+        description="The connector's shared_storage_path: where vLLM writes a file per request, read and deleted by the "
+        "capture. Must be this machine's view of the server's directory and used by this capture alone. Default "
+        "RUN_DIR/engine; a RAM disk (/dev/shm/...) is fastest (vLLM's advice).",
+    )
+    max_concurrency: int = Field(
+        default=32, ge=1, le=4096,
+        description="Requests in flight at once; each holds a file of n x 4 x hidden x 2 bytes in shared_dir until its shard is written.",
+    )
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="Seconds one request (a prefill of one record) and the wait for its file may take.",
+    )
+    outage_window_s: float = Field(
+        default=900.0, gt=0,
+        description="How long the server may stay unreachable (connect errors, 5xx, 408, 429) before the capture fails "
+        "cleanly; a Prefect retry (capture.retries) then resumes it.",
+    )
+    api_key_env: str | None = Field(
+        default=None, description="Name of the environment variable holding the server's API key (vLLM --api-key), sent as a Bearer token.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        return server_url(value)
+
+    def api_key(self) -> str | None:
+        """The key from the environment (None when no variable is named); RuntimeError when it is not set."""
+        if self.api_key_env is None:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise RuntimeError(f"capture.engine.api_key_env names ${self.api_key_env}, which is not set in this environment")
+        return key
+
+
 # --- train ------------------------------------------------------------------------------------
 
 DRAFT_OVERRIDES = ("head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size", "rope_theta", "rms_norm_eps")

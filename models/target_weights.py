@@ -1,4 +1,4 @@
-"""Single tensors of a target checkpoint (its input embedding, its lm_head), read without loading the model.
+"""Single tensors of a target checkpoint (its input embedding, its lm_head, its final norm), read without loading the model.
 
 The draft needs two frozen pieces of a target that may be a 1T-parameter MoE: the input embedding
 (the draft embeds tokens with it) and the lm_head (target logits are recomputed from the stored
@@ -79,3 +79,20 @@ def load_target_tensors(target_path: str | Path, *, tie_word_embeddings: bool = 
 def _read(path: Path, name: str) -> torch.Tensor:
     with safe_open(str(path), framework="pt") as f:
         return f.get_tensor(name)
+
+
+def load_final_norm(target_path: str | Path) -> torch.Tensor:
+    """The weight [H] of the target's final norm (`model.norm.weight`, `language_model.model.norm.weight`), as stored.
+
+    Engines that hand out the last layer's output before the final norm (vLLM's hidden-state
+    extraction) leave it to the reader; DeepSeek-V3 checkpoints also hold an MTP layer's
+    `model.layers.61.shared_head.norm.weight`, which this never picks.
+    """
+    directory = checkpoint_dir(target_path)
+    names = weight_map(directory)
+    found = [n for n in names if (n == "model.norm.weight" or n.endswith(".model.norm.weight"))
+             and not any(part in n for part in ("vision", "visual", "audio", "mm_projector"))]
+    if not found:
+        raise ValueError(f"{directory}: no *model.norm.weight tensor (the final norm) in the checkpoint")
+    name = min(found, key=len)
+    return _read(directory / names[name], name)

@@ -151,7 +151,7 @@ def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool =
     if busy:
         raise RuntimeError(f"something already answers at {', '.join(busy)}: stop it (an old server would be used "
                            f"instead of the one this run starts) or set server.launch: none to use it")
-    return _serving(servers, health_timeout_s)
+    return serving(servers, health_timeout_s)
 
 
 def fill_placeholders(word: str, values: dict[str, str]) -> str:
@@ -185,7 +185,8 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def _serving(servers: list[ServerProcess], health_timeout_s: float) -> Iterator[list[ServerProcess]]:
+def serving(servers: list[ServerProcess], health_timeout_s: float) -> Iterator[list[ServerProcess]]:
+    """Start `servers`, wait until each is healthy, yield them; stop them all on exit (SIGTERM raises here, so they are)."""
     previous = None
     if threading.current_thread() is threading.main_thread():
         def on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature

@@ -3,11 +3,18 @@
 EAGLE-3 stores, per token, three aux hidden states and the final one (4H values) in the target
 dtype, plus the token id and loss flag: for Kimi-K2.5 (H = 7168, bf16) 56 KiB a token, terabytes
 for a full run. The plan counts the tokens of the records not yet captured.
+
+Through a vLLM server (capture.backend: vllm) the connector also writes a file per request
+(n x 4 x H in the server's dtype, + int64 ids) that lives until the shard holding its record is on
+disk: at most the writer's window (shard_tokens + one record) plus the `max_concurrency` requests in
+flight, counted here with the longest records (`EngineWindow`). On the shards' filesystem that room
+is added to what the capture needs; elsewhere (a RAM disk) it is checked against that filesystem.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +37,15 @@ class TargetShape:
     dtype: str  # the checkpoint's torch dtype name
 
 
+@dataclass(frozen=True)
+class EngineWindow:
+    """capture.backend: vllm: where the connector's files go and what bounds how many exist at once."""
+
+    shared_dir: Path
+    max_concurrency: int
+    shard_tokens: int
+
+
 @dataclass
 class CapturePlan:
     tokens_total: int  # tokens of all records (upper bound: trailing non-loss tokens are trimmed)
@@ -43,10 +59,17 @@ class CapturePlan:
     dtype: str
     hidden_size: int
     est_seconds: float | None  # from a previous capture's throughput, when known
+    temp_bytes: int = 0  # vLLM connector files at most on disk at once (0: DeepSpeed backend)
+    temp_dir: str | None = None  # where they go
+    temp_usable_bytes: int | None = None  # free space there less the margin, when not the shards' filesystem
+
+    @property
+    def temp_fits(self) -> bool:
+        return self.temp_usable_bytes is None or self.temp_bytes <= self.temp_usable_bytes
 
     @property
     def fits(self) -> bool:
-        return self.bytes_needed <= self.usable_bytes
+        return self.bytes_needed <= self.usable_bytes and self.temp_fits
 
     def to_dict(self) -> dict:
         return {**asdict(self), "fits": self.fits}
@@ -81,20 +104,35 @@ def capture_layers(num_layers: int, override: list[int] | None) -> list[int]:
 def plan_capture(
     records_dirs: list[Path], out_dir: Path, shape: TargetShape, dtype: str, *, margin: float,
     max_tokens: int | None = None, tokens_done: int = 0, tokens_per_s: float | None = None,
+    engine: EngineWindow | None = None,
 ) -> CapturePlan:
-    """Bytes the capture still needs against the free space of `out_dir`'s filesystem."""
+    """Bytes the capture still needs against the free space of `out_dir`'s filesystem (and of the connector's)."""
     dtype = shape.dtype if dtype == "auto" else dtype
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"cannot plan for dtype {dtype!r}; set capture.dtype to one of {', '.join(DTYPE_BYTES)}")
-    total = sum(summarize_records(d).tokens for d in records_dirs)
+    reports = [summarize_records(d) for d in records_dirs]
+    total = sum(r.tokens for r in reports)
     todo = max(0, (min(total, max_tokens) if max_tokens else total) - tokens_done)
     per_token = 4 * shape.hidden_size * DTYPE_BYTES[dtype] + ID_BYTES
-    free = shutil.disk_usage(_existing_parent(out_dir)).free
+    out_fs = _existing_parent(out_dir)
+    free = shutil.disk_usage(out_fs).free
+    needed, temp_bytes, temp_usable = todo * per_token, 0, None
+    if engine is not None and todo:
+        longest = sorted((n for r in reports for n in r.lengths), reverse=True)
+        window = engine.shard_tokens + sum(longest[: engine.max_concurrency]) + (longest[0] if longest else 0)
+        # the server's activations: the checkpoint's dtype (bf16 for Kimi), float32 when it says none
+        temp_bytes = min(window, todo) * (4 * shape.hidden_size * DTYPE_BYTES.get(shape.dtype, 4) + 8)
+        temp_fs = _existing_parent(engine.shared_dir)
+        if os.stat(temp_fs).st_dev == os.stat(out_fs).st_dev:
+            needed += temp_bytes
+        else:
+            temp_usable = int(shutil.disk_usage(temp_fs).free * (1 - margin))
     return CapturePlan(
         tokens_total=total, tokens_done=tokens_done, tokens_todo=todo, bytes_per_token=per_token,
-        bytes_needed=todo * per_token, free_bytes=free, usable_bytes=int(free * (1 - margin)),
+        bytes_needed=needed, free_bytes=free, usable_bytes=int(free * (1 - margin)),
         out_dir=str(out_dir), dtype=dtype, hidden_size=shape.hidden_size,
         est_seconds=todo / tokens_per_s if tokens_per_s else None,
+        temp_bytes=temp_bytes, temp_dir=str(engine.shared_dir) if engine is not None else None, temp_usable_bytes=temp_usable,
     )
 
 
@@ -102,6 +140,12 @@ def check_fits(plan: CapturePlan) -> None:
     """Raise DiskTooSmall with the figures and the ways out when the plan does not fit."""
     if plan.fits:
         return
+    if not plan.temp_fits:
+        raise DiskTooSmall(
+            f"the vLLM connector's files need up to {human_bytes(plan.temp_bytes)} at once in {plan.temp_dir} (the records "
+            f"in flight and the shard being filled, the longest first) but it has {human_bytes(plan.temp_usable_bytes or 0)} "
+            "after the margin. Ways out: a lower capture.engine.max_concurrency or capture.shard_tokens; "
+            "capture.engine.shared_dir on a bigger filesystem.")
     fit_tokens = plan.usable_bytes // plan.bytes_per_token
     raise DiskTooSmall(
         f"the capture needs {human_bytes(plan.bytes_needed)} ({plan.tokens_todo:,} tokens x "

@@ -1,4 +1,4 @@
-"""Prefect tasks of the capture stage: plan the disk, run the DeepSpeed job, index the shards.
+"""Prefect tasks of the capture stage: plan the disk, run the DeepSpeed job (or the vLLM capture), index the shards.
 
 A failed rank reports its exception in one `CAPTURE_ERROR {json}` line (models/rank_protocol.py); the
 job task raises that exception again (`rank_error`), so a full disk or a damaged file reads as one
@@ -16,14 +16,15 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from models.jobs import CaptureJob, Nodes
+from models.jobs import CaptureJob, EngineSettings, Nodes
 from models.atomic import write_atomic
 from models.file_errors import DamagedFile
 from models.hidden_shards import RESUME, iter_shard_index, list_shards, write_index
 from models.rank_protocol import CAPTURE, Message
 from models.file_errors import WriteFailed
 from tasks import launch
-from tasks.capture.plan import CapturePlan, TargetShape, check_fits, human_bytes, plan_capture
+from tasks.capture.plan import CapturePlan, EngineWindow, TargetShape, check_fits, human_bytes, plan_capture
+from tasks.sglang_client import ServerOutage
 from tasks.artifacts import artifact_key
 from tasks.launch import RankFailure, RankRefused, follow_job, rank_command, run_job, write_job
 
@@ -76,15 +77,17 @@ def capture_retryable(task: Any, task_run: Any, state: Any) -> bool:
 
     A failed write, a damaged file or a refused job (CaptureRefused) fails the same way again, so
     they fail at once; a rank that died (OOM kill, NCCL error, lost node) may well succeed, and the
-    retry resumes: complete shards are skipped.
+    retry resumes: complete shards are skipped. Likewise a vLLM server that stayed unreachable for
+    its outage window (ServerOutage); a refused record or an unusable reply file is not retried.
     """
     error = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
-    return isinstance(error, RankFailure)
+    return isinstance(error, (RankFailure, ServerOutage))
 
 
 @task(name="plan-capture", cache_policy=NO_CACHE)
 def plan_capture_task(
-    records_dirs: list[Path], out_dir: Path, shape: TargetShape, dtype: str, margin: float, max_tokens: int | None
+    records_dirs: list[Path], out_dir: Path, shape: TargetShape, dtype: str, margin: float, max_tokens: int | None,
+    engine: EngineWindow | None = None,
 ) -> CapturePlan:
     """The disk plan; refuses (DiskTooSmall) a capture that cannot fit."""
     logger = get_run_logger()
@@ -95,7 +98,7 @@ def plan_capture_task(
         speed = None
     plan = plan_capture(
         records_dirs, out_dir, shape, dtype, margin=margin, max_tokens=max_tokens,
-        tokens_done=captured_tokens(out_dir), tokens_per_s=speed,
+        tokens_done=captured_tokens(out_dir), tokens_per_s=speed, engine=engine,
     )
     logger.info(
         "capture plan: %s tokens to capture (%s done), %s needed (%s/token), %s free in %s%s",
@@ -103,6 +106,10 @@ def plan_capture_task(
         human_bytes(plan.free_bytes), out_dir,
         f", about {plan.est_seconds / 3600:.1f} h at the last measured speed" if plan.est_seconds else "",
     )
+    if plan.temp_dir is not None:
+        logger.info("capture plan: the vLLM connector's files take up to %s at once in %s%s", human_bytes(plan.temp_bytes),
+                    plan.temp_dir, " (counted above: same filesystem)" if plan.temp_usable_bytes is None
+                    else f" ({human_bytes(plan.temp_usable_bytes)} usable there)")
     check_fits(plan)
     return plan
 
@@ -142,9 +149,8 @@ def run_capture_job(job: CaptureJob, job_path: Path, num_ranks: int, launcher: s
             total_all = sum(t for _, t, _ in ranks.values())
             tokens_all = sum(k for _, _, k in ranks.values())
             percent = 100.0 * done_all / total_all if total_all else 100.0
-            rate = tokens_all / max(1e-9, time.monotonic() - started)
-            line = (f"capture: {done_all:,}/{total_all:,} samples, {tokens_all:,} tokens, {rate:,.0f} tok/s "
-                    f"({len(ranks)} of {world_size} rank(s) reporting here)")
+            line = progress_line(done_all, total_all, tokens_all, time.monotonic() - started,
+                                 f"{len(ranks)} of {world_size} rank(s) reporting here")
             update_progress_artifact(artifact, progress=round(percent, 2), description=line)
             logger.info(line)
 
@@ -154,6 +160,42 @@ def run_capture_job(job: CaptureJob, job_path: Path, num_ranks: int, launcher: s
     tokens = captured_tokens(Path(job.out_dir)) - tokens_before if nodes.multinode else sum(k for _, _, k in ranks.values())
     update_progress_artifact(artifact, progress=100.0, description=f"capture: done, {tokens:,} tokens this run")
     return tokens / max(1e-9, time.monotonic() - started)
+
+
+def progress_line(done: int, total: int, tokens: int, seconds: float, where: str) -> str:
+    """The capture artifact's description and log line, the same for either backend."""
+    return f"capture: {done:,}/{total:,} samples, {tokens:,} tokens, {tokens / max(1e-9, seconds):,.0f} tok/s ({where})"
+
+
+@task(name="capture-engine", cache_policy=NO_CACHE)
+def run_engine_capture(job: CaptureJob, engine: EngineSettings, shared_dir: Path, config_name: str,
+                       token_cap: int | None = None) -> float:
+    """Capture through the vLLM server (tasks/capture/engine.py), tracking progress like the DeepSpeed job; return tokens/s.
+
+    `token_cap` caps the whole capture as for the job: each attempt gets what is left after the complete shards.
+    """
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    from tasks.capture.engine import capture_with_engine
+
+    logger = get_run_logger()
+    if token_cap is not None:
+        job = job.model_copy(update={"max_tokens": max(0, token_cap - captured_tokens(Path(job.out_dir)))})
+    artifact = create_progress_artifact(progress=0.0, key=artifact_key("capture", config_name), description="capture: starting")
+    started = time.monotonic()
+    last_update = 0.0
+
+    def on_progress(done: int, total: int, tokens: int) -> None:
+        nonlocal last_update
+        if time.monotonic() - last_update >= 2 or done == total:
+            last_update = time.monotonic()
+            line = progress_line(done, total, tokens, time.monotonic() - started, f"vLLM at {engine.url}")
+            update_progress_artifact(artifact, progress=round(100.0 * done / total if total else 100.0, 2), description=line)
+            logger.info(line)
+
+    result = run_coro_as_sync(capture_with_engine(job, engine, shared_dir, on_progress=on_progress, logger=logger))
+    update_progress_artifact(artifact, progress=100.0, description=f"capture: done, {result['tokens']:,} tokens this run")
+    return result["tokens"] / max(1e-9, time.monotonic() - started)
 
 
 @task(name="index-hidden", cache_policy=NO_CACHE)

@@ -129,3 +129,41 @@ def test_rank_error_prefers_the_cause_over_its_peers_lost_connections(tmp_path):
     assert rank_error([peer]) is None  # an unexpected error: the launcher's RankFailure (with the output tail) stands
     refused = rank_error([error_report(ValueError("hidden holds shards captured with other settings"), 0)])
     assert isinstance(refused, CaptureRefused) and str(refused) == "capture rank 0: hidden holds shards captured with other settings"
+
+
+@pytest.mark.multiprocess
+def test_the_vllm_backend_runs_the_flow_plan_and_artifact_like_the_deepspeed_one(tmp_path, tiny_target_dir):
+    """capture.backend: vllm with the dev server's emulation launched by the flow: same summary, index, metadata, artifact."""
+    import asyncio
+
+    from rich.console import Console
+
+    from flows.config import load_config
+    from flows.plan import print_plan
+    from models.hidden_shards import done_sample_keys
+    from tasks.ports import free_port
+    from tests.flows.test_generate_flow import artifacts_by_key
+
+    engine = {"launch": "dev", "url": f"http://127.0.0.1:{free_port()}", "max_concurrency": 3, "health_timeout_s": 120}
+    config = write_run(tmp_path, tiny_target_dir, backend="vllm", engine=engine, shard_tokens=100)
+    config = config.rename(config.with_name("capture-vllm.yaml"))  # artifact keys of its own: the session shares one server
+    console = Console(record=True, width=200)
+    assert print_plan(load_config(config), console)
+    printed = console.export_text()
+    assert "capture: 400 tokens to go (0 done)" in printed and "the connector's files take up to" in printed
+
+    summary = capture(str(config))
+    run = tmp_path / "run"
+    assert summary["samples"] == 10 and summary["tokens"] == 400 and summary["tokens_per_s"] > 0
+    assert summary["aux_layers"] == [1, 3, 4] and summary["dtype"] == "float32" and summary["hidden_size"] == 128
+    assert json.loads((run / "hidden/metadata.json").read_text())["samples"] == 10
+    assert len(done_sample_keys(run / "hidden")) == 10
+    assert not list((run / "engine").iterdir()), "connector files left behind"
+    assert "POST /v1/completions" in (run / "logs/capture-server.log").read_text()
+    artifact = asyncio.run(artifacts_by_key())["capture-capture-vllm"]
+    assert artifact.type == "progress" and artifact.data == 100.0
+    console = Console(record=True, width=200)
+    assert print_plan(load_config(config), console)
+    assert "capture: 0 tokens to go (400 done)" in console.export_text()
+    # Nothing left: no server is started (its port stays free), the index and metadata are written again.
+    assert capture(str(config))["samples"] == 10

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from flows.config import CaptureConfig, EvalConfig, GenerateConfig, RecordsConfig, ServerConfig, TargetConfig, TrainConfig
+from flows.config import CaptureConfig, EngineConfig, EvalConfig, GenerateConfig, RecordsConfig, ServerConfig, TargetConfig, TrainConfig
 from models.jobs import (
     CaptureJob,
     CaptureSettings,
+    EngineSettings,
     EvalJob,
     GenerateJob,
     RecordsJob,
@@ -24,6 +25,7 @@ from tasks.launch import write_job
 # (run config section, the spec the pipeline builds from it, the settings they share: None = all in common)
 PAIRS = [
     (ServerConfig, ServerSettings, None),
+    (EngineConfig, EngineSettings, None),  # capture.engine: the vLLM server of capture.backend vllm
     (GenerateConfig, GenerateJob, None),
     (RecordsConfig, RecordsJob, None),
     (CaptureConfig, CaptureJob, None),

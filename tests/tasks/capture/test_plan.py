@@ -91,3 +91,22 @@ def test_capture_layers():
     for bad in ([1, 2], [1, 1, 2], [1, 2, 8], [-1, 2, 3]):
         with pytest.raises(ValueError, match="3 distinct"):
             capture_layers(8, bad)
+
+
+def test_the_vllm_connectors_files_are_planned_where_they_go(tmp_path, tmpfs):
+    from tasks.capture.plan import EngineWindow
+
+    d = records_dir(tmp_path, [100, 300, 600, 1000, 1000])
+    per_file_token = 4 * 7168 * 2 + 8  # the connector's bf16 [n, 4, H] + int64 ids
+    window = EngineWindow(tmp_path / "engine", max_concurrency=1, shard_tokens=10)
+    same = plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.0, engine=window)
+    assert same.temp_bytes == (10 + 1000 + 1000) * per_file_token  # the shard window (+ one record) + the longest in flight
+    assert same.bytes_needed == 3000 * 57349 + same.temp_bytes and same.temp_usable_bytes is None
+    assert plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.0, tokens_done=2900, engine=window).temp_bytes == \
+        100 * per_file_token  # never more than what is left
+    assert plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.0).temp_bytes == 0  # the DeepSpeed backend
+    with tmpfs(tmp_path / "shm", "16m") as shm:  # another filesystem, too small for the window
+        apart = plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.0, engine=EngineWindow(shm, 1, 10))
+        assert apart.bytes_needed == 3000 * 57349 and apart.temp_usable_bytes <= 16 * 2**20 and not apart.fits
+        with pytest.raises(DiskTooSmall, match="capture.engine.max_concurrency"):
+            check_fits(apart)

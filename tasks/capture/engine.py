@@ -1,0 +1,264 @@
+"""The capture through a vLLM server (capture.backend: vllm): every record's ids in, the DeepSpeed path's shards out.
+
+For each pending record (trimmed, resumable and capped exactly as models/capture.py does it) one
+`POST /v1/completions` with `prompt` = the token ids and `max_tokens: 1` makes the server run the
+prefill and write the record's hidden states to `{shared_dir}/{request_id}.safetensors`; the reply's
+`kv_transfer_params.hidden_states_path` names the file. The file is read (after the connector's
+`.lock`, models/engine_hidden.py), checked (the ids sent, [n, 4, H]), the final norm is applied to the
+last layer, and the sample goes to a `ShardWriter` -- the same shards, index and metadata as the
+DeepSpeed ranks write, so train, plan and resume cannot tell the backends apart.
+
+Exactly once: a record is in the shards once it is in a complete shard; a kill loses what the writer
+held (< shard_tokens) and those records are sent again on resume. The connector's files are deleted
+once the shard that holds their record is durable, so at any time shared_dir holds at most the
+writer's window plus the requests in flight (tasks/capture/plan.py counts them); what a killed
+capture left there is deleted at the next start (shared_dir is this capture's alone).
+
+A status means what it says (tasks/sglang_client.py): 400/413/422 refuse that record (the others
+are captured, then the stage fails naming the refused ones), 401/403/404 stop at once, connection
+errors, 408, 429 and 5xx are retried until `outage_window_s` (then `ServerOutage`, which a Prefect
+retry resumes). A reply that names no file, or a file that is missing, incomplete or of the wrong
+shape (`ExtractionFailed`), and a failed shard write (`WriteFailed`) stop the capture at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import torch
+
+from models.capture import DTYPES, check_compatible, load_records, within_token_cap
+from models.eagle3 import default_aux_layers
+from models.engine_hidden import (
+    LOCK_SUFFIX,
+    ExtractionFailed,
+    FinalNorm,
+    engine_layer_ids,
+    read_connector_file,
+    sample_rows,
+    server_flags,
+    wait_for_file,
+)
+from models.hidden_shards import ShardWriter, clean_temps, list_shards, shard_metadata, write_index
+from models.jobs import CaptureJob, EngineSettings
+from tasks.capture.plan import target_shape
+from tasks.sglang_client import (
+    AUTH_STATUS,
+    ENDPOINT_STATUS,
+    PROMPT_STATUS,
+    RETRYABLE_STATUS,
+    AuthError,
+    BadRequest,
+    RetryPolicy,
+    ServerRefused,
+    SGLangClient,
+    WrongEndpoint,
+)
+
+ENGINE_RANK = 0  # the shard names' rank: one writer, in the pipeline's process
+log = logging.getLogger("eagle3.capture.engine")
+
+
+class RecordsRefused(ValueError):
+    """The server refused some records (HTTP 400/413/422); every other record was captured."""
+
+    def __init__(self, refused: list[tuple[str, str, int, str]]):
+        self.refused = refused
+        first = "; ".join(f"{ds}/{rid} ({n} tokens): {why}" for ds, rid, n, why in refused[:3])
+        super().__init__(
+            f"the vLLM server refused {len(refused)} record(s), e.g. {first}. Every other record is captured. "
+            "Start vLLM with a larger --max-model-len (or drop the records with records.max_seq_len), then run the capture "
+            "stage again: only the refused records are sent.")
+
+    def __reduce__(self):  # Prefect pickles task exceptions into results
+        return (RecordsRefused, (self.refused,))
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The exception that stopped the workers (the others were cancelled because of it)."""
+    errors = [e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)]
+    error = errors[0] if errors else group.exceptions[0]
+    return first_error(error) if isinstance(error, BaseExceptionGroup) else error
+
+
+class VLLMClient(SGLangClient):
+    """SGLangClient's retries and status rules over vLLM's OpenAI-compatible /v1/completions and /health."""
+
+    async def extract(self, ids: list[int], model: str) -> str:
+        """Send one record's ids (max_tokens 1); the path of the hidden-state file the server wrote."""
+        body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
+
+        def parse(data: Any) -> str:
+            if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+                raise ExtractionFailed(self.base_url + "/v1/completions", f"not a completions reply: {str(data)[:200]}",
+                                       "capture.engine.url must be a vLLM server")
+            params = data.get("kv_transfer_params")
+            path = params.get("hidden_states_path") if isinstance(params, dict) else None
+            if not isinstance(path, str) or not path:
+                raise ExtractionFailed(self.base_url + "/v1/completions", f"the reply has no kv_transfer_params.hidden_states_path "
+                                       f"(kv_transfer_params: {params!r})", "Start vLLM with the extraction config this capture logs")
+            usage = data.get("usage")
+            if isinstance(usage, dict) and usage.get("prompt_tokens") not in (None, len(ids)):
+                raise ExtractionFailed(path, f"the server counted {usage['prompt_tokens']} prompt tokens for the {len(ids)} sent",
+                                       "The server rewrote the prompt (a tokenizer or template in the way?)")
+            return path
+
+        return await self._with_retries("POST", "/v1/completions", json=body, parse=parse)
+
+    async def wait_ready(self, timeout_s: float, alive: Callable[[], None] | None = None) -> None:
+        """Poll vLLM's /health until 200 (the API server answers only once the engine is up); ServerOutage after `timeout_s`."""
+        from tasks.sglang_client import ServerOutage, error_message
+
+        deadline = time.monotonic() + timeout_s
+        attempt, last = 0, "no answer yet"
+        while True:
+            if alive is not None:
+                alive()
+            try:
+                response = await self._http.get("/health", timeout=min(60.0, timeout_s))
+                if response.status_code == 200:
+                    return
+                self._raise_refused(response.status_code, error_message(response), "/health")
+                last = f"HTTP {response.status_code}: {error_message(response)}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                raise ServerOutage(f"{self.base_url} not ready after {timeout_s:.0f}s (last: {last}); is vLLM running and done loading?")
+            await asyncio.sleep(min(self.retry.delay(attempt), max(0.0, deadline - time.monotonic())))
+            attempt += 1
+
+    def _raise_refused(self, status: int, message: str, path: str) -> None:
+        url = f"{self.base_url}{path}"
+        if status in AUTH_STATUS:
+            raise AuthError(status, url, message, f"The server refused our credentials: {self.auth_hint}")
+        if status in ENDPOINT_STATUS:
+            raise WrongEndpoint(status, url, message, "capture.engine.url must be the base URL of the vLLM server "
+                                "(e.g. http://host:8000, no path) and capture.engine.model its served model name.")
+        if 400 <= status < 500 and status not in PROMPT_STATUS and status not in RETRYABLE_STATUS:
+            raise ServerRefused(status, url, message, "This status says the run, not one record, is refused.")
+
+
+@dataclass
+class _Window:
+    """The connector files of the samples the writer holds: deleted once their shard is durable."""
+
+    files: list[str] = field(default_factory=list)
+
+    def release(self) -> None:
+        for path in self.files:
+            for name in (path, path + LOCK_SUFFIX):
+                try:
+                    Path(name).unlink(missing_ok=True)
+                except OSError as e:  # a file we cannot delete only costs room in shared_dir
+                    log.warning("cannot delete %s: %s", name, e)
+        self.files = []
+
+
+def clean_connector_files(shared_dir: Path) -> int:
+    """Delete the connector files a killed capture left in `shared_dir` (its records are sent again); how many."""
+    if not shared_dir.is_dir():
+        return 0
+    n = 0
+    for p in shared_dir.iterdir():
+        if p.name.endswith((".safetensors", ".safetensors" + LOCK_SUFFIX)) and p.is_file():
+            p.unlink(missing_ok=True)
+            n += 1
+    return n
+
+
+async def capture_with_engine(job: CaptureJob, engine: EngineSettings, shared_dir: Path, *,
+                              on_progress: Callable[[int, int, int], None] = lambda done, total, tokens: None,
+                              transport: httpx.AsyncBaseTransport | None = None,
+                              logger: logging.Logger | logging.LoggerAdapter = log) -> dict[str, int]:
+    """Capture every pending record of `job` through the vLLM server; {"samples", "tokens"} captured by this call.
+
+    `on_progress(done, total, tokens)` after every sample (samples and tokens of this call).
+    """
+    out_dir = Path(job.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shared_dir.mkdir(parents=True, exist_ok=True)
+    shape = target_shape(job.target_path, job.trust_remote_code)
+    dtype = DTYPES.get(shape.dtype if job.dtype == "auto" else job.dtype, torch.float32)
+    aux_layers = default_aux_layers(shape.num_layers) if job.aux_layers is None else list(job.aux_layers)
+    ids_wanted = engine_layer_ids(aux_layers, shape.num_layers)
+
+    existing = [shard_metadata(p) for p in list_shards(out_dir)]
+    check_compatible(existing, out_dir, shape.hidden_size, aux_layers, dtype)
+    done_keys = {(s["dataset"], s["id"]) for m in existing for s in m["samples"]}
+    samples, parts, no_loss = load_records(job.datasets, None)
+    pending = within_token_cap([s for s in samples if (s.dataset, s.id) not in done_keys], job.max_tokens)
+    pending.sort(key=lambda s: (-s.length, s.dataset, s.id))  # longest first: no long straggler at the end
+    clean_temps(out_dir, ENGINE_RANK)
+    stale = clean_connector_files(shared_dir)
+    logger.info("capture (vllm %s): %d records with loss tokens (%d without, skipped), %d already captured, %d pending; "
+                "aux_layers=%s dtype=%s; the server must run with: %s%s", engine.url, len(samples), no_loss, len(done_keys),
+                len(pending), aux_layers, str(dtype).removeprefix("torch."),
+                " ".join(f"'{w}'" if w.startswith("{") else w for w in server_flags(aux_layers, shape.num_layers, shared_dir)),
+                f"; deleted {stale} connector file(s) a killed capture left" if stale else "")
+    if not pending:
+        write_index(out_dir)
+        on_progress(0, 0, 0)
+        return {"samples": 0, "tokens": 0}
+
+    norm = FinalNorm.load(job.target_path)
+    model = engine.model or job.target_path
+    total, done, tokens = len(pending), 0, 0
+    refused: list[tuple[str, str, int, str]] = []
+    window = _Window()
+    write_lock = asyncio.Lock()
+    queue = iter(pending)  # max_concurrency workers take the next record as they finish one
+    retry = RetryPolicy(outage_window_s=engine.outage_window_s)
+    on_progress(0, total, 0)
+
+    async def one(sample, writer: ShardWriter, client: VLLMClient) -> None:
+        nonlocal done, tokens
+        part = parts[sample.part]
+        ids = part.input_ids[sample.start : sample.start + sample.length]
+        try:
+            path = await client.extract(ids.tolist(), model)
+        except BadRequest as e:
+            refused.append((sample.dataset, sample.id, sample.length, e.message))
+            return
+        await asyncio.to_thread(wait_for_file, path, engine.request_timeout_s)
+        hidden = await asyncio.to_thread(read_connector_file, path, ids.tolist(), len(ids_wanted), shape.hidden_size)
+        aux, last = sample_rows(hidden, norm, dtype)
+        async with write_lock:  # one writer; a flush writes every sample the window holds
+            window.files.append(path)
+            shard = await asyncio.to_thread(
+                writer.add, sample.id, sample.dataset, torch.from_numpy(ids.copy()),
+                torch.from_numpy(part.loss_mask[sample.start : sample.start + sample.length].copy()), aux, last)
+            if shard is not None:
+                window.release()
+        done += 1
+        tokens += sample.length
+        on_progress(done, total, tokens)
+
+    async with VLLMClient(engine.url, request_timeout_s=engine.request_timeout_s, retry=retry, api_key=engine.api_key(),
+                          max_connections=engine.max_concurrency, transport=transport, logger=logger,
+                          auth_hint="set capture.engine.api_key_env to the variable holding vLLM's --api-key.") as client:
+        writer = ShardWriter(out_dir, ENGINE_RANK, job.shard_tokens, aux_layers=aux_layers)
+
+        async def worker() -> None:
+            for sample in queue:
+                await one(sample, writer, client)
+
+        try:
+            async with asyncio.TaskGroup() as group:  # the first failure cancels the other workers
+                for _ in range(min(engine.max_concurrency, total)):
+                    group.create_task(worker())
+        except BaseExceptionGroup as group_error:
+            raise first_error(group_error) from None
+        # Only after every request succeeded or was refused: on a failure what the writer holds is
+        # not written (it is captured again on resume), as with the DeepSpeed ranks.
+        if writer.flush() is not None:
+            window.release()
+    write_index(out_dir)
+    if refused:
+        raise RecordsRefused(sorted(refused))
+    return {"samples": done, "tokens": tokens}
