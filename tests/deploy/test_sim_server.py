@@ -223,7 +223,9 @@ def test_abort_returns_a_deterministic_prefix_and_counts_the_waste(make_server):
                     c.post("/generate", json={"input_ids": ids, "sampling_params": params, "rid": rid})
                 )
 
-            running, waiting = post(PROMPT, "long"), post([9], "queued")
+            running = post(PROMPT, "long")  # in the slot before the second arrives (sent together, either may come first)
+            await poll(lambda: srv.stats.running == 1)
+            waiting = post([9], "queued")
             await poll(lambda: srv.stats.in_flight == 2)
             await poll(lambda: srv.snapshot().busy_slot_s >= 0.05)  # >= 5 tokens generated
             assert (await c.post("/abort_request", json={"rid": "queued"})).status_code == 200
