@@ -155,6 +155,14 @@ class SamplingConfig(Section):
     stop_token_ids: list[int] | None = Field(
         default=None, description="Token ids that end a response (kept in output_ids). Default: the target tokenizer's eos token."
     )
+    seed: int | None = Field(
+        default=None,
+        ge=0,
+        description="Makes sampling repeatable: each /generate request gets SGLang's `sampling_seed`, derived from "
+        "(seed, dataset, prompt id), so a prompt's response does not depend on the order or concurrency it was sent "
+        "with. SGLang honours it only when the server runs with --enable-deterministic-inference (see the README); "
+        "the dev server always does. None: the server draws its own randomness.",
+    )
 
     @field_validator("top_k")
     @classmethod

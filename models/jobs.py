@@ -237,6 +237,9 @@ class GenerateJob(GenerateSettings):
 
     dataset: str
     sampling_params: dict[str, Any] = Field(description="SGLang sampling_params sent with every request.")
+    sampling_seed: int | None = Field(
+        default=None, description="sampling.seed: each request's sampling_seed is derived from it, the dataset and the prompt id."
+    )
     token_budget: int | None = Field(default=None, description="Completion tokens this dataset may spend; None: no limit.")
     max_prompts: int | None = Field(default=None, description="Use at most this many prompts (file order).")
     max_requeues: int = Field(default=2, ge=0, description="A request the server aborted on its own is sent again this often.")
