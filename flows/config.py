@@ -349,6 +349,7 @@ class RunConfig(Section):
             out.capture.nvme_path = _absolute(out.capture.nvme_path, base)
         for dataset in out.datasets:
             dataset.path = _absolute(dataset.path, base)
+        out.eval.prompt_files = [_absolute(f, base) for f in out.eval.prompt_files]
         if out.target.build_tiny_target or not _looks_like_hub_id(out.target.path):
             out.target.path = str(_absolute(Path(out.target.path), base))
         return out

@@ -471,7 +471,15 @@ class TrainJob(TrainSettings, AuxLayers, RecordsRef, RankJob):
 class EvalSettings(Spec):
     """`eagle3 eval`: speculative decoding with the HF target (greedy) and the exported draft on held-out prompts."""
 
-    prompts: int = Field(default=32, ge=1, description="Held-out records whose prompts are decoded.")
+    prompts: int = Field(
+        default=32, ge=1, description="Prompts decoded: held-out records' prompts first, then prompt_files' prompts, up to this many."
+    )
+    prompt_files: list[Path] = Field(
+        default_factory=list,
+        description="JSONL prompt sets for the eval beside the held-out records (e.g. data/eval/prompts.jsonl): rows "
+        "with `id` and `messages` ([{role, content}]) or `prompt` (a string), rendered with the target's chat template "
+        "and the generation prompt. Relative paths are resolved like the datasets' paths.",
+    )
     max_new_tokens: int = Field(default=128, ge=1, description="Tokens generated per prompt.")
     num_steps: int = Field(
         default=3, ge=1, le=16, description="Draft tokens per verify round (SGLang --speculative-num-steps; top-k 1, num-draft-tokens = this + 1)."
