@@ -79,16 +79,16 @@ _FORMAT_VERSION = 2
 # packed chat-rendered corpus rows, TRAIN_BATCH sequences of TRAIN_SEQ_LEN tokens a step, a linear
 # warmup then a constant rate. All of it goes into the build info, so a change rebuilds. Measured
 # (100 steps, ~10 passes over the corpus): greedy answers to the sample prompts end with <|im_end|>
-# after 14-52 tokens (21 of 26 within 96), none loops (distinct-token share >= 0.66); ~30 s on 2 cores.
+# after 14-52 tokens (21 of 26 within 96), none loops (distinct-token share >= 0.66); ~50 s on one core.
 TRAIN_STEPS = 100
 TRAIN_LR = 5e-3
 TRAIN_BATCH = 8
 TRAIN_SEQ_LEN = 256
 TRAIN_WARMUP = 20
-# Intra-op threads while training. Builds with 1 and 2 threads were measured byte-identical; a fixed
-# count still keeps a CPU matmul from splitting its reduction differently on a bigger machine, and
-# keeps the build from crawling in a caller that set one thread (the tests).
-TRAIN_THREADS = 2
+# Intra-op threads while training: one. Builds with 1 and 2 threads were measured byte-identical
+# here, but a CPU matmul may split its reduction by thread count elsewhere; and on a busy 2-core
+# machine (tests, other jobs) two threads spin-waiting for each other made a build 3-10x slower.
+TRAIN_THREADS = 1
 # The default init (std 0.02) starts from near-uniform next-token distributions; a wider lm_head
 # starts peaked, and 100 steps reach text that does not loop (measured: std 0.02 with a decaying
 # rate still looped after 180 steps).
