@@ -565,7 +565,7 @@ def default_json() -> Path:
 def main(argv: list[str] | None = None) -> int:
     args, p = parse_args(argv)
     if p.device == "cpu":
-        # This process's own math (the target's eos calibration, the records' generation) on one thread, like a
+        # This process's own math (the target's training, the records' generation) on one thread, like a
         # CPU rank: on a small busy machine, threads that spin-wait for each other make it 10-20x slower.
         import torch
 

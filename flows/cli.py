@@ -286,15 +286,17 @@ def node(
 @app.command("tiny-target")
 def tiny_target(
     out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer to."),
-    seed: int = typer.Option(0, help="Seed of the random weights."),
+    seed: int = typer.Option(0, help="Seed of the initial weights and of the training's data order."),
     num_layers: int = typer.Option(8, help="Decoder layers (at least 8, so the EAGLE-3 aux layers are distinct)."),
     hidden_size: int = typer.Option(128, help="Hidden size."),
+    train_steps: int = typer.Option(None, help="Training steps on the sample data (default: the demo's; 0: random weights)."),
 ) -> None:
-    """Build the deterministic tiny Llama target (random weights, BPE tokenizer, chat template)."""
-    from models.tiny_target import build_tiny_target
+    """Build the deterministic tiny Llama target (BPE tokenizer, chat template, briefly trained on the sample data)."""
+    from models.tiny_target import TRAIN_STEPS, build_tiny_target
 
     try:
-        path = build_tiny_target(out_dir, seed=seed, num_layers=num_layers, hidden_size=hidden_size)
+        path = build_tiny_target(out_dir, seed=seed, num_layers=num_layers, hidden_size=hidden_size,
+                                 train_steps=TRAIN_STEPS if train_steps is None else train_steps)
     except ValueError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None

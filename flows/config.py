@@ -157,6 +157,14 @@ class SamplingConfig(Section):
     stop_token_ids: list[int] | None = Field(
         default=None, description="Token ids that end a response (kept in output_ids). Default: the target tokenizer's eos token."
     )
+    seed: int | None = Field(
+        default=None,
+        ge=0,
+        description="Makes sampling repeatable: each /generate request gets SGLang's `sampling_seed`, derived from "
+        "(seed, dataset, prompt id), so a prompt's response does not depend on the order or concurrency it was sent "
+        "with. SGLang honours it only when the server runs with --enable-deterministic-inference (see the README); "
+        "the dev server always does. None: the server draws its own randomness.",
+    )
 
     @field_validator("top_k")
     @classmethod
@@ -408,6 +416,7 @@ class RunConfig(Section):
             out.capture.engine.shared_dir = _absolute(out.capture.engine.shared_dir, base)
         for dataset in out.datasets:
             dataset.path = _absolute(dataset.path, base)
+        out.eval.prompt_files = [_absolute(f, base) for f in out.eval.prompt_files]
         if out.target.build_tiny_target or not _looks_like_hub_id(out.target.path):
             out.target.path = str(_absolute(Path(out.target.path), base))
         return out

@@ -119,7 +119,7 @@ def render_eval(draft_dir: Path) -> Table:
     report = json.loads((draft_dir / "eval.json").read_text())
     k = report["num_steps"]
     table = Table(title=f"acceptance length: {k} draft tokens per round (SGLang topk 1), greedy target, "
-                        f"{report['prompts']} eval prompts", caption=f"draft: {report['draft']}\nserve: {report['sglang_command']}")
+                        f"{report['prompts']} prompts (held-out records, then eval.prompt_files)", caption=f"draft: {report['draft']}\nserve: {report['sglang_command']}")
     for column in ("draft", "acceptance length", *[f"pos {i + 1}" for i in range(k)], "rounds"):
         table.add_column(column, justify="left" if column == "draft" else "right")
     rows = [(f"{name}, measured", report[name]) for name in ("untrained", "trained") if name in report]
@@ -138,7 +138,7 @@ def render_eval(draft_dir: Path) -> Table:
 
 def _sample_table(config: RunConfig) -> Table:
     """A few generated responses per dataset, read back from the checkpoints."""
-    table = Table(title="sample responses (tiny random-weight target: gibberish by design)", show_lines=True)
+    table = Table(title="sample responses (tiny target trained a minute on the samples: it echoes sentences it has learned)", show_lines=True)
     for column in ("dataset", "id", "response", "tokens", "finish"):
         table.add_column(column, overflow="fold")
     for dataset in config.datasets:

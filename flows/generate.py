@@ -63,7 +63,7 @@ def dataset_task(config: RunConfig, index: int, paths: RunPaths, pool: ServerPoo
     settings = GenerateJob(
         **gen.pick(GenerateSettings), dataset=dataset.name, token_budget=dataset.token_budget, max_prompts=dataset.max_prompts,
         sampling_params=request_sampling_params(config.sampling.model_dump(), config.sampling.stop_token_ids or []),
-        retry_rejects=retry_rejects,
+        sampling_seed=config.sampling.seed, retry_rejects=retry_rejects,
     )
     task = generate_responses.with_options(
         retries=gen.retries,

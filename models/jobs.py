@@ -237,6 +237,9 @@ class GenerateJob(GenerateSettings):
 
     dataset: str
     sampling_params: dict[str, Any] = Field(description="SGLang sampling_params sent with every request.")
+    sampling_seed: int | None = Field(
+        default=None, description="sampling.seed: each request's sampling_seed is derived from it, the dataset and the prompt id."
+    )
     token_budget: int | None = Field(default=None, description="Completion tokens this dataset may spend; None: no limit.")
     max_prompts: int | None = Field(default=None, description="Use at most this many prompts (file order).")
     max_requeues: int = Field(default=2, ge=0, description="A request the server aborted on its own is sent again this often.")
@@ -522,7 +525,15 @@ class TrainJob(TrainSettings, AuxLayers, RecordsRef, RankJob):
 class EvalSettings(Spec):
     """`eagle3 eval`: speculative decoding with the HF target (greedy) and the exported draft on held-out prompts."""
 
-    prompts: int = Field(default=32, ge=1, description="Held-out records whose prompts are decoded.")
+    prompts: int = Field(
+        default=32, ge=1, description="Prompts decoded: held-out records' prompts first, then prompt_files' prompts, up to this many."
+    )
+    prompt_files: list[Path] = Field(
+        default_factory=list,
+        description="JSONL prompt sets for the eval beside the held-out records (e.g. data/eval/prompts.jsonl): rows "
+        "with `id` and `messages` ([{role, content}]) or `prompt` (a string), rendered with the target's chat template "
+        "and the generation prompt. Relative paths are resolved like the datasets' paths.",
+    )
     max_new_tokens: int = Field(default=128, ge=1, description="Tokens generated per prompt.")
     num_steps: int = Field(
         default=3, ge=1, le=16, description="Draft tokens per verify round (SGLang --speculative-num-steps; top-k 1, num-draft-tokens = this + 1)."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 from contextlib import contextmanager
@@ -25,11 +26,19 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The deterministic tiny target (tokenizer + Llama weights), built once per session."""
+    """The deterministic tiny target (tokenizer + trained Llama weights), the demo's, built once per test session.
+
+    Its training takes most of a minute, so the xdist workers share one build: the first to ask
+    builds it under a lock in the session's common temp dir, the others wait and reuse it.
+    """
     # Imported here so test sessions that never ask for a model do not pay for torch/transformers.
     from models.tiny_target import build_tiny_target
 
-    return build_tiny_target(tmp_path_factory.mktemp("tiny_target") / "model")
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/, above popen-gwK/
+    with open(shared / "tiny_target.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return build_tiny_target(shared / "tiny_target" / "model")
 
 
 class Tmpfs:

@@ -31,7 +31,7 @@ from tasks.generate.budget import TokenBudget
 from tasks.checkpoints import ResponseWriter, done_ids, summarize
 from tasks.datasets import PromptRow, Reject
 from tasks.parquet_io import DamagedPart
-from tasks.generate.prompts import chat_prompt_ids
+from tasks.generate.prompts import chat_prompt_ids, prompt_sampling_seed
 from tasks.rejects import settle_generate_rejects, write_rejects
 from tasks.server_pool import Lease, ServerPool
 from tasks.sglang_client import BadRequest, Completion, ServerOutage
@@ -259,10 +259,17 @@ class _Run:
         if self.in_flight:
             await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
 
+    def request_params(self, row: PromptRow) -> dict[str, Any]:
+        """The sampling_params of `row`'s request: the dataset's, plus its own sampling_seed when sampling.seed is set."""
+        params = self.settings.sampling_params
+        if self.settings.sampling_seed is None:
+            return params
+        return {**params, "sampling_seed": prompt_sampling_seed(self.settings.sampling_seed, self.settings.dataset, row.id)}
+
     async def one(self, row: PromptRow, ids: list[int], rid: str, lease: Lease, queue: deque[PromptRow], wake: asyncio.Event) -> None:
         sent = time.monotonic()
         try:
-            done = await self.pool.generate(lease, ids, self.settings.sampling_params, rid, vocab_size=self.vocab_size)
+            done = await self.pool.generate(lease, ids, self.request_params(row), rid, vocab_size=self.vocab_size)
         except BadRequest as exc:
             self.budget.discard()
             self.reject(row, f"server refused the prompt (HTTP {exc.status}): {exc.message}", "too_long" if exc.too_long else "refused")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 
@@ -32,8 +33,18 @@ def request_sampling_params(sampling: dict[str, Any], stop_token_ids: list[int])
     Special tokens are kept and the stop token is not trimmed, so `output_ids` and `text` hold the
     exact sequence the target produced, end-of-turn token included (training needs it).
     """
-    params = {k: v for k, v in sampling.items() if v is not None and k != "stop_token_ids"}
+    params = {k: v for k, v in sampling.items() if v is not None and k not in ("stop_token_ids", "seed")}
     params["stop_token_ids"] = list(stop_token_ids)
     params["skip_special_tokens"] = False
     params["no_stop_trim"] = True
     return params
+
+
+def prompt_sampling_seed(seed: int, dataset: str, prompt_id: str) -> int:
+    """SGLang `sampling_seed` for one prompt: a hash of (seed, dataset, prompt id), in [0, 2**31).
+
+    A function of the prompt alone, so its response is the same whatever else is in flight; below
+    2**31 because SGLang versions have held the seeds of a batch in an int32 tensor.
+    """
+    digest = hashlib.sha256(f"{seed}\0{dataset}\0{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF

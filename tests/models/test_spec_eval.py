@@ -338,8 +338,8 @@ def test_eos_stops_generation(target, prompts, greedy, scripted):
 def test_default_eos_is_the_targets(target, target_dir):
     """eos_token_ids=None reads the target's eos (<|im_end|>, id 1), kept as the last token; set() disables it.
 
-    Chat prompts: the tiny target's eos row is calibrated on them, so some stop at once (the
-    prefill's token) and some after a round."""
+    Sample chat prompts, which the tiny target answers with <|im_end|> after some tokens; and each
+    such prompt extended by its answer up to the eos, which stops at once (on the prefill's token)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -347,15 +347,18 @@ def test_default_eos_is_the_targets(target, target_dir):
     assert target.generation_config.eos_token_id == eos == 1
     draft = _random_draft(target)
     stops = []
-    for text in ("Hello, how are you?", "What is 2+2?", "Write a poem about the sea."):
+    for text in ("Maria has 12 apples. She gives 5 to her brother and buys 8 more. How many apples does she have now?",
+                 "A rectangle is 9 cm long and 4 cm wide. What is its area?", "What is 2+2?"):
         prompt = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                               return_dict=True)["input_ids"])
-        free = greedy_generate(target, prompt, max_new_tokens=24, eos_token_ids=set())
-        default = greedy_generate(target, prompt, max_new_tokens=24)
-        want = free[: free.index(eos) + 1] if eos in free else free
-        assert default == want
-        assert speculative_generate(target, draft, prompt, num_steps=2, max_new_tokens=24)[0] == want
-        stops.append(len(want) if eos in free else None)
+        free = greedy_generate(target, prompt, max_new_tokens=64, eos_token_ids=set())
+        for p in ([prompt, prompt + free[: free.index(eos)]] if eos in free else [prompt]):
+            free = greedy_generate(target, p, max_new_tokens=64, eos_token_ids=set())
+            default = greedy_generate(target, p, max_new_tokens=64)
+            want = free[: free.index(eos) + 1] if eos in free else free
+            assert default == want
+            assert speculative_generate(target, draft, p, num_steps=2, max_new_tokens=64)[0] == want
+            stops.append(len(want) if eos in free else None)
     assert 1 in stops and any(s and s > 1 for s in stops), stops
 
 

@@ -67,22 +67,55 @@ def _assert_same_weights(a: Path, b: Path) -> None:
 # --- builds -------------------------------------------------------------------------------------
 
 
-def test_same_seed_builds_are_identical(tiny_target_dir, tmp_path):
-    again = build_tiny_target(tmp_path / "again", seed=0)
-    assert (again / "tokenizer.json").read_bytes() == (tiny_target_dir / "tokenizer.json").read_bytes()
-    _assert_same_weights(again, tiny_target_dir)
-    for name in ("config.json", "generation_config.json", "tokenizer_config.json", "tiny_target.json"):
-        assert (again / name).read_text() == (tiny_target_dir / name).read_text(), name
+SHORT = 6  # training steps of the builds below: enough to run the training, a few seconds each
 
 
-def test_other_seed_changes_weights_not_tokenizer(tiny_target_dir, tmp_path):
-    other = build_tiny_target(tmp_path / "other", seed=1)
-    assert (other / "tokenizer.json").read_bytes() == (tiny_target_dir / "tokenizer.json").read_bytes()
-    wa, wb = load_file(tiny_target_dir / "model.safetensors"), load_file(other / "model.safetensors")
+@pytest.fixture(scope="module")
+def short_builds(tmp_path_factory) -> dict[str, Path]:
+    """Seed 0 built twice and seed 1 once, each trained SHORT steps."""
+    root = tmp_path_factory.mktemp("short_builds")
+    return {name: build_tiny_target(root / name, seed=seed, train_steps=SHORT)
+            for name, seed in (("a", 0), ("again", 0), ("other", 1))}
+
+
+def test_same_seed_builds_are_identical(short_builds, tiny_target_dir):
+    a, again = short_builds["a"], short_builds["again"]
+    _assert_same_weights(again, a)
+    for name in ("tokenizer.json", "config.json", "generation_config.json", "tokenizer_config.json", "tiny_target.json"):
+        assert (again / name).read_bytes() == (a / name).read_bytes(), name
+    # the tokenizer does not depend on the training: the same as the fully trained build's
+    assert (a / "tokenizer.json").read_bytes() == (tiny_target_dir / "tokenizer.json").read_bytes()
+    info = json.loads((a / "tiny_target.json").read_text())
+    assert info["train_steps"] == SHORT and {"train_lr", "train_batch", "train_seq_len"} <= info.keys()
+
+
+def test_training_changes_the_weights(short_builds, tiny_target_dir):
+    trained, short = load_file(tiny_target_dir / "model.safetensors"), load_file(short_builds["a"] / "model.safetensors")
+    assert trained.keys() == short.keys()
+    assert not torch.equal(trained["lm_head.weight"], short["lm_head.weight"])
+    assert json.loads((tiny_target_dir / "tiny_target.json").read_text())["train_steps"] > SHORT
+
+
+def test_other_seed_changes_weights_not_tokenizer(short_builds):
+    a, other = short_builds["a"], short_builds["other"]
+    assert (other / "tokenizer.json").read_bytes() == (a / "tokenizer.json").read_bytes()
+    wa, wb = load_file(a / "model.safetensors"), load_file(other / "model.safetensors")
     assert wa.keys() == wb.keys()
     assert not torch.equal(wa["model.embed_tokens.weight"], wb["model.embed_tokens.weight"])
     assert not torch.equal(wa["lm_head.weight"], wb["lm_head.weight"])
     assert json.loads((other / "tiny_target.json").read_text())["seed"] == 1
+
+
+def test_another_training_length_is_another_build(short_builds, tmp_path):
+    """A build with other training parameters is rebuilt, not reused."""
+    import shutil
+
+    copy = tmp_path / "t"
+    shutil.copytree(short_builds["a"], copy)
+    stamp = (copy / "model.safetensors").read_bytes()
+    build_tiny_target(copy, seed=0, train_steps=SHORT + 1)
+    assert json.loads((copy / "tiny_target.json").read_text())["train_steps"] == SHORT + 1
+    assert (copy / "model.safetensors").read_bytes() != stamp
 
 
 def test_complete_build_is_reused_and_leaves_no_temp_dirs(tiny_target_dir):
@@ -227,7 +260,7 @@ def test_forward_exposes_every_layer(tokenizer, model):
         assert h.shape == (1, len(ids), 128) and torch.isfinite(h).all()
     aux = [out.hidden_states[k + 1] for k in default_aux_layers(L)]
     assert not torch.equal(aux[0], aux[1]) and not torch.equal(aux[1], aux[2])
-    # Peaked next-token distributions (see LM_HEAD_INIT_STD): well below uniform entropy.
+    # Peaked next-token distributions (a trained model): well below uniform entropy.
     p = out.logits[0].softmax(-1)
     entropy = -(p * p.clamp_min(1e-12).log()).sum(-1).mean()
     assert entropy < 0.8 * torch.log(torch.tensor(float(len(tokenizer))))
@@ -238,6 +271,23 @@ def test_greedy_generate_is_deterministic(tokenizer, model):
     a = model.generate(ids, max_new_tokens=8, do_sample=False)
     b = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(a, b) and a.shape[1] > ids.shape[1]
+
+
+def test_trained_target_answers_in_sentences_and_ends_its_turns(tokenizer, model):
+    """Greedy answers to the sample prompts are not short loops and end with <|im_end|> at varied lengths."""
+    rows = [r for name in ("gen_code.jsonl", "gen_math.jsonl") for r in _rows(name)][::6]
+    lengths, ratios = [], []
+    for row in rows:
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        ids = torch.tensor([_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True))])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1]:].tolist()
+        lengths.append(len(out) if out[-1] == 1 else None)
+        ratios.append(len(set(out)) / len(out))  # a 1-3-token loop over 64 tokens: <= 0.05
+    ended = [n for n in lengths if n is not None]
+    assert len(ended) >= 0.8 * len(rows), lengths
+    assert len(set(ended)) >= 4 and min(ended) >= 4, lengths  # varied, and not ending at once
+    assert min(ratios) > 0.3 and sum(ratios) / len(ratios) > 0.6, ratios
 
 
 # --- sample data --------------------------------------------------------------------------------

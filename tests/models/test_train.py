@@ -278,7 +278,10 @@ def test_killed_training_resumes_with_the_same_state(tiny_target_dir, train_data
     train = [x for x in lines if x["kind"] == "train"]
     evals = [x for x in lines if x["kind"] == "eval"]
     assert [x["step"] for x in train] == list(range(1, 7))
-    assert train[-1]["loss"] < 0.8 * train[0]["loss"], [x["loss"] for x in train]
+    # it learns: 6 steps take the loss down steadily (the trained target's varied text falls ~18% here,
+    # the old random target's loops fell faster)
+    losses = [x["loss"] for x in train]
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.88 * losses[0], losses
     assert [x["step"] for x in evals] == [3, 6] and all(1.0 <= x["acceptance_length"] <= 4.0 for x in evals)
     summary = json.loads((reference / "train_summary.json").read_text())
     assert summary["steps"] == 6 and summary["eval"]["acceptance_length"] == evals[-1]["acceptance_length"]
