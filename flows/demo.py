@@ -31,13 +31,17 @@ def demo_config(run_dir: Path | None = None) -> RunConfig:
 
 
 def run_demo(run_dir: Path | None = None, console: Console | None = None, target_dir: Path | None = None,
-             capture_backend: str = "deepspeed") -> RunConfig:
+             capture_backend: str = "deepspeed", overrides: dict[str, dict] | None = None) -> RunConfig:
     """Run the whole pipeline as one Prefect flow run on the sample data (dev server on a free port), print the results.
 
     `capture_backend` "vllm": the capture stage starts the dev server with vLLM's extraction flags instead of DeepSpeed ranks.
+    `overrides`: {section: {setting: value}} over configs/demo.yaml, validated like the file (the tests' shorter demo).
     """
     console = console or Console()
     config = demo_config(run_dir)
+    for section, values in (overrides or {}).items():
+        current = getattr(config, section)
+        setattr(config, section, type(current).model_validate({**current.model_dump(), **values}))
     if target_dir is not None:
         config.target.path = str(target_dir)
     config.server.launch = "dev"

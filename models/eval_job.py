@@ -63,7 +63,8 @@ def run(job: EvalJob) -> dict[str, Any]:
         raise ValueError(f"no held-out prompts (train.eval_fraction={job.eval_fraction}): raise eval_fraction and retrain, "
                          "or the records hold no prompt before their first loss token")
     if len(prompts) < job.prompts:
-        print(f"eval: only {len(prompts)} held-out prompts (asked for {job.prompts}): raise train.eval_fraction for more", flush=True)
+        print(f"eval: only {len(prompts)} prompts (asked for {job.prompts}): raise train.eval_fraction or add eval.prompt_files "
+              "for more", flush=True)
 
     drafts = {"trained": trained}
     if job.compare_untrained:

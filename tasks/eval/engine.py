@@ -216,10 +216,10 @@ def engine_report(with_draft: Phase, without: Phase | None, num_steps: int, conc
 
 def compare_with_hf(engine: dict[str, Any], hf_trained: dict[str, Any]) -> dict[str, Any]:
     """The engine's per-round acceptance against the HF backend's on the same prompts, per prompt and overall."""
-    hf_rows = {row["id"]: row for row in hf_trained.get("per_prompt", [])}
-    same = [p for p in engine["per_prompt"] if p["id"] in hf_rows]
-    equal_tokens = sum(hf_rows[p["id"]]["new_tokens"] == p["completion_tokens"] for p in same)
-    equal_rounds = sum(hf_rows[p["id"]]["rounds"] == (p["spec_verify_ct"] or 0) for p in same)
+    hf_rows = {(row["source"], row["id"]): row for row in hf_trained.get("per_prompt", [])}
+    same = [(hf_rows[(p["source"], p["id"])], p) for p in engine["per_prompt"] if (p["source"], p["id"]) in hf_rows]
+    equal_tokens = sum(hf["new_tokens"] == p["completion_tokens"] for hf, p in same)
+    equal_rounds = sum(hf["rounds"] == (p["spec_verify_ct"] or 0) for hf, p in same)
     return {"prompts_compared": len(same), "same_completion_tokens": equal_tokens, "same_verify_rounds": equal_rounds,
             "hf_acceptance_length": hf_trained["acceptance_length"], "engine_per_round": engine["overall"]["per_round"],
             "equal": len(same) > 0 and equal_tokens == equal_rounds == len(same)

@@ -331,5 +331,6 @@ def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(serve_app
     rounds = [len(speculative_decode(model, draft, p, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW,
                                      eos_token_ids={tok.eos_token_id})[1]) for p in prompts]
     hf = {"acceptance_length": round(ev.acceptance_length, 4),
-          "per_prompt": [{"id": f"p{i}", "new_tokens": len(o), "rounds": r} for i, (o, r) in enumerate(zip(ev.outputs, rounds))]}
+          "per_prompt": [{"source": p.source, "id": p.id, "new_tokens": len(o), "rounds": r}
+                         for p, o, r in zip(eval_prompts, ev.outputs, rounds)]}
     assert compare_with_hf(report, hf)["equal"]

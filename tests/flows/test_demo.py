@@ -22,7 +22,11 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes of its
 
 def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     out = io.StringIO()
-    config = run_demo(run_dir=tmp_path / "run", console=Console(file=out, width=200), target_dir=tiny_target_dir)
+    # configs/demo.yaml with a shorter training and eval (the full one is `make demo`'s, ~5 minutes on 2 cores)
+    short = {"train": {"epochs": 8}, "eval": {"prompts": 24, "max_new_tokens": 32}}
+    config = run_demo(run_dir=tmp_path / "run", console=Console(file=out, width=200), target_dir=tiny_target_dir,
+                      overrides=short)
+    assert config.eval.prompts == 24 and config.eval.backend == "both"
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -72,7 +76,8 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     assert losses[-1] < losses[0]
     report = json.loads((draft / "eval.json").read_text())
     assert report["untrained"]["acceptance_length"] < 1.1
-    assert report["trained"]["acceptance_length"] > report["untrained"]["acceptance_length"] + 0.3
+    # 8 epochs: ~1.18 against 1.00 (the full demo's 20 epochs: ~1.44, README)
+    assert report["trained"]["acceptance_length"] > report["untrained"]["acceptance_length"] + 0.1
     # The training-time estimate at the eval's num_steps beside the measured value, labelled; the
     # round-weighted replay on the eval's own greedy outputs reproduces the measurement.
     est, k = report["estimates"], report["num_steps"]

@@ -50,8 +50,9 @@ def test_report_per_dataset_speedup_and_unchanged_outputs():
 def test_comparison_with_the_hf_backend_is_per_prompt():
     engine = engine_report(Phase(WITH, {}, 1, {}), None, 3, 1)
     hf = {"acceptance_length": round(17 / 6, 4),
-          "per_prompt": [{"id": "a1", "new_tokens": 10, "rounds": 4}, {"id": "a2", "new_tokens": 1, "rounds": 0},
-                         {"id": "b1", "new_tokens": 9, "rounds": 2}]}
+          "per_prompt": [{"source": "A", "id": "a1", "new_tokens": 10, "rounds": 4},
+                         {"source": "A", "id": "a2", "new_tokens": 1, "rounds": 0},
+                         {"source": "B", "id": "b1", "new_tokens": 9, "rounds": 2}]}
     c = compare_with_hf(engine, hf)
     assert c["equal"] and c["prompts_compared"] == 3 and c["engine_per_round"] == c["hf_acceptance_length"]
     hf["per_prompt"][2]["rounds"] = 3
