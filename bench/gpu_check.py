@@ -86,6 +86,7 @@ class Params:
     num_kv_heads: int = 4
     intermediate_size: int = 2816
     vocab_size: int = 2048
+    target_train_steps: int = harness.tiny_target_default("train_steps")  # the target's own training when built
     # records: the target's greedy continuations of random prompts
     prompts: int = 512
     prompt_tokens: int = 64
@@ -124,7 +125,7 @@ class Params:
                    intermediate_size=128, prompts=24, prompt_tokens=16, new_tokens=40, gen_batch=24,
                    capture_batch_tokens=2048, shard_tokens=4096, steps=6, skip_steps=2, log_every=1,
                    train_batch_tokens=512, lr=2e-3, eval_fraction=0.25, eval_prompts=2, eval_new_tokens=12,
-                   budget_s=240.0)
+                   budget_s=240.0, target_train_steps=0)  # a random target: the smoke only shows the path works
 
     @property
     def launcher(self) -> str:
@@ -332,7 +333,7 @@ def build_target(p: Params, work: Path) -> dict[str, Any]:
 
     target = build_tiny_target(work / "target", seed=p.seed, vocab_size=p.vocab_size, hidden_size=p.hidden_size,
                                num_layers=p.num_layers, num_heads=p.num_heads, num_kv_heads=p.num_kv_heads,
-                               intermediate_size=p.intermediate_size, device=p.device)
+                               intermediate_size=p.intermediate_size, train_steps=p.target_train_steps, device=p.device)
     params = 0
     for f in sorted(target.glob("*.safetensors")):
         with safe_open(f, "pt") as st:
