@@ -147,7 +147,7 @@ def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool =
     if router:
         servers.append(router_process(url, [s.url for s in servers], router_args or [],
                                       log_path=None if log_dir is None else log_dir / "router.log"))
-    busy = [s.url for s in servers if _answers(s.url)]
+    busy = [s.url for s in servers if answers(s.url)]
     if busy:
         raise RuntimeError(f"something already answers at {', '.join(busy)}: stop it (an old server would be used "
                            f"instead of the one this run starts) or set server.launch: none to use it")
@@ -176,7 +176,10 @@ def router_process(url: str, workers: list[str], extra: list[str], *, log_path: 
         # cannot bind it dies at start, so it gets a free one unless router_args name one
         command += ["--prometheus-port", str(free_port())]
     return ServerProcess(command, url, log_path=log_path)
-def _answers(url: str) -> bool:
+
+
+def answers(url: str) -> bool:
+    """Something answers HTTP at url's /health (any status): a server left running from before."""
     try:
         httpx.get(url.rstrip("/") + "/health", timeout=2.0)
         return True

@@ -160,6 +160,15 @@ class _Window:
         self.files = []
 
 
+def check_in_shared_dir(path: str, shared_dir: Path) -> None:
+    """ExtractionFailed unless the server's file lies in this capture's shared_dir: a file elsewhere is neither read
+    nor deleted (the capture deletes the files it has stored, so a wrong path must never reach that)."""
+    if not Path(path).resolve().is_relative_to(shared_dir.resolve()):
+        raise ExtractionFailed(path, f"the server wrote it outside capture.engine.shared_dir ({shared_dir}), so it is not "
+                               "read or deleted", "Start the server with the kv_transfer_config this capture logs: its "
+                               "shared_storage_path must be shared_dir, the same path where both run")
+
+
 def clean_connector_files(shared_dir: Path) -> int:
     """Delete the connector files a killed capture left in `shared_dir` (its records are sent again); how many."""
     if not shared_dir.is_dir():
@@ -225,6 +234,7 @@ async def capture_with_engine(job: CaptureJob, engine: EngineSettings, shared_di
         except BadRequest as e:
             refused.append((sample.dataset, sample.id, sample.length, e.message))
             return
+        check_in_shared_dir(path, shared_dir)
         await asyncio.to_thread(wait_for_file, path, engine.request_timeout_s)
         hidden = await asyncio.to_thread(read_connector_file, path, ids.tolist(), len(ids_wanted), shape.hidden_size)
         aux, last = sample_rows(hidden, norm, dtype)

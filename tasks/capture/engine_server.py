@@ -14,12 +14,11 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-import httpx
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from models.engine_hidden import extraction_config
 from tasks.capture.engine import VLLMClient
-from tasks.processes import ServerProcess, serving, fill_placeholders
+from tasks.processes import ServerProcess, answers, fill_placeholders, serving
 from tasks.sglang_client import RetryPolicy, ServerOutage
 
 
@@ -68,12 +67,7 @@ def launched_engine(launch: str, url: str, *, target: str, aux_layers: list[int]
         return contextlib.nullcontext()
     words = engine_command(launch, url, target=target, aux_layers=aux_layers, num_layers=num_layers,
                            shared_dir=shared_dir, command=command)
-    try:
-        httpx.get(url.rstrip("/") + "/health", timeout=2.0)
-        busy = True
-    except httpx.HTTPError:
-        busy = False
-    if busy:
+    if answers(url):
         raise RuntimeError(f"something already answers at {url}: stop it (an old server would be used instead of the one this "
                            "capture starts) or set capture.engine.launch: none to use it")
     log_path = None if log_dir is None else log_dir / "capture-server.log"

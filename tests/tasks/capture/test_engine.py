@@ -268,6 +268,20 @@ def test_unusable_reply_files_stop_with_nothing_recorded(fault, message, tiny_ta
     assert not list_shards(out) and not done_sample_keys(out)
 
 
+def test_a_file_outside_shared_dir_is_neither_read_nor_deleted(tiny_target_dir, records, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def write(path: Path, ids: list[int]) -> None:  # a usable file, but not where the capture's server must write
+        save_file({"token_ids": torch.tensor(ids), "hidden_states": torch.zeros(len(ids), 4, 128)}, str(path))
+
+    out = tmp_path / "hidden"
+    with pytest.raises(ExtractionFailed, match="outside capture.engine.shared_dir"):
+        run(job(tiny_target_dir, records, out, shard_tokens=1), engine(max_concurrency=1), tmp_path / "shared",
+            fake_server(elsewhere, write))
+    assert list(elsewhere.iterdir()) and not list_shards(out) and not done_sample_keys(out)
+
+
 def test_statuses_mean_what_they_say(tiny_target_dir, records, app, shared, tmp_path):
     calls = []
 
