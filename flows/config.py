@@ -99,10 +99,7 @@ class ServerConfig(ServerSettings, Section):
     @field_validator("command", mode="before")
     @classmethod
     def _command_words(cls, value: Any) -> Any:
-        # YAML reads `--tp, 8` as a number: every argument is a string on the command line anyway
-        if isinstance(value, list):
-            return [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
-        return value
+        return command_words(value)
 
     @model_validator(mode="after")
     def _command_for_launch(self) -> ServerConfig:
@@ -138,6 +135,13 @@ class ServerConfig(ServerSettings, Section):
 
 
 PLACEHOLDERS = ("host", "port", "replica", "gpus")
+
+
+def command_words(value: Any) -> Any:
+    """A command list with YAML's numbers (`--tp, 8`) as the strings every argument is on a command line anyway."""
+    if isinstance(value, list):
+        return [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
+    return value
 
 
 
@@ -250,9 +254,7 @@ class EngineConfig(EngineSettings, Section):
     @field_validator("command", mode="before")
     @classmethod
     def _command_words(cls, value: Any) -> Any:
-        if isinstance(value, list):  # YAML reads `--tensor-parallel-size, 8` as a number
-            return [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
-        return value
+        return command_words(value)
 
     @model_validator(mode="after")
     def _command_for_launch(self) -> EngineConfig:

@@ -27,6 +27,10 @@ class ServerProcess:
     Use as a context manager so the server is stopped on success, failure and Ctrl-C alike.
     """
 
+    client_class = SGLangClient  # what polls its health (a subclass for a vLLM server: tasks/capture/engine_server.py)
+    health_path = "/health_generate"
+    server_name = "the SGLang server"
+
     def __init__(self, command: list[str], url: str, *, log_path: Path | None = None, env: dict[str, str] | None = None):
         self.command = command
         self.url = url.rstrip("/")
@@ -60,7 +64,7 @@ class ServerProcess:
                 log.close()
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
-        """Block until /health_generate answers 200 (SGLangClient.wait_healthy); RuntimeError with the log tail
+        """Block until `health_path` answers 200 (SGLangClient.wait_healthy); RuntimeError with the log tail
         if the process dies or the time runs out."""
         assert self.process is not None, "start() first"
 
@@ -71,8 +75,8 @@ class ServerProcess:
                 )
 
         async def wait() -> None:
-            async with SGLangClient(self.url, retry=RetryPolicy(initial_s=0.05, max_s=1.0, jitter=0.0)) as client:
-                await client.wait_healthy(timeout_s, alive=alive)
+            async with self.client_class(self.url, retry=RetryPolicy(initial_s=0.05, max_s=1.0, jitter=0.0)) as client:
+                await client.wait_healthy(timeout_s, alive=alive, path=self.health_path, server=self.server_name)
 
         try:
             run_coro_as_sync(wait())

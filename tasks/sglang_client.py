@@ -337,8 +337,9 @@ class SGLangClient:
         except (httpx.HTTPError, ValueError):
             return None
 
-    async def wait_healthy(self, timeout_s: float, alive: Callable[[], None] | None = None) -> None:
-        """Poll /health_generate until it answers 200; ServerOutage after `timeout_s`.
+    async def wait_healthy(self, timeout_s: float, alive: Callable[[], None] | None = None, *, path: str = "/health_generate",
+                           server: str = "the SGLang server") -> None:
+        """Poll `path` (SGLang's /health_generate; vLLM's /health) until it answers 200; ServerOutage after `timeout_s`.
 
         `alive` is called before every poll: it raises when the server process the caller started
         has died, so a crash at start-up is reported at once, not after the whole timeout.
@@ -350,18 +351,18 @@ class SGLangClient:
             if alive is not None:
                 alive()
             try:
-                response = await self._http.get("/health_generate", timeout=min(60.0, timeout_s))
+                response = await self._http.get(path, timeout=min(60.0, timeout_s))
                 if response.status_code == 200:
                     return
                 # a wrong key or URL will not heal by waiting
-                self._raise_refused(response.status_code, error_message(response), "/health_generate")
+                self._raise_refused(response.status_code, error_message(response), path)
                 last = f"HTTP {response.status_code}: {error_message(response)}"
             except httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}: {exc}"
             if time.monotonic() >= deadline:
                 raise ServerOutage(
                     f"{self.base_url} not healthy after {timeout_s:.0f}s (last: {last}); "
-                    "is the SGLang server running and done loading?"
+                    f"is {server} running and done loading?"
                 )
             await asyncio.sleep(min(self.retry.delay(attempt), max(0.0, deadline - time.monotonic())))
             attempt += 1

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -110,28 +109,6 @@ class VLLMClient(SGLangClient):
             return path
 
         return await self._with_retries("POST", "/v1/completions", json=body, parse=parse)
-
-    async def wait_ready(self, timeout_s: float, alive: Callable[[], None] | None = None) -> None:
-        """Poll vLLM's /health until 200 (the API server answers only once the engine is up); ServerOutage after `timeout_s`."""
-        from tasks.sglang_client import ServerOutage, error_message
-
-        deadline = time.monotonic() + timeout_s
-        attempt, last = 0, "no answer yet"
-        while True:
-            if alive is not None:
-                alive()
-            try:
-                response = await self._http.get("/health", timeout=min(60.0, timeout_s))
-                if response.status_code == 200:
-                    return
-                self._raise_refused(response.status_code, error_message(response), "/health")
-                last = f"HTTP {response.status_code}: {error_message(response)}"
-            except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            if time.monotonic() >= deadline:
-                raise ServerOutage(f"{self.base_url} not ready after {timeout_s:.0f}s (last: {last}); is vLLM running and done loading?")
-            await asyncio.sleep(min(self.retry.delay(attempt), max(0.0, deadline - time.monotonic())))
-            attempt += 1
 
     def _raise_refused(self, status: int, message: str, path: str) -> None:
         url = f"{self.base_url}{path}"

@@ -14,33 +14,17 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from prefect.utilities.asyncutils import run_coro_as_sync
-
 from models.engine_hidden import extraction_config
 from tasks.capture.engine import VLLMClient
 from tasks.processes import ServerProcess, answers, fill_placeholders, serving
-from tasks.sglang_client import RetryPolicy, ServerOutage
 
 
 class EngineProcess(ServerProcess):
-    """A vLLM (or dev server) child process, ready once /health answers 200."""
+    """A vLLM (or dev server) child process, ready once vLLM's /health answers 200."""
 
-    def wait_healthy(self, timeout_s: float = 120.0) -> None:
-        assert self.process is not None, "start() first"
-
-        def alive() -> None:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the capture's server exited with code {self.process.returncode} before it was ready:\n"
-                                   f"{self.log_tail()}")
-
-        async def wait() -> None:
-            async with VLLMClient(self.url, retry=RetryPolicy(initial_s=0.05, max_s=2.0, jitter=0.0)) as client:
-                await client.wait_ready(timeout_s, alive=alive)
-
-        try:
-            run_coro_as_sync(wait())
-        except ServerOutage as e:
-            raise RuntimeError(f"{e}\n{self.log_tail()}") from None
+    client_class = VLLMClient
+    health_path = "/health"
+    server_name = "vLLM"
 
 
 def engine_command(launch: str, url: str, *, target: str, aux_layers: list[int], num_layers: int, shared_dir: Path,
