@@ -93,7 +93,8 @@ class ServerConfig(ServerSettings, Section):
     )
     router_args: list[str] = Field(
         default_factory=list,
-        description="Extra arguments for sglang_router.launch_router (e.g. [--policy, cache_aware]).",
+        description="Extra arguments for sglang_router.launch_router. Without a --policy the router gets "
+        "[--policy, round_robin]: its own default, cache_aware, may send every prompt to one worker (docs/operations.md).",
     )
 
     @field_validator("command", mode="before")

@@ -40,6 +40,9 @@ TENSORS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 INDEX_NAME = "index.parquet"
 _SHARD_RE = re.compile(r"^shard-(\d{3,})-(\d{6,})\.safetensors$")
 _TMP_PREFIX = ".shard-"
+# safetensors' save_file writes `.tmpXXXXXX` (Rust's tempfile crate) beside the target, then renames it to our
+# temp name: a kill -9 mid-write leaves one of those too
+_SAFETENSORS_TMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust I/O errors carry the errno
 RESUME = ("make room there (or give capture.out_dir a bigger disk), then run the capture stage again: "
           "complete shards are kept and skipped")
@@ -115,14 +118,18 @@ def read_sample(shard_path: str | Path, offset: int, length: int) -> dict[str, t
 
 
 def clean_temps(out_dir: str | Path, rank: int | None = None) -> int:
-    """Remove temp files a killed writer left behind (all ranks', or only `rank`'s); return how many."""
+    """Remove temp files a killed writer left behind (all ranks', or only `rank`'s); return how many.
+
+    safetensors' own `.tmpXXXXXX` files cannot be told apart by rank: they are always removed, so call
+    this only while nobody writes in `out_dir` (the run lock; the DeepSpeed ranks before their barrier).
+    """
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return 0
     prefix = _TMP_PREFIX if rank is None else f"{_TMP_PREFIX}{rank:03d}-"
     n = 0
     for p in out_dir.iterdir():
-        if p.name.startswith(prefix):
+        if p.name.startswith(prefix) or _SAFETENSORS_TMP.match(p.name):
             p.unlink(missing_ok=True)
             n += 1
     return n

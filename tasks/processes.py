@@ -179,6 +179,10 @@ def router_process(url: str, workers: list[str], extra: list[str], *, log_path: 
         # its metrics port defaults to 29000, often taken (torch.distributed uses 29500 nearby): a router that
         # cannot bind it dies at start, so it gets a free one unless router_args name one
         command += ["--prometheus-port", str(free_port())]
+    if not any(word.startswith("--policy") for word in extra):
+        # its default, cache_aware, sends prompts that share a prefix (one chat template, one system prompt) to
+        # one worker until the loads differ by 64 requests and 1.5x: below that concurrency the others stay idle
+        command += ["--policy", "round_robin"]
     return ServerProcess(command, url, log_path=log_path)
 
 

@@ -259,10 +259,13 @@ def test_temps_are_invisible_and_cleaned(tmp_path):
         w.add("a", "d", *_tensors(3))
     (tmp_path / ".shard-000-000001.safetensors.123-abcd.tmp").write_bytes(b"partial")
     (tmp_path / ".shard-001-000000.safetensors.456-abcd.tmp").write_bytes(b"partial")
+    (tmp_path / ".tmpVBB9X3").write_bytes(b"partial")  # safetensors' own temp, killed mid save_file
+    (tmp_path / ".tmp-not-ours").write_bytes(b"kept")
     assert done_sample_keys(tmp_path) == {("d", "a")}
     assert ShardWriter(tmp_path, rank=0, shard_tokens=1).next_seq == 1
-    assert clean_temps(tmp_path, rank=1) == 1
+    assert clean_temps(tmp_path, rank=1) == 2
     assert clean_temps(tmp_path) == 1
+    (tmp_path / ".tmp-not-ours").unlink()
     assert [p.name for p in tmp_path.iterdir()] == ["shard-000-000000.safetensors"]
     assert done_sample_keys(tmp_path / "missing") == set()
 
@@ -505,6 +508,7 @@ def test_killed_capture_resumes_exactly_once(mode, tiny_target_dir, records, exp
     partial = done_sample_keys(out)
     assert 0 < len(partial) < len(expected)
     (out / ".shard-000-000099.safetensors.1-dead.tmp").write_bytes(b"half a shard")
+    (out / ".tmpAb12Cd").write_bytes(b"half a shard")  # safetensors' save_file writes here first
 
     _torchrun(job)
     _check_capture(out, expected)

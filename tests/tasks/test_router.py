@@ -81,4 +81,6 @@ def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_p
     assert sorted(r["id"] for r in got) == sorted(r.id for r in rows)  # every prompt once, across the three runs
     assert rest.status == "complete"
     served = [sum(" /generate " in line for line in (logs / f"server-{i}.log").read_text().splitlines()) for i in (0, 1)]
-    assert min(served) >= 5, served  # the router spread the requests over both workers
+    # the router spread the requests evenly over both workers: the pipeline gave it --policy round_robin
+    # (its default, cache_aware, sent all 100 to one worker in a CI run: one chat template, one prefix)
+    assert min(served) >= 0.4 * sum(served), served
