@@ -24,7 +24,7 @@ from tasks.run_lock import run_lock
 def capture(config_path: str) -> dict:
     """Stage 3: plan the disk, run the ranks (or the vLLM server), index the shards."""
     config = load_config(config_path)
-    with run_lock(config.run_dir, "capture"):  # one writer per run directory
+    with run_lock(config.run_dir, "capture", also=config.written_dirs(["capture"])):  # one writer per run directory
         save_run_config(config)
         shape = target_shape(config.target.path, config.target.trust_remote_code)
         records_dirs = [config.run_dir / "records" / d.name for d in config.datasets]

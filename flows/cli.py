@@ -94,7 +94,8 @@ def _run_stages(config: Path, stages: list[str], *, retry_rejects: bool = False)
     try:
         # Taken here too (re-entrant: the flow takes it again): a second writer is refused before
         # a Prefect server starts, and no flow run is created for it.
-        with run_lock(cfg.run_dir, f"eagle3 {','.join(stages)}"):
+        with run_lock(cfg.run_dir, f"eagle3 {','.join(stages)}", also=cfg.written_dirs(stages),
+                      reads=cfg.read_dirs(stages)):
             pipeline(str(config), ",".join(stages), retry_rejects)
     except RunDirLocked as exc:
         err.print(f"[red]refused:[/red] {escape(str(exc))}", highlight=False)

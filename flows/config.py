@@ -434,6 +434,25 @@ class RunConfig(Section):
         """Where the vLLM connector writes its per-request files (capture.backend: vllm)."""
         return self.capture.engine.shared_dir or self.run_dir / "engine"
 
+    def written_dirs(self, stages: list[str]) -> list[tuple[str, Path]]:
+        """(setting, directory) for each directory `stages` write besides RUN_DIR (locked with it: tasks/run_lock.py).
+
+        Only what a stage writes: train only reads capture.out_dir (`read_dirs`: a shared lock), so several
+        runs may train drafts from one capture at once.
+        """
+        dirs = []
+        if "capture" in stages:
+            dirs.append(("capture.out_dir", self.hidden_dir))
+            if self.capture.backend == "vllm":
+                dirs.append(("capture.engine.shared_dir", self.engine_dir))
+        if "train" in stages or "eval" in stages:
+            dirs.append(("train.out_dir", self.draft_dir))
+        return dirs
+
+    def read_dirs(self, stages: list[str]) -> list[tuple[str, Path]]:
+        """(setting, directory) that `stages` only read, locked shared: no capture may write them meanwhile."""
+        return [("capture.out_dir", self.hidden_dir)] if "train" in stages and self.train.mode == "offline" else []
+
     def dataset_records(self) -> list[DatasetRecords]:
         """Every dataset's records directory (RUN_DIR/records/<name>), as the capture, train and eval jobs name them."""
         return [DatasetRecords(name=d.name, records_dir=str(self.run_dir / "records" / d.name)) for d in self.datasets]

@@ -20,7 +20,7 @@ def evaluate(config_path: str) -> dict:
     """Stage 5: decode the eval prompts with the greedy target and the draft; report the acceptance length."""
     config = load_config(config_path)
     name = Path(config_path).stem
-    with run_lock(config.run_dir, "eval"):
+    with run_lock(config.run_dir, "eval", also=config.written_dirs(["eval"])):
         save_run_config(config)
         job = eval_job(config)
         backend = config.eval.backend

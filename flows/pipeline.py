@@ -44,7 +44,9 @@ def pipeline(config_path: str, stages: str = ALL_STAGES, retry_rejects: bool = F
     """
     config = load_config(config_path)
     chosen = parse_stages(stages)
-    with run_lock(config.run_dir, f"pipeline [{','.join(chosen)}]"):  # one writer per run dir, for every stage
+    # one writer per run dir and per output dir outside it, for every stage
+    with run_lock(config.run_dir, f"pipeline [{','.join(chosen)}]", also=config.written_dirs(chosen),
+                  reads=config.read_dirs(chosen)):
         return run_stages(config_path, config, chosen, retry_rejects)
 
 

@@ -17,7 +17,8 @@ from tasks.train.tasks import report_training, retry_train_job, run_train_job
 def train(config_path: str) -> dict:
     """Stage 4: run (or resume) the training ranks, then plot and publish the metrics."""
     config = load_config(config_path)
-    with run_lock(config.run_dir, "train"):  # one writer per run directory
+    with run_lock(config.run_dir, "train", also=config.written_dirs(["train"]),
+                  reads=config.read_dirs(["train"])):  # one writer per run directory
         save_run_config(config)
         name = Path(config_path).stem
         t = config.train

@@ -1,5 +1,9 @@
 """One writer per run directory: an exclusive OS lock on RUN_DIR/.lock for as long as a stage writes.
 
+A stage that writes outside RUN_DIR (capture.out_dir, capture.engine.shared_dir, train.out_dir set to
+other paths) also locks `.lock` in each of those: two runs whose configs name one capture.out_dir would
+otherwise both write `shard-000-*` there, and the second's names would replace the first's shards.
+
 The lock is `flock(2)` on an open file, so it belongs to the process and dies with it: a kill -9
 leaves nothing stale to clean up. The holder writes who it is (host, pid, command, Prefect flow run,
 since when) into the file, so a second writer is refused at once with a message that names it.
@@ -22,7 +26,8 @@ import socket
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from collections.abc import Iterable
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,16 +38,21 @@ _guard = threading.Lock()
 
 
 class RunDirLocked(RuntimeError):
-    """Another process is writing this run directory."""
+    """Another process is writing this run directory (or an output directory of it outside RUN_DIR)."""
 
-    def __init__(self, run_dir: Path, holder: dict[str, Any]):
+    def __init__(self, run_dir: Path, holder: dict[str, Any], setting: str | None = None):
         self.run_dir = run_dir
         self.holder = holder
+        self.setting = setting
+        what = "a run directory" if setting is None else (
+            f"it ({setting} of this run; another run's config may name the same directory: give each run its own)")
         super().__init__(
-            f"{run_dir} is in use by another writer: {describe_holder(holder)}. Only one process may write a run "
-            "directory. Wait for that one to finish, or stop it (it can be resumed later); `eagle3 stats` and "
-            "`eagle3 plan` work meanwhile. If that process is gone and this message stays, the lock is held "
-            f"from another machine that mounts {run_dir} (see docs/operations.md, 'One writer per run directory')."
+            f"{run_dir}{'' if setting is None else f' ({setting})'} is in use by another "
+            f"{'reader' if holder.get('reads') else 'writer'}: {describe_holder(holder)}"
+            f"{' (the last reader to start; others may read it too)' if holder.get('reads') else ''}. "
+            f"Only one process may write {what}. Wait for that one to finish, or stop it (it can be resumed later); "
+            "`eagle3 stats` and `eagle3 plan` work meanwhile. If that process is gone and this message stays, the lock "
+            f"is held from another machine that mounts {run_dir} (see docs/operations.md, 'One writer per run directory')."
         )
 
 
@@ -54,7 +64,7 @@ def describe_holder(holder: dict[str, Any]) -> str:
     if holder.get("command"):
         bits.append(f"`{holder['command']}`")
     if holder.get("purpose"):
-        bits.append(f"writing {holder['purpose']}")
+        bits.append(f"{'reading it for' if holder.get('reads') else 'writing'} {holder['purpose']}")
     if holder.get("flow_run"):
         bits.append(f"flow run {holder['flow_run']}")
     if holder.get("since"):
@@ -72,15 +82,39 @@ def read_holder(run_dir: Path) -> dict[str, Any]:
 
 
 @contextmanager
-def run_lock(run_dir: Path | str, purpose: str) -> Iterator[None]:
-    """Hold the run directory's write lock for the block; RunDirLocked at once if someone else has it."""
-    key = Path(run_dir).resolve()
+def run_lock(run_dir: Path | str, purpose: str, also: Iterable[tuple[str, Path]] = (),
+             reads: Iterable[tuple[str, Path]] = ()) -> Iterator[None]:
+    """Hold the run directory's write lock for the block; RunDirLocked at once if someone else has it.
+
+    `also`: (setting, directory) pairs the block writes besides RUN_DIR (capture.out_dir on a bigger
+    disk, ...). Each one outside RUN_DIR gets its own `.lock`, so two runs whose configs name the same
+    output directory cannot both write it. `reads`: directories outside RUN_DIR the block only reads
+    (training from another run's capture.out_dir): a shared lock, which any number of readers hold at
+    once and which keeps a writer out until they are done (and them out while it writes).
+    """
+    root = Path(run_dir).resolve()
+    with ExitStack() as stack:
+        stack.enter_context(_locked(root, purpose, None, exclusive=True))
+        for pairs, exclusive in ((also, True), (reads, False)):
+            for setting, directory in pairs:
+                directory = Path(directory).resolve()
+                if not directory.is_relative_to(root):
+                    stack.enter_context(_locked(directory, purpose, setting, exclusive=exclusive))
+        yield
+
+
+@contextmanager
+def _locked(key: Path, purpose: str, setting: str | None, *, exclusive: bool) -> Iterator[None]:
     with _guard:
         entry = _held.get(key)
         if entry is not None:
+            if exclusive and not entry[2]:
+                # flock cannot turn a shared lock into an exclusive one atomically (it may lose it on the way):
+                # the outermost block must ask for what the inner ones write (RunConfig.written_dirs)
+                raise RuntimeError(f"{key} is locked for reading in this process; lock it for writing in the outer block")
             entry[1] += 1
         else:
-            _held[key] = [_acquire(key, purpose), 1]
+            _held[key] = [_acquire(key, purpose, setting, exclusive), 1, exclusive]
     try:
         yield
     finally:
@@ -89,38 +123,44 @@ def run_lock(run_dir: Path | str, purpose: str) -> Iterator[None]:
             entry[1] -= 1
             if entry[1] == 0:
                 del _held[key]
-                _release(entry[0])
+                _release(entry[0], entry[2])
 
 
-def _acquire(run_dir: Path, purpose: str) -> int:
+def _acquire(run_dir: Path, purpose: str, setting: str | None, exclusive: bool = True) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise RunDirLocked(run_dir, read_holder(run_dir)) from None
+        raise RunDirLocked(run_dir, read_holder(run_dir), setting) from None
     except BaseException:
         os.close(fd)
         raise
-    info = json.dumps(_holder_info(purpose)).encode()
+    _write_holder(fd, purpose, exclusive)
+    return fd
+
+
+def _write_holder(fd: int, purpose: str, exclusive: bool) -> None:
+    # Readers each write their own name and leave it: a refused writer learns the last reader to start.
+    info = json.dumps(_holder_info(purpose, reads=not exclusive)).encode()
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, info, 0)
     except OSError:  # a full disk: the lock holds all the same, only the holder's name is not shown
         pass
-    return fd
 
 
-def _release(fd: int) -> None:
-    try:
-        os.ftruncate(fd, 0)  # still ours: no one can have taken it yet
-    except OSError:
-        pass
+def _release(fd: int, exclusive: bool) -> None:
+    if exclusive:  # a reader leaves the name: other readers may still hold the lock
+        try:
+            os.ftruncate(fd, 0)  # still ours: no one can have taken it yet
+        except OSError:
+            pass
     os.close(fd)  # releases the flock
 
 
-def _holder_info(purpose: str) -> dict[str, Any]:
+def _holder_info(purpose: str, *, reads: bool = False) -> dict[str, Any]:
     info: dict[str, Any] = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -128,6 +168,8 @@ def _holder_info(purpose: str) -> dict[str, Any]:
         "purpose": purpose,
         "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+    if reads:
+        info["reads"] = True
     if "prefect" not in sys.modules:  # not in a flow run (and importing Prefect only to learn that is slow)
         return info
     try:  # inside a Prefect flow run: name it, that is what the UI shows

@@ -82,3 +82,117 @@ def test_eagle3_generate_is_refused_while_another_writer_holds_the_run_dir(holde
     assert f"refused: {run_dir} is in use by another writer: pid {proc.pid}" in " ".join(done.stderr.split())
     assert "Traceback" not in done.stderr
     assert not (run_dir / "responses").exists()  # nothing was written
+
+
+
+OUTPUT_HOLDER = (  # RUN_DIR argv[1], holding argv[3] (capture.out_dir) for writing (argv[2] == 'also') or reading
+    "import sys\n"
+    "from pathlib import Path\n"
+    "from tasks.run_lock import run_lock\n"
+    "pairs = [('capture.out_dir', Path(sys.argv[3]))]\n"
+    "with run_lock(sys.argv[1], sys.argv[4], **{sys.argv[2]: pairs}):\n"
+    "    print('held', flush=True)\n"
+    "    sys.stdin.read()\n"
+)
+
+
+@pytest.fixture
+def output_holder(tmp_path):
+    """Start other processes holding a shared capture.out_dir; all are killed at the end."""
+    started = []
+
+    def start(run: str, kind: str, shared: Path, purpose: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", OUTPUT_HOLDER, str(tmp_path / run), kind, str(shared), purpose],
+                                cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        started.append(proc)
+        assert proc.stdout.readline().strip() == "held"
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def _config(tmp_path: Path, run: str, shared: Path) -> Path:
+    config = tmp_path / f"{run}.yaml"
+    config.write_text(
+        f"run_dir: {tmp_path / run}\ntarget: {{path: {tmp_path / 'target'}}}\ncapture: {{out_dir: {shared}}}\n"
+        f"datasets: [{{name: B1, kind: generate, path: {REPO / 'data/samples/gen_code.jsonl'}}}]\n"
+    )
+    return config
+
+
+def test_a_second_run_writing_the_same_capture_out_dir_is_refused(tmp_path, output_holder):
+    # run A captures into a directory on a bigger disk; run B's config (a copy of A's) names it too
+    shared = tmp_path / "big-disk" / "hidden"
+    a = output_holder("run-a", "also", shared, "capture")
+    eagle3 = Path(sys.executable).parent / "eagle3"
+    done = subprocess.run([str(eagle3), "run", str(_config(tmp_path, "run-b", shared)), "--stages", "capture"],
+                          capture_output=True, text=True, timeout=120)
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 1, done.stderr
+    assert f"refused: {shared} (capture.out_dir) is in use by another writer: pid {a.pid}" in said
+    assert "writing capture" in said and "another run's config may name the same directory" in said
+    assert "Traceback" not in said
+    assert read_holder(tmp_path / "run-b") == {}  # B let its own run directory go again
+
+    from flows.config import load_config
+
+    b = load_config(_config(tmp_path, "run-b", shared))
+    every = ["generate", "records", "capture", "train", "eval"]
+    with pytest.raises(RunDirLocked) as caught:  # training from it while A writes: refused too
+        with run_lock(b.run_dir, "train", also=b.written_dirs(["train"]), reads=b.read_dirs(["train"])):
+            pytest.fail("a capture being written was read")
+    assert caught.value.setting == "capture.out_dir" and caught.value.holder["pid"] == a.pid
+    with pytest.raises(RunDirLocked):  # what `eagle3 run` (every stage) takes
+        with run_lock(b.run_dir, "pipeline", also=b.written_dirs(every), reads=b.read_dirs(every)):
+            pytest.fail("the shared capture.out_dir was locked twice")
+
+
+def test_runs_may_train_from_one_capture_at_once_and_a_capture_waits_for_them(tmp_path, output_holder):
+    from flows.config import load_config
+
+    shared = tmp_path / "big-disk" / "hidden"
+    b = output_holder("run-b", "reads", shared, "train")  # run B trains from the finished capture
+    c = load_config(_config(tmp_path, "run-c", shared))
+    assert c.written_dirs(["train"]) == [("train.out_dir", tmp_path / "run-c" / "draft")]
+    assert c.read_dirs(["train"]) == [("capture.out_dir", shared)]
+    with run_lock(c.run_dir, "train", also=c.written_dirs(["train"]), reads=c.read_dirs(["train"])):
+        assert read_holder(c.run_dir)["purpose"] == "train"  # C trains beside B
+    d = output_holder("run-d", "reads", shared, "train")  # and D, the last reader to start
+    for gone in (None, b):  # a capture into it now would change what they train on, while any one reads
+        if gone is not None:
+            gone.kill()
+            gone.wait()
+        with pytest.raises(RunDirLocked) as caught:
+            with run_lock(tmp_path / "run-a", "capture", also=[("capture.out_dir", shared)]):
+                pytest.fail("a capture wrote what a training run reads")
+        text = " ".join(str(caught.value).split())
+        assert f"{shared} (capture.out_dir) is in use by another reader: pid {d.pid}" in text
+        assert "reading it for train" in text and "(the last reader to start; others may read it too)" in text
+    d.kill()
+    d.wait()
+    with run_lock(tmp_path / "run-a", "capture", also=[("capture.out_dir", shared)]):  # free once the readers are gone
+        assert read_holder(shared)["purpose"] == "capture"
+    assert read_holder(shared) == {}
+
+
+def test_output_dirs_inside_the_run_dir_take_no_lock_of_their_own(tmp_path):
+    run_dir = tmp_path / "run"
+    outside = tmp_path / "elsewhere" / "draft"
+    with run_lock(run_dir, "train", also=[("capture.out_dir", run_dir / "hidden"), ("train.out_dir", outside)]):
+        assert not (run_dir / "hidden").exists()  # covered by RUN_DIR/.lock
+        assert read_holder(outside)["purpose"] == "train"
+    assert read_holder(outside) == {}  # released with the block
+
+
+def test_a_directory_read_in_this_process_cannot_be_written_by_an_inner_block(tmp_path):
+    shared = tmp_path / "hidden"
+    with run_lock(tmp_path / "run", "pipeline", also=[("capture.out_dir", shared)]):
+        with run_lock(tmp_path / "run", "train", reads=[("capture.out_dir", shared)]):  # written outside: may read
+            pass
+    with run_lock(tmp_path / "run", "train", reads=[("capture.out_dir", shared)]):
+        with pytest.raises(RuntimeError, match="locked for reading in this process"):
+            with run_lock(tmp_path / "run", "capture", also=[("capture.out_dir", shared)]):
+                pytest.fail("a shared lock was taken for writing")
