@@ -126,7 +126,7 @@ def _locked(key: Path, purpose: str, setting: str | None, *, exclusive: bool) ->
                 _release(entry[0], entry[2])
 
 
-def _acquire(run_dir: Path, purpose: str, setting: str | None, exclusive: bool = True) -> int:
+def _acquire(run_dir: Path, purpose: str, setting: str | None, exclusive: bool) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:

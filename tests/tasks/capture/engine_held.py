@@ -13,36 +13,23 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from deploy.dev_server import create_app
 from deploy.vllm_extract import Extraction
-from models import hidden_shards
 from models.engine_hidden import extraction_config
 from models.jobs import CaptureJob, EngineSettings
 from tasks.capture.engine import capture_with_engine
-
-HOLD_S = 120.0
-_flush = hidden_shards.ShardWriter.flush
-
-
-def _held_flush(self: hidden_shards.ShardWriter):
-    path = _flush(self)
-    if path is not None and len(self.written) == 1:
-        deadline = time.monotonic() + HOLD_S
-        while not (self.out_dir / ".release").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-    return path
+from tests.models.capture_held import hold_after_first_shard
 
 
 def main(job_path: str, shared: str) -> None:
     job = CaptureJob.load(job_path)
     speculative, kv = extraction_config([1, 3, 4], 8, shared)
     app = create_app(job.target_path, extraction=Extraction.from_flags(json.dumps(speculative), json.dumps(kv)))
-    hidden_shards.ShardWriter.flush = _held_flush
+    hold_after_first_shard()
     engine = EngineSettings(url="http://vllm.test", max_concurrency=4)
     asyncio.run(capture_with_engine(job, engine, Path(shared), transport=httpx.ASGITransport(app=app)))
 
