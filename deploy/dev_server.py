@@ -15,9 +15,17 @@ vLLM's hidden-state extraction (``--speculative-config`` / ``--kv-transfer-confi
 ``POST /v1/completions`` for token-id prompts and writes the connector's safetensors files, so the
 capture's vLLM backend runs against the tiny target (``deploy/vllm_extract.py``).
 
+SGLang behaviours it follows (SGLang 0.5.23 unless started with ``sglang_version="0.4"``; the rules
+and their sources are in ``deploy/sglang_protocol.py``): a stop token before the length cap
+(`Engine._append`, `Engine._speculate`); a held rid refused as a duplicate; a disconnected client
+noticed only on the ``disconnect_poll_s`` poll (default SGLang's 4 s); /abort_request by rid prefix;
+the queued-abort and running-abort answers; ``--api-key`` / ``--admin-api-key``; /flush_cache
+refused (400) while requests are in flight, and resetting the speculative metrics when it succeeds.
+
 Deliberate differences from SGLang: ``cached_tokens`` is always 0 (no prefix cache).
 ``max_new_tokens: 0`` returns at once with no tokens and finish ``length`` 0, without running
-the model.
+the model. A request aborted after it left the queue but before its prefill ran finishes as a
+running abort with no tokens (SGLang runs that one prefill first).
 
 Speculative decoding (``--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR
 --speculative-num-steps S [--speculative-eagle-topk 1] [--speculative-num-draft-tokens S+1]``,
@@ -27,8 +35,23 @@ eval uses, ``models.spec_eval.speculative_decode`` (greedy target, top-1 draft).
 carries SGLang's ``spec_verify_ct``: the request's verify rounds (target forwards after the
 prefill); the first token comes from the prefill and belongs to no round, so a request that ends
 there has 0. SGLang's acceptance length is ``completion_tokens / spec_verify_ct``; the per-round
-mean the eval reports (and ``avg_spec_accept_length`` in ``/server_info``'s ``internal_states``,
-over every round served) excludes that prefill token: ``(completion_tokens - 1) / spec_verify_ct``.
+mean the eval reports excludes that prefill token: ``(completion_tokens - 1) / spec_verify_ct``.
+Like SGLang's EAGLE worker, the server reserves ``max(topk * steps, draft tokens)`` = S + 1 tokens
+per request in its length checks (srt/managers/utils.py ``compute_num_reserved_tokens``), so a
+prompt that fits the plain server can be refused by the one with the draft.
+
+``avg_spec_accept_length`` in ``/server_info``'s ``internal_states`` follows SGLang 0.5.23's
+scheduler_components/metrics_reporter.py: every verify round is one decode batch (batch size 1)
+that adds its tokens to per-interval counters (accept tokens, forward count += batch size); every
+``decode_log_interval`` (40) decode batches those are folded into lifetime totals, and the figure
+is lifetime accept tokens / lifetime forward count (internal_state.py ``_average_accept_length``).
+So it is absent until the first fold; it is NOT the mean over every round served (rounds since
+the last fold are not in it), NOT a per-request mean, NOT the eval's per-round mean over a set of
+prompts, and NOT limited to one client's requests: every request's rounds count (the
+/health_generate probe's too, though its one token comes from the prefill and makes no round); a
+successful ``/flush_cache`` (scheduler.py ``flush_cache`` -> ``metrics_reporter.reset_metrics``,
+only when the server is idle) starts it over. ``decode_log_interval`` sets the interval (SGLang's
+``--decode-log-interval``; 1 folds after every round, making it the mean over every round served).
 Greedy only: a request with temperature > 0 (and top_k != 1) is refused with 400 while a draft is
 loaded (SGLang samples with a draft; this server does not). Only topk 1 and S+1 draft tokens exist.
 Greedy speculative decoding returns exactly the tokens plain greedy decoding returns.
@@ -56,7 +79,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +134,11 @@ class Speculative:
                              "models/eagle3_export.py)")
         return cls(draft_model_path=str(path), num_steps=int(num_steps))
 
+    @property
+    def reserved_tokens(self) -> int:
+        """What SGLang's tokenizer manager reserves per request for this draft (`compute_num_reserved_tokens`)."""
+        return sglang.num_reserved_tokens(eagle_topk=1, num_steps=self.num_steps, num_draft_tokens=self.num_steps + 1)
+
     def server_args(self) -> dict[str, Any]:
         """SGLang's server-arg names and values, as /server_info reports them."""
         return {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": self.draft_model_path,
@@ -164,14 +192,23 @@ class Engine:
     """Continuous batching over per-sequence KV caches, run by one background thread."""
 
     def __init__(self, model, tokenizer, *, eos_ids: set[int], max_batch_size: int, draft=None,
-                 num_steps: int | None = None):
+                 num_steps: int | None = None, sglang_version: str | sglang.SGLangVersion = "0.5",
+                 decode_log_interval: int = sglang.DECODE_LOG_INTERVAL):
         self.model, self.tokenizer = model, tokenizer
+        self.version = sglang.SGLangVersion.of(sglang_version)
         # With a draft every request is decoded alone and to its end by `_speculate`.
         self.draft, self.num_steps = draft, num_steps
         if draft is not None and (num_steps is None or num_steps < 1):
             raise ValueError(f"a draft needs num_steps >= 1, got {num_steps}")
-        self.spec_rounds = 0  # verify rounds over every request served
-        self.spec_round_tokens = 0  # tokens those rounds added (accepted drafts + bonus; no prefill tokens)
+        if decode_log_interval < 1:
+            raise ValueError(f"decode_log_interval must be >= 1, got {decode_log_interval}")
+        # SGLang 0.5.23 scheduler_components/metrics_reporter.py's speculative counters (under _cond):
+        # per interval (spec_num_accept_tokens, spec_num_forward_ct), lifetime (spec_total_*), and
+        # forward_ct_decode, the decode batches that time the folds.
+        self.decode_log_interval = decode_log_interval
+        self.spec_num_accept_tokens = self.spec_num_forward_ct = 0
+        self.spec_total_num_accept_tokens = self.spec_total_num_forward_ct = 0
+        self.forward_ct_decode = 0
         self.eos_ids = frozenset(eos_ids)
         # Encoding runs on the event loop, decoding here: don't let them share the Rust tokenizer at once.
         self.tokenizer_lock = threading.Lock()
@@ -208,16 +245,27 @@ class Engine:
             self._waiting.extend(seqs)
             self._cond.notify()
 
-    def abort(self, rid: str | None = None, *, abort_all: bool = False, seqs=()) -> int:
-        """Flag matching waiting/active sequences; the worker finishes them before its next step."""
+    def abort(self, match: Callable[[str], bool] | None = None, *, seqs=()) -> int:
+        """Flag the waiting/active sequences whose rid `match`es (or in `seqs`); the worker finishes
+        them before its next step: a queued one as SGLang's queued abort, the others as a running one."""
         wanted = set(seqs)
         n = 0
         with self._cond:
             for s in (*self._waiting, *self._admitted, *self._active):
-                if abort_all or s.rid == rid or s in wanted:
+                if not s.abort_requested and (s in wanted or (match is not None and match(s.rid))):
                     s.abort_requested, n = True, n + 1
             self._cond.notify()
         return n
+
+    def flush_cache(self) -> bool:
+        """scheduler.py `flush_cache` (0.5.23): only when idle, and then `metrics_reporter.reset_metrics()`."""
+        with self._cond:
+            if self._waiting or self._admitted or self._active:
+                return False
+            self.spec_num_accept_tokens = self.spec_num_forward_ct = 0
+            self.spec_total_num_accept_tokens = self.spec_total_num_forward_ct = 0
+            self.forward_ct_decode = 0
+            return True
 
     # -- the worker thread -----------------------------------------------------------------------
 
@@ -228,16 +276,18 @@ class Engine:
                     self._cond.wait()
                 if self._stopping:
                     break
-                # Admit between steps, FIFO, up to the batch limit. They stay visible to abort()
-                # in `_admitted` until their prefill has put them in `_active`.
-                while self._waiting and len(self._active) + len(self._admitted) < self.max_batch_size:
-                    self._admitted.append(self._waiting.popleft())
-                admitted = list(self._admitted)
+                # Aborted ones leave the queue first (scheduler.py abort_request pops them from the waiting
+                # queue as the abort arrives: they never start). Then admit between steps, FIFO, up to the
+                # batch limit; they stay visible to abort() in `_admitted` until their prefill has put them
+                # in `_active`.
                 aborted = [s for s in self._waiting if s.abort_requested]
                 for s in aborted:
                     self._waiting.remove(s)
-            for s in aborted:
-                self._finish(s, sglang.finish_abort("Abort in waiting queue"))
+                while self._waiting and len(self._active) + len(self._admitted) < self.max_batch_size:
+                    self._admitted.append(self._waiting.popleft())
+                admitted = list(self._admitted)
+            for s in aborted:  # scheduler.py abort_request, "abort method 1": popped from the waiting queue
+                self._finish_queued(s)
             try:
                 with torch.inference_mode():
                     for s in admitted:
@@ -264,8 +314,8 @@ class Engine:
     def _prefill(self, s: EngineSequence) -> None:
         """Run one admitted sequence's prompt and sample its first token; it then joins `_active`."""
         reason, logits = None, None
-        if s.abort_requested:
-            reason = sglang.finish_abort("Abort before prefill")
+        if s.abort_requested:  # out of the queue already: a running request's abort (FINISH_ABORT)
+            reason = sglang.finish_abort()
         elif s.max_new_tokens <= 0:
             reason = sglang.finish_length(0)
         else:
@@ -287,38 +337,60 @@ class Engine:
     def _speculate(self, s: EngineSequence) -> None:
         """Decode one admitted (greedy) sequence to its end with the draft, as models/spec_eval.py does."""
         if s.abort_requested:
-            reason = sglang.finish_abort("Abort before prefill")
+            reason = sglang.finish_abort()
         elif s.max_new_tokens <= 0:
             reason = sglang.finish_length(0)
         else:
             # SGLang's stop rule: eos ids and the request's stop_token_ids, neither under ignore_eos.
             stop = set() if s.params.ignore_eos else {*self.eos_ids, *s.params.stop_token_ids}
+            # speculative_decode cuts a round at the cap before it looks for a stop, so a stop accepted
+            # beyond max_new_tokens never gets in: a length finish at the cap, as SGLang 0.5.23's
+            # schedule_batch.py `_cap_finished_len_at_max_new_tokens` demotes it.
             out, rounds = speculative_decode(self.model, self.draft, s.prompt_ids, num_steps=self.num_steps,
                                              max_new_tokens=s.max_new_tokens, eos_token_ids=stop)
             s.output_ids, s.spec_verify_ct = out, len(rounds)
-            with self._cond:  # the pair is read together by avg_spec_accept_length
-                self.spec_rounds += len(rounds)
-                self.spec_round_tokens += sum(r.kept for r in rounds)
-            # The engine's order: the length limit first, then a stop token.
-            reason = (sglang.finish_length(s.max_new_tokens) if len(out) >= s.max_new_tokens
-                      else sglang.finish_stop(out[-1]))
+            with self._cond:
+                for r in rounds:
+                    self._count_decode_batch(batch_size=1, accept_tokens=r.kept)
+            # 0.5.23 `update_finish_state`: a stop token (even the max_new_tokens-th) before the length cap.
+            reason = sglang.finish_reason(out, s.max_new_tokens, stop, self.version)
+            assert reason is not None, "speculative_decode ends at a stop token or at max_new_tokens"
         with self._cond:
             self._admitted.remove(s)
         self._finish(s, reason)
 
+    def _count_decode_batch(self, *, batch_size: int, accept_tokens: int) -> None:
+        """One speculative decode batch, counted as SGLang 0.5.23 counts it (call under _cond).
+
+        batch_result_processor.py: `update_spec_metrics(bs, num_accept_tokens=num_generated_tokens)`
+        (spec_num_accept_tokens += tokens, spec_num_forward_ct += bs), then forward_ct_decode += 1 and
+        metrics_reporter.py `report_decode_stats`: every decode_log_interval batches, the interval
+        counters are folded into the lifetime ones and zeroed.
+        """
+        self.spec_num_accept_tokens += accept_tokens
+        self.spec_num_forward_ct += batch_size
+        self.forward_ct_decode = (self.forward_ct_decode + 1) % (1 << 30)
+        if self.forward_ct_decode % self.decode_log_interval == 0:
+            self.spec_total_num_accept_tokens += self.spec_num_accept_tokens
+            self.spec_total_num_forward_ct += self.spec_num_forward_ct
+            self.spec_num_accept_tokens = self.spec_num_forward_ct = 0
+
     @property
     def avg_spec_accept_length(self) -> float | None:
-        """Mean tokens per verify round over everything served (SGLang's figure); None before any round."""
+        """SGLang's figure (internal_state.py `_average_accept_length`): lifetime accept tokens / lifetime
+        forward count, folded every decode_log_interval decode batches; None before the first fold."""
         with self._cond:
-            return self.spec_round_tokens / self.spec_rounds if self.spec_rounds else None
+            if self.spec_total_num_forward_ct <= 0:
+                return None
+            return self.spec_total_num_accept_tokens / self.spec_total_num_forward_ct
 
     def _step(self) -> None:
         """One decode step: every active sequence feeds its last token through one forward."""
         with self._cond:
             aborted = [s for s in self._active if s.abort_requested]
             self._active = batch = [s for s in self._active if not s.abort_requested]
-        for s in aborted:
-            self._finish(s, sglang.finish_abort("Abort by /abort_request"))
+        for s in aborted:  # "abort method 3": to_finish = FINISH_ABORT(), out through the normal path
+            self._finish(s, sglang.finish_abort())
         batch = list(batch)
         if not batch:
             return
@@ -352,11 +424,11 @@ class Engine:
         token = _sample(logits.float(), s.params, s.generator)
         s.output_ids.append(token)
         p = s.params
-        if len(s.output_ids) >= s.max_new_tokens:
-            reason = sglang.finish_length(s.max_new_tokens)
-        elif not p.ignore_eos and (token in p.stop_token_ids or token in self.eos_ids):
-            reason = sglang.finish_stop(token)  # ignore_eos also disables stop_token_ids, as in SGLang
-        else:
+        # ignore_eos also disables stop_token_ids, as in SGLang; 0.5.23 `update_finish_state` checks the
+        # stop token before the length cap (0.4.x `check_finished`: the cap first).
+        stop = () if p.ignore_eos else (*p.stop_token_ids, *self.eos_ids)
+        reason = sglang.finish_reason(s.output_ids, s.max_new_tokens, stop, self.version)
+        if reason is None:
             return
         with self._cond:
             if s in self._active:
@@ -372,8 +444,15 @@ class Engine:
         result = sglang.generate_result(
             rid=s.rid, text=text, output_ids=list(s.output_ids), finish_reason=reason,
             prompt_tokens=len(s.prompt_ids), e2e_latency=time.perf_counter() - s.created,
-            spec_verify_ct=(s.spec_verify_ct or 0) if self.draft is not None else None,
+            spec_verify_ct=(s.spec_verify_ct or 0) if self.draft is not None else None, version=self.version,
         )
+        s.loop.call_soon_threadsafe(_set_result, s.future, result)
+
+    def _finish_queued(self, s: EngineSequence) -> None:
+        """A sequence aborted in the waiting queue: tokenizer_manager.py `_handle_abort_req`'s answer."""
+        s.finish_reason = {"type": "abort", "message": "Abort in waiting queue"}
+        result = sglang.queued_abort_result(rid=s.rid, e2e_latency=time.perf_counter() - s.created,
+                                            version=self.version)
         s.loop.call_soon_threadsafe(_set_result, s.future, result)
 
 
@@ -426,11 +505,15 @@ class _DevBackend:
     """The model behind the SGLang endpoints (see sglang_protocol.SGLangBackend)."""
 
     def __init__(self, engine: Engine, model, tokenizer, limits: sglang.ModelLimits, *, model_path: str,
-                 served_model_name: str, max_batch_size: int, speculative: Speculative | None = None):
+                 served_model_name: str, max_batch_size: int, speculative: Speculative | None = None,
+                 disconnect_poll_s: float = sglang.DISCONNECT_POLL_S):
         self.engine, self.model, self.tokenizer, self.limits = engine, model, tokenizer, limits
         self.model_path, self.served_model_name = model_path, served_model_name
         self.max_batch_size = max_batch_size
         self.speculative = speculative
+        self.version = engine.version
+        self.disconnect_poll_s = disconnect_poll_s
+        self.held = sglang.HeldRids(self.version)  # event loop only
 
     def sequence(self, prompt: str | list[int], raw_params: Any, rid: str, arrived: float) -> EngineSequence:
         """Tokenize and check one prompt (SGLang's checks and words): a sequence for the engine."""
@@ -455,21 +538,37 @@ class _DevBackend:
         if not self.engine.alive:  # app used without its lifespan, or shutting down
             raise sglang.ServerError(503, "The dev server's engine is not running.")
         try:
-            req = sglang.parse_generate(await request.body(), server="dev server")
-            seqs = [self.sequence(p, sp, r, arrived) for p, sp, r in zip(req.prompts, req.sampling_params, req.rids)]
-        except sglang.BadRequest as exc:
+            req = sglang.parse_generate(await request.body(), server="dev server", version=self.version)
+            # tokenizer_manager.py generate_request: normalise, `_init_req_state` (duplicate rids), then
+            # tokenize and validate each prompt; a failure frees the batch's rids again.
+            self.held.claim(req.rids)
+            try:
+                seqs = [self.sequence(p, sp, r, arrived) for p, sp, r in zip(req.prompts, req.sampling_params, req.rids)]
+            except BaseException:
+                for rid in req.rids:
+                    self.held.release(rid)
+                raise
+        except (sglang.BadRequest, sglang.ContractError) as exc:
             logger.info("[dev_server] bad request: %s", exc)
             raise
+        for s in seqs:  # held until its final output is processed (`_handle_batch_output` deletes it)
+            s.future.add_done_callback(lambda _f, rid=s.rid: self.held.release(rid))
         self.engine.submit(seqs)
         try:
-            results = await sglang.results_or_abort(request, asyncio.gather(*(s.future for s in seqs)),
-                                                    lambda: self.engine.abort(seqs=seqs))
+            results = await sglang.results_or_abort(
+                request, asyncio.gather(*(s.future for s in seqs)),
+                # The poll noticed the client is gone: abort_request(rid) for each (prefix rule included).
+                lambda: [self.abort(s.rid, False) for s in seqs], poll_s=self.disconnect_poll_s)
         except Exception as exc:
             raise sglang.ServerError(500, f"Generation failed: {exc!r}") from exc
         return results[0] if req.single else results
 
-    def abort(self, rid: str | None, abort_all: bool) -> int:
-        return self.engine.abort(rid, abort_all=abort_all)
+    def abort(self, rid: str, abort_all: bool) -> int:
+        match = sglang.abort_matcher(rid, abort_all, self.held)
+        return 0 if match is None else self.engine.abort(match)
+
+    def flush_cache(self) -> bool:
+        return self.engine.flush_cache()
 
     def healthy(self) -> bool:
         return self.engine.alive
@@ -477,7 +576,7 @@ class _DevBackend:
     async def health_generate(self) -> bool:
         if not self.engine.alive:
             return False
-        probe = self.sequence([0], {"max_new_tokens": 1, "temperature": 0}, f"HEALTH_CHECK_{time.time()}",
+        probe = self.sequence([0], {"max_new_tokens": 1, "temperature": 0}, sglang.health_check_rid(),
                               time.perf_counter())
         self.engine.submit([probe])
         try:
@@ -527,12 +626,23 @@ def create_app(
     num_threads: int | None = None,
     speculative: Speculative | None = None,
     extraction: vllm_extract.Extraction | None = None,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    disconnect_poll_s: float = sglang.DISCONNECT_POLL_S,
+    sglang_version: str = "0.5",
+    decode_log_interval: int = sglang.DECODE_LOG_INTERVAL,
 ) -> FastAPI:
     """Load the tokenizer and model (float32, eval) and build the FastAPI app.
 
     `speculative`: serve with that EAGLE-3 draft (module docstring), loaded in float32 as the
     eval loads it (`load_exported_draft`); like SGLang, a draft whose hidden size is the target's
     takes the target's input embedding.
+
+    `api_key` / `admin_api_key`: SGLang's ``--api-key`` / ``--admin-api-key`` (sglang_protocol.Auth).
+    `disconnect_poll_s`: how often a disconnected client is looked for (SGLang's
+    SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s; <= 0: at once). `sglang_version`: "0.5" (SGLang 0.5.23)
+    or "0.4" (0.4.x where they differ, sglang_protocol.SGLangVersion). `decode_log_interval`: decode
+    batches per fold of avg_spec_accept_length (SGLang's ``--decode-log-interval``, 40).
 
     `extraction`: also serve vLLM's hidden-state extraction (deploy/vllm_extract.py).
 
@@ -541,6 +651,8 @@ def create_app(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    version = sglang.SGLangVersion.of(sglang_version)
+    auth = sglang.Auth(api_key=api_key, admin_api_key=admin_api_key, version=version)  # checked before any loading
     model_dir = Path(model_dir)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
@@ -553,15 +665,18 @@ def create_app(
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
     # No KV pool limit here: SGLang's scheduler limits follow from the context alone.
-    limits = sglang.ModelLimits(vocab_size=int(model.config.vocab_size), context_length=context_len)
+    limits = sglang.ModelLimits(vocab_size=int(model.config.vocab_size), context_length=context_len,
+                                reserved_tokens=speculative.reserved_tokens if speculative else 0,
+                                sglang_version=version)
     draft = None
     if speculative is not None:
         draft = _load_draft(speculative.draft_model_path, model)
     engine = Engine(model, tokenizer, eos_ids=_eos_ids(model, tokenizer), max_batch_size=max_batch_size, draft=draft,
-                    num_steps=speculative.num_steps if speculative else None)
+                    num_steps=speculative.num_steps if speculative else None, sglang_version=version,
+                    decode_log_interval=decode_log_interval)
     backend = _DevBackend(engine, model, tokenizer, limits, model_path=str(model_dir),
                           served_model_name=model_name or str(model_dir), max_batch_size=max_batch_size,
-                          speculative=speculative)
+                          speculative=speculative, disconnect_poll_s=disconnect_poll_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -572,7 +687,7 @@ def create_app(
             await asyncio.to_thread(engine.stop)
 
     app = sglang.create_sglang_app(backend, title="eagle3 SGLang-compatible dev server", version=VERSION,
-                                   lifespan=lifespan)
+                                   sglang_version=version, auth=auth, lifespan=lifespan)
     app.state.engine = engine
     if extraction is not None:
         app.include_router(vllm_extract.router(vllm_extract.Extractor(
@@ -621,6 +736,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-transfer-config", "--kv_transfer_config", default=None,
                     help="vLLM's flag: JSON with kv_connector ExampleHiddenStatesConnector and its shared_storage_path")
     ap.add_argument("--no-enable-chunked-prefill", action="store_true", help="accepted for vLLM's command line (no chunking here)")
+    ap.add_argument("--api-key", default=None, help="SGLang's --api-key: required on every endpoint but /health*")
+    ap.add_argument("--admin-api-key", default=None,
+                    help="SGLang's --admin-api-key: the only key /abort_request and /flush_cache take")
+    ap.add_argument("--disconnect-poll-s", type=float, default=sglang.DISCONNECT_POLL_S,
+                    help="how often a disconnected client is noticed (SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT)")
+    ap.add_argument("--sglang-version", default="0.5", choices=list(sglang.SGLANG_VERSIONS),
+                    help="follow SGLang 0.5.23 (default) or 0.4.x where they differ")
+    ap.add_argument("--decode-log-interval", type=int, default=sglang.DECODE_LOG_INTERVAL,
+                    help="decode batches between folds of avg_spec_accept_length (SGLang's flag)")
     args = ap.parse_args(argv)
     try:
         extraction = vllm_extract.Extraction.from_flags(args.speculative_config, args.kv_transfer_config)
@@ -633,10 +757,14 @@ def main(argv: list[str] | None = None) -> None:
             num_draft_tokens=args.speculative_num_draft_tokens)
     except ValueError as exc:
         ap.error(str(exc))
+    if args.admin_api_key and args.sglang_version == "0.4":
+        ap.error("--admin-api-key does not exist in SGLang 0.4.x (only --api-key)")
     logging.basicConfig(level=args.log_level.upper())
     serve(args.model, args.host, args.port, log_level=args.log_level, num_threads=args.num_threads,
           context_length=args.context_length, max_batch_size=args.max_batch_size, model_name=args.model_name,
-          speculative=speculative, extraction=extraction)
+          speculative=speculative, extraction=extraction, api_key=args.api_key, admin_api_key=args.admin_api_key,
+          disconnect_poll_s=args.disconnect_poll_s, sglang_version=args.sglang_version,
+          decode_log_interval=args.decode_log_interval)
 
 
 if __name__ == "__main__":

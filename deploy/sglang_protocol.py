@@ -2,45 +2,79 @@
 
 One definition of the subset of SGLang's API the pipeline uses, for ``deploy/dev_server.py`` (a
 real model) and ``deploy/sim_server.py`` (a simulation); each server supplies only what differs
-through `SGLangBackend`, and `create_sglang_app` gives both the same endpoints:
+through `SGLangBackend`, and `create_sglang_app` gives both the same endpoints and rules.
+
+Which SGLang: every rule here follows SGLang 0.5.23 (read in its wheel; files are named relative
+to the ``sglang`` package). A server started with ``sglang_version="0.4"`` follows SGLang 0.4.x
+(read in 0.4.10.post2) where the two differ -- `SGLangVersion` lists each difference with its source.
+tests/deploy/test_sglang_contract.py checks every rule against both servers.
 
 - ``POST /generate`` -- ``text`` or ``input_ids`` (single or batch), ``sampling_params``
   (``max_new_tokens`` default 128, ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (-1 = off),
   ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``no_stop_trim``, ``sampling_seed``;
   one object for the batch or a list, one per item), ``rid`` (a string, or a list for a batch).
-  ``stream=true`` is refused (400): streaming is not implemented. Response ``{"text",
-  "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
-  "cached_tokens", "reasoning_tokens", "e2e_latency"}}`` (plus ``spec_verify_ct``, the verify rounds,
-  from a server decoding with a draft); a batch returns a list in input order.
-  ``finish_reason`` is ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` or
-  ``{"type": "abort", "message": ..., "status_code": ...}``. ``output_ids`` keep a matched stop
-  token; ``text`` drops it unless ``no_stop_trim`` (SGLang's ``DetokenizerManager.trim_matched_stop``).
-- ``POST /abort_request`` ``{"rid": ...}`` or ``{"abort_all": true}`` -- in-flight requests finish
-  with ``{"type": "abort", ...}`` and the tokens generated so far (HTTP 200, as in SGLang).
+  ``stream=true`` is refused (400): streaming is not implemented. A batch returns a list in input order.
+  A finished request is answered as srt/managers/tokenizer_manager.py ``_handle_batch_output``
+  builds it: ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+  "weight_version": "default", "num_retractions": 0, "reasoning_tokens", "completion_tokens",
+  "cached_tokens", "weight_versions": [{"version": "default", "start": 0, "end": n}], "e2e_latency"}}``
+  (plus ``spec_verify_ct``, the verify rounds, from a server decoding with a draft). ``finish_reason``
+  is ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` or an abort (below).
+  ``output_ids`` keep a matched stop token; ``text`` drops it unless ``no_stop_trim``
+  (``DetokenizerManager.trim_matched_stop``). A stop token is checked BEFORE the length cap
+  (srt/managers/schedule_batch.py ``Req.update_finish_state``): a stop token that is the
+  max_new_tokens-th token finishes ``stop``; speculative decoding that finds a stop beyond the cap
+  finishes ``length`` at the cap (``_cap_finished_len_at_max_new_tokens``).
+- Request ids: a /generate whose rid (or one rid of a batch, or a rid repeated inside the batch) the
+  server still holds is refused, 400 ``Duplicate request ID detected: <rid>``
+  (tokenizer_manager.py ``_init_req_state``, after the body is normalised and before any prompt
+  is checked). A rid is held from then until its request's final output is processed; a prompt
+  that fails its checks frees its batch's rids (``_release_req_states_on_failure``).
+- Client disconnect: SGLang notices a client that went away only when its wait for the request's
+  output times out, every ``SGLANG_REQUEST_STATE_WAIT_TIMEOUT`` = 4 s (srt/environ.py) counted
+  from the request's start (tokenizer_manager.py ``_stream_one_response``); it then aborts the
+  request (``abort_request(rid)``, prefix rule below). Until then the request runs and its rid is
+  held. `results_or_abort` emulates that poll (``disconnect_poll_s``).
+- ``POST /abort_request`` ``{"rid": ...}`` or ``{"abort_all": true}`` -- answered 200 with no body.
+  tokenizer_manager.py ``abort_request`` ignores an empty rid without abort_all and a rid it does
+  not hold exactly; srt/managers/scheduler.py ``abort_request`` then aborts every waiting and running
+  request whose rid STARTS WITH the given rid (`abort_matcher`). A request aborted while still
+  queued is answered (200) as tokenizer_manager.py ``_handle_abort_req`` builds it
+  (`queued_abort_result`: no prompt_tokens); a running one finishes through the normal output path
+  with ``FINISH_ABORT().to_json()`` = ``{"type": "abort", "message": "Aborted", "status_code": null,
+  "err_type": null}`` and the tokens generated so far.
+- API keys (``--api-key``, ``--admin-api-key``): srt/utils/auth.py ``decide_request_auth`` (`Auth`).
 - ``GET /health``, ``GET /health_generate``, ``GET /server_info`` and ``GET /model_info`` (also
-  under SGLang's older ``/get_*`` names), ``/flush_cache``.
+  under SGLang's older ``/get_*`` names), ``/flush_cache`` (entrypoints/http_server.py
+  ``flush_cache``: 200 when the server is idle, else 400; a flush resets the scheduler's metrics).
 
-Error bodies -- checked against SGLang's source (sgl-project/sglang, 2025-2026):
+Error bodies, checked against SGLang 0.5.23's source -- three 400 shapes:
 
-- Bad input that SGLang rejects with a ``ValueError`` (``GenerateReqInput`` normalisation,
-  ``TokenizerManager._validate_one_request`` / ``_validate_input_ids_in_vocab``,
+- Bad input that SGLang rejects with a ``ValueError`` (``GenerateReqInput`` normalisation, the
+  duplicate rid, ``TokenizerManager._validate_one_request`` / ``_validate_input_ids_in_vocab``,
   ``SamplingParams.verify``, the scheduler's ``validate_input_length``): HTTP 400 with
-  ``{"error": {"message": "..."}}`` -- SGLang's ``create_error_response``
-  (``srt/server/utils.py``, earlier ``_create_error_response`` in ``entrypoints/http_server.py``).
+  ``{"error": {"message": "..."}}`` -- entrypoints/http_server.py ``_create_error_response``.
   Raise `BadRequest`. Length messages are SGLang's words, e.g. ``"The input (N tokens) is longer
   than the model's context length (M tokens)."``; ``prompt_tokens + max_new_tokens >
   context_length`` is an error too (``validate_total_tokens`` is on and ``--allow-auto-truncate``
   off by default), and a prompt of ``max_req_input_len`` tokens or more is refused as SGLang's
-  scheduler does.
-- Malformed JSON or a field of the wrong JSON type (FastAPI's ``RequestValidationError`` in
-  SGLang): HTTP 400 with ``{"object": "error", "message": "...", "type": "Bad Request",
-  "param": null, "code": 400}`` -- SGLang's ``validation_exception_handler``. Raise `MalformedRequest`.
+  scheduler does. With an EAGLE draft both tokenizer checks add the reserved tokens (`ModelLimits`).
+- A body the ``GenerateReqInput`` dataclass parse admits but the API schema refuses
+  (entrypoints/http_server.py ``generate_request`` -> entrypoints/api_contract.py
+  ``generate_contract_error`` -> api/v1/api_types.py ``decode_GenerateRequest``): HTTP 400 with
+  ``{"error": "<the schema's text>"}``, e.g. an unknown sampling param (``unknown field `foo`,
+  expected one of ...``), a sampling param of the wrong JSON type (``invalid type: string "hot",
+  expected f64``) or a JSON ``true`` among the input_ids (``invalid type: boolean `true`, expected
+  i64``). Raise `ContractError` (`contract_error` finds it).
+- Malformed JSON or a field the dataclass parse refuses (FastAPI's ``RequestValidationError``):
+  HTTP 400 with ``{"object": "error", "message": "...", "type": "Bad Request", "param": null,
+  "code": 400}`` -- http_server.py ``validation_exception_handler``. Raise `MalformedRequest`.
 - Other statuses (a failure inside the model: 500, not serving: 503): ``{"object": "error",
   "message": ..., "type": "<status>", "param": null, "code": <status>}`` (SGLang's
-  ``HTTPException`` handler shape). Raise `ServerError`.
+  ``HTTPException`` handler shape). Raise `ServerError`. Auth refusals: 401 ``{"error": "Unauthorized"}``.
 
-Deliberate difference: SGLang accepts ``text`` and ``input_ids`` together (text wins); these servers
-refuse both.
+Deliberate differences from SGLang: ``text`` and ``input_ids`` together are refused (SGLang lets
+text win); only the fields above are parsed (others are ignored, the schema gate included).
 """
 
 from __future__ import annotations
@@ -49,8 +83,10 @@ import asyncio
 import dataclasses
 import json
 import math
+import secrets
 import uuid
-from typing import Any, AsyncContextManager, Awaitable, Callable, Protocol, Sequence, TypeVar
+from collections import Counter
+from typing import Any, AsyncContextManager, Awaitable, Callable, Iterable, Protocol, Sequence, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -59,6 +95,14 @@ T = TypeVar("T")
 
 SAMPLING_EPS = 1e-6  # SGLang treats 0 <= temperature < 1e-6 as greedy
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a request gives none
+# srt/environ.py SGLANG_REQUEST_STATE_WAIT_TIMEOUT = EnvInt(4) (0.4.10: a literal timeout=4 in
+# tokenizer_manager.py `_wait_one_response`): how often SGLang looks for a client that went away.
+DISCONNECT_POLL_S = 4.0
+# srt/arg_groups/fields/observability.py decode_log_interval = 40 (0.4.10: ServerArgs, also 40).
+DECODE_LOG_INTERVAL = 40
+WEIGHT_VERSION = "default"  # srt/arg_groups/fields/serving.py weight_version
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # srt/constants.py
+SGLANG_VERSIONS = ("0.5", "0.4")
 
 # The sampling params both servers implement.
 _SAMPLING_KEYS = {
@@ -75,12 +119,76 @@ _NOOP_SAMPLING = {
 
 
 # ---------------------------------------------------------------------------------------------
+# Which SGLang
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SGLangVersion:
+    """The SGLang a server follows: "0.5" (0.5.23, the default) or "0.4" (0.4.x, read in 0.4.10.post2).
+
+    Only the differences verified in both sources; everything else is 0.5.23's in both.
+    """
+
+    name: str = "0.5"
+
+    def __post_init__(self):
+        if self.name not in SGLANG_VERSIONS:
+            raise ValueError(f"sglang_version must be one of {SGLANG_VERSIONS}, got {self.name!r}")
+
+    @classmethod
+    def of(cls, value: str | SGLangVersion) -> SGLangVersion:
+        return value if isinstance(value, SGLangVersion) else cls(str(value))
+
+    @property
+    def is_04(self) -> bool:
+        return self.name == "0.4"
+
+    @property
+    def stop_before_length(self) -> bool:
+        """0.5.23 schedule_batch.py `update_finish_state` checks stop tokens first; 0.4.10 `check_finished` the length."""
+        return not self.is_04
+
+    @property
+    def refuses_duplicate_rids(self) -> bool:
+        """0.5.23 `_init_req_state` refuses a held rid; 0.4.10 `_send_one_request` just overwrites rid_to_state[rid]."""
+        return not self.is_04
+
+    @property
+    def contract_gate(self) -> bool:
+        """0.5.23 http_server.py `generate_request` runs `generate_contract_error`; 0.4.10 has no such gate."""
+        return not self.is_04
+
+    @property
+    def reserves_draft_tokens(self) -> bool:
+        """0.5.23 `_validate_one_request` adds compute_num_reserved_tokens(); 0.4.10 adds nothing."""
+        return not self.is_04
+
+    @property
+    def total_tokens_refused_at_context(self) -> bool:
+        """0.4.10 refuses prompt + max_new_tokens >= context; 0.5.23 only > context."""
+        return self.is_04
+
+    @property
+    def has_admin_api_key(self) -> bool:
+        """--admin-api-key exists from 0.5 (utils/auth.py); 0.4.10 has only --api-key (utils.py add_api_key_middleware)."""
+        return not self.is_04
+
+
+V05 = SGLangVersion("0.5")
+
+
+# ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------
 
 
 class BadRequest(ValueError):
     """Bad input SGLang reports as a ValueError: 400 ``{"error": {"message": ...}}``."""
+
+
+class ContractError(ValueError):
+    """A body SGLang 0.5's API schema refuses (api_contract.py): 400 ``{"error": "<text>"}``."""
 
 
 class MalformedRequest(ValueError):
@@ -96,8 +204,13 @@ class ServerError(Exception):
 
 
 def value_error_body(message: str) -> dict[str, Any]:
-    """SGLang's body for a ValueError: ``{"error": {"message": ...}}``."""
+    """SGLang's body for a ValueError (http_server.py `_create_error_response`): ``{"error": {"message": ...}}``."""
     return {"error": {"message": message}}
+
+
+def contract_error_body(message: str) -> dict[str, Any]:
+    """SGLang 0.5's body for a schema violation (http_server.py `generate_request`): ``{"error": "<text>"}``."""
+    return {"error": message}
 
 
 def http_error_body(message: str, status: int) -> dict[str, Any]:
@@ -110,6 +223,164 @@ def error_response(status: int, message: str) -> JSONResponse:
     """An error answer as SGLang words it for `status`: 400 is a ValueError, the rest HTTP errors."""
     body = value_error_body(message) if status == 400 else http_error_body(message, status)
     return JSONResponse(body, status_code=status)
+
+
+# ---------------------------------------------------------------------------------------------
+# The /generate contract gate (SGLang 0.5.23 api/v1/api_types.py, the Python twin of the Rust decoder)
+# ---------------------------------------------------------------------------------------------
+
+
+def _unexpected(v: Any) -> str:
+    """api_types.py `_unexpected`: serde's display of the value found."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"boolean `{'true' if v else 'false'}`"
+    if isinstance(v, int):
+        return f"integer `{v}`"
+    if isinstance(v, float):
+        return f"floating point `{v}`"
+    if isinstance(v, str):
+        return f'string "{v}"'
+    if isinstance(v, list):
+        return "sequence"
+    if isinstance(v, dict):
+        return "map"
+    return type(v).__name__
+
+
+def _invalid(v: Any, expected: str) -> ContractError:
+    return ContractError(f"invalid type: {_unexpected(v)}, expected {expected}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _expect(ok: bool, v: Any, expected: str) -> None:
+    if not ok:
+        raise _invalid(v, expected)
+
+
+def _i64(v: Any) -> None:
+    _expect(_is_int(v), v, "i64")
+
+
+def _f64(v: Any) -> None:
+    _expect(isinstance(v, (int, float)) and not isinstance(v, bool), v, "f64")
+
+
+def _bool(v: Any) -> None:
+    _expect(isinstance(v, bool), v, "a boolean")
+
+
+def _str(v: Any) -> None:
+    _expect(isinstance(v, str), v, "a string")
+
+
+def _seq(v: Any) -> list:
+    _expect(isinstance(v, list), v, "a sequence")
+    return v
+
+
+def _str_list(v: Any) -> None:  # decode_StringList
+    for e in _seq(v):
+        _str(e)
+
+
+def _str_or_list(v: Any) -> None:  # decode_StringOrList
+    if isinstance(v, list):
+        _str_list(v)
+    else:
+        _expect(isinstance(v, str), v, "a value or an array of values for StringOrList")
+
+
+def _i64_list(v: Any) -> None:  # decode_Int64List / decode_TokenIds
+    for e in _seq(v):
+        _i64(e)
+
+
+def _f64_map(v: Any) -> None:  # logit_bias
+    _expect(isinstance(v, dict), v, "a map")
+    for e in v.values():
+        _f64(e)
+
+
+def _unknown_field(key: str, fields: tuple[str, ...]) -> ContractError:
+    """api_types.py `_unknown_field`: serde's `unknown_field` text."""
+    if len(fields) == 1:
+        return ContractError(f"unknown field `{key}`, expected `{fields[0]}`")
+    if len(fields) == 2:
+        return ContractError(f"unknown field `{key}`, expected `{fields[0]}` or `{fields[1]}`")
+    return ContractError(f"unknown field `{key}`, expected one of {', '.join(f'`{f}`' for f in fields)}")
+
+
+def _struct(value: Any, name: str, schema: dict[str, Callable[[Any], None]]) -> None:
+    """A struct whose unknown keys are rejected; null values are the defaults (decode_<name>)."""
+    _expect(isinstance(value, dict), value, f"struct {name}")
+    for key, x in value.items():
+        check = schema.get(key)
+        if check is None:
+            raise _unknown_field(key, tuple(schema))
+        if x is not None:
+            check(x)
+
+
+_WATERMARK = {"enabled": _bool, "key": _str, "context_window": _i64}
+# decode_SamplingParams, in _FIELDS_SamplingParams order (the order of the unknown-field message).
+_SAMPLING_SCHEMA: dict[str, Callable[[Any], None]] = {
+    "max_new_tokens": _i64, "stop": _str_or_list, "stop_token_ids": _i64_list, "stop_regex": _str_or_list,
+    "temperature": _f64, "top_p": _f64, "top_k": _i64, "min_p": _f64, "frequency_penalty": _f64,
+    "presence_penalty": _f64, "repetition_penalty": _f64, "min_new_tokens": _i64, "n": _i64,
+    "json_schema": _str, "regex": _str, "ebnf": _str, "structural_tag": _str, "ignore_eos": _bool,
+    "skip_special_tokens": _bool, "spaces_between_special_tokens": _bool, "no_stop_trim": _bool,
+    "stream_interval": _i64, "logit_bias": _f64_map, "sampling_seed": _i64, "custom_params": lambda x: None,
+    "beam_width": _i64, "watermark": lambda x: _struct(x, "WatermarkRequestConfig", _WATERMARK),
+    "choice": _str_list,
+}
+
+
+def _sampling_params_or_list(v: Any) -> None:  # decode_SamplingParamsOrList
+    if isinstance(v, list):
+        for e in v:
+            _struct(e, "SamplingParams", _SAMPLING_SCHEMA)
+    else:
+        _expect(isinstance(v, dict), v, "a value or an array of values for SamplingParamsOrList")
+        _struct(v, "SamplingParams", _SAMPLING_SCHEMA)
+
+
+def _token_ids_or_list(v: Any) -> None:  # decode_TokenIdsOrList
+    _expect(isinstance(v, list), v, "a value or an array of values for TokenIdsOrList")
+    # [] and [scalar, ...] are one flat list; anything else is a batch.
+    if not v or (isinstance(v[0], (int, float)) and not isinstance(v[0], bool)):
+        _i64_list(v)
+    else:
+        for row in _seq(v):
+            _i64_list(row)
+
+
+# The GenerateRequest fields these servers read (decode_GenerateRequest checks them in body order).
+_GENERATE_SCHEMA: dict[str, Callable[[Any], None]] = {
+    "rid": _str_or_list, "text": _str_or_list, "input_ids": _token_ids_or_list, "stream": _bool,
+    "sampling_params": _sampling_params_or_list,
+}
+
+
+def contract_error(body: dict[str, Any]) -> str | None:
+    """SGLang 0.5.23's schema verdict on a parsed /generate body: the violation's text, or None.
+
+    entrypoints/api_contract.py `generate_contract_error` -> api_types.py `decode_GenerateRequest`,
+    for the fields in `_GENERATE_SCHEMA` (GenerateRequest ignores unknown top-level keys; its other
+    fields are not read here).
+    """
+    try:
+        for key, x in body.items():
+            check = _GENERATE_SCHEMA.get(key)
+            if check is not None and x is not None:
+                check(x)
+    except ContractError as exc:
+        return str(exc)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +413,9 @@ def parse_sampling_params(raw: Any, *, unimplemented_by: str | None = None) -> S
     `raw` is the JSON value (None: the defaults; a `SamplingParams` passes through). SGLang params
     outside `SamplingParams` (stop strings, penalties, grammars, ...) are ignored, unless
     `unimplemented_by` names the server: then they are refused (400) except with their no-op
-    values, since for a real model ignoring them would silently change the outputs.
+    values, since for a real model ignoring them would silently change the outputs. Over HTTP the
+    0.5 contract gate has refused wrong types and unknown keys before this runs (`contract_error`);
+    a 0.4 server refuses them here as malformed.
     """
     if raw is None:
         return SamplingParams()
@@ -203,16 +476,36 @@ def parse_sampling_params(raw: Any, *, unimplemented_by: str | None = None) -> S
     return p
 
 
+def num_reserved_tokens(*, eagle_topk: int, num_steps: int, num_draft_tokens: int) -> int:
+    """srt/managers/utils.py `compute_num_reserved_tokens` for an EAGLE draft: max(topk * steps, draft tokens).
+
+    EAGLE stores its draft tokens in the request's output slots, so the tokenizer's length checks
+    reserve them per request (no draft: 0).
+    """
+    return max(eagle_topk * num_steps, num_draft_tokens)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelLimits:
-    """The model's vocabulary and context, and SGLang's scheduler limits derived from them."""
+    """The model's vocabulary and context, and SGLang's limits derived from them.
+
+    `reserved_tokens`: what the tokenizer manager reserves per request on top of the prompt
+    (`num_reserved_tokens` with an EAGLE draft, else 0); `sglang_version` picks 0.4.x's checks.
+    """
 
     vocab_size: int
     context_length: int
+    reserved_tokens: int = 0
+    sglang_version: SGLangVersion = V05
+
+    def __post_init__(self):
+        object.__setattr__(self, "sglang_version", SGLangVersion.of(self.sglang_version))
+        if self.reserved_tokens < 0:
+            raise ValueError(f"reserved_tokens must be >= 0, got {self.reserved_tokens}")
 
     @property
     def max_req_len(self) -> int:
-        """SGLang's scheduler: a request (prompt + output) holds at most context - 1 tokens."""
+        """SGLang's scheduler (tp_worker.py): a request (prompt + output) holds at most context - 1 tokens."""
         return self.context_length - 1
 
     @property
@@ -221,7 +514,7 @@ class ModelLimits:
         return self.max_req_len - 5
 
     def max_new_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        """The scheduler's clamp of max_new_tokens to what the context leaves."""
+        """The scheduler's clamp of max_new_tokens to what the context leaves (scheduler.py `init_req_max_new_tokens`)."""
         budget = max(0, self.max_req_len - prompt_len - 1)
         return budget if params.max_new_tokens is None else min(params.max_new_tokens, budget)
 
@@ -236,20 +529,27 @@ class ModelLimits:
             raise BadRequest(f"The input_ids {list(ids)} contains negative values.")
 
     def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
-        """TokenizerManager._validate_one_request, then the scheduler's validate_input_length."""
-        n, ctx = prompt_len, self.context_length
+        """TokenizerManager._validate_one_request (SGLang 0.5.23, ~lines 1333-1378), then the scheduler's validate_input_length.
+
+        0.5.23 counts the prompt plus the reserved tokens in both tokenizer checks and refuses a total
+        over the context; 0.4.10 reserves nothing and refuses a total of the context or more.
+        """
+        v = self.sglang_version
+        n, ctx = prompt_len + (self.reserved_tokens if v.reserves_draft_tokens else 0), self.context_length
         if n >= ctx:
             raise BadRequest(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
-        if params.max_new_tokens is not None and n + params.max_new_tokens > ctx:
+        if params.max_new_tokens is not None:
+            total = n + params.max_new_tokens
+            if total >= ctx if v.total_tokens_refused_at_context else total > ctx:
+                raise BadRequest(
+                    f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                    f"You requested a total of {total} tokens: {n} tokens from the input "
+                    f"messages and {params.max_new_tokens} tokens for the completion. Please reduce the number "
+                    "of tokens in the input messages or the completion to fit within the limit."
+                )
+        if prompt_len >= self.max_req_input_len:
             raise BadRequest(
-                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
-                f"You requested a total of {n + params.max_new_tokens} tokens: {n} tokens from the input "
-                f"messages and {params.max_new_tokens} tokens for the completion. Please reduce the number "
-                "of tokens in the input messages or the completion to fit within the limit."
-            )
-        if n >= self.max_req_input_len:
-            raise BadRequest(
-                f"Input length ({n} tokens) exceeds the maximum allowed length ({self.max_req_input_len} tokens). "
+                f"Input length ({prompt_len} tokens) exceeds the maximum allowed length ({self.max_req_input_len} tokens). "
                 "Use a shorter input or enable --allow-auto-truncate."
             )
 
@@ -259,6 +559,23 @@ class ModelLimits:
         params = parse_sampling_params(raw_params, unimplemented_by=unimplemented_by)
         self.check_lengths(len(ids), params)
         return params
+
+
+def finish_reason(output_ids: Sequence[int], max_new_tokens: int, stop_ids: Iterable[int],
+                  version: SGLangVersion = V05) -> dict[str, Any] | None:
+    """The finish of a sequence whose last token was just added (None: it goes on).
+
+    `stop_ids`: the eos ids and the request's stop_token_ids, empty under ignore_eos. 0.5.23
+    schedule_batch.py `update_finish_state` checks the stop token first, so a stop token that is the
+    max_new_tokens-th token finishes "stop"; 0.4.10 `check_finished` checks the length first.
+    """
+    stopped = bool(output_ids) and output_ids[-1] in set(stop_ids)
+    at_cap = len(output_ids) >= max_new_tokens
+    if stopped and (version.stop_before_length or not at_cap):
+        return finish_stop(output_ids[-1])
+    if at_cap:
+        return finish_length(max_new_tokens)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,59 +604,86 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _is_id_list(x: Any) -> bool:
-    # type(), not isinstance: a JSON true is not a token id. map/set keep long prompts cheap.
-    return type(x) is list and set(map(type, x)) <= {int}
+def _is_id_list(x: Any, *, lax: bool) -> bool:
+    """A flat list of token ids. lax: as SGLang 0.5's C-loop validator (srt/utils/field_validators.py
+    `validate_list_i64_1d`, an array("q")), which lets a JSON true through for the contract gate
+    to refuse; strict (0.4 here): type(x) is int only. map/set keep long prompts cheap."""
+    if type(x) is not list:
+        return False
+    return set(map(type, x)) <= ({int, bool} if lax else {int})
 
 
-def parse_generate(raw: bytes, *, server: str, accepts_text: bool = True) -> GenerateRequest:
-    """Normalise a /generate body (GenerateReqInput's rules) into per-item prompts, params and rids.
+_PYDANTIC_BOOL_STRINGS = {"0", "1", "true", "false", "t", "f", "yes", "no", "y", "n", "on", "off"}
 
-    `server` names the server in refusals ("dev server"); without a tokenizer (`accepts_text`
-    False) a ``text`` prompt is refused.
+
+def _pydantic_bool(v: Any) -> bool:
+    """What pydantic's lax bool admits (GenerateReqInput.stream: bool)."""
+    return (isinstance(v, bool) or (type(v) is int and v in (0, 1))
+            or (isinstance(v, str) and v.lower() in _PYDANTIC_BOOL_STRINGS))
+
+
+def parse_generate(raw: bytes, *, server: str, accepts_text: bool = True,
+                   version: SGLangVersion = V05) -> GenerateRequest:
+    """Normalise a /generate body into per-item prompts, params and rids, in SGLang's order.
+
+    First the dataclass parse (MalformedRequest), then (0.5) the contract gate (ContractError),
+    then GenerateReqInput's normalisation (BadRequest). `server` names the server in refusals
+    ("dev server"); without a tokenizer (`accepts_text` False) a ``text`` prompt is refused.
     """
     body = parse_json_object(raw)
-    if body.get("stream"):
+    lax = version.contract_gate
+    text, input_ids, rid = body.get("text"), body.get("input_ids"), body.get("rid")
+    params, stream = body.get("sampling_params"), body.get("stream")
+    # 1. GenerateReqInput as FastAPI parses it (pydantic; input_ids by field_validators.py).
+    if not (text is None or isinstance(text, str) or (isinstance(text, list) and all(isinstance(t, str) for t in text))):
+        raise MalformedRequest("text must be a string or a list of strings")
+    if input_ids is not None and not (
+            input_ids == [] or _is_id_list(input_ids, lax=lax)
+            or (isinstance(input_ids, list) and all(_is_id_list(s, lax=lax) for s in input_ids))):
+        raise MalformedRequest("input_ids must be a list of ints or a list of lists of ints")
+    if not (rid is None or isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
+        raise MalformedRequest("rid must be a string (single request) or a list of strings (batch)")
+    if not (params is None or isinstance(params, dict)
+            or (isinstance(params, list) and all(isinstance(p, dict) for p in params))):
+        raise MalformedRequest("sampling_params must be an object or a list of objects")
+    if stream is not None and not (_pydantic_bool(stream) if lax else isinstance(stream, bool)):
+        raise MalformedRequest("stream must be a boolean")
+    # 2. The API schema (0.5 only).
+    if version.contract_gate:
+        violation = contract_error(body)
+        if violation is not None:
+            raise ContractError(violation)
+    # 3. Normalisation (ValueErrors).
+    if stream:
         raise BadRequest(f"stream=True is not supported by the eagle3 {server}; use stream=false.")
-    text, input_ids = body.get("text"), body.get("input_ids")
     if text is not None and not accepts_text:
         raise BadRequest(f"The {server} has no tokenizer: send input_ids, not text.")
     if (text is None) == (input_ids is None):
         raise BadRequest("Either text, input_ids or input_embeds should be provided.")
     prompts: list[str | list[int]]
     if text is not None:
-        if isinstance(text, str):
-            single, prompts = True, [text]
-        elif isinstance(text, list) and all(isinstance(t, str) for t in text):
-            single, prompts = False, list(text)
-        else:
-            raise MalformedRequest("text must be a string or a list of strings")
+        single, prompts = isinstance(text, str), [text] if isinstance(text, str) else list(text)
+    elif input_ids == []:
+        raise BadRequest("input_ids cannot be empty.")
+    elif not isinstance(input_ids[0], list):
+        single, prompts = True, [input_ids]
     else:
-        if _is_id_list(input_ids) and input_ids:
-            single, prompts = True, [input_ids]
-        elif isinstance(input_ids, list) and input_ids and all(_is_id_list(s) for s in input_ids):
-            single, prompts = False, list(input_ids)
-        elif input_ids == []:
-            raise BadRequest("input_ids cannot be empty.")
-        else:
-            raise MalformedRequest("input_ids must be a list of ints or a list of lists of ints")
+        single, prompts = False, list(input_ids)
     n = len(prompts)
     if n == 0:
         raise BadRequest("The batch is empty.")
 
-    params = body.get("sampling_params")
     if isinstance(params, list):
         if single or len(params) != n:
             raise BadRequest(f"sampling_params has {len(params)} entries for a batch of {n}.")
     else:
         params = [params] * n  # one dict applies to every item, as in SGLang
 
-    rid = body.get("rid")
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
     elif single and isinstance(rid, str):
         rids = [rid]
-    elif not single and isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+    elif not single and isinstance(rid, list):
         if len(rid) != n:
             raise BadRequest(f"rid has {len(rid)} entries for a batch of {n}.")
         rids = list(rid)
@@ -348,10 +692,75 @@ def parse_generate(raw: bytes, *, server: str, accepts_text: bool = True) -> Gen
     return GenerateRequest(single, prompts, params, rids)
 
 
-def parse_abort(raw: bytes) -> tuple[str | None, bool]:
-    """An /abort_request body: (rid, abort_all)."""
+def parse_abort(raw: bytes) -> tuple[str, bool]:
+    """An /abort_request body: (rid, abort_all); a missing rid is "" (io_struct.py AbortReq.__post_init__)."""
     body = parse_json_object(raw or b"{}")
-    return body.get("rid"), bool(body.get("abort_all"))
+    rid, abort_all = body.get("rid"), body.get("abort_all", False)
+    if rid is not None and not isinstance(rid, str):
+        raise MalformedRequest("rid must be a string")
+    if not isinstance(abort_all, bool):
+        raise MalformedRequest("abort_all must be a boolean")
+    return rid or "", abort_all
+
+
+# ---------------------------------------------------------------------------------------------
+# Request ids and aborts
+# ---------------------------------------------------------------------------------------------
+
+
+class HeldRids:
+    """The rids a server holds: SGLang's TokenizerManager.rid_to_state (event-loop only).
+
+    A 0.5 server refuses a held rid (`claim`); a 0.4 one admits it again (counted, so an abort of
+    that rid still finds it held).
+    """
+
+    def __init__(self, version: SGLangVersion = V05):
+        self.version = version
+        self._held: Counter[str] = Counter()
+
+    def claim(self, rids: Sequence[str]) -> None:
+        """tokenizer_manager.py `_init_req_state` (0.5.23): BadRequest for a held or repeated rid; else hold them all."""
+        if self.version.refuses_duplicate_rids:
+            seen: set[str] = set()
+            for rid in rids:
+                if rid in self._held or rid in seen:
+                    raise BadRequest(f"Duplicate request ID detected: {rid}")
+                seen.add(rid)
+        self._held.update(rids)
+
+    def release(self, rid: str) -> None:
+        """The request's final output was processed (or it never got to the scheduler)."""
+        if self._held[rid] <= 1:
+            self._held.pop(rid, None)
+        else:
+            self._held[rid] -= 1
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._held
+
+    def __len__(self) -> int:
+        return sum(self._held.values())
+
+
+def abort_matcher(rid: str, abort_all: bool, held: HeldRids | Callable[[str], bool]) -> Callable[[str], bool] | None:
+    """Which requests an /abort_request reaches; None: it is ignored.
+
+    tokenizer_manager.py `abort_request` (0.5.23; 0.4.10 the same in effect): an empty rid without
+    abort_all is ignored, and so is a rid the server does not hold exactly (one tokenizer worker);
+    scheduler.py `abort_request` then aborts every waiting and running request whose rid starts
+    with the given one (abort_all: every request).
+    """
+    if abort_all:
+        return lambda _rid: True
+    if not rid or not (rid in held if isinstance(held, HeldRids) else held(rid)):
+        return None
+    return lambda other: other.startswith(rid)
+
+
+def health_check_rid() -> str:
+    """http_server.py `health_generate`'s probe rid (0.5.23: the prefix and a uuid)."""
+    return f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,15 +769,18 @@ def parse_abort(raw: bytes) -> tuple[str | None, bool]:
 
 
 def finish_stop(token: int) -> dict[str, Any]:
+    """schedule_batch.py FINISH_MATCHED_TOKEN.to_json()."""
     return {"type": "stop", "matched": token}
 
 
 def finish_length(n: int) -> dict[str, Any]:
+    """schedule_batch.py FINISH_LENGTH.to_json()."""
     return {"type": "length", "length": n}
 
 
-def finish_abort(message: str, status_code: int | None = None) -> dict[str, Any]:
-    return {"type": "abort", "message": message, "status_code": status_code}
+def finish_abort(message: str | None = None, status_code: int | None = None, err_type: str | None = None) -> dict[str, Any]:
+    """schedule_batch.py FINISH_ABORT(...).to_json() (the same in 0.4.10): a running request's abort."""
+    return {"type": "abort", "message": message or "Aborted", "status_code": status_code, "err_type": err_type}
 
 
 def text_token_ids(output_ids: list[int], finish_reason: dict[str, Any], no_stop_trim: bool) -> list[int]:
@@ -378,30 +790,59 @@ def text_token_ids(output_ids: list[int], finish_reason: dict[str, Any], no_stop
     return output_ids
 
 
+def _weight_versions(n: int) -> list[dict[str, Any]]:
+    """utils/weight_versions.py compute_weight_version_spans + add_weight_versions_to_meta_info, weights never updated."""
+    return [{"version": WEIGHT_VERSION, "start": 0, "end": n}]
+
+
 def generate_result(
     *, rid: str, text: str, output_ids: list[int], finish_reason: dict[str, Any], prompt_tokens: int,
-    e2e_latency: float, spec_verify_ct: int | None = None,
+    e2e_latency: float, spec_verify_ct: int | None = None, version: SGLangVersion = V05,
 ) -> dict[str, Any]:
-    """One /generate answer in SGLang's shape (no prefix cache, no reasoning parser).
+    """One finished /generate answer in SGLang's shape (no prefix cache, no reasoning parser, weights never updated).
 
-    `spec_verify_ct` (a server with a draft): the request's verify rounds, SGLang's meta_info field.
+    0.5.23: tokenizer_manager.py `_handle_batch_output` (meta_info in its key order). 0.4.10 sends
+    only id, finish_reason, prompt_tokens, completion_tokens, cached_tokens (+ spec_verify_ct) and
+    e2e_latency; it also sends no output_ids when its tokenizer is on -- kept here (deliberately:
+    the pipeline reads them). `spec_verify_ct` (a server with a draft): the request's verify rounds.
     """
-    result = {
-        "text": text,
-        "output_ids": output_ids,
-        "meta_info": {
-            "id": rid,
-            "finish_reason": finish_reason,
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(output_ids),
-            "cached_tokens": 0,
-            "reasoning_tokens": 0,
+    n = len(output_ids)
+    if version.is_04:
+        meta: dict[str, Any] = {"id": rid, "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
+                                "completion_tokens": n, "cached_tokens": 0}
+        if spec_verify_ct is not None:
+            meta["spec_verify_ct"] = spec_verify_ct
+        meta["e2e_latency"] = e2e_latency
+    else:
+        meta = {
+            "id": rid, "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
+            "weight_version": WEIGHT_VERSION, "num_retractions": 0, "reasoning_tokens": 0,
+            "completion_tokens": n, "cached_tokens": 0, "weight_versions": _weight_versions(n),
             "e2e_latency": e2e_latency,
-        },
-    }
-    if spec_verify_ct is not None:
-        result["meta_info"]["spec_verify_ct"] = spec_verify_ct
-    return result
+        }
+        if spec_verify_ct is not None:
+            meta["spec_verify_ct"] = spec_verify_ct
+    return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+
+def queued_abort_result(*, rid: str, e2e_latency: float, version: SGLangVersion = V05) -> dict[str, Any]:
+    """The answer to a request aborted while still queued: tokenizer_manager.py `_handle_abort_req`.
+
+    0.5.23 (the scheduler's abort echo `_make_abort_req` carries weight version spans):
+    ``{"text": "", "output_ids": [], "meta_info": {"id", "finish_reason": {"type": "abort",
+    "message": "Abort in waiting queue"}, "weight_version", "e2e_latency", "weight_versions",
+    "completion_tokens": 0}}`` -- no prompt_tokens. 0.4.10: ``{"text": "", "meta_info": {"id",
+    "finish_reason": {"type": "abort", "message": "Abort before prefill"}, "prompt_tokens": 0,
+    "completion_tokens": 0}}`` -- no output_ids.
+    """
+    if version.is_04:
+        return {"text": "", "meta_info": {
+            "id": rid, "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+            "prompt_tokens": 0, "completion_tokens": 0}}
+    return {"text": "", "output_ids": [], "meta_info": {
+        "id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+        "weight_version": WEIGHT_VERSION, "e2e_latency": e2e_latency, "weight_versions": _weight_versions(0),
+        "completion_tokens": 0}}
 
 
 def server_info(
@@ -412,7 +853,8 @@ def server_info(
     """The /server_info fields the pipeline and the tests read, in SGLang's names.
 
     `speculative`: SGLang's `speculative_*` server args of a server with a draft (merged in);
-    `avg_spec_accept_length` goes into internal_states as SGLang's scheduler reports it.
+    `avg_spec_accept_length` goes into internal_states as SGLang's scheduler reports it
+    (scheduler_components/internal_state.py `_add_speculative`: absent while None).
     """
     state: dict[str, Any] = {"num_running_reqs": running, "num_waiting_reqs": waiting}
     if avg_spec_accept_length is not None:
@@ -444,7 +886,7 @@ def model_info(*, model_path: str, model_type: str | None, architectures: list[s
         "tokenizer_path": model_path,
         "is_generation": True,
         "preferred_sampling_params": None,
-        "weight_version": "default",
+        "weight_version": WEIGHT_VERSION,
         "has_image_understanding": False,
         "has_audio_understanding": False,
         "model_type": model_type,
@@ -453,22 +895,119 @@ def model_info(*, model_path: str, model_type: str | None, architectures: list[s
 
 
 # ---------------------------------------------------------------------------------------------
+# API keys
+# ---------------------------------------------------------------------------------------------
+
+# entrypoints/http_server.py: the endpoints marked @auth_level(AuthLevel.ADMIN_OPTIONAL) that these servers have.
+ADMIN_OPTIONAL_PATHS = frozenset({"/abort_request", "/flush_cache"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Auth:
+    """``--api-key`` / ``--admin-api-key`` and who they let in (`decide`)."""
+
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    version: SGLangVersion = V05
+
+    def __post_init__(self):
+        if self.admin_api_key and not self.version.has_admin_api_key:
+            raise ValueError("--admin-api-key does not exist in SGLang 0.4.x (only --api-key): drop it or "
+                             "use sglang_version 0.5")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.api_key or self.admin_api_key)
+
+    def decide(self, method: str, path: str, authorization: str | None) -> int | None:
+        """None to let the request in, else the refusal's status.
+
+        0.5.23 utils/auth.py `decide_request_auth`: OPTIONS and /health*, /ready*, /metrics* always
+        open; an ADMIN_OPTIONAL endpoint takes the admin key when one is set, else the api key, else
+        anything; a NORMAL one takes the api key when set, else anything (admin key only: open).
+        A bearer token, scheme case-insensitive, compared in constant time. 0.4.10 utils.py
+        `add_api_key_middleware`: every path but /health* and /metrics* needs exactly
+        ``Bearer <api_key>``.
+        """
+        if method == "OPTIONS":
+            return None
+        if self.version.is_04:
+            if not self.api_key or path.startswith(("/health", "/metrics")):
+                return None
+            return None if authorization == f"Bearer {self.api_key}" else 401
+        if path.startswith(("/health", "/ready", "/metrics")):
+            return None
+        if path in ADMIN_OPTIONAL_PATHS and self.admin_api_key:
+            key = self.admin_api_key
+        else:
+            key = self.api_key
+        if not key:
+            return None
+        return None if _bearer_matches(authorization, key) else 401
+
+
+def _bearer_matches(authorization: str | None, expected: str) -> bool:
+    """utils/auth.py `_check_bearer_token`."""
+    if not authorization:
+        return False
+    parts = authorization.split(" ", 1)
+    if len(parts) != 2 or parts[0].lower() != "bearer":
+        return False
+    return secrets.compare_digest(parts[1], expected)
+
+
+class _AuthMiddleware:
+    """ASGI middleware (as utils/auth.py's, so disconnects still reach the app): refuse what `Auth.decide` refuses."""
+
+    def __init__(self, app: Callable, auth: Auth, open_paths: frozenset[str], on_refused: Callable[[], Any] | None):
+        self.app, self.auth, self.open_paths, self.on_refused = app, auth, open_paths, on_refused
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope.get("path") not in self.open_paths:
+            headers = dict(scope.get("headers") or [])
+            authorization = headers.get(b"authorization")
+            status = self.auth.decide(scope["method"], scope["path"],
+                                      None if authorization is None else authorization.decode("latin-1"))
+            if status is not None:
+                if self.on_refused is not None:
+                    self.on_refused()
+                body = {"error": "Unauthorized" if status == 401 else "Forbidden"}
+                await JSONResponse(body, status_code=status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------------------------------------
 # The app
 # ---------------------------------------------------------------------------------------------
 
 
-async def results_or_abort(request: Request, results: Awaitable[T], abort: Callable[[], Any]) -> T:
-    """Await `results`; if the client goes away first, abort() (SGLang frees the batch) and still await.
+async def results_or_abort(request: Request, results: Awaitable[T], abort: Callable[[], Any], *,
+                           poll_s: float = DISCONNECT_POLL_S) -> T:
+    """Await `results`, noticing a client that went away only as SGLang does: on a poll every `poll_s`.
 
+    tokenizer_manager.py `_stream_one_response` (0.5.23): the wait for the output times out every
+    SGLANG_REQUEST_STATE_WAIT_TIMEOUT seconds from the request's start; only then is
+    `request.is_disconnected()` asked, and a gone client's request aborted (abort()). Until that
+    tick the request keeps running and its rid stays held. After abort() the (aborted) results are
+    still awaited, so the rids are freed when the requests really end. poll_s <= 0 notices at once.
     The request body must have been read: the next ASGI message is then the disconnect.
     """
     results = asyncio.ensure_future(results)
     watcher = asyncio.ensure_future(request.receive())
     try:
-        done, _ = await asyncio.wait((results, watcher), return_when=asyncio.FIRST_COMPLETED)
-        if results not in done:
-            abort()
-        return await results
+        if poll_s <= 0:
+            done, _ = await asyncio.wait((results, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if results not in done:
+                abort()
+            return await results
+        while True:
+            done, _ = await asyncio.wait((results,), timeout=poll_s)
+            if done:
+                return results.result()
+            if watcher.done():  # is_disconnected() at this tick
+                abort()
+                return await results
     except asyncio.CancelledError:  # the server is going away: don't leave the work running
         abort()
         raise
@@ -482,8 +1021,11 @@ class SGLangBackend(Protocol):
     async def generate(self, request: Request) -> Any:
         """Serve a /generate request (its body unread); the JSON answer (raise the errors above)."""
 
-    def abort(self, rid: str | None, abort_all: bool) -> int:
-        """Abort the matching in-flight requests; how many."""
+    def abort(self, rid: str, abort_all: bool) -> int:
+        """An /abort_request: abort what `abort_matcher` says; how many sequences."""
+
+    def flush_cache(self) -> bool:
+        """/flush_cache: True (and the scheduler metrics reset) when idle, False while requests are in flight."""
 
     def healthy(self) -> bool:
         """The answer to /health."""
@@ -499,15 +1041,24 @@ class SGLangBackend(Protocol):
 
 
 def create_sglang_app(
-    backend: SGLangBackend, *, title: str, version: str,
+    backend: SGLangBackend, *, title: str, version: str, sglang_version: SGLangVersion = V05,
+    auth: Auth | None = None, open_paths: Iterable[str] = (), on_auth_refused: Callable[[], Any] | None = None,
     lifespan: Callable[[FastAPI], AsyncContextManager[None]] | None = None,
 ) -> FastAPI:
-    """A FastAPI app with SGLang's endpoints and error bodies over `backend`."""
+    """A FastAPI app with SGLang's endpoints, error bodies and API-key rules over `backend`.
+
+    `auth`: the keys (`Auth`); `open_paths` are exempt from them (the sim server's admin paths);
+    `on_auth_refused` is called for each 401/403.
+    """
     app = FastAPI(title=title, version=version, lifespan=lifespan)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_request: Request, exc: BadRequest):
         return JSONResponse(value_error_body(str(exc)), status_code=400)
+
+    @app.exception_handler(ContractError)
+    async def contract(_request: Request, exc: ContractError):
+        return JSONResponse(contract_error_body(str(exc)), status_code=400)
 
     @app.exception_handler(MalformedRequest)
     async def malformed(_request: Request, exc: MalformedRequest):
@@ -546,15 +1097,25 @@ def create_sglang_app(
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        return Response("Cache flushed.\n", status_code=200)  # nothing is cached between requests
+        # http_server.py `flush_cache`: 0.5.23 answers a refused flush with FlushCacheReqOutput.message
+        # or "Flush cache failed.\n"; 0.4.10 with the success text and 400.
+        text = ("Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n")
+        if backend.flush_cache():
+            return Response(text, status_code=200)
+        return Response(text if sglang_version.is_04 else "Flush cache failed.\n", status_code=400)
 
+    if auth is not None and auth.enabled:
+        app.add_middleware(_AuthMiddleware, auth=auth, open_paths=frozenset(open_paths), on_refused=on_auth_refused)
     return app
 
 
 __all__ = [
-    "BadRequest", "DEFAULT_MAX_NEW_TOKENS", "GenerateRequest", "MalformedRequest", "ModelLimits", "SAMPLING_EPS",
-    "SGLangBackend", "SamplingParams", "ServerError", "create_sglang_app", "error_response", "finish_abort",
-    "finish_length", "finish_stop", "generate_result", "http_error_body", "model_info", "parse_abort",
-    "parse_generate", "parse_json_object", "parse_sampling_params", "results_or_abort", "server_info",
-    "text_token_ids", "value_error_body",
+    "ADMIN_OPTIONAL_PATHS", "Auth", "BadRequest", "ContractError", "DECODE_LOG_INTERVAL", "DEFAULT_MAX_NEW_TOKENS",
+    "DISCONNECT_POLL_S", "GenerateRequest", "HeldRids", "MalformedRequest", "ModelLimits", "SAMPLING_EPS",
+    "SGLANG_VERSIONS", "SGLangBackend", "SGLangVersion", "SamplingParams", "ServerError", "V05", "abort_matcher",
+    "contract_error", "contract_error_body", "create_sglang_app", "error_response", "finish_abort", "finish_length",
+    "finish_reason", "finish_stop", "generate_result", "health_check_rid", "http_error_body", "model_info",
+    "num_reserved_tokens", "parse_abort", "parse_generate", "parse_json_object", "parse_sampling_params",
+    "queued_abort_result", "results_or_abort", "server_info", "text_token_ids", "value_error_body",
 ]

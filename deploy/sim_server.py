@@ -10,8 +10,10 @@ the same prompt always gets the same answer, so "outputs equal a clean run" is c
 crashes, retries and restarts. The output length is drawn from a long-tailed distribution
 (lognormal by default), the ids are random in ``[10, vocab_size)``, a natural end appends the stop
 token (``stop_token_ids[0]``, else ``eos_token_id``) with finish ``stop``; otherwise the output is
-cut at ``max_new_tokens`` with finish ``length``. A smaller ``max_new_tokens`` gives a prefix of
-the same output, as greedy decoding would.
+cut at ``max_new_tokens`` with finish ``length``. A natural end AT ``max_new_tokens`` is ``stop``,
+as SGLang 0.5.23 checks the stop token before the length cap (schedule_batch.py
+``Req.update_finish_state``; with ``sglang_version="0.4"``: ``length``, 0.4.x ``check_finished``).
+A smaller ``max_new_tokens`` gives a prefix of the same output, as greedy decoding would.
 
 Capacity model (continuous batching): at most ``max_running`` sequences run at once, the others
 wait FIFO; a running sequence of L output tokens finishes ``prefill_s_per_token * len(prompt) +
@@ -20,15 +22,21 @@ saturation). Capacity is ``max_running / decode_s_per_token`` tokens/s. ``SimSer
 counts served and aborted tokens, the busy-slot integral and the observed maxima.
 
 Endpoints: SGLang's, from ``deploy/sglang_protocol.py`` (``text`` is refused: no tokenizer;
-sampling params the simulation does not model are accepted and ignored); admin: ``POST /_fault``
-(see ``SimServer.apply_fault``) and ``GET /_stats`` for a server in another process. The app is
-FastAPI, as the dev server's; the faults that answer instead of the routes (an outage,
-``fail_next``, ``drop_next``) are an ASGI middleware in front of them, the others live in the
-handlers and the engine.
+sampling params SGLang knows but the simulation does not model are accepted and ignored), with
+its rules (SGLang 0.5.23, or 0.4.x with ``sglang_version="0.4"``): a held rid refused as a
+duplicate, a disconnected client noticed only on the ``disconnect_poll_s`` poll (SGLang's 4 s;
+meanwhile the request runs and holds its rid), /abort_request by rid prefix, the queued- and
+running-abort answers, ``api_key`` / ``admin_api_key``, the contract gate's 400s, and
+``reserved_tokens`` (what an EAGLE server reserves per request in its length checks). Admin:
+``POST /_fault`` (see ``SimServer.apply_fault``) and ``GET /_stats`` for a server in another
+process; they take no key. The app is FastAPI, as the dev server's; the faults that answer
+instead of the routes (an outage, ``fail_next``, ``drop_next``) are an ASGI middleware in front of
+them, the others (``drop_fraction``, ``slow``, ``reject_if``, ``abort_if``) live in the handlers and the engine.
 
 Run it in-process (``with SimServer(max_running=4) as srv: srv.url``: uvicorn in a background
 thread with its own event loop) or in the foreground:
-``python -m deploy.sim_server --port N [--max-running ..] [--decode-ms ..] [--mean-len ..] [--seed ..]``.
+``python -m deploy.sim_server --port N [--max-running ..] [--decode-ms ..] [--mean-len ..] [--seed ..]
+[--api-key ..] [--admin-api-key ..] [--sglang-version 0.5|0.4] [--disconnect-poll-s ..] [--reserved-tokens ..]``.
 """
 
 from __future__ import annotations
@@ -87,6 +95,10 @@ class SimConfig:
     prefill_s_per_token: float = 0.0  # wall time per prompt token, once, at the start
     seed: int = 0  # mixed into every output: another seed, another "model"
     model_path: str = "sim-model"
+    # SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT: a gone client is noticed on a poll this often (<= 0: at once)
+    disconnect_poll_s: float = sglang.DISCONNECT_POLL_S
+    sglang_version: str = "0.5"  # "0.5" (SGLang 0.5.23) | "0.4" (0.4.x where they differ)
+    reserved_tokens: int = 0  # per-request tokens an EAGLE server reserves in its length checks (0: no draft)
 
     def __post_init__(self):
         if self.length_dist not in ("lognormal", "exponential", "fixed"):
@@ -101,11 +113,19 @@ class SimConfig:
             raise ValueError(f"max_running must be at least 1, got {self.max_running}")
         if self.decode_s_per_token < 0 or self.prefill_s_per_token < 0:
             raise ValueError("decode_s_per_token and prefill_s_per_token must be >= 0")
+        sglang.SGLangVersion.of(self.sglang_version)  # validates
+        if self.reserved_tokens < 0:
+            raise ValueError(f"reserved_tokens must be >= 0, got {self.reserved_tokens}")
+
+    @property
+    def version(self) -> sglang.SGLangVersion:
+        return sglang.SGLangVersion.of(self.sglang_version)
 
     @property
     def limits(self) -> sglang.ModelLimits:
-        """The vocabulary and context, and SGLang's scheduler limits from them."""
-        return sglang.ModelLimits(vocab_size=self.vocab_size, context_length=self.context_length)
+        """The vocabulary and context, and SGLang's limits from them (reserved tokens included)."""
+        return sglang.ModelLimits(vocab_size=self.vocab_size, context_length=self.context_length,
+                                  reserved_tokens=self.reserved_tokens, sglang_version=self.version)
 
     @property
     def max_req_len(self) -> int:
@@ -191,7 +211,7 @@ def simulate_output(prompt_ids: Any, params: Any = None, config: SimConfig | Non
     natural = _natural_length(rng, cfg)  # drawn first: the ids below never depend on the cut
     if p.ignore_eos:
         length, stop = limit, False  # ignore_eos also disables stop_token_ids, as in SGLang
-    elif natural < limit:
+    elif natural <= limit:
         length, stop = natural, True
     else:
         length, stop = limit, False
@@ -208,9 +228,10 @@ def simulate_output(prompt_ids: Any, params: Any = None, config: SimConfig | Non
         out = [_avoid(t, stops, span) for t in out]
     if stop:
         out.append(stop_id)
-        finish = sglang.finish_stop(stop_id)
-    else:
-        finish = sglang.finish_length(length)
+    # The finish of those ids as SGLang labels it (sglang_protocol.finish_reason): a natural end AT the cap is
+    # "stop" in 0.5.23 (`update_finish_state` checks the stop token first), "length" in 0.4.x (`check_finished`).
+    finish = sglang.finish_reason(out, limit, () if p.ignore_eos else (stop_id,), cfg.version)
+    assert finish is not None  # the ids end at the stop token or at the cap
     return SimOutput(out, finish, natural, p.no_stop_trim)
 
 
@@ -250,8 +271,14 @@ class SimStats:
     open_requests: int = 0  # /generate HTTP requests being handled now
     max_open_requests: int = 0
     injected_errors: int = 0  # answered by fail_next
-    dropped_connections: int = 0  # closed by drop_next
-    rejected: int = 0  # 400 answers (bad input, reject_if)
+    dropped_connections: int = 0  # closed by drop_next, and admitted requests cut by drop_fraction
+    rejected: int = 0  # 400 answers to /generate (bad input, reject_if, contract gate, duplicate rids)
+    duplicate_rids: int = 0  # of those, refused for a rid the server still holds (or repeated in the batch)
+    abort_requests: int = 0  # /abort_request calls answered (ignored ones included; not the 401s)
+    aborted_by_request: int = 0  # sequences aborted by /abort_request or abort_all() (prefix matches included)
+    aborted_by_disconnect: int = 0  # sequences aborted when the disconnect poll found their client gone
+    queued_aborts: int = 0  # of the aborted, those still queued: SGLang's queued-abort answer (not down()'s drops)
+    auth_refused: int = 0  # 401/403 answers (a missing or wrong API key)
     restarts: int = 0  # down()/up() cycles
     since: float = 0.0  # event-loop clock when counting started (start or reset_stats)
     clock: float = 0.0  # event-loop clock of this snapshot
@@ -272,11 +299,13 @@ class SimStats:
 class _Seq:
     """One prompt inside the simulated engine."""
 
-    __slots__ = ("rid", "prompt_len", "out", "arrived", "queued_at", "started", "handle", "future", "state")
+    __slots__ = ("rid", "prompt_len", "out", "arrived", "queued_at", "started", "handle", "future", "state", "doomed")
 
-    def __init__(self, rid: str, prompt_len: int, out: SimOutput, arrived: float, future: asyncio.Future):
+    def __init__(self, rid: str, prompt_len: int, out: SimOutput, arrived: float, future: asyncio.Future,
+                 doomed: bool = False):
         self.rid, self.prompt_len, self.out = rid, prompt_len, out
         self.arrived, self.future = arrived, future
+        self.doomed = doomed  # abort_if: the server aborts it when it starts running
         self.queued_at = self.started = 0.0
         self.handle: asyncio.Handle | asyncio.TimerHandle | None = None
         self.state = "new"  # new -> delay (slow) -> queued -> running -> done
@@ -289,16 +318,20 @@ class SimServer:
     """A simulated SGLang server on 127.0.0.1; see the module docstring.
 
     Every public method is safe to call from any thread (it runs on the server's event loop).
+    `api_key` / `admin_api_key` are SGLang's ``--api-key`` / ``--admin-api-key`` (sglang_protocol.Auth);
+    `config_fields` override fields of `config` (e.g. ``disconnect_poll_s=0.3, sglang_version="0.4"``).
     Test usage::
 
         with SimServer(max_running=4, decode_s_per_token=0.01) as srv:
             httpx.post(srv.url + "/generate", json={"input_ids": [5, 6], ...})
             srv.fail_next(2)            # the next 2 /generate answer 503
             srv.drop_next(1)            # the next /generate gets its connection closed, no answer
+            srv.drop_fraction(0.2, seed=1, after_s=0.1)  # 20% of /generate: admitted, cut 0.1 s later
             srv.slow(0.5)               # every /generate waits 0.5 s before it is scheduled
             srv.set_starting(True)      # /health and /health_generate answer 503
             srv.down(); srv.up()        # outage: refuse connections, drop in-flight; restart
             srv.reject_if(lambda ids: 7 in ids)   # 400 for matching prompts
+            srv.abort_if(lambda ids: 8 in ids)    # the server aborts matching prompts as they start running
             srv.snapshot().max_in_flight
     """
 
@@ -310,9 +343,14 @@ class SimServer:
         port: int = 0,
         starting: bool = False,
         log_level: str = "warning",
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
         **config_fields: Any,
     ):
         self.config = dataclasses.replace(config or SimConfig(), **config_fields)
+        self.version = self.config.version
+        # SGLang's --api-key / --admin-api-key (sglang_protocol.Auth); the admin paths take no key.
+        self.auth = sglang.Auth(api_key=api_key, admin_api_key=admin_api_key, version=self.version)
         self.host, self.port = host, port
         self.log_level = log_level
         self.stats = SimStats()
@@ -320,13 +358,16 @@ class SimServer:
         self._starting = starting
         self._fail_left, self._fail_status, self._fail_message, self._fail_path = 0, 503, "", "/generate"
         self._drop_left, self._drop_reset, self._drop_path = 0, False, "/generate"
+        self._drop_fraction, self._drop_after_s, self._drop_rng = 0.0, 0.0, random.Random(0)
         self._slow_s = 0.0
         self._reject: Callable[[list[int]], Any] | None = None
+        self._abort_if: Callable[[list[int]], Any] | None = None
         self._down: str | None = None  # None | "refuse" | "503"
         # Engine state (event loop only).
         self._running: set[_Seq] = set()
         self._waiting: deque[_Seq] = deque()
         self._live: set[_Seq] = set()  # every unfinished sequence (delay, queued, running)
+        self._held = sglang.HeldRids(self.version)  # SGLang's rid_to_state: claimed at admission, freed at the end
         self._last_touch = 0.0
         # Serving state.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -509,6 +550,25 @@ class SimServer:
 
         self._call(apply)
 
+    def drop_fraction(self, fraction: float, *, seed: int = 0, after_s: float = 0.0) -> None:
+        """Cut the connection of a random `fraction` of /generate requests `after_s` seconds after admission.
+
+        Each /generate that passes its checks is admitted normally and, with probability `fraction`
+        (drawn from random.Random(seed), one draw per admitted request: deterministic for a given
+        seed and request order), has its connection closed (FIN, as drop_next does) `after_s` seconds
+        later. The request then goes on running and holds its rid (a re-send with it is refused as
+        a duplicate) until the disconnect poll (config.disconnect_poll_s) notices and aborts it, as
+        SGLang does with a client that went away. 0 turns it off.
+        """
+        if not 0.0 <= fraction <= 1.0 or after_s < 0:
+            raise ValueError(f"need 0 <= fraction <= 1 and after_s >= 0, got {fraction}, {after_s}")
+
+        def apply():
+            self._drop_fraction, self._drop_after_s = float(fraction), float(after_s)
+            self._drop_rng = random.Random(seed)
+
+        self._call(apply)
+
     def slow(self, seconds: float) -> None:
         """Hold every new /generate `seconds` before it is scheduled (0 to stop); counted in flight."""
         self._call(setattr, self, "_slow_s", max(0.0, float(seconds)))
@@ -521,12 +581,21 @@ class SimServer:
         """400 for prompts where predicate(prompt_ids) is truthy (a str return is the message); None clears."""
         self._call(setattr, self, "_reject", predicate)
 
+    def abort_if(self, predicate: Callable[[list[int]], Any] | None) -> None:
+        """The server aborts prompts where predicate(prompt_ids) is truthy as they start running; None clears.
+
+        As SGLang's scheduler aborting a request on its own: it is admitted, then finishes with
+        FINISH_ABORT() and no tokens (counted in `aborted`, not in `aborted_by_request`).
+        """
+        self._call(setattr, self, "_abort_if", predicate)
+
     def clear_faults(self) -> None:
-        """Undo fail_next, drop_next, slow, reject_if and starting (not down: use up)."""
+        """Undo fail_next, drop_next, drop_fraction, slow, reject_if, abort_if and starting (not down: use up)."""
 
         def apply():
             self._fail_left = self._drop_left = 0
-            self._slow_s, self._reject, self._starting = 0.0, None, False
+            self._drop_fraction = 0.0
+            self._slow_s, self._reject, self._abort_if, self._starting = 0.0, None, None, False
 
         self._call(apply)
 
@@ -550,7 +619,7 @@ class SimServer:
 
     def abort_all(self) -> int:
         """Abort every in-flight sequence as /abort_request {"abort_all": true} would; returns the count."""
-        return self._call(self._abort, None, True)
+        return self._call(self._abort, "", True)
 
     async def down_async(self, *, refuse: bool = True) -> None:
         if self._down is not None:
@@ -583,9 +652,10 @@ class SimServer:
         """Apply an admin spec (the body of POST /_fault); returns the fault state.
 
         Keys (all optional): fail_next (int), status (int, default 503), drop_next (int),
-        reset (bool), slow (seconds), starting (bool), reject_token (int: 400 for prompts holding
-        it; null clears), down (seconds of outage, or true: until up; refuse: bool, default true),
-        up (true), clear (true), reset_stats (true). Must run on the server's event loop.
+        reset (bool), drop_fraction (0..1, with drop_seed (int, default 0) and drop_after_s (seconds,
+        default 0): see drop_fraction), slow (seconds), starting (bool), reject_token (int: 400 for
+        prompts holding it; null clears), down (seconds of outage, or true: until up; refuse: bool,
+        default true), up (true), clear (true), reset_stats (true). Must run on the server's event loop.
         """
         if spec.get("clear"):
             self.clear_faults()
@@ -593,6 +663,9 @@ class SimServer:
             self.fail_next(int(spec["fail_next"]), int(spec.get("status", 503)))
         if "drop_next" in spec:
             self.drop_next(int(spec["drop_next"]), reset=bool(spec.get("reset", False)))
+        if "drop_fraction" in spec:
+            self.drop_fraction(float(spec["drop_fraction"]), seed=int(spec.get("drop_seed", 0)),
+                               after_s=float(spec.get("drop_after_s", 0.0)))
         if "slow" in spec:
             self.slow(float(spec["slow"]))
         if "starting" in spec:
@@ -612,6 +685,7 @@ class SimServer:
 
     def _fault_state(self) -> dict[str, Any]:
         return {"fail_next": self._fail_left, "status": self._fail_status, "drop_next": self._drop_left,
+                "drop_fraction": self._drop_fraction, "drop_after_s": self._drop_after_s,
                 "slow": self._slow_s, "starting": self._starting, "down": self._down,
                 "reject": self._reject is not None}
 
@@ -722,6 +796,9 @@ class SimServer:
             seq.state, seq.started = "running", now
             self.stats.queue_wait_s += now - seq.queued_at
             self._running.add(seq)
+            if seq.doomed:  # abort_if: aborted by the server itself, before any token
+                seq.handle = loop.call_soon(self._abort_seq, seq, "server")
+                continue
             duration = cfg.prefill_s_per_token * seq.prompt_len + len(seq.out.output_ids) * cfg.decode_s_per_token
             seq.handle = loop.call_at(now + duration, self._complete, seq)
         self._gauges()
@@ -733,8 +810,9 @@ class SimServer:
         self.stats.served_tokens += len(seq.out.output_ids)
         self._finish(seq, seq.out.output_ids, seq.out.finish_reason)
 
-    def _finish(self, seq: _Seq, ids: list[int], reason: dict) -> None:
-        """Leave the engine and resolve the request's future with SGLang's response shape."""
+    def _finish(self, seq: _Seq, ids: list[int], reason: dict, *, result: dict | None = None) -> None:
+        """Leave the engine, free the rid and resolve the request's future with SGLang's response shape
+        (`result`: an answer built elsewhere, the queued abort's)."""
         if seq.state == "running":
             self._touch()
             self._running.discard(seq)
@@ -748,41 +826,78 @@ class SimServer:
             seq.handle = None
         seq.state = "done"
         self._live.discard(seq)
+        self._held.release(seq.rid)  # tokenizer_manager.py deletes rid_to_state[rid] with the final output
         if not seq.future.done():
-            seq.future.set_result(sglang.generate_result(
+            seq.future.set_result(result or sglang.generate_result(
                 rid=seq.rid, text=_text(ids, reason, seq.out.no_stop_trim), output_ids=ids, finish_reason=reason,
-                prompt_tokens=seq.prompt_len, e2e_latency=self._loop.time() - seq.arrived,
+                prompt_tokens=seq.prompt_len, e2e_latency=self._loop.time() - seq.arrived, version=self.version,
             ))
         self._schedule()
         self._gauges()
 
-    def _abort_seq(self, seq: _Seq, message: str) -> None:
-        """Finish `seq` with finish_reason abort and the tokens generated so far."""
+    def _abort_seq(self, seq: _Seq, cause: str) -> bool:
+        """Abort `seq` for `cause` ("request", "disconnect", "server" or "shutdown"); False if it had already finished.
+
+        Still queued (or held by slow()): SGLang's queued-abort answer (sglang_protocol.queued_abort_result).
+        Running: FINISH_ABORT() through the normal output path with the tokens generated so far.
+        """
         if seq.state == "done":
-            return
+            return False
         cfg, ids = self.config, seq.out.output_ids
+        reason = sglang.finish_abort("Server shutting down" if cause == "shutdown" else None)
         if seq.state == "running":
             elapsed = self._loop.time() - seq.started - cfg.prefill_s_per_token * seq.prompt_len
             done = len(ids) if cfg.decode_s_per_token == 0 else int(max(0.0, elapsed) / cfg.decode_s_per_token)
+            if cause == "server":  # abort_if aborts it as it starts
+                done = 0
             if done >= len(ids):  # it had finished; the timer just has not fired yet
                 self._complete(seq)
-                return
+                return False
+            result = None
         else:
             done = 0
-            message = "Abort in waiting queue" if message.startswith("Abort by") else message
+            result = None
+            if cause != "shutdown":
+                result = sglang.queued_abort_result(rid=seq.rid, e2e_latency=self._loop.time() - seq.arrived,
+                                                    version=self.version)
+                self.stats.queued_aborts += 1
         self.stats.aborted += 1
         self.stats.aborted_tokens += done
-        self._finish(seq, ids[:done], sglang.finish_abort(message))
+        if cause == "request":
+            self.stats.aborted_by_request += 1
+        elif cause == "disconnect":
+            self.stats.aborted_by_disconnect += 1
+        self._finish(seq, ids[:done], reason, result=result)
+        return True
 
-    def _abort(self, rid: str | None, abort_all: bool = False) -> int:
-        victims = [s for s in self._live if abort_all or s.rid == rid]
-        for seq in victims:
-            self._abort_seq(seq, "Abort by /abort_request")
-        return len(victims)
+    def _abort(self, rid: str, abort_all: bool = False, cause: str = "request") -> int:
+        """/abort_request: every sequence whose rid starts with `rid`, if `rid` is held (sglang_protocol.abort_matcher)."""
+        match = sglang.abort_matcher(rid, abort_all, self._held)
+        if match is None:
+            return 0
+        # scheduler.py abort_request: the waiting queue first (those never start), then the running ones.
+        victims = sorted((s for s in self._live if match(s.rid)), key=lambda s: s.state == "running")
+        return sum(self._abort_seq(seq, cause) for seq in victims)
 
     def _drop_all_sequences(self, message: str) -> None:
         for seq in list(self._live):
-            self._abort_seq(seq, message)
+            self._abort_seq(seq, "shutdown")
+
+    def _cut_later(self, scope: dict, after_s: float, seqs: list[_Seq]) -> None:
+        """drop_fraction: close this request's connection (FIN) `after_s` seconds from now, counted.
+
+        Not if the request has been answered by then: a kept-alive connection may carry the next one.
+        """
+        transport = self._connections.open.get(_peer(scope.get("client")))
+        if transport is None:
+            return
+
+        def cut():
+            if not transport.is_closing() and any(seq.state != "done" for seq in seqs):
+                self.stats.dropped_connections += 1
+                transport.close()
+
+        self._loop.call_later(after_s, cut)
 
     def _take_fault(self, path: str) -> str | None:
         """The injected fault that takes this request, "fail" or "drop", counted; None: serve it."""
@@ -804,7 +919,12 @@ class SimServer:
 
     def _create_app(self) -> FastAPI:
         """SGLang's endpoints over the simulated engine, the admin endpoints, the fault middleware."""
-        app = sglang.create_sglang_app(_SimBackend(self), title="eagle3 simulated SGLang server", version=VERSION)
+        def refused():
+            self.stats.auth_refused += 1
+
+        app = sglang.create_sglang_app(_SimBackend(self), title="eagle3 simulated SGLang server", version=VERSION,
+                                       sglang_version=self.version, auth=self.auth, open_paths=_ADMIN_PATHS,
+                                       on_auth_refused=refused)
 
         @app.get("/_stats")
         async def stats():
@@ -841,16 +961,33 @@ class _SimBackend:
         try:
             arrived = srv._loop.time()
             try:
-                req = sglang.parse_generate(await request.body(), server="sim server", accepts_text=False)
-                seqs = [self._sequence(ids, raw, rid, arrived)
-                        for ids, raw, rid in zip(req.prompts, req.sampling_params, req.rids)]
-            except (sglang.BadRequest, sglang.MalformedRequest):
+                req = sglang.parse_generate(await request.body(), server="sim server", accepts_text=False,
+                                            version=srv.version)
+                # tokenizer_manager.py generate_request: normalise, `_init_req_state` (duplicate rids),
+                # then check each prompt; a failure frees the batch's rids again.
+                try:
+                    srv._held.claim(req.rids)
+                except sglang.BadRequest:
+                    srv.stats.duplicate_rids += 1
+                    raise
+                try:
+                    seqs = [self._sequence(ids, raw, rid, arrived)
+                            for ids, raw, rid in zip(req.prompts, req.sampling_params, req.rids)]
+                except BaseException:
+                    for rid in req.rids:
+                        srv._held.release(rid)
+                    raise
+            except (sglang.BadRequest, sglang.ContractError, sglang.MalformedRequest):
                 srv.stats.rejected += 1
                 raise
             srv._admit(seqs)
+            if srv._drop_fraction > 0 and srv._drop_rng.random() < srv._drop_fraction:
+                srv._cut_later(request.scope, srv._drop_after_s, seqs)
             results = await sglang.results_or_abort(
                 request, asyncio.gather(*(s.future for s in seqs)),
-                lambda: [srv._abort_seq(s, "Abort: the client disconnected") for s in seqs],
+                # The poll noticed the client is gone: abort_request(rid) for each (prefix rule included).
+                lambda: [srv._abort(s.rid, cause="disconnect") for s in seqs],
+                poll_s=srv.config.disconnect_poll_s,
             )
             return results[0] if req.single else results
         finally:
@@ -867,10 +1004,15 @@ class _SimBackend:
                 raise sglang.BadRequest(verdict if isinstance(verdict, str)
                                         else "The prompt was rejected by the sim server's reject_if rule.")
         out = simulate_output(ids, params, srv.config)
-        return _Seq(rid, len(ids), out, arrived, srv._loop.create_future())
+        doomed = srv._abort_if is not None and bool(srv._abort_if(ids))
+        return _Seq(rid, len(ids), out, arrived, srv._loop.create_future(), doomed)
 
-    def abort(self, rid: str | None, abort_all: bool) -> int:
+    def abort(self, rid: str, abort_all: bool) -> int:
+        self.server.stats.abort_requests += 1
         return self.server._abort(rid, abort_all)
+
+    def flush_cache(self) -> bool:
+        return not self.server._live  # scheduler.py flush_cache: only when idle (nothing else to reset here)
 
     def healthy(self) -> bool:
         return not self.server._starting
@@ -1060,15 +1202,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--starting", action="store_true", help="start with /health_generate answering 503")
     ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--api-key", default=None, help="SGLang's --api-key: required on every endpoint but /health*")
+    ap.add_argument("--admin-api-key", default=None,
+                    help="SGLang's --admin-api-key: the only key /abort_request and /flush_cache take")
+    ap.add_argument("--sglang-version", default=d.sglang_version, choices=list(sglang.SGLANG_VERSIONS),
+                    help="follow SGLang 0.5.23 (default) or 0.4.x where they differ")
+    ap.add_argument("--disconnect-poll-s", type=float, default=d.disconnect_poll_s,
+                    help="how often a disconnected client is noticed (SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT)")
+    ap.add_argument("--reserved-tokens", type=int, default=d.reserved_tokens,
+                    help="tokens reserved per request in the length checks, as an EAGLE server does")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    config = SimConfig(
-        vocab_size=args.vocab_size, eos_token_id=args.eos_id, length_dist=args.length_dist,
-        mean_len=args.mean_len, sigma=args.sigma, context_length=args.context_length,
-        max_running=args.max_running, decode_s_per_token=args.decode_ms / 1e3,
-        prefill_s_per_token=args.prefill_ms / 1e3, seed=args.seed,
-    )
-    server = SimServer(config, host=args.host, port=args.port, starting=args.starting, log_level=args.log_level)
+    try:
+        config = SimConfig(
+            vocab_size=args.vocab_size, eos_token_id=args.eos_id, length_dist=args.length_dist,
+            mean_len=args.mean_len, sigma=args.sigma, context_length=args.context_length,
+            max_running=args.max_running, decode_s_per_token=args.decode_ms / 1e3,
+            prefill_s_per_token=args.prefill_ms / 1e3, seed=args.seed, sglang_version=args.sglang_version,
+            disconnect_poll_s=args.disconnect_poll_s, reserved_tokens=args.reserved_tokens,
+        )
+        server = SimServer(config, host=args.host, port=args.port, starting=args.starting, log_level=args.log_level,
+                           api_key=args.api_key, admin_api_key=args.admin_api_key)
+    except ValueError as exc:
+        ap.error(str(exc))
     try:
         asyncio.run(server.serve_forever())
     except KeyboardInterrupt:

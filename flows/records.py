@@ -8,7 +8,7 @@ from prefect import flow
 
 from flows.config import RunConfig, load_config, save_run_config
 from models.jobs import RecordSettings, RecordsJob
-from tasks.records.tasks import build_dataset_records, count_record_tokens, publish_records_report, target_vocab_size
+from tasks.records.tasks import build_dataset_records, count_record_tokens, publish_records_report, target_vocab
 from tasks.run_lock import run_lock
 
 
@@ -18,8 +18,8 @@ def records(config_path: str) -> list[dict]:
     config = load_config(config_path)
     with run_lock(config.run_dir, "records"):  # one writer per run directory
         save_run_config(config)
-        vocab_size = target_vocab_size(config.target.path, config.target.trust_remote_code)
-        settings = record_settings(config, vocab_size)
+        vocab_size, stop_ids = target_vocab(config.target.path, config.target.trust_remote_code, config.sampling.stop_token_ids)
+        settings = record_settings(config, vocab_size, stop_ids)
         reports = [
             build_dataset_records(d.name, d.kind, config.run_dir, config.target.path, config.target.trust_remote_code, settings)
             for d in config.datasets
@@ -28,6 +28,6 @@ def records(config_path: str) -> list[dict]:
         return publish_records_report(reports, tokens, Path(config_path).stem)
 
 
-def record_settings(config: RunConfig, vocab_size: int) -> RecordsJob:
-    """The records job of this run: the `records` section and the target's vocabulary size."""
-    return RecordsJob(**config.records.pick(RecordSettings), vocab_size=vocab_size)
+def record_settings(config: RunConfig, vocab_size: int, stop_token_ids: list[int]) -> RecordsJob:
+    """The records job of this run: the `records` section, the target's vocabulary size and generate's stop ids."""
+    return RecordsJob(**config.records.pick(RecordSettings), vocab_size=vocab_size, stop_token_ids=stop_token_ids)

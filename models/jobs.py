@@ -275,6 +275,12 @@ class RecordsJob(RecordSettings):
     """How records are cut and filtered, with the target vocabulary every token id must be below."""
 
     vocab_size: int = Field(ge=1)
+    stop_token_ids: list[int] = Field(
+        default_factory=list,
+        description="The stop ids generate sent. A response that ends with one is whole, whether the server said "
+        "`stop` or `length` for it: SGLang 0.5 checks the stop token first, 0.4 the length cap first, so an end "
+        "token exactly at max_new_tokens is `stop` on one and `length` on the other.",
+    )
 
     def digest(self) -> str:
         """A short hash of the settings: a records part built with other settings is built again."""

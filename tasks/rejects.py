@@ -10,6 +10,8 @@ run, exactly once:
             grows, the prompt is generated.
   refused   the server answered 400 for another reason. Skipped on later runs (sending it again
             would fail the same way) unless the user asks: `eagle3 generate --retry-rejects`.
+  aborted   the server aborted the request on its own more than generate.max_requeues times
+            (a restart, an operator's abort, a timeout of its own). Checked again on every run.
   bad_line  a line `eagle3 import-jsonl --on-bad-line skip` could not adopt. An import of the same
             file replaces them: a line fixed in the file is imported and no longer listed.
   record    a finished conversation the records stage could not mask (kept as a record).
@@ -34,9 +36,13 @@ from tasks.checkpoints import META, live_parts
 from tasks.datasets import Reject
 from tasks.parquet_io import next_part_path, read_metadata, write_parquet_atomic
 
-CAUSES = ("bad_row", "too_long", "refused", "bad_line", "record")
-RETRIED_EVERY_RUN = ("too_long",)  # a generate-stage cause that a later run checks again on its own
+CAUSES = ("bad_row", "too_long", "refused", "aborted", "bad_line", "record")
+RETRIED_EVERY_RUN = ("too_long", "aborted")  # a generate-stage cause that a later run checks again on its own
 STAGE_CAUSE = {"load": "bad_row", "import": "bad_line", "records": "record"}
+# SGLang's words for a prompt over its limits (0.4.x and 0.5.23): the tokenizer manager's "The input (N tokens)
+# is longer than the model's context length", "Requested token count exceeds the model's maximum context length",
+# and the scheduler's "Input length (N tokens) exceeds the maximum allowed length (M tokens)" (max_req_input_len).
+TOO_LONG_PHRASES = ("context length", "longer than", "max_req_input_len", "exceeds the maximum allowed length")
 
 REJECTS_SCHEMA = pa.schema(
     [
@@ -52,12 +58,17 @@ REJECTS_SCHEMA = pa.schema(
 CAUSES_KEY = f"{META}causes"
 
 
+def says_too_long(message: str) -> bool:
+    """Whether a server's refusal says the prompt is over its context (a bigger server may take it later)."""
+    text = message.lower()
+    return any(phrase in text for phrase in TOO_LONG_PHRASES)
+
+
 def reject_cause(stage: str, reason: str) -> str:
     """The cause of a reject written without one (parts from before causes were stored)."""
     if stage in STAGE_CAUSE:
         return STAGE_CAUSE[stage]
-    text = reason.lower()
-    if "context length" in text or "max_req_input_len" in text or "longer than" in text:
+    if says_too_long(reason):
         return "too_long"
     return "refused"
 

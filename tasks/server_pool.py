@@ -4,10 +4,15 @@ One pool serves every dataset of a run. Per server it keeps a concurrency limit
 (`server.max_concurrency` each), its health, its input limit (max_req_input_len) and its figures.
 
 - A request goes to the least-loaded healthy server that can take its prompt (`reserve`).
-- A server whose request fails in a retryable way (connection lost, timeout, 408/429/5xx, an
-  impossible reply) is marked down. The request is sent again to another server at once, or
-  waits for one. A monitor polls the down server's /health_generate, with backoff, until it
-  answers again.
+- A request that fails in a retryable way is sent again, to the least-loaded healthy server
+  (possibly the same one), with a fresh rid (tasks.sglang_client.request_id); the log says why. The
+  first re-send goes at once, later ones of the same request after the retry policy's backoff.
+  Whether the server is taken out of the pool depends on what failed:
+  - it cannot be reached (connect error) or answered 200 with impossible content: marked down;
+  - the connection dropped, the request timed out, or it answered 408/429/5xx: one health probe
+    (/health_generate) decides. A server that answers it stays in: one dropped connection is not
+    a dead server, and marking healthy servers down would leave capacity idle.
+  A monitor polls a down server's /health_generate, with backoff, until it answers again.
 - A prompt is at one server at a time and its reply is recorded only by the caller, so every
   prompt is still recorded exactly once. A timed-out request is aborted at the server that held it.
 - The pool fails (`ServerOutage`) only when no server has been healthy for the outage window,
@@ -16,8 +21,9 @@ One pool serves every dataset of a run. Per server it keeps a concurrency limit
 Behind an SGLang router (`sglang-router`), the pool sees one server. The router answers
 /get_server_info with its own shape: the input limit is then read from its workers (/workers,
 then each worker's /server_info), or taken from `server.max_req_input_len`. It answers
-/abort_request with 404: `abort` then returns False, and the caller cancels the HTTP request
-instead (SGLang aborts a request whose connection closes).
+/abort_request with 404, and a server started with --admin-api-key answers our key there with
+401: `abort` then returns False (said once in the log), and the caller cancels the HTTP request
+instead (SGLang aborts a request whose connection closes, after its disconnect poll).
 """
 
 from __future__ import annotations
@@ -33,13 +39,18 @@ import httpx
 from tasks.sglang_client import (
     BadRequest,
     Completion,
+    DuplicateRequestId,
+    InvalidReply,
     RetryPolicy,
     ServerOutage,
     ServerUnavailable,
     SGLangClient,
     SGLangError,
     log as client_log,
+    request_id,
 )
+
+PROBE_TIMEOUT_S = 30.0  # SGLang's /health_generate gives up on its own 1-token probe after 20 s (HEALTH_CHECK_TIMEOUT)
 
 
 @dataclass
@@ -56,14 +67,15 @@ class Server:
     failures_in_a_row: int = 0
     max_input: int | None = None  # max_req_input_len: a prompt must be shorter
     refused: BaseException | None = None  # the server refused the run (401/403/404): stop
-    can_abort: bool = True  # False behind a router (no /abort_request)
     router: bool = False
     responses: int = 0
     completion_tokens: int = 0
     failures: int = 0  # requests that failed here (sent again elsewhere)
     busy_s: float = 0.0  # time with at least one request in flight
     busy_since: float | None = None
+    probes: int = 0  # health probes after a failed request
     monitor: asyncio.Task | None = field(default=None, repr=False)
+    probe: asyncio.Task | None = field(default=None, repr=False)
 
     def load(self) -> float:
         return self.in_flight / self.max_concurrency
@@ -118,7 +130,7 @@ class ServerPool:
             for url in urls
         ]
         self._waiters: list[asyncio.Future] = []  # woken whenever a place frees up or a server's state changes
-        self.holders: dict[str, Server] = {}  # rid -> the server that has (or last had) it
+        self.holders: dict[str, tuple[Server, str]] = {}  # request key -> (its server, the rid it was sent with)
         self.all_down_since: float | None = None
         self.started_at: float | None = None
         self._start_lock = asyncio.Lock()
@@ -150,7 +162,7 @@ class ServerPool:
 
     async def aclose(self) -> None:
         self._closed = True
-        monitors = [s.monitor for s in self.servers if s.monitor is not None]
+        monitors = [t for s in self.servers for t in (s.monitor, s.probe) if t is not None]
         for m in monitors:
             m.cancel()
         await asyncio.gather(*monitors, return_exceptions=True)
@@ -262,6 +274,33 @@ class ServerPool:
             s.monitor = asyncio.create_task(self._monitor(s))
         self._notify()
 
+    def _failed(self, s: Server, exc: ServerUnavailable) -> None:
+        """A request failed at `s` (module docstring): down now, or a health probe decides; a rid clash changes nothing."""
+        if isinstance(exc, DuplicateRequestId):  # the server still held that rid: not a fault of the server
+            return
+        cause = exc.__cause__
+        if isinstance(exc, InvalidReply) or isinstance(cause, (httpx.ConnectError, httpx.ConnectTimeout)):
+            self._mark_down(s, exc)
+            return
+        s.failures += 1
+        s.failures_in_a_row += 1
+        if s.healthy and not self._closed and (s.probe is None or s.probe.done()):
+            s.probe = asyncio.create_task(self._probe(s, exc))
+
+    async def _probe(self, s: Server, exc: ServerUnavailable) -> None:
+        """One /health_generate after a failed request: down unless it answers 200."""
+        s.probes += 1
+        try:
+            healthy = await s.client.healthy(timeout_s=PROBE_TIMEOUT_S)
+        except SGLangError:  # a refused key: the monitor started by _mark_down reports it and stops the run
+            healthy = False
+        if not healthy:
+            s.failures -= 1  # _mark_down counts this failure again
+            s.failures_in_a_row -= 1
+            self._mark_down(s, exc)
+            return
+        self.log.info("server %s answered its health probe after a failed request (%s): it stays in the pool", s.url, exc)
+
     def _notify(self) -> None:
         waiters, self._waiters = self._waiters, []
         for f in waiters:
@@ -356,39 +395,48 @@ class ServerPool:
             s.busy_since = None
         self._notify()
 
-    async def generate(self, lease: Lease, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
+    async def generate(self, lease: Lease, input_ids: list[int], sampling_params: dict[str, Any], key: str,
                        *, vocab_size: int | None = None) -> Completion:
         """Send one prompt through the pool, starting at the lease's server; the lease is released at the end.
 
-        A retryable failure marks that server down and sends the prompt again elsewhere (or waits);
-        ServerOutage once this prompt has failed for the outage window, or no server came back.
-        BadRequest and ServerRefused go to the caller as they are.
+        `key` names the request for the log and for `abort` (e.g. "dataset:prompt id"); each send
+        carries its own fresh rid. A retryable failure sends the prompt again at once (module
+        docstring), saying why in the log; ServerOutage once this prompt has failed for the outage
+        window, or no server came back. BadRequest and ServerRefused go to the caller as they are.
         """
         first_failure: float | None = None
+        failures = 0
         try:
             while True:
                 s = lease.server
-                self.holders[rid] = s
+                rid = request_id(key)
+                self.holders[key] = (s, rid)
                 try:
                     done = await s.client.attempt(input_ids, sampling_params, rid, vocab_size=vocab_size)
                 except ServerUnavailable as exc:
-                    self.holders.pop(rid, None)
-                    self._mark_down(s, exc)
+                    self.holders.pop(key, None)
+                    self._failed(s, exc)
                     self.release(lease)
                     now = time.monotonic()
                     first_failure = first_failure if first_failure is not None else now
                     if now - first_failure >= self.retry.outage_window_s:
                         raise ServerOutage(
-                            f"request {rid} failing for {now - first_failure:.0f}s "
+                            f"request {key} failing for {now - first_failure:.0f}s "
                             f"(outage window {self.retry.outage_window_s:.0f}s): {exc}"
                         ) from exc
+                    self.log.info("%s: sending again with a new rid, after a failure at %s: %s", key, s.url, exc)
+                    failures += 1
+                    if failures > 1:  # at once the first time; then with backoff, as a server that stays up
+                        # (a router answers its own /health_generate while its workers fail) must not be hammered
+                        await asyncio.sleep(min(self.retry.delay(failures - 2),
+                                                max(0.0, self.retry.outage_window_s - (now - first_failure))))
                     await self.reserve(len(input_ids), lease)
                     continue
                 except BadRequest:
-                    self.holders.pop(rid, None)
+                    self.holders.pop(key, None)
                     s.failures_in_a_row = 0
                     raise
-                self.holders.pop(rid, None)
+                self.holders.pop(key, None)
                 s.failures_in_a_row = 0
                 if done.finish_reason != "abort":
                     s.responses += 1
@@ -397,18 +445,14 @@ class ServerPool:
         finally:
             self.release(lease)
 
-    async def abort(self, rid: str) -> bool:
-        """Abort `rid` at the server that holds it; False when that server cannot (a router): cancel the request instead."""
-        s = self.holders.pop(rid, None)
-        if s is None:
+    async def abort(self, key: str) -> bool:
+        """Abort request `key` at the server that holds it; False when that server will not abort for us (a router,
+        or /abort_request refuses our key): cancel the request instead."""
+        held = self.holders.pop(key, None)
+        if held is None:
             return True  # not at any server (finished, or failed over and not yet re-sent)
-        if not s.can_abort:
-            return False
-        supported = await s.client.abort(rid)
-        if not supported:
-            s.can_abort = False
-            self.log.info("%s has no /abort_request (an SGLang router?): requests are stopped by closing their connection", s.url)
-        return supported
+        s, rid = held
+        return await s.client.abort(rid)
 
     # --- figures ----------------------------------------------------------------------------
 
@@ -428,6 +472,7 @@ class ServerPool:
                 "busy_pct": round(100 * busy / wall, 1) if wall > 0 else 0.0,
                 "in_flight": s.in_flight,
                 "failed_requests": s.failures,
+                "health_probes": s.probes,
                 "max_req_input_len": s.max_input,
             })
         return out

@@ -16,8 +16,18 @@ A status code means what it says, on every endpoint:
   (resumably) instead of spinning forever.
 
 A reply is parsed and checked before anyone records it: output_ids a list of token ids,
-completion_tokens == len(output_ids) >= 1 (unless aborted), prompt_tokens == the ids sent,
-at most max_new_tokens, a known finish reason, a matched stop id at the end, and a body size cap.
+completion_tokens == len(output_ids) >= 1, prompt_tokens == the ids sent, at most max_new_tokens,
+a known finish reason, a matched stop id at the end, and a body size cap. An abort is known by its
+finish reason alone: SGLang 0.5.23 answers a request aborted while still queued with no
+prompt_tokens (managers/tokenizer_manager.py `_handle_abort_req`), 0.4.x with prompt_tokens 0 and
+no output_ids; it is never recorded, so nothing else of it is required.
+
+Request ids: every send carries a fresh one (`request_id`). SGLang refuses a rid it still holds
+(400 "Duplicate request ID detected", tokenizer_manager.py), and it still holds a request whose
+client went away until its ~4 s disconnect poll notices; /abort_request aborts every rid that
+STARTS WITH the given one (managers/scheduler.py `abort_request`). Our rids begin with a unique
+fixed-width nonce, so no rid is a prefix of another and an abort reaches only its own request.
+The prompt's identity lives in our records, never in SGLang's rid.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import asyncio
 import json
 import logging
 import random
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,15 +44,27 @@ from typing import Any, Callable
 import httpx
 
 from models.jobs import ServerSettings
+from tasks.rejects import says_too_long
 
 RETRYABLE_STATUS = {408, 429}
 PROMPT_STATUS = {400, 413, 422}  # the request (prompt) is at fault
 AUTH_STATUS = {401, 403}
 ENDPOINT_STATUS = {404, 405}
 FINISH_REASONS = ("stop", "length", "abort")
+RID_NONCE_HEX = 24  # 96 random bits: fixed width, so no rid we send is a prefix of another
+DUPLICATE_RID = "duplicate request id"  # SGLang's 400 for a rid it still holds (lower case, as matched)
 MAX_REPLY_BYTES = 64 * 2**20  # a /generate reply of 16k tokens is ~0.2 MiB; more is a faulty server
 
 log = logging.getLogger("eagle3.sglang")
+
+
+def request_id(label: str) -> str:
+    """A fresh SGLang rid for one send of `label` (e.g. "B1_glaive:123"): a unique nonce, then the label.
+
+    The nonce has a fixed width, so two rids share a prefix of that width only if they are the same
+    rid: SGLang's prefix-matching /abort_request then stops exactly the request it names.
+    """
+    return f"{secrets.token_hex(RID_NONCE_HEX // 2)}-{label}"
 
 
 class SGLangError(Exception):
@@ -59,8 +82,8 @@ class BadRequest(SGLangError):
     @property
     def too_long(self) -> bool:
         """The prompt exceeds the server's context: a bigger context later may take it."""
-        text = self.message.lower()
-        return "context length" in text or "longer than" in text or "max_req_input_len" in text
+        return says_too_long(self.message)
+
 
 
 class ServerRefused(SGLangError):
@@ -91,6 +114,10 @@ class InvalidReply(ServerUnavailable):
     def __init__(self, kind: str, detail: str):
         self.kind = kind  # a short, stable name of the check that failed (for counting)
         super().__init__(f"invalid reply ({kind}): {detail}")
+
+
+class DuplicateRequestId(ServerUnavailable):
+    """SGLang refused the rid as one it still holds (400): not the prompt's fault; sent again with a new rid."""
 
 
 class ServerOutage(SGLangError):
@@ -129,7 +156,11 @@ class Completion:
 
     @classmethod
     def from_response(cls, body: Any) -> Completion:
-        """Parse one element of a /generate response; InvalidReply if it lacks SGLang's fields or types."""
+        """Parse one element of a /generate response; InvalidReply if it lacks SGLang's fields or types.
+
+        An abort needs only its finish reason: output_ids, prompt_tokens and completion_tokens may be
+        missing (a queued abort: 0.5.23 sends no prompt_tokens, 0.4.x no output_ids).
+        """
         if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
             raise InvalidReply("shape", f"not an SGLang /generate response: {str(body)[:300]}")
         meta = body["meta_info"]
@@ -138,18 +169,22 @@ class Completion:
             finish = {"type": finish}
         if not isinstance(finish, dict) or finish.get("type") not in FINISH_REASONS:
             raise InvalidReply("finish_reason", f"finish_reason must be one of {FINISH_REASONS}, got {finish!r}")
+        aborted = finish["type"] == "abort"
         output_ids = body.get("output_ids")
+        if output_ids is None and aborted:
+            output_ids = []
         if not isinstance(output_ids, list) or not all(type(t) is int and t >= 0 for t in output_ids):
             raise InvalidReply("output_ids", f"output_ids must be a list of non-negative ints, got {str(output_ids)[:200]}")
         text = body.get("text", "")
         if not isinstance(text, str):
             raise InvalidReply("text", f"text must be a string, got {type(text).__name__}")
+        completion = _count(meta, "completion_tokens", required=not aborted, default=len(output_ids))
         return cls(
             rid=str(meta.get("id", "")),
             text=text,
             output_ids=output_ids,
-            prompt_tokens=_count(meta, "prompt_tokens", required=True),
-            completion_tokens=_count(meta, "completion_tokens", required=True),
+            prompt_tokens=_count(meta, "prompt_tokens", required=not aborted),
+            completion_tokens=completion,
             cached_tokens=_count(meta, "cached_tokens"),
             reasoning_tokens=_count(meta, "reasoning_tokens"),
             e2e_latency=_seconds(meta.get("e2e_latency")),
@@ -159,10 +194,10 @@ class Completion:
         )
 
 
-def _count(meta: dict[str, Any], key: str, *, required: bool = False) -> int:
+def _count(meta: dict[str, Any], key: str, *, required: bool = False, default: int = 0) -> int:
     value = meta.get(key)
     if value is None and not required:
-        return 0
+        return default
     if type(value) is not int or value < 0:
         raise InvalidReply(key, f"meta_info.{key} must be a non-negative int, got {value!r}")
     return value
@@ -178,10 +213,12 @@ def _seconds(value: Any) -> float:
 
 def check_reply(done: Completion, input_ids: list[int], sampling_params: dict[str, Any], vocab_size: int | None) -> None:
     """InvalidReply unless the answer is possible for what was sent (the checks a recorded reply passed)."""
+    if done.finish_reason == "abort":
+        # Never recorded: its partial counts only feed the budget's waste. Checked before prompt_tokens,
+        # which a queued abort does not carry (module docstring).
+        return
     if done.prompt_tokens != len(input_ids):
         raise InvalidReply("prompt_tokens", f"prompt_tokens {done.prompt_tokens} for a prompt of {len(input_ids)} ids")
-    if done.finish_reason == "abort":
-        return  # an aborted request is never recorded: its partial counts only feed the budget's waste
     n = len(done.output_ids)
     if done.completion_tokens != n:
         raise InvalidReply("completion_tokens", f"completion_tokens {done.completion_tokens} with {n} output_ids")
@@ -208,12 +245,18 @@ def auth_hint(server: ServerSettings) -> str:
 
 
 def error_message(response: httpx.Response) -> str:
-    """The message of an SGLang error response (either of its two body shapes), else the raw text."""
+    """The message of an SGLang error response (any of its three body shapes), else the raw text."""
     return body_message(response.content, response.reason_phrase)
 
 
 def body_message(content: bytes, reason_phrase: str = "") -> str:
-    """The message of an SGLang error body, else its raw text (or the reason phrase when empty)."""
+    """The message of an SGLang error body, else its raw text (or the reason phrase when empty).
+
+    SGLang 0.5.23's shapes: `{"error": {"message": ...}}` (a ValueError, srt/server/utils.py
+    `create_error_response`), `{"object": "error", "message": ...}` (validation and HTTP errors,
+    entrypoints/http_server.py), `{"error": "<string>"}` (the /generate contract gate,
+    `generate_request`, and the API-key middleware's 401/403, utils/auth.py).
+    """
     try:
         body = json.loads(content)
     except ValueError:
@@ -221,6 +264,8 @@ def body_message(content: bytes, reason_phrase: str = "") -> str:
     if isinstance(body, dict):
         if isinstance(body.get("error"), dict) and "message" in body["error"]:
             return str(body["error"]["message"])
+        if isinstance(body.get("error"), str):
+            return body["error"]
         if "message" in body:
             return str(body["message"])
         if "detail" in body:
@@ -260,6 +305,7 @@ class SGLangClient:
         self.max_reply_bytes = max_reply_bytes
         self.log = logger
         self.invalid_replies: dict[str, int] = {}  # kind -> count
+        self.can_abort = True  # False once the server refused /abort_request (no such endpoint, or not our key)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
@@ -278,15 +324,23 @@ class SGLangClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> Completion:
-        """Generate for one prompt of token ids, retrying what can succeed on retry; the reply is checked."""
-        body = {"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid}
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], label: str) -> Completion:
+        """Generate for one prompt of token ids, retrying what can succeed on retry; the reply is checked.
+
+        Every try is sent with a fresh rid (`request_id(label)`): a retry must not meet the rid of
+        its own earlier try, which the server may still hold.
+        """
         parse = self._completion_parser(input_ids, sampling_params, self.vocab_size)
-        return await self._with_retries("POST", "/generate", json=body, rid=rid, parse=parse)
+
+        def body() -> dict[str, Any]:
+            return {"input_ids": input_ids, "sampling_params": sampling_params, "rid": request_id(label)}
+
+        return await self._with_retries("POST", "/generate", body=body, parse=parse)
 
     async def attempt(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str, *,
                       vocab_size: int | None = None) -> Completion:
-        """One /generate attempt, no retry (a server pool retries elsewhere): ServerUnavailable when it may succeed later.
+        """One /generate attempt with `rid` (fresh for this send: `request_id`), no retry (a server pool retries
+        elsewhere): ServerUnavailable when it may succeed later.
 
         An invalid reply is counted (and logged once per kind); a timed-out request is aborted here.
         """
@@ -312,14 +366,33 @@ class SGLangClient:
     async def abort(self, rid: str) -> bool:
         """Ask the server to stop `rid`; its pending /generate then returns finish_reason abort.
 
-        False when the server has no /abort_request (404/405, as an SGLang router answers): the
-        caller then closes the request's connection instead, which makes SGLang abort it.
+        False when the server will not abort for us, and the caller closes the request's connection
+        instead (SGLang aborts a request whose client went away, after its disconnect poll):
+        - 404/405: no /abort_request (an SGLang router answers so);
+        - 401/403: our key does not open it. With --admin-api-key, SGLang's /abort_request takes
+          only the admin key (entrypoints/http_server.py ADMIN_OPTIONAL, utils/auth.py).
+        Either is reported once (logged) and remembered in `can_abort`.
         """
+        if not self.can_abort:
+            return False
         try:
             response = await self._http.post("/abort_request", json={"rid": rid}, timeout=10.0)
         except httpx.HTTPError:
             return True  # best effort: an unreachable server is not generating for us either
-        return response.status_code not in ENDPOINT_STATUS
+        if response.status_code not in ENDPOINT_STATUS and response.status_code not in AUTH_STATUS:
+            return True
+        if not self.can_abort:  # another abort sent at the same time was refused first and said so
+            return False
+        self.can_abort = False
+        if response.status_code in ENDPOINT_STATUS:
+            self.log.info("%s has no /abort_request (HTTP %d; an SGLang router?): requests are stopped by closing their "
+                          "connection", self.base_url, response.status_code)
+        else:
+            self.log.warning("%s/abort_request refused our key (HTTP %d: %s): a server started with --admin-api-key takes "
+                             "only the admin key there. Requests are stopped by closing their connection instead (SGLang "
+                             "notices within its ~4 s disconnect poll)", self.base_url, response.status_code,
+                             error_message(response))
+        return False
 
     async def server_info(self) -> dict[str, Any]:
         """/server_info, or /get_server_info (older servers, routers) when the first is not there."""
@@ -336,6 +409,17 @@ class SGLangClient:
             return response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
+
+    async def healthy(self, path: str = "/health_generate", timeout_s: float = 30.0) -> bool:
+        """One health check: True on 200; ServerRefused for a wrong key or URL (waiting will not heal those)."""
+        try:
+            response = await self._http.get(path, timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        if response.status_code == 200:
+            return True
+        self._raise_refused(response.status_code, error_message(response), path)
+        return False
 
     async def wait_healthy(self, timeout_s: float, alive: Callable[[], None] | None = None, *, path: str = "/health_generate",
                            server: str = "the SGLang server") -> None:
@@ -367,15 +451,18 @@ class SGLangClient:
             await asyncio.sleep(min(self.retry.delay(attempt), max(0.0, deadline - time.monotonic())))
             attempt += 1
 
-    async def _with_retries(self, method: str, path: str, *, rid: str | None = None, parse: Any = None, **kw: Any) -> Any:
+    async def _with_retries(self, method: str, path: str, *, body: Callable[[], dict[str, Any]] | None = None,
+                            parse: Any = None) -> Any:
+        """`body` makes each try's JSON body (a fresh rid per try); its "rid" is aborted when that try times out."""
         started = time.monotonic()
         attempt = 0
         while True:
+            kw = {} if body is None else {"json": body()}
             try:
                 data = await self._once(method, path, **kw)
                 return parse(data) if parse is not None else data
             except ServerUnavailable as exc:
-                await self._after_failure(exc, path, rid)
+                await self._after_failure(exc, path, kw.get("json", {}).get("rid"))
                 elapsed = time.monotonic() - started
                 if elapsed >= self.retry.outage_window_s:
                     raise ServerOutage(
@@ -424,6 +511,8 @@ class SGLangClient:
         if status in RETRYABLE_STATUS or status >= 500:
             raise ServerUnavailable(f"HTTP {status}: {message}")
         self._raise_refused(status, message, path)
+        if status == 400 and DUPLICATE_RID in message.lower():
+            raise DuplicateRequestId(f"HTTP 400: {message}")
         raise BadRequest(status, message)
 
     async def _read_capped(self, response: httpx.Response) -> bytes:

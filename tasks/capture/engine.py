@@ -108,7 +108,7 @@ class VLLMClient(SGLangClient):
                                        "The server rewrote the prompt (a tokenizer or template in the way?)")
             return path
 
-        return await self._with_retries("POST", "/v1/completions", json=body, parse=parse)
+        return await self._with_retries("POST", "/v1/completions", body=lambda: body, parse=parse)
 
     def _raise_refused(self, status: int, message: str, path: str) -> None:
         url = f"{self.base_url}{path}"

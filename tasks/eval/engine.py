@@ -11,7 +11,18 @@ speedup) to one without it. From each reply's meta_info:
   On the same prompts, target and draft, it equals the HF backend's acceptance length exactly.
 
 Both per dataset (the prompt's source) and overall, with the per-request distribution, and the
-decode speed in completion tokens/s of each phase.
+decode speed in completion tokens/s of each phase. Every figure comes from the requests' own
+counts. The server's `internal_states[0].avg_spec_accept_length` is reported beside them, labelled
+for what it is in SGLang 0.5.23 (managers/scheduler_components/metrics_reporter.py): folded in only
+every 40 decode batches, reset by /flush_cache, over all the traffic the server has seen (warm-up,
+health probes and other clients included), so it need not equal the eval's figure.
+
+Both phases decode the same prompts. With an EAGLE draft SGLang reserves max(topk * num_steps,
+num_draft_tokens) tokens of context per request (managers/tokenizer_manager.py
+`_validate_one_request`, managers/utils.py `compute_num_reserved_tokens`), so a prompt near the
+context limit is refused only by the server with the draft: such prompts are left out of both
+phases before anything is sent (`fit_draft_context`), and the baseline decodes exactly the prompts
+the draft phase served.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,21 +87,58 @@ class Served:
 
 @dataclass(frozen=True)
 class Phase:
-    """One pass over the eval prompts at one server: the replies, the ones refused, the wall time."""
+    """One pass over the eval prompts at one server: the replies, the ones refused or left out, the wall time."""
 
     served: list[Served]
     refused: dict[str, str]  # prompt id -> the server's message (HTTP 400: e.g. longer than it takes)
     wall_s: float
     server_info: dict[str, Any]
+    skipped: dict[str, str] = field(default_factory=dict)  # prompt id -> why it was not sent (select)
+
+
+def reserved_tokens(info: dict[str, Any]) -> int:
+    """Context SGLang reserves per request for an EAGLE draft: max(topk * num_steps, num_draft_tokens); 0 without one."""
+    if not str(info.get("speculative_algorithm") or "").upper().startswith("EAGLE"):
+        return 0
+    topk, steps = info.get("speculative_eagle_topk") or 1, info.get("speculative_num_steps") or 0
+    return max(int(topk) * int(steps), int(info.get("speculative_num_draft_tokens") or 0))
+
+
+def context_length(info: dict[str, Any]) -> int | None:
+    """The context a /server_info says the server has (context_length, else max_req_len + 1); None if it does not say."""
+    for key, extra in (("context_length", 0), ("max_req_len", 1)):
+        value = info.get(key)
+        if type(value) is int and value > 0:
+            return value + extra
+    return None
+
+
+def fit_draft_context(prompts: list[EvalPrompt], info: dict[str, Any], max_new_tokens: int
+                      ) -> tuple[list[EvalPrompt], dict[str, str]]:
+    """The prompts the draft server takes with its reserved tokens (SGLang's two length checks), and why the others not."""
+    ctx, reserved = context_length(info), reserved_tokens(info)
+    if ctx is None:
+        return prompts, {}
+    kept, skipped = [], {}
+    for p in prompts:
+        n = len(p.input_ids) + reserved
+        if n >= ctx or n + max_new_tokens > ctx:
+            skipped[p.id] = (f"{len(p.input_ids)} prompt tokens + {reserved} reserved for the draft + {max_new_tokens} new "
+                             f"exceed the context of {ctx}")
+        else:
+            kept.append(p)
+    return kept, skipped
 
 
 async def decode_prompts(url: str, prompts: list[EvalPrompt], sampling_params: dict[str, Any], *, concurrency: int,
                          retry: RetryPolicy, request_timeout_s: float, api_key: str | None, auth_hint: str,
                          vocab_size: int | None, on_done: Callable[[int, int], Awaitable[None]] | None = None,
-                         check: Callable[[dict[str, Any]], None] | None = None, logger: Any = None) -> Phase:
+                         select: Callable[[dict[str, Any]], tuple[list[EvalPrompt], dict[str, str]]] | None = None,
+                         logger: Any = None) -> Phase:
     """Every prompt through url's /generate, `concurrency` at a time, each retried within the outage window.
 
-    `check` gets the server's /server_info before anything is sent (and raises to send nothing).
+    `select` gets the server's /server_info before anything is sent and returns the prompts to send and why
+    the others are not (it raises to send nothing).
     """
     gate = asyncio.Semaphore(concurrency)
     done = 0
@@ -103,7 +151,7 @@ async def decode_prompts(url: str, prompts: list[EvalPrompt], sampling_params: d
             async with gate:
                 started = time.perf_counter()
                 try:
-                    reply = await client.generate(p.input_ids, sampling_params, rid=f"eval-{i}-{p.id}")
+                    reply = await client.generate(p.input_ids, sampling_params, f"eval-{i}-{p.id}")
                 except BadRequest as e:
                     refused[p.id] = str(e)
                     reply = None
@@ -115,13 +163,14 @@ async def decode_prompts(url: str, prompts: list[EvalPrompt], sampling_params: d
                 return None
             return Served(p.source, p.id, reply.completion_tokens, reply.spec_verify_ct, seconds, tuple(reply.output_ids))
 
-        if check is not None:
-            check(await client.server_info())
+        skipped: dict[str, str] = {}
+        if select is not None:
+            prompts, skipped = select(await client.server_info())
         started = time.perf_counter()
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         wall_s = time.perf_counter() - started
         info = await client.server_info()
-    return Phase([r for r in results if r is not None], refused, wall_s, info)
+    return Phase([r for r in results if r is not None], refused, wall_s, info, skipped)
 
 
 def check_command(command: list[str] | None) -> None:
@@ -200,8 +249,11 @@ def engine_report(with_draft: Phase, without: Phase | None, num_steps: int, conc
         "datasets": datasets,
         "server": {"speculative_draft_model_path": info.get("speculative_draft_model_path"),
                    "avg_spec_accept_length": server_avg,
-                   "note": "the server's own running mean over every round it served (per-round convention)"},
+                   "note": "server-wide, not this eval's: SGLang folds it in every 40 decode batches, resets it on "
+                           "/flush_cache, and counts all traffic (warm-up, health probes, other clients); the figures "
+                           "above are from this eval's requests (meta_info)"},
         "refused": with_draft.refused,
+        "skipped": with_draft.skipped,
         "per_prompt": [{"source": s.source, "id": s.id, "completion_tokens": s.completion_tokens,
                         "spec_verify_ct": s.spec_verify_ct} for s in with_draft.served],
     }

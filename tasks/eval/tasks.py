@@ -23,7 +23,7 @@ from models.jobs import EngineEvalSettings, EvalJob
 from models.rank_protocol import EVAL, Message
 from tasks.artifacts import artifact_key
 from tasks.eval.engine import (EngineServer, Phase, check_command, check_speculative_server, compare_with_hf, decode_prompts,
-                               engine_report, speculative_args)
+                               engine_report, fit_draft_context, speculative_args)
 from tasks.generate.prompts import default_stop_ids, request_sampling_params
 from tasks.launch import follow_job, write_job
 from tasks.sglang_client import RetryPolicy, auth_hint
@@ -83,28 +83,36 @@ def evaluate_on_engine(job: EvalJob, engine: EngineEvalSettings, server: EngineS
                                         description="engine eval: starting the server with the draft")
     phases = 2 if engine.baseline and (server.launch != "none" or engine.baseline_url) else 1
 
-    def measure(url: str, phase: int, what: str, check: Callable[[dict[str, Any]], None] | None = None) -> Phase:
+    def measure(url: str, chosen: list, phase: int, what: str, select: Callable[[dict[str, Any]], Any] | None = None) -> Phase:
         async def on_done(done: int, total: int) -> None:
             await aupdate_progress_artifact(artifact, progress=round(100.0 * (phase + done / total) / phases, 1),
                                             description=f"engine eval: {what}, {done}/{total} prompts")
 
         s = server.settings
         return run_coro_as_sync(decode_prompts(
-            url, prompts, params, concurrency=engine.concurrency, retry=RetryPolicy(outage_window_s=s.outage_window_s),
+            url, chosen, params, concurrency=engine.concurrency, retry=RetryPolicy(outage_window_s=s.outage_window_s),
             request_timeout_s=s.request_timeout_s, api_key=s.api_key(), auth_hint=auth_hint(s), vocab_size=vocab_size,
-            on_done=on_done, check=check, logger=logger))
+            on_done=on_done, select=select, logger=logger))
+
+    def draft_prompts(info: dict[str, Any]):
+        check_speculative_server(info, server.settings.url, job.num_steps)
+        return fit_draft_context(prompts, info, job.max_new_tokens)
 
     spec = speculative_args(str(final), job.num_steps)
     with server.serving(spec, "eval-with-draft", logger):
-        with_draft = measure(server.settings.url, 0, "with the draft",
-                             check=lambda info: check_speculative_server(info, server.settings.url, job.num_steps))
+        with_draft = measure(server.settings.url, prompts, 0, "with the draft", select=draft_prompts)
+    if with_draft.skipped:
+        logger.warning("engine eval: %d prompt(s) left out of both phases: too long for the draft server's reserved tokens "
+                       "(first: %s)", len(with_draft.skipped), next(iter(with_draft.skipped.values())))
     if any(s.spec_verify_ct is None for s in with_draft.served):
         raise ValueError(f"{server.settings.url} sent replies without meta_info.spec_verify_ct: it is not decoding with the "
                          "draft, or is an SGLang too old to report it")
     without = None
-    if phases == 2:
+    if phases == 2:  # the same prompts as the draft phase served, so that the speedup compares like with like
+        served = {(r.source, r.id) for r in with_draft.served}
         with server.serving([], "eval-without-draft", logger):
-            without = measure(engine.baseline_url or server.settings.url, 1, "without the draft")
+            without = measure(engine.baseline_url or server.settings.url, [p for p in prompts if (p.source, p.id) in served],
+                              1, "without the draft")
     report = engine_report(with_draft, without, job.num_steps, engine.concurrency)
     overall = report["overall"]
     speedup = f", speedup {overall['speedup']:.2f}x" if overall.get("speedup") else ""

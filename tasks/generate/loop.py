@@ -3,7 +3,9 @@
 Exactly once: a prompt is skipped when its id is in the dataset's responses or among the rejects
 that still stand (tasks.rejects: a prompt rejected as too long is checked again on every run); a
 response is recorded once, when it arrives complete and checked. Requests aborted (by the budget
-gate or by the server) are not recorded, so resume sends them again.
+gate or by the server) are not recorded, so resume sends them again. One the server aborts on its
+own is sent again in the same run up to `max_requeues` times, then becomes a reject with cause
+`aborted`, checked again on the next run: no prompt ends neither recorded nor named.
 
 Requests go through a pool of servers (tasks.server_pool): one server, several, or a router;
 a server that fails is left for the others and its requests are sent again there.
@@ -32,7 +34,7 @@ from tasks.checkpoints import ResponseWriter, done_ids, summarize
 from tasks.datasets import PromptRow, Reject
 from tasks.parquet_io import DamagedPart
 from tasks.generate.prompts import chat_prompt_ids, prompt_sampling_seed
-from tasks.rejects import settle_generate_rejects, write_rejects
+from tasks.rejects import reject_counts, settle_generate_rejects, write_rejects
 from tasks.server_pool import Lease, ServerPool
 from tasks.sglang_client import BadRequest, Completion, ServerOutage
 
@@ -89,6 +91,7 @@ class GenerateReport:
     wall_s: float
     tokens_per_s: float
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    reject_causes: dict[str, int] = field(default_factory=dict)  # the dataset's standing rejects by cause (tasks.rejects)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,6 +174,7 @@ async def generate_dataset(
         wall_s=wall,
         tokens_per_s=(after.completion_tokens - before.completion_tokens) / wall if wall > 0 else 0.0,
         finish_reasons=after.finish_reasons,
+        reject_causes=reject_counts(rejects_dir),
     )
 
 
@@ -202,12 +206,12 @@ class _Run:
         self.source = source
         self.writer: ResponseWriter
         self.in_flight: dict[str, asyncio.Task] = {}
-        self.closed_by_budget: set[str] = set()  # rids whose connection was closed to stop them (no /abort_request)
+        self.closed_by_budget: set[str] = set()  # keys of requests stopped by closing their connection (no /abort_request)
         self.rejects: list[Reject] = []
         self.requeues: dict[str, int] = {}
         self.stopping = False  # budget reached: abort what runs, send nothing new
         self.failure: BaseException | None = None
-        self.cancelled: list[str] = []  # rids cancelled by a failure: aborted at the server in close()
+        self.cancelled: list[str] = []  # keys of requests cancelled by a failure: aborted at the server in close()
         self.write_broken = False  # a checkpoint write failed: stop writing, keep what is on disk
         self.wake = asyncio.Event()  # set when a request ends or the run fails: the send loop looks again
         # Clear while a checkpoint is being written: nothing new is sent until it is known to be on
@@ -247,10 +251,10 @@ class _Run:
                     await wake.wait()
                     continue
                 self.budget.admit()
-                rid = f"{self.settings.dataset}:{row.id}"
-                task = asyncio.create_task(self.one(row, ids, rid, lease, queue, wake))
+                key = f"{self.settings.dataset}:{row.id}"  # names the request; each send gets its own rid (server_pool)
+                task = asyncio.create_task(self.one(row, ids, key, lease, queue, wake))
                 task.add_done_callback(lambda _, lease=lease: self.pool.release(lease))  # also if cancelled before it ran
-                self.in_flight[rid] = task
+                self.in_flight[key] = task
                 continue
             if not self.in_flight:
                 break
@@ -266,10 +270,13 @@ class _Run:
             return params
         return {**params, "sampling_seed": prompt_sampling_seed(self.settings.sampling_seed, self.settings.dataset, row.id)}
 
-    async def one(self, row: PromptRow, ids: list[int], rid: str, lease: Lease, queue: deque[PromptRow], wake: asyncio.Event) -> None:
+    async def one(self, row: PromptRow, ids: list[int], key: str, lease: Lease, queue: deque[PromptRow], wake: asyncio.Event) -> None:
         sent = time.monotonic()
         try:
-            done = await self.pool.generate(lease, ids, self.request_params(row), rid, vocab_size=self.vocab_size)
+            if self.stopping:  # the budget was reached after this request was admitted, before it was sent:
+                self.budget.discard()  # abort_in_flight found it at no server, so it must not be sent now
+                return
+            done = await self.pool.generate(lease, ids, self.request_params(row), key, vocab_size=self.vocab_size)
         except BadRequest as exc:
             self.budget.discard()
             self.reject(row, f"server refused the prompt (HTTP {exc.status}): {exc.message}", "too_long" if exc.too_long else "refused")
@@ -281,7 +288,7 @@ class _Run:
             return
         except asyncio.CancelledError:
             self.budget.discard()
-            if rid in self.closed_by_budget:  # stopped at the budget by closing its connection: an abort
+            if key in self.closed_by_budget:  # stopped at the budget by closing its connection: an abort
                 self.aborted += 1
                 return
             raise
@@ -291,20 +298,36 @@ class _Run:
             return
         finally:
             self.pool.release(lease)
-            self.in_flight.pop(rid, None)
+            self.in_flight.pop(key, None)
             wake.set()
         if done.finish_reason == "abort":
             self.budget.discard(done.completion_tokens)
             self.aborted += 1
-            if not self.stopping and self.requeues.get(row.id, 0) < self.settings.max_requeues:
-                self.requeues[row.id] = self.requeues.get(row.id, 0) + 1
-                queue.append(row)  # the server dropped it (restart, overload): try again later
+            if not self.stopping:  # not ours: the server aborted it (a restart, a timeout of its own, an operator)
+                self.server_aborted(row, done, queue)
             return
         self.record(row, ids, done, time.monotonic() - sent)
         if self.budget.exhausted and not self.stopping:
             self.stopping = True
             await self.abort_in_flight()
         await self.flush(due_only=True)
+
+    def server_aborted(self, row: PromptRow, done: Completion, queue: deque[PromptRow]) -> None:
+        """Send a prompt the server aborted again later, at most max_requeues times; then it is a named reject.
+
+        The reject's cause, `aborted`, is checked again on the next run (tasks.rejects): the prompt
+        is never dropped without a trace.
+        """
+        n = self.requeues.get(row.id, 0)
+        message = done.finish_detail.get("message") or "no message"
+        if n < self.settings.max_requeues:
+            self.requeues[row.id] = n + 1
+            self.log.info("%s: prompt %s aborted by the server (%s): sent again later (%d of %d)",
+                          self.settings.dataset, row.id, message, n + 1, self.settings.max_requeues)
+            queue.append(row)
+            return
+        self.reject(row, f"the server aborted it {n + 1} times (generate.max_requeues {self.settings.max_requeues}); "
+                         f"last: {message}. Tried again on the next run", "aborted")
 
     async def flush(self, *, due_only: bool) -> None:
         """Write the buffered responses (when due); a failed write stops the whole run at once."""
@@ -369,9 +392,9 @@ class _Run:
             self.wake.set()
             self.log.error("%s: stopping: %s", self.settings.dataset, exc)
             current = asyncio.current_task()
-            for rid, task in self.in_flight.items():
+            for key, task in self.in_flight.items():
                 if task is not current:
-                    self.cancelled.append(rid)
+                    self.cancelled.append(key)
                     task.cancel()
 
     async def abort_in_flight(self) -> None:
@@ -380,15 +403,15 @@ class _Run:
         Behind a router, which has no /abort_request, a request is stopped by closing its connection
         (SGLang aborts it); its partial tokens are then unknown, so they are not counted as waste.
         """
-        rids = list(self.in_flight)
-        if rids:
-            self.log.info("%s: budget reached, aborting %d in-flight request(s)", self.settings.dataset, len(rids))
-            aborted = await asyncio.gather(*(self.pool.abort(rid) for rid in rids))
+        keys = list(self.in_flight)
+        if keys:
+            self.log.info("%s: budget reached, aborting %d in-flight request(s)", self.settings.dataset, len(keys))
+            aborted = await asyncio.gather(*(self.pool.abort(key) for key in keys))
             current = asyncio.current_task()
-            for rid, ok in zip(rids, aborted):
-                task = self.in_flight.get(rid)
+            for key, ok in zip(keys, aborted):
+                task = self.in_flight.get(key)
                 if not ok and task is not None and task is not current:
-                    self.closed_by_budget.add(rid)
+                    self.closed_by_budget.add(key)
                     task.cancel()
 
     async def close(self) -> None:
@@ -397,14 +420,14 @@ class _Run:
         Never raises over the first failure: a write that fails here becomes `failure` if there
         was none (the caller raises it).
         """
-        rids = self.cancelled + list(self.in_flight)
+        keys = self.cancelled + list(self.in_flight)
         if self.in_flight:  # cancelled (Ctrl-C, Prefect cancellation): free the GPUs, then forget them
             tasks = list(self.in_flight.values())
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        if rids:  # a closed connection makes SGLang abort too; the explicit abort does not depend on it
-            await asyncio.wait_for(asyncio.gather(*(self.pool.abort(rid) for rid in rids)), 10)
+        if keys:  # a closed connection makes SGLang abort too; the explicit abort does not depend on it
+            await asyncio.wait_for(asyncio.gather(*(self.pool.abort(key) for key in keys)), 10)
         await self.flush(due_only=False)
         if self.rejects:
             try:

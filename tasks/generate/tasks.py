@@ -102,8 +102,10 @@ async def generate_responses(
         artifact_id, progress=100.0,
         description=f"{name}: {report.status}, {report.responses:,} responses, {report.completion_tokens:,} completion tokens",
     )
-    logger.info("%s: %s — %d responses (%d new), %d rejects, %d completion tokens, %d wasted by aborts",
-                name, report.status, report.responses, report.new_responses, report.rejects, report.completion_tokens, report.wasted_tokens)
+    causes = ", ".join(f"{cause} {n}" for cause, n in report.reject_causes.items())
+    logger.info("%s: %s — %d responses (%d new), %d rejects of prompts%s, %d completion tokens, %d wasted by aborts",
+                name, report.status, report.responses, report.new_responses, report.rejects,
+                f" (rejects by cause: {causes})" if causes else "", report.completion_tokens, report.wasted_tokens)
     return report
 
 

@@ -210,8 +210,10 @@ def _from_responses(table: pa.Table, settings: RecordsJob) -> tuple[list[dict], 
     report = PartReport()
     rows = []
     columns = table.select(["id", "prompt_ids", "output_ids", "finish_reason"]).to_pylist()
+    stops = set(settings.stop_token_ids)
     for r in columns:
-        if r["finish_reason"] != "stop" and not settings.keep_truncated:
+        ended = r["finish_reason"] == "stop" or (r["finish_reason"] == "length" and r["output_ids"][-1:] and r["output_ids"][-1] in stops)
+        if not ended and not settings.keep_truncated:
             report.drop(f"finish_{r['finish_reason']}")  # ended by length/abort: not a whole answer
             continue
         ids = r["prompt_ids"] + r["output_ids"]

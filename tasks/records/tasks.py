@@ -10,16 +10,19 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.artifacts import artifact_key
+from tasks.generate.prompts import default_stop_ids
 from models.jobs import RecordsJob
 from tasks.records.build import TOKEN_COUNTS, RecordsReport, build_records, count_tokens, coverage
 
 
-@task(name="target-vocab-size", cache_policy=NO_CACHE)
-def target_vocab_size(target_path: str, trust_remote_code: bool) -> int:
-    """Size of the target tokenizer's vocabulary (what every token id must be below)."""
+@task(name="target-vocab", cache_policy=NO_CACHE)
+def target_vocab(target_path: str, trust_remote_code: bool, stop_token_ids: list[int] | None) -> tuple[int, list[int]]:
+    """The target tokenizer's vocabulary size (what every token id must be below) and the stop ids generate sent
+    (`stop_token_ids`, else the tokenizer's eos, as the generate stage chooses them)."""
     from transformers import AutoTokenizer
 
-    return len(AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code))
+    tokenizer = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+    return len(tokenizer), list(stop_token_ids or default_stop_ids(tokenizer))
 
 
 @task(name="build-records", task_run_name="records {dataset}", cache_policy=NO_CACHE)

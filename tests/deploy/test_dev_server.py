@@ -58,8 +58,11 @@ def test_generate_input_ids_has_sglang_shape(client, hf):
     r = gen(client, input_ids=PROMPTS[0], rid="one", sampling_params={**GREEDY, "max_new_tokens": 6})
     assert r.status_code == 200
     out = r.json()
-    assert set(out) == {"text", "output_ids", "meta_info"}
+    assert list(out) == ["text", "output_ids", "meta_info"]
     meta = out["meta_info"]
+    assert list(meta) == ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
+                          "reasoning_tokens", "completion_tokens", "cached_tokens", "weight_versions",
+                          "e2e_latency"]  # SGLang 0.5.23 tokenizer_manager.py _handle_batch_output
     assert meta["id"] == "one"
     assert meta["finish_reason"] == {"type": "length", "length": 6}
     assert meta["prompt_tokens"] == len(PROMPTS[0])
@@ -231,7 +234,10 @@ def test_abort_by_rid_returns_tokens_so_far(server):
     long = {"input_ids": PROMPTS[0], "rid": "abort-me", "sampling_params": {**GREEDY, "max_new_tokens": 480}}
     (out,) = _abort_while_running(server, [long], {"rid": "abort-me"})
     assert out["meta_info"]["id"] == "abort-me"
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    # Running (or out of the queue): FINISH_ABORT().to_json() through the normal output path.
+    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                 "err_type": None}
+    assert out["meta_info"]["prompt_tokens"] == len(PROMPTS[0])
     assert out["meta_info"]["completion_tokens"] == len(out["output_ids"]) < 480
 
 
@@ -291,3 +297,20 @@ def test_dev_and_sim_servers_answer_bad_input_alike(client):
         assert {k: dev_info[k] for k in ("context_length", "max_req_len", "max_req_input_len", "vocab_size")} == {
             k: sim_info[k] for k in ("context_length", "max_req_len", "max_req_input_len", "vocab_size")}
         assert set(client.get("/model_info").json()) == set(sc.get("/model_info").json())
+
+
+def test_cli_flags_reach_the_app(monkeypatch, tiny_target_dir):
+    """SGLang's --api-key / --admin-api-key, and --disconnect-poll-s, --sglang-version, --decode-log-interval."""
+    import deploy.dev_server as dev
+
+    seen = {}
+    monkeypatch.setattr(dev, "serve", lambda model, host, port, **kw: seen.update(kw))
+    dev.main(["--model", str(tiny_target_dir), "--api-key", "k", "--admin-api-key", "adm", "--disconnect-poll-s", "0.5",
+              "--sglang-version", "0.5", "--decode-log-interval", "7"])
+    assert (seen["api_key"], seen["admin_api_key"], seen["disconnect_poll_s"], seen["sglang_version"],
+            seen["decode_log_interval"]) == ("k", "adm", 0.5, "0.5", 7)
+    with pytest.raises(SystemExit) as exc:
+        dev.main(["--model", str(tiny_target_dir), "--sglang-version", "0.4", "--admin-api-key", "adm"])
+    assert exc.value.code == 2
+    with pytest.raises(ValueError, match="--admin-api-key does not exist in SGLang 0.4"):
+        create_app(tiny_target_dir, sglang_version="0.4", admin_api_key="adm")

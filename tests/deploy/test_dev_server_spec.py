@@ -2,6 +2,8 @@
 engine-measured acceptance equal to the in-process eval (models/spec_eval.py) on the same prompts.
 
 The draft is an untrained (random) one, exported as SGLang reads it: the point is equality, not quality.
+`avg_spec_accept_length` is folded every `decode_log_interval` decode batches as SGLang 0.5.23's
+metrics_reporter.py does (`folded_avg`); tests that compare it with the eval serve with interval 1.
 """
 
 from __future__ import annotations
@@ -31,11 +33,9 @@ def target(tiny_target_dir):
     return model, AutoTokenizer.from_pretrained(tiny_target_dir)
 
 
-@pytest.fixture(scope="module")
-def draft_dir(target, tmp_path_factory):
-    """A random draft over the target's embedding, exported in float32 (models/eagle3_export.py)."""
-    model, _ = target
-    cfg = Eagle3Config.from_target_config(model.config, draft_vocab_size=D,
+def export_random_draft(model, out_dir, *, draft_vocab_size: int = D):
+    """A random draft over `model`'s embedding, exported in float32 (models/eagle3_export.py) to out_dir."""
+    cfg = Eagle3Config.from_target_config(model.config, draft_vocab_size=draft_vocab_size,
                                           aux_layers=default_aux_layers(model.config.num_hidden_layers))
     draft = Eagle3Draft(cfg)
     g = torch.Generator().manual_seed(0)
@@ -45,9 +45,22 @@ def draft_dir(target, tmp_path_factory):
                 p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.ndim > 1 else 0.1) + (p.ndim == 1))
     draft.load_target_embedding(model.get_input_embeddings().weight)
     counts = torch.randint(0, 100, (cfg.vocab_size,), generator=g).numpy()
-    draft.set_draft_vocab(*draft_vocab(counts, cfg.vocab_size, D))
-    return export_draft(draft, tmp_path_factory.mktemp("draft") / "final", target_config=model.config,
-                        dtype=torch.float32)
+    draft.set_draft_vocab(*draft_vocab(counts, cfg.vocab_size, draft_vocab_size))
+    return export_draft(draft, out_dir, target_config=model.config, dtype=torch.float32)
+
+
+def folded_avg(kept: list[int], interval: int = 40) -> float | None:
+    """SGLang 0.5.23's avg_spec_accept_length after verify rounds that kept `kept` tokens, one decode batch of
+    size 1 each, in serving order: only the rounds up to the last multiple of `interval` are folded in."""
+    folded = kept[:len(kept) // interval * interval]
+    return sum(folded) / len(folded) if folded else None
+
+
+@pytest.fixture(scope="module")
+def draft_dir(target, tmp_path_factory):
+    """A random draft over the target's embedding, exported in float32 (models/eagle3_export.py)."""
+    model, _ = target
+    return export_random_draft(model, tmp_path_factory.mktemp("draft") / "final")
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +73,11 @@ def prompts(target) -> list[list[int]]:
     return out + [[int(torch.randint(8, v, (1,), generator=g))]]
 
 
-def _spec_app(tiny_target_dir, draft_dir):
+def _spec_app(tiny_target_dir, draft_dir, **kw):
     return create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=4, model_name="tiny",
                       speculative=Speculative.from_flags(draft_model_path=draft_dir, algorithm="EAGLE3",
                                                          num_steps=NUM_STEPS, eagle_topk=1,
-                                                         num_draft_tokens=NUM_STEPS + 1))
+                                                         num_draft_tokens=NUM_STEPS + 1), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +98,10 @@ GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW}
 
 
 def test_engine_acceptance_equals_in_process_eval(serve_app, tiny_target_dir, draft_dir, target, prompts):
-    """A fresh server (its avg_spec_accept_length covers exactly these prompts) against evaluate_acceptance."""
+    """A fresh server against evaluate_acceptance; folding after every round (decode_log_interval 1), its
+    avg_spec_accept_length covers exactly these prompts."""
     model, tok = target
-    with serve_app(_spec_app(tiny_target_dir, draft_dir)) as url:
+    with serve_app(_spec_app(tiny_target_dir, draft_dir, decode_log_interval=1)) as url:
         outs = _generate(url, prompts, GREEDY)
         with httpx.Client(base_url=url, timeout=30) as client:
             info = client.get("/get_server_info").json()
@@ -240,7 +254,7 @@ def test_partly_right_draft_counts_rounds_like_the_eval(serve_app, tiny_target_d
     draft.set_draft_vocab(*draft_vocab(counts.numpy(), model.config.vocab_size, D))
     draft = draft.eval().setup(seqs, lambda p: _PATTERN[p % len(_PATTERN)] == "1")
 
-    app = _spec_app(tiny_target_dir, draft_dir)
+    app = _spec_app(tiny_target_dir, draft_dir, decode_log_interval=1)
     app.state.engine.draft = draft  # white-box: the same scripted draft object serves and is evaluated
     params = {**GREEDY, "ignore_eos": True}
     with serve_app(app) as url:
@@ -290,8 +304,10 @@ def test_server_process_with_draft_flags(entry, tiny_target_dir, draft_dir, targ
     assert [o["output_ids"] for o in outs] == [out for out, _ in expected]
     assert [o["meta_info"]["spec_verify_ct"] for o in outs] == [len(rounds) for _, rounds in expected]
     assert info["speculative_num_steps"] == 2 and info["speculative_num_draft_tokens"] == 3
-    rounds = [r for _, rs in expected for r in rs]
-    assert info["internal_states"][0]["avg_spec_accept_length"] == sum(r.kept for r in rounds) / len(rounds)
+    # SGLang's default decode_log_interval (40): only the rounds up to the last multiple of 40 are folded in.
+    kept = [r.kept for _, rs in expected for r in rs]
+    assert len(kept) >= 40, "enough rounds for a fold"
+    assert info["internal_states"][0].get("avg_spec_accept_length") == folded_avg(kept)
 
 
 def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(serve_app, spec_server, tiny_target_dir, target,
@@ -307,15 +323,19 @@ def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(serve_app
     eval_prompts = [EvalPrompt("A" if i % 2 else "B", f"p{i}", p) for i, p in enumerate(prompts)]
     params = {**GREEDY, "stop_token_ids": [tok.eos_token_id], "no_stop_trim": True}
 
-    def decode(url, check=None):
+    def decode(url, check=False):
+        def select(info):  # the check runs before anything is sent
+            check_speculative_server(info, url, NUM_STEPS)
+            return eval_prompts, {}
+
         return asyncio.run(decode_prompts(url, eval_prompts, params, concurrency=2, retry=RetryPolicy(outage_window_s=30),
                                           request_timeout_s=60, api_key=None, auth_hint="", vocab_size=model.config.vocab_size,
-                                          check=check))
+                                          select=select if check else None))
 
-    with_draft = decode(spec_server, check=lambda info: check_speculative_server(info, spec_server, NUM_STEPS))
+    with_draft = decode(spec_server, check=True)
     with serve_app(create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=4, model_name="tiny")) as plain:
-        with pytest.raises(ValueError, match="serves no EAGLE-3 draft"):  # the check runs before anything is sent
-            decode(plain, check=lambda info: check_speculative_server(info, plain, NUM_STEPS))
+        with pytest.raises(ValueError, match="serves no EAGLE-3 draft"):
+            decode(plain, check=True)
         without = decode(plain)
     report = engine_report(with_draft, without, NUM_STEPS, concurrency=2)
 
@@ -334,3 +354,33 @@ def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(serve_app
           "per_prompt": [{"source": p.source, "id": p.id, "new_tokens": len(o), "rounds": r}
                          for p, o, r in zip(eval_prompts, ev.outputs, rounds)]}
     assert compare_with_hf(report, hf)["equal"]
+
+
+def test_the_engine_eval_leaves_out_of_both_phases_a_prompt_only_the_draft_server_refuses(serve_app, spec_server,
+                                                                                         tiny_target_dir, target, prompts):
+    """SGLang 0.5.23 reserves max(topk * steps, draft tokens) per request with a draft (tokenizer_manager.py
+    `_validate_one_request`): a prompt that fits the server without the draft is refused by the one with it.
+    The eval chooses its prompts with the reserve, so both phases decode the same prompts."""
+    import asyncio
+
+    from models.eval_prompts import EvalPrompt
+    from tasks.eval.engine import decode_prompts, fit_draft_context
+    from tasks.sglang_client import RetryPolicy
+
+    model, tok = target
+    near = [5] * (CONTEXT - MAX_NEW - 1)  # prompt + max_new_tokens = CONTEXT - 1: fits unless NUM_STEPS + 1 are reserved
+    eval_prompts = [EvalPrompt("A", "near", near)] + [EvalPrompt("A", f"p{i}", p) for i, p in enumerate(prompts[:2])]
+    params = {**GREEDY, "stop_token_ids": [tok.eos_token_id], "no_stop_trim": True}
+
+    def decode(url, chosen, select=None):
+        return asyncio.run(decode_prompts(url, chosen, params, concurrency=2, retry=RetryPolicy(outage_window_s=30),
+                                          request_timeout_s=60, api_key=None, auth_hint="", vocab_size=model.config.vocab_size,
+                                          select=select))
+
+    unfiltered = decode(spec_server, eval_prompts)  # what the eval did before: the draft server refuses it
+    assert list(unfiltered.refused) == ["near"] and "context length" in unfiltered.refused["near"]
+    with_draft = decode(spec_server, eval_prompts, select=lambda info: fit_draft_context(eval_prompts, info, MAX_NEW))
+    assert list(with_draft.skipped) == ["near"] and with_draft.refused == {}
+    assert sorted(s.id for s in with_draft.served) == ["p0", "p1"]
+    with serve_app(create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=4, model_name="tiny")) as plain:
+        assert [s.id for s in decode(plain, eval_prompts[:1]).served] == ["near"]  # the plain server takes it

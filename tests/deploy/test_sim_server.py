@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -85,8 +86,11 @@ def test_stop_and_length_semantics():
     assert own.output_ids[-1] == 17 and own.finish_reason == {"type": "stop", "matched": 17}
     assert 17 not in own.output_ids[:-1] and 18 not in own.output_ids[:-1]
 
-    cut = simulate_output(PROMPT, {"max_new_tokens": 30}, cfg)  # natural end == the cap: length wins
-    assert cut.finish_reason == {"type": "length", "length": 30} and len(cut.output_ids) == 30
+    # Natural end == the cap: SGLang 0.5.23 checks the stop token first (stop); 0.4.x the length.
+    at_cap = simulate_output(PROMPT, {"max_new_tokens": 30}, cfg)
+    assert at_cap == stop
+    old = simulate_output(PROMPT, {"max_new_tokens": 30}, dataclasses.replace(cfg, sglang_version="0.4"))
+    assert old.finish_reason == {"type": "length", "length": 30} and old.output_ids == stop.output_ids  # same ids
     short = simulate_output(PROMPT, {"max_new_tokens": 12}, cfg)
     assert short.finish_reason == {"type": "length", "length": 12}
     assert short.output_ids == stop.output_ids[:12]  # a smaller cap gives a prefix of the same answer
@@ -110,8 +114,9 @@ def test_generate_single_and_batch_match_the_pure_function(make_server):
         expected = simulate_output(PROMPT, params, srv.config)
         assert body["output_ids"] == expected.output_ids and body["text"] == expected.text
         meta = body["meta_info"]
-        assert set(meta) == {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-                             "reasoning_tokens", "e2e_latency"}
+        assert list(meta) == ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
+                              "reasoning_tokens", "completion_tokens", "cached_tokens", "weight_versions",
+                              "e2e_latency"]  # SGLang 0.5.23's _handle_batch_output
         assert meta["id"] == "r1" and meta["finish_reason"] == expected.finish_reason
         assert meta["prompt_tokens"] == 4 and meta["completion_tokens"] == len(expected.output_ids)
         assert meta["cached_tokens"] == 0 and meta["reasoning_tokens"] == 0 and meta["e2e_latency"] > 0
@@ -235,16 +240,20 @@ def test_abort_returns_a_deterministic_prefix_and_counts_the_waste(make_server):
     long, queued = asyncio.run(run())
     k = long["meta_info"]["completion_tokens"]
     assert 5 <= k < 3000 and long["output_ids"] == full[:k]
-    assert long["meta_info"]["finish_reason"]["type"] == "abort"
-    assert set(long["meta_info"]["finish_reason"]) == {"type", "message", "status_code"}
-    assert queued["output_ids"] == []
-    assert queued["meta_info"]["finish_reason"]["message"] == "Abort in waiting queue"
+    # Running: SGLang 0.5.23's FINISH_ABORT().to_json() through the normal output path.
+    assert long["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                  "err_type": None}
+    assert long["meta_info"]["prompt_tokens"] == len(PROMPT)
+    # Queued: tokenizer_manager.py _handle_abort_req's answer, no prompt_tokens.
+    assert queued["output_ids"] == [] and "prompt_tokens" not in queued["meta_info"]
+    assert queued["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
     s = srv.snapshot()
     assert s.aborted == 2 and s.aborted_tokens == k and s.served_tokens == 0 and s.in_flight == 0
+    assert s.abort_requests == 2 and s.aborted_by_request == 2 and s.aborted_by_disconnect == 0
 
 
 def test_abort_all_and_client_disconnect_abort(make_server):
-    srv = make_server(max_running=2, decode_s_per_token=0.01)
+    srv = make_server(max_running=2, decode_s_per_token=0.01, disconnect_poll_s=0.3)
     params = {"max_new_tokens": 500, "ignore_eos": True}
 
     async def run():
@@ -254,7 +263,8 @@ def test_abort_all_and_client_disconnect_abort(make_server):
             await poll(lambda: srv.stats.in_flight == 3)
             await c.post("/abort_request", json={"abort_all": True})
             bodies = [(await t).json() for t in tasks]
-        # A client that gives up (timeout) makes the server abort its request, as SGLang does.
+        # A client that gives up (timeout) makes the server abort its request, as SGLang does -- once
+        # its disconnect poll (0.3 s here, SGLang's 4 s by default) notices.
         async with httpx.AsyncClient(base_url=srv.url, timeout=0.1) as c:
             with pytest.raises(httpx.ReadTimeout):
                 await c.post("/generate", json={"input_ids": [42], "sampling_params": params})
@@ -262,7 +272,8 @@ def test_abort_all_and_client_disconnect_abort(make_server):
 
     bodies = asyncio.run(run())
     assert [b["meta_info"]["finish_reason"]["type"] for b in bodies] == ["abort"] * 3
-    srv.wait_for(lambda s: s.aborted == 4 and s.in_flight == 0)
+    s = srv.wait_for(lambda s: s.aborted == 4 and s.in_flight == 0)
+    assert s.aborted_by_request == 3 and s.aborted_by_disconnect == 1
 
 
 # -- fault injection -----------------------------------------------------------------------------
@@ -371,7 +382,8 @@ def test_admin_endpoint_and_stats(make_server):
 def test_cli_runs_in_the_foreground():
     proc = subprocess.Popen(
         [sys.executable, "-m", "deploy.sim_server", "--port", "0", "--seed", "3", "--mean-len", "40",
-         "--decode-ms", "0.5"],
+         "--decode-ms", "0.5", "--api-key", "k", "--sglang-version", "0.5", "--disconnect-poll-s", "0.5",
+         "--reserved-tokens", "4", "--context-length", "1000"],
         stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -379,7 +391,10 @@ def test_cli_runs_in_the_foreground():
         assert line.startswith("sim_server listening on http://127.0.0.1:"), line
         url = line.split()[-1]
         params = {"max_new_tokens": 300}
-        with httpx.Client(base_url=url, timeout=10) as c:
+        assert httpx.post(url + "/generate", json={"input_ids": PROMPT}, timeout=10).status_code == 401
+        with httpx.Client(base_url=url, timeout=10, headers={"Authorization": "Bearer k"}) as c:
+            near = c.post("/generate", json={"input_ids": [5] * 900, "sampling_params": {"max_new_tokens": 100}})
+            assert near.status_code == 400 and "904 tokens from the input" in near.json()["error"]["message"]
             body = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": params}).json()
             expected = simulate_output(PROMPT, params, SimConfig(seed=3, mean_len=40))
             assert body["output_ids"] == expected.output_ids
@@ -453,9 +468,99 @@ def test_restart_cuts_in_flight_requests_and_comes_back_starting(make_server):
     assert s.restarts == 1 and s.aborted == 1 and s.completed == 1 and s.in_flight == 0
 
 
+def test_duplicate_rids_prefix_aborts_and_auth_are_counted(make_server):
+    """SimStats: duplicate_rids, abort_requests, aborted_by_request (prefix matches), queued_aborts, auth_refused."""
+    srv = make_server(max_running=2, decode_s_per_token=0.01, api_key="k", admin_api_key="adm")
+    params = {"max_new_tokens": 3000, "ignore_eos": True}
+    user, admin = {"Authorization": "Bearer k"}, {"Authorization": "Bearer adm"}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=10, headers=user) as c:
+            tasks = [asyncio.create_task(c.post("/generate", json={"input_ids": [i + 5], "sampling_params": params,
+                                                                    "rid": rid}))
+                     for i, rid in enumerate(["r:1", "r:10", "r:100"])]
+            await poll(lambda: srv.stats.in_flight == 3)  # two running, r:100 (or another) queued
+            dup = await c.post("/generate", json={"input_ids": [1], "rid": "r:10"})
+            assert dup.status_code == 400 and dup.json() == {"error": {"message": "Duplicate request ID detected: r:10"}}
+            assert (await c.post("/abort_request", json={"rid": "r:1"})).status_code == 401  # the admin key only
+            assert (await c.post("/abort_request", json={"rid": "r:"}, headers=admin)).status_code == 200  # not held
+            assert (await c.post("/abort_request", json={"rid": "r:1"}, headers=admin)).status_code == 200
+            return [(await t).json() for t in tasks]
+
+    outs = asyncio.run(run())
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort"] * 3
+    assert sum("prompt_tokens" not in o["meta_info"] for o in outs) == 1  # the queued one
+    s = srv.snapshot()
+    assert (s.duplicate_rids, s.rejected, s.auth_refused, s.abort_requests) == (1, 1, 1, 2)
+    assert (s.aborted_by_request, s.queued_aborts, s.aborted, s.in_flight) == (3, 1, 3, 0)
+    with pytest.raises(ValueError, match="--admin-api-key does not exist in SGLang 0.4"):
+        SimServer(sglang_version="0.4", admin_api_key="adm")
+
+
+def test_abort_if_aborts_matching_prompts_as_they_start(make_server):
+    srv = make_server()
+    srv.abort_if(lambda ids: 13 in ids)
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        out = c.post("/generate", json={"input_ids": [[13, 14], [15]], "sampling_params": {"max_new_tokens": 5}}).json()
+        assert out[0]["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                        "err_type": None}
+        assert out[0]["output_ids"] == [] and out[0]["meta_info"]["prompt_tokens"] == 2
+        assert out[1]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+        srv.clear_faults()
+        again = c.post("/generate", json={"input_ids": [13, 14], "sampling_params": {"max_new_tokens": 5}}).json()
+        assert again["meta_info"]["finish_reason"]["type"] != "abort"
+    s = srv.snapshot()
+    assert s.aborted == 1 and s.aborted_by_request == 0 and s.completed == 2
+
+
+def test_drop_fraction_cuts_admitted_requests_which_stay_held_until_the_poll(make_server):
+    """drop_fraction: seeded draws, one per admitted /generate; a cut request runs on and holds its rid until the
+    disconnect poll aborts it (SGLang 0.5.23 tokenizer_manager.py `_stream_one_response`)."""
+    import random
+
+    srv = make_server(decode_s_per_token=0.01, disconnect_poll_s=0.4)
+    srv.drop_fraction(0.5, seed=7, after_s=0.05)
+    draws = random.Random(7)
+    expected = [draws.random() < 0.5 for _ in range(8)]
+    assert any(expected) and not all(expected)
+    params = {"max_new_tokens": 2000, "ignore_eos": True}  # 20 s: only a cut or our abort ends them
+    cut = []
+    with httpx.Client(base_url=srv.url, timeout=0.5) as c:  # the cut comes after 0.05 s
+        for i in range(8):
+            rid = f"d{i}"
+            try:
+                c.post("/generate", json={"input_ids": [i + 5], "rid": rid, "sampling_params": params})
+            except httpx.RemoteProtocolError:  # the FIN, with no answer
+                cut.append(True)
+                if len(cut) == 1:  # re-sent at once: the server still holds the rid
+                    r = c.post("/generate", json={"input_ids": [1], "rid": rid, "sampling_params": {"max_new_tokens": 1}})
+                    assert r.status_code == 400 and "Duplicate request ID detected" in r.json()["error"]["message"]
+                continue
+            except httpx.ReadTimeout:  # not cut: it runs on (our timeout); the poll aborts it as well
+                pass
+            cut.append(False)
+    assert cut == expected
+    s = srv.wait_for(lambda s: s.in_flight == 0, timeout=10)
+    assert s.dropped_connections == sum(expected) and s.duplicate_rids == 1
+    assert s.aborted_by_disconnect == 8 and s.sequences == 8
+    # /_fault takes the same, and clear_faults ends it.
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        state = c.post("/_fault", json={"drop_fraction": 1.0, "drop_seed": 1, "drop_after_s": 0.0}).json()
+        assert state["drop_fraction"] == 1.0 and state["drop_after_s"] == 0.0
+        with pytest.raises(httpx.RemoteProtocolError):
+            c.post("/generate", json={"input_ids": [3], "sampling_params": {"max_new_tokens": 2}})
+        assert c.post("/_fault", json={"clear": True}).json()["drop_fraction"] == 0.0
+        assert c.post("/generate", json={"input_ids": [3], "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+
+
 def test_json_true_is_not_a_token_id(make_server):
+    """SGLang 0.5.23's dataclass parse lets a JSON true through as an int; its contract gate refuses it."""
     srv = make_server()
     with httpx.Client(base_url=srv.url, timeout=10) as c:
         r = c.post("/generate", json={"input_ids": [5, True]})
-    assert r.status_code == 400 and r.json()["type"] == "Bad Request" and r.json()["code"] == 400
+    assert r.status_code == 400 and r.json() == {"error": "invalid type: boolean `true`, expected i64"}
     assert srv.snapshot().rejected == 1
+    old = make_server(sglang_version="0.4")  # no gate: refused by our own type check (the validation shape)
+    with httpx.Client(base_url=old.url, timeout=10) as c:
+        r = c.post("/generate", json={"input_ids": [5, True]})
+    assert r.status_code == 400 and r.json()["type"] == "Bad Request" and r.json()["code"] == 400

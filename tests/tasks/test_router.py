@@ -73,7 +73,7 @@ def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_p
 
     assert server.router and server.max_input == worker_limit  # the limit came from the workers
     assert budgeted.status == "budget reached" and budgeted.aborted >= 1
-    assert not server.can_abort  # the router has no /abort_request: the requests were closed instead
+    assert not server.client.can_abort  # the router has no /abort_request: the requests were closed instead
     assert idle == [{"num_running_reqs": 0, "num_waiting_reqs": 0}] * 2  # nothing left generating
     got = []
     for part in live_parts(out / "responses/B1"):

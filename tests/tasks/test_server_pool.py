@@ -196,7 +196,7 @@ def test_without_abort_request_the_budget_stops_requests_by_closing_them(tmp_pat
     """An SGLang router answers /abort_request with 404: the budget then cancels the HTTP requests."""
     # every answer 48 tokens; 8 run at once, so of 16 sent, 8 wait in the server's queue while the first 8
     # finish together and cross the budget: those 8 are far from done when they must be stopped
-    [srv] = sims(1, decode_s_per_token=0.005, mean_len=48, length_dist="fixed", max_running=8)
+    [srv] = sims(1, decode_s_per_token=0.005, mean_len=48, length_dist="fixed", max_running=8, disconnect_poll_s=0.05)
     srv.fail_next(10**6, status=404, message="Not Found", path="/abort_request")
     rows = prompts(120)
     try:
@@ -206,7 +206,7 @@ def test_without_abort_request_the_budget_stops_requests_by_closing_them(tmp_pat
                 # second, so many requests are in flight when its budget is reached: they must be stopped
                 await generate(pool, rows[:20], tmp_path, tokenizer, sampling_params={**SAMPLING, "max_new_tokens": 4})
                 report = await generate(pool, rows, tmp_path, tokenizer, token_budget=20 * 4 + 200)
-                return report, pool.servers[0].can_abort
+                return report, pool.servers[0].client.can_abort
 
         report, can_abort = asyncio.run(go())
         stats = srv.wait_for(lambda s: s.in_flight == 0, timeout=10)  # nothing left generating at the server

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tasks.sglang_client import (
+    RID_NONCE_HEX,
     AuthError,
     BadRequest,
     RetryPolicy,
@@ -16,6 +17,7 @@ from tasks.sglang_client import (
     ServerRefused,
     SGLangClient,
     WrongEndpoint,
+    request_id,
 )
 
 PROMPT = [5, 6, 7]
@@ -36,9 +38,12 @@ class Script:
     def __init__(self, *answers):
         self.answers = list(answers)
         self.calls: dict[str, int] = {}
+        self.bodies: list[dict] = []  # the JSON bodies received, in order
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.calls[request.url.path] = self.calls.get(request.url.path, 0) + 1
+        if request.content:
+            self.bodies.append(json.loads(request.content))
         status, body = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         return httpx.Response(status, content=content, headers={"content-type": "application/json"})
@@ -76,6 +81,12 @@ def test_400_is_a_bad_prompt_and_says_whether_it_was_too_long():
     with pytest.raises(BadRequest) as caught:
         generate(long)
     assert caught.value.too_long and long.calls == {"/generate": 1}
+    # the scheduler's words for a prompt of max_req_input_len tokens or more (SGLang 0.5.23 managers/scheduler.py)
+    scheduler = Script((400, {"error": {"message": "Input length (9000 tokens) exceeds the maximum allowed length (8186 tokens). "
+                                                   "Use a shorter input or enable --allow-auto-truncate."}}))
+    with pytest.raises(BadRequest) as caught:
+        generate(scheduler)
+    assert caught.value.too_long
     other = Script((400, {"error": {"message": "temperature must be non-negative"}}))
     with pytest.raises(BadRequest) as caught:
         generate(other)
@@ -167,3 +178,63 @@ def test_server_info_falls_back_to_get_server_info():
             return await c.server_info()
 
     assert asyncio.run(go()) == {"router_manager": True, "workers_count": 2}
+
+
+@pytest.mark.parametrize("meta, output_ids", [
+    # SGLang 0.5.23, managers/tokenizer_manager.py _handle_abort_req: a request aborted while QUEUED
+    ({"id": "r", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}, "weight_version": "default",
+      "e2e_latency": 0.2, "completion_tokens": 0}, []),
+    # SGLang 0.4.x: prompt_tokens 0 and no output_ids
+    ({"id": "r", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}, "prompt_tokens": 0,
+      "completion_tokens": 0, "e2e_latency": 0.2}, None),
+])
+def test_a_queued_abort_is_an_abort_whatever_its_meta_info_lacks(meta, output_ids):
+    body = {"text": "", "meta_info": meta, **({} if output_ids is None else {"output_ids": output_ids})}
+    script = Script((200, body))
+    done, c = generate(script)
+    assert (done.finish_reason, done.output_ids, done.completion_tokens) == ("abort", [], 0)
+    assert script.calls == {"/generate": 1} and c.invalid_replies == {}  # not a faulty server: no retry
+
+
+def test_every_try_is_sent_with_a_fresh_rid_that_is_no_prefix_of_another():
+    script = Script((503, {"message": "busy"}), (500, b"boom"), (200, reply()))
+    done, _ = generate(script)
+    rids = [b["rid"] for b in script.bodies]
+    assert done.output_ids == [11, 12, 1] and len(rids) == 3 and len(set(rids)) == 3
+    assert all(r.endswith("-rid-1") and len(r) == RID_NONCE_HEX + len("-rid-1") for r in rids)
+    # SGLang's /abort_request aborts every rid that starts with the given one (managers/scheduler.py): ours never
+    # start with one another, also across labels that are prefixes of each other ("ds:1" and "ds:10")
+    many = rids + [request_id("ds:1") for _ in range(200)] + [request_id("ds:10") for _ in range(200)]
+    assert not [(a, b) for a in many for b in many if a != b and b.startswith(a)]
+
+
+def test_a_duplicate_rid_400_is_sent_again_with_a_new_rid_not_rejected():
+    dup = (400, {"error": {"message": "Duplicate request ID detected: x-rid-1"}})  # tokenizer_manager.py, 0.5.23
+    script = Script(dup, (200, reply()))
+    done, _ = generate(script)
+    assert done.output_ids == [11, 12, 1] and script.calls == {"/generate": 2}
+    assert script.bodies[0]["rid"] != script.bodies[1]["rid"]
+
+
+def test_the_contract_gate_s_string_error_body_gives_its_message():
+    # SGLang 0.5.23 entrypoints/http_server.py generate_request: {"error": "<the schema's error text>"}
+    with pytest.raises(BadRequest) as caught:
+        generate(Script((400, {"error": "sampling_params.max_new_tokens: expected integer"})))
+    assert caught.value.message == "sampling_params.max_new_tokens: expected integer"
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_an_abort_the_server_refuses_is_reported_once_and_then_not_asked_again(status, caplog):
+    script = Script((status, {"error": "Unauthorized"}))
+
+    async def go():
+        async with client(script) as c:
+            return [await c.abort(request_id("ds:1")) for _ in range(3)], c.can_abort
+
+    with caplog.at_level("INFO", logger="eagle3.sglang"):
+        answers, can_abort = asyncio.run(go())
+    # False: the caller stops the request by closing its connection instead (before: True, as if aborted)
+    assert answers == [False, False, False] and not can_abort
+    assert script.calls == {"/abort_request": 1}
+    said = [r.getMessage() for r in caplog.records if "abort_request" in r.getMessage()]
+    assert len(said) == 1 and ("--admin-api-key" in said[0]) == (status != 404)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from models.eval_prompts import EvalPrompt
 from tasks.eval.engine import (Phase, Served, acceptance, check_command, check_speculative_server, compare_with_hf,
-                               engine_report, speculative_args, spread)
+                               engine_report, fit_draft_context, reserved_tokens, speculative_args, spread)
 
 
 def served(source, id, tokens, verify, seconds=1.0, out=None):
@@ -78,3 +79,21 @@ def test_a_command_that_already_drafts_is_refused():
     assert speculative_args("/d", 5) == ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d",
                                          "--speculative-num-steps", "5", "--speculative-eagle-topk", "1",
                                          "--speculative-num-draft-tokens", "6"]
+
+
+def test_prompts_are_chosen_with_the_draft_s_reserved_tokens():
+    # SGLang 0.5.23 managers/utils.py compute_num_reserved_tokens: max(topk * num_steps, num_draft_tokens) per request
+    info = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": 4, "context_length": 100}
+    assert reserved_tokens(info) == 4 and reserved_tokens({"context_length": 100}) == 0
+    assert reserved_tokens({**info, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}) == 12
+    # 100 - 16 new tokens: a prompt of 84 fits a server without the draft, but not one that reserves 4
+    prompts = [EvalPrompt("A", f"p{n}", list(range(n))) for n in (80, 81, 84)]
+    kept, skipped = fit_draft_context(prompts, info, max_new_tokens=16)
+    assert [p.id for p in kept] == ["p80"] and sorted(skipped) == ["p81", "p84"]
+    assert "4 reserved for the draft" in skipped["p84"]
+    assert fit_draft_context(prompts, {"context_length": 100}, 16)[0] == prompts  # no draft: nothing reserved
+    assert fit_draft_context(prompts, {"max_req_len": 99, **{k: v for k, v in info.items() if k != "context_length"}}, 16)[0] == kept
+    assert fit_draft_context(prompts, {}, 16) == (prompts, {})  # the server does not say: the server decides
+    report = engine_report(Phase(WITH, {}, 1.6, info, skipped), None, 3, 1)
+    assert report["skipped"] == skipped and "every 40 decode batches" in report["server"]["note"]

@@ -74,6 +74,24 @@ def test_generated_records_train_exactly_on_the_generated_ids(tmp_path, tokenize
     assert report.loss_tokens == sum(len(r["output_ids"]) for r in rows[:6])
 
 
+def test_an_end_token_at_the_length_cap_is_a_whole_answer_whichever_rule_the_server_used(tmp_path, tokenizer):
+    # SGLang 0.5.23 checks the stop token before the length cap (managers/schedule_batch.py update_finish_state),
+    # 0.4.x the cap first: the same answer, ending with eos exactly at max_new_tokens, is `stop` on one and
+    # `length` on the other. The records must be the same either way.
+    eos = tokenizer.eos_token_id
+    built = {}
+    for version, finish in (("0.5", "stop"), ("0.4", "length")):
+        row = response(tokenizer, 0, "a whole answer")  # ends with eos
+        row["finish_reason"] = finish
+        cut = response(tokenizer, 1, "cut off in the midd", finish="length")  # no eos: truncated on both
+        write_part(tmp_path / version / "responses", responses_table([row, cut]))
+        report = build_records("B1", "generate", tmp_path / version / "responses", tmp_path / version / "records",
+                               tmp_path / version / "rejects", settings(tokenizer, stop_token_ids=[eos]))
+        built[version] = ([(r["id"], r["input_ids"]) for r in records_of(tmp_path / version / "records")], report.dropped)
+    assert built["0.5"] == built["0.4"]
+    assert [i for i, _ in built["0.5"][0]] == ["r0"] and built["0.5"][1] == {"finish_length": 1}
+
+
 def test_keep_truncated_includes_length_finished(tmp_path, tokenizer):
     write_part(tmp_path / "responses", responses_table([response(tokenizer, 0, "cut", finish="length")]))
     report = build_records("B1", "generate", tmp_path / "responses", tmp_path / "records", tmp_path / "rej", settings(tokenizer, keep_truncated=True))
