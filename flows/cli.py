@@ -317,6 +317,10 @@ def serve_dev(
     speculative_num_steps: Optional[int] = typer.Option(None, help="Draft tokens proposed per verify round."),
     speculative_eagle_topk: Optional[int] = typer.Option(None, help="Must be 1 (chain)."),
     speculative_num_draft_tokens: Optional[int] = typer.Option(None, help="Must be num-steps + 1."),
+    sglang_version: str = typer.Option("0.5", help="Answer as SGLang 0.5.23 (0.5) or 0.4.x (0.4) where they differ "
+                                                    "(docs/operations.md section 12)."),
+    disconnect_poll_s: float = typer.Option(4.0, help="How often a client that went away is noticed (SGLang: "
+                                                       "SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s)."),
 ) -> None:
     """Serve a small model over SGLang's native HTTP API on CPU (for the demo and tests)."""
     from deploy.dev_server import Speculative, serve
@@ -332,8 +336,11 @@ def serve_dev(
     except ValueError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
+    if sglang_version not in ("0.5", "0.4"):
+        err.print(f"[red]error:[/red] --sglang-version must be 0.5 or 0.4, got {escape(sglang_version)}", highlight=False)
+        raise typer.Exit(2)
     serve(model, host=host, port=port, context_length=context_length, max_batch_size=max_batch_size,
-          speculative=speculative)
+          speculative=speculative, sglang_version=sglang_version, disconnect_poll_s=disconnect_poll_s)
 
 
 def _config_or_exit(path: Path):
