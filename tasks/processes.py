@@ -1,4 +1,4 @@
-"""Launching and stopping long-running child processes (the dev server, later SGLang and DeepSpeed)."""
+"""Launching and stopping the serving engines' processes (the dev server, SGLang, vLLM, an SGLang router)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 
 from models.jobs import replica_url
 from tasks.ports import free_port
-from tasks.sglang_client import RetryPolicy, ServerOutage, SGLangClient
+from tasks.engines import client_class
+from tasks.engines.client import RetryPolicy
+from tasks.engines.errors import ServerOutage
 
 
 class ServerProcess:
@@ -27,15 +29,13 @@ class ServerProcess:
     Use as a context manager so the server is stopped on success, failure and Ctrl-C alike.
     """
 
-    client_class = SGLangClient  # what polls its health (a subclass for a vLLM server: tasks/capture/engine_server.py)
-    health_path = "/health_generate"
-    server_name = "the SGLang server"
-
-    def __init__(self, command: list[str], url: str, *, log_path: Path | None = None, env: dict[str, str] | None = None):
+    def __init__(self, command: list[str], url: str, *, log_path: Path | None = None, env: dict[str, str] | None = None,
+                 engine: str = "sglang"):
         self.command = command
         self.url = url.rstrip("/")
         self.log_path = log_path
         self.env = env
+        self.engine = engine  # whose health path is polled (tasks/engines/): sglang (also the dev server, a router) or vllm
         self.process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> ServerProcess:
@@ -64,7 +64,7 @@ class ServerProcess:
                 log.close()
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
-        """Block until `health_path` answers 200 (SGLangClient.wait_healthy); RuntimeError with the log tail
+        """Block until the engine's health path answers 200 (EngineClient.wait_healthy); RuntimeError with the log tail
         if the process dies or the time runs out."""
         assert self.process is not None, "start() first"
 
@@ -75,8 +75,8 @@ class ServerProcess:
                 )
 
         async def wait() -> None:
-            async with self.client_class(self.url, retry=RetryPolicy(initial_s=0.05, max_s=1.0, jitter=0.0)) as client:
-                await client.wait_healthy(timeout_s, alive=alive, path=self.health_path, server=self.server_name)
+            async with client_class(self.engine)(self.url, retry=RetryPolicy(initial_s=0.05, max_s=1.0, jitter=0.0)) as client:
+                await client.wait_healthy(timeout_s, alive=alive)
 
         try:
             run_coro_as_sync(wait())
@@ -116,11 +116,11 @@ def dev_server(model_dir: Path, *, port: int | None = None, log_path: Path | Non
 def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool = False, router_args: list[str] | None = None,
                      gpus_per_replica: int | None = None, target: Path | None = None, command: list[str] | None = None,
                      log_dir: Path | None = None, health_timeout_s: float = 600.0,
-                     extra_args: list[str] | None = None) -> contextlib.AbstractContextManager:
+                     extra_args: list[str] | None = None, engine: str = "sglang") -> contextlib.AbstractContextManager:
     """A context that runs the servers of the generate stage (launch `dev` or `command`), or nothing (`none`).
 
     `replicas` servers are started at once, replica N on url's port + N, or + 1 + N with a `router`,
-    which then listens at `url` in front of them. Each is waited for until /health_generate answers
+    which then listens at `url` in front of them. Each is waited for until its engine's health path answers
     (a replica that dies at start is reported with its log). All are stopped when the context exits,
     whether generation finished, failed or was cancelled (SIGTERM, as Prefect sends to a cancelled
     flow run, is turned into an exception so the stop runs). Logs: log_dir/server.log for a lone
@@ -147,7 +147,7 @@ def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool =
             fill = {"host": host, "port": str(port), "replica": str(i), "gpus": gpus or ""}
             words = [fill_placeholders(word, fill) for word in command] + list(extra_args or [])  # type: ignore[union-attr]
             env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
-            servers.append(ServerProcess(words, address, log_path=log_path, env=env))
+            servers.append(ServerProcess(words, address, log_path=log_path, env=env, engine=engine))
     if router:
         servers.append(router_process(url, [s.url for s in servers], router_args or [],
                                       log_path=None if log_dir is None else log_dir / "router.log"))

@@ -1,18 +1,20 @@
-"""A pool of SGLang servers (or one router) that the generate stage sends its requests through.
+"""A pool of servers of one serving engine (SGLang servers or one router; vLLM servers) that the generate stage
+sends its requests through.
 
 One pool serves every dataset of a run. Per server it keeps a concurrency limit
-(`server.max_concurrency` each), its health, its input limit (max_req_input_len) and its figures.
+(`server.max_concurrency` each), its health, its input limit (SGLang's max_req_input_len, vLLM's
+max_model_len) and its figures. The engine's client (tasks/engines/) makes and reads each request.
 
 - A request goes to the least-loaded healthy server that can take its prompt (`reserve`).
 - A request that fails in a retryable way is sent again, to the least-loaded healthy server
-  (possibly the same one), with a fresh rid (tasks.sglang_client.request_id); the log says why. The
+  (possibly the same one), with a fresh rid (tasks.engines.client.request_id); the log says why. The
   first re-send goes at once, later ones of the same request after the retry policy's backoff.
   Whether the server is taken out of the pool depends on what failed:
   - it cannot be reached (connect error) or answered 200 with impossible content: marked down;
   - the connection dropped, the request timed out, or it answered 408/429/5xx: one health probe
     (/health_generate) decides. A server that answers it stays in: one dropped connection is not
     a dead server, and marking healthy servers down would leave capacity idle.
-  A monitor polls a down server's /health_generate, with backoff, until it answers again.
+  A monitor polls a down server's health path, with backoff, until it answers again.
 - A prompt is at one server at a time and its reply is recorded only by the caller, so every
   prompt is still recorded exactly once. A timed-out request is aborted at the server that held it.
 - The pool fails (`ServerOutage`) only when no server has been healthy for the outage window,
@@ -23,7 +25,9 @@ Behind an SGLang router (`sglang-router`), the pool sees one server. The router 
 then each worker's /server_info), or taken from `server.max_req_input_len`. It answers
 /abort_request with 404, and a server started with --admin-api-key answers our key there with
 401: `abort` then returns False (said once in the log), and the caller cancels the HTTP request
-instead (SGLang aborts a request whose connection closes, after its disconnect poll).
+instead (SGLang aborts a request whose connection closes, after its disconnect poll). vLLM has no
+abort for these requests at all: its client's `abort` is always False, and vLLM aborts a request
+whose connection closes.
 """
 
 from __future__ import annotations
@@ -36,19 +40,9 @@ from typing import Any
 
 import httpx
 
-from tasks.sglang_client import (
-    BadRequest,
-    Completion,
-    DuplicateRequestId,
-    InvalidReply,
-    RetryPolicy,
-    ServerOutage,
-    ServerUnavailable,
-    SGLangClient,
-    SGLangError,
-    log as client_log,
-    request_id,
-)
+from tasks.engines import client_class
+from tasks.engines.client import Completion, EngineClient, RetryPolicy, log as client_log, request_id
+from tasks.engines.errors import BadRequest, DuplicateRequestId, EngineError, InvalidReply, ServerOutage, ServerUnavailable
 
 PROBE_TIMEOUT_S = 30.0  # SGLang's /health_generate gives up on its own 1-token probe after 20 s (HEALTH_CHECK_TIMEOUT)
 
@@ -58,7 +52,7 @@ class Server:
     """One server of the pool: its client, limits, state and figures."""
 
     url: str
-    client: SGLangClient
+    client: EngineClient
     max_concurrency: int
     in_flight: int = 0
     healthy: bool = False
@@ -113,6 +107,7 @@ class ServerPool:
         max_input_len: int | None = None,
         logger: logging.Logger | logging.LoggerAdapter = client_log,
         transport: httpx.AsyncBaseTransport | None = None,
+        engine: str = "sglang",
     ):
         if not urls:
             raise ValueError("a server pool needs at least one URL")
@@ -122,8 +117,10 @@ class ServerPool:
         self.health_timeout_s = health_timeout_s if health_timeout_s is not None else self.retry.outage_window_s
         self.max_input_len = max_input_len
         self.log = logger
+        self.engine = engine
+        client = client_class(engine)
         self.servers = [
-            Server(url.rstrip("/"), SGLangClient(url, request_timeout_s=request_timeout_s, retry=self.retry, api_key=api_key,
+            Server(url.rstrip("/"), client(url, request_timeout_s=request_timeout_s, retry=self.retry, api_key=api_key,
                                                  auth_hint=auth_hint, max_connections=max_concurrency + 8, logger=logger,
                                                  transport=transport),
                    max_concurrency)
@@ -185,7 +182,8 @@ class ServerPool:
             if len(self.servers) > 1:
                 self.log.info("waiting up to %.0fs for a healthy server among %s", self.health_timeout_s, ", ".join(self.urls))
             else:
-                self.log.info("waiting up to %.0fs for %s/health_generate", self.health_timeout_s, self.urls[0])
+                self.log.info("waiting up to %.0fs for %s%s", self.health_timeout_s, self.urls[0],
+                              self.servers[0].client.health_path)
             self.all_down_since = time.monotonic()
             for s in self.servers:
                 if s.monitor is None or s.monitor.done():  # a start that failed left its watchers running
@@ -197,7 +195,7 @@ class ServerPool:
                 if left <= 0:
                     raise ServerOutage(
                         f"no server healthy after {self.health_timeout_s:.0f}s ({self._states()}); "
-                        "is the SGLang server running and done loading?"
+                        f"is the {self.servers[0].client.name} server running and done loading?"
                     )
                 await self._wait(left)
             self.started_at = time.monotonic()
@@ -209,7 +207,7 @@ class ServerPool:
         try:
             await s.client.wait_healthy(10.0**9)  # the pool, not the monitor, decides when waiting has lasted too long
             await self._read_limits(s)
-        except SGLangError as exc:  # a refused key or a wrong URL will not heal by waiting: the run stops
+        except EngineError as exc:  # a refused key or a wrong URL will not heal by waiting: the run stops
             s.refused = exc
             self._notify()
             return
@@ -227,36 +225,13 @@ class ServerPool:
         self._notify()
 
     async def _read_limits(self, s: Server) -> None:
-        info = await s.client.server_info()
-        limit = info.get("max_req_input_len")
-        if type(limit) is int and limit > 0:
-            s.max_input = limit
-        elif info.get("router_manager") or "workers_count" in info:
-            s.router = True
-            s.max_input = await self._workers_limit(s)
+        limits = await s.client.limits()
+        s.router = limits.router
+        s.max_input = limits.max_input
         if s.max_input is None and self.max_input_len is not None:
             s.max_input = self.max_input_len
         if self.max_input_len is not None and s.max_input is not None:
             s.max_input = min(s.max_input, self.max_input_len)
-
-    async def _workers_limit(self, s: Server) -> int | None:
-        """A router's input limit: the smallest of its workers' (any worker may get the prompt); None if unknown."""
-        body = await s.client.get_json("/workers")
-        listed = body.get("workers", []) if isinstance(body, dict) else []
-        workers = [w["url"] for w in listed if isinstance(w, dict) and isinstance(w.get("url"), str)]
-        limits = []
-        for url in workers:
-            for path in ("/server_info", "/get_server_info"):
-                info = await s.client.get_json(url.rstrip("/") + path)
-                if isinstance(info, dict):
-                    value = info.get("max_req_input_len")
-                    if type(value) is int and value > 0:
-                        limits.append(value)
-                    break
-        if workers:
-            self.log.info("%s is an SGLang router over %d worker(s)%s", s.url, len(workers),
-                          f"; input limit {min(limits)} (the smallest of theirs)" if limits else "")
-        return min(limits) if limits else None
 
     def _mark_down(self, s: Server, exc: BaseException) -> None:
         """Take a server out of the pool after a failure; its monitor brings it back."""
@@ -288,11 +263,11 @@ class ServerPool:
             s.probe = asyncio.create_task(self._probe(s, exc))
 
     async def _probe(self, s: Server, exc: ServerUnavailable) -> None:
-        """One /health_generate after a failed request: down unless it answers 200."""
+        """One health probe after a failed request: down unless it answers 200."""
         s.probes += 1
         try:
             healthy = await s.client.healthy(timeout_s=PROBE_TIMEOUT_S)
-        except SGLangError:  # a refused key: the monitor started by _mark_down reports it and stops the run
+        except EngineError:  # a refused key: the monitor started by _mark_down reports it and stops the run
             healthy = False
         if not healthy:
             s.failures -= 1  # _mark_down counts this failure again

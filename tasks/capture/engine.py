@@ -14,7 +14,7 @@ once the shard that holds their record is durable, so at any time shared_dir hol
 writer's window plus the requests in flight (tasks/capture/plan.py counts them); what a killed
 capture left there is deleted at the next start (shared_dir is this capture's alone).
 
-A status means what it says (tasks/sglang_client.py): 400/413/422 refuse that record (the others
+A status means what it says (tasks/engines/errors.py): 400/413/422 refuse that record (the others
 are captured, then the stage fails naming the refused ones), 401/403/404 stop at once, connection
 errors, 408, 429 and 5xx are retried until `outage_window_s` (then `ServerOutage`, which a Prefect
 retry resumes). A reply that names no file, or a file that is missing, incomplete or of the wrong
@@ -47,18 +47,9 @@ from models.engine_hidden import (
 from models.hidden_shards import ShardWriter, clean_temps, list_shards, shard_metadata, write_index
 from models.jobs import CaptureJob, EngineSettings
 from tasks.capture.plan import target_shape
-from tasks.sglang_client import (
-    AUTH_STATUS,
-    ENDPOINT_STATUS,
-    PROMPT_STATUS,
-    RETRYABLE_STATUS,
-    AuthError,
-    BadRequest,
-    RetryPolicy,
-    ServerRefused,
-    SGLangClient,
-    WrongEndpoint,
-)
+from tasks.engines.client import RetryPolicy
+from tasks.engines.errors import BadRequest
+from tasks.engines.vllm import VLLMClient
 
 ENGINE_RANK = 0  # the shard names' rank: one writer, in the pipeline's process
 log = logging.getLogger("eagle3.capture.engine")
@@ -84,41 +75,6 @@ def first_error(group: BaseExceptionGroup) -> BaseException:
     errors = [e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)]
     error = errors[0] if errors else group.exceptions[0]
     return first_error(error) if isinstance(error, BaseExceptionGroup) else error
-
-
-class VLLMClient(SGLangClient):
-    """SGLangClient's retries and status rules over vLLM's OpenAI-compatible /v1/completions and /health."""
-
-    async def extract(self, ids: list[int], model: str) -> str:
-        """Send one record's ids (max_tokens 1); the path of the hidden-state file the server wrote."""
-        body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
-
-        def parse(data: Any) -> str:
-            if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
-                raise ExtractionFailed(self.base_url + "/v1/completions", f"not a completions reply: {str(data)[:200]}",
-                                       "capture.engine.url must be a vLLM server")
-            params = data.get("kv_transfer_params")
-            path = params.get("hidden_states_path") if isinstance(params, dict) else None
-            if not isinstance(path, str) or not path:
-                raise ExtractionFailed(self.base_url + "/v1/completions", f"the reply has no kv_transfer_params.hidden_states_path "
-                                       f"(kv_transfer_params: {params!r})", "Start vLLM with the extraction config this capture logs")
-            usage = data.get("usage")
-            if isinstance(usage, dict) and usage.get("prompt_tokens") not in (None, len(ids)):
-                raise ExtractionFailed(path, f"the server counted {usage['prompt_tokens']} prompt tokens for the {len(ids)} sent",
-                                       "The server rewrote the prompt (a tokenizer or template in the way?)")
-            return path
-
-        return await self._with_retries("POST", "/v1/completions", body=lambda: body, parse=parse)
-
-    def _raise_refused(self, status: int, message: str, path: str) -> None:
-        url = f"{self.base_url}{path}"
-        if status in AUTH_STATUS:
-            raise AuthError(status, url, message, f"The server refused our credentials: {self.auth_hint}")
-        if status in ENDPOINT_STATUS:
-            raise WrongEndpoint(status, url, message, "capture.engine.url must be the base URL of the vLLM server "
-                                "(e.g. http://host:8000, no path) and capture.engine.model its served model name.")
-        if 400 <= status < 500 and status not in PROMPT_STATUS and status not in RETRYABLE_STATUS:
-            raise ServerRefused(status, url, message, "This status says the run, not one record, is refused.")
 
 
 @dataclass
@@ -228,7 +184,9 @@ async def capture_with_engine(job: CaptureJob, engine: EngineSettings, shared_di
 
     async with VLLMClient(engine.url, request_timeout_s=engine.request_timeout_s, retry=retry, api_key=engine.api_key(),
                           max_connections=engine.max_concurrency, transport=transport, logger=logger,
-                          auth_hint="set capture.engine.api_key_env to the variable holding vLLM's --api-key.") as client:
+                          auth_hint="set capture.engine.api_key_env to the variable holding vLLM's --api-key.",
+                          url_hint="capture.engine.url must be the base URL of the vLLM server (e.g. http://host:8000, no "
+                                   "path) and capture.engine.model its served model name.") as client:
         writer = ShardWriter(out_dir, ENGINE_RANK, job.shard_tokens, aux_layers=aux_layers)
 
         async def worker() -> None:

@@ -15,16 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from models.engine_hidden import extraction_config
-from tasks.capture.engine import VLLMClient
 from tasks.processes import ServerProcess, answers, fill_placeholders, serving
-
-
-class EngineProcess(ServerProcess):
-    """A vLLM (or dev server) child process, ready once vLLM's /health answers 200."""
-
-    client_class = VLLMClient
-    health_path = "/health"
-    server_name = "vLLM"
 
 
 def engine_command(launch: str, url: str, *, target: str, aux_layers: list[int], num_layers: int, shared_dir: Path,
@@ -55,4 +46,4 @@ def launched_engine(launch: str, url: str, *, target: str, aux_layers: list[int]
         raise RuntimeError(f"something already answers at {url}: stop it (an old server would be used instead of the one this "
                            "capture starts) or set capture.engine.launch: none to use it")
     log_path = None if log_dir is None else log_dir / "capture-server.log"
-    return serving([EngineProcess(words, url, log_path=log_path)], health_timeout_s)
+    return serving([ServerProcess(words, url, log_path=log_path, engine="vllm")], health_timeout_s)

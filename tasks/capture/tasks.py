@@ -24,7 +24,7 @@ from models.rank_protocol import CAPTURE, Message
 from models.file_errors import WriteFailed
 from tasks import launch
 from tasks.capture.plan import CapturePlan, EngineWindow, TargetShape, check_fits, human_bytes, plan_capture
-from tasks.sglang_client import ServerOutage
+from tasks.engines.errors import ServerOutage
 from tasks.artifacts import artifact_key
 from tasks.launch import RankFailure, RankRefused, follow_job, rank_command, run_job, write_job
 

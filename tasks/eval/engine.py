@@ -1,21 +1,25 @@
 """The eval's engine backend: acceptance length and speedup measured where the draft will be served.
 
 The eval prompts (models/eval_prompts.py, the same ones the HF backend decodes) go greedily through
-SGLang's /generate, first to a server that serves the target with the exported draft, then (for the
-speedup) to one without it. From each reply's meta_info:
+the serving engine (`server.engine`: SGLang's /generate or vLLM's /v1/completions, tasks/engines/),
+first to a server that serves the target with the exported draft, then (for the speedup) to one
+without it. From each reply's verify rounds (SGLang's meta_info.spec_verify_ct, vLLM's
+metrics.speculative_decoding.num_spec_steps with --per-request-spec-decode-metrics):
 
-- acceptance length, SGLang's way: sum(completion_tokens) / sum(spec_verify_ct), over the requests
+- acceptance length, SGLang's way: sum(completion_tokens) / sum(verify rounds), over the requests
   (SpecForge's benchmark sums the same way). It counts the token of the prefill forward too.
-- per round: sum(completion_tokens - 1) / sum(spec_verify_ct), the mean tokens per verify round,
+- per round: sum(completion_tokens - 1) / sum(verify rounds), the mean tokens per verify round,
   which is how the HF backend (models/spec_eval.py) and SGLang's own `avg_spec_accept_length` count.
   On the same prompts, target and draft, it equals the HF backend's acceptance length exactly.
 
 Both per dataset (the prompt's source) and overall, with the per-request distribution, and the
 decode speed in completion tokens/s of each phase. Every figure comes from the requests' own
-counts. The server's `internal_states[0].avg_spec_accept_length` is reported beside them, labelled
+counts. SGLang's `internal_states[0].avg_spec_accept_length` is reported beside them, labelled
 for what it is in SGLang 0.5.23 (managers/scheduler_components/metrics_reporter.py): folded in only
 every 40 decode batches, reset by /flush_cache, over all the traffic the server has seen (warm-up,
-health probes and other clients included), so it need not equal the eval's figure.
+health probes and other clients included), so it need not equal the eval's figure. vLLM's
+/metrics counters are server-wide too (and count one more accepted token per prompt that ends on a
+stop token): they are not read.
 
 Both phases decode the same prompts. With an EAGLE draft SGLang reserves max(topk * num_steps,
 num_draft_tokens) tokens of context per request (managers/tokenizer_manager.py
@@ -38,39 +42,40 @@ from typing import Any
 
 from models.eval_prompts import EvalPrompt
 from models.jobs import ServerSettings
+from tasks.engines import client_class
+from tasks.engines.client import RetryPolicy, ServerLimits
+from tasks.engines.errors import BadRequest
 from tasks.processes import launched_servers
-from tasks.sglang_client import BadRequest, RetryPolicy, SGLangClient
-
-SPECULATIVE_ALGORITHM = "EAGLE3"
-
-
-def speculative_args(draft_dir: str, num_steps: int) -> list[str]:
-    """SGLang's flags that serve `draft_dir` as an EAGLE-3 chain draft of `num_steps` tokens per round (REFERENCE)."""
-    return ["--speculative-algorithm", SPECULATIVE_ALGORITHM, "--speculative-draft-model-path", str(draft_dir),
-            "--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", str(num_steps + 1)]
 
 
 @dataclass(frozen=True)
 class EngineServer:
     """The server the engine eval measures at: started here (launch dev|command, one server) or already running."""
 
-    settings: ServerSettings  # url: where the server with the draft answers; timeouts; the API key's variable
+    settings: ServerSettings  # url: where the server with the draft answers; the engine; timeouts; the API key's variable
     launch: str  # none | dev | command
     target: str
     log_dir: Path
     command: list[str] | None = None
     gpus_per_replica: int | None = None
 
+    @property
+    def engine(self) -> str:
+        return self.settings.engine
+
+    def speculative_args(self, draft_dir: str, num_steps: int) -> list[str]:
+        """The engine's launch flags that serve `draft_dir` as a chain draft of num_steps tokens per round."""
+        return client_class(self.engine).speculative_args(draft_dir, num_steps)
+
     def serving(self, extra_args: list[str], name: str, logger: Any) -> contextlib.AbstractContextManager:
         """The server with `extra_args` (the draft's flags, or none) for one phase; nothing to start with launch: none."""
         if self.launch == "none":
             return contextlib.nullcontext()
-        logger.info("engine eval: starting the %s server at %s %s(log: %s)", self.launch, self.settings.url,
+        logger.info("engine eval: starting the %s server (%s) at %s %s(log: %s)", self.launch, self.engine, self.settings.url,
                     "with the draft " if extra_args else "without a draft ", self.log_dir / name / "server.log")
         return launched_servers(self.launch, self.settings.url, gpus_per_replica=self.gpus_per_replica, target=Path(self.target),
                                 command=self.command, log_dir=self.log_dir / name,
-                                health_timeout_s=self.settings.health_timeout_s, extra_args=extra_args)
+                                health_timeout_s=self.settings.health_timeout_s, extra_args=extra_args, engine=self.engine)
 
 
 @dataclass(frozen=True)
@@ -92,31 +97,14 @@ class Phase:
     served: list[Served]
     refused: dict[str, str]  # prompt id -> the server's message (HTTP 400: e.g. longer than it takes)
     wall_s: float
-    server_info: dict[str, Any]
+    limits: ServerLimits  # what the server said of itself after the pass
     skipped: dict[str, str] = field(default_factory=dict)  # prompt id -> why it was not sent (select)
 
 
-def reserved_tokens(info: dict[str, Any]) -> int:
-    """Context SGLang reserves per request for an EAGLE draft: max(topk * num_steps, num_draft_tokens); 0 without one."""
-    if not str(info.get("speculative_algorithm") or "").upper().startswith("EAGLE"):
-        return 0
-    topk, steps = info.get("speculative_eagle_topk") or 1, info.get("speculative_num_steps") or 0
-    return max(int(topk) * int(steps), int(info.get("speculative_num_draft_tokens") or 0))
-
-
-def context_length(info: dict[str, Any]) -> int | None:
-    """The context a /server_info says the server has (context_length, else max_req_len + 1); None if it does not say."""
-    for key, extra in (("context_length", 0), ("max_req_len", 1)):
-        value = info.get(key)
-        if type(value) is int and value > 0:
-            return value + extra
-    return None
-
-
-def fit_draft_context(prompts: list[EvalPrompt], info: dict[str, Any], max_new_tokens: int
+def fit_draft_context(prompts: list[EvalPrompt], limits: ServerLimits, max_new_tokens: int
                       ) -> tuple[list[EvalPrompt], dict[str, str]]:
     """The prompts the draft server takes with its reserved tokens (SGLang's two length checks), and why the others not."""
-    ctx, reserved = context_length(info), reserved_tokens(info)
+    ctx, reserved = limits.context_length, limits.reserved_tokens
     if ctx is None:
         return prompts, {}
     kept, skipped = [], {}
@@ -130,22 +118,23 @@ def fit_draft_context(prompts: list[EvalPrompt], info: dict[str, Any], max_new_t
     return kept, skipped
 
 
-async def decode_prompts(url: str, prompts: list[EvalPrompt], sampling_params: dict[str, Any], *, concurrency: int,
-                         retry: RetryPolicy, request_timeout_s: float, api_key: str | None, auth_hint: str,
+async def decode_prompts(url: str, prompts: list[EvalPrompt], sampling_params: dict[str, Any], *, engine: str = "sglang",
+                         concurrency: int, retry: RetryPolicy, request_timeout_s: float, api_key: str | None, auth_hint: str,
                          vocab_size: int | None, on_done: Callable[[int, int], Awaitable[None]] | None = None,
-                         select: Callable[[dict[str, Any]], tuple[list[EvalPrompt], dict[str, str]]] | None = None,
+                         select: Callable[[ServerLimits, Any], tuple[list[EvalPrompt], dict[str, str]]] | None = None,
                          logger: Any = None) -> Phase:
-    """Every prompt through url's /generate, `concurrency` at a time, each retried within the outage window.
+    """Every prompt through the engine at `url`, `concurrency` at a time, each retried within the outage window.
 
-    `select` gets the server's /server_info before anything is sent and returns the prompts to send and why
-    the others are not (it raises to send nothing).
+    `select(limits, client)` gets what the server says of itself before anything is sent and returns the prompts
+    to send and why the others are not (it raises to send nothing).
     """
     gate = asyncio.Semaphore(concurrency)
     done = 0
     refused: dict[str, str] = {}
     kw = {"logger": logger} if logger is not None else {}
-    async with SGLangClient(url, request_timeout_s=request_timeout_s, retry=retry, api_key=api_key, auth_hint=auth_hint,
-                            vocab_size=vocab_size, max_connections=max(concurrency, 1), **kw) as client:
+    async with client_class(engine)(url, request_timeout_s=request_timeout_s, retry=retry, api_key=api_key,
+                                    auth_hint=auth_hint, vocab_size=vocab_size, max_connections=max(concurrency, 1),
+                                    **kw) as client:
         async def one(i: int, p: EvalPrompt) -> Served | None:
             nonlocal done
             async with gate:
@@ -164,35 +153,23 @@ async def decode_prompts(url: str, prompts: list[EvalPrompt], sampling_params: d
             return Served(p.source, p.id, reply.completion_tokens, reply.spec_verify_ct, seconds, tuple(reply.output_ids))
 
         skipped: dict[str, str] = {}
+        limits = await client.limits()
         if select is not None:
-            prompts, skipped = select(await client.server_info())
+            prompts, skipped = select(limits, client)
         started = time.perf_counter()
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         wall_s = time.perf_counter() - started
-        info = await client.server_info()
-    return Phase([r for r in results if r is not None], refused, wall_s, info, skipped)
+        limits = await client.limits()
+    return Phase([r for r in results if r is not None], refused, wall_s, limits, skipped)
 
 
 def check_command(command: list[str] | None) -> None:
     """ValueError when a server command to be started for the engine eval already holds --speculative-* flags."""
     given = [w for w in command or [] if w.startswith("--speculative")]
     if given:
-        raise ValueError(f"server.command already holds {', '.join(given)}: the eval adds SGLang's --speculative-* flags itself "
-                         "(from eval.num_steps and the exported draft) to the command it starts; remove them from server.command")
-
-
-def check_speculative_server(info: dict[str, Any], url: str, num_steps: int) -> None:
-    """ValueError unless the server at `url` serves an EAGLE-3 chain draft of num_steps tokens (its /server_info)."""
-    algorithm = info.get("speculative_algorithm")
-    if algorithm != SPECULATIVE_ALGORITHM:
-        raise ValueError(f"{url} serves no EAGLE-3 draft (server_info speculative_algorithm={algorithm!r}): start it with "
-                         f"{' '.join(speculative_args('DRAFT_DIR', num_steps))}, or let the eval start it (server.launch: dev|command)")
-    steps, topk = info.get("speculative_num_steps"), info.get("speculative_eagle_topk")
-    if steps is not None and steps != num_steps:
-        raise ValueError(f"{url} drafts {steps} tokens per round (--speculative-num-steps) but eval.num_steps is {num_steps}: "
-                         "set one to the other")
-    if topk not in (None, 1):
-        raise ValueError(f"{url} drafts a tree (--speculative-eagle-topk {topk}); the eval measures chain drafting: topk 1")
+        raise ValueError(f"server.command already holds {', '.join(given)}: the eval adds the engine's --speculative-* flags "
+                         "itself (from eval.num_steps and the exported draft) to the command it starts; remove them from "
+                         "server.command")
 
 
 def acceptance(served: list[Served]) -> dict[str, Any]:
@@ -227,7 +204,8 @@ def speed(served: list[Served], wall_s: float) -> dict[str, Any]:
             "tokens_per_s_per_request": round(tokens / busy, 2) if busy > 0 else None}
 
 
-def engine_report(with_draft: Phase, without: Phase | None, num_steps: int, concurrency: int) -> dict[str, Any]:
+def engine_report(with_draft: Phase, without: Phase | None, num_steps: int, concurrency: int, engine: str = "sglang"
+                  ) -> dict[str, Any]:
     """eval.json's `engine` block: acceptance and speed per dataset and overall, the speedup over no draft."""
     sources = sorted({s.source for s in with_draft.served})
     by_source = {src: [s for s in with_draft.served if s.source == src] for src in sources}
@@ -240,18 +218,19 @@ def engine_report(with_draft: Phase, without: Phase | None, num_steps: int, conc
             row["without_draft"] = speed(base, sum(s.seconds for s in base))
             row["speedup"] = speedup(served, sum(s.seconds for s in served), base, sum(s.seconds for s in base))
         datasets[src] = row
-    info = with_draft.server_info
-    internal = info.get("internal_states")
+    info = with_draft.limits.info
+    internal = info.get("internal_states") if isinstance(info, dict) else None
     server_avg = internal[0].get("avg_spec_accept_length") if isinstance(internal, list) and internal and isinstance(internal[0], dict) else None
     report: dict[str, Any] = {
-        "num_steps": num_steps, "concurrency": concurrency,
+        "engine": engine, "num_steps": num_steps, "concurrency": concurrency,
         "overall": {**acceptance(with_draft.served), "with_draft": speed(with_draft.served, with_draft.wall_s)},
         "datasets": datasets,
-        "server": {"speculative_draft_model_path": info.get("speculative_draft_model_path"),
+        "server": {"speculative_draft_model_path": with_draft.limits.speculative.get("path"),
                    "avg_spec_accept_length": server_avg,
                    "note": "server-wide, not this eval's: SGLang folds it in every 40 decode batches, resets it on "
                            "/flush_cache, and counts all traffic (warm-up, health probes, other clients); the figures "
-                           "above are from this eval's requests (meta_info)"},
+                           "above are from this eval's requests (their own verify rounds). vLLM reports no such figure "
+                           "per server over HTTP (its /metrics counters are not read)"},
         "refused": with_draft.refused,
         "skipped": with_draft.skipped,
         "per_prompt": [{"source": s.source, "id": s.id, "completion_tokens": s.completion_tokens,

@@ -22,11 +22,12 @@ from models.eval_prompts import eval_prompts
 from models.jobs import EngineEvalSettings, EvalJob
 from models.rank_protocol import EVAL, Message
 from tasks.artifacts import artifact_key
-from tasks.eval.engine import (EngineServer, Phase, check_command, check_speculative_server, compare_with_hf, decode_prompts,
-                               engine_report, fit_draft_context, speculative_args)
+from tasks.engines.sglang import SGLangClient
+from tasks.engines.vllm import VLLMClient
+from tasks.eval.engine import EngineServer, Phase, check_command, compare_with_hf, decode_prompts, engine_report, fit_draft_context
 from tasks.generate.prompts import default_stop_ids, request_sampling_params
 from tasks.launch import follow_job, write_job
-from tasks.sglang_client import RetryPolicy, auth_hint
+from tasks.engines.client import RetryPolicy, auth_hint
 
 EVAL_FILE = "eval.json"
 
@@ -66,7 +67,8 @@ def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, 
 
 @task(name="engine-eval", cache_policy=NO_CACHE)
 def evaluate_on_engine(job: EvalJob, engine: EngineEvalSettings, server: EngineServer, config_name: str) -> dict[str, Any]:
-    """Engine backend (tasks/eval/engine.py): the eval prompts through /generate with the draft served, then without."""
+    """Engine backend (tasks/eval/engine.py): the eval prompts through the serving engine with the draft served, then
+    without."""
     from transformers import AutoTokenizer
 
     logger = get_run_logger()
@@ -83,41 +85,42 @@ def evaluate_on_engine(job: EvalJob, engine: EngineEvalSettings, server: EngineS
                                         description="engine eval: starting the server with the draft")
     phases = 2 if engine.baseline and (server.launch != "none" or engine.baseline_url) else 1
 
-    def measure(url: str, chosen: list, phase: int, what: str, select: Callable[[dict[str, Any]], Any] | None = None) -> Phase:
+    def measure(url: str, chosen: list, phase: int, what: str, select: Callable[..., Any] | None = None) -> Phase:
         async def on_done(done: int, total: int) -> None:
             await aupdate_progress_artifact(artifact, progress=round(100.0 * (phase + done / total) / phases, 1),
                                             description=f"engine eval: {what}, {done}/{total} prompts")
 
         s = server.settings
         return run_coro_as_sync(decode_prompts(
-            url, chosen, params, concurrency=engine.concurrency, retry=RetryPolicy(outage_window_s=s.outage_window_s),
+            url, chosen, params, engine=server.engine, concurrency=engine.concurrency, retry=RetryPolicy(outage_window_s=s.outage_window_s),
             request_timeout_s=s.request_timeout_s, api_key=s.api_key(), auth_hint=auth_hint(s), vocab_size=vocab_size,
             on_done=on_done, select=select, logger=logger))
 
-    def draft_prompts(info: dict[str, Any]):
-        check_speculative_server(info, server.settings.url, job.num_steps)
-        return fit_draft_context(prompts, info, job.max_new_tokens)
+    def draft_prompts(limits, client):
+        client.check_draft(limits, job.num_steps)
+        return fit_draft_context(prompts, limits, job.max_new_tokens)
 
-    spec = speculative_args(str(final), job.num_steps)
+    spec = server.speculative_args(str(final), job.num_steps)
     with server.serving(spec, "eval-with-draft", logger):
         with_draft = measure(server.settings.url, prompts, 0, "with the draft", select=draft_prompts)
     if with_draft.skipped:
         logger.warning("engine eval: %d prompt(s) left out of both phases: too long for the draft server's reserved tokens "
                        "(first: %s)", len(with_draft.skipped), next(iter(with_draft.skipped.values())))
     if any(s.spec_verify_ct is None for s in with_draft.served):
-        raise ValueError(f"{server.settings.url} sent replies without meta_info.spec_verify_ct: it is not decoding with the "
-                         "draft, or is an SGLang too old to report it")
+        raise ValueError(f"{server.settings.url} sent replies without their verify rounds: it is not decoding with the draft "
+                         + ("(vLLM: started without --speculative-config, or without --per-request-spec-decode-metrics summary)"
+                            if server.engine == "vllm" else "(or is an SGLang too old to send meta_info.spec_verify_ct)"))
     without = None
     if phases == 2:  # the same prompts as the draft phase served, so that the speedup compares like with like
         served = {(r.source, r.id) for r in with_draft.served}
         with server.serving([], "eval-without-draft", logger):
             without = measure(engine.baseline_url or server.settings.url, [p for p in prompts if (p.source, p.id) in served],
                               1, "without the draft")
-    report = engine_report(with_draft, without, job.num_steps, engine.concurrency)
+    report = engine_report(with_draft, without, job.num_steps, engine.concurrency, server.engine)
     overall = report["overall"]
     speedup = f", speedup {overall['speedup']:.2f}x" if overall.get("speedup") else ""
-    logger.info("engine eval: acceptance length %s (SGLang: completion tokens / verify rounds), %s per round, over %d prompts%s",
-                overall["acceptance_length"], overall["per_round"], overall["prompts"], speedup)
+    logger.info("engine eval (%s): acceptance length %s (completion tokens / verify rounds, as SGLang counts), %s per round, "
+                "over %d prompts%s", server.engine, overall["acceptance_length"], overall["per_round"], overall["prompts"], speedup)
     update_progress_artifact(artifact, progress=100.0, description=f"engine eval: acceptance length {overall['acceptance_length']}{speedup}")
     return report
 
@@ -140,6 +143,7 @@ def publish_eval(job: EvalJob, hf: dict[str, Any] | None, engine: dict[str, Any]
     report["ttt_estimate"] = ttt_estimate(draft_dir, job.num_steps)
     report["estimates"] = estimates(draft_dir, job.num_steps, measured, hf["trained"].get("replay") if hf is not None else None)
     report["sglang_command"] = sglang_command(job.target_path, final, job.num_steps, job.trust_remote_code)
+    report["vllm_command"] = vllm_command(job.target_path, final, job.num_steps, job.trust_remote_code)
     write_atomic(draft_dir / EVAL_FILE, json.dumps(report, indent=2))
     create_table_artifact(table=eval_rows(report), key=artifact_key("eval-summary", config_name),
                           description=f"Acceptance length at {job.num_steps} draft tokens per round (SGLang topk 1), greedy "
@@ -241,7 +245,16 @@ def engine_rows(engine: dict[str, Any]) -> list[dict[str, Any]]:
 def sglang_command(target_path: str, draft_dir: Path, num_steps: int, trust_remote_code: bool, tp: int = 8) -> str:
     """The SGLang launch that serves the target with this draft (REFERENCE: EAGLE3, top-k 1)."""
     args = ["python", "-m", "sglang.launch_server", "--model-path", target_path, "--tp", str(tp),
-            *speculative_args(str(draft_dir), num_steps)]
+            *SGLangClient.speculative_args(str(draft_dir), num_steps)]
+    if trust_remote_code:
+        args.append("--trust-remote-code")
+    return shlex.join(args)
+
+
+def vllm_command(target_path: str, draft_dir: Path, num_steps: int, trust_remote_code: bool, tp: int = 8) -> str:
+    """The vLLM launch that serves the target with this draft, with per-request verify counts (tasks/engines/vllm.py)."""
+    args = ["vllm", "serve", target_path, "--tensor-parallel-size", str(tp),
+            *VLLMClient.speculative_args(str(draft_dir), num_steps)]
     if trust_remote_code:
         args.append("--trust-remote-code")
     return shlex.join(args)

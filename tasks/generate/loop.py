@@ -36,7 +36,8 @@ from tasks.parquet_io import DamagedPart
 from tasks.generate.prompts import chat_prompt_ids, prompt_sampling_seed
 from tasks.rejects import reject_counts, settle_generate_rejects, write_rejects
 from tasks.server_pool import Lease, ServerPool
-from tasks.sglang_client import BadRequest, Completion, ServerOutage
+from tasks.engines.client import Completion
+from tasks.engines.errors import BadRequest, ServerOutage
 
 log = logging.getLogger("eagle3.generate")
 

@@ -19,7 +19,8 @@ from tasks.generate.prompts import default_stop_ids
 from tasks.generate.passthrough import PassthroughReport, copy_passthrough
 from tasks.rejects import replace_stage_rejects
 from tasks.server_pool import ServerPool
-from tasks.sglang_client import RetryPolicy, ServerOutage, auth_hint
+from tasks.engines.client import RetryPolicy, auth_hint
+from tasks.engines.errors import ServerOutage
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ async def generate_responses(
     paths: RunPaths,
     pool: ServerPool,
 ) -> GenerateReport:
-    """Generate one dataset's responses through the run's SGLang servers; resumes from its checkpoints."""
+    """Generate one dataset's responses through the run's servers (SGLang or vLLM); resumes from its checkpoints."""
     logger = get_run_logger()
     loaded = await asyncio.to_thread(load_dataset, source, "generate", on_bad_row=on_bad_row)  # type: ignore[arg-type]
     # This load's bad rows replace the last load's: a row fixed in the file is used from now on.
@@ -115,7 +116,7 @@ def server_pool(server: ServerSettings, logger: Any, *, max_concurrency: int | N
     return ServerPool(
         server.endpoints, max_concurrency=max_concurrency or getattr(server, "max_concurrency", 64), retry=retry,
         request_timeout_s=server.request_timeout_s, health_timeout_s=server.health_timeout_s, api_key=server.api_key(),
-        auth_hint=auth_hint(server), max_input_len=server.max_req_input_len, logger=logger,
+        auth_hint=auth_hint(server), max_input_len=server.max_req_input_len, logger=logger, engine=server.engine,
     )
 
 

@@ -316,16 +316,16 @@ def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(serve_app
     import asyncio
 
     from models.eval_prompts import EvalPrompt
-    from tasks.eval.engine import check_speculative_server, compare_with_hf, decode_prompts, engine_report
-    from tasks.sglang_client import RetryPolicy
+    from tasks.eval.engine import compare_with_hf, decode_prompts, engine_report
+    from tasks.engines.client import RetryPolicy
 
     model, tok = target
     eval_prompts = [EvalPrompt("A" if i % 2 else "B", f"p{i}", p) for i, p in enumerate(prompts)]
     params = {**GREEDY, "stop_token_ids": [tok.eos_token_id], "no_stop_trim": True}
 
     def decode(url, check=False):
-        def select(info):  # the check runs before anything is sent
-            check_speculative_server(info, url, NUM_STEPS)
+        def select(limits, client):  # the check runs before anything is sent
+            client.check_draft(limits, NUM_STEPS)
             return eval_prompts, {}
 
         return asyncio.run(decode_prompts(url, eval_prompts, params, concurrency=2, retry=RetryPolicy(outage_window_s=30),
@@ -365,7 +365,7 @@ def test_the_engine_eval_leaves_out_of_both_phases_a_prompt_only_the_draft_serve
 
     from models.eval_prompts import EvalPrompt
     from tasks.eval.engine import decode_prompts, fit_draft_context
-    from tasks.sglang_client import RetryPolicy
+    from tasks.engines.client import RetryPolicy
 
     model, tok = target
     near = [5] * (CONTEXT - MAX_NEW - 1)  # prompt + max_new_tokens = CONTEXT - 1: fits unless NUM_STEPS + 1 are reserved
@@ -379,7 +379,7 @@ def test_the_engine_eval_leaves_out_of_both_phases_a_prompt_only_the_draft_serve
 
     unfiltered = decode(spec_server, eval_prompts)  # what the eval did before: the draft server refuses it
     assert list(unfiltered.refused) == ["near"] and "context length" in unfiltered.refused["near"]
-    with_draft = decode(spec_server, eval_prompts, select=lambda info: fit_draft_context(eval_prompts, info, MAX_NEW))
+    with_draft = decode(spec_server, eval_prompts, select=lambda limits, _: fit_draft_context(eval_prompts, limits, MAX_NEW))
     assert list(with_draft.skipped) == ["near"] and with_draft.refused == {}
     assert sorted(s.id for s in with_draft.served) == ["p0", "p1"]
     with serve_app(create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=4, model_name="tiny")) as plain:

@@ -24,7 +24,7 @@ from tasks.generate.prompts import request_sampling_params
 from tasks.ports import free_ports
 from tasks.processes import launched_servers
 from tasks.server_pool import ServerPool
-from tasks.sglang_client import RetryPolicy
+from tasks.engines.client import RetryPolicy
 
 pytestmark = pytest.mark.multiprocess
 

@@ -17,7 +17,8 @@ from tasks.datasets import PromptRow
 from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.server_pool import ServerPool
-from tasks.sglang_client import RetryPolicy, ServerOutage
+from tasks.engines.client import RetryPolicy
+from tasks.engines.errors import ServerOutage
 
 EOS = 1
 SAMPLING = request_sampling_params({"max_new_tokens": 48, "temperature": 0.7, "top_p": 0.95}, [EOS])

@@ -37,7 +37,7 @@ from models.hidden_shards import done_sample_keys, iter_shard_index, list_shards
 from models.jobs import CaptureJob, DatasetRecords, EngineSettings
 from models.tiny_target import SAMPLES_DIR
 from tasks.capture.engine import RecordsRefused, capture_with_engine
-from tasks.sglang_client import AuthError, ServerOutage
+from tasks.engines.errors import AuthError, ServerOutage
 
 REPO = Path(__file__).resolve().parents[3]
 AUX_LAYERS = [1, 3, 4]  # default_aux_layers(8) of the tiny target

@@ -5,8 +5,23 @@ from __future__ import annotations
 import pytest
 
 from models.eval_prompts import EvalPrompt
-from tasks.eval.engine import (Phase, Served, acceptance, check_command, check_speculative_server, compare_with_hf,
-                               engine_report, fit_draft_context, reserved_tokens, speculative_args, spread)
+from tasks.engines.client import ServerLimits
+from tasks.engines.sglang import SGLangClient, context_length, speculative_settings
+from tasks.engines.vllm import VLLMClient
+from tasks.eval.engine import Phase, Served, acceptance, check_command, compare_with_hf, engine_report, fit_draft_context, spread
+
+
+def lim(info: dict) -> ServerLimits:
+    """What SGLangClient.limits reads from this /server_info."""
+    return ServerLimits(context_length=context_length(info), speculative=speculative_settings(info), info=info)
+
+
+def check_speculative_server(info, url, num_steps):
+    SGLangClient(url).check_draft(lim(info), num_steps)
+
+
+def reserved_tokens(info):
+    return lim(info).reserved_tokens
 
 
 def served(source, id, tokens, verify, seconds=1.0, out=None):
@@ -34,7 +49,7 @@ def test_spread_of_sorted_values():
 def test_report_per_dataset_speedup_and_unchanged_outputs():
     without = [served("A", "a1", 10, None, 2.0), served("A", "a2", 1, None, 0.1), served("B", "b1", 9, None, 1.5)]
     info = {"speculative_draft_model_path": "/d", "internal_states": [{"avg_spec_accept_length": 2.8333}]}
-    r = engine_report(Phase(WITH, {}, 1.6, info), Phase(without, {}, 3.6, {}), num_steps=3, concurrency=1)
+    r = engine_report(Phase(WITH, {}, 1.6, lim(info)), Phase(without, {}, 3.6, lim({})), num_steps=3, concurrency=1)
     assert r["overall"]["with_draft"]["tokens_per_s"] == round(20 / 1.6, 2)
     assert r["overall"]["without_draft"]["tokens_per_s"] == round(20 / 3.6, 2)
     assert r["overall"]["speedup"] == round((20 / 1.6) / (20 / 3.6), 3)
@@ -43,13 +58,13 @@ def test_report_per_dataset_speedup_and_unchanged_outputs():
     assert r["server"]["avg_spec_accept_length"] == 2.8333
     assert r["outputs_differ_without_draft"] == 0
     changed = [served("A", "a1", 10, None, out=[7] * 10), *without[1:]]
-    assert engine_report(Phase(WITH, {}, 1, info), Phase(changed, {}, 1, {}), 3, 1)["outputs_differ_without_draft"] == 1
-    alone = engine_report(Phase(WITH, {"x": "too long"}, 1.6, info), None, 3, 1)
+    assert engine_report(Phase(WITH, {}, 1, lim(info)), Phase(changed, {}, 1, lim({})), 3, 1)["outputs_differ_without_draft"] == 1
+    alone = engine_report(Phase(WITH, {"x": "too long"}, 1.6, lim(info)), None, 3, 1)
     assert "speedup" not in alone["overall"] and alone["refused"] == {"x": "too long"}
 
 
 def test_comparison_with_the_hf_backend_is_per_prompt():
-    engine = engine_report(Phase(WITH, {}, 1, {}), None, 3, 1)
+    engine = engine_report(Phase(WITH, {}, 1, lim({})), None, 3, 1)
     hf = {"acceptance_length": round(17 / 6, 4),
           "per_prompt": [{"source": "A", "id": "a1", "new_tokens": 10, "rounds": 4},
                          {"source": "A", "id": "a2", "new_tokens": 1, "rounds": 0},
@@ -76,7 +91,7 @@ def test_a_command_that_already_drafts_is_refused():
     check_command(["python", "-m", "sglang.launch_server", "--tp", "8"])
     with pytest.raises(ValueError, match="--speculative-num-steps.*remove them"):
         check_command(["python", "-m", "sglang.launch_server", "--speculative-num-steps", "3"])
-    assert speculative_args("/d", 5) == ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d",
+    assert SGLangClient.speculative_args("/d", 5) == ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d",
                                          "--speculative-num-steps", "5", "--speculative-eagle-topk", "1",
                                          "--speculative-num-draft-tokens", "6"]
 
@@ -89,11 +104,23 @@ def test_prompts_are_chosen_with_the_draft_s_reserved_tokens():
     assert reserved_tokens({**info, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}) == 12
     # 100 - 16 new tokens: a prompt of 84 fits a server without the draft, but not one that reserves 4
     prompts = [EvalPrompt("A", f"p{n}", list(range(n))) for n in (80, 81, 84)]
-    kept, skipped = fit_draft_context(prompts, info, max_new_tokens=16)
+    kept, skipped = fit_draft_context(prompts, lim(info), max_new_tokens=16)
     assert [p.id for p in kept] == ["p80"] and sorted(skipped) == ["p81", "p84"]
     assert "4 reserved for the draft" in skipped["p84"]
-    assert fit_draft_context(prompts, {"context_length": 100}, 16)[0] == prompts  # no draft: nothing reserved
-    assert fit_draft_context(prompts, {"max_req_len": 99, **{k: v for k, v in info.items() if k != "context_length"}}, 16)[0] == kept
-    assert fit_draft_context(prompts, {}, 16) == (prompts, {})  # the server does not say: the server decides
-    report = engine_report(Phase(WITH, {}, 1.6, info, skipped), None, 3, 1)
+    assert fit_draft_context(prompts, lim({"context_length": 100}), 16)[0] == prompts  # no draft: nothing reserved
+    assert fit_draft_context(prompts, lim({"max_req_len": 99, **{k: v for k, v in info.items() if k != "context_length"}}),
+                             16)[0] == kept
+    assert fit_draft_context(prompts, lim({}), 16) == (prompts, {})  # the server does not say: the server decides
+    report = engine_report(Phase(WITH, {}, 1.6, lim(info), skipped), None, 3, 1)
     assert report["skipped"] == skipped and "every 40 decode batches" in report["server"]["note"]
+
+
+def test_vllm_is_launched_with_its_speculative_config_and_per_request_counts():
+    # vLLM 0.32: --speculative-config JSON (method eagle3), --per-request-spec-decode-metrics summary adds
+    # metrics.speculative_decoding to each reply (entrypoints/generate/base/protocol.py)
+    import json
+
+    args = VLLMClient.speculative_args("/d", 3)
+    assert json.loads(args[1]) == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}
+    assert args[0] == "--speculative-config" and args[2:] == ["--per-request-spec-decode-metrics", "summary"]
+    assert ServerLimits(context_length=2048).reserved_tokens == 0  # vLLM reports no draft: nothing is reserved

@@ -24,7 +24,8 @@ from models.jobs import GenerateJob
 from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.server_pool import ServerPool
-from tasks.sglang_client import RetryPolicy, ServerOutage
+from tasks.engines.client import RetryPolicy
+from tasks.engines.errors import ServerOutage
 
 REPO = Path(__file__).resolve().parents[3]
 EOS = 1  # <|im_end|> of the tiny target; also the sim server's eos
@@ -339,7 +340,7 @@ def test_cancellation_aborts_in_flight_requests_and_keeps_what_finished(tmp_path
 
 
 def test_a_401_mid_run_stops_without_rejecting_anything_and_a_rerun_finishes(server, tmp_path, tokenizer):
-    from tasks.sglang_client import AuthError
+    from tasks.engines.errors import AuthError
 
     rows = prompts(30)
 

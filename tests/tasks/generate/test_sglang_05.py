@@ -24,7 +24,7 @@ from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.rejects import read_rejects
 from tasks.server_pool import ServerPool
-from tasks.sglang_client import RetryPolicy
+from tasks.engines.client import RetryPolicy
 
 EOS = 1
 MAX_NEW = 48

@@ -8,17 +8,9 @@ import json
 import httpx
 import pytest
 
-from tasks.sglang_client import (
-    RID_NONCE_HEX,
-    AuthError,
-    BadRequest,
-    RetryPolicy,
-    ServerOutage,
-    ServerRefused,
-    SGLangClient,
-    WrongEndpoint,
-    request_id,
-)
+from tasks.engines.client import RID_NONCE_HEX, RetryPolicy, request_id
+from tasks.engines.errors import AuthError, BadRequest, ServerOutage, ServerRefused, WrongEndpoint
+from tasks.engines.sglang import SGLangClient
 
 PROMPT = [5, 6, 7]
 PARAMS = {"max_new_tokens": 8, "stop_token_ids": [1], "no_stop_trim": True}
@@ -137,7 +129,7 @@ def test_spec_verify_ct_is_read_when_a_draft_serves():
 def test_a_lying_reply_is_counted_and_logged_once_then_the_good_one_is_returned(caplog):
     bad = reply(completion_tokens=1000)
     script = Script((200, bad), (200, bad), (200, bad), (200, reply()))
-    with caplog.at_level("WARNING", logger="eagle3.sglang"):
+    with caplog.at_level("WARNING", logger="eagle3.engine"):
         done, c = generate(script, window=30)
     assert done.completion_tokens == 3 and c.invalid_replies == {"completion_tokens": 3}
     assert sum("invalid reply (completion_tokens)" in r.getMessage() for r in caplog.records) == 1
@@ -231,7 +223,7 @@ def test_an_abort_the_server_refuses_is_reported_once_and_then_not_asked_again(s
         async with client(script) as c:
             return [await c.abort(request_id("ds:1")) for _ in range(3)], c.can_abort
 
-    with caplog.at_level("INFO", logger="eagle3.sglang"):
+    with caplog.at_level("INFO", logger="eagle3.engine"):
         answers, can_abort = asyncio.run(go())
     # False: the caller stops the request by closing its connection instead (before: True, as if aborted)
     assert answers == [False, False, False] and not can_abort

@@ -1,0 +1,31 @@
+"""The serving engines: one module per engine behind one interface (tasks/engines/client.py `EngineClient`).
+
+What the generate loop, the server pool, the budget stop and the eval use of an engine, and
+nothing else: send token ids and get token ids and counts back (`attempt`, `generate`), stop a
+request (`abort`, or close its connection where the engine has no abort), health
+(`healthy`, `wait_healthy`), limits and the served draft (`limits`), spec-decode counts
+(`Completion.spec_verify_ct`) and the launch flags with a draft (`speculative_args`).
+
+- tasks/engines/sglang.py: SGLang's native /generate (the default, `server.engine: sglang`);
+- tasks/engines/vllm.py: vLLM's /v1/completions (`server.engine: vllm`), and its hidden-state
+  extraction for the capture.
+
+"Engine" in this code always means the serving engine; DeepSpeed's engine stays DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+ENGINES = ("sglang", "vllm")
+
+
+def client_class(engine: str) -> type:
+    """The client class of `engine` (one of ENGINES)."""
+    if engine == "sglang":
+        from tasks.engines.sglang import SGLangClient
+
+        return SGLangClient
+    if engine == "vllm":
+        from tasks.engines.vllm import VLLMClient
+
+        return VLLMClient
+    raise ValueError(f"unknown serving engine {engine!r}: one of {', '.join(ENGINES)}")
