@@ -5,7 +5,10 @@ sgl-project/sglang python/sglang/srt/models/llama_eagle3.py, models/llama.py,
 speculative/eagle_worker.py, model_executor/model_runner.py):
 
 - `LlamaForCausalLMEagle3.load_weights`: a name containing "d2t" becomes
-  `hot_token_id = d2t + arange(D)` (draft index -> target id); "t2d" is skipped; q/k/v_proj are
+  `hot_token_id = d2t + arange(D)` (draft index -> target id); "t2d" is skipped; without d2t
+  `hot_token_id` stays None and the draft's top-k indices are used as target ids as they are
+  (sglang 0.5.23 models/llama_eagle3.py `load_weights`, speculative/eagle_worker_v2.py
+  `init_lm_head` / `draft_forward`): right when D == V, silently wrong when D < V; q/k/v_proj are
   fused into qkv_proj and gate/up_proj into gate_up_proj; any other name is looked up as is or as
   `model.{name}` and SILENTLY DROPPED when neither exists (the parameter keeps its random init).
   Hence `validate_export` rejects every name outside `SGLANG_REQUIRED_WEIGHTS` + embed_tokens.
@@ -32,11 +35,19 @@ models/registry.py, v1/worker/gpu_model_runner.py); `validate_export_vllm` mirro
 - the registry maps `LlamaForCausalLMEagle3` to `Eagle3LlamaForCausalLM`.
 - `Eagle3LlamaForCausalLM.load_weights`: names containing "t2d" are skipped; "d2t" becomes the
   `draft_id_to_target_id` parameter (int64, [draft_vocab_size]), used as OFFSETS like SGLang's:
-  `compute_logits` scatters draft logit i to target id `i + d2t[i]`; every name other than
+  `compute_logits` scatters draft logit i to target id `i + d2t[i]`. `__init__` creates that
+  parameter ONLY when draft_vocab_size != the target's vocab size (None otherwise: compute_logits
+  returns the logits as they are), yet load_weights renames every d2t to it, so a D == V export
+  carrying d2t fails: "There is no module or parameter named 'draft_id_to_target_id' in
+  Eagle3LlamaForCausalLM" (vLLM 0.32 llama_eagle3.py, models/utils.py AutoWeightsLoader). The
+  export therefore writes d2t/t2d only when D < V. Every name other than
   lm_head gets a `model.` prefix; `LlamaModel.load_weights` maps `midlayer.` to `layers.0.`, fuses
   q/k/v into qkv_proj (input 2 * hidden_size for layer 0) and gate/up into gate_up_proj, and
   looks every other name up in its parameters: an unknown name is an error (not SILENT as in
-  SGLang), and a parameter no tensor initialized fails the load ("weights were not initialized").
+  SGLang). A parameter no tensor initialized keeps its init SILENTLY: `Eagle3LlamaForCausalLM.
+  load_weights` returns None, so model_loader/default_loader.py's `track_weights_loading`
+  ("weights were not initialized") never runs for the draft (vLLM 0.32); a missing d2t at D < V
+  leaves zeros = draft index i served as target id i.
   `embed_tokens` is optional there; we always write it (see above).
 - config: `draft_vocab_size` (null -> vocab_size), `target_hidden_size` (fc input 3 * it),
   `eagle_config.use_aux_hidden_state`, `norm_before_residual` (written false: the hidden_norm is
@@ -103,6 +114,9 @@ SGLANG_REQUIRED_WEIGHTS: dict[str, _Shape] = {
     "d2t": lambda c: (c["draft_vocab_size"],),
     "t2d": lambda c: (c["vocab_size"],),
 }
+# Only when draft_vocab_size < vocab_size: at D == V the map is the identity, which both engines
+# assume without them, and vLLM refuses a d2t (module docstring).
+VOCAB_MAP = ("d2t", "t2d")
 _EMBED_SHAPE: _Shape = lambda c: (c["vocab_size"], c["hidden_size"])  # noqa: E731
 _INT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
              "max_position_embeddings", "vocab_size", "draft_vocab_size", "target_hidden_size")
@@ -189,8 +203,16 @@ def export_draft(draft: Eagle3Draft, out_dir: str | Path, *, target_config,
     if out_dir.exists() and any(out_dir.iterdir()) and not _is_export(out_dir):
         raise FileExistsError(f"{out_dir} exists, is not empty and is not an EAGLE-3 export; refusing to replace it")
     config = sglang_config(draft.config, target_config, dtype)
+    full_vocab = draft.config.draft_vocab_size == draft.config.vocab_size
+    if full_vocab and torch.any(draft.d2t != 0):  # V strictly increasing ids in [0, V) are arange(V)
+        raise ValueError("draft_vocab_size == vocab_size but d2t is not the identity (all zeros)")
     tensors = {}
     for name, t in draft.state_dict().items():
+        if full_vocab and name in VOCAB_MAP:
+            # vLLM 0.32 (vllm/model_executor/models/llama_eagle3.py) has no draft_id_to_target_id
+            # at D == V and fails on a d2t; SGLang 0.5.23 (sglang/srt/models/llama_eagle3.py)
+            # skips t2d always and, without d2t, uses draft ids as target ids (the identity).
+            continue
         t = t.detach().to("cpu")
         tensors[name] = (t.to(torch.int64) if name == "d2t" else t.bool() if name == "t2d" else t.to(dtype)).contiguous()
 
@@ -224,6 +246,8 @@ def validate_export(out_dir: str | Path) -> list[str]:
 
     Checks config.json keys, every required tensor (name, shape, dtype), no unknown names, and
     d2t/t2d: draft ids = arange(D) + d2t strictly increasing inside the vocab, t2d marking exactly them.
+    d2t/t2d are optional when draft_vocab_size == vocab_size (SGLang then maps draft id i to target
+    id i, the only possible map); `validate_export_vllm` refuses d2t there.
     """
     out_dir = Path(out_dir)
     try:
@@ -248,9 +272,10 @@ def validate_export(out_dir: str | Path) -> list[str]:
         problems.append(f"missing {EMBED}: SGLang shares the target's embedding only when "
                         "hidden_size == target_hidden_size")
     float_dtype = _ST_DTYPES[cfg["torch_dtype"]]
+    optional = {EMBED, *VOCAB_MAP} if cfg["draft_vocab_size"] == cfg["vocab_size"] else {EMBED}
     for name, rule in rules.items():
         if name not in names:
-            if name != EMBED:
+            if name not in optional:
                 problems.append(f"missing tensor {name}")
             continue
         shape, dt = meta[name]
@@ -260,11 +285,11 @@ def validate_export(out_dir: str | Path) -> list[str]:
         if dt != want:
             problems.append(f"{name}: dtype {dt} != {want}")
     problems += [f"unknown tensor {n}: SGLang would silently skip it" for n in sorted(names - set(rules))]
-    if d2t is not None and t2d is not None and not any(n.startswith(("d2t", "t2d")) for n in problems):
+    if d2t is not None and not any(n.startswith(("d2t", "t2d")) for n in problems):
         ids = torch.arange(d2t.shape[0], dtype=torch.int64) + d2t.to(torch.int64)
-        if ids.numel() and (ids.min() < 0 or ids.max() >= t2d.shape[0] or not torch.all(ids[1:] > ids[:-1])):
+        if ids.numel() and (ids.min() < 0 or ids.max() >= cfg["vocab_size"] or not torch.all(ids[1:] > ids[:-1])):
             problems.append("d2t: draft ids (arange + d2t) are not strictly increasing ids inside the vocab")
-        else:
+        elif t2d is not None:
             expected = torch.zeros(t2d.shape[0], dtype=torch.bool)
             expected[ids] = True
             if not torch.equal(expected, t2d.bool()):
@@ -359,9 +384,10 @@ def _vllm_expected(cfg: Mapping) -> dict[_VShard, tuple[str, tuple[int, ...]]]:
         "midlayer.post_attention_layernorm.weight": (H,),
         "norm.weight": (H,),
         "lm_head.weight": (D, H),
-        "d2t": (D,),
         EMBED: (V, H),
     }
+    if D != V:  # Eagle3LlamaForCausalLM.__init__ creates draft_id_to_target_id only then
+        shapes["d2t"] = (D,)
     return {vllm_param_name(n): (n, shape) for n, shape in shapes.items()}
 
 
@@ -426,6 +452,13 @@ def vllm_load_problems(cfg: Mapping, tensors: Mapping[str, tuple[tuple[int, ...]
         if "mask_hidden" in name:  # vLLM skips it (with a warning) unless parallel drafting is on
             p.append(f"unexpected tensor {name}: vLLM loads mask_hidden only for parallel drafting")
             continue
+        if key[0] == "draft_id_to_target_id" and cfg["draft_vocab_size"] == cfg["vocab_size"]:
+            p.append(f"{name} present with draft_vocab_size == vocab_size ({cfg['vocab_size']}): vLLM 0.32's "
+                     "Eagle3LlamaForCausalLM creates draft_id_to_target_id only when they differ, yet its "
+                     "load_weights renames d2t to it, so the load fails with \"There is no module or parameter "
+                     "named 'draft_id_to_target_id' in Eagle3LlamaForCausalLM\" "
+                     "(vllm/model_executor/models/llama_eagle3.py); omit d2t, the map is the identity")
+            continue
         if key not in expected:
             p.append(f"unknown tensor {name}: vLLM looks it up as {_vllm_label(key)}, which "
                      "Eagle3LlamaForCausalLM does not have (the load fails)")
@@ -439,7 +472,12 @@ def vllm_load_problems(cfg: Mapping, tensors: Mapping[str, tuple[tuple[int, ...]
             p.append(f"{name} (vLLM draft_id_to_target_id): dtype {dtype}, expected an integer type (I64)")
     embed = vllm_param_name(EMBED)
     for key in expected:
-        if key not in loaded and key != embed:
+        if key not in loaded and key[0] == "draft_id_to_target_id":
+            p.append(f"missing tensor {expected[key][0]}: draft_vocab_size {cfg['draft_vocab_size']} < vocab_size "
+                     f"{cfg['vocab_size']}, so vLLM's draft_id_to_target_id would keep its zeros and "
+                     "compute_logits would serve draft index i as target id i (vLLM 0.32 runs no check "
+                     "for unloaded draft weights)")
+        elif key not in loaded and key != embed:
             p.append(f"missing tensor {expected[key][0]}: vLLM's {_vllm_label(key)} would not be "
                      "initialized from the checkpoint")
     if embed not in loaded and cfg["hidden_size"] != cfg["target_hidden_size"]:
@@ -476,7 +514,8 @@ def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None
     """The `Eagle3Draft` of an export (validated first), in `dtype` (default: the file's torch_dtype).
 
     An export without embed_tokens (allowed when hidden_size == target_hidden_size) leaves the
-    embedding uninitialized: call `load_target_embedding` with the target's.
+    embedding uninitialized: call `load_target_embedding` with the target's. An export without
+    d2t/t2d (written so when draft_vocab_size == vocab_size) keeps `Eagle3Draft`'s identity vocab.
     """
     out_dir = Path(out_dir)
     problems = validate_export(out_dir)
@@ -492,6 +531,9 @@ def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None
     with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:
         state = {n: f.get_tensor(n) for n in f.keys()}
     missing, _ = draft.load_state_dict(state, strict=False)  # unknown names were rejected by validate_export
-    if set(missing) - {EMBED}:
-        raise ValueError(f"{out_dir}: missing tensors {sorted(set(missing) - {EMBED})}")
+    # validate_export let d2t/t2d be absent only at D == V, where Eagle3Draft.__init__'s buffers
+    # (d2t zeros, t2d all true) are the identity map the engines assume too.
+    optional = {EMBED, *VOCAB_MAP} if config.draft_vocab_size == config.vocab_size else {EMBED}
+    if set(missing) - optional:
+        raise ValueError(f"{out_dir}: missing tensors {sorted(set(missing) - optional)}")
     return draft

@@ -272,3 +272,76 @@ def test_validate_export_refuses_first_sglang_id_not_1(draft, target, tmp_path):
     (good / "config.json").write_text(json.dumps(cfg))
     assert validate_export(good) == ["eagle_config.eagle_aux_hidden_state_layer_ids [2, 3, 4]: first id must be 1 "
                                      "(SGLang versions read other lists differently)"]
+
+
+@pytest.fixture(scope="module")
+def full_vocab_draft(draft) -> Eagle3Draft:
+    """`draft`'s shapes with draft_vocab_size == vocab_size (D == V): random weights, identity vocab map."""
+    config = Eagle3Config(**{**vars(draft.config), "draft_vocab_size": draft.config.vocab_size})
+    model = Eagle3Draft(config)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name != "embed_tokens.weight":
+                p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.ndim > 1 else 0.1) + (p.ndim == 1))
+    model.load_target_embedding(draft.embed_tokens.weight)
+    counts = torch.randint(0, 100, (config.vocab_size,), generator=g).numpy()
+    model.set_draft_vocab(*draft_vocab(counts, config.vocab_size, config.vocab_size))  # every id: identity
+    return model.eval()
+
+
+def test_full_vocab_export_has_no_vocab_map_and_round_trips(full_vocab_draft, target, tmp_path):
+    V = target["vocab_size"]
+    out = export_draft(full_vocab_draft, tmp_path / "draft", target_config=target, dtype=torch.float32)
+    tensors = load_file(str(out / "model.safetensors"))
+    # vLLM 0.32 has no draft_id_to_target_id at D == V and fails on a d2t; both engines skip t2d
+    assert set(tensors) == (REFERENCE_NAMES - {"d2t", "t2d"}) | {"embed_tokens.weight"}
+    assert tuple(tensors["lm_head.weight"].shape) == (V, full_vocab_draft.config.hidden_size)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["draft_vocab_size"], cfg["vocab_size"]) == (V, V) == (2048, 2048)
+    assert validate_export(out) == [] and validate_export_vllm(out) == []
+
+    loaded = load_exported_draft(out)
+    assert torch.equal(loaded.d2t, torch.zeros(V, dtype=torch.int64))
+    assert torch.equal(loaded.t2d, torch.ones(V, dtype=torch.bool))
+    for name, t in full_vocab_draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    for a, b in zip(_two_steps(full_vocab_draft), _two_steps(loaded)):
+        assert a.shape[-1] == V and torch.equal(a, b)
+    logits = _two_steps(loaded)[1]
+    assert torch.equal(loaded.to_target_vocab(logits), logits)  # identity: draft index i is target id i
+    ids = torch.tensor([0, 7, V - 1])
+    assert loaded.draft_to_target(ids).tolist() == [0, 7, V - 1]
+
+
+def test_vllm_refuses_d2t_at_full_vocab(full_vocab_draft, target, tmp_path):
+    V = target["vocab_size"]
+    good = export_draft(full_vocab_draft, tmp_path / "good", target_config=target, dtype=torch.float32)
+    old = _rewrite(good, tmp_path / "old", lambda t: {**t, "d2t": torch.zeros(V, dtype=torch.int64),
+                                                      "t2d": torch.ones(V, dtype=torch.bool)})
+    assert validate_export(old) == []  # SGLang 0.5.23 loads it: hot_token_id = arange(V)
+    vllm = validate_export_vllm(old)
+    assert len(vllm) == 1, vllm
+    assert vllm[0].startswith(f"d2t present with draft_vocab_size == vocab_size ({V}): vLLM 0.32's"), vllm
+    assert ("\"There is no module or parameter named 'draft_id_to_target_id' in Eagle3LlamaForCausalLM\""
+            in vllm[0]), vllm
+    only_t2d = _rewrite(good, tmp_path / "t2d", lambda t: {**t, "t2d": torch.ones(V, dtype=torch.bool)})
+    assert validate_export(only_t2d) == [] and validate_export_vllm(only_t2d) == []  # t2d: skipped by both
+    # export_draft never writes an identity d2t at D == V, and refuses a non-identity one
+    other = Eagle3Draft(full_vocab_draft.config)
+    other.d2t[0] = 1
+    with pytest.raises(ValueError, match="d2t is not the identity"):
+        export_draft(other, tmp_path / "bad", target_config=target)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_missing_vocab_map_below_full_vocab_fails_both_loaders(draft, target, tmp_path):
+    good = export_draft(draft, tmp_path / "good", target_config=target, dtype=torch.float32)
+    bad = _rewrite(good, tmp_path / "bad", lambda t: {k: v for k, v in t.items() if k != "d2t"})
+    assert validate_export(bad) == ["missing tensor d2t"]
+    assert validate_export_vllm(bad) == [
+        f"missing tensor d2t: draft_vocab_size {D} < vocab_size {target['vocab_size']}, so vLLM's "
+        "draft_id_to_target_id would keep its zeros and compute_logits would serve draft index i as target "
+        "id i (vLLM 0.32 runs no check for unloaded draft weights)"]
+    with pytest.raises(ValueError, match="missing tensor d2t"):
+        load_exported_draft(bad)
