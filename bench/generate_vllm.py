@@ -1,0 +1,170 @@
+"""Generate stage against a REAL vLLM: our loop vs a plain asyncio client with the same requests in flight, one run.
+
+A real vLLM (the CPU build in .venv-vllm, `make vllm`; or `--url` of one already running) serves the
+tiny target. The same prompts (the sample datasets' prompts, rendered with the target's chat template,
+repeated under fresh ids to `--prompts`) go through
+
+(a) ours: `tasks.generate.loop.generate_dataset` through a `ServerPool` of that one server with
+    `max_concurrency` = `--concurrency`, writing its checkpoints as the stage does;
+(b) the baseline: an asyncio client that keeps `--concurrency` requests in flight (a semaphore) with
+    the same /v1/completions body, and keeps the replies in a list (no checks, no disk).
+
+Greedy (temperature 0), so both decode the same tokens. The two alternate, `--repeats` times each,
+after one warm-up pass of (b); the figure is output tokens per second over the wall time of a pass, and
+the target is median(a) / median(b) >= 0.95. Nothing is asserted: the report prints PASS or FAIL.
+Results and their reading: docs/bench-generate.md ("Against a real vLLM"). Usage::
+
+    make vllm && .venv/bin/python bench/generate_vllm.py [--quick] [--json out.json] [--url URL] [--PARAM VALUE ...]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.harness, tasks
+from bench import harness  # noqa: E402
+
+import httpx  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = sorted((REPO / "data" / "samples").glob("gen_*.jsonl"))
+TARGET = 0.95
+
+
+@dataclass
+class Params:
+    prompts: int = 256
+    concurrency: int = 16
+    max_new_tokens: int = 128
+    repeats: int = 3
+    url: str = ""  # a running vLLM; empty: start one from .venv-vllm on the tiny target
+    quick: bool = False
+
+    @classmethod
+    def quick_preset(cls) -> Params:
+        return cls(prompts=48, concurrency=8, max_new_tokens=64, repeats=1, quick=True)
+
+
+def prompt_rows(tokenizer: Any, n: int) -> list[Any]:
+    """`n` prompts: the sample datasets' prompts in order, repeated under fresh ids."""
+    from tasks.datasets import PromptRow, load_dataset
+
+    base = [row for path in SAMPLES for row in load_dataset(path, "generate").rows]
+    return [PromptRow(id=f"p{i}", messages=base[i % len(base)].messages) for i in range(n)]
+
+
+async def run_ours(p: Params, url: str, rows: list[Any], tokenizer: Any, root: Path, params: dict[str, Any]) -> dict[str, Any]:
+    from models.jobs import GenerateJob
+    from tasks.engines.client import RetryPolicy
+    from tasks.generate.loop import generate_dataset
+    from tasks.server_pool import ServerPool
+
+    settings = GenerateJob(dataset="bench", sampling_params=params, flush_every=64, flush_interval_s=5.0,
+                           log_interval_s=3600.0)
+    async with ServerPool([url], max_concurrency=p.concurrency, retry=RetryPolicy(outage_window_s=60), engine="vllm",
+                          request_timeout_s=300) as pool:
+        started = time.perf_counter()
+        report = await generate_dataset(rows, pool=pool, tokenizer=tokenizer, responses_dir=root / "responses",
+                                        rejects_dir=root / "rejects", source=root / "bench.jsonl", settings=settings,
+                                        vocab_size=len(tokenizer))
+        wall = time.perf_counter() - started
+    assert report.new_responses == len(rows), report
+    return {"wall_s": wall, "tokens": report.completion_tokens, "tok_s": report.completion_tokens / wall}
+
+
+async def run_plain(p: Params, url: str, model: str, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
+    from tasks.engines.vllm import completion_body
+
+    gate = asyncio.Semaphore(p.concurrency)
+    replies: list[Any] = []
+    async with httpx.AsyncClient(base_url=url, timeout=300,
+                                 limits=httpx.Limits(max_connections=p.concurrency + 8)) as http:
+        async def one(ids: list[int]) -> None:
+            async with gate:
+                r = await http.post("/v1/completions", json=completion_body(model, ids, params, "plain"))
+                replies.append(r.json())
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(ids) for ids in prompts))
+        wall = time.perf_counter() - started
+    tokens = sum(r["usage"]["completion_tokens"] for r in replies)
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
+
+
+def measure(p: Params, tmp: Path, out: dict[str, Any]) -> None:
+    from transformers import AutoTokenizer
+
+    from tasks.generate.prompts import chat_prompt_ids, default_stop_ids, request_sampling_params
+
+    target = None
+    server = None
+    url = p.url
+    if not url:
+        from tasks.engines.vllm import cpu_command
+        from tasks.ports import free_port
+        from tasks.processes import ServerProcess, fill_placeholders
+
+        python = REPO / ".venv-vllm" / "bin" / "python"
+        if not python.is_file():
+            raise SystemExit(f"{python} is missing: `make vllm` installs the CPU build of vLLM (or pass --url)")
+        target, _ = harness.TargetParams().build_target("generate-vllm")
+        port = free_port()
+        words = [fill_placeholders(w, {"host": "127.0.0.1", "port": str(port)}) for w in cpu_command(str(python), str(target))]
+        url = f"http://127.0.0.1:{port}"
+        server = ServerProcess(words, url, log_path=tmp / "vllm.log", engine="vllm")
+        server.start()
+        print(f"starting vLLM at {url} (log {tmp / 'vllm.log'})", flush=True)
+        server.wait_healthy(timeout_s=600)
+    try:
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        tokenizer = AutoTokenizer.from_pretrained(target or model)
+        params = request_sampling_params({"max_new_tokens": p.max_new_tokens, "temperature": 0.0},
+                                         default_stop_ids(tokenizer))
+        rows = prompt_rows(tokenizer, p.prompts)
+        prompts = [chat_prompt_ids(tokenizer, r.messages) for r in rows]
+        out["prompt_tokens"] = harness.length_summary(len(x) for x in prompts)
+        print("warm-up (plain client)", flush=True)
+        asyncio.run(run_plain(p, url, model, prompts, params))
+        ours, plain = [], []
+        for i in range(p.repeats):
+            plain.append(asyncio.run(run_plain(p, url, model, prompts, params)))
+            ours.append(asyncio.run(run_ours(p, url, rows, tokenizer, tmp / f"ours-{i}", params)))
+            print(f"pass {i + 1}/{p.repeats}: ours {ours[-1]['tok_s']:,.0f} tok/s, plain {plain[-1]['tok_s']:,.0f} tok/s",
+                  flush=True)
+        out["ours"], out["plain"] = ours, plain
+        a, b = harness.median_of(x["tok_s"] for x in ours), harness.median_of(x["tok_s"] for x in plain)
+        out["ratio"] = a / b if a and b else None
+        out["same_tokens"] = all(x["tokens"] == plain[0]["tokens"] for x in ours + plain)
+        out["vllm"] = httpx.get(url + "/version", timeout=10).json().get("version")
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def report(out: dict[str, Any]) -> None:
+    p = out["params"]
+    print(f"\nvLLM {out.get('vllm')}: {p['prompts']} prompts, {p['concurrency']} in flight, max_new_tokens "
+          f"{p['max_new_tokens']}, greedy; {p['repeats']} pass(es) each, alternating")
+    rows = [["ours (generate_dataset + ServerPool + checkpoints)", *[f"{x['tok_s']:,.1f}" for x in out["ours"]]],
+            ["plain asyncio client, same in flight", *[f"{x['tok_s']:,.1f}" for x in out["plain"]]]]
+    harness.table(["output tokens/s per pass", *[f"pass {i + 1}" for i in range(p["repeats"])]], rows)
+    ratio = out["ratio"]
+    verdict = "PASS" if ratio is not None and ratio >= TARGET else "FAIL"
+    print(f"ratio ours / plain (medians): {ratio:.3f}  target >= {TARGET}  {verdict}; same output tokens in every pass: "
+          f"{out['same_tokens']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = harness.arguments(__doc__, Params(), keep="the checkpoints and the vLLM log").parse_args(argv)
+    p = harness.params_from(args, Params)
+    return harness.run_bench("generate-vllm", args, asdict(p), {}, lambda tmp, out: measure(p, tmp, out), report,
+                             kept="the checkpoints and the vLLM log")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

