@@ -84,13 +84,13 @@ async def run_plain(p: Params, url: str, model: str, prompts: list[list[int]], p
     replies: list[Any] = []
     async with httpx.AsyncClient(base_url=url, timeout=300,
                                  limits=httpx.Limits(max_connections=p.concurrency + 8)) as http:
-        async def one(ids: list[int]) -> None:
+        async def one(i: int, ids: list[int]) -> None:
             async with gate:
-                r = await http.post("/v1/completions", json=completion_body(model, ids, params, "plain"))
+                r = await http.post("/v1/completions", json=completion_body(model, ids, params, f"plain-{i}"))
                 replies.append(r.json())
 
         started = time.perf_counter()
-        await asyncio.gather(*(one(ids) for ids in prompts))
+        await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
         wall = time.perf_counter() - started
     tokens = sum(r["usage"]["completion_tokens"] for r in replies)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
