@@ -41,6 +41,14 @@ def vllm_python() -> Path:
     return python
 
 
+def demo_server(config: RunConfig, engine: str, url: str):
+    """The demo's server section: the dev server (SGLang's emulation), or a real vLLM from .venv-vllm, at `url`."""
+    server = {**config.server.model_dump(), "url": url, "launch": "dev"}
+    if engine == "vllm":
+        server.update(engine="vllm", launch="command", command=cpu_command(str(vllm_python()), config.target.path))
+    return type(config.server).model_validate(server)
+
+
 def run_demo(run_dir: Path | None = None, console: Console | None = None, target_dir: Path | None = None,
              capture_backend: str = "deepspeed", overrides: dict[str, dict] | None = None, engine: str = "sglang") -> RunConfig:
     """Run the whole pipeline as one Prefect flow run on the sample data (dev server on a free port), print the results.
@@ -57,11 +65,7 @@ def run_demo(run_dir: Path | None = None, console: Console | None = None, target
         setattr(config, section, type(current).model_validate({**current.model_dump(), **values}))
     if target_dir is not None:
         config.target.path = str(target_dir)
-    config.server.launch = "dev"
-    config.server.url = f"http://127.0.0.1:{free_port()}"
-    if engine == "vllm":
-        config.server.engine, config.server.launch = "vllm", "command"
-        config.server.command = cpu_command(str(vllm_python()), config.target.path)
+    config.server = demo_server(config, engine, f"http://127.0.0.1:{free_port()}")
     if capture_backend == "vllm":
         config.capture.backend = "vllm"
         config.capture.engine.launch = "dev"

@@ -12,7 +12,7 @@ max_model_len) and its figures. The engine's client (tasks/engines/) makes and r
   Whether the server is taken out of the pool depends on what failed:
   - it cannot be reached (connect error) or answered 200 with impossible content: marked down;
   - the connection dropped, the request timed out, or it answered 408/429/5xx: one health probe
-    (/health_generate) decides. A server that answers it stays in: one dropped connection is not
+    (the engine's health path: SGLang's /health_generate, vLLM's /health) decides. A server that answers it stays in: one dropped connection is not
     a dead server, and marking healthy servers down would leave capacity idle.
   A monitor polls a down server's health path, with backoff, until it answers again.
 - A prompt is at one server at a time and its reply is recorded only by the caller, so every

@@ -427,3 +427,29 @@ def test_engine_eval_settings_and_where_it_measures(tmp_path):
 def test_bad_engine_eval_settings_are_named(section, expected):
     data = {**copy.deepcopy(MINIMAL), **section}
     assert any(expected in line for line in problems(data)), problems(data)
+
+
+def test_the_demo_server_section_for_each_engine_validates(tmp_path, monkeypatch):
+    import flows.demo as demo
+
+    config = demo.demo_config(tmp_path / "run")
+    sglang = demo.demo_server(config, "sglang", "http://127.0.0.1:30011")
+    assert (sglang.engine, sglang.launch, sglang.url) == ("sglang", "dev", "http://127.0.0.1:30011")
+    monkeypatch.setattr(demo, "VLLM_VENV", tmp_path / "no-venv")
+    with pytest.raises(FileNotFoundError, match="make vllm"):
+        demo.demo_server(config, "vllm", "http://127.0.0.1:30011")
+    (tmp_path / "no-venv" / "bin").mkdir(parents=True)
+    (tmp_path / "no-venv" / "bin" / "python").write_text("")
+    vllm = demo.demo_server(config, "vllm", "http://127.0.0.1:30011")
+    assert (vllm.engine, vllm.launch) == ("vllm", "command")
+    assert vllm.command[2] == str(tmp_path / "no-venv" / "bin" / "python") and "--no-enable-chunked-prefill" in vllm.command
+    assert vllm.command[vllm.command.index("--model") + 1] == config.target.path
+
+
+def test_vllm_is_refused_with_the_dev_server_and_the_sglang_router(tmp_path):
+    base = {"run_dir": str(tmp_path / "run"), "target": {"path": "t"}, "datasets": []}
+    with pytest.raises(ConfigError, match="dev server emulates SGLang only"):
+        parse_config({**base, "server": {"engine": "vllm", "launch": "dev"}})
+    with pytest.raises(ConfigError, match="SGLang router"):
+        parse_config({**base, "server": {"engine": "vllm", "launch": "command", "command": ["x", "--port", "{port}"],
+                                         "router": True}})
