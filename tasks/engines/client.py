@@ -275,7 +275,8 @@ class EngineClient:
         raise NotImplementedError
 
     def precheck(self, input_ids: list[int], sampling_params: dict[str, Any]) -> None:
-        """BadRequest, without sending, for a request the server would refuse or silently cut (engine-specific)."""
+        """Raise, without sending, for a request the server would refuse whatever the prompt (engine-specific: vLLM's
+        max_tokens above max_model_len is ServerRefused); nothing by default."""
 
     # --- shared -------------------------------------------------------------------------------
 

@@ -196,8 +196,9 @@ def test_a_server_back_from_an_outage_gets_requests_again(tmp_path, tokenizer):
 def test_without_abort_request_the_budget_stops_requests_by_closing_them(tmp_path, tokenizer):
     """An SGLang router answers /abort_request with 404: the budget then cancels the HTTP requests."""
     # every answer 48 tokens; 8 run at once, so of 16 sent, 8 wait in the server's queue while the first 8
-    # finish together and cross the budget: those 8 are far from done when they must be stopped
-    [srv] = sims(1, decode_s_per_token=0.005, mean_len=48, length_dist="fixed", max_running=8, disconnect_poll_s=0.05)
+    # finish together and cross the budget: those 8 are far from done when they must be stopped (0.96 s each,
+    # so also when a loaded CI machine is slow to react: at 0.24 s each the server once finished them first)
+    [srv] = sims(1, decode_s_per_token=0.02, mean_len=48, length_dist="fixed", max_running=8, disconnect_poll_s=0.05)
     srv.fail_next(10**6, status=404, message="Not Found", path="/abort_request")
     rows = prompts(120)
     try:
