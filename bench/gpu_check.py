@@ -218,6 +218,11 @@ class Check:
             with time_limit(limit) if in_process else contextlib.nullcontext():
                 figures = fn(limit)
             result = {"ok": True, "wall_s": round(time.monotonic() - t0, 2), **figures}
+        except SystemExit as e:  # SIGTERM (terminate_with_exit): this phase's figure says so, and the check ends here
+            phases[name] = {"ok": False, "wall_s": round(time.monotonic() - t0, 2), "error": f"{e}: the check was stopped"}
+            print(f"   STOPPED after {phases[name]['wall_s']:.1f} s: {e}", flush=True)
+            self.save()
+            raise
         except Exception as e:  # noqa: BLE001 - every failure is a figure of the check; the next phases still report
             result = {"ok": False, "wall_s": round(time.monotonic() - t0, 2), "error": f"{type(e).__name__}: {e}"[-4000:]}
             self.note(traceback.format_exc())
@@ -563,8 +568,45 @@ def default_json() -> Path:
     return Path(out) / "gpu_check.json" if out else harness.REPO / "runs" / "gpu-check" / "gpu_check.json"
 
 
+# NCCL on one VM: no InfiniBand, the loopback interface, no cuMem (it fails inside some VMs and containers).
+SINGLE_VM_NCCL = {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_CUMEM_ENABLE": "0"}
+
+
+def preflight(p: Params, json_path: Path) -> list[Any] | None:
+    """The environment checks (models/environment.py), printed; None after writing the JSON when one FAILs.
+
+    Seconds, before the first phase: a missing package or an unseen GPU stops the check here, not minutes in.
+    """
+    from models.environment import environment_checks, failed
+
+    findings = environment_checks(p.device)
+    for f in findings:
+        print(f"   {f.status:4}  {f.name}: {f.detail}" + (f"  -> {f.advice}" if f.advice and f.status != "PASS" else ""),
+              flush=True)
+    bad = failed(findings)
+    if not bad:
+        return findings
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"params": asdict(p), "preflight": [f.to_dict() for f in findings], "phases": {},
+                                     "ok": False}, indent=2) + "\n")
+    print(f"GPU check stopped before its first phase: {', '.join(f.name for f in bad)} failed (figures -> {json_path})",
+          flush=True)
+    return None
+
+
+def terminate_with_exit(signum, frame):  # noqa: ARG001 - signal handler signature
+    """SIGTERM (the device runner's timeout, a user's kill) as SystemExit: the rank launch then kills its process group.
+
+    The ranks run in a session of their own (tasks/launch.py `run_job`), so Python's default SIGTERM, which ends
+    this process at once, left them running and holding the GPU; raised as an exception it passes through
+    run_job's cleanup (killpg) and the figures are still written.
+    """
+    raise SystemExit(f"terminated (signal {signum})")
+
+
 def main(argv: list[str] | None = None) -> int:
     args, p = parse_args(argv)
+    signal.signal(signal.SIGTERM, terminate_with_exit)
     if p.device == "cpu":
         # This process's own math (the target's training, the records' generation) on one thread, like a
         # CPU rank: on a small busy machine, threads that spin-wait for each other make it 10-20x slower.
@@ -576,6 +618,12 @@ def main(argv: list[str] | None = None) -> int:
         # A directory of this checkout's own: built once, then reused. The GPU path builds nothing.
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(harness.REPO / "runs" / "gpu-check" / "torch_extensions"))
     json_path = args.json or default_json()
+    if p.device == "cuda":
+        for name, value in SINGLE_VM_NCCL.items():  # overridable: a value already in the environment wins
+            os.environ.setdefault(name, value)
+    findings = preflight(p, json_path)
+    if findings is None:
+        return 2
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=args.keep))
@@ -583,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{', --cpu-smoke' if p.quick else ''}), "
           f"budget {p.budget_s:.0f} s; figures -> {json_path}", flush=True)
     check = Check(p, json_path, json_path.with_name("gpu_check.log"), work, bool(args.verbose))
+    check.out["preflight"] = [f.to_dict() for f in findings]
+    check.out["machine"]["nccl_env"] = {name: os.environ.get(name) for name in SINGLE_VM_NCCL}
     try:
         if p.device == "cuda" and not check.out["machine"]["cuda_available"]:
             check.out["phases"]["gpu"] = {"ok": False, "error": "torch sees no CUDA device (use --cpu-smoke on a CPU machine)"}

@@ -48,3 +48,67 @@ def test_cpu_smoke_runs_every_phase_and_reports_its_figures(tmp_path):
     assert figures["machine"]["deepspeed"] and figures["machine"]["cuda_available"] is False
     assert (tmp_path / "gpu_check.log").read_text().count("RANK_MEMORY") == 3  # capture, train, eval
     assert "every phase passed" in proc.stdout
+
+
+@pytest.mark.multiprocess
+def test_a_missing_deepspeed_stops_the_check_before_its_first_phase(tmp_path):
+    """On the GPU machine a package that is not there must cost seconds, not the slot: no phase runs."""
+    out = tmp_path / "gpu_check.json"
+    # absent as an uninstalled package is: `import deepspeed` fails, importlib.util.find_spec says None
+    hidden = WITHOUT_PREFECT.replace("sys.meta_path.insert(0, Refuse())", "sys.meta_path.insert(0, Refuse())\nsys.modules['deepspeed'] = None")
+    proc = subprocess.run([sys.executable, "-c", hidden, "--cpu-smoke", "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "stopped before its first phase: deepspeed failed" in proc.stdout and "== target" not in proc.stdout
+    figures = json.loads(out.read_text())
+    assert figures["ok"] is False and figures["phases"] == {}
+    [deepspeed] = [f for f in figures["preflight"] if f["name"] == "deepspeed"]
+    assert deepspeed["status"] == "FAIL" and "import deepspeed failed: ModuleNotFoundError" in deepspeed["detail"]
+    assert {f["name"]: f["status"] for f in figures["preflight"]}["torch"] == "PASS"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigterm_mid_train_leaves_no_rank_process(tmp_path, procs):
+    """The device runner's timeout sends SIGTERM to the check alone; the ranks it launched (a session of their own)
+    must die with it, or they hold the GPU after the slot."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "gpu_check.json"
+    check = subprocess.Popen([sys.executable, "-u", "-c", WITHOUT_PREFECT, "--cpu-smoke", "--json", str(out)], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: set[int] = set()
+    try:
+        for line in check.stdout:  # the phases as the check prints them
+            if line.startswith("== train"):
+                break
+        deadline = time.monotonic() + 120
+        while not any("models.train" in _cmdline(pid) for pid in procs.descendants(check.pid)):
+            assert check.poll() is None and time.monotonic() < deadline, "no training rank started"
+            time.sleep(0.1)
+        seen = set(procs.descendants(check.pid))
+        check.send_signal(signal.SIGTERM)
+        check.wait(timeout=60)
+    finally:
+        if check.poll() is None:
+            check.kill()
+    deadline = time.monotonic() + 30
+    while any(procs.alive(pid) for pid in seen) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in seen if procs.alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], "rank processes outlived the check"
+    assert check.returncode != 0
+    figures = json.loads(out.read_text())  # written on the way out, the train phase's failure in it
+    assert figures["ok"] is False and figures["phases"]["capture"]["ok"] is True
+    assert "terminated" in figures["phases"]["train"]["error"]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
