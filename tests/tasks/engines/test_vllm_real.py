@@ -204,31 +204,43 @@ def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
 
 def test_closing_the_connection_aborts_the_request(plain):
     # vLLM counts a request stopped by its client in no finished_reason (request_success_total's "abort" stays 0).
-    # The proof is in the token counters: 8 requests of exactly 2,000 tokens each (ignore_eos, and the context
-    # leaves room) would add 16,000 generated tokens if vLLM kept generating for them; closed, they add fewer.
+    # The proof is in the token counters: 16 requests of exactly 2,000 tokens each (ignore_eos, and the context
+    # leaves room) would add 32,000 generated tokens if vLLM kept generating for them; closed, they add fewer.
     # A short request sent after the long ones and answered says they are in (their prompt tokens are counted).
     # /metrics is read only before and after: while the engine runs, the API process may get little CPU here.
-    n, each = 8, 2000
-    prompted, generated = metric(plain, "vllm:prompt_tokens_total"), metric(plain, "vllm:generation_tokens_total")
+    # On a loaded 2-core machine (CI, the other test worker busy) the short answer can come back only after
+    # the long ones are done, which shows nothing either way: such a trial is tried again, up to 3 times.
+    n, each = 16, 2000  # 32,000 tokens of work: the longer they run, the likelier the close comes first
     model = served_model(plain)
     body = {"model": model, "prompt": [5, 17, 33], "max_tokens": each, "temperature": 0, "ignore_eos": True}
 
-    async def go():
+    async def trial():
         async with httpx.AsyncClient(timeout=300) as http:
             tasks = [asyncio.create_task(http.post(plain + "/v1/completions", json=body)) for _ in range(n)]
             await asyncio.sleep(0)  # let them connect and send first
             probe = await http.post(plain + "/v1/completions", json={"model": model, "prompt": [7], "max_tokens": 1})
             assert probe.status_code == 200
+            finished_first = sum(t.done() for t in tasks)
             for t in tasks:
                 t.cancel()  # what the pool does at the budget: vLLM has no abort for them (tasks/engines/vllm.py)
             await asyncio.gather(*tasks, return_exceptions=True)
+            return finished_first
 
-    asyncio.run(go())
-    wait_for(lambda: metric(plain, "vllm:num_requests_running") == 0, "vLLM to drop the requests", timeout_s=120)
-    assert metric(plain, "vllm:prompt_tokens_total") - prompted == n * 3 + 1  # all of them were admitted
-    saved = n * each + 1 - (metric(plain, "vllm:generation_tokens_total") - generated)
-    # at least one request's worth not generated (measured with the module alone: 15,991 of 16,001)
-    assert saved >= each
+    trials = []
+    for _ in range(3):
+        prompted, generated = metric(plain, "vllm:prompt_tokens_total"), metric(plain, "vllm:generation_tokens_total")
+        finished_first = asyncio.run(trial())
+        wait_for(lambda: metric(plain, "vllm:num_requests_running") == 0, "vLLM to drop the requests", timeout_s=120)
+        admitted = metric(plain, "vllm:prompt_tokens_total") - prompted == n * 3 + 1
+        saved = n * each + 1 - (metric(plain, "vllm:generation_tokens_total") - generated)
+        trials.append({"admitted": admitted, "finished_before_the_close": finished_first, "tokens_not_generated": saved})
+        if finished_first == 0:
+            break
+    last = trials[-1]
+    assert last["finished_before_the_close"] == 0, f"the machine was too busy to close them in time: {trials}"
+    # all admitted, and at least one request's worth not generated (measured with 8 requests, the module alone:
+    # 15,991 of 16,001)
+    assert last["admitted"] and last["tokens_not_generated"] >= each, trials
 
 
 # --- generate, killed and resumed ---------------------------------------------------------------
