@@ -59,7 +59,7 @@ def cpu_command(python: str, target: str, *, max_model_len: int = 2048) -> list[
     generator, `gen.set_offset(gen.get_offset() - 4)` (vllm/v1/worker/gpu_model_runner.py `_bookkeeping_sync`,
     0.32.0), and a CPU torch.Generator has no offset: "RuntimeError: CPU Generator does not use offset", every
     request in flight answered 500. Eight seeded 700-token prompts at once were enough here. CUDA generators
-    have offsets: a GPU vLLM needs no such flag.
+    have offsets, so a GPU vLLM should not need the flag (not tried: no GPU here).
     """
     return ["env", "VLLM_CPU_KVCACHE_SPACE=1", python, "-m", API_SERVER, "--model", target, "--host", "{host}",
             "--port", "{port}", "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager",
