@@ -1,4 +1,4 @@
-"""The environment a run needs, checked in seconds before anything long starts (no Prefect, no httpx).
+"""The environment a run needs, checked in seconds before anything long starts (imports no Prefect, no httpx).
 
 `environment_checks` imports what the ranks and the check process import, reads the versions, and
 looks at the device: each finding is PASS, WARN (works, but not as tested) or FAIL (the run would
@@ -10,36 +10,38 @@ missing package in its third minute.
 from __future__ import annotations
 
 import importlib
-from dataclasses import asdict, dataclass
+import os
+import subprocess
+import sys
 from importlib import metadata
-from typing import Any
+
+from models.findings import Finding, failed
 
 # The versions the project's tests ran with (a WARN, not a FAIL, when the major.minor differs).
-TESTED = {"torch": "2.13", "transformers": "5.24", "deepspeed": "0.19", "safetensors": "0.8", "pyarrow": "26",
-          "numpy": "2.4"}
+TESTED = {"python": "3.11", "torch": "2.13", "transformers": "5.24", "deepspeed": "0.19", "safetensors": "0.8",
+          "pyarrow": "26", "numpy": "2.4", "prefect": "3.9", "httpx": "0.28"}
 # What a rank process and the GPU check import, and the distribution that provides each.
 NEEDED = {"torch": "torch", "deepspeed": "deepspeed", "transformers": "transformers", "safetensors": "safetensors",
           "pyarrow": "pyarrow", "numpy": "numpy"}
+# What the pipeline process imports besides (not on the GPU check's machine).
+PIPELINE = {"prefect": "prefect", "httpx": "httpx"}
+# DeepSpeed ops a setting needs built or buildable, by op builder: ZeRO-3 offload to NVMe needs async I/O.
+OP_BUILDERS = {"async_io": "AsyncIOBuilder"}
+ALLREDUCE_TIMEOUT_S = 60.0  # a hung NCCL (a VM without P2P, a wrong interface) is the failure looked for
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One check's outcome: PASS | WARN | FAIL, what was seen, what to do."""
+def environment_checks(device: str, *, pipeline: bool = False, ops: tuple[str, ...] = (), allreduce: bool = False,
+                       install_hint: str = "pip install it (or bash bench/gpu_check.sh, which installs "
+                                           "the carried wheels)") -> list[Finding]:
+    """The findings for running on `device` ("cuda" or "cpu").
 
-    name: str
-    status: str
-    detail: str
-    advice: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def environment_checks(device: str, *, install_hint: str = "pip install it (or bash bench/gpu_check.sh, which installs "
-                                                              "the carried wheels)") -> list[Finding]:
-    """The findings for running on `device` ("cuda" or "cpu"): each needed module, its version, the device."""
-    out: list[Finding] = []
-    for module, dist in NEEDED.items():
+    Python, each needed module and its version (with `pipeline`: also what the pipeline process
+    imports), the device; `ops`: the DeepSpeed ops the config needs (OP_BUILDERS); `allreduce`: on a
+    machine with several GPUs, a one-second NCCL all-reduce over them in a child process, killed
+    after ALLREDUCE_TIMEOUT_S.
+    """
+    out: list[Finding] = [_python_finding()]
+    for module, dist in {**NEEDED, **(PIPELINE if pipeline else {})}.items():
         try:
             importlib.import_module(module)
         except Exception as e:  # noqa: BLE001 - any failure to import is the finding (ImportError, a broken build)
@@ -48,11 +50,81 @@ def environment_checks(device: str, *, install_hint: str = "pip install it (or b
         out.append(_version_finding(module, dist))
     if not any(f.name == "torch" and f.status == "FAIL" for f in out):
         out += _device_findings(device)
+    if ops and not any(f.name == "deepspeed" and f.status == "FAIL" for f in out):
+        out += [_op_finding(op) for op in ops]
+    if allreduce and device == "cuda" and not failed(out):
+        out.append(_allreduce_finding())
     return out
 
 
-def failed(findings: list[Finding]) -> list[Finding]:
-    return [f for f in findings if f.status == "FAIL"]
+def _python_finding() -> Finding:
+    have = ".".join(map(str, sys.version_info[:3]))
+    if sys.version_info < (3, 10):
+        return Finding("python", "FAIL", have, "use Python 3.10 or later")
+    if _major_minor(have) == TESTED["python"]:
+        return Finding("python", "PASS", have)
+    return Finding("python", "WARN", f"{have}; tested with {TESTED['python']}.x", "it may work; the tests ran on "
+                   f"{TESTED['python']}")
+
+
+def _op_finding(op: str) -> Finding:
+    """Whether DeepSpeed can build (or has built) op `op` on this machine."""
+    try:
+        from deepspeed.ops import op_builder
+
+        builder = getattr(op_builder, OP_BUILDERS[op])()
+        ok = bool(builder.is_compatible(False))
+    except Exception as e:  # noqa: BLE001 - an op builder that cannot even be asked is the finding
+        return Finding(f"deepspeed op {op}", "FAIL", f"{type(e).__name__}: {e}"[:200], "reinstall deepspeed")
+    if ok:
+        return Finding(f"deepspeed op {op}", "PASS", "compatible (built on first use)")
+    return Finding(f"deepspeed op {op}", "FAIL", "DeepSpeed cannot build it on this machine",
+                   "async_io needs libaio-dev (apt install libaio-dev, then reinstall deepspeed); or set "
+                   "capture.offload to cpu or none" if op == "async_io" else "see `ds_report`")
+
+
+def _allreduce_finding() -> Finding:
+    """A one-second NCCL all-reduce over every local GPU, in a child process (a hang is killed, not waited on)."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        return Finding("nccl all-reduce", "PASS", f"skipped: {gpus} GPU (nothing to reduce over)")
+    try:
+        done = subprocess.run([sys.executable, "-m", "models.environment", "--allreduce", str(gpus)], capture_output=True,
+                              text=True, timeout=ALLREDUCE_TIMEOUT_S, env={**os.environ, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    except subprocess.TimeoutExpired:
+        return Finding("nccl all-reduce", "FAIL", f"no answer in {ALLREDUCE_TIMEOUT_S:.0f} s over {gpus} GPUs (NCCL hangs)",
+                       "inside a VM try NCCL_P2P_DISABLE=1, NCCL_IB_DISABLE=1, NCCL_SOCKET_IFNAME=lo; "
+                       "NCCL_DEBUG=INFO says where it stops")
+    last = (done.stdout.strip().splitlines() or [""])[-1]
+    if done.returncode == 0 and last.startswith("allreduce ok"):
+        return Finding("nccl all-reduce", "PASS", f"{gpus} GPUs: {last.removeprefix('allreduce ok').strip()}")
+    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return Finding("nccl all-reduce", "FAIL", f"{gpus} GPUs: exit {done.returncode}: {tail}"[:300],
+                   "NCCL_DEBUG=INFO says why; inside a VM try NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1")
+
+
+def _allreduce_rank(rank: int, world: int, port: int) -> None:
+    import time
+
+    import torch
+    import torch.distributed as torch_dist
+
+    torch.cuda.set_device(rank)
+    torch_dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    x = torch.ones(1 << 20, device="cuda")
+    torch_dist.all_reduce(x)  # warm up: NCCL connects here
+    torch.cuda.synchronize()
+    t0, n = time.monotonic(), 0
+    while time.monotonic() - t0 < 1.0:
+        torch_dist.all_reduce(x)
+        n += 1
+    torch.cuda.synchronize()
+    ok = bool(torch.all(x > 0)) and torch_dist.get_world_size() == world
+    if rank == 0:
+        print(f"allreduce ok {n} all-reduces of 4 MiB in 1 s" if ok else "allreduce wrong values", flush=True)
+    torch_dist.destroy_process_group()
 
 
 def _version_finding(module: str, dist: str) -> Finding:
@@ -92,3 +164,16 @@ def _device_findings(device: str) -> list[Finding]:
     except Exception as e:  # noqa: BLE001 - a torch built without NCCL
         out.append(Finding("nccl", "FAIL", f"{type(e).__name__}: {e}"[:200], "use a torch build with NCCL"))
     return out
+
+
+if __name__ == "__main__":  # the child of _allreduce_finding: python -m models.environment --allreduce N
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if sys.argv[1:2] != ["--allreduce"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m models.environment --allreduce GPUS")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    mp.spawn(_allreduce_rank, args=(int(sys.argv[2]), free), nprocs=int(sys.argv[2]), join=True)

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 import models.environment as environment
-from models.environment import Finding, environment_checks, failed
+from models.environment import environment_checks
+from models.findings import Finding, failed
 
 
 def by_name(findings: list[Finding]) -> dict[str, Finding]:
@@ -16,7 +17,7 @@ def by_name(findings: list[Finding]) -> dict[str, Finding]:
 
 def test_this_machine_passes_on_cpu():
     findings = by_name(environment_checks("cpu"))
-    assert set(findings) == {*environment.NEEDED, "device"}
+    assert set(findings) == {"python", *environment.NEEDED, "device"}
     assert failed(list(findings.values())) == []
     assert findings["device"].status == "PASS" and findings["device"].detail.startswith("cpu")
 
@@ -40,3 +41,31 @@ def test_cuda_asked_on_a_machine_without_it_fails():
         pytest.skip("a GPU machine: the device PASSes there (the GPU check reads it)")
     f = by_name(environment_checks("cuda"))["device"]
     assert f.status == "FAIL" and "sees no CUDA device" in f.detail
+
+
+def test_the_pipeline_modules_are_checked_when_asked():
+    findings = by_name(environment_checks("cpu", pipeline=True))
+    assert set(environment.PIPELINE) <= set(findings)
+    assert findings["prefect"].status == "PASS"
+
+
+def test_an_op_deepspeed_cannot_build_fails_naming_the_setting(monkeypatch):
+    from deepspeed.ops import op_builder
+
+    monkeypatch.setattr(op_builder.AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    f = by_name(environment_checks("cpu", ops=("async_io",)))["deepspeed op async_io"]
+    assert f.status == "FAIL" and "libaio" in f.advice and "capture.offload" in f.advice
+
+
+def test_another_python_is_a_warning(monkeypatch):
+    monkeypatch.setitem(environment.TESTED, "python", "3.99")
+    f = by_name(environment_checks("cpu"))["python"]
+    assert f.status == "WARN" and "tested with 3.99.x" in f.detail
+
+
+def test_the_allreduce_is_skipped_without_several_gpus():
+    import torch
+
+    if torch.cuda.device_count() > 1:
+        pytest.skip("several GPUs: the all-reduce runs (the GPU check's machine has one)")
+    assert "nccl all-reduce" not in by_name(environment_checks("cpu", allreduce=True))  # CPU: no NCCL at all
