@@ -18,9 +18,10 @@ Each phase runs under its own time limit, cut to what is left of the whole run's
 launched job past its limit is killed (tasks.launch.run_job), an in-process phase interrupted. A
 phase that fails is reported with its error and the phases that need it are skipped; the figures
 of every phase that ran are kept. The JSON (`--json`, default $OUT/gpu_check.json where $OUT is
-set, else runs/gpu-check/gpu_check.json) is rewritten after every phase, so a run killed from
-outside still leaves what it measured; every launched process's output goes, time-stamped, to
-gpu_check.log beside it. Exit status 0 only when every phase passed.
+set, else runs/gpu-check/gpu_check.json) is rewritten after every phase, and the eval's after
+every prompt (`Check.progress`), so a run killed from outside, or an eval killed at its limit
+(`timed_out`), still leaves what it measured; every launched process's output goes, time-stamped,
+to gpu_check.log beside it. Exit status 0 only when every phase passed.
 
 Figures: capture tokens/s (forward phase: first to last progress line; and launch to exit), train
 steps/s and tokens/s (between metrics.jsonl train lines, the first `--skip-steps` left out), the
@@ -34,7 +35,7 @@ steps, in well under a minute (tests/bench/test_gpu_check.py runs it). Its figur
 path works. Usage::
 
     bash bench/gpu_check.sh [--FLAG VALUE ...]              # the GPU machine (docs/gpu-check.md)
-    .venv/bin/python bench/gpu_check.py --cpu-smoke [--json out.json] [--keep DIR] [--verbose]
+    .venv/bin/python bench/gpu_check.py --cpu-smoke [--rank-launcher deepspeed] [--json out.json] [--keep DIR] [--verbose]
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class Params:
     quick: bool = False  # --cpu-smoke: the small CPU preset
     device: str = "cuda"  # cuda: deepspeed launcher, NCCL, bf16; cpu: torchrun, gloo, fp32
     precision: str = "auto"  # auto: bf16 on cuda, fp32 on cpu; bf16 / fp32 to choose (bf16 on CPU: the dtype path here)
+    # auto: deepspeed on cuda, torchrun on cpu; `--cpu-smoke --rank-launcher deepspeed`: the GPU run's launcher on the CPU
+    rank_launcher: str = "auto"
     seed: int = 0
     # the target (models/tiny_target.py); vocab_size is an upper bound: the BPE trainer decides
     hidden_size: int = 1024
@@ -129,6 +132,8 @@ class Params:
 
     @property
     def launcher(self) -> str:
+        if self.rank_launcher != "auto":
+            return self.rank_launcher
         return "deepspeed" if self.device == "cuda" else "torchrun"
 
     @property
@@ -140,6 +145,8 @@ class Params:
             raise SystemExit(f"--device must be cuda or cpu, got {self.device!r}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise SystemExit(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.rank_launcher not in ("auto", "deepspeed", "torchrun"):
+            raise SystemExit(f"--rank-launcher must be auto, deepspeed or torchrun, got {self.rank_launcher!r}")
         if not 0 <= self.skip_steps < self.steps or self.skip_steps % self.log_every:
             raise SystemExit(f"--skip-steps must be in [0, --steps) and a multiple of --log-every, "
                              f"got {self.skip_steps} (steps {self.steps}, log every {self.log_every})")
@@ -187,6 +194,8 @@ class Check:
         self.started = time.monotonic()
         self.deadline = self.started + p.budget_s
         self.out: dict[str, Any] = {"params": asdict(p), "machine": machine(p), "phases": {}, "ok": None}
+        self.running: tuple[str, float] | None = None  # the phase under way and when it started
+        self.partial: dict[str, Any] = {}  # its figures so far (`progress`): kept if it fails or runs out of time
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log_path, "w", buffering=1)
         self.save()
@@ -200,7 +209,11 @@ class Check:
 
     def phase(self, name: str, cap_s: float, fn: Callable[[float], dict[str, Any]], *, needs: tuple[str, ...] = (),
               in_process: bool = False) -> dict[str, Any] | None:
-        """Run `fn(limit_s)` as phase `name`; its figures (or its error) go into the JSON. Returns the figures or None."""
+        """Run `fn(limit_s)` as phase `name`; its figures (or its error) go into the JSON. Returns the figures or None.
+
+        A phase that fails, runs out of time (`timed_out`) or is stopped keeps the figures it gave
+        `progress` so far beside its error.
+        """
         phases = self.out["phases"]
         missing = [n for n in needs if not phases.get(n, {}).get("ok")]
         left = self.deadline - REPORT_RESERVE_S - time.monotonic()
@@ -214,24 +227,40 @@ class Check:
         print(f"== {name} (limit {limit:.0f} s) ...", flush=True)
         self.note(f"=== phase {name} (limit {limit:.0f} s)")
         t0 = time.monotonic()
+        self.running, self.partial = (name, t0), {}
         try:
             with time_limit(limit) if in_process else contextlib.nullcontext():
                 figures = fn(limit)
             result = {"ok": True, "wall_s": round(time.monotonic() - t0, 2), **figures}
         except SystemExit as e:  # SIGTERM (terminate_with_exit): this phase's figure says so, and the check ends here
-            phases[name] = {"ok": False, "wall_s": round(time.monotonic() - t0, 2), "error": f"{e}: the check was stopped"}
+            phases[name] = {"ok": False, "wall_s": round(time.monotonic() - t0, 2), **self.partial,
+                            "error": f"{e}: the check was stopped"}
+            self.running = None
             print(f"   STOPPED after {phases[name]['wall_s']:.1f} s: {e}", flush=True)
             self.save()
             raise
         except Exception as e:  # noqa: BLE001 - every failure is a figure of the check; the next phases still report
-            result = {"ok": False, "wall_s": round(time.monotonic() - t0, 2), "error": f"{type(e).__name__}: {e}"[-4000:]}
+            from tasks.launch import JobTimedOut
+
+            result = {"ok": False, "wall_s": round(time.monotonic() - t0, 2), **self.partial,
+                      "timed_out": isinstance(e, (PhaseTimeout, JobTimedOut)), "error": f"{type(e).__name__}: {e}"[-4000:]}
             self.note(traceback.format_exc())
-            print(f"   FAILED after {result['wall_s']:.1f} s: {result['error'][-1500:]}", flush=True)
+            print(f"   {'TIMED OUT' if result['timed_out'] else 'FAILED'} after {result['wall_s']:.1f} s: "
+                  f"{result['error'][-1500:]}", flush=True)
+        self.running = None
         phases[name] = result
         if result["ok"]:
             print(f"   ok in {result['wall_s']:.1f} s", flush=True)
         self.save()
         return result if result["ok"] else None
+
+    def progress(self, **figures: Any) -> None:
+        """Figures of the running phase so far, into the JSON now: what a phase killed at its limit leaves."""
+        assert self.running is not None, "progress outside a phase"
+        name, t0 = self.running
+        self.partial.update(figures)
+        self.out["phases"][name] = {"ok": False, "running": True, "wall_s": round(time.monotonic() - t0, 2), **self.partial}
+        self.save()
 
     def note(self, line: str) -> None:
         """A line into gpu_check.log, stamped with the seconds since the check started."""
@@ -240,13 +269,13 @@ class Check:
             print(f"      | {line}", flush=True)
 
     def launch(self, module: str, job_path: Path, protocol: Any, limit_s: float, *, ranks: int = 1,
-               single_process: bool = False) -> dict[str, Any]:
+               single_process: bool = False, on_progress: Callable[[Any], None] | None = None) -> dict[str, Any]:
         """Launch `python -m module --job JOB` as the stage tasks do; its protocol lines with their times and its memory.
 
         Ranks (`single_process` False): tasks.launch.rank_command with this check's launcher; the eval
         job runs as one process, as tasks/eval/tasks.py starts it. The output is followed with
         tasks.launch.follow_job, so a failing rank raises its own exception; the launch is killed
-        at `limit_s`.
+        at `limit_s` (JobTimedOut). `on_progress` gets each progress message as it comes.
         """
         from models.rank_protocol import RANK_MEMORY
         from tasks.launch import follow_job, rank_command, run_job
@@ -274,6 +303,8 @@ class Check:
             messages.append((time.time(), message))
             if message.kind is protocol.progress:  # follow_job logs the events itself
                 self.note(message.line)
+                if on_progress is not None:
+                    on_progress(message)
 
         follow_job(command, protocol=protocol, log=on_line, on_message=on_message, env=env,
                    run=functools.partial(run_job, timeout_s=limit_s))
@@ -311,6 +342,8 @@ def machine(p: Params) -> dict[str, Any]:
         "platform": platform.platform(), "torch": torch.__version__, "cuda": torch.version.cuda,
         **{name: version(name) for name in ("deepspeed", "transformers", "tokenizers", "safetensors", "pydantic", "pyarrow")},
         "cuda_available": torch.cuda.is_available(), "loadavg_start": harness.loadavg(),
+        # the deepspeed launcher maps it to its ranks' GPUs (tasks/launch.py `local_devices`)
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -490,7 +523,12 @@ def check_export(p: Params, work: Path) -> dict[str, Any]:
 
 
 def evaluate(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
-    """`models.eval_job`: acceptance length of the trained and the untrained draft on held-out prompts."""
+    """`models.eval_job`: acceptance length of the trained and the untrained draft on held-out prompts.
+
+    Each prompt's figures (its EVAL_PROGRESS line: new tokens, verify rounds, accepted draft tokens)
+    go into the JSON as they come, with the acceptance length so far (`partial_eval`): an eval
+    killed at its limit leaves them, the trained draft's first (models/eval_job.py runs it first).
+    """
     from models.jobs import EvalJob
     from models.rank_protocol import EVAL
     from tasks.launch import write_job
@@ -503,13 +541,37 @@ def evaluate(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
                   draft_dir=str(work / "draft" / "final"), out=str(raw))
     job_path = work / "jobs" / "eval.json"
     write_job(job, job_path, kept=lambda: "the export", resume="run the check again")
-    run = check.launch("models.eval_job", job_path, EVAL, limit_s, single_process=True)
+    per_prompt: dict[str, list[dict[str, int]]] = {}
+
+    def on_progress(message: Any) -> None:
+        v = message.values
+        if "rounds" not in v:
+            return
+        per_prompt.setdefault(v["draft"], []).append(
+            {"prompt": v["done"], "new_tokens": v["new_tokens"], "rounds": v["rounds"], "accepted": v["accepted"]})
+        check.progress(num_steps=p.eval_num_steps, **partial_eval(per_prompt, total=v["total"]))
+
+    run = check.launch("models.eval_job", job_path, EVAL, limit_s, single_process=True, on_progress=on_progress)
     result = json.loads(raw.read_text())
     trained, untrained = result["trained"], result.get("untrained", {})
     return {"prompts": result["prompts"], "device": result["device"], "num_steps": p.eval_num_steps,
             "acceptance_length": trained["acceptance_length"], "per_position": trained["per_position_acceptance"],
             "untrained_acceptance_length": untrained.get("acceptance_length"), "rounds": trained["rounds"],
-            "new_tokens": trained["new_tokens"], **memory_figures(run["memory"])}
+            "new_tokens": trained["new_tokens"], "per_prompt": per_prompt, **memory_figures(run["memory"])}
+
+
+def partial_eval(per_prompt: dict[str, list[dict[str, int]]], *, total: int) -> dict[str, Any]:
+    """The eval's figures from the prompts done so far: acceptance length per draft (SGLang's, over their rounds)."""
+
+    def length(prompts: list[dict[str, int]]) -> float | None:
+        rounds = sum(x["rounds"] for x in prompts)
+        return round((sum(x["accepted"] for x in prompts) + rounds) / rounds, 4) if rounds else None
+
+    trained, untrained = per_prompt.get("trained", []), per_prompt.get("untrained", [])
+    return {"prompts": total, "prompts_done": {name: len(x) for name, x in per_prompt.items()},
+            "acceptance_length": length(trained), "untrained_acceptance_length": length(untrained),
+            "rounds": sum(x["rounds"] for x in trained), "new_tokens": sum(x["new_tokens"] for x in trained),
+            "per_prompt": per_prompt}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,7 +588,8 @@ def report(out: dict[str, Any]) -> None:
 
     print("\nphases")
     harness.table(["phase", "ok", "wall s", "what"], [
-        [name, "yes" if r.get("ok") else ("skipped" if "skipped" in r else "FAILED"), get(name, "wall_s", ".1f"),
+        [name, "yes" if r.get("ok") else "skipped" if "skipped" in r else "TIMED OUT" if r.get("timed_out") else "FAILED",
+         get(name, "wall_s", ".1f"),
          (r.get("skipped") or r.get("error", ""))[:90].replace("\n", " ")] for name, r in ph.items()])
     print("\nfigures")
     harness.table(["figure", "value"], [
@@ -549,7 +612,10 @@ def report(out: dict[str, Any]) -> None:
         ["train: host peak RSS GiB", get("train", "host_peak_rss_gib")],
         ["export: MB / parameters (M)", f"{get('export', 'export_mb')} / {get('export', 'params_m')}"],
         ["eval: acceptance length trained / untrained",
-         f"{get('eval', 'acceptance_length', '.3f')} / {get('eval', 'untrained_acceptance_length', '.3f')}"],
+         f"{get('eval', 'acceptance_length', '.3f')} / {get('eval', 'untrained_acceptance_length', '.3f')}"
+         + ("" if ph.get("eval", {}).get("ok") or "prompts_done" not in ph.get("eval", {}) else
+            f" (partial: {', '.join(f'{k} {n}' for k, n in ph['eval']['prompts_done'].items())} of {ph['eval']['prompts']} "
+            "prompts)")],
         ["eval: GPU peak allocated GiB", get("eval", "gpu_peak_allocated_gib")],
     ])
     gpu = f"{m.get('gpu')} ({m.get('gpu_memory_gib')} GiB, driver {m.get('driver')})" if m.get("cuda_available") else "no GPU"
@@ -577,7 +643,8 @@ def preflight(p: Params, json_path: Path) -> list[Any] | None:
 
     Seconds, before the first phase: a missing package or an unseen GPU stops the check here, not minutes in.
     """
-    from models.environment import environment_checks, failed
+    from models.environment import environment_checks
+    from models.findings import failed
 
     findings = environment_checks(p.device)
     for f in findings:

@@ -6,9 +6,11 @@ A process of its own (like the capture and training ranks) because the target ma
 GPU, and because CPU math must start with denormals flushed in every thread (models/__init__.py):
 a Prefect worker thread that was created before that setting decodes up to 40x slower.
 
-Progress goes to stdout as `EVAL_PROGRESS draft=NAME done=i total=n` (models/rank_protocol.py); the
-result (one entry per evaluated draft, see `merge_results`) is written atomically to the job's `out`
-path. A failure exits through the rank harness (models/rank.py) with one `EVAL_ERROR {json}` line.
+Progress goes to stdout after each prompt as `EVAL_PROGRESS draft=NAME done=i total=n new_tokens=T
+rounds=R accepted=A` (models/rank_protocol.py): that prompt's figures, so a caller that stops the eval
+(the GPU check at its time limit) keeps what was measured. The trained draft goes first, for the same
+reason. The result (one entry per evaluated draft, see `merge_results`) is written atomically to the
+job's `out` path. A failure exits through the rank harness (models/rank.py) with one `EVAL_ERROR {json}` line.
 """
 
 from __future__ import annotations
@@ -66,16 +68,18 @@ def run(job: EvalJob) -> dict[str, Any]:
         print(f"eval: only {len(prompts)} prompts (asked for {job.prompts}): raise train.eval_fraction or add eval.prompt_files "
               "for more", flush=True)
 
-    drafts = {"trained": trained}
+    drafts = {"trained": trained}  # first: an eval stopped part-way has measured the draft that matters
     if job.compare_untrained:
-        drafts = {"untrained": untrained_like(trained, job.seed).to(first_device).eval(), **drafts}
+        drafts["untrained"] = untrained_like(trained, job.seed).to(first_device).eval()
     result: dict[str, Any] = {"prompts": len(prompts), "device": str(first_device)}
     for name, draft in drafts.items():
         parts = []
         for i, prompt in enumerate(prompts):
-            parts.append(evaluate_acceptance(target, draft, [prompt], num_steps=job.num_steps,
-                                             max_new_tokens=job.max_new_tokens, eos_token_ids=eos))
-            say(EVAL_PROGRESS.format(draft=name, done=i + 1, total=len(prompts)))
+            part = evaluate_acceptance(target, draft, [prompt], num_steps=job.num_steps, max_new_tokens=job.max_new_tokens,
+                                       eos_token_ids=eos)
+            parts.append(part)
+            say(EVAL_PROGRESS.format(draft=name, done=i + 1, total=len(prompts), new_tokens=part.new_tokens,
+                                     rounds=part.rounds, accepted=accepted_tokens(part)))
         result[name] = merge_results(parts)
         # per prompt, to set beside the engine backend's replies (tasks/eval/engine.py compare_with_hf)
         result[name]["per_prompt"] = [{"source": p.source, "id": p.id, "new_tokens": r.new_tokens, "rounds": r.rounds}
@@ -108,6 +112,14 @@ def merge_results(parts: list[SpecEvalResult]) -> dict[str, Any]:
         "per_position_reached": reached, "per_position_accepted": accepted,
         "rounds": rounds, "new_tokens": sum(p.new_tokens for p in parts), "prompts": sum(p.prompts for p in parts),
     }
+
+
+def accepted_tokens(result: SpecEvalResult) -> int:
+    """Draft tokens the target accepted over `result`'s verify rounds: acceptance_length x rounds - rounds.
+
+    acceptance_length is the mean over rounds of accepted + 1 (models/spec_eval.py), so this is exact.
+    """
+    return round(result.acceptance_length * result.rounds) - result.rounds
 
 
 def untrained_like(trained: Eagle3Draft, seed: int) -> Eagle3Draft:

@@ -12,7 +12,8 @@ short by a dying process does not parse and is an ordinary log line.
              TRAIN_CHECKPOINT step=S                               a complete checkpoint
              TRAIN_DONE final=DIR
              TRAIN_ERROR {json}
-    eval     EVAL_PROGRESS draft=NAME done=i total=n
+    eval     EVAL_PROGRESS draft=NAME done=i total=n [new_tokens=T rounds=R accepted=A]
+                                                                   prompt i's figures: tokens, verify rounds, accepted drafts
              EVAL_ERROR {json}
     any      RANK_MEMORY rank=R host_peak_rss=B [gpu_peak_allocated=B gpu_peak_reserved=B]
                                                                    every rank as it exits (bytes)
@@ -153,7 +154,10 @@ TRAIN_CHECKPOINT = Line("TRAIN_CHECKPOINT", (Field("step"),))
 TRAIN_DONE = Line("TRAIN_DONE", (Field("final", str),))
 TRAIN = Protocol("train", ErrorLine("TRAIN_ERROR"), TRAIN_PROGRESS, (TRAIN_EVAL, TRAIN_CHECKPOINT, TRAIN_DONE))
 
-EVAL_PROGRESS = Line("EVAL_PROGRESS", (Field("draft", str), Field("done"), Field("total")))
+# After each prompt, its figures (optional: a parser of the first three reads these lines too):
+# new tokens, verify rounds, accepted draft tokens; a stopped eval still tells what it measured.
+EVAL_PROGRESS = Line("EVAL_PROGRESS", (Field("draft", str), Field("done"), Field("total"), Field("new_tokens", optional=True),
+                                       Field("rounds", optional=True), Field("accepted", optional=True)))
 EVAL = Protocol("eval", ErrorLine("EVAL_ERROR"), EVAL_PROGRESS)
 
 # Printed by every rank of every entry point as it exits (models/rank.py `serve`): the peak resident

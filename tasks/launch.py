@@ -31,6 +31,10 @@ class RankFailure(RuntimeError):
     """A rank of a launched job exited with an error; the message ends with the job's output tail."""
 
 
+class JobTimedOut(RankFailure):
+    """A launched job ran past its time limit and was killed (`run_job(timeout_s=...)`)."""
+
+
 class RankRefused(ValueError):
     """A rank refused its job (bad job, records, settings or files): a retry would fail the same way."""
 
@@ -110,10 +114,11 @@ def rank_command(module: str, args: list[str], *, num_ranks: int, launcher: str 
                  node_rank: int = 0) -> tuple[list[str], dict[str, str]]:
     """The command and extra environment that run `python -m module args` on `num_ranks` ranks per node.
 
-    One node: every rank here, on a free port. Several (`nodes.nnodes` > 1): torchrun starts this
-    node's ranks as node `node_rank` of a static rendezvous at master_addr:master_port (each node runs
-    it); the deepspeed launcher, run on node 0 only, starts every node's ranks from the hostfile (pdsh).
-    A setting that cannot work raises ValueError, naming it.
+    One node: every rank here, on a free port (the deepspeed launcher on the GPUs `local_devices` picks;
+    on a CPU machine it runs gloo ranks as torchrun does: tests/tasks/test_launch.py). Several
+    (`nodes.nnodes` > 1): torchrun starts this node's ranks as node `node_rank` of a static rendezvous
+    at master_addr:master_port (each node runs it); the deepspeed launcher, run on node 0 only, starts
+    every node's ranks from the hostfile (pdsh). A setting that cannot work raises ValueError, naming it.
     """
     nodes = nodes or Nodes()
     launcher = resolve_launcher(launcher)
@@ -127,17 +132,47 @@ def rank_command(module: str, args: list[str], *, num_ranks: int, launcher: str 
         if node_rank != 0:
             raise ValueError("the deepspeed launcher starts every node's ranks from node 0 (over ssh, distributed.hostfile): "
                              "start nothing on the other nodes")
-        where = ["--hostfile", str(nodes.hostfile), "--num_nodes", str(nodes.nnodes)] if nodes.multinode else []
-        where += ["--master_addr", nodes.master_addr] if nodes.multinode and nodes.master_addr else []
-        command = [sys.executable, "-m", "deepspeed.launcher.runner", *where, "--num_gpus", str(num_ranks),
-                   "--master_port", port, "--module", module, *args]
-        return command, {}
+        if nodes.multinode:
+            where = ["--hostfile", str(nodes.hostfile), "--num_nodes", str(nodes.nnodes)]
+            where += ["--master_addr", nodes.master_addr] if nodes.master_addr else []
+            where += ["--num_gpus", str(num_ranks)]
+        else:
+            where = local_devices(num_ranks)
+        command = [sys.executable, "-m", "deepspeed.launcher.runner", *where, "--master_port", port, "--module", module,
+                   *args]
+        # No CUDA: DeepSpeed's CPU accelerator, said rather than left to its detection (which also tries XPU, NPU, ...)
+        return command, ({} if cuda_available() else cpu_rank_env())
     where = ["--nnodes", str(nodes.nnodes), "--node_rank", str(node_rank), "--master_addr", str(nodes.master_addr),
              "--rdzv_conf", f"timeout={nodes.join_timeout_s}"] if nodes.multinode else []
     command = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node", str(num_ranks),
                "--master_port", port, "-m", module, *args]
-    # CPU ranks: DeepSpeed's CPU accelerator with gloo; one thread per rank so ranks don't fight for cores
-    return command, {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return command, cpu_rank_env()
+
+
+def cpu_rank_env() -> dict[str, str]:
+    """CPU ranks: DeepSpeed's CPU accelerator with gloo; one thread per rank, so ranks don't fight for cores."""
+    return {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def local_devices(num_ranks: int) -> list[str]:
+    """The deepspeed launcher's flags for `num_ranks` ranks on this machine, on the GPUs CUDA_VISIBLE_DEVICES picks.
+
+    Given `--num_gpus N`, DeepSpeed's runner ignores CUDA_VISIBLE_DEVICES, drops it and gives the ranks
+    devices 0..N-1 (deepspeed/launcher/runner.py: "Detected VISIBLE_DEVICES=... but ignoring it because
+    ... --num_gpus ... were used"); given none it keeps them (`--include localhost:<them>`, its own
+    path), then checks them against the devices it counts (torch's count, taken once it has dropped
+    the variable: every GPU of the machine). So integer ids are passed on as `--include
+    localhost:<first N>`; without them (unset, GPU-/MIG- UUIDs it cannot parse, a CPU machine, whose
+    accelerator counts NUMA nodes) it is `--num_gpus N`. Too few ids raise ValueError. Read from
+    DeepSpeed 0.19.8's runner; the `--include` path has not run on a GPU machine yet.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    ids = [x.strip() for x in visible.split(",")] if visible else []
+    if not ids or not all(x.isdigit() for x in ids) or not cuda_available():
+        return ["--num_gpus", str(num_ranks)]
+    if len(ids) < num_ranks:
+        raise ValueError(f"{num_ranks} ranks, but CUDA_VISIBLE_DEVICES={visible} makes {len(ids)} GPU(s) visible")
+    return ["--include", "localhost:" + ",".join(ids[:num_ranks])]
 
 
 def run_job(command: list[str], *, env: dict[str, str] | None = None, on_line: Callable[[str], None], tail_lines: int = 40,
@@ -146,7 +181,7 @@ def run_job(command: list[str], *, env: dict[str, str] | None = None, on_line: C
 
     A nonzero exit raises RankFailure with the last lines of output (where the failing rank's
     traceback is). On KeyboardInterrupt or cancellation the whole process group is killed, and so
-    it is once `timeout_s` have passed (RankFailure then says so).
+    it is once `timeout_s` have passed (then JobTimedOut, a RankFailure, says so).
     """
     tail: deque[str] = deque(maxlen=tail_lines)
     process = subprocess.Popen(
@@ -180,7 +215,7 @@ def run_job(command: list[str], *, env: dict[str, str] | None = None, on_line: C
         if timer is not None:
             timer.cancel()
     if timed_out.is_set():
-        raise RankFailure(f"job killed after its time limit of {timeout_s:g} s: {' '.join(command[:6])} ...\n"
+        raise JobTimedOut(f"job killed after its time limit of {timeout_s:g} s: {' '.join(command[:6])} ...\n"
                           "--- last output ---\n" + "\n".join(tail))
     if code != 0:
         raise RankFailure(f"job exited with code {code}: {' '.join(command[:6])} ...\n--- last output ---\n" + "\n".join(tail))

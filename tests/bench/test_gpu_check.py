@@ -50,6 +50,88 @@ def test_cpu_smoke_runs_every_phase_and_reports_its_figures(tmp_path):
     assert "every phase passed" in proc.stdout
 
 
+# The eval job as the check launches it, but held for good after its 2nd prompt's line: the check's eval limit
+# (--eval-s) is then certainly what ends it, with exactly 2 prompts measured. The check process swaps it in for
+# `python -m models.eval_job` through tasks.launch.follow_job, which Check.launch imports when it launches.
+HELD_EVAL = """
+import sys, threading
+from models import eval_job
+from models.rank_protocol import EVAL_PROGRESS
+say = eval_job.say
+def held(line):
+    say(line)
+    if (EVAL_PROGRESS.parse(line) or {}).get("done") == 2:
+        threading.Event().wait(600)  # never set: the check kills this process at its limit
+eval_job.say = held
+sys.exit(eval_job.main())
+"""
+WITH_HELD_EVAL = WITHOUT_PREFECT.replace("sys.argv = ", f"""
+import tasks.launch
+follow_job = tasks.launch.follow_job
+def held_eval(command, **kw):
+    if "models.eval_job" in command:
+        at = command.index("models.eval_job")
+        command = [*command[:at - 1], "-c", {HELD_EVAL!r}, *command[at + 1:]]
+    return follow_job(command, **kw)
+tasks.launch.follow_job = held_eval
+sys.argv = """, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_eval_past_its_limit_leaves_its_per_prompt_figures(tmp_path):
+    """The eval, the tightest phase, killed at its limit: the JSON keeps each prompt measured and the acceptance so far.
+
+    Run with the GPU run's launcher (`--rank-launcher deepspeed`): capture and ZeRO-2 training through
+    deepspeed.launcher.runner, on CPU ranks.
+    """
+    import time
+
+    out, console = tmp_path / "gpu_check.json", tmp_path / "console.txt"
+    with open(console, "w") as sink:
+        check = subprocess.Popen([sys.executable, "-c", WITH_HELD_EVAL, "--cpu-smoke", "--rank-launcher", "deepspeed",
+                                  "--eval-prompts", "4", "--eval-s", "30", "--json", str(out)], cwd=REPO, stdout=sink,
+                                 stderr=subprocess.STDOUT)
+        try:
+            # in the JSON as they come: the 2nd prompt's figures while the eval is still running (held)
+            deadline, running = time.monotonic() + 300, {}
+            while running.get("prompts_done") != {"trained": 2}:
+                assert check.poll() is None and time.monotonic() < deadline, console.read_text()[-4000:]
+                time.sleep(0.1)  # polling the JSON the check rewrites, bounded by the deadline
+                running = json.loads(out.read_text())["phases"].get("eval", {}) if out.exists() else {}
+            assert running["running"] is True and running["ok"] is False and running["wall_s"] < 30
+            assert [x["prompt"] for x in running["per_prompt"]["trained"]] == [1, 2]
+            check.wait(timeout=120)
+        finally:
+            if check.poll() is None:
+                check.kill()
+    stdout = console.read_text()
+    assert check.returncode == 1, stdout[-4000:]
+    figures = json.loads(out.read_text())
+    phases = figures["phases"]
+    assert figures["ok"] is False and all(phases[name]["ok"] for name in ("capture", "train", "export"))
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert log.count("launch: " + sys.executable + " -m deepspeed.launcher.runner --num_gpus 1 ") == 2
+    assert "WORLD INFO DICT: {'localhost': [0]}" in log
+
+    evaluation = phases["eval"]
+    assert evaluation["ok"] is False and evaluation["timed_out"] is True and "running" not in evaluation
+    assert evaluation["error"].startswith("JobTimedOut: job killed after its time limit of 30 s")
+    assert evaluation["wall_s"] >= 30
+    assert evaluation["prompts"] == 4 and evaluation["prompts_done"] == {"trained": 2}  # the trained draft first
+    trained = evaluation["per_prompt"]["trained"]
+    assert [x["prompt"] for x in trained] == [1, 2] and list(evaluation["per_prompt"]) == ["trained"]
+    for x in trained:  # each round adds accepted + 1 tokens, the prefill the first one (models/spec_eval.py)
+        assert 1 <= x["new_tokens"] <= 12 and x["new_tokens"] - 1 == x["rounds"] + x["accepted"]
+        assert 0 <= x["accepted"] <= 3 * x["rounds"]
+    rounds = sum(x["rounds"] for x in trained)
+    assert evaluation["rounds"] == rounds and evaluation["new_tokens"] == sum(x["new_tokens"] for x in trained)
+    assert evaluation["acceptance_length"] == round((sum(x["accepted"] for x in trained) + rounds) / rounds, 4)
+    assert evaluation["untrained_acceptance_length"] is None
+    assert evaluation["per_prompt"] == running["per_prompt"]  # what it had when it was killed
+    assert "TIMED OUT after" in stdout and f"{evaluation['acceptance_length']:.3f} / - (partial: trained 2 of 4 prompts)" in stdout
+
+
 @pytest.mark.multiprocess
 def test_a_missing_deepspeed_stops_the_check_before_its_first_phase(tmp_path):
     """On the GPU machine a package that is not there must cost seconds, not the slot: no phase runs."""

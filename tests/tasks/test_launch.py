@@ -88,13 +88,37 @@ def test_a_job_file_that_cannot_be_written_is_a_write_failure(tmp_path, monkeypa
 # --- launch commands: one node, several ------------------------------------------------------------
 
 
-def test_one_node_commands_pick_a_free_port():
+def test_one_node_commands_pick_a_free_port(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     command, env = launch.rank_command("models.train", ["--job", "J"], num_ranks=2, launcher="torchrun")
     assert command[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", command[6], "-m",
                            "models.train", "--job", "J"]
-    assert env["DS_ACCELERATOR"] == "cpu"
+    assert env == {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     command, env = launch.rank_command("models.train", ["--job", "J"], num_ranks=8, launcher="deepspeed")
-    assert "--hostfile" not in command and command[command.index("--num_gpus") + 1] == "8" and env == {}
+    assert command[1:] == ["-m", "deepspeed.launcher.runner", "--num_gpus", "8", "--master_port", command[6], "--module",
+                           "models.train", "--job", "J"]
+    assert env == {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # no CUDA here: the CPU accelerator, one thread a rank
+    monkeypatch.setattr(launch, "cuda_available", lambda: True)
+    assert launch.rank_command("models.train", [], num_ranks=8, launcher="deepspeed")[1] == {}
+
+
+def test_the_deepspeed_launcher_keeps_the_gpus_cuda_visible_devices_picks(monkeypatch):
+    # Given --num_gpus the runner drops CUDA_VISIBLE_DEVICES and hands out GPUs 0..N-1; --include keeps the chosen ones.
+    monkeypatch.setattr(launch, "cuda_available", lambda: True)
+    for visible, ranks, flags in (("", 2, ["--num_gpus", "2"]), ("0", 1, ["--include", "localhost:0"]),
+                                  ("2, 3,5", 2, ["--include", "localhost:2,3"]),
+                                  ("GPU-8f1c2b4e-0d6a", 1, ["--num_gpus", "1"]),  # a UUID: the runner cannot parse it
+                                  ("MIG-5e7a9c1d-77b2", 1, ["--num_gpus", "1"])):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        command, _ = launch.rank_command("models.capture", ["--job", "J"], num_ranks=ranks, launcher="deepspeed")
+        assert command[3:5] == flags and "--num_gpus" not in command[5:], visible
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ValueError, match=r"^2 ranks, but CUDA_VISIBLE_DEVICES=3 makes 1 GPU\(s\) visible$"):
+        launch.rank_command("models.capture", [], num_ranks=2, launcher="deepspeed")
+    monkeypatch.setattr(launch, "cuda_available", lambda: False)  # CPU: the accelerator counts NUMA nodes, not these
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert launch.rank_command("models.capture", [], num_ranks=2, launcher="deepspeed")[0][3:5] == ["--num_gpus", "2"]
 
 
 def test_torchrun_over_nodes_is_a_static_rendezvous_at_node_0():
@@ -109,7 +133,8 @@ def test_torchrun_over_nodes_is_a_static_rendezvous_at_node_0():
         launch.rank_command("models.capture", [], num_ranks=8, launcher="torchrun", nodes=Nodes(nnodes=2))
 
 
-def test_deepspeed_over_nodes_starts_every_node_from_the_hostfile(tmp_path):
+def test_deepspeed_over_nodes_starts_every_node_from_the_hostfile(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "cuda_available", lambda: True)  # GPU nodes: DeepSpeed's CUDA accelerator, detected
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("gpu-0 slots=8\ngpu-1 slots=8\ngpu-2 slots=8\n")
     nodes = Nodes(nnodes=2, hostfile=hostfile, master_port=29400)
@@ -144,7 +169,7 @@ def test_a_job_past_its_time_limit_is_killed_and_says_so():
     import time
 
     started = time.monotonic()
-    with pytest.raises(RankFailure, match=r"(?s)killed after its time limit of 1 s.*--- last output ---\nstarted"):
+    with pytest.raises(launch.JobTimedOut, match=r"(?s)killed after its time limit of 1 s.*--- last output ---\nstarted"):
         launch.run_job(_python("import time; print('started', flush=True); time.sleep(60)"), on_line=lambda line: None,
                        timeout_s=1)
     assert time.monotonic() - started < 30
@@ -176,3 +201,73 @@ def test_launching_ranks_needs_neither_prefect_nor_httpx():
                 elif name.split(".")[0] in ("tasks", "models"):
                     todo.append(name)
     assert found == []
+
+
+# --- the deepspeed launcher, for real, on this CPU machine ------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_the_deepspeed_launcher_runs_two_cpu_ranks_of_a_capture(tmp_path, monkeypatch):
+    """`rank_command(launcher="deepspeed")` + `follow_job`, as the GPU check launches its ranks: 2 gloo ranks of a real capture."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.eagle3 import default_aux_layers
+    from models.hidden_shards import iter_shard_index, list_shards, read_sample
+    from models.rank_protocol import CAPTURE_PROGRESS, RANK_MEMORY
+    from models.tiny_target import build_tiny_target
+    from tasks.records.build import RECORD_SCHEMA
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    target = build_tiny_target(tmp_path / "target", train_steps=0, hidden_size=64, num_heads=2, num_kv_heads=1,
+                               intermediate_size=128, vocab_size=512)  # random weights: seconds to build
+    rng = random.Random(0)
+    rows = []
+    for i in range(8):
+        n, prompt = rng.randint(12, 40), rng.randint(2, 8)
+        rows.append({"id": f"r{i}", "input_ids": [rng.randrange(8, 400) for _ in range(n)],
+                     "loss_mask": [0] * prompt + [1] * (n - prompt), "num_tokens": n, "num_loss_tokens": n - prompt,
+                     "truncated": False})
+    (tmp_path / "records").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), tmp_path / "records" / "part-000000.parquet")
+    out = tmp_path / "hidden"
+    job = CaptureJob(target_path=str(target), datasets=[{"name": "d", "records_dir": str(tmp_path / "records")}],
+                     out_dir=str(out), device="cpu", mode="replicate", max_tokens=None)
+    write_job(job, tmp_path / "capture.json", kept=lambda: "nothing", resume="rerun")
+
+    command, env = launch.rank_command("models.capture", ["--job", str(tmp_path / "capture.json")], num_ranks=2,
+                                       launcher="deepspeed")
+    assert command[1:3] == ["-m", "deepspeed.launcher.runner"]
+    logged, messages = [], []
+    follow_job(command, protocol=CAPTURE, log=logged.append, on_message=messages.append, env=env,
+               run=lambda c, **kw: launch.run_job(c, timeout_s=180, **kw))
+
+    # the runner's own lines: one node, two CPU "devices", ranks told their local rank
+    text = "\n".join(logged)
+    assert "WORLD INFO DICT: {'localhost': [0, 1]}" in text and "dist_world_size=2" in text
+    assert "--local_rank=0" in text and "--local_rank=1" in text
+    finals = {m.values["rank"]: m.values for m in messages if m.kind is CAPTURE_PROGRESS}
+    assert set(finals) == {0, 1} and all(v["done"] == v["total"] for v in finals.values())
+    assert sum(v["done"] for v in finals.values()) == 8 and sum(v["tokens"] for v in finals.values()) == \
+        sum(r["num_tokens"] for r in rows)  # every record ends with a loss token: nothing trimmed
+    assert sorted(RANK_MEMORY.parse(x)["rank"] for x in logged if RANK_MEMORY.parse(x)) == [0, 1]
+    assert {p.name.split("-")[1] for p in list_shards(out)} == {"000", "001"}  # each rank wrote its own shards
+
+    # what they stored is the target's own hidden states, every record once
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    aux = default_aux_layers(8)
+    index = list(iter_shard_index(out))
+    assert sorted(r["id"] for r in index) == [f"r{i}" for i in range(8)]
+    by_id = {r["id"]: r for r in rows}
+    for r in index:
+        got = read_sample(out / r["shard"], r["offset"], r["length"])
+        ids = torch.tensor(by_id[r["id"]]["input_ids"])
+        with torch.no_grad():
+            hs = model(ids[None], output_hidden_states=True).hidden_states
+        assert torch.equal(got["input_ids"], ids.to(torch.int32))
+        assert torch.allclose(got["aux_hidden"], torch.cat([hs[k + 1] for k in aux], -1)[0], atol=1e-5, rtol=0)
+        assert torch.allclose(got["last_hidden"], hs[-1][0], atol=1e-5, rtol=0)
