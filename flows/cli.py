@@ -62,6 +62,8 @@ def validate(config: Path = typer.Argument(..., help="The YAML run config to che
 STAGES = ("generate", "records", "capture", "train", "eval")  # in pipeline order (flows/pipeline.py)
 
 
+SKIP_CHECKS_HELP = "Do not run the preflight checks (`eagle3 doctor`'s) before the first stage; said in the log."
+
 RETRY_REJECTS_HELP = (
     "Also send again the prompts the server refused with HTTP 400 in earlier runs (bad rows and prompts "
     "rejected as too long are always checked again)."
@@ -72,15 +74,32 @@ RETRY_REJECTS_HELP = (
 def generate(
     config: Path = typer.Argument(..., help="The YAML run config."),
     retry_rejects: bool = typer.Option(False, "--retry-rejects", help=RETRY_REJECTS_HELP),
+    skip_checks: bool = typer.Option(False, "--skip-checks", help=SKIP_CHECKS_HELP),
 ) -> None:
     """Stage 1: generate responses for every dataset (same as `run CONFIG --stages generate`)."""
-    _run_stages(config, ["generate"], retry_rejects=retry_rejects)
+    _run_stages(config, ["generate"], retry_rejects=retry_rejects, skip_checks=skip_checks)
 
 
 @app.command("eval")
-def eval_(config: Path = typer.Argument(..., help="The YAML run config (its train stage must have exported a draft).")) -> None:
+def eval_(
+    config: Path = typer.Argument(..., help="The YAML run config (its train stage must have exported a draft)."),
+    skip_checks: bool = typer.Option(False, "--skip-checks", help=SKIP_CHECKS_HELP),
+) -> None:
     """Stage 5: acceptance length of the exported draft by speculative decoding with the target (same as `run CONFIG --stages eval`)."""
-    _run_stages(config, ["eval"])
+    _run_stages(config, ["eval"], skip_checks=skip_checks)
+
+
+@app.command()
+def doctor(config: Path = typer.Argument(..., help="The YAML run config to check.")) -> None:
+    """Check a config before a run, in seconds: environment, engine, chat template, draft, disk, run directory.
+
+    A table of checks, each PASS, WARN or FAIL with what to do. Exit status: 0 no FAIL; 1 a check failed; 2 bad config.
+    The pipeline runs the same checks before its first stage (--skip-checks skips them).
+    """
+    from flows.doctor import print_doctor
+
+    cfg = _config_or_exit(config)
+    raise typer.Exit(0 if print_doctor(cfg, config, console) else 1)
 
 
 @app.command()
@@ -88,17 +107,18 @@ def run(
     config: Path = typer.Argument(..., help="The YAML run config."),
     stages: str = typer.Option(",".join(STAGES), help=f"Comma-separated stages to run, of: {', '.join(STAGES)}."),
     retry_rejects: bool = typer.Option(False, "--retry-rejects", help=RETRY_REJECTS_HELP),
+    skip_checks: bool = typer.Option(False, "--skip-checks", help=SKIP_CHECKS_HELP),
 ) -> None:
-    """Run the pipeline's stages on a config (each stage resumes where it stopped)."""
+    """Run the pipeline's stages on a config (each stage resumes where it stopped; the preflight checks first)."""
     chosen = [s.strip() for s in stages.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in STAGES]
     if unknown or not chosen:
         err.print(f"[red]error:[/red] unknown stage(s) {', '.join(unknown) or '(none given)'}; available: {', '.join(STAGES)}", highlight=False)
         raise typer.Exit(2)
-    _run_stages(config, chosen, retry_rejects=retry_rejects)
+    _run_stages(config, chosen, retry_rejects=retry_rejects, skip_checks=skip_checks)
 
 
-def _run_stages(config: Path, stages: list[str], *, retry_rejects: bool = False) -> None:
+def _run_stages(config: Path, stages: list[str], *, retry_rejects: bool = False, skip_checks: bool = False) -> None:
     cfg = _config_or_exit(config)  # fail on a bad config before Prefect starts
     from flows.pipeline import pipeline
     from tasks.run_lock import RunDirLocked, run_lock
@@ -108,7 +128,7 @@ def _run_stages(config: Path, stages: list[str], *, retry_rejects: bool = False)
         # a Prefect server starts, and no flow run is created for it.
         with run_lock(cfg.run_dir, f"eagle3 {','.join(stages)}", also=cfg.written_dirs(stages),
                       reads=cfg.read_dirs(stages)):
-            pipeline(str(config), ",".join(stages), retry_rejects)
+            pipeline(str(config), ",".join(stages), retry_rejects, skip_checks)
     except RunDirLocked as exc:
         err.print(f"[red]refused:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(1) from None

@@ -10,6 +10,7 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 
 from flows.capture import capture
 from flows.config import RunConfig, load_config
+from flows.doctor import engine_checks, preflight, report
 from flows.eval import evaluate
 from flows.generate import generate
 from flows.records import records
@@ -37,26 +38,36 @@ def _run_name() -> str:
 
 
 @flow(name="pipeline", flow_run_name=_run_name)
-def pipeline(config_path: str, stages: str = ALL_STAGES, retry_rejects: bool = False) -> dict:
+def pipeline(config_path: str, stages: str = ALL_STAGES, retry_rejects: bool = False, skip_checks: bool = False) -> dict:
     """The whole run, or the chosen stages; every stage resumes where it stopped.
 
     `retry_rejects`: also send again the prompts the server refused (HTTP 400) in earlier runs.
+    `skip_checks`: do not run the preflight checks (flows/doctor.py) before the first stage.
     """
     config = load_config(config_path)
     chosen = parse_stages(stages)
     # one writer per run dir and per output dir outside it, for every stage
     with run_lock(config.run_dir, f"pipeline [{','.join(chosen)}]", also=config.written_dirs(chosen),
                   reads=config.read_dirs(chosen)):
-        return run_stages(config_path, config, chosen, retry_rejects)
+        return run_stages(config_path, config, chosen, retry_rejects, skip_checks)
 
 
-def run_stages(config_path: str, config: RunConfig, chosen: list[str], retry_rejects: bool) -> dict:
-    """The chosen stages in order, each as a subflow."""
+def run_stages(config_path: str, config: RunConfig, chosen: list[str], retry_rejects: bool,
+               skip_checks: bool = False) -> dict:
+    """The chosen stages in order, each as a subflow, after the preflight checks."""
     if config.target.build_tiny_target:  # demo and tests: the deterministic tiny target, built once
         build_tiny_target(config.target.path)
+    log = get_run_logger()
+    if skip_checks:
+        log.warning("preflight checks skipped (skip_checks / --skip-checks): a problem they find shows up later, "
+                    "in the stage it breaks")
+    else:
+        preflight(config, chosen, log)
     results: dict = {}
     if "generate" in chosen:
         with serving(config):
+            if config.server.launch != "none" and not skip_checks:  # the servers just launched: are they right?
+                report([("engine", f) for f in engine_checks(config)], log, title="engine checks")
             results["generate"] = run_coro_as_sync(generate(config_path, retry_rejects))
     if "records" in chosen:
         results["records"] = records(config_path)

@@ -7,7 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flows.config import RunConfig
-from tasks.capture.plan import DiskTooSmall, EngineWindow, check_fits, human_bytes, plan_capture, target_shape
+from tasks.capture.plan import CapturePlan, DiskTooSmall, EngineWindow, check_fits, human_bytes, plan_capture, target_shape
 from tasks.capture.tasks import captured_tokens, last_throughput
 from tasks.checkpoints import summarize
 from tasks.records.build import summarize_records
@@ -30,7 +30,7 @@ def print_plan(config: RunConfig, console: Console) -> bool:
         f"{sum(r.loss_tokens for r in records.values()):,} loss tokens so far"
     )
     try:
-        shape = target_shape(config.target.path, config.target.trust_remote_code)
+        plan = capture_plan(config)
     except Exception as exc:  # e.g. a Hub id on an offline machine
         console.print(
             f"[yellow]capture: no disk plan: cannot read the target's config.json ({escape(str(exc).splitlines()[0])[:160]}). "
@@ -38,13 +38,6 @@ def print_plan(config: RunConfig, console: Console) -> bool:
             highlight=False,
         )
         return True
-    c = config.capture
-    engine = EngineWindow(config.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
-    plan = plan_capture(
-        [config.run_dir / "records" / d for d in records], config.hidden_dir, shape, c.dtype, margin=c.disk_margin,
-        max_tokens=c.max_tokens, tokens_done=captured_tokens(config.hidden_dir), tokens_per_s=last_throughput(config.hidden_dir),
-        engine=engine,
-    )
     eta = f"about {plan.est_seconds / 3600:.2f} h at the last measured speed" if plan.est_seconds else "time unknown until a capture has run"
     console.print(
         f"capture: {plan.tokens_todo:,} tokens to go ({plan.tokens_done:,} done) x {plan.bytes_per_token:,} B "
@@ -63,3 +56,15 @@ def print_plan(config: RunConfig, console: Console) -> bool:
         console.print(f"[red]capture would not fit:[/red] {escape(str(exc))}", highlight=False)
         return False
     return True
+
+
+def capture_plan(config: RunConfig) -> CapturePlan:
+    """The capture's bytes still to write against the free space (reads the target's config.json; raises if it cannot)."""
+    shape = target_shape(config.target.path, config.target.trust_remote_code)
+    c = config.capture
+    engine = EngineWindow(config.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
+    return plan_capture(
+        [config.run_dir / "records" / d.name for d in config.datasets], config.hidden_dir, shape, c.dtype,
+        margin=c.disk_margin, max_tokens=c.max_tokens, tokens_done=captured_tokens(config.hidden_dir),
+        tokens_per_s=last_throughput(config.hidden_dir), engine=engine,
+    )

@@ -532,18 +532,24 @@ def run_fingerprint(job: TrainJob, data: dict[str, Any], d2t: torch.Tensor, conf
     watched and saved) and where files live. `total_steps` stands for epochs/max_steps: the cosine
     schedule is laid out over it, so extending a run would change the learning rate of every step left.
     """
+    settings = {**optimisation_settings(job, world_size), "total_steps": total_steps,
+                **{f"draft.{k}": v for k, v in asdict(config).items()}}
+    ids = d2t.to(torch.int64).cpu().numpy().tobytes()
+    vocab = {"digest": hashlib.sha256(ids).hexdigest(), "size": int(d2t.shape[0]), "token_counts": job.token_counts}
+    return {"version": 1, "data": data, "vocab": vocab, "settings": settings}
+
+
+def optimisation_settings(job: TrainJob, world_size: int) -> dict[str, Any]:
+    """The fingerprint's settings that the job alone decides (no data, target or schedule length): what
+    `eagle3 doctor` compares with a checkpoint before anything is launched."""
     optimizer = job.ds_config.get("optimizer", {}).get("params", {})
-    settings = {
-        "mode": job.mode, "total_steps": total_steps, "ttt_steps": job.ttt_steps, "max_batch_tokens": job.max_batch_tokens,
+    return {
+        "mode": job.mode, "ttt_steps": job.ttt_steps, "max_batch_tokens": job.max_batch_tokens,
         "lr": job.lr, "warmup_ratio": job.warmup_ratio, "min_lr_ratio": job.min_lr_ratio,
         "weight_decay": optimizer.get("weight_decay"), "betas": optimizer.get("betas"),
         "grad_clip": job.ds_config.get("gradient_clipping"), "grad_accum": job.grad_accum, "world_size": world_size,
         "bf16": job.bf16, "seed": job.seed, "eval_fraction": job.eval_fraction,
-        **{f"draft.{k}": v for k, v in asdict(config).items()},
     }
-    ids = d2t.to(torch.int64).cpu().numpy().tobytes()
-    vocab = {"digest": hashlib.sha256(ids).hexdigest(), "size": int(d2t.shape[0]), "token_counts": job.token_counts}
-    return {"version": 1, "data": data, "vocab": vocab, "settings": settings}
 
 
 def fingerprint_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -556,12 +562,16 @@ def fingerprint_differences(old: dict[str, Any], new: dict[str, Any]) -> list[st
         out.append("data: " + (", ".join(changed) if changed else "same number of samples and tokens, other ids or lengths"))
     if old.get("vocab", {}).get("digest") != new["vocab"]["digest"]:
         out.append(f"draft vocabulary: other tokens (from {new['vocab']['token_counts']})")
-    old_set, new_set = old.get("settings", {}), new["settings"]
-    changed = [f"{_SETTING_NAMES.get(k, k)} {_show(old_set.get(k))} -> {_show(new_set.get(k))}"
-               for k in sorted(set(old_set) | set(new_set)) if old_set.get(k) != new_set.get(k)]
+    changed = settings_differences(old.get("settings", {}), new["settings"])
     if changed:
         out.append("settings: " + ", ".join(changed))
     return out
+
+
+def settings_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`name old -> new` for each setting that differs between two fingerprints' settings."""
+    return [f"{_SETTING_NAMES.get(k, k)} {_show(old.get(k))} -> {_show(new.get(k))}"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
 _SETTING_NAMES = {"total_steps": "total steps (epochs/max_steps; the cosine schedule spans them)",

@@ -81,6 +81,29 @@ def read_holder(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
+def lock_holder(run_dir: Path | str) -> dict[str, Any] | None:
+    """Who holds RUN_DIR's write lock, as it wrote it ({} when it has not said yet); None when it is free or ours.
+
+    Probed with a shared, non-blocking flock released at once: readers are not disturbed, and a
+    writer starting at that very instant may be refused once (it says so and can be run again).
+    """
+    root = Path(run_dir).resolve()
+    with _guard:
+        if root in _held:
+            return None
+    try:
+        fd = os.open(root / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return read_holder(root)
+    finally:
+        os.close(fd)  # releases the probe's lock, if it got one
+    return None
+
+
 @contextmanager
 def run_lock(run_dir: Path | str, purpose: str, also: Iterable[tuple[str, Path]] = (),
              reads: Iterable[tuple[str, Path]] = ()) -> Iterator[None]:

@@ -11,10 +11,8 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -163,29 +161,3 @@ def launch_prefect():
     return prefect_server
 
 
-@contextmanager
-def _served(app) -> Iterator[str]:
-    """Base URL of an ASGI `app` served by uvicorn in a thread, on a loopback port the OS picks."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # uvicorn serves on this very socket
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:  # bounded poll: uvicorn has no startup event to wait on
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
-
-
-@pytest.fixture(scope="session")
-def serve_app():
-    """`with serve_app(app) as url:` an in-process server for the dev server's app (tests of deploy/)."""
-    return _served

@@ -15,9 +15,10 @@ import torch
 
 from deploy.dev_server import Speculative, create_app, main
 from models.draft_vocab import draft_vocab
-from models.eagle3 import DraftStep, Eagle3Config, Eagle3Draft, default_aux_layers
-from models.eagle3_export import export_draft, load_exported_draft
+from models.eagle3 import DraftStep, Eagle3Draft
+from models.eagle3_export import load_exported_draft
 from models.spec_eval import evaluate_acceptance, greedy_generate, speculative_decode
+from tests import drafts
 
 CONTEXT = 512
 NUM_STEPS = 3
@@ -34,19 +35,7 @@ def target(tiny_target_dir):
 
 
 def export_random_draft(model, out_dir, *, draft_vocab_size: int = D):
-    """A random draft over `model`'s embedding, exported in float32 (models/eagle3_export.py) to out_dir."""
-    cfg = Eagle3Config.from_target_config(model.config, draft_vocab_size=draft_vocab_size,
-                                          aux_layers=default_aux_layers(model.config.num_hidden_layers))
-    draft = Eagle3Draft(cfg)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if name != "embed_tokens.weight":
-                p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.ndim > 1 else 0.1) + (p.ndim == 1))
-    draft.load_target_embedding(model.get_input_embeddings().weight)
-    counts = torch.randint(0, 100, (cfg.vocab_size,), generator=g).numpy()
-    draft.set_draft_vocab(*draft_vocab(counts, cfg.vocab_size, draft_vocab_size))
-    return export_draft(draft, out_dir, target_config=model.config, dtype=torch.float32)
+    return drafts.export_random_draft(model, out_dir, draft_vocab_size=draft_vocab_size)
 
 
 def folded_avg(kept: list[int], interval: int = 40) -> float | None:

@@ -213,9 +213,11 @@ def test_generate_refuses_an_empty_dataset_with_exit_1(tmp_path, harness_api_url
         server={"url": "http://127.0.0.1:9", "health_timeout_s": 1},  # never reached: loading fails first
         generate={"retries": 0},
     )
-    result = eagle3("generate", str(path), api_url=harness_api_url)
+    # --skip-checks: the stage's own refusal (the preflight refuses it before, as `no valid row`: test_doctor.py)
+    result = eagle3("generate", str(path), "--skip-checks", api_url=harness_api_url)
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"pipeline failed: generate failed for B1: {empty}: has no rows" in result.stderr.replace("\n", " ")
+    assert "preflight checks skipped" in result.stderr
     assert not list((tmp_path / "run").glob("responses/B1/*.parquet"))
 
 

@@ -52,7 +52,8 @@ def test_disk_full_stops_generate_at_once_and_a_rerun_after_the_disk_grows_finis
     run_dir = small_disk / "run"
     # Ballast: the disk keeps ~160 KB free, a few hundred responses' worth.
     (small_disk / "ballast").write_bytes(b"\0" * (3 * 2**20 - 160 * 2**10))
-    with SimServer(max_running=SLOTS, decode_s_per_token=0.0002, mean_len=40, vocab_size=2048, eos_token_id=1) as srv:
+    with SimServer(max_running=SLOTS, decode_s_per_token=0.0002, mean_len=40, vocab_size=2048, eos_token_id=1,
+                   model_path=str(tiny_target_dir)) as srv:  # serving the target, as the preflight checks
         config = tmp_path / "drill.yaml"
         config.write_text(yaml.safe_dump({
             "run_dir": str(run_dir),

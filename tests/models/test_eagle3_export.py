@@ -16,6 +16,7 @@ from models.draft_vocab import draft_vocab
 from models.eagle3 import Eagle3Config, Eagle3Draft, KVCache, default_aux_layers
 from models.eagle3_export import (export_draft, load_exported_draft, validate_export, validate_export_vllm,
                                   vllm_load_problems, vllm_param_name)
+from tests.drafts import random_draft
 
 D = 64
 REFERENCE_NAMES = {  # /work/shared/REFERENCE.md, "Export that SGLang loads"
@@ -278,16 +279,7 @@ def test_validate_export_refuses_first_sglang_id_not_1(draft, target, tmp_path):
 def full_vocab_draft(draft) -> Eagle3Draft:
     """`draft`'s shapes with draft_vocab_size == vocab_size (D == V): random weights, identity vocab map."""
     config = Eagle3Config(**{**vars(draft.config), "draft_vocab_size": draft.config.vocab_size})
-    model = Eagle3Draft(config)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name != "embed_tokens.weight":
-                p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.ndim > 1 else 0.1) + (p.ndim == 1))
-    model.load_target_embedding(draft.embed_tokens.weight)
-    counts = torch.randint(0, 100, (config.vocab_size,), generator=g).numpy()
-    model.set_draft_vocab(*draft_vocab(counts, config.vocab_size, config.vocab_size))  # every id: identity
-    return model.eval()
+    return random_draft(config, draft.embed_tokens.weight, seed=2)  # every id maps to itself
 
 
 def test_full_vocab_export_has_no_vocab_map_and_round_trips(full_vocab_draft, target, tmp_path):

@@ -1,0 +1,194 @@
+"""`eagle3 doctor`, and the pipeline's preflight: the checks that find in seconds what would fail hours in.
+
+Six groups, each in its own module: the environment (models/environment.py), the serving engine,
+the chat template on a sample of each dataset, an exported draft, the disk, and the run directory
+(tasks/doctor/). Each finding is PASS, WARN or FAIL with one line of what to do; any FAIL makes
+`eagle3 doctor` exit 1 and stops the pipeline before its first stage (`--skip-checks` skips them,
+said in the log). What a group needs that is not there yet (no server launched, no records, no
+export) is a PASS saying so, not a guess.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from flows.config import RunConfig
+from flows.plan import capture_plan
+from flows.train import train_job
+from models.environment import environment_checks
+from models.findings import Finding, failed
+from models.train import optimisation_settings
+from tasks.capture.plan import capture_layers
+
+ALL_STAGES = ("generate", "records", "capture", "train", "eval")
+STATUS_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
+
+
+class PreflightFailed(RuntimeError):
+    """A check failed before the first stage: nothing was started."""
+
+
+def doctor_findings(config: RunConfig, stages: list[str] | None = None, *,
+                    engine: bool = True) -> list[tuple[str, Finding]]:
+    """(group, finding) for every check that matters to `stages` (None: every check, `eagle3 doctor`'s);
+    `engine`: reach a running server too.
+
+    An existing export is checked for an eval that does not train first (the train stage replaces it).
+    """
+    standalone = stages is None
+    stages = list(ALL_STAGES) if stages is None else stages
+    out: list[tuple[str, Finding]] = []
+    out += [("environment", f) for f in _environment(config, stages)]
+    target, tokenizer, note = _target(config)
+    if note is not None:
+        out.append(("target", note))
+    template = _template(config, tokenizer) if tokenizer is not None else None
+    if "generate" in stages and engine and config.server.launch == "none" and any(d.kind == "generate" for d in config.datasets):
+        out += [("engine", f) for f in engine_checks(config, vocab_size=target.get("vocab_size"),
+                                                       longest=template.longest_prompts if template else {})]
+    elif "generate" in stages and config.server.launch != "none":
+        out.append(("engine", Finding("engine", "PASS", f"server.launch: {config.server.launch}: the pipeline starts "
+                                                       "it for generate, and checks it once it answers")))
+    if template is not None and ({"generate", "records"} & set(stages)):
+        out += [("chat template", f) for f in template.findings]
+    if target and (standalone or "eval" in stages and "train" not in stages):
+        out += [("draft", f) for f in _draft(config, target)]
+    if target and ({"generate", "records", "capture"} & set(stages)):
+        out += [("disk", f) for f in _disk(config)]
+    out += [("run directory", f) for f in _run_dir(config)]
+    return out
+
+
+def engine_checks(config: RunConfig, *, vocab_size: int | None = None,
+                  longest: dict[str, int] | None = None) -> list[Finding]:
+    """The engine group alone (the pipeline runs it once the servers it launched answer); `vocab_size` and
+    `longest` (the longest sampled prompt of each dataset) are read from the target when not given."""
+    from tasks.doctor.engine import engine_findings
+
+    if longest is None:
+        target, tokenizer, _ = _target(config)
+        vocab_size = target.get("vocab_size")
+        longest = _template(config, tokenizer).longest_prompts if tokenizer is not None else {}
+    return engine_findings(config.server, target_path=config.target.path, vocab_size=vocab_size,
+                           max_new_tokens=config.sampling.max_new_tokens, longest_prompts=longest)
+
+
+def preflight(config: RunConfig, stages: list[str], log: Any) -> None:
+    """The checks for `stages` before the first one (the engine's only when it is already running):
+    the table goes to `log`; PreflightFailed naming each FAIL."""
+    started = time.monotonic()
+    findings = doctor_findings(config, stages, engine=config.server.launch == "none")
+    report(findings, log, title=f"preflight checks for {', '.join(stages)} ({time.monotonic() - started:.1f} s)")
+
+
+def report(findings: list[tuple[str, Finding]], log: Any, *, title: str) -> None:
+    """Log each finding (`log.info`/`warning`/`error`), then raise PreflightFailed if one is a FAIL."""
+    for group, f in findings:
+        line = f"{f.status} {group}: {_short_name(group, f)}: {f.detail}" + (f" -> {f.advice}" if f.advice else "")
+        {"PASS": log.info, "WARN": log.warning, "FAIL": log.error}[f.status]("%s", line)
+    bad = failed([f for _, f in findings])
+    if bad:
+        raise PreflightFailed(f"{title}: {len(bad)} failed: " + "; ".join(f"{f.name}: {f.detail}" for f in bad)
+                              + ". Fix them (`eagle3 doctor CONFIG` shows every check), or run with --skip-checks")
+    log.info("%s: %d passed, %d warnings", title, sum(f.status == "PASS" for _, f in findings),
+             sum(f.status == "WARN" for _, f in findings))
+
+
+def render(findings: list[tuple[str, Finding]], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in ("group", "check", "status", "seen", "what to do"):
+        table.add_column(column, overflow="fold")
+    for group, f in findings:
+        table.add_row(escape(group), escape(_short_name(group, f)), f"[{STATUS_STYLE[f.status]}]{f.status}[/]", escape(f.detail),
+                      escape(f.advice))
+    return table
+
+
+def _short_name(group: str, f: Finding) -> str:
+    """The check's name without its group's (`chat template: B1` in group `chat template` is `B1`)."""
+    return f.name.removeprefix(f"{group}: ") if f.name != group else f.name
+
+
+def print_doctor(config: RunConfig, config_path: Path, console: Console) -> bool:
+    """`eagle3 doctor`: every check, as a table; False when one FAILs."""
+    started = time.monotonic()
+    findings = doctor_findings(config)
+    console.print(render(findings, f"{config_path}: checks ({time.monotonic() - started:.1f} s)"))
+    counts = {s: sum(f.status == s for _, f in findings) for s in STATUS_STYLE}
+    console.print(f"{counts['PASS']} passed, {counts['WARN']} warnings, {counts['FAIL']} failed", highlight=False)
+    return not counts["FAIL"]
+
+
+# --- the groups ------------------------------------------------------------------------------
+
+
+def _environment(config: RunConfig, stages: list[str]) -> list[Finding]:
+    ranks = [s for s in ("capture", "train") if s in stages]
+    device = "cuda" if any(getattr(config, s).device == "cuda" for s in ranks) else "cpu"
+    c = config.capture
+    ops = ("async_io",) if "capture" in stages and c.mode == "zero3" and c.offload == "nvme" else ()
+    several = any(getattr(config, s).num_gpus > 1 for s in ranks)
+    found = environment_checks(device, pipeline=True, ops=ops, allreduce=several,
+                               install_hint="pip install -e . in this environment (the ranks import it)")
+    if device == "cpu":  # said, so that a CPU run is never mistaken for a GPU one
+        found = [Finding(f.name, f.status, f"{f.detail} (no CUDA: the ranks run on CPU)" if f.name == "device" else f.detail,
+                         f.advice) for f in found]
+    return found
+
+
+def _target(config: RunConfig) -> tuple[dict[str, Any], Any, Finding | None]:
+    """The target's text config (as a dict) and its tokenizer; else ({}, None, the finding that says why)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path, trust = config.target.path, config.target.trust_remote_code
+    if config.target.build_tiny_target and not (Path(path) / "config.json").is_file():
+        return {}, None, Finding("target", "PASS", f"{path}: not built yet; the pipeline builds the tiny demo target "
+                                                   "first (the checks that need it run then)")
+    try:
+        loaded = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+        text = loaded.get_text_config() if hasattr(loaded, "get_text_config") else loaded
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    except Exception as exc:  # noqa: BLE001 - a wrong path, a Hub id offline, a broken tokenizer.json
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return {}, None, Finding("target", "FAIL", f"cannot load {path}: {reason}",
+                                 "set target.path to a local checkpoint directory (config.json + tokenizer)")
+    return text.to_dict(), tokenizer, None
+
+
+def _template(config: RunConfig, tokenizer: Any):
+    from tasks.doctor.chat_template import template_findings
+
+    present = [(d.name, d.path, d.kind) for d in config.datasets if d.path.exists()]
+    return template_findings(tokenizer, present, on_rewrite=config.records.on_rewrite)
+
+
+def _draft(config: RunConfig, target: dict[str, Any]) -> list[Finding]:
+    from tasks.doctor.draft import draft_findings
+
+    layers = capture_layers(int(target["num_hidden_layers"]), config.capture.aux_layers)
+    return draft_findings(config.draft_dir / "final", trained_layers=layers, vocab_size=int(target["vocab_size"]),
+                          hidden_size=int(target["hidden_size"]))
+
+
+def _disk(config: RunConfig) -> list[Finding]:
+    from tasks.doctor.disk import disk_findings
+
+    try:
+        plan = capture_plan(config)
+    except Exception as exc:  # noqa: BLE001 - the target's config unreadable: said by the target check
+        return [Finding("disk: capture", "WARN", f"no plan: {exc}"[:200], "point target.path at a local checkpoint")]
+    budgets = sum(d.token_budget or 0 for d in config.datasets if d.kind == "generate")
+    return disk_findings(plan, budget_tokens=budgets, run_dir=config.run_dir)
+
+
+def _run_dir(config: RunConfig) -> list[Finding]:
+    from tasks.doctor.run_dir import run_dir_findings
+
+    settings = optimisation_settings(train_job(config), config.world_size(config.train))
+    return run_dir_findings(config.run_dir, checkpoint_dir=config.draft_dir / "checkpoints", settings=settings)

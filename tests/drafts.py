@@ -1,0 +1,32 @@
+"""Random EAGLE-3 drafts over a target, exported as the engines read them: for tests where equality or loading, not
+quality, is the point."""
+
+from __future__ import annotations
+
+import torch
+
+from models.draft_vocab import draft_vocab
+from models.eagle3 import Eagle3Config, Eagle3Draft, default_aux_layers
+from models.eagle3_export import export_draft
+
+
+def random_draft(config: Eagle3Config, embedding: torch.Tensor, *, seed: int = 0) -> Eagle3Draft:
+    """A draft of `config` with random weights (seed `seed`), the target's `embedding`, a vocab from random counts."""
+    draft = Eagle3Draft(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name != "embed_tokens.weight":
+                p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.ndim > 1 else 0.1) + (p.ndim == 1))
+    draft.load_target_embedding(embedding)
+    counts = torch.randint(0, 100, (config.vocab_size,), generator=g).numpy()
+    draft.set_draft_vocab(*draft_vocab(counts, config.vocab_size, config.draft_vocab_size))
+    return draft.eval()
+
+
+def export_random_draft(model, out_dir, *, draft_vocab_size: int):
+    """A random draft (seed 0) over `model`'s embedding, exported in float32 (models/eagle3_export.py) to out_dir."""
+    cfg = Eagle3Config.from_target_config(model.config, draft_vocab_size=draft_vocab_size,
+                                          aux_layers=default_aux_layers(model.config.num_hidden_layers))
+    draft = random_draft(cfg, model.get_input_embeddings().weight)
+    return export_draft(draft, out_dir, target_config=model.config, dtype=torch.float32)

@@ -1,0 +1,150 @@
+"""`eagle3 doctor` and the pipeline's preflight: all PASS on the demo, and a FAIL naming the fault for a template
+that masks nothing, a draft whose aux ids are off by one for vLLM, and a server that serves another model."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from flows.cli import app
+from flows.config import load_config
+from flows.doctor import PreflightFailed, doctor_findings, engine_checks
+from models.findings import Finding
+
+REPO = Path(__file__).resolve().parents[2]
+# A template that renders the user's turns and drops every assistant turn's text: nothing to put loss on.
+NO_ANSWERS = ("{% for m in messages %}{% if m['role'] != 'assistant' %}<|{{ m['role'] }}|>{{ m['content'] }}"
+              "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def write_config(tmp_path: Path, target: Path, **sections) -> Path:
+    """configs/demo.yaml for a run in tmp_path on `target` (already built), with `sections` merged over it."""
+    data = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    data["run_dir"] = str(tmp_path / "run")
+    data["target"] = {"path": str(target)}
+    for d in data["datasets"]:
+        d["path"] = str(REPO / d["path"])
+    data["eval"]["prompt_files"] = [str(REPO / p) for p in data["eval"]["prompt_files"]]
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def by_name(findings: list[tuple[str, Finding]] | list[Finding]) -> dict[str, Finding]:
+    """Findings by check name, from doctor_findings' (group, finding) pairs or a group's list."""
+    return {f.name: f for f in (item[1] if isinstance(item, tuple) else item for item in findings)}
+
+
+def test_the_demo_config_passes_every_check_and_says_cpu(tmp_path, tiny_target_dir):
+    config = write_config(tmp_path, tiny_target_dir)
+    result = CliRunner().invoke(app, ["doctor", str(config)])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"\d+ passed, 0 warnings, 0 failed", result.output)
+    findings = by_name(doctor_findings(load_config(config)))
+    assert {f.status for f in findings.values()} == {"PASS"}
+    assert "cpu" in findings["device"].detail and "no CUDA" in findings["device"].detail
+    # every group that applies to a fresh demo run is there, each dataset's template included
+    assert {"python", "torch", "deepspeed", "transformers", "prefect", "engine", "draft", "disk: capture",
+            "run directory"} <= set(findings)
+    assert {f"chat template: {n}" for n in ("A1_chat", "B1_code", "B2_math", "B3_long")} <= set(findings)
+    assert findings["engine"].detail.startswith("server.launch: dev")
+
+
+@pytest.fixture
+def maskless_target(tmp_path, tiny_target_dir) -> Path:
+    """The tiny target with a chat template that drops the assistant turns' text."""
+    target = tmp_path / "maskless-target"
+    shutil.copytree(tiny_target_dir, target)
+    (target / "chat_template.jinja").write_text(NO_ANSWERS)
+    return target
+
+
+def test_a_template_that_masks_nothing_fails_naming_the_dataset(tmp_path, maskless_target):
+    config = write_config(tmp_path, maskless_target)
+    result = CliRunner().invoke(app, ["doctor", str(config)])
+    assert result.exit_code == 1, result.output
+    f = by_name(doctor_findings(load_config(config)))["chat template: A1_chat"]
+    assert f.status == "FAIL" and f.detail.startswith("0% of the tokens get loss: row pt-001")
+    assert "chat_template" in f.advice
+
+
+def test_the_pipeline_stops_before_its_first_stage_on_a_fail_and_skip_checks_runs_it(tmp_path, maskless_target):
+    from flows.pipeline import pipeline
+
+    config = write_config(tmp_path, maskless_target, server={"launch": "none"},
+                          datasets=[{"name": "A1_chat", "kind": "passthrough",
+                                     "path": str(REPO / "data/samples/passthrough_chat.jsonl")}])
+    with pytest.raises(PreflightFailed, match=r"chat template: A1_chat: 0% of the tokens get loss"):
+        pipeline(str(config), "generate,records")
+    assert not (tmp_path / "run" / "responses").exists()  # no stage was started
+    pipeline(str(config), "generate,records", skip_checks=True)  # the same fault, found by the stage: every row a reject
+    rejects = list((tmp_path / "run" / "rejects" / "A1_chat").glob("*"))
+    assert rejects, "the records stage ran and rejected the rows the template cannot mask"
+
+
+def test_a_draft_whose_vllm_aux_ids_are_off_by_one_fails(tmp_path, tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    from tests.drafts import export_random_draft
+
+    config = load_config(write_config(tmp_path, tiny_target_dir))
+    export = config.draft_dir / "final"
+    export_random_draft(AutoModelForCausalLM.from_pretrained(tiny_target_dir), export, draft_vocab_size=1024)
+    assert {f.status for g, f in doctor_findings(config, ["eval"]) if g == "draft"} == {"PASS"}
+
+    cfg = json.loads((export / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]  # SGLang's ids
+    (export / "config.json").write_text(json.dumps(cfg))
+    found = by_name(doctor_findings(config, ["eval"]))
+    aux = found["draft: aux layer ids"]
+    assert aux.status == "FAIL"
+    assert "vLLM would feed it capture indices [1, 3, 4] instead of [2, 4, 5] (off by one" in aux.detail
+    assert "SGLang" not in aux.detail.split(": ", 1)[1].split(";")[-1]  # SGLang's reading is right: not blamed
+    assert found["draft: vLLM loader"].status == "FAIL" and found["draft: SGLang loader"].status == "PASS"
+
+
+def test_a_dev_server_serving_another_model_fails(tmp_path, tiny_target_dir, serve_app):
+    from deploy.dev_server import create_app
+    from models.tiny_target import build_tiny_target
+
+    other = build_tiny_target(tmp_path / "other-model", seed=1, train_steps=0)
+    with serve_app(create_app(other)) as url:
+        config = load_config(write_config(tmp_path, tiny_target_dir, server={"url": url, "launch": "none"}))
+        found = by_name(engine_checks(config))
+        result = CliRunner().invoke(app, ["doctor", str(tmp_path / "config.yaml")])
+    model = found[f"engine {url}: model"]
+    assert model.status == "FAIL" and model.detail == f"serves {other}, but target.path is {tiny_target_dir}"
+    assert found[f"engine {url}: version"].status == "PASS"
+    assert result.exit_code == 1 and "serves" in result.output
+
+
+def test_the_engine_serving_the_target_passes_with_its_figures(tmp_path, tiny_target_dir, serve_app):
+    from deploy.dev_server import create_app
+
+    with serve_app(create_app(tiny_target_dir, context_length=512)) as url:
+        config = load_config(write_config(tmp_path, tiny_target_dir, server={"url": url, "launch": "none"}))
+        found = by_name(engine_checks(config))
+    assert {f.status for f in found.values()} == {"PASS", "WARN"}
+    assert found[f"engine {url}: model"].detail == str(tiny_target_dir)
+    assert found[f"engine {url}: version"].detail.startswith("the eagle3 dev server 0.1.0-eagle3-dev (an emulation of SGLang 0.5.23")
+    # B3_long's longest sampled prompt (667 tokens) + max_new_tokens 96 does not fit a context of 512
+    context = found[f"engine {url}: context"]
+    assert context.status == "WARN" and "B3_long (667)" in context.detail and "SGLang refuses them" in context.advice
+    assert found[f"engine {url}: draft"].detail == "none (plain decoding)"
+
+
+def test_an_unreachable_server_fails_with_what_to_do(tmp_path, tiny_target_dir):
+    from tasks.ports import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    config = load_config(write_config(tmp_path, tiny_target_dir, server={"url": url, "launch": "none"}))
+    (f,) = engine_checks(config)
+    assert f.status == "FAIL" and "not reachable" in f.detail and "start the server" in f.advice
