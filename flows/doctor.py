@@ -150,13 +150,15 @@ def _target(config: RunConfig) -> tuple[dict[str, Any], Any, Finding | None]:
     if config.target.build_tiny_target and not (Path(path) / "config.json").is_file():
         return {}, None, Finding("target", "PASS", f"{path}: not built yet; the pipeline builds the tiny demo target "
                                                    "first (the checks that need it run then)")
+    local = Path(path).is_dir()  # else a Hub id: read from the local cache only, in seconds, never downloaded here
     try:
-        loaded = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+        loaded = AutoConfig.from_pretrained(path, trust_remote_code=trust, local_files_only=not local)
         text = loaded.get_text_config() if hasattr(loaded, "get_text_config") else loaded
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
-    except Exception as exc:  # noqa: BLE001 - a wrong path, a Hub id offline, a broken tokenizer.json
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust, local_files_only=not local)
+    except Exception as exc:  # noqa: BLE001 - a wrong path, a Hub id not in the cache, a broken tokenizer.json
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        return {}, None, Finding("target", "FAIL", f"cannot load {path}: {reason}",
+        where = "" if local else " (not a directory here, and not in the Hugging Face cache)"
+        return {}, None, Finding("target", "FAIL", f"cannot load {path}{where}: {reason}",
                                  "set target.path to a local checkpoint directory (config.json + tokenizer)")
     return text.to_dict(), tokenizer, None
 

@@ -19,10 +19,10 @@ from models.findings import Finding, failed
 
 # The versions the project's tests ran with (a WARN, not a FAIL, when the major.minor differs).
 TESTED = {"python": "3.11", "torch": "2.13", "transformers": "5.24", "deepspeed": "0.19", "safetensors": "0.8",
-          "pyarrow": "26", "numpy": "2.4", "prefect": "3.9", "httpx": "0.28"}
+          "pyarrow": "26", "numpy": "2.4", "pydantic": "2.14", "prefect": "3.9", "httpx": "0.28"}
 # What a rank process and the GPU check import, and the distribution that provides each.
 NEEDED = {"torch": "torch", "deepspeed": "deepspeed", "transformers": "transformers", "safetensors": "safetensors",
-          "pyarrow": "pyarrow", "numpy": "numpy"}
+          "pyarrow": "pyarrow", "numpy": "numpy", "pydantic": "pydantic"}  # pydantic: the jobs (models/jobs.py)
 # What the pipeline process imports besides (not on the GPU check's machine).
 PIPELINE = {"prefect": "prefect", "httpx": "httpx"}
 # DeepSpeed ops a setting needs built or buildable, by op builder: ZeRO-3 offload to NVMe needs async I/O.
