@@ -60,7 +60,7 @@ async def _one(url: str, server: ServerSettings, target_path: str, vocab_size: i
             return [Finding(name, "FAIL", f"not reachable: {type(exc).__name__}: {exc}"[:300],
                             "start the server, or fix server.url")]
         except ServerRefused as exc:
-            return [Finding(name, "FAIL", f"refused: HTTP {exc.status}: {exc.message}"[:300],
+            return [Finding(name, "FAIL", f"refused: HTTP {exc.status} from {exc.url}: {' '.join(exc.message.split())[:160]}",
                             auth_hint(server) if isinstance(exc, AuthError) else client.url_hint)]
         except Exception as exc:  # noqa: BLE001 - an answer that is not the engine's (another service at that port)
             return [Finding(name, "FAIL", f"not a {client.name} server: {type(exc).__name__}: {exc}"[:300],

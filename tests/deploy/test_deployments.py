@@ -125,7 +125,8 @@ def test_a_killed_worker_leaves_nothing_a_rerun_does_not_finish_exactly_once(pre
     n = 120
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}"}) + "\n" for i in range(n)))
     run_dir = tmp_path / "run"
-    with SimServer(max_running=4, decode_s_per_token=0.01, mean_len=30, vocab_size=2048, eos_token_id=1) as sim:
+    with SimServer(max_running=4, decode_s_per_token=0.01, mean_len=30, vocab_size=2048, eos_token_id=1,
+                   model_path=str(tiny_target_dir)) as sim:
         config = tmp_path / "killed.yaml"
         config.write_text(yaml.safe_dump({
             "run_dir": str(run_dir), "target": {"path": str(tiny_target_dir)},

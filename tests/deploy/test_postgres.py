@@ -119,7 +119,8 @@ def test_a_team_server_on_postgresql_runs_a_deployment_on_the_box_its_queue_name
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}"}) + "\n" for i in range(n)))
     run_dir = tmp_path / "run"
     with launch_prefect(tmp_path / "prefect", PREFECT_SERVER_DATABASE_CONNECTION_URL=postgres.url) as server, \
-            SimServer(max_running=8, decode_s_per_token=0.001, mean_len=20, vocab_size=2048, eos_token_id=1) as sim:
+            SimServer(max_running=8, decode_s_per_token=0.001, mean_len=20, vocab_size=2048, eos_token_id=1,
+                      model_path=str(tiny_target_dir)) as sim:
         # docs/operations.md section 9: the pool's limit is the number of boxes, a queue per box, one worker per box
         # polling only its queue and running one flow run at a time
         boxes = ("box-a", "box-b")

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.config import load_config
 from flows.doctor import PreflightFailed, doctor_findings, engine_checks
+from models import environment
 from models.findings import Finding
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,9 +48,14 @@ def test_the_demo_config_passes_every_check_and_says_cpu(tmp_path, tiny_target_d
     config = write_config(tmp_path, tiny_target_dir)
     result = CliRunner().invoke(app, ["doctor", str(config)])
     assert result.exit_code == 0, result.output
-    assert re.search(r"\d+ passed, 0 warnings, 0 failed", result.output)
     findings = by_name(doctor_findings(load_config(config)))
-    assert {f.status for f in findings.values()} == {"PASS"}
+    # The only warnings: a Python or package version other than the tested one (environment.TESTED), as on the
+    # GPU machine (Python 3.12, torch 2.11, transformers 5.17); every other check passes.
+    warned = {name for name, f in findings.items() if f.status == "WARN"}
+    assert {f.status for f in findings.values()} <= {"PASS", "WARN"}
+    assert all(name in environment.TESTED and "; tested with " in findings[name].detail for name in warned), \
+        {name: findings[name].detail for name in warned}
+    assert re.search(rf"\d+ passed, {len(warned)} warnings, 0 failed", result.output)
     assert "cpu" in findings["device"].detail and "no CUDA" in findings["device"].detail
     # every group that applies to a fresh demo run is there, each dataset's template included
     assert {"python", "torch", "deepspeed", "transformers", "prefect", "engine", "draft", "disk: capture",
@@ -96,7 +102,7 @@ def test_a_draft_whose_vllm_aux_ids_are_off_by_one_fails(tmp_path, tiny_target_d
     from tests.drafts import export_random_draft
 
     config = load_config(write_config(tmp_path, tiny_target_dir))
-    export = config.draft_dir / "final"
+    export = config.layout.draft_dir / "final"
     export_random_draft(AutoModelForCausalLM.from_pretrained(tiny_target_dir), export, draft_vocab_size=1024)
     assert {f.status for g, f in doctor_findings(config, ["eval"]) if g == "draft"} == {"PASS"}
 
