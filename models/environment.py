@@ -17,13 +17,16 @@ from importlib import metadata
 
 from models.findings import Finding, failed
 
-# The versions the project's tests ran with (a WARN, not a FAIL, when the major.minor differs).
-TESTED = {"python": "3.11", "torch": "2.13", "transformers": "5.24", "deepspeed": "0.19", "safetensors": "0.8",
-          "pyarrow": "26", "numpy": "2.4", "pydantic": "2.14", "prefect": "3.9", "httpx": "0.28"}
+# The major.minor versions the project's tests passed with (another is a WARN, not a FAIL): this machine's .venv
+# first, then the GPU machine's (Python 3.12, torch 2.11, transformers 5.17, numpy 2.5: the fast, multiprocess and
+# GPU-check smoke tests, run once in a venv of those versions; docs/gpu-check.md).
+TESTED = {"python": ("3.11", "3.12"), "torch": ("2.13", "2.11"), "transformers": ("5.24", "5.17"), "deepspeed": "0.19",
+          "safetensors": "0.8", "pyarrow": "26", "numpy": ("2.4", "2.5"), "pydantic": "2.14", "prefect": "3.9",
+          "httpx": "0.28"}
 # What a rank process and the GPU check import, and the distribution that provides each.
 NEEDED = {"torch": "torch", "deepspeed": "deepspeed", "transformers": "transformers", "safetensors": "safetensors",
           "pyarrow": "pyarrow", "numpy": "numpy", "pydantic": "pydantic"}  # pydantic: the jobs (models/jobs.py)
-# What the pipeline process imports besides (not on the GPU check's machine).
+# What the pipeline process imports besides (the GPU check's machine has no Prefect).
 PIPELINE = {"prefect": "prefect", "httpx": "httpx"}
 # DeepSpeed ops a setting needs built or buildable, by op builder: ZeRO-3 offload to NVMe needs async I/O.
 OP_BUILDERS = {"async_io": "AsyncIOBuilder"}
@@ -61,10 +64,11 @@ def _python_finding() -> Finding:
     have = ".".join(map(str, sys.version_info[:3]))
     if sys.version_info < (3, 10):
         return Finding("python", "FAIL", have, "use Python 3.10 or later")
-    if _major_minor(have) == TESTED["python"]:
+    tested = tested_versions("python")
+    if _matches(have, tested):
         return Finding("python", "PASS", have)
-    return Finding("python", "WARN", f"{have}; tested with {TESTED['python']}.x", "it may work; the tests ran on "
-                   f"{TESTED['python']}")
+    return Finding("python", "WARN", f"{have}; tested with {' or '.join(v + '.x' for v in tested)}",
+                   "it may work; the tests ran on those")
 
 
 def _op_finding(op: str) -> Finding:
@@ -132,16 +136,23 @@ def _version_finding(module: str, dist: str) -> Finding:
         have = metadata.version(dist)
     except metadata.PackageNotFoundError:
         have = getattr(importlib.import_module(module), "__version__", "unknown")
-    tested = TESTED.get(module)
-    if tested is None or _major_minor(have).startswith(tested):
+    tested = tested_versions(module)
+    if not tested or _matches(have, tested):
         return Finding(module, "PASS", have)
-    return Finding(module, "WARN", f"{have}; tested with {tested}.x",
-                   "it may work; if a later step fails, install the tested version")
+    return Finding(module, "WARN", f"{have}; tested with {' or '.join(v + '.x' for v in tested)}",
+                   "it may work; if a later step fails, install a tested version")
 
 
-def _major_minor(version: str) -> str:
+def tested_versions(name: str) -> tuple[str, ...]:
+    """The major.minor versions of `name` the tests passed with (TESTED holds one string or a tuple)."""
+    value = TESTED.get(name, ())
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _matches(version: str, tested: tuple[str, ...]) -> bool:
+    """Whether `version` (e.g. 2.13.0+cpu) is one of `tested` (e.g. 2.13, or 26 for any 26.x)."""
     parts = version.split("+")[0].split(".")
-    return ".".join(parts[:2])
+    return any(parts[:len(t.split("."))] == t.split(".") for t in tested)
 
 
 def _device_findings(device: str) -> list[Finding]:

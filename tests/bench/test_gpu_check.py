@@ -12,14 +12,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The GPU machine has no Prefect or httpx (docs/gpu-check.md): the check process must not import them, even lazily.
+# The GPU machine has no Prefect (docs/gpu-check.md): the check process must not import it, even lazily. httpx is
+# there (huggingface_hub 1.x needs it, and transformers 5.17 imports it at `import transformers`; huggingface_hub 2.x
+# moved to httpx2), so httpx is refused only to the project's own modules, whether or not transformers loaded it first.
 WITHOUT_PREFECT = """
-import importlib.abc, runpy, sys
+import builtins, importlib.abc, runpy, sys
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("prefect", "httpx"):
+        if name.split(".")[0] == "prefect":
             raise ImportError(f"{name} is not on the GPU machine")
 sys.meta_path.insert(0, Refuse())
+OURS = {"__main__", "bench", "deploy", "flows", "models", "tasks"}
+real_import = builtins.__import__
+def ours_without_httpx(name, globals=None, locals=None, fromlist=(), level=0):
+    if level == 0 and name.split(".")[0] == "httpx" and (globals or {}).get("__name__", "").split(".")[0] in OURS:
+        raise ImportError(f"{name}: the check's own modules must not need it on the GPU machine")
+    return real_import(name, globals, locals, fromlist, level)
+builtins.__import__ = ours_without_httpx
 sys.argv = ["bench/gpu_check.py", *sys.argv[1:]]
 runpy.run_path("bench/gpu_check.py", run_name="__main__")
 """
@@ -146,7 +155,7 @@ def test_a_missing_deepspeed_stops_the_check_before_its_first_phase(tmp_path):
     assert figures["ok"] is False and figures["phases"] == {}
     [deepspeed] = [f for f in figures["preflight"] if f["name"] == "deepspeed"]
     assert deepspeed["status"] == "FAIL" and "import deepspeed failed: ModuleNotFoundError" in deepspeed["detail"]
-    assert {f["name"]: f["status"] for f in figures["preflight"]}["torch"] == "PASS"
+    assert {f["name"]: f["status"] for f in figures["preflight"]}["torch"] in ("PASS", "WARN")  # WARN: another version
 
 
 @pytest.mark.slow

@@ -69,3 +69,14 @@ def test_the_allreduce_is_skipped_without_several_gpus():
     if torch.cuda.device_count() > 1:
         pytest.skip("several GPUs: the all-reduce runs (the GPU check's machine has one)")
     assert "nccl all-reduce" not in by_name(environment_checks("cpu", allreduce=True))  # CPU: no NCCL at all
+
+
+def test_any_of_the_tested_versions_passes(monkeypatch):
+    import numpy
+
+    major_minor = ".".join(numpy.__version__.split(".")[:2])
+    monkeypatch.setitem(environment.TESTED, "numpy", ("1.26", major_minor))  # this machine's is the second one
+    assert by_name(environment_checks("cpu"))["numpy"].status == "PASS"
+    monkeypatch.setitem(environment.TESTED, "numpy", ("1.26", "1.25"))
+    f = by_name(environment_checks("cpu"))["numpy"]
+    assert f.status == "WARN" and f.detail.endswith("tested with 1.26.x or 1.25.x")
