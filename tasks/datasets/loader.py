@@ -1,0 +1,204 @@
+"""Loading a dataset: the reader its path calls for, every row checked, ids unique, bad rows raised or rejected."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from tasks.datasets.errors import DatasetError, DatasetNotFoundError, EmptyDatasetError
+from tasks.datasets.hf_saved import read_hf_saved, train_split
+from tasks.datasets.jsonl import read_jsonl
+from tasks.datasets.parquet import read_parquet
+from tasks.datasets.raw import ACCEPTED_FORMATS, COLUMNS, EXPECTED, Raw
+from tasks.datasets.rows import (BUILDERS, BadRow, Kind, LoadedDataset, PassthroughRow, PromptRow, Reject, loose_id,
+                                 utf8)
+
+log = logging.getLogger("eagle3.datasets")
+
+OnBadRow = Literal["fail", "skip"]
+REPEATED_ID_FIX = (
+    "ids must be unique within a dataset: give one of the two rows another id (or remove its id to"
+    " get a content hash), or delete the repeat; with on_bad_row: skip the first row is kept and"
+    " the repeat goes to rejects"
+)
+
+
+def iter_rows(path: Path | str, kind: Kind) -> Iterator[tuple[int, dict]]:
+    """Raw rows with the number errors use for them (JSONL line, else row; per file in a directory).
+
+    Raises DatasetError for a row that cannot be parsed into a JSON object; does not validate
+    fields (`load_dataset` does). Format and existence are checked before the first row.
+    """
+    _check_kind(kind)
+    return _parsed_rows(_open_rows(Path(path), kind), kind)
+
+
+def _parsed_rows(raws: Iterator[Raw], kind: str) -> Iterator[tuple[int, dict]]:
+    for raw in raws:
+        if raw.error is not None:
+            expected = raw.expected or EXPECTED[kind]
+            raise DatasetError(raw.source, raw.row, raw.error, expected=expected, unit=raw.unit)
+        yield raw.row, raw.data
+
+
+def load_dataset(
+    path: Path | str, kind: Kind, *, on_bad_row: OnBadRow = "fail"
+) -> LoadedDataset:
+    """Read and validate every row; the first occurrence of each id wins.
+
+    on_bad_row="fail" raises DatasetError on the first bad row; "skip" records a Reject and goes
+    on. A repeated id is a bad row unless the repeat has the same content (and the id the same
+    type): such duplicates are dropped, counted, and reported in one warning on `eagle3.datasets`.
+    Raises EmptyDatasetError when no usable row is left.
+    """
+    _check_kind(kind)
+    if on_bad_row not in ("fail", "skip"):
+        raise ValueError(f"on_bad_row must be 'fail' or 'skip', got {on_bad_row!r}")
+    path = Path(path)
+    build = BUILDERS[kind]
+    rows: list = []
+    rejects: list[Reject] = []
+    # id -> (index in rows, source, row number, whether the id was given as an int): enough to
+    # compare a repeat with its first occurrence and to name both.
+    seen: dict[str, tuple[int, Path, int, bool]] = {}
+    duplicates = 0
+    first_duplicate: tuple[str, Path, int] | None = None
+
+    for raw in _open_rows(path, kind):
+        try:
+            if raw.error is not None:
+                raise BadRow(raw.error, raw.expected)
+            row = build(raw.data)
+        except BadRow as bad:
+            if on_bad_row == "fail":
+                raise DatasetError(
+                    raw.source, raw.row, bad.reason, expected=bad.expected or EXPECTED[kind], unit=raw.unit
+                ) from None
+            rejects.append(Reject(raw.source, raw.row, loose_id(raw.data), bad.reason, raw.text()))
+            continue
+        int_id = type(raw.data.get("id")) is int
+        first = seen.get(row.id)
+        if first is None:
+            seen[row.id] = (len(rows), raw.source, raw.row, int_id)
+            rows.append(row)
+            continue
+        conflict = _repeat_conflict(row, int_id, rows[first[0]], first, raw.source)
+        if conflict is None:
+            duplicates += 1
+            if first_duplicate is None:
+                first_duplicate = (row.id, raw.source, raw.row)
+            continue
+        if on_bad_row == "fail":
+            raise DatasetError(raw.source, raw.row, conflict, expected=REPEATED_ID_FIX, unit=raw.unit)
+        rejects.append(Reject(raw.source, raw.row, utf8(row.id), conflict, raw.text()))
+
+    if not rows:  # before the warnings: the error says it all
+        raise _empty_dataset(path, rejects)
+    if duplicates:
+        dup_id, dup_source, dup_row = first_duplicate
+        log.warning(
+            "%s: dropped %d row(s) that repeat an earlier row's id and content (the first occurrence is kept);"
+            " first repeat: id %r at %s %s %d",
+            path, duplicates, dup_id, dup_source, "line" if _is_jsonl(dup_source) else "row", dup_row,
+        )
+    if rejects:
+        first = rejects[0]
+        log.warning(
+            "%s: skipped %d bad row(s) (on_bad_row=skip); first: %s %s %d: %s",
+            path, len(rejects), first.path, "line" if _is_jsonl(first.path) else "row", first.row, first.reason,
+        )
+    return LoadedDataset(rows=rows, rejects=rejects, duplicates=duplicates, path=path)
+
+
+def _repeat_conflict(
+    row: PromptRow | PassthroughRow, int_id: bool, first_row: Any, first: tuple[int, Path, int, bool], source: Path
+) -> str | None:
+    """Why a row whose id was seen before is bad, or None when it is a plain duplicate."""
+    _, first_source, first_number, first_int = first
+    where = f"{'line' if _is_jsonl(first_source) else 'row'} {first_number}"
+    if first_source != source:
+        where = f"{first_source} {where}"
+    if int_id != first_int:
+        # str() made both "7": a file that mixes them means two different rows or a typo.
+        quoted = json.dumps(row.id, ensure_ascii=False)
+        shown, first_shown = (row.id, quoted) if int_id else (quoted, row.id)
+        return (
+            f"id {utf8(shown)} collides with id {utf8(first_shown)} at {where}: ids are compared as"
+            " strings, so an int id and the same digits as a string are the same id"
+        )
+    if row != first_row:  # same id, so this compares the content
+        return f"id {utf8(row.id)!r} repeats {where} with different content"
+    return None
+
+
+def _empty_dataset(path: Path, rejects: list[Reject]) -> EmptyDatasetError:
+    """The error for a dataset without a usable row: says whether it had rows at all."""
+    if rejects:
+        first = rejects[0]
+        error = EmptyDatasetError(
+            path,
+            None,
+            f"has no usable row: all {len(rejects)} row(s) are bad (first: {first.location}: {first.reason})",
+            expected="fix the rows (`eagle3 validate CONFIG` lists them), or remove the dataset from the config",
+        )
+        error.rejects = tuple(rejects)
+        return error
+    return EmptyDatasetError(
+        path,
+        None,
+        "has no rows",
+        expected="a dataset needs at least one row: check that datasets[i].path names the right file,"
+        " or remove the dataset from the config",
+    )
+
+
+def _open_rows(path: Path, kind: str) -> Iterator[Raw]:
+    """Pick the reader for `path`; format and existence errors raise here, not at first row."""
+    if not path.exists():
+        raise DatasetNotFoundError(
+            path,
+            None,
+            "does not exist",
+            expected=(
+                "the dataset is the user's to provide: set datasets[i].path in the run config to an"
+                " existing JSONL/Parquet file or dataset directory"
+            ),
+        )
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".json"):
+            return read_jsonl(path)
+        if suffix == ".parquet":
+            return read_parquet(path, kind)
+        raise DatasetError(path, None, f"unsupported file type {suffix or '(no suffix)'!r}", expected=ACCEPTED_FORMATS)
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            return _open_rows(train_split(path), kind)
+        if (path / "state.json").is_file():
+            return read_hf_saved(path, kind)
+        parts = sorted(
+            p for p in path.glob("*.parquet") if p.is_file() and not p.name.startswith((".", "_"))
+        )
+        if parts:
+            return _chain([read_parquet(p, kind) for p in parts])
+        raise DatasetError(
+            path, None, "directory has no *.parquet files and no state.json (save_to_disk)", expected=ACCEPTED_FORMATS
+        )
+    raise DatasetError(path, None, "is neither a file nor a directory", expected=ACCEPTED_FORMATS)
+
+
+def _chain(readers) -> Iterator[Raw]:
+    for reader in readers:
+        yield from reader
+
+
+def _is_jsonl(path: Path) -> bool:
+    return path.suffix.lower() in (".jsonl", ".json")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in COLUMNS:
+        raise ValueError(f"kind must be 'generate' or 'passthrough', got {kind!r}")
