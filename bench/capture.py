@@ -65,6 +65,7 @@ from models.jobs import CaptureJob, DatasetRecords  # noqa: E402
 from models.jobs import CaptureSettings  # noqa: E402
 from models.hidden_shards import INDEX_NAME, list_shards, read_sample, shard_metadata  # noqa: E402
 from models.rank_protocol import CAPTURE_PROGRESS  # noqa: E402
+from models.run_layout import RunLayout  # noqa: E402
 from models.eagle3 import default_aux_layers  # noqa: E402
 
 FIRST_ID = 8  # record ids are drawn from [FIRST_ID, vocab): clear of the special tokens 0..7
@@ -426,7 +427,7 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
             n_params += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
     aux_layers = default_aux_layers(p.num_layers)
     pad_id = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
-    records_dir = tmp / "records" / DATASET
+    records_dir = RunLayout(tmp).records(DATASET)
     rec = make_records(p, records_dir, config.vocab_size)
     samples, _, _ = load_records([DatasetRecords(name=DATASET, records_dir=str(records_dir))], config.vocab_size)
     batches = make_batches(deal(samples, 1)[0], p.max_batch_tokens)  # exactly the 1-rank capture's batches

@@ -58,6 +58,7 @@ import pyarrow.compute as pc  # noqa: E402
 
 from deploy.sim_server import SimConfig, simulate_output  # noqa: E402
 from models.jobs import GenerateJob  # noqa: E402
+from models.run_layout import RunLayout  # noqa: E402
 from tasks.checkpoints import RESPONSE_SCHEMA, compact, done_ids, summarize, write_part  # noqa: E402
 from tasks.datasets import PromptRow  # noqa: E402
 from tasks.generate.loop import GenerateReport, generate_dataset  # noqa: E402
@@ -334,8 +335,8 @@ async def run_ours(p: Params, url: str, prompts: list[PromptRow], root: Path, *,
     retry = RetryPolicy(initial_s=0.05, max_s=1.0, outage_window_s=120)
     async with ServerPool(urls, max_concurrency=p.slots, retry=retry) as pool:
         return await generate_dataset(
-            prompts, pool=pool, tokenizer=IdsTokenizer(), responses_dir=root / "responses" / "bench",
-            rejects_dir=root / "rejects" / "bench", source=root / "prompts.jsonl", settings=settings,
+            prompts, pool=pool, tokenizer=IdsTokenizer(), responses_dir=RunLayout(root).responses("bench"),
+            rejects_dir=RunLayout(root).rejects("bench"), source=root / "prompts.jsonl", settings=settings,
         )
 
 
@@ -423,7 +424,7 @@ def bench_pool(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     finally:
         for s in servers:
             s.close()
-    directory = tmp / "pool-kill" / "responses" / "bench"
+    directory = RunLayout(tmp / "pool-kill").responses("bench")
     ids = done_ids(directory)
     rows = summarize(directory).rows
     out["pool_kill"] = {
@@ -667,8 +668,8 @@ def bench_checkpoints(p: Params, tmp: Path, out: dict[str, Any]) -> None:
 
     # -- 3: resume ------------------------------------------------------------------------------
     t0 = time.perf_counter()
-    run = tmp / "resume"
-    responses_dir, rejects_dir = run / "responses" / "big", run / "rejects" / "big"
+    resumed = RunLayout(tmp / "resume")
+    responses_dir, rejects_dir = resumed.responses("big"), resumed.rejects("big")
     parts = write_like_writer(responses_dir, table.slice(0, n_resume), p)
     setup["write_parts_s"] = time.perf_counter() - t0
     print(f"  resume: {n_resume:,} responses in {parts} parts ({_mb(responses_dir)} MB) vs JSONL ({_mb(jsonl)} MB) ...",
@@ -716,10 +717,10 @@ def bench_checkpoints(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     run = tmp / "stats"
     for k in range(p.stats_datasets):
-        write_like_writer(run / "responses" / f"D{k:02d}", table.slice(k * per, per), p)
+        write_like_writer(RunLayout(run).responses(f"D{k:02d}"), table.slice(k * per, per), p)
     setup["write_stats_s"] = time.perf_counter() - t0
     del table
-    n_parts = len(list(run.glob("responses/*/part-*.parquet")))
+    n_parts = len(list(RunLayout(run).responses_root.glob("*/part-*.parquet")))
     print(f"  stats: {p.stats_datasets} datasets x {per:,} responses, {n_parts} parts "
           f"({_mb(run)} MB) vs JSONL ({_mb(tmp / 'jsonl')} MB) ...", flush=True)
     ours_s, ours_times, stats = harness.best_of(p.repeats, lambda: stats_rows(collect_stats(run), total=True))

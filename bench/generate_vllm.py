@@ -60,6 +60,7 @@ def prompt_rows(tokenizer: Any, n: int) -> list[Any]:
 
 async def run_ours(p: Params, url: str, rows: list[Any], tokenizer: Any, root: Path, params: dict[str, Any]) -> dict[str, Any]:
     from models.jobs import GenerateJob
+    from models.run_layout import RunLayout
     from tasks.engines.client import RetryPolicy
     from tasks.generate.loop import generate_dataset
     from tasks.server_pool import ServerPool
@@ -69,8 +70,9 @@ async def run_ours(p: Params, url: str, rows: list[Any], tokenizer: Any, root: P
     async with ServerPool([url], max_concurrency=p.concurrency, retry=RetryPolicy(outage_window_s=60), engine="vllm",
                           request_timeout_s=300) as pool:
         started = time.perf_counter()
-        report = await generate_dataset(rows, pool=pool, tokenizer=tokenizer, responses_dir=root / "responses",
-                                        rejects_dir=root / "rejects", source=root / "bench.jsonl", settings=settings,
+        layout = RunLayout(root)
+        report = await generate_dataset(rows, pool=pool, tokenizer=tokenizer, responses_dir=layout.responses("bench"),
+                                        rejects_dir=layout.rejects("bench"), source=root / "bench.jsonl", settings=settings,
                                         vocab_size=len(tokenizer))
         wall = time.perf_counter() - started
     assert report.new_responses == len(rows), report

@@ -61,6 +61,7 @@ from typing import Any, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.harness, models, tasks
 from bench import harness  # noqa: E402  (first: the offline environment the ranks inherit)
+from models.run_layout import RunLayout  # noqa: E402  (plain Python: `work` is laid out as a run directory)
 
 DATASET = "check"
 BETAS = (0.9, 0.95)  # flows/train.py (not imported: flows/train.py imports Prefect)
@@ -395,7 +396,7 @@ def make_records(p: Params, work: Path, target: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from tasks.records.build import TOKEN_COUNTS, count_tokens
+    from tasks.records.build import count_tokens
 
     hf_logging.set_verbosity_error()
     device = torch.device(p.device)
@@ -424,9 +425,9 @@ def make_records(p: Params, work: Path, target: Path) -> dict[str, Any]:
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the ranks get the GPU to themselves (but for this process's context)
-    records = work / "records" / DATASET
-    harness.write_records(rows, records, rows_per_part=256)
-    count_tokens([records], work / "records" / TOKEN_COUNTS, vocab)
+    layout = RunLayout(work)
+    harness.write_records(rows, layout.records(DATASET), rows_per_part=256)
+    count_tokens([layout.records(DATASET)], layout.token_counts, vocab)
     return figures
 
 
@@ -437,12 +438,12 @@ def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     from models.rank_protocol import CAPTURE
     from tasks.launch import write_job
 
-    p, work = check.p, check.work
-    job = CaptureJob(target_path=str(target), datasets=[{"name": DATASET, "records_dir": str(work / "records" / DATASET)}],
-                     out_dir=str(work / "hidden"), device=p.device, mode="replicate",
+    p, layout = check.p, RunLayout(check.work)
+    job = CaptureJob(target_path=str(target), datasets=[{"name": DATASET, "records_dir": str(layout.records(DATASET))}],
+                     out_dir=str(layout.hidden_dir), device=p.device, mode="replicate",
                      dtype="bfloat16" if p.bf16 else "float32", max_batch_tokens=p.capture_batch_tokens,
                      shard_tokens=p.shard_tokens, max_tokens=None)
-    job_path = work / "jobs" / "capture.json"
+    job_path = layout.job("capture")
     write_job(job, job_path, kept=lambda: "nothing yet", resume="run the check again")
     run = check.launch("models.capture", job_path, CAPTURE, limit_s)
     progress = [(t, m.values) for t, m in run["messages"]]
@@ -450,7 +451,7 @@ def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
         raise RuntimeError("the capture printed no progress")
     (t_first, _), (t_last, last) = progress[0], progress[-1]
     forward_s = max(1e-9, t_last - t_first)
-    stored = sum(f.stat().st_size for f in list_shards(work / "hidden"))
+    stored = sum(f.stat().st_size for f in list_shards(layout.hidden_dir))
     return {"samples": last["done"], "tokens": last["tokens"], "startup_s": round(t_first - run["started"], 2),
             "forward_s": round(forward_s, 2), "tokens_per_s": round(last["tokens"] / forward_s, 1),
             "end_to_end_tokens_per_s": round(last["tokens"] / (run["ended"] - run["started"]), 1),
@@ -465,29 +466,27 @@ def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     from models.rank_protocol import TRAIN, TRAIN_PROGRESS
     from models.train import ds_train_config
     from tasks.launch import write_job
-    from tasks.records.build import TOKEN_COUNTS
 
-    p, work = check.p, check.work
+    p, layout = check.p, RunLayout(check.work)
     defaults = TrainConfig()  # the run config's train section as declared: clipping, weight decay, grad accumulation
-    draft = work / "draft"
     job = TrainJob(
-        target_path=str(target), out_dir=str(draft), token_counts=str(work / "records" / TOKEN_COUNTS), mode="offline",
-        hidden_dir=str(work / "hidden"), draft_vocab_size=p.draft_vocab_size, ttt_steps=p.ttt_steps, max_steps=p.steps,
+        target_path=str(target), out_dir=str(layout.draft_dir), token_counts=str(layout.token_counts), mode="offline",
+        hidden_dir=str(layout.hidden_dir), draft_vocab_size=p.draft_vocab_size, ttt_steps=p.ttt_steps, max_steps=p.steps,
         max_batch_tokens=p.train_batch_tokens, lr=p.lr, warmup_ratio=p.warmup_ratio, checkpoint_every=p.steps,
         keep_checkpoints=1, eval_every=p.steps, eval_fraction=p.eval_fraction, log_every=p.log_every, seed=p.seed,
         device=p.device,
         ds_config=ds_train_config(world_size=1, grad_accum=defaults.grad_accum, lr=p.lr, weight_decay=defaults.weight_decay,
                                   betas=BETAS, grad_clip=defaults.grad_clip, bf16=p.bf16, torch_adam=True))
-    job_path = work / "jobs" / "train.json"
+    job_path = layout.job("train")
     write_job(job, job_path, kept=lambda: "nothing yet", resume="run the check again")
     run = check.launch("models.train", job_path, TRAIN, limit_s)
     step0 = next((t for t, m in run["messages"] if m.kind is TRAIN_PROGRESS and m.values["step"] == 0), None)
-    lines = [json.loads(x) for x in (draft / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    lines = [json.loads(x) for x in layout.metrics.read_text().splitlines() if x.strip()]
     train_lines = [x for x in lines if x["kind"] == "train"]
     first = next(x for x in train_lines if x["step"] >= max(p.skip_steps, p.log_every))
     last = train_lines[-1]
     window_s = max(1e-9, last["time"] - first["time"])
-    summary = json.loads((draft / "train_summary.json").read_text())
+    summary = json.loads(layout.train_summary.read_text())
     held_out = summary.get("eval") or {}
     figures = {
         "steps": last["step"], "tokens": last["tokens"], "window_steps": last["step"] - first["step"],
@@ -497,7 +496,7 @@ def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
         "tail_s": round(run["ended"] - last["time"], 2),  # final eval, checkpoint, export, teardown
         "first_loss": train_lines[0]["loss"], "final_loss": last["loss"],
         "held_out_loss": held_out.get("loss"), "held_out_acceptance_length": held_out.get("acceptance_length"),
-        "checkpoint_mb": round(dir_bytes(draft / "checkpoints") / 1e6, 1), **memory_figures(run["memory"]),
+        "checkpoint_mb": round(dir_bytes(layout.checkpoints) / 1e6, 1), **memory_figures(run["memory"]),
     }
     if not all(math.isfinite(x) for x in (figures["first_loss"], figures["final_loss"])):
         raise RuntimeError(f"the training loss is not finite: {figures['first_loss']} -> {figures['final_loss']}")
@@ -510,7 +509,7 @@ def check_export(p: Params, work: Path) -> dict[str, Any]:
 
     from models.eagle3_export import load_exported_draft, validate_export, validate_export_vllm
 
-    final = work / "draft" / "final"
+    final = RunLayout(work).final
     problems = validate_export(final) + [f"vLLM: {x}" for x in validate_export_vllm(final)]
     if problems:
         raise ValueError(f"{final} is not a valid EAGLE-3 export: {problems}")
@@ -533,13 +532,13 @@ def evaluate(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     from models.rank_protocol import EVAL
     from tasks.launch import write_job
 
-    p, work = check.p, check.work
-    raw = work / "draft" / ".eval-raw.json"
+    p, layout = check.p, RunLayout(check.work)
+    raw = layout.eval_raw
     job = EvalJob(prompts=p.eval_prompts, max_new_tokens=p.eval_new_tokens, num_steps=p.eval_num_steps, device=p.device,
                   compare_untrained=True, eval_fraction=p.eval_fraction, seed=p.seed, target_path=str(target),
-                  datasets=[{"name": DATASET, "records_dir": str(work / "records" / DATASET)}],
-                  draft_dir=str(work / "draft" / "final"), out=str(raw))
-    job_path = work / "jobs" / "eval.json"
+                  datasets=[{"name": DATASET, "records_dir": str(layout.records(DATASET))}],
+                  draft_dir=str(layout.final), out=str(raw))
+    job_path = layout.job("eval")
     write_job(job, job_path, kept=lambda: "the export", resume="run the check again")
     per_prompt: dict[str, list[dict[str, int]]] = {}
 

@@ -86,7 +86,9 @@ from models.draft_vocab import draft_vocab, load_token_counts  # noqa: E402
 from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead  # noqa: E402
 from models.target_weights import load_target_tensors  # noqa: E402
 from models.rank_protocol import TRAIN_PROGRESS  # noqa: E402
+from models.run_layout import RunLayout  # noqa: E402
 from models.eagle3 import default_aux_layers  # noqa: E402
+from models.hidden_shards import METADATA_NAME  # noqa: E402
 from models.tiny_target import SAMPLES_DIR  # noqa: E402
 from models.train import Metrics, ds_train_config, lr_lambda  # noqa: E402
 from models.train_data import (HiddenSource, epoch_batches, rank_micro_batches, split_samples,  # noqa: E402
@@ -185,7 +187,8 @@ def prepare_data(p: Params, target: Path) -> dict[str, Any]:
     if done.is_file():
         return {**json.loads(done.read_text()), "root": str(root), "reused": True}
     shutil.rmtree(root, ignore_errors=True)
-    records = root / "records" / DATASET
+    layout = RunLayout(root)  # laid out as a run directory: records/, hidden/
+    records = layout.records(DATASET)
     records.mkdir(parents=True)
     hf_logging.set_verbosity_error()
     saved = torch.get_num_threads()
@@ -206,10 +209,10 @@ def prepare_data(p: Params, target: Path) -> dict[str, Any]:
     generate_s = time.perf_counter() - t0
     del model
     harness.write_records(rows, records, len(rows))
-    count_tokens([records], root / "records" / "token_counts.parquet", len(tok))  # the records stage's counts
+    count_tokens([records], layout.token_counts, len(tok))  # the records stage's counts
     t0 = time.perf_counter()
     run_capture(CaptureJob(target_path=str(target), datasets=[{"name": DATASET, "records_dir": str(records)}],
-                           out_dir=str(root / "hidden"), device="cpu", dtype="float32", shard_tokens=16384, max_tokens=None), Dist())
+                           out_dir=str(layout.hidden_dir), device="cpu", dtype="float32", shard_tokens=16384, max_tokens=None), Dist())
     torch.set_num_threads(saved)
     lengths = [r["num_tokens"] for r in rows]
     info = {"records": len(rows), "tokens": sum(lengths), "loss_tokens": sum(r["num_loss_tokens"] for r in rows),
@@ -225,10 +228,10 @@ def prepare_data(p: Params, target: Path) -> dict[str, Any]:
 
 def job_dict(p: Params, target: Path, data: Path, out_dir: Path, ranks: int) -> dict[str, Any]:
     """The JOB.json, as flows/train.py writes it, with intervals that keep checkpoints and evals at the end."""
-    far = p.steps + 10**6
+    far, layout = p.steps + 10**6, RunLayout(data)
     job = {
-        "target_path": str(target), "out_dir": str(out_dir), "token_counts": str(data / "records" / "token_counts.parquet"),
-        "mode": "offline", "hidden_dir": str(data / "hidden"), "draft_vocab_size": p.draft_vocab_size,
+        "target_path": str(target), "out_dir": str(out_dir), "token_counts": str(layout.token_counts),
+        "mode": "offline", "hidden_dir": str(layout.hidden_dir), "draft_vocab_size": p.draft_vocab_size,
         "ttt_steps": p.ttt_steps, "epochs": 1, "max_steps": p.steps, "max_batch_tokens": p.max_batch_tokens,
         "lr": p.lr, "warmup_ratio": p.warmup_ratio, "min_lr_ratio": 0.0, "checkpoint_every": far, "keep_checkpoints": 1,
         "eval_every": far, "eval_fraction": p.eval_fraction, "log_every": p.log_every, "seed": p.seed, "device": "cpu",
@@ -289,6 +292,7 @@ class MetricsWatch:
 def ours(p: Params, ranks: int, target: Path, data: Path, tmp: Path, tag: str, verbose: bool) -> dict[str, Any]:
     """Launch models.train; throughput from its metrics.jsonl train lines, the launch's phases from the clock."""
     out_dir = tmp / f"draft-{tag}"
+    draft = RunLayout(tmp, draft_dir=out_dir)
     step0: list[float] = []  # seconds after launch of TRAIN_PROGRESS step=0 (the first step starts)
 
     def on_line(line: str, t: float) -> None:
@@ -296,7 +300,7 @@ def ours(p: Params, ranks: int, target: Path, data: Path, tmp: Path, tag: str, v
         if progress and progress["step"] == 0:
             step0.append(t)
 
-    with MetricsWatch(out_dir / "metrics.jsonl", {p.skip, p.steps}) as watch:
+    with MetricsWatch(draft.metrics, {p.skip, p.steps}) as watch:
         run = harness.launch("models.train", job_dict(p, target, data, out_dir, ranks), ranks=ranks, threads=p.threads,
                              job_path=tmp / f"job-{tag}.json", log_path=tmp / f"log-{tag}.txt", verbose=verbose,
                              on_line=on_line)
@@ -305,7 +309,7 @@ def ours(p: Params, ranks: int, target: Path, data: Path, tmp: Path, tag: str, v
                          "wall_s": run.wall_s, "ops_built": run.ops_built}
     if not r["ok"]:
         return r
-    lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    lines = [json.loads(x) for x in draft.metrics.read_text().splitlines() if x.strip()]
     train = {x["step"]: x for x in lines if x["kind"] == "train"}
     first, last = train[p.skip], train[p.steps]
     r["window_s"] = last["time"] - first["time"]
@@ -326,7 +330,7 @@ def ours(p: Params, ranks: int, target: Path, data: Path, tmp: Path, tag: str, v
     r["steps_s"] = last["time"] - r["step0_at"] if r["step0_at"] else None
     r["tail_s"] = t0 + r["wall_s"] - last["time"]
     r["end_to_end_tokens_per_s"] = last["tokens"] / r["wall_s"]
-    ckpt = out_dir / "checkpoints"
+    ckpt = draft.checkpoints
     r["checkpoint_mb"] = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 1e6 if ckpt.is_dir() else None
     shutil.rmtree(out_dir, ignore_errors=True)
     return r
@@ -346,7 +350,7 @@ def setup(cfg: dict[str, Any], world: int) -> dict[str, Any]:
     text = AutoConfig.from_pretrained(target)
     text = text.get_text_config() if hasattr(text, "get_text_config") else text
     source = HiddenSource(cfg["hidden_dir"], cfg["max_batch_tokens"])
-    meta = Path(cfg["hidden_dir"]) / "metadata.json"  # as models.train._data_source: the capture's, else the default
+    meta = Path(cfg["hidden_dir"]) / METADATA_NAME  # as models.train._data_source: the capture's, else the default
     aux_layers = (json.loads(meta.read_text()).get("aux_layers") if meta.is_file() else None) \
         or default_aux_layers(int(text.num_hidden_layers))
     embed, head = load_target_tensors(target, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
@@ -445,8 +449,8 @@ def baseline(p: Params, processes: int, target: Path, data: Path, tmp: Path, her
     waits, like the torchrun agent), OMP_NUM_THREADS set. A new session is a new scheduler autogroup
     on Linux: under other load, both sides then compete for the cores on the same terms.
     """
-    cfg = {"target_path": str(target), "hidden_dir": str(data / "hidden"),
-           "token_counts": str(data / "records" / "token_counts.parquet"), **{k: v for k, v in asdict(p).items()}}
+    cfg = {"target_path": str(target), "hidden_dir": str(RunLayout(data).hidden_dir),
+           "token_counts": str(RunLayout(data).token_counts), **{k: v for k, v in asdict(p).items()}}
     if here:
         assert processes == 1
         results = [plain_loop(cfg, 0, 1)]
@@ -597,8 +601,8 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
 
 def run_interleaved(p: Params, target: Path, data: Path, tmp: Path) -> dict[str, Any]:
     """`interleaved` in a fresh spawned process; medians per phase over the measured steps."""
-    cfg = {"target_path": str(target), "hidden_dir": str(data / "hidden"),
-           "token_counts": str(data / "records" / "token_counts.parquet"), **asdict(p), "steps": p.in_process_steps}
+    cfg = {"target_path": str(target), "hidden_dir": str(RunLayout(data).hidden_dir),
+           "token_counts": str(RunLayout(data).token_counts), **asdict(p), "steps": p.in_process_steps}
     job = job_dict(Params(**{**asdict(p), "steps": p.in_process_steps}), target, data, tmp / "draft-interleaved", 1)
     (res,), _ = harness.spawn(interleaved, [(cfg, job)], threads=p.threads, timeout_s=p.timeout_s,
                               what="interleaved run", together=False)
@@ -663,7 +667,7 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
     print("  records (greedy continuations) + captured hidden states (built once, then reused) ...", flush=True)
     info = prepare_data(p, target)
     data = Path(info["root"])
-    source = HiddenSource(data / "hidden", p.max_batch_tokens)
+    source = HiddenSource(RunLayout(data).hidden_dir, p.max_batch_tokens)
     train_samples, held = split_samples(source.samples, p.eval_fraction)
     batches = epoch_batches(train_samples, p.max_batch_tokens, p.seed, 0)
     real = sum(s.length for b in batches for s in b)

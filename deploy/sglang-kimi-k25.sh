@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SGLang serving Kimi-K2.5 on the 8 GPUs of one node, for the generate stage of configs/kimi-k25.yaml
 # (server.url http://127.0.0.1:30000). Not run here: this project has never had a GPU (see
-# docs/operations.md). Flags from SGLang's Kimi-K2.5 guide (single node, TP8 on H200) and server
+# docs/status.md). Flags from SGLang's Kimi-K2.5 guide (single node, TP8 on H200) and server
 # arguments; check them against the SGLang version you install (K2.5 needed SGLang main at launch).
 #
 # Run it by hand (server.launch: none, the default), or let the pipeline start it for the generate
@@ -38,7 +38,7 @@
 # Serving the trained draft afterwards (what `eagle3 eval` prints; flags from EAGLE-3 in SGLang,
 # top-k 1 chains of 3 draft steps = 4 draft tokens, the setting the eval stage measures). With
 # eval.backend: engine and server.launch: command, the eval stage runs this script with exactly these
-# --speculative-* flags appended (docs/operations.md section 11), then once more without them:
+# --speculative-* flags appended (docs/kimi-k25.md, 'The eval through SGLang'), then once more without them:
 #
 #   python3 -m sglang.launch_server --model-path "$KIMI_MODEL_PATH" --tp 8 --trust-remote-code \
 #     --host 127.0.0.1 --port 30000 \

@@ -27,10 +27,11 @@ def capture(config_path: str) -> dict:
     with run_lock(config.run_dir, "capture", also=config.written_dirs(["capture"])):  # one writer per run directory
         save_run_config(config)
         shape = target_shape(config.target.path, config.target.trust_remote_code)
-        records_dirs = [config.run_dir / "records" / d.name for d in config.datasets]
+        layout = config.layout
+        records_dirs = [layout.records(d.name) for d in config.datasets]
         c = config.capture
-        engine = EngineWindow(config.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
-        plan = plan_capture_task(records_dirs, config.hidden_dir, shape, c.dtype, c.disk_margin, c.max_tokens, engine)
+        engine = EngineWindow(layout.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
+        plan = plan_capture_task(records_dirs, layout.hidden_dir, shape, c.dtype, c.disk_margin, c.max_tokens, engine)
         aux_layers = capture_layers(shape.num_layers, c.aux_layers)
         speed = 0.0
         # a crashed or killed rank (or a vLLM outage) is retried (the retry resumes); capture_retryable says which failures
@@ -38,18 +39,18 @@ def capture(config_path: str) -> dict:
         if c.backend == "vllm" and plan.tokens_todo:
             e = c.engine
             with launched_engine(e.launch, e.url, target=config.target.path, aux_layers=aux_layers, num_layers=shape.num_layers,
-                                 shared_dir=config.engine_dir, command=e.command, log_dir=config.run_dir / "logs",
+                                 shared_dir=layout.engine_dir, command=e.command, log_dir=layout.logs,
                                  health_timeout_s=e.health_timeout_s):
                 speed = run_engine_capture.with_options(**retried)(
-                    capture_job(config, aux_layers), EngineSettings(**e.pick(EngineSettings)), config.engine_dir,
+                    capture_job(config, aux_layers), EngineSettings(**e.pick(EngineSettings)), layout.engine_dir,
                     Path(config_path).stem, c.max_tokens)
         # Several nodes: always launched, since the other nodes' `eagle3 node` joins every launch (ranks with nothing to do exit at once).
         elif c.backend == "deepspeed" and (plan.tokens_todo or config.distributed.multinode):
             speed = run_capture_job.with_options(**retried)(
-                capture_job(config, aux_layers), config.job_file("capture"), c.num_gpus, c.launcher, Path(config_path).stem,
+                capture_job(config, aux_layers), layout.job("capture"), c.num_gpus, c.launcher, Path(config_path).stem,
                 c.max_tokens, nodes=config.distributed)
         metadata = {"target": config.target.path, "hidden_size": shape.hidden_size, "num_layers": shape.num_layers, "aux_layers": aux_layers, "dtype": plan.dtype}
-        return index_hidden_states(config.hidden_dir, metadata, speed, Path(config_path).stem)
+        return index_hidden_states(layout.hidden_dir, metadata, speed, Path(config_path).stem)
 
 
 def capture_job(config: RunConfig, aux_layers: list[int]) -> CaptureJob:
@@ -57,6 +58,6 @@ def capture_job(config: RunConfig, aux_layers: list[int]) -> CaptureJob:
     c = config.capture
     return CaptureJob(
         **{**c.pick(CaptureSettings), "aux_layers": aux_layers}, target_path=config.target.path,
-        trust_remote_code=config.target.trust_remote_code, datasets=config.dataset_records(), out_dir=str(config.hidden_dir),
+        trust_remote_code=config.target.trust_remote_code, datasets=config.dataset_records(), out_dir=str(config.layout.hidden_dir),
         max_tokens=None, device=c.device,
     )

@@ -139,7 +139,7 @@ def _run_stages(config: Path, stages: list[str], *, retry_rejects: bool = False,
     if "eval" in stages:
         from flows.demo import render_eval
 
-        console.print(render_eval(cfg.draft_dir))
+        console.print(render_eval(cfg.layout.eval_report))
 
 
 @app.command()
@@ -209,10 +209,11 @@ def import_jsonl(
 
     from flows.config import DATASET_NAME, ConfigError, load_config
     from models.file_errors import WriteFailed
+    from models.run_layout import RunLayout
     from tasks.datasets import DatasetError
     from tasks.generate.legacy_import import import_jsonl as do_import
     from tasks.parquet_io import DamagedPart
-    from tasks.run_lock import LOCK_NAME, RunDirLocked, run_lock
+    from tasks.run_lock import RunDirLocked, run_lock
 
     def fail(message: str, code: int, label: str = "error") -> NoReturn:
         err.print(f"[red]{label}:[/red] {escape(message)}", highlight=False, soft_wrap=True)
@@ -226,18 +227,19 @@ def import_jsonl(
         fail(f"{file}: {'is not a file' if file.exists() else 'no such file'}", 2)
     if run_dir.exists() and not run_dir.is_dir():
         fail(f"{run_dir} is not a directory: give the run directory to import into", 2)
+    layout = RunLayout(run_dir)
     trust = False
     if target is None:
         if not run_dir.is_dir():
             fail(f"{run_dir} does not exist: check the path, or pass --target PATH to import into a new run directory", 2)
         try:
-            cfg = load_config(run_dir / "config.yaml")
+            cfg = load_config(layout.config)
         except ConfigError as exc:
             err.print(f"[red]error:[/red] cannot tell the target tokenizer: {escape(str(exc))}\nPass --target PATH.", highlight=False)
             raise typer.Exit(2) from None
         target, trust = cfg.target.path, cfg.target.trust_remote_code
         if dataset not in {d.name for d in cfg.datasets}:  # a typo would import where no stage looks
-            err.print(f"[yellow]note:[/yellow] {escape(str(run_dir / 'config.yaml'))} has no dataset {escape(dataset)!r} "
+            err.print(f"[yellow]note:[/yellow] {escape(str(layout.config))} has no dataset {escape(dataset)!r} "
                       f"(it has: {escape(', '.join(d.name for d in cfg.datasets))}); stages see these responses only "
                       "under a dataset of that name", highlight=False, soft_wrap=True)
     new_run_dir = not run_dir.exists()
@@ -248,7 +250,7 @@ def import_jsonl(
         except RunDirLocked as exc:
             fail(str(exc), 1, "refused")
         except OSError as exc:
-            fail(str(WriteFailed(run_dir / LOCK_NAME, exc, kept="nothing was imported")), 1)
+            fail(str(WriteFailed(layout.lock, exc, kept="nothing was imported")), 1)
         from transformers import AutoTokenizer
 
         try:
@@ -264,7 +266,7 @@ def import_jsonl(
             if exc.row is None:  # FILE or RUN_DIR, changed since the checks above
                 fail(str(exc), 2)
             fail(f"{exc}. Nothing of this file was imported: fix or delete that line and run the import again, or pass "
-                 f"--on-bad-line skip to import the other lines and list the bad ones in {run_dir / 'rejects' / dataset}/.", 2)
+                 f"--on-bad-line skip to import the other lines and list the bad ones in {layout.rejects(dataset)}/.", 2)
         except OSError as exc:  # writes fail as WriteFailed: this is a read (FILE or a part) the OS refused
             fail(f"cannot read {exc.filename or file}: {exc.strerror or exc}", 1)
     console.print(escape(report.summary()), highlight=False, soft_wrap=True)
@@ -307,7 +309,7 @@ def node(
         section = getattr(cfg, stage)
         module, protocol = modules[stage]
         try:
-            run_node(module, cfg.job_file(stage), protocol=protocol, num_ranks=section.num_gpus, launcher=section.launcher,
+            run_node(module, cfg.layout.job(stage), protocol=protocol, num_ranks=section.num_gpus, launcher=section.launcher,
                      nodes=cfg.distributed, node_rank=node_rank, attempts=section.retries + 1,
                      log=lambda line: print(line, flush=True))
         except Exception as exc:  # noqa: BLE001 - the job's failure, in its words; node 0 has the same verdict
@@ -350,7 +352,7 @@ def serve_dev(
     speculative_eagle_topk: Optional[int] = typer.Option(None, help="Must be 1 (chain)."),
     speculative_num_draft_tokens: Optional[int] = typer.Option(None, help="Must be num-steps + 1."),
     sglang_version: str = typer.Option("0.5", help="Answer as SGLang 0.5.23 (0.5) or 0.4.x (0.4) where they differ "
-                                                    "(docs/operations.md section 12)."),
+                                                    "(docs/engines.md, 'SGLang versions')."),
     disconnect_poll_s: float = typer.Option(4.0, help="How often a client that went away is noticed (SGLang: "
                                                        "SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s)."),
 ) -> None:

@@ -31,6 +31,7 @@ from models.jobs import (
     TrainSettings,
     replica_url,
 )
+from models.run_layout import RunLayout
 
 DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -90,12 +91,12 @@ class ServerConfig(ServerSettings, Section):
     router: bool = Field(
         default=False,
         description="launch: dev|command: also start an SGLang router (pip install sglang-router) at `url` in front of "
-        "the replicas; requests then go to the router, which spreads them (see docs/operations.md for what it changes).",
+        "the replicas; requests then go to the router, which spreads them (see docs/scale-out.md, 'Behind an SGLang router', for what it changes).",
     )
     router_args: list[str] = Field(
         default_factory=list,
         description="Extra arguments for sglang_router.launch_router. Without a --policy the router gets "
-        "[--policy, round_robin]: its own default, cache_aware, may send every prompt to one worker (docs/operations.md).",
+        "[--policy, round_robin]: its own default, cache_aware, may send every prompt to one worker (docs/scale-out.md).",
     )
 
     @field_validator("command", mode="before")
@@ -175,7 +176,7 @@ class SamplingConfig(Section):
         ge=0,
         description="Makes sampling repeatable: each /generate request gets SGLang's `sampling_seed`, derived from "
         "(seed, dataset, prompt id), so a prompt's response does not depend on the order or concurrency it was sent "
-        "with. SGLang honours it only when the server runs with --enable-deterministic-inference (see the README); "
+        "with. SGLang honours it only when the server runs with --enable-deterministic-inference (docs/run-a-pipeline.md, 'Repeatable sampling'); "
         "the dev server always does. None: the server draws its own randomness.",
     )
 
@@ -237,7 +238,7 @@ class DistributedConfig(Nodes, Section):
     """The nodes the capture and train jobs span (models/jobs.py `Nodes`); each node runs the stage's num_gpus ranks.
 
     torchrun: the pipeline runs on node 0 and starts its ranks; every other node runs
-    `eagle3 node CONFIG --node-rank R` (docs/operations.md). deepspeed: node 0 starts them all from the hostfile.
+    `eagle3 node CONFIG --node-rank R` (docs/scale-out.md). deepspeed: node 0 starts them all from the hostfile.
     """
 
 
@@ -433,14 +434,10 @@ class RunConfig(Section):
         return out
 
     @property
-    def hidden_dir(self) -> Path:
-        """Where the capture stage writes hidden states."""
-        return self.capture.out_dir or self.run_dir / "hidden"
-
-    @property
-    def engine_dir(self) -> Path:
-        """Where the vLLM connector writes its per-request files (capture.backend: vllm)."""
-        return self.capture.engine.shared_dir or self.run_dir / "engine"
+    def layout(self) -> RunLayout:
+        """Every path of this run: RUN_DIR's layout, with capture.out_dir, capture.engine.shared_dir and train.out_dir where set."""
+        return RunLayout(self.run_dir, hidden_dir=self.capture.out_dir, engine_dir=self.capture.engine.shared_dir,
+                         draft_dir=self.train.out_dir)
 
     def written_dirs(self, stages: list[str]) -> list[tuple[str, Path]]:
         """(setting, directory) for each directory `stages` write besides RUN_DIR (locked with it: tasks/run_lock.py).
@@ -448,35 +445,26 @@ class RunConfig(Section):
         Only what a stage writes: train only reads capture.out_dir (`read_dirs`: a shared lock), so several
         runs may train drafts from one capture at once.
         """
-        dirs = []
+        dirs, layout = [], self.layout
         if "capture" in stages:
-            dirs.append(("capture.out_dir", self.hidden_dir))
+            dirs.append(("capture.out_dir", layout.hidden_dir))
             if self.capture.backend == "vllm":
-                dirs.append(("capture.engine.shared_dir", self.engine_dir))
+                dirs.append(("capture.engine.shared_dir", layout.engine_dir))
         if "train" in stages or "eval" in stages:
-            dirs.append(("train.out_dir", self.draft_dir))
+            dirs.append(("train.out_dir", layout.draft_dir))
         return dirs
 
     def read_dirs(self, stages: list[str]) -> list[tuple[str, Path]]:
         """(setting, directory) that `stages` only read, locked shared: no capture may write them meanwhile."""
-        return [("capture.out_dir", self.hidden_dir)] if "train" in stages and self.train.mode == "offline" else []
+        return [("capture.out_dir", self.layout.hidden_dir)] if "train" in stages and self.train.mode == "offline" else []
 
     def dataset_records(self) -> list[DatasetRecords]:
         """Every dataset's records directory (RUN_DIR/records/<name>), as the capture, train and eval jobs name them."""
-        return [DatasetRecords(name=d.name, records_dir=str(self.run_dir / "records" / d.name)) for d in self.datasets]
+        return [DatasetRecords(name=d.name, records_dir=str(self.layout.records(d.name))) for d in self.datasets]
 
     def world_size(self, stage: LaunchConfig) -> int:
         """Ranks of a capture or train job: distributed.nnodes x the stage's num_gpus."""
         return self.distributed.nnodes * stage.num_gpus
-
-    def job_file(self, stage: Literal["capture", "train", "eval"]) -> Path:
-        """RUN_DIR/jobs/<stage>.json: the job its ranks read (on every node)."""
-        return self.run_dir / "jobs" / f"{stage}.json"
-
-    @property
-    def draft_dir(self) -> Path:
-        """Where the train stage writes checkpoints, metrics and the exported draft (final/)."""
-        return self.train.out_dir or self.run_dir / "draft"
 
     def dataset(self, name: str) -> DatasetConfig:
         """The dataset called `name`; KeyError lists the names there are."""
@@ -536,7 +524,7 @@ def dump_config(config: RunConfig) -> str:
 def save_run_config(config: RunConfig) -> Path:
     """RUN_DIR/config.yaml: the config as run, paths resolved (names of secrets only, never values)."""
     config.run_dir.mkdir(parents=True, exist_ok=True)
-    path = config.run_dir / "config.yaml"
+    path = config.layout.config
     tmp = path.with_suffix(".yaml.tmp")
     try:
         tmp.write_text(dump_config(config))

@@ -15,7 +15,7 @@ from tasks.checkpoints import live_parts
 from tasks.engines.vllm import cpu_command
 from tasks.eval.tasks import engine_rows
 from tasks.ports import free_port
-from tasks.records.build import TOKEN_COUNTS
+from tasks.processes import SERVER_LOG
 from tasks.stats import collect_stats, render_rows_table, render_stats_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,13 +70,14 @@ def run_demo(run_dir: Path | None = None, console: Console | None = None, target
         config.capture.backend = "vllm"
         config.capture.engine.launch = "dev"
         config.capture.engine.url = f"http://127.0.0.1:{free_port()}"
-    config_path = config.run_dir / "demo-config.yaml"  # the resolved demo config, as the flow's input
+    layout = config.layout
+    config_path = layout.demo_config  # the resolved demo config, as the flow's input
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(dump_config(config))
     console.rule("eagle3 demo: flow `pipeline` (generate -> records -> capture -> train -> eval)")
     server = "vLLM" if engine == "vllm" else "the dev server"
     console.print(f"config: {config_path}; {server} runs at {config.server.url} during generate "
-                  f"(log: {config.run_dir / 'logs' / 'server.log'})")
+                  f"(log: {layout.logs / SERVER_LOG})")
     results = pipeline(str(config_path))
     console.print(f"{server} stopped")
 
@@ -85,24 +86,24 @@ def run_demo(run_dir: Path | None = None, console: Console | None = None, target
     console.print(render_stats_table(collect_stats(config.run_dir)))
     console.rule("stage 2: records")
     console.print(render_rows_table("data report: training records per dataset", results["records"]))
-    console.print(f"token counts for the draft vocabulary: {config.run_dir / 'records' / TOKEN_COUNTS}")
+    console.print(f"token counts for the draft vocabulary: {layout.token_counts}")
     console.rule("stage 3: capture")
     hidden = results["capture"]
     console.print(
         f"hidden states: {hidden['samples']:,} samples, {hidden['tokens']:,} tokens, aux layers {hidden['aux_layers']} "
-        f"+ final, {hidden['dtype']}, in {config.hidden_dir}"
+        f"+ final, {hidden['dtype']}, in {layout.hidden_dir}"
     )
     console.rule("stage 4: train")
     trained = results["train"]
-    console.print(f"trained {trained['steps']:,} steps on {trained['tokens']:,} tokens; metrics {config.draft_dir / 'metrics.jsonl'}, "
+    console.print(f"trained {trained['steps']:,} steps on {trained['tokens']:,} tokens; metrics {layout.metrics}, "
                   f"plot {trained['plot']}")
     console.rule("stage 5: eval")
     report = results["eval"]
-    console.print(render_eval(config.draft_dir))
+    console.print(render_eval(layout.eval_report))
     if report.get("engine"):
         console.print(render_engine(report["engine"]))
     console.print(f"run directory: {config.run_dir}   (`eagle3 stats {config.run_dir}` prints the tables again)")
-    console.print(eval_summary_line(report) + f"; exported draft: {config.draft_dir / 'final'}")
+    console.print(eval_summary_line(report) + f"; exported draft: {layout.final}")
     return config
 
 
@@ -141,9 +142,9 @@ def render_engine(engine: dict) -> Table:
     return table
 
 
-def render_eval(draft_dir: Path) -> Table:
-    """The eval stage's result (draft_dir/eval.json): acceptance length per draft, the TTT estimate, where the draft is."""
-    report = json.loads((draft_dir / "eval.json").read_text())
+def render_eval(eval_report: Path) -> Table:
+    """The eval stage's result (draft/eval.json, RunLayout.eval_report): acceptance length per draft, the TTT estimate, where the draft is."""
+    report = json.loads(eval_report.read_text())
     k = report["num_steps"]
     table = Table(title=f"acceptance length: {k} draft tokens per round (SGLang topk 1), greedy target, "
                         f"{report['prompts']} prompts (held-out records, then eval.prompt_files)", caption=f"draft: {report['draft']}\nserve: {report['sglang_command']}")
@@ -170,7 +171,7 @@ def _sample_table(config: RunConfig) -> Table:
     for column in ("dataset", "id", "response", "tokens", "finish"):
         table.add_column(column, overflow="fold")
     for dataset in config.datasets:
-        parts = live_parts(config.run_dir / "responses" / dataset.name)
+        parts = live_parts(config.layout.responses(dataset.name))
         if not parts:
             continue
         rows = pq.read_table(parts[0], columns=["id", "text", "prompt_tokens", "completion_tokens", "finish_reason"]).to_pylist()

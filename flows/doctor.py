@@ -174,7 +174,7 @@ def _draft(config: RunConfig, target: dict[str, Any]) -> list[Finding]:
     from tasks.doctor.draft import draft_findings
 
     layers = capture_layers(int(target["num_hidden_layers"]), config.capture.aux_layers)
-    return draft_findings(config.draft_dir / "final", trained_layers=layers, vocab_size=int(target["vocab_size"]),
+    return draft_findings(config.layout.final, trained_layers=layers, vocab_size=int(target["vocab_size"]),
                           hidden_size=int(target["hidden_size"]))
 
 
@@ -193,4 +193,4 @@ def _run_dir(config: RunConfig) -> list[Finding]:
     from tasks.doctor.run_dir import run_dir_findings
 
     settings = optimisation_settings(train_job(config), config.world_size(config.train))
-    return run_dir_findings(config.run_dir, checkpoint_dir=config.draft_dir / "checkpoints", settings=settings)
+    return run_dir_findings(config.run_dir, checkpoint_dir=config.layout.checkpoints, settings=settings)

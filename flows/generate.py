@@ -10,7 +10,6 @@ from prefect import flow, get_run_logger
 from flows.config import RunConfig, load_config, save_run_config
 from models.jobs import GenerateJob, GenerateSettings
 from tasks.generate.tasks import (
-    RunPaths,
     copy_passthrough_task,
     generate_responses,
     publish_generate_summary,
@@ -27,10 +26,9 @@ async def generate(config_path: str, retry_rejects: bool = False) -> list[dict]:
     """Stage 1: fan out one task per dataset, all sharing one pool of servers and its per-server limits."""
     config = load_config(config_path)
     with run_lock(config.run_dir, "generate"):
-        paths = RunPaths(config.run_dir)
         save_run_config(config)
         async with server_pool(config.server, get_run_logger()) as pool:  # shared by every dataset
-            calls = (dataset_task(config, i, paths, pool, retry_rejects) for i in range(len(config.datasets)))
+            calls = (dataset_task(config, i, pool, retry_rejects) for i in range(len(config.datasets)))
             results = await asyncio.gather(*calls, return_exceptions=True)
             if pool.started_at is not None:
                 await publish_server_table(pool.rows(), Path(config_path).stem)
@@ -54,11 +52,11 @@ class GenerateFailed(RuntimeError):
         )
 
 
-def dataset_task(config: RunConfig, index: int, paths: RunPaths, pool: ServerPool, retry_rejects: bool = False):
+def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects: bool = False):
     """The task call for dataset `index`: a copy for passthrough, generation otherwise."""
     dataset = config.datasets[index]
     if dataset.kind == "passthrough":
-        return asyncio.to_thread(copy_passthrough_task, dataset.name, dataset.path, dataset.on_bad_row, paths)
+        return asyncio.to_thread(copy_passthrough_task, dataset.name, dataset.path, dataset.on_bad_row, config.layout)
     gen = config.generate
     settings = GenerateJob(
         **gen.pick(GenerateSettings), dataset=dataset.name, token_budget=dataset.token_budget, max_prompts=dataset.max_prompts,
@@ -72,5 +70,5 @@ def dataset_task(config: RunConfig, index: int, paths: RunPaths, pool: ServerPoo
     )
     return task(
         dataset.name, dataset.path, dataset.on_bad_row, config.target.path, config.target.trust_remote_code,
-        settings, paths, pool,
+        settings, config.layout, pool,
     )

@@ -86,7 +86,7 @@ def serving(config: RunConfig):
     if s.launch != "none":
         what = f"{s.replicas} {s.launch} {s.engine} servers" if s.replicas > 1 else f"the {s.launch} {s.engine} server"
         where = f"{s.url} (router)" if s.router else ", ".join(s.endpoints)
-        get_run_logger().info("starting %s at %s (logs in %s)", what, where, config.run_dir / "logs")
+        get_run_logger().info("starting %s at %s (logs in %s)", what, where, config.layout.logs)
     return launched_servers(s.launch, s.url, replicas=s.replicas, router=s.router, router_args=s.router_args,
                             gpus_per_replica=s.gpus_per_replica, target=Path(config.target.path), command=s.command,
-                            log_dir=config.run_dir / "logs", health_timeout_s=s.health_timeout_s, engine=s.engine)
+                            log_dir=config.layout.logs, health_timeout_s=s.health_timeout_s, engine=s.engine)

@@ -18,13 +18,14 @@ def print_plan(config: RunConfig, console: Console) -> bool:
     table = Table(title="generate", title_justify="left")
     for column in ("dataset", "kind", "budget", "spent", "left", "responses"):
         table.add_column(column, justify="left" if column in ("dataset", "kind") else "right")
+    layout = config.layout
     for d in config.datasets:
-        done = summarize(config.run_dir / "responses" / d.name)
+        done = summarize(layout.responses(d.name))
         left = f"{max(0, d.token_budget - done.completion_tokens):,}" if d.token_budget else "all prompts"
         table.add_row(escape(d.name), d.kind, f"{d.token_budget:,}" if d.token_budget else "-", f"{done.completion_tokens:,}", left, f"{done.rows:,}")
     console.print(table)
 
-    records = {d.name: summarize_records(config.run_dir / "records" / d.name) for d in config.datasets}
+    records = {d.name: summarize_records(layout.records(d.name)) for d in config.datasets}
     console.print(
         f"records: {sum(r.records for r in records.values()):,} records, {sum(r.tokens for r in records.values()):,} tokens, "
         f"{sum(r.loss_tokens for r in records.values()):,} loss tokens so far"
@@ -61,10 +62,10 @@ def print_plan(config: RunConfig, console: Console) -> bool:
 def capture_plan(config: RunConfig) -> CapturePlan:
     """The capture's bytes still to write against the free space (reads the target's config.json; raises if it cannot)."""
     shape = target_shape(config.target.path, config.target.trust_remote_code)
-    c = config.capture
-    engine = EngineWindow(config.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
+    c, layout = config.capture, config.layout
+    engine = EngineWindow(layout.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
     return plan_capture(
-        [config.run_dir / "records" / d.name for d in config.datasets], config.hidden_dir, shape, c.dtype,
-        margin=c.disk_margin, max_tokens=c.max_tokens, tokens_done=captured_tokens(config.hidden_dir),
-        tokens_per_s=last_throughput(config.hidden_dir), engine=engine,
+        [layout.records(d.name) for d in config.datasets], layout.hidden_dir, shape, c.dtype,
+        margin=c.disk_margin, max_tokens=c.max_tokens, tokens_done=captured_tokens(layout.hidden_dir),
+        tokens_per_s=last_throughput(layout.hidden_dir), engine=engine,
     )

@@ -21,10 +21,10 @@ def records(config_path: str) -> list[dict]:
         vocab_size, stop_ids = target_vocab(config.target.path, config.target.trust_remote_code, config.sampling.stop_token_ids)
         settings = record_settings(config, vocab_size, stop_ids)
         reports = [
-            build_dataset_records(d.name, d.kind, config.run_dir, config.target.path, config.target.trust_remote_code, settings)
+            build_dataset_records(d.name, d.kind, config.layout, config.target.path, config.target.trust_remote_code, settings)
             for d in config.datasets
         ]
-        tokens = count_record_tokens(config.run_dir, [d.name for d in config.datasets], vocab_size, config.train.draft_vocab_size)
+        tokens = count_record_tokens(config.layout, [d.name for d in config.datasets], vocab_size, config.train.draft_vocab_size)
         return publish_records_report(reports, tokens, Path(config_path).stem)
 
 

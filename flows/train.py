@@ -24,20 +24,20 @@ def train(config_path: str) -> dict:
         t = config.train
         # A retry relaunches the ranks, which resume from the last checkpoint; only a crash is retried.
         job = run_train_job.with_options(retries=t.retries, retry_delay_seconds=t.retry_delay_s, retry_condition_fn=retry_train_job)
-        summary = job(train_job(config), config.job_file("train"), t.num_gpus, t.launcher, name, nodes=config.distributed)
-        report = report_training(config.draft_dir, name, eval_steps=config.eval.num_steps)
+        summary = job(train_job(config), config.layout.job("train"), t.num_gpus, t.launcher, name, nodes=config.distributed)
+        report = report_training(config.layout.draft_dir, name, eval_steps=config.eval.num_steps)
         return {**summary, "plot": report["plot"]}
 
 
 def train_job(config: RunConfig) -> TrainJob:
     """The job every rank reads (models/train.py), with the DeepSpeed config generated from the `train` section."""
-    t = config.train
+    t, layout = config.train, config.layout
     bf16 = t.precision == "bf16" or (t.precision == "auto" and t.device == "cuda")
     ds_config = ds_train_config(world_size=config.world_size(t), grad_accum=t.grad_accum, lr=t.lr, weight_decay=t.weight_decay,
                                 betas=(0.9, 0.95), grad_clip=t.grad_clip, bf16=bf16, torch_adam=True)
     return TrainJob(
         **t.pick(TrainSettings), target_path=config.target.path, trust_remote_code=config.target.trust_remote_code,
-        device=t.device, out_dir=str(config.draft_dir), token_counts=str(config.run_dir / "records" / "token_counts.parquet"),
-        hidden_dir=str(config.hidden_dir), datasets=config.dataset_records(), aux_layers=config.capture.aux_layers,
+        device=t.device, out_dir=str(layout.draft_dir), token_counts=str(layout.token_counts),
+        hidden_dir=str(layout.hidden_dir), datasets=config.dataset_records(), aux_layers=config.capture.aux_layers,
         ds_config=ds_config,
     )

@@ -38,6 +38,7 @@ from models.file_errors import DamagedShard, WriteFailed
 FORMAT = "eagle3-hidden-v1"
 TENSORS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 INDEX_NAME = "index.parquet"
+METADATA_NAME = "metadata.json"  # beside the index: the capture's target, layers, dtype and speed (tasks/capture/tasks.py)
 _SHARD_RE = re.compile(r"^shard-(\d{3,})-(\d{6,})\.safetensors$")
 _TMP_PREFIX = ".shard-"
 # safetensors' save_file writes `.tmpXXXXXX` (Rust's tempfile crate) beside the target, then renames it to our

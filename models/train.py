@@ -68,7 +68,9 @@ from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead, acc
 from models.eagle3_export import export_draft
 from models.jobs import TrainJob
 from models.rank import Dist, check_shared_dir, init_process_group, log, say, serve
+from models.hidden_shards import METADATA_NAME
 from models.rank_protocol import TRAIN, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
+from models.run_layout import CHECKPOINTS, DS_CONFIG, FINAL, METRICS, TENSORBOARD, TRAIN_SUMMARY
 from models.target_weights import load_target_tensors
 from models.train_data import (Batch, HiddenSource, TrainSample, data_fingerprint, epoch_batches, eval_share,
                                pad_batch, rank_micro_batches, split_samples, steps_per_epoch)
@@ -170,7 +172,7 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     from transformers import AutoConfig
 
     out_dir = Path(job.out_dir)
-    ckpt_dir = out_dir / "checkpoints"
+    ckpt_dir = out_dir / CHECKPOINTS
     device = dist.device(job.device)
     init_process_group(dist, job.device, deepspeed=True)  # DeepSpeed even for one process
     check_world_size(job, dist)
@@ -201,9 +203,9 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     fingerprint = run_fingerprint(job, source.fingerprint, d2t, config, dist.world_size, total_steps)
     check_fingerprint(ckpt_dir, fingerprint, warn=dist.rank == 0)  # before anything is trained or removed
     if dist.rank == 0:  # the DeepSpeed config as run, next to the checkpoints
-        with writing(out_dir / "ds_config.json", ckpt_dir):
+        with writing(out_dir / DS_CONFIG, ckpt_dir):
             out_dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(out_dir / "ds_config.json", json.dumps(job.ds_config, indent=2))
+            write_atomic(out_dir / DS_CONFIG, json.dumps(job.ds_config, indent=2))
     engine = build_engine(job, draft, total_steps, warmup)
     if dist.rank == 0:
         log(f"train: {len(train_samples)} training samples ({sum(s.length for s in train_samples):,} tokens), "
@@ -267,7 +269,7 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     writer.close()
 
     # --- export (every rank holds the whole model under ZeRO-2; rank 0 writes)
-    final = out_dir / "final"
+    final = out_dir / FINAL
     if last_eval is None:  # a relaunch of a finished run: its last eval is in the metrics
         last_eval = _last_eval(writer.path)
     summary = {"final": str(final), "steps": position.step, "tokens": position.tokens, "eval": last_eval,
@@ -277,8 +279,8 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
         with writing(final, ckpt_dir, also="the previous export in final/, if any, is unchanged"):
             export_draft(engine.module, final, target_config=target_config,
                          dtype=torch.bfloat16 if job.bf16 else torch.float32)
-        with writing(out_dir / "train_summary.json", ckpt_dir):
-            write_atomic(out_dir / "train_summary.json", json.dumps(summary, indent=2))
+        with writing(out_dir / TRAIN_SUMMARY, ckpt_dir):
+            write_atomic(out_dir / TRAIN_SUMMARY, json.dumps(summary, indent=2))
         say(TRAIN_DONE.format(final=final))
     dist.barrier()
     return summary
@@ -383,7 +385,7 @@ def sum_over_ranks(value: int, dist: Dist, device: torch.device) -> int:
 def _data_source(job: TrainJob, text_config, device: torch.device):
     """(source, aux_layers): captured shards (offline) or the target itself over the records (online)."""
     if job.mode == "offline":
-        meta_path = Path(job.hidden_dir) / "metadata.json"
+        meta_path = Path(job.hidden_dir) / METADATA_NAME
         captured = json.loads(meta_path.read_text()).get("aux_layers") if meta_path.is_file() else None
         aux_layers = list(job.aux_layers or captured or default_aux_layers(int(text_config.num_hidden_layers)))
         if captured and list(captured) != aux_layers:
@@ -649,8 +651,8 @@ class MetricsWriter:
 
     def __init__(self, out_dir: Path, resumed_step: int, enabled: bool):
         self.enabled = enabled
-        self.path = out_dir / "metrics.jsonl"
-        self.ckpt_dir = out_dir / "checkpoints"
+        self.path = out_dir / METRICS
+        self.ckpt_dir = out_dir / CHECKPOINTS
         self.tb = None
         if not enabled:
             return
@@ -666,11 +668,11 @@ class MetricsWriter:
                         continue  # a line cut by a kill (or a full disk)
                 write_atomic(self.path, "".join(k + "\n" for k in kept))
             self.file = open(self.path, "a")
-        with writing(out_dir / "tensorboard", self.ckpt_dir):
+        with writing(out_dir / TENSORBOARD, self.ckpt_dir):
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
+                self.tb = SummaryWriter(str(out_dir / TENSORBOARD), purge_step=resumed_step + 1 if resumed_step else None)
             except ImportError:
                 log("train: tensorboard is not installed; metrics go to metrics.jsonl only")
 
@@ -682,7 +684,7 @@ class MetricsWriter:
             self.file.write(json.dumps(line) + "\n")
             self.file.flush()
         if self.tb is not None:
-            with writing(self.path.parent / "tensorboard", self.ckpt_dir):
+            with writing(self.path.parent / TENSORBOARD, self.ckpt_dir):
                 kind, step = line["kind"], line["step"]
                 for key in ("loss", "acceptance_length", "lr", "grad_norm", "tokens_per_s"):
                     if isinstance(line.get(key), (int, float)):

@@ -23,7 +23,7 @@ import torch
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.capture import make_batches
-from models.hidden_shards import iter_shard_index, read_sample
+from models.hidden_shards import METADATA_NAME, iter_shard_index, read_sample
 
 CAPTURE_IDENTITY = ("target", "hidden_size", "num_layers", "aux_layers", "dtype")  # of hidden/metadata.json
 SORT_WINDOW = 64  # samples sorted by length inside windows this big before packing: less padding, still shuffled
@@ -141,7 +141,7 @@ class HiddenSource:
                                     (str(self.hidden_dir / r["shard"]), int(r["offset"]))) for r in rows]
         # Not the shard layout (a capture resumed differently holds the same samples), but the
         # capture's target and layers: the same ids and lengths from another target are other data.
-        meta_path = self.hidden_dir / "metadata.json"
+        meta_path = self.hidden_dir / METADATA_NAME
         meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
         source = {"mode": "offline", **{k: meta[k] for k in CAPTURE_IDENTITY if k in meta}}
         self.fingerprint = data_fingerprint(((r["dataset"], r["id"], r["length"]) for r in rows), source)

@@ -22,6 +22,8 @@ from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import ServerOutage
 
+SERVER_LOG = "server.log"  # a lone server's log in the log_dir it is given (RUN_DIR/logs: models/run_layout.py)
+
 
 class ServerProcess:
     """An HTTP server child process: started in its own process group, stopped with SIGTERM then SIGKILL.
@@ -139,7 +141,7 @@ def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool =
         address = replica_url(url, i, router=router) if (replicas > 1 or router) else url.rstrip("/")
         parts = urlparse(address)
         host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
-        log_path = None if log_dir is None else log_dir / ("server.log" if replicas == 1 and not router else f"server-{i}.log")
+        log_path = None if log_dir is None else log_dir / (SERVER_LOG if replicas == 1 and not router else f"server-{i}.log")
         gpus = None if gpus_per_replica is None else ",".join(str(g) for g in range(i * gpus_per_replica, (i + 1) * gpus_per_replica))
         if launch == "dev":
             servers.append(dev_server(target, port=port, host=host, log_path=log_path, extra_args=extra_args))  # type: ignore[arg-type]

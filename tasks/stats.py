@@ -31,12 +31,10 @@ import numpy as np
 import pyarrow.parquet as pq
 from rich.table import Table
 
+from models.run_layout import RunLayout
 from tasks.checkpoints import META, PartSummary
 from tasks.parquet_io import DamagedPart, list_parts, reading
 from tasks.rejects import reject_counts
-
-RESPONSES = "responses"
-REJECTS = "rejects"
 
 
 @dataclass
@@ -83,9 +81,9 @@ def nearest_rank(sorted_values: Sequence[Any], p: float) -> Any:
 
 def collect_stats(run_dir: Path) -> list[DatasetStats]:
     """Stats of every dataset under RUN_DIR/responses and RUN_DIR/rejects, sorted by name."""
-    run_dir = Path(run_dir)
-    names = _dataset_names(run_dir / RESPONSES) | _dataset_names(run_dir / REJECTS)
-    return [_dataset_stats(run_dir, name) for name in sorted(names)]
+    layout = RunLayout(run_dir)
+    names = _dataset_names(layout.responses_root) | _dataset_names(layout.rejects_root)
+    return [_dataset_stats(layout, name) for name in sorted(names)]
 
 
 def total_stats(stats: Sequence[DatasetStats]) -> DatasetStats:
@@ -193,19 +191,19 @@ def _dataset_names(directory: Path) -> set[str]:
     return {p.name for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")}
 
 
-def _dataset_stats(run_dir: Path, name: str) -> DatasetStats:
+def _dataset_stats(layout: RunLayout, name: str) -> DatasetStats:
     try:
-        return _read_dataset_stats(run_dir, name)
+        return _read_dataset_stats(layout, name)
     except DamagedPart as exc:
         empty = _from_summary(name, PartSummary(), _sorted([]), rejects={}, parts=0)
         empty.damaged = str(exc)
         return empty
 
 
-def _read_dataset_stats(run_dir: Path, name: str) -> DatasetStats:
+def _read_dataset_stats(layout: RunLayout, name: str) -> DatasetStats:
     # One footer read per part: the `replaces` lists and the summaries come from the same read
     # (checkpoints.summarize would read every footer twice).
-    footers = {part: _footer(part) for part in list_parts(run_dir / RESPONSES / name)}
+    footers = {part: _footer(part) for part in list_parts(layout.responses(name))}
     replaced: set[str] = set()
     for meta in footers.values():
         listed = meta.get(f"{META}replaces")
@@ -226,7 +224,7 @@ def _read_dataset_stats(run_dir: Path, name: str) -> DatasetStats:
         summary.add(part_summary)
         lengths.append(part_lengths)
         live += 1
-    rejects = reject_counts(run_dir / REJECTS / name)
+    rejects = reject_counts(layout.rejects(name))
     return _from_summary(name, summary, _sorted(lengths), rejects=rejects, parts=live)
 
 

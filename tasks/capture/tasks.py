@@ -19,7 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from models.jobs import CaptureJob, EngineSettings, Nodes
 from models.atomic import write_atomic
 from models.file_errors import DamagedFile
-from models.hidden_shards import RESUME, iter_shard_index, list_shards, write_index
+from models.hidden_shards import METADATA_NAME, RESUME, iter_shard_index, list_shards, write_index
 from models.rank_protocol import CAPTURE, Message
 from models.file_errors import WriteFailed
 from tasks import launch
@@ -27,8 +27,6 @@ from tasks.capture.plan import CapturePlan, EngineWindow, TargetShape, check_fit
 from tasks.engines.errors import ServerOutage
 from tasks.artifacts import artifact_key
 from tasks.launch import RankFailure, RankRefused, follow_job, rank_command, run_job, write_job
-
-METADATA = "metadata.json"
 
 
 class CaptureRefused(RankRefused):
@@ -42,7 +40,7 @@ def captured_tokens(out_dir: Path) -> int:
 
 def last_throughput(out_dir: Path) -> float | None:
     """Tokens/s of the previous capture into `out_dir`, if one finished; DamagedFile if its metadata is."""
-    meta = out_dir / METADATA
+    meta = out_dir / METADATA_NAME
     if not meta.is_file():
         return None
     try:
@@ -206,9 +204,9 @@ def index_hidden_states(out_dir: Path, metadata: dict[str, Any], tokens_per_s: f
     rows = list(iter_shard_index(out_dir))
     summary = {**metadata, "samples": len(rows), "tokens": int(sum(r["length"] for r in rows)), "tokens_per_s": tokens_per_s}
     try:
-        write_atomic(out_dir / METADATA, json.dumps(summary, indent=2))
+        write_atomic(out_dir / METADATA_NAME, json.dumps(summary, indent=2))
     except OSError as e:
-        raise WriteFailed(out_dir / METADATA, e, resume=RESUME,
+        raise WriteFailed(out_dir / METADATA_NAME, e, resume=RESUME,
                           kept=f"{len(list_shards(out_dir))} complete shards and index.parquet in {out_dir}") from None
     per_dataset: dict[str, list[int]] = {}
     for r in rows:

@@ -1,6 +1,6 @@
 """SGLang behind the engine interface: its native API (/generate, /abort_request, /health_generate, /server_info).
 
-Followed in SGLang 0.5.23 (and 0.4.x where they differ, docs/operations.md "SGLang versions"):
+Followed in SGLang 0.5.23 (and 0.4.x where they differ, docs/engines.md "SGLang versions"):
 - `POST /generate {"input_ids", "sampling_params", "rid"}` answers `output_ids` and `meta_info`
   (prompt_tokens, completion_tokens, finish_reason {type, matched}, spec_verify_ct with a draft).
   An abort is known by its finish reason alone: 0.5.23 answers a request aborted while still

@@ -45,7 +45,7 @@ from models.jobs import ServerSettings
 from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy, ServerLimits
 from tasks.engines.errors import BadRequest
-from tasks.processes import launched_servers
+from tasks.processes import SERVER_LOG, launched_servers
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class EngineServer:
         if self.launch == "none":
             return contextlib.nullcontext()
         logger.info("engine eval: starting the %s server (%s) at %s %s(log: %s)", self.launch, self.engine, self.settings.url,
-                    "with the draft " if extra_args else "without a draft ", self.log_dir / name / "server.log")
+                    "with the draft " if extra_args else "without a draft ", self.log_dir / name / SERVER_LOG)
         return launched_servers(self.launch, self.settings.url, gpus_per_replica=self.gpus_per_replica, target=Path(self.target),
                                 command=self.command, log_dir=self.log_dir / name,
                                 health_timeout_s=self.settings.health_timeout_s, extra_args=extra_args, engine=self.engine)

@@ -21,6 +21,7 @@ from models.estimates import chain_acceptance_length, estimates_block
 from models.eval_prompts import eval_prompts
 from models.jobs import EngineEvalSettings, EvalJob
 from models.rank_protocol import EVAL, Message
+from models.run_layout import EVAL_REPORT, TRAIN_SUMMARY
 from tasks.artifacts import artifact_key
 from tasks.engines.sglang import SGLangClient
 from tasks.engines.vllm import VLLMClient
@@ -28,8 +29,6 @@ from tasks.eval.engine import EngineServer, Phase, check_command, compare_with_h
 from tasks.generate.prompts import default_stop_ids, request_sampling_params
 from tasks.launch import follow_job, write_job
 from tasks.engines.client import RetryPolicy, auth_hint
-
-EVAL_FILE = "eval.json"
 
 
 @task(name="spec-eval", cache_policy=NO_CACHE)
@@ -144,14 +143,14 @@ def publish_eval(job: EvalJob, hf: dict[str, Any] | None, engine: dict[str, Any]
     report["estimates"] = estimates(draft_dir, job.num_steps, measured, hf["trained"].get("replay") if hf is not None else None)
     report["sglang_command"] = sglang_command(job.target_path, final, job.num_steps, job.trust_remote_code)
     report["vllm_command"] = vllm_command(job.target_path, final, job.num_steps, job.trust_remote_code)
-    write_atomic(draft_dir / EVAL_FILE, json.dumps(report, indent=2))
+    write_atomic(draft_dir / EVAL_REPORT, json.dumps(report, indent=2))
     create_table_artifact(table=eval_rows(report), key=artifact_key("eval-summary", config_name),
                           description=f"Acceptance length at {job.num_steps} draft tokens per round (SGLang topk 1), greedy "
                                       f"target, {report['prompts']} eval prompts. 'measured' rows: speculative decoding "
                                       "on the eval prompts (in-process HF, or the serving engine's meta_info); "
                                       "'training-time estimate': the chain formula over the held-out "
                                       "TTT accept rates at the same number of steps, teacher-forced on training records "
-                                      "(a different text and weighting; README, 'Two acceptance numbers')")
+                                      "(a different text and weighting; docs/acceptance.md, 'Two acceptance numbers')")
     if engine is not None:
         create_table_artifact(table=engine_rows(engine), key=artifact_key("eval-engine-summary", config_name),
                               description="Engine eval per dataset: acceptance length as SGLang counts it (completion tokens "
@@ -177,7 +176,7 @@ def _exported(job: EvalJob) -> Path:
 
 def _training_cond_acc(draft_dir: Path) -> list[float] | None:
     """The held-out TTT eval's per-step conditional accept rates at the end of training, or None."""
-    summary = draft_dir / "train_summary.json"
+    summary = draft_dir / TRAIN_SUMMARY
     if not summary.is_file():
         return None
     last = json.loads(summary.read_text()).get("eval")

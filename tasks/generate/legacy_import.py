@@ -95,15 +95,17 @@ import pyarrow.parquet as pq
 
 from models.atomic import TMP_SUFFIX, fsync_dir
 from models.file_errors import WriteFailed
+from models.run_layout import RunLayout
 from tasks import datasets
 from tasks.checkpoints import PartSummary, done_ids, finish_compaction, live_parts, responses_table
 from tasks.datasets import DatasetError, Reject
+from tasks.datasets.rows import type_name
 from tasks.parquet_io import (
     DamagedPart, clean_stale_temps, next_part_path, read_metadata, reading, write_parquet_atomic,
 )
 from tasks.generate.prompts import chat_prompt_ids
 from tasks.rejects import write_rejects
-from tasks.run_lock import LOCK_NAME, run_lock
+from tasks.run_lock import run_lock
 
 log = logging.getLogger("eagle3.legacy_import")
 
@@ -186,14 +188,14 @@ def import_jsonl(
         try:
             stack.enter_context(run_lock(run_dir, f"import-jsonl {dataset}"))
         except OSError as e:  # cannot even create RUN_DIR/.lock: read-only, permissions, full
-            raise WriteFailed(run_dir / LOCK_NAME, e, kept="nothing was imported", resume=RESUME) from None
-        return _import(run_dir, dataset, file, tokenizer, flush_every, flush_tokens, on_bad_line)
+            raise WriteFailed(RunLayout(run_dir).lock, e, kept="nothing was imported", resume=RESUME) from None
+        return _import(RunLayout(run_dir), dataset, file, tokenizer, flush_every, flush_tokens, on_bad_line)
 
 
-def _import(run_dir, dataset, file, tokenizer, flush_every, flush_tokens, on_bad_line) -> ImportReport:
+def _import(layout, dataset, file, tokenizer, flush_every, flush_tokens, on_bad_line) -> ImportReport:
     """The import itself, under the lock: stage the whole file, then commit, then record the rejects."""
-    directory = run_dir / "responses" / dataset
-    existing = _existing_ids(directory, run_dir, file)
+    directory = layout.responses(dataset)
+    existing = _existing_ids(directory, layout, file)
     report = ImportReport(file=file, dataset=dataset)
     staged: list[Path] = []
     try:
@@ -202,7 +204,7 @@ def _import(run_dir, dataset, file, tokenizer, flush_every, flush_tokens, on_bad
         _remove(staged)  # nothing of this file goes in: a bad line, a failed write, an interrupt
         raise
     report.parts = _commit(directory, staged, file)
-    report.rejects_part = _record_rejects(rejects, run_dir / "rejects" / dataset, file, report)
+    report.rejects_part = _record_rejects(rejects, layout.rejects(dataset), file, report)
 
     if report.duplicates:
         log.warning("%s: %d line(s) repeat an earlier line's id; the first is kept", file, report.duplicates)
@@ -228,7 +230,7 @@ def _record_rejects(rejects: list[Reject], directory: Path, file: Path, report: 
         earlier = [p for p in live_parts(directory) if read_metadata(p).get("stage") == "import" and _only_from(p, file)]
         return write_rejects(rejects, directory, "import", replaces=earlier)
     except DamagedPart as damaged:
-        where = directory.parent.parent / "quarantine" / "rejects" / directory.name
+        where = RunLayout.of_dataset_dir(directory).quarantine(directory)
         raise damaged.with_advice(
             f"The {report.imported} response(s) are imported; the bad lines are not listed yet. Move it aside:"
             f" mkdir -p {where} && mv {damaged.path} {where}/ -- then run the import again"
@@ -247,14 +249,14 @@ def _only_from(part: Path, file: Path) -> bool:
     return all(Path(s).resolve() == file.resolve() for s in sources)
 
 
-def _existing_ids(directory: Path, run_dir: Path, file: Path) -> set[str]:
+def _existing_ids(directory: Path, layout: RunLayout, file: Path) -> set[str]:
     """Ids already imported or generated; DamagedPart, with what to do, when a part cannot be read."""
     clean_stale_temps(directory)  # staged parts of an import that was killed: never committed
     try:
         finish_compaction(directory)
         return done_ids(directory)
     except DamagedPart as damaged:
-        where = run_dir / "quarantine" / "responses" / directory.name
+        where = layout.quarantine(directory)
         raise damaged.with_advice(
             f"Nothing was imported. Move it aside: mkdir -p {where} && mv {damaged.path} {where}/ -- then run the"
             f" import again: the responses it held count as not done, so those in {file.name} are imported again,"
@@ -305,7 +307,7 @@ def _stage(file, directory, existing, tokenizer, flush_every, flush_tokens, on_b
                 continue
             row, retokenized = legacy.response_row(tokenizer, lineno)
         except _BadLine as bad:
-            _bad_line(file, lineno, raw, _loose_id(data), bad, on_bad_line, report, rejects)
+            _bad_line(file, lineno, raw, _legacy_id_or_none(data), bad, on_bad_line, report, rejects)
             continue
         buffer.append(row)
         buffered_tokens += len(row["prompt_ids"]) + len(row["output_ids"])
@@ -404,7 +406,7 @@ def _parse(raw: bytes, lineno: int) -> dict:
     except json.JSONDecodeError as e:
         raise _BadLine(f"invalid JSON ({e.msg}; column {e.colno})", unreadable=True) from None
     if not isinstance(data, dict):
-        raise _BadLine(f"a line must be a JSON object, got {_type_name(data)}")
+        raise _BadLine(f"a line must be a JSON object, got {type_name(data)}")
     return data
 
 
@@ -436,7 +438,7 @@ class _Legacy:
 
         prompt_messages, answer = _split_messages(d)
         messages, prompt_id = _prompt(d, prompt_messages)
-        row_id = _given_id(d)
+        row_id = _legacy_id(d)
         if row_id is None:
             if prompt_id is None:
                 raise _BadLine("has no 'id' and no prompt 'messages'/'prompt' to derive one from")
@@ -477,7 +479,7 @@ class _Legacy:
         if isinstance(finish, dict):
             finish = finish.get("type")
         if finish is not None and not isinstance(finish, str):
-            raise _BadLine(f"'finish_reason' must be a string or {{type}}, got {_type_name(finish)}")
+            raise _BadLine(f"'finish_reason' must be a string or {{type}}, got {type_name(finish)}")
 
         return cls(
             id=row_id,
@@ -573,7 +575,9 @@ def _prompt(d: dict, messages: Any) -> tuple[list[dict] | None, str | None]:
     return row.messages, row.id
 
 
-def _given_id(d: dict) -> str | None:
+def _legacy_id(d: dict) -> str | None:
+    """A legacy line's prompt id: `prompt_id`, else `id` unless it names an OpenAI completion (rows.given_id's rules
+    differ: datasets give only `id`)."""
     for key in ("prompt_id", "id"):
         value = d.get(key)
         if value is None:
@@ -583,7 +587,7 @@ def _given_id(d: dict) -> str | None:
         ):
             continue  # the id of an OpenAI completion object names the answer, not the prompt
         if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise _BadLine(f"'{key}' must be a string or int, got {_type_name(value)}")
+            raise _BadLine(f"'{key}' must be a string or int, got {type_name(value)}")
         text = str(value)
         if not text.strip():
             raise _BadLine(f"'{key}' is empty")
@@ -591,9 +595,9 @@ def _given_id(d: dict) -> str | None:
     return None
 
 
-def _loose_id(d: dict) -> str | None:
+def _legacy_id_or_none(d: dict) -> str | None:
     try:
-        return _given_id(d)
+        return _legacy_id(d)
     except _BadLine:
         return None
 
@@ -621,13 +625,13 @@ def _obj(value: Any, name: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise _BadLine(f"'{name}' must be an object, got {_type_name(value)}")
+        raise _BadLine(f"'{name}' must be an object, got {type_name(value)}")
     return value
 
 
 def _str(value: Any, name: str) -> str | None:
     if value is not None and not isinstance(value, str):
-        raise _BadLine(f"'{name}' must be a string, got {_type_name(value)}")
+        raise _BadLine(f"'{name}' must be a string, got {type_name(value)}")
     return value
 
 
@@ -651,17 +655,9 @@ def _ids(value: Any, name: str) -> list[int] | None:
     if value is None:
         return None
     if not isinstance(value, list):
-        raise _BadLine(f"'{name}' must be a list of token ids, got {_type_name(value)}")
+        raise _BadLine(f"'{name}' must be a list of token ids, got {type_name(value)}")
     # set(map(type, ...)) and min/max run in C: these lists are thousands of ids long.
     if value and (set(map(type, value)) != {int} or min(value) < 0 or max(value) > INT32_MAX):
         i = next(i for i, x in enumerate(value) if type(x) is not int or not 0 <= x <= INT32_MAX)
         raise _BadLine(f"'{name}[{i}]' must be a non-negative int32 token id, got {value[i]!r}")
     return value
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {bool: "bool", int: "int", float: "float", str: "string", list: "list", dict: "object"}.get(
-        type(value), type(value).__name__
-    )

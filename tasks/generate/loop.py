@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Callable
 
 from models.jobs import GenerateJob
 from models.file_errors import WriteFailed
+from models.run_layout import RunLayout
 from tasks.generate.budget import TokenBudget
 from tasks.checkpoints import ResponseWriter, done_ids, summarize
 from tasks.datasets import PromptRow, Reject
@@ -127,7 +128,7 @@ async def generate_dataset(
         responded = done_ids(responses_dir)
         standing = settle_generate_rejects(rejects_dir, responded, retry_refused=settings.retry_rejects)
     except DamagedPart as exc:
-        raise exc.with_advice(quarantine_advice(exc.path, responses_dir.parent.parent)) from None
+        raise exc.with_advice(quarantine_advice(exc.path, responses_dir)) from None
     skip = responded | standing
     rejected_before = sum(1 for p in prompts if p.id in standing)
     queue = deque(p for p in prompts if p.id not in skip)
@@ -179,13 +180,10 @@ async def generate_dataset(
     )
 
 
-def quarantine_advice(part: Path, run_dir: Path) -> str:
-    """What to do about a damaged part: move it aside (never deleted for the user) and run again."""
-    try:
-        where = run_dir / "quarantine" / part.parent.relative_to(run_dir)
-    except ValueError:
-        where = run_dir / "quarantine"
-    held = "responses" if part.parent.parent.name == "responses" else "rejects"
+def quarantine_advice(part: Path, responses_dir: Path) -> str:
+    """What to do about a damaged part of `responses_dir` or of its rejects: move it aside (never deleted for the user), run again."""
+    where = RunLayout.of_dataset_dir(responses_dir).quarantine(part.parent)
+    held = "responses" if part.parent == Path(responses_dir) else "rejects"
     return (
         f"Nothing was sent. Parts are written whole (temp file, fsync, rename), so this one was damaged later "
         f"(a disk fault, a partial copy, an edit). Move it aside: mkdir -p {where} && mv {part} {where}/ "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact,
 from prefect.cache_policies import NO_CACHE
 
 from models.jobs import GenerateJob, ServerSettings
+from models.run_layout import RunLayout
 from tasks.artifacts import artifact_key
 from tasks.datasets import load_dataset
 from tasks.generate.loop import GenerateReport, Progress, generate_dataset
@@ -21,22 +21,6 @@ from tasks.rejects import replace_stage_rejects
 from tasks.server_pool import ServerPool
 from tasks.engines.client import RetryPolicy, auth_hint
 from tasks.engines.errors import ServerOutage
-
-
-@dataclass(frozen=True)
-class RunPaths:
-    """Where one dataset's outputs go inside the run directory."""
-
-    run_dir: Path
-
-    def responses(self, dataset: str) -> Path:
-        return self.run_dir / "responses" / dataset
-
-    def rejects(self, dataset: str) -> Path:
-        return self.run_dir / "rejects" / dataset
-
-    def passthrough(self, dataset: str) -> Path:
-        return self.run_dir / "passthrough" / dataset
 
 
 async def _retry_on_outage(task: Any, task_run: Any, state: Any) -> bool:
@@ -63,16 +47,16 @@ async def generate_responses(
     target_path: str,
     trust_remote_code: bool,
     settings: GenerateJob,
-    paths: RunPaths,
+    layout: RunLayout,
     pool: ServerPool,
 ) -> GenerateReport:
     """Generate one dataset's responses through the run's servers (SGLang or vLLM); resumes from its checkpoints."""
     logger = get_run_logger()
     loaded = await asyncio.to_thread(load_dataset, source, "generate", on_bad_row=on_bad_row)  # type: ignore[arg-type]
     # This load's bad rows replace the last load's: a row fixed in the file is used from now on.
-    await asyncio.to_thread(replace_stage_rejects, loaded.rejects, paths.rejects(name), "load")
+    await asyncio.to_thread(replace_stage_rejects, loaded.rejects, layout.rejects(name), "load")
     if loaded.rejects:
-        logger.warning("%s: %d bad row(s) sent to %s", name, len(loaded.rejects), paths.rejects(name))
+        logger.warning("%s: %d bad row(s) sent to %s", name, len(loaded.rejects), layout.rejects(name))
 
     from transformers import AutoTokenizer
 
@@ -91,8 +75,8 @@ async def generate_responses(
         loaded.rows,
         pool=pool,
         tokenizer=tokenizer,
-        responses_dir=paths.responses(name),
-        rejects_dir=paths.rejects(name),
+        responses_dir=layout.responses(name),
+        rejects_dir=layout.rejects(name),
         source=source,
         settings=settings,
         vocab_size=len(tokenizer),
@@ -121,9 +105,9 @@ def server_pool(server: ServerSettings, logger: Any, *, max_concurrency: int | N
 
 
 @task(name="copy-passthrough", task_run_name="passthrough {name}", cache_policy=NO_CACHE)
-def copy_passthrough_task(name: str, source: Path, on_bad_row: str, paths: RunPaths) -> PassthroughReport:
+def copy_passthrough_task(name: str, source: Path, on_bad_row: str, layout: RunLayout) -> PassthroughReport:
     """Validate a passthrough dataset and copy it into the run."""
-    report = copy_passthrough(name, source, paths.passthrough(name), paths.rejects(name), on_bad_row)
+    report = copy_passthrough(name, source, layout.passthrough(name), layout.rejects(name), on_bad_row)
     get_run_logger().info(
         "%s: %d passthrough rows %s (%d rejects, %d duplicates)",
         name, report.rows, "copied" if report.copied else "already in the run", report.rejects, report.duplicates,

@@ -34,6 +34,7 @@ from models.file_errors import WriteFailed
 from tasks.records.chat_masks import MaskError, conversation_records
 from tasks.checkpoints import live_parts
 from models.jobs import RecordsJob
+from models.run_layout import RunLayout
 from tasks.datasets import Reject
 from tasks.rejects import write_rejects
 from tasks.parquet_io import DamagedPart, list_parts, read_metadata, reading, write_parquet_atomic
@@ -48,7 +49,6 @@ RECORD_SCHEMA = pa.schema({
     "truncated": pa.bool_(),  # cut at records.max_seq_len
 })
 META = "eagle3."
-TOKEN_COUNTS = "token_counts.parquet"
 RESUME = "make room there, then run the records stage again: complete parts are kept, only the missing ones are built"
 REBUILD = "Delete it and run the records stage again: it is rebuilt from its responses or passthrough part"
 
@@ -75,7 +75,7 @@ def source_advice(kind: str, part: Path) -> str:
     if kind == "passthrough":
         return "Delete it and run generate again (it is copied again from the dataset file), then the records stage"
     # generate's rule: the part is moved aside, never deleted for the user, and its prompts generated again
-    where = part.parent.parent.parent / "quarantine" / part.parent.parent.name / part.parent.name
+    where = RunLayout.of_dataset_dir(part.parent).quarantine(part.parent)
     return (f"Move it aside: mkdir -p {where} && mv {part} {where}/ -- then run generate (the prompts it held are "
             "generated again, exactly once) and the records stage again")
 
@@ -186,7 +186,7 @@ def _write_rejects(rejects: list[Reject], rejects_dir: Path, kept: str) -> None:
     try:
         write_rejects(rejects, rejects_dir, "records")
     except DamagedPart as e:  # an earlier rejects part's footer (read to skip a repeat) is unreadable
-        where = rejects_dir.parent.parent / "quarantine" / "rejects" / rejects_dir.name
+        where = RunLayout.of_dataset_dir(rejects_dir).quarantine(rejects_dir)
         raise e.with_advice(f"Move it aside: mkdir -p {where} && mv {e.path} {where}/ -- then run the stage again "
                             "(a rejects part only lists rows left out: nothing trains on it)") from None
     except OSError as e:
@@ -323,7 +323,7 @@ def record_stats(run_dir: Path, on_damaged: Callable[[str, DamagedPart], None] |
     A dataset with a damaged part raises DamagedPart, or with `on_damaged` is passed to it and left
     out, so a report of the others still comes out (`eagle3 stats`).
     """
-    root = Path(run_dir) / "records"
+    root = RunLayout(run_dir).records_root
     directories = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
     reports = []
     for d in directories:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from prefect import get_run_logger, task
@@ -12,7 +11,8 @@ from prefect.cache_policies import NO_CACHE
 from tasks.artifacts import artifact_key
 from tasks.generate.prompts import default_stop_ids
 from models.jobs import RecordsJob
-from tasks.records.build import TOKEN_COUNTS, RecordsReport, build_records, count_tokens, coverage
+from models.run_layout import RunLayout
+from tasks.records.build import RecordsReport, build_records, count_tokens, coverage
 
 
 @task(name="target-vocab", cache_policy=NO_CACHE)
@@ -29,7 +29,7 @@ def target_vocab(target_path: str, trust_remote_code: bool, stop_token_ids: list
 def build_dataset_records(
     dataset: str,
     kind: Literal["generate", "passthrough"],
-    run_dir: Path,
+    layout: RunLayout,
     target_path: str,
     trust_remote_code: bool,
     settings: RecordsJob,
@@ -40,8 +40,8 @@ def build_dataset_records(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
-    source = run_dir / ("responses" if kind == "generate" else "passthrough") / dataset
-    report = build_records(dataset, kind, source, run_dir / "records" / dataset, run_dir / "rejects" / dataset, settings, tokenizer)
+    source = layout.responses(dataset) if kind == "generate" else layout.passthrough(dataset)
+    report = build_records(dataset, kind, source, layout.records(dataset), layout.rejects(dataset), settings, tokenizer)
     dropped = ", ".join(f"{k}={v}" for k, v in sorted(report.dropped.items())) or "none"
     get_run_logger().info(
         "%s: %d records (%d parts built now), %d tokens, %d loss tokens, %d truncated; left out: %s",
@@ -51,9 +51,9 @@ def build_dataset_records(
 
 
 @task(name="token-counts", cache_policy=NO_CACHE)
-def count_record_tokens(run_dir: Path, datasets: list[str], vocab_size: int, draft_vocab_size: int) -> dict[str, Any]:
+def count_record_tokens(layout: RunLayout, datasets: list[str], vocab_size: int, draft_vocab_size: int) -> dict[str, Any]:
     """records/token_counts.parquet over loss-masked tokens, and the draft vocabulary's coverage."""
-    total, counts = count_tokens([run_dir / "records" / d for d in datasets], run_dir / "records" / TOKEN_COUNTS, vocab_size)
+    total, counts = count_tokens([layout.records(d) for d in datasets], layout.token_counts, vocab_size)
     k = min(draft_vocab_size, vocab_size)
     share = coverage(counts, k)
     get_run_logger().info(

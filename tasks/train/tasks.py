@@ -20,13 +20,11 @@ from prefect.cache_policies import NO_CACHE
 
 from models.jobs import Nodes, TrainJob
 from models.rank_protocol import TRAIN, TRAIN_EVAL, Message, most_telling
+from models.run_layout import CHECKPOINTS, EVAL_REPORT, FINAL, METRICS, TRAIN_SUMMARY, TRAINING_PLOT
 from models.train import RESUME, CheckpointMismatch, kept_checkpoint
 from tasks.artifacts import artifact_key
 from tasks.launch import RankFailure, follow_job, rank_command, rank_error, run_job, write_job
 from tasks.train.report import eval_table, load_metrics, plot_training, report_markdown
-
-SUMMARY = "train_summary.json"
-PLOT = "training.png"
 
 
 class TrainFailed(RankFailure):
@@ -75,7 +73,7 @@ def run_train_job(job: TrainJob, job_path: Path, num_ranks: int, launcher: str, 
     logger = get_run_logger()
     nodes = nodes or Nodes()
     command, env = rank_command("models.train", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher, nodes=nodes)
-    write_job(job, job_path, kept=lambda: kept_checkpoint(Path(job.out_dir) / "checkpoints"), resume=RESUME)
+    write_job(job, job_path, kept=lambda: kept_checkpoint(Path(job.out_dir) / CHECKPOINTS), resume=RESUME)
     logger.info("launching %d rank(s) on %d node(s): %s", num_ranks * nodes.nnodes, nodes.nnodes, " ".join(command))
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("train", config_name), description="train: starting")
     state = {"started": time.monotonic(), "first": None, "last": 0.0, "eval": None}
@@ -104,7 +102,7 @@ def run_train_job(job: TrainJob, job_path: Path, num_ranks: int, launcher: str, 
 
     # run=run_job: this module's, the seam where tests/flows/test_train_flow.py scripts the ranks
     follow_job(command, protocol=TRAIN, env=env, log=logger.info, on_message=on_message, failure=job_failure, run=run_job)
-    summary = json.loads((Path(job.out_dir) / SUMMARY).read_text())
+    summary = json.loads((Path(job.out_dir) / TRAIN_SUMMARY).read_text())
     update_progress_artifact(artifact, progress=100.0, description=f"train: done, {summary['steps']:,} steps; draft in {summary['final']}")
     return summary
 
@@ -116,24 +114,24 @@ def report_training(draft_dir: Path, config_name: str, eval_steps: int | None = 
     eval_steps: the eval stage's num_steps; the report then shows the training-time estimate at that
     many steps beside the measured value of an eval.json newer than this training (else "not measured yet").
     """
-    metrics = load_metrics(draft_dir / "metrics.jsonl")
-    png = plot_training(metrics, draft_dir / PLOT)
+    metrics = load_metrics(draft_dir / METRICS)
+    png = plot_training(metrics, draft_dir / TRAINING_PLOT)
     rows = eval_table(metrics)
     if rows:
         create_table_artifact(table=rows, key=artifact_key("train-eval", config_name),
                               description="Held-out TTT metrics during training (acceptance length simulated over the draft steps)")
     measured = measured_acceptance(draft_dir, eval_steps) if eval_steps is not None else None
-    create_markdown_artifact(markdown=report_markdown(metrics, png, draft_dir=draft_dir / "final", eval_steps=eval_steps,
+    create_markdown_artifact(markdown=report_markdown(metrics, png, draft_dir=draft_dir / FINAL, eval_steps=eval_steps,
                                                       measured=measured),
                              key=artifact_key("train-report", config_name), description="EAGLE-3 draft training report")
-    get_run_logger().info("training report: %s (plot %s)", draft_dir / "metrics.jsonl", png)
+    get_run_logger().info("training report: %s (plot %s)", draft_dir / METRICS, png)
     return {"plot": str(png), "evals": rows}
 
 
 def measured_acceptance(draft_dir: Path, num_steps: int) -> float | None:
     """The trained draft's measured acceptance length in draft/eval.json, when that eval ran at num_steps
     after this training wrote train_summary.json (an older eval measured an older draft); else None."""
-    eval_file, summary = draft_dir / "eval.json", draft_dir / SUMMARY
+    eval_file, summary = draft_dir / EVAL_REPORT, draft_dir / TRAIN_SUMMARY
     if not eval_file.is_file() or (summary.is_file() and eval_file.stat().st_mtime < summary.stat().st_mtime):
         return None
     try:

@@ -1,4 +1,4 @@
-"""A team's Prefect: the server on a real PostgreSQL, one GPU pool, one worker per box (docs/operations.md section 9).
+"""A team's Prefect: the server on a real PostgreSQL, one GPU pool, one worker per box (docs/prefect-team.md).
 
 PostgreSQL runs from Debian's `postgresql` package (.ci/run installs it where it can), in a temporary
 directory, as the `postgres` user when the tests run as root (PostgreSQL refuses to run as root). The
@@ -121,7 +121,7 @@ def test_a_team_server_on_postgresql_runs_a_deployment_on_the_box_its_queue_name
     with launch_prefect(tmp_path / "prefect", PREFECT_SERVER_DATABASE_CONNECTION_URL=postgres.url) as server, \
             SimServer(max_running=8, decode_s_per_token=0.001, mean_len=20, vocab_size=2048, eos_token_id=1,
                       model_path=str(tiny_target_dir)) as sim:
-        # docs/operations.md section 9: the pool's limit is the number of boxes, a queue per box, one worker per box
+        # docs/prefect-team.md, 'Setting it up': the pool's limit is the number of boxes, a queue per box, one worker per box
         # polling only its queue and running one flow run at a time
         boxes = ("box-a", "box-b")
         server.create_pools_and_deploy(["work-pool", "set-concurrency-limit", "eagle3-gpu", str(len(boxes))],

@@ -147,6 +147,25 @@ def test_relative_paths_resolve_against_base_and_hub_ids_stay(tmp_path):
     assert parse_config(data, base=tmp_path).target.path == str(tmp_path / "local/model")
 
 
+def test_the_layout_puts_the_output_directories_where_the_settings_say(tmp_path):
+    config = parse_config(copy.deepcopy(MINIMAL), base=tmp_path)
+    layout = config.layout  # nothing set: all of it under run_dir
+    assert (layout.run_dir, layout.hidden_dir, layout.engine_dir, layout.draft_dir) == (
+        tmp_path / "runs/x", tmp_path / "runs/x/hidden", tmp_path / "runs/x/engine", tmp_path / "runs/x/draft")
+    assert config.dataset_records()[1].records_dir == str(tmp_path / "runs/x/records/B1")
+    data = {**copy.deepcopy(MINIMAL), "capture": {"out_dir": "big/hidden", "backend": "vllm", "engine": {"shared_dir": "/dev/shm/c"}},
+            "train": {"out_dir": "drafts/k25"}}
+    config = parse_config(data, base=tmp_path)
+    layout = config.layout
+    assert (layout.hidden_dir, layout.engine_dir, layout.draft_dir) == (
+        tmp_path / "big/hidden", Path("/dev/shm/c"), tmp_path / "drafts/k25")
+    assert layout.final == tmp_path / "drafts/k25/final" and layout.token_counts == tmp_path / "runs/x/records/token_counts.parquet"
+    assert config.written_dirs(["capture", "train"]) == [
+        ("capture.out_dir", tmp_path / "big/hidden"), ("capture.engine.shared_dir", Path("/dev/shm/c")),
+        ("train.out_dir", tmp_path / "drafts/k25")]
+    assert config.read_dirs(["train"]) == [("capture.out_dir", tmp_path / "big/hidden")]
+
+
 def test_dump_round_trips(tmp_path):
     config = parse_config(copy.deepcopy(MINIMAL), base=tmp_path)
     again = parse_config(yaml.safe_load(dump_config(config)), base=tmp_path)
@@ -325,7 +344,7 @@ def test_one_node_by_default_and_world_size_is_nodes_times_gpus(tmp_path):
             "distributed": {"nnodes": 3, "master_addr": "10.0.0.5"}}
     config = parse_config(data, base=tmp_path)
     assert config.world_size(config.train) == 12 and config.world_size(config.capture) == 24
-    assert config.job_file("train") == tmp_path / "runs/x/jobs/train.json"
+    assert config.layout.job("train") == tmp_path / "runs/x/jobs/train.json"
 
 
 def test_several_nodes_need_a_rendezvous_or_a_hostfile(tmp_path):

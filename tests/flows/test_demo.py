@@ -68,7 +68,7 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     assert (config.run_dir / "config.yaml").exists()
 
     # train: a draft SGLang and vLLM load, metrics and the plot; eval: the trained draft beats the untrained one
-    draft = config.draft_dir
+    draft = config.layout.draft_dir
     assert validate_export(draft / "final") == [] and validate_export_vllm(draft / "final") == []
     assert (draft / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     train_lines = [json.loads(line) for line in (draft / "metrics.jsonl").read_text().splitlines()]
@@ -76,7 +76,7 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     assert losses[-1] < losses[0]
     report = json.loads((draft / "eval.json").read_text())
     assert report["untrained"]["acceptance_length"] < 1.1
-    # 8 epochs: ~1.18 against 1.00 (the full demo's 20 epochs: ~1.44, README)
+    # 8 epochs: ~1.18 against 1.00 (the full demo's 20 epochs: ~1.44, docs/acceptance.md)
     assert report["trained"]["acceptance_length"] > report["untrained"]["acceptance_length"] + 0.1
     # The training-time estimate at the eval's num_steps beside the measured value, labelled; the
     # round-weighted replay on the eval's own greedy outputs reproduces the measurement.

@@ -338,7 +338,7 @@ def trained(plain, tiny_target_dir, tmp_path_factory):
 def test_eval_through_vllm_counts_the_verify_rounds_of_the_in_process_eval_prompt_by_prompt(vllm_python, plain, trained,
                                                                                            tiny_target_dir, tmp_path):
     path, config = trained
-    final = config.draft_dir / "final"
+    final = config.layout.draft_dir / "final"
     exported = json.loads((final / "config.json").read_text())
     assert exported["draft_vocab_size"] < exported["vocab_size"]  # D < V: the real loader maps d2t
     server = start_vllm(vllm_python, tiny_target_dir, tmp_path / "draft.log",
@@ -352,7 +352,7 @@ def test_eval_through_vllm_counts_the_verify_rounds_of_the_in_process_eval_promp
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     finally:
         server.stop()
-    report = json.loads((config.draft_dir / "eval.json").read_text())
+    report = json.loads((config.layout.draft_dir / "eval.json").read_text())
     engine, hf = report["engine"], report["trained"]
     assert engine["engine"] == "vllm"
     rounds = {(p["source"], p["id"]): (p["completion_tokens"], p["spec_verify_ct"]) for p in engine["per_prompt"]}

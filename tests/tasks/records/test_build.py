@@ -21,8 +21,8 @@ from models.file_errors import WriteFailed
 from tasks.records import build as records_module
 from tasks.parquet_io import DamagedPart
 from models.jobs import RecordsJob
+from models.run_layout import RunLayout
 from tasks.records.build import (
-    TOKEN_COUNTS,
     build_records,
     count_tokens,
     coverage,
@@ -184,10 +184,10 @@ def test_token_counts_and_coverage(tmp_path, tokenizer):
     rows = [response(tokenizer, i, "alpha beta " * (i + 1)) for i in range(5)]
     write_part(tmp_path / "responses", responses_table(rows))
     build_records("B1", "generate", tmp_path / "responses", tmp_path / "records/B1", tmp_path / "rej", settings(tokenizer))
-    total, counts = count_tokens([tmp_path / "records/B1"], tmp_path / "records" / TOKEN_COUNTS, len(tokenizer))
+    total, counts = count_tokens([tmp_path / "records/B1"], RunLayout(tmp_path).token_counts, len(tokenizer))
     naive = Counter(t for r in rows for t in r["output_ids"])
     assert total == sum(naive.values())
-    table = pq.read_table(tmp_path / "records" / TOKEN_COUNTS).to_pylist()
+    table = pq.read_table(tmp_path / "records" / "token_counts.parquet").to_pylist()
     assert {r["token_id"]: r["count"] for r in table} == dict(naive)
     assert [r["count"] for r in table] == sorted((r["count"] for r in table), reverse=True)
     top2 = sum(c for _, c in naive.most_common(2))
@@ -260,8 +260,8 @@ def test_write_failures_name_the_file_and_what_is_kept(what, tmp_path, tokenizer
         build_records(*args)
         monkeypatch.setattr(records_module, "write_parquet_atomic", _refuse(errno.ENOSPC))
         with pytest.raises(WriteFailed) as failed:
-            count_tokens([tmp_path / "records"], tmp_path / TOKEN_COUNTS, len(tokenizer))
-        assert str(failed.value).startswith(f"cannot write {tmp_path / TOKEN_COUNTS}: disk full: ")
+            count_tokens([tmp_path / "records"], tmp_path / "token_counts.parquet", len(tokenizer))
+        assert str(failed.value).startswith(f"cannot write {tmp_path / 'token_counts.parquet'}: disk full: ")
         assert "kept: every records part (complete; only the token counts are missing)" in str(failed.value)
         return
     with pytest.raises(WriteFailed) as failed:
@@ -317,7 +317,7 @@ def test_damaged_passthrough_and_records_parts(tmp_path, tokenizer):
     damage(record, "truncated")
     rebuild = "Delete it and run the records stage again: it is rebuilt from its responses or passthrough part"
     for read in (lambda: build_records(*args), lambda: summarize_records(tmp_path / "records"),
-                 lambda: count_tokens([tmp_path / "records"], tmp_path / TOKEN_COUNTS, len(tokenizer))):
+                 lambda: count_tokens([tmp_path / "records"], tmp_path / "token_counts.parquet", len(tokenizer))):
         with pytest.raises(DamagedPart) as failed:
             read()
         assert str(failed.value).startswith(f"{record} is damaged ({record.stat().st_size:,} bytes, not a readable Parquet file: ")

@@ -1,0 +1,180 @@
+"""The run directory's layout: every path under RUN_DIR, and the output directories settings may move out of it.
+
+    RUN_DIR/config.yaml                     the resolved config, as run
+    RUN_DIR/.lock                           held by the one process writing the run dir (tasks/run_lock.py)
+    RUN_DIR/responses/<dataset>/            generation checkpoints (part-*.parquet)
+    RUN_DIR/rejects/<dataset>/              prompts and rows that cannot succeed, with the reason
+    RUN_DIR/passthrough/<dataset>/          passthrough rows, validated and copied in
+    RUN_DIR/records/<dataset>/              training records
+    RUN_DIR/records/token_counts.parquet    loss-token frequencies, for the draft vocabulary
+    RUN_DIR/quarantine/                     damaged parts, moved aside by hand as the error says
+    RUN_DIR/jobs/<stage>.json               the job the ranks of capture, train and eval read
+    RUN_DIR/logs/                           the launched servers' output
+    RUN_DIR/hidden/      (capture.out_dir)  capture shards, index.parquet, metadata.json (models/hidden_shards.py)
+    RUN_DIR/engine/      (capture.engine.shared_dir)  the vLLM connector's per-request files
+    RUN_DIR/draft/       (train.out_dir)    checkpoints/, final/, metrics.jsonl, train_summary.json, eval.json, ...
+
+Everything else asks a `RunLayout` (RunConfig.layout in a flow) for a path. The train ranks know only their
+job's out_dir, so they join the names of the draft directory's entries (CHECKPOINTS, FINAL, ...) to it.
+File names inside a stage's own format (shard names, index.parquet, part-*.parquet, the export's files,
+the launchers' log names) stay with the module that writes that format.
+
+Plain Python, no torch: flows and tasks use it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass
+from pathlib import Path
+from typing import Literal
+
+LOCK_NAME = ".lock"  # the write lock, in RUN_DIR and in each output directory outside it (tasks/run_lock.py)
+
+# Entries of the draft directory, which the train ranks write into their job's out_dir.
+CHECKPOINTS = "checkpoints"
+FINAL = "final"
+METRICS = "metrics.jsonl"
+TRAIN_SUMMARY = "train_summary.json"
+EVAL_REPORT = "eval.json"
+TRAINING_PLOT = "training.png"
+DS_CONFIG = "ds_config.json"
+TENSORBOARD = "tensorboard"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Where everything of one run lives: RUN_DIR's entries, and hidden/, engine/, draft/ where settings move them."""
+
+    run_dir: Path
+    _: KW_ONLY
+    hidden_dir: Path | None = None
+    """capture.out_dir, else RUN_DIR/hidden: the capture's shards, index.parquet and metadata.json."""
+    draft_dir: Path | None = None
+    """train.out_dir, else RUN_DIR/draft: the train stage's checkpoints, metrics and exported draft."""
+    engine_dir: Path | None = None
+    """capture.engine.shared_dir, else RUN_DIR/engine: the vLLM connector's per-request files (capture.backend: vllm)."""
+
+    def __post_init__(self) -> None:  # an unset output directory is the one inside RUN_DIR
+        run_dir = Path(self.run_dir)
+        object.__setattr__(self, "run_dir", run_dir)
+        object.__setattr__(self, "hidden_dir", run_dir / "hidden" if self.hidden_dir is None else Path(self.hidden_dir))
+        object.__setattr__(self, "draft_dir", run_dir / "draft" if self.draft_dir is None else Path(self.draft_dir))
+        object.__setattr__(self, "engine_dir", run_dir / "engine" if self.engine_dir is None else Path(self.engine_dir))
+
+    @classmethod
+    def of_dataset_dir(cls, directory: Path) -> RunLayout:
+        """The layout of the run whose RUN_DIR/<responses|rejects|records|passthrough>/<dataset> is `directory`."""
+        return cls(Path(directory).parent.parent)
+
+    @property
+    def config(self) -> Path:
+        """RUN_DIR/config.yaml: the resolved config, as run (flows/config.py save_run_config)."""
+        return self.run_dir / "config.yaml"
+
+    @property
+    def demo_config(self) -> Path:
+        """RUN_DIR/demo-config.yaml: the resolved demo config, the input of `eagle3 demo`'s pipeline flow."""
+        return self.run_dir / "demo-config.yaml"
+
+    @property
+    def lock(self) -> Path:
+        """RUN_DIR/.lock: held by the one process writing the run directory."""
+        return self.run_dir / LOCK_NAME
+
+    @property
+    def responses_root(self) -> Path:
+        """RUN_DIR/responses: a directory per dataset of generation checkpoints."""
+        return self.run_dir / "responses"
+
+    def responses(self, dataset: str) -> Path:
+        """RUN_DIR/responses/<dataset>: its generation checkpoints (part-*.parquet)."""
+        return self.responses_root / dataset
+
+    @property
+    def rejects_root(self) -> Path:
+        """RUN_DIR/rejects: a directory per dataset of the prompts and rows that cannot succeed."""
+        return self.run_dir / "rejects"
+
+    def rejects(self, dataset: str) -> Path:
+        """RUN_DIR/rejects/<dataset>: its rejected prompts and rows, each with the reason (tasks/rejects.py)."""
+        return self.rejects_root / dataset
+
+    def passthrough(self, dataset: str) -> Path:
+        """RUN_DIR/passthrough/<dataset>: a passthrough dataset's rows, validated and copied into the run."""
+        return self.run_dir / "passthrough" / dataset
+
+    @property
+    def records_root(self) -> Path:
+        """RUN_DIR/records: a directory per dataset of training records, and the token counts."""
+        return self.run_dir / "records"
+
+    def records(self, dataset: str) -> Path:
+        """RUN_DIR/records/<dataset>: its training records (input_ids, loss_mask)."""
+        return self.records_root / dataset
+
+    @property
+    def token_counts(self) -> Path:
+        """RUN_DIR/records/token_counts.parquet: loss-token frequencies over every dataset, for the draft vocabulary."""
+        return self.records_root / "token_counts.parquet"
+
+    def quarantine(self, directory: Path) -> Path:
+        """RUN_DIR/quarantine/<directory's path under RUN_DIR>: where a damaged part of `directory` is moved aside."""
+        root = self.run_dir / "quarantine"
+        try:
+            return root / Path(directory).relative_to(self.run_dir)
+        except ValueError:  # not under RUN_DIR
+            return root
+
+    def job(self, stage: Literal["capture", "train", "eval"]) -> Path:
+        """RUN_DIR/jobs/<stage>.json: the job the stage's ranks read (on every node)."""
+        return self.run_dir / "jobs" / f"{stage}.json"
+
+    @property
+    def logs(self) -> Path:
+        """RUN_DIR/logs: the output of the servers the stages launch (names: tasks/processes.py and the launchers)."""
+        return self.run_dir / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        """draft/checkpoints: the train stage's DeepSpeed checkpoints (step-NNNNNNNN/, latest; models/train.py)."""
+        return self.draft_dir / CHECKPOINTS
+
+    @property
+    def final(self) -> Path:
+        """draft/final: the exported draft SGLang and vLLM load (config.json, model.safetensors)."""
+        return self.draft_dir / FINAL
+
+    @property
+    def metrics(self) -> Path:
+        """draft/metrics.jsonl: one line per training log interval and per held-out eval."""
+        return self.draft_dir / METRICS
+
+    @property
+    def train_summary(self) -> Path:
+        """draft/train_summary.json: the training's final eval and where the draft is."""
+        return self.draft_dir / TRAIN_SUMMARY
+
+    @property
+    def eval_report(self) -> Path:
+        """draft/eval.json: the eval stage's result, each backend's acceptance length beside the estimates."""
+        return self.draft_dir / EVAL_REPORT
+
+    @property
+    def eval_raw(self) -> Path:
+        """draft/.eval-raw.json: the HF eval job's own result, before the eval stage folds it into eval.json."""
+        return self.draft_dir / ".eval-raw.json"
+
+    @property
+    def training_plot(self) -> Path:
+        """draft/training.png: the training report's plot of metrics.jsonl."""
+        return self.draft_dir / TRAINING_PLOT
+
+    @property
+    def ds_config(self) -> Path:
+        """draft/ds_config.json: the DeepSpeed config the training ran with."""
+        return self.draft_dir / DS_CONFIG
+
+    @property
+    def tensorboard(self) -> Path:
+        """draft/tensorboard: metrics.jsonl's scalars as TensorBoard events."""
+        return self.draft_dir / TENSORBOARD
