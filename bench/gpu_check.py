@@ -64,7 +64,6 @@ from bench import harness  # noqa: E402  (first: the offline environment the ran
 from models.run_layout import RunLayout  # noqa: E402  (plain Python: `work` is laid out as a run directory)
 
 DATASET = "check"
-BETAS = (0.9, 0.95)  # flows/train.py (not imported: flows/train.py imports Prefect)
 REPORT_RESERVE_S = 10.0  # kept from the budget for the report
 
 
@@ -476,7 +475,8 @@ def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
         keep_checkpoints=1, eval_every=p.steps, eval_fraction=p.eval_fraction, log_every=p.log_every, seed=p.seed,
         device=p.device,
         ds_config=ds_train_config(world_size=1, grad_accum=defaults.grad_accum, lr=p.lr, weight_decay=defaults.weight_decay,
-                                  betas=BETAS, grad_clip=defaults.grad_clip, bf16=p.bf16, torch_adam=True))
+                                  betas=defaults.adam_betas, eps=defaults.adam_eps, grad_clip=defaults.grad_clip,
+                                  bf16=p.bf16, torch_adam=defaults.torch_adam))
     job_path = layout.job("train")
     write_job(job, job_path, kept=lambda: "nothing yet", resume="run the check again")
     run = check.launch("models.train", job_path, TRAIN, limit_s)

@@ -96,9 +96,8 @@ from models.train_data import (HiddenSource, epoch_batches, rank_micro_batches, 
 from tasks.records.build import count_tokens  # noqa: E402
 
 DATASET = "bench"
-BETAS = (0.9, 0.95)  # flows/train.py
-EPS = 1e-8  # ds_train_config
-RUN_CONFIG = TrainConfig()  # the run config's train section as declared: its defaults
+RUN_CONFIG = TrainConfig()  # the run config's train section as declared: its defaults (AdamW betas, eps, ...)
+BETAS, EPS = RUN_CONFIG.adam_betas, RUN_CONFIG.adam_eps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +235,8 @@ def job_dict(p: Params, target: Path, data: Path, out_dir: Path, ranks: int) -> 
         "lr": p.lr, "warmup_ratio": p.warmup_ratio, "min_lr_ratio": 0.0, "checkpoint_every": far, "keep_checkpoints": 1,
         "eval_every": far, "eval_fraction": p.eval_fraction, "log_every": p.log_every, "seed": p.seed, "device": "cpu",
         "ds_config": ds_train_config(world_size=ranks, grad_accum=p.grad_accum, lr=p.lr, weight_decay=p.weight_decay,
-                                     betas=BETAS, grad_clip=p.grad_clip, bf16=False, torch_adam=True),
+                                     betas=BETAS, eps=EPS, grad_clip=p.grad_clip, bf16=False,
+                                     torch_adam=RUN_CONFIG.torch_adam),
     }
     job["ds_config"]["zero_optimization"]["stage"] = p.zero_stage
     TrainJob.model_validate(job)  # the job's own spec accepts every key and value

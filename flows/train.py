@@ -34,7 +34,7 @@ def train_job(config: RunConfig) -> TrainJob:
     t, layout = config.train, config.layout
     bf16 = t.precision == "bf16" or (t.precision == "auto" and t.device == "cuda")
     ds_config = ds_train_config(world_size=config.world_size(t), grad_accum=t.grad_accum, lr=t.lr, weight_decay=t.weight_decay,
-                                betas=(0.9, 0.95), grad_clip=t.grad_clip, bf16=bf16, torch_adam=True)
+                                betas=t.adam_betas, eps=t.adam_eps, grad_clip=t.grad_clip, bf16=bf16, torch_adam=t.torch_adam)
     return TrainJob(
         **t.pick(TrainSettings), target_path=config.target.path, trust_remote_code=config.target.trust_remote_code,
         device=t.device, out_dir=str(layout.draft_dir), token_counts=str(layout.token_counts),

@@ -90,7 +90,7 @@ class CheckpointMismatch(ValueError):
 
 
 def ds_train_config(*, world_size: int, grad_accum: int, lr: float, weight_decay: float, betas: tuple[float, float],
-                    grad_clip: float, bf16: bool, torch_adam: bool) -> dict[str, Any]:
+                    grad_clip: float, bf16: bool, torch_adam: bool, eps: float = 1e-8) -> dict[str, Any]:
     """The DeepSpeed config of a draft training job: ZeRO-2, AdamW, clipping, bf16 on GPUs."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,  # one token-budget batch (models/train_data.py)
@@ -98,7 +98,7 @@ def ds_train_config(*, world_size: int, grad_accum: int, lr: float, weight_decay
         "train_batch_size": world_size * grad_accum,
         "gradient_clipping": grad_clip,
         "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "eps": 1e-8,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "eps": eps,
                                                   "weight_decay": weight_decay, "torch_adam": torch_adam}},
         "steps_per_print": 10**9,  # our own logging
         "wall_clock_breakdown": False,

@@ -109,6 +109,8 @@ def test_missing_required_keys():
         (lambda d: d.update(sampling={"stop_token_ids": []}), "sampling.stop_token_ids: must be a non-empty list"),
         (lambda d: d["datasets"][1].update(on_bad_row="ignore"), "datasets[1].on_bad_row: Input should be 'fail' or 'skip'"),
         (lambda d: d.update(datasets="b.jsonl"), "datasets: Input should be a valid list"),
+        (lambda d: d.update(train={"adam_betas": [0.9, 1.0]}), "each AdamW beta must be in (0, 1), got [0.9, 1.0]"),
+        (lambda d: d.update(train={"adam_betas": [0.9]}), "train.adam_betas"),
     ],
 )
 def test_semantic_errors(change, expected):
@@ -472,3 +474,12 @@ def test_vllm_is_refused_with_the_dev_server_and_the_sglang_router(tmp_path):
     with pytest.raises(ConfigError, match="SGLang router"):
         parse_config({**base, "server": {"engine": "vllm", "launch": "command", "command": ["x", "--port", "{port}"],
                                          "router": True}})
+
+
+def test_the_optimizer_settings_reach_the_deepspeed_config(tmp_path):
+    from flows.train import train_job
+
+    data = {**copy.deepcopy(MINIMAL), "run_dir": str(tmp_path / "run"),
+            "train": {"adam_betas": [0.8, 0.99], "adam_eps": 1e-6, "torch_adam": False, "weight_decay": 0.1}}
+    params = train_job(parse_config(data, base=tmp_path)).ds_config["optimizer"]["params"]
+    assert (params["betas"], params["eps"], params["torch_adam"], params["weight_decay"]) == ([0.8, 0.99], 1e-6, False, 0.1)

@@ -1,0 +1,33 @@
+"""deploy/deepspeed/*.json are what the stages generate from the run config's defaults (deploy/README.md): regenerated
+here from the declared settings and compared, so an edit to either side that the other lacks fails."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from flows.config import TrainConfig
+from models.capture import ds_inference_config
+from models.train import ds_train_config
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
+
+
+def test_the_training_json_is_the_train_sections_defaults_on_8_gpus():
+    t = TrainConfig()  # the declared defaults, optimizer settings included
+    generated = ds_train_config(world_size=8, grad_accum=t.grad_accum, lr=t.lr, weight_decay=t.weight_decay,
+                                betas=t.adam_betas, eps=t.adam_eps, grad_clip=t.grad_clip, bf16=True,
+                                torch_adam=t.torch_adam)
+    written = json.loads((DEPLOY / "train-zero2-bf16.json").read_text())
+    assert written == generated
+    # and what it says, read independently of the generator: the recipe's numbers
+    params = written["optimizer"]["params"]
+    assert (params["lr"], params["betas"], params["eps"], written["gradient_clipping"]) == (1e-4, [0.9, 0.95], 1e-8, 0.5)
+
+
+def test_the_capture_json_is_zero3_with_cpu_offload_in_bf16():
+    written = json.loads((DEPLOY / "capture-zero3-offload.json").read_text())
+    assert written == ds_inference_config(torch.bfloat16, "cpu", None, "cuda")
+    assert written["zero_optimization"]["stage"] == 3
