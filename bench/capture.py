@@ -288,7 +288,7 @@ def launch(p: Params, label: str, mode: str, ranks: int, target: Path, records_d
            job_path: Path, log_path: Path, verbose: bool) -> Launch:
     job = CaptureJob(target_path=str(target), datasets=[DatasetRecords(name=DATASET, records_dir=str(records_dir))],
                      out_dir=str(out_dir), mode=mode, dtype=p.dtype, max_batch_tokens=p.max_batch_tokens,
-                     shard_tokens=p.shard_tokens, max_tokens=None, device="cpu")
+                     shard_tokens=p.shard_tokens, launch_tokens=None, device="cpu")
     r = Launch(label, mode, ranks)
     started: dict[int, float] = {}
     last: dict[int, tuple[float, int, int, int]] = {}  # rank -> (t, done, total, tokens) of its latest line

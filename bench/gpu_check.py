@@ -441,7 +441,7 @@ def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     job = CaptureJob(target_path=str(target), datasets=[{"name": DATASET, "records_dir": str(layout.records(DATASET))}],
                      out_dir=str(layout.hidden_dir), device=p.device, mode="replicate",
                      dtype="bfloat16" if p.bf16 else "float32", max_batch_tokens=p.capture_batch_tokens,
-                     shard_tokens=p.shard_tokens, max_tokens=None)
+                     shard_tokens=p.shard_tokens, launch_tokens=None)
     job_path = layout.job("capture")
     write_job(job, job_path, kept=lambda: "nothing yet", resume="run the check again")
     run = check.launch("models.capture", job_path, CAPTURE, limit_s)

@@ -211,7 +211,7 @@ def prepare_data(p: Params, target: Path) -> dict[str, Any]:
     count_tokens([records], layout.token_counts, len(tok))  # the records stage's counts
     t0 = time.perf_counter()
     run_capture(CaptureJob(target_path=str(target), datasets=[{"name": DATASET, "records_dir": str(records)}],
-                           out_dir=str(layout.hidden_dir), device="cpu", dtype="float32", shard_tokens=16384, max_tokens=None), Dist())
+                           out_dir=str(layout.hidden_dir), device="cpu", dtype="float32", shard_tokens=16384, launch_tokens=None), Dist())
     torch.set_num_threads(saved)
     lengths = [r["num_tokens"] for r in rows]
     info = {"records": len(rows), "tokens": sum(lengths), "loss_tokens": sum(r["num_loss_tokens"] for r in rows),

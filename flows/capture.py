@@ -54,10 +54,10 @@ def capture(config_path: str) -> dict:
 
 
 def capture_job(config: RunConfig, aux_layers: list[int]) -> CaptureJob:
-    """The job every rank reads (models/capture.py), and the vLLM capture's; the job task states its max_tokens per attempt."""
+    """The job every rank reads (models/capture.py), and the vLLM capture's; the job task states its launch_tokens per attempt."""
     c = config.capture
     return CaptureJob(
         **{**c.pick(CaptureSettings), "aux_layers": aux_layers}, target_path=config.target.path,
         trust_remote_code=config.target.trust_remote_code, datasets=config.dataset_records(), out_dir=str(config.layout.hidden_dir),
-        max_tokens=None, device=c.device,
+        launch_tokens=None, device=c.device,
     )

@@ -303,7 +303,7 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     check_compatible(existing, out_dir, hidden_size, aux_layers, dtype)
     done = {(s["dataset"], s["id"]) for m in existing for s in m["samples"]}
     samples, parts, no_loss = load_records(job.datasets, vocab_size)
-    pending = within_token_cap([s for s in samples if (s.dataset, s.id) not in done], job.max_tokens)
+    pending = within_token_cap([s for s in samples if (s.dataset, s.id) not in done], job.launch_tokens)
     mine = deal(pending, dist.world_size)[dist.rank]
     batches = make_batches(mine, job.max_batch_tokens)
     if dist.rank == 0:

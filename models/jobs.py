@@ -391,7 +391,7 @@ class CaptureJob(CaptureSettings, RecordsRef, RankJob):
     """The JOB.json a capture launch reads (written by the capture task)."""
 
     out_dir: str = Field(description="Shards + index.parquet go here (RUN_DIR/hidden).")
-    max_tokens: int | None = Field(
+    launch_tokens: int | None = Field(
         ge=0, description="Most tokens THIS launch captures: capture.max_tokens less what complete shards hold (null: no cap). "
         "Always stated by the task: no default."
     )

@@ -134,7 +134,7 @@ async def capture_with_engine(job: CaptureJob, engine: EngineSettings, shared_di
     check_compatible(existing, out_dir, shape.hidden_size, aux_layers, dtype)
     done_keys = {(s["dataset"], s["id"]) for m in existing for s in m["samples"]}
     samples, parts, no_loss = load_records(job.datasets, None)
-    pending = within_token_cap([s for s in samples if (s.dataset, s.id) not in done_keys], job.max_tokens)
+    pending = within_token_cap([s for s in samples if (s.dataset, s.id) not in done_keys], job.launch_tokens)
     pending.sort(key=lambda s: (-s.length, s.dataset, s.id))  # longest first: no long straggler at the end
     clean_temps(out_dir, ENGINE_RANK)
     stale = clean_connector_files(shared_dir)

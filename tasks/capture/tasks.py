@@ -127,7 +127,7 @@ def run_capture_job(job: CaptureJob, job_path: Path, num_ranks: int, launcher: s
     nodes = nodes or Nodes()
     world_size = num_ranks * nodes.nnodes
     if token_cap is not None:
-        job = job.model_copy(update={"max_tokens": max(0, token_cap - captured_tokens(Path(job.out_dir)))})
+        job = job.model_copy(update={"launch_tokens": max(0, token_cap - captured_tokens(Path(job.out_dir)))})
     command, env = rank_command("models.capture", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher, nodes=nodes)
     write_job(job, job_path, kept=lambda: "every complete shard (no rank was started)", resume=RESUME)
     logger.info("launching %d rank(s) on %d node(s): %s", world_size, nodes.nnodes, " ".join(command))
@@ -178,7 +178,7 @@ def run_engine_capture(job: CaptureJob, engine: EngineSettings, shared_dir: Path
 
     logger = get_run_logger()
     if token_cap is not None:
-        job = job.model_copy(update={"max_tokens": max(0, token_cap - captured_tokens(Path(job.out_dir)))})
+        job = job.model_copy(update={"launch_tokens": max(0, token_cap - captured_tokens(Path(job.out_dir)))})
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("capture", config_name), description="capture: starting")
     started = time.monotonic()
     last_update = 0.0

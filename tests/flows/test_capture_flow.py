@@ -93,7 +93,7 @@ def test_a_killed_rank_is_retried_and_resumes_under_the_token_cap(tmp_path, tiny
     launch = FakeLaunch([killed, lambda job, on_line: None])
     monkeypatch.setattr(capture_tasks, "run_job", launch)
     summary = capture(str(config))
-    assert [job["max_tokens"] for job in launch.jobs] == [300, 300 - 3 * 40]  # the retry resumed
+    assert [job["launch_tokens"] for job in launch.jobs] == [300, 300 - 3 * 40]  # the retry resumed
     assert summary["samples"] == 3
 
 

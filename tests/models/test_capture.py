@@ -147,7 +147,7 @@ def _job(tiny_target_dir: Path, records: dict, out_dir: Path, mode: str, **over)
         "dtype": "auto",
         "max_batch_tokens": 256,
         "shard_tokens": 300,
-        "max_tokens": None,
+        "launch_tokens": None,
         "offload": "none",
         "nvme_path": None,
         "device": "cpu",
@@ -359,7 +359,7 @@ def test_load_records_errors_name_file_and_row(tmp_path):
 
 
 def test_job_validation(tmp_path):
-    base = {"target_path": "t", "datasets": [{"name": "a", "records_dir": "r"}], "out_dir": "o", "max_tokens": None}
+    base = {"target_path": "t", "datasets": [{"name": "a", "records_dir": "r"}], "out_dir": "o", "launch_tokens": None}
     job = CaptureJob.model_validate(base)
     assert (job.mode, job.dtype, job.aux_layers, job.offload) == ("replicate", "auto", None, "none")
     assert CaptureJob.model_validate_json(job.model_dump_json()) == job
@@ -415,11 +415,11 @@ def test_single_process_token_cap_then_rest(tiny_target_dir, records, expected, 
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     out = tmp_path / "hidden"
-    # max_tokens caps what one launch captures (the flow passes its cap minus earlier runs' tokens)
-    assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate", max_tokens=600))]) == 0
+    # launch_tokens caps what one launch captures (the flow passes its cap minus earlier runs' tokens)
+    assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate", launch_tokens=600))]) == 0
     first = {(r["dataset"], r["id"]): r["length"] for r in iter_shard_index(out)}
     assert 0 < sum(first.values()) <= 600
-    assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate", max_tokens=600)),
+    assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate", launch_tokens=600)),
                  "--local_rank=0"]) == 0  # what the deepspeed launcher appends
     second = {(r["dataset"], r["id"]): r["length"] for r in iter_shard_index(out)}
     assert sum(second.values()) - sum(first.values()) <= 600 and len(second) < len(expected)

@@ -64,7 +64,7 @@ def test_no_setting_has_two_defaults(section, spec, names):
 def test_a_section_and_its_job_share_the_declarations_not_copies():
     # the values a flow hands over are exactly the section's, by field name
     capture = CaptureConfig(max_batch_tokens=4096, shard_tokens=999, aux_layers=[1, 2, 3])
-    job = CaptureJob(**capture.pick(CaptureSettings), target_path="t", out_dir="h", device="cpu", max_tokens=None)
+    job = CaptureJob(**capture.pick(CaptureSettings), target_path="t", out_dir="h", device="cpu", launch_tokens=None)
     assert (job.max_batch_tokens, job.shard_tokens, job.aux_layers, job.mode) == (4096, 999, [1, 2, 3], "replicate")
 
 
@@ -78,7 +78,7 @@ def test_aux_layers_the_export_would_refuse_are_refused_at_config_time(aux):
 
 
 def test_a_job_file_round_trips_and_bad_keys_or_values_are_named(tmp_path):
-    job = CaptureJob(target_path="t", out_dir="h", device="cpu", max_tokens=None, datasets=[{"name": "A", "records_dir": "r"}])
+    job = CaptureJob(target_path="t", out_dir="h", device="cpu", launch_tokens=None, datasets=[{"name": "A", "records_dir": "r"}])
     path = tmp_path / "jobs" / "capture.json"
     write_job(job, path, kept=lambda: "nothing", resume="rerun")
     assert load_job(CaptureJob, path) == job

@@ -68,7 +68,7 @@ def train_data(tiny_target_dir, tmp_path_factory) -> dict:
                    root / "records" / "token_counts.parquet")
     hidden = root / "hidden"
     run_capture(CaptureJob(target_path=str(tiny_target_dir), datasets=[{"name": "G1", "records_dir": str(records)}],
-                           out_dir=str(hidden), device="cpu", shard_tokens=1024, max_tokens=None), Dist())
+                           out_dir=str(hidden), device="cpu", shard_tokens=1024, launch_tokens=None), Dist())
     return {"root": root, "records": records, "hidden": hidden, "rows": rows}
 
 

@@ -73,7 +73,7 @@ def test_a_stage_decides_what_refused_and_unexplained_failures_are(tmp_path):
 
 def test_a_job_file_that_cannot_be_written_is_a_write_failure(tmp_path, monkeypatch):
     path = tmp_path / "jobs" / "capture.json"
-    job = CaptureJob(target_path="t", out_dir=str(tmp_path), mode="zero3", max_tokens=None)
+    job = CaptureJob(target_path="t", out_dir=str(tmp_path), mode="zero3", launch_tokens=None)
     write_job(job, path, kept=lambda: "nothing", resume="rerun")
     assert CaptureJob.load(path) == job
 
@@ -236,7 +236,7 @@ def test_the_deepspeed_launcher_runs_two_cpu_ranks_of_a_capture(tmp_path, monkey
     pq.write_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), tmp_path / "records" / "part-000000.parquet")
     out = tmp_path / "hidden"
     job = CaptureJob(target_path=str(target), datasets=[{"name": "d", "records_dir": str(tmp_path / "records")}],
-                     out_dir=str(out), device="cpu", mode="replicate", max_tokens=None)
+                     out_dir=str(out), device="cpu", mode="replicate", launch_tokens=None)
     write_job(job, tmp_path / "capture.json", kept=lambda: "nothing", resume="rerun")
 
     command, env = launch.rank_command("models.capture", ["--job", str(tmp_path / "capture.json")], num_ranks=2,

@@ -76,7 +76,7 @@ def _config(tiny_target_dir: Path, data: dict, run_dir: Path, port: int) -> Path
 def _capture_job(tiny_target_dir: Path, data: dict, run_dir: Path, shard_tokens: int = 150) -> Path:
     job = CaptureJob(target_path=str(tiny_target_dir), datasets=[{"name": "D1", "records_dir": str(data["records"])}],
                      out_dir=str(run_dir / "hidden"), device="cpu", max_batch_tokens=128, shard_tokens=shard_tokens,
-                     max_tokens=None)
+                     launch_tokens=None)
     path = run_dir / "jobs" / "capture.json"
     write_job(job, path, kept=lambda: "nothing", resume="rerun")
     return path

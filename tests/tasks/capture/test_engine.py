@@ -88,7 +88,7 @@ def app(tiny_target_dir, shared):
 
 
 def job(target: Path, records: dict, out: Path, **over) -> CaptureJob:
-    return CaptureJob(**{"target_path": str(target), "datasets": records["datasets"], "out_dir": str(out), "max_tokens": None,
+    return CaptureJob(**{"target_path": str(target), "datasets": records["datasets"], "out_dir": str(out), "launch_tokens": None,
                          "device": "cpu", "max_batch_tokens": 256, "shard_tokens": 200, **over})
 
 
@@ -216,7 +216,7 @@ def test_vllm_backend_shards_equal_the_deepspeed_backends(tiny_target_dir, recor
 
 def test_token_cap_then_rest_is_exactly_once(tiny_target_dir, records, app, shared, tmp_path):
     out = tmp_path / "hidden"
-    first = run(job(tiny_target_dir, records, out, max_tokens=300), engine(), shared, httpx.ASGITransport(app=app))
+    first = run(job(tiny_target_dir, records, out, launch_tokens=300), engine(), shared, httpx.ASGITransport(app=app))
     assert 0 < first["tokens"] <= 300
     rest = run(job(tiny_target_dir, records, out), engine(), shared, httpx.ASGITransport(app=app))
     assert first["samples"] + rest["samples"] == len(records["keys"])
