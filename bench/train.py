@@ -83,14 +83,16 @@ from models.capture import run as run_capture  # noqa: E402
 from models.jobs import CaptureJob, TrainJob  # noqa: E402
 from models.rank import Dist  # noqa: E402
 from models.draft_vocab import draft_vocab, load_token_counts  # noqa: E402
-from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead  # noqa: E402
+from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft  # noqa: E402
+from models.target_head import TargetHead
 from models.target_weights import load_target_tensors  # noqa: E402
 from models.rank_protocol import TRAIN_PROGRESS  # noqa: E402
 from models.run_layout import RunLayout  # noqa: E402
 from models.eagle3 import default_aux_layers  # noqa: E402
 from models.hidden_shards import METADATA_NAME  # noqa: E402
 from models.tiny_target import SAMPLES_DIR  # noqa: E402
-from models.train import Metrics, ds_train_config, lr_lambda  # noqa: E402
+from models.train import ds_train_config, lr_lambda  # noqa: E402
+from models.train_metrics import Metrics
 from models.train_data import (HiddenSource, epoch_batches, rank_micro_batches, split_samples,  # noqa: E402
                                steps_per_epoch)
 from tasks.records.build import count_tokens  # noqa: E402
@@ -509,7 +511,9 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(cfg["threads"])
     import deepspeed
 
-    from models.train import build_engine, train_forward, grad_norm, MetricsWriter, sum_over_ranks
+    from models.train import build_engine, train_forward, grad_norm, sum_over_ranks
+
+    from models.train_metrics import MetricsWriter
 
     deepspeed.init_distributed(dist_backend="gloo")
     dist = Dist(group=True)

@@ -23,7 +23,7 @@ from flows.plan import capture_plan
 from flows.train import train_job
 from models.environment import environment_checks
 from models.findings import Finding, failed
-from models.train import optimisation_settings
+from models.train_checkpoint import optimisation_settings
 from tasks.capture.plan import capture_layers
 
 ALL_STAGES = ("generate", "records", "capture", "train", "eval")

@@ -136,7 +136,7 @@ class RunLayout:
 
     @property
     def checkpoints(self) -> Path:
-        """draft/checkpoints: the train stage's DeepSpeed checkpoints (step-NNNNNNNN/, latest; models/train.py)."""
+        """draft/checkpoints: the train stage's DeepSpeed checkpoints (step-NNNNNNNN/, latest; models/train_checkpoint.py)."""
         return self.draft_dir / CHECKPOINTS
 
     @property

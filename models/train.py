@@ -8,7 +8,8 @@ Data: the captured hidden states (`mode: offline`) or, for a target that fits ev
 the records with the target run inside the job (`mode: online`, nothing written to disk).
 The held-out split (models/train_data.py) is never trained on; its TTT metrics are the eval.
 
-Files under `out_dir` (RUN_DIR/draft):
+Checkpoints, fingerprint and resume: models/train_checkpoint.py; metrics.jsonl and TensorBoard:
+models/train_metrics.py. Files under `out_dir` (RUN_DIR/draft):
     checkpoints/step-NNNNNNNN/   DeepSpeed checkpoint (model, optimizer, scheduler) + client state
                                  (epoch, step, tokens) + rng-rank-R.pt per rank + fingerprint.json
                                  + COMPLETE marker
@@ -43,17 +44,10 @@ failure one line `TRAIN_ERROR {json}` before the exit with status 1 (the rank ha
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
-import random
-import shutil
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,32 +55,26 @@ import numpy as np
 import torch
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
-from models.atomic import fsync_tree, write_atomic
+from models.atomic import write_atomic
 from models.capture import capture_batch, load_records
 from models.draft_vocab import draft_vocab, draft_vocab_coverage, load_token_counts
-from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, TargetHead, acceptance_length, default_aux_layers
+from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, default_aux_layers
+from models.target_head import TargetHead
 from models.eagle3_export import export_draft
 from models.jobs import TrainJob
 from models.rank import Dist, check_shared_dir, init_process_group, log, say, serve
 from models.hidden_shards import METADATA_NAME
 from models.rank_protocol import TRAIN, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
-from models.run_layout import CHECKPOINTS, DS_CONFIG, FINAL, METRICS, TENSORBOARD, TRAIN_SUMMARY
+from models.run_layout import CHECKPOINTS, DS_CONFIG, FINAL, TRAIN_SUMMARY
 from models.target_weights import load_target_tensors
+from models.train_checkpoint import (CheckpointMismatch, check_fingerprint, resume_checkpoint, run_fingerprint,
+                                     save_checkpoint, writing)
 from models.train_data import (Batch, HiddenSource, TrainSample, data_fingerprint, epoch_batches, eval_share,
                                pad_batch, rank_micro_batches, split_samples, steps_per_epoch)
-from models.file_errors import WriteFailed, existing_parent, is_write_error
+from models.train_metrics import Metrics, MetricsWriter, read_last_eval
 
-COMPLETE = "COMPLETE"
-LATEST = "latest"
-FINGERPRINT = "fingerprint.json"
 ERROR_MARK = TRAIN.error.mark
 PROGRESS_EVERY_S = 2.0
-RESUME = ("make room there (or set train.out_dir to a disk with room), then run the train stage again: "
-          "it resumes from the kept checkpoint")
-
-
-class CheckpointMismatch(ValueError):
-    """The checkpoint to resume was trained on other data or with other settings than this launch."""
 
 
 def ds_train_config(*, world_size: int, grad_accum: int, lr: float, weight_decay: float, betas: tuple[float, float],
@@ -127,44 +115,6 @@ def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float):
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
-
-
-class Metrics:
-    """Sums of TTT counts over batches (and ranks), turned into losses, accuracies and acceptance."""
-
-    def __init__(self, steps: int, device: torch.device):
-        self.v = torch.zeros(6, steps, dtype=torch.float64, device=device)  # loss*valid, tokens, valid, correct, reached, accepted
-
-    def add(self, out) -> None:
-        self.v += torch.stack([out.per_step_loss.double() * out.valid, out.tokens, out.valid, out.correct,
-                               out.chain_reached, out.chain_accepted]).double().to(self.v.device)
-
-    def all_reduce(self, dist: Dist) -> None:
-        if dist.group:
-            torch.distributed.all_reduce(self.v)
-
-    def summary(self, decay: float) -> dict[str, Any]:
-        loss_sum, tokens, valid, correct, reached, accepted = self.v.cpu()
-        per_step_loss = (loss_sum / valid.clamp(min=1)).tolist()
-        weights = decay ** torch.arange(len(per_step_loss), dtype=torch.float64)
-        return {
-            "loss": float((weights * torch.tensor(per_step_loss)).sum()),
-            "per_step_loss": [round(x, 6) for x in per_step_loss],
-            "per_step_acc": [round(x, 6) for x in (correct / tokens.clamp(min=1)).tolist()],
-            "per_step_cond_acc": [round(x, 6) for x in (accepted / reached.clamp(min=1)).tolist()],
-            "acceptance_length": round(float(acceptance_length(accepted, reached)), 6),
-            "tokens": int(tokens[0]),
-        }
-
-
-@dataclass
-class Position:
-    """Where training stands: saved in every checkpoint's client state."""
-
-    step: int = 0            # optimizer steps done in total
-    epoch: int = 0
-    step_in_epoch: int = 0   # optimizer steps done in `epoch`
-    tokens: int = 0          # real (unpadded) tokens trained on, all ranks
 
 
 def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
@@ -214,7 +164,7 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
             f"(covers {draft_vocab_coverage(counts, t2d):.1%} of loss tokens); mode {job.mode}, "
             f"{'bf16' if job.bf16 else 'fp32'}, ZeRO-2" + (f"; {source.cut} samples cut to {job.max_batch_tokens} tokens" if source.cut else ""))
 
-    position = _resume(engine, ckpt_dir, dist)
+    position = resume_checkpoint(engine, ckpt_dir, dist)
     writer = MetricsWriter(out_dir, position.step, enabled=dist.rank == 0)
 
     # --- the loop
@@ -261,7 +211,7 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
                 tell(TRAIN_EVAL.format(step=position.step, acceptance_length=last_eval["acceptance_length"],
                                        loss=last_eval["loss"]))
             if position.step % job.checkpoint_every == 0 or position.step == total_steps:
-                _save(engine, ckpt_dir, position, job.keep_checkpoints, dist, fingerprint)
+                save_checkpoint(engine, ckpt_dir, position, job.keep_checkpoints, dist, fingerprint)
                 tell(TRAIN_CHECKPOINT.format(step=position.step))
         if position.step_in_epoch >= per_epoch:
             position.epoch += 1
@@ -271,7 +221,7 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     # --- export (every rank holds the whole model under ZeRO-2; rank 0 writes)
     final = out_dir / FINAL
     if last_eval is None:  # a relaunch of a finished run: its last eval is in the metrics
-        last_eval = _last_eval(writer.path)
+        last_eval = read_last_eval(writer.path)
     summary = {"final": str(final), "steps": position.step, "tokens": position.tokens, "eval": last_eval,
                "draft_vocab_size": config.draft_vocab_size, "aux_layers": aux_layers}
     if dist.rank == 0:
@@ -349,20 +299,6 @@ def _ttt_args(batch: Batch, target_head: TargetHead) -> tuple:
     return (batch.input_ids, batch.aux_hidden, target_head(batch.last_hidden), batch.loss_mask, batch.attention_mask)
 
 
-def _last_eval(metrics_path: Path) -> dict[str, Any] | None:
-    """The last eval line of metrics.jsonl (without kind/step/epoch/time), or None."""
-    last = None
-    if metrics_path.is_file():
-        for line in metrics_path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if row.get("kind") == "eval":
-                last = {k: v for k, v in row.items() if k not in ("kind", "step", "epoch", "time")}
-    return last
-
-
 def grad_norm(engine) -> float | None:
     norm = engine.get_global_grad_norm()
     if norm is None:
@@ -438,266 +374,6 @@ class OnlineSource:
 
 
 # --- checkpoints ------------------------------------------------------------------------------------
-
-
-def complete_checkpoints(ckpt_dir: Path) -> list[tuple[int, str]]:
-    """(step, tag) of every checkpoint with its COMPLETE marker, oldest first."""
-    if not ckpt_dir.is_dir():
-        return []
-    found = []
-    for p in ckpt_dir.iterdir():
-        if p.is_dir() and p.name.startswith("step-") and (p / COMPLETE).is_file():
-            found.append((int(p.name.removeprefix("step-")), p.name))
-    return sorted(found)
-
-
-def _save(engine, ckpt_dir: Path, position: Position, keep: int, dist: Dist, fingerprint: dict[str, Any]) -> None:
-    """Save a checkpoint; it counts only once COMPLETE is renamed into place (rank 0, after every rank).
-
-    A failed write raises WriteFailed before COMPLETE exists: the partial tag is ignored (and removed
-    by the next launch), the older complete ones are untouched (pruning runs only after success).
-    """
-    tag = f"step-{position.step:08d}"
-    with writing(ckpt_dir / tag, ckpt_dir):
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"position": asdict(position)}, save_latest=False)
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and engine.device.type == "cuda" else None}
-        torch.save(rng, ckpt_dir / tag / f"rng-rank-{dist.rank}.pt")
-    dist.barrier()  # every rank's files are on disk
-    if dist.rank == 0:
-        with writing(ckpt_dir / tag, ckpt_dir):
-            (ckpt_dir / tag / FINGERPRINT).write_text(json.dumps(fingerprint, indent=1))
-            fsync_tree(ckpt_dir / tag)
-            # Renamed, not written in place: a marker cut short by a full disk must not exist at all.
-            write_atomic(ckpt_dir / tag / COMPLETE, json.dumps(asdict(position)))
-        with writing(ckpt_dir / LATEST, ckpt_dir):
-            write_atomic(ckpt_dir / LATEST, tag)
-        for _, old in complete_checkpoints(ckpt_dir)[:-keep]:
-            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
-    dist.barrier()
-
-
-def kept_checkpoint(ckpt_dir: Path) -> str:
-    """What a stopped run keeps, in words: its newest complete checkpoint, or that it has none."""
-    done = complete_checkpoints(ckpt_dir)
-    if not done:
-        return f"no complete checkpoint in {ckpt_dir} yet (the next launch starts from step 0)"
-    step, tag = done[-1]
-    return f"checkpoint {tag} (complete, step {step:,}) in {ckpt_dir}"
-
-
-@contextmanager
-def writing(path: Path, ckpt_dir: Path, also: str = "") -> Iterator[None]:
-    """Turn a failed write under `path` into WriteFailed, naming the kept checkpoint and how to resume.
-
-    torch.save and safetensors report a full disk as RuntimeError/SafetensorError text without an
-    errno: for those, a small probe write where the failed one went tells whether the storage refused.
-    """
-    try:
-        yield
-    except WriteFailed:
-        raise
-    except Exception as e:  # noqa: BLE001 - only storage errors are translated, the rest re-raised
-        cause = e if is_write_error(e) else None if isinstance(e, OSError) else _probe_write(path)
-        if cause is None:
-            raise
-        # The file inside a checkpoint that failed tells more than its directory; a temp name beside `path` less.
-        named = Path(e.filename) if isinstance(e, OSError) and e.filename else None
-        where = named if named is not None and named.is_relative_to(path) else path
-        kept = kept_checkpoint(ckpt_dir) + (f"; {also}" if also else "")
-        raise WriteFailed(where, cause, kept=kept, resume=RESUME) from None
-
-
-def _probe_write(path: Path, size: int = 1 << 20) -> OSError | None:
-    """The OSError that writing (and syncing) `size` bytes beside `path` raises now, or None if it works."""
-    probe = existing_parent(path.parent if not path.is_dir() else path) / f".write-probe-{os.getpid()}"
-    try:
-        with open(probe, "wb") as f:
-            f.write(bytes(size))
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        return e if is_write_error(e) else None
-    finally:
-        try:
-            probe.unlink()
-        except OSError:
-            pass
-    return None
-
-
-def run_fingerprint(job: TrainJob, data: dict[str, Any], d2t: torch.Tensor, config: Eagle3Config, world_size: int,
-                    total_steps: int) -> dict[str, Any]:
-    """What makes a checkpoint this run's: data, draft vocabulary and the settings that shape the optimisation.
-
-    Not in it, on purpose: log_every, checkpoint_every, keep_checkpoints, eval_every (how the run is
-    watched and saved) and where files live. `total_steps` stands for epochs/max_steps: the cosine
-    schedule is laid out over it, so extending a run would change the learning rate of every step left.
-    """
-    settings = {**optimisation_settings(job, world_size), "total_steps": total_steps,
-                **{f"draft.{k}": v for k, v in asdict(config).items()}}
-    ids = d2t.to(torch.int64).cpu().numpy().tobytes()
-    vocab = {"digest": hashlib.sha256(ids).hexdigest(), "size": int(d2t.shape[0]), "token_counts": job.token_counts}
-    return {"version": 1, "data": data, "vocab": vocab, "settings": settings}
-
-
-def optimisation_settings(job: TrainJob, world_size: int) -> dict[str, Any]:
-    """The fingerprint's settings that the job alone decides (no data, target or schedule length): what
-    `eagle3 doctor` compares with a checkpoint before anything is launched."""
-    optimizer = job.ds_config.get("optimizer", {}).get("params", {})
-    return {
-        "mode": job.mode, "ttt_steps": job.ttt_steps, "max_batch_tokens": job.max_batch_tokens,
-        "lr": job.lr, "warmup_ratio": job.warmup_ratio, "min_lr_ratio": job.min_lr_ratio,
-        "weight_decay": optimizer.get("weight_decay"), "betas": optimizer.get("betas"),
-        "grad_clip": job.ds_config.get("gradient_clipping"), "grad_accum": job.grad_accum, "world_size": world_size,
-        "bf16": job.bf16, "seed": job.seed, "eval_fraction": job.eval_fraction,
-    }
-
-
-def fingerprint_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """What differs between a checkpoint's fingerprint and this launch's, as `name old -> new` phrases."""
-    out = []
-    old_data, new_data = old.get("data", {}), new["data"]
-    if old_data.get("digest") != new_data["digest"]:
-        changed = [f"{k} {_show(old_data.get(k))} -> {_show(new_data.get(k))}"
-                   for k in sorted(set(old_data) | set(new_data)) if k != "digest" and old_data.get(k) != new_data.get(k)]
-        out.append("data: " + (", ".join(changed) if changed else "same number of samples and tokens, other ids or lengths"))
-    if old.get("vocab", {}).get("digest") != new["vocab"]["digest"]:
-        out.append(f"draft vocabulary: other tokens (from {new['vocab']['token_counts']})")
-    changed = settings_differences(old.get("settings", {}), new["settings"])
-    if changed:
-        out.append("settings: " + ", ".join(changed))
-    return out
-
-
-def settings_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """`name old -> new` for each setting that differs between two fingerprints' settings."""
-    return [f"{_SETTING_NAMES.get(k, k)} {_show(old.get(k))} -> {_show(new.get(k))}"
-            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-
-
-_SETTING_NAMES = {"total_steps": "total steps (epochs/max_steps; the cosine schedule spans them)",
-                  "world_size": "world size (train.num_gpus)"}
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "(none)"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return f"{value:,}"
-    return json.dumps(value) if isinstance(value, (list, dict, str)) else str(value)
-
-
-def check_fingerprint(ckpt_dir: Path, fingerprint: dict[str, Any], *, warn: bool) -> None:
-    """Refuse (CheckpointMismatch) to resume a checkpoint of other data or settings; reads only.
-
-    A checkpoint written before fingerprints existed is resumed, with a warning.
-    """
-    done = complete_checkpoints(ckpt_dir)
-    if not done:
-        return
-    _, tag = done[-1]
-    path = ckpt_dir / tag / FINGERPRINT
-    if not path.is_file():
-        if warn:
-            log(f"train: warning: checkpoint {tag} has no {FINGERPRINT} (written before fingerprints): resuming "
-                "without checking that its data and settings are this launch's")
-        return
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointMismatch(f"{path}: cannot read the checkpoint's fingerprint ({e}); move {ckpt_dir} aside "
-                                 "to start fresh") from None
-    differences = fingerprint_differences(old, fingerprint)
-    if differences:
-        raise CheckpointMismatch(
-            f"cannot resume {ckpt_dir / tag}: it was trained on other data or settings than this launch's "
-            f"({'; '.join(differences)}). Nothing was trained or removed. To start fresh, set train.out_dir to a "
-            f"new directory or move {ckpt_dir} aside; to continue that checkpoint, restore its data and settings")
-
-
-def _resume(engine, ckpt_dir: Path, dist: Dist) -> Position:
-    """Load the newest complete checkpoint, if any; drop incomplete ones (a kill during a save)."""
-    done = complete_checkpoints(ckpt_dir)
-    dist.barrier()  # everyone listed before rank 0 cleans up
-    if dist.rank == 0 and ckpt_dir.is_dir():
-        keep = {tag for _, tag in done}
-        for p in ckpt_dir.iterdir():
-            if p.is_dir() and p.name.startswith("step-") and p.name not in keep:
-                log(f"train: removing incomplete checkpoint {p.name}")
-                shutil.rmtree(p, ignore_errors=True)
-    dist.barrier()
-    if not done:
-        return Position()
-    step, tag = done[-1]
-    _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
-    position = Position(**client["position"])
-    rng_path = ckpt_dir / tag / f"rng-rank-{dist.rank}.pt"
-    if rng_path.is_file():  # a different world size than the saved run: fresh RNG for the new ranks
-        rng = torch.load(rng_path, weights_only=False)
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-    if dist.rank == 0:
-        log(f"train: resuming from checkpoint {tag} (step {position.step}, epoch {position.epoch}, "
-            f"{position.tokens:,} tokens trained)")
-    return position
-
-
-class MetricsWriter:
-    """metrics.jsonl and TensorBoard scalars (rank 0); lines past the resumed step are dropped first."""
-
-    def __init__(self, out_dir: Path, resumed_step: int, enabled: bool):
-        self.enabled = enabled
-        self.path = out_dir / METRICS
-        self.ckpt_dir = out_dir / CHECKPOINTS
-        self.tb = None
-        if not enabled:
-            return
-        with writing(self.path, self.ckpt_dir):
-            out_dir.mkdir(parents=True, exist_ok=True)
-            if self.path.is_file():
-                kept = []
-                for line in self.path.read_text().splitlines():
-                    try:
-                        if json.loads(line)["step"] <= resumed_step:
-                            kept.append(line)
-                    except (ValueError, KeyError, TypeError):
-                        continue  # a line cut by a kill (or a full disk)
-                write_atomic(self.path, "".join(k + "\n" for k in kept))
-            self.file = open(self.path, "a")
-        with writing(out_dir / TENSORBOARD, self.ckpt_dir):
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(out_dir / TENSORBOARD), purge_step=resumed_step + 1 if resumed_step else None)
-            except ImportError:
-                log("train: tensorboard is not installed; metrics go to metrics.jsonl only")
-
-    def write(self, line: dict[str, Any]) -> None:
-        """Append one line (and its scalars); a line cut by a failed write is dropped on resume."""
-        if not self.enabled:
-            return
-        with writing(self.path, self.ckpt_dir):
-            self.file.write(json.dumps(line) + "\n")
-            self.file.flush()
-        if self.tb is not None:
-            with writing(self.path.parent / TENSORBOARD, self.ckpt_dir):
-                kind, step = line["kind"], line["step"]
-                for key in ("loss", "acceptance_length", "lr", "grad_norm", "tokens_per_s"):
-                    if isinstance(line.get(key), (int, float)):
-                        self.tb.add_scalar(f"{kind}/{key}", line[key], step)
-                for k, acc in enumerate(line.get("per_step_acc", [])):
-                    self.tb.add_scalar(f"{kind}/acc_{k}", acc, step)
-                self.tb.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.file.close()
-            if self.tb is not None:
-                self.tb.close()
 
 
 # --- process ------------------------------------------------------------------------------------------

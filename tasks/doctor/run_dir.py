@@ -7,14 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from models.findings import Finding
-from models.train import FINGERPRINT, complete_checkpoints, settings_differences
+from models.train_checkpoint import FINGERPRINT, complete_checkpoints, settings_differences
 from tasks.records.build import record_stats
 from tasks.run_lock import describe_holder, lock_holder
 from tasks.stats import collect_stats
 
 
 def run_dir_findings(run_dir: Path, *, checkpoint_dir: Path, settings: dict[str, Any]) -> list[Finding]:
-    """Lock, damaged parts, and the newest checkpoint in `checkpoint_dir` against `settings` (models/train.py's
+    """Lock, damaged parts, and the newest checkpoint in `checkpoint_dir` against `settings` (models/train_checkpoint.py's
     `optimisation_settings` of this config: what can be known before the data is read)."""
     if not run_dir.is_dir():
         return [Finding("run directory", "PASS", f"{run_dir} is new (created by the first stage)")]

@@ -21,7 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from models.jobs import Nodes, TrainJob
 from models.rank_protocol import TRAIN, TRAIN_EVAL, Message, most_telling
 from models.run_layout import CHECKPOINTS, EVAL_REPORT, FINAL, METRICS, TRAIN_SUMMARY, TRAINING_PLOT
-from models.train import RESUME, CheckpointMismatch, kept_checkpoint
+from models.train_checkpoint import RESUME, CheckpointMismatch, kept_checkpoint
 from tasks.artifacts import artifact_key
 from tasks.launch import RankFailure, follow_job, rank_command, rank_error, run_job, write_job
 from tasks.train.report import eval_table, load_metrics, plot_training, report_markdown

@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from models.rank_protocol import error_report
-from models.train import RESUME, ERROR_MARK
+from models.train import ERROR_MARK
+from models.train_checkpoint import RESUME
 from models.file_errors import WriteFailed
 from tasks.launch import RankFailure
 

@@ -29,7 +29,9 @@ from models.target_weights import find_tensor_name, load_target_tensors
 from models.jobs import CaptureJob, DatasetRecords, TrainJob
 from models.rank import Dist
 from models.tiny_target import SAMPLES_DIR
-from models.train import MetricsWriter, complete_checkpoints, ds_train_config, lr_lambda
+from models.train import ds_train_config, lr_lambda
+from models.train_checkpoint import complete_checkpoints
+from models.train_metrics import MetricsWriter
 from models.train_data import (TrainSample, epoch_batches, held_out, held_out_prompts, rank_micro_batches,
                                split_samples, steps_per_epoch)
 
@@ -334,7 +336,7 @@ def test_killed_training_resumes_with_the_same_state(tiny_target_dir, train_data
 
 def _fingerprint(rows=(("D", "a", 5), ("D", "b", 7)), d2t=(0, 0, 1), **over):
     from models.eagle3 import Eagle3Config
-    from models.train import run_fingerprint
+    from models.train_checkpoint import run_fingerprint
     from models.train_data import data_fingerprint
 
     fields = {"target_path": "t", "out_dir": "o", "token_counts": "tc.parquet", "hidden_dir": "h", "lr": 2e-3,
@@ -350,7 +352,7 @@ def _fingerprint(rows=(("D", "a", 5), ("D", "b", 7)), d2t=(0, 0, 1), **over):
 
 
 def test_fingerprint_names_what_differs_and_ignores_how_the_run_is_watched():
-    from models.train import fingerprint_differences
+    from models.train_checkpoint import fingerprint_differences
 
     base = _fingerprint()
     assert fingerprint_differences(base, _fingerprint()) == []
@@ -371,7 +373,7 @@ def test_fingerprint_names_what_differs_and_ignores_how_the_run_is_watched():
 
 
 def test_check_fingerprint_refuses_another_run_and_warns_for_old_checkpoints(tmp_path, capsys):
-    from models.train import FINGERPRINT, CheckpointMismatch, check_fingerprint
+    from models.train_checkpoint import FINGERPRINT, CheckpointMismatch, check_fingerprint
 
     ckpts = tmp_path / "checkpoints"
     check_fingerprint(ckpts, _fingerprint(), warn=True)  # nothing to resume: nothing to check
@@ -537,7 +539,7 @@ def _fill(disk: Path) -> None:
 
 
 def test_a_full_disk_under_metrics_or_torch_save_is_a_write_failure_naming_the_file(small_disk):
-    from models.train import writing
+    from models.train_checkpoint import writing
     from models.file_errors import WriteFailed
 
     writer = MetricsWriter(small_disk, resumed_step=0, enabled=True)

@@ -54,7 +54,7 @@ def test_a_damaged_part_fails_naming_the_file(tmp_path):
 
 
 def checkpoint(ckpt_dir, step: int, settings: dict) -> None:
-    from models.train import COMPLETE, FINGERPRINT
+    from models.train_checkpoint import COMPLETE, FINGERPRINT
 
     tag = ckpt_dir / f"step-{step}"
     tag.mkdir(parents=True)

@@ -8,7 +8,7 @@ import pickle
 from prefect.states import Failed
 
 from models.rank_protocol import error_report
-from models.train import RESUME, CheckpointMismatch
+from models.train_checkpoint import RESUME, CheckpointMismatch
 from models.file_errors import WriteFailed
 from tasks.launch import RankFailure
 from tasks.train.tasks import TrainFailed, error_line, job_failure, retry_train_job
