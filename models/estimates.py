@@ -31,7 +31,8 @@ import torch
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.draft_vocab import draft_to_target_ids
-from models.eagle3 import Eagle3Draft, TargetLogits
+from models.eagle3 import Eagle3Draft
+from models.target_head import TargetLogits
 
 TRAINING_LABEL = "training-time estimate at {steps} steps (teacher-forced on held-out training records, chain formula)"
 MEASURED_LABEL = "measured (speculative decoding, {steps} steps, on the eval prompts)"

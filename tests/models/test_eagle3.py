@@ -22,10 +22,10 @@ from models.eagle3 import (
     Eagle3Draft,
     KVCache,
     RotaryEmbedding,
-    TargetHead,
     apply_rope,
     default_aux_layers,
 )
+from models.target_head import TargetHead
 
 V, D = 12, 5  # small vocabs: some target argmaxes fall outside the draft vocab, some draft guesses hit
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from models.draft_vocab import draft_vocab
-from models.eagle3 import Eagle3Config, Eagle3Draft, TargetLogits, default_aux_layers
+from models.eagle3 import Eagle3Config, Eagle3Draft, default_aux_layers
+from models.target_head import TargetLogits
 from models.estimates import (chain_acceptance_length, estimates_block, replay_acceptance, simulate_rounds,
                               teacher_forced_hits)
 from models.spec_eval import evaluate_acceptance, greedy_generate
