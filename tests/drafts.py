@@ -10,16 +10,19 @@ from models.eagle3 import Eagle3Config, Eagle3Draft, default_aux_layers
 from models.eagle3_export import export_draft
 
 
-def random_draft(config: Eagle3Config, embedding: torch.Tensor, *, seed: int = 0) -> Eagle3Draft:
-    """A draft of `config` with random weights (seed `seed`), the target's `embedding`, a vocab from random counts."""
-    draft = Eagle3Draft(config)
+def random_draft(config: Eagle3Config, embedding: torch.Tensor, *, seed: int = 0, counts=None,
+                 cls: type[Eagle3Draft] = Eagle3Draft) -> Eagle3Draft:
+    """A draft (`cls`) of `config` with random weights (seed `seed`), the target's `embedding`, and the vocab of
+    `counts` (token frequencies; default: drawn at random after the weights)."""
+    draft = cls(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if name != "embed_tokens.weight":
                 p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.ndim > 1 else 0.1) + (p.ndim == 1))
     draft.load_target_embedding(embedding)
-    counts = torch.randint(0, 100, (config.vocab_size,), generator=g).numpy()
+    if counts is None:
+        counts = torch.randint(0, 100, (config.vocab_size,), generator=g).numpy()
     draft.set_draft_vocab(*draft_vocab(counts, config.vocab_size, config.draft_vocab_size))
     return draft.eval()
 

@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from models.draft_vocab import draft_vocab
 from models.eagle3 import DraftStep, Eagle3Config, Eagle3Draft, KVCache, default_aux_layers
 from models.spec_eval import (
     SpecEvalResult,
@@ -17,6 +16,7 @@ from models.spec_eval import (
     greedy_generate,
     speculative_generate,
 )
+from tests.drafts import random_draft
 
 D = 256          # draft vocab < target vocab, so d2t is not the identity
 MAX_NEW = 20
@@ -100,14 +100,7 @@ class ScriptedDraft(Eagle3Draft):
 def _draft(target, counts: torch.Tensor, cls=Eagle3Draft, dtype=torch.float32, seed: int = 0):
     cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=D,
                                           aux_layers=default_aux_layers(target.config.num_hidden_layers))
-    model = cls(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name != "embed_tokens.weight":
-                p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.ndim > 1 else 0.1) + (p.ndim == 1))
-    model.load_target_embedding(target.get_input_embeddings().weight)
-    model.set_draft_vocab(*draft_vocab(counts.numpy(), cfg.vocab_size, D))
+    model = random_draft(cfg, target.get_input_embeddings().weight, seed=seed, counts=counts.numpy(), cls=cls)
     return model.to(dtype).eval()
 
 
