@@ -391,3 +391,20 @@ def test_an_export_whose_vocabulary_is_the_target_s_loads_and_serves(vllm_python
     finally:
         server.stop()
     assert done.completion_tokens == 16 and done.spec_verify_ct is not None and 1 <= done.spec_verify_ct <= 16
+
+
+def test_the_doctor_reads_the_real_vllm_s_version_model_and_context(plain, tiny_target_dir):
+    # tasks/doctor/engine.py against vLLM 0.32.0 itself: /version, /v1/models (root = --model, max_model_len)
+    from models.jobs import ServerSettings
+    from tasks.doctor.engine import engine_findings
+
+    found = {f.name: f for f in engine_findings(ServerSettings(engine="vllm", url=plain), target_path=str(tiny_target_dir),
+                                                vocab_size=None, max_new_tokens=MAX_NEW, longest_prompts={"B1": 100})}
+    name = f"engine {plain}"
+    assert found[f"{name}: version"].detail == "vllm 0.32.0" and found[f"{name}: version"].status == "PASS"
+    assert (found[f"{name}: model"].status, found[f"{name}: model"].detail) == ("PASS", str(tiny_target_dir))
+    assert found[f"{name}: context"].status == "PASS" and "vs context 2,048" in found[f"{name}: context"].detail
+    assert found[f"{name}: draft"].detail.startswith("not reported")
+    other = engine_findings(ServerSettings(engine="vllm", url=plain), target_path="/models/other", vocab_size=None,
+                            max_new_tokens=MAX_NEW, longest_prompts={})
+    assert [f.status for f in other if f.name.endswith(": model")] == ["FAIL"]
