@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks.parquet_io import DamagedPart, clean_stale_temps, list_parts, next_part_path, read_metadata, reading, write_parquet_atomic
+from tasks.threads import run_to_the_end
 
 RESPONSE_SCHEMA = pa.schema(
     [
@@ -244,13 +245,16 @@ class ResponseWriter:
                 return None
             rows, oldest = self._buffer, self._oldest
             self._buffer, self._oldest = [], None
-            try:
-                path = await asyncio.to_thread(write_part, self.directory, responses_table(rows))
+            try:  # to the end even when cancelled: the buffer must say what is on disk
+                path, cancelled = await run_to_the_end(write_part, self.directory, responses_table(rows))
             except BaseException:
                 # e.g. a full disk: keep the rows so a later flush (or the final one) can retry
                 self._buffer, self._oldest = rows + self._buffer, oldest
                 raise
             self.parts_written += 1
-            if self.parts_written % self.compact_min_parts == 0:
-                await asyncio.to_thread(compact, self.directory, min_parts=self.compact_min_parts)
+            if self.parts_written % self.compact_min_parts == 0:  # under the lock until the merge is renamed
+                _, stopped = await run_to_the_end(compact, self.directory, min_parts=self.compact_min_parts)
+                cancelled = cancelled or stopped
+            if cancelled:
+                raise asyncio.CancelledError
             return path

@@ -50,6 +50,7 @@ from tasks.capture.plan import target_shape
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import BadRequest
 from tasks.engines.vllm import VLLMClient
+from tasks.threads import run_to_the_end
 
 ENGINE_RANK = 0  # the shard names' rank: one writer, in the pipeline's process
 log = logging.getLogger("eagle3.capture.engine")
@@ -173,11 +174,15 @@ async def capture_with_engine(job: CaptureJob, engine: EngineSettings, shared_di
         aux, last = sample_rows(hidden, norm, dtype)
         async with write_lock:  # one writer; a flush writes every sample the window holds
             window.files.append(path)
-            shard = await asyncio.to_thread(
+            # to the end even when a failure cancels this worker: a shard half-written by a thread
+            # nobody waits for would race the next writer of this directory
+            shard, cancelled = await run_to_the_end(
                 writer.add, sample.id, sample.dataset, torch.from_numpy(ids.copy()),
                 torch.from_numpy(part.loss_mask[sample.start : sample.start + sample.length].copy()), aux, last)
             if shard is not None:
                 window.release()
+            if cancelled:
+                raise asyncio.CancelledError
         done += 1
         tokens += sample.length
         on_progress(done, total, tokens)

@@ -129,3 +129,83 @@ def test_writer_start_cleans_temp_files_and_unfinished_compaction(tmp_path):
     ResponseWriter(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["part-000000.parquet"]
     assert json.loads(read_metadata(list_parts(tmp_path)[0])[f"{META}lengths"]) == [3]
+
+
+def test_a_flush_cancelled_while_its_part_is_written_records_each_row_once(tmp_path, monkeypatch):
+    """The generate loop cancels its flush timer when the run ends; the part its thread was writing still lands.
+
+    The write runs in a worker thread that a cancellation cannot stop: the buffer must say what is
+    on disk (those rows written), not put them back to be written a second time by the final flush.
+    """
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    real = checkpoints.write_part
+
+    def slow_write(*args, **kwargs):
+        started.set()
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    async def scenario():
+        writer = ResponseWriter(tmp_path, flush_every=100)
+        writer.add(row(1))
+        writer.add(row(2))
+        monkeypatch.setattr(checkpoints, "write_part", slow_write)
+        timer = asyncio.create_task(writer.flush())
+        await asyncio.to_thread(started.wait, 10)
+        timer.cancel()  # mid-write, as generate's `finally: timer.cancel()`
+        writer.add(row(3))
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await timer
+        monkeypatch.undo()
+        await writer.flush()  # the final flush of close()
+
+    asyncio.run(scenario())
+    ids = [r for p in live_parts(tmp_path) for r in pq.read_table(p, columns=["id"]).column("id").to_pylist()]
+    assert sorted(ids) == ["p1", "p2", "p3"]
+
+
+def test_a_compaction_cancelled_mid_merge_finishes_before_the_next_part_is_numbered(tmp_path, monkeypatch):
+    """A cancelled flush must not free the writer while its merge thread still runs: the next part would be
+    numbered from a directory the merge has not renamed into yet, take the merged part's name, and be overwritten."""
+    import threading
+
+    merging, release, numbered_meanwhile = threading.Event(), threading.Event(), threading.Event()
+    real_write, real_next = checkpoints.write_parquet_atomic, checkpoints.next_part_path
+
+    def slow_merge(table, path, metadata=None, **kw):
+        if metadata and f"{META}replaces" in metadata:  # the merged part: its name is chosen, not yet renamed
+            merging.set()
+            release.wait(10)
+        return real_write(table, path, metadata, **kw)
+
+    def next_part(directory):
+        if merging.is_set() and not release.is_set():
+            numbered_meanwhile.set()
+        return real_next(directory)
+
+    async def scenario():
+        writer = ResponseWriter(tmp_path, flush_every=1, compact_min_parts=2)
+        writer.add(row(1))
+        await writer.flush()
+        monkeypatch.setattr(checkpoints, "write_parquet_atomic", slow_merge)
+        monkeypatch.setattr(checkpoints, "next_part_path", next_part)
+        writer.add(row(2))
+        flushing = asyncio.create_task(writer.flush())  # the 2nd part, then its merge, which waits
+        await asyncio.to_thread(merging.wait, 10)
+        flushing.cancel()
+        writer.add(row(3))
+        nxt = asyncio.create_task(writer.flush())  # must wait for the merge, not number its part meanwhile
+        # bounded wait: a writer that raced the merge numbers its part within it; a correct one never does
+        await asyncio.to_thread(numbered_meanwhile.wait, 1.0)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await flushing
+        await nxt
+
+    asyncio.run(scenario())
+    assert not numbered_meanwhile.is_set()
+    ids = [r for p in live_parts(tmp_path) for r in pq.read_table(p, columns=["id"]).column("id").to_pylist()]
+    assert sorted(ids) == ["p1", "p2", "p3"]
