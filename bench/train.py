@@ -91,7 +91,7 @@ from models.run_layout import RunLayout  # noqa: E402
 from models.eagle3 import default_aux_layers  # noqa: E402
 from models.hidden_shards import METADATA_NAME  # noqa: E402
 from models.tiny_target import SAMPLES_DIR  # noqa: E402
-from models.train import ds_train_config, lr_lambda  # noqa: E402
+from models.train import lr_lambda  # noqa: E402
 from models.train_metrics import Metrics
 from models.train_data import (HiddenSource, epoch_batches, rank_micro_batches, split_samples,  # noqa: E402
                                steps_per_epoch)
@@ -124,7 +124,7 @@ class Params(harness.TargetParams):
     weight_decay: float = RUN_CONFIG.weight_decay
     grad_clip: float = RUN_CONFIG.grad_clip
     warmup_ratio: float = 0.05  # lr warmup (schedule), not the measurement's skip
-    zero_stage: int = 2  # ds_config zero_optimization.stage: 2 as the flow generates it; 0 or 1 to take ZeRO-2 apart
+    zero_stage: int = RUN_CONFIG.zero_stage  # train.zero_stage: 2 as the flow runs it; 0 or 1 to take ZeRO-2 apart
     eval_fraction: float = RUN_CONFIG.eval_fraction
     steps: int = 30  # optimizer steps per run (max_steps)
     skip: int = 5  # steps left out of the measurement at the start (a multiple of log_every)
@@ -236,11 +236,9 @@ def job_dict(p: Params, target: Path, data: Path, out_dir: Path, ranks: int) -> 
         "ttt_steps": p.ttt_steps, "epochs": 1, "max_steps": p.steps, "max_batch_tokens": p.max_batch_tokens,
         "lr": p.lr, "warmup_ratio": p.warmup_ratio, "min_lr_ratio": 0.0, "checkpoint_every": far, "keep_checkpoints": 1,
         "eval_every": far, "eval_fraction": p.eval_fraction, "log_every": p.log_every, "seed": p.seed, "device": "cpu",
-        "ds_config": ds_train_config(world_size=ranks, grad_accum=p.grad_accum, lr=p.lr, weight_decay=p.weight_decay,
-                                     betas=BETAS, eps=EPS, grad_clip=p.grad_clip, bf16=False,
-                                     torch_adam=RUN_CONFIG.torch_adam),
+        "grad_accum": p.grad_accum, "weight_decay": p.weight_decay, "grad_clip": p.grad_clip, "precision": "fp32",
+        "zero_stage": p.zero_stage,  # each rank derives its DeepSpeed config from these (models/train.py)
     }
-    job["ds_config"]["zero_optimization"]["stage"] = p.zero_stage
     TrainJob.model_validate(job)  # the job's own spec accepts every key and value
     return job
 

@@ -307,28 +307,7 @@ class CaptureConfig(CaptureSettings, LaunchConfig):
 class TrainConfig(TrainSettings, LaunchConfig):
     """The DeepSpeed job that trains the EAGLE-3 draft (ZeRO-2, training-time test)."""
 
-    precision: Literal["auto", "bf16", "fp32"] = Field(
-        default="auto", description="auto: bf16 on GPUs (fp32 master weights in the optimizer), fp32 on CPU."
-    )
-    grad_accum: int = Field(default=1, ge=1, description="Micro batches per optimizer step on each rank.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    adam_betas: tuple[float, float] = Field(
-        default=(0.9, 0.95), description="AdamW betas (beta1, beta2), each in (0, 1): the EAGLE-3 recipes' [0.9, 0.95]."
-    )
-    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
-    torch_adam: bool = Field(
-        default=True, description="true: DeepSpeed runs torch's AdamW (nothing compiled); false: DeepSpeed's fused Adam "
-        "(CUDA only, JIT-built on first use)."
-    )
-    grad_clip: float = Field(default=0.5, gt=0, description="Gradient norm clipping (DeepSpeed gradient_clipping).")
     out_dir: Path | None = Field(default=None, description="Checkpoints, metrics and the exported draft; default RUN_DIR/draft.")
-
-    @field_validator("adam_betas")
-    @classmethod
-    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
-        if not all(0 < b < 1 for b in value):
-            raise ValueError(f"each AdamW beta must be in (0, 1), got {list(value)}")
-        return value
 
 
 class EvalConfig(EvalSettings, EngineEvalSettings, Section):

@@ -8,7 +8,6 @@ from prefect import flow
 
 from flows.config import RunConfig, load_config, save_run_config
 from models.jobs import TrainJob, TrainSettings
-from models.train import ds_train_config
 from tasks.run_lock import run_lock
 from tasks.train.tasks import report_training, retry_train_job, run_train_job
 
@@ -30,14 +29,10 @@ def train(config_path: str) -> dict:
 
 
 def train_job(config: RunConfig) -> TrainJob:
-    """The job every rank reads (models/train.py), with the DeepSpeed config generated from the `train` section."""
+    """The job every rank reads (models/train.py); each rank derives its DeepSpeed config from the settings in it."""
     t, layout = config.train, config.layout
-    bf16 = t.precision == "bf16" or (t.precision == "auto" and t.device == "cuda")
-    ds_config = ds_train_config(world_size=config.world_size(t), grad_accum=t.grad_accum, lr=t.lr, weight_decay=t.weight_decay,
-                                betas=t.adam_betas, eps=t.adam_eps, grad_clip=t.grad_clip, bf16=bf16, torch_adam=t.torch_adam)
     return TrainJob(
         **t.pick(TrainSettings), target_path=config.target.path, trust_remote_code=config.target.trust_remote_code,
         device=t.device, out_dir=str(layout.draft_dir), token_counts=str(layout.token_counts),
         hidden_dir=str(layout.hidden_dir), datasets=config.dataset_records(), aux_layers=config.capture.aux_layers,
-        ds_config=ds_config,
     )

@@ -491,11 +491,37 @@ class TrainSettings(HeldOut):
     keep_checkpoints: int = Field(default=2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
     eval_every: int = Field(default=500, ge=1, description="Optimizer steps between evaluations on the held-out split (also one at the end).")
     log_every: int = Field(default=10, ge=1, description="Optimizer steps per metrics.jsonl / TensorBoard line.")
+    # the optimizer and DeepSpeed: each rank derives its DeepSpeed config from these (models/train.py ds_train_config)
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        default="auto", description="auto: bf16 on GPUs (fp32 master weights in the optimizer), fp32 on CPU."
+    )
+    grad_accum: int = Field(default=1, ge=1, description="Micro batches per optimizer step on each rank.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field(
+        default=(0.9, 0.95), description="AdamW betas (beta1, beta2), each in (0, 1): the EAGLE-3 recipes' [0.9, 0.95]."
+    )
+    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    torch_adam: bool = Field(
+        default=True, description="true: DeepSpeed runs torch's AdamW (nothing compiled); false: DeepSpeed's fused Adam "
+        "(CUDA only, JIT-built on first use)."
+    )
+    grad_clip: float = Field(default=0.5, gt=0, description="Gradient norm clipping (DeepSpeed gradient_clipping).")
+    zero_stage: Literal[0, 1, 2] = Field(
+        default=2, description="DeepSpeed ZeRO stage of the optimizer states and gradients: 2 partitions both over the "
+        "ranks; 0 or 1 only to take ZeRO-2 apart (bench/train.py)."
+    )
     draft_overrides: dict[str, int | float] = Field(
         default_factory=dict,
         description="Draft shape settings that differ from the target's (head_dim, num_attention_heads, num_key_value_heads, "
         "intermediate_size, rope_theta, rms_norm_eps); e.g. head_dim: 128 for an MLA target.",
     )
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 < b < 1 for b in value):
+            raise ValueError(f"each AdamW beta must be in (0, 1), got {list(value)}")
+        return value
 
     @field_validator("draft_overrides")
     @classmethod
@@ -511,7 +537,6 @@ class TrainJob(TrainSettings, AuxLayers, RecordsRef, RankJob):
 
     out_dir: str = Field(description="RUN_DIR/draft: checkpoints, metrics, the export.")
     token_counts: str = Field(description="RUN_DIR/records/token_counts.parquet (the draft vocabulary).")
-    ds_config: dict[str, Any] = Field(description="The DeepSpeed config, generated from the run config.")
     hidden_dir: str | None = Field(default=None, description="offline: the capture shards (online: `datasets`, the records).")
 
     @model_validator(mode="after")
@@ -523,12 +548,9 @@ class TrainJob(TrainSettings, AuxLayers, RecordsRef, RankJob):
         return self
 
     @property
-    def grad_accum(self) -> int:
-        return int(self.ds_config.get("gradient_accumulation_steps", 1))
-
-    @property
     def bf16(self) -> bool:
-        return bool(self.ds_config.get("bf16", {}).get("enabled", False))
+        """Whether the draft trains in bf16: `precision`, with auto meaning bf16 on GPUs."""
+        return self.precision == "bf16" or (self.precision == "auto" and self.device == "cuda")
 
 
 # --- eval -------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from models.draft_vocab import draft_vocab, draft_vocab_coverage, load_token_cou
 from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, default_aux_layers
 from models.target_head import TargetHead
 from models.eagle3_export import export_draft
-from models.jobs import TrainJob
+from models.jobs import TrainJob, TrainSettings
 from models.rank import Dist, check_shared_dir, init_process_group, log, say, serve
 from models.hidden_shards import METADATA_NAME
 from models.rank_protocol import TRAIN, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
@@ -77,34 +77,24 @@ ERROR_MARK = TRAIN.error.mark
 PROGRESS_EVERY_S = 2.0
 
 
-def ds_train_config(*, world_size: int, grad_accum: int, lr: float, weight_decay: float, betas: tuple[float, float],
-                    grad_clip: float, bf16: bool, torch_adam: bool, eps: float = 1e-8) -> dict[str, Any]:
-    """The DeepSpeed config of a draft training job: ZeRO-2, AdamW, clipping, bf16 on GPUs."""
+def ds_train_config(settings: TrainSettings, *, world_size: int, bf16: bool) -> dict[str, Any]:
+    """The DeepSpeed config of a draft training launch, derived from the train settings on the rank:
+    ZeRO-2, AdamW, clipping, bf16 on GPUs; train_batch_size is this launch's world size x grad_accum."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,  # one token-budget batch (models/train_data.py)
-        "gradient_accumulation_steps": grad_accum,
-        "train_batch_size": world_size * grad_accum,
-        "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "eps": eps,
-                                                  "weight_decay": weight_decay, "torch_adam": torch_adam}},
+        "gradient_accumulation_steps": settings.grad_accum,
+        "train_batch_size": world_size * settings.grad_accum,
+        "gradient_clipping": settings.grad_clip,
+        "zero_optimization": {"stage": settings.zero_stage, "overlap_comm": False, "contiguous_gradients": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": settings.lr, "betas": list(settings.adam_betas),
+                                                  "eps": settings.adam_eps, "weight_decay": settings.weight_decay,
+                                                  "torch_adam": settings.torch_adam}},
         "steps_per_print": 10**9,  # our own logging
         "wall_clock_breakdown": False,
     }
     if bf16:
         config["bf16"] = {"enabled": True}
     return config
-
-
-def check_world_size(job: TrainJob, dist: Dist) -> None:
-    """Refuse a job built for another world size: DeepSpeed needs train_batch_size = world size x grad_accum x micro."""
-    per_rank = job.grad_accum * int(job.ds_config.get("train_micro_batch_size_per_gpu", 1))
-    if job.ds_config.get("train_batch_size") != dist.world_size * per_rank:
-        raise ValueError(f"the job's train_batch_size {job.ds_config.get('train_batch_size')} is for "
-                         f"{job.ds_config.get('train_batch_size', 0) // per_rank} rank(s), but this launch has "
-                         f"{dist.world_size} (train_batch_size must be world size x grad_accum = {dist.world_size * per_rank}): "
-                         "the job was built for another distributed.nnodes x train.num_gpus; run the train stage, which "
-                         "writes the job for its launch, or launch as many ranks as the job was built for")
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float):
@@ -125,7 +115,6 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     ckpt_dir = out_dir / CHECKPOINTS
     device = dist.device(job.device)
     init_process_group(dist, job.device, deepspeed=True)  # DeepSpeed even for one process
-    check_world_size(job, dist)
     check_shared_dir(dist, out_dir)  # ranks on several nodes: one checkpoint directory for all
 
     # --- the draft and its frozen target pieces
@@ -152,11 +141,12 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     warmup = max(1, round(job.warmup_ratio * total_steps))
     fingerprint = run_fingerprint(job, source.fingerprint, d2t, config, dist.world_size, total_steps)
     check_fingerprint(ckpt_dir, fingerprint, warn=dist.rank == 0)  # before anything is trained or removed
+    ds_config = ds_train_config(job, world_size=dist.world_size, bf16=job.bf16)
     if dist.rank == 0:  # the DeepSpeed config as run, next to the checkpoints
         with writing(out_dir / DS_CONFIG, ckpt_dir):
             out_dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(out_dir / DS_CONFIG, json.dumps(job.ds_config, indent=2))
-    engine = build_engine(job, draft, total_steps, warmup)
+            write_atomic(out_dir / DS_CONFIG, json.dumps(ds_config, indent=2))
+    engine = build_engine(ds_config, draft, job.min_lr_ratio, total_steps, warmup)
     if dist.rank == 0:
         log(f"train: {len(train_samples)} training samples ({sum(s.length for s in train_samples):,} tokens), "
             f"{len(eval_samples)} held out, {per_epoch} steps/epoch over {dist.world_size} rank(s) x {job.grad_accum} "
@@ -251,14 +241,14 @@ class _TTT(torch.nn.Module):
         return self.draft.forward_ttt(*args, **kwargs)
 
 
-def build_engine(job: TrainJob, draft: Eagle3Draft, total_steps: int, warmup: int):
+def build_engine(ds_config: dict[str, Any], draft: Eagle3Draft, min_lr_ratio: float, total_steps: int, warmup: int):
     import deepspeed
 
     wrapped = _TTT(draft)
     params = [p for p in wrapped.parameters() if p.requires_grad]
-    schedule = lr_lambda(total_steps, warmup, job.min_lr_ratio)
+    schedule = lr_lambda(total_steps, warmup, min_lr_ratio)
     engine, *_ = deepspeed.initialize(
-        model=wrapped, model_parameters=params, config=job.ds_config,
+        model=wrapped, model_parameters=params, config=ds_config,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
     )
     return _EngineView(engine)

@@ -160,12 +160,11 @@ def run_fingerprint(job: TrainJob, data: dict[str, Any], d2t: torch.Tensor, conf
 def optimisation_settings(job: TrainJob, world_size: int) -> dict[str, Any]:
     """The fingerprint's settings that the job alone decides (no data, target or schedule length): what
     `eagle3 doctor` compares with a checkpoint before anything is launched."""
-    optimizer = job.ds_config.get("optimizer", {}).get("params", {})
     return {
         "mode": job.mode, "ttt_steps": job.ttt_steps, "max_batch_tokens": job.max_batch_tokens,
         "lr": job.lr, "warmup_ratio": job.warmup_ratio, "min_lr_ratio": job.min_lr_ratio,
-        "weight_decay": optimizer.get("weight_decay"), "betas": optimizer.get("betas"),
-        "grad_clip": job.ds_config.get("gradient_clipping"), "grad_accum": job.grad_accum, "world_size": world_size,
+        "weight_decay": job.weight_decay, "betas": list(job.adam_betas),
+        "grad_clip": job.grad_clip, "grad_accum": job.grad_accum, "world_size": world_size,
         "bf16": job.bf16, "seed": job.seed, "eval_fraction": job.eval_fraction,
     }
 

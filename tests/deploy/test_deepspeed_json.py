@@ -17,9 +17,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
 
 def test_the_training_json_is_the_train_sections_defaults_on_8_gpus():
     t = TrainConfig()  # the declared defaults, optimizer settings included
-    generated = ds_train_config(world_size=8, grad_accum=t.grad_accum, lr=t.lr, weight_decay=t.weight_decay,
-                                betas=t.adam_betas, eps=t.adam_eps, grad_clip=t.grad_clip, bf16=True,
-                                torch_adam=t.torch_adam)
+    generated = ds_train_config(t, world_size=8, bf16=True)
     written = json.loads((DEPLOY / "train-zero2-bf16.json").read_text())
     assert written == generated
     # and what it says, read independently of the generator: the recipe's numbers

@@ -481,5 +481,7 @@ def test_the_optimizer_settings_reach_the_deepspeed_config(tmp_path):
 
     data = {**copy.deepcopy(MINIMAL), "run_dir": str(tmp_path / "run"),
             "train": {"adam_betas": [0.8, 0.99], "adam_eps": 1e-6, "torch_adam": False, "weight_decay": 0.1}}
-    params = train_job(parse_config(data, base=tmp_path)).ds_config["optimizer"]["params"]
+    from models.train import ds_train_config
+
+    params = ds_train_config(train_job(parse_config(data, base=tmp_path)), world_size=1, bf16=False)["optimizer"]["params"]
     assert (params["betas"], params["eps"], params["torch_adam"], params["weight_decay"]) == ([0.8, 0.99], 1e-6, False, 0.1)

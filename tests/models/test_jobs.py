@@ -6,13 +6,27 @@ import json
 
 import pytest
 
-from flows.config import CaptureConfig, EngineConfig, EvalConfig, GenerateConfig, RecordsConfig, ServerConfig, TargetConfig, TrainConfig
+from flows.config import (
+    CaptureConfig,
+    DatasetConfig,
+    DistributedConfig,
+    EngineConfig,
+    EvalConfig,
+    GenerateConfig,
+    RecordsConfig,
+    RunConfig,
+    SamplingConfig,
+    ServerConfig,
+    TargetConfig,
+    TrainConfig,
+)
 from models.jobs import (
     CaptureJob,
     CaptureSettings,
     EngineSettings,
     EvalJob,
     GenerateJob,
+    Nodes,
     RecordsJob,
     ServerSettings,
     Spec,
@@ -32,11 +46,31 @@ PAIRS = [
     (TrainConfig, TrainJob, None),
     (EvalConfig, EvalJob, None),
     (TargetConfig, TargetSpec, None),
+    (DistributedConfig, Nodes, None),  # what the launcher of a capture or train job reads
+    # the optimizer and DeepSpeed settings travel in the train job; each rank derives its DeepSpeed config from them
+    (TrainConfig, TrainJob, {"precision", "grad_accum", "weight_decay", "adam_betas", "adam_eps", "torch_adam",
+                             "grad_clip", "zero_stage", "lr", "warmup_ratio", "min_lr_ratio"}),
     # across stages only what is the same setting (capture's max_batch_tokens is not train's)
     (CaptureConfig, TrainJob, {"aux_layers"}),  # captured, then trained for
     (TrainConfig, EvalJob, {"eval_fraction", "seed"}),  # the held-out split and the untrained draft
     (CaptureConfig, TrainConfig, {"num_gpus", "launcher", "retries", "retry_delay_s"}),  # launching a job
 ]
+
+
+# sections no job reads, and why: their values reach the stages in another form
+NO_JOB = {
+    SamplingConfig: "sent with every request as the engine's sampling parameters (GenerateJob.sampling_params)",
+    DatasetConfig: "each dataset's name, path and budget are arguments of its generate task",
+}
+
+
+def test_every_section_of_the_run_config_is_checked():
+    sections = {field.annotation for field in RunConfig.model_fields.values() if isinstance(field.annotation, type)}
+    sections.add(DatasetConfig)  # datasets: list[DatasetConfig]
+    sections |= {EngineConfig}  # capture.engine
+    checked = {section for section, _, _ in PAIRS} | set(NO_JOB)
+    missing = sorted(s.__name__ for s in sections if issubclass(s, Spec) and s not in checked)
+    assert not missing, f"sections neither paired with their job in PAIRS nor listed in NO_JOB: {missing}"
 
 
 def owner(cls: type[Spec], name: str) -> type:
@@ -97,7 +131,7 @@ def test_a_job_file_round_trips_and_bad_keys_or_values_are_named(tmp_path):
 
 
 def test_train_job_needs_the_data_of_its_mode():
-    base = dict(target_path="t", out_dir="d", token_counts="c", ds_config={}, device="cpu")
+    base = dict(target_path="t", out_dir="d", token_counts="c", device="cpu")
     with pytest.raises(ValueError, match="mode offline needs hidden_dir"):
         TrainJob(**base)
     with pytest.raises(ValueError, match="mode online needs datasets"):

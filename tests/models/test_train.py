@@ -26,7 +26,7 @@ import torch
 from models.capture import run as run_capture
 from models.eagle3_export import load_exported_draft, validate_export
 from models.target_weights import find_tensor_name, load_target_tensors
-from models.jobs import CaptureJob, DatasetRecords, TrainJob
+from models.jobs import CaptureJob, DatasetRecords, TrainJob, TrainSettings
 from models.rank import Dist
 from models.tiny_target import SAMPLES_DIR
 from models.train import ds_train_config, lr_lambda
@@ -80,9 +80,7 @@ def _job(tiny_target_dir: Path, data: dict, out_dir: Path, **over) -> Path:
         "token_counts": str(data["root"] / "records" / "token_counts.parquet"),
         "hidden_dir": str(data["hidden"]), "device": "cpu", "draft_vocab_size": 512,
         "max_batch_tokens": 512, "max_steps": 6, "checkpoint_every": 2, "eval_every": 3, "log_every": 1,
-        "eval_fraction": 0.1, "lr": 2e-3, "ttt_steps": 3,
-        "ds_config": ds_train_config(world_size=2, grad_accum=2, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95),
-                                     grad_clip=0.5, bf16=False, torch_adam=True),
+        "eval_fraction": 0.1, "lr": 2e-3, "ttt_steps": 3, "grad_accum": 2,
         **over,
     }
     path = out_dir.parent / f"{out_dir.name}.job.json"
@@ -163,13 +161,13 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 
 
 def test_ds_config_is_zero2_adamw_with_clipping():
-    c = ds_train_config(world_size=8, grad_accum=4, lr=1e-4, weight_decay=0.01, betas=(0.9, 0.95), grad_clip=0.5,
-                        bf16=True, torch_adam=True)
+    settings = TrainSettings(grad_accum=4, lr=1e-4, weight_decay=0.01, grad_clip=0.5)
+    c = ds_train_config(settings, world_size=8, bf16=True)
     assert c["zero_optimization"]["stage"] == 2 and c["gradient_clipping"] == 0.5
     assert c["train_batch_size"] == 32 and c["bf16"] == {"enabled": True}
     assert c["optimizer"]["type"] == "AdamW" and c["optimizer"]["params"]["torch_adam"] is True
-    assert "bf16" not in ds_train_config(world_size=1, grad_accum=1, lr=1e-4, weight_decay=0, betas=(0.9, 0.95),
-                                         grad_clip=1, bf16=False, torch_adam=True)
+    assert c["optimizer"]["params"]["betas"] == [0.9, 0.95] and c["optimizer"]["params"]["weight_decay"] == 0.01
+    assert "bf16" not in ds_train_config(TrainSettings(grad_clip=1), world_size=1, bf16=False)
 
 
 def test_only_complete_checkpoints_count(tmp_path):
@@ -215,7 +213,7 @@ def test_held_out_prompts_stop_before_the_first_loss_token(train_data):
 
 def test_train_job_rejects_unknown_keys(tmp_path):
     path = tmp_path / "job.json"
-    path.write_text(json.dumps({"target_path": "x", "out_dir": "y", "token_counts": "z", "ds_config": {}, "hidden_dir": "h", "bogus": 1}))
+    path.write_text(json.dumps({"target_path": "x", "out_dir": "y", "token_counts": "z", "hidden_dir": "h", "bogus": 1}))
     with pytest.raises(ValueError, match=f"{path}: not a valid TrainJob: bogus: Extra inputs are not permitted"):
         TrainJob.load(path)
 
@@ -232,9 +230,7 @@ def _single_process(job: Path) -> str:
     return proc.stdout + proc.stderr
 
 
-ONE_RANK = {"max_steps": 3, "checkpoint_every": 100, "eval_every": 100,  # one checkpoint: the final step's
-            "ds_config": ds_train_config(world_size=1, grad_accum=1, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95),
-                                         grad_clip=0.5, bf16=False, torch_adam=True)}
+ONE_RANK = {"max_steps": 3, "checkpoint_every": 100, "eval_every": 100}  # one checkpoint: the final step's
 
 
 @pytest.fixture(scope="module")
@@ -340,8 +336,7 @@ def _fingerprint(rows=(("D", "a", 5), ("D", "b", 7)), d2t=(0, 0, 1), **over):
     from models.train_data import data_fingerprint
 
     fields = {"target_path": "t", "out_dir": "o", "token_counts": "tc.parquet", "hidden_dir": "h", "lr": 2e-3,
-              "ds_config": ds_train_config(world_size=2, grad_accum=2, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95),
-                                           grad_clip=0.5, bf16=False, torch_adam=True)}
+              "grad_accum": 2, "device": "cpu"}
     total_steps = over.pop("total_steps", 6)
     world_size = over.pop("world_size", 2)
     job = TrainJob(**{**fields, **over})
@@ -562,14 +557,11 @@ def test_a_full_disk_under_metrics_or_torch_save_is_a_write_failure_naming_the_f
     assert not list(small_disk.glob(".write-probe-*"))
 
 
-def test_a_job_built_for_another_world_size_is_refused_before_training():
-    from models.rank import Dist
-    from models.train import check_world_size
-
-    job = TrainJob(target_path="t", out_dir="o", token_counts="c", hidden_dir="h", device="cpu",
-                   ds_config=ds_train_config(world_size=2, grad_accum=3, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
-                                             grad_clip=0.5, bf16=False, torch_adam=True))
-    check_world_size(job, Dist(rank=0, world_size=2))
-    with pytest.raises(ValueError, match=r"train_batch_size 6 is for 2 rank\(s\), but this launch has 4 "
-                                         r"\(train_batch_size must be world size x grad_accum = 12\)"):
-        check_world_size(job, Dist(rank=0, world_size=4))
+def test_the_deepspeed_config_is_derived_on_the_rank_for_the_launch_s_world_size():
+    # the job holds settings, not a DeepSpeed config for some world size: a launch of any size is consistent
+    assert "ds_config" not in TrainJob.model_fields
+    job = TrainJob(target_path="t", out_dir="o", token_counts="c", hidden_dir="h", device="cpu", grad_accum=3)
+    assert ds_train_config(job, world_size=2, bf16=job.bf16)["train_batch_size"] == 6
+    assert ds_train_config(job, world_size=4, bf16=job.bf16)["train_batch_size"] == 12
+    assert not job.bf16 and TrainJob(**{**job.model_dump(), "device": "cuda"}).bf16  # precision auto: bf16 on GPUs
+    assert not TrainJob(**{**job.model_dump(), "device": "cuda", "precision": "fp32"}).bf16

@@ -29,7 +29,6 @@ from safetensors import safe_open
 
 from models.hidden_shards import iter_shard_index, list_shards, read_sample, shard_metadata
 from models.jobs import CaptureJob, Nodes, TrainJob
-from models.train import ds_train_config
 from tasks.launch import rank_command, write_job
 from tasks.ports import free_port
 
@@ -85,9 +84,7 @@ def _capture_job(tiny_target_dir: Path, data: dict, run_dir: Path, shard_tokens:
 def _train_job(tiny_target_dir: Path, data: dict, run_dir: Path, hidden: Path) -> Path:
     job = TrainJob(target_path=str(tiny_target_dir), out_dir=str(run_dir / "draft"), token_counts=str(data["token_counts"]),
                    hidden_dir=str(hidden), device="cpu", draft_vocab_size=256, max_batch_tokens=128, max_steps=4,
-                   checkpoint_every=100, eval_every=100, log_every=1, eval_fraction=0.1, lr=2e-3, ttt_steps=2,
-                   ds_config=ds_train_config(world_size=2, grad_accum=1, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95),
-                                             grad_clip=0.5, bf16=False, torch_adam=True))
+                   checkpoint_every=100, eval_every=100, log_every=1, eval_fraction=0.1, lr=2e-3, ttt_steps=2)
     path = run_dir / "jobs" / "train.json"
     write_job(job, path, kept=lambda: "nothing", resume="rerun")
     return path
