@@ -106,8 +106,8 @@ class ServerConfig(ServerSettings, Section):
 
     @model_validator(mode="after")
     def _command_for_launch(self) -> ServerConfig:
-        if self.launch == "command" and not self.command:
-            raise ValueError("launch: command needs `command` (e.g. [python, -m, sglang.launch_server, --model-path, ...])")
+        check_command(self.launch, self.command if self.launch == "command" else None, PLACEHOLDERS,
+                      "[python, -m, sglang.launch_server, --model-path, ...]")
         if self.engine == "vllm" and self.launch == "dev":
             raise ValueError("engine: vllm with launch: dev: the dev server emulates SGLang only. Start vLLM with launch: "
                              "command (e.g. [python, -m, vllm.entrypoints.openai.api_server, --model, PATH, --port, '{port}']; "
@@ -124,12 +124,6 @@ class ServerConfig(ServerSettings, Section):
         if self.launch == "command" and self.replicas > 1 and not any("{port}" in word for word in self.command or []):
             raise ValueError("with replicas > 1 the command must put each replica on its own port: use {port} "
                              "(e.g. --port, '{port}')")
-        if self.launch == "command":
-            for word in self.command or []:
-                for name in re.findall(r"{([a-z_]+)}", word):
-                    if name not in PLACEHOLDERS:
-                        raise ValueError(f"command word {word!r}: unknown placeholder {{{name}}}; known: "
-                                         + ", ".join("{" + p + "}" for p in PLACEHOLDERS))
         if self.launch != "none":
             port = urlsplit(self.url).port or (443 if self.url.startswith("https") else 80)
             if port + self.replicas + (1 if self.router else 0) - 1 > 65535:
@@ -145,6 +139,17 @@ class ServerConfig(ServerSettings, Section):
 
 
 PLACEHOLDERS = ("host", "port", "replica", "gpus")
+
+
+def check_command(launch: str, command: list[str] | None, placeholders: tuple[str, ...], example: str) -> None:
+    """ValueError for `launch: command` without a command, or a command word with a placeholder not in `placeholders`."""
+    if launch == "command" and not command:
+        raise ValueError(f"launch: command needs `command` (e.g. {example})")
+    for word in command or []:
+        for name in re.findall(r"{([a-z_]+)}", word):
+            if name not in placeholders:
+                raise ValueError(f"command word {word!r}: unknown placeholder {{{name}}}; known: "
+                                 + ", ".join("{" + p + "}" for p in placeholders))
 
 
 def command_words(value: Any) -> Any:
@@ -268,14 +273,9 @@ class EngineConfig(EngineSettings, Section):
 
     @model_validator(mode="after")
     def _command_for_launch(self) -> EngineConfig:
-        if self.launch == "command" and not self.command:
-            raise ValueError("launch: command needs `command` (e.g. [vllm, serve, MODEL, --port, '{port}', "
-                             "--speculative-config, '{speculative_config}', --kv-transfer-config, '{kv_transfer_config}'])")
-        for word in self.command or []:
-            for name in re.findall(r"{([a-z_]+)}", word):
-                if name not in ENGINE_PLACEHOLDERS:
-                    raise ValueError(f"command word {word!r}: unknown placeholder {{{name}}}; known: "
-                                     + ", ".join("{" + p + "}" for p in ENGINE_PLACEHOLDERS))
+        check_command(self.launch, self.command, ENGINE_PLACEHOLDERS,
+                      "[vllm, serve, MODEL, --port, '{port}', --speculative-config, '{speculative_config}', "
+                      "--kv-transfer-config, '{kv_transfer_config}']")
         return self
 
 

@@ -212,12 +212,7 @@ class ServerSettings(Spec):
 
     def api_key(self) -> str | None:
         """The key from the environment (None when no variable is named); RuntimeError when it is not set."""
-        if self.api_key_env is None:
-            return None
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise RuntimeError(f"server.api_key_env names ${self.api_key_env}, which is not set in this environment")
-        return key
+        return api_key_from_env(self.api_key_env, "server.api_key_env")
 
 
 class GenerateSettings(Spec):
@@ -443,12 +438,7 @@ class EngineSettings(Spec):
 
     def api_key(self) -> str | None:
         """The key from the environment (None when no variable is named); RuntimeError when it is not set."""
-        if self.api_key_env is None:
-            return None
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise RuntimeError(f"capture.engine.api_key_env names ${self.api_key_env}, which is not set in this environment")
-        return key
+        return api_key_from_env(self.api_key_env, "capture.engine.api_key_env")
 
 
 # --- train ------------------------------------------------------------------------------------
@@ -615,6 +605,16 @@ class EvalJob(EvalSettings, HeldOut, RecordsRef, TargetRef):
 
 
 # --- helpers ----------------------------------------------------------------------------------
+
+
+def api_key_from_env(variable: str | None, setting: str) -> str | None:
+    """The API key in environment variable `variable` (None when none is named); RuntimeError naming `setting` when unset."""
+    if variable is None:
+        return None
+    key = os.environ.get(variable)
+    if not key:
+        raise RuntimeError(f"{setting} names ${variable}, which is not set in this environment")
+    return key
 
 
 def replica_url(url: str, replica: int, *, router: bool) -> str:
