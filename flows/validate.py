@@ -19,6 +19,7 @@ def validate_datasets(config: RunConfig, *, config_path: Path, console: Console)
         table.add_column(column, justify="right" if column in {"#", "rows", "bad rows", "duplicates", "token budget", "max prompts"} else "left")
     problems: list[str] = []
     missing: list[str] = []
+    formats: list[str] = []  # one line per dataset read: its row format, configured or detected
     for i, dataset in enumerate(config.datasets):
         budget = f"{dataset.token_budget:,}" if dataset.token_budget else "-"
         cap = f"{dataset.max_prompts:,}" if dataset.max_prompts else "-"
@@ -28,14 +29,16 @@ def validate_datasets(config: RunConfig, *, config_path: Path, console: Console)
             continue
         empty: EmptyDatasetError | None = None
         try:
-            loaded = load_dataset(dataset.path, dataset.kind, on_bad_row="skip")
+            loaded = load_dataset(dataset.path, dataset.kind, row_format=dataset.row_format, on_bad_row="skip")
         except EmptyDatasetError as exc:  # no rows, or none left after the bad ones: still list those
             empty = exc
-            loaded = LoadedDataset(rows=[], rejects=list(exc.rejects), duplicates=0, path=dataset.path)
+            loaded = LoadedDataset(rows=[], rejects=list(exc.rejects), duplicates=0, path=dataset.path, shape=exc.shape)
         except DatasetError as exc:  # unreadable as a whole (unknown format, corrupt Parquet, ...)
             problems.append(f"datasets[{i}] {dataset.name}: {exc}")
             table.add_row(str(i), escape(dataset.name), dataset.kind, "-", "-", "-", budget, cap, "[red]unreadable[/red]")
             continue
+        shape = loaded.shape.describe() if loaded.shape else "auto, not detected from any row"
+        formats.append(f"{dataset.name}: format {shape}")
         bad = len(loaded.rejects)
         status = "[green]ok[/green]"
         shown = "\n    ".join(f"{r.location}: {r.reason}" for r in loaded.rejects[:5])
@@ -57,6 +60,8 @@ def validate_datasets(config: RunConfig, *, config_path: Path, console: Console)
             str(i), escape(dataset.name), dataset.kind, f"{len(loaded.rows):,}", str(bad), str(loaded.duplicates), budget, cap, status
         )
     console.print(table)
+    for line in formats:
+        console.print(escape(line), highlight=False)
     console.print(escape(f"target: {config.target.path}    server: {config.server.url}    run_dir: {config.run_dir}"), highlight=False)
     if missing:
         console.print(

@@ -2,17 +2,32 @@
 
 Accepted inputs (chosen by path):
 - `*.jsonl` / `*.json`: JSON Lines, one object per line, UTF-8. Whitespace-only lines are skipped.
-- `*.parquet`: one Parquet file; only the columns a row kind needs are read, batch by batch.
+- `*.parquet`: one Parquet file; only the columns the dataset's row format needs are read, batch by batch.
 - a directory of `*.parquet` files (top level only, name order; names starting with `.` or `_`
   are ignored).
 - a directory written by `datasets.Dataset.save_to_disk` (state.json + data-*.arrow in Arrow
   IPC stream format), read with pyarrow alone; a `DatasetDict` directory (dataset_dict.json)
   contributes its "train" split.
 
+Row formats (the dataset's `format`, formats.py; any file type): each row is read into the canonical row below.
+- messages: the canonical row itself; role names other than the four are renamed through ROLE_ALIASES (human ->
+  user, gpt -> assistant, ...) and the dataset's `roles`.
+- sharegpt: `conversations` [{from, value}], `from` renamed the same way.
+- alpaca: `instruction`, optional `input` (appended to the instruction after a blank line), optional `output`
+  (the assistant turn; needed for passthrough).
+- columns: `system_field` (optional), `prompt_field`, `response_field` (passthrough), one turn each.
+- ultrachat: `data`, strings alternating user, assistant, ...
+- auto (the default): detected once per dataset, from the columns (Parquet, Arrow) or the first row that fits a
+  format (JSONL); keys that fit no format or several are a bad row (a file error for a column reader) that names
+  them and the config line that reads them (detect.py has the rules).
+The id comes from `id_field` (default `id`). A converted row keeps role and content of each turn only, so it is
+the same row, with the same id, as the conversation written as `messages`.
+
 Row kinds:
 - generate: optional `id` (string or int), and either `messages` (non-empty list of
   {role: system|user|assistant, content: str}, ending with a user turn) or `prompt` (a non-empty
-  string, which becomes one user message). Not both.
+  string, which becomes one user message). Not both. A conversation that ends with an assistant turn is cut
+  after its last user turn (rows.prompt_length), in every format, and the cut turns are not checked.
 - passthrough: optional `id`, and either `messages` with at least one assistant turn (roles
   system|user|assistant|tool: agentic transcripts carry tool results), or `input_ids`
   (non-negative ints) + `loss_mask` (0/1 or bools, same length, at least one 1).
@@ -31,19 +46,31 @@ Ids are strings: an int id 7 becomes "7". Each id names one row. A repeat with t
 counted. A repeat with different content, or an int id meeting the same id as a string (7 and "7"),
 is a bad row naming both rows; the first occurrence is kept.
 
-Bad rows raise `DatasetError` naming the file, the line (JSONL) or row (1-based), what is wrong
-and what is expected; with `on_bad_row="skip"` they become `Reject`s and loading goes on. A
-dataset with no usable row left raises `EmptyDatasetError`.
+Bad rows raise `DatasetError` naming the file, the line (JSONL) or row (1-based), what is wrong (in the row's
+own fields: 'conversations[2].value' is missing) and what is expected; with `on_bad_row="skip"` they become
+`Reject`s and loading goes on. A dataset with no usable row left raises `EmptyDatasetError`.
 """
 
 from tasks.datasets.errors import DatasetError, DatasetNotFoundError, EmptyDatasetError
+from tasks.datasets.formats import ROLE_ALIASES, RowFormat, Shape
 from tasks.datasets.loader import OnBadRow, iter_rows, load_dataset
-from tasks.datasets.rows import (GENERATE_ROLES, PASSTHROUGH_ROLES, BadRow, Kind, LoadedDataset, PassthroughRow,
-                                 PromptRow, Reject, build_passthrough, build_prompt, stable_id)
+from tasks.datasets.rows import (
+    GENERATE_ROLES,
+    PASSTHROUGH_ROLES,
+    BadRow,
+    Kind,
+    LoadedDataset,
+    PassthroughRow,
+    PromptRow,
+    Reject,
+    build_passthrough,
+    build_prompt,
+    stable_id,
+)
 
 # The package's public names; each concept has its module: rows.py (row rules and ids), errors.py, loader.py (ids
-# unique, bad rows raised or rejected), raw.py (what readers yield) and one reader per file format: jsonl.py,
-# parquet.py, hf_saved.py.
-__all__ = ["GENERATE_ROLES", "PASSTHROUGH_ROLES", "BadRow", "DatasetError", "DatasetNotFoundError", "EmptyDatasetError",
-           "Kind", "LoadedDataset", "OnBadRow", "PassthroughRow", "PromptRow", "Reject", "build_passthrough",
-           "build_prompt", "iter_rows", "load_dataset", "stable_id"]
+# unique, bad rows raised or rejected), formats.py (row formats -> canonical rows), detect.py (format auto), raw.py
+# (what readers yield) and one reader per file type: jsonl.py, parquet.py, hf_saved.py.
+__all__ = ["GENERATE_ROLES", "PASSTHROUGH_ROLES", "ROLE_ALIASES", "BadRow", "DatasetError", "DatasetNotFoundError",
+           "EmptyDatasetError", "Kind", "LoadedDataset", "OnBadRow", "PassthroughRow", "PromptRow", "Reject",
+           "RowFormat", "Shape", "build_passthrough", "build_prompt", "iter_rows", "load_dataset", "stable_id"]

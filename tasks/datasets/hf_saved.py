@@ -10,10 +10,10 @@ from pathlib import Path
 import pyarrow as pa
 
 from tasks.datasets.errors import DatasetError
-from tasks.datasets.raw import ACCEPTED_FORMATS, Raw, columns_for
+from tasks.datasets.raw import ACCEPTED_FORMATS, Raw, SelectColumns
 
 
-def read_hf_saved(directory: Path, kind: str) -> Iterator[Raw]:
+def read_hf_saved(directory: Path, select: SelectColumns) -> Iterator[Raw]:
     """Rows of a `Dataset.save_to_disk` directory, numbered across its data files."""
     try:
         state = json.loads((directory / "state.json").read_text(encoding="utf-8"))
@@ -27,7 +27,7 @@ def read_hf_saved(directory: Path, kind: str) -> Iterator[Raw]:
     if missing:
         raise DatasetError(directory, None, f"state.json lists data files that are missing: {', '.join(missing)}")
     # Column check before the first row, like the other readers.
-    columns = columns_for(directory, kind, _arrow_schema(files[0]).names)
+    columns = select(directory, _arrow_schema(files[0]))
     return _hf_rows(directory, files, columns)
 
 

@@ -1,4 +1,5 @@
-"""Loading a dataset: the reader its path calls for, every row checked, ids unique, bad rows raised or rejected."""
+"""Loading a dataset: the reader its path calls for, rows read in the dataset's row format and checked, ids unique,
+bad rows raised or rejected."""
 
 from __future__ import annotations
 
@@ -6,15 +7,16 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
+from tasks.datasets.detect import Resolver
 from tasks.datasets.errors import DatasetError, DatasetNotFoundError, EmptyDatasetError
+from tasks.datasets.formats import RowFormat
 from tasks.datasets.hf_saved import read_hf_saved, train_split
 from tasks.datasets.jsonl import read_jsonl
 from tasks.datasets.parquet import read_parquet
-from tasks.datasets.raw import ACCEPTED_FORMATS, COLUMNS, EXPECTED, Raw
-from tasks.datasets.rows import (BUILDERS, BadRow, Kind, LoadedDataset, PassthroughRow, PromptRow, Reject, loose_id,
-                                 utf8)
+from tasks.datasets.raw import ACCEPTED_FORMATS, COLUMNS, Raw
+from tasks.datasets.rows import BUILDERS, BadRow, Kind, LoadedDataset, PassthroughRow, PromptRow, Reject, loose_id, utf8
 
 log = logging.getLogger("eagle3.datasets")
 
@@ -26,28 +28,52 @@ REPEATED_ID_FIX = (
 )
 
 
-def iter_rows(path: Path | str, kind: Kind) -> Iterator[tuple[int, dict]]:
-    """Raw rows with the number errors use for them (JSONL line, else row; per file in a directory).
+def iter_rows(
+    path: Path | str, kind: Kind, row_format: RowFormat | None = None
+) -> Iterator[tuple[int, PromptRow | PassthroughRow | BadRow]]:
+    """Each row read in the dataset's row format and checked, with the number errors use for it (JSONL line, else row;
+    per file in a directory): the row, or the BadRow that says why it is none. For a sample of a dataset.
 
-    Raises DatasetError for a row that cannot be parsed into a JSON object; does not validate
-    fields (`load_dataset` does). Format and existence are checked before the first row.
+    Raises DatasetError for a row that cannot be parsed into a JSON object; ids are not made unique (`load_dataset`
+    does). Format and existence are checked before the first row. `row_format`: the dataset's (default: auto).
     """
     _check_kind(kind)
-    return _parsed_rows(_open_rows(Path(path), kind), kind)
+    resolver = Resolver(kind, row_format or RowFormat())
+    return _checked_rows(_open_rows(Path(path), resolver), resolver)
 
 
-def _parsed_rows(raws: Iterator[Raw], kind: str) -> Iterator[tuple[int, dict]]:
+def _checked_rows(raws: Iterator[Raw], resolver: Resolver) -> Iterator[tuple[int, PromptRow | PassthroughRow | BadRow]]:
+    build = BUILDERS[resolver.kind]
     for raw in raws:
         if raw.error is not None:
-            expected = raw.expected or EXPECTED[kind]
+            expected = raw.expected or resolver.expected()
             raise DatasetError(raw.source, raw.row, raw.error, expected=expected, unit=raw.unit)
-        yield raw.row, raw.data
+        try:
+            yield raw.row, build(resolver.canonical(raw.data))
+        except BadRow as bad:
+            yield raw.row, bad
 
 
+@overload
 def load_dataset(
-    path: Path | str, kind: Kind, *, on_bad_row: OnBadRow = "fail"
-) -> LoadedDataset:
-    """Read and validate every row; the first occurrence of each id wins.
+    path: Path | str, kind: Literal["generate"], *, row_format: RowFormat | None = None, on_bad_row: OnBadRow = "fail"
+) -> LoadedDataset[PromptRow]: ...
+@overload
+def load_dataset(
+    path: Path | str, kind: Literal["passthrough"], *, row_format: RowFormat | None = None,
+    on_bad_row: OnBadRow = "fail"
+) -> LoadedDataset[PassthroughRow]: ...
+@overload
+def load_dataset(
+    path: Path | str, kind: Kind, *, row_format: RowFormat | None = None, on_bad_row: OnBadRow = "fail"
+) -> LoadedDataset[PromptRow] | LoadedDataset[PassthroughRow]: ...
+def load_dataset(
+    path: Path | str, kind: Kind, *, row_format: RowFormat | None = None, on_bad_row: OnBadRow = "fail"
+) -> LoadedDataset[PromptRow] | LoadedDataset[PassthroughRow]:
+    """Read every row in the dataset's row format and validate it; the first occurrence of each id wins.
+
+    row_format: the dataset's format settings (a DatasetConfig is one); None reads with format auto. Every caller
+    with a config passes the dataset's, else its format, roles or id_field would be ignored.
 
     on_bad_row="fail" raises DatasetError on the first bad row; "skip" records a Reject and goes
     on. A repeated id is a bad row unless the repeat has the same content (and the id the same
@@ -59,6 +85,8 @@ def load_dataset(
         raise ValueError(f"on_bad_row must be 'fail' or 'skip', got {on_bad_row!r}")
     path = Path(path)
     build = BUILDERS[kind]
+    resolver = Resolver(kind, row_format or RowFormat())
+    id_field = resolver.fmt.id_field
     rows: list = []
     rejects: list[Reject] = []
     # id -> (index in rows, source, row number, whether the id was given as an int): enough to
@@ -67,19 +95,20 @@ def load_dataset(
     duplicates = 0
     first_duplicate: tuple[str, Path, int] | None = None
 
-    for raw in _open_rows(path, kind):
+    for raw in _open_rows(path, resolver):
         try:
             if raw.error is not None:
                 raise BadRow(raw.error, raw.expected)
-            row = build(raw.data)
+            data = resolver.canonical(raw.data)
+            row = build(data)
         except BadRow as bad:
             if on_bad_row == "fail":
                 raise DatasetError(
-                    raw.source, raw.row, bad.reason, expected=bad.expected or EXPECTED[kind], unit=raw.unit
+                    raw.source, raw.row, bad.reason, expected=bad.expected or resolver.expected(), unit=raw.unit
                 ) from None
-            rejects.append(Reject(raw.source, raw.row, loose_id(raw.data), bad.reason, raw.text()))
+            rejects.append(Reject(raw.source, raw.row, loose_id(raw.data, id_field), bad.reason, raw.text()))
             continue
-        int_id = type(raw.data.get("id")) is int
+        int_id = type(data.get("id")) is int
         first = seen.get(row.id)
         if first is None:
             seen[row.id] = (len(rows), raw.source, raw.row, int_id)
@@ -96,8 +125,8 @@ def load_dataset(
         rejects.append(Reject(raw.source, raw.row, utf8(row.id), conflict, raw.text()))
 
     if not rows:  # before the warnings: the error says it all
-        raise _empty_dataset(path, rejects)
-    if duplicates:
+        raise _empty_dataset(path, rejects, resolver)
+    if first_duplicate is not None:  # set with the first of the duplicates
         dup_id, dup_source, dup_row = first_duplicate
         log.warning(
             "%s: dropped %d row(s) that repeat an earlier row's id and content (the first occurrence is kept);"
@@ -105,12 +134,13 @@ def load_dataset(
             path, duplicates, dup_id, dup_source, "line" if _is_jsonl(dup_source) else "row", dup_row,
         )
     if rejects:
-        first = rejects[0]
+        first_reject = rejects[0]
         log.warning(
             "%s: skipped %d bad row(s) (on_bad_row=skip); first: %s %s %d: %s",
-            path, len(rejects), first.path, "line" if _is_jsonl(first.path) else "row", first.row, first.reason,
+            path, len(rejects), first_reject.path, "line" if _is_jsonl(first_reject.path) else "row", first_reject.row,
+            first_reject.reason,
         )
-    return LoadedDataset(rows=rows, rejects=rejects, duplicates=duplicates, path=path)
+    return LoadedDataset(rows=rows, rejects=rejects, duplicates=duplicates, path=path, shape=resolver.shape)
 
 
 def _repeat_conflict(
@@ -134,7 +164,7 @@ def _repeat_conflict(
     return None
 
 
-def _empty_dataset(path: Path, rejects: list[Reject]) -> EmptyDatasetError:
+def _empty_dataset(path: Path, rejects: list[Reject], resolver: Resolver) -> EmptyDatasetError:
     """The error for a dataset without a usable row: says whether it had rows at all."""
     if rejects:
         first = rejects[0]
@@ -145,6 +175,7 @@ def _empty_dataset(path: Path, rejects: list[Reject]) -> EmptyDatasetError:
             expected="fix the rows (`eagle3 validate CONFIG` lists them), or remove the dataset from the config",
         )
         error.rejects = tuple(rejects)
+        error.shape = resolver.shape
         return error
     return EmptyDatasetError(
         path,
@@ -155,7 +186,7 @@ def _empty_dataset(path: Path, rejects: list[Reject]) -> EmptyDatasetError:
     )
 
 
-def _open_rows(path: Path, kind: str) -> Iterator[Raw]:
+def _open_rows(path: Path, resolver: Resolver) -> Iterator[Raw]:
     """Pick the reader for `path`; format and existence errors raise here, not at first row."""
     if not path.exists():
         raise DatasetNotFoundError(
@@ -172,18 +203,18 @@ def _open_rows(path: Path, kind: str) -> Iterator[Raw]:
         if suffix in (".jsonl", ".json"):
             return read_jsonl(path)
         if suffix == ".parquet":
-            return read_parquet(path, kind)
+            return read_parquet(path, resolver.columns)
         raise DatasetError(path, None, f"unsupported file type {suffix or '(no suffix)'!r}", expected=ACCEPTED_FORMATS)
     if path.is_dir():
         if (path / "dataset_dict.json").is_file():
-            return _open_rows(train_split(path), kind)
+            return _open_rows(train_split(path), resolver)
         if (path / "state.json").is_file():
-            return read_hf_saved(path, kind)
+            return read_hf_saved(path, resolver.columns)
         parts = sorted(
             p for p in path.glob("*.parquet") if p.is_file() and not p.name.startswith((".", "_"))
         )
         if parts:
-            return _chain([read_parquet(p, kind) for p in parts])
+            return _chain([read_parquet(p, resolver.columns) for p in parts])
         raise DatasetError(
             path, None, "directory has no *.parquet files and no state.json (save_to_disk)", expected=ACCEPTED_FORMATS
         )

@@ -1,4 +1,4 @@
-"""The Parquet reader: only the columns a row kind needs, batch by batch."""
+"""The Parquet reader: only the columns the dataset's row format needs, batch by batch."""
 
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks.datasets.errors import DatasetError
-from tasks.datasets.raw import ACCEPTED_FORMATS, Raw, columns_for
+from tasks.datasets.raw import ACCEPTED_FORMATS, Raw, SelectColumns
 
 _BATCH_ROWS = 1024
 
 
-def read_parquet(path: Path, kind: str) -> Iterator[Raw]:
+def read_parquet(path: Path, select: SelectColumns) -> Iterator[Raw]:
     """Rows of one Parquet file; the footer and columns are checked before the first row."""
     try:
         pf = pq.ParquetFile(path)
-        names = pf.schema_arrow.names
+        schema = pf.schema_arrow
     except (pa.ArrowException, OSError) as e:
         raise DatasetError(path, None, f"not a readable Parquet file ({e})", expected=ACCEPTED_FORMATS) from None
-    return _parquet_rows(path, pf, columns_for(path, kind, names))
+    return _parquet_rows(path, pf, select(path, schema))
 
 
 def _parquet_rows(path: Path, pf: pq.ParquetFile, columns: list[str]) -> Iterator[Raw]:

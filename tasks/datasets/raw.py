@@ -1,16 +1,18 @@
-"""What every file format's reader yields: one `Raw` per row (source, number, parsed value or parse error), and the
-columns each row kind reads."""
+"""What every file format's reader yields: one `Raw` per row (source, number, parsed value or parse error), the fields
+of the canonical row per kind, and how a column reader is told which columns to read."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.datasets.errors import DatasetError
+import pyarrow as pa
 
-# Columns read from Parquet / Arrow per kind; anything else in the file is never read.
+# The fields of the canonical row per kind (format messages); a column reader reads only the fields of the dataset's
+# format (tasks/datasets/formats.py: Shape.columns) and never the rest of the file.
 COLUMNS: dict[str, tuple[str, ...]] = {
     "generate": ("id", "messages", "prompt"),
     "passthrough": ("id", "messages", "input_ids", "loss_mask"),
@@ -46,12 +48,6 @@ class Raw:
         return json.dumps(self.data, ensure_ascii=False, default=str)
 
 
-def columns_for(path: Path, kind: str, names: list[str]) -> list[str]:
-    """The needed columns present in the file; a file with no content column is a file error."""
-    columns = [c for c in COLUMNS[kind] if c in names]
-    if not set(columns) - {"id", "loss_mask"}:
-        content = "'messages' or 'prompt'" if kind == "generate" else "'messages' or 'input_ids' + 'loss_mask'"
-        raise DatasetError(
-            path, None, f"has no {content} column (columns: {', '.join(names) or 'none'})", expected=EXPECTED[kind]
-        )
-    return columns
+# What a column reader asks before its first row: the columns to read, given the file and its schema (the dataset's row
+# format picks them, and detects itself from the schema under `format: auto`; tasks/datasets/detect.py).
+SelectColumns = Callable[[Path, pa.Schema], list[str]]

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+
+if TYPE_CHECKING:
+    from tasks.datasets.formats import Shape
 
 Kind = Literal["generate", "passthrough"]
 
@@ -55,14 +58,18 @@ class Reject:
         return f"{self.path} {unit} {self.row}"
 
 
-@dataclass
-class LoadedDataset:
-    """Valid rows (first occurrence of each id), the rejects, and how many duplicates were dropped."""
+RowT = TypeVar("RowT", PromptRow, PassthroughRow)
 
-    rows: list[PromptRow] | list[PassthroughRow]
+
+@dataclass
+class LoadedDataset(Generic[RowT]):
+    """Valid rows (first occurrence of each id), the rejects, how many duplicates were dropped, the row format read."""
+
+    rows: list[RowT]
     rejects: list[Reject]
     duplicates: int
     path: Path
+    shape: Shape | None = None  # the dataset's row format, configured or detected; None: no row was read
 
 
 def stable_id(content: Mapping[str, Any]) -> str:
@@ -94,14 +101,19 @@ def build_prompt(data: dict) -> PromptRow:
         _check_unicode(prompt, "'prompt'")
         messages = [{"role": "user", "content": prompt}]
     elif messages is not None:
+        if isinstance(messages, list) and messages:
+            keep = prompt_length(messages)
+            if not keep:
+                raise BadRow("'messages' must end with a user turn (the prompt to answer); it has none")
+            messages = messages[:keep]
         messages = _messages(messages, GENERATE_ROLES)
         if messages[-1]["role"] != "user":
             raise BadRow(
                 f"'messages' must end with a user turn (the prompt to answer), got {messages[-1]['role']!r} last"
             )
     else:
-        raise BadRow(f"missing 'messages' or 'prompt'{_keys_note(data)}")
-    row_id = _given_id(data)
+        raise BadRow(f"missing 'messages' or 'prompt'{keys_note(data)}")
+    row_id = given_id(data)
     return PromptRow(id=row_id if row_id is not None else stable_id({"messages": messages}), messages=messages)
 
 
@@ -116,25 +128,37 @@ def build_passthrough(data: dict) -> PassthroughRow:
         messages = _messages(data["messages"], PASSTHROUGH_ROLES)
         if not any(m["role"] == "assistant" for m in messages):
             raise BadRow("'messages' has no assistant turn; a passthrough row must already hold the response")
-        row_id = _given_id(data)
+        row_id = given_id(data)
         return PassthroughRow(
             id=row_id if row_id is not None else stable_id({"messages": messages}), messages=messages
         )
     if not has_ids and not has_mask:
-        raise BadRow(f"missing 'messages' or 'input_ids' + 'loss_mask'{_keys_note(data)}")
+        raise BadRow(f"missing 'messages' or 'input_ids' + 'loss_mask'{keys_note(data)}")
     if not has_ids:
         raise BadRow("'input_ids' is missing; a 'loss_mask' needs the token ids it masks")
     if not has_mask:
         raise BadRow("'loss_mask' is missing; 'input_ids' needs a 'loss_mask' of the same length (1 = train on it)")
     input_ids = _token_ids(data["input_ids"])
     loss_mask = _loss_mask(data["loss_mask"], len(input_ids))
-    row_id = _given_id(data)
+    row_id = given_id(data)
     if row_id is None:
         row_id = stable_id({"input_ids": input_ids, "loss_mask": loss_mask})
     return PassthroughRow(id=row_id, input_ids=input_ids, loss_mask=loss_mask)
 
 
 BUILDERS: dict[str, Callable[[dict], Any]] = {"generate": build_prompt, "passthrough": build_passthrough}
+
+
+def prompt_length(turns: list) -> int:
+    """How many leading turns of a conversation are the prompt: one that ends with an assistant turn ends at its last
+    user turn (0: it has none); any other is kept whole. The one rule for prompt rows of every format."""
+    if not turns or _role(turns[-1]) != "assistant":
+        return len(turns)
+    return next((i + 1 for i in range(len(turns) - 1, -1, -1) if _role(turns[i]) == "user"), 0)
+
+
+def _role(turn: Any) -> Any:
+    return turn.get("role") if isinstance(turn, dict) else None
 
 
 def _messages(value: Any, roles: tuple[str, ...]) -> list[dict]:
@@ -149,7 +173,9 @@ def _messages(value: Any, roles: tuple[str, ...]) -> list[dict]:
             raise BadRow(f"'{where}' must be an object {{role, content}}, got {type_name(m)}")
         role = _string_key(m, where, "role")
         if role not in roles:
-            raise BadRow(f"'{where}.role' must be one of {', '.join(roles)}, got {role!r}")
+            other = f" (another name for a role: map it with roles: {{{role}: ...}})"
+            hint = "" if role in PASSTHROUGH_ROLES else other
+            raise BadRow(f"'{where}.role' must be one of {', '.join(roles)}, got {role!r}{hint}")
         content = _string_key(m, where, "content")
         empty_ok = role == "tool" or (role == "assistant" and bool(m.get("tool_calls") or m.get("reasoning_content")))
         if not empty_ok and not content.strip():
@@ -204,22 +230,23 @@ def _loss_mask(value: Any, length: int) -> list[int]:
     return list(map(int, value)) if bool in types else value
 
 
-def _given_id(data: dict) -> str | None:
-    value = data.get("id")
+def given_id(data: dict, key: str = "id") -> str | None:
+    """The row's id from `key` as a string, None if it has none; BadRow for one that is not a string or int."""
+    value = data.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise BadRow(f"'id' must be a string or int, got {type_name(value)}")
+        raise BadRow(f"'{key}' must be a string or int, got {type_name(value)}")
     text = str(value)
     if not text.strip():
-        raise BadRow("'id' is empty; leave it out to get a content hash")
+        raise BadRow(f"'{key}' is empty; leave it out to get a content hash")
     return text
 
 
-def loose_id(data: Any) -> str | None:
-    """The id of a rejected row, if it had a usable one."""
+def loose_id(data: Any, key: str = "id") -> str | None:
+    """The id of a rejected row, if it had a usable one (in `key`, the dataset's id_field)."""
     if isinstance(data, dict):
-        value = data.get("id")
+        value = data.get(key)
         if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value).strip():
             return utf8(str(value))
     return None
@@ -234,7 +261,8 @@ def _check_unicode(text: str, where: str) -> None:
         raise BadRow(f"{where} is not valid Unicode (unpaired surrogate at character {e.start})") from None
 
 
-def _keys_note(data: dict) -> str:
+def keys_note(data: dict) -> str:
+    """` (row has: a, b)`: the keys that are not null, for errors about a missing field."""
     present = [k for k, v in data.items() if v is not None]
     return f" (row has: {', '.join(map(str, present))})" if present else ""
 

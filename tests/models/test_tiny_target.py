@@ -29,12 +29,15 @@ EXPECTED_IDS = {
     "</think>": 7,
 }
 
+
+def _turns(*contents: str) -> list[dict[str, str]]:
+    """Messages of these contents, alternating user, assistant, user, ..."""
+    return [{"role": ("user", "assistant")[i % 2], "content": c} for i, c in enumerate(contents)]
+
+
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "What is 2+2?"},
-    {"role": "assistant", "content": "<think>Add them.</think>\n\n4"},
-    {"role": "user", "content": "And 3+3?"},
-    {"role": "assistant", "content": "<think>Again.</think>\n\n6"},
+    *_turns("What is 2+2?", "<think>Add them.</think>\n\n4", "And 3+3?", "<think>Again.</think>\n\n6"),
 ]
 
 
@@ -225,15 +228,8 @@ def test_rerendering_a_finished_conversation_changes_its_ids(tokenizer):
 def test_history_rewrite_only_touches_leading_reasoning():
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    convo = [
-        {"role": "user", "content": "a"},
-        {"role": "assistant", "content": "no reasoning here"},
-        {"role": "user", "content": "b"},
-        {"role": "assistant", "content": "answer first </think> then a stray tag"},
-        {"role": "user", "content": "c"},
-        {"role": "assistant", "content": "  <think>x</think>   y"},
-        {"role": "user", "content": "d"},
-    ]
+    convo = _turns("a", "no reasoning here", "b", "answer first </think> then a stray tag",
+                   "c", "  <think>x</think>   y", "d")
     rendered, _ = render_jinja_template(conversations=[convo], chat_template=CHAT_TEMPLATE)
     assert rendered[0] == (
         "<|im_user|>user<|im_middle|>a<|im_end|>"
@@ -368,3 +364,12 @@ def test_sample_data_stays_small():
     files = sorted(SAMPLES_DIR.glob("*.jsonl"))
     assert {f.name for f in files} >= {"passthrough_chat.jsonl", "gen_code.jsonl", "gen_math.jsonl", "gen_long.jsonl"}
     assert sum(f.stat().st_size for f in files) < 300_000
+
+
+def test_the_tiny_target_trains_on_the_four_sample_files_only():
+    # Every *.jsonl of data/samples/ is the tiny target's corpus (tokenizer and weights): a file added there changes
+    # the target, and with it every figure of the demo and of the tests. Other data goes elsewhere (data/formats/).
+    from models.tiny_target import SAMPLES_DIR
+
+    assert sorted(p.name for p in SAMPLES_DIR.glob("*.jsonl")) == [
+        "gen_code.jsonl", "gen_long.jsonl", "gen_math.jsonl", "passthrough_chat.jsonl"]

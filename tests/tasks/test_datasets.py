@@ -13,6 +13,7 @@ from tasks.datasets import (
     PassthroughRow,
     PromptRow,
     Reject,
+    RowFormat,
     iter_rows,
     load_dataset,
     stable_id,
@@ -173,8 +174,10 @@ GENERATE_BAD = [
     (b'{"messages": ["hi"]}', "'messages[0]' must be an object {role, content}, got string"),
     (b'{"messages": "hi"}', "'messages' must be a list of {role, content} objects, got string"),
     (b'{"messages": []}', "'messages' is empty"),
-    (b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}',
-     "'messages' must end with a user turn (the prompt to answer), got 'assistant' last"),
+    (b'{"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]}',
+     "'messages' must end with a user turn (the prompt to answer), got 'system' last"),
+    (b'{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}',
+     "'messages' must end with a user turn (the prompt to answer); it has none"),
     (b'{"prompt": ""}', "'prompt' is empty"),
     (b'{"prompt": 5}', "'prompt' must be a string, got int"),
     (b'{"prompt": "x", "messages": [{"role": "user", "content": "x"}]}', "has both 'messages' and 'prompt'"),
@@ -469,9 +472,13 @@ def test_unsupported_inputs_list_accepted_formats(tmp_path):
 def test_parquet_without_content_columns_is_a_file_error(tmp_path):
     path = write_parquet(tmp_path / "x.parquet", [{"id": "1", "text": "hi"}])
     with pytest.raises(DatasetError) as info:
-        load_dataset(path, "generate", on_bad_row="skip")
+        load_dataset(path, "generate", row_format=RowFormat(format="messages"), on_bad_row="skip")
     assert info.value.row is None
     assert str(info.value).startswith(f"{path}: has no 'messages' or 'prompt' column (columns: id, text)")
+    with pytest.raises(DatasetError) as info:  # format auto: no format fits (tests/tasks/test_dataset_formats.py)
+        load_dataset(path, "generate", on_bad_row="skip")
+    assert info.value.row is None
+    assert str(info.value).startswith(f"{path}: has columns [id, text], which fit no row format")
 
 
 def test_dataset_dict_without_train_lists_splits(tmp_path):
@@ -493,11 +500,14 @@ def test_json_array_file_gets_a_hint(tmp_path):
 def test_iter_rows_yields_line_numbers_and_raises_on_unparseable(tmp_path):
     path = _bad_line_file(tmp_path, b"{oops")
     rows = iter_rows(path, "generate")
-    assert next(rows) == (1, {"prompt": "fine"})
+    assert next(rows) == (1, PromptRow(_hash({"messages": [{"role": "user", "content": "fine"}]}),
+                                       [{"role": "user", "content": "fine"}]))
     with pytest.raises(DatasetError, match=r"b1\.jsonl line 3: invalid JSON"):
         next(rows)
-    ok = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a", "extra": 1}, {"prompt": 3}])
-    assert list(iter_rows(ok, "generate")) == [(1, {"prompt": "a", "extra": 1}), (2, {"prompt": 3})]
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{"id": "a", "prompt": "a", "extra": 1}, {"prompt": 3}])
+    (first, row), (second, bad) = iter_rows(ok, "generate")
+    assert (first, row) == (1, PromptRow("a", [{"role": "user", "content": "a"}]))
+    assert second == 2 and bad.reason == "'prompt' must be a string, got int"  # a bad row is yielded, not raised
 
 
 def test_argument_checks(tmp_path):
