@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -25,6 +26,18 @@ def _one_torch_thread():
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread_in_module():
+    """One intra-op thread for a module of tiny tensors even where an earlier module left more (one thread avoids
+    OpenMP barrier spinning on a busy 2-core box), and the count it found put back after the module."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -109,6 +122,22 @@ class ProcessTree:
             return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
         except OSError:
             return False
+
+    def kill(self, process: subprocess.Popen, timeout: float = 30) -> list[int]:
+        """SIGKILL the process group of `process` and of each of its descendants (torchrun starts every rank in a
+        session of its own), reap `process`, and wait (bounded by `timeout`) for the descendants to die: returns the
+        descendants still alive."""
+        victims = [process.pid, *self.descendants(process.pid)]
+        for pid in victims:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        process.wait(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while any(self.alive(p) for p in victims[1:]) and time.monotonic() < deadline:
+            time.sleep(0.1)  # bounded poll: /proc has no event to wait on
+        return [p for p in victims[1:] if self.alive(p)]
 
 
 @pytest.fixture

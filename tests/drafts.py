@@ -1,5 +1,5 @@
 """Random EAGLE-3 drafts over a target, exported as the engines read them: for tests where equality or loading, not
-quality, is the point."""
+quality, is the point. And the target and random prompts such drafts are run on."""
 
 from __future__ import annotations
 
@@ -33,3 +33,17 @@ def export_random_draft(model, out_dir, *, draft_vocab_size: int):
                                           aux_layers=default_aux_layers(model.config.num_hidden_layers))
     draft = random_draft(cfg, model.get_input_embeddings().weight)
     return export_draft(draft, out_dir, target_config=model.config, dtype=torch.float32)
+
+
+def load_target(model_dir):
+    """The target at `model_dir` (a Hugging Face model directory: the tiny target) in float32, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def random_prompts(vocab_size: int, lengths, *, seed: int) -> list[list[int]]:
+    """A prompt of each length in `lengths`, its tokens drawn (seed `seed`) from the vocab past the tiny target's
+    8 special tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(8, vocab_size, (n,), generator=g).tolist() for n in lengths]

@@ -11,7 +11,6 @@ import errno
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -493,18 +492,7 @@ def test_killed_capture_resumes_exactly_once(mode, tiny_target_dir, records, exp
             time.sleep(0.1)  # polling for the file, bounded by the deadline
         assert list_shards(out), f"no shard appeared (exit {held.poll()}):\n{(tmp_path / 'held.log').read_text()[-4000:]}"
     finally:
-        # torchrun starts every rank in its own session: kill the ranks' groups and the launcher's.
-        victims = [held.pid, *procs.descendants(held.pid)]
-        for pid in victims:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        held.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while any(procs.alive(p) for p in victims[1:]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(procs.alive(p) for p in victims[1:]), "capture ranks survived SIGKILL"
+        assert not procs.kill(held), "capture ranks survived SIGKILL"
     partial = done_sample_keys(out)
     assert 0 < len(partial) < len(expected)
     (out / ".shard-000-000099.safetensors.1-dead.tmp").write_bytes(b"half a shard")

@@ -29,14 +29,7 @@ from models.target_head import TargetHead
 
 V, D = 12, 5  # small vocabs: some target argmaxes fall outside the draft vocab, some draft guesses hit
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one thread avoids OpenMP barrier spinning on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread_in_module")  # these tensors are tiny
 
 
 def _config(num_kv_heads: int = 1, **kw) -> Eagle3Config:

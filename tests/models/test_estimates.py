@@ -12,6 +12,7 @@ from models.target_head import TargetLogits
 from models.estimates import (chain_acceptance_length, estimates_block, replay_acceptance, simulate_rounds,
                               teacher_forced_hits)
 from models.spec_eval import evaluate_acceptance, greedy_generate
+from tests.drafts import load_target, random_prompts
 
 D = 256
 
@@ -59,16 +60,12 @@ def test_estimates_block_labels_each_number():
 
 @pytest.fixture(scope="module")
 def target(tiny_target_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    return load_target(tiny_target_dir)
 
 
 @pytest.fixture(scope="module")
 def prompts(target) -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    v = target.config.vocab_size
-    return [torch.randint(8, v, (n,), generator=g).tolist() for n in (1, 4, 7, 11, 6, 9)]
+    return random_prompts(target.config.vocab_size, (1, 4, 7, 11, 6, 9), seed=3)
 
 
 @pytest.fixture(scope="module")

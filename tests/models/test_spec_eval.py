@@ -16,23 +16,16 @@ from models.spec_eval import (
     greedy_generate,
     speculative_generate,
 )
-from tests.drafts import random_draft
+from tests.drafts import load_target, random_draft, random_prompts
 
 D = 256          # draft vocab < target vocab, so d2t is not the identity
 MAX_NEW = 20
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread avoids OpenMP barrier spinning on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread_in_module")  # tiny tensors
 
 
 @pytest.fixture(scope="module")
-def target_dir(_one_thread, request):
+def target_dir(one_torch_thread_in_module, request):
     """The session's `tiny_target_dir`, requested only once one thread is set: when this module
     is the first to ask, the build's calibration forwards run single-threaded (on a busy 2-core
     box two OpenMP threads make it several times slower)."""
@@ -41,19 +34,13 @@ def target_dir(_one_thread, request):
 
 @pytest.fixture(scope="module")
 def target(target_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return load_target(target_dir)
 
 
 @pytest.fixture(scope="module")
 def prompts(target) -> list[list[int]]:
     """Distinct prompts of varied length, one of a single token (its extend has one position)."""
-    g = torch.Generator().manual_seed(0)
-    v = target.config.vocab_size
-    out = [[int(torch.randint(8, v, (1,), generator=g))]]
-    out += [torch.randint(8, v, (n,), generator=g).tolist() for n in (5, 9, 14)]
-    return out
+    return random_prompts(target.config.vocab_size, (1, 5, 9, 14), seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from deploy.sim_server import SimServer
+from emulators.sim import SimServer
 from models.jobs import GenerateJob
 from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow
@@ -19,6 +19,7 @@ from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.server_pool import ServerPool
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import ServerOutage
+from tests.tasks.budget_runs import budget_run_after_short_answers
 
 EOS = 1
 SAMPLING = request_sampling_params({"max_new_tokens": 48, "temperature": 0.7, "top_p": 0.95}, [EOS])
@@ -202,15 +203,10 @@ def test_without_abort_request_the_budget_stops_requests_by_closing_them(tmp_pat
     srv.fail_next(10**6, status=404, message="Not Found", path="/abort_request")
     rows = prompts(120)
     try:
-        async def go():
-            async with ServerPool([srv.url], max_concurrency=16, retry=FAST) as pool:
-                # a first run of 4-token answers makes the budget's length estimate far too low for the
-                # second, so many requests are in flight when its budget is reached: they must be stopped
-                await generate(pool, rows[:20], tmp_path, tokenizer, sampling_params={**SAMPLING, "max_new_tokens": 4})
-                report = await generate(pool, rows, tmp_path, tokenizer, token_budget=20 * 4 + 200)
-                return report, pool.servers[0].client.can_abort
-
-        report, can_abort = asyncio.run(go())
+        # the requests in flight when the budget is reached must be stopped
+        report, can_abort = budget_run_after_short_answers(
+            generate, [srv.url], rows, tmp_path, tokenizer, SAMPLING, token_budget=20 * 4 + 200,
+            seen=lambda pool: pool.servers[0].client.can_abort, max_concurrency=16, retry=FAST)
         stats = srv.wait_for(lambda s: s.in_flight == 0, timeout=10)  # nothing left generating at the server
     finally:
         srv.stop()

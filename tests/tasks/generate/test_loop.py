@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from deploy.sim_server import SimConfig, SimServer, simulate_output
+from emulators.sim import SimConfig, SimServer, simulate_output
 from tasks.checkpoints import done_ids, live_parts, summarize
 from tasks.datasets import PromptRow
 from models.jobs import GenerateJob
@@ -59,6 +59,25 @@ def run(server: SimServer, rows, run_dir: Path, *, slots: int = 8, retry: RetryP
                 rows, pool=pool, tokenizer=tokenizer, responses_dir=run_dir / "responses/B1",
                 rejects_dir=run_dir / "rejects/B1", source=Path("b1.jsonl"), settings=settings(**kw),
             )
+
+    return asyncio.run(go())
+
+
+def run_with_fault(server: SimServer, rows, run_dir: Path, *, tokenizer, retry: RetryPolicy, after: int, fault):
+    """A run over 2 slots during which `await fault()` strikes, once the server has completed `after` requests."""
+    async def go():
+        async with ServerPool([server.url], max_concurrency=2, retry=retry) as pool:
+            async def strike():
+                await asyncio.to_thread(server.wait_for, lambda s: s.completed >= after, 20)
+                await fault()
+            striker = asyncio.create_task(strike())
+            try:
+                return await generate_dataset(
+                    rows, pool=pool, tokenizer=tokenizer, responses_dir=run_dir / "responses/B1",
+                    rejects_dir=run_dir / "rejects/B1", source=Path("x"), settings=settings(),
+                )
+            finally:
+                await striker
 
     return asyncio.run(go())
 
@@ -187,24 +206,10 @@ def test_outage_fails_cleanly_keeps_work_and_resumes(server, tmp_path, tokenizer
     rows = prompts(30)
     server.config  # noqa: B018
     done_first = 10
-
-    async def go():
-        retry = RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=0.5)
-        async with ServerPool([server.url], max_concurrency=2, retry=retry) as pool:
-            async def cut():
-                await asyncio.to_thread(server.wait_for, lambda s: s.completed >= done_first, 20)
-                await asyncio.to_thread(server.down)
-            cutter = asyncio.create_task(cut())
-            try:
-                return await generate_dataset(
-                    rows, pool=pool, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
-                    rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(),
-                )
-            finally:
-                await cutter
-
+    retry = RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=0.5)
     with pytest.raises(ServerOutage):
-        asyncio.run(go())
+        run_with_fault(server, rows, tmp_path, tokenizer=tokenizer, retry=retry, after=done_first,
+                       fault=lambda: asyncio.to_thread(server.down))
     kept = {r["id"] for r in responses(tmp_path)}
     # what finished before the outage was flushed on the way out; the server counts a request done just before
     # its answer goes out, so the (2-slot) cut may still drop the last two answers on the wire
@@ -344,22 +349,12 @@ def test_a_401_mid_run_stops_without_rejecting_anything_and_a_rerun_finishes(ser
 
     rows = prompts(30)
 
-    async def go():
-        async with ServerPool([server.url], max_concurrency=2, retry=RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=10)) as pool:
-            async def rotate_key():
-                await asyncio.to_thread(server.wait_for, lambda s: s.completed >= 8, 20)
-                server.fail_next(10_000, status=401, message="Invalid API key")
-            rotator = asyncio.create_task(rotate_key())
-            try:
-                return await generate_dataset(
-                    rows, pool=pool, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
-                    rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(),
-                )
-            finally:
-                await rotator
+    async def rotate_key():
+        server.fail_next(10_000, status=401, message="Invalid API key")
 
+    retry = RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=10)
     with pytest.raises(AuthError, match="HTTP 401 .*Invalid API key.*Nothing was rejected"):
-        asyncio.run(go())
+        run_with_fault(server, rows, tmp_path, tokenizer=tokenizer, retry=retry, after=8, fault=rotate_key)
     assert not (tmp_path / "rejects/B1").exists() or not live_parts(tmp_path / "rejects/B1")
     refused = server.snapshot().injected_errors
     assert 1 <= refused <= 2  # the first 401 stopped the run: at most the other in-flight slot also got one

@@ -1,4 +1,4 @@
-"""The generate stage against servers that behave as SGLang 0.5.23 does (deploy/sim_server.py, sglang_version 0.5).
+"""The generate stage against servers that behave as SGLang 0.5.23 does (emulators/sim/, sglang_version 0.5).
 
 Each test is one of SGLang's rules that the client used to get wrong, on data: what is recorded,
 what is refused, which requests an abort reaches, which servers are marked down.
@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from deploy.sim_server import SimServer, simulate_output
+from emulators.sim import SimServer, simulate_output
 from models.jobs import GenerateJob
 from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow
@@ -25,6 +25,7 @@ from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.rejects import read_rejects
 from tasks.server_pool import ServerPool
 from tasks.engines.client import RetryPolicy
+from tests.tasks.budget_runs import budget_run_after_short_answers
 
 EOS = 1
 MAX_NEW = 48
@@ -77,16 +78,12 @@ def test_a_budget_reached_while_requests_are_queued_aborts_them_cleanly(tmp_path
     server = sim(max_running=1, decode_s_per_token=0.004, mean_len=30)
     rows = prompts(80)
     try:
-        async def go():
-            async with ServerPool([server.url], max_concurrency=12, retry=FAST) as pool:
-                # 4-token answers first: the length estimate is then so low that the budgeted run sends many at once,
-                # most of which wait in the server's queue (1 runs at a time) when the first answers reach the budget
-                await generate(pool, rows[:20], tmp_path, tokenizer, sampling_params={**SAMPLING, "max_new_tokens": 4})
-                report = await generate(pool, rows, tmp_path, tokenizer, token_budget=20 * 4 + 100)
-                return report, pool.invalid_replies
-
+        # the length estimate is so low that the budgeted run sends many at once, most of which wait in the server's
+        # queue (1 runs at a time) when the first answers reach the budget
         with caplog.at_level(logging.INFO):
-            report, invalid = asyncio.run(go())
+            report, invalid = budget_run_after_short_answers(
+                generate, [server.url], rows, tmp_path, tokenizer, SAMPLING, token_budget=20 * 4 + 100,
+                seen=lambda pool: pool.invalid_replies, max_concurrency=12, retry=FAST)
         stats = server.snapshot()
     finally:
         server.stop()
@@ -164,17 +161,11 @@ def test_an_abort_the_admin_key_guards_falls_back_to_closing_the_request(tmp_pat
     # 4 run at once (48 tokens, 1.4 s each), so of 12 sent, 8 wait in the server's queue when the first 4 reach the budget
     server = sim(max_running=4, decode_s_per_token=0.03, mean_len=200, api_key="user-key", admin_api_key="admin-key")
     try:
-        async def go():
-            async with ServerPool([server.url], max_concurrency=12, retry=FAST, api_key="user-key") as pool:
-                # 4-token answers first make the budget's length estimate far too low for the second run, which
-                # sends 12 at once: those still queued when its budget is reached must be stopped
-                rows = prompts(40)
-                await generate(pool, rows[:20], tmp_path, tokenizer, sampling_params={**SAMPLING, "max_new_tokens": 4})
-                report = await generate(pool, rows, tmp_path, tokenizer, token_budget=20 * 4 + 150)
-                return report, pool.servers[0].client.can_abort
-
+        # the budgeted run sends 12 at once: those still queued when its budget is reached must be stopped
         with caplog.at_level(logging.INFO):
-            report, can_abort = asyncio.run(go())
+            report, can_abort = budget_run_after_short_answers(
+                generate, [server.url], prompts(40), tmp_path, tokenizer, SAMPLING, token_budget=20 * 4 + 150,
+                seen=lambda pool: pool.servers[0].client.can_abort, max_concurrency=12, retry=FAST, api_key="user-key")
         stats = server.wait_for(lambda s: s.in_flight == 0, timeout=10 + 4 * POLL_S)
     finally:
         server.stop()
