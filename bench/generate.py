@@ -1,6 +1,6 @@
 """Generate-stage benchmark: our flow against the old scripts' approaches, in one run.
 
-Measured against the simulated SGLang server (``deploy.sim_server``, a separate process so client
+Measured against the simulated SGLang server (``emulators.sim``, a separate process so client
 and server do not share a GIL) and on checkpoints written in a temporary directory:
 
 1. Throughput as a fraction of the server's capacity, from the server's own counters:
@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 
-from deploy.sim_server import SimConfig, simulate_output  # noqa: E402
+from emulators.sim import SimConfig, simulate_output  # noqa: E402
 from models.jobs import GenerateJob  # noqa: E402
 from models.run_layout import RunLayout  # noqa: E402
 from tasks.checkpoints import RESPONSE_SCHEMA, compact, done_ids, summarize, write_part  # noqa: E402
@@ -154,12 +154,12 @@ class Params:
 
 
 class SimProcess:
-    """``python -m deploy.sim_server --port 0 ...`` as a child process; admin calls over HTTP."""
+    """``python -m emulators.sim --port 0 ...`` as a child process; admin calls over HTTP."""
 
     def __init__(self, p: Params):
         self.p = p
         cmd = [
-            sys.executable, "-m", "deploy.sim_server", "--port", "0",
+            sys.executable, "-m", "emulators.sim", "--port", "0",
             "--max-running", str(p.max_running), "--decode-ms", str(p.decode_ms),
             "--mean-len", str(p.mean_len), "--sigma", str(p.sigma), "--seed", str(p.seed),
             "--eos-id", str(EOS),

@@ -109,7 +109,7 @@ def measure(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     if not url:
         from tasks.engines.vllm import cpu_command
         from tasks.ports import free_port
-        from tasks.processes import ServerProcess, fill_placeholders
+        from tasks.launch_servers import ServerProcess, fill_placeholders
 
         python = REPO / ".venv-vllm" / "bin" / "python"
         if not python.is_file():

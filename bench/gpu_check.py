@@ -7,15 +7,15 @@ pipeline's own code, the way the stage tasks run it, without Prefect:
 1. target   models.tiny_target.build_tiny_target, widened (default hidden 1024, 16 layers);
 2. records  the target's own greedy continuations of random prompts (in this process, on the GPU),
             written as the records stage writes them (tasks/records/build.py: parts + token counts);
-3. capture  `models.capture` (replicate, bf16) launched by tasks.launch.rank_command with the
-            deepspeed launcher on 1 GPU and followed with tasks.launch.follow_job;
+3. capture  `models.capture` (replicate, bf16) launched by tasks.launch_ranks.rank_command with the
+            deepspeed launcher on 1 GPU and followed with tasks.launch_ranks.follow_job;
 4. train    `models.train` (DeepSpeed ZeRO-2, bf16, NCCL) likewise, a few hundred steps, a checkpoint
             and the export at the end;
 5. export   the export in draft/final/ validated (SGLang and vLLM) and loaded back (models.eagle3_export);
 6. eval     `models.eval_job`: chain speculative decoding, trained and untrained draft.
 
 Each phase runs under its own time limit, cut to what is left of the whole run's `--budget-s`; a
-launched job past its limit is killed (tasks.launch.run_job), an in-process phase interrupted. A
+launched job past its limit is killed (tasks.launch_ranks.run_job), an in-process phase interrupted. A
 phase that fails is reported with its error and the phases that need it are skipped; the figures
 of every phase that ran are kept. The JSON (`--json`, default $OUT/gpu_check.json where $OUT is
 set, else runs/gpu-check/gpu_check.json) is rewritten after every phase, and the eval's after
@@ -240,7 +240,7 @@ class Check:
             self.save()
             raise
         except Exception as e:  # noqa: BLE001 - every failure is a figure of the check; the next phases still report
-            from tasks.launch import JobTimedOut
+            from tasks.launch_ranks import JobTimedOut
 
             result = {"ok": False, "wall_s": round(time.monotonic() - t0, 2), **self.partial,
                       "timed_out": isinstance(e, (PhaseTimeout, JobTimedOut)), "error": f"{type(e).__name__}: {e}"[-4000:]}
@@ -272,13 +272,13 @@ class Check:
                single_process: bool = False, on_progress: Callable[[Any], None] | None = None) -> dict[str, Any]:
         """Launch `python -m module --job JOB` as the stage tasks do; its protocol lines with their times and its memory.
 
-        Ranks (`single_process` False): tasks.launch.rank_command with this check's launcher; the eval
+        Ranks (`single_process` False): tasks.launch_ranks.rank_command with this check's launcher; the eval
         job runs as one process, as tasks/eval/tasks.py starts it. The output is followed with
-        tasks.launch.follow_job, so a failing rank raises its own exception; the launch is killed
+        tasks.launch_ranks.follow_job, so a failing rank raises its own exception; the launch is killed
         at `limit_s` (JobTimedOut). `on_progress` gets each progress message as it comes.
         """
         from models.rank_protocol import RANK_MEMORY
-        from tasks.launch import follow_job, rank_command, run_job
+        from tasks.launch_ranks import follow_job, rank_command, run_job
 
         if single_process:
             command, env = [sys.executable, "-m", module, "--job", str(job_path)], {"OMP_NUM_THREADS": "1"}
@@ -342,7 +342,7 @@ def machine(p: Params) -> dict[str, Any]:
         "platform": platform.platform(), "torch": torch.__version__, "cuda": torch.version.cuda,
         **{name: version(name) for name in ("deepspeed", "transformers", "tokenizers", "safetensors", "pydantic", "pyarrow")},
         "cuda_available": torch.cuda.is_available(), "loadavg_start": harness.loadavg(),
-        # the deepspeed launcher maps it to its ranks' GPUs (tasks/launch.py `local_devices`)
+        # the deepspeed launcher maps it to its ranks' GPUs (tasks/launch_ranks.py `local_devices`)
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
     if torch.cuda.is_available():
@@ -435,7 +435,7 @@ def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     from models.hidden_shards import list_shards
     from models.jobs import CaptureJob
     from models.rank_protocol import CAPTURE
-    from tasks.launch import write_job
+    from tasks.launch_ranks import write_job
 
     p, layout = check.p, RunLayout(check.work)
     job = CaptureJob(target_path=str(target), datasets=[{"name": DATASET, "records_dir": str(layout.records(DATASET))}],
@@ -462,7 +462,7 @@ def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     """`models.train` (ZeRO-2) on 1 rank: steps/s and tokens/s between metrics lines, losses, the held-out estimate."""
     from models.jobs import TrainJob
     from models.rank_protocol import TRAIN, TRAIN_PROGRESS
-    from tasks.launch import write_job
+    from tasks.launch_ranks import write_job
 
     p, layout = check.p, RunLayout(check.work)
     job = TrainJob(
@@ -524,7 +524,7 @@ def evaluate(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     """
     from models.jobs import EvalJob
     from models.rank_protocol import EVAL
-    from tasks.launch import write_job
+    from tasks.launch_ranks import write_job
 
     p, layout = check.p, RunLayout(check.work)
     raw = layout.eval_raw
@@ -657,7 +657,7 @@ def preflight(p: Params, json_path: Path) -> list[Any] | None:
 def terminate_with_exit(signum, frame):  # noqa: ARG001 - signal handler signature
     """SIGTERM (the device runner's timeout, a user's kill) as SystemExit: the rank launch then kills its process group.
 
-    The ranks run in a session of their own (tasks/launch.py `run_job`), so Python's default SIGTERM, which ends
+    The ranks run in a session of their own (tasks/launch_ranks.py `run_job`), so Python's default SIGTERM, which ends
     this process at once, left them running and holding the GPU; raised as an exception it passes through
     run_job's cleanup (killpg) and the figures are still written.
     """

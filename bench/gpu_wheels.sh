@@ -12,8 +12,8 @@
 #   pydantic, pydantic-core,       models/jobs.py and deepspeed; pydantic-core is compiled (cp312, manylinux)
 #   annotated-types, typing-inspection
 #   typing-extensions              pydantic needs a recent one; the machine's version is unknown
-# Prefect, httpx, fastapi... are not needed: the check launches the ranks through tasks/launch.py, which
-# imports none of them (tests/tasks/test_launch.py, tests/bench/test_gpu_check.py).
+# Prefect, httpx, fastapi... are not needed: the check launches the ranks through tasks/launch_ranks.py, which
+# imports none of them (tests/tasks/test_launch_ranks.py, tests/bench/test_gpu_check.py).
 #
 #   bench/gpu_wheels.sh            # PY=.venv/bin/python by default
 set -euo pipefail

@@ -9,7 +9,7 @@ from here how a run is set up, started, timed and written down:
   machine, the load average at start and end) and the figures written as JSON;
 - `TargetParams`: the tiny Llama target's shape, its cache directory and its build;
 - `record_row`, `write_records`, `length_summary`: synthetic records in the records stage's format;
-- `launch`: a rank job started as the stage tasks start it (`tasks.launch.rank_command` + `run_job`),
+- `launch`: a rank job started as the stage tasks start it (`tasks.launch_ranks.rank_command` + `run_job`),
   its lines time-stamped into a log; `spawn`: baselines in fresh processes, like ranks;
   `descendants_cpu_s` / `process_cpu_s` / `extension_builds`: what those processes cost;
 - `passes`, `median_of`, `range_of`, `best_of`: repeats and their summaries;
@@ -255,12 +255,12 @@ def launch(module: str, job: dict[str, Any], *, ranks: int, threads: int, job_pa
            verbose: bool, on_line: Callable[[str, float], None] | None = None) -> Launched:
     """Run `python -m module --job JOB` on `ranks` ranks as the stage tasks launch it; the job written to `job_path`.
 
-    tasks.launch.rank_command (torchrun: DS_ACCELERATOR=cpu, gloo) + run_job, OMP_NUM_THREADS=threads
+    tasks.launch_ranks.rank_command (torchrun: DS_ACCELERATOR=cpu, gloo) + run_job, OMP_NUM_THREADS=threads
     per rank. Each output line is time-stamped (seconds since launch, as it reaches this process)
     into `log_path`, echoed with `verbose`, and passed to `on_line(line, seconds)`. A failing job
     is reported in the result, not raised.
     """
-    from tasks.launch import RankFailure, rank_command, run_job
+    from tasks.launch_ranks import RankFailure, rank_command, run_job
 
     job_path.write_text(json.dumps(job, indent=2))
     command, env = rank_command(module, ["--job", str(job_path)], num_ranks=ranks, launcher="torchrun")

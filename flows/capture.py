@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import flow
 
-from flows.config import RunConfig, load_config, save_run_config
+from flows.config import RunConfig
+from flows.config_file import load_config, save_run_config
 from models.jobs import CaptureJob, CaptureSettings, EngineSettings
 from tasks.capture.engine_server import launched_engine
 from tasks.capture.plan import EngineWindow, capture_layers, target_shape
@@ -35,7 +37,7 @@ def capture(config_path: str) -> dict:
         aux_layers = capture_layers(shape.num_layers, c.aux_layers)
         speed = 0.0
         # a crashed or killed rank (or a vLLM outage) is retried (the retry resumes); capture_retryable says which failures
-        retried = dict(retries=c.retries, retry_delay_seconds=c.retry_delay_s, retry_condition_fn=capture_retryable)
+        retried: dict[str, Any] = dict(retries=c.retries, retry_delay_seconds=c.retry_delay_s, retry_condition_fn=capture_retryable)
         if c.backend == "vllm" and plan.tokens_todo:
             e = c.engine
             with launched_engine(e.launch, e.url, target=config.target.path, aux_layers=aux_layers, num_layers=shape.num_layers,

@@ -207,7 +207,8 @@ def import_jsonl(
     from contextlib import ExitStack
     from typing import NoReturn
 
-    from flows.config import DATASET_NAME, ConfigError, load_config
+    from flows.config import DATASET_NAME
+    from flows.config_file import ConfigError, load_config
     from models.file_errors import WriteFailed
     from models.run_layout import RunLayout
     from tasks.datasets import DatasetError
@@ -259,7 +260,8 @@ def import_jsonl(
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             fail(f"cannot load the target tokenizer from {target}: {reason}. Pass --target PATH.", 2)
         try:
-            report = do_import(run_dir, dataset, file, tokenizer=tokenizer, on_bad_line=on_bad_line)
+            report = do_import(run_dir, dataset, file, tokenizer=tokenizer,  # on_bad_line: fail or skip, checked above
+                               on_bad_line="skip" if on_bad_line == "skip" else "fail")
         except (WriteFailed, DamagedPart) as exc:  # the run directory's fault: the message says what to do
             fail(str(exc), 1)
         except DatasetError as exc:
@@ -285,7 +287,7 @@ def node(
 ) -> None:
     """On a node other than 0: run this node's ranks of the capture and train jobs node 0 launches (torchrun, distributed.nnodes > 1)."""
     from models.rank_protocol import CAPTURE, TRAIN
-    from tasks.launch import resolve_launcher, run_node
+    from tasks.launch_ranks import resolve_launcher, run_node
 
     cfg = _config_or_exit(config)
     chosen = [s.strip() for s in stages.split(",") if s.strip()]
@@ -357,7 +359,7 @@ def serve_dev(
                                                        "SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s)."),
 ) -> None:
     """Serve a small model over SGLang's native HTTP API on CPU (for the demo and tests)."""
-    from deploy.dev_server import Speculative, serve
+    from emulators.dev_server import Speculative, serve
 
     if not (model / "config.json").is_file():
         err.print(f"[red]error:[/red] {model} has no config.json; build one with `eagle3 tiny-target {model}`", highlight=False)
@@ -379,7 +381,7 @@ def serve_dev(
 
 def _config_or_exit(path: Path):
     """The validated config at `path`; on any problem print them all and exit with status 2."""
-    from flows.config import ConfigError, load_config
+    from flows.config_file import ConfigError, load_config
 
     try:
         return load_config(path)

@@ -9,13 +9,14 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from flows.config import RunConfig, dump_config, load_config
+from flows.config import RunConfig
+from flows.config_file import dump_config, load_config
 from flows.pipeline import pipeline
 from tasks.checkpoints import live_parts
 from tasks.engines.vllm import cpu_command
 from tasks.eval.tasks import engine_rows
 from tasks.ports import free_port
-from tasks.processes import SERVER_LOG
+from tasks.launch_servers import SERVER_LOG
 from tasks.stats import collect_stats, render_rows_table, render_stats_table
 
 REPO = Path(__file__).resolve().parents[1]

@@ -167,7 +167,8 @@ def _template(config: RunConfig, tokenizer: Any):
     from tasks.doctor.chat_template import template_findings
 
     present = [(d.name, d.path, d.kind) for d in config.datasets if d.path.exists()]
-    return template_findings(tokenizer, present, on_rewrite=config.records.on_rewrite)
+    formats = {d.name: d.row_format for d in config.datasets}
+    return template_findings(tokenizer, present, on_rewrite=config.records.on_rewrite, formats=formats)
 
 
 def _draft(config: RunConfig, target: dict[str, Any]) -> list[Finding]:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.config import RunConfig, load_config, save_run_config
+from flows.config import RunConfig
+from flows.config_file import load_config, save_run_config
 from models.jobs import EvalJob, EvalSettings, HeldOut, ServerSettings
 from tasks.eval.engine import EngineServer
 from tasks.eval.tasks import evaluate_draft, evaluate_on_engine, publish_eval

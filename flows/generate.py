@@ -7,7 +7,8 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.config import RunConfig, load_config, save_run_config
+from flows.config import RunConfig
+from flows.config_file import load_config, save_run_config
 from models.jobs import GenerateJob, GenerateSettings
 from tasks.generate.tasks import (
     copy_passthrough_task,
@@ -56,7 +57,8 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
     """The task call for dataset `index`: a copy for passthrough, generation otherwise."""
     dataset = config.datasets[index]
     if dataset.kind == "passthrough":
-        return asyncio.to_thread(copy_passthrough_task, dataset.name, dataset.path, dataset.on_bad_row, config.layout)
+        return asyncio.to_thread(copy_passthrough_task, dataset.name, dataset.path, dataset.on_bad_row, config.layout,
+                                 dataset.row_format)
     gen = config.generate
     settings = GenerateJob(
         **gen.pick(GenerateSettings), dataset=dataset.name, token_budget=dataset.token_budget, max_prompts=dataset.max_prompts,
@@ -66,9 +68,10 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
     task = generate_responses.with_options(
         retries=gen.retries,
         retry_delay_seconds=[gen.retry_delay_s * 2**i for i in range(gen.retries)],
-        retry_jitter_factor=0.5 if gen.retries else None,
+        # Prefect types with_options' retry_jitter_factor float | NotSet, but takes None as Task() does (no jitter)
+        retry_jitter_factor=0.5 if gen.retries else None,  # type: ignore[arg-type]
     )
     return task(
         dataset.name, dataset.path, dataset.on_bad_row, config.target.path, config.target.trust_remote_code,
-        settings, config.layout, pool,
+        settings, config.layout, pool, dataset.row_format,
     )

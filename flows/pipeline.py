@@ -9,14 +9,15 @@ from prefect.runtime import flow_run
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from flows.capture import capture
-from flows.config import RunConfig, load_config
+from flows.config import RunConfig
+from flows.config_file import load_config
 from flows.doctor import engine_checks, preflight, report
 from flows.eval import evaluate
 from flows.generate import generate
 from flows.records import records
 from flows.train import train
 from models.tiny_target import build_tiny_target
-from tasks.processes import launched_servers
+from tasks.launch_servers import launched_servers
 from tasks.run_lock import run_lock
 
 STAGES = ("generate", "records", "capture", "train", "eval")  # in pipeline order

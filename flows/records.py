@@ -6,7 +6,8 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.config import RunConfig, load_config, save_run_config
+from flows.config import RunConfig
+from flows.config_file import load_config, save_run_config
 from models.jobs import RecordSettings, RecordsJob
 from tasks.records.tasks import build_dataset_records, count_record_tokens, publish_records_report, target_vocab
 from tasks.run_lock import run_lock

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.config import RunConfig, load_config, save_run_config
+from flows.config import RunConfig
+from flows.config_file import load_config, save_run_config
 from models.jobs import TrainJob, TrainSettings
 from tasks.run_lock import run_lock
 from tasks.train.tasks import report_training, retry_train_job, run_train_job

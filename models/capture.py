@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -198,10 +198,18 @@ def deal(samples: list[Sample], world_size: int) -> list[list[Sample]]:
     return shares
 
 
-def make_batches(samples: list[Sample], max_batch_tokens: int) -> list[list[Sample]]:
+class _HasLength(Protocol):
+    @property
+    def length(self) -> int: ...
+
+
+SampleT = TypeVar("SampleT", bound=_HasLength)  # a capture Sample, or models/train_data.py's TrainSample
+
+
+def make_batches(samples: list[SampleT], max_batch_tokens: int) -> list[list[SampleT]]:
     """Group longest-first samples so that batch size x longest length <= max_batch_tokens."""
-    batches: list[list[Sample]] = []
-    current: list[Sample] = []
+    batches: list[list[SampleT]] = []
+    current: list[SampleT] = []
     for s in samples:
         if current and current[0].length * (len(current) + 1) > max_batch_tokens:
             batches.append(current)
@@ -320,7 +328,7 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     del samples, pending  # only this rank's share stays referenced
 
     forward, model = _load_target(job, dist, dtype, device)
-    call_kwargs = {"output_hidden_states": True, "use_cache": False}
+    call_kwargs: dict[str, Any] = {"output_hidden_states": True, "use_cache": False}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         call_kwargs["logits_to_keep"] = 1  # the capture never reads logits: skip the [n, vocab] matmul
     pad_id = config.pad_token_id if isinstance(getattr(config, "pad_token_id", None), int) else 0
@@ -385,7 +393,7 @@ def _load_target(job: CaptureJob, dist: Dist, dtype: torch.dtype, device: torch.
 
     if job.mode == "replicate":
         model = AutoModelForCausalLM.from_pretrained(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code)
-        model = model.to(device).eval().requires_grad_(False)
+        model = model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
         return model, model
 
     import deepspeed

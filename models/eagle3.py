@@ -42,7 +42,9 @@ predicted token's own mask, [t+k+2], as in any causal-LM loss.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +55,7 @@ from models.draft_vocab import draft_to_target_ids
 from models.target_head import TargetLogits
 
 STEP_DECAY = 0.8  # weight of step k's loss is STEP_DECAY**k (EAGLE-3)
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -125,7 +127,7 @@ class Eagle3Config:
         layers = getattr(cfg, "num_hidden_layers", None)
         if layers is not None and any(not 0 <= i < layers for i in aux_layers):
             raise ValueError(f"aux_layers {aux_layers} outside the target's {layers} layers")
-        values = dict(
+        values: dict[str, Any] = dict(
             hidden_size=int(cfg.hidden_size),
             intermediate_size=int(cfg.intermediate_size),
             num_attention_heads=heads,
@@ -142,6 +144,13 @@ class Eagle3Config:
         )
         values.update(overrides)
         return cls(**values)
+
+
+def _resolved(size: int | None, name: str) -> int:
+    """A size Eagle3Config.__post_init__ resolves from None (head_dim, target_hidden_size)."""
+    if size is None:
+        raise ValueError(f"Eagle3Config.{name} is None: __post_init__ resolves it, so it was set to None afterwards")
+    return size
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -209,7 +218,7 @@ class Eagle3Attention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.head_dim = _resolved(config.head_dim, "head_dim")
         width = 2 * config.hidden_size
         self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
@@ -329,7 +338,7 @@ class KVCache:
         return 0 if self.k is None else self.k.shape[2]
 
     def crop(self, length: int) -> None:
-        if self.k is not None:
+        if self.k is not None and self.v is not None:  # set together by attend
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
@@ -396,17 +405,21 @@ class DraftStep:
 class Eagle3Draft(nn.Module):
     """EAGLE-3 draft model with SGLang's parameter names; `forward_ttt` trains, `forward` drafts."""
 
+    # buffers (register_buffer below), typed here: nn.Module's __getattr__ is typed Tensor | Module
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen: see load_target_embedding
-        self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=False)
+        self.fc = nn.Linear(3 * _resolved(config.target_hidden_size, "target_hidden_size"), h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(_resolved(config.head_dim, "head_dim"), config.rope_theta)
         # Identity vocab until set_draft_vocab: draft index i is target id i.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
@@ -464,7 +477,8 @@ class Eagle3Draft(nn.Module):
         if position_ids is None:
             position_ids = (len(cache) + torch.arange(s, device=input_ids.device)).expand(b, s)
         embeds = self.embed_tokens(input_ids)                                        # [B, S, H]
-        if hidden.shape[-1] == 3 * self.config.target_hidden_size and hidden.shape[-1] != self.config.hidden_size:
+        if (hidden.shape[-1] == 3 * _resolved(self.config.target_hidden_size, "target_hidden_size")
+                and hidden.shape[-1] != self.config.hidden_size):
             hidden = self.fc(hidden.to(self.fc.weight.dtype))                        # [B, S, H]
         elif hidden.shape[-1] != self.config.hidden_size:
             raise ValueError(f"hidden width {hidden.shape[-1]} is neither 3*target_hidden_size nor hidden_size")
@@ -537,14 +551,14 @@ class Eagle3Draft(nn.Module):
             chain_ok = chain_ok & hit_k
             accepted.append((chain_counted & chain_ok).sum())
         chain_reached, chain_accepted = torch.stack(reached), torch.stack(accepted)
-        tokens, valid, correct = torch.stack(tokens), torch.stack(valid), torch.stack(correct)
+        n_tokens, n_valid, n_correct = torch.stack(tokens), torch.stack(valid), torch.stack(correct)
         return Eagle3Output(
             loss=loss,
             per_step_loss=per_step_loss.detach(),
-            per_step_acc=correct.double() / tokens.double().clamp(min=1),
+            per_step_acc=n_correct.double() / n_tokens.double().clamp(min=1),
             acceptance_length=acceptance_length(chain_accepted, chain_reached),
             per_step_cond_acc=chain_accepted.double() / chain_reached.double().clamp(min=1),
-            tokens=tokens, valid=valid, correct=correct,
+            tokens=n_tokens, valid=n_valid, correct=n_correct,
             chain_reached=chain_reached, chain_accepted=chain_accepted,
             step_logits=step_logits if return_steps else None,
             step_hidden=step_hidden if return_steps else None,

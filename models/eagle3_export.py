@@ -346,6 +346,11 @@ def vllm_param_name(name: str) -> _VShard | None:
     `name` into (shard None: the whole parameter), or None when it skips the name (t2d)."""
     if "t2d" in name:
         return None
+    return _vllm_loaded_name(name)
+
+
+def _vllm_loaded_name(name: str) -> _VShard:
+    """`vllm_param_name` of a tensor that vLLM loads (every name but t2d)."""
     if "d2t" in name:
         return name.replace("d2t", "draft_id_to_target_id"), None
     if "lm_head" not in name:
@@ -388,7 +393,7 @@ def _vllm_expected(cfg: Mapping) -> dict[_VShard, tuple[str, tuple[int, ...]]]:
     }
     if D != V:  # Eagle3LlamaForCausalLM.__init__ creates draft_id_to_target_id only then
         shapes["d2t"] = (D,)
-    return {vllm_param_name(n): (n, shape) for n, shape in shapes.items()}
+    return {_vllm_loaded_name(n): (n, shape) for n, shape in shapes.items()}
 
 
 def _vllm_label(key: _VShard) -> str:
@@ -410,11 +415,11 @@ def vllm_load_problems(cfg: Mapping, tensors: Mapping[str, tuple[tuple[int, ...]
     if not any(a in VLLM_ARCHITECTURES for a in cfg.get("architectures") or ()):
         p.append(f"architectures {cfg.get('architectures')!r}: none of {list(VLLM_ARCHITECTURES)} "
                  "(vLLM's registry names of Eagle3LlamaForCausalLM)")
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "draft_vocab_size",
-                "target_hidden_size"):
-        v = cfg.get(key)
+    for config_key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "draft_vocab_size",
+                       "target_hidden_size"):
+        v = cfg.get(config_key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            p.append(f"config {key} must be a positive int, got {v!r}")
+            p.append(f"config {config_key} must be a positive int, got {v!r}")
     if p:
         return p  # shapes cannot be derived
     if cfg["draft_vocab_size"] > cfg["vocab_size"]:
@@ -470,7 +475,7 @@ def vllm_load_problems(cfg: Mapping, tensors: Mapping[str, tuple[tuple[int, ...]
             p.append(f"{name} (vLLM {_vllm_label(key)}): shape {list(shape)} != expected {list(expected[key][1])}")
         if key[0] == "draft_id_to_target_id" and dtype not in ("I64", "I32"):
             p.append(f"{name} (vLLM draft_id_to_target_id): dtype {dtype}, expected an integer type (I64)")
-    embed = vllm_param_name(EMBED)
+    embed = _vllm_loaded_name(EMBED)
     for key in expected:
         if key not in loaded and key[0] == "draft_id_to_target_id":
             p.append(f"missing tensor {expected[key][0]}: draft_vocab_size {cfg['draft_vocab_size']} < vocab_size "

@@ -81,6 +81,8 @@ def teacher_forced_hits(target, draft: Eagle3Draft, sequence: list[int], num_ste
     tgt = TargetLogits(logits=full[..., draft_ids], in_draft=in_draft[argmax], argmax=argmax)
     out = draft.forward_ttt(ids, aux, tgt, torch.ones_like(ids), ttt_steps=num_steps, attn_impl="eager",
                             return_steps=True)
+    if out.step_logits is None:  # return_steps=True sets it
+        raise RuntimeError("forward_ttt(return_steps=True) returned no step_logits")
     t_len = len(sequence)
     hits = []
     for k, logits in enumerate(out.step_logits):

@@ -47,7 +47,8 @@ def read_prompt_file(path: Path) -> list[tuple[str, str, list[dict[str, str]]]]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: cannot read the eval prompt file: {e}") from e
-    rows, seen = [], {}
+    rows: list[tuple[str, str, list[dict[str, str]]]] = []
+    seen: dict[str, int] = {}
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -173,8 +173,8 @@ class ShardWriter:
         self.rank = rank
         self.shard_tokens = shard_tokens
         self.aux_layers = list(aux_layers) if aux_layers is not None else None
-        seqs = [int(_SHARD_RE.match(p.name).group(2)) for p in list_shards(self.out_dir)
-                if int(_SHARD_RE.match(p.name).group(1)) == rank]
+        seqs = [int(m.group(2)) for p in list_shards(self.out_dir)  # each listed shard's name matches
+                if (m := _SHARD_RE.match(p.name)) and int(m.group(1)) == rank]
         self.next_seq = max(seqs) + 1 if seqs else 0
         self.written: list[Path] = []
         self._pending: list[tuple[str, str, dict[str, torch.Tensor]]] = []

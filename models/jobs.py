@@ -4,7 +4,7 @@ Each stage has a `*Settings` class holding what a user chooses for it. The run c
 (flows/config.py) extends it with what only the pipeline needs (ranks, launcher, retries, where
 outputs go); the stage's `*Job` extends it with what the pipeline fills in (the target, paths, the
 device). A flow builds a job from the run config in one call (`Spec.pick`); a rank process reads
-its JSON job through the same class (`load_job`), so an unknown key or a bad value in a job file
+its JSON job through the same class (`load_job`, models/spec.py), so an unknown key or a bad value in a job file
 fails with its name, and no default can drift between the config and the job.
 
 This module is the bottom layer: pydantic only (no torch, prefect or httpx), importable by
@@ -14,55 +14,13 @@ flows/, tasks/ and models/ alike.
 from __future__ import annotations
 
 import json
-import os
-import re
-import types
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
-from urllib.parse import urlsplit
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-S = TypeVar("S", bound="Spec")
-
-
-class Spec(BaseModel):
-    """Base of every spec and config section: unknown keys are errors, values are validated on assignment."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
-        # pydantic takes true/false as 1/0 for an int or float, so `max_concurrency: true` would
-        # quietly mean 1; every number field of every spec (present and future) refuses them.
-        problem = _bool_for_number(value, cls.model_fields[info.field_name].annotation)
-        if problem:
-            raise ValueError(problem)
-        return value
-
-    @classmethod
-    def load(cls: type[S], path: str | Path) -> S:
-        """This spec read from a JSON job file (`load_job`)."""
-        return load_job(cls, path)
-
-    def pick(self, spec: type[Spec]) -> dict[str, Any]:
-        """The values of the fields `spec` declares (self is a subclass of it): a job's share of a config section."""
-        return {name: getattr(self, name) for name in spec.model_fields}
-
-
-def load_job(cls: type[S], path: str | Path) -> S:
-    """A JSON job file read through its spec; ValueError naming the file and every bad key."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read the {cls.__name__}: {e}") from e
-    try:
-        return cls.model_validate(raw)
-    except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<top level>'}: {err['msg']}" for err in e.errors())
-        raise ValueError(f"{path}: not a valid {cls.__name__}: {problems}") from None
-
+from models.server_access import api_key_from_env, server_url
+from models.spec import Spec
 
 # --- the target -------------------------------------------------------------------------------
 
@@ -128,10 +86,6 @@ class AuxLayers(Spec):
 
 
 # --- generate ---------------------------------------------------------------------------------
-
-SERVER_URL_FORM = "scheme://host:port, e.g. http://127.0.0.1:30000"
-_NETLOC = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^:\[\]@]+)(?::(?P<port>[^:]*))?")
-
 
 class ServerSettings(Spec):
     """How to reach the serving engine's servers (the API key is read from `api_key_env` at use, never stored)."""
@@ -602,80 +556,3 @@ class EvalJob(EvalSettings, HeldOut, RecordsRef, TargetRef):
     """The JOB.json of an eval launch (written by the eval task): held-out prompts come from `datasets`."""
     draft_dir: str = Field(description="The export: config.json + model.safetensors.")
     out: str = Field(description="Where the result JSON goes.")
-
-
-# --- helpers ----------------------------------------------------------------------------------
-
-
-def api_key_from_env(variable: str | None, setting: str) -> str | None:
-    """The API key in environment variable `variable` (None when none is named); RuntimeError naming `setting` when unset."""
-    if variable is None:
-        return None
-    key = os.environ.get(variable)
-    if not key:
-        raise RuntimeError(f"{setting} names ${variable}, which is not set in this environment")
-    return key
-
-
-def replica_url(url: str, replica: int, *, router: bool) -> str:
-    """Where launched replica `replica` listens: url's port + replica (+ 1 behind a router, which takes url's port)."""
-    parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname  # IPv6 keeps its brackets
-    return f"{parts.scheme}://{host}:{port + replica + (1 if router else 0)}"
-
-
-def server_url(value: str) -> str:
-    """`value` as scheme://host[:port] without a trailing slash; ValueError showing the right form."""
-    parts = urlsplit(value)
-    if "@" in parts.netloc:
-        # Credentials in the URL would end up in logs and RUN_DIR/config.yaml.
-        raise ValueError(
-            f"must not hold a user or password; the form is {SERVER_URL_FORM}"
-            " (put the API key in the environment variable named by server.api_key_env)"
-        )
-    netloc = _NETLOC.fullmatch(parts.netloc)
-    if parts.scheme not in ("http", "https") or netloc is None or re.search(r"\s", value):
-        raise ValueError(f"must be an http(s) URL of the form {SERVER_URL_FORM}")
-    port = netloc["port"]
-    if port is not None and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
-        raise ValueError(f"port {port!r} is not a number from 1 to 65535; the form is {SERVER_URL_FORM}")
-    base = f"{parts.scheme}://{parts.netloc}"
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        # The client appends /generate, /health_generate and /abort_request to this base itself.
-        raise ValueError(
-            f"must be the server's base URL, scheme://host:port with no path: use {base!r}"
-            " (SGLang's native API is at the root; the pipeline adds /generate itself)"
-        )
-    return base
-
-
-def _union_members(annotation: Any) -> tuple[Any, ...]:
-    if get_origin(annotation) in (Union, types.UnionType):
-        return get_args(annotation)
-    return (annotation,)
-
-
-def _bool_for_number(value: Any, annotation: Any) -> str | None:
-    """Why `value` holds a bool where `annotation` wants a number (also inside lists and dicts), or None."""
-    members = _union_members(annotation)
-    if isinstance(value, bool):
-        if bool in members or not {int, float} & set(members):
-            return None
-        number = "a number" if float in members else "a whole number"
-        return f"must be {number}, not true/false"
-    for member in members:
-        origin = get_origin(member)
-        if origin is list and isinstance(value, list):
-            (item,) = get_args(member)
-            for i, v in enumerate(value):
-                problem = _bool_for_number(v, item)
-                if problem:
-                    return f"item {i} {problem} (got {v!r})"
-        elif origin is dict and isinstance(value, dict):
-            item = get_args(member)[1]
-            for k, v in value.items():
-                problem = _bool_for_number(v, item)
-                if problem:
-                    return f"{k!r} {problem} (got {v!r})"
-    return None

@@ -137,7 +137,8 @@ class Protocol:
 
     def parse(self, line: str) -> Message | None:
         """The protocol line in `line`, or None for any other output."""
-        for kind in (self.error, self.progress, *self.events):
+        kinds: tuple[Line | ErrorLine, ...] = (self.error, self.progress, *self.events)
+        for kind in kinds:
             values = kind.parse(line)
             if values is not None:
                 return Message(kind, values, line)
@@ -203,8 +204,8 @@ def reported_error(report: dict[str, Any], known: Iterable[type[Exception]] = ()
             error.args = (message,)  # the rank's words: the free space it saw when the write failed
         return error
     if report.get("kind") == "damaged":
-        cls = DamagedShard if report.get("type") == DamagedShard.__name__ else DamagedFile
-        return cls(report["path"], report["problem"], report["advice"])
+        damaged = DamagedShard if report.get("type") == DamagedShard.__name__ else DamagedFile
+        return damaged(report["path"], report["problem"], report["advice"])
     for cls in known:
         if report.get("type") == cls.__name__:
             return cls(message)

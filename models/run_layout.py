@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, overload
 
 LOCK_NAME = ".lock"  # the write lock, in RUN_DIR and in each output directory outside it (tasks/run_lock.py)
 
@@ -41,59 +41,78 @@ DS_CONFIG = "ds_config.json"
 TENSORBOARD = "tensorboard"
 
 
-@dataclass(frozen=True)
+class _Entry:
+    """One entry of a layout directory, read like a property: `layout.metrics` is `layout.draft_dir / "metrics.jsonl"`."""
+
+    def __init__(self, directory: str, name: str, doc: str) -> None:
+        self.directory, self.name, self.__doc__ = directory, name, doc
+
+    @overload
+    def __get__(self, layout: None, owner: type) -> _Entry: ...
+    @overload
+    def __get__(self, layout: RunLayout, owner: type) -> Path: ...
+    def __get__(self, layout: RunLayout | None, owner: type) -> Path | _Entry:
+        return self if layout is None else getattr(layout, self.directory) / self.name
+
+
+@dataclass(frozen=True, init=False)  # the __init__ below: a field given as None is set, never left None
 class RunLayout:
     """Where everything of one run lives: RUN_DIR's entries, and hidden/, engine/, draft/ where settings move them."""
 
     run_dir: Path
     _: KW_ONLY
-    hidden_dir: Path | None = None
+    hidden_dir: Path
     """capture.out_dir, else RUN_DIR/hidden: the capture's shards, index.parquet and metadata.json."""
-    draft_dir: Path | None = None
+    draft_dir: Path
     """train.out_dir, else RUN_DIR/draft: the train stage's checkpoints, metrics and exported draft."""
-    engine_dir: Path | None = None
+    engine_dir: Path
     """capture.engine.shared_dir, else RUN_DIR/engine: the vLLM connector's per-request files (capture.backend: vllm)."""
 
-    def __post_init__(self) -> None:  # an unset output directory is the one inside RUN_DIR
-        run_dir = Path(self.run_dir)
+    def __init__(self, run_dir: Path | str, *, hidden_dir: Path | str | None = None, draft_dir: Path | str | None = None,
+                 engine_dir: Path | str | None = None) -> None:  # an unset output directory is the one inside RUN_DIR
+        run_dir = Path(run_dir)
         object.__setattr__(self, "run_dir", run_dir)
-        object.__setattr__(self, "hidden_dir", run_dir / "hidden" if self.hidden_dir is None else Path(self.hidden_dir))
-        object.__setattr__(self, "draft_dir", run_dir / "draft" if self.draft_dir is None else Path(self.draft_dir))
-        object.__setattr__(self, "engine_dir", run_dir / "engine" if self.engine_dir is None else Path(self.engine_dir))
+        object.__setattr__(self, "hidden_dir", run_dir / "hidden" if hidden_dir is None else Path(hidden_dir))
+        object.__setattr__(self, "draft_dir", run_dir / "draft" if draft_dir is None else Path(draft_dir))
+        object.__setattr__(self, "engine_dir", run_dir / "engine" if engine_dir is None else Path(engine_dir))
 
     @classmethod
     def of_dataset_dir(cls, directory: Path) -> RunLayout:
         """The layout of the run whose RUN_DIR/<responses|rejects|records|passthrough>/<dataset> is `directory`."""
         return cls(Path(directory).parent.parent)
 
-    @property
-    def config(self) -> Path:
-        """RUN_DIR/config.yaml: the resolved config, as run (flows/config.py save_run_config)."""
-        return self.run_dir / "config.yaml"
+    # entries of RUN_DIR
+    config = _Entry("run_dir", "config.yaml", "RUN_DIR/config.yaml: the resolved config, as run (flows/config.py save_run_config).")
+    demo_config = _Entry("run_dir", "demo-config.yaml",
+                         "RUN_DIR/demo-config.yaml: the resolved demo config, the input of `eagle3 demo`'s pipeline flow.")
+    lock = _Entry("run_dir", LOCK_NAME, "RUN_DIR/.lock: held by the one process writing the run directory.")
+    responses_root = _Entry("run_dir", "responses", "RUN_DIR/responses: a directory per dataset of generation checkpoints.")
+    rejects_root = _Entry("run_dir", "rejects",
+                          "RUN_DIR/rejects: a directory per dataset of the prompts and rows that cannot succeed.")
+    records_root = _Entry("run_dir", "records",
+                          "RUN_DIR/records: a directory per dataset of training records, and the token counts.")
+    token_counts = _Entry("records_root", "token_counts.parquet", "RUN_DIR/records/token_counts.parquet: loss-token "
+                          "frequencies over every dataset, for the draft vocabulary.")
+    logs = _Entry("run_dir", "logs", "RUN_DIR/logs: the output of the servers the stages launch (names: "
+                  "tasks/launch_servers.py and the launchers).")
+    # entries of the draft directory
+    checkpoints = _Entry("draft_dir", CHECKPOINTS, "draft/checkpoints: the train stage's DeepSpeed checkpoints "
+                         "(step-NNNNNNNN/, latest; models/train_checkpoint.py).")
+    final = _Entry("draft_dir", FINAL, "draft/final: the exported draft SGLang and vLLM load (config.json, model.safetensors).")
+    metrics = _Entry("draft_dir", METRICS, "draft/metrics.jsonl: one line per training log interval and per held-out eval.")
+    train_summary = _Entry("draft_dir", TRAIN_SUMMARY, "draft/train_summary.json: the training's final eval and where the draft is.")
+    eval_report = _Entry("draft_dir", EVAL_REPORT,
+                         "draft/eval.json: the eval stage's result, each backend's acceptance length beside the estimates.")
+    eval_raw = _Entry("draft_dir", ".eval-raw.json",
+                      "draft/.eval-raw.json: the HF eval job's own result, before the eval stage folds it into eval.json.")
+    training_plot = _Entry("draft_dir", TRAINING_PLOT, "draft/training.png: the training report's plot of metrics.jsonl.")
+    ds_config = _Entry("draft_dir", DS_CONFIG, "draft/ds_config.json: the DeepSpeed config the training ran with.")
+    tensorboard = _Entry("draft_dir", TENSORBOARD, "draft/tensorboard: metrics.jsonl's scalars as TensorBoard events.")
 
-    @property
-    def demo_config(self) -> Path:
-        """RUN_DIR/demo-config.yaml: the resolved demo config, the input of `eagle3 demo`'s pipeline flow."""
-        return self.run_dir / "demo-config.yaml"
-
-    @property
-    def lock(self) -> Path:
-        """RUN_DIR/.lock: held by the one process writing the run directory."""
-        return self.run_dir / LOCK_NAME
-
-    @property
-    def responses_root(self) -> Path:
-        """RUN_DIR/responses: a directory per dataset of generation checkpoints."""
-        return self.run_dir / "responses"
-
+    # a directory per dataset, per stage
     def responses(self, dataset: str) -> Path:
         """RUN_DIR/responses/<dataset>: its generation checkpoints (part-*.parquet)."""
         return self.responses_root / dataset
-
-    @property
-    def rejects_root(self) -> Path:
-        """RUN_DIR/rejects: a directory per dataset of the prompts and rows that cannot succeed."""
-        return self.run_dir / "rejects"
 
     def rejects(self, dataset: str) -> Path:
         """RUN_DIR/rejects/<dataset>: its rejected prompts and rows, each with the reason (tasks/rejects.py)."""
@@ -103,19 +122,9 @@ class RunLayout:
         """RUN_DIR/passthrough/<dataset>: a passthrough dataset's rows, validated and copied into the run."""
         return self.run_dir / "passthrough" / dataset
 
-    @property
-    def records_root(self) -> Path:
-        """RUN_DIR/records: a directory per dataset of training records, and the token counts."""
-        return self.run_dir / "records"
-
     def records(self, dataset: str) -> Path:
         """RUN_DIR/records/<dataset>: its training records (input_ids, loss_mask)."""
         return self.records_root / dataset
-
-    @property
-    def token_counts(self) -> Path:
-        """RUN_DIR/records/token_counts.parquet: loss-token frequencies over every dataset, for the draft vocabulary."""
-        return self.records_root / "token_counts.parquet"
 
     def quarantine(self, directory: Path) -> Path:
         """RUN_DIR/quarantine/<directory's path under RUN_DIR>: where a damaged part of `directory` is moved aside."""
@@ -128,53 +137,3 @@ class RunLayout:
     def job(self, stage: Literal["capture", "train", "eval"]) -> Path:
         """RUN_DIR/jobs/<stage>.json: the job the stage's ranks read (on every node)."""
         return self.run_dir / "jobs" / f"{stage}.json"
-
-    @property
-    def logs(self) -> Path:
-        """RUN_DIR/logs: the output of the servers the stages launch (names: tasks/processes.py and the launchers)."""
-        return self.run_dir / "logs"
-
-    @property
-    def checkpoints(self) -> Path:
-        """draft/checkpoints: the train stage's DeepSpeed checkpoints (step-NNNNNNNN/, latest; models/train_checkpoint.py)."""
-        return self.draft_dir / CHECKPOINTS
-
-    @property
-    def final(self) -> Path:
-        """draft/final: the exported draft SGLang and vLLM load (config.json, model.safetensors)."""
-        return self.draft_dir / FINAL
-
-    @property
-    def metrics(self) -> Path:
-        """draft/metrics.jsonl: one line per training log interval and per held-out eval."""
-        return self.draft_dir / METRICS
-
-    @property
-    def train_summary(self) -> Path:
-        """draft/train_summary.json: the training's final eval and where the draft is."""
-        return self.draft_dir / TRAIN_SUMMARY
-
-    @property
-    def eval_report(self) -> Path:
-        """draft/eval.json: the eval stage's result, each backend's acceptance length beside the estimates."""
-        return self.draft_dir / EVAL_REPORT
-
-    @property
-    def eval_raw(self) -> Path:
-        """draft/.eval-raw.json: the HF eval job's own result, before the eval stage folds it into eval.json."""
-        return self.draft_dir / ".eval-raw.json"
-
-    @property
-    def training_plot(self) -> Path:
-        """draft/training.png: the training report's plot of metrics.jsonl."""
-        return self.draft_dir / TRAINING_PLOT
-
-    @property
-    def ds_config(self) -> Path:
-        """draft/ds_config.json: the DeepSpeed config the training ran with."""
-        return self.draft_dir / DS_CONFIG
-
-    @property
-    def tensorboard(self) -> Path:
-        """draft/tensorboard: metrics.jsonl's scalars as TensorBoard events."""
-        return self.draft_dir / TENSORBOARD

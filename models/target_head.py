@@ -30,6 +30,11 @@ class TargetHead(nn.Module):
     like torch.argmax over the full row.
     """
 
+    # buffers (register_buffer below), typed here: nn.Module's __getattr__ is typed Tensor | Module
+    weight: torch.Tensor
+    draft_ids: torch.Tensor
+    t2d: torch.Tensor
+
     def __init__(self, lm_head_weight: torch.Tensor, d2t: torch.Tensor, chunk_size: int = 16384):
         super().__init__()
         self.register_buffer("weight", lm_head_weight.detach(), persistent=False)       # [V, H]

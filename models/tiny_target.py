@@ -20,7 +20,7 @@ import json
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -241,6 +241,8 @@ def _build_model(
 ) -> LlamaForCausalLM:
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(PAD)
+    if not isinstance(pad_id, int):  # one token in: one id out
+        raise TypeError(f"the tokenizer maps {PAD!r} to {pad_id!r}, not to one id")
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -258,7 +260,7 @@ def _build_model(
     # Seed a private copy of the global RNG so building does not disturb the caller's randomness.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
         torch.nn.init.normal_(model.lm_head.weight, mean=0.0, std=LM_HEAD_INIT_STD)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
     return model.eval()
@@ -293,6 +295,8 @@ def _training_sequences(tokenizer: PreTrainedTokenizerFast, files: Sequence[Path
     out = []
     for messages in _corpus_conversations(files):
         encoded = tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, return_dict=True)
+        if not isinstance(encoded, Mapping):  # return_dict=True: a BatchEncoding
+            raise TypeError(f"apply_chat_template(return_dict=True) returned a {type(encoded).__name__}")
         out.append(list(encoded["input_ids"]))
     return out
 
@@ -319,7 +323,7 @@ def _train(model: LlamaForCausalLM, sequences: list[list[int]], steps: int, seed
 
     threads = torch.get_num_threads()
     torch.set_num_threads(TRAIN_THREADS)
-    model.to(device).train()
+    model.to(device).train()  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
     try:
         optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR, betas=(0.9, 0.95), weight_decay=0.0)
         for step in range(steps):
@@ -333,7 +337,7 @@ def _train(model: LlamaForCausalLM, sequences: list[list[int]], steps: int, seed
             optimizer.zero_grad(set_to_none=True)
     finally:
         torch.set_num_threads(threads)
-        model.to("cpu").eval()
+        model.to("cpu").eval()  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
 
 
 def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:

@@ -311,6 +311,8 @@ def sum_over_ranks(value: int, dist: Dist, device: torch.device) -> int:
 def _data_source(job: TrainJob, text_config, device: torch.device):
     """(source, aux_layers): captured shards (offline) or the target itself over the records (online)."""
     if job.mode == "offline":
+        if job.hidden_dir is None:  # TrainJob refuses an offline job without one: not reached
+            raise ValueError("train.mode offline needs the job's hidden_dir (the capture shards)")
         meta_path = Path(job.hidden_dir) / METADATA_NAME
         captured = json.loads(meta_path.read_text()).get("aux_layers") if meta_path.is_file() else None
         aux_layers = list(job.aux_layers or captured or default_aux_layers(int(text_config.num_hidden_layers)))
@@ -342,7 +344,7 @@ class OnlineSource:
         cfg = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
         dtype = torch.bfloat16 if job.bf16 else resolve_dtype("auto", cfg)
         self.model = AutoModelForCausalLM.from_pretrained(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code)
-        self.model = self.model.to(device).eval().requires_grad_(False)
+        self.model = self.model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
         self.num_layers = len(self.model.model.layers) if hasattr(self.model, "model") and hasattr(self.model.model, "layers") \
             else int(cfg.get_text_config().num_hidden_layers)
         self.aux_layers = aux_layers

@@ -112,10 +112,10 @@ def write_rejects(
     counts: dict[str, int] = {}
     for cause in causes:
         counts[cause] = counts.get(cause, 0) + 1
-    meta = {"stage": stage, "rows": len(rejects), "rejects_fingerprint": fingerprint, CAUSES_KEY: json.dumps(counts, sort_keys=True)}
+    footer = {"stage": stage, "rows": len(rejects), "rejects_fingerprint": fingerprint, CAUSES_KEY: json.dumps(counts, sort_keys=True)}
     if replaced:
-        meta[f"{META}replaces"] = json.dumps([p.name for p in replaced])
-    part = write_parquet_atomic(table, next_part_path(directory), metadata=meta)
+        footer[f"{META}replaces"] = json.dumps([p.name for p in replaced])
+    part = write_parquet_atomic(table, next_part_path(directory), metadata=footer)
     _delete(replaced)
     return part
 

@@ -303,9 +303,10 @@ class ServerPool:
         context, or one that was not up yet, may take it then).
         """
         limits = [s.max_input for s in self.servers if s.seen_healthy]
-        if not limits or any(limit is None for limit in limits):
+        known = [limit for limit in limits if limit is not None]
+        if not limits or len(known) < len(limits):  # none seen, or one unknown
             return None
-        return max(limits)  # type: ignore[type-var]
+        return max(known)
 
     async def reserve(self, prompt_len: int, lease: Lease | None = None) -> Lease:
         """A place at the least-loaded healthy server that takes the prompt (into `lease` when given, a failover);

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
+from rich.console import JustifyMethod
 from rich.table import Table
 
 from models.run_layout import RunLayout
@@ -57,12 +58,12 @@ class DatasetStats:
     last_finished_at: float | None = None
     # Every response's completion length, ascending (an int64 array from collect_stats), kept so
     # that totals over datasets can take percentiles; not part of stats_rows.
-    lengths: Sequence[int] = field(default_factory=list, repr=False, compare=False)
+    lengths: Sequence[int] | np.ndarray = field(default_factory=list, repr=False, compare=False)
     reject_causes: dict[str, int] = field(default_factory=dict)  # rejects by cause (tasks.rejects.CAUSES)
     damaged: str | None = None  # "<file> is damaged (...)": the figures above then count nothing
 
 
-def nearest_rank(sorted_values: Sequence[Any], p: float) -> Any:
+def nearest_rank(sorted_values: Sequence[Any] | np.ndarray, p: float) -> Any:
     """The p-th percentile (0 < p <= 100) of ascending `sorted_values` by the nearest-rank method.
 
     The value at 1-based rank ceil(p/100 * n): the smallest value with at least p% of the values
@@ -139,7 +140,7 @@ def stats_rows(stats: Sequence[DatasetStats], *, total: bool = False) -> list[di
 def render_stats_table(stats: Sequence[DatasetStats]) -> Table:
     """A rich table of `stats` with a TOTAL row."""
     table = Table(title="responses per dataset", show_footer=False)
-    for header, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("dataset", "left"),
         ("responses", "right"),
         ("rejects", "right"),
@@ -153,7 +154,8 @@ def render_stats_table(stats: Sequence[DatasetStats]) -> Table:
         ("wall", "right"),
         ("parts", "right"),
         ("reject causes", "left"),
-    ):
+    )
+    for header, justify in columns:
         table.add_column(header, justify=justify, no_wrap=True)
     rows = list(stats)
     for i, s in enumerate(rows + [total_stats(rows)]):

@@ -71,13 +71,6 @@ class RecordsRefused(ValueError):
         return (RecordsRefused, (self.refused,))
 
 
-def first_error(group: BaseExceptionGroup) -> BaseException:
-    """The exception that stopped the workers (the others were cancelled because of it)."""
-    errors = [e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)]
-    error = errors[0] if errors else group.exceptions[0]
-    return first_error(error) if isinstance(error, BaseExceptionGroup) else error
-
-
 @dataclass
 class _Window:
     """The connector files of the samples the writer holds: deleted once their shard is durable."""
@@ -198,12 +191,16 @@ async def capture_with_engine(job: CaptureJob, engine: EngineSettings, shared_di
             for sample in queue:
                 await one(sample, writer, client)
 
+        # The first failure cancels the other workers and is raised once they have ended (asyncio.TaskGroup's
+        # way, which needs Python 3.11).
+        workers = [asyncio.ensure_future(worker()) for _ in range(min(engine.max_concurrency, total))]
         try:
-            async with asyncio.TaskGroup() as group:  # the first failure cancels the other workers
-                for _ in range(min(engine.max_concurrency, total)):
-                    group.create_task(worker())
-        except BaseExceptionGroup as group_error:
-            raise first_error(group_error) from None
+            await asyncio.gather(*workers)
+        except BaseException as error:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)  # a cancelled worker's shard write runs to its end
+            raise error from None
         # Only after every request succeeded or was refused: on a failure what the writer holds is
         # not written (it is captured again on resume), as with the DeepSpeed ranks.
         if writer.flush() is not None:

@@ -3,7 +3,7 @@
 The command gets this capture's extraction config filled in ({speculative_config}, {kv_transfer_config}:
 the layer ids the capture reads and its shared_dir), so the server cannot extract other layers than
 the capture expects. The server is waited for on vLLM's /health, stopped (its whole process group)
-when the stage ends, fails or is cancelled -- tasks/processes.py's `ServerProcess` and `serving`.
+when the stage ends, fails or is cancelled -- tasks/launch_servers.py's `ServerProcess` and `serving`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from models.engine_hidden import extraction_config
-from tasks.processes import ServerProcess, answers, fill_placeholders, serving
+from tasks.launch_servers import ServerProcess, answers, fill_placeholders, serving
 
 
 def engine_command(launch: str, url: str, *, target: str, aux_layers: list[int], num_layers: int, shared_dir: Path,
@@ -25,7 +25,7 @@ def engine_command(launch: str, url: str, *, target: str, aux_layers: list[int],
     host, port = parts.hostname or "127.0.0.1", str(parts.port or 80)
     speculative, kv_transfer = extraction_config(aux_layers, num_layers, shared_dir)
     if launch == "dev":
-        return [sys.executable, "-m", "deploy.dev_server", "--model", target, "--host", host, "--port", port,
+        return [sys.executable, "-m", "emulators.dev_server", "--model", target, "--host", host, "--port", port,
                 "--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(kv_transfer)]
     if not command:
         raise ValueError("capture.engine.launch: command needs capture.engine.command")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from models.jobs import CaptureJob, EngineSettings, Nodes
@@ -22,11 +22,11 @@ from models.file_errors import DamagedFile
 from models.hidden_shards import METADATA_NAME, RESUME, iter_shard_index, list_shards, write_index
 from models.rank_protocol import CAPTURE, Message
 from models.file_errors import WriteFailed
-from tasks import launch
+from tasks import launch_ranks
 from tasks.capture.plan import CapturePlan, EngineWindow, TargetShape, check_fits, human_bytes, plan_capture
 from tasks.engines.errors import ServerOutage
-from tasks.artifacts import artifact_key
-from tasks.launch import RankFailure, RankRefused, follow_job, rank_command, run_job, write_job
+from tasks.artifacts import artifact_key, progress_artifact
+from tasks.launch_ranks import RankFailure, RankRefused, follow_job, rank_command, run_job, write_job
 
 
 class CaptureRefused(RankRefused):
@@ -52,12 +52,12 @@ def last_throughput(out_dir: Path) -> float | None:
 
 
 def rank_error(reports: list[dict[str, Any]]) -> Exception | None:
-    """The exception a failed capture job stands for, from its ranks' CAPTURE_ERROR reports (`launch.rank_error`).
+    """The exception a failed capture job stands for, from its ranks' CAPTURE_ERROR reports (`launch_ranks.rank_error`).
 
     None when no rank said why (killed, crashed in C) or only unexpected errors were reported: the
     launcher's RankFailure, with the output tail, then stands (and is retried).
     """
-    return launch.rank_error(reports, CAPTURE, refused=CaptureRefused)
+    return launch_ranks.rank_error(reports, CAPTURE, refused=CaptureRefused)
 
 
 def run_ranks(command: list[str], env: dict[str, str], on_line: Callable[[str], None]) -> None:
@@ -131,7 +131,7 @@ def run_capture_job(job: CaptureJob, job_path: Path, num_ranks: int, launcher: s
     command, env = rank_command("models.capture", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher, nodes=nodes)
     write_job(job, job_path, kept=lambda: "every complete shard (no rank was started)", resume=RESUME)
     logger.info("launching %d rank(s) on %d node(s): %s", world_size, nodes.nnodes, " ".join(command))
-    artifact = create_progress_artifact(progress=0.0, key=artifact_key("capture", config_name), description="capture: starting")
+    artifact = progress_artifact(progress=0.0, key=artifact_key("capture", config_name), description="capture: starting")
     ranks: dict[int, tuple[int, int, int]] = {}
     last_update = 0.0
     started = time.monotonic()
@@ -179,7 +179,7 @@ def run_engine_capture(job: CaptureJob, engine: EngineSettings, shared_dir: Path
     logger = get_run_logger()
     if token_cap is not None:
         job = job.model_copy(update={"launch_tokens": max(0, token_cap - captured_tokens(Path(job.out_dir)))})
-    artifact = create_progress_artifact(progress=0.0, key=artifact_key("capture", config_name), description="capture: starting")
+    artifact = progress_artifact(progress=0.0, key=artifact_key("capture", config_name), description="capture: starting")
     started = time.monotonic()
     last_update = 0.0
 
@@ -191,7 +191,7 @@ def run_engine_capture(job: CaptureJob, engine: EngineSettings, shared_dir: Path
             update_progress_artifact(artifact, progress=round(100.0 * done / total if total else 100.0, 2), description=line)
             logger.info(line)
 
-    result = run_coro_as_sync(capture_with_engine(job, engine, shared_dir, on_progress=on_progress, logger=logger))
+    result: dict[str, int] = run_coro_as_sync(capture_with_engine(job, engine, shared_dir, on_progress=on_progress, logger=logger))
     update_progress_artifact(artifact, progress=100.0, description=f"capture: done, {result['tokens']:,} tokens this run")
     return result["tokens"] / max(1e-9, time.monotonic() - started)
 

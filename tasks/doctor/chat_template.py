@@ -17,14 +17,15 @@ generate (the engine check compares it with the server's context).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from models.findings import Finding
-from tasks.datasets import BadRow, DatasetError, build_passthrough, build_prompt, iter_rows
+from tasks.datasets import BadRow, DatasetError, Kind, RowFormat, iter_rows
 from tasks.generate.prompts import chat_prompt_ids
-from tasks.records.chat_masks import MaskError, conversation_records
+from tasks.records.chat_masks import MaskError, OnRewrite, conversation_records
 
 THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)  # reasoning inline in the content (Kimi, Qwen3, DeepSeek)
 SAMPLE_ROWS = 200  # rows read per dataset: the sample, the rows with reasoning or tools, the longest prompt
@@ -38,13 +39,14 @@ class TemplateReport:
     longest_prompts: dict[str, int] = field(default_factory=dict)
 
 
-def template_findings(tokenizer: Any, datasets: list[tuple[str, Path, str]], *, on_rewrite: str = "split",
-                      sample_rows: int = SAMPLE_ROWS) -> TemplateReport:
-    """Check the template on `datasets` ((name, path, kind) each); missing files are `eagle3 validate`'s to report."""
+def template_findings(tokenizer: Any, datasets: Sequence[tuple[str, Path, Kind]], *, on_rewrite: OnRewrite = "split",
+                      sample_rows: int = SAMPLE_ROWS, formats: Mapping[str, RowFormat] | None = None) -> TemplateReport:
+    """Check the template on `datasets` ((name, path, kind) each, read in `formats[name]`, default auto); missing files
+    are `eagle3 validate`'s to report."""
     report = TemplateReport()
     for name, path, kind in datasets:
         try:
-            rows = _first_rows(path, kind, sample_rows)
+            rows = _first_rows(path, kind, sample_rows, (formats or {}).get(name))
         except (DatasetError, OSError) as exc:
             report.findings.append(Finding(f"chat template: {name}", "FAIL", f"cannot read a sample: {exc}"[:300],
                                            "`eagle3 validate CONFIG` lists what is wrong with the file"))
@@ -65,26 +67,23 @@ def template_findings(tokenizer: Any, datasets: list[tuple[str, Path, str]], *, 
     return report
 
 
-def _first_rows(path: Path, kind: str, n: int) -> list[Any]:
-    build = build_passthrough if kind == "passthrough" else build_prompt
+def _first_rows(path: Path, kind: Kind, n: int, row_format: RowFormat | None) -> list[Any]:
     rows = []
-    for number, data in iter_rows(path, kind):  # type: ignore[arg-type]
+    for number, row in iter_rows(path, kind, row_format):
         if number > n:
             break
-        try:
-            rows.append(build(data))
-        except BadRow:
-            continue  # `eagle3 validate` names bad rows; the sample is the first good one
+        if not isinstance(row, BadRow):  # `eagle3 validate` names bad rows; the sample is the first good one
+            rows.append(row)
     return rows
 
 
-def _passthrough_finding(name: str, row: Any, tokenizer: Any, on_rewrite: str) -> Finding:
+def _passthrough_finding(name: str, row: Any, tokenizer: Any, on_rewrite: OnRewrite) -> Finding:
     check = f"chat template: {name}"
     if row.messages is None:  # pre-tokenized: the mask is the row's own
         share = sum(row.loss_mask) / max(1, len(row.loss_mask))
         return _share_finding(check, share, f"row {row.id} (pre-tokenized)", len(row.loss_mask), from_template=False)
     try:
-        records = conversation_records(row.id, row.messages, tokenizer, on_rewrite=on_rewrite)  # type: ignore[arg-type]
+        records = conversation_records(row.id, row.messages, tokenizer, on_rewrite=on_rewrite)
     except MaskError as exc:
         return Finding(check, "FAIL", f"0% of the tokens get loss: row {row.id}: {exc.reason}"[:400],
                        "fix the target's chat template (tokenizer_config.json chat_template), or give this dataset as "
@@ -135,7 +134,7 @@ def _prompt_findings(name: str, rows: list[Any], tokenizer: Any) -> tuple[Findin
     return Finding(check, "PASS", seen), longest
 
 
-def _dropped_finding(name: str, rows: list[Any], tokenizer: Any, kind: str, on_rewrite: str) -> Finding | None:
+def _dropped_finding(name: str, rows: list[Any], tokenizer: Any, kind: Kind, on_rewrite: OnRewrite) -> Finding | None:
     """A WARN when the first sampled row with reasoning or tool turns loses them; None if nothing is lost.
 
     Passthrough: reasoning is lost when it is in no record's loss span, a tool result when it is in
@@ -156,7 +155,7 @@ def _dropped_finding(name: str, rows: list[Any], tokenizer: Any, kind: str, on_r
             continue
         try:
             if kind == "passthrough":
-                records = conversation_records(row.id, messages, tokenizer, on_rewrite=on_rewrite)  # type: ignore[arg-type]
+                records = conversation_records(row.id, messages, tokenizer, on_rewrite=on_rewrite)
                 trained = " ".join(tokenizer.decode([t for t, m in zip(r.input_ids, r.loss_mask) if m]) for r in records)
                 shown = " ".join(tokenizer.decode(r.input_ids) for r in records)
             else:

@@ -37,7 +37,7 @@ def draft_findings(export_dir: Path, *, trained_layers: list[int], vocab_size: i
 
 
 def _aux_finding(cfg: dict[str, Any], trained: list[int]) -> Finding:
-    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    eagle = found if isinstance(found := cfg.get("eagle_config"), dict) else {}
     sglang, vllm = eagle.get(VLLM_AUX_KEY), cfg.get(VLLM_AUX_KEY)
     seen = (f"trained on the outputs of layers {trained}; SGLang reads {sglang} (outputs of layers), vLLM {vllm} "
             "(capture indices = inputs of layers)")

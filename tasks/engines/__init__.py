@@ -15,10 +15,15 @@ request (`abort`, or close its connection where the engine has no abort), health
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tasks.engines.client import EngineClient
+
 ENGINES = ("sglang", "vllm")
 
 
-def client_class(engine: str) -> type:
+def client_class(engine: str) -> type[EngineClient]:
     """The client class of `engine` (one of ENGINES)."""
     if engine == "sglang":
         from tasks.engines.sglang import SGLangClient

@@ -24,7 +24,7 @@ import random
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import httpx
 
@@ -42,6 +42,9 @@ from tasks.engines.errors import (
     ServerUnavailable,
     WrongEndpoint,
 )
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; only the checker reads this import
+    from typing_extensions import Self
 
 FINISH_REASONS = ("stop", "length", "abort")
 RID_NONCE_HEX = 24  # 96 random bits: fixed width, so no rid we send is a prefix of another
@@ -237,7 +240,7 @@ class EngineClient:
             transport=transport,
         )
 
-    async def __aenter__(self) -> EngineClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -416,7 +419,7 @@ class EngineClient:
         if 400 <= status < 500 and status not in PROMPT_STATUS and status not in RETRYABLE_STATUS:
             raise ServerRefused(status, url, message, "This status says the run, not one prompt, is refused.")
 
-    def _bad_request(self, status: int, message: str) -> BadRequest:
+    def _bad_request(self, status: int, message: str) -> Exception:
         """The error of a 400/413/422 (an engine may name some of them otherwise: SGLang's duplicate rid)."""
         return BadRequest(status, message)
 

@@ -99,7 +99,7 @@ def parse_completion(data: Any) -> Completion:
     if not isinstance(text, str):
         raise InvalidReply("text", f"text must be a string, got {type(text).__name__}")
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
-    details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
+    details = found if isinstance(found := usage.get("prompt_tokens_details"), dict) else {}
     metrics = data.get("metrics") if isinstance(data.get("metrics"), dict) else {}
     spec = metrics.get("speculative_decoding") if isinstance(metrics.get("speculative_decoding"), dict) else None
     stop_reason = choice.get("stop_reason")

@@ -45,7 +45,7 @@ from models.jobs import ServerSettings
 from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy, ServerLimits
 from tasks.engines.errors import BadRequest
-from tasks.processes import SERVER_LOG, launched_servers
+from tasks.launch_servers import SERVER_LOG, launched_servers
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.artifacts import aupdate_progress_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import aupdate_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.asyncutils import run_coro_as_sync
 
@@ -22,12 +22,12 @@ from models.eval_prompts import eval_prompts
 from models.jobs import EngineEvalSettings, EvalJob
 from models.rank_protocol import EVAL, Message
 from models.run_layout import EVAL_REPORT, TRAIN_SUMMARY
-from tasks.artifacts import artifact_key
+from tasks.artifacts import artifact_key, progress_artifact
 from tasks.engines.sglang import SGLangClient
 from tasks.engines.vllm import VLLMClient
 from tasks.eval.engine import EngineServer, Phase, check_command, compare_with_hf, decode_prompts, engine_report, fit_draft_context
 from tasks.generate.prompts import default_stop_ids, request_sampling_params
-from tasks.launch import follow_job, write_job
+from tasks.launch_ranks import follow_job, write_job
 from tasks.engines.client import RetryPolicy, auth_hint
 
 
@@ -41,7 +41,7 @@ def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, 
     final = _exported(job)
     write_job(job, job_path, kept=lambda: f"the exported draft in {final} (nothing was evaluated yet)",
               resume="make room there, then run the eval stage again")
-    artifact = create_progress_artifact(progress=0.0, key=artifact_key("eval", config_name), description="eval: starting")
+    artifact = progress_artifact(progress=0.0, key=artifact_key("eval", config_name), description="eval: starting")
     drafts = 2 if job.compare_untrained else 1
     seen: list[str] = []
 
@@ -80,8 +80,8 @@ def evaluate_on_engine(job: EvalJob, engine: EngineEvalSettings, server: EngineS
     if not prompts:
         raise ValueError(f"no eval prompts (train.eval_fraction={job.eval_fraction}): raise eval_fraction and retrain")
     params = request_sampling_params({"max_new_tokens": job.max_new_tokens, "temperature": 0.0}, default_stop_ids(tokenizer))
-    artifact = create_progress_artifact(progress=0.0, key=artifact_key("eval-engine", config_name),
-                                        description="engine eval: starting the server with the draft")
+    artifact = progress_artifact(progress=0.0, key=artifact_key("eval-engine", config_name),
+                                 description="engine eval: starting the server with the draft")
     phases = 2 if engine.baseline and (server.launch != "none" or engine.baseline_url) else 1
 
     def measure(url: str, chosen: list, phase: int, what: str, select: Callable[..., Any] | None = None) -> Phase:

@@ -124,7 +124,7 @@ class LegacyLine:
 
     @classmethod
     def of(cls, d: dict, fallback_time: float) -> LegacyLine:
-        inner = d.get("response") if isinstance(d.get("response"), dict) else {}
+        inner = found if isinstance(found := d.get("response"), dict) else {}
         usage = _obj(_first(d.get("usage"), inner.get("usage")), "usage")
         meta = _obj(d.get("meta_info"), "meta_info")
         choices = _first(d.get("choices"), inner.get("choices"))
@@ -220,6 +220,8 @@ class LegacyLine:
                 " target's tokenizer to import_jsonl to tokenise it"
             )
         if prompt_ids is None:
+            if self.messages is None:  # never from LegacyLine.of, which wants one or the other
+                raise BadLine("has no 'prompt_ids'/'input_ids' and no prompt 'messages'/'prompt' to tokenise")
             try:
                 prompt_ids = chat_prompt_ids(tokenizer, self.messages)
             except Exception as e:  # a template that rejects these messages: this line's fault

@@ -194,7 +194,7 @@ def quarantine_advice(part: Path, responses_dir: Path) -> str:
 class _Run:
     """State of one generate_dataset call: in-flight requests, writer, rejects, counters."""
 
-    def __init__(self, settings, pool, tokenizer, budget, source, rejects_dir, logger, vocab_size):
+    def __init__(self, settings, pool, tokenizer, budget, source, rejects_dir, logger, vocab_size) -> None:
         self.settings = settings
         self.rejects_dir = Path(rejects_dir)
         self.log = logger
@@ -252,7 +252,11 @@ class _Run:
                 self.budget.admit()
                 key = f"{self.settings.dataset}:{row.id}"  # names the request; each send gets its own rid (server_pool)
                 task = asyncio.create_task(self.one(row, ids, key, lease, queue, wake))
-                task.add_done_callback(lambda _, lease=lease: self.pool.release(lease))  # also if cancelled before it ran
+
+                def release(_: asyncio.Task, lease: Lease = lease) -> None:  # this lease, bound now
+                    self.pool.release(lease)
+
+                task.add_done_callback(release)  # also if cancelled before it ran
                 self.in_flight[key] = task
                 continue
             if not self.in_flight:

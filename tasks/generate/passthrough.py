@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from tasks.datasets import load_dataset
+from tasks.datasets import OnBadRow, RowFormat, load_dataset
 from tasks.parquet_io import list_parts, read_metadata, write_parquet_atomic
 from tasks.rejects import replace_stage_rejects
 
@@ -32,16 +32,20 @@ class PassthroughReport:
     copied: bool  # False when the run already held this exact source
 
 
-def copy_passthrough(name: str, source: Path, out_dir: Path, rejects_dir: Path, on_bad_row: str = "fail") -> PassthroughReport:
-    """Validate `source` and write its rows as one atomic part in `out_dir`; a no-op if unchanged."""
+def copy_passthrough(name: str, source: Path, out_dir: Path, rejects_dir: Path, on_bad_row: OnBadRow = "fail",
+                     row_format: RowFormat | None = None) -> PassthroughReport:
+    """Validate `source` (read in `row_format`, default auto) and write its rows as one atomic part in `out_dir`; a
+    no-op if neither the file nor its row format changed."""
     stat = source.stat() if source.is_file() else None
-    fingerprint = json.dumps([str(source), stat.st_size, stat.st_mtime_ns] if stat else [str(source)])
+    # The row format is part of the source only when set: a run copied before the setting existed is not copied again.
+    read_as = [row_format.model_dump(mode="json")] if row_format is not None and row_format != RowFormat() else []
+    fingerprint = json.dumps([str(source), *([stat.st_size, stat.st_mtime_ns] if stat else []), *read_as])
     part = out_dir / PART
     if part.exists():
         meta = read_metadata(part)
         if stat is not None and meta.get("eagle3.source") == fingerprint:
             return PassthroughReport(name, int(meta["eagle3.rows"]), int(meta.get("eagle3.rejects", 0)), int(meta.get("eagle3.duplicates", 0)), copied=False)
-    loaded = load_dataset(source, "passthrough", on_bad_row=on_bad_row)  # type: ignore[arg-type]
+    loaded = load_dataset(source, "passthrough", row_format=row_format, on_bad_row=on_bad_row)
     table = pa.Table.from_pylist(
         [
             {

@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from models.jobs import GenerateJob, ServerSettings
 from models.run_layout import RunLayout
 from tasks.artifacts import artifact_key
-from tasks.datasets import load_dataset
+from tasks.datasets import OnBadRow, RowFormat, load_dataset
 from tasks.generate.loop import GenerateReport, Progress, generate_dataset
 from tasks.generate.prompts import default_stop_ids
 from tasks.generate.passthrough import PassthroughReport, copy_passthrough
@@ -43,16 +43,17 @@ async def _retry_on_outage(task: Any, task_run: Any, state: Any) -> bool:
 async def generate_responses(
     name: str,
     source: Path,
-    on_bad_row: str,
+    on_bad_row: OnBadRow,
     target_path: str,
     trust_remote_code: bool,
     settings: GenerateJob,
     layout: RunLayout,
     pool: ServerPool,
+    row_format: RowFormat,
 ) -> GenerateReport:
     """Generate one dataset's responses through the run's servers (SGLang or vLLM); resumes from its checkpoints."""
     logger = get_run_logger()
-    loaded = await asyncio.to_thread(load_dataset, source, "generate", on_bad_row=on_bad_row)  # type: ignore[arg-type]
+    loaded = await asyncio.to_thread(load_dataset, source, "generate", row_format=row_format, on_bad_row=on_bad_row)
     # This load's bad rows replace the last load's: a row fixed in the file is used from now on.
     await asyncio.to_thread(replace_stage_rejects, loaded.rejects, layout.rejects(name), "load")
     if loaded.rejects:
@@ -97,17 +98,19 @@ async def generate_responses(
 def server_pool(server: ServerSettings, logger: Any, *, max_concurrency: int | None = None) -> ServerPool:
     """The pool of the run's servers (`server.urls`, the launched replicas, or `server.url`), one for every dataset."""
     retry = RetryPolicy(outage_window_s=server.outage_window_s)
+    configured: int = getattr(server, "max_concurrency", 64)  # the run config's server settings have one
     return ServerPool(
-        server.endpoints, max_concurrency=max_concurrency or getattr(server, "max_concurrency", 64), retry=retry,
+        server.endpoints, max_concurrency=max_concurrency or configured, retry=retry,
         request_timeout_s=server.request_timeout_s, health_timeout_s=server.health_timeout_s, api_key=server.api_key(),
         auth_hint=auth_hint(server), max_input_len=server.max_req_input_len, logger=logger, engine=server.engine,
     )
 
 
 @task(name="copy-passthrough", task_run_name="passthrough {name}", cache_policy=NO_CACHE)
-def copy_passthrough_task(name: str, source: Path, on_bad_row: str, layout: RunLayout) -> PassthroughReport:
+def copy_passthrough_task(name: str, source: Path, on_bad_row: OnBadRow, layout: RunLayout,
+                          row_format: RowFormat) -> PassthroughReport:
     """Validate a passthrough dataset and copy it into the run."""
-    report = copy_passthrough(name, source, layout.passthrough(name), layout.rejects(name), on_bad_row)
+    report = copy_passthrough(name, source, layout.passthrough(name), layout.rejects(name), on_bad_row, row_format)
     get_run_logger().info(
         "%s: %d passthrough rows %s (%d rejects, %d duplicates)",
         name, report.rows, "copied" if report.copied else "already in the run", report.rejects, report.duplicates,

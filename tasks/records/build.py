@@ -176,9 +176,9 @@ def build_records(
             raise WriteFailed(records_dir / name, e, kept=f"{len(done) + built} complete records parts in {records_dir}",
                               resume=RESUME) from None
         built += 1
-    report = dataset_report(dataset, records_dir)
-    report.parts_built = built
-    return report
+    records = dataset_report(dataset, records_dir)
+    records.parts_built = built
+    return records
 
 
 def _write_rejects(rejects: list[Reject], rejects_dir: Path, kept: str) -> None:
@@ -208,7 +208,7 @@ def summarize_records(records_dir: Path) -> PartReport:
 
 def _from_responses(table: pa.Table, settings: RecordsJob) -> tuple[list[dict], PartReport]:
     report = PartReport()
-    rows = []
+    rows: list[dict] = []
     columns = table.select(["id", "prompt_ids", "output_ids", "finish_reason"]).to_pylist()
     stops = set(settings.stop_token_ids)
     for r in columns:

@@ -14,16 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
-                               update_progress_artifact)
+from prefect.artifacts import create_markdown_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from models.jobs import Nodes, TrainJob
 from models.rank_protocol import TRAIN, TRAIN_EVAL, Message, most_telling
 from models.run_layout import CHECKPOINTS, EVAL_REPORT, FINAL, METRICS, TRAIN_SUMMARY, TRAINING_PLOT
 from models.train_checkpoint import RESUME, CheckpointMismatch, kept_checkpoint
-from tasks.artifacts import artifact_key
-from tasks.launch import RankFailure, follow_job, rank_command, rank_error, run_job, write_job
+from tasks.artifacts import artifact_key, progress_artifact
+from tasks.launch_ranks import RankFailure, follow_job, rank_command, rank_error, run_job, write_job
 from tasks.train.report import eval_table, load_metrics, plot_training, report_markdown
 
 
@@ -58,7 +57,7 @@ def job_failure(reports: list[dict[str, Any]], failure: RankFailure) -> Exceptio
     error = rank_error(reports, TRAIN, refused=TrainFailed, known=(CheckpointMismatch,))
     if error is not None:
         return error
-    report = most_telling(reports)  # an unexpected error: a relaunch may not meet it again
+    report = most_telling(reports) or reports[0]  # an unexpected error: a relaunch may not meet it again
     return TrainFailed(f"train rank {report.get('rank')} failed: {report.get('type')}: {report.get('message', '')}\n{failure}",
                        retryable=True)
 
@@ -75,28 +74,31 @@ def run_train_job(job: TrainJob, job_path: Path, num_ranks: int, launcher: str, 
     command, env = rank_command("models.train", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher, nodes=nodes)
     write_job(job, job_path, kept=lambda: kept_checkpoint(Path(job.out_dir) / CHECKPOINTS), resume=RESUME)
     logger.info("launching %d rank(s) on %d node(s): %s", num_ranks * nodes.nnodes, nodes.nnodes, " ".join(command))
-    artifact = create_progress_artifact(progress=0.0, key=artifact_key("train", config_name), description="train: starting")
-    state = {"started": time.monotonic(), "first": None, "last": 0.0, "eval": None}
+    artifact = progress_artifact(progress=0.0, key=artifact_key("train", config_name), description="train: starting")
+    first: tuple[int, int, float] | None = None  # steps, tokens and time at the start of this launch (a resume starts past 0)
+    last = 0.0
+    held_out: float | None = None
 
     def on_message(message: Message) -> None:
+        nonlocal first, last, held_out
         if message.kind is TRAIN_EVAL:
-            state["eval"] = message.values["acceptance_length"]
+            held_out = message.values["acceptance_length"]
             return
         if message.kind is not TRAIN.progress:
             return  # a checkpoint or the end: in the log already
         step, total, tokens = (message.values[k] for k in ("step", "total", "tokens"))
         now = time.monotonic()
-        if state["first"] is None:  # steps and tokens at the start of this launch (a resume starts past 0)
-            state["first"] = (step, tokens, now)
-        if now - state["last"] < 2 and step != total:
+        if first is None:
+            first = (step, tokens, now)
+        if now - last < 2 and step != total:
             return
-        state["last"] = now
-        step0, tokens0, t0 = state["first"]
+        last = now
+        step0, tokens0, t0 = first
         rate = (tokens - tokens0) / max(1e-9, now - t0)
         eta = (total - step) * (now - t0) / (step - step0) if step > step0 else None
         text = (f"train: step {step:,}/{total:,}, {tokens:,} tokens, {rate:,.0f} tok/s"
                 + (f", ETA {eta / 60:.1f} min" if eta is not None else "")
-                + (f", held-out acceptance length {state['eval']:.2f}" if state["eval"] is not None else ""))
+                + (f", held-out acceptance length {held_out:.2f}" if held_out is not None else ""))
         update_progress_artifact(artifact, progress=round(100.0 * step / max(1, total), 2), description=text)
         logger.info(text)
 

@@ -22,7 +22,7 @@ class Refuse(importlib.abc.MetaPathFinder):
         if name.split(".")[0] == "prefect":
             raise ImportError(f"{name} is not on the GPU machine")
 sys.meta_path.insert(0, Refuse())
-OURS = {"__main__", "bench", "deploy", "flows", "models", "tasks"}
+OURS = {"__main__", "bench", "deploy", "emulators", "flows", "models", "tasks"}
 real_import = builtins.__import__
 def ours_without_httpx(name, globals=None, locals=None, fromlist=(), level=0):
     if level == 0 and name.split(".")[0] == "httpx" and (globals or {}).get("__name__", "").split(".")[0] in OURS:
@@ -61,7 +61,7 @@ def test_cpu_smoke_runs_every_phase_and_reports_its_figures(tmp_path):
 
 # The eval job as the check launches it, but held for good after its 2nd prompt's line: the check's eval limit
 # (--eval-s) is then certainly what ends it, with exactly 2 prompts measured. The check process swaps it in for
-# `python -m models.eval_job` through tasks.launch.follow_job, which Check.launch imports when it launches.
+# `python -m models.eval_job` through tasks.launch_ranks.follow_job, which Check.launch imports when it launches.
 HELD_EVAL = """
 import sys, threading
 from models import eval_job
@@ -75,14 +75,14 @@ eval_job.say = held
 sys.exit(eval_job.main())
 """
 WITH_HELD_EVAL = WITHOUT_PREFECT.replace("sys.argv = ", f"""
-import tasks.launch
-follow_job = tasks.launch.follow_job
+import tasks.launch_ranks
+follow_job = tasks.launch_ranks.follow_job
 def held_eval(command, **kw):
     if "models.eval_job" in command:
         at = command.index("models.eval_job")
         command = [*command[:at - 1], "-c", {HELD_EVAL!r}, *command[at + 1:]]
     return follow_job(command, **kw)
-tasks.launch.follow_job = held_eval
+tasks.launch_ranks.follow_job = held_eval
 sys.argv = """, 1)
 
 

@@ -116,7 +116,7 @@ asyncio.run(main(sys.argv[1]))
 
 @pytest.mark.e2e
 def test_a_killed_worker_leaves_nothing_a_rerun_does_not_finish_exactly_once(prefect_server, tmp_path, tiny_target_dir):
-    from deploy.sim_server import SimServer
+    from emulators.sim import SimServer
     from tasks.checkpoints import live_parts
     from tasks.run_lock import read_holder
 

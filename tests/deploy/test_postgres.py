@@ -111,7 +111,7 @@ def postgres():
 @pytest.mark.e2e
 def test_a_team_server_on_postgresql_runs_a_deployment_on_the_box_its_queue_names(postgres, launch_prefect, tmp_path,
                                                                                     tiny_target_dir):
-    from deploy.sim_server import SimServer
+    from emulators.sim import SimServer
     from tasks.checkpoints import live_parts
 
     n = 24

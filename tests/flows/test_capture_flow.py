@@ -27,7 +27,7 @@ from tasks.capture import tasks as capture_tasks
 from tasks.capture.plan import DiskTooSmall
 from tasks.capture.tasks import CaptureRefused, capture_retryable, rank_error
 from tasks.checkpoints import responses_table, write_part
-from tasks.launch import RankFailure
+from tasks.launch_ranks import RankFailure
 from tasks.records.build import build_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,7 +138,7 @@ def test_the_vllm_backend_runs_the_flow_plan_and_artifact_like_the_deepspeed_one
 
     from rich.console import Console
 
-    from flows.config import load_config
+    from flows.config_file import load_config
     from flows.plan import print_plan
     from models.hidden_shards import done_sample_keys
     from tasks.ports import free_port

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.config import ConfigError, RunConfig, dump_config, load_config, parse_config
+from flows.config import RunConfig
+from flows.config_file import ConfigError, dump_config, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 

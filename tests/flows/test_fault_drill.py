@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from deploy.sim_server import SimServer
+from emulators.sim import SimServer
 from tasks.checkpoints import live_parts
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes of its own

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from prefect.client.orchestration import get_client
 
-from deploy.sim_server import SimServer
+from emulators.sim import SimServer
 from flows.capture import capture
 from flows.generate import generate
 from flows.records import records

@@ -29,12 +29,11 @@ from models.jobs import (
     Nodes,
     RecordsJob,
     ServerSettings,
-    Spec,
     TargetSpec,
     TrainJob,
-    load_job,
 )
-from tasks.launch import write_job
+from models.spec import Spec, load_job
+from tasks.launch_ranks import write_job
 
 # (run config section, the spec the pipeline builds from it, the settings they share: None = all in common)
 PAIRS = [

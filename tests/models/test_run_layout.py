@@ -12,7 +12,7 @@ from models.run_layout import LOCK_NAME, RunLayout
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT_FILE = REPO / "models" / "run_layout.py"
-SCANNED = ("flows", "tasks", "models", "deploy", "bench")
+SCANNED = ("flows", "tasks", "models", "emulators", "bench")
 
 # (file, literal) -> why that literal there is not a path of the run directory.
 ALLOWED = {
@@ -97,7 +97,8 @@ def test_a_damaged_part_is_moved_to_the_same_place_under_quarantine():
 
 
 def layout_names() -> set[str]:
-    """The names models/run_layout.py joins into paths: the str operands of its `/` and its module-level str constants."""
+    """The names models/run_layout.py joins into paths: the str operands of its `/`, the names of its `_Entry`s and its
+    module-level str constants."""
     tree = ast.parse(LAYOUT_FILE.read_text())
     names = {node.value.value for node in tree.body
              if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
@@ -105,6 +106,10 @@ def layout_names() -> set[str]:
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
             names |= {side.value for side in (node.left, node.right)
                       if isinstance(side, ast.Constant) and isinstance(side.value, str)}
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_Entry":
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                names.add(name.value)
     return names
 
 

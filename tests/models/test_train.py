@@ -11,10 +11,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -299,16 +297,7 @@ def test_killed_training_resumes_with_the_same_state(tiny_target_dir, train_data
             if "TRAIN_CHECKPOINT step=4" in line:
                 break
     finally:
-        victims = [proc.pid, *procs.descendants(proc.pid)]
-        for pid in victims:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while any(procs.alive(p) for p in victims[1:]) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        procs.kill(proc)
     assert "TRAIN_CHECKPOINT step=4" in "".join(seen), "".join(seen)[-4000:]
     assert not (out / "final").exists()
     # A save cut short by a kill leaves a tag without COMPLETE: it must be ignored and removed.

@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from models.hidden_shards import iter_shard_index, list_shards, read_sample, shard_metadata
 from models.jobs import CaptureJob, Nodes, TrainJob
-from tasks.launch import rank_command, write_job
+from tasks.launch_ranks import rank_command, write_job
 from tasks.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ from tasks.datasets import PromptRow
 from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import request_sampling_params
 from tasks.ports import free_ports
-from tasks.processes import launched_servers
+from tasks.launch_servers import launched_servers
 from tasks.server_pool import ServerPool
 from tasks.engines.client import RetryPolicy
 

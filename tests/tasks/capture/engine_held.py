@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from deploy.dev_server import create_app
-from deploy.vllm_extract import Extraction
+from emulators.dev_server import create_app
+from emulators.vllm_extract import Extraction
 from models.engine_hidden import extraction_config
 from models.jobs import CaptureJob, EngineSettings
 from tasks.capture.engine import capture_with_engine

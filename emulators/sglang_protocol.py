@@ -1,13 +1,13 @@
 """SGLang's native HTTP protocol, as the dev server and the simulated server speak it.
 
-One definition of the subset of SGLang's API the pipeline uses, for ``deploy/dev_server.py`` (a
-real model) and ``deploy/sim_server.py`` (a simulation); each server supplies only what differs
+One definition of the subset of SGLang's API the pipeline uses, for ``emulators/dev_server.py`` (a
+real model) and ``emulators/sim/`` (a simulation); each server supplies only what differs
 through `SGLangBackend`, and `create_sglang_app` gives both the same endpoints and rules.
 
 Which SGLang: every rule here follows SGLang 0.5.23 (read in its wheel; files are named relative
 to the ``sglang`` package). A server started with ``sglang_version="0.4"`` follows SGLang 0.4.x
 (read in 0.4.10.post2) where the two differ -- `SGLangVersion` lists each difference with its source.
-tests/deploy/test_sglang_contract.py checks every rule against both servers.
+tests/emulators/test_sglang_contract.py checks every rule against both servers.
 
 - ``POST /generate`` -- ``text`` or ``input_ids`` (single or batch), ``sampling_params``
   (``max_new_tokens`` default 128, ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (-1 = off),
@@ -86,7 +86,7 @@ import math
 import secrets
 import uuid
 from collections import Counter
-from typing import Any, AsyncContextManager, Awaitable, Callable, Iterable, Protocol, Sequence, TypeVar
+from typing import Any, AsyncContextManager, Awaitable, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -315,7 +315,7 @@ def _unknown_field(key: str, fields: tuple[str, ...]) -> ContractError:
     return ContractError(f"unknown field `{key}`, expected one of {', '.join(f'`{f}`' for f in fields)}")
 
 
-def _struct(value: Any, name: str, schema: dict[str, Callable[[Any], None]]) -> None:
+def _struct(value: Any, name: str, schema: Mapping[str, Callable[[Any], None]]) -> None:
     """A struct whose unknown keys are rejected; null values are the defaults (decode_<name>)."""
     _expect(isinstance(value, dict), value, f"struct {name}")
     for key, x in value.items():
@@ -663,6 +663,8 @@ def parse_generate(raw: bytes, *, server: str, accepts_text: bool = True,
     prompts: list[str | list[int]]
     if text is not None:
         single, prompts = isinstance(text, str), [text] if isinstance(text, str) else list(text)
+    elif input_ids is None:
+        raise RuntimeError("neither text nor input_ids, yet the exactly-one check above let the body through")
     elif input_ids == []:
         raise BadRequest("input_ids cannot be empty.")
     elif not isinstance(input_ids[0], list):
@@ -937,6 +939,7 @@ class Auth:
             return None if authorization == f"Bearer {self.api_key}" else 401
         if path.startswith(("/health", "/ready", "/metrics")):
             return None
+        key: str | None
         if path in ADMIN_OPTIONAL_PATHS and self.admin_api_key:
             key = self.admin_api_key
         else:

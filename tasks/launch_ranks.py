@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable
 
-from models.jobs import Nodes, Spec
+from models.jobs import Nodes
+from models.spec import Spec
 from models.atomic import write_atomic
 from models.rank_protocol import Message, Protocol, most_telling, reported_error
 from models.file_errors import WriteFailed, is_write_error
@@ -115,7 +116,7 @@ def rank_command(module: str, args: list[str], *, num_ranks: int, launcher: str 
     """The command and extra environment that run `python -m module args` on `num_ranks` ranks per node.
 
     One node: every rank here, on a free port (the deepspeed launcher on the GPUs `local_devices` picks;
-    on a CPU machine it runs gloo ranks as torchrun does: tests/tasks/test_launch.py). Several
+    on a CPU machine it runs gloo ranks as torchrun does: tests/tasks/test_launch_ranks.py). Several
     (`nodes.nnodes` > 1): torchrun starts this node's ranks as node `node_rank` of a static rendezvous
     at master_addr:master_port (each node runs it); the deepspeed launcher, run on node 0 only, starts
     every node's ranks from the hostfile (pdsh). A setting that cannot work raises ValueError, naming it.

@@ -2,7 +2,7 @@
 
 Each test is one rule: its docstring states it and cites the SGLang 0.5.23 source (file and function,
 relative to the ``sglang`` package) it comes from. Every test runs against the dev server
-(deploy/dev_server.py, a real tiny model) and the simulated server (deploy/sim_server.py) through the
+(emulators/dev_server.py, a real tiny model) and the simulated server (emulators/sim/) through the
 ``emu`` fixture (ids "dev" and "sim"), speaking plain HTTP with httpx, so an emulation that drifts from
 SGLang (or from the other one) fails here. Tests marked with a version also run with
 ``sglang_version="0.4"`` (0.4.x, read in 0.4.10.post2) where the two differ.
@@ -27,8 +27,8 @@ import httpx
 import pytest
 import torch
 
-from deploy.dev_server import Speculative, create_app
-from deploy.sim_server import SimServer
+from emulators.dev_server import Speculative, create_app
+from emulators.sim import SimServer
 
 CONTEXT = 4096
 NUM_STEPS = 3  # the draft's --speculative-num-steps; topk 1, S + 1 draft tokens
@@ -120,7 +120,7 @@ def small_target(small_target_dir):
 @pytest.fixture(scope="module")
 def small_draft_dir(small_target, tmp_path_factory):
     """A random EAGLE-3 draft for the small target, exported as SGLang loads it (test_dev_server_spec's helper)."""
-    from tests.deploy.test_dev_server_spec import export_random_draft
+    from tests.emulators.test_dev_server_spec import export_random_draft
 
     return export_random_draft(small_target, tmp_path_factory.mktemp("small_draft") / "final")
 
@@ -468,7 +468,7 @@ def test_avg_spec_accept_length_is_folded_every_40_decode_batches(emu, small_tar
     `reset_metrics`)."""
     from models.eagle3_export import load_exported_draft
     from models.spec_eval import speculative_decode
-    from tests.deploy.test_dev_server_spec import folded_avg
+    from tests.emulators.test_dev_server_spec import folded_avg
 
     s = emu(draft=True)
     assert s.post("/flush_cache").status_code == 200  # whatever other tests sent, start from nothing

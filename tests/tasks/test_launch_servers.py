@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tasks.ports import free_port, free_ports
-from tasks.processes import launched_servers
+from tasks.launch_servers import launched_servers
 
 
 def _up(url: str) -> bool:

@@ -11,12 +11,13 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 from urllib.parse import urlparse
 
 import httpx
 from prefect.utilities.asyncutils import run_coro_as_sync
 
-from models.jobs import replica_url
+from models.server_access import replica_url
 from tasks.ports import free_port
 from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy
@@ -48,32 +49,32 @@ class ServerProcess:
         self.stop()
 
     def start(self) -> None:
+        log: IO[bytes] | None = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(self.log_path, "ab")
-        else:
-            log = subprocess.DEVNULL
         try:
             self.process = subprocess.Popen(
                 self.command,
-                stdout=log,
+                stdout=subprocess.DEVNULL if log is None else log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(self.env or {})},
                 start_new_session=True,  # its own process group: stop() reaches its children too
             )
         finally:
-            if log is not subprocess.DEVNULL:
+            if log is not None:
                 log.close()
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
         """Block until the engine's health path answers 200 (EngineClient.wait_healthy); RuntimeError with the log tail
         if the process dies or the time runs out."""
         assert self.process is not None, "start() first"
+        process = self.process
 
         def alive() -> None:
-            if self.process.poll() is not None:
+            if process.poll() is not None:
                 raise RuntimeError(
-                    f"server exited with code {self.process.returncode} before becoming healthy:\n{self.log_tail()}"
+                    f"server exited with code {process.returncode} before becoming healthy:\n{self.log_tail()}"
                 )
 
         async def wait() -> None:
@@ -110,7 +111,7 @@ def dev_server(model_dir: Path, *, port: int | None = None, log_path: Path | Non
     """The SGLang-compatible dev server over `model_dir`, as a child process (not yet started); `extra_args` are its
     further flags (e.g. SGLang's --speculative-* ones)."""
     port = port or free_port(host)
-    command = [sys.executable, "-m", "deploy.dev_server", "--model", str(model_dir), "--host", host, "--port", str(port),
+    command = [sys.executable, "-m", "emulators.dev_server", "--model", str(model_dir), "--host", host, "--port", str(port),
                *(extra_args or [])]
     return ServerProcess(command, f"http://{host}:{port}", log_path=log_path)
 
@@ -143,11 +144,11 @@ def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool =
         host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
         log_path = None if log_dir is None else log_dir / (SERVER_LOG if replicas == 1 and not router else f"server-{i}.log")
         gpus = None if gpus_per_replica is None else ",".join(str(g) for g in range(i * gpus_per_replica, (i + 1) * gpus_per_replica))
-        if launch == "dev":
-            servers.append(dev_server(target, port=port, host=host, log_path=log_path, extra_args=extra_args))  # type: ignore[arg-type]
-        else:
+        if launch == "dev" and target is not None:  # checked above: dev has a target, command a command
+            servers.append(dev_server(target, port=port, host=host, log_path=log_path, extra_args=extra_args))
+        elif command:
             fill = {"host": host, "port": str(port), "replica": str(i), "gpus": gpus or ""}
-            words = [fill_placeholders(word, fill) for word in command] + list(extra_args or [])  # type: ignore[union-attr]
+            words = [fill_placeholders(word, fill) for word in command] + list(extra_args or [])
             env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
             servers.append(ServerProcess(words, address, log_path=log_path, env=env, engine=engine))
     if router:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from deploy.dev_server import Speculative, create_app, main
+from emulators.dev_server import Speculative, create_app, main
 from models.draft_vocab import draft_vocab
 from models.eagle3 import DraftStep, Eagle3Draft
 from models.eagle3_export import load_exported_draft
@@ -268,16 +268,16 @@ def test_partly_right_draft_counts_rounds_like_the_eval(serve_app, tiny_target_d
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("entry", ["module", "eagle3"])
 def test_server_process_with_draft_flags(entry, tiny_target_dir, draft_dir, target, prompts, tmp_path):
-    """`python -m deploy.dev_server` and `eagle3 serve-dev` with SGLang's flags serve the draft as the eval decodes."""
+    """`python -m emulators.dev_server` and `eagle3 serve-dev` with SGLang's flags serve the draft as the eval decodes."""
     import sys
     from pathlib import Path
 
     from tasks.ports import free_port
-    from tasks.processes import ServerProcess
+    from tasks.launch_servers import ServerProcess
 
     model, tok = target
     port = free_port()
-    start = ([sys.executable, "-m", "deploy.dev_server"] if entry == "module"
+    start = ([sys.executable, "-m", "emulators.dev_server"] if entry == "module"
              else [str(Path(sys.executable).parent / "eagle3"), "serve-dev"])
     command = [*start, "--model", str(tiny_target_dir), "--port", str(port), "--speculative-algorithm", "EAGLE3",
                "--speculative-draft-model-path", str(draft_dir), "--speculative-num-steps", "2",

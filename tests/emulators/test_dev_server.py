@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from deploy.dev_server import SamplingParams, Engine, EngineSequence, create_app
+from emulators.dev_server import SamplingParams, Engine, EngineSequence, create_app
 
 CONTEXT = 512  # smaller than the tiny target's 4096 positions: over-long prompts stay cheap
 PROMPTS = [[20, 31, 42, 53], [100, 7, 250], [300, 301, 302, 303, 304, 305], [64, 65], [900, 12, 13, 14, 15]]
@@ -265,7 +265,7 @@ def test_server_and_model_info(client, tiny_target_dir):
 
 def test_dev_and_sim_servers_answer_bad_input_alike(client):
     """One protocol module: the simulated server refuses what the dev server refuses, in the same words."""
-    from deploy.sim_server import SimServer
+    from emulators.sim import SimServer
 
     vocab = client.get("/server_info").json()["vocab_size"]
     bad = [
@@ -301,7 +301,7 @@ def test_dev_and_sim_servers_answer_bad_input_alike(client):
 
 def test_cli_flags_reach_the_app(monkeypatch, tiny_target_dir):
     """SGLang's --api-key / --admin-api-key, and --disconnect-poll-s, --sglang-version, --decode-log-interval."""
-    import deploy.dev_server as dev
+    import emulators.dev_server as dev
 
     seen = {}
     monkeypatch.setattr(dev, "serve", lambda model, host, port, **kw: seen.update(kw))

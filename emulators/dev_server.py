@@ -2,7 +2,7 @@
 
 Used by the embedded demo and the tests in place of a real SGLang server. It speaks the subset of
 SGLang's native API the pipeline uses -- endpoints, request rules, response and error shapes are
-defined once in ``deploy/sglang_protocol.py`` (shared with the simulated server); this module is
+defined once in ``emulators/sglang_protocol.py`` (shared with the simulated server); this module is
 the real model behind them:
 
 - ``POST /generate`` takes ``text`` (tokenized with no chat template and no special tokens) or
@@ -13,10 +13,10 @@ the real model behind them:
 vLLM's hidden-state extraction (``--speculative-config`` / ``--kv-transfer-config``, vLLM's flags with
 ``extract_hidden_states`` and ``ExampleHiddenStatesConnector``): the server also answers vLLM's
 ``POST /v1/completions`` for token-id prompts and writes the connector's safetensors files, so the
-capture's vLLM backend runs against the tiny target (``deploy/vllm_extract.py``).
+capture's vLLM backend runs against the tiny target (``emulators/vllm_extract.py``).
 
 SGLang behaviours it follows (SGLang 0.5.23 unless started with ``sglang_version="0.4"``; the rules
-and their sources are in ``deploy/sglang_protocol.py``): a stop token before the length cap
+and their sources are in ``emulators/sglang_protocol.py``): a stop token before the length cap
 (`Engine._append`, `Engine._speculate`); a held rid refused as a duplicate; a disconnected client
 noticed only on the ``disconnect_poll_s`` poll (default SGLang's 4 s); /abort_request by rid prefix;
 the queued-abort and running-abort answers; ``--api-key`` / ``--admin-api-key``; /flush_cache
@@ -85,9 +85,9 @@ import torch
 import torch.nn.functional as F
 from fastapi import FastAPI, Request
 
-from deploy import sglang_protocol as sglang
-from deploy import vllm_extract
-from deploy.sglang_protocol import SamplingParams
+from emulators import sglang_protocol as sglang
+from emulators import vllm_extract
+from emulators.sglang_protocol import SamplingParams
 from models.spec_eval import speculative_decode
 
 logger = logging.getLogger("eagle3.dev_server")
@@ -170,8 +170,15 @@ class EngineSequence:
     spec_verify_ct: int | None = None  # verify rounds, with a draft
 
     @property
+    def prefilled_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`kv`, which only a sequence that has had its prefill has."""
+        if self.kv is None:
+            raise RuntimeError(f"sequence {self.rid!r} has no KV cache: used before its prefill or after its finish")
+        return self.kv
+
+    @property
     def kv_len(self) -> int:
-        return self.kv[0][0].shape[2]
+        return self.prefilled_kv[0][0].shape[2]
 
 
 def _kv_from_cache(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -180,12 +187,13 @@ def _kv_from_cache(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))
 
 
-def _cache_from_kv(kv: list[tuple[torch.Tensor, torch.Tensor]]):
+def _cache_from_kv(kv: list[tuple[torch.Tensor, ...]]):  # per layer (keys, values)
     from transformers import DynamicCache
 
     if "ddp_cache_data" in inspect.signature(DynamicCache.__init__).parameters:
         return DynamicCache(ddp_cache_data=kv)
-    return DynamicCache.from_legacy_cache(tuple(kv))
+    # Older transformers (before ddp_cache_data) only; transformers 5, whose stubs mypy reads, removed it.
+    return DynamicCache.from_legacy_cache(tuple(kv))  # type: ignore[attr-defined]
 
 
 class Engine:
@@ -331,11 +339,14 @@ class Engine:
                 self._active.append(s)
         if reason is not None:
             self._finish(s, reason)
+        elif logits is None:
+            raise RuntimeError(f"prefill of {s.rid!r} set no finish reason and no logits to sample from")
         else:
             self._append(s, logits)
 
     def _speculate(self, s: EngineSequence) -> None:
         """Decode one admitted (greedy) sequence to its end with the draft, as models/spec_eval.py does."""
+        reason: dict[str, Any] | None
         if s.abort_requested:
             reason = sglang.finish_abort()
         elif s.max_new_tokens <= 0:
@@ -343,6 +354,8 @@ class Engine:
         else:
             # SGLang's stop rule: eos ids and the request's stop_token_ids, neither under ignore_eos.
             stop = set() if s.params.ignore_eos else {*self.eos_ids, *s.params.stop_token_ids}
+            if self.num_steps is None:
+                raise RuntimeError("_speculate without num_steps: the Engine has a draft but no num_steps")
             # speculative_decode cuts a round at the cap before it looks for a stop, so a stop accepted
             # beyond max_new_tokens never gets in: a length finish at the cap, as SGLang 0.5.23's
             # schedule_batch.py `_cap_finished_len_at_max_new_tokens` demotes it.
@@ -354,7 +367,8 @@ class Engine:
                     self._count_decode_batch(batch_size=1, accept_tokens=r.kept)
             # 0.5.23 `update_finish_state`: a stop token (even the max_new_tokens-th) before the length cap.
             reason = sglang.finish_reason(out, s.max_new_tokens, stop, self.version)
-            assert reason is not None, "speculative_decode ends at a stop token or at max_new_tokens"
+            if reason is None:
+                raise RuntimeError("speculative_decode ended at neither a stop token nor max_new_tokens")
         with self._cond:
             self._admitted.remove(s)
         self._finish(s, reason)
@@ -399,9 +413,9 @@ class Engine:
         # Left-pad each cache to the longest one. Padded slots are masked out; positions are
         # passed explicitly so RoPE sees each sequence's own offset, not the padded one.
         kv = [
-            tuple(torch.cat([F.pad(s.kv[layer][i], (0, 0, width - n, 0)) for s, n in zip(batch, lens)])
+            tuple(torch.cat([F.pad(s.prefilled_kv[layer][i], (0, 0, width - n, 0)) for s, n in zip(batch, lens)])
                   for i in (0, 1))
-            for layer in range(len(batch[0].kv))
+            for layer in range(len(batch[0].prefilled_kv))
         ]
         mask = torch.zeros(len(batch), width + 1, dtype=torch.long)
         for row, n in enumerate(lens):
@@ -421,6 +435,8 @@ class Engine:
 
     def _append(self, s: EngineSequence, logits: torch.Tensor) -> None:
         """Sample one token for `s`, then apply SGLang's finish checks in SGLang's order."""
+        if s.generator is None:
+            raise RuntimeError(f"sequence {s.rid!r} has no generator: it is sampled before its prefill")
         token = _sample(logits.float(), s.params, s.generator)
         s.output_ids.append(token)
         p = s.params
@@ -552,7 +568,8 @@ class _DevBackend:
             logger.info("[dev_server] bad request: %s", exc)
             raise
         for s in seqs:  # held until its final output is processed (`_handle_batch_output` deletes it)
-            s.future.add_done_callback(lambda _f, rid=s.rid: self.held.release(rid))
+            # The default re-binds the loop variable; mypy can't infer such a lambda (python/mypy#15459).
+            s.future.add_done_callback(lambda _f, rid=s.rid: self.held.release(rid))  # type: ignore[misc]
         self.engine.submit(seqs)
         try:
             results = await sglang.results_or_abort(
@@ -644,7 +661,7 @@ def create_app(
     or "0.4" (0.4.x where they differ, sglang_protocol.SGLangVersion). `decode_log_interval`: decode
     batches per fold of avg_spec_accept_length (SGLang's ``--decode-log-interval``, 40).
 
-    `extraction`: also serve vLLM's hidden-state extraction (deploy/vllm_extract.py).
+    `extraction`: also serve vLLM's hidden-state extraction (emulators/vllm_extract.py).
 
     `num_threads` sets torch's process-wide intra-op threads; None leaves them as they are
     (`serve` picks a value for a dedicated process).
@@ -657,7 +674,7 @@ def create_app(
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).to(torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(torch.float32).eval()  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
     max_positions = int(model.config.max_position_embeddings)
     context_len = int(context_length or max_positions)
     if not 8 <= context_len <= max_positions:
@@ -716,8 +733,8 @@ def serve(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI: ``python -m deploy.dev_server --model DIR [--host] [--port] ...``."""
-    ap = argparse.ArgumentParser(prog="python -m deploy.dev_server", description=__doc__.splitlines()[0])
+    """CLI: ``python -m emulators.dev_server --model DIR [--host] [--port] ...``."""
+    ap = argparse.ArgumentParser(prog="python -m emulators.dev_server", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="HF model directory (weights + tokenizer)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
@@ -732,7 +749,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speculative-eagle-topk", type=int, default=None, help="must be 1 (chain)")
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="must be num-steps + 1")
     ap.add_argument("--speculative-config", "--speculative_config", default=None,
-                    help="vLLM's flag: JSON with method extract_hidden_states and the layer ids (deploy/vllm_extract.py)")
+                    help="vLLM's flag: JSON with method extract_hidden_states and the layer ids (emulators/vllm_extract.py)")
     ap.add_argument("--kv-transfer-config", "--kv_transfer_config", default=None,
                     help="vLLM's flag: JSON with kv_connector ExampleHiddenStatesConnector and its shared_storage_path")
     ap.add_argument("--no-enable-chunked-prefill", action="store_true", help="accepted for vLLM's command line (no chunking here)")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from transformers import AutoTokenizer
 
-from deploy.dev_server import create_app
+from emulators.dev_server import create_app
 from models.jobs import GenerateJob
 from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow

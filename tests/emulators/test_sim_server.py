@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from deploy.sim_server import SimConfig, SimServer, simulate_output
+from emulators.sim import SimConfig, SimServer, simulate_output
 
 PROMPT = [101, 102, 103, 104]
 
@@ -381,7 +381,7 @@ def test_admin_endpoint_and_stats(make_server):
 @pytest.mark.multiprocess
 def test_cli_runs_in_the_foreground():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.sim_server", "--port", "0", "--seed", "3", "--mean-len", "40",
+        [sys.executable, "-m", "emulators.sim", "--port", "0", "--seed", "3", "--mean-len", "40",
          "--decode-ms", "0.5", "--api-key", "k", "--sglang-version", "0.5", "--disconnect-poll-s", "0.5",
          "--reserved-tokens", "4", "--context-length", "1000"],
         stdout=subprocess.PIPE, text=True,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deploy.sglang_protocol import (
+from emulators.sglang_protocol import (
     Auth,
     BadRequest,
     ContractError,

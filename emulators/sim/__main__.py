@@ -1,0 +1,68 @@
+"""Simulated SGLang server: SGLang's native HTTP protocol with deterministic fake outputs, no model.
+
+The CLI, in the foreground: ``python -m emulators.sim --port N [--max-running ..] [--decode-ms ..] [--mean-len ..]
+[--seed ..] [--api-key ..] [--admin-api-key ..] [--sglang-version 0.5|0.4] [--disconnect-poll-s ..]
+[--reserved-tokens ..]`` (the package docstring says what it serves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from emulators import sglang_protocol as sglang
+from emulators.sim.config import SimConfig
+from emulators.sim.server import SimServer
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: ``python -m emulators.sim --port N [--max-running ..] [--decode-ms ..] ...`` (foreground)."""
+    ap = argparse.ArgumentParser(prog="python -m emulators.sim", description=__doc__.splitlines()[0])
+    d = SimConfig()
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000, help="0: any free port (printed on start)")
+    ap.add_argument("--max-running", type=int, default=d.max_running, help="sequences decoding at once")
+    ap.add_argument("--decode-ms", type=float, default=d.decode_s_per_token * 1e3, help="ms per output token")
+    ap.add_argument("--prefill-ms", type=float, default=d.prefill_s_per_token * 1e3, help="ms per prompt token")
+    ap.add_argument("--mean-len", type=float, default=d.mean_len, help="mean natural output length")
+    ap.add_argument("--sigma", type=float, default=d.sigma, help="lognormal sigma (tail weight)")
+    ap.add_argument("--length-dist", default=d.length_dist, choices=["lognormal", "exponential", "fixed"])
+    ap.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    ap.add_argument("--eos-id", type=int, default=d.eos_token_id)
+    ap.add_argument("--context-length", type=int, default=d.context_length)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--starting", action="store_true", help="start with /health_generate answering 503")
+    ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--api-key", default=None, help="SGLang's --api-key: required on every endpoint but /health*")
+    ap.add_argument("--admin-api-key", default=None,
+                    help="SGLang's --admin-api-key: the only key /abort_request and /flush_cache take")
+    ap.add_argument("--sglang-version", default=d.sglang_version, choices=list(sglang.SGLANG_VERSIONS),
+                    help="follow SGLang 0.5.23 (default) or 0.4.x where they differ")
+    ap.add_argument("--disconnect-poll-s", type=float, default=d.disconnect_poll_s,
+                    help="how often a disconnected client is noticed (SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT)")
+    ap.add_argument("--reserved-tokens", type=int, default=d.reserved_tokens,
+                    help="tokens reserved per request in the length checks, as an EAGLE server does")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    try:
+        config = SimConfig(
+            vocab_size=args.vocab_size, eos_token_id=args.eos_id, length_dist=args.length_dist,
+            mean_len=args.mean_len, sigma=args.sigma, context_length=args.context_length,
+            max_running=args.max_running, decode_s_per_token=args.decode_ms / 1e3,
+            prefill_s_per_token=args.prefill_ms / 1e3, seed=args.seed, sglang_version=args.sglang_version,
+            disconnect_poll_s=args.disconnect_poll_s, reserved_tokens=args.reserved_tokens,
+        )
+        server = SimServer(config, host=args.host, port=args.port, starting=args.starting, log_level=args.log_level,
+                           api_key=args.api_key, admin_api_key=args.admin_api_key)
+    except ValueError as exc:
+        ap.error(str(exc))
+    try:
+        asyncio.run(server.serve_forever())
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The simulated engine behind sglang_protocol's SGLang endpoints: `SimBackend` (an sglang_protocol.SGLangBackend).
+
+/generate as SGLang 0.5.23's tokenizer_manager.py ``generate_request`` takes it: the body normalised, its rids
+claimed (``_init_req_state``: duplicates refused), each prompt checked (sglang_protocol.ModelLimits), a failure
+freeing the batch's rids; /flush_cache only when idle (scheduler.py ``flush_cache``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from emulators import sglang_protocol as sglang
+from emulators.sim.output import simulate_output
+from emulators.sim.scheduler import Seq
+
+if TYPE_CHECKING:
+    from emulators.sim.server import SimServer
+
+VERSION = "0.1.0-eagle3-sim"
+
+
+class SimBackend:
+    """The simulated engine behind the SGLang endpoints (see sglang_protocol.SGLangBackend)."""
+
+    def __init__(self, server: SimServer):
+        self.server = server
+
+    async def generate(self, request: Request) -> Any:
+        srv = self.server
+        stats = srv.stats
+        stats.requests += 1
+        stats.open_requests += 1
+        if stats.open_requests > stats.max_open_requests:
+            stats.max_open_requests = stats.open_requests
+        try:
+            arrived = srv._engine_loop().time()
+            try:
+                req = sglang.parse_generate(await request.body(), server="sim server", accepts_text=False,
+                                            version=srv.version)
+                # tokenizer_manager.py generate_request: normalise, `_init_req_state` (duplicate rids),
+                # then check each prompt; a failure frees the batch's rids again.
+                try:
+                    srv._held.claim(req.rids)
+                except sglang.BadRequest:
+                    srv.stats.duplicate_rids += 1
+                    raise
+                try:
+                    seqs = [self._sequence(ids, raw, rid, arrived)
+                            for ids, raw, rid in zip(req.prompts, req.sampling_params, req.rids)]
+                except BaseException:
+                    for rid in req.rids:
+                        srv._held.release(rid)
+                    raise
+            except (sglang.BadRequest, sglang.ContractError, sglang.MalformedRequest):
+                srv.stats.rejected += 1
+                raise
+            srv._admit(seqs)
+            if srv._drop_fraction > 0 and srv._drop_rng.random() < srv._drop_fraction:
+                srv._cut_later(request.scope, srv._drop_after_s, seqs)
+            results = await sglang.results_or_abort(
+                request, asyncio.gather(*(s.future for s in seqs)),
+                # The poll noticed the client is gone: abort_request(rid) for each (prefix rule included).
+                lambda: [srv._abort(s.rid, cause="disconnect") for s in seqs],
+                poll_s=srv.config.disconnect_poll_s,
+            )
+            return results[0] if req.single else results
+        finally:
+            stats = srv.stats  # reset_stats may have replaced it meanwhile
+            stats.open_requests = max(0, stats.open_requests - 1)
+
+    def _sequence(self, ids: str | list[int], raw_params: Any, rid: str, arrived: float) -> Seq:
+        """Check one prompt as SGLang would, then as reject_if says; its simulated answer."""
+        if isinstance(ids, str):  # parse_generate(accepts_text=False) refuses text prompts
+            raise RuntimeError("sim server: parse_generate let a text prompt through")
+        srv = self.server
+        params = srv.config.limits.admit(ids, raw_params)
+        if srv._reject is not None:
+            verdict = srv._reject(ids)
+            if verdict:
+                raise sglang.BadRequest(verdict if isinstance(verdict, str)
+                                        else "The prompt was rejected by the sim server's reject_if rule.")
+        out = simulate_output(ids, params, srv.config)
+        doomed = srv._abort_if is not None and bool(srv._abort_if(ids))
+        return Seq(rid, len(ids), out, arrived, srv._engine_loop().create_future(), doomed)
+
+    def abort(self, rid: str, abort_all: bool) -> int:
+        self.server.stats.abort_requests += 1
+        return self.server._abort(rid, abort_all)
+
+    def flush_cache(self) -> bool:
+        return not self.server._live  # scheduler.py flush_cache: only when idle (nothing else to reset here)
+
+    def healthy(self) -> bool:
+        return not self.server._starting
+
+    async def health_generate(self) -> bool:
+        return not self.server._starting  # no model to probe: as healthy as /health
+
+    def server_info(self) -> dict[str, Any]:
+        srv = self.server
+        cfg = srv.config
+        return sglang.server_info(
+            model_path=cfg.model_path, served_model_name=cfg.model_path, limits=cfg.limits,
+            max_running=cfg.max_running, dtype="simulated", device="none", skip_tokenizer_init=True,
+            version=VERSION, running=len(srv._running), waiting=len(srv._live) - len(srv._running),
+        )
+
+    def model_info(self) -> dict[str, Any]:
+        return sglang.model_info(model_path=self.server.config.model_path, model_type="simulated",
+                                 architectures=["SimulatedForCausalLM"])

@@ -1,0 +1,75 @@
+"""What the simulated SGLang model and server look like: `SimConfig`.
+
+Its limits are SGLang's (sglang_protocol.ModelLimits: SGLang 0.5.23, or 0.4.x with ``sglang_version="0.4"``), and
+``disconnect_poll_s`` defaults to SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT (srt/environ.py, 4 s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from emulators import sglang_protocol as sglang
+
+FIRST_ID = 10  # output ids are drawn from [10, vocab_size): clear of the usual special ids
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """What the simulated model and server look like."""
+
+    vocab_size: int = 32000
+    eos_token_id: int = 1  # the stop token when a request gives no stop_token_ids
+    length_dist: str = "lognormal"  # "lognormal" (long tail) | "exponential" | "fixed"
+    mean_len: float = 200.0  # mean natural output length, before the max_new_tokens cut
+    sigma: float = 1.0  # lognormal shape: larger = longer tail
+    context_length: int = 32768
+    max_running: int = 16  # sequences decoding at once; the rest wait FIFO
+    decode_s_per_token: float = 0.01  # wall time per output token of one running sequence
+    prefill_s_per_token: float = 0.0  # wall time per prompt token, once, at the start
+    seed: int = 0  # mixed into every output: another seed, another "model"
+    model_path: str = "sim-model"
+    # SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT: a gone client is noticed on a poll this often (<= 0: at once)
+    disconnect_poll_s: float = sglang.DISCONNECT_POLL_S
+    sglang_version: str = "0.5"  # "0.5" (SGLang 0.5.23) | "0.4" (0.4.x where they differ)
+    reserved_tokens: int = 0  # per-request tokens an EAGLE server reserves in its length checks (0: no draft)
+
+    def __post_init__(self):
+        if self.length_dist not in ("lognormal", "exponential", "fixed"):
+            raise ValueError(f"length_dist must be lognormal, exponential or fixed, got {self.length_dist!r}")
+        if self.vocab_size <= FIRST_ID + 1:
+            raise ValueError(f"vocab_size must exceed {FIRST_ID + 1}, got {self.vocab_size}")
+        if self.mean_len < 1 or self.sigma < 0:
+            raise ValueError(f"need mean_len >= 1 and sigma >= 0, got {self.mean_len}, {self.sigma}")
+        if self.context_length < 8:
+            raise ValueError(f"context_length must be at least 8, got {self.context_length}")
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be at least 1, got {self.max_running}")
+        if self.decode_s_per_token < 0 or self.prefill_s_per_token < 0:
+            raise ValueError("decode_s_per_token and prefill_s_per_token must be >= 0")
+        sglang.SGLangVersion.of(self.sglang_version)  # validates
+        if self.reserved_tokens < 0:
+            raise ValueError(f"reserved_tokens must be >= 0, got {self.reserved_tokens}")
+
+    @property
+    def version(self) -> sglang.SGLangVersion:
+        return sglang.SGLangVersion.of(self.sglang_version)
+
+    @property
+    def limits(self) -> sglang.ModelLimits:
+        """The vocabulary and context, and SGLang's limits from them (reserved tokens included)."""
+        return sglang.ModelLimits(vocab_size=self.vocab_size, context_length=self.context_length,
+                                  reserved_tokens=self.reserved_tokens, sglang_version=self.version)
+
+    @property
+    def max_req_len(self) -> int:
+        return self.limits.max_req_len
+
+    @property
+    def max_req_input_len(self) -> int:
+        return self.limits.max_req_input_len
+
+    @property
+    def capacity_tokens_per_s(self) -> float:
+        """Output tokens/s with every slot busy (inf when decoding takes no time)."""
+        return math.inf if self.decode_s_per_token == 0 else self.max_running / self.decode_s_per_token

@@ -1,0 +1,88 @@
+"""The base of every spec and config section: strict pydantic models, and job files read through them.
+
+`Spec` rejects unknown keys, validates on assignment and refuses true/false for a number; `load_job`
+reads a rank's JSON job through its spec, naming the file and every bad key. Pydantic only (no torch,
+prefect or httpx): the bottom layer.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+
+S = TypeVar("S", bound="Spec")
+
+
+class Spec(BaseModel):
+    """Base of every spec and config section: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic takes true/false as 1/0 for an int or float, so `max_concurrency: true` would
+        # quietly mean 1; every number field of every spec (present and future) refuses them.
+        if info.field_name is None:  # pydantic names the field for every field validator
+            return value
+        problem = _bool_for_number(value, cls.model_fields[info.field_name].annotation)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @classmethod
+    def load(cls: type[S], path: str | Path) -> S:
+        """This spec read from a JSON job file (`load_job`)."""
+        return load_job(cls, path)
+
+    def pick(self, spec: type[Spec]) -> dict[str, Any]:
+        """The values of the fields `spec` declares (self is a subclass of it): a job's share of a config section."""
+        return {name: getattr(self, name) for name in spec.model_fields}
+
+
+def load_job(cls: type[S], path: str | Path) -> S:
+    """A JSON job file read through its spec; ValueError naming the file and every bad key."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read the {cls.__name__}: {e}") from e
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<top level>'}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"{path}: not a valid {cls.__name__}: {problems}") from None
+
+
+def _union_members(annotation: Any) -> tuple[Any, ...]:
+    if get_origin(annotation) in (Union, types.UnionType):
+        return get_args(annotation)
+    return (annotation,)
+
+
+def _bool_for_number(value: Any, annotation: Any) -> str | None:
+    """Why `value` holds a bool where `annotation` wants a number (also inside lists and dicts), or None."""
+    members = _union_members(annotation)
+    if isinstance(value, bool):
+        if bool in members or not {int, float} & set(members):
+            return None
+        number = "a number" if float in members else "a whole number"
+        return f"must be {number}, not true/false"
+    for member in members:
+        origin = get_origin(member)
+        if origin is list and isinstance(value, list):
+            (item,) = get_args(member)
+            for i, v in enumerate(value):
+                problem = _bool_for_number(v, item)
+                if problem:
+                    return f"item {i} {problem} (got {v!r})"
+        elif origin is dict and isinstance(value, dict):
+            item = get_args(member)[1]
+            for k, v in value.items():
+                problem = _bool_for_number(v, item)
+                if problem:
+                    return f"{k!r} {problem} (got {v!r})"
+    return None
