@@ -49,24 +49,27 @@ import statistics
 import struct
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.harness, models, tasks
-from bench import harness  # noqa: E402  (first: the offline environment the ranks and baselines inherit)
-
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402  (first: the offline environment the ranks and baselines inherit)
 from models.capture import deal, load_records, make_batches  # noqa: E402
-from models.jobs import CaptureJob, DatasetRecords  # noqa: E402
-from models.jobs import CaptureSettings  # noqa: E402
+from models.eagle3 import default_aux_layers  # noqa: E402
 from models.hidden_shards import INDEX_NAME, list_shards, read_sample, shard_metadata  # noqa: E402
+from models.jobs import (  # noqa: E402
+    CaptureJob,
+    CaptureSettings,  # noqa: E402
+    DatasetRecords,
+)
 from models.rank_protocol import CAPTURE_PROGRESS  # noqa: E402
 from models.run_layout import RunLayout  # noqa: E402
-from models.eagle3 import default_aux_layers  # noqa: E402
 
 FIRST_ID = 8  # record ids are drawn from [FIRST_ID, vocab): clear of the special tokens 0..7
 DATASET = "bench"
@@ -103,7 +106,7 @@ class Params(harness.TargetParams):
     timeout_s: float = 900.0  # per launch or baseline
 
     @classmethod
-    def quick_preset(cls) -> "Params":
+    def quick_preset(cls) -> Params:
         return cls(quick=True, records=48, mean_len=128.0, max_len=1024, records_per_part=16, shard_tokens=2048)
 
 
@@ -117,8 +120,10 @@ def make_records(p: Params, records_dir: Path, vocab: int) -> dict[str, Any]:
     rng = np.random.default_rng(p.seed + 1)
     mu = math.log(p.mean_len) - p.sigma**2 / 2
     lengths = np.clip(np.rint(rng.lognormal(mu, p.sigma, p.records)), p.min_len, p.max_len).astype(int)
-    rows = [harness.record_row(f"{DATASET}-{i:06d}", rng.integers(FIRST_ID, vocab, n, dtype=np.int32).tolist(), n // 2)
-            for i, n in enumerate(lengths.tolist())]
+    rows = [
+        harness.record_row(f"{DATASET}-{i:06d}", rng.integers(FIRST_ID, vocab, n, dtype=np.int32).tolist(), n // 2)
+        for i, n in enumerate(lengths.tolist())
+    ]
     parts = harness.write_records(rows, records_dir, p.records_per_part)
     return {"records": len(rows), "parts": parts, "tokens": int(lengths.sum()), **harness.length_summary(lengths)}
 
@@ -162,12 +167,16 @@ def padded_batch(batch, parts, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
     for i, s in enumerate(batch):
-        input_ids[i, : s.length] = torch.from_numpy(parts[s.part].input_ids[s.start : s.start + s.length].astype(np.int64))
+        input_ids[i, : s.length] = torch.from_numpy(
+            parts[s.part].input_ids[s.start : s.start + s.length].astype(np.int64)
+        )
         attention_mask[i, : s.length] = 1
     return input_ids, attention_mask
 
 
-def bare_loop(model, batches, parts, pad_id: int, aux_layers: list[int], keep: set[tuple[str, str]]) -> tuple[int, dict]:
+def bare_loop(
+    model, batches, parts, pad_id: int, aux_layers: list[int], keep: set[tuple[str, str]]
+) -> tuple[int, dict]:
     """Forward every batch; the hidden states are dropped (cloned only for the `keep` samples). Returns tokens."""
     kwargs = call_kwargs_for(model)
     kept: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -180,14 +189,17 @@ def bare_loop(model, batches, parts, pad_id: int, aux_layers: list[int], keep: s
             for i, s in enumerate(batch):
                 if (s.dataset, s.id) in keep:
                     h = out.hidden_states
-                    kept[(s.dataset, s.id)] = (torch.cat([h[k + 1][i, : s.length] for k in aux_layers], -1).clone(),
-                                               h[-1][i, : s.length].clone())
+                    kept[(s.dataset, s.id)] = (
+                        torch.cat([h[k + 1][i, : s.length] for k in aux_layers], -1).clone(),
+                        h[-1][i, : s.length].clone(),
+                    )
             del out
     return tokens, kept
 
 
-def inproc_loop(model, batches, parts, pad_id: int, aux_layers: list[int], num_layers: int, shard_tokens: int,
-                out_dir: Path) -> int:
+def inproc_loop(
+    model, batches, parts, pad_id: int, aux_layers: list[int], num_layers: int, shard_tokens: int, out_dir: Path
+) -> int:
     """The rank's loop body without the launcher: models.capture.capture_batch + ShardWriter. Returns tokens."""
     from models.capture import capture_batch
     from models.hidden_shards import ShardWriter
@@ -196,10 +208,18 @@ def inproc_loop(model, batches, parts, pad_id: int, aux_layers: list[int], num_l
     tokens = 0
     with ShardWriter(out_dir, 0, shard_tokens, aux_layers=aux_layers) as writer, torch.no_grad():
         for batch in batches:
-            for s, aux, last in capture_batch(model, batch, parts, aux_layers, num_layers, pad_id, torch.device("cpu"), kwargs):
+            for s, aux, last in capture_batch(
+                model, batch, parts, aux_layers, num_layers, pad_id, torch.device("cpu"), kwargs
+            ):
                 part = parts[s.part]
-                writer.add(s.id, s.dataset, torch.from_numpy(part.input_ids[s.start : s.start + s.length].copy()),
-                           torch.from_numpy(part.loss_mask[s.start : s.start + s.length].copy()), aux, last)
+                writer.add(
+                    s.id,
+                    s.dataset,
+                    torch.from_numpy(part.input_ids[s.start : s.start + s.length].copy()),
+                    torch.from_numpy(part.loss_mask[s.start : s.start + s.length].copy()),
+                    aux,
+                    last,
+                )
                 tokens += s.length
     return tokens
 
@@ -215,40 +235,104 @@ def baseline_process(cfg: dict[str, Any], rank: int, barrier: Any) -> dict[str, 
     model = AutoModelForCausalLM.from_pretrained(cfg["target"], dtype=getattr(torch, cfg["dtype"]))
     model = model.eval().requires_grad_(False)
     load_s = time.monotonic() - t0
-    samples, parts, _ = load_records([DatasetRecords(name=DATASET, records_dir=cfg["records_dir"])], model.config.vocab_size)
+    samples, parts, _ = load_records(
+        [DatasetRecords(name=DATASET, records_dir=cfg["records_dir"])], model.config.vocab_size
+    )
     batches = make_batches(deal(samples, cfg["processes"])[rank], cfg["max_batch_tokens"])
     ready = time.monotonic()
     barrier.wait()
     start, cpu0 = time.monotonic(), time.process_time()
     kept: dict = {}
     if cfg["kind"] == "in-process":
-        tokens = inproc_loop(model, batches, parts, cfg["pad_id"], cfg["aux_layers"], model.config.num_hidden_layers,
-                             cfg["shard_tokens"], Path(cfg["out_dir"]))
+        tokens = inproc_loop(
+            model,
+            batches,
+            parts,
+            cfg["pad_id"],
+            cfg["aux_layers"],
+            model.config.num_hidden_layers,
+            cfg["shard_tokens"],
+            Path(cfg["out_dir"]),
+        )
     else:
         tokens, kept = bare_loop(model, batches, parts, cfg["pad_id"], cfg["aux_layers"], set(map(tuple, cfg["keep"])))
     end, cpu = time.monotonic(), time.process_time() - cpu0
-    return {"rank": rank, "ready": ready, "start": start, "end": end, "cpu_s": cpu, "tokens": tokens,
-            "batches": len(batches), "padded_tokens": sum(len(b) * max(s.length for s in b) for b in batches),
-            "load_s": load_s,  # numpy, pickled by value (no shared-memory handles outliving this process)
-            "kept": {k: (a.numpy(), b.numpy()) for k, (a, b) in kept.items()}}
+    return {
+        "rank": rank,
+        "ready": ready,
+        "start": start,
+        "end": end,
+        "cpu_s": cpu,
+        "tokens": tokens,
+        "batches": len(batches),
+        "padded_tokens": sum(len(b) * max(s.length for s in b) for b in batches),
+        "load_s": load_s,  # numpy, pickled by value (no shared-memory handles outliving this process)
+        "kept": {k: (a.numpy(), b.numpy()) for k, (a, b) in kept.items()},
+    }
 
 
-def baseline(p: Params, label: str, kind: str, processes: int, threads: int, target: Path, records_dir: Path,
-             pad_id: int, aux_layers: list[int], keep: set | None = None, out_dir: Path | None = None) -> tuple[Bare, dict]:
+def baseline(
+    p: Params,
+    label: str,
+    kind: str,
+    processes: int,
+    threads: int,
+    target: Path,
+    records_dir: Path,
+    pad_id: int,
+    aux_layers: list[int],
+    keep: set | None = None,
+    out_dir: Path | None = None,
+) -> tuple[Bare, dict]:
     """Run a baseline in `processes` fresh processes at once (spawned with OMP_NUM_THREADS=threads, as a rank)."""
-    cfg = {"kind": kind, "processes": processes, "threads": threads, "target": str(target), "dtype": p.dtype,
-           "records_dir": str(records_dir), "max_batch_tokens": p.max_batch_tokens, "shard_tokens": p.shard_tokens,
-           "pad_id": pad_id, "aux_layers": aux_layers, "keep": sorted(keep or ()), "out_dir": str(out_dir)}
-    results, spawned = harness.spawn(baseline_process, [(cfg, r) for r in range(processes)], threads=threads,
-                                     timeout_s=p.timeout_s, what=f"baseline {label!r}")
+    cfg = {
+        "kind": kind,
+        "processes": processes,
+        "threads": threads,
+        "target": str(target),
+        "dtype": p.dtype,
+        "records_dir": str(records_dir),
+        "max_batch_tokens": p.max_batch_tokens,
+        "shard_tokens": p.shard_tokens,
+        "pad_id": pad_id,
+        "aux_layers": aux_layers,
+        "keep": sorted(keep or ()),
+        "out_dir": str(out_dir),
+    }
+    results, spawned = harness.spawn(
+        baseline_process,
+        [(cfg, r) for r in range(processes)],
+        threads=threads,
+        timeout_s=p.timeout_s,
+        what=f"baseline {label!r}",
+    )
     wall = max(x["end"] for x in results) - min(x["start"] for x in results)
     tokens = sum(x["tokens"] for x in results)
     kept = {k: (torch.from_numpy(a), torch.from_numpy(b)) for x in results for k, (a, b) in x.pop("kept").items()}
-    b = Bare(label, kind, processes, threads, sum(x["batches"] for x in results), tokens,
-             sum(x["padded_tokens"] for x in results), wall, sum(x["cpu_s"] for x in results), tokens / wall,
-             startup_s=max(x["ready"] for x in results) - spawned, model_load_s=max(x["load_s"] for x in results),
-             per_process=[{"rank": x["rank"], "tokens": x["tokens"], "wall_s": x["end"] - x["start"], "cpu_s": x["cpu_s"],
-                           "tokens_per_s": x["tokens"] / (x["end"] - x["start"])} for x in results])
+    b = Bare(
+        label,
+        kind,
+        processes,
+        threads,
+        sum(x["batches"] for x in results),
+        tokens,
+        sum(x["padded_tokens"] for x in results),
+        wall,
+        sum(x["cpu_s"] for x in results),
+        tokens / wall,
+        startup_s=max(x["ready"] for x in results) - spawned,
+        model_load_s=max(x["load_s"] for x in results),
+        per_process=[
+            {
+                "rank": x["rank"],
+                "tokens": x["tokens"],
+                "wall_s": x["end"] - x["start"],
+                "cpu_s": x["cpu_s"],
+                "tokens_per_s": x["tokens"] / (x["end"] - x["start"]),
+            }
+            for x in results
+        ],
+    )
     return b, kept
 
 
@@ -267,7 +351,9 @@ class Launch:
     samples: int = 0
     tokens: int = 0
     wall_s: float = 0.0  # launch -> launcher exit
-    planned_s: float | None = None  # launch -> rank 0's "pending over" line (interpreter, imports, process group, records)
+    planned_s: float | None = (
+        None  # launch -> rank 0's "pending over" line (interpreter, imports, process group, records)
+    )
     startup_s: float | None = None  # launch -> first rank's done=0 line (model loaded)
     startup_last_rank_s: float | None = None  # launch -> last rank's done=0 line
     forward_s: float | None = None  # first done=0 line -> last rank's final progress line (shards written)
@@ -284,11 +370,29 @@ class Launch:
     pass_no: int = 0
 
 
-def launch(p: Params, label: str, mode: str, ranks: int, target: Path, records_dir: Path, out_dir: Path,
-           job_path: Path, log_path: Path, verbose: bool) -> Launch:
-    job = CaptureJob(target_path=str(target), datasets=[DatasetRecords(name=DATASET, records_dir=str(records_dir))],
-                     out_dir=str(out_dir), mode=mode, dtype=p.dtype, max_batch_tokens=p.max_batch_tokens,
-                     shard_tokens=p.shard_tokens, launch_tokens=None, device="cpu")
+def launch(
+    p: Params,
+    label: str,
+    mode: str,
+    ranks: int,
+    target: Path,
+    records_dir: Path,
+    out_dir: Path,
+    job_path: Path,
+    log_path: Path,
+    verbose: bool,
+) -> Launch:
+    job = CaptureJob(
+        target_path=str(target),
+        datasets=[DatasetRecords(name=DATASET, records_dir=str(records_dir))],
+        out_dir=str(out_dir),
+        mode=mode,
+        dtype=p.dtype,
+        max_batch_tokens=p.max_batch_tokens,
+        shard_tokens=p.shard_tokens,
+        launch_tokens=None,
+        device="cpu",
+    )
     r = Launch(label, mode, ranks)
     started: dict[int, float] = {}
     last: dict[int, tuple[float, int, int, int]] = {}  # rank -> (t, done, total, tokens) of its latest line
@@ -308,14 +412,31 @@ def launch(p: Params, label: str, mode: str, ranks: int, target: Path, records_d
             r.planned_s = t
 
     usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    run = harness.launch("models.capture", job.model_dump(mode="json"), ranks=ranks, threads=p.threads, job_path=job_path,
-                         log_path=log_path, verbose=verbose, on_line=on_line)
+    run = harness.launch(
+        "models.capture",
+        job.model_dump(mode="json"),
+        ranks=ranks,
+        threads=p.threads,
+        job_path=job_path,
+        log_path=log_path,
+        verbose=verbose,
+        on_line=on_line,
+    )
     usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     r.ok, r.error, r.wall_s, r.ops_built = run.ok, run.error, run.wall_s, run.ops_built
     r.children_cpu_s = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
-    r.per_rank = [{"rank": k, "start_s": started.get(k), "end_s": v[0], "done": v[1], "total": v[2], "tokens": v[3],
-                   "tokens_per_s": v[3] / (v[0] - started[k]) if k in started and v[0] > started[k] else None}
-                  for k, v in sorted(last.items())]
+    r.per_rank = [
+        {
+            "rank": k,
+            "start_s": started.get(k),
+            "end_s": v[0],
+            "done": v[1],
+            "total": v[2],
+            "tokens": v[3],
+            "tokens_per_s": v[3] / (v[0] - started[k]) if k in started and v[0] > started[k] else None,
+        }
+        for k, v in sorted(last.items())
+    ]
     r.samples = sum(v[1] for v in last.values())
     r.tokens = sum(v[3] for v in last.values())
     if r.ok and started and len(last) == ranks:
@@ -332,8 +453,9 @@ def launch(p: Params, label: str, mode: str, ranks: int, target: Path, records_d
     return r
 
 
-def writer_alone(lengths: list[int], hidden: int, dtype: torch.dtype, aux_layers: list[int], shard_tokens: int,
-                 out_dir: Path) -> dict[str, Any]:
+def writer_alone(
+    lengths: list[int], hidden: int, dtype: torch.dtype, aux_layers: list[int], shard_tokens: int, out_dir: Path
+) -> dict[str, Any]:
     """ShardWriter alone (concatenation, safetensors, fsync, rename) over samples of these lengths, no forward."""
     from models.hidden_shards import ShardWriter
 
@@ -349,8 +471,15 @@ def writer_alone(lengths: list[int], hidden: int, dtype: torch.dtype, aux_layers
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     size = sum(f.stat().st_size for f in list_shards(out_dir))
     tokens = sum(lengths)
-    return {"tokens": tokens, "bytes": size, "shards": len(writer.written), "wall_s": wall, "cpu_s": cpu,
-            "mb_per_s": size / wall / 1e6, "us_per_token": 1e6 * wall / tokens}
+    return {
+        "tokens": tokens,
+        "bytes": size,
+        "shards": len(writer.written),
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "mb_per_s": size / wall / 1e6,
+        "us_per_token": 1e6 * wall / tokens,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,13 +508,22 @@ def storage(out_dir: Path) -> dict[str, Any]:
     index = out_dir / INDEX_NAME
     index_bytes = index.stat().st_size if index.is_file() else 0
     return {
-        "shards": len(shards), "samples": samples, "tokens": tokens, "hidden_size": hidden, "dtype_bytes": dtype_bytes,
-        "shard_bytes": total, "bytes_per_token": total / tokens,
-        "payload_per_token": payload, "ids_mask_per_token": ids_mask,
-        "header_bytes": header, "header_per_token": header / tokens, "header_per_sample": header / samples,
+        "shards": len(shards),
+        "samples": samples,
+        "tokens": tokens,
+        "hidden_size": hidden,
+        "dtype_bytes": dtype_bytes,
+        "shard_bytes": total,
+        "bytes_per_token": total / tokens,
+        "payload_per_token": payload,
+        "ids_mask_per_token": ids_mask,
+        "header_bytes": header,
+        "header_per_token": header / tokens,
+        "header_per_sample": header / samples,
         "data_matches_layout": total - header == tokens * (payload + ids_mask),
         "overhead_pct": 100 * (total / tokens - payload) / payload,
-        "index_bytes": index_bytes, "index_per_token": index_bytes / tokens,
+        "index_bytes": index_bytes,
+        "index_per_token": index_bytes / tokens,
         "overhead_with_index_pct": 100 * ((total + index_bytes) / tokens - payload) / payload,
         "planner_per_token": payload + ids_mask,  # tasks/capture/plan.py: 4H x dtype bytes + 5
     }
@@ -405,8 +543,11 @@ def check_against_bare(out_dir: Path, kept: dict) -> dict[str, Any]:
     for key, (aux, last) in kept.items():
         row = index[key]
         got = read_sample(out_dir / row["shard"], row["offset"], row["length"])
-        worst = max(worst, (got["aux_hidden"].float() - aux.float()).abs().max().item(),
-                    (got["last_hidden"].float() - last.float()).abs().max().item())
+        worst = max(
+            worst,
+            (got["aux_hidden"].float() - aux.float()).abs().max().item(),
+            (got["last_hidden"].float() - last.float()).abs().max().item(),
+        )
     return {"samples_compared": len(kept), "max_abs_diff": worst, "samples_indexed": len(index)}
 
 
@@ -434,13 +575,23 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
     tokens = sum(s.length for s in samples)
     padded = sum(len(b) * max(s.length for s in b) for b in batches)
     out["setup"] = {
-        "target": str(target), "target_build_or_reuse_s": build_s, "parameters": n_params,
-        "vocab_size": config.vocab_size, "aux_layers": aux_layers, "records": rec, "captured_tokens": tokens,
-        "batches_1_rank": len(batches), "padded_tokens_1_rank": padded, "padding_pct": 100 * (padded - tokens) / padded,
+        "target": str(target),
+        "target_build_or_reuse_s": build_s,
+        "parameters": n_params,
+        "vocab_size": config.vocab_size,
+        "aux_layers": aux_layers,
+        "records": rec,
+        "captured_tokens": tokens,
+        "batches_1_rank": len(batches),
+        "padded_tokens_1_rank": padded,
+        "padding_pct": 100 * (padded - tokens) / padded,
     }
-    print(f"  records: {rec['records']} ({rec['parts']} parts), {tokens:,} tokens (mean {rec['mean_len']:.0f}, "
-          f"p95 {rec['p95_len']}, max {rec['max_len']}); 1-rank deal: {len(batches)} batches, "
-          f"{100 * (padded - tokens) / padded:.1f}% padding", flush=True)
+    print(
+        f"  records: {rec['records']} ({rec['parts']} parts), {tokens:,} tokens (mean {rec['mean_len']:.0f}, "
+        f"p95 {rec['p95_len']}, max {rec['max_len']}); 1-rank deal: {len(batches)} batches, "
+        f"{100 * (padded - tokens) / padded:.1f}% padding",
+        flush=True,
+    )
 
     # The stored rows are compared with the bare loop's for the longest and the shortest sample.
     keep = {(batches[0][0].dataset, batches[0][0].id), (batches[-1][-1].dataset, batches[-1][-1].id)}
@@ -451,8 +602,19 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
     def base(label: str, kind: str, processes: int, threads: int, k: int) -> None:
         print(f"  {label} ...", flush=True)
         out_dir = tmp / f"hidden-inproc-{k}" if kind == "in-process" else None
-        b, rows = baseline(p, label, kind, processes, threads, target, records_dir, pad_id, aux_layers,
-                           keep=keep if kind == "bare" and not kept else None, out_dir=out_dir)
+        b, rows = baseline(
+            p,
+            label,
+            kind,
+            processes,
+            threads,
+            target,
+            records_dir,
+            pad_id,
+            aux_layers,
+            keep=keep if kind == "bare" and not kept else None,
+            out_dir=out_dir,
+        )
         if out_dir is not None:
             shutil.rmtree(out_dir, ignore_errors=True)
         kept.update(rows)
@@ -463,8 +625,18 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
         tag = f"{mode}-{ranks}-{k}"
         print(f"  {label}: torchrun --nproc_per_node {ranks}, OMP_NUM_THREADS={p.threads} ...", flush=True)
         out_dir = tmp / f"hidden-{tag}"
-        r = launch(p, label, mode, ranks, target, records_dir, out_dir, tmp / f"job-{tag}.json", tmp / f"log-{tag}.txt",
-                   verbose)
+        r = launch(
+            p,
+            label,
+            mode,
+            ranks,
+            target,
+            records_dir,
+            out_dir,
+            tmp / f"job-{tag}.json",
+            tmp / f"log-{tag}.txt",
+            verbose,
+        )
         r.pass_no = k
         if r.ok:
             r.storage = storage(out_dir)
@@ -478,8 +650,14 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
         print("  ShardWriter alone (no forward) ...", flush=True)
         torch.set_num_threads(p.threads)
         out_dir = tmp / f"hidden-writer-{k}"
-        w = writer_alone([s.length for b in batches for s in b], config.hidden_size, getattr(torch, p.dtype), aux_layers,
-                         p.shard_tokens, out_dir)
+        w = writer_alone(
+            [s.length for b in batches for s in b],
+            config.hidden_size,
+            getattr(torch, p.dtype),
+            aux_layers,
+            p.shard_tokens,
+            out_dir,
+        )
         shutil.rmtree(out_dir, ignore_errors=True)
         out.setdefault("writer_alone", []).append({**w, "pass_no": k})
 
@@ -526,19 +704,22 @@ def ratios(p: Params, bares: list[Bare], launches: list[Launch]) -> dict[str, An
             "cpt": statistics.fmean(b.cpu_s / b.tokens for b in one),
             "spread": (max(b.tokens_per_s for b in one) - min(b.tokens_per_s for b in one))
             / statistics.fmean(b.tokens_per_s for b in one),
-            "par_tps": par[0].tokens_per_s if par else math.nan, "par_cpt": par[0].cpu_s / par[0].tokens if par else math.nan,
+            "par_tps": par[0].tokens_per_s if par else math.nan,
+            "par_cpt": par[0].cpu_s / par[0].tokens if par else math.nan,
             "all_tps": allc[0].tokens_per_s if allc else math.nan,
         }
     bare_tps = med(x["tps"] for x in base.values())
     res: dict[str, Any] = {
-        "bare_tokens_per_s": bare_tps, "bare_cpu_ms_per_1k_tokens": 1e6 * med(x["cpt"] for x in base.values()),
+        "bare_tokens_per_s": bare_tps,
+        "bare_cpu_ms_per_1k_tokens": 1e6 * med(x["cpt"] for x in base.values()),
         "bare_spread_pct": 100 * max(x["spread"] for x in base.values()),
         "bare_startup_s": min(b.startup_s for b in bares if b.kind == "bare"),
         "bare_parallel_tokens_per_s": med(x["par_tps"] for x in base.values()),
         "bare_all_cores_tokens_per_s": med(x["all_tps"] for x in base.values()),
         "parallel_speedup": med(x["par_tps"] / x["tps"] for x in base.values()),
         "all_cores_speedup": med(x["all_tps"] / x["tps"] for x in base.values()),
-        "per_pass_baselines": base, "runs": {},
+        "per_pass_baselines": base,
+        "runs": {},
     }
     entries = [b for b in bares if b.kind == "in-process"] + [r for r in launches if r.tokens_per_s]
     for label in dict.fromkeys(e.label for e in entries):
@@ -548,15 +729,26 @@ def ratios(p: Params, bares: list[Bare], launches: list[Launch]) -> dict[str, An
             tps_b, cpt_b = (b["par_tps"], b["par_cpt"]) if ranks > 1 else (b["tps"], b["cpt"])
             cpu = e.forward_cpu_s if isinstance(e, Launch) else e.cpu_s
             e2e = getattr(e, "end_to_end_tokens_per_s", None)
-            rows.append({"pass_no": e.pass_no, "tokens_per_s": e.tokens_per_s, "baseline_tokens_per_s": tps_b,
-                         "overhead_ratio": tps_b / e.tokens_per_s,  # baseline / ours: > 1 = ours slower
-                         "cpu_ratio": (cpu / e.tokens) / cpt_b if cpu else None,  # CPU per token, ours / baseline
-                         "vs_bare_1_process": b["tps"] / e.tokens_per_s, "vs_bare_all_cores": b["all_tps"] / e.tokens_per_s,
-                         "end_to_end_ratio": tps_b / e2e if e2e else None})
+            rows.append(
+                {
+                    "pass_no": e.pass_no,
+                    "tokens_per_s": e.tokens_per_s,
+                    "baseline_tokens_per_s": tps_b,
+                    "overhead_ratio": tps_b / e.tokens_per_s,  # baseline / ours: > 1 = ours slower
+                    "cpu_ratio": (cpu / e.tokens) / cpt_b if cpu else None,  # CPU per token, ours / baseline
+                    "vs_bare_1_process": b["tps"] / e.tokens_per_s,
+                    "vs_bare_all_cores": b["all_tps"] / e.tokens_per_s,
+                    "end_to_end_ratio": tps_b / e2e if e2e else None,
+                }
+            )
         ranks = getattr(next(e for e in entries if e.label == label), "ranks", 1)
         summary = {key: harness.median_of(r[key] for r in rows) for key in rows[0] if key != "pass_no"}
-        summary.update(ranks=ranks, passes=rows, overhead_ratio_range=harness.range_of(r["overhead_ratio"] for r in rows),
-                       baseline=f"bare, {p.ranks} processes" if ranks > 1 else "bare, 1 process (before+after)/2")
+        summary.update(
+            ranks=ranks,
+            passes=rows,
+            overhead_ratio_range=harness.range_of(r["overhead_ratio"] for r in rows),
+            baseline=f"bare, {p.ranks} processes" if ranks > 1 else "bare, 1 process (before+after)/2",
+        )
         res["runs"][label] = summary
     return res
 
@@ -571,99 +763,232 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
     multi = p.repeats > 1
     tag = (lambda x: x["label"] + f" #{x['pass_no'] + 1}") if multi else (lambda x: x["label"])
     print()
-    print(f"target: Llama hidden {p.hidden_size}, {p.num_layers} layers, {p.num_heads} heads / {p.num_kv_heads} kv, "
-          f"intermediate {p.intermediate_size}, vocab {s['vocab_size']}, {s['parameters'] / 1e6:.1f}M parameters, "
-          f"{p.dtype}; aux layers {s['aux_layers']}")
+    print(
+        f"target: Llama hidden {p.hidden_size}, {p.num_layers} layers, {p.num_heads} heads / {p.num_kv_heads} kv, "
+        f"intermediate {p.intermediate_size}, vocab {s['vocab_size']}, {s['parameters'] / 1e6:.1f}M parameters, "
+        f"{p.dtype}; aux layers {s['aux_layers']}"
+    )
     r = s["records"]
-    print(f"records: {r['records']} in {r['parts']} parts, {s['captured_tokens']:,} tokens (lognormal mean "
-          f"{p.mean_len:g} sigma {p.sigma}: mean {r['mean_len']:.0f}, p50 {r['p50_len']}, p95 {r['p95_len']}, max "
-          f"{r['max_len']}); max_batch_tokens {p.max_batch_tokens}: {s['batches_1_rank']} batches at 1 rank, "
-          f"{s['padding_pct']:.1f}% padding; shard_tokens {p.shard_tokens}")
+    print(
+        f"records: {r['records']} in {r['parts']} parts, {s['captured_tokens']:,} tokens (lognormal mean "
+        f"{p.mean_len:g} sigma {p.sigma}: mean {r['mean_len']:.0f}, p50 {r['p50_len']}, p95 {r['p95_len']}, max "
+        f"{r['max_len']}); max_batch_tokens {p.max_batch_tokens}: {s['batches_1_rank']} batches at 1 rank, "
+        f"{s['padding_pct']:.1f}% padding; shard_tokens {p.shard_tokens}"
+    )
     print()
-    print("1. capture throughput: baselines (fresh processes, the loop timed) and our job (torchrun, the forward phase "
-          "timed)")
+    print(
+        "1. capture throughput: baselines (fresh processes, the loop timed) and our job (torchrun, the forward phase "
+        "timed)"
+    )
     rows = []
     for b in out["bare"]:
-        rows.append((tag(b), f"{b['processes']}", f"{b['threads']}", f"{b['startup_s']:.1f}", f"{b['wall_s']:.1f}", "-",
-                     f"{b['tokens_per_s']:,.0f}", f"{b['cpu_s']:.1f}", f"{1e6 * b['cpu_s'] / b['tokens']:.0f}", "-"))
+        rows.append(
+            (
+                tag(b),
+                f"{b['processes']}",
+                f"{b['threads']}",
+                f"{b['startup_s']:.1f}",
+                f"{b['wall_s']:.1f}",
+                "-",
+                f"{b['tokens_per_s']:,.0f}",
+                f"{b['cpu_s']:.1f}",
+                f"{1e6 * b['cpu_s'] / b['tokens']:.0f}",
+                "-",
+            )
+        )
     for x in out["launches"]:
         if x["tokens_per_s"] is None:
-            rows.append((tag(x), f"{x['ranks']}", f"{p.threads}", "FAILED", "-", "-", "-", "-", "-", f"{x['wall_s']:.1f}"))
+            rows.append(
+                (tag(x), f"{x['ranks']}", f"{p.threads}", "FAILED", "-", "-", "-", "-", "-", f"{x['wall_s']:.1f}")
+            )
             continue
         cpu = x["forward_cpu_s"]
-        rows.append((tag(x), f"{x['ranks']}", f"{p.threads}", f"{x['startup_s']:.1f}", f"{x['forward_s']:.1f}",
-                     f"{x['tail_s']:.1f}", f"{x['tokens_per_s']:,.0f}",
-                     "-" if cpu is None else f"{cpu:.1f} + {x['launcher_cpu_s']:.1f}",
-                     "-" if cpu is None else f"{1e6 * cpu / x['tokens']:.0f}",
-                     f"{x['wall_s']:.1f} ({x['end_to_end_tokens_per_s']:,.0f} tok/s)"))
-    harness.table(("run", "procs", "threads", "start-up s", "forward s", "tail s", "tok/s", "CPU s", "CPU ms/1k tok",
-            "whole job s"), rows)
+        rows.append(
+            (
+                tag(x),
+                f"{x['ranks']}",
+                f"{p.threads}",
+                f"{x['startup_s']:.1f}",
+                f"{x['forward_s']:.1f}",
+                f"{x['tail_s']:.1f}",
+                f"{x['tokens_per_s']:,.0f}",
+                "-" if cpu is None else f"{cpu:.1f} + {x['launcher_cpu_s']:.1f}",
+                "-" if cpu is None else f"{1e6 * cpu / x['tokens']:.0f}",
+                f"{x['wall_s']:.1f} ({x['end_to_end_tokens_per_s']:,.0f} tok/s)",
+            )
+        )
+    harness.table(
+        (
+            "run",
+            "procs",
+            "threads",
+            "start-up s",
+            "forward s",
+            "tail s",
+            "tok/s",
+            "CPU s",
+            "CPU ms/1k tok",
+            "whole job s",
+        ),
+        rows,
+    )
     ra = out["ratios"]
-    print("   start-up: baselines spawn -> model loaded; ours launch -> first rank's done=0 line. tail: last final "
-          "line -> launcher exit.\n   CPU s of ours: ranks + launcher (torchrun agent); CPU ms/1k tok: ranks only")
-    print(f"   bare, 1 process: {ra['bare_tokens_per_s']:,.0f} tok/s, {ra['bare_cpu_ms_per_1k_tokens']:.0f} CPU ms per "
-          f"1k tokens; before and after (a) differ by up to {ra['bare_spread_pct']:.1f}% (other load on the machine)")
-    print(f"   these cores: {p.ranks} bare processes side by side give {ra['parallel_speedup']:.2f}x one bare process, "
-          f"one process on {p.ranks * p.threads} threads {ra['all_cores_speedup']:.2f}x")
+    print(
+        "   start-up: baselines spawn -> model loaded; ours launch -> first rank's done=0 line. tail: last final "
+        "line -> launcher exit.\n   CPU s of ours: ranks + launcher (torchrun agent); CPU ms/1k tok: ranks only"
+    )
+    print(
+        f"   bare, 1 process: {ra['bare_tokens_per_s']:,.0f} tok/s, {ra['bare_cpu_ms_per_1k_tokens']:.0f} CPU ms per "
+        f"1k tokens; before and after (a) differ by up to {ra['bare_spread_pct']:.1f}% (other load on the machine)"
+    )
+    print(
+        f"   these cores: {p.ranks} bare processes side by side give {ra['parallel_speedup']:.2f}x one bare process, "
+        f"one process on {p.ranks * p.threads} threads {ra['all_cores_speedup']:.2f}x"
+    )
     print()
     print("   ratios to the baseline measured in the same pass" + (f" (median of {p.repeats} passes)" if multi else ""))
     rows = []
     for label, x in ra["runs"].items():
         lo, hi = x["overhead_ratio_range"]
-        rows.append((label, f"{x['tokens_per_s']:,.0f}", x["baseline"], f"{x['baseline_tokens_per_s']:,.0f}",
-                     f"{x['overhead_ratio']:.3f}" + (f" ({lo:.2f}-{hi:.2f})" if multi else ""),
-                     "-" if x["cpu_ratio"] is None else f"{x['cpu_ratio']:.3f}",
-                     f"{x['vs_bare_1_process']:.3f}", f"{x['vs_bare_all_cores']:.3f}",
-                     "-" if x["end_to_end_ratio"] is None else f"{x['end_to_end_ratio']:.2f}"))
-    harness.table(("run", "tok/s", "baseline", "tok/s", "baseline/ours", "CPU/token ours/baseline", "bare 1 proc/ours",
-            f"bare {p.ranks * p.threads} thr/ours", "baseline/ours incl. start-up"), rows)
-    print("   baseline/ours > 1: ours is slower than its baseline by that factor. CPU/token: CPU seconds per captured "
-          "token,\n   less sensitive than wall time to other load on the machine")
+        rows.append(
+            (
+                label,
+                f"{x['tokens_per_s']:,.0f}",
+                x["baseline"],
+                f"{x['baseline_tokens_per_s']:,.0f}",
+                f"{x['overhead_ratio']:.3f}" + (f" ({lo:.2f}-{hi:.2f})" if multi else ""),
+                "-" if x["cpu_ratio"] is None else f"{x['cpu_ratio']:.3f}",
+                f"{x['vs_bare_1_process']:.3f}",
+                f"{x['vs_bare_all_cores']:.3f}",
+                "-" if x["end_to_end_ratio"] is None else f"{x['end_to_end_ratio']:.2f}",
+            )
+        )
+    harness.table(
+        (
+            "run",
+            "tok/s",
+            "baseline",
+            "tok/s",
+            "baseline/ours",
+            "CPU/token ours/baseline",
+            "bare 1 proc/ours",
+            f"bare {p.ranks * p.threads} thr/ours",
+            "baseline/ours incl. start-up",
+        ),
+        rows,
+    )
+    print(
+        "   baseline/ours > 1: ours is slower than its baseline by that factor. CPU/token: CPU seconds per captured "
+        "token,\n   less sensitive than wall time to other load on the machine"
+    )
     w = out["writer"]
-    print(f"   ShardWriter alone (cat, safetensors, fsync; best pass): {w['mb_per_s']:,.0f} MB/s, {w['us_per_token']:.0f} us "
-          f"per token = {100 * w['share_of_bare_forward']:.1f}% of the bare forward's {w['bare_forward_us_per_token']:.0f} "
-          "us per token")
+    print(
+        f"   ShardWriter alone (cat, safetensors, fsync; best pass): {w['mb_per_s']:,.0f} MB/s, {w['us_per_token']:.0f} us "
+        f"per token = {100 * w['share_of_bare_forward']:.1f}% of the bare forward's {w['bare_forward_us_per_token']:.0f} "
+        "us per token"
+    )
 
-    per = [(tag(x), f"rank {q['rank']}", f"{q['start_s']:.1f}", f"{q['end_s']:.1f}", f"{q['tokens']:,}",
-            f"{q['tokens_per_s']:,.0f}" if q["tokens_per_s"] else "-")
-           for x in out["launches"] for q in x["per_rank"] if q["start_s"] is not None]
+    per = [
+        (
+            tag(x),
+            f"rank {q['rank']}",
+            f"{q['start_s']:.1f}",
+            f"{q['end_s']:.1f}",
+            f"{q['tokens']:,}",
+            f"{q['tokens_per_s']:,.0f}" if q["tokens_per_s"] else "-",
+        )
+        for x in out["launches"]
+        for q in x["per_rank"]
+        if q["start_s"] is not None
+    ]
     if per:
         print()
         print("   per rank (seconds after launch)")
         harness.table(("run", "rank", "done=0 at", "final at", "tokens", "tok/s"), per)
-    rows = [(tag(x), f"{x['planned_s']:.1f}" if x["planned_s"] else "-", f"{x['startup_s']:.1f}", f"{x['tail_s']:.1f}",
-             ", ".join(x["ops_built"]) or "-")
-            for x in out["launches"] if x["ok"] and x["startup_s"] is not None]
+    rows = [
+        (
+            tag(x),
+            f"{x['planned_s']:.1f}" if x["planned_s"] else "-",
+            f"{x['startup_s']:.1f}",
+            f"{x['tail_s']:.1f}",
+            ", ".join(x["ops_built"]) or "-",
+        )
+        for x in out["launches"]
+        if x["ok"] and x["startup_s"] is not None
+    ]
     if rows:
         print()
-        print("   start-up (seconds after launch): rank 0 planned (interpreter, torchrun, imports, config, process "
-              "group,\n   records read), first done=0 (model loaded; ZeRO-3: partitioned); tail = last final line -> "
-              "launcher exit;\n   a DeepSpeed CPU comm op (re)built meanwhile (JIT, ~45 s on 2 cores) is part of the start-up")
+        print(
+            "   start-up (seconds after launch): rank 0 planned (interpreter, torchrun, imports, config, process "
+            "group,\n   records read), first done=0 (model loaded; ZeRO-3: partitioned); tail = last final line -> "
+            "launcher exit;\n   a DeepSpeed CPU comm op (re)built meanwhile (JIT, ~45 s on 2 cores) is part of the start-up"
+        )
         harness.table(("run", "planned", "done=0", "tail", "torch extension built meanwhile"), rows)
-        print(f"   a bare process: spawn -> model loaded {ra['bare_startup_s']:.1f} s (interpreter, imports, "
-              f"from_pretrained {min(b['model_load_s'] for b in out['bare']):.2f} s)")
+        print(
+            f"   a bare process: spawn -> model loaded {ra['bare_startup_s']:.1f} s (interpreter, imports, "
+            f"from_pretrained {min(b['model_load_s'] for b in out['bare']):.2f} s)"
+        )
 
     print()
     st = [x for x in out["launches"] if x.get("storage") and x["storage"].get("tokens") and x["pass_no"] == 0]
     if st:
         g = st[0]["storage"]
         h, db = g["hidden_size"], g["dtype_bytes"]
-        print(f"2. stored bytes per token (H = {h}, {p.dtype}: payload 4H x {db} B = {g['payload_per_token']:,} B/token)")
+        print(
+            f"2. stored bytes per token (H = {h}, {p.dtype}: payload 4H x {db} B = {g['payload_per_token']:,} B/token)"
+        )
         rows = []
         for x in st:
             q = x["storage"]
-            rows.append((x["label"], f"{q['shards']}", f"{q['samples']}", f"{q['tokens']:,}", f"{q['shard_bytes'] / 2**20:,.1f}",
-                         f"{q['bytes_per_token']:,.2f}", f"{q['payload_per_token']:,}", f"{q['ids_mask_per_token']}",
-                         f"{q['header_per_token']:.2f}", f"{q['overhead_pct']:.3f}%", f"{q['index_per_token']:.3f}",
-                         "yes" if q["data_matches_layout"] else "NO"))
-        harness.table(("run", "shards", "samples", "tokens", "MiB", "B/token", "payload", "ids+mask", "header",
-                "overhead", "index B/tok", "layout ok"), rows)
-        print(f"   header {g['header_per_sample']:.0f} B per sample (tensor table + JSON sample list); planner estimate "
-              f"{g['planner_per_token']:,} B/token (4H x dtype + 5).\n   The format's overhead with these samples at bf16 "
-              f"H={h}: {projected_overhead_pct(g, h, 2):.3f}%; bf16 H=7168 (Kimi): {projected_overhead_pct(g, 7168, 2):.4f}%, "
-              f"or {projected_overhead_pct(g, 7168, 2, 1400):.4f}% with 1,400-token samples")
-        checks = [(x["label"], f"{x['check']['samples_compared']}", f"{x['check']['max_abs_diff']:.2e}",
-                   f"{x['check']['samples_indexed']}") for x in st if x.get("check")]
+            rows.append(
+                (
+                    x["label"],
+                    f"{q['shards']}",
+                    f"{q['samples']}",
+                    f"{q['tokens']:,}",
+                    f"{q['shard_bytes'] / 2**20:,.1f}",
+                    f"{q['bytes_per_token']:,.2f}",
+                    f"{q['payload_per_token']:,}",
+                    f"{q['ids_mask_per_token']}",
+                    f"{q['header_per_token']:.2f}",
+                    f"{q['overhead_pct']:.3f}%",
+                    f"{q['index_per_token']:.3f}",
+                    "yes" if q["data_matches_layout"] else "NO",
+                )
+            )
+        harness.table(
+            (
+                "run",
+                "shards",
+                "samples",
+                "tokens",
+                "MiB",
+                "B/token",
+                "payload",
+                "ids+mask",
+                "header",
+                "overhead",
+                "index B/tok",
+                "layout ok",
+            ),
+            rows,
+        )
+        print(
+            f"   header {g['header_per_sample']:.0f} B per sample (tensor table + JSON sample list); planner estimate "
+            f"{g['planner_per_token']:,} B/token (4H x dtype + 5).\n   The format's overhead with these samples at bf16 "
+            f"H={h}: {projected_overhead_pct(g, h, 2):.3f}%; bf16 H=7168 (Kimi): {projected_overhead_pct(g, 7168, 2):.4f}%, "
+            f"or {projected_overhead_pct(g, 7168, 2, 1400):.4f}% with 1,400-token samples"
+        )
+        checks = [
+            (
+                x["label"],
+                f"{x['check']['samples_compared']}",
+                f"{x['check']['max_abs_diff']:.2e}",
+                f"{x['check']['samples_indexed']}",
+            )
+            for x in st
+            if x.get("check")
+        ]
         print()
         print("   stored rows vs the bare loop's hidden states (the longest and the shortest sample):")
         harness.table(("run", "samples", "max abs diff", "samples in index"), checks)
@@ -676,9 +1001,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import transformers
 
-    return harness.run_bench("capture", args, dict(p.__dict__),
-                             {"torch": torch.__version__, "transformers": transformers.__version__},
-                             lambda tmp, out: run(p, tmp, out, args.verbose), lambda out: print_report(p, out), kept=kept)
+    return harness.run_bench(
+        "capture",
+        args,
+        dict(p.__dict__),
+        {"torch": torch.__version__, "transformers": transformers.__version__},
+        lambda tmp, out: run(p, tmp, out, args.verbose),
+        lambda out: print_report(p, out),
+        kept=kept,
+    )
 
 
 if __name__ == "__main__":

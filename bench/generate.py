@@ -44,27 +44,27 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.harness, deploy, tasks
-from bench import harness  # noqa: E402
-
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 
+from bench import harness  # noqa: E402
 from emulators.sim import SimConfig, simulate_output  # noqa: E402
 from models.jobs import GenerateJob  # noqa: E402
 from models.run_layout import RunLayout  # noqa: E402
 from tasks.checkpoints import RESPONSE_SCHEMA, compact, done_ids, summarize, write_part  # noqa: E402
 from tasks.datasets import PromptRow  # noqa: E402
-from tasks.generate.loop import GenerateReport, generate_dataset  # noqa: E402
-from tasks.server_pool import ServerPool  # noqa: E402
 from tasks.engines.client import RetryPolicy  # noqa: E402
 from tasks.engines.sglang import SGLangClient  # noqa: E402
+from tasks.generate.loop import GenerateReport, generate_dataset  # noqa: E402
+from tasks.server_pool import ServerPool  # noqa: E402
 from tasks.stats import collect_stats, nearest_rank, stats_rows  # noqa: E402
 
 FIRST_ID = 10  # prompt ids are drawn from [FIRST_ID, vocab): clear of the special ids
@@ -100,7 +100,9 @@ class Params:
     resume_rows: int = 100_000
     stats_datasets: int = 10
     stats_rows_per_dataset: int = 10_000
-    ckpt_mean_len: float = 1400.0  # completion tokens per checkpointed response (mean, lognormal): the seed run's B1 mean
+    ckpt_mean_len: float = (
+        1400.0  # completion tokens per checkpointed response (mean, lognormal): the seed run's B1 mean
+    )
     ckpt_prompt_len: float = 64.0
     ckpt_max_ratio: float = 6.0  # completion lengths capped at this x ckpt_mean_len (max_new_tokens)
     flush_every: int = 256  # as ResponseWriter: parts of this many rows, compaction every 64 parts
@@ -115,11 +117,22 @@ class Params:
     jsonl_repeats: int = 2  # the JSONL baselines (seconds each)
 
     @classmethod
-    def quick_preset(cls) -> "Params":
+    def quick_preset(cls) -> Params:
         return cls(
-            quick=True, max_running=8, decode_ms=1.0, prompts=640, barrier_batches=8, sequential_prompts=10,
-            budget_rounds=40.0, budget_trials=1, resume_rows=20_000, stats_datasets=10,
-            stats_rows_per_dataset=2_000, repeats=2, jsonl_repeats=1, pool_prompts=400,
+            quick=True,
+            max_running=8,
+            decode_ms=1.0,
+            prompts=640,
+            barrier_batches=8,
+            sequential_prompts=10,
+            budget_rounds=40.0,
+            budget_trials=1,
+            resume_rows=20_000,
+            stats_datasets=10,
+            stats_rows_per_dataset=2_000,
+            repeats=2,
+            jsonl_repeats=1,
+            pool_prompts=400,
         )
 
     @property
@@ -136,15 +149,23 @@ class Params:
 
     def sim_config(self) -> SimConfig:
         return SimConfig(
-            max_running=self.max_running, decode_s_per_token=self.decode_ms / 1e3, mean_len=self.mean_len,
-            sigma=self.sigma, seed=self.seed, eos_token_id=EOS,
+            max_running=self.max_running,
+            decode_s_per_token=self.decode_ms / 1e3,
+            mean_len=self.mean_len,
+            sigma=self.sigma,
+            seed=self.seed,
+            eos_token_id=EOS,
         )
 
     def sampling_params(self) -> dict[str, Any]:
         # What tasks.generate.prompts.request_sampling_params sends for a typical config.
         return {
-            "max_new_tokens": self.max_new_tokens, "temperature": 0.6, "top_p": 0.95,
-            "stop_token_ids": [EOS], "skip_special_tokens": False, "no_stop_trim": True,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": 0.6,
+            "top_p": 0.95,
+            "stop_token_ids": [EOS],
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
         }
 
 
@@ -159,10 +180,23 @@ class SimProcess:
     def __init__(self, p: Params):
         self.p = p
         cmd = [
-            sys.executable, "-m", "emulators.sim", "--port", "0",
-            "--max-running", str(p.max_running), "--decode-ms", str(p.decode_ms),
-            "--mean-len", str(p.mean_len), "--sigma", str(p.sigma), "--seed", str(p.seed),
-            "--eos-id", str(EOS),
+            sys.executable,
+            "-m",
+            "emulators.sim",
+            "--port",
+            "0",
+            "--max-running",
+            str(p.max_running),
+            "--decode-ms",
+            str(p.decode_ms),
+            "--mean-len",
+            str(p.mean_len),
+            "--sigma",
+            str(p.sigma),
+            "--seed",
+            str(p.seed),
+            "--eos-id",
+            str(EOS),
         ]
         self.proc = subprocess.Popen(cmd, cwd=harness.REPO, stdout=subprocess.PIPE, text=True)
         self.url = self._wait_listening(timeout=60.0)
@@ -219,7 +253,7 @@ class Poller:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "Poller":
+    def __enter__(self) -> Poller:
         self._thread.start()
         return self
 
@@ -309,12 +343,18 @@ def measure(server: SimProcess, p: Params, name: str, n: int, body: Callable[[],
     cpu, scpu = time.process_time() - cpu0, server.cpu_s() - scpu0
     wall = s["wall_s"]
     w = Window(
-        client=name, prompts=n, wall_s=wall, served_tokens=s["served_tokens"], aborted_tokens=s["aborted_tokens"],
-        completed=s["completed"], aborted=s["aborted"],
+        client=name,
+        prompts=n,
+        wall_s=wall,
+        served_tokens=s["served_tokens"],
+        aborted_tokens=s["aborted_tokens"],
+        completed=s["completed"],
+        aborted=s["aborted"],
         utilisation=s["served_tokens"] / (p.capacity_tok_s * wall) if wall > 0 else 0.0,
         occupancy=s["busy_slot_s"] / (p.max_running * wall) if wall > 0 else 0.0,
         max_running_seen=s["max_running_seen"],
-        client_cpu_pct=100 * cpu / wall_client, server_cpu_pct=100 * scpu / wall_client,
+        client_cpu_pct=100 * cpu / wall_client,
+        server_cpu_pct=100 * scpu / wall_client,
         requests_per_s=s["completed"] / wall if wall > 0 else 0.0,
     )
     full = [x for x in poller.samples if x["running"] >= p.max_running]
@@ -328,15 +368,23 @@ def measure(server: SimProcess, p: Params, name: str, n: int, body: Callable[[],
 
 async def run_ours(p: Params, url: str, prompts: list[PromptRow], root: Path, *, budget: int | None) -> GenerateReport:
     settings = GenerateJob(
-        dataset="bench", sampling_params=p.sampling_params(), token_budget=budget,
-        flush_every=p.flush_every, compact_min_parts=p.compact_min_parts,
+        dataset="bench",
+        sampling_params=p.sampling_params(),
+        token_budget=budget,
+        flush_every=p.flush_every,
+        compact_min_parts=p.compact_min_parts,
     )
     urls = [url] if isinstance(url, str) else list(url)
     retry = RetryPolicy(initial_s=0.05, max_s=1.0, outage_window_s=120)
     async with ServerPool(urls, max_concurrency=p.slots, retry=retry) as pool:
         return await generate_dataset(
-            prompts, pool=pool, tokenizer=IdsTokenizer(), responses_dir=RunLayout(root).responses("bench"),
-            rejects_dir=RunLayout(root).rejects("bench"), source=root / "prompts.jsonl", settings=settings,
+            prompts,
+            pool=pool,
+            tokenizer=IdsTokenizer(),
+            responses_dir=RunLayout(root).responses("bench"),
+            rejects_dir=RunLayout(root).rejects("bench"),
+            source=root / "prompts.jsonl",
+            settings=settings,
         )
 
 
@@ -388,13 +436,20 @@ def bench_pool(p: Params, tmp: Path, out: dict[str, Any]) -> None:
                 s.close()
         capacity = sum(sp.capacity_tok_s * st["wall_s"] for st in stats)
         served = sum(st["served_tokens"] for st in stats)
-        runs.append({
-            "servers": n, "prompts": len(prompts), "wall_s": wall, "served_tokens": served,
-            "capacity_tok_s": n * sp.capacity_tok_s, "tok_s": served / wall if wall > 0 else 0.0,
-            "share": served / capacity if capacity > 0 else 0.0,
-            "per_server_share": [st["served_tokens"] / (sp.capacity_tok_s * st["wall_s"]) for st in stats],
-            "responses": report.responses, "complete": report.responses == len(prompts),
-        })
+        runs.append(
+            {
+                "servers": n,
+                "prompts": len(prompts),
+                "wall_s": wall,
+                "served_tokens": served,
+                "capacity_tok_s": n * sp.capacity_tok_s,
+                "tok_s": served / wall if wall > 0 else 0.0,
+                "share": served / capacity if capacity > 0 else 0.0,
+                "per_server_share": [st["served_tokens"] / (sp.capacity_tok_s * st["wall_s"]) for st in stats],
+                "responses": report.responses,
+                "complete": report.responses == len(prompts),
+            }
+        )
     out["pool"] = {"decode_ms": sp.decode_ms, "max_running": sp.max_running, "slots_per_server": sp.slots, "runs": runs}
 
     n = p.pool_kill_servers
@@ -428,8 +483,12 @@ def bench_pool(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     ids = done_ids(directory)
     rows = summarize(directory).rows
     out["pool_kill"] = {
-        "servers": n, "prompts": len(prompts), "killed_after_tokens": killed_at[0] if killed_at else None,
-        "wall_s": wall, "responses": rows, "distinct_ids": len(ids),
+        "servers": n,
+        "prompts": len(prompts),
+        "killed_after_tokens": killed_at[0] if killed_at else None,
+        "wall_s": wall,
+        "responses": rows,
+        "distinct_ids": len(ids),
         "exactly_once": rows == len(ids) == len(prompts) and ids == {r.id for r in prompts},
     }
 
@@ -496,6 +555,7 @@ def jsonl_bytes(table: pa.Table) -> bytes:
 
     One JSON object per line with every RESPONSE_SCHEMA column, built with Arrow compute.
     """
+
     def ints(name: str) -> pa.Array:
         col = table.column(name).combine_chunks()
         joined = pc.binary_join(pa.ListArray.from_arrays(col.offsets, pc.cast(col.values, pa.string())), ",")
@@ -508,11 +568,29 @@ def jsonl_bytes(table: pa.Table) -> bytes:
         return table.column(name).combine_chunks()  # ids, finish reasons, "t123 t456" texts: no escaping needed
 
     parts = [
-        '{"id": "', s("id"), '", "prompt_ids": [', ints("prompt_ids"), '], "output_ids": [', ints("output_ids"),
-        '], "prompt_tokens": ', num("prompt_tokens"), ', "completion_tokens": ', num("completion_tokens"),
-        ', "finish_reason": "', s("finish_reason"), '", "text": "', s("text"), '", "latency": ', num("latency"),
-        ', "cached_tokens": ', num("cached_tokens"), ', "reasoning_tokens": ', num("reasoning_tokens"),
-        ', "finished_at": ', num("finished_at"), "}\n",
+        '{"id": "',
+        s("id"),
+        '", "prompt_ids": [',
+        ints("prompt_ids"),
+        '], "output_ids": [',
+        ints("output_ids"),
+        '], "prompt_tokens": ',
+        num("prompt_tokens"),
+        ', "completion_tokens": ',
+        num("completion_tokens"),
+        ', "finish_reason": "',
+        s("finish_reason"),
+        '", "text": "',
+        s("text"),
+        '", "latency": ',
+        num("latency"),
+        ', "cached_tokens": ',
+        num("cached_tokens"),
+        ', "reasoning_tokens": ',
+        num("reasoning_tokens"),
+        ', "finished_at": ',
+        num("finished_at"),
+        "}\n",
     ]
     lines = pc.binary_join_element_wise(*[pa.scalar(x) if isinstance(x, str) else x for x in parts], "")
     lines = lines.cast(pa.large_string())
@@ -552,12 +630,19 @@ def jsonl_stats(files: list[Path]) -> list[dict[str, Any]]:
         lengths.sort()
         total = sum(lengths)
         wall = (last - first) if first is not None else None
-        out.append({
-            "dataset": path.stem, "responses": len(lengths), "completion_tokens": total, "prompt_tokens": prompt,
-            "mean_length": total / len(lengths) if lengths else None,
-            "p50_length": nearest_rank(lengths, 50), "p95_length": nearest_rank(lengths, 95),
-            "finish_reasons": reasons, "tokens_per_s": total / wall if wall else None,
-        })
+        out.append(
+            {
+                "dataset": path.stem,
+                "responses": len(lengths),
+                "completion_tokens": total,
+                "prompt_tokens": prompt,
+                "mean_length": total / len(lengths) if lengths else None,
+                "p50_length": nearest_rank(lengths, 50),
+                "p95_length": nearest_rank(lengths, 95),
+                "finish_reasons": reasons,
+                "tokens_per_s": total / wall if wall else None,
+            }
+        )
     return out
 
 
@@ -575,7 +660,9 @@ def bench_throughput_and_budget(p: Params, tmp: Path, out: dict[str, Any]) -> No
         "prompts": len(prompts),
         "prompt_tokens_mean": statistics.fmean(len(prompt_ids(r)) for r in prompts),
         "completion_tokens_mean": statistics.fmean(lengths),
-        "completion_p50": nearest_rank(srt, 50), "completion_p99": nearest_rank(srt, 99), "completion_max": srt[-1],
+        "completion_p50": nearest_rank(srt, 50),
+        "completion_p99": nearest_rank(srt, 99),
+        "completion_max": srt[-1],
         "hit_max_new_tokens": sum(1 for x in lengths if x >= p.max_new_tokens),
     }
     n_barrier = min(len(prompts), p.barrier_batches * p.max_running)
@@ -587,14 +674,24 @@ def bench_throughput_and_budget(p: Params, tmp: Path, out: dict[str, Any]) -> No
         asyncio.run(run_sequential(p, server.url, prompts[-2:]))
         windows = []
         print(f"  (a) generate_dataset: {len(prompts)} prompts, slots {p.slots} ...", flush=True)
-        w, report = measure(server, p, "(a) generate_dataset", len(prompts),
-                            lambda: run_ours(p, server.url, prompts, tmp / "run-a", budget=None))
-        w.extra = {"report_completion_tokens": report.completion_tokens, "responses": report.responses,
-                   "status": report.status, "expected_tokens": sum(lengths)}
+        w, report = measure(
+            server,
+            p,
+            "(a) generate_dataset",
+            len(prompts),
+            lambda: run_ours(p, server.url, prompts, tmp / "run-a", budget=None),
+        )
+        w.extra = {
+            "report_completion_tokens": report.completion_tokens,
+            "responses": report.responses,
+            "status": report.status,
+            "expected_tokens": sum(lengths),
+        }
         windows.append(w)
         print(f"  (b) batch-with-barrier: {n_barrier} prompts ...", flush=True)
-        w, tokens = measure(server, p, "(b) batch + barrier", n_barrier,
-                            lambda: run_barrier(p, server.url, prompts[:n_barrier]))
+        w, tokens = measure(
+            server, p, "(b) batch + barrier", n_barrier, lambda: run_barrier(p, server.url, prompts[:n_barrier])
+        )
         w.extra = {"client_tokens": tokens, "expected_tokens": sum(lengths[:n_barrier])}
         windows.append(w)
         print(f"  (c) sequential: {n_seq} prompts ...", flush=True)
@@ -609,27 +706,36 @@ def bench_throughput_and_budget(p: Params, tmp: Path, out: dict[str, Any]) -> No
             # Each trial: the same prompts, rotated, so another set of responses meets the budget's end.
             shift = k * len(prompts) // max(1, p.budget_trials)
             order = prompts[shift:] + prompts[:shift]
-            print(f"  budget trial {k + 1}/{p.budget_trials}: generate_dataset with token_budget {budget:,} ...",
-                  flush=True)
-            w, report = measure(server, p, f"budget {k + 1}", len(order),
-                                lambda: run_ours(p, server.url, order, tmp / f"run-budget-{k}", budget=budget))
+            print(
+                f"  budget trial {k + 1}/{p.budget_trials}: generate_dataset with token_budget {budget:,} ...",
+                flush=True,
+            )
+            w, report = measure(
+                server,
+                p,
+                f"budget {k + 1}",
+                len(order),
+                lambda: run_ours(p, server.url, order, tmp / f"run-budget-{k}", budget=budget),
+            )
             spent = report.completion_tokens
-            trials.append({
-                "trial": k + 1,
-                "token_budget": budget,
-                "spent": spent,
-                "overshoot_pct": 100 * (spent - budget) / budget,
-                "status": report.status,
-                "responses": report.responses,
-                "aborted_requests": report.aborted,
-                "report_wasted_tokens": report.wasted_tokens,
-                "report_waste_pct": 100 * report.wasted_tokens / budget,
-                "server_aborted_tokens": w.aborted_tokens,
-                "server_waste_pct": 100 * w.aborted_tokens / budget,
-                "server_served_tokens": w.served_tokens,
-                "wall_s": w.wall_s,
-                "utilisation": w.utilisation,
-            })
+            trials.append(
+                {
+                    "trial": k + 1,
+                    "token_budget": budget,
+                    "spent": spent,
+                    "overshoot_pct": 100 * (spent - budget) / budget,
+                    "status": report.status,
+                    "responses": report.responses,
+                    "aborted_requests": report.aborted,
+                    "report_wasted_tokens": report.wasted_tokens,
+                    "report_waste_pct": 100 * report.wasted_tokens / budget,
+                    "server_aborted_tokens": w.aborted_tokens,
+                    "server_waste_pct": 100 * w.aborted_tokens / budget,
+                    "server_served_tokens": w.served_tokens,
+                    "wall_s": w.wall_s,
+                    "utilisation": w.utilisation,
+                }
+            )
         out["budget"] = {
             "token_budget": budget,
             "max_new_tokens": p.max_new_tokens,
@@ -645,8 +751,9 @@ def bench_checkpoints(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     n_resume = p.resume_rows
     n_stats = p.stats_datasets * p.stats_rows_per_dataset
     per = p.stats_rows_per_dataset
-    print(f"  making {max(n_resume, n_stats):,} responses (mean {p.ckpt_mean_len:.0f} completion tokens) ...",
-          flush=True)
+    print(
+        f"  making {max(n_resume, n_stats):,} responses (mean {p.ckpt_mean_len:.0f} completion tokens) ...", flush=True
+    )
     t0 = time.perf_counter()
     table = make_responses(p, max(n_resume, n_stats))
     setup: dict[str, float] = {"make_s": time.perf_counter() - t0}
@@ -672,8 +779,10 @@ def bench_checkpoints(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     responses_dir, rejects_dir = resumed.responses("big"), resumed.rejects("big")
     parts = write_like_writer(responses_dir, table.slice(0, n_resume), p)
     setup["write_parts_s"] = time.perf_counter() - t0
-    print(f"  resume: {n_resume:,} responses in {parts} parts ({_mb(responses_dir)} MB) vs JSONL ({_mb(jsonl)} MB) ...",
-          flush=True)
+    print(
+        f"  resume: {n_resume:,} responses in {parts} parts ({_mb(responses_dir)} MB) vs JSONL ({_mb(jsonl)} MB) ...",
+        flush=True,
+    )
 
     def ours():
         before = summarize(responses_dir)
@@ -685,16 +794,22 @@ def bench_checkpoints(p: Params, tmp: Path, out: dict[str, Any]) -> None:
 
     # The whole generate_dataset call on the fully done dataset: it returns without sending
     # (the server is never contacted), so this is its start-up plus its closing summary.
-    prompts = [PromptRow(id=i, messages=[{"role": "user", "content": "1"}])
-               for i in table.column("id").to_pylist()[:n_resume]]
+    prompts = [
+        PromptRow(id=i, messages=[{"role": "user", "content": "1"}]) for i in table.column("id").to_pylist()[:n_resume]
+    ]
     settings = GenerateJob(dataset="big", sampling_params={"max_new_tokens": p.max_new_tokens})
 
     async def call() -> tuple[float, GenerateReport]:
         async with ServerPool(["http://127.0.0.1:9"], max_concurrency=1) as pool:  # all done: never contacted
             t0 = time.perf_counter()
             report = await generate_dataset(
-                prompts, pool=pool, tokenizer=IdsTokenizer(), responses_dir=responses_dir,
-                rejects_dir=rejects_dir, source=jsonl, settings=settings,
+                prompts,
+                pool=pool,
+                tokenizer=IdsTokenizer(),
+                responses_dir=responses_dir,
+                rejects_dir=rejects_dir,
+                source=jsonl,
+                settings=settings,
             )
             return time.perf_counter() - t0, report
 
@@ -702,13 +817,22 @@ def bench_checkpoints(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     call_times = [c[0] for c in calls]
     report = calls[-1][1]
     out["resume"] = {
-        "responses": n_resume, "parts": parts, "parquet_mb": _mb(responses_dir), "jsonl_mb": _mb(jsonl),
+        "responses": n_resume,
+        "parts": parts,
+        "parquet_mb": _mb(responses_dir),
+        "jsonl_mb": _mb(jsonl),
         "jsonl_bytes_per_response": jsonl.stat().st_size / n_resume,
         "completion_tokens_mean": tokens / n_resume,
-        "ours_s": ours_s, "ours_times": ours_times, "jsonl_s": base_s, "jsonl_times": base_times,
+        "ours_s": ours_s,
+        "ours_times": ours_times,
+        "jsonl_s": base_s,
+        "jsonl_times": base_times,
         "ratio": base_s / ours_s if ours_s > 0 else math.inf,
-        "generate_dataset_noop_s": min(call_times), "generate_dataset_noop_times": call_times,
-        "consistent": skip == base_ids and tokens == base_tokens and report.responses == n_resume
+        "generate_dataset_noop_s": min(call_times),
+        "generate_dataset_noop_times": call_times,
+        "consistent": skip == base_ids
+        and tokens == base_tokens
+        and report.responses == n_resume
         and report.new_responses == 0,
     }
     jsonl.unlink()
@@ -721,13 +845,18 @@ def bench_checkpoints(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     setup["write_stats_s"] = time.perf_counter() - t0
     del table
     n_parts = len(list(RunLayout(run).responses_root.glob("*/part-*.parquet")))
-    print(f"  stats: {p.stats_datasets} datasets x {per:,} responses, {n_parts} parts "
-          f"({_mb(run)} MB) vs JSONL ({_mb(tmp / 'jsonl')} MB) ...", flush=True)
+    print(
+        f"  stats: {p.stats_datasets} datasets x {per:,} responses, {n_parts} parts "
+        f"({_mb(run)} MB) vs JSONL ({_mb(tmp / 'jsonl')} MB) ...",
+        flush=True,
+    )
     ours_s, ours_times, stats = harness.best_of(p.repeats, lambda: stats_rows(collect_stats(run), total=True))
     base_s, base_times, base = harness.best_of(p.jsonl_repeats, lambda: jsonl_stats(files))
     consistent = len(stats) == len(base) + 1 and all(
-        a["responses"] == b["responses"] and a["completion_tokens"] == b["completion_tokens"]
-        and a["p50_length"] == b["p50_length"] and a["p95_length"] == b["p95_length"]
+        a["responses"] == b["responses"]
+        and a["completion_tokens"] == b["completion_tokens"]
+        and a["p50_length"] == b["p50_length"]
+        and a["p95_length"] == b["p95_length"]
         and a["finish_reasons"] == dict(sorted(b["finish_reasons"].items()))
         for a, b in zip(stats[:-1], base)
     )
@@ -739,9 +868,17 @@ def bench_checkpoints(p: Params, tmp: Path, out: dict[str, Any]) -> None:
         done = subprocess.run([str(eagle3), "stats", str(run), "--json"], capture_output=True, text=True)
         cli_s = time.perf_counter() - t0 if done.returncode == 0 else None
     out["stats"] = {
-        "datasets": p.stats_datasets, "responses": n_stats, "parts": n_parts, "parquet_mb": _mb(run),
-        "jsonl_mb": _mb(tmp / "jsonl"), "ours_s": ours_s, "ours_times": ours_times, "jsonl_s": base_s,
-        "jsonl_times": base_times, "ratio": base_s / ours_s if ours_s > 0 else math.inf, "consistent": consistent,
+        "datasets": p.stats_datasets,
+        "responses": n_stats,
+        "parts": n_parts,
+        "parquet_mb": _mb(run),
+        "jsonl_mb": _mb(tmp / "jsonl"),
+        "ours_s": ours_s,
+        "ours_times": ours_times,
+        "jsonl_s": base_s,
+        "jsonl_times": base_times,
+        "ratio": base_s / ours_s if ours_s > 0 else math.inf,
+        "consistent": consistent,
         "cli_end_to_end_s": cli_s,
     }
     out["checkpoint_setup_s"] = setup
@@ -766,25 +903,44 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
         over = [x["overshoot_pct"] for x in trials]
         waste = [max(x["server_waste_pct"], x["report_waste_pct"]) for x in trials]
         found += [
-            {"target": "1a generate_dataset >= 95% of capacity", "value": f"{100 * a['utilisation']:.1f}%",
-             "pass": a["utilisation"] >= 0.95},
-            {"target": "1b batch+barrier measured lower than 1a",
-             "value": f"{100 * b['utilisation']:.1f}% < {100 * a['utilisation']:.1f}%",
-             "pass": b["utilisation"] < a["utilisation"]},
-            {"target": f"2 budget reached, spent within +1% ({len(trials)} trials)",
-             "value": " ".join(f"{x:+.2f}%" for x in over),
-             "pass": all(x["status"] == "budget reached" for x in trials) and all(0 <= x <= 1.0 for x in over)},
-            {"target": f"2 aborted-token waste <= 2% of budget ({len(trials)} trials)",
-             "value": " ".join(f"{x:.2f}%" for x in waste), "pass": all(x <= 2.0 for x in waste)},
+            {
+                "target": "1a generate_dataset >= 95% of capacity",
+                "value": f"{100 * a['utilisation']:.1f}%",
+                "pass": a["utilisation"] >= 0.95,
+            },
+            {
+                "target": "1b batch+barrier measured lower than 1a",
+                "value": f"{100 * b['utilisation']:.1f}% < {100 * a['utilisation']:.1f}%",
+                "pass": b["utilisation"] < a["utilisation"],
+            },
+            {
+                "target": f"2 budget reached, spent within +1% ({len(trials)} trials)",
+                "value": " ".join(f"{x:+.2f}%" for x in over),
+                "pass": all(x["status"] == "budget reached" for x in trials) and all(0 <= x <= 1.0 for x in over),
+            },
+            {
+                "target": f"2 aborted-token waste <= 2% of budget ({len(trials)} trials)",
+                "value": " ".join(f"{x:.2f}%" for x in waste),
+                "pass": all(x <= 2.0 for x in waste),
+            },
         ]
     if "pool" in out:
         for r in out["pool"]["runs"]:
-            found.append({"target": f"5 {r['servers']} server(s): >= 95% of their summed capacity, every prompt",
-                          "value": f"{100 * r['share']:.1f}%", "pass": r["share"] >= 0.95 and r["complete"]})
+            found.append(
+                {
+                    "target": f"5 {r['servers']} server(s): >= 95% of their summed capacity, every prompt",
+                    "value": f"{100 * r['share']:.1f}%",
+                    "pass": r["share"] >= 0.95 and r["complete"],
+                }
+            )
         k = out["pool_kill"]
-        found.append({"target": f"5 one of {k['servers']} servers killed: every prompt recorded exactly once",
-                      "value": f"{k['responses']:,} rows, {k['distinct_ids']:,} ids of {k['prompts']:,}",
-                      "pass": k["exactly_once"] and k["killed_after_tokens"] is not None})
+        found.append(
+            {
+                "target": f"5 one of {k['servers']} servers killed: every prompt recorded exactly once",
+                "value": f"{k['responses']:,} rows, {k['distinct_ids']:,} ids of {k['prompts']:,}",
+                "pass": k["exactly_once"] and k["killed_after_tokens"] is not None,
+            }
+        )
     if "stats" in out:
         st = out["stats"]
         found += [
@@ -803,96 +959,207 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
         print_pool_part(out)
     print()
     print("targets" + ("  (--quick: a smoke run; judge the targets on the default run)" if p.quick else ""))
-    harness.table(("target", "measured", "result"),
-                  [(t["target"], t["value"], "PASS" if t["pass"] else "FAIL") for t in out["targets"]])
+    harness.table(
+        ("target", "measured", "result"),
+        [(t["target"], t["value"], "PASS" if t["pass"] else "FAIL") for t in out["targets"]],
+    )
 
 
 def print_server_part(p: Params, out: dict[str, Any]) -> None:
     ps = out["prompt_set"]
     print()
-    print(f"server: max_running {p.max_running}, decode {p.decode_ms} ms/token -> capacity {p.capacity_tok_s:,.0f} tok/s; "
-          f"lengths lognormal mean {p.mean_len:.0f} sigma {p.sigma}, max_new_tokens {p.max_new_tokens}")
-    print(f"prompts: {ps['prompts']} (prompt tokens mean {ps['prompt_tokens_mean']:.0f}); completions mean "
-          f"{ps['completion_tokens_mean']:.0f}, p50 {ps['completion_p50']}, p99 {ps['completion_p99']}, "
-          f"max {ps['completion_max']} ({ps['hit_max_new_tokens']} cut at max_new_tokens)")
+    print(
+        f"server: max_running {p.max_running}, decode {p.decode_ms} ms/token -> capacity {p.capacity_tok_s:,.0f} tok/s; "
+        f"lengths lognormal mean {p.mean_len:.0f} sigma {p.sigma}, max_new_tokens {p.max_new_tokens}"
+    )
+    print(
+        f"prompts: {ps['prompts']} (prompt tokens mean {ps['prompt_tokens_mean']:.0f}); completions mean "
+        f"{ps['completion_tokens_mean']:.0f}, p50 {ps['completion_p50']}, p99 {ps['completion_p99']}, "
+        f"max {ps['completion_max']} ({ps['hit_max_new_tokens']} cut at max_new_tokens)"
+    )
     print()
     print("1. throughput vs server capacity (server counters, fresh stats window per client)")
-    head = ("client", "prompts", "wall s", "served tok", "util", "slot occ.", "full-load s", "drain s",
-            "req/s", "client CPU", "server CPU")
+    head = (
+        "client",
+        "prompts",
+        "wall s",
+        "served tok",
+        "util",
+        "slot occ.",
+        "full-load s",
+        "drain s",
+        "req/s",
+        "client CPU",
+        "server CPU",
+    )
     rows = []
     for w in out["throughput"]:
-        rows.append((
-            w["client"], f"{w['prompts']:,}", f"{w['wall_s']:.1f}", f"{w['served_tokens']:,}",
-            f"{100 * w['utilisation']:.1f}%", f"{100 * w['occupancy']:.1f}%",
-            "-" if w["full_load_s"] is None else f"{w['full_load_s']:.1f}",
-            "-" if w["drain_s"] is None else f"{w['drain_s']:.1f}",
-            f"{w['requests_per_s']:.1f}", f"{w['client_cpu_pct']:.0f}%", f"{w['server_cpu_pct']:.0f}%",
-        ))
+        rows.append(
+            (
+                w["client"],
+                f"{w['prompts']:,}",
+                f"{w['wall_s']:.1f}",
+                f"{w['served_tokens']:,}",
+                f"{100 * w['utilisation']:.1f}%",
+                f"{100 * w['occupancy']:.1f}%",
+                "-" if w["full_load_s"] is None else f"{w['full_load_s']:.1f}",
+                "-" if w["drain_s"] is None else f"{w['drain_s']:.1f}",
+                f"{w['requests_per_s']:.1f}",
+                f"{w['client_cpu_pct']:.0f}%",
+                f"{w['server_cpu_pct']:.0f}%",
+            )
+        )
     harness.table(head, rows)
     a = out["throughput"][0]
     if a["full_load_occupancy"] is not None:
-        print(f"   (a) slot occupancy while the queue lasted ({a['full_load_s']:.1f} s): {100 * a['full_load_occupancy']:.1f}%; "
-              f"then {a['drain_s']:.1f} s draining the longest responses with free slots")
+        print(
+            f"   (a) slot occupancy while the queue lasted ({a['full_load_s']:.1f} s): {100 * a['full_load_occupancy']:.1f}%; "
+            f"then {a['drain_s']:.1f} s draining the longest responses with free slots"
+        )
     print()
     b = out["budget"]
-    print(f"2. token budget: generate_dataset, budget {b['token_budget']:,} = {p.budget_rounds:g} x mean x max_running "
-          f"(one response can overshoot it by <= max_new_tokens = {b['one_response_bound_pct']:.2f}%)")
-    harness.table(("trial", "budget", "spent", "overshoot", "status", "responses", "aborted", "waste (report)",
-            "waste (server)", "util"),
-           [(f"{x['trial']}", f"{x['token_budget']:,}", f"{x['spent']:,}", f"{x['overshoot_pct']:+.2f}%", x["status"],
-             f"{x['responses']:,}", f"{x['aborted_requests']}",
-             f"{x['report_wasted_tokens']:,} ({x['report_waste_pct']:.2f}%)",
-             f"{x['server_aborted_tokens']:,} ({x['server_waste_pct']:.2f}%)", f"{100 * x['utilisation']:.1f}%")
-            for x in b["trials"]])
+    print(
+        f"2. token budget: generate_dataset, budget {b['token_budget']:,} = {p.budget_rounds:g} x mean x max_running "
+        f"(one response can overshoot it by <= max_new_tokens = {b['one_response_bound_pct']:.2f}%)"
+    )
+    harness.table(
+        (
+            "trial",
+            "budget",
+            "spent",
+            "overshoot",
+            "status",
+            "responses",
+            "aborted",
+            "waste (report)",
+            "waste (server)",
+            "util",
+        ),
+        [
+            (
+                f"{x['trial']}",
+                f"{x['token_budget']:,}",
+                f"{x['spent']:,}",
+                f"{x['overshoot_pct']:+.2f}%",
+                x["status"],
+                f"{x['responses']:,}",
+                f"{x['aborted_requests']}",
+                f"{x['report_wasted_tokens']:,} ({x['report_waste_pct']:.2f}%)",
+                f"{x['server_aborted_tokens']:,} ({x['server_waste_pct']:.2f}%)",
+                f"{100 * x['utilisation']:.1f}%",
+            )
+            for x in b["trials"]
+        ],
+    )
 
 
 def print_checkpoint_part(p: Params, out: dict[str, Any]) -> None:
     r, s = out["resume"], out["stats"]
     print()
-    print(f"3. resume start-up and 4. stats, Parquet checkpoints vs JSONL (best of repeats, warm page cache; "
-          f"responses of {r['completion_tokens_mean']:,.0f} completion tokens on average, "
-          f"{r['jsonl_bytes_per_response']:,.0f} JSONL bytes each)")
+    print(
+        f"3. resume start-up and 4. stats, Parquet checkpoints vs JSONL (best of repeats, warm page cache; "
+        f"responses of {r['completion_tokens_mean']:,.0f} completion tokens on average, "
+        f"{r['jsonl_bytes_per_response']:,.0f} JSONL bytes each)"
+    )
     harness.table(
         ("what", "responses", "parts", "Parquet MB", "ours s", "JSONL MB", "JSONL s", "JSONL / ours", "same answer"),
         [
-            ("3 resume: done_ids + summarize", f"{r['responses']:,}", f"{r['parts']}", f"{r['parquet_mb']}",
-             f"{r['ours_s']:.3f}", f"{r['jsonl_mb']}", f"{r['jsonl_s']:.2f}", f"{r['ratio']:.0f}x",
-             "yes" if r["consistent"] else "NO"),
-            ("3 generate_dataset(), all done", f"{r['responses']:,}", f"{r['parts']}", f"{r['parquet_mb']}",
-             f"{r['generate_dataset_noop_s']:.3f}", f"{r['jsonl_mb']}", f"{r['jsonl_s']:.2f}",
-             f"{r['jsonl_s'] / r['generate_dataset_noop_s']:.0f}x", "yes" if r["consistent"] else "NO"),
-            (f"4 collect_stats ({s['datasets']} datasets)", f"{s['responses']:,}", f"{s['parts']}", f"{s['parquet_mb']}",
-             f"{s['ours_s']:.3f}", f"{s['jsonl_mb']}", f"{s['jsonl_s']:.2f}", f"{s['ratio']:.0f}x",
-             "yes" if s["consistent"] else "NO"),
+            (
+                "3 resume: done_ids + summarize",
+                f"{r['responses']:,}",
+                f"{r['parts']}",
+                f"{r['parquet_mb']}",
+                f"{r['ours_s']:.3f}",
+                f"{r['jsonl_mb']}",
+                f"{r['jsonl_s']:.2f}",
+                f"{r['ratio']:.0f}x",
+                "yes" if r["consistent"] else "NO",
+            ),
+            (
+                "3 generate_dataset(), all done",
+                f"{r['responses']:,}",
+                f"{r['parts']}",
+                f"{r['parquet_mb']}",
+                f"{r['generate_dataset_noop_s']:.3f}",
+                f"{r['jsonl_mb']}",
+                f"{r['jsonl_s']:.2f}",
+                f"{r['jsonl_s'] / r['generate_dataset_noop_s']:.0f}x",
+                "yes" if r["consistent"] else "NO",
+            ),
+            (
+                f"4 collect_stats ({s['datasets']} datasets)",
+                f"{s['responses']:,}",
+                f"{s['parts']}",
+                f"{s['parquet_mb']}",
+                f"{s['ours_s']:.3f}",
+                f"{s['jsonl_mb']}",
+                f"{s['jsonl_s']:.2f}",
+                f"{s['ratio']:.0f}x",
+                "yes" if s["consistent"] else "NO",
+            ),
         ],
     )
     if s["cli_end_to_end_s"] is not None:
-        print(f"   `eagle3 stats RUN_DIR --json` end to end (interpreter start + imports): {s['cli_end_to_end_s']:.2f} s")
-    print("   JSONL time grows with the bytes per response, ours with the number of parts (footers) and ids:"
-          " the ratios grow with the response length (--ckpt-mean-len).")
+        print(
+            f"   `eagle3 stats RUN_DIR --json` end to end (interpreter start + imports): {s['cli_end_to_end_s']:.2f} s"
+        )
+    print(
+        "   JSONL time grows with the bytes per response, ours with the number of parts (footers) and ids:"
+        " the ratios grow with the response length (--ckpt-mean-len)."
+    )
 
 
 def print_pool_part(out: dict[str, Any]) -> None:
     pool, k = out["pool"], out["pool_kill"]
     print()
-    print(f"5. several servers: max_running {pool['max_running']}, decode {pool['decode_ms']} ms/token each; "
-          f"{pool['slots_per_server']} slots per server (server.max_concurrency); share = served tokens / "
-          f"(servers x capacity x wall), the end-of-run drain included")
-    harness.table(("servers", "prompts", "wall s", "served tok", "tok/s", "capacity tok/s", "share", "per server", "all recorded"),
-                  [(f"{r['servers']}", f"{r['prompts']:,}", f"{r['wall_s']:.1f}", f"{r['served_tokens']:,}",
-                    f"{r['tok_s']:,.0f}", f"{r['capacity_tok_s']:,.0f}", f"{100 * r['share']:.1f}%",
-                    " ".join(f"{100 * x:.0f}%" for x in r["per_server_share"]), "yes" if r["complete"] else "NO")
-                   for r in pool["runs"]])
-    print(f"   one of {k['servers']} killed (SIGKILL) after {k['killed_after_tokens'] or 0:,} served tokens: "
-          f"{k['responses']:,} responses, {k['distinct_ids']:,} distinct ids of {k['prompts']:,} prompts in {k['wall_s']:.1f} s "
-          f"-> {'exactly once' if k['exactly_once'] else 'NOT exactly once'}")
+    print(
+        f"5. several servers: max_running {pool['max_running']}, decode {pool['decode_ms']} ms/token each; "
+        f"{pool['slots_per_server']} slots per server (server.max_concurrency); share = served tokens / "
+        f"(servers x capacity x wall), the end-of-run drain included"
+    )
+    harness.table(
+        (
+            "servers",
+            "prompts",
+            "wall s",
+            "served tok",
+            "tok/s",
+            "capacity tok/s",
+            "share",
+            "per server",
+            "all recorded",
+        ),
+        [
+            (
+                f"{r['servers']}",
+                f"{r['prompts']:,}",
+                f"{r['wall_s']:.1f}",
+                f"{r['served_tokens']:,}",
+                f"{r['tok_s']:,.0f}",
+                f"{r['capacity_tok_s']:,.0f}",
+                f"{100 * r['share']:.1f}%",
+                " ".join(f"{100 * x:.0f}%" for x in r["per_server_share"]),
+                "yes" if r["complete"] else "NO",
+            )
+            for r in pool["runs"]
+        ],
+    )
+    print(
+        f"   one of {k['servers']} killed (SIGKILL) after {k['killed_after_tokens'] or 0:,} served tokens: "
+        f"{k['responses']:,} responses, {k['distinct_ids']:,} distinct ids of {k['prompts']:,} prompts in {k['wall_s']:.1f} s "
+        f"-> {'exactly once' if k['exactly_once'] else 'NOT exactly once'}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.arguments(__doc__, Params(), keep="the checkpoints",
-                           quick="a smaller run (< 60 s): smoke test of the bench")
-    ap.add_argument("--only", choices=["server", "checkpoints", "pool"],
-                    help="run only 1+2 (against the server), only 3+4 (checkpoints vs JSONL) or only 5 (several servers)")
+    ap = harness.arguments(
+        __doc__, Params(), keep="the checkpoints", quick="a smaller run (< 60 s): smoke test of the bench"
+    )
+    ap.add_argument(
+        "--only",
+        choices=["server", "checkpoints", "pool"],
+        help="run only 1+2 (against the server), only 3+4 (checkpoints vs JSONL) or only 5 (several servers)",
+    )
     args = ap.parse_args(argv)
     p = harness.params_from(args, Params)
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.harness, tasks
-from bench import harness  # noqa: E402
-
 import httpx  # noqa: E402
+
+from bench import harness  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = sorted((REPO / "data" / "samples").glob("gen_*.jsonl"))
@@ -58,34 +58,53 @@ def prompt_rows(tokenizer: Any, n: int) -> list[Any]:
     return [PromptRow(id=f"p{i}", messages=base[i % len(base)].messages) for i in range(n)]
 
 
-async def run_ours(p: Params, url: str, rows: list[Any], tokenizer: Any, root: Path, params: dict[str, Any]) -> dict[str, Any]:
+async def run_ours(
+    p: Params, url: str, rows: list[Any], tokenizer: Any, root: Path, params: dict[str, Any]
+) -> dict[str, Any]:
     from models.jobs import GenerateJob
     from models.run_layout import RunLayout
     from tasks.engines.client import RetryPolicy
     from tasks.generate.loop import generate_dataset
     from tasks.server_pool import ServerPool
 
-    settings = GenerateJob(dataset="bench", sampling_params=params, flush_every=64, flush_interval_s=5.0,
-                           log_interval_s=3600.0)
-    async with ServerPool([url], max_concurrency=p.concurrency, retry=RetryPolicy(outage_window_s=60), engine="vllm",
-                          request_timeout_s=300) as pool:
+    settings = GenerateJob(
+        dataset="bench", sampling_params=params, flush_every=64, flush_interval_s=5.0, log_interval_s=3600.0
+    )
+    async with ServerPool(
+        [url],
+        max_concurrency=p.concurrency,
+        retry=RetryPolicy(outage_window_s=60),
+        engine="vllm",
+        request_timeout_s=300,
+    ) as pool:
         started = time.perf_counter()
         layout = RunLayout(root)
-        report = await generate_dataset(rows, pool=pool, tokenizer=tokenizer, responses_dir=layout.responses("bench"),
-                                        rejects_dir=layout.rejects("bench"), source=root / "bench.jsonl", settings=settings,
-                                        vocab_size=len(tokenizer))
+        report = await generate_dataset(
+            rows,
+            pool=pool,
+            tokenizer=tokenizer,
+            responses_dir=layout.responses("bench"),
+            rejects_dir=layout.rejects("bench"),
+            source=root / "bench.jsonl",
+            settings=settings,
+            vocab_size=len(tokenizer),
+        )
         wall = time.perf_counter() - started
     assert report.new_responses == len(rows), report
     return {"wall_s": wall, "tokens": report.completion_tokens, "tok_s": report.completion_tokens / wall}
 
 
-async def run_plain(p: Params, url: str, model: str, prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
+async def run_plain(
+    p: Params, url: str, model: str, prompts: list[list[int]], params: dict[str, Any]
+) -> dict[str, Any]:
     from tasks.engines.vllm import completion_body
 
     gate = asyncio.Semaphore(p.concurrency)
     replies: list[Any] = []
-    async with httpx.AsyncClient(base_url=url, timeout=300,
-                                 limits=httpx.Limits(max_connections=p.concurrency + 8)) as http:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=300, limits=httpx.Limits(max_connections=p.concurrency + 8)
+    ) as http:
+
         async def one(i: int, ids: list[int]) -> None:
             async with gate:
                 r = await http.post("/v1/completions", json=completion_body(model, ids, params, f"plain-{i}"))
@@ -108,15 +127,18 @@ def measure(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     url = p.url
     if not url:
         from tasks.engines.vllm import cpu_command
-        from tasks.ports import free_port
         from tasks.launch_servers import ServerProcess, fill_placeholders
+        from tasks.ports import free_port
 
         python = REPO / ".venv-vllm" / "bin" / "python"
         if not python.is_file():
             raise SystemExit(f"{python} is missing: `make vllm` installs the CPU build of vLLM (or pass --url)")
         target, _ = harness.TargetParams().build_target("generate-vllm")
         port = free_port()
-        words = [fill_placeholders(w, {"host": "127.0.0.1", "port": str(port)}) for w in cpu_command(str(python), str(target))]
+        words = [
+            fill_placeholders(w, {"host": "127.0.0.1", "port": str(port)})
+            for w in cpu_command(str(python), str(target))
+        ]
         url = f"http://127.0.0.1:{port}"
         server = ServerProcess(words, url, log_path=tmp / "vllm.log", engine="vllm")
         server.start()
@@ -125,8 +147,9 @@ def measure(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     try:
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         tokenizer = AutoTokenizer.from_pretrained(target or model)
-        params = request_sampling_params({"max_new_tokens": p.max_new_tokens, "temperature": 0.0},
-                                         default_stop_ids(tokenizer))
+        params = request_sampling_params(
+            {"max_new_tokens": p.max_new_tokens, "temperature": 0.0}, default_stop_ids(tokenizer)
+        )
         rows = prompt_rows(tokenizer, p.prompts)
         prompts = [chat_prompt_ids(tokenizer, r.messages) for r in rows]
         out["prompt_tokens"] = harness.length_summary(len(x) for x in prompts)
@@ -136,8 +159,10 @@ def measure(p: Params, tmp: Path, out: dict[str, Any]) -> None:
         for i in range(p.repeats):
             plain.append(asyncio.run(run_plain(p, url, model, prompts, params)))
             ours.append(asyncio.run(run_ours(p, url, rows, tokenizer, tmp / f"ours-{i}", params)))
-            print(f"pass {i + 1}/{p.repeats}: ours {ours[-1]['tok_s']:,.0f} tok/s, plain {plain[-1]['tok_s']:,.0f} tok/s",
-                  flush=True)
+            print(
+                f"pass {i + 1}/{p.repeats}: ours {ours[-1]['tok_s']:,.0f} tok/s, plain {plain[-1]['tok_s']:,.0f} tok/s",
+                flush=True,
+            )
         out["ours"], out["plain"] = ours, plain
         a, b = harness.median_of(x["tok_s"] for x in ours), harness.median_of(x["tok_s"] for x in plain)
         out["ratio"] = a / b if a and b else None
@@ -150,22 +175,35 @@ def measure(p: Params, tmp: Path, out: dict[str, Any]) -> None:
 
 def report(out: dict[str, Any]) -> None:
     p = out["params"]
-    print(f"\nvLLM {out.get('vllm')}: {p['prompts']} prompts, {p['concurrency']} in flight, max_new_tokens "
-          f"{p['max_new_tokens']}, greedy; {p['repeats']} pass(es) each, alternating")
-    rows = [["ours (generate_dataset + ServerPool + checkpoints)", *[f"{x['tok_s']:,.1f}" for x in out["ours"]]],
-            ["plain asyncio client, same in flight", *[f"{x['tok_s']:,.1f}" for x in out["plain"]]]]
+    print(
+        f"\nvLLM {out.get('vllm')}: {p['prompts']} prompts, {p['concurrency']} in flight, max_new_tokens "
+        f"{p['max_new_tokens']}, greedy; {p['repeats']} pass(es) each, alternating"
+    )
+    rows = [
+        ["ours (generate_dataset + ServerPool + checkpoints)", *[f"{x['tok_s']:,.1f}" for x in out["ours"]]],
+        ["plain asyncio client, same in flight", *[f"{x['tok_s']:,.1f}" for x in out["plain"]]],
+    ]
     harness.table(["output tokens/s per pass", *[f"pass {i + 1}" for i in range(p["repeats"])]], rows)
     ratio = out["ratio"]
     verdict = "PASS" if ratio is not None and ratio >= TARGET else "FAIL"
-    print(f"ratio ours / plain (medians): {ratio:.3f}  target >= {TARGET}  {verdict}; same output tokens in every pass: "
-          f"{out['same_tokens']}")
+    print(
+        f"ratio ours / plain (medians): {ratio:.3f}  target >= {TARGET}  {verdict}; same output tokens in every pass: "
+        f"{out['same_tokens']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = harness.arguments(__doc__, Params(), keep="the checkpoints and the vLLM log").parse_args(argv)
     p = harness.params_from(args, Params)
-    return harness.run_bench("generate-vllm", args, asdict(p), {}, lambda tmp, out: measure(p, tmp, out), report,
-                             kept="the checkpoints and the vLLM log")
+    return harness.run_bench(
+        "generate-vllm",
+        args,
+        asdict(p),
+        {},
+        lambda tmp, out: measure(p, tmp, out),
+        report,
+        kept="the checkpoints and the vLLM log",
+    )
 
 
 if __name__ == "__main__":

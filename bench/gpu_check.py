@@ -54,10 +54,11 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.harness, models, tasks
 from bench import harness  # noqa: E402  (first: the offline environment the ranks inherit)
@@ -124,11 +125,31 @@ class Params:
     @classmethod
     def quick_preset(cls) -> Params:
         """--cpu-smoke: the same path on CPU at toy sizes (the test and demo target's shape)."""
-        return cls(quick=True, device="cpu", hidden_size=64, num_layers=8, num_heads=2, num_kv_heads=1,
-                   intermediate_size=128, prompts=24, prompt_tokens=16, new_tokens=40, gen_batch=24,
-                   capture_batch_tokens=2048, shard_tokens=4096, steps=6, skip_steps=2, log_every=1,
-                   train_batch_tokens=512, lr=2e-3, eval_fraction=0.25, eval_prompts=2, eval_new_tokens=12,
-                   budget_s=240.0, target_train_steps=0)  # a random target: the smoke only shows the path works
+        return cls(
+            quick=True,
+            device="cpu",
+            hidden_size=64,
+            num_layers=8,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=128,
+            prompts=24,
+            prompt_tokens=16,
+            new_tokens=40,
+            gen_batch=24,
+            capture_batch_tokens=2048,
+            shard_tokens=4096,
+            steps=6,
+            skip_steps=2,
+            log_every=1,
+            train_batch_tokens=512,
+            lr=2e-3,
+            eval_fraction=0.25,
+            eval_prompts=2,
+            eval_new_tokens=12,
+            budget_s=240.0,
+            target_train_steps=0,
+        )  # a random target: the smoke only shows the path works
 
     @property
     def launcher(self) -> str:
@@ -148,15 +169,26 @@ class Params:
         if self.rank_launcher not in ("auto", "deepspeed", "torchrun"):
             raise SystemExit(f"--rank-launcher must be auto, deepspeed or torchrun, got {self.rank_launcher!r}")
         if not 0 <= self.skip_steps < self.steps or self.skip_steps % self.log_every:
-            raise SystemExit(f"--skip-steps must be in [0, --steps) and a multiple of --log-every, "
-                             f"got {self.skip_steps} (steps {self.steps}, log every {self.log_every})")
+            raise SystemExit(
+                f"--skip-steps must be in [0, --steps) and a multiple of --log-every, "
+                f"got {self.skip_steps} (steps {self.steps}, log every {self.log_every})"
+            )
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
-    ap = harness.arguments(__doc__, Params(), keep="the target, records, hidden states and draft", verbose=True,
-                           quick="same as --cpu-smoke")
-    ap.add_argument("--cpu-smoke", dest="quick", action="store_true",
-                    help="the small CPU preset: torchrun, gloo, fp32, a few steps (this machine, < 1 min)")
+    ap = harness.arguments(
+        __doc__,
+        Params(),
+        keep="the target, records, hidden states and draft",
+        verbose=True,
+        quick="same as --cpu-smoke",
+    )
+    ap.add_argument(
+        "--cpu-smoke",
+        dest="quick",
+        action="store_true",
+        help="the small CPU preset: torchrun, gloo, fp32, a few steps (this machine, < 1 min)",
+    )
     args = ap.parse_args(argv)
     return args, harness.params_from(args, Params)
 
@@ -207,8 +239,15 @@ class Check:
         tmp.write_text(json.dumps(self.out, indent=2, default=str) + "\n")
         tmp.replace(self.json_path)
 
-    def phase(self, name: str, cap_s: float, fn: Callable[[float], dict[str, Any]], *, needs: tuple[str, ...] = (),
-              in_process: bool = False) -> dict[str, Any] | None:
+    def phase(
+        self,
+        name: str,
+        cap_s: float,
+        fn: Callable[[float], dict[str, Any]],
+        *,
+        needs: tuple[str, ...] = (),
+        in_process: bool = False,
+    ) -> dict[str, Any] | None:
         """Run `fn(limit_s)` as phase `name`; its figures (or its error) go into the JSON. Returns the figures or None.
 
         A phase that fails, runs out of time (`timed_out`) or is stopped keeps the figures it gave
@@ -219,7 +258,11 @@ class Check:
         left = self.deadline - REPORT_RESERVE_S - time.monotonic()
         limit = min(cap_s, left)
         if missing or limit < 5:
-            why = f"needs {', '.join(missing)}, which did not pass" if missing else f"no time left ({left:.0f} s of the budget)"
+            why = (
+                f"needs {', '.join(missing)}, which did not pass"
+                if missing
+                else f"no time left ({left:.0f} s of the budget)"
+            )
             phases[name] = {"ok": False, "skipped": why}
             print(f"== {name}: skipped ({why})", flush=True)
             self.save()
@@ -233,8 +276,12 @@ class Check:
                 figures = fn(limit)
             result = {"ok": True, "wall_s": round(time.monotonic() - t0, 2), **figures}
         except SystemExit as e:  # SIGTERM (terminate_with_exit): this phase's figure says so, and the check ends here
-            phases[name] = {"ok": False, "wall_s": round(time.monotonic() - t0, 2), **self.partial,
-                            "error": f"{e}: the check was stopped"}
+            phases[name] = {
+                "ok": False,
+                "wall_s": round(time.monotonic() - t0, 2),
+                **self.partial,
+                "error": f"{e}: the check was stopped",
+            }
             self.running = None
             print(f"   STOPPED after {phases[name]['wall_s']:.1f} s: {e}", flush=True)
             self.save()
@@ -242,11 +289,19 @@ class Check:
         except Exception as e:  # noqa: BLE001 - every failure is a figure of the check; the next phases still report
             from tasks.launch_ranks import JobTimedOut
 
-            result = {"ok": False, "wall_s": round(time.monotonic() - t0, 2), **self.partial,
-                      "timed_out": isinstance(e, (PhaseTimeout, JobTimedOut)), "error": f"{type(e).__name__}: {e}"[-4000:]}
+            result = {
+                "ok": False,
+                "wall_s": round(time.monotonic() - t0, 2),
+                **self.partial,
+                "timed_out": isinstance(e, (PhaseTimeout, JobTimedOut)),
+                "error": f"{type(e).__name__}: {e}"[-4000:],
+            }
             self.note(traceback.format_exc())
-            print(f"   {'TIMED OUT' if result['timed_out'] else 'FAILED'} after {result['wall_s']:.1f} s: "
-                  f"{result['error'][-1500:]}", flush=True)
+            print(
+                f"   {'TIMED OUT' if result['timed_out'] else 'FAILED'} after {result['wall_s']:.1f} s: "
+                f"{result['error'][-1500:]}",
+                flush=True,
+            )
         self.running = None
         phases[name] = result
         if result["ok"]:
@@ -259,7 +314,12 @@ class Check:
         assert self.running is not None, "progress outside a phase"
         name, t0 = self.running
         self.partial.update(figures)
-        self.out["phases"][name] = {"ok": False, "running": True, "wall_s": round(time.monotonic() - t0, 2), **self.partial}
+        self.out["phases"][name] = {
+            "ok": False,
+            "running": True,
+            "wall_s": round(time.monotonic() - t0, 2),
+            **self.partial,
+        }
         self.save()
 
     def note(self, line: str) -> None:
@@ -268,8 +328,17 @@ class Check:
         if self.verbose:
             print(f"      | {line}", flush=True)
 
-    def launch(self, module: str, job_path: Path, protocol: Any, limit_s: float, *, ranks: int = 1,
-               single_process: bool = False, on_progress: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    def launch(
+        self,
+        module: str,
+        job_path: Path,
+        protocol: Any,
+        limit_s: float,
+        *,
+        ranks: int = 1,
+        single_process: bool = False,
+        on_progress: Callable[[Any], None] | None = None,
+    ) -> dict[str, Any]:
         """Launch `python -m module --job JOB` as the stage tasks do; its protocol lines with their times and its memory.
 
         Ranks (`single_process` False): tasks.launch_ranks.rank_command with this check's launcher; the eval
@@ -286,8 +355,11 @@ class Check:
             command, env = rank_command(module, ["--job", str(job_path)], num_ranks=ranks, launcher=self.p.launcher)
         # The ranks import models/ from this checkout (no editable install on the GPU machine) and the
         # carried wheels from PYTHONPATH (bench/gpu_check.sh puts them there).
-        env = {**env, "PYTHONPATH": os.pathsep.join(x for x in (str(harness.REPO), os.environ.get("PYTHONPATH")) if x),
-               "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **env,
+            "PYTHONPATH": os.pathsep.join(x for x in (str(harness.REPO), os.environ.get("PYTHONPATH")) if x),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         self.note("launch: " + " ".join(command))
         messages: list[tuple[float, Any]] = []  # (time.time(), Message)
         memory: list[dict[str, int]] = []
@@ -306,8 +378,14 @@ class Check:
                 if on_progress is not None:
                     on_progress(message)
 
-        follow_job(command, protocol=protocol, log=on_line, on_message=on_message, env=env,
-                   run=functools.partial(run_job, timeout_s=limit_s))
+        follow_job(
+            command,
+            protocol=protocol,
+            log=on_line,
+            on_message=on_message,
+            env=env,
+            run=functools.partial(run_job, timeout_s=limit_s),
+        )
         ended = time.time()
         return {"started": started, "ended": ended, "messages": messages, "memory": memory}
 
@@ -338,23 +416,42 @@ def machine(p: Params) -> dict[str, Any]:
     import torch
 
     facts: dict[str, Any] = {
-        "cpus": os.cpu_count(), "processor": harness.cpu_model(), "python": platform.python_version(),
-        "platform": platform.platform(), "torch": torch.__version__, "cuda": torch.version.cuda,
-        **{name: version(name) for name in ("deepspeed", "transformers", "tokenizers", "safetensors", "pydantic", "pyarrow")},
-        "cuda_available": torch.cuda.is_available(), "loadavg_start": harness.loadavg(),
+        "cpus": os.cpu_count(),
+        "processor": harness.cpu_model(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        **{
+            name: version(name)
+            for name in ("deepspeed", "transformers", "tokenizers", "safetensors", "pydantic", "pyarrow")
+        },
+        "cuda_available": torch.cuda.is_available(),
+        "loadavg_start": harness.loadavg(),
         # the deepspeed launcher maps it to its ranks' GPUs (tasks/launch_ranks.py `local_devices`)
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        facts.update(gpus=torch.cuda.device_count(), gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                     gpu_capability=f"{props.major}.{props.minor}")
+        facts.update(
+            gpus=torch.cuda.device_count(),
+            gpu=props.name,
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            gpu_capability=f"{props.major}.{props.minor}",
+        )
         with contextlib.suppress(Exception):  # a tuple in torch 2.x, an int before; a figure, never a failure
             nccl = torch.cuda.nccl.version()
             facts["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            facts["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                             capture_output=True, text=True, timeout=20).stdout.strip() or None
+            facts["driver"] = (
+                subprocess.run(
+                    ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=20,
+                ).stdout.strip()
+                or None
+            )
     return facts
 
 
@@ -369,18 +466,32 @@ def build_target(p: Params, work: Path) -> dict[str, Any]:
 
     from models.tiny_target import build_tiny_target
 
-    target = build_tiny_target(work / "target", seed=p.seed, vocab_size=p.vocab_size, hidden_size=p.hidden_size,
-                               num_layers=p.num_layers, num_heads=p.num_heads, num_kv_heads=p.num_kv_heads,
-                               intermediate_size=p.intermediate_size, train_steps=p.target_train_steps, device=p.device)
+    target = build_tiny_target(
+        work / "target",
+        seed=p.seed,
+        vocab_size=p.vocab_size,
+        hidden_size=p.hidden_size,
+        num_layers=p.num_layers,
+        num_heads=p.num_heads,
+        num_kv_heads=p.num_kv_heads,
+        intermediate_size=p.intermediate_size,
+        train_steps=p.target_train_steps,
+        device=p.device,
+    )
     params = 0
     for f in sorted(target.glob("*.safetensors")):
         with safe_open(f, "pt") as st:
             for key in st.keys():
                 params += math.prod(st.get_slice(key).get_shape())
     config = json.loads((target / "config.json").read_text())
-    return {"path": str(target), "params_m": round(params / 1e6, 1), "vocab_size": config["vocab_size"],
-            "hidden_size": config["hidden_size"], "num_layers": config["num_hidden_layers"],
-            "checkpoint_mb": round(dir_bytes(target) / 1e6, 1)}
+    return {
+        "path": str(target),
+        "params_m": round(params / 1e6, 1),
+        "vocab_size": config["vocab_size"],
+        "hidden_size": config["hidden_size"],
+        "num_layers": config["num_hidden_layers"],
+        "checkpoint_mb": round(dir_bytes(target) / 1e6, 1),
+    }
 
 
 def make_records(p: Params, work: Path, target: Path) -> dict[str, Any]:
@@ -411,14 +522,24 @@ def make_records(p: Params, work: Path, target: Path) -> dict[str, Any]:
     with torch.no_grad():
         for k in range(0, p.prompts, p.gen_batch):
             chunk = prompts[k : k + p.gen_batch].to(device)
-            out = model.generate(chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=p.new_tokens,
-                                 min_new_tokens=p.new_tokens, do_sample=False, pad_token_id=0).cpu()
+            out = model.generate(
+                chunk,
+                attention_mask=torch.ones_like(chunk),
+                max_new_tokens=p.new_tokens,
+                min_new_tokens=p.new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            ).cpu()
             generated += (out.shape[1] - p.prompt_tokens) * out.shape[0]
             rows += [harness.record_row(f"g{k + i:05d}", seq.tolist(), p.prompt_tokens) for i, seq in enumerate(out)]
     generate_s = time.perf_counter() - t0
-    figures = {"records": len(rows), "tokens": sum(r["num_tokens"] for r in rows),
-               "loss_tokens": sum(r["num_loss_tokens"] for r in rows), "generate_s": round(generate_s, 2),
-               "generate_tokens_per_s": round(generated / generate_s, 1)}
+    figures = {
+        "records": len(rows),
+        "tokens": sum(r["num_tokens"] for r in rows),
+        "loss_tokens": sum(r["num_loss_tokens"] for r in rows),
+        "generate_s": round(generate_s, 2),
+        "generate_tokens_per_s": round(generated / generate_s, 1),
+    }
     if device.type == "cuda":
         figures["gpu_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     del model
@@ -438,10 +559,17 @@ def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     from tasks.launch_ranks import write_job
 
     p, layout = check.p, RunLayout(check.work)
-    job = CaptureJob(target_path=str(target), datasets=[{"name": DATASET, "records_dir": str(layout.records(DATASET))}],
-                     out_dir=str(layout.hidden_dir), device=p.device, mode="replicate",
-                     dtype="bfloat16" if p.bf16 else "float32", max_batch_tokens=p.capture_batch_tokens,
-                     shard_tokens=p.shard_tokens, launch_tokens=None)
+    job = CaptureJob(
+        target_path=str(target),
+        datasets=[{"name": DATASET, "records_dir": str(layout.records(DATASET))}],
+        out_dir=str(layout.hidden_dir),
+        device=p.device,
+        mode="replicate",
+        dtype="bfloat16" if p.bf16 else "float32",
+        max_batch_tokens=p.capture_batch_tokens,
+        shard_tokens=p.shard_tokens,
+        launch_tokens=None,
+    )
     job_path = layout.job("capture")
     write_job(job, job_path, kept=lambda: "nothing yet", resume="run the check again")
     run = check.launch("models.capture", job_path, CAPTURE, limit_s)
@@ -451,11 +579,17 @@ def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     (t_first, _), (t_last, last) = progress[0], progress[-1]
     forward_s = max(1e-9, t_last - t_first)
     stored = sum(f.stat().st_size for f in list_shards(layout.hidden_dir))
-    return {"samples": last["done"], "tokens": last["tokens"], "startup_s": round(t_first - run["started"], 2),
-            "forward_s": round(forward_s, 2), "tokens_per_s": round(last["tokens"] / forward_s, 1),
-            "end_to_end_tokens_per_s": round(last["tokens"] / (run["ended"] - run["started"]), 1),
-            "stored_gb": round(stored / 1e9, 3), "bytes_per_token": round(stored / max(1, last["tokens"]), 1),
-            **memory_figures(run["memory"])}
+    return {
+        "samples": last["done"],
+        "tokens": last["tokens"],
+        "startup_s": round(t_first - run["started"], 2),
+        "forward_s": round(forward_s, 2),
+        "tokens_per_s": round(last["tokens"] / forward_s, 1),
+        "end_to_end_tokens_per_s": round(last["tokens"] / (run["ended"] - run["started"]), 1),
+        "stored_gb": round(stored / 1e9, 3),
+        "bytes_per_token": round(stored / max(1, last["tokens"]), 1),
+        **memory_figures(run["memory"]),
+    }
 
 
 def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
@@ -466,11 +600,26 @@ def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
 
     p, layout = check.p, RunLayout(check.work)
     job = TrainJob(
-        target_path=str(target), out_dir=str(layout.draft_dir), token_counts=str(layout.token_counts), mode="offline",
-        hidden_dir=str(layout.hidden_dir), draft_vocab_size=p.draft_vocab_size, ttt_steps=p.ttt_steps, max_steps=p.steps,
-        max_batch_tokens=p.train_batch_tokens, lr=p.lr, warmup_ratio=p.warmup_ratio, checkpoint_every=p.steps,
-        keep_checkpoints=1, eval_every=p.steps, eval_fraction=p.eval_fraction, log_every=p.log_every, seed=p.seed,
-        device=p.device, precision="bf16" if p.bf16 else "fp32")  # the optimizer: the train section's declared defaults
+        target_path=str(target),
+        out_dir=str(layout.draft_dir),
+        token_counts=str(layout.token_counts),
+        mode="offline",
+        hidden_dir=str(layout.hidden_dir),
+        draft_vocab_size=p.draft_vocab_size,
+        ttt_steps=p.ttt_steps,
+        max_steps=p.steps,
+        max_batch_tokens=p.train_batch_tokens,
+        lr=p.lr,
+        warmup_ratio=p.warmup_ratio,
+        checkpoint_every=p.steps,
+        keep_checkpoints=1,
+        eval_every=p.steps,
+        eval_fraction=p.eval_fraction,
+        log_every=p.log_every,
+        seed=p.seed,
+        device=p.device,
+        precision="bf16" if p.bf16 else "fp32",
+    )  # the optimizer: the train section's declared defaults
     job_path = layout.job("train")
     write_job(job, job_path, kept=lambda: "nothing yet", resume="run the check again")
     run = check.launch("models.train", job_path, TRAIN, limit_s)
@@ -483,14 +632,19 @@ def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     summary = json.loads(layout.train_summary.read_text())
     held_out = summary.get("eval") or {}
     figures = {
-        "steps": last["step"], "tokens": last["tokens"], "window_steps": last["step"] - first["step"],
+        "steps": last["step"],
+        "tokens": last["tokens"],
+        "window_steps": last["step"] - first["step"],
         "steps_per_s": round((last["step"] - first["step"]) / window_s, 3),
         "tokens_per_s": round((last["tokens"] - first["tokens"]) / window_s, 1),
         "startup_s": round(step0 - run["started"], 2) if step0 else None,
         "tail_s": round(run["ended"] - last["time"], 2),  # final eval, checkpoint, export, teardown
-        "first_loss": train_lines[0]["loss"], "final_loss": last["loss"],
-        "held_out_loss": held_out.get("loss"), "held_out_acceptance_length": held_out.get("acceptance_length"),
-        "checkpoint_mb": round(dir_bytes(layout.checkpoints) / 1e6, 1), **memory_figures(run["memory"]),
+        "first_loss": train_lines[0]["loss"],
+        "final_loss": last["loss"],
+        "held_out_loss": held_out.get("loss"),
+        "held_out_acceptance_length": held_out.get("acceptance_length"),
+        "checkpoint_mb": round(dir_bytes(layout.checkpoints) / 1e6, 1),
+        **memory_figures(run["memory"]),
     }
     if not all(math.isfinite(x) for x in (figures["first_loss"], figures["final_loss"])):
         raise RuntimeError(f"the training loss is not finite: {figures['first_loss']} -> {figures['final_loss']}")
@@ -509,10 +663,14 @@ def check_export(p: Params, work: Path) -> dict[str, Any]:
         raise ValueError(f"{final} is not a valid EAGLE-3 export: {problems}")
     draft = load_exported_draft(final, dtype=torch.float32)
     config = json.loads((final / "config.json").read_text())
-    return {"path": str(final), "export_mb": round(dir_bytes(final) / 1e6, 2),
-            "params_m": round(sum(x.numel() for x in draft.parameters()) / 1e6, 2),
-            "torch_dtype": config.get("torch_dtype") or config.get("dtype"),
-            "draft_vocab_size": config.get("draft_vocab_size"), "architectures": config.get("architectures")}
+    return {
+        "path": str(final),
+        "export_mb": round(dir_bytes(final) / 1e6, 2),
+        "params_m": round(sum(x.numel() for x in draft.parameters()) / 1e6, 2),
+        "torch_dtype": config.get("torch_dtype") or config.get("dtype"),
+        "draft_vocab_size": config.get("draft_vocab_size"),
+        "architectures": config.get("architectures"),
+    }
 
 
 def evaluate(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
@@ -528,10 +686,19 @@ def evaluate(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
 
     p, layout = check.p, RunLayout(check.work)
     raw = layout.eval_raw
-    job = EvalJob(prompts=p.eval_prompts, max_new_tokens=p.eval_new_tokens, num_steps=p.eval_num_steps, device=p.device,
-                  compare_untrained=True, eval_fraction=p.eval_fraction, seed=p.seed, target_path=str(target),
-                  datasets=[{"name": DATASET, "records_dir": str(layout.records(DATASET))}],
-                  draft_dir=str(layout.final), out=str(raw))
+    job = EvalJob(
+        prompts=p.eval_prompts,
+        max_new_tokens=p.eval_new_tokens,
+        num_steps=p.eval_num_steps,
+        device=p.device,
+        compare_untrained=True,
+        eval_fraction=p.eval_fraction,
+        seed=p.seed,
+        target_path=str(target),
+        datasets=[{"name": DATASET, "records_dir": str(layout.records(DATASET))}],
+        draft_dir=str(layout.final),
+        out=str(raw),
+    )
     job_path = layout.job("eval")
     write_job(job, job_path, kept=lambda: "the export", resume="run the check again")
     per_prompt: dict[str, list[dict[str, int]]] = {}
@@ -541,16 +708,25 @@ def evaluate(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
         if "rounds" not in v:
             return
         per_prompt.setdefault(v["draft"], []).append(
-            {"prompt": v["done"], "new_tokens": v["new_tokens"], "rounds": v["rounds"], "accepted": v["accepted"]})
+            {"prompt": v["done"], "new_tokens": v["new_tokens"], "rounds": v["rounds"], "accepted": v["accepted"]}
+        )
         check.progress(num_steps=p.eval_num_steps, **partial_eval(per_prompt, total=v["total"]))
 
     run = check.launch("models.eval_job", job_path, EVAL, limit_s, single_process=True, on_progress=on_progress)
     result = json.loads(raw.read_text())
     trained, untrained = result["trained"], result.get("untrained", {})
-    return {"prompts": result["prompts"], "device": result["device"], "num_steps": p.eval_num_steps,
-            "acceptance_length": trained["acceptance_length"], "per_position": trained["per_position_acceptance"],
-            "untrained_acceptance_length": untrained.get("acceptance_length"), "rounds": trained["rounds"],
-            "new_tokens": trained["new_tokens"], "per_prompt": per_prompt, **memory_figures(run["memory"])}
+    return {
+        "prompts": result["prompts"],
+        "device": result["device"],
+        "num_steps": p.eval_num_steps,
+        "acceptance_length": trained["acceptance_length"],
+        "per_position": trained["per_position_acceptance"],
+        "untrained_acceptance_length": untrained.get("acceptance_length"),
+        "rounds": trained["rounds"],
+        "new_tokens": trained["new_tokens"],
+        "per_prompt": per_prompt,
+        **memory_figures(run["memory"]),
+    }
 
 
 def partial_eval(per_prompt: dict[str, list[dict[str, int]]], *, total: int) -> dict[str, Any]:
@@ -561,10 +737,15 @@ def partial_eval(per_prompt: dict[str, list[dict[str, int]]], *, total: int) -> 
         return round((sum(x["accepted"] for x in prompts) + rounds) / rounds, 4) if rounds else None
 
     trained, untrained = per_prompt.get("trained", []), per_prompt.get("untrained", [])
-    return {"prompts": total, "prompts_done": {name: len(x) for name, x in per_prompt.items()},
-            "acceptance_length": length(trained), "untrained_acceptance_length": length(untrained),
-            "rounds": sum(x["rounds"] for x in trained), "new_tokens": sum(x["new_tokens"] for x in trained),
-            "per_prompt": per_prompt}
+    return {
+        "prompts": total,
+        "prompts_done": {name: len(x) for name, x in per_prompt.items()},
+        "acceptance_length": length(trained),
+        "untrained_acceptance_length": length(untrained),
+        "rounds": sum(x["rounds"] for x in trained),
+        "new_tokens": sum(x["new_tokens"] for x in trained),
+        "per_prompt": per_prompt,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,40 +761,78 @@ def report(out: dict[str, Any]) -> None:
         return "-" if value is None else format(value, fmt) if fmt else str(value)
 
     print("\nphases")
-    harness.table(["phase", "ok", "wall s", "what"], [
-        [name, "yes" if r.get("ok") else "skipped" if "skipped" in r else "TIMED OUT" if r.get("timed_out") else "FAILED",
-         get(name, "wall_s", ".1f"),
-         (r.get("skipped") or r.get("error", ""))[:90].replace("\n", " ")] for name, r in ph.items()])
+    harness.table(
+        ["phase", "ok", "wall s", "what"],
+        [
+            [
+                name,
+                "yes"
+                if r.get("ok")
+                else "skipped"
+                if "skipped" in r
+                else "TIMED OUT"
+                if r.get("timed_out")
+                else "FAILED",
+                get(name, "wall_s", ".1f"),
+                (r.get("skipped") or r.get("error", ""))[:90].replace("\n", " "),
+            ]
+            for name, r in ph.items()
+        ],
+    )
     print("\nfigures")
-    harness.table(["figure", "value"], [
-        ["target: parameters (M) / vocab", f"{get('target', 'params_m')} / {get('target', 'vocab_size')}"],
-        ["records: records / tokens", f"{get('records', 'records')} / {get('records', 'tokens')}"],
-        ["records: generate tokens/s (HF generate)", get("records", "generate_tokens_per_s", ",.0f")],
-        ["capture: tokens/s (forward phase)", get("capture", "tokens_per_s", ",.0f")],
-        ["capture: tokens/s (launch to exit)", get("capture", "end_to_end_tokens_per_s", ",.0f")],
-        ["capture: start-up s", get("capture", "startup_s", ".1f")],
-        ["capture: stored GB / bytes per token", f"{get('capture', 'stored_gb')} / {get('capture', 'bytes_per_token')}"],
-        ["capture: GPU peak allocated / reserved GiB",
-         f"{get('capture', 'gpu_peak_allocated_gib')} / {get('capture', 'gpu_peak_reserved_gib')}"],
-        ["train: steps/s", get("train", "steps_per_s", ".2f")],
-        ["train: tokens/s", get("train", "tokens_per_s", ",.0f")],
-        ["train: start-up s / tail s", f"{get('train', 'startup_s', '.1f')} / {get('train', 'tail_s', '.1f')}"],
-        ["train: loss first -> final", f"{get('train', 'first_loss', '.4f')} -> {get('train', 'final_loss', '.4f')}"],
-        ["train: held-out TTT acceptance length", get("train", "held_out_acceptance_length", ".3f")],
-        ["train: GPU peak allocated / reserved GiB",
-         f"{get('train', 'gpu_peak_allocated_gib')} / {get('train', 'gpu_peak_reserved_gib')}"],
-        ["train: host peak RSS GiB", get("train", "host_peak_rss_gib")],
-        ["export: MB / parameters (M)", f"{get('export', 'export_mb')} / {get('export', 'params_m')}"],
-        ["eval: acceptance length trained / untrained",
-         f"{get('eval', 'acceptance_length', '.3f')} / {get('eval', 'untrained_acceptance_length', '.3f')}"
-         + ("" if ph.get("eval", {}).get("ok") or "prompts_done" not in ph.get("eval", {}) else
-            f" (partial: {', '.join(f'{k} {n}' for k, n in ph['eval']['prompts_done'].items())} of {ph['eval']['prompts']} "
-            "prompts)")],
-        ["eval: GPU peak allocated GiB", get("eval", "gpu_peak_allocated_gib")],
-    ])
-    gpu = f"{m.get('gpu')} ({m.get('gpu_memory_gib')} GiB, driver {m.get('driver')})" if m.get("cuda_available") else "no GPU"
-    print(f"\n{gpu}; torch {m['torch']} (CUDA {m['cuda']}, NCCL {m.get('nccl')}), deepspeed {m['deepspeed']}, "
-          f"transformers {m['transformers']}, Python {m['python']}, {m['cpus']} CPUs")
+    harness.table(
+        ["figure", "value"],
+        [
+            ["target: parameters (M) / vocab", f"{get('target', 'params_m')} / {get('target', 'vocab_size')}"],
+            ["records: records / tokens", f"{get('records', 'records')} / {get('records', 'tokens')}"],
+            ["records: generate tokens/s (HF generate)", get("records", "generate_tokens_per_s", ",.0f")],
+            ["capture: tokens/s (forward phase)", get("capture", "tokens_per_s", ",.0f")],
+            ["capture: tokens/s (launch to exit)", get("capture", "end_to_end_tokens_per_s", ",.0f")],
+            ["capture: start-up s", get("capture", "startup_s", ".1f")],
+            [
+                "capture: stored GB / bytes per token",
+                f"{get('capture', 'stored_gb')} / {get('capture', 'bytes_per_token')}",
+            ],
+            [
+                "capture: GPU peak allocated / reserved GiB",
+                f"{get('capture', 'gpu_peak_allocated_gib')} / {get('capture', 'gpu_peak_reserved_gib')}",
+            ],
+            ["train: steps/s", get("train", "steps_per_s", ".2f")],
+            ["train: tokens/s", get("train", "tokens_per_s", ",.0f")],
+            ["train: start-up s / tail s", f"{get('train', 'startup_s', '.1f')} / {get('train', 'tail_s', '.1f')}"],
+            [
+                "train: loss first -> final",
+                f"{get('train', 'first_loss', '.4f')} -> {get('train', 'final_loss', '.4f')}",
+            ],
+            ["train: held-out TTT acceptance length", get("train", "held_out_acceptance_length", ".3f")],
+            [
+                "train: GPU peak allocated / reserved GiB",
+                f"{get('train', 'gpu_peak_allocated_gib')} / {get('train', 'gpu_peak_reserved_gib')}",
+            ],
+            ["train: host peak RSS GiB", get("train", "host_peak_rss_gib")],
+            ["export: MB / parameters (M)", f"{get('export', 'export_mb')} / {get('export', 'params_m')}"],
+            [
+                "eval: acceptance length trained / untrained",
+                f"{get('eval', 'acceptance_length', '.3f')} / {get('eval', 'untrained_acceptance_length', '.3f')}"
+                + (
+                    ""
+                    if ph.get("eval", {}).get("ok") or "prompts_done" not in ph.get("eval", {})
+                    else f" (partial: {', '.join(f'{k} {n}' for k, n in ph['eval']['prompts_done'].items())} of {ph['eval']['prompts']} "
+                    "prompts)"
+                ),
+            ],
+            ["eval: GPU peak allocated GiB", get("eval", "gpu_peak_allocated_gib")],
+        ],
+    )
+    gpu = (
+        f"{m.get('gpu')} ({m.get('gpu_memory_gib')} GiB, driver {m.get('driver')})"
+        if m.get("cuda_available")
+        else "no GPU"
+    )
+    print(
+        f"\n{gpu}; torch {m['torch']} (CUDA {m['cuda']}, NCCL {m.get('nccl')}), deepspeed {m['deepspeed']}, "
+        f"transformers {m['transformers']}, Python {m['python']}, {m['cpus']} CPUs"
+    )
     print(f"total {out['total_s']:.0f} s; {'every phase passed' if out['ok'] else 'SOME PHASES FAILED'}")
 
 
@@ -641,16 +860,24 @@ def preflight(p: Params, json_path: Path) -> list[Any] | None:
 
     findings = environment_checks(p.device)
     for f in findings:
-        print(f"   {f.status:4}  {f.name}: {f.detail}" + (f"  -> {f.advice}" if f.advice and f.status != "PASS" else ""),
-              flush=True)
+        print(
+            f"   {f.status:4}  {f.name}: {f.detail}" + (f"  -> {f.advice}" if f.advice and f.status != "PASS" else ""),
+            flush=True,
+        )
     bad = failed(findings)
     if not bad:
         return findings
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"params": asdict(p), "preflight": [f.to_dict() for f in findings], "phases": {},
-                                     "ok": False}, indent=2) + "\n")
-    print(f"GPU check stopped before its first phase: {', '.join(f.name for f in bad)} failed (figures -> {json_path})",
-          flush=True)
+    json_path.write_text(
+        json.dumps(
+            {"params": asdict(p), "preflight": [f.to_dict() for f in findings], "phases": {}, "ok": False}, indent=2
+        )
+        + "\n"
+    )
+    print(
+        f"GPU check stopped before its first phase: {', '.join(f.name for f in bad)} failed (figures -> {json_path})",
+        flush=True,
+    )
     return None
 
 
@@ -687,19 +914,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=args.keep))
-    print(f"GPU check ({p.launcher}, {'NCCL' if p.device == 'cuda' else 'gloo'}, {'bf16' if p.bf16 else 'fp32'}"
-          f"{', --cpu-smoke' if p.quick else ''}), "
-          f"budget {p.budget_s:.0f} s; figures -> {json_path}", flush=True)
+    print(
+        f"GPU check ({p.launcher}, {'NCCL' if p.device == 'cuda' else 'gloo'}, {'bf16' if p.bf16 else 'fp32'}"
+        f"{', --cpu-smoke' if p.quick else ''}), "
+        f"budget {p.budget_s:.0f} s; figures -> {json_path}",
+        flush=True,
+    )
     check = Check(p, json_path, json_path.with_name("gpu_check.log"), work, bool(args.verbose))
     check.out["preflight"] = [f.to_dict() for f in findings]
     check.out["machine"]["nccl_env"] = {name: os.environ.get(name) for name in SINGLE_VM_NCCL}
     try:
         if p.device == "cuda" and not check.out["machine"]["cuda_available"]:
-            check.out["phases"]["gpu"] = {"ok": False, "error": "torch sees no CUDA device (use --cpu-smoke on a CPU machine)"}
+            check.out["phases"]["gpu"] = {
+                "ok": False,
+                "error": "torch sees no CUDA device (use --cpu-smoke on a CPU machine)",
+            }
         else:
             target = work / "target"
             check.phase("target", p.target_s, lambda limit: build_target(p, work), in_process=True)
-            check.phase("records", p.records_s, lambda limit: make_records(p, work, target), needs=("target",), in_process=True)
+            check.phase(
+                "records", p.records_s, lambda limit: make_records(p, work, target), needs=("target",), in_process=True
+            )
             check.phase("capture", p.capture_s, lambda limit: capture(check, limit, target), needs=("records",))
             check.phase("train", p.train_s, lambda limit: train(check, limit, target), needs=("capture",))
             check.phase("export", p.export_s, lambda limit: check_export(p, work), needs=("train",), in_process=True)

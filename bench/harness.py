@@ -34,9 +34,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -51,8 +52,9 @@ T = TypeVar("T")
 # ---------------------------------------------------------------------------------------------
 
 
-def arguments(doc: str, defaults: Any, *, keep: str, verbose: bool = False,
-              quick: str = "a smaller run: smoke test of the bench") -> argparse.ArgumentParser:
+def arguments(
+    doc: str, defaults: Any, *, keep: str, verbose: bool = False, quick: str = "a smaller run: smoke test of the bench"
+) -> argparse.ArgumentParser:
     """The common flags and one `--field-name` flag per field of `defaults` (a bench's Params).
 
     The description is the first line of `doc`; `keep` names what `--keep DIR` keeps; a boolean
@@ -110,9 +112,16 @@ def loadavg() -> list[float] | None:
         return None
 
 
-def run_bench(stage: str, args: argparse.Namespace, params: dict[str, Any], versions: dict[str, str],
-              measure: Callable[[Path, dict[str, Any]], None], report: Callable[[dict[str, Any]], None], *,
-              kept: str) -> int:
+def run_bench(
+    stage: str,
+    args: argparse.Namespace,
+    params: dict[str, Any],
+    versions: dict[str, str],
+    measure: Callable[[Path, dict[str, Any]], None],
+    report: Callable[[dict[str, Any]], None],
+    *,
+    kept: str,
+) -> int:
     """One bench run: `measure(scratch dir, out)`, then `report(out)`, the closing line and `--json`; returns 0.
 
     `out` starts with the params and the machine's facts (CPU model, `versions`, load average); the
@@ -120,9 +129,17 @@ def run_bench(stage: str, args: argparse.Namespace, params: dict[str, Any], vers
     removed afterwards, or (`--keep DIR`) a new directory under DIR that stays (`kept` says what
     it holds).
     """
-    out: dict[str, Any] = {"params": params, "machine": {
-        "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-        "processor": cpu_model(), **versions, "loadavg_start": loadavg()}}
+    out: dict[str, Any] = {
+        "params": params,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "processor": cpu_model(),
+            **versions,
+            "loadavg_start": loadavg(),
+        },
+    }
     started = time.monotonic()
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
@@ -139,9 +156,11 @@ def run_bench(stage: str, args: argparse.Namespace, params: dict[str, Any], vers
     m["loadavg_end"] = loadavg()
     out["total_s"] = time.monotonic() - started
     report(out)
-    print(f"\ntotal {out['total_s']:.0f} s on {m['cpus']} CPU(s) ({m['processor']}); load average at start "
-          f"{m['loadavg_start']}, at end {m['loadavg_end']}"
-          + ("  (--quick: a smoke run; take the figures from the default run)" if args.quick else ""))
+    print(
+        f"\ntotal {out['total_s']:.0f} s on {m['cpus']} CPU(s) ({m['processor']}); load average at start "
+        f"{m['loadavg_start']}, at end {m['loadavg_end']}"
+        + ("  (--quick: a smoke run; take the figures from the default run)" if args.quick else "")
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
@@ -159,8 +178,11 @@ def tiny_target_defaults() -> dict[str, Any]:
     """build_tiny_target's keyword defaults: the shape of the test and demo target, declared there once."""
     from models.tiny_target import build_tiny_target
 
-    return {name: q.default for name, q in inspect.signature(build_tiny_target).parameters.items()
-            if q.default is not inspect.Parameter.empty}
+    return {
+        name: q.default
+        for name, q in inspect.signature(build_tiny_target).parameters.items()
+        if q.default is not inspect.Parameter.empty
+    }
 
 
 def tiny_target_default(name: str) -> Any:
@@ -189,9 +211,15 @@ class TargetParams:
 
     def target_dir(self, bench: str) -> Path:
         """Where this shape's target is cached: runs/<bench>/target-... (gitignored), one per shape and seed."""
-        return REPO / "runs" / bench / (
-            f"target-h{self.hidden_size}-l{self.num_layers}-a{self.num_heads}-kv{self.num_kv_heads}"
-            f"-i{self.intermediate_size}-v{self.vocab_size}-s{self.seed}")
+        return (
+            REPO
+            / "runs"
+            / bench
+            / (
+                f"target-h{self.hidden_size}-l{self.num_layers}-a{self.num_heads}-kv{self.num_kv_heads}"
+                f"-i{self.intermediate_size}-v{self.vocab_size}-s{self.seed}"
+            )
+        )
 
     def build_target(self, bench: str, **extra: Any) -> tuple[Path, float]:
         """The target built into `target_dir` (or reused when there) and the seconds that took."""
@@ -200,17 +228,31 @@ class TargetParams:
         target = self.target_dir(bench)
         print(f"  target: {target.relative_to(REPO)} (built once, then reused) ...", flush=True)
         t0 = time.perf_counter()
-        build_tiny_target(target, seed=self.seed, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                          num_layers=self.num_layers, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                          intermediate_size=self.intermediate_size, **extra)
+        build_tiny_target(
+            target,
+            seed=self.seed,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            **extra,
+        )
         return target, time.perf_counter() - t0
 
 
 def record_row(record_id: str, input_ids: list[int], prompt_tokens: int) -> dict[str, Any]:
     """One record in RECORD_SCHEMA: the loss on every token after the first `prompt_tokens`."""
     n = len(input_ids)
-    return {"id": record_id, "input_ids": input_ids, "loss_mask": [0] * prompt_tokens + [1] * (n - prompt_tokens),
-            "num_tokens": n, "num_loss_tokens": n - prompt_tokens, "truncated": False}
+    return {
+        "id": record_id,
+        "input_ids": input_ids,
+        "loss_mask": [0] * prompt_tokens + [1] * (n - prompt_tokens),
+        "num_tokens": n,
+        "num_loss_tokens": n - prompt_tokens,
+        "truncated": False,
+    }
 
 
 def write_records(rows: list[dict[str, Any]], records_dir: Path, rows_per_part: int) -> int:
@@ -231,8 +273,12 @@ def write_records(rows: list[dict[str, Any]], records_dir: Path, rows_per_part: 
 def length_summary(lengths: Iterable[int]) -> dict[str, Any]:
     """Mean, p50, p95 and max of sample lengths (as the bench reports print them)."""
     srt = sorted(int(x) for x in lengths)
-    return {"mean_len": sum(srt) / len(srt), "p50_len": srt[len(srt) // 2],
-            "p95_len": srt[min(len(srt) - 1, int(0.95 * len(srt)))], "max_len": srt[-1]}
+    return {
+        "mean_len": sum(srt) / len(srt),
+        "p50_len": srt[len(srt) // 2],
+        "p95_len": srt[min(len(srt) - 1, int(0.95 * len(srt)))],
+        "max_len": srt[-1],
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,8 +297,17 @@ class Launched:
     ops_built: list[str] = field(default_factory=list)  # torch extensions (re)built during the launch
 
 
-def launch(module: str, job: dict[str, Any], *, ranks: int, threads: int, job_path: Path, log_path: Path,
-           verbose: bool, on_line: Callable[[str, float], None] | None = None) -> Launched:
+def launch(
+    module: str,
+    job: dict[str, Any],
+    *,
+    ranks: int,
+    threads: int,
+    job_path: Path,
+    log_path: Path,
+    verbose: bool,
+    on_line: Callable[[str, float], None] | None = None,
+) -> Launched:
     """Run `python -m module --job JOB` on `ranks` ranks as the stage tasks launch it; the job written to `job_path`.
 
     tasks.launch_ranks.rank_command (torchrun: DS_ACCELERATOR=cpu, gloo) + run_job, OMP_NUM_THREADS=threads
@@ -297,8 +352,9 @@ def _spawned(fn: Callable[..., Any], args: tuple, index: int, barrier: Any, queu
             barrier.abort()
 
 
-def spawn(fn: Callable[..., T], args: Sequence[tuple], *, threads: int, timeout_s: float, what: str,
-          together: bool = True) -> tuple[list[T], float]:
+def spawn(
+    fn: Callable[..., T], args: Sequence[tuple], *, threads: int, timeout_s: float, what: str, together: bool = True
+) -> tuple[list[T], float]:
     """`fn(*a)` for each `a` in `args`, each in a fresh spawned process, all at once; (results in order, spawn time).
 
     The processes start with OMP_NUM_THREADS=threads, as rank_command sets it for a rank. With

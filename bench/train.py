@@ -80,21 +80,24 @@ import torch  # noqa: E402
 import models  # noqa: E402,F401  (flushes CPU denormals in this process, as in every rank)
 from flows.config import TrainConfig  # noqa: E402
 from models.capture import run as run_capture  # noqa: E402
+from models.draft_vocab import draft_vocab, load_token_counts  # noqa: E402
+from models.eagle3 import (  # noqa: E402
+    STEP_DECAY,
+    Eagle3Config,
+    Eagle3Draft,
+    default_aux_layers,  # noqa: E402
+)
+from models.hidden_shards import METADATA_NAME  # noqa: E402
 from models.jobs import CaptureJob, TrainJob  # noqa: E402
 from models.rank import Dist  # noqa: E402
-from models.draft_vocab import draft_vocab, load_token_counts  # noqa: E402
-from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft  # noqa: E402
-from models.target_head import TargetHead
-from models.target_weights import load_target_tensors  # noqa: E402
 from models.rank_protocol import TRAIN_PROGRESS  # noqa: E402
 from models.run_layout import RunLayout  # noqa: E402
-from models.eagle3 import default_aux_layers  # noqa: E402
-from models.hidden_shards import METADATA_NAME  # noqa: E402
+from models.target_head import TargetHead
+from models.target_weights import load_target_tensors  # noqa: E402
 from models.tiny_target import SAMPLES_DIR  # noqa: E402
 from models.train import lr_lambda  # noqa: E402
+from models.train_data import HiddenSource, epoch_batches, rank_micro_batches, split_samples, steps_per_epoch  # noqa: E402
 from models.train_metrics import Metrics
-from models.train_data import (HiddenSource, epoch_batches, rank_micro_batches, split_samples,  # noqa: E402
-                               steps_per_epoch)
 from tasks.records.build import count_tokens  # noqa: E402
 
 DATASET = "bench"
@@ -153,8 +156,15 @@ class Params(harness.TargetParams):
 
 
 def data_dir_for(p: Params, target: Path) -> Path:
-    key = json.dumps({"target": target.name, "prompt": p.max_prompt_tokens, "new": p.max_new_tokens,
-                      "samples": sorted(f.name for f in SAMPLES_DIR.glob("*.jsonl"))}, sort_keys=True)
+    key = json.dumps(
+        {
+            "target": target.name,
+            "prompt": p.max_prompt_tokens,
+            "new": p.max_new_tokens,
+            "samples": sorted(f.name for f in SAMPLES_DIR.glob("*.jsonl")),
+        },
+        sort_keys=True,
+    )
     return harness.REPO / "runs" / "bench-train" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -204,20 +214,41 @@ def prepare_data(p: Params, target: Path) -> dict[str, Any]:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt = tok(text)["input_ids"][: p.max_prompt_tokens]
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 max_new_tokens=p.max_new_tokens, do_sample=False, pad_token_id=0)[0].tolist()
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=p.max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )[0].tolist()
         rows.append(harness.record_row(f"c{i:04d}", out, len(prompt)))
     generate_s = time.perf_counter() - t0
     del model
     harness.write_records(rows, records, len(rows))
     count_tokens([records], layout.token_counts, len(tok))  # the records stage's counts
     t0 = time.perf_counter()
-    run_capture(CaptureJob(target_path=str(target), datasets=[{"name": DATASET, "records_dir": str(records)}],
-                           out_dir=str(layout.hidden_dir), device="cpu", dtype="float32", shard_tokens=16384, launch_tokens=None), Dist())
+    run_capture(
+        CaptureJob(
+            target_path=str(target),
+            datasets=[{"name": DATASET, "records_dir": str(records)}],
+            out_dir=str(layout.hidden_dir),
+            device="cpu",
+            dtype="float32",
+            shard_tokens=16384,
+            launch_tokens=None,
+        ),
+        Dist(),
+    )
     torch.set_num_threads(saved)
     lengths = [r["num_tokens"] for r in rows]
-    info = {"records": len(rows), "tokens": sum(lengths), "loss_tokens": sum(r["num_loss_tokens"] for r in rows),
-            **harness.length_summary(lengths), "generate_s": generate_s, "capture_s": time.perf_counter() - t0}
+    info = {
+        "records": len(rows),
+        "tokens": sum(lengths),
+        "loss_tokens": sum(r["num_loss_tokens"] for r in rows),
+        **harness.length_summary(lengths),
+        "generate_s": generate_s,
+        "capture_s": time.perf_counter() - t0,
+    }
     done.write_text(json.dumps(info, indent=2))
     return {**info, "root": str(root), "reused": False}
 
@@ -231,12 +262,30 @@ def job_dict(p: Params, target: Path, data: Path, out_dir: Path, ranks: int) -> 
     """The JOB.json, as flows/train.py writes it, with intervals that keep checkpoints and evals at the end."""
     far, layout = p.steps + 10**6, RunLayout(data)
     job = {
-        "target_path": str(target), "out_dir": str(out_dir), "token_counts": str(layout.token_counts),
-        "mode": "offline", "hidden_dir": str(layout.hidden_dir), "draft_vocab_size": p.draft_vocab_size,
-        "ttt_steps": p.ttt_steps, "epochs": 1, "max_steps": p.steps, "max_batch_tokens": p.max_batch_tokens,
-        "lr": p.lr, "warmup_ratio": p.warmup_ratio, "min_lr_ratio": 0.0, "checkpoint_every": far, "keep_checkpoints": 1,
-        "eval_every": far, "eval_fraction": p.eval_fraction, "log_every": p.log_every, "seed": p.seed, "device": "cpu",
-        "grad_accum": p.grad_accum, "weight_decay": p.weight_decay, "grad_clip": p.grad_clip, "precision": "fp32",
+        "target_path": str(target),
+        "out_dir": str(out_dir),
+        "token_counts": str(layout.token_counts),
+        "mode": "offline",
+        "hidden_dir": str(layout.hidden_dir),
+        "draft_vocab_size": p.draft_vocab_size,
+        "ttt_steps": p.ttt_steps,
+        "epochs": 1,
+        "max_steps": p.steps,
+        "max_batch_tokens": p.max_batch_tokens,
+        "lr": p.lr,
+        "warmup_ratio": p.warmup_ratio,
+        "min_lr_ratio": 0.0,
+        "checkpoint_every": far,
+        "keep_checkpoints": 1,
+        "eval_every": far,
+        "eval_fraction": p.eval_fraction,
+        "log_every": p.log_every,
+        "seed": p.seed,
+        "device": "cpu",
+        "grad_accum": p.grad_accum,
+        "weight_decay": p.weight_decay,
+        "grad_clip": p.grad_clip,
+        "precision": "fp32",
         "zero_stage": p.zero_stage,  # each rank derives its DeepSpeed config from these (models/train.py)
     }
     TrainJob.model_validate(job)  # the job's own spec accepts every key and value
@@ -301,12 +350,25 @@ def ours(p: Params, ranks: int, target: Path, data: Path, tmp: Path, tag: str, v
             step0.append(t)
 
     with MetricsWatch(draft.metrics, {p.skip, p.steps}) as watch:
-        run = harness.launch("models.train", job_dict(p, target, data, out_dir, ranks), ranks=ranks, threads=p.threads,
-                             job_path=tmp / f"job-{tag}.json", log_path=tmp / f"log-{tag}.txt", verbose=verbose,
-                             on_line=on_line)
+        run = harness.launch(
+            "models.train",
+            job_dict(p, target, data, out_dir, ranks),
+            ranks=ranks,
+            threads=p.threads,
+            job_path=tmp / f"job-{tag}.json",
+            log_path=tmp / f"log-{tag}.txt",
+            verbose=verbose,
+            on_line=on_line,
+        )
     t0 = run.started_at
-    r: dict[str, Any] = {"ranks": ranks, "ok": run.ok, "error": run.error, "step0_at": t0 + step0[0] if step0 else None,
-                         "wall_s": run.wall_s, "ops_built": run.ops_built}
+    r: dict[str, Any] = {
+        "ranks": ranks,
+        "ok": run.ok,
+        "error": run.error,
+        "step0_at": t0 + step0[0] if step0 else None,
+        "wall_s": run.wall_s,
+        "ops_built": run.ops_built,
+    }
     if not r["ok"]:
         return r
     lines = [json.loads(x) for x in draft.metrics.read_text().splitlines() if x.strip()]
@@ -351,8 +413,9 @@ def setup(cfg: dict[str, Any], world: int) -> dict[str, Any]:
     text = text.get_text_config() if hasattr(text, "get_text_config") else text
     source = HiddenSource(cfg["hidden_dir"], cfg["max_batch_tokens"])
     meta = Path(cfg["hidden_dir"]) / METADATA_NAME  # as models.train._data_source: the capture's, else the default
-    aux_layers = (json.loads(meta.read_text()).get("aux_layers") if meta.is_file() else None) \
-        or default_aux_layers(int(text.num_hidden_layers))
+    aux_layers = (json.loads(meta.read_text()).get("aux_layers") if meta.is_file() else None) or default_aux_layers(
+        int(text.num_hidden_layers)
+    )
     embed, head = load_target_tensors(target, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
     counts = load_token_counts(cfg["token_counts"], int(text.vocab_size))
     d2t, t2d = draft_vocab(counts, int(text.vocab_size), cfg["draft_vocab_size"])
@@ -363,10 +426,18 @@ def setup(cfg: dict[str, Any], world: int) -> dict[str, Any]:
     draft.set_draft_vocab(d2t, t2d)
     target_head = TargetHead(head.to(device), d2t.to(device))
     train_samples, _ = split_samples(source.samples, cfg["eval_fraction"])
-    per_epoch = steps_per_epoch(len(epoch_batches(train_samples, cfg["max_batch_tokens"], cfg["seed"], 0)), world,
-                                cfg["grad_accum"])
-    return {"device": device, "source": source, "draft": draft, "target_head": target_head, "train_samples": train_samples,
-            "per_epoch": per_epoch, "warmup": max(1, round(cfg["warmup_ratio"] * cfg["steps"]))}
+    per_epoch = steps_per_epoch(
+        len(epoch_batches(train_samples, cfg["max_batch_tokens"], cfg["seed"], 0)), world, cfg["grad_accum"]
+    )
+    return {
+        "device": device,
+        "source": source,
+        "draft": draft,
+        "target_head": target_head,
+        "train_samples": train_samples,
+        "per_epoch": per_epoch,
+        "warmup": max(1, round(cfg["warmup_ratio"] * cfg["steps"])),
+    }
 
 
 def plain_optimizer(cfg: dict[str, Any], draft: Eagle3Draft, warmup: int):
@@ -403,8 +474,14 @@ def plain_loop(cfg: dict[str, Any], rank: int, world: int, barrier: Any = None) 
                 step_tokens = 0
                 for micro in rank_micro_batches(batches, step_in_epoch, rank, world, grad_accum):
                     batch = source.batch(micro, device)
-                    out = draft.forward_ttt(batch.input_ids, batch.aux_hidden, target_head(batch.last_hidden),
-                                            batch.loss_mask, batch.attention_mask, ttt_steps=ttt)
+                    out = draft.forward_ttt(
+                        batch.input_ids,
+                        batch.aux_hidden,
+                        target_head(batch.last_hidden),
+                        batch.loss_mask,
+                        batch.attention_mask,
+                        ttt_steps=ttt,
+                    )
                     (out.loss / grad_accum).backward()
                     running.add(out)
                     step_tokens += batch.tokens
@@ -423,9 +500,16 @@ def plain_loop(cfg: dict[str, Any], rank: int, world: int, barrier: Any = None) 
             if step_in_epoch >= per_epoch:
                 epoch += 1
                 step_in_epoch = 0
-        return {"rank": rank, "times": times, "cpu": cpu, "tokens": tokens, "losses": losses,
-                "trainable_parameters": sum(q.numel() for q in params), "per_epoch": per_epoch,
-                "train_samples": len(train_samples)}
+        return {
+            "rank": rank,
+            "times": times,
+            "cpu": cpu,
+            "tokens": tokens,
+            "losses": losses,
+            "trainable_parameters": sum(q.numel() for q in params),
+            "per_epoch": per_epoch,
+            "train_samples": len(train_samples),
+        }
     finally:
         torch.set_num_threads(saved_threads)
 
@@ -436,8 +520,13 @@ def baseline_worker(cfg_path: str, processes: int, out_path: str) -> None:
     if processes == 1:
         results = [plain_loop(cfg, 0, 1)]
     else:  # side by side, each over its rank's share, started together
-        results, _ = harness.spawn(plain_loop, [(cfg, k, processes) for k in range(processes)], threads=cfg["threads"],
-                                   timeout_s=cfg["timeout_s"], what="baseline")
+        results, _ = harness.spawn(
+            plain_loop,
+            [(cfg, k, processes) for k in range(processes)],
+            threads=cfg["threads"],
+            timeout_s=cfg["timeout_s"],
+            what="baseline",
+        )
     Path(out_path).write_text(json.dumps(results))
 
 
@@ -449,8 +538,12 @@ def baseline(p: Params, processes: int, target: Path, data: Path, tmp: Path, her
     waits, like the torchrun agent), OMP_NUM_THREADS set. A new session is a new scheduler autogroup
     on Linux: under other load, both sides then compete for the cores on the same terms.
     """
-    cfg = {"target_path": str(target), "hidden_dir": str(RunLayout(data).hidden_dir),
-           "token_counts": str(RunLayout(data).token_counts), **{k: v for k, v in asdict(p).items()}}
+    cfg = {
+        "target_path": str(target),
+        "hidden_dir": str(RunLayout(data).hidden_dir),
+        "token_counts": str(RunLayout(data).token_counts),
+        **{k: v for k, v in asdict(p).items()},
+    }
     if here:
         assert processes == 1
         results = [plain_loop(cfg, 0, 1)]
@@ -460,10 +553,20 @@ def baseline(p: Params, processes: int, target: Path, data: Path, tmp: Path, her
         out_path.unlink(missing_ok=True)
         err_path = tmp / f"baseline-{processes}.stderr.txt"
         with open(err_path, "w") as err:
-            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--baseline-worker", str(cfg_path),
-                                     str(processes), str(out_path)],
-                                    env={**os.environ, "OMP_NUM_THREADS": str(p.threads), "PYTHONUNBUFFERED": "1"},
-                                    start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--baseline-worker",
+                    str(cfg_path),
+                    str(processes),
+                    str(out_path),
+                ],
+                env={**os.environ, "OMP_NUM_THREADS": str(p.threads), "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
             try:
                 code = proc.wait(timeout=p.timeout_s)
             except BaseException:
@@ -480,13 +583,21 @@ def baseline(p: Params, processes: int, target: Path, data: Path, tmp: Path, her
     end = max(x["times"][-1] for x in results)
     window_tokens = sum(x["tokens"][-1] - x["tokens"][k] for x in results)
     cpu = sum(x["cpu"][-1] - x["cpu"][k] for x in results)
-    step_s = [b - a for x in results for a, b in zip(x["times"][k:], x["times"][k + 1:])]
-    return {"processes": processes, "window_s": end - start, "window_tokens": window_tokens,
-            "times_per_process": [x["times"] for x in results],
-            "tokens_per_s": window_tokens / (end - start), "cpu_s": cpu, "cpu_ms_per_1k_tokens": 1e6 * cpu / window_tokens,
-            "median_step_s": statistics.median(step_s), "losses": results[0]["losses"],
-            "trainable_parameters": results[0]["trainable_parameters"], "per_epoch": results[0]["per_epoch"],
-            "train_samples": results[0]["train_samples"]}
+    step_s = [b - a for x in results for a, b in zip(x["times"][k:], x["times"][k + 1 :])]
+    return {
+        "processes": processes,
+        "window_s": end - start,
+        "window_tokens": window_tokens,
+        "times_per_process": [x["times"] for x in results],
+        "tokens_per_s": window_tokens / (end - start),
+        "cpu_s": cpu,
+        "cpu_ms_per_1k_tokens": 1e6 * cpu / window_tokens,
+        "median_step_s": statistics.median(step_s),
+        "losses": results[0]["losses"],
+        "trainable_parameters": results[0]["trainable_parameters"],
+        "per_epoch": results[0]["per_epoch"],
+        "train_samples": results[0]["train_samples"],
+    }
 
 
 def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
@@ -504,13 +615,18 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     """
     from tasks.ports import free_port
 
-    os.environ.update(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
     torch.set_num_threads(cfg["threads"])
     import deepspeed
 
-    from models.train import build_engine, train_forward, grad_norm, sum_over_ranks
-
+    from models.train import build_engine, grad_norm, sum_over_ranks, train_forward
     from models.train_metrics import MetricsWriter
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -534,8 +650,14 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         for batch in batches:
             t0 = time.perf_counter()
-            out = a["draft"].forward_ttt(batch.input_ids, batch.aux_hidden, a["target_head"](batch.last_hidden),
-                                         batch.loss_mask, batch.attention_mask, ttt_steps=ttt)
+            out = a["draft"].forward_ttt(
+                batch.input_ids,
+                batch.aux_hidden,
+                a["target_head"](batch.last_hidden),
+                batch.loss_mask,
+                batch.attention_mask,
+                ttt_steps=ttt,
+            )
             t1 = time.perf_counter()
             (out.loss / grad_accum).backward()
             fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
@@ -568,9 +690,17 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
         if log_step(n):  # the job's metrics line (models.train.run)
             running["ours"].all_reduce(dist)
             elapsed = max(1e-9, time.monotonic() - window["start"])
-            line = {"kind": "train", "step": n, "epoch": 0, "time": time.time(), **running["ours"].summary(STEP_DECAY),
-                    "lr": engine.get_lr()[0], "grad_norm": grad_norm(engine), "tokens": 0,
-                    "tokens_per_s": round(sum_over_ranks(window["tokens"], dist, device) / elapsed, 2)}
+            line = {
+                "kind": "train",
+                "step": n,
+                "epoch": 0,
+                "time": time.time(),
+                **running["ours"].summary(STEP_DECAY),
+                "lr": engine.get_lr()[0],
+                "grad_norm": grad_norm(engine),
+                "tokens": 0,
+                "tokens_per_s": round(sum_over_ranks(window["tokens"], dist, device) / elapsed, 2),
+            }
             writer.write(line)
             losses["ours"][n] = line["loss"]
             running["ours"] = Metrics(ttt, device)
@@ -603,31 +733,46 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
 
 def run_interleaved(p: Params, target: Path, data: Path, tmp: Path) -> dict[str, Any]:
     """`interleaved` in a fresh spawned process; medians per phase over the measured steps."""
-    cfg = {"target_path": str(target), "hidden_dir": str(RunLayout(data).hidden_dir),
-           "token_counts": str(RunLayout(data).token_counts), **asdict(p), "steps": p.in_process_steps}
+    cfg = {
+        "target_path": str(target),
+        "hidden_dir": str(RunLayout(data).hidden_dir),
+        "token_counts": str(RunLayout(data).token_counts),
+        **asdict(p),
+        "steps": p.in_process_steps,
+    }
     job = job_dict(Params(**{**asdict(p), "steps": p.in_process_steps}), target, data, tmp / "draft-interleaved", 1)
-    (res,), _ = harness.spawn(interleaved, [(cfg, job)], threads=p.threads, timeout_s=p.timeout_s,
-                              what="interleaved run", together=False)
+    (res,), _ = harness.spawn(
+        interleaved, [(cfg, job)], threads=p.threads, timeout_s=p.timeout_s, what="interleaved run", together=False
+    )
     k = p.skip
     out: dict[str, Any] = {"steps_measured": len(res["tokens"]) - k, "tokens": sum(res["tokens"][k:])}
     for name, rows in res["phases"].items():
         rows = rows[k:]
-        out[name] = {"forward_ms": 1e3 * statistics.fmean(r[0] for r in rows),  # means over the same steps
-                     "backward_ms": 1e3 * statistics.fmean(r[1] for r in rows),
-                     "rest_ms": 1e3 * statistics.fmean(r[2] for r in rows),
-                     "step_ms": 1e3 * statistics.fmean(sum(r) for r in rows),
-                     "total_s": sum(sum(r) for r in rows)}
+        out[name] = {
+            "forward_ms": 1e3 * statistics.fmean(r[0] for r in rows),  # means over the same steps
+            "backward_ms": 1e3 * statistics.fmean(r[1] for r in rows),
+            "rest_ms": 1e3 * statistics.fmean(r[2] for r in rows),
+            "step_ms": 1e3 * statistics.fmean(sum(r) for r in rows),
+            "total_s": sum(sum(r) for r in rows),
+        }
         out[name]["tokens_per_s"] = out["tokens"] / out[name]["total_s"]
     out["ratio"] = out["plain"]["total_s"] / out["ours"]["total_s"]  # = ours tok/s / plain tok/s
     out["load_ms"] = 1e3 * statistics.fmean(res["load_s"][k:])  # HiddenSource.batch: read + pad (both sides pay it)
     diff = [sum(o) - sum(q) for o, q in zip(res["phases"]["ours"][k:], res["phases"]["plain"][k:])]
     out["extra_ms_per_step"] = 1e3 * statistics.median(diff)
     out["extra_ms_per_step_mean"] = 1e3 * statistics.fmean(diff)
-    out["step_ratio_median"] = statistics.median(sum(o) / sum(q) for o, q in zip(res["phases"]["ours"][k:],
-                                                                                res["phases"]["plain"][k:]))
+    out["step_ratio_median"] = statistics.median(
+        sum(o) / sum(q) for o, q in zip(res["phases"]["ours"][k:], res["phases"]["plain"][k:])
+    )
     common = sorted(set(res["losses"]["plain"]) & set(res["losses"]["ours"]))
-    out["loss_max_rel_diff"] = max(abs(res["losses"]["ours"][s] - res["losses"]["plain"][s])
-                                   / max(1e-12, abs(res["losses"]["plain"][s])) for s in common) if common else None
+    out["loss_max_rel_diff"] = (
+        max(
+            abs(res["losses"]["ours"][s] - res["losses"]["plain"][s]) / max(1e-12, abs(res["losses"]["plain"][s]))
+            for s in common
+        )
+        if common
+        else None
+    )
     return out
 
 
@@ -648,15 +793,19 @@ def lockstep_bound(p: Params, train_samples: list, world: int) -> dict[str, Any]
             if step >= p.steps:
                 break
             for r in range(world):
-                cost[r][step] = sum(len(b) * max(x.length for x in b)
-                                    for b in rank_micro_batches(batches, in_epoch, r, world, p.grad_accum))
+                cost[r][step] = sum(
+                    len(b) * max(x.length for x in b)
+                    for b in rank_micro_batches(batches, in_epoch, r, world, p.grad_accum)
+                )
             step += 1
         epoch += 1
     window = range(p.skip, p.steps)
     free = max(sum(cost[r][s] for s in window) for r in range(world))
     locked = sum(max(cost[r][s] for r in range(world)) for s in window)
-    return {"bound": free / locked, "padded_tokens_per_rank_step": sum(cost[r][s] for r in range(world) for s in window)
-            / (world * len(window))}
+    return {
+        "bound": free / locked,
+        "padded_tokens_per_rank_step": sum(cost[r][s] for r in range(world) for s in window) / (world * len(window)),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -674,18 +823,31 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
     batches = epoch_batches(train_samples, p.max_batch_tokens, p.seed, 0)
     real = sum(s.length for b in batches for s in b)
     padded = sum(len(b) * max(s.length for s in b) for b in batches)
-    out["setup"] = {"target": str(target.relative_to(harness.REPO)), "data": str(data.relative_to(harness.REPO)), **info,
-                    "train_samples": len(train_samples), "held_out": len(held), "batches_per_epoch": len(batches),
-                    "tokens_per_epoch": real, "padding_pct": 100 * (padded - real) / padded,
-                    "tokens_per_batch": real / len(batches),
-                    "lockstep": {str(n): lockstep_bound(p, train_samples, n) for n in p.rank_list()}}
-    print(f"  data: {info['records']} records, {info['tokens']:,} tokens ({info['loss_tokens']:,} loss tokens), "
-          f"{len(train_samples)} train / {len(held)} held out; {len(batches)} micro batches per epoch "
-          f"(max_batch_tokens {p.max_batch_tokens}, {100 * (padded - real) / padded:.1f}% padding)", flush=True)
+    out["setup"] = {
+        "target": str(target.relative_to(harness.REPO)),
+        "data": str(data.relative_to(harness.REPO)),
+        **info,
+        "train_samples": len(train_samples),
+        "held_out": len(held),
+        "batches_per_epoch": len(batches),
+        "tokens_per_epoch": real,
+        "padding_pct": 100 * (padded - real) / padded,
+        "tokens_per_batch": real / len(batches),
+        "lockstep": {str(n): lockstep_bound(p, train_samples, n) for n in p.rank_list()},
+    }
+    print(
+        f"  data: {info['records']} records, {info['tokens']:,} tokens ({info['loss_tokens']:,} loss tokens), "
+        f"{len(train_samples)} train / {len(held)} held out; {len(batches)} micro batches per epoch "
+        f"(max_batch_tokens {p.max_batch_tokens}, {100 * (padded - real) / padded:.1f}% padding)",
+        flush=True,
+    )
 
     if p.in_process_steps > p.skip:
-        print(f"  in-process, interleaved: the plain step and the job's DeepSpeed step alternately, {p.in_process_steps} "
-              "steps each, one spawned process ...", flush=True)
+        print(
+            f"  in-process, interleaved: the plain step and the job's DeepSpeed step alternately, {p.in_process_steps} "
+            "steps each, one spawned process ...",
+            flush=True,
+        )
         out["interleaved"] = run_interleaved(p, target, data, tmp)
         x = out["interleaved"]
         print(f"    ours/plain {x['ratio']:.3f}, {x['extra_ms_per_step']:+.1f} ms per step", flush=True)
@@ -699,14 +861,19 @@ def run(p: Params, tmp: Path, out: dict[str, Any], verbose: bool) -> None:
             print(f"  pass {k + 1}: baseline, plain PyTorch loop, {what}, {p.threads} thread(s) each ...", flush=True)
             r = baseline(p, n, target, data, tmp, here=here)
         else:
-            print(f"  pass {k + 1}: ours, torchrun --nproc_per_node {n} -m models.train, OMP_NUM_THREADS={p.threads} ...",
-                  flush=True)
+            print(
+                f"  pass {k + 1}: ours, torchrun --nproc_per_node {n} -m models.train, OMP_NUM_THREADS={p.threads} ...",
+                flush=True,
+            )
             r = ours(p, n, target, data, tmp, f"{n}-{k}", verbose)
             if not r["ok"]:
                 print(f"    FAILED:\n{r['error']}", flush=True)
         r.update(kind=kind, n=n, pass_no=k)
         if r.get("tokens_per_s"):
-            print(f"    {r['tokens_per_s']:,.0f} tok/s over steps {p.skip + 1}-{p.steps} ({r['window_s']:.1f} s)", flush=True)
+            print(
+                f"    {r['tokens_per_s']:,.0f} tok/s over steps {p.skip + 1}-{p.steps} ({r['window_s']:.1f} s)",
+                flush=True,
+            )
         runs.append(r)
     out["runs"] = runs
     out["ratios"] = ratios(p, runs)
@@ -723,19 +890,30 @@ def ratios(p: Params, runs: list[dict[str, Any]]) -> dict[str, Any]:
             b1 = next((r for r in runs if r["kind"] == "baseline" and r["n"] == 1 and r["pass_no"] == k), None)
             if not (b and o and o.get("tokens_per_s")):
                 continue
-            row = {"pass_no": k, "ours": o["tokens_per_s"], "baseline": b["tokens_per_s"],
-                   "ratio": o["tokens_per_s"] / b["tokens_per_s"],
-                   # tokens per CPU second, ours / baseline (ranks' CPU; the torchrun agent's apart)
-                   "cpu_ratio": b["cpu_ms_per_1k_tokens"] / o["cpu_ms_per_1k_tokens"] if o.get("cpu_ms_per_1k_tokens") else None,
-                   "end_to_end_ratio": o["end_to_end_tokens_per_s"] / b["tokens_per_s"],
-                   "per_rank_vs_1_process": (o["tokens_per_s"] / n / b1["tokens_per_s"]) if b1 else None,
-                   "baseline_per_process_vs_1": (b["tokens_per_s"] / n / b1["tokens_per_s"]) if b1 else None,
-                   "startup_s": o["startup_s"], "tail_s": o["tail_s"], "wall_s": o["wall_s"], "steps_s": o["steps_s"]}
+            row = {
+                "pass_no": k,
+                "ours": o["tokens_per_s"],
+                "baseline": b["tokens_per_s"],
+                "ratio": o["tokens_per_s"] / b["tokens_per_s"],
+                # tokens per CPU second, ours / baseline (ranks' CPU; the torchrun agent's apart)
+                "cpu_ratio": b["cpu_ms_per_1k_tokens"] / o["cpu_ms_per_1k_tokens"]
+                if o.get("cpu_ms_per_1k_tokens")
+                else None,
+                "end_to_end_ratio": o["end_to_end_tokens_per_s"] / b["tokens_per_s"],
+                "per_rank_vs_1_process": (o["tokens_per_s"] / n / b1["tokens_per_s"]) if b1 else None,
+                "baseline_per_process_vs_1": (b["tokens_per_s"] / n / b1["tokens_per_s"]) if b1 else None,
+                "startup_s": o["startup_s"],
+                "tail_s": o["tail_s"],
+                "wall_s": o["wall_s"],
+                "steps_s": o["steps_s"],
+            }
             # paired: the same steps (the same micro batches) on both sides, window by window between logged steps;
             # the baseline's window = its slowest process's (what lockstep would have made it); median over windows
             marks = [s for s in sorted(o["step_times"]) if s >= p.skip]
-            pairs = [max(t[e] - t[a] for t in b["times_per_process"]) / (o["step_times"][e] - o["step_times"][a])
-                     for a, e in zip(marks, marks[1:])]
+            pairs = [
+                max(t[e] - t[a] for t in b["times_per_process"]) / (o["step_times"][e] - o["step_times"][a])
+                for a, e in zip(marks, marks[1:])
+            ]
             row["paired_ratio"] = harness.median_of(pairs)
             if n == 1:
                 common = sorted(set(o["losses"]) & set(int(s) for s in b["losses"]))
@@ -745,11 +923,26 @@ def ratios(p: Params, runs: list[dict[str, Any]]) -> dict[str, Any]:
             rows.append(row)
         if not rows:
             continue
-        summary = {key: harness.median_of(r[key] for r in rows)
-                   for key in ("ours", "baseline", "ratio", "end_to_end_ratio", "startup_s", "tail_s", "wall_s", "steps_s",
-                               "paired_ratio", "cpu_ratio", "per_rank_vs_1_process", "baseline_per_process_vs_1")}
-        summary.update({f"{key}_range": harness.range_of(r[key] for r in rows)
-                        for key in ("ratio", "paired_ratio", "cpu_ratio")})
+        summary = {
+            key: harness.median_of(r[key] for r in rows)
+            for key in (
+                "ours",
+                "baseline",
+                "ratio",
+                "end_to_end_ratio",
+                "startup_s",
+                "tail_s",
+                "wall_s",
+                "steps_s",
+                "paired_ratio",
+                "cpu_ratio",
+                "per_rank_vs_1_process",
+                "baseline_per_process_vs_1",
+            )
+        }
+        summary.update(
+            {f"{key}_range": harness.range_of(r[key] for r in rows) for key in ("ratio", "paired_ratio", "cpu_ratio")}
+        )
         if n == 1:
             d = [r["loss_max_rel_diff"] for r in rows if r.get("loss_max_rel_diff") is not None]
             summary["loss_max_rel_diff"] = max(d) if d else None
@@ -769,98 +962,206 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
     runs = out["runs"]
     b1 = next((r for r in runs if r["kind"] == "baseline" and r.get("trainable_parameters")), None)
     print()
-    print(f"target: tiny Llama hidden {p.hidden_size}, {p.num_layers} layers, {p.num_heads} heads / {p.num_kv_heads} kv, "
-          f"intermediate {p.intermediate_size}, vocab {p.vocab_size} ({s['target']})")
-    print(f"draft: 1 layer, hidden {p.hidden_size}, draft vocab {p.draft_vocab_size}, TTT {p.ttt_steps} steps"
-          + (f", {b1['trainable_parameters']:,} trainable parameters" if b1 else "") + "; fp32")
-    print(f"data: {s['records']} records (sample conversations cut to {p.max_prompt_tokens} tokens + greedy continuation "
-          f"<= {p.max_new_tokens}): {s['tokens']:,} tokens, mean {s['mean_len']:.0f}, p50 {s['p50_len']}, p95 {s['p95_len']}, "
-          f"max {s['max_len']}; {s['train_samples']} train / {s['held_out']} held out; {s['batches_per_epoch']} micro "
-          f"batches per epoch at max_batch_tokens {p.max_batch_tokens} ({s['tokens_per_batch']:,.0f} real tokens each, "
-          f"{s['padding_pct']:.1f}% padding)")
-    print(f"job: ZeRO stage {p.zero_stage}, {p.steps} optimizer steps, grad_accum {p.grad_accum}, lr {p.lr:g} (warmup {p.warmup_ratio:g}), AdamW "
-          f"betas {BETAS} wd {p.weight_decay:g}, clip {p.grad_clip:g}, log every {p.log_every}; measured: steps "
-          f"{p.skip + 1}-{p.steps}; {p.threads} thread(s) per rank / baseline process")
+    print(
+        f"target: tiny Llama hidden {p.hidden_size}, {p.num_layers} layers, {p.num_heads} heads / {p.num_kv_heads} kv, "
+        f"intermediate {p.intermediate_size}, vocab {p.vocab_size} ({s['target']})"
+    )
+    print(
+        f"draft: 1 layer, hidden {p.hidden_size}, draft vocab {p.draft_vocab_size}, TTT {p.ttt_steps} steps"
+        + (f", {b1['trainable_parameters']:,} trainable parameters" if b1 else "")
+        + "; fp32"
+    )
+    print(
+        f"data: {s['records']} records (sample conversations cut to {p.max_prompt_tokens} tokens + greedy continuation "
+        f"<= {p.max_new_tokens}): {s['tokens']:,} tokens, mean {s['mean_len']:.0f}, p50 {s['p50_len']}, p95 {s['p95_len']}, "
+        f"max {s['max_len']}; {s['train_samples']} train / {s['held_out']} held out; {s['batches_per_epoch']} micro "
+        f"batches per epoch at max_batch_tokens {p.max_batch_tokens} ({s['tokens_per_batch']:,.0f} real tokens each, "
+        f"{s['padding_pct']:.1f}% padding)"
+    )
+    print(
+        f"job: ZeRO stage {p.zero_stage}, {p.steps} optimizer steps, grad_accum {p.grad_accum}, lr {p.lr:g} (warmup {p.warmup_ratio:g}), AdamW "
+        f"betas {BETAS} wd {p.weight_decay:g}, clip {p.grad_clip:g}, log every {p.log_every}; measured: steps "
+        f"{p.skip + 1}-{p.steps}; {p.threads} thread(s) per rank / baseline process"
+    )
     print()
     print("runs (tok/s over the measured steps, all ranks)")
     rows = []
     for r in runs:
-        label = f"#{r['pass_no'] + 1} " + (f"ours, {r['n']} rank(s)" if r["kind"] == "ours" else
-                                            f"baseline, {r['n']} process(es)")
+        label = f"#{r['pass_no'] + 1} " + (
+            f"ours, {r['n']} rank(s)" if r["kind"] == "ours" else f"baseline, {r['n']} process(es)"
+        )
         if not r.get("tokens_per_s"):
             rows.append((label, "FAILED", "-", "-", "-", "-", "-", "-"))
             continue
         cpu = f"{r['cpu_ms_per_1k_tokens']:.0f}" if r.get("cpu_ms_per_1k_tokens") else "-"
         share = f"{r['cpu_s'] / (r['window_s'] * r['n']):.2f}" if r.get("cpu_s") else "-"
         if r["kind"] == "ours":
-            rows.append((label, f"{r['tokens_per_s']:,.0f}", f"{r['window_s']:.1f}", cpu, share, f"{r['startup_s']:.1f}",
-                         f"{r['steps_s']:.1f}", f"{r['tail_s']:.1f}", f"{r['wall_s']:.1f}",
-                         f"agent CPU {r.get('launcher_cpu_s', 0):.2f} s" + (f"; built {', '.join(r['ops_built'])}"
-                                                                           if r["ops_built"] else "")))
+            rows.append(
+                (
+                    label,
+                    f"{r['tokens_per_s']:,.0f}",
+                    f"{r['window_s']:.1f}",
+                    cpu,
+                    share,
+                    f"{r['startup_s']:.1f}",
+                    f"{r['steps_s']:.1f}",
+                    f"{r['tail_s']:.1f}",
+                    f"{r['wall_s']:.1f}",
+                    f"agent CPU {r.get('launcher_cpu_s', 0):.2f} s"
+                    + (f"; built {', '.join(r['ops_built'])}" if r["ops_built"] else ""),
+                )
+            )
         else:
-            rows.append((label, f"{r['tokens_per_s']:,.0f}", f"{r['window_s']:.1f}", cpu, share, "-", "-", "-", "-",
-                         f"median step {1e3 * r['median_step_s']:.0f} ms"))
-    harness.markdown_table(("run", "tok/s", "measured s", "CPU ms/1k tok", "CPU/wall", "start-up s", "all steps s", "tail s", "launch s",
-            "notes"), rows)
-    print("   measured: steps after the skip; CPU: the ranks' (ours) or the processes' (baseline) over those steps;\n"
-          "   CPU/wall: CPU s / (measured s x processes): 1.00 = each process had a core to itself all along.\n"
-          "   start-up: launch -> TRAIN_PROGRESS step=0 (interpreter, imports, process group, data index, draft, engine);"
-          "\n   all steps: -> the last step's metrics line; tail: final eval + checkpoint + export + teardown;"
-          "\n   agent: the torchrun agent's CPU over the measured steps; built: torch extensions (re)built meanwhile")
+            rows.append(
+                (
+                    label,
+                    f"{r['tokens_per_s']:,.0f}",
+                    f"{r['window_s']:.1f}",
+                    cpu,
+                    share,
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    f"median step {1e3 * r['median_step_s']:.0f} ms",
+                )
+            )
+    harness.markdown_table(
+        (
+            "run",
+            "tok/s",
+            "measured s",
+            "CPU ms/1k tok",
+            "CPU/wall",
+            "start-up s",
+            "all steps s",
+            "tail s",
+            "launch s",
+            "notes",
+        ),
+        rows,
+    )
+    print(
+        "   measured: steps after the skip; CPU: the ranks' (ours) or the processes' (baseline) over those steps;\n"
+        "   CPU/wall: CPU s / (measured s x processes): 1.00 = each process had a core to itself all along.\n"
+        "   start-up: launch -> TRAIN_PROGRESS step=0 (interpreter, imports, process group, data index, draft, engine);"
+        "\n   all steps: -> the last step's metrics line; tail: final eval + checkpoint + export + teardown;"
+        "\n   agent: the torchrun agent's CPU over the measured steps; built: torch extensions (re)built meanwhile"
+    )
     print()
     multi = p.repeats > 1
-    print("ratios: ours tok/s / baseline tok/s of the same pass (1.00 = no overhead; < 1 = ours slower)"
-          + (f"; median of {p.repeats} passes [range]" if multi else ""))
+    print(
+        "ratios: ours tok/s / baseline tok/s of the same pass (1.00 = no overhead; < 1 = ours slower)"
+        + (f"; median of {p.repeats} passes [range]" if multi else "")
+    )
     rows = []
     for n, x in out["ratios"].items():
         lo, hi = x["ratio_range"]
         base = "1 process" if n == "1" else f"{n} processes side by side"
-        cpu = "-" if x["cpu_ratio"] is None else f"{x['cpu_ratio']:.3f}" + (
-            f" [{x['cpu_ratio_range'][0]:.2f}-{x['cpu_ratio_range'][1]:.2f}]" if multi else "")
-        per = "-" if x["per_rank_vs_1_process"] is None else (
-            f"{x['per_rank_vs_1_process']:.2f}" + ("" if n == "1" else f" ({x['baseline_per_process_vs_1']:.2f})"))
-        paired = "-" if x["paired_ratio"] is None else f"{x['paired_ratio']:.3f}" + (
-            f" [{x['paired_ratio_range'][0]:.2f}-{x['paired_ratio_range'][1]:.2f}]" if multi else "")
-        rows.append((f"{n} rank(s)", f"{x['ours']:,.0f}", base, f"{x['baseline']:,.0f}",
-                     f"{x['ratio']:.3f}" + (f" [{lo:.2f}-{hi:.2f}]" if multi else ""), paired, cpu,
-                     f"{s['lockstep'][n]['bound']:.3f}", per,
-                     f"{x['startup_s']:.1f} + {x['tail_s']:.1f}", f"{x['end_to_end_ratio']:.3f}"))
-    harness.markdown_table(("ours", "tok/s", "baseline", "tok/s", "ours/baseline", "paired per step", "tok per CPU-s, ours/baseline",
+        cpu = (
+            "-"
+            if x["cpu_ratio"] is None
+            else f"{x['cpu_ratio']:.3f}"
+            + (f" [{x['cpu_ratio_range'][0]:.2f}-{x['cpu_ratio_range'][1]:.2f}]" if multi else "")
+        )
+        per = (
+            "-"
+            if x["per_rank_vs_1_process"] is None
+            else (
+                f"{x['per_rank_vs_1_process']:.2f}" + ("" if n == "1" else f" ({x['baseline_per_process_vs_1']:.2f})")
+            )
+        )
+        paired = (
+            "-"
+            if x["paired_ratio"] is None
+            else f"{x['paired_ratio']:.3f}"
+            + (f" [{x['paired_ratio_range'][0]:.2f}-{x['paired_ratio_range'][1]:.2f}]" if multi else "")
+        )
+        rows.append(
+            (
+                f"{n} rank(s)",
+                f"{x['ours']:,.0f}",
+                base,
+                f"{x['baseline']:,.0f}",
+                f"{x['ratio']:.3f}" + (f" [{lo:.2f}-{hi:.2f}]" if multi else ""),
+                paired,
+                cpu,
+                f"{s['lockstep'][n]['bound']:.3f}",
+                per,
+                f"{x['startup_s']:.1f} + {x['tail_s']:.1f}",
+                f"{x['end_to_end_ratio']:.3f}",
+            )
+        )
+    harness.markdown_table(
+        (
+            "ours",
+            "tok/s",
+            "baseline",
+            "tok/s",
+            "ours/baseline",
+            "paired per step",
+            "tok per CPU-s, ours/baseline",
             "lockstep bound",
-            "per rank / 1-process baseline (baseline's)", "start-up + tail s", "whole launch / baseline"), rows)
-    print("   paired per step: median over the measured steps of baseline step time / ours (same micro batches; N ranks: the"
-          "\n   slowest baseline process's step, so lockstep waiting is not counted): robust to bursts of other load"
-          "\n   lockstep bound: the ratio that waiting for the slowest rank at every step alone gives (padded tokens as the cost);"
-          "\n   per rank / 1-process baseline: ours' tok/s per rank over the 1-process baseline's (in brackets: the same for"
-          "\n   one of the side-by-side baseline processes: what the cores give N processes); whole launch: all tokens / launch"
-          "\n   wall time (start-up, warmup steps, final eval, checkpoint, export included) over the baseline's tok/s")
+            "per rank / 1-process baseline (baseline's)",
+            "start-up + tail s",
+            "whole launch / baseline",
+        ),
+        rows,
+    )
+    print(
+        "   paired per step: median over the measured steps of baseline step time / ours (same micro batches; N ranks: the"
+        "\n   slowest baseline process's step, so lockstep waiting is not counted): robust to bursts of other load"
+        "\n   lockstep bound: the ratio that waiting for the slowest rank at every step alone gives (padded tokens as the cost);"
+        "\n   per rank / 1-process baseline: ours' tok/s per rank over the 1-process baseline's (in brackets: the same for"
+        "\n   one of the side-by-side baseline processes: what the cores give N processes); whole launch: all tokens / launch"
+        "\n   wall time (start-up, warmup steps, final eval, checkpoint, export included) over the baseline's tok/s"
+    )
     x = out.get("interleaved")
     if x:
         print()
-        print(f"in-process, interleaved (1 rank, one process, the same batch tensors; steps {p.skip + 1}-{p.in_process_steps};"
-              " ms per step, mean):")
-        rows = [(name, f"{x[key]['forward_ms']:.1f}", f"{x[key]['backward_ms']:.1f}", f"{x[key]['rest_ms']:.1f}",
-                 f"{x[key]['step_ms']:.1f}", f"{x[key]['tokens_per_s']:,.0f}")
-                for name, key in (("plain PyTorch step", "plain"), ("our step: DeepSpeed engine + job loop body", "ours"))]
+        print(
+            f"in-process, interleaved (1 rank, one process, the same batch tensors; steps {p.skip + 1}-{p.in_process_steps};"
+            " ms per step, mean):"
+        )
+        rows = [
+            (
+                name,
+                f"{x[key]['forward_ms']:.1f}",
+                f"{x[key]['backward_ms']:.1f}",
+                f"{x[key]['rest_ms']:.1f}",
+                f"{x[key]['step_ms']:.1f}",
+                f"{x[key]['tokens_per_s']:,.0f}",
+            )
+            for name, key in (("plain PyTorch step", "plain"), ("our step: DeepSpeed engine + job loop body", "ours"))
+        ]
         harness.markdown_table(("step", "forward ms", "backward ms", "rest ms", "step ms", "tok/s"), rows)
-        print(f"   ours/plain tok/s {x['ratio']:.3f}; per step, ours - plain: median {x['extra_ms_per_step']:+.1f} ms, mean "
-              f"{x['extra_ms_per_step_mean']:+.1f} ms; ours/plain step time, median {x['step_ratio_median']:.3f};"
-              f"\n   losses differ by at most {x['loss_max_rel_diff']:.1e} (relative); loading a step's batch (HiddenSource.batch,"
-              f" in both loops, not timed above): {x['load_ms']:.1f} ms\n"
-              "   rest: plain = clip + AdamW + LambdaLR + zero_grad; ours = engine.step (ZeRO-2 reduce, norm, clip, AdamW on"
-              f" the\n   flat partition, copy back, scheduler) + engine.train() + the per-step token all-reduce + every "
-              f"{p.log_every} step(s)\n   the job's metrics line (all-reduces, grad norm, metrics.jsonl, TensorBoard)")
+        print(
+            f"   ours/plain tok/s {x['ratio']:.3f}; per step, ours - plain: median {x['extra_ms_per_step']:+.1f} ms, mean "
+            f"{x['extra_ms_per_step_mean']:+.1f} ms; ours/plain step time, median {x['step_ratio_median']:.3f};"
+            f"\n   losses differ by at most {x['loss_max_rel_diff']:.1e} (relative); loading a step's batch (HiddenSource.batch,"
+            f" in both loops, not timed above): {x['load_ms']:.1f} ms\n"
+            "   rest: plain = clip + AdamW + LambdaLR + zero_grad; ours = engine.step (ZeRO-2 reduce, norm, clip, AdamW on"
+            f" the\n   flat partition, copy back, scheduler) + engine.train() + the per-step token all-reduce + every "
+            f"{p.log_every} step(s)\n   the job's metrics line (all-reduces, grad norm, metrics.jsonl, TensorBoard)"
+        )
     one = out["ratios"].get("1")
     if one and one.get("loss_max_rel_diff") is not None:
         a, b = one["loss_first_last"]
-        print(f"   1 rank, same arithmetic: the logged losses of ours and the baseline differ by at most "
-              f"{one['loss_max_rel_diff']:.1e} (relative; loss {a:.3f} at step {p.log_every} -> {b:.3f} at step {p.steps})")
+        print(
+            f"   1 rank, same arithmetic: the logged losses of ours and the baseline differ by at most "
+            f"{one['loss_max_rel_diff']:.1e} (relative; loss {a:.3f} at step {p.log_every} -> {b:.3f} at step {p.steps})"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     kept = "jobs and rank logs"
-    ap = harness.arguments(__doc__, Params(), keep=kept, verbose=True,
-                           quick="a smaller run (1 pass of 8 steps, short continuations): smoke test of the bench")
+    ap = harness.arguments(
+        __doc__,
+        Params(),
+        keep=kept,
+        verbose=True,
+        quick="a smaller run (1 pass of 8 steps, short continuations): smoke test of the bench",
+    )
     ap.add_argument("--baseline-worker", nargs=3, metavar=("CFG", "N", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.baseline_worker:
@@ -872,9 +1173,20 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
     import transformers
 
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "deepspeed": deepspeed.__version__}
-    return harness.run_bench("train", args, asdict(p), versions, lambda tmp, out: run(p, tmp, out, args.verbose),
-                             lambda out: print_report(p, out), kept=kept)
+    versions = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "deepspeed": deepspeed.__version__,
+    }
+    return harness.run_bench(
+        "train",
+        args,
+        asdict(p),
+        versions,
+        lambda tmp, out: run(p, tmp, out, args.verbose),
+        lambda out: print_report(p, out),
+        kept=kept,
+    )
 
 
 if __name__ == "__main__":

@@ -78,8 +78,9 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -106,19 +107,31 @@ class Speculative:
     num_steps: int
 
     @classmethod
-    def from_flags(cls, *, draft_model_path: str | Path | None, algorithm: str | None = None,
-                   num_steps: int | None = None, eagle_topk: int | None = None,
-                   num_draft_tokens: int | None = None) -> Speculative | None:
+    def from_flags(
+        cls,
+        *,
+        draft_model_path: str | Path | None,
+        algorithm: str | None = None,
+        num_steps: int | None = None,
+        eagle_topk: int | None = None,
+        num_draft_tokens: int | None = None,
+    ) -> Speculative | None:
         """None without a draft path; ValueError (SGLang's flag names) for what this server cannot do."""
         if draft_model_path is None:
-            given = {"--speculative-algorithm": algorithm, "--speculative-num-steps": num_steps,
-                     "--speculative-eagle-topk": eagle_topk, "--speculative-num-draft-tokens": num_draft_tokens}
+            given = {
+                "--speculative-algorithm": algorithm,
+                "--speculative-num-steps": num_steps,
+                "--speculative-eagle-topk": eagle_topk,
+                "--speculative-num-draft-tokens": num_draft_tokens,
+            }
             extra = [flag for flag, value in given.items() if value is not None]
             if extra:
                 raise ValueError(f"{', '.join(extra)} given without --speculative-draft-model-path")
             return None
         if algorithm is not None and algorithm.upper() != "EAGLE3":
-            raise ValueError(f"--speculative-algorithm must be EAGLE3 (the only draft this server runs), got {algorithm!r}")
+            raise ValueError(
+                f"--speculative-algorithm must be EAGLE3 (the only draft this server runs), got {algorithm!r}"
+            )
         if num_steps is None:
             raise ValueError("--speculative-num-steps is required with --speculative-draft-model-path")
         if num_steps < 1:
@@ -126,12 +139,15 @@ class Speculative:
         if eagle_topk is not None and eagle_topk != 1:
             raise ValueError(f"--speculative-eagle-topk must be 1 (chain speculative decoding only), got {eagle_topk}")
         if num_draft_tokens is not None and num_draft_tokens != num_steps + 1:
-            raise ValueError(f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = {num_steps + 1} "
-                             f"with topk 1, got {num_draft_tokens}")
+            raise ValueError(
+                f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = {num_steps + 1} "
+                f"with topk 1, got {num_draft_tokens}"
+            )
         path = Path(draft_model_path)
         if not (path / "config.json").is_file():
-            raise ValueError(f"--speculative-draft-model-path {path}: no config.json (an EAGLE-3 export, "
-                             "models/eagle3_export.py)")
+            raise ValueError(
+                f"--speculative-draft-model-path {path}: no config.json (an EAGLE-3 export, models/eagle3_export.py)"
+            )
         return cls(draft_model_path=str(path), num_steps=int(num_steps))
 
     @property
@@ -141,9 +157,13 @@ class Speculative:
 
     def server_args(self) -> dict[str, Any]:
         """SGLang's server-arg names and values, as /server_info reports them."""
-        return {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": self.draft_model_path,
-                "speculative_num_steps": self.num_steps, "speculative_eagle_topk": 1,
-                "speculative_num_draft_tokens": self.num_steps + 1}
+        return {
+            "speculative_algorithm": "EAGLE3",
+            "speculative_draft_model_path": self.draft_model_path,
+            "speculative_num_steps": self.num_steps,
+            "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": self.num_steps + 1,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,9 +219,18 @@ def _cache_from_kv(kv: list[tuple[torch.Tensor, ...]]):  # per layer (keys, valu
 class Engine:
     """Continuous batching over per-sequence KV caches, run by one background thread."""
 
-    def __init__(self, model, tokenizer, *, eos_ids: set[int], max_batch_size: int, draft=None,
-                 num_steps: int | None = None, sglang_version: str | sglang.SGLangVersion = "0.5",
-                 decode_log_interval: int = sglang.DECODE_LOG_INTERVAL):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        eos_ids: set[int],
+        max_batch_size: int,
+        draft=None,
+        num_steps: int | None = None,
+        sglang_version: str | sglang.SGLangVersion = "0.5",
+        decode_log_interval: int = sglang.DECODE_LOG_INTERVAL,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.version = sglang.SGLangVersion.of(sglang_version)
         # With a draft every request is decoded alone and to its end by `_speculate`.
@@ -328,8 +357,7 @@ class Engine:
             reason = sglang.finish_length(0)
         else:
             # Alone, unpadded: a prompt's prefill is exactly what it would be without batching.
-            out = self.model(input_ids=torch.tensor([s.prompt_ids], dtype=torch.long), use_cache=True,
-                             logits_to_keep=1)
+            out = self.model(input_ids=torch.tensor([s.prompt_ids], dtype=torch.long), use_cache=True, logits_to_keep=1)
             s.kv, logits = _kv_from_cache(out[self._cache_arg]), out.logits[0, -1]
             seed = s.params.sampling_seed if s.params.sampling_seed is not None else secrets.randbits(63)
             s.generator = torch.Generator().manual_seed(seed)
@@ -359,8 +387,14 @@ class Engine:
             # speculative_decode cuts a round at the cap before it looks for a stop, so a stop accepted
             # beyond max_new_tokens never gets in: a length finish at the cap, as SGLang 0.5.23's
             # schedule_batch.py `_cap_finished_len_at_max_new_tokens` demotes it.
-            out, rounds = speculative_decode(self.model, self.draft, s.prompt_ids, num_steps=self.num_steps,
-                                             max_new_tokens=s.max_new_tokens, eos_token_ids=stop)
+            out, rounds = speculative_decode(
+                self.model,
+                self.draft,
+                s.prompt_ids,
+                num_steps=self.num_steps,
+                max_new_tokens=s.max_new_tokens,
+                eos_token_ids=stop,
+            )
             s.output_ids, s.spec_verify_ct = out, len(rounds)
             with self._cond:
                 for r in rounds:
@@ -413,13 +447,15 @@ class Engine:
         # Left-pad each cache to the longest one. Padded slots are masked out; positions are
         # passed explicitly so RoPE sees each sequence's own offset, not the padded one.
         kv = [
-            tuple(torch.cat([F.pad(s.prefilled_kv[layer][i], (0, 0, width - n, 0)) for s, n in zip(batch, lens)])
-                  for i in (0, 1))
+            tuple(
+                torch.cat([F.pad(s.prefilled_kv[layer][i], (0, 0, width - n, 0)) for s, n in zip(batch, lens)])
+                for i in (0, 1)
+            )
             for layer in range(len(batch[0].prefilled_kv))
         ]
         mask = torch.zeros(len(batch), width + 1, dtype=torch.long)
         for row, n in enumerate(lens):
-            mask[row, width - n:] = 1
+            mask[row, width - n :] = 1
         out = self.model(
             input_ids=torch.tensor([[s.output_ids[-1]] for s in batch], dtype=torch.long),
             attention_mask=mask,
@@ -430,7 +466,7 @@ class Engine:
         new_kv = _kv_from_cache(out[self._cache_arg])
         for row, (s, n) in enumerate(zip(batch, lens)):
             # Strip the padding again: slice this row's real positions (the n old ones + the new one).
-            s.kv = [(k[row:row + 1, :, width - n:], v[row:row + 1, :, width - n:]) for k, v in new_kv]
+            s.kv = [(k[row : row + 1, :, width - n :], v[row : row + 1, :, width - n :]) for k, v in new_kv]
             self._append(s, out.logits[row, -1])
 
     def _append(self, s: EngineSequence, logits: torch.Tensor) -> None:
@@ -458,17 +494,23 @@ class Engine:
         with self.tokenizer_lock:
             text = self.tokenizer.decode(ids, skip_special_tokens=s.params.skip_special_tokens) if ids else ""
         result = sglang.generate_result(
-            rid=s.rid, text=text, output_ids=list(s.output_ids), finish_reason=reason,
-            prompt_tokens=len(s.prompt_ids), e2e_latency=time.perf_counter() - s.created,
-            spec_verify_ct=(s.spec_verify_ct or 0) if self.draft is not None else None, version=self.version,
+            rid=s.rid,
+            text=text,
+            output_ids=list(s.output_ids),
+            finish_reason=reason,
+            prompt_tokens=len(s.prompt_ids),
+            e2e_latency=time.perf_counter() - s.created,
+            spec_verify_ct=(s.spec_verify_ct or 0) if self.draft is not None else None,
+            version=self.version,
         )
         s.loop.call_soon_threadsafe(_set_result, s.future, result)
 
     def _finish_queued(self, s: EngineSequence) -> None:
         """A sequence aborted in the waiting queue: tokenizer_manager.py `_handle_abort_req`'s answer."""
         s.finish_reason = {"type": "abort", "message": "Abort in waiting queue"}
-        result = sglang.queued_abort_result(rid=s.rid, e2e_latency=time.perf_counter() - s.created,
-                                            version=self.version)
+        result = sglang.queued_abort_result(
+            rid=s.rid, e2e_latency=time.perf_counter() - s.created, version=self.version
+        )
         s.loop.call_soon_threadsafe(_set_result, s.future, result)
 
 
@@ -520,9 +562,19 @@ def _eos_ids(model, tokenizer) -> set[int]:
 class _DevBackend:
     """The model behind the SGLang endpoints (see sglang_protocol.SGLangBackend)."""
 
-    def __init__(self, engine: Engine, model, tokenizer, limits: sglang.ModelLimits, *, model_path: str,
-                 served_model_name: str, max_batch_size: int, speculative: Speculative | None = None,
-                 disconnect_poll_s: float = sglang.DISCONNECT_POLL_S):
+    def __init__(
+        self,
+        engine: Engine,
+        model,
+        tokenizer,
+        limits: sglang.ModelLimits,
+        *,
+        model_path: str,
+        served_model_name: str,
+        max_batch_size: int,
+        speculative: Speculative | None = None,
+        disconnect_poll_s: float = sglang.DISCONNECT_POLL_S,
+    ):
         self.engine, self.model, self.tokenizer, self.limits = engine, model, tokenizer, limits
         self.model_path, self.served_model_name = model_path, served_model_name
         self.max_batch_size = max_batch_size
@@ -543,11 +595,18 @@ class _DevBackend:
             raise sglang.BadRequest(
                 f"This dev server decodes speculatively (draft {self.speculative.draft_model_path}) with greedy "
                 f"sampling only; got temperature={params.temperature}, top_k={params.top_k}. Send temperature 0, "
-                "or start the server without --speculative-draft-model-path.")
+                "or start the server without --speculative-draft-model-path."
+            )
         loop = asyncio.get_running_loop()
-        return EngineSequence(rid=rid, prompt_ids=ids, params=params,
-                         max_new_tokens=self.limits.max_new_tokens(len(ids), params), created=arrived,
-                         loop=loop, future=loop.create_future())
+        return EngineSequence(
+            rid=rid,
+            prompt_ids=ids,
+            params=params,
+            max_new_tokens=self.limits.max_new_tokens(len(ids), params),
+            created=arrived,
+            loop=loop,
+            future=loop.create_future(),
+        )
 
     async def generate(self, request: Request) -> Any:
         arrived = time.perf_counter()
@@ -559,7 +618,9 @@ class _DevBackend:
             # tokenize and validate each prompt; a failure frees the batch's rids again.
             self.held.claim(req.rids)
             try:
-                seqs = [self.sequence(p, sp, r, arrived) for p, sp, r in zip(req.prompts, req.sampling_params, req.rids)]
+                seqs = [
+                    self.sequence(p, sp, r, arrived) for p, sp, r in zip(req.prompts, req.sampling_params, req.rids)
+                ]
             except BaseException:
                 for rid in req.rids:
                     self.held.release(rid)
@@ -573,9 +634,12 @@ class _DevBackend:
         self.engine.submit(seqs)
         try:
             results = await sglang.results_or_abort(
-                request, asyncio.gather(*(s.future for s in seqs)),
+                request,
+                asyncio.gather(*(s.future for s in seqs)),
                 # The poll noticed the client is gone: abort_request(rid) for each (prefix rule included).
-                lambda: [self.abort(s.rid, False) for s in seqs], poll_s=self.disconnect_poll_s)
+                lambda: [self.abort(s.rid, False) for s in seqs],
+                poll_s=self.disconnect_poll_s,
+            )
         except Exception as exc:
             raise sglang.ServerError(500, f"Generation failed: {exc!r}") from exc
         return results[0] if req.single else results
@@ -593,8 +657,9 @@ class _DevBackend:
     async def health_generate(self) -> bool:
         if not self.engine.alive:
             return False
-        probe = self.sequence([0], {"max_new_tokens": 1, "temperature": 0}, sglang.health_check_rid(),
-                              time.perf_counter())
+        probe = self.sequence(
+            [0], {"max_new_tokens": 1, "temperature": 0}, sglang.health_check_rid(), time.perf_counter()
+        )
         self.engine.submit([probe])
         try:
             await asyncio.wait_for(probe.future, timeout=_HEALTH_CHECK_TIMEOUT_S)
@@ -605,17 +670,27 @@ class _DevBackend:
 
     def server_info(self) -> dict[str, Any]:
         return sglang.server_info(
-            model_path=self.model_path, served_model_name=self.served_model_name, limits=self.limits,
-            max_running=self.max_batch_size, dtype="float32", device="cpu", skip_tokenizer_init=False,
-            version=VERSION, running=len(self.engine._active), waiting=len(self.engine._waiting),
+            model_path=self.model_path,
+            served_model_name=self.served_model_name,
+            limits=self.limits,
+            max_running=self.max_batch_size,
+            dtype="float32",
+            device="cpu",
+            skip_tokenizer_init=False,
+            version=VERSION,
+            running=len(self.engine._active),
+            waiting=len(self.engine._waiting),
             speculative=self.speculative.server_args() if self.speculative else None,
             avg_spec_accept_length=self.engine.avg_spec_accept_length if self.speculative else None,
         )
 
     def model_info(self) -> dict[str, Any]:
         config = self.model.config
-        return sglang.model_info(model_path=self.model_path, model_type=getattr(config, "model_type", None),
-                                 architectures=getattr(config, "architectures", None))
+        return sglang.model_info(
+            model_path=self.model_path,
+            model_type=getattr(config, "model_type", None),
+            architectures=getattr(config, "architectures", None),
+        )
 
 
 def _load_draft(draft_dir: str | Path, target):
@@ -625,10 +700,14 @@ def _load_draft(draft_dir: str | Path, target):
     draft = load_exported_draft(draft_dir, dtype=torch.float32).eval()
     cfg, tcfg = draft.config, target.config
     if cfg.vocab_size != tcfg.vocab_size or cfg.target_hidden_size != tcfg.hidden_size:
-        raise ValueError(f"draft {draft_dir} (vocab {cfg.vocab_size}, target hidden {cfg.target_hidden_size}) does not "
-                         f"fit the target (vocab {tcfg.vocab_size}, hidden {tcfg.hidden_size})")
+        raise ValueError(
+            f"draft {draft_dir} (vocab {cfg.vocab_size}, target hidden {cfg.target_hidden_size}) does not "
+            f"fit the target (vocab {tcfg.vocab_size}, hidden {tcfg.hidden_size})"
+        )
     if max(cfg.aux_layers) >= tcfg.num_hidden_layers:
-        raise ValueError(f"draft {draft_dir}: aux layers {cfg.aux_layers} beyond the target's {tcfg.num_hidden_layers} layers")
+        raise ValueError(
+            f"draft {draft_dir}: aux layers {cfg.aux_layers} beyond the target's {tcfg.num_hidden_layers} layers"
+        )
     if cfg.hidden_size == tcfg.hidden_size:  # SGLang's EAGLEWorker: set_embed(target embedding)
         draft.load_target_embedding(target.get_input_embeddings().weight.detach().float())
     return draft
@@ -682,18 +761,36 @@ def create_app(
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
     # No KV pool limit here: SGLang's scheduler limits follow from the context alone.
-    limits = sglang.ModelLimits(vocab_size=int(model.config.vocab_size), context_length=context_len,
-                                reserved_tokens=speculative.reserved_tokens if speculative else 0,
-                                sglang_version=version)
+    limits = sglang.ModelLimits(
+        vocab_size=int(model.config.vocab_size),
+        context_length=context_len,
+        reserved_tokens=speculative.reserved_tokens if speculative else 0,
+        sglang_version=version,
+    )
     draft = None
     if speculative is not None:
         draft = _load_draft(speculative.draft_model_path, model)
-    engine = Engine(model, tokenizer, eos_ids=_eos_ids(model, tokenizer), max_batch_size=max_batch_size, draft=draft,
-                    num_steps=speculative.num_steps if speculative else None, sglang_version=version,
-                    decode_log_interval=decode_log_interval)
-    backend = _DevBackend(engine, model, tokenizer, limits, model_path=str(model_dir),
-                          served_model_name=model_name or str(model_dir), max_batch_size=max_batch_size,
-                          speculative=speculative, disconnect_poll_s=disconnect_poll_s)
+    engine = Engine(
+        model,
+        tokenizer,
+        eos_ids=_eos_ids(model, tokenizer),
+        max_batch_size=max_batch_size,
+        draft=draft,
+        num_steps=speculative.num_steps if speculative else None,
+        sglang_version=version,
+        decode_log_interval=decode_log_interval,
+    )
+    backend = _DevBackend(
+        engine,
+        model,
+        tokenizer,
+        limits,
+        model_path=str(model_dir),
+        served_model_name=model_name or str(model_dir),
+        max_batch_size=max_batch_size,
+        speculative=speculative,
+        disconnect_poll_s=disconnect_poll_s,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -703,12 +800,27 @@ def create_app(
         finally:
             await asyncio.to_thread(engine.stop)
 
-    app = sglang.create_sglang_app(backend, title="eagle3 SGLang-compatible dev server", version=VERSION,
-                                   sglang_version=version, auth=auth, lifespan=lifespan)
+    app = sglang.create_sglang_app(
+        backend,
+        title="eagle3 SGLang-compatible dev server",
+        version=VERSION,
+        sglang_version=version,
+        auth=auth,
+        lifespan=lifespan,
+    )
     app.state.engine = engine
     if extraction is not None:
-        app.include_router(vllm_extract.router(vllm_extract.Extractor(
-            model, tokenizer, extraction, context_length=context_len, served_model_name=model_name or str(model_dir))))
+        app.include_router(
+            vllm_extract.router(
+                vllm_extract.Extractor(
+                    model,
+                    tokenizer,
+                    extraction,
+                    context_length=context_len,
+                    served_model_name=model_name or str(model_dir),
+                )
+            )
+        )
     return app
 
 
@@ -748,20 +860,45 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speculative-num-steps", type=int, default=None, help="draft tokens proposed per round")
     ap.add_argument("--speculative-eagle-topk", type=int, default=None, help="must be 1 (chain)")
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="must be num-steps + 1")
-    ap.add_argument("--speculative-config", "--speculative_config", default=None,
-                    help="vLLM's flag: JSON with method extract_hidden_states and the layer ids (emulators/vllm_extract.py)")
-    ap.add_argument("--kv-transfer-config", "--kv_transfer_config", default=None,
-                    help="vLLM's flag: JSON with kv_connector ExampleHiddenStatesConnector and its shared_storage_path")
-    ap.add_argument("--no-enable-chunked-prefill", action="store_true", help="accepted for vLLM's command line (no chunking here)")
+    ap.add_argument(
+        "--speculative-config",
+        "--speculative_config",
+        default=None,
+        help="vLLM's flag: JSON with method extract_hidden_states and the layer ids (emulators/vllm_extract.py)",
+    )
+    ap.add_argument(
+        "--kv-transfer-config",
+        "--kv_transfer_config",
+        default=None,
+        help="vLLM's flag: JSON with kv_connector ExampleHiddenStatesConnector and its shared_storage_path",
+    )
+    ap.add_argument(
+        "--no-enable-chunked-prefill", action="store_true", help="accepted for vLLM's command line (no chunking here)"
+    )
     ap.add_argument("--api-key", default=None, help="SGLang's --api-key: required on every endpoint but /health*")
-    ap.add_argument("--admin-api-key", default=None,
-                    help="SGLang's --admin-api-key: the only key /abort_request and /flush_cache take")
-    ap.add_argument("--disconnect-poll-s", type=float, default=sglang.DISCONNECT_POLL_S,
-                    help="how often a disconnected client is noticed (SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT)")
-    ap.add_argument("--sglang-version", default="0.5", choices=list(sglang.SGLANG_VERSIONS),
-                    help="follow SGLang 0.5.23 (default) or 0.4.x where they differ")
-    ap.add_argument("--decode-log-interval", type=int, default=sglang.DECODE_LOG_INTERVAL,
-                    help="decode batches between folds of avg_spec_accept_length (SGLang's flag)")
+    ap.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="SGLang's --admin-api-key: the only key /abort_request and /flush_cache take",
+    )
+    ap.add_argument(
+        "--disconnect-poll-s",
+        type=float,
+        default=sglang.DISCONNECT_POLL_S,
+        help="how often a disconnected client is noticed (SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT)",
+    )
+    ap.add_argument(
+        "--sglang-version",
+        default="0.5",
+        choices=list(sglang.SGLANG_VERSIONS),
+        help="follow SGLang 0.5.23 (default) or 0.4.x where they differ",
+    )
+    ap.add_argument(
+        "--decode-log-interval",
+        type=int,
+        default=sglang.DECODE_LOG_INTERVAL,
+        help="decode batches between folds of avg_spec_accept_length (SGLang's flag)",
+    )
     args = ap.parse_args(argv)
     try:
         extraction = vllm_extract.Extraction.from_flags(args.speculative_config, args.kv_transfer_config)
@@ -769,19 +906,34 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(exc))
     try:
         speculative = Speculative.from_flags(
-            draft_model_path=args.speculative_draft_model_path, algorithm=args.speculative_algorithm,
-            num_steps=args.speculative_num_steps, eagle_topk=args.speculative_eagle_topk,
-            num_draft_tokens=args.speculative_num_draft_tokens)
+            draft_model_path=args.speculative_draft_model_path,
+            algorithm=args.speculative_algorithm,
+            num_steps=args.speculative_num_steps,
+            eagle_topk=args.speculative_eagle_topk,
+            num_draft_tokens=args.speculative_num_draft_tokens,
+        )
     except ValueError as exc:
         ap.error(str(exc))
     if args.admin_api_key and args.sglang_version == "0.4":
         ap.error("--admin-api-key does not exist in SGLang 0.4.x (only --api-key)")
     logging.basicConfig(level=args.log_level.upper())
-    serve(args.model, args.host, args.port, log_level=args.log_level, num_threads=args.num_threads,
-          context_length=args.context_length, max_batch_size=args.max_batch_size, model_name=args.model_name,
-          speculative=speculative, extraction=extraction, api_key=args.api_key, admin_api_key=args.admin_api_key,
-          disconnect_poll_s=args.disconnect_poll_s, sglang_version=args.sglang_version,
-          decode_log_interval=args.decode_log_interval)
+    serve(
+        args.model,
+        args.host,
+        args.port,
+        log_level=args.log_level,
+        num_threads=args.num_threads,
+        context_length=args.context_length,
+        max_batch_size=args.max_batch_size,
+        model_name=args.model_name,
+        speculative=speculative,
+        extraction=extraction,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        disconnect_poll_s=args.disconnect_poll_s,
+        sglang_version=args.sglang_version,
+        decode_log_interval=args.decode_log_interval,
+    )
 
 
 if __name__ == "__main__":

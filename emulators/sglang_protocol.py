@@ -86,7 +86,8 @@ import math
 import secrets
 import uuid
 from collections import Counter
-from typing import Any, AsyncContextManager, Awaitable, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, AsyncContextManager, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -106,15 +107,34 @@ SGLANG_VERSIONS = ("0.5", "0.4")
 
 # The sampling params both servers implement.
 _SAMPLING_KEYS = {
-    "max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos",
-    "skip_special_tokens", "no_stop_trim", "sampling_seed",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "sampling_seed",
 }
 # SGLang sampling params not implemented here, with the values that make them no-ops.
 _NOOP_SAMPLING = {
-    "stop": ([], ""), "stop_regex": ([], ""), "min_p": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_new_tokens": (0,), "n": (1,),
-    "spaces_between_special_tokens": (True,), "logit_bias": ({},), "custom_params": ({},),
-    "stream_interval": (), "json_schema": (), "regex": (), "ebnf": (), "structural_tag": (),
+    "stop": ([], ""),
+    "stop_regex": ([], ""),
+    "min_p": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "min_new_tokens": (0,),
+    "n": (1,),
+    "spaces_between_special_tokens": (True,),
+    "logit_bias": ({},),
+    "custom_params": ({},),
+    "stream_interval": (),
+    "json_schema": (),
+    "regex": (),
+    "ebnf": (),
+    "structural_tag": (),
 }
 
 
@@ -329,13 +349,33 @@ def _struct(value: Any, name: str, schema: Mapping[str, Callable[[Any], None]]) 
 _WATERMARK = {"enabled": _bool, "key": _str, "context_window": _i64}
 # decode_SamplingParams, in _FIELDS_SamplingParams order (the order of the unknown-field message).
 _SAMPLING_SCHEMA: dict[str, Callable[[Any], None]] = {
-    "max_new_tokens": _i64, "stop": _str_or_list, "stop_token_ids": _i64_list, "stop_regex": _str_or_list,
-    "temperature": _f64, "top_p": _f64, "top_k": _i64, "min_p": _f64, "frequency_penalty": _f64,
-    "presence_penalty": _f64, "repetition_penalty": _f64, "min_new_tokens": _i64, "n": _i64,
-    "json_schema": _str, "regex": _str, "ebnf": _str, "structural_tag": _str, "ignore_eos": _bool,
-    "skip_special_tokens": _bool, "spaces_between_special_tokens": _bool, "no_stop_trim": _bool,
-    "stream_interval": _i64, "logit_bias": _f64_map, "sampling_seed": _i64, "custom_params": lambda x: None,
-    "beam_width": _i64, "watermark": lambda x: _struct(x, "WatermarkRequestConfig", _WATERMARK),
+    "max_new_tokens": _i64,
+    "stop": _str_or_list,
+    "stop_token_ids": _i64_list,
+    "stop_regex": _str_or_list,
+    "temperature": _f64,
+    "top_p": _f64,
+    "top_k": _i64,
+    "min_p": _f64,
+    "frequency_penalty": _f64,
+    "presence_penalty": _f64,
+    "repetition_penalty": _f64,
+    "min_new_tokens": _i64,
+    "n": _i64,
+    "json_schema": _str,
+    "regex": _str,
+    "ebnf": _str,
+    "structural_tag": _str,
+    "ignore_eos": _bool,
+    "skip_special_tokens": _bool,
+    "spaces_between_special_tokens": _bool,
+    "no_stop_trim": _bool,
+    "stream_interval": _i64,
+    "logit_bias": _f64_map,
+    "sampling_seed": _i64,
+    "custom_params": lambda x: None,
+    "beam_width": _i64,
+    "watermark": lambda x: _struct(x, "WatermarkRequestConfig", _WATERMARK),
     "choice": _str_list,
 }
 
@@ -361,7 +401,10 @@ def _token_ids_or_list(v: Any) -> None:  # decode_TokenIdsOrList
 
 # The GenerateRequest fields these servers read (decode_GenerateRequest checks them in body order).
 _GENERATE_SCHEMA: dict[str, Callable[[Any], None]] = {
-    "rid": _str_or_list, "text": _str_or_list, "input_ids": _token_ids_or_list, "stream": _bool,
+    "rid": _str_or_list,
+    "text": _str_or_list,
+    "input_ids": _token_ids_or_list,
+    "stream": _bool,
     "sampling_params": _sampling_params_or_list,
 }
 
@@ -425,7 +468,8 @@ def parse_sampling_params(raw: Any, *, unimplemented_by: str | None = None) -> S
         raise MalformedRequest(f"sampling_params must be an object, got {type(raw).__name__}")
     if unimplemented_by is not None:
         unsupported = sorted(
-            k for k, v in raw.items()
+            k
+            for k, v in raw.items()
             if k not in _SAMPLING_KEYS and v is not None and not (k in _NOOP_SAMPLING and v in _NOOP_SAMPLING[k])
         )
         if unsupported:
@@ -523,8 +567,9 @@ class ModelLimits:
         if not ids:
             raise BadRequest("input_ids cannot be empty.")
         if max(ids) >= self.vocab_size:
-            raise BadRequest(f"The input_ids {list(ids)} contains values greater than the vocab size "
-                             f"({self.vocab_size}).")
+            raise BadRequest(
+                f"The input_ids {list(ids)} contains values greater than the vocab size ({self.vocab_size})."
+            )
         if min(ids) < 0:
             raise BadRequest(f"The input_ids {list(ids)} contains negative values.")
 
@@ -561,8 +606,9 @@ class ModelLimits:
         return params
 
 
-def finish_reason(output_ids: Sequence[int], max_new_tokens: int, stop_ids: Iterable[int],
-                  version: SGLangVersion = V05) -> dict[str, Any] | None:
+def finish_reason(
+    output_ids: Sequence[int], max_new_tokens: int, stop_ids: Iterable[int], version: SGLangVersion = V05
+) -> dict[str, Any] | None:
     """The finish of a sequence whose last token was just added (None: it goes on).
 
     `stop_ids`: the eos ids and the request's stop_token_ids, empty under ignore_eos. 0.5.23
@@ -618,12 +664,16 @@ _PYDANTIC_BOOL_STRINGS = {"0", "1", "true", "false", "t", "f", "yes", "no", "y",
 
 def _pydantic_bool(v: Any) -> bool:
     """What pydantic's lax bool admits (GenerateReqInput.stream: bool)."""
-    return (isinstance(v, bool) or (type(v) is int and v in (0, 1))
-            or (isinstance(v, str) and v.lower() in _PYDANTIC_BOOL_STRINGS))
+    return (
+        isinstance(v, bool)
+        or (type(v) is int and v in (0, 1))
+        or (isinstance(v, str) and v.lower() in _PYDANTIC_BOOL_STRINGS)
+    )
 
 
-def parse_generate(raw: bytes, *, server: str, accepts_text: bool = True,
-                   version: SGLangVersion = V05) -> GenerateRequest:
+def parse_generate(
+    raw: bytes, *, server: str, accepts_text: bool = True, version: SGLangVersion = V05
+) -> GenerateRequest:
     """Normalise a /generate body into per-item prompts, params and rids, in SGLang's order.
 
     First the dataclass parse (MalformedRequest), then (0.5) the contract gate (ContractError),
@@ -635,16 +685,23 @@ def parse_generate(raw: bytes, *, server: str, accepts_text: bool = True,
     text, input_ids, rid = body.get("text"), body.get("input_ids"), body.get("rid")
     params, stream = body.get("sampling_params"), body.get("stream")
     # 1. GenerateReqInput as FastAPI parses it (pydantic; input_ids by field_validators.py).
-    if not (text is None or isinstance(text, str) or (isinstance(text, list) and all(isinstance(t, str) for t in text))):
+    if not (
+        text is None or isinstance(text, str) or (isinstance(text, list) and all(isinstance(t, str) for t in text))
+    ):
         raise MalformedRequest("text must be a string or a list of strings")
     if input_ids is not None and not (
-            input_ids == [] or _is_id_list(input_ids, lax=lax)
-            or (isinstance(input_ids, list) and all(_is_id_list(s, lax=lax) for s in input_ids))):
+        input_ids == []
+        or _is_id_list(input_ids, lax=lax)
+        or (isinstance(input_ids, list) and all(_is_id_list(s, lax=lax) for s in input_ids))
+    ):
         raise MalformedRequest("input_ids must be a list of ints or a list of lists of ints")
     if not (rid is None or isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
         raise MalformedRequest("rid must be a string (single request) or a list of strings (batch)")
-    if not (params is None or isinstance(params, dict)
-            or (isinstance(params, list) and all(isinstance(p, dict) for p in params))):
+    if not (
+        params is None
+        or isinstance(params, dict)
+        or (isinstance(params, list) and all(isinstance(p, dict) for p in params))
+    ):
         raise MalformedRequest("sampling_params must be an object or a list of objects")
     if stream is not None and not (_pydantic_bool(stream) if lax else isinstance(stream, bool)):
         raise MalformedRequest("stream must be a boolean")
@@ -780,7 +837,9 @@ def finish_length(n: int) -> dict[str, Any]:
     return {"type": "length", "length": n}
 
 
-def finish_abort(message: str | None = None, status_code: int | None = None, err_type: str | None = None) -> dict[str, Any]:
+def finish_abort(
+    message: str | None = None, status_code: int | None = None, err_type: str | None = None
+) -> dict[str, Any]:
     """schedule_batch.py FINISH_ABORT(...).to_json() (the same in 0.4.10): a running request's abort."""
     return {"type": "abort", "message": message or "Aborted", "status_code": status_code, "err_type": err_type}
 
@@ -798,8 +857,15 @@ def _weight_versions(n: int) -> list[dict[str, Any]]:
 
 
 def generate_result(
-    *, rid: str, text: str, output_ids: list[int], finish_reason: dict[str, Any], prompt_tokens: int,
-    e2e_latency: float, spec_verify_ct: int | None = None, version: SGLangVersion = V05,
+    *,
+    rid: str,
+    text: str,
+    output_ids: list[int],
+    finish_reason: dict[str, Any],
+    prompt_tokens: int,
+    e2e_latency: float,
+    spec_verify_ct: int | None = None,
+    version: SGLangVersion = V05,
 ) -> dict[str, Any]:
     """One finished /generate answer in SGLang's shape (no prefix cache, no reasoning parser, weights never updated).
 
@@ -810,16 +876,27 @@ def generate_result(
     """
     n = len(output_ids)
     if version.is_04:
-        meta: dict[str, Any] = {"id": rid, "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
-                                "completion_tokens": n, "cached_tokens": 0}
+        meta: dict[str, Any] = {
+            "id": rid,
+            "finish_reason": finish_reason,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n,
+            "cached_tokens": 0,
+        }
         if spec_verify_ct is not None:
             meta["spec_verify_ct"] = spec_verify_ct
         meta["e2e_latency"] = e2e_latency
     else:
         meta = {
-            "id": rid, "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
-            "weight_version": WEIGHT_VERSION, "num_retractions": 0, "reasoning_tokens": 0,
-            "completion_tokens": n, "cached_tokens": 0, "weight_versions": _weight_versions(n),
+            "id": rid,
+            "finish_reason": finish_reason,
+            "prompt_tokens": prompt_tokens,
+            "weight_version": WEIGHT_VERSION,
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            "weight_versions": _weight_versions(n),
             "e2e_latency": e2e_latency,
         }
         if spec_verify_ct is not None:
@@ -838,19 +915,43 @@ def queued_abort_result(*, rid: str, e2e_latency: float, version: SGLangVersion 
     "completion_tokens": 0}}`` -- no output_ids.
     """
     if version.is_04:
-        return {"text": "", "meta_info": {
-            "id": rid, "finish_reason": {"type": "abort", "message": "Abort before prefill"},
-            "prompt_tokens": 0, "completion_tokens": 0}}
-    return {"text": "", "output_ids": [], "meta_info": {
-        "id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
-        "weight_version": WEIGHT_VERSION, "e2e_latency": e2e_latency, "weight_versions": _weight_versions(0),
-        "completion_tokens": 0}}
+        return {
+            "text": "",
+            "meta_info": {
+                "id": rid,
+                "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+            },
+        }
+    return {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {
+            "id": rid,
+            "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+            "weight_version": WEIGHT_VERSION,
+            "e2e_latency": e2e_latency,
+            "weight_versions": _weight_versions(0),
+            "completion_tokens": 0,
+        },
+    }
 
 
 def server_info(
-    *, model_path: str, served_model_name: str, limits: ModelLimits, max_running: int, dtype: str, device: str,
-    skip_tokenizer_init: bool, version: str, running: int, waiting: int,
-    speculative: dict[str, Any] | None = None, avg_spec_accept_length: float | None = None,
+    *,
+    model_path: str,
+    served_model_name: str,
+    limits: ModelLimits,
+    max_running: int,
+    dtype: str,
+    device: str,
+    skip_tokenizer_init: bool,
+    version: str,
+    running: int,
+    waiting: int,
+    speculative: dict[str, Any] | None = None,
+    avg_spec_accept_length: float | None = None,
 ) -> dict[str, Any]:
     """The /server_info fields the pipeline and the tests read, in SGLang's names.
 
@@ -914,8 +1015,9 @@ class Auth:
 
     def __post_init__(self):
         if self.admin_api_key and not self.version.has_admin_api_key:
-            raise ValueError("--admin-api-key does not exist in SGLang 0.4.x (only --api-key): drop it or "
-                             "use sglang_version 0.5")
+            raise ValueError(
+                "--admin-api-key does not exist in SGLang 0.4.x (only --api-key): drop it or use sglang_version 0.5"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -969,8 +1071,9 @@ class _AuthMiddleware:
         if scope["type"] == "http" and scope.get("path") not in self.open_paths:
             headers = dict(scope.get("headers") or [])
             authorization = headers.get(b"authorization")
-            status = self.auth.decide(scope["method"], scope["path"],
-                                      None if authorization is None else authorization.decode("latin-1"))
+            status = self.auth.decide(
+                scope["method"], scope["path"], None if authorization is None else authorization.decode("latin-1")
+            )
             if status is not None:
                 if self.on_refused is not None:
                     self.on_refused()
@@ -985,8 +1088,9 @@ class _AuthMiddleware:
 # ---------------------------------------------------------------------------------------------
 
 
-async def results_or_abort(request: Request, results: Awaitable[T], abort: Callable[[], Any], *,
-                           poll_s: float = DISCONNECT_POLL_S) -> T:
+async def results_or_abort(
+    request: Request, results: Awaitable[T], abort: Callable[[], Any], *, poll_s: float = DISCONNECT_POLL_S
+) -> T:
     """Await `results`, noticing a client that went away only as SGLang does: on a poll every `poll_s`.
 
     tokenizer_manager.py `_stream_one_response` (0.5.23): the wait for the output times out every
@@ -1044,8 +1148,14 @@ class SGLangBackend(Protocol):
 
 
 def create_sglang_app(
-    backend: SGLangBackend, *, title: str, version: str, sglang_version: SGLangVersion = V05,
-    auth: Auth | None = None, open_paths: Iterable[str] = (), on_auth_refused: Callable[[], Any] | None = None,
+    backend: SGLangBackend,
+    *,
+    title: str,
+    version: str,
+    sglang_version: SGLangVersion = V05,
+    auth: Auth | None = None,
+    open_paths: Iterable[str] = (),
+    on_auth_refused: Callable[[], Any] | None = None,
     lifespan: Callable[[FastAPI], AsyncContextManager[None]] | None = None,
 ) -> FastAPI:
     """A FastAPI app with SGLang's endpoints, error bodies and API-key rules over `backend`.
@@ -1102,8 +1212,10 @@ def create_sglang_app(
     async def flush_cache():
         # http_server.py `flush_cache`: 0.5.23 answers a refused flush with FlushCacheReqOutput.message
         # or "Flush cache failed.\n"; 0.4.10 with the success text and 400.
-        text = ("Cache flushed.\nPlease check backend logs for more details. "
-                "(When there are running or waiting requests, the operation will not be performed.)\n")
+        text = (
+            "Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n"
+        )
         if backend.flush_cache():
             return Response(text, status_code=200)
         return Response(text if sglang_version.is_04 else "Flush cache failed.\n", status_code=400)
@@ -1114,11 +1226,45 @@ def create_sglang_app(
 
 
 __all__ = [
-    "ADMIN_OPTIONAL_PATHS", "Auth", "BadRequest", "ContractError", "DECODE_LOG_INTERVAL", "DEFAULT_MAX_NEW_TOKENS",
-    "DISCONNECT_POLL_S", "GenerateRequest", "HeldRids", "MalformedRequest", "ModelLimits", "SAMPLING_EPS",
-    "SGLANG_VERSIONS", "SGLangBackend", "SGLangVersion", "SamplingParams", "ServerError", "V05", "abort_matcher",
-    "contract_error", "contract_error_body", "create_sglang_app", "error_response", "finish_abort", "finish_length",
-    "finish_reason", "finish_stop", "generate_result", "health_check_rid", "http_error_body", "model_info",
-    "num_reserved_tokens", "parse_abort", "parse_generate", "parse_json_object", "parse_sampling_params",
-    "queued_abort_result", "results_or_abort", "server_info", "text_token_ids", "value_error_body",
+    "ADMIN_OPTIONAL_PATHS",
+    "Auth",
+    "BadRequest",
+    "ContractError",
+    "DECODE_LOG_INTERVAL",
+    "DEFAULT_MAX_NEW_TOKENS",
+    "DISCONNECT_POLL_S",
+    "GenerateRequest",
+    "HeldRids",
+    "MalformedRequest",
+    "ModelLimits",
+    "SAMPLING_EPS",
+    "SGLANG_VERSIONS",
+    "SGLangBackend",
+    "SGLangVersion",
+    "SamplingParams",
+    "ServerError",
+    "V05",
+    "abort_matcher",
+    "contract_error",
+    "contract_error_body",
+    "create_sglang_app",
+    "error_response",
+    "finish_abort",
+    "finish_length",
+    "finish_reason",
+    "finish_stop",
+    "generate_result",
+    "health_check_rid",
+    "http_error_body",
+    "model_info",
+    "num_reserved_tokens",
+    "parse_abort",
+    "parse_generate",
+    "parse_json_object",
+    "parse_sampling_params",
+    "queued_abort_result",
+    "results_or_abort",
+    "server_info",
+    "text_token_ids",
+    "value_error_body",
 ]

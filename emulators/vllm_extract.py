@@ -74,10 +74,12 @@ class Extraction:
             raise ValueError(f'--speculative-config: only method "{EXTRACT_METHOD}" is emulated, got {spec!r}')
         if spec.get("num_speculative_tokens", 1) != 1:
             raise ValueError("--speculative-config: extract_hidden_states needs num_speculative_tokens 1")
-        ids = (((spec.get("draft_model_config") or {}).get("hf_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
+        ids = ((spec.get("draft_model_config") or {}).get("hf_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         if not isinstance(ids, list) or not ids or not all(type(i) is int and i >= 0 for i in ids):
-            raise ValueError("--speculative-config: draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids must be "
-                             f"a non-empty list of layer ids, got {ids!r}")
+            raise ValueError(
+                "--speculative-config: draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids must be "
+                f"a non-empty list of layer ids, got {ids!r}"
+            )
         if not isinstance(kv, dict) or kv.get("kv_connector") != CONNECTOR:
             raise ValueError(f"--kv-transfer-config: only kv_connector {CONNECTOR} is emulated, got {kv!r}")
         shared = (kv.get("kv_connector_extra_config") or {}).get("shared_storage_path", "/tmp")
@@ -86,8 +88,10 @@ class Extraction:
     def check(self, num_layers: int) -> None:
         bad = [i for i in self.layer_ids if i > num_layers]
         if bad:
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids {bad} beyond the model's {num_layers} layers "
-                             f"(ids run 0..{num_layers}; {num_layers} is the last layer's output before the final norm)")
+            raise ValueError(
+                f"eagle_aux_hidden_state_layer_ids {bad} beyond the model's {num_layers} layers "
+                f"(ids run 0..{num_layers}; {num_layers} is the last layer's output before the final norm)"
+            )
 
 
 class _PreNorm(threading.local):
@@ -100,7 +104,9 @@ class _PreNorm(threading.local):
 class Extractor:
     """Runs one prompt through the model and writes the connector's file; one at a time."""
 
-    def __init__(self, model: Any, tokenizer: Any, extraction: Extraction, *, context_length: int, served_model_name: str):
+    def __init__(
+        self, model: Any, tokenizer: Any, extraction: Extraction, *, context_length: int, served_model_name: str
+    ):
         config = model.config
         self.model, self.tokenizer, self.extraction = model, tokenizer, extraction
         self.num_layers = int(config.num_hidden_layers)
@@ -131,8 +137,10 @@ class Extractor:
                 raise RuntimeError("the final norm's forward pre-hook did not run: no pre-norm hidden state to extract")
             hidden = out.hidden_states  # L+1 tensors [1, n, H]; [L] is after the final norm in transformers 5
             layers = [pre_norm[0] if i == self.num_layers else hidden[i][0] for i in self.extraction.layer_ids]
-            tensors = {"hidden_states": torch.stack(layers, dim=1).contiguous(),  # [n, len(ids), H]
-                       "token_ids": torch.tensor(ids, dtype=torch.int64)}  # [n]
+            tensors = {
+                "hidden_states": torch.stack(layers, dim=1).contiguous(),  # [n, len(ids), H]
+                "token_ids": torch.tensor(ids, dtype=torch.int64),
+            }  # [n]
             token = int(out.logits[0, -1].argmax())
         path = self.extraction.shared_dir / f"{request_id}.safetensors"
         lock = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
@@ -146,7 +154,9 @@ class Extractor:
 
 def error(message: str, status: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
     """vLLM's error body (vllm/entrypoints/openai protocol ErrorResponse: error.{message, type, param, code})."""
-    return JSONResponse({"error": {"message": message, "type": err_type, "param": None, "code": status}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": err_type, "param": None, "code": status}}, status_code=status
+    )
 
 
 def router(extractor: Extractor) -> APIRouter:
@@ -174,29 +184,61 @@ def router(extractor: Extractor) -> APIRouter:
             return error(f"Token id {bad} is out of vocabulary")
         n = len(prompt)
         if n > extractor.context_length:
-            return error(f"This model's maximum context length is {extractor.context_length} tokens. However, your "
-                         f"request has {n} input tokens. Please reduce the length of the input messages.")
+            return error(
+                f"This model's maximum context length is {extractor.context_length} tokens. However, your "
+                f"request has {n} input tokens. Please reduce the length of the input messages."
+            )
         if n + 1 > extractor.context_length:
-            return error(f"'max_tokens' is too large: 1. This model's maximum context length is {extractor.context_length} "
-                         f"tokens and your request has {n} input tokens (1 > {extractor.context_length} - {n}).")
+            return error(
+                f"'max_tokens' is too large: 1. This model's maximum context length is {extractor.context_length} "
+                f"tokens and your request has {n} input tokens (1 > {extractor.context_length} - {n})."
+            )
         request_id = f"cmpl-{uuid.uuid4().hex}-0"
         try:
             token, path = await asyncio.to_thread(extractor.run, prompt, request_id)
         except Exception as e:  # noqa: BLE001 - vLLM answers an engine failure with 500
             return error(f"{type(e).__name__}: {e}", 500, "InternalServerError")
         tokens = body.get("return_token_ids") is True
-        return JSONResponse({
-            "id": request_id, "object": "text_completion", "created": int(time.time()), "model": extractor.served_model_name,
-            "choices": [{"index": 0, "text": extractor.tokenizer.decode([token]), "logprobs": None, "finish_reason": "length",
-                         "stop_reason": None, "prompt_logprobs": None,
-                         "prompt_token_ids": prompt if tokens else None, "token_ids": [token] if tokens else None}],
-            "usage": {"prompt_tokens": n, "total_tokens": n + 1, "completion_tokens": 1, "prompt_tokens_details": None},
-            "kv_transfer_params": {"hidden_states_path": str(path)},
-        })
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": extractor.served_model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": extractor.tokenizer.decode([token]),
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                        "prompt_logprobs": None,
+                        "prompt_token_ids": prompt if tokens else None,
+                        "token_ids": [token] if tokens else None,
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": n,
+                    "total_tokens": n + 1,
+                    "completion_tokens": 1,
+                    "prompt_tokens_details": None,
+                },
+                "kv_transfer_params": {"hidden_states_path": str(path)},
+            }
+        )
 
     @api.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": extractor.served_model_name, "object": "model", "owned_by": "vllm",
-                                            "max_model_len": extractor.context_length}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": extractor.served_model_name,
+                    "object": "model",
+                    "owned_by": "vllm",
+                    "max_model_len": extractor.context_length,
+                }
+            ],
+        }
 
     return api

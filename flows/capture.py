@@ -32,26 +32,54 @@ def capture(config_path: str) -> dict:
         layout = config.layout
         records_dirs = [layout.records(d.name) for d in config.datasets]
         c = config.capture
-        engine = EngineWindow(layout.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
+        engine = (
+            EngineWindow(layout.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
+        )
         plan = plan_capture_task(records_dirs, layout.hidden_dir, shape, c.dtype, c.disk_margin, c.max_tokens, engine)
         aux_layers = capture_layers(shape.num_layers, c.aux_layers)
         speed = 0.0
         # a crashed or killed rank (or a vLLM outage) is retried (the retry resumes); capture_retryable says which failures
-        retried: dict[str, Any] = dict(retries=c.retries, retry_delay_seconds=c.retry_delay_s, retry_condition_fn=capture_retryable)
+        retried: dict[str, Any] = dict(
+            retries=c.retries, retry_delay_seconds=c.retry_delay_s, retry_condition_fn=capture_retryable
+        )
         if c.backend == "vllm" and plan.tokens_todo:
             e = c.engine
-            with launched_engine(e.launch, e.url, target=config.target.path, aux_layers=aux_layers, num_layers=shape.num_layers,
-                                 shared_dir=layout.engine_dir, command=e.command, log_dir=layout.logs,
-                                 health_timeout_s=e.health_timeout_s):
+            with launched_engine(
+                e.launch,
+                e.url,
+                target=config.target.path,
+                aux_layers=aux_layers,
+                num_layers=shape.num_layers,
+                shared_dir=layout.engine_dir,
+                command=e.command,
+                log_dir=layout.logs,
+                health_timeout_s=e.health_timeout_s,
+            ):
                 speed = run_engine_capture.with_options(**retried)(
-                    capture_job(config, aux_layers), EngineSettings(**e.pick(EngineSettings)), layout.engine_dir,
-                    Path(config_path).stem, c.max_tokens)
+                    capture_job(config, aux_layers),
+                    EngineSettings(**e.pick(EngineSettings)),
+                    layout.engine_dir,
+                    Path(config_path).stem,
+                    c.max_tokens,
+                )
         # Several nodes: always launched, since the other nodes' `eagle3 node` joins every launch (ranks with nothing to do exit at once).
         elif c.backend == "deepspeed" and (plan.tokens_todo or config.distributed.multinode):
             speed = run_capture_job.with_options(**retried)(
-                capture_job(config, aux_layers), layout.job("capture"), c.num_gpus, c.launcher, Path(config_path).stem,
-                c.max_tokens, nodes=config.distributed)
-        metadata = {"target": config.target.path, "hidden_size": shape.hidden_size, "num_layers": shape.num_layers, "aux_layers": aux_layers, "dtype": plan.dtype}
+                capture_job(config, aux_layers),
+                layout.job("capture"),
+                c.num_gpus,
+                c.launcher,
+                Path(config_path).stem,
+                c.max_tokens,
+                nodes=config.distributed,
+            )
+        metadata = {
+            "target": config.target.path,
+            "hidden_size": shape.hidden_size,
+            "num_layers": shape.num_layers,
+            "aux_layers": aux_layers,
+            "dtype": plan.dtype,
+        }
         return index_hidden_states(layout.hidden_dir, metadata, speed, Path(config_path).stem)
 
 
@@ -59,7 +87,11 @@ def capture_job(config: RunConfig, aux_layers: list[int]) -> CaptureJob:
     """The job every rank reads (models/capture.py), and the vLLM capture's; the job task states its launch_tokens per attempt."""
     c = config.capture
     return CaptureJob(
-        **{**c.pick(CaptureSettings), "aux_layers": aux_layers}, target_path=config.target.path,
-        trust_remote_code=config.target.trust_remote_code, datasets=config.dataset_records(), out_dir=str(config.layout.hidden_dir),
-        launch_tokens=None, device=c.device,
+        **{**c.pick(CaptureSettings), "aux_layers": aux_layers},
+        target_path=config.target.path,
+        trust_remote_code=config.target.trust_remote_code,
+        datasets=config.dataset_records(),
+        out_dir=str(config.layout.hidden_dir),
+        launch_tokens=None,
+        device=c.device,
     )

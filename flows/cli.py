@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -24,18 +23,29 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 @app.command()
 def demo(
-    run_dir: Optional[Path] = typer.Option(None, help="Where the demo run goes (default: runs/demo in the repository)."),
-    capture_backend: str = typer.Option("deepspeed", "--capture-backend", metavar="deepspeed|vllm",
-                                        help="vllm: capture through the dev server's emulation of vLLM's hidden-state extraction."),
-    engine: str = typer.Option("sglang", "--engine", metavar="sglang|vllm",
-                               help="vllm: generate and the engine eval through a real vLLM (`make vllm` installs its CPU build "
-                                    "in .venv-vllm); sglang: through the dev server, which emulates SGLang."),
+    run_dir: Path | None = typer.Option(None, help="Where the demo run goes (default: runs/demo in the repository)."),
+    capture_backend: str = typer.Option(
+        "deepspeed",
+        "--capture-backend",
+        metavar="deepspeed|vllm",
+        help="vllm: capture through the dev server's emulation of vLLM's hidden-state extraction.",
+    ),
+    engine: str = typer.Option(
+        "sglang",
+        "--engine",
+        metavar="sglang|vllm",
+        help="vllm: generate and the engine eval through a real vLLM (`make vllm` installs its CPU build "
+        "in .venv-vllm); sglang: through the dev server, which emulates SGLang.",
+    ),
 ) -> None:
     """Run the pipeline on the embedded default: tiny target, dev server (or a real vLLM), sample data."""
     from flows.demo import run_demo, vllm_python
 
     if capture_backend not in ("deepspeed", "vllm"):
-        err.print(f"[red]error:[/red] --capture-backend must be deepspeed or vllm, got {escape(capture_backend)!r}", highlight=False)
+        err.print(
+            f"[red]error:[/red] --capture-backend must be deepspeed or vllm, got {escape(capture_backend)!r}",
+            highlight=False,
+        )
         raise typer.Exit(2)
     if engine not in ("sglang", "vllm"):
         err.print(f"[red]error:[/red] --engine must be sglang or vllm, got {escape(engine)!r}", highlight=False)
@@ -113,7 +123,10 @@ def run(
     chosen = [s.strip() for s in stages.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in STAGES]
     if unknown or not chosen:
-        err.print(f"[red]error:[/red] unknown stage(s) {', '.join(unknown) or '(none given)'}; available: {', '.join(STAGES)}", highlight=False)
+        err.print(
+            f"[red]error:[/red] unknown stage(s) {', '.join(unknown) or '(none given)'}; available: {', '.join(STAGES)}",
+            highlight=False,
+        )
         raise typer.Exit(2)
     _run_stages(config, chosen, retry_rejects=retry_rejects, skip_checks=skip_checks)
 
@@ -126,8 +139,9 @@ def _run_stages(config: Path, stages: list[str], *, retry_rejects: bool = False,
     try:
         # Taken here too (re-entrant: the flow takes it again): a second writer is refused before
         # a Prefect server starts, and no flow run is created for it.
-        with run_lock(cfg.run_dir, f"eagle3 {','.join(stages)}", also=cfg.written_dirs(stages),
-                      reads=cfg.read_dirs(stages)):
+        with run_lock(
+            cfg.run_dir, f"eagle3 {','.join(stages)}", also=cfg.written_dirs(stages), reads=cfg.read_dirs(stages)
+        ):
             pipeline(str(config), ",".join(stages), retry_rejects, skip_checks)
     except RunDirLocked as exc:
         err.print(f"[red]refused:[/red] {escape(str(exc))}", highlight=False)
@@ -157,7 +171,10 @@ def stats(
 ) -> None:
     """Per-dataset table of a run from Parquet footers only (fast, safe while a run is writing); exit 1 if a part is damaged."""
     if not run_dir.is_dir():
-        err.print(f"[red]error:[/red] {escape(str(run_dir))} is not a directory (give the run_dir of a config)", highlight=False)
+        err.print(
+            f"[red]error:[/red] {escape(str(run_dir))} is not a directory (give the run_dir of a config)",
+            highlight=False,
+        )
         raise typer.Exit(2)
     raise typer.Exit(0 if _print_stats(run_dir, as_json=as_json) else 1)
 
@@ -186,12 +203,19 @@ def _print_stats(run_dir: Path, *, as_json: bool) -> bool:
 
 @app.command("import-jsonl")
 def import_jsonl(
-    run_dir: Path = typer.Argument(..., help="The run directory to import into (its config.yaml names the target tokenizer; with --target it may be new)."),
+    run_dir: Path = typer.Argument(
+        ...,
+        help="The run directory to import into (its config.yaml names the target tokenizer; with --target it may be new).",
+    ),
     dataset: str = typer.Argument(..., help="Dataset name (directory under responses/)."),
     file: Path = typer.Argument(..., help="A legacy raw_responses.jsonl."),
-    target: Optional[str] = typer.Option(None, help="Target tokenizer path (default: target.path of RUN_DIR/config.yaml)."),
+    target: str | None = typer.Option(
+        None, help="Target tokenizer path (default: target.path of RUN_DIR/config.yaml)."
+    ),
     on_bad_line: str = typer.Option(
-        "fail", "--on-bad-line", metavar="fail|skip",
+        "fail",
+        "--on-bad-line",
+        metavar="fail|skip",
         help="fail: a bad line stops the import, naming it, and nothing of FILE is imported. skip: bad lines are "
         "counted and listed in RUN_DIR/rejects/DATASET/ (stage 'import'), the other lines are imported.",
     ),
@@ -223,7 +247,10 @@ def import_jsonl(
     if on_bad_line not in ("fail", "skip"):
         fail(f"--on-bad-line must be fail or skip, got {on_bad_line!r}", 2)
     if not DATASET_NAME.match(dataset):
-        fail(f"dataset {dataset!r} cannot be a directory name: use letters, digits, '_', '.', '-' and start with a letter or digit", 2)
+        fail(
+            f"dataset {dataset!r} cannot be a directory name: use letters, digits, '_', '.', '-' and start with a letter or digit",
+            2,
+        )
     if not file.is_file():
         fail(f"{file}: {'is not a file' if file.exists() else 'no such file'}", 2)
     if run_dir.exists() and not run_dir.is_dir():
@@ -232,17 +259,26 @@ def import_jsonl(
     trust = False
     if target is None:
         if not run_dir.is_dir():
-            fail(f"{run_dir} does not exist: check the path, or pass --target PATH to import into a new run directory", 2)
+            fail(
+                f"{run_dir} does not exist: check the path, or pass --target PATH to import into a new run directory", 2
+            )
         try:
             cfg = load_config(layout.config)
         except ConfigError as exc:
-            err.print(f"[red]error:[/red] cannot tell the target tokenizer: {escape(str(exc))}\nPass --target PATH.", highlight=False)
+            err.print(
+                f"[red]error:[/red] cannot tell the target tokenizer: {escape(str(exc))}\nPass --target PATH.",
+                highlight=False,
+            )
             raise typer.Exit(2) from None
         target, trust = cfg.target.path, cfg.target.trust_remote_code
         if dataset not in {d.name for d in cfg.datasets}:  # a typo would import where no stage looks
-            err.print(f"[yellow]note:[/yellow] {escape(str(layout.config))} has no dataset {escape(dataset)!r} "
-                      f"(it has: {escape(', '.join(d.name for d in cfg.datasets))}); stages see these responses only "
-                      "under a dataset of that name", highlight=False, soft_wrap=True)
+            err.print(
+                f"[yellow]note:[/yellow] {escape(str(layout.config))} has no dataset {escape(dataset)!r} "
+                f"(it has: {escape(', '.join(d.name for d in cfg.datasets))}); stages see these responses only "
+                "under a dataset of that name",
+                highlight=False,
+                soft_wrap=True,
+            )
     new_run_dir = not run_dir.exists()
     with ExitStack() as stack:
         # Held from before the tokenizer loads: a second writer is refused at once, not after it.
@@ -260,15 +296,23 @@ def import_jsonl(
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             fail(f"cannot load the target tokenizer from {target}: {reason}. Pass --target PATH.", 2)
         try:
-            report = do_import(run_dir, dataset, file, tokenizer=tokenizer,  # on_bad_line: fail or skip, checked above
-                               on_bad_line="skip" if on_bad_line == "skip" else "fail")
+            report = do_import(
+                run_dir,
+                dataset,
+                file,
+                tokenizer=tokenizer,  # on_bad_line: fail or skip, checked above
+                on_bad_line="skip" if on_bad_line == "skip" else "fail",
+            )
         except (WriteFailed, DamagedPart) as exc:  # the run directory's fault: the message says what to do
             fail(str(exc), 1)
         except DatasetError as exc:
             if exc.row is None:  # FILE or RUN_DIR, changed since the checks above
                 fail(str(exc), 2)
-            fail(f"{exc}. Nothing of this file was imported: fix or delete that line and run the import again, or pass "
-                 f"--on-bad-line skip to import the other lines and list the bad ones in {layout.rejects(dataset)}/.", 2)
+            fail(
+                f"{exc}. Nothing of this file was imported: fix or delete that line and run the import again, or pass "
+                f"--on-bad-line skip to import the other lines and list the bad ones in {layout.rejects(dataset)}/.",
+                2,
+            )
         except OSError as exc:  # writes fail as WriteFailed: this is a read (FILE or a part) the OS refused
             fail(f"cannot read {exc.filename or file}: {exc.strerror or exc}", 1)
     console.print(escape(report.summary()), highlight=False, soft_wrap=True)
@@ -281,9 +325,15 @@ NODE_STAGES = ("capture", "train")  # the stages whose jobs span nodes
 
 @app.command()
 def node(
-    config: Path = typer.Argument(..., help="The YAML run config node 0 runs (RUN_DIR on a filesystem every node shares)."),
-    node_rank: int = typer.Option(..., "--node-rank", help="This node's rank, 1..distributed.nnodes-1 (node 0 runs the pipeline)."),
-    stages: str = typer.Option(",".join(NODE_STAGES), help="Comma-separated stages to join, in order, of: capture, train."),
+    config: Path = typer.Argument(
+        ..., help="The YAML run config node 0 runs (RUN_DIR on a filesystem every node shares)."
+    ),
+    node_rank: int = typer.Option(
+        ..., "--node-rank", help="This node's rank, 1..distributed.nnodes-1 (node 0 runs the pipeline)."
+    ),
+    stages: str = typer.Option(
+        ",".join(NODE_STAGES), help="Comma-separated stages to join, in order, of: capture, train."
+    ),
 ) -> None:
     """On a node other than 0: run this node's ranks of the capture and train jobs node 0 launches (torchrun, distributed.nnodes > 1)."""
     from models.rank_protocol import CAPTURE, TRAIN
@@ -297,12 +347,16 @@ def node(
     elif not chosen or [s for s in chosen if s not in NODE_STAGES]:
         problem = f"--stages {stages!r}: give capture, train or both"
     elif not 1 <= node_rank < cfg.distributed.nnodes:
-        problem = f"--node-rank {node_rank}: this node's rank is 1..{cfg.distributed.nnodes - 1} (node 0 runs the pipeline)"
+        problem = (
+            f"--node-rank {node_rank}: this node's rank is 1..{cfg.distributed.nnodes - 1} (node 0 runs the pipeline)"
+        )
     else:
         launchers = {s: resolve_launcher(getattr(cfg, s).launcher) for s in chosen}
         if "deepspeed" in launchers.values():
-            problem = (f"{', '.join(s for s, l in launchers.items() if l == 'deepspeed')}: the deepspeed launcher starts every "
-                       "node's ranks from node 0 over ssh (distributed.hostfile); run nothing on the other nodes")
+            problem = (
+                f"{', '.join(s for s, l in launchers.items() if l == 'deepspeed')}: the deepspeed launcher starts every "
+                "node's ranks from node 0 over ssh (distributed.hostfile); run nothing on the other nodes"
+            )
     if problem:
         err.print(f"[red]error:[/red] {escape(problem)}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
@@ -311,11 +365,23 @@ def node(
         section = getattr(cfg, stage)
         module, protocol = modules[stage]
         try:
-            run_node(module, cfg.layout.job(stage), protocol=protocol, num_ranks=section.num_gpus, launcher=section.launcher,
-                     nodes=cfg.distributed, node_rank=node_rank, attempts=section.retries + 1,
-                     log=lambda line: print(line, flush=True))
+            run_node(
+                module,
+                cfg.layout.job(stage),
+                protocol=protocol,
+                num_ranks=section.num_gpus,
+                launcher=section.launcher,
+                nodes=cfg.distributed,
+                node_rank=node_rank,
+                attempts=section.retries + 1,
+                log=lambda line: print(line, flush=True),
+            )
         except Exception as exc:  # noqa: BLE001 - the job's failure, in its words; node 0 has the same verdict
-            err.print(f"[red]error:[/red] node {node_rank}: {escape(stage)} failed: {escape(str(exc))}", highlight=False, soft_wrap=True)
+            err.print(
+                f"[red]error:[/red] node {node_rank}: {escape(stage)} failed: {escape(str(exc))}",
+                highlight=False,
+                soft_wrap=True,
+            )
             raise typer.Exit(1) from None
         console.print(f"node {node_rank}: {stage} done", highlight=False)
 
@@ -326,14 +392,21 @@ def tiny_target(
     seed: int = typer.Option(0, help="Seed of the initial weights and of the training's data order."),
     num_layers: int = typer.Option(8, help="Decoder layers (at least 8, so the EAGLE-3 aux layers are distinct)."),
     hidden_size: int = typer.Option(128, help="Hidden size."),
-    train_steps: int = typer.Option(None, help="Training steps on the sample data (default: the demo's; 0: random weights)."),
+    train_steps: int = typer.Option(
+        None, help="Training steps on the sample data (default: the demo's; 0: random weights)."
+    ),
 ) -> None:
     """Build the deterministic tiny Llama target (BPE tokenizer, chat template, briefly trained on the sample data)."""
     from models.tiny_target import TRAIN_STEPS, build_tiny_target
 
     try:
-        path = build_tiny_target(out_dir, seed=seed, num_layers=num_layers, hidden_size=hidden_size,
-                                 train_steps=TRAIN_STEPS if train_steps is None else train_steps)
+        path = build_tiny_target(
+            out_dir,
+            seed=seed,
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            train_steps=TRAIN_STEPS if train_steps is None else train_steps,
+        )
     except ValueError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
@@ -342,41 +415,65 @@ def tiny_target(
 
 @app.command("serve-dev")
 def serve_dev(
-    model: Path = typer.Option(..., help="Directory of a small Hugging Face causal LM (e.g. from `eagle3 tiny-target`)."),
+    model: Path = typer.Option(
+        ..., help="Directory of a small Hugging Face causal LM (e.g. from `eagle3 tiny-target`)."
+    ),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
     port: int = typer.Option(30000, help="TCP port."),
-    context_length: Optional[int] = typer.Option(None, help="Context length (default: the model's max_position_embeddings)."),
+    context_length: int | None = typer.Option(
+        None, help="Context length (default: the model's max_position_embeddings)."
+    ),
     max_batch_size: int = typer.Option(16, help="Most sequences decoded together."),
-    speculative_algorithm: Optional[str] = typer.Option(None, help="EAGLE3 (the only one; implied by a draft path)."),
-    speculative_draft_model_path: Optional[Path] = typer.Option(
-        None, help="Serve with this EAGLE-3 draft export: chain speculative decoding, greedy requests only."),
-    speculative_num_steps: Optional[int] = typer.Option(None, help="Draft tokens proposed per verify round."),
-    speculative_eagle_topk: Optional[int] = typer.Option(None, help="Must be 1 (chain)."),
-    speculative_num_draft_tokens: Optional[int] = typer.Option(None, help="Must be num-steps + 1."),
-    sglang_version: str = typer.Option("0.5", help="Answer as SGLang 0.5.23 (0.5) or 0.4.x (0.4) where they differ "
-                                                    "(docs/engines.md, 'SGLang versions')."),
-    disconnect_poll_s: float = typer.Option(4.0, help="How often a client that went away is noticed (SGLang: "
-                                                       "SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s)."),
+    speculative_algorithm: str | None = typer.Option(None, help="EAGLE3 (the only one; implied by a draft path)."),
+    speculative_draft_model_path: Path | None = typer.Option(
+        None, help="Serve with this EAGLE-3 draft export: chain speculative decoding, greedy requests only."
+    ),
+    speculative_num_steps: int | None = typer.Option(None, help="Draft tokens proposed per verify round."),
+    speculative_eagle_topk: int | None = typer.Option(None, help="Must be 1 (chain)."),
+    speculative_num_draft_tokens: int | None = typer.Option(None, help="Must be num-steps + 1."),
+    sglang_version: str = typer.Option(
+        "0.5",
+        help="Answer as SGLang 0.5.23 (0.5) or 0.4.x (0.4) where they differ (docs/engines.md, 'SGLang versions').",
+    ),
+    disconnect_poll_s: float = typer.Option(
+        4.0, help="How often a client that went away is noticed (SGLang: SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s)."
+    ),
 ) -> None:
     """Serve a small model over SGLang's native HTTP API on CPU (for the demo and tests)."""
     from emulators.dev_server import Speculative, serve
 
     if not (model / "config.json").is_file():
-        err.print(f"[red]error:[/red] {model} has no config.json; build one with `eagle3 tiny-target {model}`", highlight=False)
+        err.print(
+            f"[red]error:[/red] {model} has no config.json; build one with `eagle3 tiny-target {model}`",
+            highlight=False,
+        )
         raise typer.Exit(2)
     try:
         speculative = Speculative.from_flags(
-            draft_model_path=speculative_draft_model_path, algorithm=speculative_algorithm,
-            num_steps=speculative_num_steps, eagle_topk=speculative_eagle_topk,
-            num_draft_tokens=speculative_num_draft_tokens)
+            draft_model_path=speculative_draft_model_path,
+            algorithm=speculative_algorithm,
+            num_steps=speculative_num_steps,
+            eagle_topk=speculative_eagle_topk,
+            num_draft_tokens=speculative_num_draft_tokens,
+        )
     except ValueError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
     if sglang_version not in ("0.5", "0.4"):
-        err.print(f"[red]error:[/red] --sglang-version must be 0.5 or 0.4, got {escape(sglang_version)}", highlight=False)
+        err.print(
+            f"[red]error:[/red] --sglang-version must be 0.5 or 0.4, got {escape(sglang_version)}", highlight=False
+        )
         raise typer.Exit(2)
-    serve(model, host=host, port=port, context_length=context_length, max_batch_size=max_batch_size,
-          speculative=speculative, sglang_version=sglang_version, disconnect_poll_s=disconnect_poll_s)
+    serve(
+        model,
+        host=host,
+        port=port,
+        context_length=context_length,
+        max_batch_size=max_batch_size,
+        speculative=speculative,
+        sglang_version=sglang_version,
+        disconnect_poll_s=disconnect_poll_s,
+    )
 
 
 def _config_or_exit(path: Path):

@@ -28,9 +28,9 @@ from models.jobs import (
     TargetSpec,
     TrainSettings,
 )
+from models.run_layout import RunLayout
 from models.server_access import replica_url
 from models.spec import Spec
-from models.run_layout import RunLayout
 from tasks.datasets.formats import RowFormat
 
 DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -45,8 +45,7 @@ class TargetConfig(TargetSpec, Section):
 
     build_tiny_target: bool = Field(
         default=False,
-        description="Build the deterministic tiny demo target at `path` if it is not there yet "
-        "(demo and tests only).",
+        description="Build the deterministic tiny demo target at `path` if it is not there yet (demo and tests only).",
     )
 
 
@@ -106,24 +105,38 @@ class ServerConfig(ServerSettings, Section):
 
     @model_validator(mode="after")
     def _command_for_launch(self) -> ServerConfig:
-        check_command(self.launch, self.command if self.launch == "command" else None, PLACEHOLDERS,
-                      "[python, -m, sglang.launch_server, --model-path, ...]")
+        check_command(
+            self.launch,
+            self.command if self.launch == "command" else None,
+            PLACEHOLDERS,
+            "[python, -m, sglang.launch_server, --model-path, ...]",
+        )
         if self.engine == "vllm" and self.launch == "dev":
-            raise ValueError("engine: vllm with launch: dev: the dev server emulates SGLang only. Start vLLM with launch: "
-                             "command (e.g. [python, -m, vllm.entrypoints.openai.api_server, --model, PATH, --port, '{port}']; "
-                             "`make vllm` installs the CPU build in .venv-vllm), or use launch: none with a running vLLM")
+            raise ValueError(
+                "engine: vllm with launch: dev: the dev server emulates SGLang only. Start vLLM with launch: "
+                "command (e.g. [python, -m, vllm.entrypoints.openai.api_server, --model, PATH, --port, '{port}']; "
+                "`make vllm` installs the CPU build in .venv-vllm), or use launch: none with a running vLLM"
+            )
         if self.engine == "vllm" and self.router:
-            raise ValueError("router: true starts an SGLang router, which speaks SGLang's API: with engine: vllm list "
-                             "several vLLM servers as replicas (or urls) and the pool spreads the requests itself")
+            raise ValueError(
+                "router: true starts an SGLang router, which speaks SGLang's API: with engine: vllm list "
+                "several vLLM servers as replicas (or urls) and the pool spreads the requests itself"
+            )
         if self.launch != "none" and self.urls:
-            raise ValueError("urls lists servers that are already running (launch: none); to have the pipeline start "
-                             "several, set url (the first one's address) and replicas")
+            raise ValueError(
+                "urls lists servers that are already running (launch: none); to have the pipeline start "
+                "several, set url (the first one's address) and replicas"
+            )
         if self.launch == "none" and (self.replicas > 1 or self.router):
-            raise ValueError("replicas and router are started by the pipeline: set launch: dev or command "
-                             "(servers already running go in urls; a router already running goes in url)")
+            raise ValueError(
+                "replicas and router are started by the pipeline: set launch: dev or command "
+                "(servers already running go in urls; a router already running goes in url)"
+            )
         if self.launch == "command" and self.replicas > 1 and not any("{port}" in word for word in self.command or []):
-            raise ValueError("with replicas > 1 the command must put each replica on its own port: use {port} "
-                             "(e.g. --port, '{port}')")
+            raise ValueError(
+                "with replicas > 1 the command must put each replica on its own port: use {port} "
+                "(e.g. --port, '{port}')"
+            )
         if self.launch != "none":
             port = urlsplit(self.url).port or (443 if self.url.startswith("https") else 80)
             if port + self.replicas + (1 if self.router else 0) - 1 > 65535:
@@ -148,8 +161,10 @@ def check_command(launch: str, command: list[str] | None, placeholders: tuple[st
     for word in command or []:
         for name in re.findall(r"{([a-z_]+)}", word):
             if name not in placeholders:
-                raise ValueError(f"command word {word!r}: unknown placeholder {{{name}}}; known: "
-                                 + ", ".join("{" + p + "}" for p in placeholders))
+                raise ValueError(
+                    f"command word {word!r}: unknown placeholder {{{name}}}; known: "
+                    + ", ".join("{" + p + "}" for p in placeholders)
+                )
 
 
 def command_words(value: Any) -> Any:
@@ -157,8 +172,6 @@ def command_words(value: Any) -> Any:
     if isinstance(value, list):
         return [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
     return value
-
-
 
 
 class SamplingConfig(Section):
@@ -174,7 +187,8 @@ class SamplingConfig(Section):
     top_p: float = Field(default=0.95, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(default=-1, ge=-1, description="-1 disables top-k filtering.")
     stop_token_ids: list[int] | None = Field(
-        default=None, description="Token ids that end a response (kept in output_ids). Default: the target tokenizer's eos token."
+        default=None,
+        description="Token ids that end a response (kept in output_ids). Default: the target tokenizer's eos token.",
     )
     seed: int | None = Field(
         default=None,
@@ -222,12 +236,15 @@ class LaunchConfig(Section):
         default=8, ge=1, description="Ranks of the job: one per GPU (on a CPU-only machine, CPU processes)."
     )
     launcher: Literal["auto", "torchrun", "deepspeed"] = Field(
-        default="auto", description="auto: the deepspeed launcher on a CUDA machine, torchrun (gloo, DS_ACCELERATOR=cpu) otherwise."
+        default="auto",
+        description="auto: the deepspeed launcher on a CUDA machine, torchrun (gloo, DS_ACCELERATOR=cpu) otherwise.",
     )
     retries: int = Field(
-        default=2, ge=0, description="Prefect retries of a job whose rank crashed or was killed; a retry resumes (complete "
+        default=2,
+        ge=0,
+        description="Prefect retries of a job whose rank crashed or was killed; a retry resumes (complete "
         "shards are skipped, training goes on from the last checkpoint). A full disk, a damaged file, a checkpoint of other "
-        "data or settings, or a refused job is not retried."
+        "data or settings, or a refused job is not retried.",
     )
     retry_delay_s: float = Field(default=60.0, ge=0, description="Seconds to wait before each retry of the job.")
 
@@ -263,7 +280,9 @@ class EngineConfig(EngineSettings, Section):
         "as JSON, with the layer ids and shared_dir this capture reads), {shared_dir}.",
     )
     health_timeout_s: float = Field(
-        default=3600.0, gt=0, description="How long to wait for the server's /health at the start (a 1T model loads for many minutes).",
+        default=3600.0,
+        gt=0,
+        description="How long to wait for the server's /health at the start (a 1T model loads for many minutes).",
     )
 
     @field_validator("command", mode="before")
@@ -273,9 +292,13 @@ class EngineConfig(EngineSettings, Section):
 
     @model_validator(mode="after")
     def _command_for_launch(self) -> EngineConfig:
-        check_command(self.launch, self.command, ENGINE_PLACEHOLDERS,
-                      "[vllm, serve, MODEL, --port, '{port}', --speculative-config, '{speculative_config}', "
-                      "--kv-transfer-config, '{kv_transfer_config}']")
+        check_command(
+            self.launch,
+            self.command,
+            ENGINE_PLACEHOLDERS,
+            "[vllm, serve, MODEL, --port, '{port}', --speculative-config, '{speculative_config}', "
+            "--kv-transfer-config, '{kv_transfer_config}']",
+        )
         return self
 
 
@@ -291,10 +314,14 @@ class CaptureConfig(CaptureSettings, LaunchConfig):
         "`vllm`: a vLLM server running the target (INT4 Kimi-K2.5 on 8 GPUs needs no BF16 copy) extracts them; see `engine`. "
         "Both write the same shards, index and metadata.",
     )
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="backend: vllm: the server and how to reach it.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="backend: vllm: the server and how to reach it."
+    )
 
     max_tokens: int | None = Field(
-        default=None, ge=1, description="Capture at most this many tokens in total (one way to fit a disk: the remaining records are not captured)."
+        default=None,
+        ge=1,
+        description="Capture at most this many tokens in total (one way to fit a disk: the remaining records are not captured).",
     )
     out_dir: Path | None = Field(
         default=None, description="Where the hidden states go; default RUN_DIR/hidden. Put it on a big disk."
@@ -307,7 +334,9 @@ class CaptureConfig(CaptureSettings, LaunchConfig):
 class TrainConfig(TrainSettings, LaunchConfig):
     """The DeepSpeed job that trains the EAGLE-3 draft (ZeRO-2, training-time test)."""
 
-    out_dir: Path | None = Field(default=None, description="Checkpoints, metrics and the exported draft; default RUN_DIR/draft.")
+    out_dir: Path | None = Field(
+        default=None, description="Checkpoints, metrics and the exported draft; default RUN_DIR/draft."
+    )
 
 
 class EvalConfig(EvalSettings, EngineEvalSettings, Section):
@@ -322,9 +351,7 @@ class DatasetConfig(RowFormat, Section):
     declared in tasks/datasets/formats.py; `row_format` hands them to the loader.
     """
 
-    name: str = Field(
-        description="Unique name; used as the directory name under responses/, records/, rejects/."
-    )
+    name: str = Field(description="Unique name; used as the directory name under responses/, records/, rejects/.")
     kind: Literal["passthrough", "generate"] = Field(
         description="`generate`: prompts sent to the target through SGLang. `passthrough`: rows "
         "that already hold the responses (`messages` with assistant turns, or `input_ids` + "
@@ -411,8 +438,10 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _engine_eval_server(self) -> RunConfig:
         if self.eval.baseline_url is not None and self.server.launch != "none":
-            raise ValueError(f"eval.baseline_url is for a server already running (server.launch: none); with server.launch: "
-                             f"{self.server.launch} the eval starts the server without the draft itself: remove baseline_url")
+            raise ValueError(
+                f"eval.baseline_url is for a server already running (server.launch: none); with server.launch: "
+                f"{self.server.launch} the eval starts the server without the draft itself: remove baseline_url"
+            )
         return self
 
     @property
@@ -444,8 +473,12 @@ class RunConfig(Section):
     @property
     def layout(self) -> RunLayout:
         """Every path of this run: RUN_DIR's layout, with capture.out_dir, capture.engine.shared_dir and train.out_dir where set."""
-        return RunLayout(self.run_dir, hidden_dir=self.capture.out_dir, engine_dir=self.capture.engine.shared_dir,
-                         draft_dir=self.train.out_dir)
+        return RunLayout(
+            self.run_dir,
+            hidden_dir=self.capture.out_dir,
+            engine_dir=self.capture.engine.shared_dir,
+            draft_dir=self.train.out_dir,
+        )
 
     def written_dirs(self, stages: list[str]) -> list[tuple[str, Path]]:
         """(setting, directory) for each directory `stages` write besides RUN_DIR (locked with it: tasks/run_lock.py).
@@ -464,7 +497,9 @@ class RunConfig(Section):
 
     def read_dirs(self, stages: list[str]) -> list[tuple[str, Path]]:
         """(setting, directory) that `stages` only read, locked shared: no capture may write them meanwhile."""
-        return [("capture.out_dir", self.layout.hidden_dir)] if "train" in stages and self.train.mode == "offline" else []
+        return (
+            [("capture.out_dir", self.layout.hidden_dir)] if "train" in stages and self.train.mode == "offline" else []
+        )
 
     def dataset_records(self) -> list[DatasetRecords]:
         """Every dataset's records directory (RUN_DIR/records/<name>), as the capture, train and eval jobs name them."""

@@ -48,7 +48,9 @@ def load_config(path: str | Path, base: Path | None = None) -> RunConfig:
 def parse_config(data: Any, *, source: str = "<config>", base: Path | None = None) -> RunConfig:
     """Validate an already-parsed mapping; relative paths resolve against `base` (default cwd)."""
     if not isinstance(data, dict):
-        raise ConfigError(source, [f"the top level must be a mapping of keys (run_dir, target, ...), got {type(data).__name__}"])
+        raise ConfigError(
+            source, [f"the top level must be a mapping of keys (run_dir, target, ...), got {type(data).__name__}"]
+        )
     try:
         config = RunConfig.model_validate(data)
     except ValidationError as exc:
@@ -77,7 +79,12 @@ def save_run_config(config: RunConfig) -> Path:
         tmp.unlink(missing_ok=True)
         from models.file_errors import WriteFailed
 
-        raise WriteFailed(path, exc, kept="everything the run wrote before", resume="free space there, then run the same command again") from None
+        raise WriteFailed(
+            path,
+            exc,
+            kept="everything the run wrote before",
+            resume="free space there, then run the same command again",
+        ) from None
     return path
 
 

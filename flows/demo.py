@@ -15,8 +15,8 @@ from flows.pipeline import pipeline
 from tasks.checkpoints import live_parts
 from tasks.engines.vllm import cpu_command
 from tasks.eval.tasks import engine_rows
-from tasks.ports import free_port
 from tasks.launch_servers import SERVER_LOG
+from tasks.ports import free_port
 from tasks.stats import collect_stats, render_rows_table, render_stats_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,8 +37,10 @@ def vllm_python() -> Path:
     """The Python of .venv-vllm; FileNotFoundError saying how to make it."""
     python = VLLM_VENV / "bin" / "python"
     if not python.is_file():
-        raise FileNotFoundError(f"{python} is missing: `make vllm` installs the CPU build of vLLM there (about a minute); "
-                                "with a GPU, install vLLM your own way and start it yourself (server.engine: vllm, launch: none)")
+        raise FileNotFoundError(
+            f"{python} is missing: `make vllm` installs the CPU build of vLLM there (about a minute); "
+            "with a GPU, install vLLM your own way and start it yourself (server.engine: vllm, launch: none)"
+        )
     return python
 
 
@@ -50,8 +52,14 @@ def demo_server(config: RunConfig, engine: str, url: str):
     return type(config.server).model_validate(server)
 
 
-def run_demo(run_dir: Path | None = None, console: Console | None = None, target_dir: Path | None = None,
-             capture_backend: str = "deepspeed", overrides: dict[str, dict] | None = None, engine: str = "sglang") -> RunConfig:
+def run_demo(
+    run_dir: Path | None = None,
+    console: Console | None = None,
+    target_dir: Path | None = None,
+    capture_backend: str = "deepspeed",
+    overrides: dict[str, dict] | None = None,
+    engine: str = "sglang",
+) -> RunConfig:
     """Run the whole pipeline as one Prefect flow run on the sample data (dev server on a free port), print the results.
 
     `engine` "vllm": generate and the engine eval go through a real vLLM (.venv-vllm's CPU build) started by the
@@ -77,8 +85,9 @@ def run_demo(run_dir: Path | None = None, console: Console | None = None, target
     config_path.write_text(dump_config(config))
     console.rule("eagle3 demo: flow `pipeline` (generate -> records -> capture -> train -> eval)")
     server = "vLLM" if engine == "vllm" else "the dev server"
-    console.print(f"config: {config_path}; {server} runs at {config.server.url} during generate "
-                  f"(log: {layout.logs / SERVER_LOG})")
+    console.print(
+        f"config: {config_path}; {server} runs at {config.server.url} during generate (log: {layout.logs / SERVER_LOG})"
+    )
     results = pipeline(str(config_path))
     console.print(f"{server} stopped")
 
@@ -96,8 +105,10 @@ def run_demo(run_dir: Path | None = None, console: Console | None = None, target
     )
     console.rule("stage 4: train")
     trained = results["train"]
-    console.print(f"trained {trained['steps']:,} steps on {trained['tokens']:,} tokens; metrics {layout.metrics}, "
-                  f"plot {trained['plot']}")
+    console.print(
+        f"trained {trained['steps']:,} steps on {trained['tokens']:,} tokens; metrics {layout.metrics}, "
+        f"plot {trained['plot']}"
+    )
     console.rule("stage 5: eval")
     report = results["eval"]
     console.print(render_eval(layout.eval_report))
@@ -119,13 +130,17 @@ def eval_summary_line(report: dict) -> str:
         o = report["engine"]["overall"]
         speedup = f", {o['speedup']:.2f}x the tokens/s without the draft" if o.get("speedup") else ""
         where = "a real vLLM" if report["engine"].get("engine") == "vllm" else "the dev server"
-        said.append(f"{o['per_round']:.3f} per verify round through {where} with the draft (SGLang's count, with the "
-                    f"prefill token: {o['acceptance_length']:.3f}{speedup})")
+        said.append(
+            f"{o['per_round']:.3f} per verify round through {where} with the draft (SGLang's count, with the "
+            f"prefill token: {o['acceptance_length']:.3f}{speedup})"
+        )
     line = "; ".join(said) + f", {k} draft tokens per round"
     if report.get("engine_vs_hf"):
         c = report["engine_vs_hf"]
-        line += (f"; engine and HF {'EQUAL' if c['equal'] else 'DIFFER'} on the same {c['prompts_compared']} prompts "
-                 f"({c['same_verify_rounds']} with the same verify rounds)")
+        line += (
+            f"; engine and HF {'EQUAL' if c['equal'] else 'DIFFER'} on the same {c['prompts_compared']} prompts "
+            f"({c['same_verify_rounds']} with the same verify rounds)"
+        )
     return line
 
 
@@ -133,13 +148,19 @@ def render_engine(engine: dict) -> Table:
     """The engine eval per dataset (tasks/eval/tasks.py engine_rows): acceptance, its spread, tokens/s, speedup."""
     rows = engine_rows(engine)
     where = "a real vLLM" if engine.get("engine") == "vllm" else "the dev server"
-    table = Table(title=f"engine eval: {where} with the draft, then without; {engine['concurrency']} request(s) at once",
-                  caption="acceptance length: SGLang's completion tokens / verify rounds; per round: without the prefill token")
+    table = Table(
+        title=f"engine eval: {where} with the draft, then without; {engine['concurrency']} request(s) at once",
+        caption="acceptance length: SGLang's completion tokens / verify rounds; per round: without the prefill token",
+    )
     for column in rows[0]:
         table.add_column(column.replace("_", " "), justify="left" if column == "dataset" else "right")
     for row in rows:
-        table.add_row(*["" if v is None else f"{v:,}" if isinstance(v, int) else f"{v:.3f}" if isinstance(v, float) else str(v)
-                        for v in row.values()])
+        table.add_row(
+            *[
+                "" if v is None else f"{v:,}" if isinstance(v, int) else f"{v:.3f}" if isinstance(v, float) else str(v)
+                for v in row.values()
+            ]
+        )
     return table
 
 
@@ -147,39 +168,55 @@ def render_eval(eval_report: Path) -> Table:
     """The eval stage's result (draft/eval.json, RunLayout.eval_report): acceptance length per draft, the TTT estimate, where the draft is."""
     report = json.loads(eval_report.read_text())
     k = report["num_steps"]
-    table = Table(title=f"acceptance length: {k} draft tokens per round (SGLang topk 1), greedy target, "
-                        f"{report['prompts']} prompts (held-out records, then eval.prompt_files)", caption=f"draft: {report['draft']}\nserve: {report['sglang_command']}")
+    table = Table(
+        title=f"acceptance length: {k} draft tokens per round (SGLang topk 1), greedy target, "
+        f"{report['prompts']} prompts (held-out records, then eval.prompt_files)",
+        caption=f"draft: {report['draft']}\nserve: {report['sglang_command']}",
+    )
     for column in ("draft", "acceptance length", *[f"pos {i + 1}" for i in range(k)], "rounds"):
         table.add_column(column, justify="left" if column == "draft" else "right")
     rows = [(f"{name}, measured", report[name]) for name in ("untrained", "trained") if name in report]
     if report.get("engine"):  # per verify round, as the HF rows count; per position is not in SGLang's replies
         o = report["engine"]["overall"]
         where = "vLLM" if report["engine"].get("engine") == "vllm" else "dev server"
-        rows.append((f"trained, measured by the engine ({where} + draft)",
-                     {"acceptance_length": o["per_round"], "per_position_acceptance": [], "rounds": o["verify_rounds"]}))
+        rows.append(
+            (
+                f"trained, measured by the engine ({where} + draft)",
+                {"acceptance_length": o["per_round"], "per_position_acceptance": [], "rounds": o["verify_rounds"]},
+            )
+        )
     if report.get("ttt_estimate"):  # the same num_steps, but teacher-forced on held-out records: not a measurement
         rows.append(("trained, training-time estimate (teacher-forced)", {**report["ttt_estimate"], "rounds": None}))
     for name, r in rows:
         per_position = [f"{a:.3f}" for a in r["per_position_acceptance"]] or [""] * k
-        table.add_row(name, f"{r['acceptance_length']:.3f}", *per_position,
-                      "" if r.get("rounds") is None else f"{r['rounds']:,}")
+        table.add_row(
+            name, f"{r['acceptance_length']:.3f}", *per_position, "" if r.get("rounds") is None else f"{r['rounds']:,}"
+        )
     return table
 
 
 def _sample_table(config: RunConfig) -> Table:
     """A few generated responses per dataset, read back from the checkpoints."""
-    table = Table(title="sample responses (tiny target trained a minute on the samples: it echoes sentences it has learned)", show_lines=True)
+    table = Table(
+        title="sample responses (tiny target trained a minute on the samples: it echoes sentences it has learned)",
+        show_lines=True,
+    )
     for column in ("dataset", "id", "response", "tokens", "finish"):
         table.add_column(column, overflow="fold")
     for dataset in config.datasets:
         parts = live_parts(config.layout.responses(dataset.name))
         if not parts:
             continue
-        rows = pq.read_table(parts[0], columns=["id", "text", "prompt_tokens", "completion_tokens", "finish_reason"]).to_pylist()
+        rows = pq.read_table(
+            parts[0], columns=["id", "text", "prompt_tokens", "completion_tokens", "finish_reason"]
+        ).to_pylist()
         for row in rows[:SHOWN_PER_DATASET]:
             table.add_row(
-                dataset.name, row["id"], _short(row["text"], 100),
-                f"{row['prompt_tokens']}+{row['completion_tokens']}", row["finish_reason"],
+                dataset.name,
+                row["id"],
+                _short(row["text"], 100),
+                f"{row['prompt_tokens']}+{row['completion_tokens']}",
+                row["finish_reason"],
             )
     return table
 

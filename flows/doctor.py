@@ -34,8 +34,9 @@ class PreflightFailed(RuntimeError):
     """A check failed before the first stage: nothing was started."""
 
 
-def doctor_findings(config: RunConfig, stages: list[str] | None = None, *,
-                    engine: bool = True) -> list[tuple[str, Finding]]:
+def doctor_findings(
+    config: RunConfig, stages: list[str] | None = None, *, engine: bool = True
+) -> list[tuple[str, Finding]]:
     """(group, finding) for every check that matters to `stages` (None: every check, `eagle3 doctor`'s);
     `engine`: reach a running server too.
 
@@ -49,12 +50,30 @@ def doctor_findings(config: RunConfig, stages: list[str] | None = None, *,
     if note is not None:
         out.append(("target", note))
     template = _template(config, tokenizer) if tokenizer is not None else None
-    if "generate" in stages and engine and config.server.launch == "none" and any(d.kind == "generate" for d in config.datasets):
-        out += [("engine", f) for f in engine_checks(config, vocab_size=target.get("vocab_size"),
-                                                       longest=template.longest_prompts if template else {})]
+    if (
+        "generate" in stages
+        and engine
+        and config.server.launch == "none"
+        and any(d.kind == "generate" for d in config.datasets)
+    ):
+        out += [
+            ("engine", f)
+            for f in engine_checks(
+                config, vocab_size=target.get("vocab_size"), longest=template.longest_prompts if template else {}
+            )
+        ]
     elif "generate" in stages and config.server.launch != "none":
-        out.append(("engine", Finding("engine", "PASS", f"server.launch: {config.server.launch}: the pipeline starts "
-                                                       "it for generate, and checks it once it answers")))
+        out.append(
+            (
+                "engine",
+                Finding(
+                    "engine",
+                    "PASS",
+                    f"server.launch: {config.server.launch}: the pipeline starts "
+                    "it for generate, and checks it once it answers",
+                ),
+            )
+        )
     if template is not None and ({"generate", "records"} & set(stages)):
         out += [("chat template", f) for f in template.findings]
     if target and (standalone or "eval" in stages and "train" not in stages):
@@ -65,8 +84,9 @@ def doctor_findings(config: RunConfig, stages: list[str] | None = None, *,
     return out
 
 
-def engine_checks(config: RunConfig, *, vocab_size: int | None = None,
-                  longest: dict[str, int] | None = None) -> list[Finding]:
+def engine_checks(
+    config: RunConfig, *, vocab_size: int | None = None, longest: dict[str, int] | None = None
+) -> list[Finding]:
     """The engine group alone (the pipeline runs it once the servers it launched answer); `vocab_size` and
     `longest` (the longest sampled prompt of each dataset) are read from the target when not given."""
     from tasks.doctor.engine import engine_findings
@@ -75,8 +95,13 @@ def engine_checks(config: RunConfig, *, vocab_size: int | None = None,
         target, tokenizer, _ = _target(config)
         vocab_size = target.get("vocab_size")
         longest = _template(config, tokenizer).longest_prompts if tokenizer is not None else {}
-    return engine_findings(config.server, target_path=config.target.path, vocab_size=vocab_size,
-                           max_new_tokens=config.sampling.max_new_tokens, longest_prompts=longest)
+    return engine_findings(
+        config.server,
+        target_path=config.target.path,
+        vocab_size=vocab_size,
+        max_new_tokens=config.sampling.max_new_tokens,
+        longest_prompts=longest,
+    )
 
 
 def preflight(config: RunConfig, stages: list[str], log: Any) -> None:
@@ -94,10 +119,17 @@ def report(findings: list[tuple[str, Finding]], log: Any, *, title: str) -> None
         {"PASS": log.info, "WARN": log.warning, "FAIL": log.error}[f.status]("%s", line)
     bad = failed([f for _, f in findings])
     if bad:
-        raise PreflightFailed(f"{title}: {len(bad)} failed: " + "; ".join(f"{f.name}: {f.detail}" for f in bad)
-                              + ". Fix them (`eagle3 doctor CONFIG` shows every check), or run with --skip-checks")
-    log.info("%s: %d passed, %d warnings", title, sum(f.status == "PASS" for _, f in findings),
-             sum(f.status == "WARN" for _, f in findings))
+        raise PreflightFailed(
+            f"{title}: {len(bad)} failed: "
+            + "; ".join(f"{f.name}: {f.detail}" for f in bad)
+            + ". Fix them (`eagle3 doctor CONFIG` shows every check), or run with --skip-checks"
+        )
+    log.info(
+        "%s: %d passed, %d warnings",
+        title,
+        sum(f.status == "PASS" for _, f in findings),
+        sum(f.status == "WARN" for _, f in findings),
+    )
 
 
 def render(findings: list[tuple[str, Finding]], title: str) -> Table:
@@ -105,8 +137,13 @@ def render(findings: list[tuple[str, Finding]], title: str) -> Table:
     for column in ("group", "check", "status", "seen", "what to do"):
         table.add_column(column, overflow="fold")
     for group, f in findings:
-        table.add_row(escape(group), escape(_short_name(group, f)), f"[{STATUS_STYLE[f.status]}]{f.status}[/]", escape(f.detail),
-                      escape(f.advice))
+        table.add_row(
+            escape(group),
+            escape(_short_name(group, f)),
+            f"[{STATUS_STYLE[f.status]}]{f.status}[/]",
+            escape(f.detail),
+            escape(f.advice),
+        )
     return table
 
 
@@ -134,11 +171,23 @@ def _environment(config: RunConfig, stages: list[str]) -> list[Finding]:
     c = config.capture
     ops = ("async_io",) if "capture" in stages and c.mode == "zero3" and c.offload == "nvme" else ()
     several = any(getattr(config, s).num_gpus > 1 for s in ranks)
-    found = environment_checks(device, pipeline=True, ops=ops, allreduce=several,
-                               install_hint="pip install -e . in this environment (the ranks import it)")
+    found = environment_checks(
+        device,
+        pipeline=True,
+        ops=ops,
+        allreduce=several,
+        install_hint="pip install -e . in this environment (the ranks import it)",
+    )
     if device == "cpu":  # said, so that a CPU run is never mistaken for a GPU one
-        found = [Finding(f.name, f.status, f"{f.detail} (no CUDA: the ranks run on CPU)" if f.name == "device" else f.detail,
-                         f.advice) for f in found]
+        found = [
+            Finding(
+                f.name,
+                f.status,
+                f"{f.detail} (no CUDA: the ranks run on CPU)" if f.name == "device" else f.detail,
+                f.advice,
+            )
+            for f in found
+        ]
     return found
 
 
@@ -148,8 +197,16 @@ def _target(config: RunConfig) -> tuple[dict[str, Any], Any, Finding | None]:
 
     path, trust = config.target.path, config.target.trust_remote_code
     if config.target.build_tiny_target and not (Path(path) / "config.json").is_file():
-        return {}, None, Finding("target", "PASS", f"{path}: not built yet; the pipeline builds the tiny demo target "
-                                                   "first (the checks that need it run then)")
+        return (
+            {},
+            None,
+            Finding(
+                "target",
+                "PASS",
+                f"{path}: not built yet; the pipeline builds the tiny demo target "
+                "first (the checks that need it run then)",
+            ),
+        )
     local = Path(path).is_dir()  # else a Hub id: read from the local cache only, in seconds, never downloaded here
     try:
         loaded = AutoConfig.from_pretrained(path, trust_remote_code=trust, local_files_only=not local)
@@ -158,8 +215,16 @@ def _target(config: RunConfig) -> tuple[dict[str, Any], Any, Finding | None]:
     except Exception as exc:  # noqa: BLE001 - a wrong path, a Hub id not in the cache, a broken tokenizer.json
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         where = "" if local else " (not a directory here, and not in the Hugging Face cache)"
-        return {}, None, Finding("target", "FAIL", f"cannot load {path}{where}: {reason}",
-                                 "set target.path to a local checkpoint directory (config.json + tokenizer)")
+        return (
+            {},
+            None,
+            Finding(
+                "target",
+                "FAIL",
+                f"cannot load {path}{where}: {reason}",
+                "set target.path to a local checkpoint directory (config.json + tokenizer)",
+            ),
+        )
     return text.to_dict(), tokenizer, None
 
 
@@ -175,8 +240,12 @@ def _draft(config: RunConfig, target: dict[str, Any]) -> list[Finding]:
     from tasks.doctor.draft import draft_findings
 
     layers = capture_layers(int(target["num_hidden_layers"]), config.capture.aux_layers)
-    return draft_findings(config.layout.final, trained_layers=layers, vocab_size=int(target["vocab_size"]),
-                          hidden_size=int(target["hidden_size"]))
+    return draft_findings(
+        config.layout.final,
+        trained_layers=layers,
+        vocab_size=int(target["vocab_size"]),
+        hidden_size=int(target["hidden_size"]),
+    )
 
 
 def _disk(config: RunConfig) -> list[Finding]:

@@ -26,11 +26,17 @@ def evaluate(config_path: str) -> dict:
         job = eval_job(config)
         backend = config.eval.backend
         hf = evaluate_draft(job, config.layout.job("eval"), name) if backend in ("hf", "both") else None
-        engine = evaluate_on_engine(job, config.eval, engine_server(config), name) if backend in ("engine", "both") else None
+        engine = (
+            evaluate_on_engine(job, config.eval, engine_server(config), name) if backend in ("engine", "both") else None
+        )
         report = publish_eval(job, hf, engine, name)
-        if config.layout.metrics.is_file():  # the training report again, now with the measured value beside its estimate
+        if (
+            config.layout.metrics.is_file()
+        ):  # the training report again, now with the measured value beside its estimate
             report_training(config.layout.draft_dir, name, eval_steps=config.eval.num_steps)
-    get_run_logger().info("serve it with SGLang:\n%s\nor with vLLM:\n%s", report["sglang_command"], report["vllm_command"])
+    get_run_logger().info(
+        "serve it with SGLang:\n%s\nor with vLLM:\n%s", report["sglang_command"], report["vllm_command"]
+    )
     return report
 
 
@@ -38,15 +44,24 @@ def eval_job(config: RunConfig) -> EvalJob:
     """The eval job of this run: the `eval` section, the held-out split of `train`, the exported draft."""
     layout = config.layout
     return EvalJob(
-        **config.eval.pick(EvalSettings), **config.train.pick(HeldOut), target_path=config.target.path,
-        trust_remote_code=config.target.trust_remote_code, draft_dir=str(layout.final),
-        out=str(layout.eval_raw), datasets=config.dataset_records(),
+        **config.eval.pick(EvalSettings),
+        **config.train.pick(HeldOut),
+        target_path=config.target.path,
+        trust_remote_code=config.target.trust_remote_code,
+        draft_dir=str(layout.final),
+        out=str(layout.eval_raw),
+        datasets=config.dataset_records(),
     )
 
 
 def engine_server(config: RunConfig) -> EngineServer:
     """The engine eval's server: `server` as the generate stage starts it, one server at server.url (or the running one)."""
     s = config.server
-    return EngineServer(settings=ServerSettings(**{**s.pick(ServerSettings), "url": config.eval_server_url, "urls": None}),
-                        launch=s.launch, target=config.target.path, log_dir=config.layout.logs, command=s.command,
-                        gpus_per_replica=s.gpus_per_replica)
+    return EngineServer(
+        settings=ServerSettings(**{**s.pick(ServerSettings), "url": config.eval_server_url, "urls": None}),
+        launch=s.launch,
+        target=config.target.path,
+        log_dir=config.layout.logs,
+        command=s.command,
+        gpus_per_replica=s.gpus_per_replica,
+    )

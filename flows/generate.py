@@ -10,6 +10,7 @@ from prefect import flow, get_run_logger
 from flows.config import RunConfig
 from flows.config_file import load_config, save_run_config
 from models.jobs import GenerateJob, GenerateSettings
+from tasks.generate.prompts import request_sampling_params
 from tasks.generate.tasks import (
     copy_passthrough_task,
     generate_responses,
@@ -17,9 +18,8 @@ from tasks.generate.tasks import (
     publish_server_table,
     server_pool,
 )
-from tasks.server_pool import ServerPool
-from tasks.generate.prompts import request_sampling_params
 from tasks.run_lock import run_lock
+from tasks.server_pool import ServerPool
 
 
 @flow(name="generate", flow_run_name="generate {config_path}", log_prints=True)
@@ -57,13 +57,18 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
     """The task call for dataset `index`: a copy for passthrough, generation otherwise."""
     dataset = config.datasets[index]
     if dataset.kind == "passthrough":
-        return asyncio.to_thread(copy_passthrough_task, dataset.name, dataset.path, dataset.on_bad_row, config.layout,
-                                 dataset.row_format)
+        return asyncio.to_thread(
+            copy_passthrough_task, dataset.name, dataset.path, dataset.on_bad_row, config.layout, dataset.row_format
+        )
     gen = config.generate
     settings = GenerateJob(
-        **gen.pick(GenerateSettings), dataset=dataset.name, token_budget=dataset.token_budget, max_prompts=dataset.max_prompts,
+        **gen.pick(GenerateSettings),
+        dataset=dataset.name,
+        token_budget=dataset.token_budget,
+        max_prompts=dataset.max_prompts,
         sampling_params=request_sampling_params(config.sampling.model_dump(), config.sampling.stop_token_ids or []),
-        sampling_seed=config.sampling.seed, retry_rejects=retry_rejects,
+        sampling_seed=config.sampling.seed,
+        retry_rejects=retry_rejects,
     )
     task = generate_responses.with_options(
         retries=gen.retries,
@@ -72,6 +77,13 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
         retry_jitter_factor=0.5 if gen.retries else None,  # type: ignore[arg-type]
     )
     return task(
-        dataset.name, dataset.path, dataset.on_bad_row, config.target.path, config.target.trust_remote_code,
-        settings, config.layout, pool, dataset.row_format,
+        dataset.name,
+        dataset.path,
+        dataset.on_bad_row,
+        config.target.path,
+        config.target.trust_remote_code,
+        settings,
+        config.layout,
+        pool,
+        dataset.row_format,
     )

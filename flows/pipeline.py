@@ -39,7 +39,9 @@ def _run_name() -> str:
 
 
 @flow(name="pipeline", flow_run_name=_run_name)
-def pipeline(config_path: str, stages: str = ALL_STAGES, retry_rejects: bool = False, skip_checks: bool = False) -> dict:
+def pipeline(
+    config_path: str, stages: str = ALL_STAGES, retry_rejects: bool = False, skip_checks: bool = False
+) -> dict:
     """The whole run, or the chosen stages; every stage resumes where it stopped.
 
     `retry_rejects`: also send again the prompts the server refused (HTTP 400) in earlier runs.
@@ -48,20 +50,27 @@ def pipeline(config_path: str, stages: str = ALL_STAGES, retry_rejects: bool = F
     config = load_config(config_path)
     chosen = parse_stages(stages)
     # one writer per run dir and per output dir outside it, for every stage
-    with run_lock(config.run_dir, f"pipeline [{','.join(chosen)}]", also=config.written_dirs(chosen),
-                  reads=config.read_dirs(chosen)):
+    with run_lock(
+        config.run_dir,
+        f"pipeline [{','.join(chosen)}]",
+        also=config.written_dirs(chosen),
+        reads=config.read_dirs(chosen),
+    ):
         return run_stages(config_path, config, chosen, retry_rejects, skip_checks)
 
 
-def run_stages(config_path: str, config: RunConfig, chosen: list[str], retry_rejects: bool,
-               skip_checks: bool = False) -> dict:
+def run_stages(
+    config_path: str, config: RunConfig, chosen: list[str], retry_rejects: bool, skip_checks: bool = False
+) -> dict:
     """The chosen stages in order, each as a subflow, after the preflight checks."""
     if config.target.build_tiny_target:  # demo and tests: the deterministic tiny target, built once
         build_tiny_target(config.target.path)
     log = get_run_logger()
     if skip_checks:
-        log.warning("preflight checks skipped (skip_checks / --skip-checks): a problem they find shows up later, "
-                    "in the stage it breaks")
+        log.warning(
+            "preflight checks skipped (skip_checks / --skip-checks): a problem they find shows up later, "
+            "in the stage it breaks"
+        )
     else:
         preflight(config, chosen, log)
     results: dict = {}
@@ -88,6 +97,16 @@ def serving(config: RunConfig):
         what = f"{s.replicas} {s.launch} {s.engine} servers" if s.replicas > 1 else f"the {s.launch} {s.engine} server"
         where = f"{s.url} (router)" if s.router else ", ".join(s.endpoints)
         get_run_logger().info("starting %s at %s (logs in %s)", what, where, config.layout.logs)
-    return launched_servers(s.launch, s.url, replicas=s.replicas, router=s.router, router_args=s.router_args,
-                            gpus_per_replica=s.gpus_per_replica, target=Path(config.target.path), command=s.command,
-                            log_dir=config.layout.logs, health_timeout_s=s.health_timeout_s, engine=s.engine)
+    return launched_servers(
+        s.launch,
+        s.url,
+        replicas=s.replicas,
+        router=s.router,
+        router_args=s.router_args,
+        gpus_per_replica=s.gpus_per_replica,
+        target=Path(config.target.path),
+        command=s.command,
+        log_dir=config.layout.logs,
+        health_timeout_s=s.health_timeout_s,
+        engine=s.engine,
+    )

@@ -7,7 +7,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from flows.config import RunConfig
-from tasks.capture.plan import CapturePlan, DiskTooSmall, EngineWindow, check_fits, human_bytes, plan_capture, target_shape
+from tasks.capture.plan import (
+    CapturePlan,
+    DiskTooSmall,
+    EngineWindow,
+    check_fits,
+    human_bytes,
+    plan_capture,
+    target_shape,
+)
 from tasks.capture.tasks import captured_tokens, last_throughput
 from tasks.checkpoints import summarize
 from tasks.records.build import summarize_records
@@ -22,7 +30,14 @@ def print_plan(config: RunConfig, console: Console) -> bool:
     for d in config.datasets:
         done = summarize(layout.responses(d.name))
         left = f"{max(0, d.token_budget - done.completion_tokens):,}" if d.token_budget else "all prompts"
-        table.add_row(escape(d.name), d.kind, f"{d.token_budget:,}" if d.token_budget else "-", f"{done.completion_tokens:,}", left, f"{done.rows:,}")
+        table.add_row(
+            escape(d.name),
+            d.kind,
+            f"{d.token_budget:,}" if d.token_budget else "-",
+            f"{done.completion_tokens:,}",
+            left,
+            f"{done.rows:,}",
+        )
     console.print(table)
 
     records = {d.name: summarize_records(layout.records(d.name)) for d in config.datasets}
@@ -39,7 +54,11 @@ def print_plan(config: RunConfig, console: Console) -> bool:
             highlight=False,
         )
         return True
-    eta = f"about {plan.est_seconds / 3600:.2f} h at the last measured speed" if plan.est_seconds else "time unknown until a capture has run"
+    eta = (
+        f"about {plan.est_seconds / 3600:.2f} h at the last measured speed"
+        if plan.est_seconds
+        else "time unknown until a capture has run"
+    )
     console.print(
         f"capture: {plan.tokens_todo:,} tokens to go ({plan.tokens_done:,} done) x {plan.bytes_per_token:,} B "
         f"(hidden {plan.hidden_size}, {plan.dtype}) = {human_bytes(plan.bytes_needed)}; "
@@ -47,10 +66,16 @@ def print_plan(config: RunConfig, console: Console) -> bool:
         highlight=False,
     )
     if plan.temp_dir is not None:
-        where = ("counted above: the shards' filesystem" if plan.temp_usable_bytes is None
-                 else f"{human_bytes(plan.temp_usable_bytes)} usable there")
-        console.print(f"capture (vllm): the connector's files take up to {human_bytes(plan.temp_bytes)} at once in "
-                      f"{escape(plan.temp_dir)} ({where})", highlight=False)
+        where = (
+            "counted above: the shards' filesystem"
+            if plan.temp_usable_bytes is None
+            else f"{human_bytes(plan.temp_usable_bytes)} usable there"
+        )
+        console.print(
+            f"capture (vllm): the connector's files take up to {human_bytes(plan.temp_bytes)} at once in "
+            f"{escape(plan.temp_dir)} ({where})",
+            highlight=False,
+        )
     try:
         check_fits(plan)
     except DiskTooSmall as exc:
@@ -65,7 +90,13 @@ def capture_plan(config: RunConfig) -> CapturePlan:
     c, layout = config.capture, config.layout
     engine = EngineWindow(layout.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
     return plan_capture(
-        [layout.records(d.name) for d in config.datasets], layout.hidden_dir, shape, c.dtype,
-        margin=c.disk_margin, max_tokens=c.max_tokens, tokens_done=captured_tokens(layout.hidden_dir),
-        tokens_per_s=last_throughput(layout.hidden_dir), engine=engine,
+        [layout.records(d.name) for d in config.datasets],
+        layout.hidden_dir,
+        shape,
+        c.dtype,
+        margin=c.disk_margin,
+        max_tokens=c.max_tokens,
+        tokens_done=captured_tokens(layout.hidden_dir),
+        tokens_per_s=last_throughput(layout.hidden_dir),
+        engine=engine,
     )

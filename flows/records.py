@@ -19,13 +19,19 @@ def records(config_path: str) -> list[dict]:
     config = load_config(config_path)
     with run_lock(config.run_dir, "records"):  # one writer per run directory
         save_run_config(config)
-        vocab_size, stop_ids = target_vocab(config.target.path, config.target.trust_remote_code, config.sampling.stop_token_ids)
+        vocab_size, stop_ids = target_vocab(
+            config.target.path, config.target.trust_remote_code, config.sampling.stop_token_ids
+        )
         settings = record_settings(config, vocab_size, stop_ids)
         reports = [
-            build_dataset_records(d.name, d.kind, config.layout, config.target.path, config.target.trust_remote_code, settings)
+            build_dataset_records(
+                d.name, d.kind, config.layout, config.target.path, config.target.trust_remote_code, settings
+            )
             for d in config.datasets
         ]
-        tokens = count_record_tokens(config.layout, [d.name for d in config.datasets], vocab_size, config.train.draft_vocab_size)
+        tokens = count_record_tokens(
+            config.layout, [d.name for d in config.datasets], vocab_size, config.train.draft_vocab_size
+        )
         return publish_records_report(reports, tokens, Path(config_path).stem)
 
 

@@ -17,14 +17,19 @@ from tasks.train.tasks import report_training, retry_train_job, run_train_job
 def train(config_path: str) -> dict:
     """Stage 4: run (or resume) the training ranks, then plot and publish the metrics."""
     config = load_config(config_path)
-    with run_lock(config.run_dir, "train", also=config.written_dirs(["train"]),
-                  reads=config.read_dirs(["train"])):  # one writer per run directory
+    with run_lock(
+        config.run_dir, "train", also=config.written_dirs(["train"]), reads=config.read_dirs(["train"])
+    ):  # one writer per run directory
         save_run_config(config)
         name = Path(config_path).stem
         t = config.train
         # A retry relaunches the ranks, which resume from the last checkpoint; only a crash is retried.
-        job = run_train_job.with_options(retries=t.retries, retry_delay_seconds=t.retry_delay_s, retry_condition_fn=retry_train_job)
-        summary = job(train_job(config), config.layout.job("train"), t.num_gpus, t.launcher, name, nodes=config.distributed)
+        job = run_train_job.with_options(
+            retries=t.retries, retry_delay_seconds=t.retry_delay_s, retry_condition_fn=retry_train_job
+        )
+        summary = job(
+            train_job(config), config.layout.job("train"), t.num_gpus, t.launcher, name, nodes=config.distributed
+        )
         report = report_training(config.layout.draft_dir, name, eval_steps=config.eval.num_steps)
         return {**summary, "plot": report["plot"]}
 
@@ -33,7 +38,13 @@ def train_job(config: RunConfig) -> TrainJob:
     """The job every rank reads (models/train.py); each rank derives its DeepSpeed config from the settings in it."""
     t, layout = config.train, config.layout
     return TrainJob(
-        **t.pick(TrainSettings), target_path=config.target.path, trust_remote_code=config.target.trust_remote_code,
-        device=t.device, out_dir=str(layout.draft_dir), token_counts=str(layout.token_counts),
-        hidden_dir=str(layout.hidden_dir), datasets=config.dataset_records(), aux_layers=config.capture.aux_layers,
+        **t.pick(TrainSettings),
+        target_path=config.target.path,
+        trust_remote_code=config.target.trust_remote_code,
+        device=t.device,
+        out_dir=str(layout.draft_dir),
+        token_counts=str(layout.token_counts),
+        hidden_dir=str(layout.hidden_dir),
+        datasets=config.dataset_records(),
+        aux_layers=config.capture.aux_layers,
     )

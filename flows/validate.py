@@ -16,7 +16,12 @@ def validate_datasets(config: RunConfig, *, config_path: Path, console: Console)
     """Parse every dataset of `config` and print one table row each; True if all are usable."""
     table = Table(title=f"{config_path}: datasets", title_justify="left")
     for column in ("#", "dataset", "kind", "rows", "bad rows", "duplicates", "token budget", "max prompts", "status"):
-        table.add_column(column, justify="right" if column in {"#", "rows", "bad rows", "duplicates", "token budget", "max prompts"} else "left")
+        table.add_column(
+            column,
+            justify="right"
+            if column in {"#", "rows", "bad rows", "duplicates", "token budget", "max prompts"}
+            else "left",
+        )
     problems: list[str] = []
     missing: list[str] = []
     formats: list[str] = []  # one line per dataset read: its row format, configured or detected
@@ -25,7 +30,9 @@ def validate_datasets(config: RunConfig, *, config_path: Path, console: Console)
         cap = f"{dataset.max_prompts:,}" if dataset.max_prompts else "-"
         if not dataset.path.exists():
             missing.append(f"datasets[{i}] {dataset.name}: {dataset.path}")
-            table.add_row(str(i), escape(dataset.name), dataset.kind, "-", "-", "-", budget, cap, "[red]missing file[/red]")
+            table.add_row(
+                str(i), escape(dataset.name), dataset.kind, "-", "-", "-", budget, cap, "[red]missing file[/red]"
+            )
             continue
         empty: EmptyDatasetError | None = None
         try:
@@ -35,7 +42,9 @@ def validate_datasets(config: RunConfig, *, config_path: Path, console: Console)
             loaded = LoadedDataset(rows=[], rejects=list(exc.rejects), duplicates=0, path=dataset.path, shape=exc.shape)
         except DatasetError as exc:  # unreadable as a whole (unknown format, corrupt Parquet, ...)
             problems.append(f"datasets[{i}] {dataset.name}: {exc}")
-            table.add_row(str(i), escape(dataset.name), dataset.kind, "-", "-", "-", budget, cap, "[red]unreadable[/red]")
+            table.add_row(
+                str(i), escape(dataset.name), dataset.kind, "-", "-", "-", budget, cap, "[red]unreadable[/red]"
+            )
             continue
         shape = loaded.shape.describe() if loaded.shape else "auto, not detected from any row"
         formats.append(f"{dataset.name}: format {shape}")
@@ -57,12 +66,23 @@ def validate_datasets(config: RunConfig, *, config_path: Path, console: Console)
                 listed = f":\n    {shown}{more}" if bad else ""
                 problems.append(f"datasets[{i}] {dataset.name}: {empty}{listed}")
         table.add_row(
-            str(i), escape(dataset.name), dataset.kind, f"{len(loaded.rows):,}", str(bad), str(loaded.duplicates), budget, cap, status
+            str(i),
+            escape(dataset.name),
+            dataset.kind,
+            f"{len(loaded.rows):,}",
+            str(bad),
+            str(loaded.duplicates),
+            budget,
+            cap,
+            status,
         )
     console.print(table)
     for line in formats:
         console.print(escape(line), highlight=False)
-    console.print(escape(f"target: {config.target.path}    server: {config.server.url}    run_dir: {config.run_dir}"), highlight=False)
+    console.print(
+        escape(f"target: {config.target.path}    server: {config.server.url}    run_dir: {config.run_dir}"),
+        highlight=False,
+    )
     if missing:
         console.print(
             f"[red]{len(missing)} data file(s) missing[/red] (the data is yours to provide: put each file "
@@ -75,5 +95,7 @@ def validate_datasets(config: RunConfig, *, config_path: Path, console: Console)
         console.print(f"[red]problem:[/red] {escape(line)}", highlight=False)
     ok = not missing and not problems
     if ok:
-        console.print(f"[green]{config_path} is valid:[/green] {len(config.datasets)} dataset(s) ready.", highlight=False)
+        console.print(
+            f"[green]{config_path} is valid:[/green] {len(config.datasets)} dataset(s) ready.", highlight=False
+        )
     return ok

@@ -42,9 +42,10 @@ import heapq
 import inspect
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -96,7 +97,9 @@ def trimmed_length(loss_mask: np.ndarray) -> int:
     return int(nz[-1]) + 1 if nz.size else 0
 
 
-def load_records(datasets: list[DatasetRecords], vocab_size: int | None = None) -> tuple[list[Sample], list[RecordPart], int]:
+def load_records(
+    datasets: list[DatasetRecords], vocab_size: int | None = None
+) -> tuple[list[Sample], list[RecordPart], int]:
     """Every record with at least one loss token, trimmed; also the parts and how many had none."""
     samples: list[Sample] = []
     parts: list[RecordPart] = []
@@ -119,8 +122,10 @@ def load_records(datasets: list[DatasetRecords], vocab_size: int | None = None) 
             if input_ids.size and (input_ids.min() < 0 or (vocab_size is not None and input_ids.max() >= vocab_size)):
                 bad = int(np.flatnonzero((input_ids < 0) | (input_ids >= (vocab_size or np.iinfo(np.int32).max)))[0])
                 row = int(np.searchsorted(id_starts, bad, side="right") - 1)
-                raise ValueError(f"{path}: row {row} (id {ids[row]!r}): token id {int(input_ids[bad])} "
-                                 f"outside the target vocab [0, {vocab_size})")
+                raise ValueError(
+                    f"{path}: row {row} (id {ids[row]!r}): token id {int(input_ids[bad])} "
+                    f"outside the target vocab [0, {vocab_size})"
+                )
             part = len(parts)
             parts.append(RecordPart(path, input_ids, loss_mask))
             for row, sample_id in enumerate(ids):
@@ -128,7 +133,9 @@ def load_records(datasets: list[DatasetRecords], vocab_size: int | None = None) 
                     raise ValueError(f"{path}: row {row}: id is null")
                 key = (ds.name, sample_id)
                 if key in seen:
-                    raise ValueError(f"dataset {ds.name!r}: id {sample_id!r} in both {seen[key]} and {path} (row {row})")
+                    raise ValueError(
+                        f"dataset {ds.name!r}: id {sample_id!r} in both {seen[key]} and {path} (row {row})"
+                    )
                 seen[key] = path
                 start, end = int(id_starts[row]), int(id_starts[row + 1])
                 n = trimmed_length(loss_mask[start:end])
@@ -233,8 +240,9 @@ def resolve_dtype(name: str, config: Any) -> torch.dtype:
     return found if isinstance(found, torch.dtype) else torch.float32
 
 
-def ds_inference_config(dtype: torch.dtype, offload: str, nvme_path: str | None, device: str,
-                        largest_param_numel: int = 0) -> dict[str, Any]:
+def ds_inference_config(
+    dtype: torch.dtype, offload: str, nvme_path: str | None, device: str, largest_param_numel: int = 0
+) -> dict[str, Any]:
     """A ZeRO-3 inference config (no optimizer): parameters partitioned, optionally offloaded."""
     zero: dict[str, Any] = {"stage": 3}
     if offload == "cpu":
@@ -291,8 +299,10 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
 
     config = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
     if getattr(config, "tie_last_hidden_states", True) is False:
-        raise ValueError(f"{job.target_path}: config.tie_last_hidden_states=False: hidden_states[-1] "
-                         "would be the pre-norm state; the capture needs the post-norm one")
+        raise ValueError(
+            f"{job.target_path}: config.tie_last_hidden_states=False: hidden_states[-1] "
+            "would be the pre-norm state; the capture needs the post-norm one"
+        )
     dtype = resolve_dtype(job.dtype, config)
     num_layers = num_decoder_layers(config)
     aux_layers = default_aux_layers(num_layers) if job.aux_layers is None else list(job.aux_layers)
@@ -316,9 +326,11 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     batches = make_batches(mine, job.max_batch_tokens)
     if dist.rank == 0:
         clean_temps(out_dir)  # leftovers of killed writers; nobody writes before the barrier
-        log(f"capture: {len(samples)} records with loss tokens ({no_loss} without, skipped), "
+        log(
+            f"capture: {len(samples)} records with loss tokens ({no_loss} without, skipped), "
             f"{len(done)} already captured, {len(pending)} pending over {dist.world_size} rank(s); "
-            f"aux_layers={aux_layers} dtype={str(dtype).removeprefix('torch.')} mode={job.mode}")
+            f"aux_layers={aux_layers} dtype={str(dtype).removeprefix('torch.')} mode={job.mode}"
+        )
     dist.barrier()
     if not pending:  # every rank knows: nothing to load the target for
         if dist.rank == 0:
@@ -342,24 +354,35 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     with ShardWriter(out_dir, dist.rank, job.shard_tokens, aux_layers=aux_layers) as writer, torch.no_grad():
         for step in range(steps):
             if step >= len(batches):
-                forward(input_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device),
-                        attention_mask=torch.ones((1, 1), dtype=torch.long, device=device), **call_kwargs)
+                forward(
+                    input_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device),
+                    attention_mask=torch.ones((1, 1), dtype=torch.long, device=device),
+                    **call_kwargs,
+                )
                 continue
             batch = batches[step]
-            for s, aux, last in capture_batch(forward, batch, parts, aux_layers, num_layers, pad_id, device, call_kwargs):
+            for s, aux, last in capture_batch(
+                forward, batch, parts, aux_layers, num_layers, pad_id, device, call_kwargs
+            ):
                 part = parts[s.part]
-                writer.add(s.id, s.dataset,
-                           torch.from_numpy(part.input_ids[s.start : s.start + s.length].copy()),
-                           torch.from_numpy(part.loss_mask[s.start : s.start + s.length].copy()),
-                           aux, last)
+                writer.add(
+                    s.id,
+                    s.dataset,
+                    torch.from_numpy(part.input_ids[s.start : s.start + s.length].copy()),
+                    torch.from_numpy(part.loss_mask[s.start : s.start + s.length].copy()),
+                    aux,
+                    last,
+                )
                 done_here += 1
                 tokens_here += s.length
             if time.monotonic() - last_report >= PROGRESS_EVERY_S:
                 say(CAPTURE_PROGRESS.format(rank=dist.rank, done=done_here, total=total, tokens=tokens_here))
                 last_report = time.monotonic()
     say(CAPTURE_PROGRESS.format(rank=dist.rank, done=done_here, total=total, tokens=tokens_here))
-    log(f"capture: rank {dist.rank} ran {len(batches)} batches and {steps - len(batches)} padding forwards, "
-        f"wrote {len(writer.written)} shards")
+    log(
+        f"capture: rank {dist.rank} ran {len(batches)} batches and {steps - len(batches)} padding forwards, "
+        f"wrote {len(writer.written)} shards"
+    )
 
     dist.barrier()  # every rank's shards are complete
     if dist.rank == 0:
@@ -368,14 +391,24 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     return {"samples": done_here, "tokens": tokens_here}
 
 
-def capture_batch(forward: Callable[..., Any], batch: list[Sample], parts: list[RecordPart], aux_layers: list[int],
-                  num_layers: int, pad_id: int, device: torch.device, call_kwargs: dict[str, Any]):
+def capture_batch(
+    forward: Callable[..., Any],
+    batch: list[Sample],
+    parts: list[RecordPart],
+    aux_layers: list[int],
+    num_layers: int,
+    pad_id: int,
+    device: torch.device,
+    call_kwargs: dict[str, Any],
+):
     """One right-padded forward; yield (sample, aux [n, 3H], last [n, H]) on the CPU, unpadded."""
     width = max(s.length for s in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, S]
     attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, S]
     for i, s in enumerate(batch):
-        input_ids[i, : s.length] = torch.from_numpy(parts[s.part].input_ids[s.start : s.start + s.length].astype(np.int64))
+        input_ids[i, : s.length] = torch.from_numpy(
+            parts[s.part].input_ids[s.start : s.start + s.length].astype(np.int64)
+        )
         attention_mask[i, : s.length] = 1
     out = forward(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **call_kwargs)
     hidden = out.hidden_states  # L+1 tensors [B, S, H]; [0] is the embeddings
@@ -387,12 +420,16 @@ def capture_batch(forward: Callable[..., Any], batch: list[Sample], parts: list[
         yield s, aux[i, : s.length], last[i, : s.length]
 
 
-def _load_target(job: CaptureJob, dist: Dist, dtype: torch.dtype, device: torch.device) -> tuple[Callable[..., Any], torch.nn.Module]:
+def _load_target(
+    job: CaptureJob, dist: Dist, dtype: torch.dtype, device: torch.device
+) -> tuple[Callable[..., Any], torch.nn.Module]:
     """(forward, model): the model itself (replicate) or its DeepSpeed engine (zero3), and the HF model."""
     from transformers import AutoModelForCausalLM
 
     if job.mode == "replicate":
-        model = AutoModelForCausalLM.from_pretrained(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code
+        )
         model = model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
         return model, model
 
@@ -419,26 +456,37 @@ def _load_target(job: CaptureJob, dist: Dist, dtype: torch.dtype, device: torch.
     engine.module.eval().requires_grad_(False)
     params = list(engine.module.parameters())
     held = sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor"))
-    log(f"capture: rank {dist.rank} holds {held:,} of {sum(getattr(p, 'ds_numel', p.numel()) for p in params):,} "
-        f"parameters (ZeRO-3, offload {job.offload})")
+    log(
+        f"capture: rank {dist.rank} holds {held:,} of {sum(getattr(p, 'ds_numel', p.numel()) for p in params):,} "
+        f"parameters (ZeRO-3, offload {job.offload})"
+    )
     engine._capture_hf_ds_config = hf_ds_config  # keep it alive as long as the engine
     return engine, engine.module
 
 
-def check_compatible(existing: list[dict], out_dir: Path, hidden_size: int, aux_layers: list[int], dtype: torch.dtype) -> None:
+def check_compatible(
+    existing: list[dict], out_dir: Path, hidden_size: int, aux_layers: list[int], dtype: torch.dtype
+) -> None:
     """ValueError unless the shards in `out_dir` were captured with these settings (either backend writes into them)."""
     want = {"hidden_size": hidden_size, "aux_layers": aux_layers, "dtype": str(dtype).removeprefix("torch.")}
     for meta in existing[:1]:  # all shards come from runs that passed this same check
         have = {k: meta.get(k) for k in want}
         if have != want:
-            raise ValueError(f"{out_dir} holds shards captured with {have}, this job captures {want}: "
-                             "use another out_dir or remove the old shards")
+            raise ValueError(
+                f"{out_dir} holds shards captured with {have}, this job captures {want}: "
+                "use another out_dir or remove the old shards"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     """The capture rank's entry point (models/rank.py): run the job, report a failure; the exit status."""
-    return serve(argv, prog="python -m models.capture", description=__doc__.splitlines()[0], protocol=CAPTURE,
-                 run=lambda job_path, dist: run(CaptureJob.load(job_path), dist))
+    return serve(
+        argv,
+        prog="python -m models.capture",
+        description=__doc__.splitlines()[0],
+        protocol=CAPTURE,
+        run=lambda job_path, dist: run(CaptureJob.load(job_path), dist),
+    )
 
 
 if __name__ == "__main__":

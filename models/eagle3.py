@@ -55,8 +55,12 @@ from models.draft_vocab import draft_to_target_ids
 from models.target_head import TargetLogits
 
 STEP_DECAY = 0.8  # weight of step k's loss is STEP_DECAY**k (EAGLE-3)
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -90,16 +94,20 @@ class Eagle3Config:
     def __post_init__(self) -> None:
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
-                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
-                                 f"num_attention_heads {self.num_attention_heads}; set head_dim")
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not divisible by "
+                    f"num_attention_heads {self.num_attention_heads}; set head_dim"
+                )
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
         if len(self.aux_layers) != 3 or len(set(self.aux_layers)) != 3:
@@ -109,8 +117,7 @@ class Eagle3Config:
         self.aux_layers = [int(i) for i in self.aux_layers]
 
     @classmethod
-    def from_target_config(cls, hf_config, draft_vocab_size: int, aux_layers: list[int],
-                           **overrides) -> Eagle3Config:
+    def from_target_config(cls, hf_config, draft_vocab_size: int, aux_layers: list[int], **overrides) -> Eagle3Config:
         """The usual draft for a target: its hidden size, heads, MLP width, RoPE base and context.
 
         Reads a transformers config (a multimodal one through its text config). For attention
@@ -190,9 +197,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         work = torch.float64 if dtype == torch.float64 else torch.float32
         exponent = torch.arange(0, self.head_dim, 2, device=position_ids.device, dtype=work) / self.head_dim
-        inv_freq = 1.0 / self.theta ** exponent                      # [hd/2]
-        freqs = position_ids.to(work)[..., None] * inv_freq          # [B, S, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)                      # [B, S, hd]
+        inv_freq = 1.0 / self.theta**exponent  # [hd/2]
+        freqs = position_ids.to(work)[..., None] * inv_freq  # [B, S, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [B, S, hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -227,11 +234,11 @@ class Eagle3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)     # [B, h, S, hd]
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, S, hd]
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, S, hd]
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, S, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = cache.attend(q, k, v, self.num_heads // self.num_kv_heads)                 # [B, h, S, hd]
+        out = cache.attend(q, k, v, self.num_heads // self.num_kv_heads)  # [B, h, S, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -258,12 +265,13 @@ class Eagle3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache) -> torch.Tensor:
-        residual = hidden                                                            # [B, S, H]
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache
+    ) -> torch.Tensor:
+        residual = hidden  # [B, S, H]
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # [B, S, 2H]
-        hidden = residual + self.self_attn(x, cos, sin, cache)                       # [B, S, H]
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))              # [B, S, H]
+        hidden = residual + self.self_attn(x, cos, sin, cache)  # [B, S, H]
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))  # [B, S, H]
 
 
 # ----------------------------------------------------------------------------- attention caches
@@ -291,13 +299,13 @@ class TTTCache:
             raise ValueError(f"impl must be 'sdpa' or 'eager', got {impl!r}")
         b, t = key_padding.shape
         idx = torch.arange(t, device=key_padding.device)
-        causal = idx[None, :] <= idx[:, None]                  # [T, T] key t' <= query t
-        same = idx[None, :] == idx[:, None]                    # [T, T] key t' == query t
-        real_key = key_padding.bool()[:, None, None, :]        # [B, 1, 1, T]
+        causal = idx[None, :] <= idx[:, None]  # [T, T] key t' <= query t
+        same = idx[None, :] == idx[:, None]  # [T, T] key t' == query t
+        real_key = key_padding.bool()[:, None, None, :]  # [B, 1, 1, T]
         # A query's own step-0 key is always allowed, so a padded query's row is never empty (no NaN).
-        self.step0_allowed = (causal & real_key) | same        # [B, 1, T, T]
-        self.same_position = same.expand(b, 1, t, t)           # [B, 1, T, T] what a later step's keys allow
-        self.keys: list[torch.Tensor] = []    # per step [B, kv, T, hd], RoPE at pos + step
+        self.step0_allowed = (causal & real_key) | same  # [B, 1, T, T]
+        self.same_position = same.expand(b, 1, t, t)  # [B, 1, T, T] what a later step's keys allow
+        self.keys: list[torch.Tensor] = []  # per step [B, kv, T, hd], RoPE at pos + step
         self.values: list[torch.Tensor] = []
         self.impl = impl
 
@@ -305,24 +313,24 @@ class TTTCache:
         self.keys.append(k)
         self.values.append(v)
         if self.impl == "sdpa":
-            keys = repeat_kv(torch.cat(self.keys, dim=2), groups)       # [B, h, T*(k+1), hd]
+            keys = repeat_kv(torch.cat(self.keys, dim=2), groups)  # [B, h, T*(k+1), hd]
             values = repeat_kv(torch.cat(self.values, dim=2), groups)
             allowed = torch.cat([self.step0_allowed] + [self.same_position] * (len(self.keys) - 1), dim=-1)
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)  # [B, h, T, hd]
 
         scale = 1.0 / math.sqrt(q.shape[-1])
-        k0, v0 = repeat_kv(self.keys[0], groups), repeat_kv(self.values[0], groups)   # [B, h, T, hd]
+        k0, v0 = repeat_kv(self.keys[0], groups), repeat_kv(self.values[0], groups)  # [B, h, T, hd]
         later_k = [repeat_kv(ki, groups) for ki in self.keys[1:]]
         later_v = [repeat_kv(vi, groups) for vi in self.values[1:]]
-        scores = [q @ k0.transpose(-1, -2) * scale]                                  # [B, h, T, T]
-        scores += [(q * ki).sum(-1, keepdim=True) * scale for ki in later_k]        # k x [B, h, T, 1]
+        scores = [q @ k0.transpose(-1, -2) * scale]  # [B, h, T, T]
+        scores += [(q * ki).sum(-1, keepdim=True) * scale for ki in later_k]  # k x [B, h, T, 1]
         diagonal = torch.ones_like(self.step0_allowed[..., :1]).expand(-1, -1, -1, len(later_k))
-        allowed = torch.cat([self.step0_allowed, diagonal], dim=-1)                # [B, 1, T, T+k]
+        allowed = torch.cat([self.step0_allowed, diagonal], dim=-1)  # [B, 1, T, T+k]
         weights = _masked_softmax_attention(torch.cat(scores, dim=-1), allowed).to(q.dtype)  # [B, h, T, T+k]
         t = q.shape[2]
-        out = weights[..., :t] @ v0                                                  # [B, h, T, hd]
+        out = weights[..., :t] @ v0  # [B, h, T, hd]
         for i, vi in enumerate(later_v):
-            out = out + weights[..., t + i, None] * vi                               # diagonal terms
+            out = out + weights[..., t + i, None] * vi  # diagonal terms
         return out
 
 
@@ -345,10 +353,10 @@ class KVCache:
         past, s = len(self), q.shape[2]
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        keys, values = repeat_kv(self.k, groups), repeat_kv(self.v, groups)       # [B, h, L, hd]
+        keys, values = repeat_kv(self.k, groups), repeat_kv(self.v, groups)  # [B, h, L, hd]
         idx = torch.arange(past + s, device=q.device)
-        allowed = idx[None, :] <= idx[past:, None]                                # [S, L]
-        scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])              # [B, h, S, L]
+        allowed = idx[None, :] <= idx[past:, None]  # [S, L]
+        scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, h, S, L]
         return _masked_softmax_attention(scores, allowed).to(q.dtype) @ values
 
 
@@ -374,14 +382,14 @@ class Eagle3Output:
     """
 
     loss: torch.Tensor
-    per_step_loss: torch.Tensor   # [K] (detached)
-    per_step_acc: torch.Tensor    # [K]
+    per_step_loss: torch.Tensor  # [K] (detached)
+    per_step_acc: torch.Tensor  # [K]
     acceptance_length: torch.Tensor  # scalar
     per_step_cond_acc: torch.Tensor  # [K] a_k
-    tokens: torch.Tensor          # [K] positions whose predicted token is a loss token
-    valid: torch.Tensor           # [K] ... and whose target argmax is in the draft vocab (loss denominators)
-    correct: torch.Tensor         # [K]
-    chain_reached: torch.Tensor   # [K]
+    tokens: torch.Tensor  # [K] positions whose predicted token is a loss token
+    valid: torch.Tensor  # [K] ... and whose target argmax is in the draft vocab (loss denominators)
+    correct: torch.Tensor  # [K]
+    chain_reached: torch.Tensor  # [K]
     chain_accepted: torch.Tensor  # [K]
     step_logits: list[torch.Tensor] | None = None  # K x [B, T, D] when return_steps
     step_hidden: list[torch.Tensor] | None = None  # K x [B, T, H] when return_steps
@@ -438,8 +446,10 @@ class Eagle3Draft(nn.Module):
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft vocab (models/draft_vocab.py); d2t and t2d must describe the same ids."""
         if tuple(d2t.shape) != tuple(self.d2t.shape) or tuple(t2d.shape) != tuple(self.t2d.shape):
-            raise ValueError(f"d2t/t2d shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} != "
-                             f"{tuple(self.d2t.shape)}/{tuple(self.t2d.shape)}")
+            raise ValueError(
+                f"d2t/t2d shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} != "
+                f"{tuple(self.d2t.shape)}/{tuple(self.t2d.shape)}"
+            )
         ids = draft_to_target_ids(d2t).to(t2d.device)
         if ids.min() < 0 or ids.max() >= t2d.shape[0] or not torch.all(ids[1:] > ids[:-1]):
             raise ValueError("d2t does not map to strictly increasing target ids inside the vocab")
@@ -462,8 +472,15 @@ class Eagle3Draft(nn.Module):
 
     # -- inference
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None, *, target_vocab_logits: bool = False) -> DraftStep:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        *,
+        target_vocab_logits: bool = False,
+    ) -> DraftStep:
         """One draft step for S new positions appended to `cache` (a new KVCache when None).
 
         input_ids [B, S]: the token that FOLLOWS each position (x[t+1] at position t).
@@ -476,26 +493,37 @@ class Eagle3Draft(nn.Module):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = (len(cache) + torch.arange(s, device=input_ids.device)).expand(b, s)
-        embeds = self.embed_tokens(input_ids)                                        # [B, S, H]
-        if (hidden.shape[-1] == 3 * _resolved(self.config.target_hidden_size, "target_hidden_size")
-                and hidden.shape[-1] != self.config.hidden_size):
-            hidden = self.fc(hidden.to(self.fc.weight.dtype))                        # [B, S, H]
+        embeds = self.embed_tokens(input_ids)  # [B, S, H]
+        if (
+            hidden.shape[-1] == 3 * _resolved(self.config.target_hidden_size, "target_hidden_size")
+            and hidden.shape[-1] != self.config.hidden_size
+        ):
+            hidden = self.fc(hidden.to(self.fc.weight.dtype))  # [B, S, H]
         elif hidden.shape[-1] != self.config.hidden_size:
             raise ValueError(f"hidden width {hidden.shape[-1]} is neither 3*target_hidden_size nor hidden_size")
-        cos, sin = self.rotary(position_ids, embeds.dtype)                          # [B, S, hd]
-        hidden = self.midlayer(embeds, hidden, cos, sin, cache)                      # [B, S, H] pre-norm
-        logits = self.lm_head(self.norm(hidden))                                     # [B, S, D]
+        cos, sin = self.rotary(position_ids, embeds.dtype)  # [B, S, hd]
+        hidden = self.midlayer(embeds, hidden, cos, sin, cache)  # [B, S, H] pre-norm
+        logits = self.lm_head(self.norm(hidden))  # [B, S, D]
         if target_vocab_logits:
-            logits = self.to_target_vocab(logits)                                    # [B, S, V]
+            logits = self.to_target_vocab(logits)  # [B, S, V]
         return DraftStep(logits=logits, hidden=hidden, cache=cache)
 
     # -- training
 
-    def forward_ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target: TargetLogits,
-                    loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    position_ids: torch.Tensor | None = None, ttt_steps: int = 7, *,
-                    step_decay: float = STEP_DECAY, attn_impl: str = "sdpa",
-                    return_steps: bool = False) -> Eagle3Output:
+    def forward_ttt(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        target: TargetLogits,
+        loss_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        ttt_steps: int = 7,
+        *,
+        step_decay: float = STEP_DECAY,
+        attn_impl: str = "sdpa",
+        return_steps: bool = False,
+    ) -> Eagle3Output:
         """Training-time test over K = ttt_steps unrolled steps; the alignment is in the module docstring.
 
         input_ids [B, T], aux_hidden [B, T, 3*Ht] (unshifted, as captured), target =
@@ -508,30 +536,30 @@ class Eagle3Draft(nn.Module):
             attention_mask = torch.ones(b, t, dtype=torch.bool, device=dev)
         if position_ids is None:
             position_ids = torch.arange(t, device=dev).expand(b, t)
-        trained = loss_mask.bool() & attention_mask.bool()                  # [B, T] token j is a loss token
+        trained = loss_mask.bool() & attention_mask.bool()  # [B, T] token j is a loss token
         target_logp = torch.log_softmax(_at_least_fp32(target.logits), -1)  # [B, T, D] restricted, renormalized
         cache = TTTCache(attention_mask, impl=attn_impl)
 
-        hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))               # [B, T, H]
+        hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))  # [B, T, H]
         losses, tokens, valid, correct, chain_steps, step_logits, step_hidden = [], [], [], [], [], [], []
         for k in range(ttt_steps):
-            embeds = self.embed_tokens(_shift_left(input_ids, k + 1))      # [B, T, H]   x[t+k+1]
-            cos, sin = self.rotary(position_ids + k, embeds.dtype)          # [B, T, hd]  RoPE at pos+k
-            hidden = self.midlayer(embeds, hidden, cos, sin, cache)         # [B, T, H]   next step's input
-            logits = self.lm_head(self.norm(hidden))                        # [B, T, D]
+            embeds = self.embed_tokens(_shift_left(input_ids, k + 1))  # [B, T, H]   x[t+k+1]
+            cos, sin = self.rotary(position_ids + k, embeds.dtype)  # [B, T, hd]  RoPE at pos+k
+            hidden = self.midlayer(embeds, hidden, cos, sin, cache)  # [B, T, H]   next step's input
+            logits = self.lm_head(self.norm(hidden))  # [B, T, D]
             if return_steps:
                 step_logits.append(logits)
                 step_hidden.append(hidden)
 
             # Step k at t is scored against z[t+k+1] (the target's view of x[t+k+2]).
-            n = max(t - (k + 1), 0)                                         # positions that have one
+            n = max(t - (k + 1), 0)  # positions that have one
             draft_logp = torch.log_softmax(_at_least_fp32(logits[:, :n]), -1)  # [B, n, D]
-            tgt_logp = target_logp[:, k + 1:]                               # [B, n, D]
-            counted = _shift_left(trained, k + 2)[:, :n]                    # [B, n] x[t+k+2] is trained
-            ok = counted & target.in_draft[:, k + 1:]                       # [B, n] usable for the loss
-            kl = (tgt_logp.exp() * (tgt_logp - draft_logp)).sum(-1)         # [B, n]
+            tgt_logp = target_logp[:, k + 1 :]  # [B, n, D]
+            counted = _shift_left(trained, k + 2)[:, :n]  # [B, n] x[t+k+2] is trained
+            ok = counted & target.in_draft[:, k + 1 :]  # [B, n] usable for the loss
+            kl = (tgt_logp.exp() * (tgt_logp - draft_logp)).sum(-1)  # [B, n]
             losses.append(torch.where(ok, kl, 0.0).sum() / ok.sum().clamp(min=1))
-            hit = ok & (draft_logp.argmax(-1) == tgt_logp.argmax(-1))       # [B, n]
+            hit = ok & (draft_logp.argmax(-1) == tgt_logp.argmax(-1))  # [B, n]
             tokens.append(counted.sum())
             valid.append(ok.sum())
             correct.append(hit.sum())
@@ -543,8 +571,8 @@ class Eagle3Draft(nn.Module):
 
         # Greedy chain from root t: step k is reached if steps < k were right and x[t+2..t+k+2] are trained.
         reached, accepted = [], []
-        chain_ok = torch.ones(b, t, dtype=torch.bool, device=dev)          # steps < k all right
-        chain_counted = torch.ones(b, t, dtype=torch.bool, device=dev)     # x[t+2..t+k+2] all trained
+        chain_ok = torch.ones(b, t, dtype=torch.bool, device=dev)  # steps < k all right
+        chain_counted = torch.ones(b, t, dtype=torch.bool, device=dev)  # x[t+2..t+k+2] all trained
         for counted_k, hit_k in chain_steps:
             chain_counted = chain_counted & counted_k
             reached.append((chain_counted & chain_ok).sum())
@@ -558,8 +586,11 @@ class Eagle3Draft(nn.Module):
             per_step_acc=n_correct.double() / n_tokens.double().clamp(min=1),
             acceptance_length=acceptance_length(chain_accepted, chain_reached),
             per_step_cond_acc=chain_accepted.double() / chain_reached.double().clamp(min=1),
-            tokens=n_tokens, valid=n_valid, correct=n_correct,
-            chain_reached=chain_reached, chain_accepted=chain_accepted,
+            tokens=n_tokens,
+            valid=n_valid,
+            correct=n_correct,
+            chain_reached=chain_reached,
+            chain_accepted=chain_accepted,
             step_logits=step_logits if return_steps else None,
             step_hidden=step_hidden if return_steps else None,
         )

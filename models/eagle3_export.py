@@ -118,8 +118,17 @@ SGLANG_REQUIRED_WEIGHTS: dict[str, _Shape] = {
 # assume without them, and vLLM refuses a d2t (module docstring).
 VOCAB_MAP = ("d2t", "t2d")
 _EMBED_SHAPE: _Shape = lambda c: (c["vocab_size"], c["hidden_size"])  # noqa: E731
-_INT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-             "max_position_embeddings", "vocab_size", "draft_vocab_size", "target_hidden_size")
+_INT_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "vocab_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+)
 _ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}  # torch_dtype -> safetensors dtype
 
 
@@ -177,18 +186,24 @@ def check_aux_layers(aux_layers: list[int], target_layers: int | None = None) ->
             f"aux_layers {aux}: the first aux layer must be 1. SGLang versions disagree on "
             "eagle_config.eagle_aux_hidden_state_layer_ids whose first id is not 1 (older ones add 1 "
             "to every id, newer ones only when the first id is 1), so the exported draft would be "
-            "served with other hidden states than it was trained on; use default_aux_layers")
+            "served with other hidden states than it was trained on; use default_aux_layers"
+        )
     if any(b <= a for a, b in zip(aux, aux[1:])):
-        raise ValueError(f"aux_layers {aux} must be increasing: SGLang and vLLM capture and "
-                         "concatenate the aux hidden states in layer order")
+        raise ValueError(
+            f"aux_layers {aux} must be increasing: SGLang and vLLM capture and "
+            "concatenate the aux hidden states in layer order"
+        )
     if target_layers is not None and aux[-1] >= int(target_layers) - 1:
-        raise ValueError(f"aux_layers {aux}: layer {aux[-1]} is the last of the target's {target_layers} "
-                         "layers (or beyond); SGLang (and vLLM before PR #36063) captures only layer inputs, "
-                         "never the last output")
+        raise ValueError(
+            f"aux_layers {aux}: layer {aux[-1]} is the last of the target's {target_layers} "
+            "layers (or beyond); SGLang (and vLLM before PR #36063) captures only layer inputs, "
+            "never the last output"
+        )
 
 
-def export_draft(draft: Eagle3Draft, out_dir: str | Path, *, target_config,
-                 dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_draft(
+    draft: Eagle3Draft, out_dir: str | Path, *, target_config, dtype: torch.dtype = torch.bfloat16
+) -> Path:
     """Write `out_dir/{config.json, model.safetensors}` for SGLang, validated, atomically; return out_dir.
 
     `target_config`: the target's HF config (dict or PretrainedConfig) for max_position_embeddings
@@ -214,7 +229,9 @@ def export_draft(draft: Eagle3Draft, out_dir: str | Path, *, target_config,
             # skips t2d always and, without d2t, uses draft ids as target ids (the identity).
             continue
         t = t.detach().to("cpu")
-        tensors[name] = (t.to(torch.int64) if name == "d2t" else t.bool() if name == "t2d" else t.to(dtype)).contiguous()
+        tensors[name] = (
+            t.to(torch.int64) if name == "d2t" else t.bool() if name == "t2d" else t.to(dtype)
+        ).contiguous()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -269,8 +286,9 @@ def validate_export(out_dir: str | Path) -> list[str]:
     rules = dict(SGLANG_REQUIRED_WEIGHTS)
     rules[EMBED] = _EMBED_SHAPE
     if EMBED not in names and cfg["hidden_size"] != cfg["target_hidden_size"]:
-        problems.append(f"missing {EMBED}: SGLang shares the target's embedding only when "
-                        "hidden_size == target_hidden_size")
+        problems.append(
+            f"missing {EMBED}: SGLang shares the target's embedding only when hidden_size == target_hidden_size"
+        )
     float_dtype = _ST_DTYPES[cfg["torch_dtype"]]
     optional = {EMBED, *VOCAB_MAP} if cfg["draft_vocab_size"] == cfg["vocab_size"] else {EMBED}
     for name, rule in rules.items():
@@ -324,20 +342,31 @@ def _config_problems(cfg: dict) -> list[str]:
         p.append(f"torch_dtype {cfg.get('torch_dtype')!r} not one of {sorted(_ST_DTYPES)}")
     eagle = cfg.get("eagle_config")
     ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
-    if not (isinstance(ids, list) and len(ids) == 3 and len(set(ids)) == 3
-            and all(isinstance(i, int) and i >= 0 for i in ids)):
+    if not (
+        isinstance(ids, list)
+        and len(ids) == 3
+        and len(set(ids)) == 3
+        and all(isinstance(i, int) and i >= 0 for i in ids)
+    ):
         p.append(f"eagle_config.eagle_aux_hidden_state_layer_ids must be 3 distinct layer ids, got {ids!r}")
     elif ids[0] != 1:
-        p.append(f"eagle_config.eagle_aux_hidden_state_layer_ids {ids}: first id must be 1 "
-                 "(SGLang versions read other lists differently)")
+        p.append(
+            f"eagle_config.eagle_aux_hidden_state_layer_ids {ids}: first id must be 1 "
+            "(SGLang versions read other lists differently)"
+        )
     if not isinstance(eagle, dict) or eagle.get("use_aux_hidden_state") is not True:
         p.append("eagle_config.use_aux_hidden_state must be true")
     return p
 
 
 # vLLM's loader, mirrored (module docstring): checkpoint name -> Eagle3LlamaForCausalLM parameter.
-_VLLM_STACKED = ((".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
-                 (".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1))
+_VLLM_STACKED = (
+    (".q_proj", ".qkv_proj", "q"),
+    (".k_proj", ".qkv_proj", "k"),
+    (".v_proj", ".qkv_proj", "v"),
+    (".gate_proj", ".gate_up_proj", 0),
+    (".up_proj", ".gate_up_proj", 1),
+)
 _VShard = tuple[str, str | int | None]
 
 
@@ -400,8 +429,9 @@ def _vllm_label(key: _VShard) -> str:
     return key[0] if key[1] is None else f"{key[0]} shard {key[1]!r}"
 
 
-def vllm_load_problems(cfg: Mapping, tensors: Mapping[str, tuple[tuple[int, ...], str]],
-                       d2t: torch.Tensor | None = None) -> list[str]:
+def vllm_load_problems(
+    cfg: Mapping, tensors: Mapping[str, tuple[tuple[int, ...], str]], d2t: torch.Tensor | None = None
+) -> list[str]:
     """What would make vLLM's `Eagle3LlamaForCausalLM` refuse the export or serve something else; [] when fine.
 
     A pure function of the config dict, `tensors` (safetensors name -> (shape, dtype string such
@@ -413,10 +443,18 @@ def vllm_load_problems(cfg: Mapping, tensors: Mapping[str, tuple[tuple[int, ...]
     """
     p = []
     if not any(a in VLLM_ARCHITECTURES for a in cfg.get("architectures") or ()):
-        p.append(f"architectures {cfg.get('architectures')!r}: none of {list(VLLM_ARCHITECTURES)} "
-                 "(vLLM's registry names of Eagle3LlamaForCausalLM)")
-    for config_key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "draft_vocab_size",
-                       "target_hidden_size"):
+        p.append(
+            f"architectures {cfg.get('architectures')!r}: none of {list(VLLM_ARCHITECTURES)} "
+            "(vLLM's registry names of Eagle3LlamaForCausalLM)"
+        )
+    for config_key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "vocab_size",
+        "draft_vocab_size",
+        "target_hidden_size",
+    ):
         v = cfg.get(config_key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             p.append(f"config {config_key} must be a positive int, got {v!r}")
@@ -425,8 +463,10 @@ def vllm_load_problems(cfg: Mapping, tensors: Mapping[str, tuple[tuple[int, ...]
     if cfg["draft_vocab_size"] > cfg["vocab_size"]:
         p.append(f"draft_vocab_size {cfg['draft_vocab_size']} > vocab_size {cfg['vocab_size']}")
     if cfg.get("num_hidden_layers") != 1:
-        p.append(f"num_hidden_layers {cfg.get('num_hidden_layers')!r} != 1: vLLM builds that many layers "
-                 "and midlayer.* loads only layers.0")
+        p.append(
+            f"num_hidden_layers {cfg.get('num_hidden_layers')!r} != 1: vLLM builds that many layers "
+            "and midlayer.* loads only layers.0"
+        )
     if cfg.get("hidden_act") != "silu":
         p.append(f"hidden_act {cfg.get('hidden_act')!r}: vLLM's LlamaMLP supports only 'silu'")
     if cfg.get("norm_before_residual", False) is not False:
@@ -436,16 +476,23 @@ def vllm_load_problems(cfg: Mapping, tensors: Mapping[str, tuple[tuple[int, ...]
         p.append("eagle_config.use_aux_hidden_state must be true (false makes vLLM skip fc)")
 
     ids = cfg.get(VLLM_AUX_KEY)
-    if not (isinstance(ids, list) and len(ids) == 3
-            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in ids)
-            and all(b > a for a, b in zip(ids, ids[1:]))):
-        p.append(f"top-level {VLLM_AUX_KEY} must be 3 increasing capture indices >= 1 (vLLM reads this "
-                 f"key first; index i = input of target layer i), got {ids!r}")
+    if not (
+        isinstance(ids, list)
+        and len(ids) == 3
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in ids)
+        and all(b > a for a, b in zip(ids, ids[1:]))
+    ):
+        p.append(
+            f"top-level {VLLM_AUX_KEY} must be 3 increasing capture indices >= 1 (vLLM reads this "
+            f"key first; index i = input of target layer i), got {ids!r}"
+        )
     else:
         nested = eagle.get(VLLM_AUX_KEY) if isinstance(eagle, dict) else None
         if isinstance(nested, list) and ids != [j + 1 for j in nested if isinstance(j, int)]:
-            p.append(f"top-level {VLLM_AUX_KEY} {ids} != eagle_config's {nested} + 1: the two engines "
-                     "would capture different layers")
+            p.append(
+                f"top-level {VLLM_AUX_KEY} {ids} != eagle_config's {nested} + 1: the two engines "
+                "would capture different layers"
+            )
 
     expected = _vllm_expected(cfg)
     loaded: dict[_VShard, str] = {}
@@ -458,15 +505,19 @@ def vllm_load_problems(cfg: Mapping, tensors: Mapping[str, tuple[tuple[int, ...]
             p.append(f"unexpected tensor {name}: vLLM loads mask_hidden only for parallel drafting")
             continue
         if key[0] == "draft_id_to_target_id" and cfg["draft_vocab_size"] == cfg["vocab_size"]:
-            p.append(f"{name} present with draft_vocab_size == vocab_size ({cfg['vocab_size']}): vLLM 0.32's "
-                     "Eagle3LlamaForCausalLM creates draft_id_to_target_id only when they differ, yet its "
-                     "load_weights renames d2t to it, so the load fails with \"There is no module or parameter "
-                     "named 'draft_id_to_target_id' in Eagle3LlamaForCausalLM\" "
-                     "(vllm/model_executor/models/llama_eagle3.py); omit d2t, the map is the identity")
+            p.append(
+                f"{name} present with draft_vocab_size == vocab_size ({cfg['vocab_size']}): vLLM 0.32's "
+                "Eagle3LlamaForCausalLM creates draft_id_to_target_id only when they differ, yet its "
+                'load_weights renames d2t to it, so the load fails with "There is no module or parameter '
+                "named 'draft_id_to_target_id' in Eagle3LlamaForCausalLM\" "
+                "(vllm/model_executor/models/llama_eagle3.py); omit d2t, the map is the identity"
+            )
             continue
         if key not in expected:
-            p.append(f"unknown tensor {name}: vLLM looks it up as {_vllm_label(key)}, which "
-                     "Eagle3LlamaForCausalLM does not have (the load fails)")
+            p.append(
+                f"unknown tensor {name}: vLLM looks it up as {_vllm_label(key)}, which "
+                "Eagle3LlamaForCausalLM does not have (the load fails)"
+            )
             continue
         if key in loaded:
             p.append(f"tensors {loaded[key]} and {name} both load vLLM's {_vllm_label(key)}")
@@ -478,22 +529,31 @@ def vllm_load_problems(cfg: Mapping, tensors: Mapping[str, tuple[tuple[int, ...]
     embed = _vllm_loaded_name(EMBED)
     for key in expected:
         if key not in loaded and key[0] == "draft_id_to_target_id":
-            p.append(f"missing tensor {expected[key][0]}: draft_vocab_size {cfg['draft_vocab_size']} < vocab_size "
-                     f"{cfg['vocab_size']}, so vLLM's draft_id_to_target_id would keep its zeros and "
-                     "compute_logits would serve draft index i as target id i (vLLM 0.32 runs no check "
-                     "for unloaded draft weights)")
+            p.append(
+                f"missing tensor {expected[key][0]}: draft_vocab_size {cfg['draft_vocab_size']} < vocab_size "
+                f"{cfg['vocab_size']}, so vLLM's draft_id_to_target_id would keep its zeros and "
+                "compute_logits would serve draft index i as target id i (vLLM 0.32 runs no check "
+                "for unloaded draft weights)"
+            )
         elif key not in loaded and key != embed:
-            p.append(f"missing tensor {expected[key][0]}: vLLM's {_vllm_label(key)} would not be "
-                     "initialized from the checkpoint")
+            p.append(
+                f"missing tensor {expected[key][0]}: vLLM's {_vllm_label(key)} would not be "
+                "initialized from the checkpoint"
+            )
     if embed not in loaded and cfg["hidden_size"] != cfg["target_hidden_size"]:
-        p.append(f"missing {EMBED}: the target's embedding has hidden size {cfg['target_hidden_size']}, "
-                 f"not the draft's {cfg['hidden_size']}")
+        p.append(
+            f"missing {EMBED}: the target's embedding has hidden size {cfg['target_hidden_size']}, "
+            f"not the draft's {cfg['hidden_size']}"
+        )
     if d2t is not None and not any(x.startswith("d2t") for x in p):
         targets = torch.arange(d2t.shape[0], dtype=torch.int64) + d2t.to(torch.int64)
-        if targets.numel() and (targets.min() < 0 or targets.max() >= cfg["vocab_size"]
-                                or targets.unique().numel() != targets.numel()):
-            p.append(f"d2t: target ids arange(D) + d2t are not distinct ids in [0, {cfg['vocab_size']}) "
-                     "(vLLM's compute_logits scatters draft logits there)")
+        if targets.numel() and (
+            targets.min() < 0 or targets.max() >= cfg["vocab_size"] or targets.unique().numel() != targets.numel()
+        ):
+            p.append(
+                f"d2t: target ids arange(D) + d2t are not distinct ids in [0, {cfg['vocab_size']}) "
+                "(vLLM's compute_logits scatters draft logits there)"
+            )
     return p
 
 
@@ -529,8 +589,10 @@ def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None
     cfg = json.loads((out_dir / CONFIG_FILE).read_text())
     config = Eagle3Config(
         **{k: cfg[k] for k in _INT_KEYS},
-        rms_norm_eps=float(cfg["rms_norm_eps"]), rope_theta=float(cfg["rope_theta"]),
-        aux_layers=list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]), hidden_act=cfg["hidden_act"],
+        rms_norm_eps=float(cfg["rms_norm_eps"]),
+        rope_theta=float(cfg["rope_theta"]),
+        aux_layers=list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+        hidden_act=cfg["hidden_act"],
     )
     draft = Eagle3Draft(config).to(dtype or getattr(torch, cfg["torch_dtype"]))
     with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:

@@ -58,20 +58,35 @@ def engine_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
     return [k + 1 for k in aux_layers] + [num_layers]
 
 
-def extraction_config(aux_layers: list[int], num_layers: int, shared_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def extraction_config(
+    aux_layers: list[int], num_layers: int, shared_dir: str | Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(speculative_config, kv_transfer_config): what `vllm serve` must be started with for this capture."""
-    speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                   "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": engine_layer_ids(aux_layers, num_layers)}}}
-    kv_transfer = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                   "kv_connector_extra_config": {"shared_storage_path": str(shared_dir)}}
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {
+            "hf_config": {"eagle_aux_hidden_state_layer_ids": engine_layer_ids(aux_layers, num_layers)}
+        },
+    }
+    kv_transfer = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(shared_dir)},
+    }
     return speculative, kv_transfer
 
 
 def server_flags(aux_layers: list[int], num_layers: int, shared_dir: str | Path) -> list[str]:
     """The `vllm serve` flags of `extraction_config` (chunked prefill off: the feature requires it)."""
     speculative, kv_transfer = extraction_config(aux_layers, num_layers, shared_dir)
-    return ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(kv_transfer),
-            "--no-enable-chunked-prefill"]
+    return [
+        "--speculative-config",
+        json.dumps(speculative),
+        "--kv-transfer-config",
+        json.dumps(kv_transfer),
+        "--no-enable-chunked-prefill",
+    ]
 
 
 def wait_for_file(path: str | Path, timeout_s: float) -> None:
@@ -102,28 +117,44 @@ def read_connector_file(path: str | Path, token_ids: list[int], num_ids: int, hi
     try:
         data = load_file(str(path))
     except FileNotFoundError:
-        raise ExtractionFailed(path, "the server names this file but it does not exist here",
-                               "capture.engine.shared_dir must be this machine's view of the server's shared_storage_path") from None
+        raise ExtractionFailed(
+            path,
+            "the server names this file but it does not exist here",
+            "capture.engine.shared_dir must be this machine's view of the server's shared_storage_path",
+        ) from None
     except (SafetensorError, OSError) as e:
         try:
             size = f"{path.stat().st_size:,} bytes"
         except OSError:
             size = "size unknown"
-        raise ExtractionFailed(path, f"{size}, not a complete safetensors file ({e})",
-                               "The server wrote it incompletely (a full shared_dir?); nothing of this record was recorded") from None
+        raise ExtractionFailed(
+            path,
+            f"{size}, not a complete safetensors file ({e})",
+            "The server wrote it incompletely (a full shared_dir?); nothing of this record was recorded",
+        ) from None
     missing = {"token_ids", "hidden_states"} - set(data)
     if missing:
-        raise ExtractionFailed(path, f"no {', '.join(sorted(missing))} tensor (has {sorted(data)})",
-                               "The server is not vLLM's ExampleHiddenStatesConnector")
+        raise ExtractionFailed(
+            path,
+            f"no {', '.join(sorted(missing))} tensor (has {sorted(data)})",
+            "The server is not vLLM's ExampleHiddenStatesConnector",
+        )
     ids, hidden = data["token_ids"], data["hidden_states"]
     if ids.ndim != 1 or ids.tolist() != list(token_ids):
         shown = ids.tolist()[:8] if ids.ndim == 1 else list(ids.shape)
-        raise ExtractionFailed(path, f"token_ids {shown}... (n={ids.numel()}) are not the {len(token_ids)} ids sent",
-                               "The file belongs to another request, or the server rewrote the prompt")
+        raise ExtractionFailed(
+            path,
+            f"token_ids {shown}... (n={ids.numel()}) are not the {len(token_ids)} ids sent",
+            "The file belongs to another request, or the server rewrote the prompt",
+        )
     want = (len(token_ids), num_ids, hidden_size)
     if tuple(hidden.shape) != want or not hidden.is_floating_point():
-        raise ExtractionFailed(path, f"hidden_states {list(hidden.shape)} {hidden.dtype}, expected {list(want)} floats "
-                               "(tokens, layer ids, hidden size)", layers)
+        raise ExtractionFailed(
+            path,
+            f"hidden_states {list(hidden.shape)} {hidden.dtype}, expected {list(want)} floats "
+            "(tokens, layer ids, hidden size)",
+            layers,
+        )
     return hidden
 
 

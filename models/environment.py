@@ -20,12 +20,28 @@ from models.findings import Finding, failed
 # The major.minor versions the project's tests passed with (another is a WARN, not a FAIL): this machine's .venv
 # first, then the GPU machine's (Python 3.12, torch 2.11, transformers 5.17, numpy 2.5: the fast, multiprocess and
 # GPU-check smoke tests, run once in a venv of those versions; docs/gpu-check.md).
-TESTED = {"python": ("3.11", "3.12"), "torch": ("2.13", "2.11"), "transformers": ("5.24", "5.17"), "deepspeed": "0.19",
-          "safetensors": "0.8", "pyarrow": "26", "numpy": ("2.4", "2.5"), "pydantic": "2.14", "prefect": "3.9",
-          "httpx": "0.28"}
+TESTED = {
+    "python": ("3.11", "3.12"),
+    "torch": ("2.13", "2.11"),
+    "transformers": ("5.24", "5.17"),
+    "deepspeed": "0.19",
+    "safetensors": "0.8",
+    "pyarrow": "26",
+    "numpy": ("2.4", "2.5"),
+    "pydantic": "2.14",
+    "prefect": "3.9",
+    "httpx": "0.28",
+}
 # What a rank process and the GPU check import, and the distribution that provides each.
-NEEDED = {"torch": "torch", "deepspeed": "deepspeed", "transformers": "transformers", "safetensors": "safetensors",
-          "pyarrow": "pyarrow", "numpy": "numpy", "pydantic": "pydantic"}  # pydantic: the jobs (models/jobs.py)
+NEEDED = {
+    "torch": "torch",
+    "deepspeed": "deepspeed",
+    "transformers": "transformers",
+    "safetensors": "safetensors",
+    "pyarrow": "pyarrow",
+    "numpy": "numpy",
+    "pydantic": "pydantic",
+}  # pydantic: the jobs (models/jobs.py)
 # What the pipeline process imports besides (the GPU check's machine has no Prefect).
 PIPELINE = {"prefect": "prefect", "httpx": "httpx"}
 # DeepSpeed ops a setting needs built or buildable, by op builder: ZeRO-3 offload to NVMe needs async I/O.
@@ -33,9 +49,14 @@ OP_BUILDERS = {"async_io": "AsyncIOBuilder"}
 ALLREDUCE_TIMEOUT_S = 60.0  # a hung NCCL (a VM without P2P, a wrong interface) is the failure looked for
 
 
-def environment_checks(device: str, *, pipeline: bool = False, ops: tuple[str, ...] = (), allreduce: bool = False,
-                       install_hint: str = "pip install it (or bash bench/gpu_check.sh, which installs "
-                                           "the carried wheels)") -> list[Finding]:
+def environment_checks(
+    device: str,
+    *,
+    pipeline: bool = False,
+    ops: tuple[str, ...] = (),
+    allreduce: bool = False,
+    install_hint: str = "pip install it (or bash bench/gpu_check.sh, which installs the carried wheels)",
+) -> list[Finding]:
     """The findings for running on `device` ("cuda" or "cpu").
 
     Python, each needed module and its version (with `pipeline`: also what the pipeline process
@@ -67,8 +88,12 @@ def _python_finding() -> Finding:
     tested = tested_versions("python")
     if _matches(have, tested):
         return Finding("python", "PASS", have)
-    return Finding("python", "WARN", f"{have}; tested with {' or '.join(v + '.x' for v in tested)}",
-                   "it may work; the tests ran on those")
+    return Finding(
+        "python",
+        "WARN",
+        f"{have}; tested with {' or '.join(v + '.x' for v in tested)}",
+        "it may work; the tests ran on those",
+    )
 
 
 def _op_finding(op: str) -> Finding:
@@ -82,9 +107,15 @@ def _op_finding(op: str) -> Finding:
         return Finding(f"deepspeed op {op}", "FAIL", f"{type(e).__name__}: {e}"[:200], "reinstall deepspeed")
     if ok:
         return Finding(f"deepspeed op {op}", "PASS", "compatible (built on first use)")
-    return Finding(f"deepspeed op {op}", "FAIL", "DeepSpeed cannot build it on this machine",
-                   "async_io needs libaio-dev (apt install libaio-dev, then reinstall deepspeed); or set "
-                   "capture.offload to cpu or none" if op == "async_io" else "see `ds_report`")
+    return Finding(
+        f"deepspeed op {op}",
+        "FAIL",
+        "DeepSpeed cannot build it on this machine",
+        "async_io needs libaio-dev (apt install libaio-dev, then reinstall deepspeed); or set "
+        "capture.offload to cpu or none"
+        if op == "async_io"
+        else "see `ds_report`",
+    )
 
 
 def _allreduce_finding() -> Finding:
@@ -95,18 +126,31 @@ def _allreduce_finding() -> Finding:
     if gpus < 2:
         return Finding("nccl all-reduce", "PASS", f"skipped: {gpus} GPU (nothing to reduce over)")
     try:
-        done = subprocess.run([sys.executable, "-m", "models.environment", "--allreduce", str(gpus)], capture_output=True,
-                              text=True, timeout=ALLREDUCE_TIMEOUT_S, env={**os.environ, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+        done = subprocess.run(
+            [sys.executable, "-m", "models.environment", "--allreduce", str(gpus)],
+            capture_output=True,
+            text=True,
+            timeout=ALLREDUCE_TIMEOUT_S,
+            env={**os.environ, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
+        )
     except subprocess.TimeoutExpired:
-        return Finding("nccl all-reduce", "FAIL", f"no answer in {ALLREDUCE_TIMEOUT_S:.0f} s over {gpus} GPUs (NCCL hangs)",
-                       "inside a VM try NCCL_P2P_DISABLE=1, NCCL_IB_DISABLE=1, NCCL_SOCKET_IFNAME=lo; "
-                       "NCCL_DEBUG=INFO says where it stops")
+        return Finding(
+            "nccl all-reduce",
+            "FAIL",
+            f"no answer in {ALLREDUCE_TIMEOUT_S:.0f} s over {gpus} GPUs (NCCL hangs)",
+            "inside a VM try NCCL_P2P_DISABLE=1, NCCL_IB_DISABLE=1, NCCL_SOCKET_IFNAME=lo; "
+            "NCCL_DEBUG=INFO says where it stops",
+        )
     last = (done.stdout.strip().splitlines() or [""])[-1]
     if done.returncode == 0 and last.startswith("allreduce ok"):
         return Finding("nccl all-reduce", "PASS", f"{gpus} GPUs: {last.removeprefix('allreduce ok').strip()}")
     tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return Finding("nccl all-reduce", "FAIL", f"{gpus} GPUs: exit {done.returncode}: {tail}"[:300],
-                   "NCCL_DEBUG=INFO says why; inside a VM try NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1")
+    return Finding(
+        "nccl all-reduce",
+        "FAIL",
+        f"{gpus} GPUs: exit {done.returncode}: {tail}"[:300],
+        "NCCL_DEBUG=INFO says why; inside a VM try NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1",
+    )
 
 
 def _allreduce_rank(rank: int, world: int, port: int) -> None:
@@ -139,8 +183,12 @@ def _version_finding(module: str, dist: str) -> Finding:
     tested = tested_versions(module)
     if not tested or _matches(have, tested):
         return Finding(module, "PASS", have)
-    return Finding(module, "WARN", f"{have}; tested with {' or '.join(v + '.x' for v in tested)}",
-                   "it may work; if a later step fails, install a tested version")
+    return Finding(
+        module,
+        "WARN",
+        f"{have}; tested with {' or '.join(v + '.x' for v in tested)}",
+        "it may work; if a later step fails, install a tested version",
+    )
 
 
 def tested_versions(name: str) -> tuple[str, ...]:
@@ -152,7 +200,7 @@ def tested_versions(name: str) -> tuple[str, ...]:
 def _matches(version: str, tested: tuple[str, ...]) -> bool:
     """Whether `version` (e.g. 2.13.0+cpu) is one of `tested` (e.g. 2.13, or 26 for any 26.x)."""
     parts = version.split("+")[0].split(".")
-    return any(parts[:len(t.split("."))] == t.split(".") for t in tested)
+    return any(parts[: len(t.split("."))] == t.split(".") for t in tested)
 
 
 def _device_findings(device: str) -> list[Finding]:
@@ -161,14 +209,31 @@ def _device_findings(device: str) -> list[Finding]:
     if device != "cuda":
         return [Finding("device", "PASS", f"cpu ({torch.get_num_threads()} threads); gloo for the ranks")]
     if not torch.cuda.is_available():
-        return [Finding("device", "FAIL", f"torch {torch.__version__} sees no CUDA device (CUDA build: {torch.version.cuda})",
-                        "use a CUDA build of torch on a machine with a GPU, or the CPU path (--cpu-smoke)")]
+        return [
+            Finding(
+                "device",
+                "FAIL",
+                f"torch {torch.__version__} sees no CUDA device (CUDA build: {torch.version.cuda})",
+                "use a CUDA build of torch on a machine with a GPU, or the CPU path (--cpu-smoke)",
+            )
+        ]
     props = torch.cuda.get_device_properties(0)
-    out = [Finding("device", "PASS", f"{torch.cuda.device_count()} x {props.name}, "
-                                     f"{props.total_memory / 2**30:.0f} GiB, capability {props.major}.{props.minor}")]
-    out.append(Finding("bf16", "PASS" if torch.cuda.is_bf16_supported() else "WARN",
-                       "supported" if torch.cuda.is_bf16_supported() else "not supported by this GPU",
-                       "" if torch.cuda.is_bf16_supported() else "capture and train in fp16 or fp32 instead"))
+    out = [
+        Finding(
+            "device",
+            "PASS",
+            f"{torch.cuda.device_count()} x {props.name}, "
+            f"{props.total_memory / 2**30:.0f} GiB, capability {props.major}.{props.minor}",
+        )
+    ]
+    out.append(
+        Finding(
+            "bf16",
+            "PASS" if torch.cuda.is_bf16_supported() else "WARN",
+            "supported" if torch.cuda.is_bf16_supported() else "not supported by this GPU",
+            "" if torch.cuda.is_bf16_supported() else "capture and train in fp16 or fp32 instead",
+        )
+    )
     try:
         nccl = torch.cuda.nccl.version()
         out.append(Finding("nccl", "PASS", ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)))

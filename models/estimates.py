@@ -36,8 +36,10 @@ from models.target_head import TargetLogits
 
 TRAINING_LABEL = "training-time estimate at {steps} steps (teacher-forced on held-out training records, chain formula)"
 MEASURED_LABEL = "measured (speculative decoding, {steps} steps, on the eval prompts)"
-REPLAY_LABEL = ("round-weighted replay at {steps} steps (draft teacher-forced on the eval's own greedy outputs, "
-                "rounds simulated; equals the measured value in fp32, bf16 rounding may move a near-tie)")
+REPLAY_LABEL = (
+    "round-weighted replay at {steps} steps (draft teacher-forced on the eval's own greedy outputs, "
+    "rounds simulated; equals the measured value in fp32, bf16 rounding may move a near-tie)"
+)
 ALL_ROOTS_LABEL = "chain formula at {steps} steps on the eval's own greedy outputs (every position a root)"
 
 
@@ -52,8 +54,10 @@ def chain_acceptance_length(cond_rates: Sequence[float], num_steps: int) -> floa
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     if len(cond_rates) < num_steps:
-        raise ValueError(f"an estimate at {num_steps} steps needs {num_steps} per-step accept rates, got "
-                         f"{len(cond_rates)} (training unrolled {len(cond_rates)} TTT steps)")
+        raise ValueError(
+            f"an estimate at {num_steps} steps needs {num_steps} per-step accept rates, got "
+            f"{len(cond_rates)} (training unrolled {len(cond_rates)} TTT steps)"
+        )
     length, running = 1.0, 1.0
     for p in cond_rates[:num_steps]:
         running *= float(p)
@@ -72,21 +76,22 @@ def teacher_forced_hits(target, draft: Eagle3Draft, sequence: list[int], num_ste
     dev = next(target.parameters()).device
     ids = torch.tensor([sequence], device=dev)
     res = target(input_ids=ids, use_cache=False, output_hidden_states=True)
-    aux = torch.cat([res.hidden_states[k + 1] for k in draft.config.aux_layers], dim=-1)   # [1, T, 3H]
-    full = res.logits.float()                                                              # [1, T, V]
+    aux = torch.cat([res.hidden_states[k + 1] for k in draft.config.aux_layers], dim=-1)  # [1, T, 3H]
+    full = res.logits.float()  # [1, T, V]
     draft_ids = draft_to_target_ids(draft.d2t).to(dev)
     argmax = full.argmax(-1)
     in_draft = torch.zeros(full.shape[-1], dtype=torch.bool, device=dev)
     in_draft[draft_ids] = True
     tgt = TargetLogits(logits=full[..., draft_ids], in_draft=in_draft[argmax], argmax=argmax)
-    out = draft.forward_ttt(ids, aux, tgt, torch.ones_like(ids), ttt_steps=num_steps, attn_impl="eager",
-                            return_steps=True)
+    out = draft.forward_ttt(
+        ids, aux, tgt, torch.ones_like(ids), ttt_steps=num_steps, attn_impl="eager", return_steps=True
+    )
     if out.step_logits is None:  # return_steps=True sets it
         raise RuntimeError("forward_ttt(return_steps=True) returned no step_logits")
     t_len = len(sequence)
     hits = []
     for k, logits in enumerate(out.step_logits):
-        proposed = draft.draft_to_target(logits[0].argmax(-1)).tolist()                    # [T] target ids
+        proposed = draft.draft_to_target(logits[0].argmax(-1)).tolist()  # [T] target ids
         hits.append([t + k + 2 < t_len and proposed[t] == sequence[t + k + 2] for t in range(t_len)])
     return hits
 
@@ -112,8 +117,9 @@ def simulate_rounds(hits: list[list[bool]], prompt_len: int, output_len: int) ->
     return rounds
 
 
-def replay_acceptance(target, draft: Eagle3Draft, prompts: list[list[int]], outputs: list[list[int]],
-                      num_steps: int) -> dict[str, Any]:
+def replay_acceptance(
+    target, draft: Eagle3Draft, prompts: list[list[int]], outputs: list[list[int]], num_steps: int
+) -> dict[str, Any]:
     """The round-weighted replay (module docstring, 3) over prompts and their greedy outputs.
 
     Returns acceptance_length (mean kept tokens per simulated round; 0.0 with no round),
@@ -154,13 +160,21 @@ def replay_acceptance(target, draft: Eagle3Draft, prompts: list[list[int]], outp
         "per_position_reached": reached,
         "per_position_accepted": accepted,
         "rounds": n_rounds,
-        "all_roots": {"per_step_cond_acc": cond, "acceptance_length": chain_acceptance_length(cond, num_steps),
-                      "roots": root_reached[0]},
+        "all_roots": {
+            "per_step_cond_acc": cond,
+            "acceptance_length": chain_acceptance_length(cond, num_steps),
+            "roots": root_reached[0],
+        },
     }
 
 
-def estimates_block(num_steps: int, *, training_cond_acc: Sequence[float] | None, measured: float | None,
-                    replay: dict[str, Any] | None = None) -> dict[str, Any]:
+def estimates_block(
+    num_steps: int,
+    *,
+    training_cond_acc: Sequence[float] | None,
+    measured: float | None,
+    replay: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The labelled figures for eval.json and the reports: each entry {"label", "value", ...}; None where unknown.
 
     training: the chain formula over the first num_steps of `training_cond_acc` (None when training
@@ -176,12 +190,21 @@ def estimates_block(num_steps: int, *, training_cond_acc: Sequence[float] | None
         training["value"] = round(chain_acceptance_length(training_cond_acc, num_steps), 4)
         training["per_step_cond_acc"] = [round(float(p), 4) for p in training_cond_acc[:num_steps]]
     block["training_estimate"] = training
-    block["measured"] = {"label": MEASURED_LABEL.format(steps=num_steps),
-                         "value": None if measured is None else round(float(measured), 4)}
+    block["measured"] = {
+        "label": MEASURED_LABEL.format(steps=num_steps),
+        "value": None if measured is None else round(float(measured), 4),
+    }
     if replay is not None:
-        block["replay"] = {"label": REPLAY_LABEL.format(steps=num_steps), "value": round(replay["acceptance_length"], 4),
-                           "rounds": replay["rounds"]}
+        block["replay"] = {
+            "label": REPLAY_LABEL.format(steps=num_steps),
+            "value": round(replay["acceptance_length"], 4),
+            "rounds": replay["rounds"],
+        }
         roots = replay["all_roots"]
-        block["all_roots"] = {"label": ALL_ROOTS_LABEL.format(steps=num_steps), "value": round(roots["acceptance_length"], 4),
-                              "per_step_cond_acc": [round(p, 4) for p in roots["per_step_cond_acc"]], "roots": roots["roots"]}
+        block["all_roots"] = {
+            "label": ALL_ROOTS_LABEL.format(steps=num_steps),
+            "value": round(roots["acceptance_length"], 4),
+            "per_step_cond_acc": [round(p, 4) for p in roots["per_step_cond_acc"]],
+            "roots": roots["roots"],
+        }
     return block

@@ -27,11 +27,11 @@ from models.atomic import write_atomic
 from models.eagle3 import Eagle3Draft
 from models.eagle3_export import load_exported_draft
 from models.estimates import replay_acceptance
+from models.eval_prompts import eval_prompts
 from models.jobs import EvalJob
 from models.rank import say, serve
 from models.rank_protocol import EVAL, EVAL_PROGRESS
 from models.spec_eval import SpecEvalResult, evaluate_acceptance
-from models.eval_prompts import eval_prompts
 
 
 def run(job: EvalJob) -> dict[str, Any]:
@@ -45,14 +45,21 @@ def run(job: EvalJob) -> dict[str, Any]:
 
     final = Path(job.draft_dir)
     if not (final / "config.json").is_file():
-        raise FileNotFoundError(f"{final}: no exported draft; run the train stage first (eagle3 run CONFIG --stages train)")
-    device = torch.device("cuda" if job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available()) else "cpu")
+        raise FileNotFoundError(
+            f"{final}: no exported draft; run the train stage first (eagle3 run CONFIG --stages train)"
+        )
+    device = torch.device(
+        "cuda" if job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available()) else "cpu"
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cuda":  # spread a target larger than one GPU over all of them
-        target = AutoModelForCausalLM.from_pretrained(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code,
-                                                      device_map="auto")
+        target = AutoModelForCausalLM.from_pretrained(
+            job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code, device_map="auto"
+        )
     else:
-        target = AutoModelForCausalLM.from_pretrained(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code)
+        target = AutoModelForCausalLM.from_pretrained(
+            job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code
+        )
     target = target.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -62,11 +69,16 @@ def run(job: EvalJob) -> dict[str, Any]:
     selected = eval_prompts(job, int(trained.config.vocab_size))
     prompts = [p.input_ids for p in selected]
     if not prompts:
-        raise ValueError(f"no held-out prompts (train.eval_fraction={job.eval_fraction}): raise eval_fraction and retrain, "
-                         "or the records hold no prompt before their first loss token")
+        raise ValueError(
+            f"no held-out prompts (train.eval_fraction={job.eval_fraction}): raise eval_fraction and retrain, "
+            "or the records hold no prompt before their first loss token"
+        )
     if len(prompts) < job.prompts:
-        print(f"eval: only {len(prompts)} prompts (asked for {job.prompts}): raise train.eval_fraction or add eval.prompt_files "
-              "for more", flush=True)
+        print(
+            f"eval: only {len(prompts)} prompts (asked for {job.prompts}): raise train.eval_fraction or add eval.prompt_files "
+            "for more",
+            flush=True,
+        )
 
     drafts = {"trained": trained}  # first: an eval stopped part-way has measured the draft that matters
     if job.compare_untrained:
@@ -75,25 +87,44 @@ def run(job: EvalJob) -> dict[str, Any]:
     for name, draft in drafts.items():
         parts = []
         for i, prompt in enumerate(prompts):
-            part = evaluate_acceptance(target, draft, [prompt], num_steps=job.num_steps, max_new_tokens=job.max_new_tokens,
-                                       eos_token_ids=eos)
+            part = evaluate_acceptance(
+                target, draft, [prompt], num_steps=job.num_steps, max_new_tokens=job.max_new_tokens, eos_token_ids=eos
+            )
             parts.append(part)
-            say(EVAL_PROGRESS.format(draft=name, done=i + 1, total=len(prompts), new_tokens=part.new_tokens,
-                                     rounds=part.rounds, accepted=accepted_tokens(part)))
+            say(
+                EVAL_PROGRESS.format(
+                    draft=name,
+                    done=i + 1,
+                    total=len(prompts),
+                    new_tokens=part.new_tokens,
+                    rounds=part.rounds,
+                    accepted=accepted_tokens(part),
+                )
+            )
         result[name] = merge_results(parts)
         # per prompt, to set beside the engine backend's replies (tasks/eval/engine.py compare_with_hf)
-        result[name]["per_prompt"] = [{"source": p.source, "id": p.id, "new_tokens": r.new_tokens, "rounds": r.rounds}
-                                      for p, r in zip(selected, parts)]
+        result[name]["per_prompt"] = [
+            {"source": p.source, "id": p.id, "new_tokens": r.new_tokens, "rounds": r.rounds}
+            for p, r in zip(selected, parts)
+        ]
         # The draft teacher-forced on these greedy outputs, rounds simulated (models/estimates.py): the
         # measured value again in exact arithmetic, plus the chain formula over every root of that text.
         replay = replay_acceptance(target, draft, prompts, [o for p in parts for o in p.outputs], job.num_steps)
         roots = replay["all_roots"]
         result[name]["replay"] = {
-            "acceptance_length": round(replay["acceptance_length"], 4), "rounds": replay["rounds"],
-            "all_roots": {"acceptance_length": round(roots["acceptance_length"], 4), "roots": roots["roots"],
-                          "per_step_cond_acc": [round(p, 4) for p in roots["per_step_cond_acc"]]}}
-        print(f"eval: {name} draft: acceptance length {result[name]['acceptance_length']:.3f} over {result[name]['rounds']} "
-              f"rounds; per position {result[name]['per_position_acceptance']}", flush=True)
+            "acceptance_length": round(replay["acceptance_length"], 4),
+            "rounds": replay["rounds"],
+            "all_roots": {
+                "acceptance_length": round(roots["acceptance_length"], 4),
+                "roots": roots["roots"],
+                "per_step_cond_acc": [round(p, 4) for p in roots["per_step_cond_acc"]],
+            },
+        }
+        print(
+            f"eval: {name} draft: acceptance length {result[name]['acceptance_length']:.3f} over {result[name]['rounds']} "
+            f"rounds; per position {result[name]['per_position_acceptance']}",
+            flush=True,
+        )
     out = Path(job.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(result, indent=2))
@@ -109,8 +140,11 @@ def merge_results(parts: list[SpecEvalResult]) -> dict[str, Any]:
     return {
         "acceptance_length": round(sum(p.acceptance_length * p.rounds for p in parts) / max(1, rounds), 4),
         "per_position_acceptance": [round(a / r, 4) if r else 0.0 for a, r in zip(accepted, reached)],
-        "per_position_reached": reached, "per_position_accepted": accepted,
-        "rounds": rounds, "new_tokens": sum(p.new_tokens for p in parts), "prompts": sum(p.prompts for p in parts),
+        "per_position_reached": reached,
+        "per_position_accepted": accepted,
+        "rounds": rounds,
+        "new_tokens": sum(p.new_tokens for p in parts),
+        "prompts": sum(p.prompts for p in parts),
     }
 
 
@@ -133,8 +167,13 @@ def untrained_like(trained: Eagle3Draft, seed: int) -> Eagle3Draft:
 
 def main(argv: list[str] | None = None) -> int:
     """The eval process's entry point (models/rank.py): run the job, report a failure; the exit status."""
-    return serve(argv, prog="python -m models.eval_job", description=__doc__.splitlines()[0], protocol=EVAL,
-                 run=lambda job_path, dist: run(EvalJob.load(job_path)))
+    return serve(
+        argv,
+        prog="python -m models.eval_job",
+        description=__doc__.splitlines()[0],
+        protocol=EVAL,
+        run=lambda job_path, dist: run(EvalJob.load(job_path)),
+    )
 
 
 if __name__ == "__main__":

@@ -26,13 +26,19 @@ def eval_prompts(job: EvalJob, vocab_size: int | None = None) -> list[EvalPrompt
     """Up to `job.prompts` prompts: held-out records' tokens before their first loss token (held-out hash order), then the prompt files'."""
     out = [EvalPrompt(*p) for p in held_out_prompts(job.datasets, job.eval_fraction, job.prompts, vocab_size)]
     # every file is read (a bad row fails the eval even where the held-out records fill it), rendered as needed
-    rows = [(Path(path).stem, where, pid, messages) for path in job.prompt_files for where, pid, messages in read_prompt_file(Path(path))]
+    rows = [
+        (Path(path).stem, where, pid, messages)
+        for path in job.prompt_files
+        for where, pid, messages in read_prompt_file(Path(path))
+    ]
     if len(out) < job.prompts and rows:
         tokenizer = _tokenizer(job)
         for source, where, pid, messages in rows[: job.prompts - len(out)]:
             ids = _render(tokenizer, messages)
             if vocab_size is not None and any(i >= vocab_size for i in ids):
-                raise ValueError(f"{where}: prompt {pid!r} renders to token ids outside the model's vocabulary ({vocab_size})")
+                raise ValueError(
+                    f"{where}: prompt {pid!r} renders to token ids outside the model's vocabulary ({vocab_size})"
+                )
             out.append(EvalPrompt(source, pid, ids))
     return out
 
@@ -61,8 +67,11 @@ def read_prompt_file(path: Path) -> list[tuple[str, str, list[dict[str, str]]]]:
         pid = row.get("id")
         if pid is None:
             content = {"messages": messages} if "messages" in row else {"prompt": row["prompt"]}
-            pid = hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-                                 .encode("utf-8", "surrogatepass")).hexdigest()[:16]
+            pid = hashlib.sha256(
+                json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+                    "utf-8", "surrogatepass"
+                )
+            ).hexdigest()[:16]
         elif not isinstance(pid, (str, int)) or isinstance(pid, bool):
             raise ValueError(f"{where}: `id` must be a string or an integer, got {type(pid).__name__}")
         pid = str(pid)

@@ -38,15 +38,19 @@ from models.file_errors import DamagedShard, WriteFailed
 FORMAT = "eagle3-hidden-v1"
 TENSORS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 INDEX_NAME = "index.parquet"
-METADATA_NAME = "metadata.json"  # beside the index: the capture's target, layers, dtype and speed (tasks/capture/tasks.py)
+METADATA_NAME = (
+    "metadata.json"  # beside the index: the capture's target, layers, dtype and speed (tasks/capture/tasks.py)
+)
 _SHARD_RE = re.compile(r"^shard-(\d{3,})-(\d{6,})\.safetensors$")
 _TMP_PREFIX = ".shard-"
 # safetensors' save_file writes `.tmpXXXXXX` (Rust's tempfile crate) beside the target, then renames it to our
 # temp name: a kill -9 mid-write leaves one of those too
 _SAFETENSORS_TMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust I/O errors carry the errno
-RESUME = ("make room there (or give capture.out_dir a bigger disk), then run the capture stage again: "
-          "complete shards are kept and skipped")
+RESUME = (
+    "make room there (or give capture.out_dir a bigger disk), then run the capture stage again: "
+    "complete shards are kept and skipped"
+)
 
 
 def _shard_problem(path: str | Path, error: BaseException) -> str:
@@ -97,8 +101,13 @@ def iter_shard_index(out_dir: str | Path) -> Iterator[dict]:
     """One row per captured sample: {"id", "dataset", "shard" (file name), "offset", "length"}."""
     for path in list_shards(out_dir):
         for s in shard_metadata(path)["samples"]:
-            yield {"id": s["id"], "dataset": s["dataset"], "shard": path.name,
-                   "offset": int(s["offset"]), "length": int(s["length"])}
+            yield {
+                "id": s["id"],
+                "dataset": s["dataset"],
+                "shard": path.name,
+                "offset": int(s["offset"]),
+                "length": int(s["length"]),
+            }
 
 
 def done_sample_keys(out_dir: str | Path) -> set[tuple[str, str]]:
@@ -143,17 +152,29 @@ def write_index(out_dir: str | Path) -> Path:
 
     out_dir = Path(out_dir)
     rows = list(iter_shard_index(out_dir))
-    table = pa.Table.from_pylist(rows, schema=pa.schema([
-        ("id", pa.string()), ("dataset", pa.string()), ("shard", pa.string()),
-        ("offset", pa.int64()), ("length", pa.int64()),
-    ]))
+    table = pa.Table.from_pylist(
+        rows,
+        schema=pa.schema(
+            [
+                ("id", pa.string()),
+                ("dataset", pa.string()),
+                ("shard", pa.string()),
+                ("offset", pa.int64()),
+                ("length", pa.int64()),
+            ]
+        ),
+    )
     path = out_dir / INDEX_NAME
     try:
         with atomic_file(path) as f:
             pq.write_table(table, f)
     except OSError as e:
-        raise WriteFailed(path, e, kept=f"{len(list_shards(out_dir))} complete shards in {out_dir}; "
-                          "the index is rebuilt from their headers", resume=RESUME) from None
+        raise WriteFailed(
+            path,
+            e,
+            kept=f"{len(list_shards(out_dir))} complete shards in {out_dir}; the index is rebuilt from their headers",
+            resume=RESUME,
+        ) from None
     return path
 
 
@@ -164,8 +185,7 @@ class ShardWriter:
     Call `close()` (or use as a context manager) to write the remainder.
     """
 
-    def __init__(self, out_dir: str | Path, rank: int, shard_tokens: int, *,
-                 aux_layers: list[int] | None = None):
+    def __init__(self, out_dir: str | Path, rank: int, shard_tokens: int, *, aux_layers: list[int] | None = None):
         if shard_tokens < 1:
             raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
         self.out_dir = Path(out_dir)
@@ -173,8 +193,11 @@ class ShardWriter:
         self.rank = rank
         self.shard_tokens = shard_tokens
         self.aux_layers = list(aux_layers) if aux_layers is not None else None
-        seqs = [int(m.group(2)) for p in list_shards(self.out_dir)  # each listed shard's name matches
-                if (m := _SHARD_RE.match(p.name)) and int(m.group(1)) == rank]
+        seqs = [
+            int(m.group(2))
+            for p in list_shards(self.out_dir)  # each listed shard's name matches
+            if (m := _SHARD_RE.match(p.name)) and int(m.group(1)) == rank
+        ]
         self.next_seq = max(seqs) + 1 if seqs else 0
         self.written: list[Path] = []
         self._pending: list[tuple[str, str, dict[str, torch.Tensor]]] = []
@@ -182,8 +205,15 @@ class ShardWriter:
         self._hidden_size: int | None = None
         self._dtype: torch.dtype | None = None
 
-    def add(self, sample_id: str, dataset: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-            aux_hidden: torch.Tensor, last_hidden: torch.Tensor) -> Path | None:
+    def add(
+        self,
+        sample_id: str,
+        dataset: str,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        last_hidden: torch.Tensor,
+    ) -> Path | None:
         """Queue one sample ([n] ids and mask, [n, 3H] aux, [n, H] last); return a shard path if one was written."""
         n = int(input_ids.shape[0])
         h = int(last_hidden.shape[-1])
@@ -192,20 +222,29 @@ class ShardWriter:
         if loss_mask.shape != (n,) or aux_hidden.shape != (n, 3 * h) or last_hidden.shape != (n, h):
             raise ValueError(
                 f"{dataset}/{sample_id}: inconsistent shapes ids {tuple(input_ids.shape)} mask "
-                f"{tuple(loss_mask.shape)} aux {tuple(aux_hidden.shape)} last {tuple(last_hidden.shape)}")
+                f"{tuple(loss_mask.shape)} aux {tuple(aux_hidden.shape)} last {tuple(last_hidden.shape)}"
+            )
         if aux_hidden.dtype != last_hidden.dtype:
             raise ValueError(f"{dataset}/{sample_id}: aux dtype {aux_hidden.dtype} != last dtype {last_hidden.dtype}")
         if self._hidden_size is None:
             self._hidden_size, self._dtype = h, last_hidden.dtype
         elif (h, last_hidden.dtype) != (self._hidden_size, self._dtype):
-            raise ValueError(f"{dataset}/{sample_id}: hidden {h}/{last_hidden.dtype} differs from "
-                             f"{self._hidden_size}/{self._dtype} earlier in this shard writer")
-        self._pending.append((str(sample_id), str(dataset), {
-            "input_ids": input_ids.detach().to("cpu", torch.int32),
-            "loss_mask": loss_mask.detach().to("cpu", torch.uint8),
-            "aux_hidden": aux_hidden.detach().to("cpu"),
-            "last_hidden": last_hidden.detach().to("cpu"),
-        }))
+            raise ValueError(
+                f"{dataset}/{sample_id}: hidden {h}/{last_hidden.dtype} differs from "
+                f"{self._hidden_size}/{self._dtype} earlier in this shard writer"
+            )
+        self._pending.append(
+            (
+                str(sample_id),
+                str(dataset),
+                {
+                    "input_ids": input_ids.detach().to("cpu", torch.int32),
+                    "loss_mask": loss_mask.detach().to("cpu", torch.uint8),
+                    "aux_hidden": aux_hidden.detach().to("cpu"),
+                    "last_hidden": last_hidden.detach().to("cpu"),
+                },
+            )
+        )
         self._pending_tokens += n
         if self._pending_tokens >= self.shard_tokens:
             return self.flush()
@@ -239,9 +278,11 @@ class ShardWriter:
                 raise
             # Stop at once: every shard on disk is complete; what this rank held is captured again.
             raise WriteFailed(
-                path, error, resume=RESUME,
+                path,
+                error,
+                resume=RESUME,
                 kept=f"{len(list_shards(self.out_dir))} complete shards in {self.out_dir}; the "
-                     f"{len(self._pending)} sample(s) ({offset:,} tokens) this shard would have held are captured again",
+                f"{len(self._pending)} sample(s) ({offset:,} tokens) this shard would have held are captured again",
             ) from None
         self.next_seq += 1
         self.written.append(path)

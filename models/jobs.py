@@ -80,12 +80,15 @@ class AuxLayers(Spec):
         if value is not None and (value[0] != 1 or value != sorted(value)):
             # the export refuses these (models/eagle3_export.py): SGLang versions read a first id other
             # than 1 differently, and both engines concatenate the aux hidden states in layer order
-            raise ValueError(f"must be increasing and start at layer 1 so that every SGLang version and vLLM "
-                             f"read them as trained, got {value}")
+            raise ValueError(
+                f"must be increasing and start at layer 1 so that every SGLang version and vLLM "
+                f"read them as trained, got {value}"
+            )
         return value
 
 
 # --- generate ---------------------------------------------------------------------------------
+
 
 class ServerSettings(Spec):
     """How to reach the serving engine's servers (the API key is read from `api_key_env` at use, never stored)."""
@@ -193,12 +196,19 @@ class GenerateJob(GenerateSettings):
     dataset: str
     sampling_params: dict[str, Any] = Field(description="SGLang sampling_params sent with every request.")
     sampling_seed: int | None = Field(
-        default=None, description="sampling.seed: each request's sampling_seed is derived from it, the dataset and the prompt id."
+        default=None,
+        description="sampling.seed: each request's sampling_seed is derived from it, the dataset and the prompt id.",
     )
-    token_budget: int | None = Field(default=None, description="Completion tokens this dataset may spend; None: no limit.")
+    token_budget: int | None = Field(
+        default=None, description="Completion tokens this dataset may spend; None: no limit."
+    )
     max_prompts: int | None = Field(default=None, description="Use at most this many prompts (file order).")
-    max_requeues: int = Field(default=2, ge=0, description="A request the server aborted on its own is sent again this often.")
-    retry_rejects: bool = Field(default=False, description="Also send again prompts the server refused (400) in earlier runs.")
+    max_requeues: int = Field(
+        default=2, ge=0, description="A request the server aborted on its own is sent again this often."
+    )
+    retry_rejects: bool = Field(
+        default=False, description="Also send again prompts the server refused (400) in earlier runs."
+    )
 
 
 # --- records ----------------------------------------------------------------------------------
@@ -208,7 +218,9 @@ class RecordSettings(Spec):
     """How responses and passthrough rows become training records (input_ids + loss_mask)."""
 
     max_seq_len: int | None = Field(
-        default=8192, ge=16, description="Longest record in tokens; longer ones are cut or dropped (see overflow). null: no limit."
+        default=8192,
+        ge=16,
+        description="Longest record in tokens; longer ones are cut or dropped (see overflow). null: no limit.",
     )
     overflow: Literal["truncate", "drop"] = Field(
         default="truncate", description="`truncate`: keep the first max_seq_len tokens. `drop`: leave the record out."
@@ -255,7 +267,9 @@ class Nodes(Spec):
     """
 
     nnodes: int = Field(
-        default=1, ge=1, le=1024,
+        default=1,
+        ge=1,
+        le=1024,
         description="Nodes a capture or train job runs on; each runs the stage's num_gpus ranks. Above 1, RUN_DIR (and "
         "capture.out_dir, train.out_dir) must be one shared filesystem, the repository and its .venv at the same path on "
         "every node. The pipeline runs on node 0.",
@@ -266,7 +280,9 @@ class Nodes(Spec):
         "first host of the hostfile by default). Needed by torchrun when nnodes > 1.",
     )
     master_port: int = Field(
-        default=29500, ge=1, le=65535,
+        default=29500,
+        ge=1,
+        le=65535,
         description="nnodes > 1: TCP port on node 0 for the rendezvous and the process group (one node: a free port is picked).",
     )
     hostfile: Path | None = Field(
@@ -275,7 +291,8 @@ class Nodes(Spec):
         "nnodes hosts are used). Node 0 starts every node's ranks over passwordless ssh with pdsh.",
     )
     join_timeout_s: int = Field(
-        default=600, ge=1,
+        default=600,
+        ge=1,
         description="torchrun, nnodes > 1: how long node 0 waits for the other nodes to join (and they for node 0).",
     )
 
@@ -283,7 +300,9 @@ class Nodes(Spec):
     @classmethod
     def _plain_address(cls, value: str | None) -> str | None:
         if value is not None and (not value or any(c.isspace() for c in value) or value.count(":") == 1):
-            raise ValueError(f"must be the host name or IP address of node 0 (no spaces; the port goes in master_port), got {value!r}")
+            raise ValueError(
+                f"must be the host name or IP address of node 0 (no spaces; the port goes in master_port), got {value!r}"
+            )
         return value
 
     @property
@@ -308,7 +327,9 @@ class CaptureSettings(AuxLayers):
     )
     max_batch_tokens: int = Field(default=16384, ge=1, description="Padded tokens per forward pass on one rank.")
     shard_tokens: int = Field(
-        default=16384, ge=1, description="Tokens per safetensors shard (a kill loses at most one unfinished shard per rank)."
+        default=16384,
+        ge=1,
+        description="Tokens per safetensors shard (a kill loses at most one unfinished shard per rank).",
     )
     offload: Literal["none", "cpu", "nvme"] = Field(
         default="none", description="zero3 only: where partitioned parameters live between uses."
@@ -333,7 +354,9 @@ class TargetRef(TargetCode):
 class RankJob(TargetRef):
     """What every DeepSpeed rank job names: the target, and the device its ranks run on."""
 
-    device: Literal["cpu", "cuda"] = Field(default="cuda", description="cuda under the deepspeed launcher, cpu (gloo) otherwise.")
+    device: Literal["cpu", "cuda"] = Field(
+        default="cuda", description="cuda under the deepspeed launcher, cpu (gloo) otherwise."
+    )
 
 
 class CaptureJob(CaptureSettings, RecordsRef, RankJob):
@@ -341,10 +364,10 @@ class CaptureJob(CaptureSettings, RecordsRef, RankJob):
 
     out_dir: str = Field(description="Shards + index.parquet go here (RUN_DIR/hidden).")
     launch_tokens: int | None = Field(
-        ge=0, description="Most tokens THIS launch captures: capture.max_tokens less what complete shards hold (null: no cap). "
-        "Always stated by the task: no default."
+        ge=0,
+        description="Most tokens THIS launch captures: capture.max_tokens less what complete shards hold (null: no cap). "
+        "Always stated by the task: no default.",
     )
-
 
 
 class EngineSettings(Spec):
@@ -361,7 +384,8 @@ class EngineSettings(Spec):
         description="Base URL of the vLLM server (scheme://host:port, no path; the capture adds /v1/completions).",
     )
     model: str | None = Field(
-        default=None, description="The served model name sent in every request; default: target.path (vLLM's default name).",
+        default=None,
+        description="The served model name sent in every request; default: target.path (vLLM's default name).",
     )
     shared_dir: Path | None = Field(
         default=None,
@@ -370,19 +394,25 @@ class EngineSettings(Spec):
         "RUN_DIR/engine; a RAM disk (/dev/shm/...) is fastest (vLLM's advice).",
     )
     max_concurrency: int = Field(
-        default=32, ge=1, le=4096,
+        default=32,
+        ge=1,
+        le=4096,
         description="Requests in flight at once; each holds a file of n x 4 x hidden x 2 bytes in shared_dir until its shard is written.",
     )
     request_timeout_s: float = Field(
-        default=600.0, gt=0, description="Seconds one request (a prefill of one record) and the wait for its file may take.",
+        default=600.0,
+        gt=0,
+        description="Seconds one request (a prefill of one record) and the wait for its file may take.",
     )
     outage_window_s: float = Field(
-        default=900.0, gt=0,
+        default=900.0,
+        gt=0,
         description="How long the server may stay unreachable (connect errors, 5xx, 408, 429) before the capture fails "
         "cleanly; a Prefect retry (capture.retries) then resumes it.",
     )
     api_key_env: str | None = Field(
-        default=None, description="Name of the environment variable holding the server's API key (vLLM --api-key), sent as a Bearer token.",
+        default=None,
+        description="Name of the environment variable holding the server's API key (vLLM --api-key), sent as a Bearer token.",
     )
 
     @field_validator("url")
@@ -397,15 +427,25 @@ class EngineSettings(Spec):
 
 # --- train ------------------------------------------------------------------------------------
 
-DRAFT_OVERRIDES = ("head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size", "rope_theta", "rms_norm_eps")
+DRAFT_OVERRIDES = (
+    "head_dim",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "rope_theta",
+    "rms_norm_eps",
+)
 
 
 class HeldOut(Spec):
     """The held-out split and the seed: training never sees the split, eval decodes its prompts."""
 
     eval_fraction: float = Field(
-        default=0.02, ge=0, lt=1, description="Share of the samples held out (a stable hash of dataset and id): never trained on; "
-        "the training eval and `eagle3 eval` use them."
+        default=0.02,
+        ge=0,
+        lt=1,
+        description="Share of the samples held out (a stable hash of dataset and id): never trained on; "
+        "the training eval and `eagle3 eval` use them.",
     )
     seed: int = Field(default=0, description="Seed of the draft's initial weights and of the data order.")
 
@@ -419,21 +459,38 @@ class TrainSettings(HeldOut):
         "target itself on the records (no capture, no disk; only for a target that fits one device).",
     )
     draft_vocab_size: int = Field(
-        default=32000, ge=1,
+        default=32000,
+        ge=1,
         description="Tokens the draft can propose: the most frequent loss tokens of the records (capped by the target vocab).",
     )
-    ttt_steps: int = Field(default=7, ge=1, le=16, description="Training-time-test steps unrolled per position (EAGLE-3: 7).")
+    ttt_steps: int = Field(
+        default=7, ge=1, le=16, description="Training-time-test steps unrolled per position (EAGLE-3: 7)."
+    )
     epochs: int = Field(default=1, ge=1, description="Passes over the training samples.")
-    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
+    max_steps: int | None = Field(
+        default=None, ge=1, description="Stop after this many optimizer steps (overrides epochs)."
+    )
     max_batch_tokens: int = Field(
-        default=16384, ge=16, description="Padded tokens per micro batch on one rank; longer samples are cut to this length."
+        default=16384,
+        ge=16,
+        description="Padded tokens per micro batch on one rank; longer samples are cut to this length.",
     )
     lr: float = Field(default=1e-4, gt=0, description="Peak AdamW learning rate.")
-    warmup_ratio: float = Field(default=0.015, ge=0, lt=1, description="Share of the steps with linear warmup; cosine decay after.")
-    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="Learning rate at the last step, as a share of lr.")
-    checkpoint_every: int = Field(default=500, ge=1, description="Optimizer steps between checkpoints (also one at the end).")
+    warmup_ratio: float = Field(
+        default=0.015, ge=0, lt=1, description="Share of the steps with linear warmup; cosine decay after."
+    )
+    min_lr_ratio: float = Field(
+        default=0.0, ge=0, le=1, description="Learning rate at the last step, as a share of lr."
+    )
+    checkpoint_every: int = Field(
+        default=500, ge=1, description="Optimizer steps between checkpoints (also one at the end)."
+    )
     keep_checkpoints: int = Field(default=2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
-    eval_every: int = Field(default=500, ge=1, description="Optimizer steps between evaluations on the held-out split (also one at the end).")
+    eval_every: int = Field(
+        default=500,
+        ge=1,
+        description="Optimizer steps between evaluations on the held-out split (also one at the end).",
+    )
     log_every: int = Field(default=10, ge=1, description="Optimizer steps per metrics.jsonl / TensorBoard line.")
     # the optimizer and DeepSpeed: each rank derives its DeepSpeed config from these (models/train.py ds_train_config)
     precision: Literal["auto", "bf16", "fp32"] = Field(
@@ -446,13 +503,15 @@ class TrainSettings(HeldOut):
     )
     adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     torch_adam: bool = Field(
-        default=True, description="true: DeepSpeed runs torch's AdamW (nothing compiled); false: DeepSpeed's fused Adam "
-        "(CUDA only, JIT-built on first use)."
+        default=True,
+        description="true: DeepSpeed runs torch's AdamW (nothing compiled); false: DeepSpeed's fused Adam "
+        "(CUDA only, JIT-built on first use).",
     )
     grad_clip: float = Field(default=0.5, gt=0, description="Gradient norm clipping (DeepSpeed gradient_clipping).")
     zero_stage: Literal[0, 1, 2] = Field(
-        default=2, description="DeepSpeed ZeRO stage of the optimizer states and gradients: 2 partitions both over the "
-        "ranks; 0 or 1 only to take ZeRO-2 apart (bench/train.py)."
+        default=2,
+        description="DeepSpeed ZeRO stage of the optimizer states and gradients: 2 partitions both over the "
+        "ranks; 0 or 1 only to take ZeRO-2 apart (bench/train.py).",
     )
     draft_overrides: dict[str, int | float] = Field(
         default_factory=dict,
@@ -481,7 +540,9 @@ class TrainJob(TrainSettings, AuxLayers, RecordsRef, RankJob):
 
     out_dir: str = Field(description="RUN_DIR/draft: checkpoints, metrics, the export.")
     token_counts: str = Field(description="RUN_DIR/records/token_counts.parquet (the draft vocabulary).")
-    hidden_dir: str | None = Field(default=None, description="offline: the capture shards (online: `datasets`, the records).")
+    hidden_dir: str | None = Field(
+        default=None, description="offline: the capture shards (online: `datasets`, the records)."
+    )
 
     @model_validator(mode="after")
     def _data_for_the_mode(self) -> TrainJob:
@@ -504,7 +565,9 @@ class EvalSettings(Spec):
     """`eagle3 eval`: speculative decoding with the HF target (greedy) and the exported draft on held-out prompts."""
 
     prompts: int = Field(
-        default=32, ge=1, description="Prompts decoded: held-out records' prompts first, then prompt_files' prompts, up to this many."
+        default=32,
+        ge=1,
+        description="Prompts decoded: held-out records' prompts first, then prompt_files' prompts, up to this many.",
     )
     prompt_files: list[Path] = Field(
         default_factory=list,
@@ -514,11 +577,17 @@ class EvalSettings(Spec):
     )
     max_new_tokens: int = Field(default=128, ge=1, description="Tokens generated per prompt.")
     num_steps: int = Field(
-        default=3, ge=1, le=16, description="Draft tokens per verify round (SGLang --speculative-num-steps; top-k 1, num-draft-tokens = this + 1)."
+        default=3,
+        ge=1,
+        le=16,
+        description="Draft tokens per verify round (SGLang --speculative-num-steps; top-k 1, num-draft-tokens = this + 1).",
     )
-    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="Where the target and draft run; auto: cuda if available.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="Where the target and draft run; auto: cuda if available."
+    )
     compare_untrained: bool = Field(
-        default=True, description="Also measure the draft as training starts it (same seed, untrained): the baseline the trained one must beat."
+        default=True,
+        description="Also measure the draft as training starts it (same seed, untrained): the baseline the trained one must beat.",
     )
 
 
@@ -534,7 +603,9 @@ class EngineEvalSettings(Spec):
         "prompts, side by side in eval.json.",
     )
     concurrency: int = Field(
-        default=1, ge=1, le=1024,
+        default=1,
+        ge=1,
+        le=1024,
         description="engine: eval requests in flight at once (1: batch-size-1 latency, where speculative decoding gains most).",
     )
     baseline: bool = Field(
@@ -554,5 +625,6 @@ class EngineEvalSettings(Spec):
 
 class EvalJob(EvalSettings, HeldOut, RecordsRef, TargetRef):
     """The JOB.json of an eval launch (written by the eval task): held-out prompts come from `datasets`."""
+
     draft_dir: str = Field(description="The export: config.json + model.safetensors.")
     out: str = Field(description="Where the result JSON goes.")

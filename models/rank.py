@@ -36,9 +36,8 @@ from typing import Any, TextIO
 import torch
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
-from models.file_errors import DamagedFile
+from models.file_errors import DamagedFile, WriteFailed
 from models.rank_protocol import RANK_MEMORY, Protocol, error_report
-from models.file_errors import WriteFailed
 
 # Exceptions whose message says all there is to say: no traceback after them.
 TOLD = (WriteFailed, DamagedFile)
@@ -90,8 +89,13 @@ def init_process_group(dist: Dist, device: str, *, deepspeed: bool) -> None:
         if device == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if "WORLD_SIZE" not in os.environ:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+            os.environ.update(
+                RANK="0",
+                LOCAL_RANK="0",
+                WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()),
+            )
         import deepspeed as ds
 
         ds.init_distributed(dist_backend=backend)
@@ -133,9 +137,11 @@ def check_shared_dir(dist: Dist, directory: Path) -> None:
     blind = [(rank, host) for rank, host, ok in seen if not ok]
     if blind:
         hosts = sorted({host for _, host in blind})
-        raise ValueError(f"{directory} is not one shared directory: rank(s) {', '.join(str(r) for r, _ in blind)} on "
-                         f"{', '.join(hosts)} do not see the file rank 0 created there. Every node must mount RUN_DIR "
-                         "(and capture.out_dir, train.out_dir) at the same path on one shared filesystem")
+        raise ValueError(
+            f"{directory} is not one shared directory: rank(s) {', '.join(str(r) for r, _ in blind)} on "
+            f"{', '.join(hosts)} do not see the file rank 0 created there. Every node must mount RUN_DIR "
+            "(and capture.out_dir, train.out_dir) at the same path on one shared filesystem"
+        )
 
 
 def free_port() -> int:
@@ -172,7 +178,7 @@ def whole_line(stream: TextIO, text: str) -> None:
         return
     data = (text + "\n").encode("utf-8", "replace")
     while data:  # a signal may cut a write short: the rest follows
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def watch_launcher(name: str) -> None:
@@ -192,9 +198,16 @@ def watch_launcher(name: str) -> None:
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
-def serve(argv: list[str] | None, *, prog: str, description: str, protocol: Protocol,
-          run: Callable[[str, Dist], Any], told: tuple[type[BaseException], ...] = (),
-          once: tuple[type[BaseException], ...] = ()) -> int:
+def serve(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    description: str,
+    protocol: Protocol,
+    run: Callable[[str, Dist], Any],
+    told: tuple[type[BaseException], ...] = (),
+    once: tuple[type[BaseException], ...] = (),
+) -> int:
     """Run one rank of an entry point (`run(job_path, dist)`); return its exit status.
 
     `told`: more exceptions whose message says it all (besides a failed write and a damaged file).
@@ -217,7 +230,12 @@ def serve(argv: list[str] | None, *, prog: str, description: str, protocol: Prot
         if dist.rank == 0 or not isinstance(e, once):
             # The report first: it is what the pipeline shows, and this rank may be killed any moment now.
             whole_line(sys.stderr, protocol.error.format(error_report(e, dist.rank)))
-            whole_line(sys.stderr, f"{protocol.name} rank {dist.rank} failed: {e}" if said else f"{protocol.name} rank {dist.rank} failed: {e!r}")
+            whole_line(
+                sys.stderr,
+                f"{protocol.name} rank {dist.rank} failed: {e}"
+                if said
+                else f"{protocol.name} rank {dist.rank} failed: {e!r}",
+            )
         if not said:
             traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()

@@ -32,8 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.file_errors import DamagedFile, DamagedShard
-from models.file_errors import WriteFailed
+from models.file_errors import DamagedFile, DamagedShard, WriteFailed
 
 # The most telling report of a failed job comes first: a rank's failed write or damaged file is
 # the cause when its peers fail too (they lose their connection to it).
@@ -111,7 +110,7 @@ class ErrorLine:
         if at < 0:
             return None
         try:
-            report = json.loads(line[at + len(self.mark) + 1:])
+            report = json.loads(line[at + len(self.mark) + 1 :])
         except ValueError:
             return None
         return report if isinstance(report, dict) else None
@@ -148,8 +147,16 @@ class Protocol:
 CAPTURE_PROGRESS = Line("CAPTURE_PROGRESS", (Field("rank"), Field("done"), Field("total"), Field("tokens")))
 CAPTURE = Protocol("capture", ErrorLine("CAPTURE_ERROR"), CAPTURE_PROGRESS)
 
-TRAIN_PROGRESS = Line("TRAIN_PROGRESS", (Field("step"), Field("total"), Field("tokens"),
-                                         Field("loss", float, ".4f", optional=True), Field("lr", float, ".3g", optional=True)))
+TRAIN_PROGRESS = Line(
+    "TRAIN_PROGRESS",
+    (
+        Field("step"),
+        Field("total"),
+        Field("tokens"),
+        Field("loss", float, ".4f", optional=True),
+        Field("lr", float, ".3g", optional=True),
+    ),
+)
 TRAIN_EVAL = Line("TRAIN_EVAL", (Field("step"), Field("acceptance_length", float, ".3f"), Field("loss", float, ".4f")))
 TRAIN_CHECKPOINT = Line("TRAIN_CHECKPOINT", (Field("step"),))
 TRAIN_DONE = Line("TRAIN_DONE", (Field("final", str),))
@@ -157,15 +164,31 @@ TRAIN = Protocol("train", ErrorLine("TRAIN_ERROR"), TRAIN_PROGRESS, (TRAIN_EVAL,
 
 # After each prompt, its figures (optional: a parser of the first three reads these lines too):
 # new tokens, verify rounds, accepted draft tokens; a stopped eval still tells what it measured.
-EVAL_PROGRESS = Line("EVAL_PROGRESS", (Field("draft", str), Field("done"), Field("total"), Field("new_tokens", optional=True),
-                                       Field("rounds", optional=True), Field("accepted", optional=True)))
+EVAL_PROGRESS = Line(
+    "EVAL_PROGRESS",
+    (
+        Field("draft", str),
+        Field("done"),
+        Field("total"),
+        Field("new_tokens", optional=True),
+        Field("rounds", optional=True),
+        Field("accepted", optional=True),
+    ),
+)
 EVAL = Protocol("eval", ErrorLine("EVAL_ERROR"), EVAL_PROGRESS)
 
 # Printed by every rank of every entry point as it exits (models/rank.py `serve`): the peak resident
 # memory of the process and, where it used CUDA, the allocator's peaks on its busiest GPU. Not part of
 # a stage's protocol: the pipeline logs it as an ordinary line; the GPU check (bench/gpu_check.py) reads it.
-RANK_MEMORY = Line("RANK_MEMORY", (Field("rank"), Field("host_peak_rss"), Field("gpu_peak_allocated", optional=True),
-                                   Field("gpu_peak_reserved", optional=True)))
+RANK_MEMORY = Line(
+    "RANK_MEMORY",
+    (
+        Field("rank"),
+        Field("host_peak_rss"),
+        Field("gpu_peak_allocated", optional=True),
+        Field("gpu_peak_reserved", optional=True),
+    ),
+)
 
 
 # --- the error report ---------------------------------------------------------------------------------
@@ -175,8 +198,14 @@ def error_report(error: BaseException, rank: int) -> dict[str, Any]:
     """What a failed rank tells the pipeline: enough to raise the same exception there (one JSON line)."""
     report: dict[str, Any] = {"rank": rank, "type": type(error).__name__, "message": str(error)}
     if isinstance(error, WriteFailed):
-        report.update(kind="write_failed", path=str(error.path), errno=error.errno,
-                      error=getattr(error.error, "strerror", None) or str(error.error), kept=error.kept, resume=error.resume)
+        report.update(
+            kind="write_failed",
+            path=str(error.path),
+            errno=error.errno,
+            error=getattr(error.error, "strerror", None) or str(error.error),
+            kept=error.kept,
+            resume=error.resume,
+        )
     elif isinstance(error, DamagedFile):
         report.update(kind="damaged", path=str(error.path), problem=error.problem, advice=error.advice)
     elif isinstance(error, (ValueError, FileNotFoundError)):

@@ -68,8 +68,14 @@ class RunLayout:
     engine_dir: Path
     """capture.engine.shared_dir, else RUN_DIR/engine: the vLLM connector's per-request files (capture.backend: vllm)."""
 
-    def __init__(self, run_dir: Path | str, *, hidden_dir: Path | str | None = None, draft_dir: Path | str | None = None,
-                 engine_dir: Path | str | None = None) -> None:  # an unset output directory is the one inside RUN_DIR
+    def __init__(
+        self,
+        run_dir: Path | str,
+        *,
+        hidden_dir: Path | str | None = None,
+        draft_dir: Path | str | None = None,
+        engine_dir: Path | str | None = None,
+    ) -> None:  # an unset output directory is the one inside RUN_DIR
         run_dir = Path(run_dir)
         object.__setattr__(self, "run_dir", run_dir)
         object.__setattr__(self, "hidden_dir", run_dir / "hidden" if hidden_dir is None else Path(hidden_dir))
@@ -82,30 +88,63 @@ class RunLayout:
         return cls(Path(directory).parent.parent)
 
     # entries of RUN_DIR
-    config = _Entry("run_dir", "config.yaml", "RUN_DIR/config.yaml: the resolved config, as run (flows/config.py save_run_config).")
-    demo_config = _Entry("run_dir", "demo-config.yaml",
-                         "RUN_DIR/demo-config.yaml: the resolved demo config, the input of `eagle3 demo`'s pipeline flow.")
+    config = _Entry(
+        "run_dir", "config.yaml", "RUN_DIR/config.yaml: the resolved config, as run (flows/config.py save_run_config)."
+    )
+    demo_config = _Entry(
+        "run_dir",
+        "demo-config.yaml",
+        "RUN_DIR/demo-config.yaml: the resolved demo config, the input of `eagle3 demo`'s pipeline flow.",
+    )
     lock = _Entry("run_dir", LOCK_NAME, "RUN_DIR/.lock: held by the one process writing the run directory.")
-    responses_root = _Entry("run_dir", "responses", "RUN_DIR/responses: a directory per dataset of generation checkpoints.")
-    rejects_root = _Entry("run_dir", "rejects",
-                          "RUN_DIR/rejects: a directory per dataset of the prompts and rows that cannot succeed.")
-    records_root = _Entry("run_dir", "records",
-                          "RUN_DIR/records: a directory per dataset of training records, and the token counts.")
-    token_counts = _Entry("records_root", "token_counts.parquet", "RUN_DIR/records/token_counts.parquet: loss-token "
-                          "frequencies over every dataset, for the draft vocabulary.")
-    logs = _Entry("run_dir", "logs", "RUN_DIR/logs: the output of the servers the stages launch (names: "
-                  "tasks/launch_servers.py and the launchers).")
+    responses_root = _Entry(
+        "run_dir", "responses", "RUN_DIR/responses: a directory per dataset of generation checkpoints."
+    )
+    rejects_root = _Entry(
+        "run_dir", "rejects", "RUN_DIR/rejects: a directory per dataset of the prompts and rows that cannot succeed."
+    )
+    records_root = _Entry(
+        "run_dir", "records", "RUN_DIR/records: a directory per dataset of training records, and the token counts."
+    )
+    token_counts = _Entry(
+        "records_root",
+        "token_counts.parquet",
+        "RUN_DIR/records/token_counts.parquet: loss-token frequencies over every dataset, for the draft vocabulary.",
+    )
+    logs = _Entry(
+        "run_dir",
+        "logs",
+        "RUN_DIR/logs: the output of the servers the stages launch (names: tasks/launch_servers.py and the launchers).",
+    )
     # entries of the draft directory
-    checkpoints = _Entry("draft_dir", CHECKPOINTS, "draft/checkpoints: the train stage's DeepSpeed checkpoints "
-                         "(step-NNNNNNNN/, latest; models/train_checkpoint.py).")
-    final = _Entry("draft_dir", FINAL, "draft/final: the exported draft SGLang and vLLM load (config.json, model.safetensors).")
-    metrics = _Entry("draft_dir", METRICS, "draft/metrics.jsonl: one line per training log interval and per held-out eval.")
-    train_summary = _Entry("draft_dir", TRAIN_SUMMARY, "draft/train_summary.json: the training's final eval and where the draft is.")
-    eval_report = _Entry("draft_dir", EVAL_REPORT,
-                         "draft/eval.json: the eval stage's result, each backend's acceptance length beside the estimates.")
-    eval_raw = _Entry("draft_dir", ".eval-raw.json",
-                      "draft/.eval-raw.json: the HF eval job's own result, before the eval stage folds it into eval.json.")
-    training_plot = _Entry("draft_dir", TRAINING_PLOT, "draft/training.png: the training report's plot of metrics.jsonl.")
+    checkpoints = _Entry(
+        "draft_dir",
+        CHECKPOINTS,
+        "draft/checkpoints: the train stage's DeepSpeed checkpoints "
+        "(step-NNNNNNNN/, latest; models/train_checkpoint.py).",
+    )
+    final = _Entry(
+        "draft_dir", FINAL, "draft/final: the exported draft SGLang and vLLM load (config.json, model.safetensors)."
+    )
+    metrics = _Entry(
+        "draft_dir", METRICS, "draft/metrics.jsonl: one line per training log interval and per held-out eval."
+    )
+    train_summary = _Entry(
+        "draft_dir", TRAIN_SUMMARY, "draft/train_summary.json: the training's final eval and where the draft is."
+    )
+    eval_report = _Entry(
+        "draft_dir",
+        EVAL_REPORT,
+        "draft/eval.json: the eval stage's result, each backend's acceptance length beside the estimates.",
+    )
+    eval_raw = _Entry(
+        "draft_dir",
+        ".eval-raw.json",
+        "draft/.eval-raw.json: the HF eval job's own result, before the eval stage folds it into eval.json.",
+    )
+    training_plot = _Entry(
+        "draft_dir", TRAINING_PLOT, "draft/training.png: the training report's plot of metrics.jsonl."
+    )
     ds_config = _Entry("draft_dir", DS_CONFIG, "draft/ds_config.json: the DeepSpeed config the training ran with.")
     tensorboard = _Entry("draft_dir", TENSORBOARD, "draft/tensorboard: metrics.jsonl's scalars as TensorBoard events.")
 

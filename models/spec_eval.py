@@ -53,15 +53,15 @@ from models.eagle3 import Eagle3Draft, KVCache
 class SpecEvalResult:
     """Acceptance statistics of a speculative run over several prompts (see the module docstring)."""
 
-    acceptance_length: float        # mean over verify rounds of (accepted draft tokens + 1); 0.0 if no round ran
+    acceptance_length: float  # mean over verify rounds of (accepted draft tokens + 1); 0.0 if no round ran
     per_position_acceptance: list[float]  # [K] of rounds that reached draft position i, share accepted at i
     per_position_reached: list[int]  # [K]
     per_position_accepted: list[int]  # [K]
-    rounds: int                     # verify rounds (target forwards after the prefill)
-    new_tokens: int                 # tokens generated over all prompts (prefill tokens included)
+    rounds: int  # verify rounds (target forwards after the prefill)
+    new_tokens: int  # tokens generated over all prompts (prefill tokens included)
     prompts: int
-    num_steps: int                  # K
-    outputs: list[list[int]]        # generated ids per prompt (excluding the prompt)
+    num_steps: int  # K
+    outputs: list[list[int]]  # generated ids per prompt (excluding the prompt)
 
     def as_dict(self) -> dict:
         """JSON-able summary, without the outputs."""
@@ -74,10 +74,10 @@ class SpecEvalResult:
 class _Round:
     """One verify round: what a test or a report needs to know about it."""
 
-    drafted: list[int]    # [K] proposed target ids d1..dK
-    verified: list[int]   # [K+1] target argmax at [t_last, d1..dK]
-    accepted: int         # a: draft tokens accepted by the target (before any cut)
-    kept: int             # tokens of this round kept in the output (a + 1 unless the end cut it)
+    drafted: list[int]  # [K] proposed target ids d1..dK
+    verified: list[int]  # [K+1] target argmax at [t_last, d1..dK]
+    accepted: int  # a: draft tokens accepted by the target (before any cut)
+    kept: int  # tokens of this round kept in the output (a + 1 unless the end cut it)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -176,30 +176,38 @@ def _aux(hidden_states, aux_layers: list[int], upto: int | None = None) -> torch
     return torch.cat(parts, dim=-1)
 
 
-def _draft_chain(draft: Eagle3Draft, cache: KVCache, next_ids: torch.Tensor, aux: torch.Tensor,
-                 num_steps: int) -> torch.Tensor:
+def _draft_chain(
+    draft: Eagle3Draft, cache: KVCache, next_ids: torch.Tensor, aux: torch.Tensor, num_steps: int
+) -> torch.Tensor:
     """Extend the draft cache over the new verified positions, then chain: K proposed target ids [1, K].
 
     Leaves the draft cache at its extend part (the chain's keys are cropped away again).
     """
-    step = draft(input_ids=next_ids, hidden=aux, cache=cache)                # TTT step 0 over the new positions
+    step = draft(input_ids=next_ids, hidden=aux, cache=cache)  # TTT step 0 over the new positions
     extend_len = len(cache)
-    tok = draft.draft_to_target(step.logits[:, -1:].argmax(-1))             # [1, 1]
+    tok = draft.draft_to_target(step.logits[:, -1:].argmax(-1))  # [1, 1]
     proposals = [tok]
     hidden = step.hidden[:, -1:]
     for _ in range(1, num_steps):
-        step = draft(input_ids=tok, hidden=hidden, cache=cache)             # one position further
+        step = draft(input_ids=tok, hidden=hidden, cache=cache)  # one position further
         tok = draft.draft_to_target(step.logits[:, -1:].argmax(-1))
         proposals.append(tok)
         hidden = step.hidden[:, -1:]
     cache.crop(extend_len)
-    return torch.cat(proposals, dim=1)                                      # [1, K]
+    return torch.cat(proposals, dim=1)  # [1, K]
 
 
 @torch.no_grad()
-def speculative_decode(target, draft: Eagle3Draft, prompt_ids, *, num_steps: int, max_new_tokens: int,
-                        eos_token_ids: set[int] | None = None,
-                        aux_layers: list[int] | None = None) -> tuple[list[int], list[_Round]]:
+def speculative_decode(
+    target,
+    draft: Eagle3Draft,
+    prompt_ids,
+    *,
+    num_steps: int,
+    max_new_tokens: int,
+    eos_token_ids: set[int] | None = None,
+    aux_layers: list[int] | None = None,
+) -> tuple[list[int], list[_Round]]:
     """speculative_generate with the full record of every round."""
     ids = _check_prompt(prompt_ids, num_steps)
     eos = _eos_set(target, eos_token_ids)
@@ -218,16 +226,16 @@ def speculative_decode(target, draft: Eagle3Draft, prompt_ids, *, num_steps: int
     out.append(last)
     if last in eos or len(out) >= max_new_tokens:
         return out, rounds
-    aux = _aux(res.hidden_states, aux_layers)                                # [1, n, 3H]
-    next_ids = torch.tensor([ids[1:] + [last]], device=dev)                  # token following each position
+    aux = _aux(res.hidden_states, aux_layers)  # [1, n, 3H]
+    next_ids = torch.tensor([ids[1:] + [last]], device=dev)  # token following each position
     dcache = KVCache()
 
     while True:
-        proposals = _draft_chain(draft, dcache, next_ids, aux, num_steps)    # [1, K]
-        prefix = tcache.get_seq_length()                                     # verified positions in the cache
+        proposals = _draft_chain(draft, dcache, next_ids, aux, num_steps)  # [1, K]
+        prefix = tcache.get_seq_length()  # verified positions in the cache
         verify_in = torch.cat([torch.tensor([[last]], device=dev), proposals], dim=1)  # [1, K+1]
         res = _forward(target, verify_in, tcache, hidden_states=True)
-        greedy = res.logits[0].argmax(-1).tolist()                           # [K+1]
+        greedy = res.logits[0].argmax(-1).tolist()  # [K+1]
         drafted = proposals[0].tolist()
         a = 0
         while a < num_steps and drafted[a] == greedy[a]:
@@ -240,27 +248,48 @@ def speculative_decode(target, draft: Eagle3Draft, prompt_ids, *, num_steps: int
             return out, rounds
         # Verified now: positions prefix .. prefix + a (tokens last, d1..da); the bonus is not yet in.
         _crop_target_cache(tcache, prefix + a + 1)
-        aux = _aux(res.hidden_states, aux_layers, upto=a + 1)               # [1, a+1, 3H]
-        next_ids = torch.tensor([gained], device=dev)                       # d1..da, bonus
+        aux = _aux(res.hidden_states, aux_layers, upto=a + 1)  # [1, a+1, 3H]
+        next_ids = torch.tensor([gained], device=dev)  # d1..da, bonus
         last = gained[-1]
 
 
-def speculative_generate(target, draft, prompt_ids: list[int], *, num_steps: int, max_new_tokens: int,
-                         eos_token_ids: set[int] | None = None,
-                         aux_layers: list[int] | None = None) -> tuple[list[int], list[int]]:
+def speculative_generate(
+    target,
+    draft,
+    prompt_ids: list[int],
+    *,
+    num_steps: int,
+    max_new_tokens: int,
+    eos_token_ids: set[int] | None = None,
+    aux_layers: list[int] | None = None,
+) -> tuple[list[int], list[int]]:
     """Greedy generation with the draft proposing num_steps tokens per round; returns (output ids, accepted count per round).
 
     The output equals `greedy_generate`'s. The accepted count of a round cut by eos or
     max_new_tokens is what was kept minus one (module docstring), so sum(a + 1) == len(output) - 1.
     aux_layers default: draft.config.aux_layers. eos_token_ids None: the target's eos; set(): none.
     """
-    out, rounds = speculative_decode(target, draft, prompt_ids, num_steps=num_steps, max_new_tokens=max_new_tokens,
-                                      eos_token_ids=eos_token_ids, aux_layers=aux_layers)
+    out, rounds = speculative_decode(
+        target,
+        draft,
+        prompt_ids,
+        num_steps=num_steps,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_token_ids,
+        aux_layers=aux_layers,
+    )
     return out, [r.kept - 1 for r in rounds]
 
 
-def evaluate_acceptance(target, draft, prompts: list[list[int]], *, num_steps: int = 3, max_new_tokens: int = 64,
-                        eos_token_ids: set[int] | None = None) -> SpecEvalResult:
+def evaluate_acceptance(
+    target,
+    draft,
+    prompts: list[list[int]],
+    *,
+    num_steps: int = 3,
+    max_new_tokens: int = 64,
+    eos_token_ids: set[int] | None = None,
+) -> SpecEvalResult:
     """Speculative greedy decoding of every prompt; acceptance length and per-position acceptance over all rounds."""
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
@@ -268,12 +297,13 @@ def evaluate_acceptance(target, draft, prompts: list[list[int]], *, num_steps: i
     outputs: list[list[int]] = []
     lengths: list[int] = []
     for prompt in prompts:
-        out, rounds = speculative_decode(target, draft, prompt, num_steps=num_steps, max_new_tokens=max_new_tokens,
-                                          eos_token_ids=eos_token_ids)
+        out, rounds = speculative_decode(
+            target, draft, prompt, num_steps=num_steps, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids
+        )
         outputs.append(out)
         for r in rounds:
             lengths.append(r.kept)
-            if r.kept <= r.accepted:          # cut inside the accepted drafts: d1..d_kept verified and kept
+            if r.kept <= r.accepted:  # cut inside the accepted drafts: d1..d_kept verified and kept
                 n_reached = n_accepted = r.kept
             else:
                 n_reached, n_accepted = min(r.accepted + 1, num_steps), r.accepted

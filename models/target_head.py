@@ -15,9 +15,9 @@ from models.draft_vocab import draft_to_target_ids
 class TargetLogits:
     """What the loss needs from the target at every position j (z[j] predicts token j+1)."""
 
-    logits: torch.Tensor    # [B, T, D] target logits at the draft-vocab ids (fp32, or fp64)
+    logits: torch.Tensor  # [B, T, D] target logits at the draft-vocab ids (fp32, or fp64)
     in_draft: torch.Tensor  # [B, T] bool: the full-vocab argmax is a draft-vocab token
-    argmax: torch.Tensor    # [B, T] int64: the full-vocab argmax (target id)
+    argmax: torch.Tensor  # [B, T] int64: the full-vocab argmax (target id)
 
 
 class TargetHead(nn.Module):
@@ -37,26 +37,26 @@ class TargetHead(nn.Module):
 
     def __init__(self, lm_head_weight: torch.Tensor, d2t: torch.Tensor, chunk_size: int = 16384):
         super().__init__()
-        self.register_buffer("weight", lm_head_weight.detach(), persistent=False)       # [V, H]
+        self.register_buffer("weight", lm_head_weight.detach(), persistent=False)  # [V, H]
         draft_ids = draft_to_target_ids(d2t).to(lm_head_weight.device)
         t2d = torch.zeros(lm_head_weight.shape[0], dtype=torch.bool, device=lm_head_weight.device)
         t2d[draft_ids] = True
-        self.register_buffer("draft_ids", draft_ids, persistent=False)                  # [D]
-        self.register_buffer("t2d", t2d, persistent=False)                              # [V]
+        self.register_buffer("draft_ids", draft_ids, persistent=False)  # [D]
+        self.register_buffer("t2d", t2d, persistent=False)  # [V]
         self.chunk_size = int(chunk_size)
 
     @torch.no_grad()
     def forward(self, last_hidden: torch.Tensor) -> TargetLogits:
         *lead, h = last_hidden.shape
-        x = last_hidden.reshape(-1, h).to(self.weight.dtype)                          # [N, H]
+        x = last_hidden.reshape(-1, h).to(self.weight.dtype)  # [N, H]
         n, vocab = x.shape[0], self.weight.shape[0]
         work = torch.promote_types(x.dtype, torch.float32)
-        best = torch.full((n,), float("-inf"), device=x.device, dtype=work)            # running max
+        best = torch.full((n,), float("-inf"), device=x.device, dtype=work)  # running max
         best_id = torch.zeros(n, dtype=torch.int64, device=x.device)
         draft_logits = torch.empty(n, self.draft_ids.shape[0], device=x.device, dtype=work)  # [N, D]
         for c0 in range(0, vocab, self.chunk_size):
             c1 = min(vocab, c0 + self.chunk_size)
-            logits = (x @ self.weight[c0:c1].T).to(work)                               # [N, c]
+            logits = (x @ self.weight[c0:c1].T).to(work)  # [N, c]
             idx = logits.argmax(-1)
             top = logits.gather(-1, idx[:, None])[:, 0]
             better = top > best  # strict: on a tie the earlier (lower-id) chunk keeps it
@@ -64,5 +64,6 @@ class TargetHead(nn.Module):
             best_id = torch.where(better, idx + c0, best_id)
             d0, d1 = torch.searchsorted(self.draft_ids, torch.tensor([c0, c1], device=x.device)).tolist()
             draft_logits[:, d0:d1] = logits[:, self.draft_ids[d0:d1] - c0]
-        return TargetLogits(logits=draft_logits.view(*lead, -1), in_draft=self.t2d[best_id].view(*lead),
-                            argmax=best_id.view(*lead))
+        return TargetLogits(
+            logits=draft_logits.view(*lead, -1), in_draft=self.t2d[best_id].view(*lead), argmax=best_id.view(*lead)
+        )

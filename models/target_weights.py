@@ -30,8 +30,10 @@ def checkpoint_dir(target_path: str | Path) -> Path:
 
         return Path(snapshot_download(str(target_path), allow_patterns=["*.json"], local_files_only=True))
     except Exception as e:  # noqa: BLE001 - any failure means: not available locally
-        raise FileNotFoundError(f"target {target_path}: not a local directory and not in the Hugging Face cache "
-                                f"({e}); download it first (huggingface-cli download {target_path})") from e
+        raise FileNotFoundError(
+            f"target {target_path}: not a local directory and not in the Hugging Face cache "
+            f"({e}); download it first (huggingface-cli download {target_path})"
+        ) from e
 
 
 def weight_map(directory: Path) -> dict[str, str]:
@@ -52,12 +54,18 @@ def find_tensor_name(names: list[str] | dict[str, str], suffix: str) -> str | No
     Multimodal checkpoints (Kimi-K2.5) prefix the text model (`language_model.`); vision towers may
     have their own embeddings, so a name under a vision/audio module never matches.
     """
-    found = [n for n in names if (n == suffix or n.endswith("." + suffix))
-             and not any(part in n for part in ("vision", "visual", "audio", "mm_projector"))]
+    found = [
+        n
+        for n in names
+        if (n == suffix or n.endswith("." + suffix))
+        and not any(part in n for part in ("vision", "visual", "audio", "mm_projector"))
+    ]
     return min(found, key=len) if found else None
 
 
-def load_target_tensors(target_path: str | Path, *, tie_word_embeddings: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def load_target_tensors(
+    target_path: str | Path, *, tie_word_embeddings: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(embedding [V, H], lm_head [V, H]) of the target, in the checkpoint's dtype."""
     directory = checkpoint_dir(target_path)
     names = weight_map(directory)
@@ -90,8 +98,12 @@ def load_final_norm(target_path: str | Path) -> torch.Tensor:
     """
     directory = checkpoint_dir(target_path)
     names = weight_map(directory)
-    found = [n for n in names if (n == "model.norm.weight" or n.endswith(".model.norm.weight"))
-             and not any(part in n for part in ("vision", "visual", "audio", "mm_projector"))]
+    found = [
+        n
+        for n in names
+        if (n == "model.norm.weight" or n.endswith(".model.norm.weight"))
+        and not any(part in n for part in ("vision", "visual", "audio", "mm_projector"))
+    ]
     if not found:
         raise ValueError(f"{directory}: no *model.norm.weight tensor (the final norm) in the checkpoint")
     name = min(found, key=len)

@@ -94,6 +94,7 @@ TRAIN_THREADS = 1
 # rate still looped after 180 steps).
 LM_HEAD_INIT_STD = 0.3
 
+
 def build_tiny_target(
     out_dir: str | Path,
     *,
@@ -160,8 +161,16 @@ def build_tiny_target(
     try:
         tokenizer = _build_tokenizer(files, vocab_size, max_position_embeddings)
         _save_tokenizer(tokenizer, tmp)
-        model = _build_model(tokenizer, seed, hidden_size, num_layers, num_heads, num_kv_heads,
-                             intermediate_size, max_position_embeddings)
+        model = _build_model(
+            tokenizer,
+            seed,
+            hidden_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            intermediate_size,
+            max_position_embeddings,
+        )
         _train(model, _training_sequences(tokenizer, files), train_steps, seed, torch.device(device))
         _save_model(model, tmp)
         (tmp / _BUILD_INFO).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
@@ -279,7 +288,9 @@ def _corpus_conversations(files: Sequence[Path]) -> Iterator[list[dict[str, str]
                 if not line.strip():
                     continue
                 row = json.loads(line)  # _corpus_texts has already read every row: valid JSON
-                messages = [m for m in row.get("messages") or [] if isinstance(m, dict) and isinstance(m.get("content"), str)]
+                messages = [
+                    m for m in row.get("messages") or [] if isinstance(m, dict) and isinstance(m.get("content"), str)
+                ]
                 if not messages and isinstance(row.get("prompt"), str):
                     messages = [{"role": "user", "content": row["prompt"]}]
                 if not messages:

@@ -59,18 +59,34 @@ from models.atomic import write_atomic
 from models.capture import capture_batch, load_records
 from models.draft_vocab import draft_vocab, draft_vocab_coverage, load_token_counts
 from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, default_aux_layers
-from models.target_head import TargetHead
 from models.eagle3_export import export_draft
+from models.hidden_shards import METADATA_NAME
 from models.jobs import TrainJob, TrainSettings
 from models.rank import Dist, check_shared_dir, init_process_group, log, say, serve
-from models.hidden_shards import METADATA_NAME
 from models.rank_protocol import TRAIN, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
 from models.run_layout import CHECKPOINTS, DS_CONFIG, FINAL, TRAIN_SUMMARY
+from models.target_head import TargetHead
 from models.target_weights import load_target_tensors
-from models.train_checkpoint import (CheckpointMismatch, check_fingerprint, resume_checkpoint, run_fingerprint,
-                                     save_checkpoint, writing)
-from models.train_data import (Batch, HiddenSource, TrainSample, data_fingerprint, epoch_batches, eval_share,
-                               pad_batch, rank_micro_batches, split_samples, steps_per_epoch)
+from models.train_checkpoint import (
+    CheckpointMismatch,
+    check_fingerprint,
+    resume_checkpoint,
+    run_fingerprint,
+    save_checkpoint,
+    writing,
+)
+from models.train_data import (
+    Batch,
+    HiddenSource,
+    TrainSample,
+    data_fingerprint,
+    epoch_batches,
+    eval_share,
+    pad_batch,
+    rank_micro_batches,
+    split_samples,
+    steps_per_epoch,
+)
 from models.train_metrics import Metrics, MetricsWriter, read_last_eval
 
 ERROR_MARK = TRAIN.error.mark
@@ -86,9 +102,16 @@ def ds_train_config(settings: TrainSettings, *, world_size: int, bf16: bool) -> 
         "train_batch_size": world_size * settings.grad_accum,
         "gradient_clipping": settings.grad_clip,
         "zero_optimization": {"stage": settings.zero_stage, "overlap_comm": False, "contiguous_gradients": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": settings.lr, "betas": list(settings.adam_betas),
-                                                  "eps": settings.adam_eps, "weight_decay": settings.weight_decay,
-                                                  "torch_adam": settings.torch_adam}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": settings.lr,
+                "betas": list(settings.adam_betas),
+                "eps": settings.adam_eps,
+                "weight_decay": settings.weight_decay,
+                "torch_adam": settings.torch_adam,
+            },
+        },
         "steps_per_print": 10**9,  # our own logging
         "wall_clock_breakdown": False,
     }
@@ -99,11 +122,13 @@ def ds_train_config(settings: TrainSettings, *, world_size: int, bf16: bool) -> 
 
 def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float):
     """Linear warmup to 1 over `warmup_steps`, then cosine down to `min_ratio` at `total_steps`."""
+
     def f(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return f
 
 
@@ -121,11 +146,15 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     target_config = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     source, aux_layers = _data_source(job, text, device)
-    embed, head = load_target_tensors(job.target_path, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
+    embed, head = load_target_tensors(
+        job.target_path, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False))
+    )
     counts = load_token_counts(job.token_counts, int(text.vocab_size))
     d2t, t2d = draft_vocab(counts, int(text.vocab_size), job.draft_vocab_size)
     torch.manual_seed(job.seed)  # identical initial weights on every rank
-    config = Eagle3Config.from_target_config(text, draft_vocab_size=int(d2t.shape[0]), aux_layers=aux_layers, **job.draft_overrides)
+    config = Eagle3Config.from_target_config(
+        text, draft_vocab_size=int(d2t.shape[0]), aux_layers=aux_layers, **job.draft_overrides
+    )
     draft = Eagle3Draft(config)
     draft.load_target_embedding(embed.to(draft.embed_tokens.weight.dtype))
     draft.set_draft_vocab(d2t, t2d)
@@ -136,7 +165,9 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     train_samples, eval_samples = split_samples(source.samples, job.eval_fraction)
     if not train_samples:
         raise ValueError("no training samples (all held out or none captured)")
-    per_epoch = steps_per_epoch(len(epoch_batches(train_samples, job.max_batch_tokens, job.seed, 0)), dist.world_size, job.grad_accum)
+    per_epoch = steps_per_epoch(
+        len(epoch_batches(train_samples, job.max_batch_tokens, job.seed, 0)), dist.world_size, job.grad_accum
+    )
     total_steps = per_epoch * job.epochs if job.max_steps is None else job.max_steps
     warmup = max(1, round(job.warmup_ratio * total_steps))
     fingerprint = run_fingerprint(job, source.fingerprint, d2t, config, dist.world_size, total_steps)
@@ -148,11 +179,14 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
             write_atomic(out_dir / DS_CONFIG, json.dumps(ds_config, indent=2))
     engine = build_engine(ds_config, draft, job.min_lr_ratio, total_steps, warmup)
     if dist.rank == 0:
-        log(f"train: {len(train_samples)} training samples ({sum(s.length for s in train_samples):,} tokens), "
+        log(
+            f"train: {len(train_samples)} training samples ({sum(s.length for s in train_samples):,} tokens), "
             f"{len(eval_samples)} held out, {per_epoch} steps/epoch over {dist.world_size} rank(s) x {job.grad_accum} "
             f"micro batches, {total_steps} steps; draft vocab {config.draft_vocab_size} of {config.vocab_size} "
             f"(covers {draft_vocab_coverage(counts, t2d):.1%} of loss tokens); mode {job.mode}, "
-            f"{'bf16' if job.bf16 else 'fp32'}, ZeRO-2" + (f"; {source.cut} samples cut to {job.max_batch_tokens} tokens" if source.cut else ""))
+            f"{'bf16' if job.bf16 else 'fp32'}, ZeRO-2"
+            + (f"; {source.cut} samples cut to {job.max_batch_tokens} tokens" if source.cut else "")
+        )
 
     position = resume_checkpoint(engine, ckpt_dir, dist)
     writer = MetricsWriter(out_dir, position.step, enabled=dist.rank == 0)
@@ -169,7 +203,9 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
         while position.step_in_epoch < per_epoch and position.step < total_steps:
             engine.train()
             step_tokens = 0
-            for micro in rank_micro_batches(batches, position.step_in_epoch, dist.rank, dist.world_size, job.grad_accum):
+            for micro in rank_micro_batches(
+                batches, position.step_in_epoch, dist.rank, dist.world_size, job.grad_accum
+            ):
                 batch = source.batch(micro, device)
                 out = train_forward(engine, batch, target_head, job.ttt_steps)
                 engine.backward(out.loss)
@@ -185,21 +221,41 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
                 running.all_reduce(dist)
                 elapsed = max(1e-9, time.monotonic() - window_start)
                 tokens_per_s = sum_over_ranks(window_tokens, dist, device) / elapsed
-                line = {"kind": "train", "step": position.step, "epoch": position.epoch, "time": time.time(),
-                        **running.summary(STEP_DECAY), "lr": engine.get_lr()[0],
-                        "grad_norm": grad_norm(engine), "tokens": position.tokens, "tokens_per_s": round(tokens_per_s, 2)}
+                line = {
+                    "kind": "train",
+                    "step": position.step,
+                    "epoch": position.epoch,
+                    "time": time.time(),
+                    **running.summary(STEP_DECAY),
+                    "lr": engine.get_lr()[0],
+                    "grad_norm": grad_norm(engine),
+                    "tokens": position.tokens,
+                    "tokens_per_s": round(tokens_per_s, 2),
+                }
                 writer.write(line)
                 running = Metrics(job.ttt_steps, device)
                 window_start, window_tokens = time.monotonic(), 0
             if time.monotonic() - last_report >= PROGRESS_EVERY_S or position.step == total_steps:
                 last_report = time.monotonic()
-                tell(TRAIN_PROGRESS.format(step=position.step, total=total_steps, tokens=position.tokens,
-                                           loss=out.loss.item(), lr=engine.get_lr()[0]))
+                tell(
+                    TRAIN_PROGRESS.format(
+                        step=position.step,
+                        total=total_steps,
+                        tokens=position.tokens,
+                        loss=out.loss.item(),
+                        lr=engine.get_lr()[0],
+                    )
+                )
             if eval_batches and (position.step % job.eval_every == 0 or position.step == total_steps):
                 last_eval = _evaluate(engine, source, eval_batches, target_head, job, dist, device)
-                writer.write({"kind": "eval", "step": position.step, "epoch": position.epoch, "time": time.time(), **last_eval})
-                tell(TRAIN_EVAL.format(step=position.step, acceptance_length=last_eval["acceptance_length"],
-                                       loss=last_eval["loss"]))
+                writer.write(
+                    {"kind": "eval", "step": position.step, "epoch": position.epoch, "time": time.time(), **last_eval}
+                )
+                tell(
+                    TRAIN_EVAL.format(
+                        step=position.step, acceptance_length=last_eval["acceptance_length"], loss=last_eval["loss"]
+                    )
+                )
             if position.step % job.checkpoint_every == 0 or position.step == total_steps:
                 save_checkpoint(engine, ckpt_dir, position, job.keep_checkpoints, dist, fingerprint)
                 tell(TRAIN_CHECKPOINT.format(step=position.step))
@@ -212,13 +268,20 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     final = out_dir / FINAL
     if last_eval is None:  # a relaunch of a finished run: its last eval is in the metrics
         last_eval = read_last_eval(writer.path)
-    summary = {"final": str(final), "steps": position.step, "tokens": position.tokens, "eval": last_eval,
-               "draft_vocab_size": config.draft_vocab_size, "aux_layers": aux_layers}
+    summary = {
+        "final": str(final),
+        "steps": position.step,
+        "tokens": position.tokens,
+        "eval": last_eval,
+        "draft_vocab_size": config.draft_vocab_size,
+        "aux_layers": aux_layers,
+    }
     if dist.rank == 0:
         # export_draft replaces final/ only once the new export is complete; a relaunch exports again
         with writing(final, ckpt_dir, also="the previous export in final/, if any, is unchanged"):
-            export_draft(engine.module, final, target_config=target_config,
-                         dtype=torch.bfloat16 if job.bf16 else torch.float32)
+            export_draft(
+                engine.module, final, target_config=target_config, dtype=torch.bfloat16 if job.bf16 else torch.float32
+            )
         with writing(out_dir / TRAIN_SUMMARY, ckpt_dir):
             write_atomic(out_dir / TRAIN_SUMMARY, json.dumps(summary, indent=2))
         say(TRAIN_DONE.format(final=final))
@@ -248,7 +311,9 @@ def build_engine(ds_config: dict[str, Any], draft: Eagle3Draft, min_lr_ratio: fl
     params = [p for p in wrapped.parameters() if p.requires_grad]
     schedule = lr_lambda(total_steps, warmup, min_lr_ratio)
     engine, *_ = deepspeed.initialize(
-        model=wrapped, model_parameters=params, config=ds_config,
+        model=wrapped,
+        model_parameters=params,
+        config=ds_config,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
     )
     return _EngineView(engine)
@@ -272,8 +337,15 @@ class _EngineView:
 
 
 @torch.no_grad()
-def _evaluate(engine, source, eval_batches: list[list[TrainSample]], target_head: TargetHead, job: TrainJob,
-              dist: Dist, device: torch.device) -> dict[str, Any]:
+def _evaluate(
+    engine,
+    source,
+    eval_batches: list[list[TrainSample]],
+    target_head: TargetHead,
+    job: TrainJob,
+    dist: Dist,
+    device: torch.device,
+) -> dict[str, Any]:
     """TTT metrics over the held-out samples, summed over ranks (every rank evaluates a share)."""
     engine.eval()
     metrics = Metrics(job.ttt_steps, device)
@@ -337,16 +409,22 @@ class OnlineSource:
         self.samples = [TrainSample(s.dataset, s.id, min(s.length, self.max_len), (s.part, s.start)) for s in records]
         if not self.samples:
             raise ValueError("no records with loss tokens to train on")
-        self.fingerprint = data_fingerprint(((s.dataset, s.id, s.length) for s in records),
-                                            {"mode": "online", "target": job.target_path})
+        self.fingerprint = data_fingerprint(
+            ((s.dataset, s.id, s.length) for s in records), {"mode": "online", "target": job.target_path}
+        )
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
         dtype = torch.bfloat16 if job.bf16 else resolve_dtype("auto", cfg)
-        self.model = AutoModelForCausalLM.from_pretrained(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code
+        )
         self.model = self.model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
-        self.num_layers = len(self.model.model.layers) if hasattr(self.model, "model") and hasattr(self.model.model, "layers") \
+        self.num_layers = (
+            len(self.model.model.layers)
+            if hasattr(self.model, "model") and hasattr(self.model.model, "layers")
             else int(cfg.get_text_config().num_hidden_layers)
+        )
         self.aux_layers = aux_layers
         self.pad_id = cfg.pad_token_id if isinstance(getattr(cfg, "pad_token_id", None), int) else 0
 
@@ -356,8 +434,16 @@ class OnlineSource:
 
         as_capture = [Sample(s.dataset, s.id, s.ref[0], s.ref[1], s.length) for s in samples]
         rows = []
-        for s, aux, last in capture_batch(self.model, as_capture, self.parts, self.aux_layers, self.num_layers,
-                                          self.pad_id, device, {"output_hidden_states": True, "use_cache": False}):
+        for s, aux, last in capture_batch(
+            self.model,
+            as_capture,
+            self.parts,
+            self.aux_layers,
+            self.num_layers,
+            self.pad_id,
+            device,
+            {"output_hidden_states": True, "use_cache": False},
+        ):
             part = self.parts[s.part]
             ids = torch.from_numpy(part.input_ids[s.start : s.start + s.length].astype(np.int64))
             mask = torch.from_numpy(part.loss_mask[s.start : s.start + s.length].copy())
@@ -374,9 +460,15 @@ class OnlineSource:
 def main(argv: list[str] | None = None) -> int:
     """The training rank's entry point (models/rank.py): run the job, report a failure; the exit status."""
     # Every rank reads the same checkpoint and data: one refusal is enough, from rank 0.
-    return serve(argv, prog="python -m models.train", description=__doc__.splitlines()[0], protocol=TRAIN,
-                 run=lambda job_path, dist: run(TrainJob.load(job_path), dist),
-                 told=(CheckpointMismatch,), once=(CheckpointMismatch,))
+    return serve(
+        argv,
+        prog="python -m models.train",
+        description=__doc__.splitlines()[0],
+        protocol=TRAIN,
+        run=lambda job_path, dist: run(TrainJob.load(job_path), dist),
+        told=(CheckpointMismatch,),
+        once=(CheckpointMismatch,),
+    )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,10 @@ LATEST = "latest"
 FINGERPRINT = "fingerprint.json"
 
 
-RESUME = ("make room there (or set train.out_dir to a disk with room), then run the train stage again: "
-          "it resumes from the kept checkpoint")
+RESUME = (
+    "make room there (or set train.out_dir to a disk with room), then run the train stage again: "
+    "it resumes from the kept checkpoint"
+)
 
 
 class CheckpointMismatch(ValueError):
@@ -50,10 +52,10 @@ class CheckpointMismatch(ValueError):
 class Position:
     """Where training stands: saved in every checkpoint's client state."""
 
-    step: int = 0            # optimizer steps done in total
+    step: int = 0  # optimizer steps done in total
     epoch: int = 0
-    step_in_epoch: int = 0   # optimizer steps done in `epoch`
-    tokens: int = 0          # real (unpadded) tokens trained on, all ranks
+    step_in_epoch: int = 0  # optimizer steps done in `epoch`
+    tokens: int = 0  # real (unpadded) tokens trained on, all ranks
 
 
 def complete_checkpoints(ckpt_dir: Path) -> list[tuple[int, str]]:
@@ -67,7 +69,9 @@ def complete_checkpoints(ckpt_dir: Path) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def save_checkpoint(engine, ckpt_dir: Path, position: Position, keep: int, dist: Dist, fingerprint: dict[str, Any]) -> None:
+def save_checkpoint(
+    engine, ckpt_dir: Path, position: Position, keep: int, dist: Dist, fingerprint: dict[str, Any]
+) -> None:
     """Save a checkpoint; it counts only once COMPLETE is renamed into place (rank 0, after every rank).
 
     A failed write raises WriteFailed before COMPLETE exists: the partial tag is ignored (and removed
@@ -76,8 +80,12 @@ def save_checkpoint(engine, ckpt_dir: Path, position: Position, keep: int, dist:
     tag = f"step-{position.step:08d}"
     with writing(ckpt_dir / tag, ckpt_dir):
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"position": asdict(position)}, save_latest=False)
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and engine.device.type == "cuda" else None}
+        rng = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and engine.device.type == "cuda" else None,
+        }
         torch.save(rng, ckpt_dir / tag / f"rng-rank-{dist.rank}.pt")
     dist.barrier()  # every rank's files are on disk
     if dist.rank == 0:
@@ -142,16 +150,20 @@ def _probe_write(path: Path, size: int = 1 << 20) -> OSError | None:
     return None
 
 
-def run_fingerprint(job: TrainJob, data: dict[str, Any], d2t: torch.Tensor, config: Eagle3Config, world_size: int,
-                    total_steps: int) -> dict[str, Any]:
+def run_fingerprint(
+    job: TrainJob, data: dict[str, Any], d2t: torch.Tensor, config: Eagle3Config, world_size: int, total_steps: int
+) -> dict[str, Any]:
     """What makes a checkpoint this run's: data, draft vocabulary and the settings that shape the optimisation.
 
     Not in it, on purpose: log_every, checkpoint_every, keep_checkpoints, eval_every (how the run is
     watched and saved) and where files live. `total_steps` stands for epochs/max_steps: the cosine
     schedule is laid out over it, so extending a run would change the learning rate of every step left.
     """
-    settings = {**optimisation_settings(job, world_size), "total_steps": total_steps,
-                **{f"draft.{k}": v for k, v in asdict(config).items()}}
+    settings = {
+        **optimisation_settings(job, world_size),
+        "total_steps": total_steps,
+        **{f"draft.{k}": v for k, v in asdict(config).items()},
+    }
     ids = d2t.to(torch.int64).cpu().numpy().tobytes()
     vocab = {"digest": hashlib.sha256(ids).hexdigest(), "size": int(d2t.shape[0]), "token_counts": job.token_counts}
     return {"version": 1, "data": data, "vocab": vocab, "settings": settings}
@@ -161,11 +173,20 @@ def optimisation_settings(job: TrainJob, world_size: int) -> dict[str, Any]:
     """The fingerprint's settings that the job alone decides (no data, target or schedule length): what
     `eagle3 doctor` compares with a checkpoint before anything is launched."""
     return {
-        "mode": job.mode, "ttt_steps": job.ttt_steps, "max_batch_tokens": job.max_batch_tokens,
-        "lr": job.lr, "warmup_ratio": job.warmup_ratio, "min_lr_ratio": job.min_lr_ratio,
-        "weight_decay": job.weight_decay, "betas": list(job.adam_betas),
-        "grad_clip": job.grad_clip, "grad_accum": job.grad_accum, "world_size": world_size,
-        "bf16": job.bf16, "seed": job.seed, "eval_fraction": job.eval_fraction,
+        "mode": job.mode,
+        "ttt_steps": job.ttt_steps,
+        "max_batch_tokens": job.max_batch_tokens,
+        "lr": job.lr,
+        "warmup_ratio": job.warmup_ratio,
+        "min_lr_ratio": job.min_lr_ratio,
+        "weight_decay": job.weight_decay,
+        "betas": list(job.adam_betas),
+        "grad_clip": job.grad_clip,
+        "grad_accum": job.grad_accum,
+        "world_size": world_size,
+        "bf16": job.bf16,
+        "seed": job.seed,
+        "eval_fraction": job.eval_fraction,
     }
 
 
@@ -174,9 +195,14 @@ def fingerprint_differences(old: dict[str, Any], new: dict[str, Any]) -> list[st
     out = []
     old_data, new_data = old.get("data", {}), new["data"]
     if old_data.get("digest") != new_data["digest"]:
-        changed = [f"{k} {_show(old_data.get(k))} -> {_show(new_data.get(k))}"
-                   for k in sorted(set(old_data) | set(new_data)) if k != "digest" and old_data.get(k) != new_data.get(k)]
-        out.append("data: " + (", ".join(changed) if changed else "same number of samples and tokens, other ids or lengths"))
+        changed = [
+            f"{k} {_show(old_data.get(k))} -> {_show(new_data.get(k))}"
+            for k in sorted(set(old_data) | set(new_data))
+            if k != "digest" and old_data.get(k) != new_data.get(k)
+        ]
+        out.append(
+            "data: " + (", ".join(changed) if changed else "same number of samples and tokens, other ids or lengths")
+        )
     if old.get("vocab", {}).get("digest") != new["vocab"]["digest"]:
         out.append(f"draft vocabulary: other tokens (from {new['vocab']['token_counts']})")
     changed = settings_differences(old.get("settings", {}), new["settings"])
@@ -187,12 +213,17 @@ def fingerprint_differences(old: dict[str, Any], new: dict[str, Any]) -> list[st
 
 def settings_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """`name old -> new` for each setting that differs between two fingerprints' settings."""
-    return [f"{_SETTING_NAMES.get(k, k)} {_show(old.get(k))} -> {_show(new.get(k))}"
-            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return [
+        f"{_SETTING_NAMES.get(k, k)} {_show(old.get(k))} -> {_show(new.get(k))}"
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+    ]
 
 
-_SETTING_NAMES = {"total_steps": "total steps (epochs/max_steps; the cosine schedule spans them)",
-                  "world_size": "world size (train.num_gpus)"}
+_SETTING_NAMES = {
+    "total_steps": "total steps (epochs/max_steps; the cosine schedule spans them)",
+    "world_size": "world size (train.num_gpus)",
+}
 
 
 def _show(value: Any) -> str:
@@ -215,20 +246,24 @@ def check_fingerprint(ckpt_dir: Path, fingerprint: dict[str, Any], *, warn: bool
     path = ckpt_dir / tag / FINGERPRINT
     if not path.is_file():
         if warn:
-            log(f"train: warning: checkpoint {tag} has no {FINGERPRINT} (written before fingerprints): resuming "
-                "without checking that its data and settings are this launch's")
+            log(
+                f"train: warning: checkpoint {tag} has no {FINGERPRINT} (written before fingerprints): resuming "
+                "without checking that its data and settings are this launch's"
+            )
         return
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointMismatch(f"{path}: cannot read the checkpoint's fingerprint ({e}); move {ckpt_dir} aside "
-                                 "to start fresh") from None
+        raise CheckpointMismatch(
+            f"{path}: cannot read the checkpoint's fingerprint ({e}); move {ckpt_dir} aside to start fresh"
+        ) from None
     differences = fingerprint_differences(old, fingerprint)
     if differences:
         raise CheckpointMismatch(
             f"cannot resume {ckpt_dir / tag}: it was trained on other data or settings than this launch's "
             f"({'; '.join(differences)}). Nothing was trained or removed. To start fresh, set train.out_dir to a "
-            f"new directory or move {ckpt_dir} aside; to continue that checkpoint, restore its data and settings")
+            f"new directory or move {ckpt_dir} aside; to continue that checkpoint, restore its data and settings"
+        )
 
 
 def resume_checkpoint(engine, ckpt_dir: Path, dist: Dist) -> Position:
@@ -245,7 +280,9 @@ def resume_checkpoint(engine, ckpt_dir: Path, dist: Dist) -> Position:
     if not done:
         return Position()
     step, tag = done[-1]
-    _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    _, client = engine.load_checkpoint(
+        str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     position = Position(**client["position"])
     rng_path = ckpt_dir / tag / f"rng-rank-{dist.rank}.pt"
     if rng_path.is_file():  # a different world size than the saved run: fresh RNG for the new ranks
@@ -256,6 +293,8 @@ def resume_checkpoint(engine, ckpt_dir: Path, dist: Dist) -> Position:
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     if dist.rank == 0:
-        log(f"train: resuming from checkpoint {tag} (step {position.step}, epoch {position.epoch}, "
-            f"{position.tokens:,} tokens trained)")
+        log(
+            f"train: resuming from checkpoint {tag} (step {position.step}, epoch {position.epoch}, "
+            f"{position.tokens:,} tokens trained)"
+        )
     return position

@@ -43,11 +43,11 @@ class TrainSample:
 class Batch:
     """Right-padded tensors of one micro batch (B samples, T = longest length)."""
 
-    input_ids: torch.Tensor       # [B, T] int64
-    loss_mask: torch.Tensor       # [B, T] bool
+    input_ids: torch.Tensor  # [B, T] int64
+    loss_mask: torch.Tensor  # [B, T] bool
     attention_mask: torch.Tensor  # [B, T] bool
-    aux_hidden: torch.Tensor      # [B, T, 3Ht]
-    last_hidden: torch.Tensor     # [B, T, Ht]
+    aux_hidden: torch.Tensor  # [B, T, 3Ht]
+    last_hidden: torch.Tensor  # [B, T, Ht]
 
     @property
     def tokens(self) -> int:
@@ -115,8 +115,9 @@ def steps_per_epoch(num_batches: int, world_size: int, grad_accum: int) -> int:
     return max(1, num_batches // (world_size * grad_accum)) if num_batches else 0
 
 
-def rank_micro_batches(batches: list[list[TrainSample]], step: int, rank: int, world_size: int,
-                       grad_accum: int) -> list[list[TrainSample]]:
+def rank_micro_batches(
+    batches: list[list[TrainSample]], step: int, rank: int, world_size: int, grad_accum: int
+) -> list[list[TrainSample]]:
     """The micro batches rank `rank` runs in optimizer step `step` of the epoch (round-robin deal)."""
     first = step * world_size * grad_accum
     return [batches[(first + m * world_size + rank) % len(batches)] for m in range(grad_accum)]
@@ -137,8 +138,15 @@ class HiddenSource:
         if not rows:
             raise FileNotFoundError(f"{self.hidden_dir}: no hidden-state shards; run the capture stage first")
         self.cut = sum(1 for r in rows if r["length"] > self.max_len)
-        self.samples = [TrainSample(r["dataset"], r["id"], min(int(r["length"]), self.max_len),
-                                    (str(self.hidden_dir / r["shard"]), int(r["offset"]))) for r in rows]
+        self.samples = [
+            TrainSample(
+                r["dataset"],
+                r["id"],
+                min(int(r["length"]), self.max_len),
+                (str(self.hidden_dir / r["shard"]), int(r["offset"])),
+            )
+            for r in rows
+        ]
         # Not the shard layout (a capture resumed differently holds the same samples), but the
         # capture's target and layers: the same ids and lengths from another target are other data.
         meta_path = self.hidden_dir / METADATA_NAME
@@ -149,11 +157,14 @@ class HiddenSource:
     def batch(self, samples: list[TrainSample], device: torch.device) -> Batch:
         width = max(s.length for s in samples)
         parts = [read_sample(s.ref[0], s.ref[1], s.length) for s in samples]
-        return pad_batch([(p["input_ids"], p["loss_mask"], p["aux_hidden"], p["last_hidden"]) for p in parts], width, device)
+        return pad_batch(
+            [(p["input_ids"], p["loss_mask"], p["aux_hidden"], p["last_hidden"]) for p in parts], width, device
+        )
 
 
-def pad_batch(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], width: int,
-              device: torch.device) -> Batch:
+def pad_batch(
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], width: int, device: torch.device
+) -> Batch:
     """Right-pad (ids [n], mask [n], aux [n, 3H], last [n, H]) rows to `width` and stack them."""
     b = len(rows)
     aux_w, last_w, dtype = rows[0][2].shape[-1], rows[0][3].shape[-1], rows[0][2].dtype
@@ -172,7 +183,9 @@ def pad_batch(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
     return Batch(input_ids.to(device), loss_mask.to(device), attention.to(device), aux.to(device), last.to(device))
 
 
-def held_out_prompts(datasets: list, fraction: float, limit: int, vocab_size: int | None = None) -> list[tuple[str, str, list[int]]]:
+def held_out_prompts(
+    datasets: list, fraction: float, limit: int, vocab_size: int | None = None
+) -> list[tuple[str, str, list[int]]]:
     """(dataset, id, prompt ids) of up to `limit` held-out records: the tokens before the first loss token.
 
     `datasets` are `models.capture.DatasetRecords`. The order is the held-out hash order, so the

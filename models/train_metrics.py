@@ -14,15 +14,30 @@ from models.rank import Dist, log
 from models.run_layout import CHECKPOINTS, METRICS, TENSORBOARD
 from models.train_checkpoint import writing
 
+
 class Metrics:
     """Sums of TTT counts over batches (and ranks), turned into losses, accuracies and acceptance."""
 
     def __init__(self, steps: int, device: torch.device):
-        self.v = torch.zeros(6, steps, dtype=torch.float64, device=device)  # loss*valid, tokens, valid, correct, reached, accepted
+        self.v = torch.zeros(
+            6, steps, dtype=torch.float64, device=device
+        )  # loss*valid, tokens, valid, correct, reached, accepted
 
     def add(self, out) -> None:
-        self.v += torch.stack([out.per_step_loss.double() * out.valid, out.tokens, out.valid, out.correct,
-                               out.chain_reached, out.chain_accepted]).double().to(self.v.device)
+        self.v += (
+            torch.stack(
+                [
+                    out.per_step_loss.double() * out.valid,
+                    out.tokens,
+                    out.valid,
+                    out.correct,
+                    out.chain_reached,
+                    out.chain_accepted,
+                ]
+            )
+            .double()
+            .to(self.v.device)
+        )
 
     def all_reduce(self, dist: Dist) -> None:
         if dist.group:
@@ -82,7 +97,9 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(out_dir / TENSORBOARD), purge_step=resumed_step + 1 if resumed_step else None)
+                self.tb = SummaryWriter(
+                    str(out_dir / TENSORBOARD), purge_step=resumed_step + 1 if resumed_step else None
+                )
             except ImportError:
                 log("train: tensorboard is not installed; metrics go to metrics.jsonl only")
 

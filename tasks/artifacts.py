@@ -22,6 +22,8 @@ def progress_artifact(progress: float, key: str, description: str) -> UUID:
     artifact_id = create_progress_artifact(progress=progress, key=key, description=description)
     if not isinstance(artifact_id, UUID):
         artifact_id.close()  # not awaited: no "never awaited" warning on top of the error
-        raise TypeError(f"create_progress_artifact for {key!r} returned a coroutine: it runs in async code, "
-                           "which awaits acreate_progress_artifact instead")
+        raise TypeError(
+            f"create_progress_artifact for {key!r} returned a coroutine: it runs in async code, "
+            "which awaits acreate_progress_artifact instead"
+        )
     return artifact_id

@@ -15,14 +15,23 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.parquet_io import DamagedPart, clean_stale_temps, list_parts, next_part_path, read_metadata, reading, write_parquet_atomic
+from tasks.parquet_io import (
+    DamagedPart,
+    clean_stale_temps,
+    list_parts,
+    next_part_path,
+    read_metadata,
+    reading,
+    write_parquet_atomic,
+)
 from tasks.threads import run_to_the_end
 
 RESPONSE_SCHEMA = pa.schema(
@@ -157,7 +166,9 @@ def part_summary(part: Path) -> PartSummary:
     try:
         return PartSummary.from_metadata(meta)
     except (KeyError, ValueError, TypeError) as exc:
-        raise DamagedPart(part, f"its footer has no valid eagle3 summary ({exc!r}); response parts are written by eagle3 only") from None
+        raise DamagedPart(
+            part, f"its footer has no valid eagle3 summary ({exc!r}); response parts are written by eagle3 only"
+        ) from None
 
 
 def done_ids(directory: Path) -> set[str]:

@@ -16,15 +16,15 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from models.jobs import Nodes
-from models.spec import Spec
 from models.atomic import write_atomic
-from models.rank_protocol import Message, Protocol, most_telling, reported_error
 from models.file_errors import WriteFailed, is_write_error
+from models.jobs import Nodes
+from models.rank_protocol import Message, Protocol, most_telling, reported_error
+from models.spec import Spec
 from tasks.ports import free_port
 
 
@@ -91,12 +91,16 @@ def node_problems(nodes: Nodes, launcher: str, num_gpus: int) -> list[str]:
         return []
     if launcher == "torchrun":
         if nodes.master_addr is None:
-            return [f"nnodes {nodes.nnodes} with torchrun needs master_addr: the address of node 0 that every node "
-                    "reaches (its rendezvous runs there, on master_port)"]
+            return [
+                f"nnodes {nodes.nnodes} with torchrun needs master_addr: the address of node 0 that every node "
+                "reaches (its rendezvous runs there, on master_port)"
+            ]
         return []
     if nodes.hostfile is None:
-        return [f"nnodes {nodes.nnodes} with the deepspeed launcher needs hostfile: one `<host> slots=<GPUs>` line per "
-                "node (deploy/hostfile.example); node 0 starts every node's ranks from it over ssh"]
+        return [
+            f"nnodes {nodes.nnodes} with the deepspeed launcher needs hostfile: one `<host> slots=<GPUs>` line per "
+            "node (deploy/hostfile.example); node 0 starts every node's ranks from it over ssh"
+        ]
     try:
         hosts = read_hostfile(nodes.hostfile)
     except ValueError as e:
@@ -105,14 +109,23 @@ def node_problems(nodes: Nodes, launcher: str, num_gpus: int) -> list[str]:
         return [f"nnodes {nodes.nnodes}, but the hostfile {nodes.hostfile} lists {len(hosts)} host(s)"]
     short = {h: n for h, n in list(hosts.items())[: nodes.nnodes] if n < num_gpus}
     if short:
-        return [f"num_gpus {num_gpus} per node, but the hostfile {nodes.hostfile} gives "
-                + ", ".join(f"{h} slots={n}" for h, n in short.items())
-                + ": every node runs num_gpus ranks (the world size is nnodes x num_gpus)"]
+        return [
+            f"num_gpus {num_gpus} per node, but the hostfile {nodes.hostfile} gives "
+            + ", ".join(f"{h} slots={n}" for h, n in short.items())
+            + ": every node runs num_gpus ranks (the world size is nnodes x num_gpus)"
+        ]
     return []
 
 
-def rank_command(module: str, args: list[str], *, num_ranks: int, launcher: str = "auto", nodes: Nodes | None = None,
-                 node_rank: int = 0) -> tuple[list[str], dict[str, str]]:
+def rank_command(
+    module: str,
+    args: list[str],
+    *,
+    num_ranks: int,
+    launcher: str = "auto",
+    nodes: Nodes | None = None,
+    node_rank: int = 0,
+) -> tuple[list[str], dict[str, str]]:
     """The command and extra environment that run `python -m module args` on `num_ranks` ranks per node.
 
     One node: every rank here, on a free port (the deepspeed launcher on the GPUs `local_devices` picks;
@@ -131,22 +144,56 @@ def rank_command(module: str, args: list[str], *, num_ranks: int, launcher: str 
     port = str(nodes.master_port if nodes.multinode else free_port())
     if launcher == "deepspeed":
         if node_rank != 0:
-            raise ValueError("the deepspeed launcher starts every node's ranks from node 0 (over ssh, distributed.hostfile): "
-                             "start nothing on the other nodes")
+            raise ValueError(
+                "the deepspeed launcher starts every node's ranks from node 0 (over ssh, distributed.hostfile): "
+                "start nothing on the other nodes"
+            )
         if nodes.multinode:
             where = ["--hostfile", str(nodes.hostfile), "--num_nodes", str(nodes.nnodes)]
             where += ["--master_addr", nodes.master_addr] if nodes.master_addr else []
             where += ["--num_gpus", str(num_ranks)]
         else:
             where = local_devices(num_ranks)
-        command = [sys.executable, "-m", "deepspeed.launcher.runner", *where, "--master_port", port, "--module", module,
-                   *args]
+        command = [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            *where,
+            "--master_port",
+            port,
+            "--module",
+            module,
+            *args,
+        ]
         # No CUDA: DeepSpeed's CPU accelerator, said rather than left to its detection (which also tries XPU, NPU, ...)
         return command, ({} if cuda_available() else cpu_rank_env())
-    where = ["--nnodes", str(nodes.nnodes), "--node_rank", str(node_rank), "--master_addr", str(nodes.master_addr),
-             "--rdzv_conf", f"timeout={nodes.join_timeout_s}"] if nodes.multinode else []
-    command = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node", str(num_ranks),
-               "--master_port", port, "-m", module, *args]
+    where = (
+        [
+            "--nnodes",
+            str(nodes.nnodes),
+            "--node_rank",
+            str(node_rank),
+            "--master_addr",
+            str(nodes.master_addr),
+            "--rdzv_conf",
+            f"timeout={nodes.join_timeout_s}",
+        ]
+        if nodes.multinode
+        else []
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *where,
+        "--nproc_per_node",
+        str(num_ranks),
+        "--master_port",
+        port,
+        "-m",
+        module,
+        *args,
+    ]
     return command, cpu_rank_env()
 
 
@@ -176,8 +223,14 @@ def local_devices(num_ranks: int) -> list[str]:
     return ["--include", "localhost:" + ",".join(ids[:num_ranks])]
 
 
-def run_job(command: list[str], *, env: dict[str, str] | None = None, on_line: Callable[[str], None], tail_lines: int = 40,
-            timeout_s: float | None = None) -> None:
+def run_job(
+    command: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    on_line: Callable[[str], None],
+    tail_lines: int = 40,
+    timeout_s: float | None = None,
+) -> None:
     """Run `command`, passing each output line (stdout and stderr merged) to `on_line` as it comes.
 
     A nonzero exit raises RankFailure with the last lines of output (where the failing rank's
@@ -216,10 +269,14 @@ def run_job(command: list[str], *, env: dict[str, str] | None = None, on_line: C
         if timer is not None:
             timer.cancel()
     if timed_out.is_set():
-        raise JobTimedOut(f"job killed after its time limit of {timeout_s:g} s: {' '.join(command[:6])} ...\n"
-                          "--- last output ---\n" + "\n".join(tail))
+        raise JobTimedOut(
+            f"job killed after its time limit of {timeout_s:g} s: {' '.join(command[:6])} ...\n"
+            "--- last output ---\n" + "\n".join(tail)
+        )
     if code != 0:
-        raise RankFailure(f"job exited with code {code}: {' '.join(command[:6])} ...\n--- last output ---\n" + "\n".join(tail))
+        raise RankFailure(
+            f"job exited with code {code}: {' '.join(command[:6])} ...\n--- last output ---\n" + "\n".join(tail)
+        )
 
 
 def write_job(job: Spec, path: Path, *, kept: Callable[[], str], resume: str) -> None:
@@ -233,8 +290,13 @@ def write_job(job: Spec, path: Path, *, kept: Callable[[], str], resume: str) ->
         raise WriteFailed(path, e, kept=kept(), resume=resume) from None
 
 
-def rank_error(reports: list[dict[str, Any]], protocol: Protocol, *, refused: Callable[[str], Exception] = RankRefused,
-               known: Iterable[type[Exception]] = ()) -> Exception | None:
+def rank_error(
+    reports: list[dict[str, Any]],
+    protocol: Protocol,
+    *,
+    refused: Callable[[str], Exception] = RankRefused,
+    known: Iterable[type[Exception]] = (),
+) -> Exception | None:
     """The exception a failed job stands for, from its ranks' error reports; None when no rank said why.
 
     The most telling report wins (a rank's failed write over its peers' lost connections): a failed
@@ -251,10 +313,16 @@ def rank_error(reports: list[dict[str, Any]], protocol: Protocol, *, refused: Ca
     return error
 
 
-def follow_job(command: list[str], *, protocol: Protocol, log: Callable[[str], None],
-               on_message: Callable[[Message], None] | None = None, env: dict[str, str] | None = None,
-               failure: Callable[[list[dict[str, Any]], RankFailure], BaseException] | None = None,
-               run: Callable[..., None] | None = None) -> None:
+def follow_job(
+    command: list[str],
+    *,
+    protocol: Protocol,
+    log: Callable[[str], None],
+    on_message: Callable[[Message], None] | None = None,
+    env: dict[str, str] | None = None,
+    failure: Callable[[list[dict[str, Any]], RankFailure], BaseException] | None = None,
+    run: Callable[..., None] | None = None,
+) -> None:
     """Run a rank job to its end: its output to `log`, its protocol lines to `on_message`, its failure raised.
 
     Progress lines go to `on_message` only (the task shows a summary); events (a checkpoint, the end)
@@ -284,8 +352,18 @@ def follow_job(command: list[str], *, protocol: Protocol, log: Callable[[str], N
         raise error from None  # one line: the rank's traceback, if it printed one, is in the log
 
 
-def run_node(module: str, job_path: Path, *, protocol: Protocol, num_ranks: int, launcher: str, nodes: Nodes, node_rank: int,
-             attempts: int, log: Callable[[str], None]) -> None:
+def run_node(
+    module: str,
+    job_path: Path,
+    *,
+    protocol: Protocol,
+    num_ranks: int,
+    launcher: str,
+    nodes: Nodes,
+    node_rank: int,
+    attempts: int,
+    log: Callable[[str], None],
+) -> None:
     """Run node `node_rank`'s ranks of a multi-node torchrun job that node 0's pipeline launches; return when it succeeds.
 
     Node 0 writes `job_path` before it starts its own launcher, and ranks read it only once every node
@@ -294,22 +372,29 @@ def run_node(module: str, job_path: Path, *, protocol: Protocol, num_ranks: int,
     `attempts` launches and raises the last failure.
     """
     if node_rank == 0:
-        raise ValueError("node 0 is the node the pipeline runs on (`eagle3 run`): it launches its own ranks; "
-                         f"give this node's rank, 1..{nodes.nnodes - 1}")
-    command, env = rank_command(module, ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher, nodes=nodes,
-                                node_rank=node_rank)
+        raise ValueError(
+            "node 0 is the node the pipeline runs on (`eagle3 run`): it launches its own ranks; "
+            f"give this node's rank, 1..{nodes.nnodes - 1}"
+        )
+    command, env = rank_command(
+        module, ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher, nodes=nodes, node_rank=node_rank
+    )
     for attempt in range(1, attempts + 1):
-        log(f"node {node_rank}: {protocol.name} ranks {node_rank * num_ranks}..{(node_rank + 1) * num_ranks - 1} of "
+        log(
+            f"node {node_rank}: {protocol.name} ranks {node_rank * num_ranks}..{(node_rank + 1) * num_ranks - 1} of "
             f"{nodes.nnodes * num_ranks}, joining node 0 at {nodes.master_addr}:{nodes.master_port} (launch {attempt} of "
-            f"at most {attempts}): {' '.join(command)}")
+            f"at most {attempts}): {' '.join(command)}"
+        )
         try:
             follow_job(command, protocol=protocol, env=env, log=log, on_message=lambda message: log(message.line))
             return
         except Exception as e:  # noqa: BLE001 - node 0 decides whether to retry; this node joins the retry if it comes
             if attempt == attempts:
                 raise
-            log(f"node {node_rank}: the {protocol.name} job failed ({(str(e).splitlines() or [type(e).__name__])[0]}); "
-                f"waiting up to {nodes.join_timeout_s}s for node 0's next launch")
+            log(
+                f"node {node_rank}: the {protocol.name} job failed ({(str(e).splitlines() or [type(e).__name__])[0]}); "
+                f"waiting up to {nodes.join_timeout_s}s for node 0's next launch"
+            )
 
 
 def _kill_group(process: subprocess.Popen) -> None:

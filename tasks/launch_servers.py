@@ -18,10 +18,10 @@ import httpx
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from models.server_access import replica_url
-from tasks.ports import free_port
 from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import ServerOutage
+from tasks.ports import free_port
 
 SERVER_LOG = "server.log"  # a lone server's log in the log_dir it is given (RUN_DIR/logs: models/run_layout.py)
 
@@ -32,13 +32,22 @@ class ServerProcess:
     Use as a context manager so the server is stopped on success, failure and Ctrl-C alike.
     """
 
-    def __init__(self, command: list[str], url: str, *, log_path: Path | None = None, env: dict[str, str] | None = None,
-                 engine: str = "sglang"):
+    def __init__(
+        self,
+        command: list[str],
+        url: str,
+        *,
+        log_path: Path | None = None,
+        env: dict[str, str] | None = None,
+        engine: str = "sglang",
+    ):
         self.command = command
         self.url = url.rstrip("/")
         self.log_path = log_path
         self.env = env
-        self.engine = engine  # whose health path is polled (tasks/engines/): sglang (also the dev server, a router) or vllm
+        self.engine = (
+            engine  # whose health path is polled (tasks/engines/): sglang (also the dev server, a router) or vllm
+        )
         self.process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> ServerProcess:
@@ -78,7 +87,9 @@ class ServerProcess:
                 )
 
         async def wait() -> None:
-            async with client_class(self.engine)(self.url, retry=RetryPolicy(initial_s=0.05, max_s=1.0, jitter=0.0)) as client:
+            async with client_class(self.engine)(
+                self.url, retry=RetryPolicy(initial_s=0.05, max_s=1.0, jitter=0.0)
+            ) as client:
                 await client.wait_healthy(timeout_s, alive=alive)
 
         try:
@@ -106,20 +117,47 @@ class ServerProcess:
         return b"".join(tail).decode("utf-8", "replace")
 
 
-def dev_server(model_dir: Path, *, port: int | None = None, log_path: Path | None = None, host: str = "127.0.0.1",
-               extra_args: list[str] | None = None) -> ServerProcess:
+def dev_server(
+    model_dir: Path,
+    *,
+    port: int | None = None,
+    log_path: Path | None = None,
+    host: str = "127.0.0.1",
+    extra_args: list[str] | None = None,
+) -> ServerProcess:
     """The SGLang-compatible dev server over `model_dir`, as a child process (not yet started); `extra_args` are its
     further flags (e.g. SGLang's --speculative-* ones)."""
     port = port or free_port(host)
-    command = [sys.executable, "-m", "emulators.dev_server", "--model", str(model_dir), "--host", host, "--port", str(port),
-               *(extra_args or [])]
+    command = [
+        sys.executable,
+        "-m",
+        "emulators.dev_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *(extra_args or []),
+    ]
     return ServerProcess(command, f"http://{host}:{port}", log_path=log_path)
 
 
-def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool = False, router_args: list[str] | None = None,
-                     gpus_per_replica: int | None = None, target: Path | None = None, command: list[str] | None = None,
-                     log_dir: Path | None = None, health_timeout_s: float = 600.0,
-                     extra_args: list[str] | None = None, engine: str = "sglang") -> contextlib.AbstractContextManager:
+def launched_servers(
+    launch: str,
+    url: str,
+    *,
+    replicas: int = 1,
+    router: bool = False,
+    router_args: list[str] | None = None,
+    gpus_per_replica: int | None = None,
+    target: Path | None = None,
+    command: list[str] | None = None,
+    log_dir: Path | None = None,
+    health_timeout_s: float = 600.0,
+    extra_args: list[str] | None = None,
+    engine: str = "sglang",
+) -> contextlib.AbstractContextManager:
     """A context that runs the servers of the generate stage (launch `dev` or `command`), or nothing (`none`).
 
     `replicas` servers are started at once, replica N on url's port + N, or + 1 + N with a `router`,
@@ -142,8 +180,14 @@ def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool =
         address = replica_url(url, i, router=router) if (replicas > 1 or router) else url.rstrip("/")
         parts = urlparse(address)
         host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
-        log_path = None if log_dir is None else log_dir / (SERVER_LOG if replicas == 1 and not router else f"server-{i}.log")
-        gpus = None if gpus_per_replica is None else ",".join(str(g) for g in range(i * gpus_per_replica, (i + 1) * gpus_per_replica))
+        log_path = (
+            None if log_dir is None else log_dir / (SERVER_LOG if replicas == 1 and not router else f"server-{i}.log")
+        )
+        gpus = (
+            None
+            if gpus_per_replica is None
+            else ",".join(str(g) for g in range(i * gpus_per_replica, (i + 1) * gpus_per_replica))
+        )
         if launch == "dev" and target is not None:  # checked above: dev has a target, command a command
             servers.append(dev_server(target, port=port, host=host, log_path=log_path, extra_args=extra_args))
         elif command:
@@ -152,12 +196,20 @@ def launched_servers(launch: str, url: str, *, replicas: int = 1, router: bool =
             env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
             servers.append(ServerProcess(words, address, log_path=log_path, env=env, engine=engine))
     if router:
-        servers.append(router_process(url, [s.url for s in servers], router_args or [],
-                                      log_path=None if log_dir is None else log_dir / "router.log"))
+        servers.append(
+            router_process(
+                url,
+                [s.url for s in servers],
+                router_args or [],
+                log_path=None if log_dir is None else log_dir / "router.log",
+            )
+        )
     busy = [s.url for s in servers if answers(s.url)]
     if busy:
-        raise RuntimeError(f"something already answers at {', '.join(busy)}: stop it (an old server would be used "
-                           f"instead of the one this run starts) or set server.launch: none to use it")
+        raise RuntimeError(
+            f"something already answers at {', '.join(busy)}: stop it (an old server would be used "
+            f"instead of the one this run starts) or set server.launch: none to use it"
+        )
     return serving(servers, health_timeout_s)
 
 
@@ -173,11 +225,23 @@ def router_process(url: str, workers: list[str], extra: list[str], *, log_path: 
     import importlib.util
 
     if importlib.util.find_spec("sglang_router") is None:
-        raise RuntimeError("server.router: true needs the SGLang router: pip install sglang-router "
-                           "(or start one yourself and set server.launch: none, server.url: its address)")
+        raise RuntimeError(
+            "server.router: true needs the SGLang router: pip install sglang-router "
+            "(or start one yourself and set server.launch: none, server.url: its address)"
+        )
     parts = urlparse(url)
-    command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers,
-               "--host", parts.hostname or "127.0.0.1", "--port", str(parts.port or 80), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls",
+        *workers,
+        "--host",
+        parts.hostname or "127.0.0.1",
+        "--port",
+        str(parts.port or 80),
+        *extra,
+    ]
     if not any(word.startswith("--prometheus-port") for word in extra):
         # its metrics port defaults to 29000, often taken (torch.distributed uses 29500 nearby): a router that
         # cannot bind it dies at start, so it gets a free one unless router_args name one
@@ -203,8 +267,10 @@ def serving(servers: list[ServerProcess], health_timeout_s: float) -> Iterator[l
     """Start `servers`, wait until each is healthy, yield them; stop them all on exit (SIGTERM raises here, so they are)."""
     previous = None
     if threading.current_thread() is threading.main_thread():
+
         def on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
             raise SystemExit(f"terminated (signal {signum}) while the server was running")
+
         previous = signal.signal(signal.SIGTERM, on_sigterm)
     with contextlib.ExitStack() as stack:
         try:

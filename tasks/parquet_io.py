@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -90,11 +91,7 @@ def read_metadata(path: Path) -> dict[str, str]:
     """The schema metadata of a Parquet file, read from the footer only (no row data); DamagedPart if unreadable."""
     with reading(path):
         raw = pq.read_schema(path).metadata or {}
-    return {
-        k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
-        for k, v in raw.items()
-        if k != b"ARROW:schema"
-    }
+    return {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items() if k != b"ARROW:schema"}
 
 
 def clean_stale_temps(directory: Path, older_than_s: float = 0.0) -> list[Path]:

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -89,8 +89,9 @@ def write_rejects(
         return None
     causes = [r.cause or reject_cause(stage, r.reason) for r in rejects]
     fingerprint = hashlib.sha256(
-        json.dumps([[str(r.path), r.row, r.id, c, r.reason] for r, c in zip(rejects, causes)], ensure_ascii=False)
-        .encode("utf-8", "surrogatepass")
+        json.dumps(
+            [[str(r.path), r.row, r.id, c, r.reason] for r, c in zip(rejects, causes)], ensure_ascii=False
+        ).encode("utf-8", "surrogatepass")
     ).hexdigest()[:16]
     for part in live_parts(directory):
         meta = read_metadata(part)
@@ -112,7 +113,12 @@ def write_rejects(
     counts: dict[str, int] = {}
     for cause in causes:
         counts[cause] = counts.get(cause, 0) + 1
-    footer = {"stage": stage, "rows": len(rejects), "rejects_fingerprint": fingerprint, CAUSES_KEY: json.dumps(counts, sort_keys=True)}
+    footer = {
+        "stage": stage,
+        "rows": len(rejects),
+        "rejects_fingerprint": fingerprint,
+        CAUSES_KEY: json.dumps(counts, sort_keys=True),
+    }
     if replaced:
         footer[f"{META}replaces"] = json.dumps([p.name for p in replaced])
     part = write_parquet_atomic(table, next_part_path(directory), metadata=footer)

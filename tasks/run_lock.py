@@ -26,10 +26,10 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from models.run_layout import LOCK_NAME
 
@@ -44,8 +44,13 @@ class RunDirLocked(RuntimeError):
         self.run_dir = run_dir
         self.holder = holder
         self.setting = setting
-        what = "a run directory" if setting is None else (
-            f"it ({setting} of this run; another run's config may name the same directory: give each run its own)")
+        what = (
+            "a run directory"
+            if setting is None
+            else (
+                f"it ({setting} of this run; another run's config may name the same directory: give each run its own)"
+            )
+        )
         super().__init__(
             f"{run_dir}{'' if setting is None else f' ({setting})'} is in use by another "
             f"{'reader' if holder.get('reads') else 'writer'}: {describe_holder(holder)}"
@@ -105,8 +110,9 @@ def lock_holder(run_dir: Path | str) -> dict[str, Any] | None:
 
 
 @contextmanager
-def run_lock(run_dir: Path | str, purpose: str, also: Iterable[tuple[str, Path]] = (),
-             reads: Iterable[tuple[str, Path]] = ()) -> Iterator[None]:
+def run_lock(
+    run_dir: Path | str, purpose: str, also: Iterable[tuple[str, Path]] = (), reads: Iterable[tuple[str, Path]] = ()
+) -> Iterator[None]:
     """Hold the run directory's write lock for the block; RunDirLocked at once if someone else has it.
 
     `also`: (setting, directory) pairs the block writes besides RUN_DIR (capture.out_dir on a bigger
@@ -134,7 +140,9 @@ def _locked(key: Path, purpose: str, setting: str | None, *, exclusive: bool) ->
             if exclusive and not entry[2]:
                 # flock cannot turn a shared lock into an exclusive one atomically (it may lose it on the way):
                 # the outermost block must ask for what the inner ones write (RunConfig.written_dirs)
-                raise RuntimeError(f"{key} is locked for reading in this process; lock it for writing in the outer block")
+                raise RuntimeError(
+                    f"{key} is locked for reading in this process; lock it for writing in the outer block"
+                )
             entry[1] += 1
         else:
             _held[key] = [_acquire(key, purpose, setting, exclusive), 1, exclusive]

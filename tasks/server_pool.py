@@ -41,8 +41,16 @@ from typing import Any
 import httpx
 
 from tasks.engines import client_class
-from tasks.engines.client import Completion, EngineClient, RetryPolicy, log as client_log, request_id
-from tasks.engines.errors import BadRequest, DuplicateRequestId, EngineError, InvalidReply, ServerOutage, ServerUnavailable
+from tasks.engines.client import Completion, EngineClient, RetryPolicy, request_id
+from tasks.engines.client import log as client_log
+from tasks.engines.errors import (
+    BadRequest,
+    DuplicateRequestId,
+    EngineError,
+    InvalidReply,
+    ServerOutage,
+    ServerUnavailable,
+)
 
 PROBE_TIMEOUT_S = 30.0  # SGLang's /health_generate gives up on its own 1-token probe after 20 s (HEALTH_CHECK_TIMEOUT)
 
@@ -120,10 +128,20 @@ class ServerPool:
         self.engine = engine
         client = client_class(engine)
         self.servers = [
-            Server(url.rstrip("/"), client(url, request_timeout_s=request_timeout_s, retry=self.retry, api_key=api_key,
-                                                 auth_hint=auth_hint, max_connections=max_concurrency + 8, logger=logger,
-                                                 transport=transport),
-                   max_concurrency)
+            Server(
+                url.rstrip("/"),
+                client(
+                    url,
+                    request_timeout_s=request_timeout_s,
+                    retry=self.retry,
+                    api_key=api_key,
+                    auth_hint=auth_hint,
+                    max_connections=max_concurrency + 8,
+                    logger=logger,
+                    transport=transport,
+                ),
+                max_concurrency,
+            )
             for url in urls
         ]
         self._waiters: list[asyncio.Future] = []  # woken whenever a place frees up or a server's state changes
@@ -180,10 +198,16 @@ class ServerPool:
                     self.all_down_since = time.monotonic()  # a retried task gets a whole outage window again
                 return
             if len(self.servers) > 1:
-                self.log.info("waiting up to %.0fs for a healthy server among %s", self.health_timeout_s, ", ".join(self.urls))
+                self.log.info(
+                    "waiting up to %.0fs for a healthy server among %s", self.health_timeout_s, ", ".join(self.urls)
+                )
             else:
-                self.log.info("waiting up to %.0fs for %s%s", self.health_timeout_s, self.urls[0],
-                              self.servers[0].client.health_path)
+                self.log.info(
+                    "waiting up to %.0fs for %s%s",
+                    self.health_timeout_s,
+                    self.urls[0],
+                    self.servers[0].client.health_path,
+                )
             self.all_down_since = time.monotonic()
             for s in self.servers:
                 if s.monitor is None or s.monitor.done():  # a start that failed left its watchers running
@@ -241,8 +265,9 @@ class ServerPool:
             return
         s.healthy = False
         s.down_since = time.monotonic()
-        self.log.warning("server %s is down (%s); its requests go to the other servers, or wait (%s)",
-                         s.url, exc, self._states())
+        self.log.warning(
+            "server %s is down (%s); its requests go to the other servers, or wait (%s)", s.url, exc, self._states()
+        )
         if not any(x.healthy for x in self.servers):
             self.all_down_since = time.monotonic()
         if not self._closed and (s.monitor is None or s.monitor.done()):
@@ -274,7 +299,9 @@ class ServerPool:
             s.failures_in_a_row -= 1
             self._mark_down(s, exc)
             return
-        self.log.info("server %s answered its health probe after a failed request (%s): it stays in the pool", s.url, exc)
+        self.log.info(
+            "server %s answered its health probe after a failed request (%s): it stays in the pool", s.url, exc
+        )
 
     def _notify(self) -> None:
         waiters, self._waiters = self._waiters, []
@@ -371,8 +398,15 @@ class ServerPool:
             s.busy_since = None
         self._notify()
 
-    async def generate(self, lease: Lease, input_ids: list[int], sampling_params: dict[str, Any], key: str,
-                       *, vocab_size: int | None = None) -> Completion:
+    async def generate(
+        self,
+        lease: Lease,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        key: str,
+        *,
+        vocab_size: int | None = None,
+    ) -> Completion:
         """Send one prompt through the pool, starting at the lease's server; the lease is released at the end.
 
         `key` names the request for the log and for `abort` (e.g. "dataset:prompt id"); each send
@@ -404,8 +438,12 @@ class ServerPool:
                     failures += 1
                     if failures > 1:  # at once the first time; then with backoff, as a server that stays up
                         # (a router answers its own /health_generate while its workers fail) must not be hammered
-                        await asyncio.sleep(min(self.retry.delay(failures - 2),
-                                                max(0.0, self.retry.outage_window_s - (now - first_failure))))
+                        await asyncio.sleep(
+                            min(
+                                self.retry.delay(failures - 2),
+                                max(0.0, self.retry.outage_window_s - (now - first_failure)),
+                            )
+                        )
                     await self.reserve(len(input_ids), lease)
                     continue
                 except BadRequest:
@@ -439,24 +477,29 @@ class ServerPool:
         out = []
         for s in self.servers:
             busy = s.busy_s + (now - s.busy_since if s.busy_since is not None else 0.0)
-            out.append({
-                "server": s.url,
-                "state": s.state() + (" (router)" if s.router else ""),
-                "responses": s.responses,
-                "completion_tokens": s.completion_tokens,
-                "tok_per_s": round(s.completion_tokens / wall, 1) if wall > 0 else 0.0,
-                "busy_pct": round(100 * busy / wall, 1) if wall > 0 else 0.0,
-                "in_flight": s.in_flight,
-                "failed_requests": s.failures,
-                "health_probes": s.probes,
-                "max_req_input_len": s.max_input,
-            })
+            out.append(
+                {
+                    "server": s.url,
+                    "state": s.state() + (" (router)" if s.router else ""),
+                    "responses": s.responses,
+                    "completion_tokens": s.completion_tokens,
+                    "tok_per_s": round(s.completion_tokens / wall, 1) if wall > 0 else 0.0,
+                    "busy_pct": round(100 * busy / wall, 1) if wall > 0 else 0.0,
+                    "in_flight": s.in_flight,
+                    "failed_requests": s.failures,
+                    "health_probes": s.probes,
+                    "max_req_input_len": s.max_input,
+                }
+            )
         return out
 
     def line(self) -> str:
         """Per-server throughput in one line (for progress lines; empty for a single server)."""
         if len(self.servers) < 2:
             return ""
-        parts = [f"{r['server']} {r['tok_per_s']:,.0f} tok/s" + ("" if r["state"].startswith("healthy") else f" ({r['state']})")
-                 for r in self.rows()]
+        parts = [
+            f"{r['server']} {r['tok_per_s']:,.0f} tok/s"
+            + ("" if r["state"].startswith("healthy") else f" ({r['state']})")
+            for r in self.rows()
+        ]
         return "servers: " + ", ".join(parts)

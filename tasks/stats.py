@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -108,7 +109,11 @@ def total_stats(stats: Sequence[DatasetStats]) -> DatasetStats:
             causes[cause] = causes.get(cause, 0) + n
     damaged = [s.dataset for s in stats if s.damaged]
     return _from_summary(
-        "TOTAL", summary, lengths, rejects=causes, parts=sum(s.parts for s in stats),
+        "TOTAL",
+        summary,
+        lengths,
+        rejects=causes,
+        parts=sum(s.parts for s in stats),
         damaged=f"damaged: {', '.join(damaged)}" if damaged else None,
     )
 
@@ -263,7 +268,13 @@ def _sorted(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def _from_summary(
-    name: str, summary: PartSummary, lengths: np.ndarray, *, rejects: dict[str, int], parts: int, damaged: str | None = None
+    name: str,
+    summary: PartSummary,
+    lengths: np.ndarray,
+    *,
+    rejects: dict[str, int],
+    parts: int,
+    damaged: str | None = None,
 ) -> DatasetStats:
     first, last = summary.first_finished_at, summary.last_finished_at
     wall = last - first if first is not None and last is not None else None
@@ -310,7 +321,11 @@ def render_rows_table(title: str, rows: list[dict[str, Any]]) -> Table:
     if not rows:
         return table
     for key, value in rows[0].items():
-        table.add_column(key.replace("_", " "), justify="right" if isinstance(value, (int, float)) else "left", no_wrap=True)
+        table.add_column(
+            key.replace("_", " "), justify="right" if isinstance(value, (int, float)) else "left", no_wrap=True
+        )
     for row in rows:
-        table.add_row(*(f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else escape(str(v)) for v in row.values()))
+        table.add_row(
+            *(f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else escape(str(v)) for v in row.values())
+        )
     return table

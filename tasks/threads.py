@@ -10,7 +10,8 @@ renamed into (a part overwritten: rows lost). Every write of a checkpoint goes t
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -9,9 +9,9 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -67,7 +67,9 @@ class Tmpfs:
     def __call__(self, directory: Path, size: int | str) -> Iterator[Path]:
         """A tmpfs of `size` (bytes, or "160k"/"3m") at `directory`; skips the test where mounting is not allowed."""
         directory.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True, text=True
+        )
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
         self.mounted.append(directory)

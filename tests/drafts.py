@@ -10,8 +10,9 @@ from models.eagle3 import Eagle3Config, Eagle3Draft, default_aux_layers
 from models.eagle3_export import export_draft
 
 
-def random_draft(config: Eagle3Config, embedding: torch.Tensor, *, seed: int = 0, counts=None,
-                 cls: type[Eagle3Draft] = Eagle3Draft) -> Eagle3Draft:
+def random_draft(
+    config: Eagle3Config, embedding: torch.Tensor, *, seed: int = 0, counts=None, cls: type[Eagle3Draft] = Eagle3Draft
+) -> Eagle3Draft:
     """A draft (`cls`) of `config` with random weights (seed `seed`), the target's `embedding`, and the vocab of
     `counts` (token frequencies; default: drawn at random after the weights)."""
     draft = cls(config)
@@ -29,8 +30,9 @@ def random_draft(config: Eagle3Config, embedding: torch.Tensor, *, seed: int = 0
 
 def export_random_draft(model, out_dir, *, draft_vocab_size: int):
     """A random draft (seed 0) over `model`'s embedding, exported in float32 (models/eagle3_export.py) to out_dir."""
-    cfg = Eagle3Config.from_target_config(model.config, draft_vocab_size=draft_vocab_size,
-                                          aux_layers=default_aux_layers(model.config.num_hidden_layers))
+    cfg = Eagle3Config.from_target_config(
+        model.config, draft_vocab_size=draft_vocab_size, aux_layers=default_aux_layers(model.config.num_hidden_layers)
+    )
     draft = random_draft(cfg, model.get_input_embeddings().weight)
     return export_draft(draft, out_dir, target_config=model.config, dtype=torch.float32)
 

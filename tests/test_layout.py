@@ -34,36 +34,52 @@ def imports(path: Path):
 
 
 def test_no_module_imports_a_private_name_of_another():
-    found = [f"{path.relative_to(REPO)}:{line}: {module}.{name}" for path in sources()
-             for module, name, line in imports(path)
-             if name and name.startswith("_") and not name.startswith("__") and module.split(".")[0] in PACKAGES]
+    found = [
+        f"{path.relative_to(REPO)}:{line}: {module}.{name}"
+        for path in sources()
+        for module, name, line in imports(path)
+        if name and name.startswith("_") and not name.startswith("__") and module.split(".")[0] in PACKAGES
+    ]
     assert found == []
 
 
 @pytest.mark.parametrize("package", ["flows", "tasks", "models"])
 def test_imports_point_flows_to_tasks_to_models(package):
-    upward = [f"{path.relative_to(REPO)}:{line}: {module}" for path in sorted((REPO / package).rglob("*.py"))
-              for module, _, line in imports(path)
-              if module.split(".")[0] in LAYER and LAYER[module.split(".")[0]] > LAYER[package]]
+    upward = [
+        f"{path.relative_to(REPO)}:{line}: {module}"
+        for path in sorted((REPO / package).rglob("*.py"))
+        for module, _, line in imports(path)
+        if module.split(".")[0] in LAYER and LAYER[module.split(".")[0]] > LAYER[package]
+    ]
     assert upward == []
 
 
 def test_models_import_no_prefect_or_httpx():
-    found = [f"{path.relative_to(REPO)}:{line}: {module}" for path in sorted((REPO / "models").rglob("*.py"))
-             for module, _, line in imports(path) if module.split(".")[0] in ("prefect", "httpx")]
+    found = [
+        f"{path.relative_to(REPO)}:{line}: {module}"
+        for path in sorted((REPO / "models").rglob("*.py"))
+        for module, _, line in imports(path)
+        if module.split(".")[0] in ("prefect", "httpx")
+    ]
     assert found == []
 
 
 def test_emulators_import_models_only():
-    found = [f"{path.relative_to(REPO)}:{line}: {module}" for path in sorted((REPO / "emulators").rglob("*.py"))
-             for module, _, line in imports(path)
-             if module.split(".")[0] in PACKAGES and module.split(".")[0] not in EMULATORS_MAY_IMPORT]
+    found = [
+        f"{path.relative_to(REPO)}:{line}: {module}"
+        for path in sorted((REPO / "emulators").rglob("*.py"))
+        for module, _, line in imports(path)
+        if module.split(".")[0] in PACKAGES and module.split(".")[0] not in EMULATORS_MAY_IMPORT
+    ]
     assert found == []
 
 
 def test_only_the_cli_imports_the_emulators():
-    found = [f"{path.relative_to(REPO)}:{line}: {module}" for package in LAYER
-             for path in sorted((REPO / package).rglob("*.py"))
-             for module, _, line in imports(path)
-             if module.split(".")[0] == "emulators" and str(path.relative_to(REPO)) not in IMPORTS_EMULATORS]
+    found = [
+        f"{path.relative_to(REPO)}:{line}: {module}"
+        for package in LAYER
+        for path in sorted((REPO / package).rglob("*.py"))
+        for module, _, line in imports(path)
+        if module.split(".")[0] == "emulators" and str(path.relative_to(REPO)) not in IMPORTS_EMULATORS
+    ]
     assert found == []

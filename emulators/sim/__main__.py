@@ -36,26 +36,56 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--starting", action="store_true", help="start with /health_generate answering 503")
     ap.add_argument("--log-level", default="warning")
     ap.add_argument("--api-key", default=None, help="SGLang's --api-key: required on every endpoint but /health*")
-    ap.add_argument("--admin-api-key", default=None,
-                    help="SGLang's --admin-api-key: the only key /abort_request and /flush_cache take")
-    ap.add_argument("--sglang-version", default=d.sglang_version, choices=list(sglang.SGLANG_VERSIONS),
-                    help="follow SGLang 0.5.23 (default) or 0.4.x where they differ")
-    ap.add_argument("--disconnect-poll-s", type=float, default=d.disconnect_poll_s,
-                    help="how often a disconnected client is noticed (SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT)")
-    ap.add_argument("--reserved-tokens", type=int, default=d.reserved_tokens,
-                    help="tokens reserved per request in the length checks, as an EAGLE server does")
+    ap.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="SGLang's --admin-api-key: the only key /abort_request and /flush_cache take",
+    )
+    ap.add_argument(
+        "--sglang-version",
+        default=d.sglang_version,
+        choices=list(sglang.SGLANG_VERSIONS),
+        help="follow SGLang 0.5.23 (default) or 0.4.x where they differ",
+    )
+    ap.add_argument(
+        "--disconnect-poll-s",
+        type=float,
+        default=d.disconnect_poll_s,
+        help="how often a disconnected client is noticed (SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT)",
+    )
+    ap.add_argument(
+        "--reserved-tokens",
+        type=int,
+        default=d.reserved_tokens,
+        help="tokens reserved per request in the length checks, as an EAGLE server does",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     try:
         config = SimConfig(
-            vocab_size=args.vocab_size, eos_token_id=args.eos_id, length_dist=args.length_dist,
-            mean_len=args.mean_len, sigma=args.sigma, context_length=args.context_length,
-            max_running=args.max_running, decode_s_per_token=args.decode_ms / 1e3,
-            prefill_s_per_token=args.prefill_ms / 1e3, seed=args.seed, sglang_version=args.sglang_version,
-            disconnect_poll_s=args.disconnect_poll_s, reserved_tokens=args.reserved_tokens,
+            vocab_size=args.vocab_size,
+            eos_token_id=args.eos_id,
+            length_dist=args.length_dist,
+            mean_len=args.mean_len,
+            sigma=args.sigma,
+            context_length=args.context_length,
+            max_running=args.max_running,
+            decode_s_per_token=args.decode_ms / 1e3,
+            prefill_s_per_token=args.prefill_ms / 1e3,
+            seed=args.seed,
+            sglang_version=args.sglang_version,
+            disconnect_poll_s=args.disconnect_poll_s,
+            reserved_tokens=args.reserved_tokens,
         )
-        server = SimServer(config, host=args.host, port=args.port, starting=args.starting, log_level=args.log_level,
-                           api_key=args.api_key, admin_api_key=args.admin_api_key)
+        server = SimServer(
+            config,
+            host=args.host,
+            port=args.port,
+            starting=args.starting,
+            log_level=args.log_level,
+            api_key=args.api_key,
+            admin_api_key=args.admin_api_key,
+        )
     except ValueError as exc:
         ap.error(str(exc))
     try:

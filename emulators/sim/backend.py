@@ -38,8 +38,9 @@ class SimBackend:
         try:
             arrived = srv._engine_loop().time()
             try:
-                req = sglang.parse_generate(await request.body(), server="sim server", accepts_text=False,
-                                            version=srv.version)
+                req = sglang.parse_generate(
+                    await request.body(), server="sim server", accepts_text=False, version=srv.version
+                )
                 # tokenizer_manager.py generate_request: normalise, `_init_req_state` (duplicate rids),
                 # then check each prompt; a failure frees the batch's rids again.
                 try:
@@ -48,8 +49,10 @@ class SimBackend:
                     srv.stats.duplicate_rids += 1
                     raise
                 try:
-                    seqs = [self._sequence(ids, raw, rid, arrived)
-                            for ids, raw, rid in zip(req.prompts, req.sampling_params, req.rids)]
+                    seqs = [
+                        self._sequence(ids, raw, rid, arrived)
+                        for ids, raw, rid in zip(req.prompts, req.sampling_params, req.rids)
+                    ]
                 except BaseException:
                     for rid in req.rids:
                         srv._held.release(rid)
@@ -61,7 +64,8 @@ class SimBackend:
             if srv._drop_fraction > 0 and srv._drop_rng.random() < srv._drop_fraction:
                 srv._cut_later(request.scope, srv._drop_after_s, seqs)
             results = await sglang.results_or_abort(
-                request, asyncio.gather(*(s.future for s in seqs)),
+                request,
+                asyncio.gather(*(s.future for s in seqs)),
                 # The poll noticed the client is gone: abort_request(rid) for each (prefix rule included).
                 lambda: [srv._abort(s.rid, cause="disconnect") for s in seqs],
                 poll_s=srv.config.disconnect_poll_s,
@@ -80,8 +84,11 @@ class SimBackend:
         if srv._reject is not None:
             verdict = srv._reject(ids)
             if verdict:
-                raise sglang.BadRequest(verdict if isinstance(verdict, str)
-                                        else "The prompt was rejected by the sim server's reject_if rule.")
+                raise sglang.BadRequest(
+                    verdict
+                    if isinstance(verdict, str)
+                    else "The prompt was rejected by the sim server's reject_if rule."
+                )
         out = simulate_output(ids, params, srv.config)
         doomed = srv._abort_if is not None and bool(srv._abort_if(ids))
         return Seq(rid, len(ids), out, arrived, srv._engine_loop().create_future(), doomed)
@@ -103,11 +110,19 @@ class SimBackend:
         srv = self.server
         cfg = srv.config
         return sglang.server_info(
-            model_path=cfg.model_path, served_model_name=cfg.model_path, limits=cfg.limits,
-            max_running=cfg.max_running, dtype="simulated", device="none", skip_tokenizer_init=True,
-            version=VERSION, running=len(srv._running), waiting=len(srv._live) - len(srv._running),
+            model_path=cfg.model_path,
+            served_model_name=cfg.model_path,
+            limits=cfg.limits,
+            max_running=cfg.max_running,
+            dtype="simulated",
+            device="none",
+            skip_tokenizer_init=True,
+            version=VERSION,
+            running=len(srv._running),
+            waiting=len(srv._live) - len(srv._running),
         )
 
     def model_info(self) -> dict[str, Any]:
-        return sglang.model_info(model_path=self.server.config.model_path, model_type="simulated",
-                                 architectures=["SimulatedForCausalLM"])
+        return sglang.model_info(
+            model_path=self.server.config.model_path, model_type="simulated", architectures=["SimulatedForCausalLM"]
+        )

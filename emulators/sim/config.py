@@ -58,8 +58,12 @@ class SimConfig:
     @property
     def limits(self) -> sglang.ModelLimits:
         """The vocabulary and context, and SGLang's limits from them (reserved tokens included)."""
-        return sglang.ModelLimits(vocab_size=self.vocab_size, context_length=self.context_length,
-                                  reserved_tokens=self.reserved_tokens, sglang_version=self.version)
+        return sglang.ModelLimits(
+            vocab_size=self.vocab_size,
+            context_length=self.context_length,
+            reserved_tokens=self.reserved_tokens,
+            sglang_version=self.version,
+        )
 
     @property
     def max_req_len(self) -> int:

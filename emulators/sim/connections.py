@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 

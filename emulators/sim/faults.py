@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, MutableMapping
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 from emulators import sglang_protocol as sglang
 from emulators.sim.connections import peer
@@ -62,8 +62,7 @@ class FaultInjection:
 
     # -- fault injection (public) ----------------------------------------------------------------
 
-    def fail_next(self, n: int, status: int = 503, message: str | None = None,
-                  path: str | None = "/generate") -> None:
+    def fail_next(self, n: int, status: int = 503, message: str | None = None, path: str | None = "/generate") -> None:
         """Answer the next `n` requests to `path` (None: any non-admin path) with `status`."""
 
         def apply():
@@ -200,8 +199,11 @@ class FaultInjection:
         if "drop_next" in spec:
             self.drop_next(int(spec["drop_next"]), reset=bool(spec.get("reset", False)))
         if "drop_fraction" in spec:
-            self.drop_fraction(float(spec["drop_fraction"]), seed=int(spec.get("drop_seed", 0)),
-                               after_s=float(spec.get("drop_after_s", 0.0)))
+            self.drop_fraction(
+                float(spec["drop_fraction"]),
+                seed=int(spec.get("drop_seed", 0)),
+                after_s=float(spec.get("drop_after_s", 0.0)),
+            )
         if "slow" in spec:
             self.slow(float(spec["slow"]))
         if "starting" in spec:
@@ -224,10 +226,17 @@ class FaultInjection:
         return self._fault_state()
 
     def _fault_state(self) -> dict[str, Any]:
-        return {"fail_next": self._fail_left, "status": self._fail_status, "drop_next": self._drop_left,
-                "drop_fraction": self._drop_fraction, "drop_after_s": self._drop_after_s,
-                "slow": self._slow_s, "starting": self._starting, "down": self._down,
-                "reject": self._reject is not None}
+        return {
+            "fail_next": self._fail_left,
+            "status": self._fail_status,
+            "drop_next": self._drop_left,
+            "drop_fraction": self._drop_fraction,
+            "drop_after_s": self._drop_after_s,
+            "slow": self._slow_s,
+            "starting": self._starting,
+            "down": self._down,
+            "reject": self._reject is not None,
+        }
 
     def _cut_later(self, scope: MutableMapping[str, Any], after_s: float, seqs: list[Seq]) -> None:
         """drop_fraction: close this request's connection (FIN) `after_s` seconds from now, counted.

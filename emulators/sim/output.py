@@ -88,8 +88,9 @@ def simulate_output(prompt_ids: Any, params: Any = None, config: SimConfig | Non
     if p.greedy:
         h.update(b"greedy")
     else:
-        h.update(struct.pack("<ddqq", p.temperature, p.top_p, p.top_k,
-                             -1 if p.sampling_seed is None else p.sampling_seed))
+        h.update(
+            struct.pack("<ddqq", p.temperature, p.top_p, p.top_k, -1 if p.sampling_seed is None else p.sampling_seed)
+        )
     h.update(ids.tobytes())
     rng = random.Random(int.from_bytes(h.digest(), "big"))
 

@@ -34,8 +34,9 @@ class Seq:
 
     __slots__ = ("rid", "prompt_len", "out", "arrived", "queued_at", "started", "handle", "future", "state", "doomed")
 
-    def __init__(self, rid: str, prompt_len: int, out: SimOutput, arrived: float, future: asyncio.Future,
-                 doomed: bool = False):
+    def __init__(
+        self, rid: str, prompt_len: int, out: SimOutput, arrived: float, future: asyncio.Future, doomed: bool = False
+    ):
         self.rid, self.prompt_len, self.out = rid, prompt_len, out
         self.arrived, self.future = arrived, future
         self.doomed = doomed  # abort_if: the server aborts it when it starts running
@@ -161,11 +162,18 @@ class Scheduler:
         self._live.discard(seq)
         self._held.release(seq.rid)  # tokenizer_manager.py deletes rid_to_state[rid] with the final output
         if not seq.future.done():
-            seq.future.set_result(result or sglang.generate_result(
-                rid=seq.rid, text=output_text(ids, reason, seq.out.no_stop_trim), output_ids=ids, finish_reason=reason,
-                prompt_tokens=seq.prompt_len, e2e_latency=self._engine_loop().time() - seq.arrived,
-                version=self.version,
-            ))
+            seq.future.set_result(
+                result
+                or sglang.generate_result(
+                    rid=seq.rid,
+                    text=output_text(ids, reason, seq.out.no_stop_trim),
+                    output_ids=ids,
+                    finish_reason=reason,
+                    prompt_tokens=seq.prompt_len,
+                    e2e_latency=self._engine_loop().time() - seq.arrived,
+                    version=self.version,
+                )
+            )
         self._schedule()
         self._gauges()
 
@@ -192,8 +200,9 @@ class Scheduler:
             done = 0
             result = None
             if cause != "shutdown":
-                result = sglang.queued_abort_result(rid=seq.rid, e2e_latency=self._engine_loop().time() - seq.arrived,
-                                                    version=self.version)
+                result = sglang.queued_abort_result(
+                    rid=seq.rid, e2e_latency=self._engine_loop().time() - seq.arrived, version=self.version
+                )
                 self.stats.queued_aborts += 1
         self.stats.aborted += 1
         self.stats.aborted_tokens += done

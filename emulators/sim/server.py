@@ -19,7 +19,8 @@ import math
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -96,7 +97,7 @@ class SimServer(Scheduler, FaultInjection):
             raise RuntimeError("SimServer is not started")
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "SimServer":
+    def start(self, timeout: float = 30.0) -> SimServer:
         """Serve from a background thread with its own event loop; returns once listening."""
         if self._thread is not None:
             raise RuntimeError("SimServer already started")
@@ -122,7 +123,7 @@ class SimServer(Scheduler, FaultInjection):
                 loop.close()
             self._thread = self._loop = None
 
-    def __enter__(self) -> "SimServer":
+    def __enter__(self) -> SimServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -162,10 +163,19 @@ class SimServer(Scheduler, FaultInjection):
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self._app, host=self.host, port=self.port, lifespan="off", ws="none", interface="asgi3",
+            self._app,
+            host=self.host,
+            port=self.port,
+            lifespan="off",
+            ws="none",
+            interface="asgi3",
             http=self._connections.protocol_class,  # h11, recording its connections: see Connections
-            proxy_headers=False, server_header=False, date_header=False,
-            log_config=None, log_level=self.log_level, access_log=False,
+            proxy_headers=False,
+            server_header=False,
+            date_header=False,
+            log_config=None,
+            log_level=self.log_level,
+            access_log=False,
             timeout_keep_alive=120,  # idle keep-alive closes race with client reuse: keep them long
             timeout_graceful_shutdown=1,
         )
@@ -261,10 +271,15 @@ class SimServer(Scheduler, FaultInjection):
                 self._touch()
                 now = self._loop.time()
             self.stats = SimStats(
-                running=len(self._running), queued=len(self._live) - len(self._running),
-                in_flight=len(self._live), max_running_seen=len(self._running), max_in_flight=len(self._live),
-                open_requests=self.stats.open_requests, max_open_requests=self.stats.open_requests,
-                since=now, clock=now,
+                running=len(self._running),
+                queued=len(self._live) - len(self._running),
+                in_flight=len(self._live),
+                max_running_seen=len(self._running),
+                max_in_flight=len(self._live),
+                open_requests=self.stats.open_requests,
+                max_open_requests=self.stats.open_requests,
+                since=now,
+                clock=now,
             )
 
         self._call(apply)
@@ -275,8 +290,9 @@ class SimServer(Scheduler, FaultInjection):
         capacity = self.config.capacity_tokens_per_s
         return 0.0 if s.wall_s <= 0 or math.isinf(capacity) else s.served_tokens / (capacity * s.wall_s)
 
-    def wait_for(self, condition: Callable[[SimStats], bool], timeout: float = 10.0,
-                 interval: float = 0.005) -> SimStats:
+    def wait_for(
+        self, condition: Callable[[SimStats], bool], timeout: float = 10.0, interval: float = 0.005
+    ) -> SimStats:
         """Poll snapshot() until condition(stats) holds (bounded); TimeoutError otherwise."""
         deadline = time.monotonic() + timeout
         while True:
@@ -291,12 +307,19 @@ class SimServer(Scheduler, FaultInjection):
 
     def _create_app(self) -> FastAPI:
         """SGLang's endpoints over the simulated engine, the admin endpoints, the fault middleware."""
+
         def refused():
             self.stats.auth_refused += 1
 
-        app = sglang.create_sglang_app(SimBackend(self), title="eagle3 simulated SGLang server", version=VERSION,
-                                       sglang_version=self.version, auth=self.auth, open_paths=ADMIN_PATHS,
-                                       on_auth_refused=refused)
+        app = sglang.create_sglang_app(
+            SimBackend(self),
+            title="eagle3 simulated SGLang server",
+            version=VERSION,
+            sglang_version=self.version,
+            auth=self.auth,
+            open_paths=ADMIN_PATHS,
+            on_auth_refused=refused,
+        )
 
         @app.get("/_stats")
         async def stats():

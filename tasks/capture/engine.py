@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import torch
@@ -65,7 +65,8 @@ class RecordsRefused(ValueError):
         super().__init__(
             f"the vLLM server refused {len(refused)} record(s), e.g. {first}. Every other record is captured. "
             "Start vLLM with a larger --max-model-len (or drop the records with records.max_seq_len), then run the capture "
-            "stage again: only the refused records are sent.")
+            "stage again: only the refused records are sent."
+        )
 
     def __reduce__(self):  # Prefect pickles task exceptions into results
         return (RecordsRefused, (self.refused,))
@@ -91,9 +92,12 @@ def check_in_shared_dir(path: str, shared_dir: Path) -> None:
     """ExtractionFailed unless the server's file lies in this capture's shared_dir: a file elsewhere is neither read
     nor deleted (the capture deletes the files it has stored, so a wrong path must never reach that)."""
     if not Path(path).resolve().is_relative_to(shared_dir.resolve()):
-        raise ExtractionFailed(path, f"the server wrote it outside capture.engine.shared_dir ({shared_dir}), so it is not "
-                               "read or deleted", "Start the server with the kv_transfer_config this capture logs: its "
-                               "shared_storage_path must be shared_dir, the same path where both run")
+        raise ExtractionFailed(
+            path,
+            f"the server wrote it outside capture.engine.shared_dir ({shared_dir}), so it is not read or deleted",
+            "Start the server with the kv_transfer_config this capture logs: its "
+            "shared_storage_path must be shared_dir, the same path where both run",
+        )
 
 
 def clean_connector_files(shared_dir: Path) -> int:
@@ -108,10 +112,15 @@ def clean_connector_files(shared_dir: Path) -> int:
     return n
 
 
-async def capture_with_engine(job: CaptureJob, engine: EngineSettings, shared_dir: Path, *,
-                              on_progress: Callable[[int, int, int], None] = lambda done, total, tokens: None,
-                              transport: httpx.AsyncBaseTransport | None = None,
-                              logger: logging.Logger | logging.LoggerAdapter = log) -> dict[str, int]:
+async def capture_with_engine(
+    job: CaptureJob,
+    engine: EngineSettings,
+    shared_dir: Path,
+    *,
+    on_progress: Callable[[int, int, int], None] = lambda done, total, tokens: None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    logger: logging.Logger | logging.LoggerAdapter = log,
+) -> dict[str, int]:
     """Capture every pending record of `job` through the vLLM server; {"samples", "tokens"} captured by this call.
 
     `on_progress(done, total, tokens)` after every sample (samples and tokens of this call).
@@ -132,11 +141,19 @@ async def capture_with_engine(job: CaptureJob, engine: EngineSettings, shared_di
     pending.sort(key=lambda s: (-s.length, s.dataset, s.id))  # longest first: no long straggler at the end
     clean_temps(out_dir, ENGINE_RANK)
     stale = clean_connector_files(shared_dir)
-    logger.info("capture (vllm %s): %d records with loss tokens (%d without, skipped), %d already captured, %d pending; "
-                "aux_layers=%s dtype=%s; the server must run with: %s%s", engine.url, len(samples), no_loss, len(done_keys),
-                len(pending), aux_layers, str(dtype).removeprefix("torch."),
-                " ".join(f"'{w}'" if w.startswith("{") else w for w in server_flags(aux_layers, shape.num_layers, shared_dir)),
-                f"; deleted {stale} connector file(s) a killed capture left" if stale else "")
+    logger.info(
+        "capture (vllm %s): %d records with loss tokens (%d without, skipped), %d already captured, %d pending; "
+        "aux_layers=%s dtype=%s; the server must run with: %s%s",
+        engine.url,
+        len(samples),
+        no_loss,
+        len(done_keys),
+        len(pending),
+        aux_layers,
+        str(dtype).removeprefix("torch."),
+        " ".join(f"'{w}'" if w.startswith("{") else w for w in server_flags(aux_layers, shape.num_layers, shared_dir)),
+        f"; deleted {stale} connector file(s) a killed capture left" if stale else "",
+    )
     if not pending:
         write_index(out_dir)
         on_progress(0, 0, 0)
@@ -170,8 +187,14 @@ async def capture_with_engine(job: CaptureJob, engine: EngineSettings, shared_di
             # to the end even when a failure cancels this worker: a shard half-written by a thread
             # nobody waits for would race the next writer of this directory
             shard, cancelled = await run_to_the_end(
-                writer.add, sample.id, sample.dataset, torch.from_numpy(ids.copy()),
-                torch.from_numpy(part.loss_mask[sample.start : sample.start + sample.length].copy()), aux, last)
+                writer.add,
+                sample.id,
+                sample.dataset,
+                torch.from_numpy(ids.copy()),
+                torch.from_numpy(part.loss_mask[sample.start : sample.start + sample.length].copy()),
+                aux,
+                last,
+            )
             if shard is not None:
                 window.release()
             if cancelled:
@@ -180,11 +203,18 @@ async def capture_with_engine(job: CaptureJob, engine: EngineSettings, shared_di
         tokens += sample.length
         on_progress(done, total, tokens)
 
-    async with VLLMClient(engine.url, request_timeout_s=engine.request_timeout_s, retry=retry, api_key=engine.api_key(),
-                          max_connections=engine.max_concurrency, transport=transport, logger=logger,
-                          auth_hint="set capture.engine.api_key_env to the variable holding vLLM's --api-key.",
-                          url_hint="capture.engine.url must be the base URL of the vLLM server (e.g. http://host:8000, no "
-                                   "path) and capture.engine.model its served model name.") as client:
+    async with VLLMClient(
+        engine.url,
+        request_timeout_s=engine.request_timeout_s,
+        retry=retry,
+        api_key=engine.api_key(),
+        max_connections=engine.max_concurrency,
+        transport=transport,
+        logger=logger,
+        auth_hint="set capture.engine.api_key_env to the variable holding vLLM's --api-key.",
+        url_hint="capture.engine.url must be the base URL of the vLLM server (e.g. http://host:8000, no "
+        "path) and capture.engine.model its served model name.",
+    ) as client:
         writer = ShardWriter(out_dir, ENGINE_RANK, job.shard_tokens, aux_layers=aux_layers)
 
         async def worker() -> None:

@@ -102,8 +102,15 @@ def capture_layers(num_layers: int, override: list[int] | None) -> list[int]:
 
 
 def plan_capture(
-    records_dirs: list[Path], out_dir: Path, shape: TargetShape, dtype: str, *, margin: float,
-    max_tokens: int | None = None, tokens_done: int = 0, tokens_per_s: float | None = None,
+    records_dirs: list[Path],
+    out_dir: Path,
+    shape: TargetShape,
+    dtype: str,
+    *,
+    margin: float,
+    max_tokens: int | None = None,
+    tokens_done: int = 0,
+    tokens_per_s: float | None = None,
     engine: EngineWindow | None = None,
 ) -> CapturePlan:
     """Bytes the capture still needs against the free space of `out_dir`'s filesystem (and of the connector's)."""
@@ -128,11 +135,20 @@ def plan_capture(
         else:
             temp_usable = int(shutil.disk_usage(temp_fs).free * (1 - margin))
     return CapturePlan(
-        tokens_total=total, tokens_done=tokens_done, tokens_todo=todo, bytes_per_token=per_token,
-        bytes_needed=needed, free_bytes=free, usable_bytes=int(free * (1 - margin)),
-        out_dir=str(out_dir), dtype=dtype, hidden_size=shape.hidden_size,
+        tokens_total=total,
+        tokens_done=tokens_done,
+        tokens_todo=todo,
+        bytes_per_token=per_token,
+        bytes_needed=needed,
+        free_bytes=free,
+        usable_bytes=int(free * (1 - margin)),
+        out_dir=str(out_dir),
+        dtype=dtype,
+        hidden_size=shape.hidden_size,
         est_seconds=todo / tokens_per_s if tokens_per_s else None,
-        temp_bytes=temp_bytes, temp_dir=str(engine.shared_dir) if engine is not None else None, temp_usable_bytes=temp_usable,
+        temp_bytes=temp_bytes,
+        temp_dir=str(engine.shared_dir) if engine is not None else None,
+        temp_usable_bytes=temp_usable,
     )
 
 
@@ -145,7 +161,8 @@ def check_fits(plan: CapturePlan) -> None:
             f"the vLLM connector's files need up to {human_bytes(plan.temp_bytes)} at once in {plan.temp_dir} (the records "
             f"in flight and the shard being filled, the longest first) but it has {human_bytes(plan.temp_usable_bytes or 0)} "
             "after the margin. Ways out: a lower capture.engine.max_concurrency or capture.shard_tokens; "
-            "capture.engine.shared_dir on a bigger filesystem.")
+            "capture.engine.shared_dir on a bigger filesystem."
+        )
     fit_tokens = plan.usable_bytes // plan.bytes_per_token
     raise DiskTooSmall(
         f"the capture needs {human_bytes(plan.bytes_needed)} ({plan.tokens_todo:,} tokens x "

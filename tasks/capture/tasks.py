@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from models.jobs import CaptureJob, EngineSettings, Nodes
 from models.atomic import write_atomic
-from models.file_errors import DamagedFile
+from models.file_errors import DamagedFile, WriteFailed
 from models.hidden_shards import METADATA_NAME, RESUME, iter_shard_index, list_shards, write_index
+from models.jobs import CaptureJob, EngineSettings, Nodes
 from models.rank_protocol import CAPTURE, Message
-from models.file_errors import WriteFailed
 from tasks import launch_ranks
+from tasks.artifacts import artifact_key, progress_artifact
 from tasks.capture.plan import CapturePlan, EngineWindow, TargetShape, check_fits, human_bytes, plan_capture
 from tasks.engines.errors import ServerOutage
-from tasks.artifacts import artifact_key, progress_artifact
 from tasks.launch_ranks import RankFailure, RankRefused, follow_job, rank_command, run_job, write_job
 
 
@@ -47,8 +47,9 @@ def last_throughput(out_dir: Path) -> float | None:
         speed = json.loads(meta.read_text()).get("tokens_per_s")
         return float(speed) if speed is not None else None
     except (ValueError, AttributeError, TypeError) as e:  # not JSON, not an object, not a number
-        raise DamagedFile(meta, f"not the capture's metadata: {e}",
-                          "Ignored: it only times the next capture, which writes it again") from None
+        raise DamagedFile(
+            meta, f"not the capture's metadata: {e}", "Ignored: it only times the next capture, which writes it again"
+        ) from None
 
 
 def rank_error(reports: list[dict[str, Any]]) -> Exception | None:
@@ -62,8 +63,15 @@ def rank_error(reports: list[dict[str, Any]]) -> Exception | None:
 
 def run_ranks(command: list[str], env: dict[str, str], on_line: Callable[[str], None]) -> None:
     """Run capture ranks, every output line to `on_line`; a rank that reported why it failed raises that (`rank_error`)."""
-    follow_job(command, protocol=CAPTURE, env=env, log=on_line, on_message=lambda message: on_line(message.line),
-               failure=_failure, run=run_job)
+    follow_job(
+        command,
+        protocol=CAPTURE,
+        env=env,
+        log=on_line,
+        on_message=lambda message: on_line(message.line),
+        failure=_failure,
+        run=run_job,
+    )
 
 
 def _failure(reports: list[dict[str, Any]], launcher_error: RankFailure) -> BaseException:
@@ -84,7 +92,12 @@ def capture_retryable(task: Any, task_run: Any, state: Any) -> bool:
 
 @task(name="plan-capture", cache_policy=NO_CACHE)
 def plan_capture_task(
-    records_dirs: list[Path], out_dir: Path, shape: TargetShape, dtype: str, margin: float, max_tokens: int | None,
+    records_dirs: list[Path],
+    out_dir: Path,
+    shape: TargetShape,
+    dtype: str,
+    margin: float,
+    max_tokens: int | None,
     engine: EngineWindow | None = None,
 ) -> CapturePlan:
     """The disk plan; refuses (DiskTooSmall) a capture that cannot fit."""
@@ -95,26 +108,49 @@ def plan_capture_task(
         logger.warning("%s", e)
         speed = None
     plan = plan_capture(
-        records_dirs, out_dir, shape, dtype, margin=margin, max_tokens=max_tokens,
-        tokens_done=captured_tokens(out_dir), tokens_per_s=speed, engine=engine,
+        records_dirs,
+        out_dir,
+        shape,
+        dtype,
+        margin=margin,
+        max_tokens=max_tokens,
+        tokens_done=captured_tokens(out_dir),
+        tokens_per_s=speed,
+        engine=engine,
     )
     logger.info(
         "capture plan: %s tokens to capture (%s done), %s needed (%s/token), %s free in %s%s",
-        f"{plan.tokens_todo:,}", f"{plan.tokens_done:,}", human_bytes(plan.bytes_needed), f"{plan.bytes_per_token:,} B",
-        human_bytes(plan.free_bytes), out_dir,
+        f"{plan.tokens_todo:,}",
+        f"{plan.tokens_done:,}",
+        human_bytes(plan.bytes_needed),
+        f"{plan.bytes_per_token:,} B",
+        human_bytes(plan.free_bytes),
+        out_dir,
         f", about {plan.est_seconds / 3600:.1f} h at the last measured speed" if plan.est_seconds else "",
     )
     if plan.temp_dir is not None:
-        logger.info("capture plan: the vLLM connector's files take up to %s at once in %s%s", human_bytes(plan.temp_bytes),
-                    plan.temp_dir, " (counted above: same filesystem)" if plan.temp_usable_bytes is None
-                    else f" ({human_bytes(plan.temp_usable_bytes)} usable there)")
+        logger.info(
+            "capture plan: the vLLM connector's files take up to %s at once in %s%s",
+            human_bytes(plan.temp_bytes),
+            plan.temp_dir,
+            " (counted above: same filesystem)"
+            if plan.temp_usable_bytes is None
+            else f" ({human_bytes(plan.temp_usable_bytes)} usable there)",
+        )
     check_fits(plan)
     return plan
 
 
 @task(name="capture-job", cache_policy=NO_CACHE)
-def run_capture_job(job: CaptureJob, job_path: Path, num_ranks: int, launcher: str, config_name: str,
-                    token_cap: int | None = None, nodes: Nodes | None = None) -> float:
+def run_capture_job(
+    job: CaptureJob,
+    job_path: Path,
+    num_ranks: int,
+    launcher: str,
+    config_name: str,
+    token_cap: int | None = None,
+    nodes: Nodes | None = None,
+) -> float:
     """Launch the ranks, stream their output into the flow-run log, track progress; return tokens/s.
 
     `num_ranks` per node; with `nodes` over several, this is node 0: under torchrun only its own
@@ -128,10 +164,14 @@ def run_capture_job(job: CaptureJob, job_path: Path, num_ranks: int, launcher: s
     world_size = num_ranks * nodes.nnodes
     if token_cap is not None:
         job = job.model_copy(update={"launch_tokens": max(0, token_cap - captured_tokens(Path(job.out_dir)))})
-    command, env = rank_command("models.capture", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher, nodes=nodes)
+    command, env = rank_command(
+        "models.capture", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher, nodes=nodes
+    )
     write_job(job, job_path, kept=lambda: "every complete shard (no rank was started)", resume=RESUME)
     logger.info("launching %d rank(s) on %d node(s): %s", world_size, nodes.nnodes, " ".join(command))
-    artifact = progress_artifact(progress=0.0, key=artifact_key("capture", config_name), description="capture: starting")
+    artifact = progress_artifact(
+        progress=0.0, key=artifact_key("capture", config_name), description="capture: starting"
+    )
     ranks: dict[int, tuple[int, int, int]] = {}
     last_update = 0.0
     started = time.monotonic()
@@ -147,15 +187,24 @@ def run_capture_job(job: CaptureJob, job_path: Path, num_ranks: int, launcher: s
             total_all = sum(t for _, t, _ in ranks.values())
             tokens_all = sum(k for _, _, k in ranks.values())
             percent = 100.0 * done_all / total_all if total_all else 100.0
-            line = progress_line(done_all, total_all, tokens_all, time.monotonic() - started,
-                                 f"{len(ranks)} of {world_size} rank(s) reporting here")
+            line = progress_line(
+                done_all,
+                total_all,
+                tokens_all,
+                time.monotonic() - started,
+                f"{len(ranks)} of {world_size} rank(s) reporting here",
+            )
             update_progress_artifact(artifact, progress=round(percent, 2), description=line)
             logger.info(line)
 
     # run=run_job: this module's, the seam where tests/flows/test_capture_flow.py scripts the ranks
-    follow_job(command, protocol=CAPTURE, env=env, log=logger.info, on_message=on_progress, failure=_failure, run=run_job)
+    follow_job(
+        command, protocol=CAPTURE, env=env, log=logger.info, on_message=on_progress, failure=_failure, run=run_job
+    )
     # From the shards, not the progress lines: under torchrun the other nodes' lines never reach this node.
-    tokens = captured_tokens(Path(job.out_dir)) - tokens_before if nodes.multinode else sum(k for _, _, k in ranks.values())
+    tokens = (
+        captured_tokens(Path(job.out_dir)) - tokens_before if nodes.multinode else sum(k for _, _, k in ranks.values())
+    )
     update_progress_artifact(artifact, progress=100.0, description=f"capture: done, {tokens:,} tokens this run")
     return tokens / max(1e-9, time.monotonic() - started)
 
@@ -166,8 +215,9 @@ def progress_line(done: int, total: int, tokens: int, seconds: float, where: str
 
 
 @task(name="capture-engine", cache_policy=NO_CACHE)
-def run_engine_capture(job: CaptureJob, engine: EngineSettings, shared_dir: Path, config_name: str,
-                       token_cap: int | None = None) -> float:
+def run_engine_capture(
+    job: CaptureJob, engine: EngineSettings, shared_dir: Path, config_name: str, token_cap: int | None = None
+) -> float:
     """Capture through the vLLM server (tasks/capture/engine.py), tracking progress like the DeepSpeed job; return tokens/s.
 
     `token_cap` caps the whole capture as for the job: each attempt gets what is left after the complete shards.
@@ -179,7 +229,9 @@ def run_engine_capture(job: CaptureJob, engine: EngineSettings, shared_dir: Path
     logger = get_run_logger()
     if token_cap is not None:
         job = job.model_copy(update={"launch_tokens": max(0, token_cap - captured_tokens(Path(job.out_dir)))})
-    artifact = progress_artifact(progress=0.0, key=artifact_key("capture", config_name), description="capture: starting")
+    artifact = progress_artifact(
+        progress=0.0, key=artifact_key("capture", config_name), description="capture: starting"
+    )
     started = time.monotonic()
     last_update = 0.0
 
@@ -188,26 +240,43 @@ def run_engine_capture(job: CaptureJob, engine: EngineSettings, shared_dir: Path
         if time.monotonic() - last_update >= 2 or done == total:
             last_update = time.monotonic()
             line = progress_line(done, total, tokens, time.monotonic() - started, f"vLLM at {engine.url}")
-            update_progress_artifact(artifact, progress=round(100.0 * done / total if total else 100.0, 2), description=line)
+            update_progress_artifact(
+                artifact, progress=round(100.0 * done / total if total else 100.0, 2), description=line
+            )
             logger.info(line)
 
-    result: dict[str, int] = run_coro_as_sync(capture_with_engine(job, engine, shared_dir, on_progress=on_progress, logger=logger))
-    update_progress_artifact(artifact, progress=100.0, description=f"capture: done, {result['tokens']:,} tokens this run")
+    result: dict[str, int] = run_coro_as_sync(
+        capture_with_engine(job, engine, shared_dir, on_progress=on_progress, logger=logger)
+    )
+    update_progress_artifact(
+        artifact, progress=100.0, description=f"capture: done, {result['tokens']:,} tokens this run"
+    )
     return result["tokens"] / max(1e-9, time.monotonic() - started)
 
 
 @task(name="index-hidden", cache_policy=NO_CACHE)
-def index_hidden_states(out_dir: Path, metadata: dict[str, Any], tokens_per_s: float, config_name: str) -> dict[str, Any]:
+def index_hidden_states(
+    out_dir: Path, metadata: dict[str, Any], tokens_per_s: float, config_name: str
+) -> dict[str, Any]:
     """hidden/index.parquet (id, dataset, shard, offset, length) and hidden/metadata.json from shard headers."""
     out_dir.mkdir(parents=True, exist_ok=True)
     write_index(out_dir)  # the ranks wrote it too; again here so an empty or resumed capture has one
     rows = list(iter_shard_index(out_dir))
-    summary = {**metadata, "samples": len(rows), "tokens": int(sum(r["length"] for r in rows)), "tokens_per_s": tokens_per_s}
+    summary = {
+        **metadata,
+        "samples": len(rows),
+        "tokens": int(sum(r["length"] for r in rows)),
+        "tokens_per_s": tokens_per_s,
+    }
     try:
         write_atomic(out_dir / METADATA_NAME, json.dumps(summary, indent=2))
     except OSError as e:
-        raise WriteFailed(out_dir / METADATA_NAME, e, resume=RESUME,
-                          kept=f"{len(list_shards(out_dir))} complete shards and index.parquet in {out_dir}") from None
+        raise WriteFailed(
+            out_dir / METADATA_NAME,
+            e,
+            resume=RESUME,
+            kept=f"{len(list_shards(out_dir))} complete shards and index.parquet in {out_dir}",
+        ) from None
     per_dataset: dict[str, list[int]] = {}
     for r in rows:
         per_dataset.setdefault(r["dataset"], []).append(r["length"])

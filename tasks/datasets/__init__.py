@@ -71,6 +71,25 @@ from tasks.datasets.rows import (
 # The package's public names; each concept has its module: rows.py (row rules and ids), errors.py, loader.py (ids
 # unique, bad rows raised or rejected), formats.py (row formats -> canonical rows), detect.py (format auto), raw.py
 # (what readers yield) and one reader per file type: jsonl.py, parquet.py, hf_saved.py.
-__all__ = ["GENERATE_ROLES", "PASSTHROUGH_ROLES", "ROLE_ALIASES", "BadRow", "DatasetError", "DatasetNotFoundError",
-           "EmptyDatasetError", "Kind", "LoadedDataset", "OnBadRow", "PassthroughRow", "PromptRow", "Reject",
-           "RowFormat", "Shape", "build_passthrough", "build_prompt", "iter_rows", "load_dataset", "stable_id"]
+__all__ = [
+    "GENERATE_ROLES",
+    "PASSTHROUGH_ROLES",
+    "ROLE_ALIASES",
+    "BadRow",
+    "DatasetError",
+    "DatasetNotFoundError",
+    "EmptyDatasetError",
+    "Kind",
+    "LoadedDataset",
+    "OnBadRow",
+    "PassthroughRow",
+    "PromptRow",
+    "Reject",
+    "RowFormat",
+    "Shape",
+    "build_passthrough",
+    "build_prompt",
+    "iter_rows",
+    "load_dataset",
+    "stable_id",
+]

@@ -25,20 +25,36 @@ from tasks.datasets.formats import RowFormat, Shape
 from tasks.datasets.raw import EXPECTED
 from tasks.datasets.rows import BadRow, Kind
 
-KNOWN_COLUMNS = (("problem", "solution"), ("problem", "generated_solution"), ("question", "generated_solution"),
-                 ("input", "output"))
+KNOWN_COLUMNS = (
+    ("problem", "solution"),
+    ("problem", "generated_solution"),
+    ("question", "generated_solution"),
+    ("input", "output"),
+)
 MESSAGES_KEYS = {"generate": ("messages", "prompt"), "passthrough": ("messages", "input_ids", "loss_mask")}
 # Column names a prompt or a response often has, for the hint of a shape that fits no format (first match wins).
 PROMPT_NAMES = ("prompt", "problem", "question", "query", "instruction", "input", "user", "text")
-RESPONSE_NAMES = ("response", "solution", "generated_solution", "answer", "output", "completion", "assistant",
-                  "chosen", "target")
+RESPONSE_NAMES = (
+    "response",
+    "solution",
+    "generated_solution",
+    "answer",
+    "output",
+    "completion",
+    "assistant",
+    "chosen",
+    "target",
+)
 SYSTEM_NAMES = ("system", "system_prompt")
-FORMATS_DOC = ("row formats: messages, sharegpt, alpaca, columns, ultrachat (docs/run-a-pipeline.md#row-formats: the "
-               "config lines of each)")
+FORMATS_DOC = (
+    "row formats: messages, sharegpt, alpaca, columns, ultrachat (docs/run-a-pipeline.md#row-formats: the "
+    "config lines of each)"
+)
 
 
-def detect(kind: Kind, keys: Sequence[str], strings: Callable[[str], bool], fmt: RowFormat, *,
-           what: str = "keys") -> Shape:
+def detect(
+    kind: Kind, keys: Sequence[str], strings: Callable[[str], bool], fmt: RowFormat, *, what: str = "keys"
+) -> Shape:
     """The one format `keys` fit (`strings(key)`: whether that key holds a list of strings); BadRow with the hint if
     they fit none or several. `what` names the keys in the error (keys of a row, columns of a file)."""
     present = set(keys)
@@ -60,11 +76,15 @@ def detect(kind: Kind, keys: Sequence[str], strings: Callable[[str], bool], fmt:
     # The config line is part of the reason: it reaches the rejects and `eagle3 validate`, which keep no `expected`.
     shown = f"has {what} [{', '.join(map(str, keys))}]" if keys else f"has no {what}"
     if not found:
-        raise BadRow(f"{shown}, which fit no row format; set {hint(kind, keys)} in the dataset's config",
-                     expected=FORMATS_DOC)
+        raise BadRow(
+            f"{shown}, which fit no row format; set {hint(kind, keys)} in the dataset's config", expected=FORMATS_DOC
+        )
     lines = " or ".join(config_line(shape) for shape in found)
-    raise BadRow(f"{shown}, which fit more than one row format ({', '.join(s.format for s in found)}); set {lines} in "
-                 "the dataset's config", expected=FORMATS_DOC)
+    raise BadRow(
+        f"{shown}, which fit more than one row format ({', '.join(s.format for s in found)}); set {lines} in "
+        "the dataset's config",
+        expected=FORMATS_DOC,
+    )
 
 
 def config_line(shape: Shape) -> str:
@@ -103,8 +123,9 @@ class Resolver:
         fits)."""
         if self.shape is None:
             try:
-                self.shape = detect(self.kind, schema.names, lambda n: _string_list(schema.field(n).type), self.fmt,
-                                    what="columns")
+                self.shape = detect(
+                    self.kind, schema.names, lambda n: _string_list(schema.field(n).type), self.fmt, what="columns"
+                )
             except BadRow as bad:
                 raise DatasetError(source, None, bad.reason, expected=bad.expected) from None
         return self.shape.columns(source, self.kind, schema)

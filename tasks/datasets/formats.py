@@ -38,8 +38,15 @@ Role = Literal["system", "user", "assistant", "tool"]
 # Role names public sets use for the four roles: ShareGPT's `from` (human, gpt; chatgpt, bing, bard in
 # ShareGPT_Vicuna), Gemini's `model`. A dataset's `roles:` adds to these and wins over them.
 ROLE_ALIASES: dict[str, str] = {
-    "system": "system", "user": "user", "assistant": "assistant", "tool": "tool",
-    "human": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "human": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
     "model": "assistant",
 }
 
@@ -115,8 +122,14 @@ class Shape:
         if detected is None:
             detected = fmt.format
             fields = {k: getattr(fmt, k) for k in ("prompt_field", "response_field", "system_field")}
-        return cls(format=detected, auto=fmt.format == "auto", id_field=fmt.id_field,
-                   roles={**ROLE_ALIASES, **fmt.roles}, added_roles=dict(fmt.roles), **fields)
+        return cls(
+            format=detected,
+            auto=fmt.format == "auto",
+            id_field=fmt.id_field,
+            roles={**ROLE_ALIASES, **fmt.roles},
+            added_roles=dict(fmt.roles),
+            **fields,
+        )
 
     def describe(self) -> str:
         """One line for `eagle3 validate`: `columns (auto: problem -> user, solution -> assistant)`."""
@@ -142,8 +155,8 @@ class Shape:
         needs = {
             "sharegpt": "'conversations' [{from, value}] (from: human, gpt, system, tool, or a name mapped with roles:)"
             + (" with a gpt turn" if kind == "passthrough" else ""),
-            "alpaca": "'instruction' (string), optional 'input', and " + (
-                "'output' (the response)" if kind == "passthrough" else "optional 'output' (cut: the target answers)"),
+            "alpaca": "'instruction' (string), optional 'input', and "
+            + ("'output' (the response)" if kind == "passthrough" else "optional 'output' (cut: the target answers)"),
             "ultrachat": "'data', a list of strings alternating user, assistant, ..., starting with the user",
             "columns": " and ".join(f"'{name}'" for _, name in self._turn_fields() if name) + " (strings)",
         }[self.format]
@@ -157,15 +170,20 @@ class Shape:
             content = [c for c in COLUMNS[kind][1:] if c in names]
             if not set(content) - {"loss_mask"}:
                 need = "'messages' or 'prompt'" if kind == "generate" else "'messages' or 'input_ids' + 'loss_mask'"
-                raise DatasetError(source, None, f"has no {need} column (columns: {', '.join(names) or 'none'})",
-                                   expected=self.expected(kind))
+                raise DatasetError(
+                    source,
+                    None,
+                    f"has no {need} column (columns: {', '.join(names) or 'none'})",
+                    expected=self.expected(kind),
+                )
         else:
             wanted = (self.id_field, *self._fields())
             needed = self._needed(kind)
             missing = [c for c in needed if c not in names]
             if missing:
                 raise DatasetError(
-                    source, None,
+                    source,
+                    None,
                     f"has no {', '.join(repr(c) for c in missing)} column for format {self.format}"
                     f" (columns: {', '.join(names) or 'none'})",
                     expected=self.expected(kind),
@@ -224,8 +242,9 @@ def from_sharegpt(data: dict, kind: Kind, shape: Shape) -> dict:
         where = f"conversations[{i}]"
         if not isinstance(turn, dict):
             raise BadRow(f"'{where}' must be an object {{from, value}}, got {type_name(turn)}")
-        turns.append(_Turn(_role(turn.get("from"), f"{where}.from", shape), turn.get("value"), f"{where}.value",
-                           f"{where}.from"))
+        turns.append(
+            _Turn(_role(turn.get("from"), f"{where}.from", shape), turn.get("value"), f"{where}.value", f"{where}.from")
+        )
     return _conversation(turns, data, kind, shape, "conversations")
 
 
@@ -275,7 +294,10 @@ def from_ultrachat(data: dict, kind: Kind, shape: Shape) -> dict:
 
 
 CONVERTERS: dict[str, Callable[[dict, Kind, Shape], dict]] = {
-    "messages": from_messages, "sharegpt": from_sharegpt, "alpaca": from_alpaca, "columns": from_columns,
+    "messages": from_messages,
+    "sharegpt": from_sharegpt,
+    "alpaca": from_alpaca,
+    "columns": from_columns,
     "ultrachat": from_ultrachat,
 }
 
@@ -297,8 +319,10 @@ def _conversation(turns: list[_Turn], data: dict, kind: Kind, shape: Shape, name
         turns = turns[:keep]
     for turn in turns:
         if kind == "generate" and turn.role not in GENERATE_ROLES:
-            raise BadRow(f"'{turn.role_where or turn.where}' is a {turn.role} turn; a prompt to generate from has "
-                         f"{', '.join(GENERATE_ROLES)} turns only")
+            raise BadRow(
+                f"'{turn.role_where or turn.where}' is a {turn.role} turn; a prompt to generate from has "
+                f"{', '.join(GENERATE_ROLES)} turns only"
+            )
         if turn.content is None:
             raise BadRow(f"'{turn.where}' is missing")
         if not isinstance(turn.content, str):
@@ -332,8 +356,10 @@ def _role(value: Any, where: str, shape: Shape) -> str:
         raise BadRow(f"'{where}' must be a string, got {type_name(value)}")
     role = shape.roles.get(value)
     if role is None:
-        raise BadRow(f"'{where}' is {value!r}, not a role name this format knows",
-                     expected=f"map it in the dataset's config: roles: {{{value}: user}} (or system, assistant, tool)")
+        raise BadRow(
+            f"'{where}' is {value!r}, not a role name this format knows",
+            expected=f"map it in the dataset's config: roles: {{{value}: user}} (or system, assistant, tool)",
+        )
     return role
 
 

@@ -23,7 +23,9 @@ def read_jsonl(path: Path) -> Iterator[Raw]:
                 text = line.decode("utf-8")
             except UnicodeDecodeError as e:
                 yield Raw(
-                    path, lineno, "line",
+                    path,
+                    lineno,
+                    "line",
                     error=f"not valid UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line)",
                     expected=JSONL_EXPECTED,
                     line=line.decode("utf-8", "replace").rstrip("\r\n"),
@@ -42,7 +44,9 @@ def read_jsonl(path: Path) -> Iterator[Raw]:
                 continue
             if not isinstance(data, dict):
                 yield Raw(
-                    path, lineno, "line",
+                    path,
+                    lineno,
+                    "line",
                     error=f"expected a JSON object, got {type_name(data)}",
                     line=text,
                 )

@@ -60,8 +60,11 @@ def load_dataset(
 ) -> LoadedDataset[PromptRow]: ...
 @overload
 def load_dataset(
-    path: Path | str, kind: Literal["passthrough"], *, row_format: RowFormat | None = None,
-    on_bad_row: OnBadRow = "fail"
+    path: Path | str,
+    kind: Literal["passthrough"],
+    *,
+    row_format: RowFormat | None = None,
+    on_bad_row: OnBadRow = "fail",
 ) -> LoadedDataset[PassthroughRow]: ...
 @overload
 def load_dataset(
@@ -131,13 +134,22 @@ def load_dataset(
         log.warning(
             "%s: dropped %d row(s) that repeat an earlier row's id and content (the first occurrence is kept);"
             " first repeat: id %r at %s %s %d",
-            path, duplicates, dup_id, dup_source, "line" if _is_jsonl(dup_source) else "row", dup_row,
+            path,
+            duplicates,
+            dup_id,
+            dup_source,
+            "line" if _is_jsonl(dup_source) else "row",
+            dup_row,
         )
     if rejects:
         first_reject = rejects[0]
         log.warning(
             "%s: skipped %d bad row(s) (on_bad_row=skip); first: %s %s %d: %s",
-            path, len(rejects), first_reject.path, "line" if _is_jsonl(first_reject.path) else "row", first_reject.row,
+            path,
+            len(rejects),
+            first_reject.path,
+            "line" if _is_jsonl(first_reject.path) else "row",
+            first_reject.row,
             first_reject.reason,
         )
     return LoadedDataset(rows=rows, rejects=rejects, duplicates=duplicates, path=path, shape=resolver.shape)
@@ -210,9 +222,7 @@ def _open_rows(path: Path, resolver: Resolver) -> Iterator[Raw]:
             return _open_rows(train_split(path), resolver)
         if (path / "state.json").is_file():
             return read_hf_saved(path, resolver.columns)
-        parts = sorted(
-            p for p in path.glob("*.parquet") if p.is_file() and not p.name.startswith((".", "_"))
-        )
+        parts = sorted(p for p in path.glob("*.parquet") if p.is_file() and not p.name.startswith((".", "_")))
         if parts:
             return _chain([read_parquet(p, resolver.columns) for p in parts])
         raise DatasetError(

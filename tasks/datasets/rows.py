@@ -129,9 +129,7 @@ def build_passthrough(data: dict) -> PassthroughRow:
         if not any(m["role"] == "assistant" for m in messages):
             raise BadRow("'messages' has no assistant turn; a passthrough row must already hold the response")
         row_id = given_id(data)
-        return PassthroughRow(
-            id=row_id if row_id is not None else stable_id({"messages": messages}), messages=messages
-        )
+        return PassthroughRow(id=row_id if row_id is not None else stable_id({"messages": messages}), messages=messages)
     if not has_ids and not has_mask:
         raise BadRow(f"missing 'messages' or 'input_ids' + 'loss_mask'{keys_note(data)}")
     if not has_ids:

@@ -39,8 +39,14 @@ class TemplateReport:
     longest_prompts: dict[str, int] = field(default_factory=dict)
 
 
-def template_findings(tokenizer: Any, datasets: Sequence[tuple[str, Path, Kind]], *, on_rewrite: OnRewrite = "split",
-                      sample_rows: int = SAMPLE_ROWS, formats: Mapping[str, RowFormat] | None = None) -> TemplateReport:
+def template_findings(
+    tokenizer: Any,
+    datasets: Sequence[tuple[str, Path, Kind]],
+    *,
+    on_rewrite: OnRewrite = "split",
+    sample_rows: int = SAMPLE_ROWS,
+    formats: Mapping[str, RowFormat] | None = None,
+) -> TemplateReport:
     """Check the template on `datasets` ((name, path, kind) each, read in `formats[name]`, default auto); missing files
     are `eagle3 validate`'s to report."""
     report = TemplateReport()
@@ -48,12 +54,24 @@ def template_findings(tokenizer: Any, datasets: Sequence[tuple[str, Path, Kind]]
         try:
             rows = _first_rows(path, kind, sample_rows, (formats or {}).get(name))
         except (DatasetError, OSError) as exc:
-            report.findings.append(Finding(f"chat template: {name}", "FAIL", f"cannot read a sample: {exc}"[:300],
-                                           "`eagle3 validate CONFIG` lists what is wrong with the file"))
+            report.findings.append(
+                Finding(
+                    f"chat template: {name}",
+                    "FAIL",
+                    f"cannot read a sample: {exc}"[:300],
+                    "`eagle3 validate CONFIG` lists what is wrong with the file",
+                )
+            )
             continue
         if not rows:
-            report.findings.append(Finding(f"chat template: {name}", "FAIL", f"no valid row in the first {sample_rows} of {path}",
-                                           "`eagle3 validate CONFIG` lists what is wrong with the rows"))
+            report.findings.append(
+                Finding(
+                    f"chat template: {name}",
+                    "FAIL",
+                    f"no valid row in the first {sample_rows} of {path}",
+                    "`eagle3 validate CONFIG` lists what is wrong with the rows",
+                )
+            )
             continue
         if kind == "passthrough":
             report.findings.append(_passthrough_finding(name, rows[0], tokenizer, on_rewrite))
@@ -85,9 +103,13 @@ def _passthrough_finding(name: str, row: Any, tokenizer: Any, on_rewrite: OnRewr
     try:
         records = conversation_records(row.id, row.messages, tokenizer, on_rewrite=on_rewrite)
     except MaskError as exc:
-        return Finding(check, "FAIL", f"0% of the tokens get loss: row {row.id}: {exc.reason}"[:400],
-                       "fix the target's chat template (tokenizer_config.json chat_template), or give this dataset as "
-                       "input_ids + loss_mask")
+        return Finding(
+            check,
+            "FAIL",
+            f"0% of the tokens get loss: row {row.id}: {exc.reason}"[:400],
+            "fix the target's chat template (tokenizer_config.json chat_template), or give this dataset as "
+            "input_ids + loss_mask",
+        )
     tokens = sum(len(r.input_ids) for r in records)
     share = sum(sum(r.loss_mask) for r in records) / max(1, tokens)
     split = f"; {len(records)} records, as the template rewrites history" if len(records) > 1 else ""
@@ -96,8 +118,12 @@ def _passthrough_finding(name: str, row: Any, tokenizer: Any, on_rewrite: OnRewr
 
 def _share_finding(check: str, share: float, what: str, tokens: int, *, from_template: bool) -> Finding:
     seen = f"{share:.0%} of {tokens:,} tokens get loss ({what})"
-    fix = ("fix the target's chat template (tokenizer_config.json chat_template), or give this dataset as input_ids + "
-           "loss_mask" if from_template else "fix the rows' loss_mask")
+    fix = (
+        "fix the target's chat template (tokenizer_config.json chat_template), or give this dataset as input_ids + "
+        "loss_mask"
+        if from_template
+        else "fix the rows' loss_mask"
+    )
     if share == 0:
         return Finding(check, "FAIL", seen + ": nothing would be trained", fix)
     if share == 1:
@@ -110,11 +136,16 @@ def _prompt_findings(name: str, rows: list[Any], tokenizer: Any) -> tuple[Findin
     row = rows[0]
     try:
         ids = chat_prompt_ids(tokenizer, row.messages)
-        plain = _ids(tokenizer.apply_chat_template(row.messages, add_generation_prompt=False, tokenize=True,
-                                                   return_dict=True))
+        plain = _ids(
+            tokenizer.apply_chat_template(row.messages, add_generation_prompt=False, tokenize=True, return_dict=True)
+        )
     except Exception as exc:  # noqa: BLE001 - jinja errors, a tokenizer without a template (ValueError)
-        return Finding(check, "FAIL", f"the template fails on row {row.id}: {type(exc).__name__}: {exc}"[:300],
-                       "give the target a chat template (tokenizer_config.json chat_template)"), 0
+        return Finding(
+            check,
+            "FAIL",
+            f"the template fails on row {row.id}: {type(exc).__name__}: {exc}"[:300],
+            "give the target a chat template (tokenizer_config.json chat_template)",
+        ), 0
     longest = len(ids)
     for other in rows[1:]:
         try:
@@ -126,11 +157,19 @@ def _prompt_findings(name: str, rows: list[Any], tokenizer: Any) -> tuple[Findin
     probe = _probe(last_user)
     seen = f"row {row.id}: prompt of {len(ids):,} tokens; loss on the target's output only"
     if probe and probe not in text:
-        return Finding(check, "WARN", f"{seen}, but the rendered prompt does not hold the user's text "
-                                      f"({probe[:30]!r}...)", "check the target's chat template"), longest
+        return Finding(
+            check,
+            "WARN",
+            f"{seen}, but the rendered prompt does not hold the user's text ({probe[:30]!r}...)",
+            "check the target's chat template",
+        ), longest
     if ids == plain:
-        return Finding(check, "WARN", f"{seen}, but add_generation_prompt adds nothing: the target would continue "
-                                      "the user's turn", "use a template with a generation prompt"), longest
+        return Finding(
+            check,
+            "WARN",
+            f"{seen}, but add_generation_prompt adds nothing: the target would continue the user's turn",
+            "use a template with a generation prompt",
+        ), longest
     return Finding(check, "PASS", seen), longest
 
 
@@ -143,32 +182,53 @@ def _dropped_finding(name: str, rows: list[Any], tokenizer: Any, kind: Kind, on_
     """
     for row in rows:
         messages = row.messages or []
-        texts = [] if kind != "passthrough" else [
-            ("reasoning", m["reasoning_content"]) for m in messages
-            if m.get("role") == "assistant" and isinstance(m.get("reasoning_content"), str) and m["reasoning_content"].strip()]
+        texts = (
+            []
+            if kind != "passthrough"
+            else [
+                ("reasoning", m["reasoning_content"])
+                for m in messages
+                if m.get("role") == "assistant"
+                and isinstance(m.get("reasoning_content"), str)
+                and m["reasoning_content"].strip()
+            ]
+        )
         if kind == "passthrough":
-            texts += [("reasoning", think) for m in messages if m.get("role") == "assistant"
-                      for think in THINK.findall(m.get("content") or "") if think.strip()]
-        texts += [("tool result", m["content"]) for m in messages
-                  if m.get("role") == "tool" and isinstance(m.get("content"), str) and m["content"].strip()]
+            texts += [
+                ("reasoning", think)
+                for m in messages
+                if m.get("role") == "assistant"
+                for think in THINK.findall(m.get("content") or "")
+                if think.strip()
+            ]
+        texts += [
+            ("tool result", m["content"])
+            for m in messages
+            if m.get("role") == "tool" and isinstance(m.get("content"), str) and m["content"].strip()
+        ]
         if not texts:
             continue
         try:
             if kind == "passthrough":
                 records = conversation_records(row.id, messages, tokenizer, on_rewrite=on_rewrite)
-                trained = " ".join(tokenizer.decode([t for t, m in zip(r.input_ids, r.loss_mask) if m]) for r in records)
+                trained = " ".join(
+                    tokenizer.decode([t for t, m in zip(r.input_ids, r.loss_mask) if m]) for r in records
+                )
                 shown = " ".join(tokenizer.decode(r.input_ids) for r in records)
             else:
                 trained = shown = tokenizer.decode(chat_prompt_ids(tokenizer, messages))
         except Exception:  # noqa: BLE001 - a template failure is reported by the checks above
             return None
-        lost = sorted({what for what, text in texts
-                       if _probe(text) not in (trained if what == "reasoning" else shown)})
+        lost = sorted({what for what, text in texts if _probe(text) not in (trained if what == "reasoning" else shown)})
         if not lost:
             return None
         where = "gets no loss in any record" if kind == "passthrough" else "is not in the prompt the target answers"
-        return Finding(f"chat template: {name}", "WARN", f"row {row.id}: the template drops its {' and '.join(lost)} text, "
-                       f"which {where}", "if it matters, use a template that renders it, or pre-tokenize the rows")
+        return Finding(
+            f"chat template: {name}",
+            "WARN",
+            f"row {row.id}: the template drops its {' and '.join(lost)} text, which {where}",
+            "if it matters, use a template that renders it, or pre-tokenize the rows",
+        )
     return None
 
 

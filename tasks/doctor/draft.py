@@ -31,51 +31,77 @@ def draft_findings(export_dir: Path, *, trained_layers: list[int], vocab_size: i
     try:
         cfg: dict[str, Any] = json.loads((export_dir / CONFIG_FILE).read_text())
     except (OSError, ValueError) as exc:
-        return [Finding("draft", "FAIL", f"{export_dir / CONFIG_FILE}: cannot read: {exc}", "run the train stage again")]
-    return [_aux_finding(cfg, trained_layers), _shape_finding(cfg, vocab_size, hidden_size), _norm_finding(cfg),
-            *_loader_findings(export_dir)]
+        return [
+            Finding("draft", "FAIL", f"{export_dir / CONFIG_FILE}: cannot read: {exc}", "run the train stage again")
+        ]
+    return [
+        _aux_finding(cfg, trained_layers),
+        _shape_finding(cfg, vocab_size, hidden_size),
+        _norm_finding(cfg),
+        *_loader_findings(export_dir),
+    ]
 
 
 def _aux_finding(cfg: dict[str, Any], trained: list[int]) -> Finding:
     eagle = found if isinstance(found := cfg.get("eagle_config"), dict) else {}
     sglang, vllm = eagle.get(VLLM_AUX_KEY), cfg.get(VLLM_AUX_KEY)
-    seen = (f"trained on the outputs of layers {trained}; SGLang reads {sglang} (outputs of layers), vLLM {vllm} "
-            "(capture indices = inputs of layers)")
+    seen = (
+        f"trained on the outputs of layers {trained}; SGLang reads {sglang} (outputs of layers), vLLM {vllm} "
+        "(capture indices = inputs of layers)"
+    )
     wrong = []
     if sglang != trained:
         wrong.append(f"SGLang would feed the draft layers {sglang} instead of {trained}")
     if vllm != [a + 1 for a in trained]:
-        wrong.append(f"vLLM would feed it capture indices {vllm} instead of {[a + 1 for a in trained]}"
-                     + (" (off by one: the ids of the other convention)" if vllm == trained else ""))
+        wrong.append(
+            f"vLLM would feed it capture indices {vllm} instead of {[a + 1 for a in trained]}"
+            + (" (off by one: the ids of the other convention)" if vllm == trained else "")
+        )
     if wrong:
-        return Finding("draft: aux layer ids", "FAIL", f"{seen}: " + "; ".join(wrong),
-                       f"set eagle_config.{VLLM_AUX_KEY} to {trained} and the top-level {VLLM_AUX_KEY} to "
-                       f"{[a + 1 for a in trained]} (or export again: the train stage writes both)")
+        return Finding(
+            "draft: aux layer ids",
+            "FAIL",
+            f"{seen}: " + "; ".join(wrong),
+            f"set eagle_config.{VLLM_AUX_KEY} to {trained} and the top-level {VLLM_AUX_KEY} to "
+            f"{[a + 1 for a in trained]} (or export again: the train stage writes both)",
+        )
     return Finding("draft: aux layer ids", "PASS", seen)
 
 
 def _shape_finding(cfg: dict[str, Any], vocab_size: int, hidden_size: int) -> Finding:
-    seen = (f"vocab {cfg.get('vocab_size')}, draft vocab {cfg.get('draft_vocab_size')}, target hidden "
-            f"{cfg.get('target_hidden_size')}")
+    seen = (
+        f"vocab {cfg.get('vocab_size')}, draft vocab {cfg.get('draft_vocab_size')}, target hidden "
+        f"{cfg.get('target_hidden_size')}"
+    )
     wrong = []
     if cfg.get("vocab_size") != vocab_size:
         wrong.append(f"the target's vocabulary has {vocab_size:,} tokens")
     if cfg.get("target_hidden_size") != hidden_size:
         wrong.append(f"the target's hidden size is {hidden_size:,}")
     if wrong:
-        return Finding("draft: sizes", "FAIL", f"{seen}; but " + " and ".join(wrong),
-                       "this draft was trained for another target: train one for target.path")
+        return Finding(
+            "draft: sizes",
+            "FAIL",
+            f"{seen}; but " + " and ".join(wrong),
+            "this draft was trained for another target: train one for target.path",
+        )
     return Finding("draft: sizes", "PASS", seen)
 
 
 def _norm_finding(cfg: dict[str, Any]) -> Finding:
     on = [k for k in EAGLE31_FLAGS if cfg.get(k)]
     before = cfg.get("norm_before_residual", False)
-    seen = f"norm_before_residual {str(bool(before)).lower()}; " + (f"set: {', '.join(on)}" if on else "no EAGLE-3.1 norms")
+    seen = f"norm_before_residual {str(bool(before)).lower()}; " + (
+        f"set: {', '.join(on)}" if on else "no EAGLE-3.1 norms"
+    )
     if on or before:
-        return Finding("draft: norm flags", "WARN", seen,
-                       "the engines apply these norms, this project's training and eval do not: served acceptance "
-                       "will differ from the in-process eval")
+        return Finding(
+            "draft: norm flags",
+            "WARN",
+            seen,
+            "the engines apply these norms, this project's training and eval do not: served acceptance "
+            "will differ from the in-process eval",
+        )
     return Finding("draft: norm flags", "PASS", seen)
 
 
@@ -83,8 +109,14 @@ def _loader_findings(export_dir: Path) -> list[Finding]:
     out = []
     for engine, problems in (("SGLang", validate_export(export_dir)), ("vLLM", validate_export_vllm(export_dir))):
         if problems:
-            out.append(Finding(f"draft: {engine} loader", "FAIL", "; ".join(problems)[:600],
-                               "export again with the train stage; a hand-edited export must keep these rules"))
+            out.append(
+                Finding(
+                    f"draft: {engine} loader",
+                    "FAIL",
+                    "; ".join(problems)[:600],
+                    "export again with the train stage; a hand-edited export must keep these rules",
+                )
+            )
         else:
             out.append(Finding(f"draft: {engine} loader", "PASS", "config and tensors as its loader reads them"))
     return out

@@ -25,16 +25,24 @@ def _lock_finding(run_dir: Path) -> Finding:
     holder = lock_holder(run_dir)
     if holder is None:
         return Finding("run directory: lock", "PASS", "free (or held by this process)")
-    return Finding("run directory: lock", "FAIL", f"held by {describe_holder(holder)}",
-                   "wait for that run to finish or stop it (it resumes later); `eagle3 stats` works meanwhile")
+    return Finding(
+        "run directory: lock",
+        "FAIL",
+        f"held by {describe_holder(holder)}",
+        "wait for that run to finish or stop it (it resumes later); `eagle3 stats` works meanwhile",
+    )
 
 
 def _damaged_finding(run_dir: Path) -> Finding:
     damaged = [s.damaged for s in collect_stats(run_dir) if s.damaged]
     record_stats(run_dir, on_damaged=lambda name, exc: damaged.append(str(exc)))
     if damaged:
-        return Finding("run directory: parts", "FAIL", "; ".join(damaged)[:600],
-                       "each message says what to do (usually: move the damaged part aside and run the stage again)")
+        return Finding(
+            "run directory: parts",
+            "FAIL",
+            "; ".join(damaged)[:600],
+            "each message says what to do (usually: move the damaged part aside and run the stage again)",
+        )
     return Finding("run directory: parts", "PASS", "no damaged part")
 
 
@@ -47,15 +55,28 @@ def _checkpoint_finding(checkpoint_dir: Path, settings: dict[str, Any]) -> Findi
     try:
         old = json.loads(path.read_text())
     except FileNotFoundError:
-        return Finding("train checkpoint", "WARN", f"{tag} has no {FINGERPRINT} (written before fingerprints)",
-                       "it resumes unchecked: make sure its settings are this config's")
+        return Finding(
+            "train checkpoint",
+            "WARN",
+            f"{tag} has no {FINGERPRINT} (written before fingerprints)",
+            "it resumes unchecked: make sure its settings are this config's",
+        )
     except (OSError, ValueError) as exc:
-        return Finding("train checkpoint", "FAIL", f"{path}: cannot read: {exc}", f"move {checkpoint_dir} aside to start fresh")
+        return Finding(
+            "train checkpoint", "FAIL", f"{path}: cannot read: {exc}", f"move {checkpoint_dir} aside to start fresh"
+        )
     known = {k: v for k, v in old.get("settings", {}).items() if k in settings}
     differences = settings_differences(known, settings)
     if differences:
-        return Finding("train checkpoint", "FAIL", f"{tag} was trained with other settings: {', '.join(differences)}"[:500],
-                       f"the train stage would refuse to resume it: restore those settings, or move {checkpoint_dir} "
-                       "aside (or set train.out_dir) to start fresh")
-    return Finding("train checkpoint", "PASS", f"{tag}: its settings are this config's (data and vocabulary are "
-                                               "checked when training starts)")
+        return Finding(
+            "train checkpoint",
+            "FAIL",
+            f"{tag} was trained with other settings: {', '.join(differences)}"[:500],
+            f"the train stage would refuse to resume it: restore those settings, or move {checkpoint_dir} "
+            "aside (or set train.out_dir) to start fresh",
+        )
+    return Finding(
+        "train checkpoint",
+        "PASS",
+        f"{tag}: its settings are this config's (data and vocabulary are checked when training starts)",
+    )

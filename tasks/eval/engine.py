@@ -52,7 +52,9 @@ from tasks.launch_servers import SERVER_LOG, launched_servers
 class EngineServer:
     """The server the engine eval measures at: started here (launch dev|command, one server) or already running."""
 
-    settings: ServerSettings  # url: where the server with the draft answers; the engine; timeouts; the API key's variable
+    settings: (
+        ServerSettings  # url: where the server with the draft answers; the engine; timeouts; the API key's variable
+    )
     launch: str  # none | dev | command
     target: str
     log_dir: Path
@@ -71,11 +73,25 @@ class EngineServer:
         """The server with `extra_args` (the draft's flags, or none) for one phase; nothing to start with launch: none."""
         if self.launch == "none":
             return contextlib.nullcontext()
-        logger.info("engine eval: starting the %s server (%s) at %s %s(log: %s)", self.launch, self.engine, self.settings.url,
-                    "with the draft " if extra_args else "without a draft ", self.log_dir / name / SERVER_LOG)
-        return launched_servers(self.launch, self.settings.url, gpus_per_replica=self.gpus_per_replica, target=Path(self.target),
-                                command=self.command, log_dir=self.log_dir / name,
-                                health_timeout_s=self.settings.health_timeout_s, extra_args=extra_args, engine=self.engine)
+        logger.info(
+            "engine eval: starting the %s server (%s) at %s %s(log: %s)",
+            self.launch,
+            self.engine,
+            self.settings.url,
+            "with the draft " if extra_args else "without a draft ",
+            self.log_dir / name / SERVER_LOG,
+        )
+        return launched_servers(
+            self.launch,
+            self.settings.url,
+            gpus_per_replica=self.gpus_per_replica,
+            target=Path(self.target),
+            command=self.command,
+            log_dir=self.log_dir / name,
+            health_timeout_s=self.settings.health_timeout_s,
+            extra_args=extra_args,
+            engine=self.engine,
+        )
 
 
 @dataclass(frozen=True)
@@ -101,8 +117,9 @@ class Phase:
     skipped: dict[str, str] = field(default_factory=dict)  # prompt id -> why it was not sent (select)
 
 
-def fit_draft_context(prompts: list[EvalPrompt], limits: ServerLimits, max_new_tokens: int
-                      ) -> tuple[list[EvalPrompt], dict[str, str]]:
+def fit_draft_context(
+    prompts: list[EvalPrompt], limits: ServerLimits, max_new_tokens: int
+) -> tuple[list[EvalPrompt], dict[str, str]]:
     """The prompts the draft server takes with its reserved tokens (SGLang's two length checks), and why the others not."""
     ctx, reserved = limits.context_length, limits.reserved_tokens
     if ctx is None:
@@ -111,18 +128,31 @@ def fit_draft_context(prompts: list[EvalPrompt], limits: ServerLimits, max_new_t
     for p in prompts:
         n = len(p.input_ids) + reserved
         if n >= ctx or n + max_new_tokens > ctx:
-            skipped[p.id] = (f"{len(p.input_ids)} prompt tokens + {reserved} reserved for the draft + {max_new_tokens} new "
-                             f"exceed the context of {ctx}")
+            skipped[p.id] = (
+                f"{len(p.input_ids)} prompt tokens + {reserved} reserved for the draft + {max_new_tokens} new "
+                f"exceed the context of {ctx}"
+            )
         else:
             kept.append(p)
     return kept, skipped
 
 
-async def decode_prompts(url: str, prompts: list[EvalPrompt], sampling_params: dict[str, Any], *, engine: str = "sglang",
-                         concurrency: int, retry: RetryPolicy, request_timeout_s: float, api_key: str | None, auth_hint: str,
-                         vocab_size: int | None, on_done: Callable[[int, int], Awaitable[None]] | None = None,
-                         select: Callable[[ServerLimits, Any], tuple[list[EvalPrompt], dict[str, str]]] | None = None,
-                         logger: Any = None) -> Phase:
+async def decode_prompts(
+    url: str,
+    prompts: list[EvalPrompt],
+    sampling_params: dict[str, Any],
+    *,
+    engine: str = "sglang",
+    concurrency: int,
+    retry: RetryPolicy,
+    request_timeout_s: float,
+    api_key: str | None,
+    auth_hint: str,
+    vocab_size: int | None,
+    on_done: Callable[[int, int], Awaitable[None]] | None = None,
+    select: Callable[[ServerLimits, Any], tuple[list[EvalPrompt], dict[str, str]]] | None = None,
+    logger: Any = None,
+) -> Phase:
     """Every prompt through the engine at `url`, `concurrency` at a time, each retried within the outage window.
 
     `select(limits, client)` gets what the server says of itself before anything is sent and returns the prompts
@@ -132,9 +162,17 @@ async def decode_prompts(url: str, prompts: list[EvalPrompt], sampling_params: d
     done = 0
     refused: dict[str, str] = {}
     kw = {"logger": logger} if logger is not None else {}
-    async with client_class(engine)(url, request_timeout_s=request_timeout_s, retry=retry, api_key=api_key,
-                                    auth_hint=auth_hint, vocab_size=vocab_size, max_connections=max(concurrency, 1),
-                                    **kw) as client:
+    async with client_class(engine)(
+        url,
+        request_timeout_s=request_timeout_s,
+        retry=retry,
+        api_key=api_key,
+        auth_hint=auth_hint,
+        vocab_size=vocab_size,
+        max_connections=max(concurrency, 1),
+        **kw,
+    ) as client:
+
         async def one(i: int, p: EvalPrompt) -> Served | None:
             nonlocal done
             async with gate:
@@ -150,7 +188,9 @@ async def decode_prompts(url: str, prompts: list[EvalPrompt], sampling_params: d
                 await on_done(done, len(prompts))
             if reply is None:
                 return None
-            return Served(p.source, p.id, reply.completion_tokens, reply.spec_verify_ct, seconds, tuple(reply.output_ids))
+            return Served(
+                p.source, p.id, reply.completion_tokens, reply.spec_verify_ct, seconds, tuple(reply.output_ids)
+            )
 
         skipped: dict[str, str] = {}
         limits = await client.limits()
@@ -167,9 +207,11 @@ def check_command(command: list[str] | None) -> None:
     """ValueError when a server command to be started for the engine eval already holds --speculative-* flags."""
     given = [w for w in command or [] if w.startswith("--speculative")]
     if given:
-        raise ValueError(f"server.command already holds {', '.join(given)}: the eval adds the engine's --speculative-* flags "
-                         "itself (from eval.num_steps and the exported draft) to the command it starts; remove them from "
-                         "server.command")
+        raise ValueError(
+            f"server.command already holds {', '.join(given)}: the eval adds the engine's --speculative-* flags "
+            "itself (from eval.num_steps and the exported draft) to the command it starts; remove them from "
+            "server.command"
+        )
 
 
 def acceptance(served: list[Served]) -> dict[str, Any]:
@@ -178,7 +220,9 @@ def acceptance(served: list[Served]) -> dict[str, Any]:
     verify = sum(s.spec_verify_ct or 0 for s in served)
     per_request = sorted(s.completion_tokens / s.spec_verify_ct for s in served if s.spec_verify_ct)
     return {
-        "prompts": len(served), "completion_tokens": tokens, "verify_rounds": verify,
+        "prompts": len(served),
+        "completion_tokens": tokens,
+        "verify_rounds": verify,
         "acceptance_length": round(tokens / verify, 4) if verify else None,
         "per_round": round((tokens - len(served)) / verify, 4) if verify else None,
         "per_request": spread(per_request),
@@ -189,23 +233,34 @@ def spread(values: list[float]) -> dict[str, float] | None:
     """min, p10, median, p90, max of sorted `values` (None when empty)."""
     if not values:
         return None
+
     def at(q: float) -> float:
         return round(values[min(len(values) - 1, int(q * len(values)))], 4)
-    return {"min": round(values[0], 4), "p10": at(0.1), "median": round(statistics.median(values), 4), "p90": at(0.9),
-            "max": round(values[-1], 4)}
+
+    return {
+        "min": round(values[0], 4),
+        "p10": at(0.1),
+        "median": round(statistics.median(values), 4),
+        "p90": at(0.9),
+        "max": round(values[-1], 4),
+    }
 
 
 def speed(served: list[Served], wall_s: float) -> dict[str, Any]:
     """Decode speed of one phase: completion tokens over the wall time, and over the requests' own times."""
     tokens = sum(s.completion_tokens for s in served)
     busy = sum(s.seconds for s in served)
-    return {"completion_tokens": tokens, "wall_s": round(wall_s, 3),
-            "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
-            "tokens_per_s_per_request": round(tokens / busy, 2) if busy > 0 else None}
+    return {
+        "completion_tokens": tokens,
+        "wall_s": round(wall_s, 3),
+        "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
+        "tokens_per_s_per_request": round(tokens / busy, 2) if busy > 0 else None,
+    }
 
 
-def engine_report(with_draft: Phase, without: Phase | None, num_steps: int, concurrency: int, engine: str = "sglang"
-                  ) -> dict[str, Any]:
+def engine_report(
+    with_draft: Phase, without: Phase | None, num_steps: int, concurrency: int, engine: str = "sglang"
+) -> dict[str, Any]:
     """eval.json's `engine` block: acceptance and speed per dataset and overall, the speedup over no draft."""
     sources = sorted({s.source for s in with_draft.served})
     by_source = {src: [s for s in with_draft.served if s.source == src] for src in sources}
@@ -220,28 +275,48 @@ def engine_report(with_draft: Phase, without: Phase | None, num_steps: int, conc
         datasets[src] = row
     info = with_draft.limits.info
     internal = info.get("internal_states") if isinstance(info, dict) else None
-    server_avg = internal[0].get("avg_spec_accept_length") if isinstance(internal, list) and internal and isinstance(internal[0], dict) else None
+    server_avg = (
+        internal[0].get("avg_spec_accept_length")
+        if isinstance(internal, list) and internal and isinstance(internal[0], dict)
+        else None
+    )
     report: dict[str, Any] = {
-        "engine": engine, "num_steps": num_steps, "concurrency": concurrency,
+        "engine": engine,
+        "num_steps": num_steps,
+        "concurrency": concurrency,
         "overall": {**acceptance(with_draft.served), "with_draft": speed(with_draft.served, with_draft.wall_s)},
         "datasets": datasets,
-        "server": {"speculative_draft_model_path": with_draft.limits.speculative.get("path"),
-                   "avg_spec_accept_length": server_avg,
-                   "note": "server-wide, not this eval's: SGLang folds it in every 40 decode batches, resets it on "
-                           "/flush_cache, and counts all traffic (warm-up, health probes, other clients); the figures "
-                           "above are from this eval's requests (their own verify rounds). vLLM reports no such figure "
-                           "per server over HTTP (its /metrics counters are not read)"},
+        "server": {
+            "speculative_draft_model_path": with_draft.limits.speculative.get("path"),
+            "avg_spec_accept_length": server_avg,
+            "note": "server-wide, not this eval's: SGLang folds it in every 40 decode batches, resets it on "
+            "/flush_cache, and counts all traffic (warm-up, health probes, other clients); the figures "
+            "above are from this eval's requests (their own verify rounds). vLLM reports no such figure "
+            "per server over HTTP (its /metrics counters are not read)",
+        },
         "refused": with_draft.refused,
         "skipped": with_draft.skipped,
-        "per_prompt": [{"source": s.source, "id": s.id, "completion_tokens": s.completion_tokens,
-                        "spec_verify_ct": s.spec_verify_ct} for s in with_draft.served],
+        "per_prompt": [
+            {
+                "source": s.source,
+                "id": s.id,
+                "completion_tokens": s.completion_tokens,
+                "spec_verify_ct": s.spec_verify_ct,
+            }
+            for s in with_draft.served
+        ],
     }
     if without is not None:
         report["overall"]["without_draft"] = speed(without.served, without.wall_s)
         report["overall"]["speedup"] = speedup(with_draft.served, with_draft.wall_s, without.served, without.wall_s)
-        changed = [s.id for s, b in zip(sorted(with_draft.served, key=lambda s: s.id), sorted(without.served, key=lambda s: s.id))
-                   if s.id == b.id and s.output_ids != b.output_ids]
-        report["outputs_differ_without_draft"] = len(changed)  # greedy: 0 unless numerics differ between the two servers
+        changed = [
+            s.id
+            for s, b in zip(sorted(with_draft.served, key=lambda s: s.id), sorted(without.served, key=lambda s: s.id))
+            if s.id == b.id and s.output_ids != b.output_ids
+        ]
+        report["outputs_differ_without_draft"] = len(
+            changed
+        )  # greedy: 0 unless numerics differ between the two servers
     return report
 
 
@@ -251,10 +326,16 @@ def compare_with_hf(engine: dict[str, Any], hf_trained: dict[str, Any]) -> dict[
     same = [(hf_rows[(p["source"], p["id"])], p) for p in engine["per_prompt"] if (p["source"], p["id"]) in hf_rows]
     equal_tokens = sum(hf["new_tokens"] == p["completion_tokens"] for hf, p in same)
     equal_rounds = sum(hf["rounds"] == (p["spec_verify_ct"] or 0) for hf, p in same)
-    return {"prompts_compared": len(same), "same_completion_tokens": equal_tokens, "same_verify_rounds": equal_rounds,
-            "hf_acceptance_length": hf_trained["acceptance_length"], "engine_per_round": engine["overall"]["per_round"],
-            "equal": len(same) > 0 and equal_tokens == equal_rounds == len(same)
-                     and engine["overall"]["per_round"] == hf_trained["acceptance_length"]}
+    return {
+        "prompts_compared": len(same),
+        "same_completion_tokens": equal_tokens,
+        "same_verify_rounds": equal_rounds,
+        "hf_acceptance_length": hf_trained["acceptance_length"],
+        "engine_per_round": engine["overall"]["per_round"],
+        "equal": len(same) > 0
+        and equal_tokens == equal_rounds == len(same)
+        and engine["overall"]["per_round"] == hf_trained["acceptance_length"],
+    }
 
 
 def speedup(with_draft: list[Served], with_s: float, without: list[Served], without_s: float) -> float | None:

@@ -23,12 +23,20 @@ from models.jobs import EngineEvalSettings, EvalJob
 from models.rank_protocol import EVAL, Message
 from models.run_layout import EVAL_REPORT, TRAIN_SUMMARY
 from tasks.artifacts import artifact_key, progress_artifact
+from tasks.engines.client import RetryPolicy, auth_hint
 from tasks.engines.sglang import SGLangClient
 from tasks.engines.vllm import VLLMClient
-from tasks.eval.engine import EngineServer, Phase, check_command, compare_with_hf, decode_prompts, engine_report, fit_draft_context
+from tasks.eval.engine import (
+    EngineServer,
+    Phase,
+    check_command,
+    compare_with_hf,
+    decode_prompts,
+    engine_report,
+    fit_draft_context,
+)
 from tasks.generate.prompts import default_stop_ids, request_sampling_params
 from tasks.launch_ranks import follow_job, write_job
-from tasks.engines.client import RetryPolicy, auth_hint
 
 
 @task(name="spec-eval", cache_policy=NO_CACHE)
@@ -39,8 +47,12 @@ def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, 
     """
     logger = get_run_logger()
     final = _exported(job)
-    write_job(job, job_path, kept=lambda: f"the exported draft in {final} (nothing was evaluated yet)",
-              resume="make room there, then run the eval stage again")
+    write_job(
+        job,
+        job_path,
+        kept=lambda: f"the exported draft in {final} (nothing was evaluated yet)",
+        resume="make room there, then run the eval stage again",
+    )
     artifact = progress_artifact(progress=0.0, key=artifact_key("eval", config_name), description="eval: starting")
     drafts = 2 if job.compare_untrained else 1
     seen: list[str] = []
@@ -50,22 +62,33 @@ def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, 
         if name not in seen:
             seen.append(name)
         progress = 100.0 * (len(seen) - 1 + done / total) / drafts
-        update_progress_artifact(artifact, progress=round(progress, 1), description=f"eval: {name} draft, {done}/{total} prompts")
+        update_progress_artifact(
+            artifact, progress=round(progress, 1), description=f"eval: {name} draft, {done}/{total} prompts"
+        )
 
     raw_path = Path(job.out)
     raw_path.unlink(missing_ok=True)
     # Batch-1 decoding is many tiny ops: one CPU thread beats two that spin-wait for each other
     # (measured 20x on 2 busy cores); on GPUs it does not matter.
-    follow_job([sys.executable, "-m", "models.eval_job", "--job", str(job_path)], protocol=EVAL, log=logger.info,
-               on_message=on_progress, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    follow_job(
+        [sys.executable, "-m", "models.eval_job", "--job", str(job_path)],
+        protocol=EVAL,
+        log=logger.info,
+        on_message=on_progress,
+        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+    )
     results = json.loads(raw_path.read_text())
     raw_path.unlink()
-    update_progress_artifact(artifact, progress=100.0, description=f"eval: acceptance length {results['trained']['acceptance_length']:.3f}")
+    update_progress_artifact(
+        artifact, progress=100.0, description=f"eval: acceptance length {results['trained']['acceptance_length']:.3f}"
+    )
     return results
 
 
 @task(name="engine-eval", cache_policy=NO_CACHE)
-def evaluate_on_engine(job: EvalJob, engine: EngineEvalSettings, server: EngineServer, config_name: str) -> dict[str, Any]:
+def evaluate_on_engine(
+    job: EvalJob, engine: EngineEvalSettings, server: EngineServer, config_name: str
+) -> dict[str, Any]:
     """Engine backend (tasks/eval/engine.py): the eval prompts through the serving engine with the draft served, then
     without."""
     from transformers import AutoTokenizer
@@ -79,21 +102,42 @@ def evaluate_on_engine(job: EvalJob, engine: EngineEvalSettings, server: EngineS
     prompts = eval_prompts(job, vocab_size)
     if not prompts:
         raise ValueError(f"no eval prompts (train.eval_fraction={job.eval_fraction}): raise eval_fraction and retrain")
-    params = request_sampling_params({"max_new_tokens": job.max_new_tokens, "temperature": 0.0}, default_stop_ids(tokenizer))
-    artifact = progress_artifact(progress=0.0, key=artifact_key("eval-engine", config_name),
-                                 description="engine eval: starting the server with the draft")
+    params = request_sampling_params(
+        {"max_new_tokens": job.max_new_tokens, "temperature": 0.0}, default_stop_ids(tokenizer)
+    )
+    artifact = progress_artifact(
+        progress=0.0,
+        key=artifact_key("eval-engine", config_name),
+        description="engine eval: starting the server with the draft",
+    )
     phases = 2 if engine.baseline and (server.launch != "none" or engine.baseline_url) else 1
 
     def measure(url: str, chosen: list, phase: int, what: str, select: Callable[..., Any] | None = None) -> Phase:
         async def on_done(done: int, total: int) -> None:
-            await aupdate_progress_artifact(artifact, progress=round(100.0 * (phase + done / total) / phases, 1),
-                                            description=f"engine eval: {what}, {done}/{total} prompts")
+            await aupdate_progress_artifact(
+                artifact,
+                progress=round(100.0 * (phase + done / total) / phases, 1),
+                description=f"engine eval: {what}, {done}/{total} prompts",
+            )
 
         s = server.settings
-        return run_coro_as_sync(decode_prompts(
-            url, chosen, params, engine=server.engine, concurrency=engine.concurrency, retry=RetryPolicy(outage_window_s=s.outage_window_s),
-            request_timeout_s=s.request_timeout_s, api_key=s.api_key(), auth_hint=auth_hint(s), vocab_size=vocab_size,
-            on_done=on_done, select=select, logger=logger))
+        return run_coro_as_sync(
+            decode_prompts(
+                url,
+                chosen,
+                params,
+                engine=server.engine,
+                concurrency=engine.concurrency,
+                retry=RetryPolicy(outage_window_s=s.outage_window_s),
+                request_timeout_s=s.request_timeout_s,
+                api_key=s.api_key(),
+                auth_hint=auth_hint(s),
+                vocab_size=vocab_size,
+                on_done=on_done,
+                select=select,
+                logger=logger,
+            )
+        )
 
     def draft_prompts(limits, client):
         client.check_draft(limits, job.num_steps)
@@ -103,34 +147,62 @@ def evaluate_on_engine(job: EvalJob, engine: EngineEvalSettings, server: EngineS
     with server.serving(spec, "eval-with-draft", logger):
         with_draft = measure(server.settings.url, prompts, 0, "with the draft", select=draft_prompts)
     if with_draft.skipped:
-        logger.warning("engine eval: %d prompt(s) left out of both phases: too long for the draft server's reserved tokens "
-                       "(first: %s)", len(with_draft.skipped), next(iter(with_draft.skipped.values())))
+        logger.warning(
+            "engine eval: %d prompt(s) left out of both phases: too long for the draft server's reserved tokens "
+            "(first: %s)",
+            len(with_draft.skipped),
+            next(iter(with_draft.skipped.values())),
+        )
     if any(s.spec_verify_ct is None for s in with_draft.served):
-        raise ValueError(f"{server.settings.url} sent replies without their verify rounds: it is not decoding with the draft "
-                         + ("(vLLM: started without --speculative-config, or without --per-request-spec-decode-metrics summary)"
-                            if server.engine == "vllm" else "(or is an SGLang too old to send meta_info.spec_verify_ct)"))
+        raise ValueError(
+            f"{server.settings.url} sent replies without their verify rounds: it is not decoding with the draft "
+            + (
+                "(vLLM: started without --speculative-config, or without --per-request-spec-decode-metrics summary)"
+                if server.engine == "vllm"
+                else "(or is an SGLang too old to send meta_info.spec_verify_ct)"
+            )
+        )
     without = None
     if phases == 2:  # the same prompts as the draft phase served, so that the speedup compares like with like
         served = {(r.source, r.id) for r in with_draft.served}
         with server.serving([], "eval-without-draft", logger):
-            without = measure(engine.baseline_url or server.settings.url, [p for p in prompts if (p.source, p.id) in served],
-                              1, "without the draft")
+            without = measure(
+                engine.baseline_url or server.settings.url,
+                [p for p in prompts if (p.source, p.id) in served],
+                1,
+                "without the draft",
+            )
     report = engine_report(with_draft, without, job.num_steps, engine.concurrency, server.engine)
     overall = report["overall"]
     speedup = f", speedup {overall['speedup']:.2f}x" if overall.get("speedup") else ""
-    logger.info("engine eval (%s): acceptance length %s (completion tokens / verify rounds, as SGLang counts), %s per round, "
-                "over %d prompts%s", server.engine, overall["acceptance_length"], overall["per_round"], overall["prompts"], speedup)
-    update_progress_artifact(artifact, progress=100.0, description=f"engine eval: acceptance length {overall['acceptance_length']}{speedup}")
+    logger.info(
+        "engine eval (%s): acceptance length %s (completion tokens / verify rounds, as SGLang counts), %s per round, "
+        "over %d prompts%s",
+        server.engine,
+        overall["acceptance_length"],
+        overall["per_round"],
+        overall["prompts"],
+        speedup,
+    )
+    update_progress_artifact(
+        artifact, progress=100.0, description=f"engine eval: acceptance length {overall['acceptance_length']}{speedup}"
+    )
     return report
 
 
 @task(name="eval-report", cache_policy=NO_CACHE)
-def publish_eval(job: EvalJob, hf: dict[str, Any] | None, engine: dict[str, Any] | None, config_name: str) -> dict[str, Any]:
+def publish_eval(
+    job: EvalJob, hf: dict[str, Any] | None, engine: dict[str, Any] | None, config_name: str
+) -> dict[str, Any]:
     """eval.json beside the export, and the eval-summary table artifact: each backend that ran, side by side."""
     final = Path(job.draft_dir)
     draft_dir = final.parent
-    report: dict[str, Any] = {"num_steps": job.num_steps, "max_new_tokens": job.max_new_tokens, "draft": str(final),
-                              "backends": [name for name, r in (("hf", hf), ("engine", engine)) if r is not None]}
+    report: dict[str, Any] = {
+        "num_steps": job.num_steps,
+        "max_new_tokens": job.max_new_tokens,
+        "draft": str(final),
+        "backends": [name for name, r in (("hf", hf), ("engine", engine)) if r is not None],
+    }
     if hf is not None:
         report.update(hf)
     if engine is not None:
@@ -140,22 +212,30 @@ def publish_eval(job: EvalJob, hf: dict[str, Any] | None, engine: dict[str, Any]
             report["engine_vs_hf"] = compare_with_hf(engine, hf["trained"])
     measured = measured_value(report)
     report["ttt_estimate"] = ttt_estimate(draft_dir, job.num_steps)
-    report["estimates"] = estimates(draft_dir, job.num_steps, measured, hf["trained"].get("replay") if hf is not None else None)
+    report["estimates"] = estimates(
+        draft_dir, job.num_steps, measured, hf["trained"].get("replay") if hf is not None else None
+    )
     report["sglang_command"] = sglang_command(job.target_path, final, job.num_steps, job.trust_remote_code)
     report["vllm_command"] = vllm_command(job.target_path, final, job.num_steps, job.trust_remote_code)
     write_atomic(draft_dir / EVAL_REPORT, json.dumps(report, indent=2))
-    create_table_artifact(table=eval_rows(report), key=artifact_key("eval-summary", config_name),
-                          description=f"Acceptance length at {job.num_steps} draft tokens per round (SGLang topk 1), greedy "
-                                      f"target, {report['prompts']} eval prompts. 'measured' rows: speculative decoding "
-                                      "on the eval prompts (in-process HF, or the serving engine's meta_info); "
-                                      "'training-time estimate': the chain formula over the held-out "
-                                      "TTT accept rates at the same number of steps, teacher-forced on training records "
-                                      "(a different text and weighting; docs/acceptance.md, 'Two acceptance numbers')")
+    create_table_artifact(
+        table=eval_rows(report),
+        key=artifact_key("eval-summary", config_name),
+        description=f"Acceptance length at {job.num_steps} draft tokens per round (SGLang topk 1), greedy "
+        f"target, {report['prompts']} eval prompts. 'measured' rows: speculative decoding "
+        "on the eval prompts (in-process HF, or the serving engine's meta_info); "
+        "'training-time estimate': the chain formula over the held-out "
+        "TTT accept rates at the same number of steps, teacher-forced on training records "
+        "(a different text and weighting; docs/acceptance.md, 'Two acceptance numbers')",
+    )
     if engine is not None:
-        create_table_artifact(table=engine_rows(engine), key=artifact_key("eval-engine-summary", config_name),
-                              description="Engine eval per dataset: acceptance length as SGLang counts it (completion tokens "
-                                          "/ verify rounds) and per verify round (as the HF eval counts), the per-request "
-                                          "spread, decode tokens/s with and without the draft, and the speedup")
+        create_table_artifact(
+            table=engine_rows(engine),
+            key=artifact_key("eval-engine-summary", config_name),
+            description="Engine eval per dataset: acceptance length as SGLang counts it (completion tokens "
+            "/ verify rounds) and per verify round (as the HF eval counts), the per-request "
+            "spread, decode tokens/s with and without the draft, and the speedup",
+        )
     return report
 
 
@@ -170,7 +250,9 @@ def measured_value(report: dict[str, Any]) -> float | None:
 def _exported(job: EvalJob) -> Path:
     final = Path(job.draft_dir)
     if not (final / "config.json").is_file():
-        raise FileNotFoundError(f"{final}: no exported draft; run the train stage first (eagle3 run CONFIG --stages train)")
+        raise FileNotFoundError(
+            f"{final}: no exported draft; run the train stage first (eagle3 run CONFIG --stages train)"
+        )
     return final
 
 
@@ -189,20 +271,26 @@ def ttt_estimate(draft_dir: Path, num_steps: int) -> dict[str, Any] | None:
     cond = _training_cond_acc(draft_dir)
     if cond is None or len(cond) < num_steps:
         return None
-    return {"acceptance_length": round(chain_acceptance_length(cond, num_steps), 4),
-            "per_position_acceptance": cond[:num_steps],
-            "note": f"training-time estimate at {num_steps} steps: held-out TTT metrics at the end of training "
-                    "(teacher-forced on held-out training records, every position a chain root), not a measurement"}
+    return {
+        "acceptance_length": round(chain_acceptance_length(cond, num_steps), 4),
+        "per_position_acceptance": cond[:num_steps],
+        "note": f"training-time estimate at {num_steps} steps: held-out TTT metrics at the end of training "
+        "(teacher-forced on held-out training records, every position a chain root), not a measurement",
+    }
 
 
-def estimates(draft_dir: Path, num_steps: int, measured: float | None, replay: dict[str, Any] | None = None) -> dict[str, Any]:
+def estimates(
+    draft_dir: Path, num_steps: int, measured: float | None, replay: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """eval.json's labelled figures at the eval's num_steps: the training-time estimate, the measured value, the replay."""
     return estimates_block(num_steps, training_cond_acc=_training_cond_acc(draft_dir), measured=measured, replay=replay)
 
 
 MEASURED_ROW = "{name}: measured (speculative decoding)"
 ENGINE_ROW = "trained: measured by the serving engine, per verify round (as the HF eval counts)"
-ENGINE_SGLANG_ROW = "trained: measured by the serving engine, SGLang's acceptance length (completion tokens / verify rounds)"
+ENGINE_SGLANG_ROW = (
+    "trained: measured by the serving engine, SGLang's acceptance length (completion tokens / verify rounds)"
+)
 ESTIMATE_ROW = "trained: training-time estimate (teacher-forced, held-out records)"
 
 
@@ -213,19 +301,44 @@ def eval_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     for name in ("untrained", "trained"):
         if name in report:
             r = report[name]
-            rows.append({"draft": MEASURED_ROW.format(name=name), "acceptance_length": r["acceptance_length"],
-                         **{f"pos_{i + 1}": a for i, a in enumerate(r["per_position_acceptance"])},
-                         "rounds": r["rounds"], "tokens": r["new_tokens"]})
+            rows.append(
+                {
+                    "draft": MEASURED_ROW.format(name=name),
+                    "acceptance_length": r["acceptance_length"],
+                    **{f"pos_{i + 1}": a for i, a in enumerate(r["per_position_acceptance"])},
+                    "rounds": r["rounds"],
+                    "tokens": r["new_tokens"],
+                }
+            )
     if report.get("engine"):
         o = report["engine"]["overall"]
-        rows.append({"draft": ENGINE_ROW, "acceptance_length": o["per_round"], "rounds": o["verify_rounds"],
-                     "tokens": o["completion_tokens"]})
-        rows.append({"draft": ENGINE_SGLANG_ROW, "acceptance_length": o["acceptance_length"], "rounds": o["verify_rounds"],
-                     "tokens": o["completion_tokens"]})
+        rows.append(
+            {
+                "draft": ENGINE_ROW,
+                "acceptance_length": o["per_round"],
+                "rounds": o["verify_rounds"],
+                "tokens": o["completion_tokens"],
+            }
+        )
+        rows.append(
+            {
+                "draft": ENGINE_SGLANG_ROW,
+                "acceptance_length": o["acceptance_length"],
+                "rounds": o["verify_rounds"],
+                "tokens": o["completion_tokens"],
+            }
+        )
     if report.get("ttt_estimate"):
         e = report["ttt_estimate"]
-        rows.append({"draft": ESTIMATE_ROW, "acceptance_length": e["acceptance_length"],
-                     **{f"pos_{i + 1}": round(a, 4) for i, a in enumerate(e["per_position_acceptance"])}, "rounds": None, "tokens": None})
+        rows.append(
+            {
+                "draft": ESTIMATE_ROW,
+                "acceptance_length": e["acceptance_length"],
+                **{f"pos_{i + 1}": round(a, 4) for i, a in enumerate(e["per_position_acceptance"])},
+                "rounds": None,
+                "tokens": None,
+            }
+        )
     return rows
 
 
@@ -234,17 +347,35 @@ def engine_rows(engine: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for name, r in [*engine["datasets"].items(), ("all", engine["overall"])]:
         spread = r["per_request"] or {}
-        rows.append({"dataset": name, "prompts": r["prompts"], "acceptance_length": r["acceptance_length"],
-                     "per_round": r["per_round"], "per_request_p10": spread.get("p10"), "per_request_median": spread.get("median"),
-                     "per_request_p90": spread.get("p90"), "tok_s_with_draft": r["with_draft"]["tokens_per_s"],
-                     "tok_s_without": r.get("without_draft", {}).get("tokens_per_s"), "speedup": r.get("speedup")})
+        rows.append(
+            {
+                "dataset": name,
+                "prompts": r["prompts"],
+                "acceptance_length": r["acceptance_length"],
+                "per_round": r["per_round"],
+                "per_request_p10": spread.get("p10"),
+                "per_request_median": spread.get("median"),
+                "per_request_p90": spread.get("p90"),
+                "tok_s_with_draft": r["with_draft"]["tokens_per_s"],
+                "tok_s_without": r.get("without_draft", {}).get("tokens_per_s"),
+                "speedup": r.get("speedup"),
+            }
+        )
     return rows
 
 
 def sglang_command(target_path: str, draft_dir: Path, num_steps: int, trust_remote_code: bool, tp: int = 8) -> str:
     """The SGLang launch that serves the target with this draft (REFERENCE: EAGLE3, top-k 1)."""
-    args = ["python", "-m", "sglang.launch_server", "--model-path", target_path, "--tp", str(tp),
-            *SGLangClient.speculative_args(str(draft_dir), num_steps)]
+    args = [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        target_path,
+        "--tp",
+        str(tp),
+        *SGLangClient.speculative_args(str(draft_dir), num_steps),
+    ]
     if trust_remote_code:
         args.append("--trust-remote-code")
     return shlex.join(args)
@@ -252,8 +383,14 @@ def sglang_command(target_path: str, draft_dir: Path, num_steps: int, trust_remo
 
 def vllm_command(target_path: str, draft_dir: Path, num_steps: int, trust_remote_code: bool, tp: int = 8) -> str:
     """The vLLM launch that serves the target with this draft, with per-request verify counts (tasks/engines/vllm.py)."""
-    args = ["vllm", "serve", target_path, "--tensor-parallel-size", str(tp),
-            *VLLMClient.speculative_args(str(draft_dir), num_steps)]
+    args = [
+        "vllm",
+        "serve",
+        target_path,
+        "--tensor-parallel-size",
+        str(tp),
+        *VLLMClient.speculative_args(str(draft_dir), num_steps),
+    ]
     if trust_remote_code:
         args.append("--trust-remote-code")
     return shlex.join(args)

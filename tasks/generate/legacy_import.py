@@ -52,10 +52,15 @@ from models.file_errors import WriteFailed
 from models.run_layout import RunLayout
 from tasks.checkpoints import PartSummary, done_ids, finish_compaction, live_parts, responses_table
 from tasks.datasets import DatasetError, Reject
-from tasks.parquet_io import (
-    DamagedPart, clean_stale_temps, next_part_path, read_metadata, reading, write_parquet_atomic,
-)
 from tasks.generate.legacy_lines import BadLine, LegacyLine, legacy_id_or_none, parse_line, read_lines
+from tasks.parquet_io import (
+    DamagedPart,
+    clean_stale_temps,
+    next_part_path,
+    read_metadata,
+    reading,
+    write_parquet_atomic,
+)
 from tasks.rejects import write_rejects
 from tasks.run_lock import run_lock
 
@@ -161,12 +166,20 @@ def _import(layout, dataset, file, tokenizer, flush_every, flush_tokens, on_bad_
     if report.retokenized:
         log.warning(
             "%s: %d imported row(s) had no token ids and were re-tokenised; those ids may differ from"
-            " what the target generated", file, report.retokenized,
+            " what the target generated",
+            file,
+            report.retokenized,
         )
     log.info(
         "%s -> %s: %d line(s), %d imported, %d already there, %d duplicate(s), %d aborted, %d bad",
-        file, directory, report.lines, report.imported, report.skipped_existing, report.duplicates,
-        report.aborted, report.bad_lines,
+        file,
+        directory,
+        report.lines,
+        report.imported,
+        report.skipped_existing,
+        report.duplicates,
+        report.aborted,
+        report.bad_lines,
     )
     return report
 
@@ -177,7 +190,9 @@ def _record_rejects(rejects: list[Reject], directory: Path, file: Path, report: 
     So a line fixed since is no longer listed, and importing the same file again writes nothing new.
     """
     try:
-        earlier = [p for p in live_parts(directory) if read_metadata(p).get("stage") == "import" and _only_from(p, file)]
+        earlier = [
+            p for p in live_parts(directory) if read_metadata(p).get("stage") == "import" and _only_from(p, file)
+        ]
         return write_rejects(rejects, directory, "import", replaces=earlier)
     except DamagedPart as damaged:
         where = RunLayout.of_dataset_dir(directory).quarantine(directory)
@@ -187,7 +202,8 @@ def _record_rejects(rejects: list[Reject], directory: Path, file: Path, report: 
         ) from None
     except OSError as e:
         raise WriteFailed(
-            directory, e,
+            directory,
+            e,
             kept=f"all {report.imported} imported response(s) from {file}; its bad lines are not listed in {directory} yet",
             resume=RESUME + " (that lists the bad lines)",
         ) from None
@@ -214,7 +230,9 @@ def _existing_ids(directory: Path, layout: RunLayout, file: Path) -> set[str]:
         ) from None
 
 
-def _stage(file, directory, existing, tokenizer, flush_every, flush_tokens, on_bad_line, report, staged) -> list[Reject]:
+def _stage(
+    file, directory, existing, tokenizer, flush_every, flush_tokens, on_bad_line, report, staged
+) -> list[Reject]:
     """Phase 1: read, validate and map every line, writing the rows as staged parts; the rejects."""
     fallback_time = file.stat().st_mtime
     seen: set[str] = set()
@@ -238,7 +256,10 @@ def _stage(file, directory, existing, tokenizer, flush_every, flush_tokens, on_b
                 report.partial_last_line = True
                 log.warning(
                     "%s line %d: skipped a partial last line (%s); the old loop was probably killed"
-                    " while writing it, so its prompt is not done", file, lineno, bad.reason,
+                    " while writing it, so its prompt is not done",
+                    file,
+                    lineno,
+                    bad.reason,
                 )
                 continue
             _bad_line(file, lineno, raw, None, bad, on_bad_line, report, rejects)
@@ -293,7 +314,8 @@ def _commit(directory: Path, staged: list[Path], file: Path) -> list[Path]:
             if not isinstance(e, OSError):
                 raise
             raise WriteFailed(
-                final, e,
+                final,
+                e,
                 kept=f"{len(parts)} of the {len(staged)} part(s) of {file} are in place, whole; the rest is not",
                 resume=RESUME,
             ) from None
@@ -316,5 +338,3 @@ def _bad_line(file, lineno, raw, row_id, bad, on_bad_line, report, rejects) -> N
     report.bad_lines += 1
     rejects.append(Reject(file, lineno, row_id, bad.reason, raw.decode("utf-8", "replace").rstrip("\r\n")))
     log.warning("%s line %d: skipped (on_bad_line=skip): %s", file, lineno, bad.reason)
-
-

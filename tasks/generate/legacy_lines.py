@@ -52,9 +52,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tasks import datasets
 from tasks.datasets.rows import type_name
@@ -169,8 +170,9 @@ class LegacyLine:
         if prompt_ids is None and messages is None:
             raise BadLine("has no 'prompt_ids'/'input_ids' and no prompt 'messages'/'prompt' to tokenise")
 
-        finish = _first(d.get("finish_reason"), choice.get("finish_reason"), inner.get("finish_reason"),
-                        meta.get("finish_reason"))
+        finish = _first(
+            d.get("finish_reason"), choice.get("finish_reason"), inner.get("finish_reason"), meta.get("finish_reason")
+        )
         if isinstance(finish, dict):
             finish = finish.get("type")
         if finish is not None and not isinstance(finish, str):
@@ -187,15 +189,21 @@ class LegacyLine:
             finish_reason=finish or "unknown",
             reasoning_tokens=_first(
                 _int(d.get("reasoning_tokens"), "reasoning_tokens"),
-                _int(_obj(usage.get("completion_tokens_details"), "usage.completion_tokens_details").get(
-                    "reasoning_tokens"), "usage.completion_tokens_details.reasoning_tokens"),
+                _int(
+                    _obj(usage.get("completion_tokens_details"), "usage.completion_tokens_details").get(
+                        "reasoning_tokens"
+                    ),
+                    "usage.completion_tokens_details.reasoning_tokens",
+                ),
                 _int(usage.get("reasoning_tokens"), "usage.reasoning_tokens"),
                 _int(meta.get("reasoning_tokens"), "meta_info.reasoning_tokens"),
             ),
             cached_tokens=_first(
                 _int(d.get("cached_tokens"), "cached_tokens"),
-                _int(_obj(usage.get("prompt_tokens_details"), "usage.prompt_tokens_details").get(
-                    "cached_tokens"), "usage.prompt_tokens_details.cached_tokens"),
+                _int(
+                    _obj(usage.get("prompt_tokens_details"), "usage.prompt_tokens_details").get("cached_tokens"),
+                    "usage.prompt_tokens_details.cached_tokens",
+                ),
                 _int(meta.get("cached_tokens"), "meta_info.cached_tokens"),
             ),
             latency=_first(
@@ -250,7 +258,12 @@ class LegacyLine:
 def _split_messages(d: dict) -> tuple[Any, dict]:
     """The prompt messages and the trailing assistant turn ({} if none) of `messages`."""
     messages = d.get("messages")
-    if isinstance(messages, list) and messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+    if (
+        isinstance(messages, list)
+        and messages
+        and isinstance(messages[-1], dict)
+        and messages[-1].get("role") == "assistant"
+    ):
         return messages[:-1], messages[-1]
     return messages, {}
 
@@ -306,9 +319,7 @@ def _join_reasoning(reasoning: str | None, content: str) -> str:
 
 
 def _count(d: dict, usage: dict, meta: dict, key: str) -> int | None:
-    return _first(
-        _int(d.get(key), key), _int(usage.get(key), f"usage.{key}"), _int(meta.get(key), f"meta_info.{key}")
-    )
+    return _first(_int(d.get(key), key), _int(usage.get(key), f"usage.{key}"), _int(meta.get(key), f"meta_info.{key}"))
 
 
 def _first(*values: Any) -> Any:

@@ -23,22 +23,23 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
-from models.jobs import GenerateJob
 from models.file_errors import WriteFailed
+from models.jobs import GenerateJob
 from models.run_layout import RunLayout
-from tasks.generate.budget import TokenBudget
 from tasks.checkpoints import ResponseWriter, done_ids, summarize
 from tasks.datasets import PromptRow, Reject
-from tasks.parquet_io import DamagedPart
-from tasks.generate.prompts import chat_prompt_ids, prompt_sampling_seed
-from tasks.rejects import reject_counts, settle_generate_rejects, write_rejects
-from tasks.server_pool import Lease, ServerPool
 from tasks.engines.client import Completion
 from tasks.engines.errors import BadRequest, ServerOutage
+from tasks.generate.budget import TokenBudget
+from tasks.generate.prompts import chat_prompt_ids, prompt_sampling_seed
+from tasks.parquet_io import DamagedPart
+from tasks.rejects import reject_counts, settle_generate_rejects, write_rejects
+from tasks.server_pool import Lease, ServerPool
 
 log = logging.getLogger("eagle3.generate")
 
@@ -93,7 +94,9 @@ class GenerateReport:
     wall_s: float
     tokens_per_s: float
     finish_reasons: dict[str, int] = field(default_factory=dict)
-    reject_causes: dict[str, int] = field(default_factory=dict)  # the dataset's standing rejects by cause (tasks.rejects)
+    reject_causes: dict[str, int] = field(
+        default_factory=dict
+    )  # the dataset's standing rejects by cause (tasks.rejects)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,15 +135,23 @@ async def generate_dataset(
     skip = responded | standing
     rejected_before = sum(1 for p in prompts if p.id in standing)
     queue = deque(p for p in prompts if p.id not in skip)
-    budget = TokenBudget(settings.token_budget, int(settings.sampling_params.get("max_new_tokens", 128)), spent=before.completion_tokens)
+    budget = TokenBudget(
+        settings.token_budget, int(settings.sampling_params.get("max_new_tokens", 128)), spent=before.completion_tokens
+    )
     budget.seed(before.lengths)
     logger.info(
         "%s: %d prompts, %d already done (%d completion tokens), %d to go",
-        settings.dataset, len(prompts), len(prompts) - len(queue), before.completion_tokens, len(queue),
+        settings.dataset,
+        len(prompts),
+        len(prompts) - len(queue),
+        before.completion_tokens,
+        len(queue),
     )
     run = _Run(settings, pool, tokenizer, budget, source, rejects_dir, logger, vocab_size)
     run.writer = ResponseWriter(
-        responses_dir, flush_every=settings.flush_every, flush_interval_s=settings.flush_interval_s,
+        responses_dir,
+        flush_every=settings.flush_every,
+        flush_interval_s=settings.flush_interval_s,
         compact_min_parts=settings.compact_min_parts,
     )
     run.done_before = before.rows
@@ -205,7 +216,9 @@ class _Run:
         self.source = source
         self.writer: ResponseWriter
         self.in_flight: dict[str, asyncio.Task] = {}
-        self.closed_by_budget: set[str] = set()  # keys of requests stopped by closing their connection (no /abort_request)
+        self.closed_by_budget: set[str] = (
+            set()
+        )  # keys of requests stopped by closing their connection (no /abort_request)
         self.rejects: list[Reject] = []
         self.requeues: dict[str, int] = {}
         self.stopping = False  # budget reached: abort what runs, send nothing new
@@ -232,7 +245,11 @@ class _Run:
                 ids = chat_prompt_ids(self.tokenizer, row.messages)
                 limit = self.pool.input_limit()
                 if limit is not None and len(ids) >= limit:
-                    self.reject(row, f"prompt is {len(ids)} tokens; the server accepts at most {limit - 1} (max_req_input_len {limit})", "too_long")
+                    self.reject(
+                        row,
+                        f"prompt is {len(ids)} tokens; the server accepts at most {limit - 1} (max_req_input_len {limit})",
+                        "too_long",
+                    )
                     continue
                 await self.written.wait()
                 try:  # may wait for other datasets or for a server to come back: the budget may have moved meanwhile
@@ -271,9 +288,14 @@ class _Run:
         params = self.settings.sampling_params
         if self.settings.sampling_seed is None:
             return params
-        return {**params, "sampling_seed": prompt_sampling_seed(self.settings.sampling_seed, self.settings.dataset, row.id)}
+        return {
+            **params,
+            "sampling_seed": prompt_sampling_seed(self.settings.sampling_seed, self.settings.dataset, row.id),
+        }
 
-    async def one(self, row: PromptRow, ids: list[int], key: str, lease: Lease, queue: deque[PromptRow], wake: asyncio.Event) -> None:
+    async def one(
+        self, row: PromptRow, ids: list[int], key: str, lease: Lease, queue: deque[PromptRow], wake: asyncio.Event
+    ) -> None:
         sent = time.monotonic()
         try:
             if self.stopping:  # the budget was reached after this request was admitted, before it was sent:
@@ -282,7 +304,11 @@ class _Run:
             done = await self.pool.generate(lease, ids, self.request_params(row), key, vocab_size=self.vocab_size)
         except BadRequest as exc:
             self.budget.discard()
-            self.reject(row, f"server refused the prompt (HTTP {exc.status}): {exc.message}", "too_long" if exc.too_long else "refused")
+            self.reject(
+                row,
+                f"server refused the prompt (HTTP {exc.status}): {exc.message}",
+                "too_long" if exc.too_long else "refused",
+            )
             return
         except ServerOutage as exc:
             self.budget.discard()
@@ -325,12 +351,22 @@ class _Run:
         message = done.finish_detail.get("message") or "no message"
         if n < self.settings.max_requeues:
             self.requeues[row.id] = n + 1
-            self.log.info("%s: prompt %s aborted by the server (%s): sent again later (%d of %d)",
-                          self.settings.dataset, row.id, message, n + 1, self.settings.max_requeues)
+            self.log.info(
+                "%s: prompt %s aborted by the server (%s): sent again later (%d of %d)",
+                self.settings.dataset,
+                row.id,
+                message,
+                n + 1,
+                self.settings.max_requeues,
+            )
             queue.append(row)
             return
-        self.reject(row, f"the server aborted it {n + 1} times (generate.max_requeues {self.settings.max_requeues}); "
-                         f"last: {message}. Tried again on the next run", "aborted")
+        self.reject(
+            row,
+            f"the server aborted it {n + 1} times (generate.max_requeues {self.settings.max_requeues}); "
+            f"last: {message}. Tried again on the next run",
+            "aborted",
+        )
 
     async def flush(self, *, due_only: bool) -> None:
         """Write the buffered responses (when due); a failed write stops the whole run at once."""
@@ -351,10 +387,11 @@ class _Run:
     def write_failed(self, path: Path, exc: OSError) -> WriteFailed:
         lost = self.writer.pending + len(self.in_flight)
         return WriteFailed(
-            path, exc,
+            path,
+            exc,
             kept=f"{self.done_before + self.recorded - self.writer.pending:,} responses of {self.settings.dataset} in "
-                 f"{self.writer.directory} (every part written is whole); {lost:,} answered or in-flight prompts "
-                 "could not be kept and are generated again on resume",
+            f"{self.writer.directory} (every part written is whole); {lost:,} answered or in-flight prompts "
+            "could not be kept and are generated again on resume",
             resume="free space there (or move run_dir to a bigger disk), then run the same command: it resumes exactly once",
         )
 
@@ -439,7 +476,9 @@ class _Run:
             except OSError as exc:
                 if self.failure is None:
                     self.failure = WriteFailed(
-                        self.rejects_dir, exc, kept=f"every response part of {self.settings.dataset}",
+                        self.rejects_dir,
+                        exc,
+                        kept=f"every response part of {self.settings.dataset}",
                         resume=f"free space, then run again: the {len(self.rejects)} prompts rejected in this run are checked again",
                     )
 

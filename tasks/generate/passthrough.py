@@ -32,8 +32,14 @@ class PassthroughReport:
     copied: bool  # False when the run already held this exact source
 
 
-def copy_passthrough(name: str, source: Path, out_dir: Path, rejects_dir: Path, on_bad_row: OnBadRow = "fail",
-                     row_format: RowFormat | None = None) -> PassthroughReport:
+def copy_passthrough(
+    name: str,
+    source: Path,
+    out_dir: Path,
+    rejects_dir: Path,
+    on_bad_row: OnBadRow = "fail",
+    row_format: RowFormat | None = None,
+) -> PassthroughReport:
     """Validate `source` (read in `row_format`, default auto) and write its rows as one atomic part in `out_dir`; a
     no-op if neither the file nor its row format changed."""
     stat = source.stat() if source.is_file() else None
@@ -44,7 +50,13 @@ def copy_passthrough(name: str, source: Path, out_dir: Path, rejects_dir: Path, 
     if part.exists():
         meta = read_metadata(part)
         if stat is not None and meta.get("eagle3.source") == fingerprint:
-            return PassthroughReport(name, int(meta["eagle3.rows"]), int(meta.get("eagle3.rejects", 0)), int(meta.get("eagle3.duplicates", 0)), copied=False)
+            return PassthroughReport(
+                name,
+                int(meta["eagle3.rows"]),
+                int(meta.get("eagle3.rejects", 0)),
+                int(meta.get("eagle3.duplicates", 0)),
+                copied=False,
+            )
     loaded = load_dataset(source, "passthrough", row_format=row_format, on_bad_row=on_bad_row)
     table = pa.Table.from_pylist(
         [
@@ -62,7 +74,12 @@ def copy_passthrough(name: str, source: Path, out_dir: Path, rejects_dir: Path, 
     write_parquet_atomic(
         table,
         part,
-        {"eagle3.source": fingerprint, "eagle3.rows": len(loaded.rows), "eagle3.rejects": len(loaded.rejects), "eagle3.duplicates": loaded.duplicates},
+        {
+            "eagle3.source": fingerprint,
+            "eagle3.rows": len(loaded.rows),
+            "eagle3.rejects": len(loaded.rejects),
+            "eagle3.duplicates": loaded.duplicates,
+        },
     )
     for stale in list_parts(out_dir):  # the single part replaced everything an older copy had
         if stale.name != PART:

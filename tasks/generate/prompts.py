@@ -21,9 +21,7 @@ def default_stop_ids(tokenizer: Any) -> list[int]:
     """The tokenizer's end-of-sequence id(s), the stop tokens when the config names none."""
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError(
-            "the target tokenizer has no eos token: set sampling.stop_token_ids in the config"
-        )
+        raise ValueError("the target tokenizer has no eos token: set sampling.stop_token_ids in the config")
     return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
 
 

@@ -14,13 +14,13 @@ from models.jobs import GenerateJob, ServerSettings
 from models.run_layout import RunLayout
 from tasks.artifacts import artifact_key
 from tasks.datasets import OnBadRow, RowFormat, load_dataset
-from tasks.generate.loop import GenerateReport, Progress, generate_dataset
-from tasks.generate.prompts import default_stop_ids
-from tasks.generate.passthrough import PassthroughReport, copy_passthrough
-from tasks.rejects import replace_stage_rejects
-from tasks.server_pool import ServerPool
 from tasks.engines.client import RetryPolicy, auth_hint
 from tasks.engines.errors import ServerOutage
+from tasks.generate.loop import GenerateReport, Progress, generate_dataset
+from tasks.generate.passthrough import PassthroughReport, copy_passthrough
+from tasks.generate.prompts import default_stop_ids
+from tasks.rejects import replace_stage_rejects
+from tasks.server_pool import ServerPool
 
 
 async def _retry_on_outage(task: Any, task_run: Any, state: Any) -> bool:
@@ -85,13 +85,22 @@ async def generate_responses(
         logger=logger,
     )
     await aupdate_progress_artifact(
-        artifact_id, progress=100.0,
+        artifact_id,
+        progress=100.0,
         description=f"{name}: {report.status}, {report.responses:,} responses, {report.completion_tokens:,} completion tokens",
     )
     causes = ", ".join(f"{cause} {n}" for cause, n in report.reject_causes.items())
-    logger.info("%s: %s — %d responses (%d new), %d rejects of prompts%s, %d completion tokens, %d wasted by aborts",
-                name, report.status, report.responses, report.new_responses, report.rejects,
-                f" (rejects by cause: {causes})" if causes else "", report.completion_tokens, report.wasted_tokens)
+    logger.info(
+        "%s: %s — %d responses (%d new), %d rejects of prompts%s, %d completion tokens, %d wasted by aborts",
+        name,
+        report.status,
+        report.responses,
+        report.new_responses,
+        report.rejects,
+        f" (rejects by cause: {causes})" if causes else "",
+        report.completion_tokens,
+        report.wasted_tokens,
+    )
     return report
 
 
@@ -100,20 +109,32 @@ def server_pool(server: ServerSettings, logger: Any, *, max_concurrency: int | N
     retry = RetryPolicy(outage_window_s=server.outage_window_s)
     configured: int = getattr(server, "max_concurrency", 64)  # the run config's server settings have one
     return ServerPool(
-        server.endpoints, max_concurrency=max_concurrency or configured, retry=retry,
-        request_timeout_s=server.request_timeout_s, health_timeout_s=server.health_timeout_s, api_key=server.api_key(),
-        auth_hint=auth_hint(server), max_input_len=server.max_req_input_len, logger=logger, engine=server.engine,
+        server.endpoints,
+        max_concurrency=max_concurrency or configured,
+        retry=retry,
+        request_timeout_s=server.request_timeout_s,
+        health_timeout_s=server.health_timeout_s,
+        api_key=server.api_key(),
+        auth_hint=auth_hint(server),
+        max_input_len=server.max_req_input_len,
+        logger=logger,
+        engine=server.engine,
     )
 
 
 @task(name="copy-passthrough", task_run_name="passthrough {name}", cache_policy=NO_CACHE)
-def copy_passthrough_task(name: str, source: Path, on_bad_row: OnBadRow, layout: RunLayout,
-                          row_format: RowFormat) -> PassthroughReport:
+def copy_passthrough_task(
+    name: str, source: Path, on_bad_row: OnBadRow, layout: RunLayout, row_format: RowFormat
+) -> PassthroughReport:
     """Validate a passthrough dataset and copy it into the run."""
     report = copy_passthrough(name, source, layout.passthrough(name), layout.rejects(name), on_bad_row, row_format)
     get_run_logger().info(
         "%s: %d passthrough rows %s (%d rejects, %d duplicates)",
-        name, report.rows, "copied" if report.copied else "already in the run", report.rejects, report.duplicates,
+        name,
+        report.rows,
+        "copied" if report.copied else "already in the run",
+        report.rejects,
+        report.duplicates,
     )
     return report
 
@@ -122,9 +143,10 @@ def copy_passthrough_task(name: str, source: Path, on_bad_row: OnBadRow, layout:
 async def publish_server_table(rows: list[dict[str, Any]], config_name: str) -> None:
     """Per-server figures of the generate stage (throughput, busy share, failed requests) as a table artifact."""
     await acreate_table_artifact(
-        table=rows, key=artifact_key("generate-servers", config_name),
+        table=rows,
+        key=artifact_key("generate-servers", config_name),
         description="Generate stage, per server: responses, completion tokens, tokens/s over the stage, share of the "
-                    "time busy, requests that failed there and went to another server",
+        "time busy, requests that failed there and went to another server",
     )
 
 

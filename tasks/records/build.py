@@ -21,9 +21,10 @@ moved to RUN_DIR/quarantine/ and its prompts are generated again).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -31,23 +32,25 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from models.file_errors import WriteFailed
-from tasks.records.chat_masks import MaskError, conversation_records
-from tasks.checkpoints import live_parts
 from models.jobs import RecordsJob
 from models.run_layout import RunLayout
+from tasks.checkpoints import live_parts
 from tasks.datasets import Reject
-from tasks.rejects import write_rejects
 from tasks.parquet_io import DamagedPart, list_parts, read_metadata, reading, write_parquet_atomic
+from tasks.records.chat_masks import MaskError, conversation_records
+from tasks.rejects import write_rejects
 from tasks.stats import nearest_rank
 
-RECORD_SCHEMA = pa.schema({
-    "id": pa.string(),
-    "input_ids": pa.list_(pa.int32()),  # prompt_ids + output_ids, as the target saw and produced them
-    "loss_mask": pa.list_(pa.uint8()),  # 1 on the ids the draft learns to predict
-    "num_tokens": pa.int32(),
-    "num_loss_tokens": pa.int32(),
-    "truncated": pa.bool_(),  # cut at records.max_seq_len
-})
+RECORD_SCHEMA = pa.schema(
+    {
+        "id": pa.string(),
+        "input_ids": pa.list_(pa.int32()),  # prompt_ids + output_ids, as the target saw and produced them
+        "loss_mask": pa.list_(pa.uint8()),  # 1 on the ids the draft learns to predict
+        "num_tokens": pa.int32(),
+        "num_loss_tokens": pa.int32(),
+        "truncated": pa.bool_(),  # cut at records.max_seq_len
+    }
+)
 META = "eagle3."
 RESUME = "make room there, then run the records stage again: complete parts are kept, only the missing ones are built"
 REBUILD = "Delete it and run the records stage again: it is rebuilt from its responses or passthrough part"
@@ -76,8 +79,10 @@ def source_advice(kind: str, part: Path) -> str:
         return "Delete it and run generate again (it is copied again from the dataset file), then the records stage"
     # generate's rule: the part is moved aside, never deleted for the user, and its prompts generated again
     where = RunLayout.of_dataset_dir(part.parent).quarantine(part.parent)
-    return (f"Move it aside: mkdir -p {where} && mv {part} {where}/ -- then run generate (the prompts it held are "
-            "generated again, exactly once) and the records stage again")
+    return (
+        f"Move it aside: mkdir -p {where} && mv {part} {where}/ -- then run generate (the prompts it held are "
+        "generated again, exactly once) and the records stage again"
+    )
 
 
 @dataclass
@@ -165,7 +170,9 @@ def build_records(
         if kind == "generate":
             rows, report = _from_responses(_table(source, source_advice(kind, source)), settings)
         else:
-            rows, report, bad = _from_passthrough(_table(source, source_advice(kind, source)), settings, tokenizer, source)
+            rows, report, bad = _from_passthrough(
+                _table(source, source_advice(kind, source)), settings, tokenizer, source
+            )
             # before the records part: a part on disk means its rejects are too (a rerun skips the part)
             _write_rejects(bad, rejects_dir, kept=f"{len(done) + built} complete records parts in {records_dir}")
         table = pa.Table.from_pylist(rows, schema=RECORD_SCHEMA)
@@ -173,8 +180,12 @@ def build_records(
         try:
             write_parquet_atomic(table, records_dir / name, meta)
         except OSError as e:
-            raise WriteFailed(records_dir / name, e, kept=f"{len(done) + built} complete records parts in {records_dir}",
-                              resume=RESUME) from None
+            raise WriteFailed(
+                records_dir / name,
+                e,
+                kept=f"{len(done) + built} complete records parts in {records_dir}",
+                resume=RESUME,
+            ) from None
         built += 1
     records = dataset_report(dataset, records_dir)
     records.parts_built = built
@@ -187,8 +198,10 @@ def _write_rejects(rejects: list[Reject], rejects_dir: Path, kept: str) -> None:
         write_rejects(rejects, rejects_dir, "records")
     except DamagedPart as e:  # an earlier rejects part's footer (read to skip a repeat) is unreadable
         where = RunLayout.of_dataset_dir(rejects_dir).quarantine(rejects_dir)
-        raise e.with_advice(f"Move it aside: mkdir -p {where} && mv {e.path} {where}/ -- then run the stage again "
-                            "(a rejects part only lists rows left out: nothing trains on it)") from None
+        raise e.with_advice(
+            f"Move it aside: mkdir -p {where} && mv {e.path} {where}/ -- then run the stage again "
+            "(a rejects part only lists rows left out: nothing trains on it)"
+        ) from None
     except OSError as e:
         raise WriteFailed(rejects_dir, e, kept=kept, resume=RESUME) from None
 
@@ -201,8 +214,11 @@ def summarize_records(records_dir: Path) -> PartReport:
         try:
             total.add(PartReport.from_metadata(meta))
         except (KeyError, TypeError, ValueError) as e:
-            raise DamagedPart(part, f"its footer has no valid records summary ({e!r}); records parts are written "
-                                    "by eagle3 only", REBUILD) from None
+            raise DamagedPart(
+                part,
+                f"its footer has no valid records summary ({e!r}); records parts are written by eagle3 only",
+                REBUILD,
+            ) from None
     return total
 
 
@@ -212,7 +228,9 @@ def _from_responses(table: pa.Table, settings: RecordsJob) -> tuple[list[dict], 
     columns = table.select(["id", "prompt_ids", "output_ids", "finish_reason"]).to_pylist()
     stops = set(settings.stop_token_ids)
     for r in columns:
-        ended = r["finish_reason"] == "stop" or (r["finish_reason"] == "length" and r["output_ids"][-1:] and r["output_ids"][-1] in stops)
+        ended = r["finish_reason"] == "stop" or (
+            r["finish_reason"] == "length" and r["output_ids"][-1:] and r["output_ids"][-1] in stops
+        )
         if not ended and not settings.keep_truncated:
             report.drop(f"finish_{r['finish_reason']}")  # ended by length/abort: not a whole answer
             continue
@@ -222,7 +240,9 @@ def _from_responses(table: pa.Table, settings: RecordsJob) -> tuple[list[dict], 
     return rows, report
 
 
-def _from_passthrough(table: pa.Table, settings: RecordsJob, tokenizer: Any, source: Path) -> tuple[list[dict], PartReport, list[Reject]]:
+def _from_passthrough(
+    table: pa.Table, settings: RecordsJob, tokenizer: Any, source: Path
+) -> tuple[list[dict], PartReport, list[Reject]]:
     report = PartReport()
     rows: list[dict] = []
     rejects: list[Reject] = []
@@ -258,7 +278,9 @@ def _check_tokenized(input_ids: list[int], loss_mask: list[int], vocab_size: int
     return None
 
 
-def _keep(row_id: str, ids: list[int], mask: list[int], settings: RecordsJob, report: PartReport, rows: list[dict]) -> None:
+def _keep(
+    row_id: str, ids: list[int], mask: list[int], settings: RecordsJob, report: PartReport, rows: list[dict]
+) -> None:
     """Apply max_seq_len and min_loss_tokens, then append the record (or count why not)."""
     truncated = False
     if settings.max_seq_len is not None and len(ids) > settings.max_seq_len:
@@ -270,7 +292,16 @@ def _keep(row_id: str, ids: list[int], mask: list[int], settings: RecordsJob, re
     if loss < settings.min_loss_tokens:
         report.drop("few_loss_tokens")
         return
-    rows.append({"id": row_id, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids), "num_loss_tokens": loss, "truncated": truncated})
+    rows.append(
+        {
+            "id": row_id,
+            "input_ids": ids,
+            "loss_mask": mask,
+            "num_tokens": len(ids),
+            "num_loss_tokens": loss,
+            "truncated": truncated,
+        }
+    )
     report.records += 1
     report.tokens += len(ids)
     report.loss_tokens += loss
@@ -294,8 +325,9 @@ def count_tokens(records_dirs: Iterable[Path], out_path: Path, vocab_size: int) 
     try:
         write_parquet_atomic(table, out_path, {f"{META}loss_tokens": total, f"{META}vocab_size": vocab_size})
     except OSError as e:
-        raise WriteFailed(out_path, e, kept="every records part (complete; only the token counts are missing)",
-                          resume=RESUME) from None
+        raise WriteFailed(
+            out_path, e, kept="every records part (complete; only the token counts are missing)", resume=RESUME
+        ) from None
     return total, counts
 
 
@@ -310,9 +342,16 @@ def dataset_report(dataset: str, records_dir: Path) -> RecordsReport:
     total = summarize_records(records_dir)
     lengths = sorted(total.lengths)
     return RecordsReport(
-        dataset=dataset, records=total.records, tokens=total.tokens, loss_tokens=total.loss_tokens,
-        truncated=total.truncated, dropped=total.dropped, rejects=total.dropped.get("rejected", 0), parts_built=0,
-        p50_length=nearest_rank(lengths, 50) or 0, p95_length=nearest_rank(lengths, 95) or 0,
+        dataset=dataset,
+        records=total.records,
+        tokens=total.tokens,
+        loss_tokens=total.loss_tokens,
+        truncated=total.truncated,
+        dropped=total.dropped,
+        rejects=total.dropped.get("rejected", 0),
+        parts_built=0,
+        p50_length=nearest_rank(lengths, 50) or 0,
+        p95_length=nearest_rank(lengths, 95) or 0,
         max_length=lengths[-1] if lengths else 0,
     )
 

@@ -148,7 +148,9 @@ def _end_of_turn_ids(tokenizer: Any, end_of_turn_ids: list[int] | None) -> froze
         return frozenset(int(t) for t in end_of_turn_ids)
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError("the tokenizer has no eos token: pass end_of_turn_ids (the token that closes an assistant turn)")
+        raise ValueError(
+            "the tokenizer has no eos token: pass end_of_turn_ids (the token that closes an assistant turn)"
+        )
     return frozenset(int(e) for e in eos) if isinstance(eos, (list, tuple)) else frozenset([int(eos)])
 
 

@@ -8,10 +8,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from tasks.artifacts import artifact_key
-from tasks.generate.prompts import default_stop_ids
 from models.jobs import RecordsJob
 from models.run_layout import RunLayout
+from tasks.artifacts import artifact_key
+from tasks.generate.prompts import default_stop_ids
 from tasks.records.build import RecordsReport, build_records, count_tokens, coverage
 
 
@@ -45,28 +45,44 @@ def build_dataset_records(
     dropped = ", ".join(f"{k}={v}" for k, v in sorted(report.dropped.items())) or "none"
     get_run_logger().info(
         "%s: %d records (%d parts built now), %d tokens, %d loss tokens, %d truncated; left out: %s",
-        dataset, report.records, report.parts_built, report.tokens, report.loss_tokens, report.truncated, dropped,
+        dataset,
+        report.records,
+        report.parts_built,
+        report.tokens,
+        report.loss_tokens,
+        report.truncated,
+        dropped,
     )
     return report
 
 
 @task(name="token-counts", cache_policy=NO_CACHE)
-def count_record_tokens(layout: RunLayout, datasets: list[str], vocab_size: int, draft_vocab_size: int) -> dict[str, Any]:
+def count_record_tokens(
+    layout: RunLayout, datasets: list[str], vocab_size: int, draft_vocab_size: int
+) -> dict[str, Any]:
     """records/token_counts.parquet over loss-masked tokens, and the draft vocabulary's coverage."""
     total, counts = count_tokens([layout.records(d) for d in datasets], layout.token_counts, vocab_size)
     k = min(draft_vocab_size, vocab_size)
     share = coverage(counts, k)
     get_run_logger().info(
-        "token counts: %d loss tokens over %d distinct ids; the top %d cover %.2f%%", total, int((counts > 0).sum()), k, 100 * share
+        "token counts: %d loss tokens over %d distinct ids; the top %d cover %.2f%%",
+        total,
+        int((counts > 0).sum()),
+        k,
+        100 * share,
     )
     return {"loss_tokens": total, "distinct_tokens": int((counts > 0).sum()), "draft_vocab_size": k, "coverage": share}
 
 
 @task(name="records-report", cache_policy=NO_CACHE)
-def publish_records_report(reports: list[RecordsReport], tokens: dict[str, Any], config_name: str) -> list[dict[str, Any]]:
+def publish_records_report(
+    reports: list[RecordsReport], tokens: dict[str, Any], config_name: str
+) -> list[dict[str, Any]]:
     """The data report as a Prefect table artifact plus a markdown note on vocabulary coverage."""
     rows = [r.row() for r in reports]
-    create_table_artifact(table=rows, key=artifact_key("records-report", config_name), description="Training records per dataset")
+    create_table_artifact(
+        table=rows, key=artifact_key("records-report", config_name), description="Training records per dataset"
+    )
     create_markdown_artifact(
         markdown=(
             f"**Loss tokens:** {tokens['loss_tokens']:,} over {tokens['distinct_tokens']:,} distinct token ids.\n\n"

@@ -188,7 +188,11 @@ def acceptance_lines(metrics: TrainMetrics, eval_steps: int, measured: float | N
         value = f"not known (training unrolled {len(rates)} TTT steps, fewer than {eval_steps})"
     else:
         value = f"**{chain_acceptance_length(rates, eval_steps):.3f}**"
-    shown = f"**{measured:.3f}**" if measured is not None else "not measured yet (the eval stage writes it to draft/eval.json)"
+    shown = (
+        f"**{measured:.3f}**"
+        if measured is not None
+        else "not measured yet (the eval stage writes it to draft/eval.json)"
+    )
     return [
         f"- {training[0].upper()}{training[1:]}: {value}",
         f"- {measured_label[0].upper()}{measured_label[1:]}: {shown}",
@@ -281,8 +285,10 @@ def report_markdown(
         parts.append(f"- Last step: **{last['step']:,}** (epoch {last['epoch']})")
         parts.append(f"- Tokens trained: **{last['tokens']:,}**")
         parts.append(f"- Final train loss: **{float(last['loss']):.4f}**")
-        parts.append(f"- Train acceptance length (training-time estimate, teacher-forced on training batches, "
-                     f"{len(last['per_step_acc'])} TTT steps): {float(last['acceptance_length']):.3f}")
+        parts.append(
+            f"- Train acceptance length (training-time estimate, teacher-forced on training batches, "
+            f"{len(last['per_step_acc'])} TTT steps): {float(last['acceptance_length']):.3f}"
+        )
     else:
         parts.append("- No train rows logged yet.")
     if metrics.eval:

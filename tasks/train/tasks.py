@@ -52,30 +52,40 @@ def error_line(line: str) -> dict[str, Any] | None:
 def job_failure(reports: list[dict[str, Any]], failure: RankFailure) -> Exception:
     """The exception a failed training job raises, from its ranks' TRAIN_ERROR reports (none: killed)."""
     if not reports:
-        return TrainFailed(f"the training job died without reporting an error (a rank killed: out of memory, "
-                           f"kill -9, a lost node?); retrying resumes from the last checkpoint. {failure}", retryable=True)
+        return TrainFailed(
+            f"the training job died without reporting an error (a rank killed: out of memory, "
+            f"kill -9, a lost node?); retrying resumes from the last checkpoint. {failure}",
+            retryable=True,
+        )
     error = rank_error(reports, TRAIN, refused=TrainFailed, known=(CheckpointMismatch,))
     if error is not None:
         return error
     report = most_telling(reports) or reports[0]  # an unexpected error: a relaunch may not meet it again
-    return TrainFailed(f"train rank {report.get('rank')} failed: {report.get('type')}: {report.get('message', '')}\n{failure}",
-                       retryable=True)
+    return TrainFailed(
+        f"train rank {report.get('rank')} failed: {report.get('type')}: {report.get('message', '')}\n{failure}",
+        retryable=True,
+    )
 
 
 @task(name="train-job", cache_policy=NO_CACHE)
-def run_train_job(job: TrainJob, job_path: Path, num_ranks: int, launcher: str, config_name: str,
-                  nodes: Nodes | None = None) -> dict[str, Any]:
+def run_train_job(
+    job: TrainJob, job_path: Path, num_ranks: int, launcher: str, config_name: str, nodes: Nodes | None = None
+) -> dict[str, Any]:
     """Launch the ranks (resuming from the latest checkpoint), stream their output, track progress; return the summary.
 
     `num_ranks` per node; with `nodes` over several, this is node 0 (rank 0, which reports progress, is here).
     """
     logger = get_run_logger()
     nodes = nodes or Nodes()
-    command, env = rank_command("models.train", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher, nodes=nodes)
+    command, env = rank_command(
+        "models.train", ["--job", str(job_path)], num_ranks=num_ranks, launcher=launcher, nodes=nodes
+    )
     write_job(job, job_path, kept=lambda: kept_checkpoint(Path(job.out_dir) / CHECKPOINTS), resume=RESUME)
     logger.info("launching %d rank(s) on %d node(s): %s", num_ranks * nodes.nnodes, nodes.nnodes, " ".join(command))
     artifact = progress_artifact(progress=0.0, key=artifact_key("train", config_name), description="train: starting")
-    first: tuple[int, int, float] | None = None  # steps, tokens and time at the start of this launch (a resume starts past 0)
+    first: tuple[int, int, float] | None = (
+        None  # steps, tokens and time at the start of this launch (a resume starts past 0)
+    )
     last = 0.0
     held_out: float | None = None
 
@@ -96,16 +106,22 @@ def run_train_job(job: TrainJob, job_path: Path, num_ranks: int, launcher: str, 
         step0, tokens0, t0 = first
         rate = (tokens - tokens0) / max(1e-9, now - t0)
         eta = (total - step) * (now - t0) / (step - step0) if step > step0 else None
-        text = (f"train: step {step:,}/{total:,}, {tokens:,} tokens, {rate:,.0f} tok/s"
-                + (f", ETA {eta / 60:.1f} min" if eta is not None else "")
-                + (f", held-out acceptance length {held_out:.2f}" if held_out is not None else ""))
+        text = (
+            f"train: step {step:,}/{total:,}, {tokens:,} tokens, {rate:,.0f} tok/s"
+            + (f", ETA {eta / 60:.1f} min" if eta is not None else "")
+            + (f", held-out acceptance length {held_out:.2f}" if held_out is not None else "")
+        )
         update_progress_artifact(artifact, progress=round(100.0 * step / max(1, total), 2), description=text)
         logger.info(text)
 
     # run=run_job: this module's, the seam where tests/flows/test_train_flow.py scripts the ranks
-    follow_job(command, protocol=TRAIN, env=env, log=logger.info, on_message=on_message, failure=job_failure, run=run_job)
+    follow_job(
+        command, protocol=TRAIN, env=env, log=logger.info, on_message=on_message, failure=job_failure, run=run_job
+    )
     summary = json.loads((Path(job.out_dir) / TRAIN_SUMMARY).read_text())
-    update_progress_artifact(artifact, progress=100.0, description=f"train: done, {summary['steps']:,} steps; draft in {summary['final']}")
+    update_progress_artifact(
+        artifact, progress=100.0, description=f"train: done, {summary['steps']:,} steps; draft in {summary['final']}"
+    )
     return summary
 
 
@@ -120,12 +136,17 @@ def report_training(draft_dir: Path, config_name: str, eval_steps: int | None = 
     png = plot_training(metrics, draft_dir / TRAINING_PLOT)
     rows = eval_table(metrics)
     if rows:
-        create_table_artifact(table=rows, key=artifact_key("train-eval", config_name),
-                              description="Held-out TTT metrics during training (acceptance length simulated over the draft steps)")
+        create_table_artifact(
+            table=rows,
+            key=artifact_key("train-eval", config_name),
+            description="Held-out TTT metrics during training (acceptance length simulated over the draft steps)",
+        )
     measured = measured_acceptance(draft_dir, eval_steps) if eval_steps is not None else None
-    create_markdown_artifact(markdown=report_markdown(metrics, png, draft_dir=draft_dir / FINAL, eval_steps=eval_steps,
-                                                      measured=measured),
-                             key=artifact_key("train-report", config_name), description="EAGLE-3 draft training report")
+    create_markdown_artifact(
+        markdown=report_markdown(metrics, png, draft_dir=draft_dir / FINAL, eval_steps=eval_steps, measured=measured),
+        key=artifact_key("train-report", config_name),
+        description="EAGLE-3 draft training report",
+    )
     get_run_logger().info("training report: %s (plot %s)", draft_dir / METRICS, png)
     return {"plot": str(png), "evals": rows}
 
@@ -145,4 +166,6 @@ def measured_acceptance(draft_dir: Path, num_steps: int) -> float | None:
     if "trained" in report:  # the HF backend's per-round mean
         return float(report["trained"]["acceptance_length"])
     engine = (report.get("engine") or {}).get("overall") or {}
-    return None if engine.get("per_round") is None else float(engine["per_round"])  # the same convention, engine-measured
+    return (
+        None if engine.get("per_round") is None else float(engine["per_round"])
+    )  # the same convention, engine-measured

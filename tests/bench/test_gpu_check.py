@@ -38,8 +38,13 @@ runpy.run_path("bench/gpu_check.py", run_name="__main__")
 @pytest.mark.multiprocess
 def test_cpu_smoke_runs_every_phase_and_reports_its_figures(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, "-c", WITHOUT_PREFECT, "--cpu-smoke", "--json", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=480)
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_PREFECT, "--cpu-smoke", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     figures = json.loads(out.read_text())
     phases = figures["phases"]
@@ -74,7 +79,9 @@ def held(line):
 eval_job.say = held
 sys.exit(eval_job.main())
 """
-WITH_HELD_EVAL = WITHOUT_PREFECT.replace("sys.argv = ", f"""
+WITH_HELD_EVAL = WITHOUT_PREFECT.replace(
+    "sys.argv = ",
+    f"""
 import tasks.launch_ranks
 follow_job = tasks.launch_ranks.follow_job
 def held_eval(command, **kw):
@@ -83,7 +90,9 @@ def held_eval(command, **kw):
         command = [*command[:at - 1], "-c", {HELD_EVAL!r}, *command[at + 1:]]
     return follow_job(command, **kw)
 tasks.launch_ranks.follow_job = held_eval
-sys.argv = """, 1)
+sys.argv = """,
+    1,
+)
 
 
 @pytest.mark.slow
@@ -98,9 +107,25 @@ def test_an_eval_past_its_limit_leaves_its_per_prompt_figures(tmp_path):
 
     out, console = tmp_path / "gpu_check.json", tmp_path / "console.txt"
     with open(console, "w") as sink:
-        check = subprocess.Popen([sys.executable, "-c", WITH_HELD_EVAL, "--cpu-smoke", "--rank-launcher", "deepspeed",
-                                  "--eval-prompts", "4", "--eval-s", "30", "--json", str(out)], cwd=REPO, stdout=sink,
-                                 stderr=subprocess.STDOUT)
+        check = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                WITH_HELD_EVAL,
+                "--cpu-smoke",
+                "--rank-launcher",
+                "deepspeed",
+                "--eval-prompts",
+                "4",
+                "--eval-s",
+                "30",
+                "--json",
+                str(out),
+            ],
+            cwd=REPO,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
         try:
             # in the JSON as they come: the 2nd prompt's figures while the eval is still running (held)
             deadline, running = time.monotonic() + 300, {}
@@ -138,7 +163,10 @@ def test_an_eval_past_its_limit_leaves_its_per_prompt_figures(tmp_path):
     assert evaluation["acceptance_length"] == round((sum(x["accepted"] for x in trained) + rounds) / rounds, 4)
     assert evaluation["untrained_acceptance_length"] is None
     assert evaluation["per_prompt"] == running["per_prompt"]  # what it had when it was killed
-    assert "TIMED OUT after" in stdout and f"{evaluation['acceptance_length']:.3f} / - (partial: trained 2 of 4 prompts)" in stdout
+    assert (
+        "TIMED OUT after" in stdout
+        and f"{evaluation['acceptance_length']:.3f} / - (partial: trained 2 of 4 prompts)" in stdout
+    )
 
 
 @pytest.mark.multiprocess
@@ -146,9 +174,16 @@ def test_a_missing_deepspeed_stops_the_check_before_its_first_phase(tmp_path):
     """On the GPU machine a package that is not there must cost seconds, not the slot: no phase runs."""
     out = tmp_path / "gpu_check.json"
     # absent as an uninstalled package is: `import deepspeed` fails, importlib.util.find_spec says None
-    hidden = WITHOUT_PREFECT.replace("sys.meta_path.insert(0, Refuse())", "sys.meta_path.insert(0, Refuse())\nsys.modules['deepspeed'] = None")
-    proc = subprocess.run([sys.executable, "-c", hidden, "--cpu-smoke", "--json", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    hidden = WITHOUT_PREFECT.replace(
+        "sys.meta_path.insert(0, Refuse())", "sys.meta_path.insert(0, Refuse())\nsys.modules['deepspeed'] = None"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", hidden, "--cpu-smoke", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "stopped before its first phase: deepspeed failed" in proc.stdout and "== target" not in proc.stdout
     figures = json.loads(out.read_text())
@@ -168,8 +203,13 @@ def test_sigterm_mid_train_leaves_no_rank_process(tmp_path, procs):
     import time
 
     out = tmp_path / "gpu_check.json"
-    check = subprocess.Popen([sys.executable, "-u", "-c", WITHOUT_PREFECT, "--cpu-smoke", "--json", str(out)], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    check = subprocess.Popen(
+        [sys.executable, "-u", "-c", WITHOUT_PREFECT, "--cpu-smoke", "--json", str(out)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     seen: set[int] = set()
     try:
         for line in check.stdout:  # the phases as the check prints them

@@ -14,9 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -60,8 +60,9 @@ class PrefectServer:
     def start(self, command: list[str], log: Path) -> subprocess.Popen:
         """A process in the repository, in a session of its own (stop it with `stop`), output to `log`."""
         with open(log, "wb") as out:
-            return subprocess.Popen(command, env=self.env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            return subprocess.Popen(
+                command, env=self.env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     @staticmethod
     def stop(*processes: subprocess.Popen) -> None:
@@ -78,19 +79,31 @@ class PrefectServer:
 
     def clis(self, *commands: list[str], timeout: float = 300) -> list[str]:
         """Several `prefect` commands at once (each spends seconds importing Prefect); their stdouts, or the test fails."""
-        running = [subprocess.Popen([PREFECT, *args], env=self.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True) for args in commands]
+        running = [
+            subprocess.Popen(
+                [PREFECT, *args], env=self.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for args in commands
+        ]
         outputs = []
         for args, proc in zip(commands, running):
             out, err = proc.communicate(timeout=timeout)
-            assert proc.returncode == 0, f"prefect {' '.join(args)} failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}"
+            assert proc.returncode == 0, (
+                f"prefect {' '.join(args)} failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}"
+            )
             outputs.append(out)
         return outputs
 
     def python(self, script: str, *args: str, timeout: float = 120) -> str:
         """A Python script in a subprocess pointed at this server (the Prefect client); what it printed."""
-        proc = subprocess.run([sys.executable, "-c", script, *args], env=self.env, cwd=REPO, capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-c", script, *args],
+            env=self.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc.stdout
 
@@ -132,10 +145,18 @@ def prefect_server(home: Path, **settings: str) -> Iterator[PrefectServer]:
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home / "prefect-home"), PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", EAGLE3_HOME=str(REPO), PREFECT_WORKER_QUERY_SECONDS="2",
-               PREFECT_WORKER_PREFETCH_SECONDS="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO),
-               **settings)
+    env.update(
+        PREFECT_HOME=str(home / "prefect-home"),
+        PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        EAGLE3_HOME=str(REPO),
+        PREFECT_WORKER_QUERY_SECONDS="2",
+        PREFECT_WORKER_PREFETCH_SECONDS="2",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=str(REPO),
+        **settings,
+    )
     server = PrefectServer(env, home / "server.log")
     process = server.start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], server.log)
     try:
@@ -159,5 +180,3 @@ def prefect_server(home: Path, **settings: str) -> Iterator[PrefectServer]:
 def launch_prefect():
     """`with launch_prefect(home, **settings) as server:` a real Prefect server (see `prefect_server`)."""
     return prefect_server
-
-

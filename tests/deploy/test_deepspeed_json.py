@@ -22,7 +22,12 @@ def test_the_training_json_is_the_train_sections_defaults_on_8_gpus():
     assert written == generated
     # and what it says, read independently of the generator: the recipe's numbers
     params = written["optimizer"]["params"]
-    assert (params["lr"], params["betas"], params["eps"], written["gradient_clipping"]) == (1e-4, [0.9, 0.95], 1e-8, 0.5)
+    assert (params["lr"], params["betas"], params["eps"], written["gradient_clipping"]) == (
+        1e-4,
+        [0.9, 0.95],
+        1e-8,
+        0.5,
+    )
 
 
 def test_the_capture_json_is_zero3_with_cpu_offload_in_bf16():

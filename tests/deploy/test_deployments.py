@@ -48,15 +48,45 @@ def _config(tmp_path: Path, tiny_target_dir: Path) -> Path:
     config = {
         "run_dir": str(tmp_path / "run"),
         "target": {"path": str(tiny_target_dir)},
-        "server": {"url": f"http://127.0.0.1:{free_port()}", "launch": "dev", "max_concurrency": 8, "request_timeout_s": 120},
+        "server": {
+            "url": f"http://127.0.0.1:{free_port()}",
+            "launch": "dev",
+            "max_concurrency": 8,
+            "request_timeout_s": 120,
+        },
         "sampling": {"max_new_tokens": 48, "temperature": 0.8},
         "capture": {"num_gpus": 1, "max_batch_tokens": 2048, "shard_tokens": 4096},
-        "train": {"num_gpus": 1, "draft_vocab_size": 1024, "max_batch_tokens": 1024, "epochs": 2, "lr": 0.002,
-                  "checkpoint_every": 10, "eval_every": 10, "eval_fraction": 0.2, "log_every": 1},
-        "eval": {"prompts": 3, "max_new_tokens": 16, "num_steps": 3, "backend": "engine"},  # the dev server with the draft
+        "train": {
+            "num_gpus": 1,
+            "draft_vocab_size": 1024,
+            "max_batch_tokens": 1024,
+            "epochs": 2,
+            "lr": 0.002,
+            "checkpoint_every": 10,
+            "eval_every": 10,
+            "eval_fraction": 0.2,
+            "log_every": 1,
+        },
+        "eval": {
+            "prompts": 3,
+            "max_new_tokens": 16,
+            "num_steps": 3,
+            "backend": "engine",
+        },  # the dev server with the draft
         "datasets": [
-            {"name": "A1_chat", "kind": "passthrough", "path": str(samples / "passthrough_chat.jsonl"), "max_prompts": 16},
-            {"name": "B2_math", "kind": "generate", "path": str(samples / "gen_math.jsonl"), "token_budget": 300, "max_prompts": 20},
+            {
+                "name": "A1_chat",
+                "kind": "passthrough",
+                "path": str(samples / "passthrough_chat.jsonl"),
+                "max_prompts": 16,
+            },
+            {
+                "name": "B2_math",
+                "kind": "generate",
+                "path": str(samples / "gen_math.jsonl"),
+                "token_budget": 300,
+                "max_prompts": 20,
+            },
         ],
     }
     path = tmp_path / "e2e.yaml"
@@ -78,7 +108,9 @@ def test_pipeline_deployment_runs_on_a_real_prefect_server(prefect_server, tmp_p
     config = _config(tmp_path, tiny_target_dir)
     worker = server.worker("eagle3-cpu", tmp_path / "worker.log")
     try:
-        flow_run_id = server.run_deployment("pipeline/demo", f"config_path={config}", "stages=generate,records,capture,train,eval")
+        flow_run_id = server.run_deployment(
+            "pipeline/demo", f"config_path={config}", "stages=generate,records,capture,train,eval"
+        )
         state = server.wait_final(flow_run_id)
         assert state == "COMPLETED", f"flow run {state}:\n{(tmp_path / 'worker.log').read_text()[-6000:]}"
         seen = json.loads(server.python(CLIENT_CHECK, flow_run_id).splitlines()[-1])
@@ -90,9 +122,19 @@ def test_pipeline_deployment_runs_on_a_real_prefect_server(prefect_server, tmp_p
     assert seen["states"] == ["COMPLETED"]
     for stage in ("generate", "records", "capture", "train", "eval"):
         assert any(name.startswith(f"{stage} ") for name in seen["runs"]), seen["runs"]
-    for key in ("generate-summary-e2e", "generate-b2-math", "records-report-e2e", "capture-e2e", "capture-summary-e2e",
-                "train-e2e", "train-eval-e2e", "train-report-e2e", "eval-engine-e2e", "eval-summary-e2e",
-                "eval-engine-summary-e2e"):
+    for key in (
+        "generate-summary-e2e",
+        "generate-b2-math",
+        "records-report-e2e",
+        "capture-e2e",
+        "capture-summary-e2e",
+        "train-e2e",
+        "train-eval-e2e",
+        "train-report-e2e",
+        "eval-engine-e2e",
+        "eval-summary-e2e",
+        "eval-engine-summary-e2e",
+    ):
         assert key in seen["keys"], seen["keys"]
     report = json.loads((tmp_path / "run" / "draft" / "eval.json").read_text())
     assert report["backends"] == ["engine"] and "trained" not in report  # no in-process decoding
@@ -125,16 +167,27 @@ def test_a_killed_worker_leaves_nothing_a_rerun_does_not_finish_exactly_once(pre
     n = 120
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}"}) + "\n" for i in range(n)))
     run_dir = tmp_path / "run"
-    with SimServer(max_running=4, decode_s_per_token=0.01, mean_len=30, vocab_size=2048, eos_token_id=1,
-                   model_path=str(tiny_target_dir)) as sim:
+    with SimServer(
+        max_running=4,
+        decode_s_per_token=0.01,
+        mean_len=30,
+        vocab_size=2048,
+        eos_token_id=1,
+        model_path=str(tiny_target_dir),
+    ) as sim:
         config = tmp_path / "killed.yaml"
-        config.write_text(yaml.safe_dump({
-            "run_dir": str(run_dir), "target": {"path": str(tiny_target_dir)},
-            "server": {"url": sim.url, "max_concurrency": 4},
-            "sampling": {"max_new_tokens": 48, "temperature": 0.8},
-            "generate": {"flush_every": 4, "retries": 0},
-            "datasets": [{"name": "B1", "kind": "generate", "path": str(prompts)}],
-        }))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "run_dir": str(run_dir),
+                    "target": {"path": str(tiny_target_dir)},
+                    "server": {"url": sim.url, "max_concurrency": 4},
+                    "sampling": {"max_new_tokens": 48, "temperature": 0.8},
+                    "generate": {"flush_every": 4, "retries": 0},
+                    "datasets": [{"name": "B1", "kind": "generate", "path": str(prompts)}],
+                }
+            )
+        )
         worker = server.worker("eagle3-cpu", tmp_path / "worker1.log")
         first = server.run_deployment("generate/generate", f"config_path={config}")
         deadline = time.monotonic() + 300
@@ -149,7 +202,13 @@ def test_a_killed_worker_leaves_nothing_a_rerun_does_not_finish_exactly_once(pre
             pass
         worker.wait()
         assert server.flow_run_state(first) == "RUNNING"
-        kept = len({r["id"] for p in live_parts(run_dir / "responses/B1") for r in pq.read_table(p, columns=["id"]).to_pylist()})
+        kept = len(
+            {
+                r["id"]
+                for p in live_parts(run_dir / "responses/B1")
+                for r in pq.read_table(p, columns=["id"]).to_pylist()
+            }
+        )
         assert 0 < kept < n
 
         # docs/operate-and-recover.md, 'A dead worker or a killed run': mark the stuck run Crashed, start a worker, run the deployment again

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from emulators.dev_server import SamplingParams, Engine, EngineSequence, create_app
+from emulators.dev_server import Engine, EngineSequence, SamplingParams, create_app
 
 CONTEXT = 512  # smaller than the tiny target's 4096 positions: over-long prompts stay cheap
 PROMPTS = [[20, 31, 42, 53], [100, 7, 250], [300, 301, 302, 303, 304, 305], [64, 65], [900, 12, 13, 14, 15]]
@@ -44,7 +44,7 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         for _ in range(n):
             ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def gen(client, **body) -> httpx.Response:
@@ -60,9 +60,18 @@ def test_generate_input_ids_has_sglang_shape(client, hf):
     out = r.json()
     assert list(out) == ["text", "output_ids", "meta_info"]
     meta = out["meta_info"]
-    assert list(meta) == ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
-                          "reasoning_tokens", "completion_tokens", "cached_tokens", "weight_versions",
-                          "e2e_latency"]  # SGLang 0.5.23 tokenizer_manager.py _handle_batch_output
+    assert list(meta) == [
+        "id",
+        "finish_reason",
+        "prompt_tokens",
+        "weight_version",
+        "num_retractions",
+        "reasoning_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "weight_versions",
+        "e2e_latency",
+    ]  # SGLang 0.5.23 tokenizer_manager.py _handle_batch_output
     assert meta["id"] == "one"
     assert meta["finish_reason"] == {"type": "length", "length": 6}
     assert meta["prompt_tokens"] == len(PROMPTS[0])
@@ -118,8 +127,18 @@ def test_engine_batches_mixed_lengths_and_late_joiners_exactly(hf):
     loop = asyncio.new_event_loop()
     engine = Engine(model, tok, eos_ids=set(), max_batch_size=8)
     params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=10)
-    seqs = [EngineSequence(rid=str(i), prompt_ids=p, params=params, max_new_tokens=10, created=time.perf_counter(),
-                      loop=loop, future=loop.create_future()) for i, p in enumerate(PROMPTS)]
+    seqs = [
+        EngineSequence(
+            rid=str(i),
+            prompt_ids=p,
+            params=params,
+            max_new_tokens=10,
+            created=time.perf_counter(),
+            loop=loop,
+            future=loop.create_future(),
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
     with torch.inference_mode():
         for s in seqs[:3]:
             engine._admitted.append(s)
@@ -156,27 +175,33 @@ def test_stop_token_ids_stop_and_are_trimmed_from_text(client, hf):
 
 def test_sampling_seed_makes_sampling_reproducible(client):
     params = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "max_new_tokens": 10, "ignore_eos": True}
-    a, b = (gen(client, input_ids=PROMPTS[2], sampling_params={**params, "sampling_seed": 7}).json()
-            for _ in range(2))
+    a, b = (gen(client, input_ids=PROMPTS[2], sampling_params={**params, "sampling_seed": 7}).json() for _ in range(2))
     assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) == 10
 
 
 def test_over_long_prompt_is_rejected_with_sglang_error(client):
     r = gen(client, input_ids=[5] * (CONTEXT + 3))
     assert r.status_code == 400
-    assert r.json() == {"error": {"message": (
-        f"The input ({CONTEXT + 3} tokens) is longer than the model's context length ({CONTEXT} tokens).")}}
+    assert r.json() == {
+        "error": {
+            "message": (
+                f"The input ({CONTEXT + 3} tokens) is longer than the model's context length ({CONTEXT} tokens)."
+            )
+        }
+    }
     r = gen(client, input_ids=[5] * 100, sampling_params={"max_new_tokens": CONTEXT})
     assert r.status_code == 400
     assert r.json()["error"]["message"].startswith(
         f"Requested token count exceeds the model's maximum context length of {CONTEXT} tokens. "
-        f"You requested a total of {100 + CONTEXT} tokens")
+        f"You requested a total of {100 + CONTEXT} tokens"
+    )
     # The scheduler's own limit, max_req_input_len = context - 6, applies below the context length.
     r = gen(client, input_ids=[5] * (CONTEXT - 6), sampling_params={"max_new_tokens": 1})
     assert r.status_code == 400
     assert r.json()["error"]["message"] == (
         f"Input length ({CONTEXT - 6} tokens) exceeds the maximum allowed length ({CONTEXT - 6} tokens). "
-        "Use a shorter input or enable --allow-auto-truncate.")
+        "Use a shorter input or enable --allow-auto-truncate."
+    )
 
 
 @pytest.mark.parametrize(
@@ -235,8 +260,12 @@ def test_abort_by_rid_returns_tokens_so_far(server):
     (out,) = _abort_while_running(server, [long], {"rid": "abort-me"})
     assert out["meta_info"]["id"] == "abort-me"
     # Running (or out of the queue): FINISH_ABORT().to_json() through the normal output path.
-    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
-                                                 "err_type": None}
+    assert out["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": "Aborted",
+        "status_code": None,
+        "err_type": None,
+    }
     assert out["meta_info"]["prompt_tokens"] == len(PROMPTS[0])
     assert out["meta_info"]["completion_tokens"] == len(out["output_ids"]) < 480
 
@@ -295,7 +324,8 @@ def test_dev_and_sim_servers_answer_bad_input_alike(client):
         dev_info, sim_info = client.get("/server_info").json(), sc.get("/server_info").json()
         assert set(dev_info) == set(sim_info)
         assert {k: dev_info[k] for k in ("context_length", "max_req_len", "max_req_input_len", "vocab_size")} == {
-            k: sim_info[k] for k in ("context_length", "max_req_len", "max_req_input_len", "vocab_size")}
+            k: sim_info[k] for k in ("context_length", "max_req_len", "max_req_input_len", "vocab_size")
+        }
         assert set(client.get("/model_info").json()) == set(sc.get("/model_info").json())
 
 
@@ -305,10 +335,29 @@ def test_cli_flags_reach_the_app(monkeypatch, tiny_target_dir):
 
     seen = {}
     monkeypatch.setattr(dev, "serve", lambda model, host, port, **kw: seen.update(kw))
-    dev.main(["--model", str(tiny_target_dir), "--api-key", "k", "--admin-api-key", "adm", "--disconnect-poll-s", "0.5",
-              "--sglang-version", "0.5", "--decode-log-interval", "7"])
-    assert (seen["api_key"], seen["admin_api_key"], seen["disconnect_poll_s"], seen["sglang_version"],
-            seen["decode_log_interval"]) == ("k", "adm", 0.5, "0.5", 7)
+    dev.main(
+        [
+            "--model",
+            str(tiny_target_dir),
+            "--api-key",
+            "k",
+            "--admin-api-key",
+            "adm",
+            "--disconnect-poll-s",
+            "0.5",
+            "--sglang-version",
+            "0.5",
+            "--decode-log-interval",
+            "7",
+        ]
+    )
+    assert (
+        seen["api_key"],
+        seen["admin_api_key"],
+        seen["disconnect_poll_s"],
+        seen["sglang_version"],
+        seen["decode_log_interval"],
+    ) == ("k", "adm", 0.5, "0.5", 7)
     with pytest.raises(SystemExit) as exc:
         dev.main(["--model", str(tiny_target_dir), "--sglang-version", "0.4", "--admin-api-key", "adm"])
     assert exc.value.code == 2

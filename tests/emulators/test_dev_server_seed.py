@@ -18,12 +18,25 @@ from tasks.server_pool import ServerPool
 
 EOS = 1
 SAMPLING = request_sampling_params({"max_new_tokens": 24, "temperature": 0.8, "top_p": 0.95, "seed": 3}, [EOS])
-ROWS = [PromptRow(id=f"p{i}", messages=[{"role": "user", "content": text}]) for i, text in enumerate([
-    "Write a Python function that reverses a list.", "What is 17 times 23?", "Give me three tips for commit messages.",
-    "Explain a race condition.", "How many days are in a leap year?", "Summarise the passage below.",
-    "What is the area of a 9 by 4 rectangle?", "Write a C function that removes duplicate characters.",
-    "How do I atomically write a file?", "Tell me about sorting.", "What is a generator?", "Name a prime above 90.",
-])]
+ROWS = [
+    PromptRow(id=f"p{i}", messages=[{"role": "user", "content": text}])
+    for i, text in enumerate(
+        [
+            "Write a Python function that reverses a list.",
+            "What is 17 times 23?",
+            "Give me three tips for commit messages.",
+            "Explain a race condition.",
+            "How many days are in a leap year?",
+            "Summarise the passage below.",
+            "What is the area of a 9 by 4 rectangle?",
+            "Write a C function that removes duplicate characters.",
+            "How do I atomically write a file?",
+            "Tell me about sorting.",
+            "What is a generator?",
+            "Name a prime above 90.",
+        ]
+    )
+]
 
 
 def test_prompt_sampling_seed_is_a_function_of_the_prompt_alone():
@@ -36,12 +49,21 @@ def test_prompt_sampling_seed_is_a_function_of_the_prompt_alone():
 
 
 def generate(url: str, run_dir: Path, tokenizer, *, slots: int, seed: int | None) -> dict[str, list[int]]:
-    settings = GenerateJob(dataset="B1", sampling_params=SAMPLING, sampling_seed=seed, flush_every=4, log_interval_s=0.5)
+    settings = GenerateJob(
+        dataset="B1", sampling_params=SAMPLING, sampling_seed=seed, flush_every=4, log_interval_s=0.5
+    )
 
     async def go():
         async with ServerPool([url], max_concurrency=slots, request_timeout_s=120) as pool:
-            await generate_dataset(ROWS, pool=pool, tokenizer=tokenizer, responses_dir=run_dir / "responses/B1",
-                                   rejects_dir=run_dir / "rejects/B1", source=Path("b1.jsonl"), settings=settings)
+            await generate_dataset(
+                ROWS,
+                pool=pool,
+                tokenizer=tokenizer,
+                responses_dir=run_dir / "responses/B1",
+                rejects_dir=run_dir / "rejects/B1",
+                source=Path("b1.jsonl"),
+                settings=settings,
+            )
 
     asyncio.run(go())
     rows = [r for p in live_parts(run_dir / "responses/B1") for r in pq.read_table(p).to_pylist()]

@@ -8,7 +8,6 @@ metrics_reporter.py does (`folded_avg`); tests that compare it with the eval ser
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 import torch
@@ -41,7 +40,7 @@ def export_random_draft(model, out_dir, *, draft_vocab_size: int = D):
 def folded_avg(kept: list[int], interval: int = 40) -> float | None:
     """SGLang 0.5.23's avg_spec_accept_length after verify rounds that kept `kept` tokens, one decode batch of
     size 1 each, in serving order: only the rounds up to the last multiple of `interval` are folded in."""
-    folded = kept[:len(kept) // interval * interval]
+    folded = kept[: len(kept) // interval * interval]
     return sum(folded) / len(folded) if folded else None
 
 
@@ -63,10 +62,20 @@ def prompts(target) -> list[list[int]]:
 
 
 def _spec_app(tiny_target_dir, draft_dir, **kw):
-    return create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=4, model_name="tiny",
-                      speculative=Speculative.from_flags(draft_model_path=draft_dir, algorithm="EAGLE3",
-                                                         num_steps=NUM_STEPS, eagle_topk=1,
-                                                         num_draft_tokens=NUM_STEPS + 1), **kw)
+    return create_app(
+        tiny_target_dir,
+        context_length=CONTEXT,
+        max_batch_size=4,
+        model_name="tiny",
+        speculative=Speculative.from_flags(
+            draft_model_path=draft_dir,
+            algorithm="EAGLE3",
+            num_steps=NUM_STEPS,
+            eagle_topk=1,
+            num_draft_tokens=NUM_STEPS + 1,
+        ),
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +86,10 @@ def spec_server(tiny_target_dir, draft_dir, serve_app):
 
 def _generate(url: str, prompts: list[list[int]], params: dict) -> list[dict]:
     with httpx.Client(base_url=url, timeout=120) as client:
-        r = client.post("/generate", json={"input_ids": prompts, "sampling_params": params,
-                                           "rid": [f"r{i}" for i in range(len(prompts))]})
+        r = client.post(
+            "/generate",
+            json={"input_ids": prompts, "sampling_params": params, "rid": [f"r{i}" for i in range(len(prompts))]},
+        )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -103,8 +114,10 @@ def test_engine_acceptance_equals_in_process_eval(serve_app, tiny_target_dir, dr
 
     # Per request: identical tokens, and spec_verify_ct is the number of verify rounds.
     assert [o["output_ids"] for o in outs] == ev.outputs
-    rounds = [len(speculative_decode(model, draft, p, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW,
-                                     eos_token_ids=eos)[1]) for p in prompts]
+    rounds = [
+        len(speculative_decode(model, draft, p, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW, eos_token_ids=eos)[1])
+        for p in prompts
+    ]
     verify = [o["meta_info"]["spec_verify_ct"] for o in outs]
     assert verify == rounds
     completion = [o["meta_info"]["completion_tokens"] for o in outs]
@@ -118,15 +131,21 @@ def test_engine_acceptance_equals_in_process_eval(serve_app, tiny_target_dir, dr
     assert info["speculative_algorithm"] == "EAGLE3"
     assert info["speculative_draft_model_path"] == str(draft_dir)
     assert (info["speculative_num_steps"], info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (
-        NUM_STEPS, 1, NUM_STEPS + 1)
+        NUM_STEPS,
+        1,
+        NUM_STEPS + 1,
+    )
 
 
-@pytest.mark.parametrize("params", [
-    {"ignore_eos": True},
-    {"stop_token_ids": "FROM_OUTPUT"},
-    {"max_new_tokens": 1},
-    {"max_new_tokens": 0},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"ignore_eos": True},
+        {"stop_token_ids": "FROM_OUTPUT"},
+        {"max_new_tokens": 1},
+        {"max_new_tokens": 0},
+    ],
+)
 def test_output_with_draft_equals_output_without(serve_app, spec_server, tiny_target_dir, prompts, params):
     """Greedy speculative decoding changes nothing but spec_verify_ct: tokens, text and finish reasons."""
     params = {**GREEDY, **params}
@@ -149,13 +168,16 @@ def test_output_with_draft_equals_output_without(serve_app, spec_server, tiny_ta
 
 def test_sampling_is_refused_with_a_draft(spec_server, prompts):
     with httpx.Client(base_url=spec_server, timeout=30) as client:
-        r = client.post("/generate", json={"input_ids": prompts[0],
-                                           "sampling_params": {"temperature": 0.7, "max_new_tokens": 4}})
+        r = client.post(
+            "/generate", json={"input_ids": prompts[0], "sampling_params": {"temperature": 0.7, "max_new_tokens": 4}}
+        )
         assert r.status_code == 400
         assert "greedy sampling only" in r.json()["error"]["message"]
         # top_k 1 is greedy (SGLang's rule) and is served.
-        ok = client.post("/generate", json={"input_ids": prompts[0],
-                                            "sampling_params": {"temperature": 0.7, "top_k": 1, "max_new_tokens": 4}})
+        ok = client.post(
+            "/generate",
+            json={"input_ids": prompts[0], "sampling_params": {"temperature": 0.7, "top_k": 1, "max_new_tokens": 4}},
+        )
         assert ok.status_code == 200 and ok.json()["meta_info"]["spec_verify_ct"] >= 1
         assert client.get("/health_generate").status_code == 200
 
@@ -171,7 +193,10 @@ def test_flags_are_checked_with_sglang_names(draft_dir, tmp_path):
         (dict(draft_model_path=draft_dir), "--speculative-num-steps is required"),
         (dict(draft_model_path=draft_dir, num_steps=0), ">= 1"),
         (dict(draft_model_path=tmp_path, num_steps=2), "no config.json"),
-        (dict(draft_model_path=None, num_steps=2), "--speculative-num-steps given without --speculative-draft-model-path"),
+        (
+            dict(draft_model_path=None, num_steps=2),
+            "--speculative-num-steps given without --speculative-draft-model-path",
+        ),
     ]
     for kwargs, fragment in bad:
         with pytest.raises(ValueError, match=fragment.replace("+", r"\+")):
@@ -180,8 +205,18 @@ def test_flags_are_checked_with_sglang_names(draft_dir, tmp_path):
 
 def test_module_cli_refuses_bad_speculative_flags(tiny_target_dir, draft_dir, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["--model", str(tiny_target_dir), "--speculative-draft-model-path", str(draft_dir),
-              "--speculative-num-steps", "3", "--speculative-eagle-topk", "2"])
+        main(
+            [
+                "--model",
+                str(tiny_target_dir),
+                "--speculative-draft-model-path",
+                str(draft_dir),
+                "--speculative-num-steps",
+                "3",
+                "--speculative-eagle-topk",
+                "2",
+            ]
+        )
     assert exc.value.code == 2
     assert "--speculative-eagle-topk must be 1" in capsys.readouterr().err
 
@@ -191,9 +226,20 @@ def test_eagle3_serve_dev_refuses_bad_speculative_flags(tiny_target_dir, draft_d
 
     from flows.cli import app
 
-    result = CliRunner().invoke(app, ["serve-dev", "--model", str(tiny_target_dir), "--speculative-draft-model-path",
-                                      str(draft_dir), "--speculative-num-steps", "3",
-                                      "--speculative-num-draft-tokens", "3"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "serve-dev",
+            "--model",
+            str(tiny_target_dir),
+            "--speculative-draft-model-path",
+            str(draft_dir),
+            "--speculative-num-steps",
+            "3",
+            "--speculative-num-draft-tokens",
+            "3",
+        ],
+    )
     assert result.exit_code == 2
     assert "must be --speculative-num-steps + 1 = 4" in result.output
 
@@ -215,7 +261,7 @@ class PartlyRightDraft(Eagle3Draft):
         step = super().forward(input_ids, hidden, position_ids, cache)
         ids = input_ids[0].tolist()
         if past == 0:
-            found = [s for s in self.seqs if s[1:len(ids) + 1] == ids]
+            found = [s for s in self.seqs if s[1 : len(ids) + 1] == ids]
             assert len(found) == 1, "an extend from an empty cache starts at a known prompt"
             self.seq = found[0]
         t2d_index = torch.cumsum(self.t2d.long(), 0) - 1  # target id -> draft index
@@ -251,10 +297,14 @@ def test_partly_right_draft_counts_rounds_like_the_eval(serve_app, tiny_target_d
         with httpx.Client(base_url=url, timeout=30) as client:
             avg = client.get("/server_info").json()["internal_states"][0]["avg_spec_accept_length"]
     ev = evaluate_acceptance(model, draft, prompts, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW, eos_token_ids=set())
-    rounds = [speculative_decode(model, draft, p, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW, eos_token_ids=set())[1]
-              for p in prompts]
+    rounds = [
+        speculative_decode(model, draft, p, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW, eos_token_ids=set())[1]
+        for p in prompts
+    ]
 
-    assert [o["output_ids"] for o in outs] == ev.outputs == [s[len(p):len(p) + MAX_NEW] for s, p in zip(seqs, prompts)]
+    assert (
+        [o["output_ids"] for o in outs] == ev.outputs == [s[len(p) : len(p) + MAX_NEW] for s, p in zip(seqs, prompts)]
+    )
     assert [o["meta_info"]["spec_verify_ct"] for o in outs] == [len(r) for r in rounds]
     accepted = {r.accepted for rs in rounds for r in rs}
     assert accepted == set(range(NUM_STEPS + 1)), accepted  # every outcome occurs
@@ -272,24 +322,43 @@ def test_server_process_with_draft_flags(entry, tiny_target_dir, draft_dir, targ
     import sys
     from pathlib import Path
 
-    from tasks.ports import free_port
     from tasks.launch_servers import ServerProcess
+    from tasks.ports import free_port
 
     model, tok = target
     port = free_port()
-    start = ([sys.executable, "-m", "emulators.dev_server"] if entry == "module"
-             else [str(Path(sys.executable).parent / "eagle3"), "serve-dev"])
-    command = [*start, "--model", str(tiny_target_dir), "--port", str(port), "--speculative-algorithm", "EAGLE3",
-               "--speculative-draft-model-path", str(draft_dir), "--speculative-num-steps", "2",
-               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"]
+    start = (
+        [sys.executable, "-m", "emulators.dev_server"]
+        if entry == "module"
+        else [str(Path(sys.executable).parent / "eagle3"), "serve-dev"]
+    )
+    command = [
+        *start,
+        "--model",
+        str(tiny_target_dir),
+        "--port",
+        str(port),
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        str(draft_dir),
+        "--speculative-num-steps",
+        "2",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "3",
+    ]
     with ServerProcess(command, f"http://127.0.0.1:{port}", log_path=tmp_path / "server.log") as server:
         server.wait_healthy(timeout_s=60)
         outs = _generate(server.url, prompts[:3], GREEDY)
         with httpx.Client(base_url=server.url, timeout=30) as client:
             info = client.get("/server_info").json()
     draft = load_exported_draft(draft_dir, dtype=torch.float32).eval()
-    expected = [speculative_decode(model, draft, p, num_steps=2, max_new_tokens=MAX_NEW, eos_token_ids={tok.eos_token_id})
-                for p in prompts[:3]]
+    expected = [
+        speculative_decode(model, draft, p, num_steps=2, max_new_tokens=MAX_NEW, eos_token_ids={tok.eos_token_id})
+        for p in prompts[:3]
+    ]
     assert [o["output_ids"] for o in outs] == [out for out, _ in expected]
     assert [o["meta_info"]["spec_verify_ct"] for o in outs] == [len(rounds) for _, rounds in expected]
     assert info["speculative_num_steps"] == 2 and info["speculative_num_draft_tokens"] == 3
@@ -299,14 +368,15 @@ def test_server_process_with_draft_flags(entry, tiny_target_dir, draft_dir, targ
     assert info["internal_states"][0].get("avg_spec_accept_length") == folded_avg(kept)
 
 
-def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(serve_app, spec_server, tiny_target_dir, target,
-                                                                      draft_dir, prompts):
+def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(
+    serve_app, spec_server, tiny_target_dir, target, draft_dir, prompts
+):
     """tasks/eval/engine.py end to end at real servers: with the draft, then without; SGLang's count and the per-round one."""
     import asyncio
 
     from models.eval_prompts import EvalPrompt
-    from tasks.eval.engine import compare_with_hf, decode_prompts, engine_report
     from tasks.engines.client import RetryPolicy
+    from tasks.eval.engine import compare_with_hf, decode_prompts, engine_report
 
     model, tok = target
     eval_prompts = [EvalPrompt("A" if i % 2 else "B", f"p{i}", p) for i, p in enumerate(prompts)]
@@ -317,9 +387,20 @@ def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(serve_app
             client.check_draft(limits, NUM_STEPS)
             return eval_prompts, {}
 
-        return asyncio.run(decode_prompts(url, eval_prompts, params, concurrency=2, retry=RetryPolicy(outage_window_s=30),
-                                          request_timeout_s=60, api_key=None, auth_hint="", vocab_size=model.config.vocab_size,
-                                          select=select if check else None))
+        return asyncio.run(
+            decode_prompts(
+                url,
+                eval_prompts,
+                params,
+                concurrency=2,
+                retry=RetryPolicy(outage_window_s=30),
+                request_timeout_s=60,
+                api_key=None,
+                auth_hint="",
+                vocab_size=model.config.vocab_size,
+                select=select if check else None,
+            )
+        )
 
     with_draft = decode(spec_server, check=True)
     with serve_app(create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=4, model_name="tiny")) as plain:
@@ -329,7 +410,9 @@ def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(serve_app
     report = engine_report(with_draft, without, NUM_STEPS, concurrency=2)
 
     draft = load_exported_draft(draft_dir, dtype=torch.float32).eval()
-    ev = evaluate_acceptance(model, draft, prompts, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW, eos_token_ids={tok.eos_token_id})
+    ev = evaluate_acceptance(
+        model, draft, prompts, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW, eos_token_ids={tok.eos_token_id}
+    )
     overall = report["overall"]
     assert overall["completion_tokens"] == ev.new_tokens and overall["verify_rounds"] == ev.rounds
     assert overall["per_round"] == round(ev.acceptance_length, 4)
@@ -337,38 +420,64 @@ def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(serve_app
     assert report["outputs_differ_without_draft"] == 0 and overall["speedup"] > 0
     assert set(report["datasets"]) == {"A", "B"}
     assert sum(d["verify_rounds"] for d in report["datasets"].values()) == ev.rounds
-    rounds = [len(speculative_decode(model, draft, p, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW,
-                                     eos_token_ids={tok.eos_token_id})[1]) for p in prompts]
-    hf = {"acceptance_length": round(ev.acceptance_length, 4),
-          "per_prompt": [{"source": p.source, "id": p.id, "new_tokens": len(o), "rounds": r}
-                         for p, o, r in zip(eval_prompts, ev.outputs, rounds)]}
+    rounds = [
+        len(
+            speculative_decode(
+                model, draft, p, num_steps=NUM_STEPS, max_new_tokens=MAX_NEW, eos_token_ids={tok.eos_token_id}
+            )[1]
+        )
+        for p in prompts
+    ]
+    hf = {
+        "acceptance_length": round(ev.acceptance_length, 4),
+        "per_prompt": [
+            {"source": p.source, "id": p.id, "new_tokens": len(o), "rounds": r}
+            for p, o, r in zip(eval_prompts, ev.outputs, rounds)
+        ],
+    }
     assert compare_with_hf(report, hf)["equal"]
 
 
-def test_the_engine_eval_leaves_out_of_both_phases_a_prompt_only_the_draft_server_refuses(serve_app, spec_server,
-                                                                                         tiny_target_dir, target, prompts):
+def test_the_engine_eval_leaves_out_of_both_phases_a_prompt_only_the_draft_server_refuses(
+    serve_app, spec_server, tiny_target_dir, target, prompts
+):
     """SGLang 0.5.23 reserves max(topk * steps, draft tokens) per request with a draft (tokenizer_manager.py
     `_validate_one_request`): a prompt that fits the server without the draft is refused by the one with it.
     The eval chooses its prompts with the reserve, so both phases decode the same prompts."""
     import asyncio
 
     from models.eval_prompts import EvalPrompt
-    from tasks.eval.engine import decode_prompts, fit_draft_context
     from tasks.engines.client import RetryPolicy
+    from tasks.eval.engine import decode_prompts, fit_draft_context
 
     model, tok = target
-    near = [5] * (CONTEXT - MAX_NEW - 1)  # prompt + max_new_tokens = CONTEXT - 1: fits unless NUM_STEPS + 1 are reserved
+    near = [5] * (
+        CONTEXT - MAX_NEW - 1
+    )  # prompt + max_new_tokens = CONTEXT - 1: fits unless NUM_STEPS + 1 are reserved
     eval_prompts = [EvalPrompt("A", "near", near)] + [EvalPrompt("A", f"p{i}", p) for i, p in enumerate(prompts[:2])]
     params = {**GREEDY, "stop_token_ids": [tok.eos_token_id], "no_stop_trim": True}
 
     def decode(url, chosen, select=None):
-        return asyncio.run(decode_prompts(url, chosen, params, concurrency=2, retry=RetryPolicy(outage_window_s=30),
-                                          request_timeout_s=60, api_key=None, auth_hint="", vocab_size=model.config.vocab_size,
-                                          select=select))
+        return asyncio.run(
+            decode_prompts(
+                url,
+                chosen,
+                params,
+                concurrency=2,
+                retry=RetryPolicy(outage_window_s=30),
+                request_timeout_s=60,
+                api_key=None,
+                auth_hint="",
+                vocab_size=model.config.vocab_size,
+                select=select,
+            )
+        )
 
     unfiltered = decode(spec_server, eval_prompts)  # what the eval did before: the draft server refuses it
     assert list(unfiltered.refused) == ["near"] and "context length" in unfiltered.refused["near"]
-    with_draft = decode(spec_server, eval_prompts, select=lambda limits, _: fit_draft_context(eval_prompts, limits, MAX_NEW))
+    with_draft = decode(
+        spec_server, eval_prompts, select=lambda limits, _: fit_draft_context(eval_prompts, limits, MAX_NEW)
+    )
     assert list(with_draft.skipped) == ["near"] and with_draft.refused == {}
     assert sorted(s.id for s in with_draft.served) == ["p0", "p1"]
     with serve_app(create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=4, model_name="tiny")) as plain:

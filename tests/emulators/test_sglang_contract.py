@@ -21,7 +21,8 @@ import dataclasses
 import json
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -36,8 +37,18 @@ RESERVED = NUM_STEPS + 1  # compute_num_reserved_tokens() = max(topk * steps, nu
 POLL_S = 0.3  # the servers' disconnect poll (SGLang: 4 s), short for tests
 HELD_POLL_S = 2.0  # the poll of the servers whose tests watch a disconnected client's rid stay held
 LONG = 4000  # max_new_tokens of a request that runs for seconds on either server
-FINISHED_META = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens",
-                 "completion_tokens", "cached_tokens", "weight_versions", "e2e_latency"]
+FINISHED_META = [
+    "id",
+    "finish_reason",
+    "prompt_tokens",
+    "weight_version",
+    "num_retractions",
+    "reasoning_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "weight_versions",
+    "e2e_latency",
+]
 FINISH_ABORT = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 USER, ADMIN = "user-key", "admin-key"
 
@@ -62,14 +73,23 @@ class Emulation:
     settings: dict[str, Any]
     headers: dict[str, str] = dataclasses.field(default_factory=dict)  # sent with every call unless overridden
     pool: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(max_workers=8))
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(max_workers=8)
+    )
 
-    def post(self, path: str, body: Any = None, *, headers: dict[str, str] | None = None, content: bytes | None = None,
-             timeout: float = 60) -> httpx.Response:
+    def post(
+        self,
+        path: str,
+        body: Any = None,
+        *,
+        headers: dict[str, str] | None = None,
+        content: bytes | None = None,
+        timeout: float = 60,
+    ) -> httpx.Response:
         h = self.headers if headers is None else headers
         if content is not None:
-            return httpx.post(self.url + path, content=content, headers={**h, "content-type": "application/json"},
-                              timeout=timeout)
+            return httpx.post(
+                self.url + path, content=content, headers={**h, "content-type": "application/json"}, timeout=timeout
+            )
         return httpx.post(self.url + path, json=body, headers=h, timeout=timeout)
 
     def get(self, path: str, *, headers: dict[str, str] | None = None) -> httpx.Response:
@@ -87,8 +107,11 @@ class Emulation:
         return self.get("/server_info").json()["internal_states"][0]
 
     def wait(self, running: int, waiting: int = 0, timeout: float = 10.0) -> None:
-        poll(lambda: (s := self.state())["num_running_reqs"] == running and s["num_waiting_reqs"] == waiting,
-             timeout, f"{running} running and {waiting} waiting at the {self.kind} server")
+        poll(
+            lambda: (s := self.state())["num_running_reqs"] == running and s["num_waiting_reqs"] == waiting,
+            timeout,
+            f"{running} running and {waiting} waiting at the {self.kind} server",
+        )
 
     def abort(self, rid: str = "", abort_all: bool = False, **kw) -> httpx.Response:
         return self.post("/abort_request", {"abort_all": True} if abort_all else {"rid": rid}, **kw)
@@ -96,8 +119,11 @@ class Emulation:
 
 def long_body(rid: str, prompt: list[int] | None = None) -> dict[str, Any]:
     """A request that decodes for seconds (ignore_eos: no early stop)."""
-    return {"input_ids": prompt or [5, 6, 7], "rid": rid,
-            "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True, "temperature": 0}}
+    return {
+        "input_ids": prompt or [5, 6, 7],
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True, "temperature": 0},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +131,16 @@ def small_target_dir(tmp_path_factory) -> Any:
     """An untrained small target (tokenizer + random Llama weights, 8 layers: the least a draft takes)."""
     from models.tiny_target import build_tiny_target
 
-    return build_tiny_target(tmp_path_factory.mktemp("small_target") / "model", train_steps=0, num_layers=8,
-                             hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                             max_position_embeddings=CONTEXT)
+    return build_tiny_target(
+        tmp_path_factory.mktemp("small_target") / "model",
+        train_steps=0,
+        num_layers=8,
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=CONTEXT,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +167,7 @@ def servers(small_target_dir, small_draft_dir, serve_app):
     """
     started: dict[tuple, Emulation] = {}
     with contextlib.ExitStack() as stack:
+
         def start(kind: str, **settings: Any) -> Emulation:
             key = (kind, tuple(sorted(settings.items())))
             if key in started:
@@ -142,19 +176,40 @@ def servers(small_target_dir, small_draft_dir, serve_app):
             keys = dict(api_key=settings.get("api_key"), admin_api_key=settings.get("admin_api_key"))
             version = settings.get("version", "0.5")
             if kind == "dev":
-                speculative = (Speculative.from_flags(draft_model_path=small_draft_dir, num_steps=NUM_STEPS)
-                               if settings.get("draft") else None)
-                app = create_app(small_target_dir, context_length=CONTEXT, max_batch_size=slots, model_name="small",
-                                 disconnect_poll_s=poll_s, sglang_version=version, speculative=speculative, **keys)
+                speculative = (
+                    Speculative.from_flags(draft_model_path=small_draft_dir, num_steps=NUM_STEPS)
+                    if settings.get("draft")
+                    else None
+                )
+                app = create_app(
+                    small_target_dir,
+                    context_length=CONTEXT,
+                    max_batch_size=slots,
+                    model_name="small",
+                    disconnect_poll_s=poll_s,
+                    sglang_version=version,
+                    speculative=speculative,
+                    **keys,
+                )
                 url = stack.enter_context(serve_app(app))
             else:
-                sim = SimServer(vocab_size=2048, context_length=CONTEXT, max_running=slots, decode_s_per_token=0.005,
-                                length_dist="fixed", mean_len=6, eos_token_id=1, disconnect_poll_s=poll_s,
-                                sglang_version=version, reserved_tokens=RESERVED if settings.get("draft") else 0,
-                                **keys)
+                sim = SimServer(
+                    vocab_size=2048,
+                    context_length=CONTEXT,
+                    max_running=slots,
+                    decode_s_per_token=0.005,
+                    length_dist="fixed",
+                    mean_len=6,
+                    eos_token_id=1,
+                    disconnect_poll_s=poll_s,
+                    sglang_version=version,
+                    reserved_tokens=RESERVED if settings.get("draft") else 0,
+                    **keys,
+                )
                 url = stack.enter_context(sim).url
-            emu = Emulation(kind, url, settings, headers={"Authorization": f"Bearer {keys['api_key']}"}
-                            if keys["api_key"] else {})
+            emu = Emulation(
+                kind, url, settings, headers={"Authorization": f"Bearer {keys['api_key']}"} if keys["api_key"] else {}
+            )
             stack.callback(emu.pool.shutdown, wait=False)
             started[key] = emu
             return emu
@@ -189,8 +244,9 @@ def test_a_finished_request_has_sglangs_response_shape(emu):
     """A finished /generate is {"text", "output_ids", "meta_info"} with meta_info's keys in SGLang's order,
     counts that match the ids, and the rid as "id" (managers/tokenizer_manager.py `_handle_batch_output`)."""
     s = emu()
-    r = s.generate({"input_ids": [11, 12, 13, 14], "rid": "shape", "sampling_params": {"max_new_tokens": 5,
-                                                                                       "temperature": 0}})
+    r = s.generate(
+        {"input_ids": [11, 12, 13, 14], "rid": "shape", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
+    )
     assert r.status_code == 200
     out = r.json()
     assert list(out) == ["text", "output_ids", "meta_info"]
@@ -209,8 +265,13 @@ def test_a_batch_is_answered_in_input_order(emu):
     (managers/tokenizer_manager.py `_handle_batch_request` gathers the items' waiters in order)."""
     s = emu()
     lengths = [5, 2, 4]  # the second finishes first
-    r = s.generate({"input_ids": [[21, 22], [23], [24, 25, 26]], "rid": ["b0", "b1", "b2"],
-                    "sampling_params": [{"max_new_tokens": n, "ignore_eos": True, "temperature": 0} for n in lengths]})
+    r = s.generate(
+        {
+            "input_ids": [[21, 22], [23], [24, 25, 26]],
+            "rid": ["b0", "b1", "b2"],
+            "sampling_params": [{"max_new_tokens": n, "ignore_eos": True, "temperature": 0} for n in lengths],
+        }
+    )
     assert r.status_code == 200
     outs = r.json()
     assert [o["meta_info"]["id"] for o in outs] == ["b0", "b1", "b2"]
@@ -223,7 +284,11 @@ def _stop_at_the_cap(s: Emulation) -> tuple[dict[str, Any], int, list[int]]:
     ref = s.generate({"input_ids": [31, 32, 33], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
     ids, finish = ref["output_ids"], ref["meta_info"]["finish_reason"]
     if finish["type"] == "stop":  # the model's own EOS (the sim's natural end): max_new_tokens = where it came
-        return {"input_ids": [31, 32, 33], "sampling_params": {"max_new_tokens": len(ids), "temperature": 0}}, ids[-1], ids
+        return (
+            {"input_ids": [31, 32, 33], "sampling_params": {"max_new_tokens": len(ids), "temperature": 0}},
+            ids[-1],
+            ids,
+        )
     token = ids[3]  # else a stop token the greedy output reaches: its first occurrence
     n = ids.index(token) + 1
     params = {"max_new_tokens": n, "temperature": 0, "stop_token_ids": [token]}
@@ -262,13 +327,26 @@ def test_a_queued_abort_is_answered_without_prompt_tokens(emu, version):
     out = r.json()
     if version == "0.5":
         assert list(out) == ["text", "output_ids", "meta_info"] and out["text"] == "" and out["output_ids"] == []
-        assert list(out["meta_info"]) == ["id", "finish_reason", "weight_version", "e2e_latency", "weight_versions",
-                                          "completion_tokens"]
+        assert list(out["meta_info"]) == [
+            "id",
+            "finish_reason",
+            "weight_version",
+            "e2e_latency",
+            "weight_versions",
+            "completion_tokens",
+        ]
         assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
         assert out["meta_info"]["completion_tokens"] == 0 and out["meta_info"]["e2e_latency"] > 0
     else:
-        assert out == {"text": "", "meta_info": {"id": "queued", "finish_reason": {
-            "type": "abort", "message": "Abort before prefill"}, "prompt_tokens": 0, "completion_tokens": 0}}
+        assert out == {
+            "text": "",
+            "meta_info": {
+                "id": "queued",
+                "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+            },
+        }
     assert out["meta_info"]["id"] == "queued"
     assert s.abort("slot").status_code == 200
     assert running.result(timeout=30).json()["meta_info"]["finish_reason"]["type"] == "abort"
@@ -319,9 +397,11 @@ def test_a_held_rid_is_refused_as_a_duplicate(emu):
     running = s.background(long_body("dup"))
     s.wait(running=1)
     quick = {"sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-    for body, rid in (({"input_ids": [1, 2], "rid": "dup"}, "dup"),
-                      ({"input_ids": [[1], [2]], "rid": ["fresh", "dup"]}, "dup"),
-                      ({"input_ids": [[1], [2]], "rid": ["twice", "twice"]}, "twice")):
+    for body, rid in (
+        ({"input_ids": [1, 2], "rid": "dup"}, "dup"),
+        ({"input_ids": [[1], [2]], "rid": ["fresh", "dup"]}, "dup"),
+        ({"input_ids": [[1], [2]], "rid": ["twice", "twice"]}, "twice"),
+    ):
         r = s.generate({**body, **quick})
         assert r.status_code == 400 and r.json() == {"error": {"message": f"Duplicate request ID detected: {rid}"}}
     assert s.abort("dup").status_code == 200
@@ -341,8 +421,10 @@ def test_a_disconnected_clients_rid_stays_held_until_the_poll(emu):
     host, port = s.url.removeprefix("http://").split(":")
     sent = time.monotonic()
     with socket.create_connection((host, int(port)), timeout=10) as sock:  # raw HTTP, then hang up
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         s.wait(running=1)
     r = s.generate({"input_ids": [4], "rid": "gone", "sampling_params": {"max_new_tokens": 1}})
     assert time.monotonic() - sent < HELD_POLL_S, "the re-send came after the first poll: the machine is too slow"
@@ -383,7 +465,9 @@ def test_health_endpoints_are_open_with_keys_set(emu):
         assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
         assert s.get("/server_info", headers=headers).status_code == 401
     assert s.get("/server_info").status_code == 200 and s.get("/model_info").status_code == 200
-    r = s.generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}, headers={"Authorization": f"bearer {USER}"})
+    r = s.generate(
+        {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}, headers={"Authorization": f"bearer {USER}"}
+    )
     assert r.status_code == 200  # the bearer scheme is case-insensitive
 
 
@@ -398,16 +482,23 @@ def test_bad_input_gets_one_of_three_400_bodies(emu):
     (http_server.py `validation_exception_handler`)."""
     s = emu()
     r = s.generate({"input_ids": [5] * (CONTEXT + 3)})
-    assert r.status_code == 400 and r.json() == {"error": {"message": (
-        f"The input ({CONTEXT + 3} tokens) is longer than the model's context length ({CONTEXT} tokens).")}}
+    assert r.status_code == 400 and r.json() == {
+        "error": {
+            "message": (
+                f"The input ({CONTEXT + 3} tokens) is longer than the model's context length ({CONTEXT} tokens)."
+            )
+        }
+    }
     r = s.generate({"input_ids": [5], "sampling_params": {"max_new_tokens": 2, "temprature": 0}})
     assert r.status_code == 400
-    assert r.json() == {"error": "unknown field `temprature`, expected one of `max_new_tokens`, `stop`, `stop_token_ids`, "
-                                 "`stop_regex`, `temperature`, `top_p`, `top_k`, `min_p`, `frequency_penalty`, "
-                                 "`presence_penalty`, `repetition_penalty`, `min_new_tokens`, `n`, `json_schema`, `regex`, "
-                                 "`ebnf`, `structural_tag`, `ignore_eos`, `skip_special_tokens`, "
-                                 "`spaces_between_special_tokens`, `no_stop_trim`, `stream_interval`, `logit_bias`, "
-                                 "`sampling_seed`, `custom_params`, `beam_width`, `watermark`, `choice`"}
+    assert r.json() == {
+        "error": "unknown field `temprature`, expected one of `max_new_tokens`, `stop`, `stop_token_ids`, "
+        "`stop_regex`, `temperature`, `top_p`, `top_k`, `min_p`, `frequency_penalty`, "
+        "`presence_penalty`, `repetition_penalty`, `min_new_tokens`, `n`, `json_schema`, `regex`, "
+        "`ebnf`, `structural_tag`, `ignore_eos`, `skip_special_tokens`, "
+        "`spaces_between_special_tokens`, `no_stop_trim`, `stream_interval`, `logit_bias`, "
+        "`sampling_seed`, `custom_params`, `beam_width`, `watermark`, `choice`"
+    }
     r = s.generate({"input_ids": [5, True]})  # passes the dataclass's int64 check, not the schema
     assert r.status_code == 400 and r.json() == {"error": "invalid type: boolean `true`, expected i64"}
     r = s.generate({"input_ids": [5], "sampling_params": {"temperature": "hot"}})
@@ -453,7 +544,8 @@ def test_an_eagle_draft_reserves_tokens_in_the_length_checks(emu):
     assert r.json()["error"]["message"].startswith(
         f"Requested token count exceeds the model's maximum context length of {CONTEXT} tokens. You requested a "
         f"total of {n + RESERVED + new} tokens: {n + RESERVED} tokens from the input messages and {new} tokens for "
-        "the completion.")
+        "the completion."
+    )
     ok = {"input_ids": [7] * n, "sampling_params": {"max_new_tokens": new - RESERVED, "temperature": 0}}
     assert eagle.generate(ok).status_code == 200
 
@@ -480,8 +572,9 @@ def test_avg_spec_accept_length_is_folded_every_40_decode_batches(emu, small_tar
     for i in range(12):
         prompt = [100 + i, 200 + i, 300 + i]
         out = s.generate({"input_ids": prompt, "sampling_params": params}).json()
-        _, rounds = speculative_decode(small_target, draft, prompt, num_steps=NUM_STEPS, max_new_tokens=16,
-                                       eos_token_ids=set())
+        _, rounds = speculative_decode(
+            small_target, draft, prompt, num_steps=NUM_STEPS, max_new_tokens=16, eos_token_ids=set()
+        )
         assert out["meta_info"]["spec_verify_ct"] == len(rounds)  # one decode batch of size 1 per round
         kept += [r.kept for r in rounds]
         avg = s.state().get("avg_spec_accept_length")

@@ -14,19 +14,19 @@ from emulators.sglang_protocol import (
     MalformedRequest,
     ModelLimits,
     SamplingParams,
-    error_response,
-    finish_length,
-    finish_stop,
-    generate_result,
-    parse_abort,
-    parse_generate,
-    parse_sampling_params,
     SGLangVersion,
     abort_matcher,
     contract_error,
+    error_response,
     finish_abort,
+    finish_length,
     finish_reason,
+    finish_stop,
+    generate_result,
     num_reserved_tokens,
+    parse_abort,
+    parse_generate,
+    parse_sampling_params,
     queued_abort_result,
     text_token_ids,
 )
@@ -55,8 +55,11 @@ def test_single_and_batch_requests_are_split_into_items():
     [
         (b"{not json", MalformedRequest, "JSON decode error"),
         (b"[1, 2]", MalformedRequest, "The request body must be a JSON object."),
-        (body(input_ids=[1], stream=True), BadRequest,
-         "stream=True is not supported by the eagle3 test server; use stream=false."),
+        (
+            body(input_ids=[1], stream=True),
+            BadRequest,
+            "stream=True is not supported by the eagle3 test server; use stream=false.",
+        ),
         (body(), BadRequest, "Either text, input_ids or input_embeds should be provided."),
         (body(input_ids=[1], text="a"), BadRequest, "Either text, input_ids or input_embeds should be provided."),
         (body(input_ids=[]), BadRequest, "input_ids cannot be empty."),
@@ -75,15 +78,31 @@ def test_single_and_batch_requests_are_split_into_items():
         (body(input_ids=[1, True]), ContractError, "invalid type: boolean `true`, expected i64"),
         (body(input_ids=[True, 1]), ContractError, "invalid type: boolean `true`, expected a sequence"),
         (body(input_ids=[[1], [True]]), ContractError, "invalid type: boolean `true`, expected i64"),
-        (body(input_ids=[1], sampling_params={"temperature": "hot"}), ContractError,
-         'invalid type: string "hot", expected f64'),
-        (body(input_ids=[1], sampling_params={"top_k": 1.5}), ContractError,
-         "invalid type: floating point `1.5`, expected i64"),
-        (body(input_ids=[1], sampling_params={"ignore_eos": 1}), ContractError, "invalid type: integer `1`, expected a boolean"),
-        (body(input_ids=[1], sampling_params={"stop_token_ids": [1, "x"]}), ContractError,
-         'invalid type: string "x", expected i64'),
-        (body(input_ids=[1], sampling_params={"tempreature": 0}), ContractError,
-         "unknown field `tempreature`, expected one of `max_new_tokens`, `stop`, `stop_token_ids`, "),
+        (
+            body(input_ids=[1], sampling_params={"temperature": "hot"}),
+            ContractError,
+            'invalid type: string "hot", expected f64',
+        ),
+        (
+            body(input_ids=[1], sampling_params={"top_k": 1.5}),
+            ContractError,
+            "invalid type: floating point `1.5`, expected i64",
+        ),
+        (
+            body(input_ids=[1], sampling_params={"ignore_eos": 1}),
+            ContractError,
+            "invalid type: integer `1`, expected a boolean",
+        ),
+        (
+            body(input_ids=[1], sampling_params={"stop_token_ids": [1, "x"]}),
+            ContractError,
+            'invalid type: string "x", expected i64',
+        ),
+        (
+            body(input_ids=[1], sampling_params={"tempreature": 0}),
+            ContractError,
+            "unknown field `tempreature`, expected one of `max_new_tokens`, `stop`, `stop_token_ids`, ",
+        ),
         (body(input_ids=[1], stream="yes"), ContractError, 'invalid type: string "yes", expected a boolean'),
     ],
 )
@@ -157,13 +176,29 @@ def test_sglang_04_has_no_contract_gate():
 
 
 def test_contract_gate_admits_what_the_schema_admits():
-    ok = {"input_ids": [[1, 2], [3]], "rid": ["a", "b"], "stream": False, "return_logprob": "ignored here",
-          "sampling_params": [{"max_new_tokens": None, "temperature": 1, "stop": "x", "stop_token_ids": [2],
-                               "logit_bias": {"5": -1}, "custom_params": {"any": [1]}, "choice": ["a"],
-                               "watermark": {"enabled": True}}, {}]}
+    ok = {
+        "input_ids": [[1, 2], [3]],
+        "rid": ["a", "b"],
+        "stream": False,
+        "return_logprob": "ignored here",
+        "sampling_params": [
+            {
+                "max_new_tokens": None,
+                "temperature": 1,
+                "stop": "x",
+                "stop_token_ids": [2],
+                "logit_bias": {"5": -1},
+                "custom_params": {"any": [1]},
+                "choice": ["a"],
+                "watermark": {"enabled": True},
+            },
+            {},
+        ],
+    }
     assert contract_error(ok) is None
     assert contract_error({"sampling_params": {"watermark": {"seed": 1}}}) == (
-        "unknown field `seed`, expected one of `enabled`, `key`, `context_window`")
+        "unknown field `seed`, expected one of `enabled`, `key`, `context_window`"
+    )
 
 
 def test_model_limits_reserve_the_draft_tokens():
@@ -200,28 +235,70 @@ def test_response_shapes():
     assert text_token_ids([4, 5, 1], finish_stop(1), no_stop_trim=False) == [4, 5]
     assert text_token_ids([4, 5, 1], finish_stop(1), no_stop_trim=True) == [4, 5, 1]
     assert text_token_ids([4, 5], finish_length(2), no_stop_trim=False) == [4, 5]
-    result = generate_result(rid="r", text="t", output_ids=[4, 5], finish_reason=finish_length(2), prompt_tokens=3,
-                             e2e_latency=0.5)
-    assert result == {"text": "t", "output_ids": [4, 5], "meta_info": {  # 0.5.23 _handle_batch_output
-        "id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 3,
-        "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": 2,
-        "cached_tokens": 0, "weight_versions": [{"version": "default", "start": 0, "end": 2}], "e2e_latency": 0.5}}
-    old = generate_result(rid="r", text="t", output_ids=[4, 5], finish_reason=finish_length(2), prompt_tokens=3,
-                          e2e_latency=0.5, spec_verify_ct=1, version=SGLangVersion("0.4"))
-    assert old["meta_info"] == {"id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 3,
-                                "completion_tokens": 2, "cached_tokens": 0, "spec_verify_ct": 1, "e2e_latency": 0.5}
+    result = generate_result(
+        rid="r", text="t", output_ids=[4, 5], finish_reason=finish_length(2), prompt_tokens=3, e2e_latency=0.5
+    )
+    assert result == {
+        "text": "t",
+        "output_ids": [4, 5],
+        "meta_info": {  # 0.5.23 _handle_batch_output
+            "id": "r",
+            "finish_reason": {"type": "length", "length": 2},
+            "prompt_tokens": 3,
+            "weight_version": "default",
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": 2,
+            "cached_tokens": 0,
+            "weight_versions": [{"version": "default", "start": 0, "end": 2}],
+            "e2e_latency": 0.5,
+        },
+    }
+    old = generate_result(
+        rid="r",
+        text="t",
+        output_ids=[4, 5],
+        finish_reason=finish_length(2),
+        prompt_tokens=3,
+        e2e_latency=0.5,
+        spec_verify_ct=1,
+        version=SGLangVersion("0.4"),
+    )
+    assert old["meta_info"] == {
+        "id": "r",
+        "finish_reason": {"type": "length", "length": 2},
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "cached_tokens": 0,
+        "spec_verify_ct": 1,
+        "e2e_latency": 0.5,
+    }
     assert finish_abort() == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
 def test_queued_abort_shapes():
     """tokenizer_manager.py _handle_abort_req: 0.5.23 has no prompt_tokens, 0.4.10 no output_ids."""
-    assert queued_abort_result(rid="q", e2e_latency=0.25) == {"text": "", "output_ids": [], "meta_info": {
-        "id": "q", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
-        "weight_version": "default", "e2e_latency": 0.25,
-        "weight_versions": [{"version": "default", "start": 0, "end": 0}], "completion_tokens": 0}}
-    assert queued_abort_result(rid="q", e2e_latency=0.25, version=SGLangVersion("0.4")) == {"text": "", "meta_info": {
-        "id": "q", "finish_reason": {"type": "abort", "message": "Abort before prefill"},
-        "prompt_tokens": 0, "completion_tokens": 0}}
+    assert queued_abort_result(rid="q", e2e_latency=0.25) == {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {
+            "id": "q",
+            "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+            "weight_version": "default",
+            "e2e_latency": 0.25,
+            "weight_versions": [{"version": "default", "start": 0, "end": 0}],
+            "completion_tokens": 0,
+        },
+    }
+    assert queued_abort_result(rid="q", e2e_latency=0.25, version=SGLangVersion("0.4")) == {
+        "text": "",
+        "meta_info": {
+            "id": "q",
+            "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+        },
+    }
 
 
 def test_error_bodies_have_sglangs_two_shapes():
@@ -275,7 +352,9 @@ def test_auth_follows_decide_request_auth():
     assert both.decide("OPTIONS", "/generate", None) is None
     api_only, admin_only = Auth(api_key="k"), Auth(admin_api_key="adm")
     assert api_only.decide("POST", "/flush_cache", "Bearer k") is None
-    assert admin_only.decide("POST", "/generate", None) is None and admin_only.decide("POST", "/flush_cache", None) == 401
+    assert (
+        admin_only.decide("POST", "/generate", None) is None and admin_only.decide("POST", "/flush_cache", None) == 401
+    )
     old = Auth(api_key="k", version=SGLangVersion("0.4"))  # 0.4.10 utils.py add_api_key_middleware
     assert old.decide("POST", "/abort_request", "Bearer k") is None and old.decide("GET", "/health", None) is None
     assert old.decide("POST", "/generate", "bearer k") == 401  # an exact string compare

@@ -114,9 +114,18 @@ def test_generate_single_and_batch_match_the_pure_function(make_server):
         expected = simulate_output(PROMPT, params, srv.config)
         assert body["output_ids"] == expected.output_ids and body["text"] == expected.text
         meta = body["meta_info"]
-        assert list(meta) == ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
-                              "reasoning_tokens", "completion_tokens", "cached_tokens", "weight_versions",
-                              "e2e_latency"]  # SGLang 0.5.23's _handle_batch_output
+        assert list(meta) == [
+            "id",
+            "finish_reason",
+            "prompt_tokens",
+            "weight_version",
+            "num_retractions",
+            "reasoning_tokens",
+            "completion_tokens",
+            "cached_tokens",
+            "weight_versions",
+            "e2e_latency",
+        ]  # SGLang 0.5.23's _handle_batch_output
         assert meta["id"] == "r1" and meta["finish_reason"] == expected.finish_reason
         assert meta["prompt_tokens"] == 4 and meta["completion_tokens"] == len(expected.output_ids)
         assert meta["cached_tokens"] == 0 and meta["reasoning_tokens"] == 0 and meta["e2e_latency"] > 0
@@ -125,12 +134,11 @@ def test_generate_single_and_batch_match_the_pure_function(make_server):
         assert again["output_ids"] == body["output_ids"]
 
         prompts = [[5, 6], PROMPT, [7]]
-        batch = c.post("/generate", json={"input_ids": prompts, "sampling_params": params,
-                                          "rid": ["a", "b", "c"]}).json()
+        batch = c.post(
+            "/generate", json={"input_ids": prompts, "sampling_params": params, "rid": ["a", "b", "c"]}
+        ).json()
         assert [b["meta_info"]["id"] for b in batch] == ["a", "b", "c"]
-        assert [b["output_ids"] for b in batch] == [
-            simulate_output(p, params, srv.config).output_ids for p in prompts
-        ]
+        assert [b["output_ids"] for b in batch] == [simulate_output(p, params, srv.config).output_ids for p in prompts]
 
         info = c.get("/server_info").json()
         assert info["max_running_requests"] == 16 and info["max_req_input_len"] == 32768 - 6
@@ -146,8 +154,9 @@ def test_bad_input_gets_sglang_error_bodies(make_server):
     with httpx.Client(base_url=srv.url, timeout=10) as c:
         r = c.post("/generate", json={"input_ids": list(range(64)), "sampling_params": {"max_new_tokens": 1}})
         assert r.status_code == 400
-        assert r.json() == {"error": {"message": "The input (64 tokens) is longer than the model's context "
-                                                 "length (64 tokens)."}}
+        assert r.json() == {
+            "error": {"message": "The input (64 tokens) is longer than the model's context length (64 tokens)."}
+        }
         # max_req_input_len = 64 - 1 - 5 = 58: a prompt that long is refused as the scheduler does.
         assert c.get("/server_info").json()["max_req_input_len"] == 58
         r = c.post("/generate", json={"input_ids": list(range(58)), "sampling_params": {"max_new_tokens": 1}})
@@ -175,9 +184,9 @@ def test_capacity_runs_max_running_at_once_and_queues_the_rest(make_server):
 
     async def run():
         async with httpx.AsyncClient(base_url=srv.url, timeout=10) as c:
-            rs = await asyncio.gather(*[
-                c.post("/generate", json={"input_ids": [i, 1, 2], "sampling_params": params}) for i in range(8)
-            ])
+            rs = await asyncio.gather(
+                *[c.post("/generate", json={"input_ids": [i, 1, 2], "sampling_params": params}) for i in range(8)]
+            )
         return [r.json() for r in rs]
 
     bodies = asyncio.run(run())
@@ -199,11 +208,13 @@ def test_in_flight_counters_follow_the_client_concurrency(make_server):
     async def run():
         sem = asyncio.Semaphore(3)
         async with httpx.AsyncClient(base_url=srv.url, timeout=10) as c:
+
             async def one(i):
                 async with sem:
                     body = {"input_ids": [i + 5], "sampling_params": {"max_new_tokens": 20}}
                     r = await c.post("/generate", json=body)
                     r.raise_for_status()
+
             await asyncio.gather(*[one(i) for i in range(12)])
 
     asyncio.run(run())
@@ -223,12 +234,15 @@ def test_abort_returns_a_deterministic_prefix_and_counts_the_waste(make_server):
 
     async def run():
         async with httpx.AsyncClient(base_url=srv.url, timeout=10) as c:
+
             def post(ids, rid):
                 return asyncio.create_task(
                     c.post("/generate", json={"input_ids": ids, "sampling_params": params, "rid": rid})
                 )
 
-            running = post(PROMPT, "long")  # in the slot before the second arrives (sent together, either may come first)
+            running = post(
+                PROMPT, "long"
+            )  # in the slot before the second arrives (sent together, either may come first)
             await poll(lambda: srv.stats.running == 1)
             waiting = post([9], "queued")
             await poll(lambda: srv.stats.in_flight == 2)
@@ -241,8 +255,12 @@ def test_abort_returns_a_deterministic_prefix_and_counts_the_waste(make_server):
     k = long["meta_info"]["completion_tokens"]
     assert 5 <= k < 3000 and long["output_ids"] == full[:k]
     # Running: SGLang 0.5.23's FINISH_ABORT().to_json() through the normal output path.
-    assert long["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
-                                                  "err_type": None}
+    assert long["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": "Aborted",
+        "status_code": None,
+        "err_type": None,
+    }
     assert long["meta_info"]["prompt_tokens"] == len(PROMPT)
     # Queued: tokenizer_manager.py _handle_abort_req's answer, no prompt_tokens.
     assert queued["output_ids"] == [] and "prompt_tokens" not in queued["meta_info"]
@@ -258,8 +276,10 @@ def test_abort_all_and_client_disconnect_abort(make_server):
 
     async def run():
         async with httpx.AsyncClient(base_url=srv.url, timeout=10) as c:
-            tasks = [asyncio.create_task(c.post("/generate", json={"input_ids": [i], "sampling_params": params}))
-                     for i in range(3)]
+            tasks = [
+                asyncio.create_task(c.post("/generate", json={"input_ids": [i], "sampling_params": params}))
+                for i in range(3)
+            ]
             await poll(lambda: srv.stats.in_flight == 3)
             await c.post("/abort_request", json={"abort_all": True})
             bodies = [(await t).json() for t in tasks]
@@ -381,10 +401,31 @@ def test_admin_endpoint_and_stats(make_server):
 @pytest.mark.multiprocess
 def test_cli_runs_in_the_foreground():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "emulators.sim", "--port", "0", "--seed", "3", "--mean-len", "40",
-         "--decode-ms", "0.5", "--api-key", "k", "--sglang-version", "0.5", "--disconnect-poll-s", "0.5",
-         "--reserved-tokens", "4", "--context-length", "1000"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "emulators.sim",
+            "--port",
+            "0",
+            "--seed",
+            "3",
+            "--mean-len",
+            "40",
+            "--decode-ms",
+            "0.5",
+            "--api-key",
+            "k",
+            "--sglang-version",
+            "0.5",
+            "--disconnect-poll-s",
+            "0.5",
+            "--reserved-tokens",
+            "4",
+            "--context-length",
+            "1000",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         line = proc.stdout.readline()  # blocks until the server prints its address (or exits)
@@ -476,12 +517,17 @@ def test_duplicate_rids_prefix_aborts_and_auth_are_counted(make_server):
 
     async def run():
         async with httpx.AsyncClient(base_url=srv.url, timeout=10, headers=user) as c:
-            tasks = [asyncio.create_task(c.post("/generate", json={"input_ids": [i + 5], "sampling_params": params,
-                                                                    "rid": rid}))
-                     for i, rid in enumerate(["r:1", "r:10", "r:100"])]
+            tasks = [
+                asyncio.create_task(
+                    c.post("/generate", json={"input_ids": [i + 5], "sampling_params": params, "rid": rid})
+                )
+                for i, rid in enumerate(["r:1", "r:10", "r:100"])
+            ]
             await poll(lambda: srv.stats.in_flight == 3)  # two running, r:100 (or another) queued
             dup = await c.post("/generate", json={"input_ids": [1], "rid": "r:10"})
-            assert dup.status_code == 400 and dup.json() == {"error": {"message": "Duplicate request ID detected: r:10"}}
+            assert dup.status_code == 400 and dup.json() == {
+                "error": {"message": "Duplicate request ID detected: r:10"}
+            }
             assert (await c.post("/abort_request", json={"rid": "r:1"})).status_code == 401  # the admin key only
             assert (await c.post("/abort_request", json={"rid": "r:"}, headers=admin)).status_code == 200  # not held
             assert (await c.post("/abort_request", json={"rid": "r:1"}, headers=admin)).status_code == 200
@@ -502,8 +548,12 @@ def test_abort_if_aborts_matching_prompts_as_they_start(make_server):
     srv.abort_if(lambda ids: 13 in ids)
     with httpx.Client(base_url=srv.url, timeout=10) as c:
         out = c.post("/generate", json={"input_ids": [[13, 14], [15]], "sampling_params": {"max_new_tokens": 5}}).json()
-        assert out[0]["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
-                                                        "err_type": None}
+        assert out[0]["meta_info"]["finish_reason"] == {
+            "type": "abort",
+            "message": "Aborted",
+            "status_code": None,
+            "err_type": None,
+        }
         assert out[0]["output_ids"] == [] and out[0]["meta_info"]["prompt_tokens"] == 2
         assert out[1]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
         srv.clear_faults()
@@ -533,7 +583,9 @@ def test_drop_fraction_cuts_admitted_requests_which_stay_held_until_the_poll(mak
             except httpx.RemoteProtocolError:  # the FIN, with no answer
                 cut.append(True)
                 if len(cut) == 1:  # re-sent at once: the server still holds the rid
-                    r = c.post("/generate", json={"input_ids": [1], "rid": rid, "sampling_params": {"max_new_tokens": 1}})
+                    r = c.post(
+                        "/generate", json={"input_ids": [1], "rid": rid, "sampling_params": {"max_new_tokens": 1}}
+                    )
                     assert r.status_code == 400 and "Duplicate request ID detected" in r.json()["error"]["message"]
                 continue
             except httpx.ReadTimeout:  # not cut: it runs on (our timeout); the poll aborts it as well

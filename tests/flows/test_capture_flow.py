@@ -36,11 +36,26 @@ REPO = Path(__file__).resolve().parents[2]
 def write_run(tmp_path: Path, target: Path, **capture_settings) -> Path:
     """A config with one dataset whose records (10 records of 40 tokens) are already built."""
     run = tmp_path / "run"
-    rows = [{"id": f"r{i}", "prompt_ids": [5] * 30, "output_ids": [6] * 9 + [1], "prompt_tokens": 30, "completion_tokens": 10,
-             "finish_reason": "stop", "text": "", "latency": 0.0, "cached_tokens": 0, "reasoning_tokens": 0, "finished_at": 1.0}
-            for i in range(10)]
+    rows = [
+        {
+            "id": f"r{i}",
+            "prompt_ids": [5] * 30,
+            "output_ids": [6] * 9 + [1],
+            "prompt_tokens": 30,
+            "completion_tokens": 10,
+            "finish_reason": "stop",
+            "text": "",
+            "latency": 0.0,
+            "cached_tokens": 0,
+            "reasoning_tokens": 0,
+            "finished_at": 1.0,
+        }
+        for i in range(10)
+    ]
     write_part(run / "responses/B1", responses_table(rows))
-    build_records("B1", "generate", run / "responses/B1", run / "records/B1", run / "rejects/B1", RecordsJob(vocab_size=2048))
+    build_records(
+        "B1", "generate", run / "responses/B1", run / "records/B1", run / "rejects/B1", RecordsJob(vocab_size=2048)
+    )
     config = {
         "run_dir": str(run),
         "target": {"path": str(target)},
@@ -70,19 +85,31 @@ def capture_some(job: dict, n: int) -> None:
     """What a rank does before it dies: write a shard of the first `n` records (40 tokens each)."""
     with ShardWriter(job["out_dir"], rank=0, shard_tokens=1, aux_layers=job["aux_layers"]) as w:
         for i in range(n):
-            w.add(f"r{i}", "B1", torch.zeros(40, dtype=torch.int32), torch.ones(40, dtype=torch.uint8),
-                  torch.zeros(40, 3 * 128), torch.zeros(40, 128))
+            w.add(
+                f"r{i}",
+                "B1",
+                torch.zeros(40, dtype=torch.int32),
+                torch.ones(40, dtype=torch.uint8),
+                torch.zeros(40, 3 * 128),
+                torch.zeros(40, 128),
+            )
 
 
 def killed(job, on_line):
     capture_some(job, 3)
     on_line("W torch.distributed.elastic: Sending process 123 closing signal SIGTERM")
-    raise RankFailure("job exited with code 1: python -m torch.distributed.run ...\n--- last output ---\nexitcode: -9 (SIGKILL)")
+    raise RankFailure(
+        "job exited with code 1: python -m torch.distributed.run ...\n--- last output ---\nexitcode: -9 (SIGKILL)"
+    )
 
 
 def disk_full(job, on_line):
-    error = WriteFailed(Path(job["out_dir"]) / "shard-001-000004.safetensors", OSError(errno.ENOSPC, "No space left on device"),
-                        kept="every complete shard", resume="make room there")
+    error = WriteFailed(
+        Path(job["out_dir"]) / "shard-001-000004.safetensors",
+        OSError(errno.ENOSPC, "No space left on device"),
+        kept="every complete shard",
+        resume="make room there",
+    )
     on_line(f"{ERROR_MARK} {json.dumps(error_report(error, 1))}")
     on_line("Traceback (most recent call last):")
     raise RankFailure("job exited with code 1: ...")
@@ -125,10 +152,15 @@ def test_rank_error_prefers_the_cause_over_its_peers_lost_connections(tmp_path):
     peer = error_report(RuntimeError("Connection closed by peer"), 0)
     cause = error_report(DamagedShard(tmp_path / "s.safetensors", "7 bytes, not a complete safetensors file"), 1)
     error = rank_error([peer, cause])
-    assert isinstance(error, DamagedShard) and str(error) == str(DamagedShard(tmp_path / "s.safetensors", "7 bytes, not a complete safetensors file"))
+    assert isinstance(error, DamagedShard) and str(error) == str(
+        DamagedShard(tmp_path / "s.safetensors", "7 bytes, not a complete safetensors file")
+    )
     assert rank_error([peer]) is None  # an unexpected error: the launcher's RankFailure (with the output tail) stands
     refused = rank_error([error_report(ValueError("hidden holds shards captured with other settings"), 0)])
-    assert isinstance(refused, CaptureRefused) and str(refused) == "capture rank 0: hidden holds shards captured with other settings"
+    assert (
+        isinstance(refused, CaptureRefused)
+        and str(refused) == "capture rank 0: hidden holds shards captured with other settings"
+    )
 
 
 @pytest.mark.multiprocess
@@ -146,7 +178,9 @@ def test_the_vllm_backend_runs_the_flow_plan_and_artifact_like_the_deepspeed_one
 
     engine = {"launch": "dev", "url": f"http://127.0.0.1:{free_port()}", "max_concurrency": 3, "health_timeout_s": 120}
     config = write_run(tmp_path, tiny_target_dir, backend="vllm", engine=engine, shard_tokens=100)
-    config = config.rename(config.with_name("capture-vllm.yaml"))  # artifact keys of its own: the session shares one server
+    config = config.rename(
+        config.with_name("capture-vllm.yaml")
+    )  # artifact keys of its own: the session shares one server
     console = Console(record=True, width=200)
     assert print_plan(load_config(config), console)
     printed = console.export_text()

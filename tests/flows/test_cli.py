@@ -103,9 +103,20 @@ def test_serve_dev_without_a_model_says_how_to_build_one(tmp_path):
 def test_import_jsonl_then_stats(tmp_path, tiny_target_dir):
     legacy = tmp_path / "raw_responses.jsonl"
     lines = [
-        {"id": "a", "prompt_ids": [5, 6, 7], "output_ids": [9, 10, 1], "completion_tokens": 3, "prompt_tokens": 3, "finish_reason": "stop"},
-        {"id": "b", "messages": [{"role": "user", "content": "hi"}], "choices": [{"message": {"content": "hello there"}, "finish_reason": "length"}],
-         "usage": {"prompt_tokens": 4, "completion_tokens": 2}},
+        {
+            "id": "a",
+            "prompt_ids": [5, 6, 7],
+            "output_ids": [9, 10, 1],
+            "completion_tokens": 3,
+            "prompt_tokens": 3,
+            "finish_reason": "stop",
+        },
+        {
+            "id": "b",
+            "messages": [{"role": "user", "content": "hi"}],
+            "choices": [{"message": {"content": "hello there"}, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 2},
+        },
     ]
     legacy.write_text("\n".join(json.dumps(x) for x in lines) + '\n{"id": "c", "output_')  # killed mid-write
     run_dir = tmp_path / "run"
@@ -128,11 +139,20 @@ def test_stats_on_a_missing_dir_explains(tmp_path):
 
 def test_run_rejects_unknown_stages():
     result = eagle3("run", "configs/demo.yaml", "--stages", "generate,trian")
-    assert result.returncode == 2 and "trian" in result.stderr and "available: generate, records, capture, train, eval" in result.stderr
+    assert (
+        result.returncode == 2
+        and "trian" in result.stderr
+        and "available: generate, records, capture, train, eval" in result.stderr
+    )
 
 
 def _write_config(tmp_path: Path, datasets: list[dict], **sections) -> Path:
-    config = {"run_dir": str(tmp_path / "run"), "target": {"path": str(tmp_path / "t")}, "datasets": datasets, **sections}
+    config = {
+        "run_dir": str(tmp_path / "run"),
+        "target": {"path": str(tmp_path / "t")},
+        "datasets": datasets,
+        **sections,
+    }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -143,12 +163,16 @@ def _write_config(tmp_path: Path, datasets: list[dict], **sections) -> Path:
     [
         (
             {"server": {"url": "http://127.0.0.1:99999", "max_concurrency": True}},
-            ["server.url: port '99999' is not a number from 1 to 65535; the form is scheme://host:port, e.g. http://127.0.0.1:30000",
-             "server.max_concurrency: must be a whole number, not true/false (got True)"],
+            [
+                "server.url: port '99999' is not a number from 1 to 65535; the form is scheme://host:port, e.g. http://127.0.0.1:30000",
+                "server.max_concurrency: must be a whole number, not true/false (got True)",
+            ],
         ),
         (
             {"server": {"url": "http://127.0.0.1:30000/generate"}},
-            ["server.url: must be the server's base URL, scheme://host:port with no path: use 'http://127.0.0.1:30000'"],
+            [
+                "server.url: must be the server's base URL, scheme://host:port with no path: use 'http://127.0.0.1:30000'"
+            ],
         ),
         ({"run_dir": "FILE"}, ["run_dir: FILE exists and is not a directory; it must be a directory or absent"]),
     ],
@@ -172,22 +196,31 @@ def test_validate_rejects_bad_config_values_with_exit_2(tmp_path, change, expect
 
 def test_validate_rejects_repeated_ids_and_empty_datasets_with_exit_1(tmp_path):
     conflict = tmp_path / "conflict.jsonl"
-    conflict.write_text('{"id": "x", "prompt": "a"}\n{"id": 7, "prompt": "b"}\n{"id": "x", "prompt": "c"}\n{"id": "7", "prompt": "b"}\n{"id": "x", "prompt": "a"}\n')
+    conflict.write_text(
+        '{"id": "x", "prompt": "a"}\n{"id": 7, "prompt": "b"}\n{"id": "x", "prompt": "c"}\n{"id": "7", "prompt": "b"}\n{"id": "x", "prompt": "a"}\n'
+    )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     all_bad = tmp_path / "bad.jsonl"
     all_bad.write_text('{"prompt": ""}\n')
-    path = _write_config(tmp_path, [
-        {"name": "B1", "kind": "generate", "path": str(conflict)},
-        {"name": "B2", "kind": "generate", "path": str(conflict), "on_bad_row": "skip"},
-        {"name": "B3", "kind": "generate", "path": str(empty)},
-        {"name": "A1", "kind": "passthrough", "path": str(empty)},
-        {"name": "B4", "kind": "generate", "path": str(all_bad), "on_bad_row": "skip"},
-    ])
+    path = _write_config(
+        tmp_path,
+        [
+            {"name": "B1", "kind": "generate", "path": str(conflict)},
+            {"name": "B2", "kind": "generate", "path": str(conflict), "on_bad_row": "skip"},
+            {"name": "B3", "kind": "generate", "path": str(empty)},
+            {"name": "A1", "kind": "passthrough", "path": str(empty)},
+            {"name": "B4", "kind": "generate", "path": str(all_bad), "on_bad_row": "skip"},
+        ],
+    )
     result = eagle3("validate", str(path))
     assert result.returncode == 1, result.stdout + result.stderr
     out = result.stdout
-    rows = {line.split("│")[2].strip(): [c.strip() for c in line.split("│")[3:-1]] for line in out.splitlines() if line.count("│") == 10}
+    rows = {
+        line.split("│")[2].strip(): [c.strip() for c in line.split("│")[3:-1]]
+        for line in out.splitlines()
+        if line.count("│") == 10
+    }
     # kind, rows, bad rows, duplicates, token budget, max prompts, status
     assert rows["B1"] == ["generate", "2", "2", "1", "-", "-", "bad rows"]
     assert rows["B2"] == ["generate", "2", "2", "1", "-", "-", "ok, 2 to rejects"]
@@ -222,14 +255,19 @@ def test_generate_refuses_an_empty_dataset_with_exit_1(tmp_path, harness_api_url
 
 
 def _legacy_lines(n: int) -> list[dict]:
-    return [{"id": f"r{i}", "prompt_ids": [5, 6, 7], "output_ids": [9, 10, 1], "finish_reason": "stop"} for i in range(n)]
+    return [
+        {"id": f"r{i}", "prompt_ids": [5, 6, 7], "output_ids": [9, 10, 1], "finish_reason": "stop"} for i in range(n)
+    ]
 
 
 def _imported_ids(run_dir: Path, dataset: str = "B1") -> list[str]:
     import pyarrow.parquet as pq
 
-    return [i for p in sorted((run_dir / "responses" / dataset).glob("part-*.parquet"))
-            for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()]
+    return [
+        i
+        for p in sorted((run_dir / "responses" / dataset).glob("part-*.parquet"))
+        for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()
+    ]
 
 
 def test_import_jsonl_bad_line_imports_nothing_then_skip_then_fix(tmp_path, tiny_target_dir):
@@ -276,14 +314,23 @@ def test_import_jsonl_refuses_a_second_writer(tmp_path):
     legacy, run_dir = tmp_path / "raw_responses.jsonl", tmp_path / "run"
     legacy.write_text("\n".join(json.dumps(x) for x in _legacy_lines(2)) + "\n")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from tasks.run_lock import run_lock\n"
-         f"with run_lock({str(run_dir)!r}, 'generate B1'):\n    print('held', flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tasks.run_lock import run_lock\n"
+            f"with run_lock({str(run_dir)!r}, 'generate B1'):\n    print('held', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
     )
     try:
         assert holder.stdout.readline().strip() == "held"
         # A tokenizer path that does not exist: the lock is refused before the tokenizer is loaded.
-        result = eagle3("import-jsonl", str(run_dir), "B1", str(legacy), "--target", str(tmp_path / "no-such-tokenizer"))
+        result = eagle3(
+            "import-jsonl", str(run_dir), "B1", str(legacy), "--target", str(tmp_path / "no-such-tokenizer")
+        )
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
@@ -300,15 +347,26 @@ def test_import_jsonl_clean_errors_for_bad_arguments(tmp_path):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("not a run dir")
     cases = [
-        ((str(tmp_path / "run"), "B1", str(tmp_path / "missing.jsonl"), "--target", "x"),
-         f"error: {tmp_path / 'missing.jsonl'}: no such file"),
-        ((str(a_file), "B1", str(legacy), "--target", "x"),
-         f"error: {a_file} is not a directory: give the run directory to import into"),
-        ((str(tmp_path / "nope"), "B1", str(legacy)),
-         f"error: {tmp_path / 'nope'} does not exist: check the path, or pass --target PATH"),
-        ((str(tmp_path / "run"), "../B1", str(legacy), "--target", "x"), "error: dataset '../B1' cannot be a directory name"),
-        ((str(tmp_path / "run"), "B1", str(legacy), "--target", "x", "--on-bad-line", "ignore"),
-         "error: --on-bad-line must be fail or skip, got 'ignore'"),
+        (
+            (str(tmp_path / "run"), "B1", str(tmp_path / "missing.jsonl"), "--target", "x"),
+            f"error: {tmp_path / 'missing.jsonl'}: no such file",
+        ),
+        (
+            (str(a_file), "B1", str(legacy), "--target", "x"),
+            f"error: {a_file} is not a directory: give the run directory to import into",
+        ),
+        (
+            (str(tmp_path / "nope"), "B1", str(legacy)),
+            f"error: {tmp_path / 'nope'} does not exist: check the path, or pass --target PATH",
+        ),
+        (
+            (str(tmp_path / "run"), "../B1", str(legacy), "--target", "x"),
+            "error: dataset '../B1' cannot be a directory name",
+        ),
+        (
+            (str(tmp_path / "run"), "B1", str(legacy), "--target", "x", "--on-bad-line", "ignore"),
+            "error: --on-bad-line must be fail or skip, got 'ignore'",
+        ),
     ]
     for args, message in cases:
         result = eagle3("import-jsonl", *args)
@@ -324,8 +382,15 @@ def test_import_jsonl_write_failure_is_one_clean_message(tmp_path, tiny_target_d
 
     legacy, run_dir = tmp_path / "raw_responses.jsonl", tmp_path / "run"
     # Random ids do not compress: the part is far bigger than the 64 KB the process may write.
-    lines = [{"id": f"big{i}", "prompt_ids": [5, 6, 7], "output_ids": [(i * 7919 + j * 104729) % 30000 for j in range(20_000)],
-              "finish_reason": "length"} for i in range(4)]
+    lines = [
+        {
+            "id": f"big{i}",
+            "prompt_ids": [5, 6, 7],
+            "output_ids": [(i * 7919 + j * 104729) % 30000 for j in range(20_000)],
+            "finish_reason": "length",
+        }
+        for i in range(4)
+    ]
     legacy.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
     def limit_file_size():  # the storage refuses the write (EFBIG) the way a full disk does (ENOSPC)
@@ -333,8 +398,15 @@ def test_import_jsonl_write_failure_is_one_clean_message(tmp_path, tiny_target_d
         resource.setrlimit(resource.RLIMIT_FSIZE, (64_000, 64_000))
 
     env = {**os.environ, "COLUMNS": "220", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    result = subprocess.run([str(EAGLE3), "import-jsonl", str(run_dir), "B1", str(legacy), "--target", str(tiny_target_dir)],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+    result = subprocess.run(
+        [str(EAGLE3), "import-jsonl", str(run_dir), "B1", str(legacy), "--target", str(tiny_target_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit_file_size,
+    )
     assert result.returncode == 1, result.stderr
     directory = run_dir / "responses" / "B1"
     assert result.stderr.startswith(f"error: cannot write {directory}: file too large for this file system: ")

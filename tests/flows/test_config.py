@@ -108,7 +108,10 @@ def test_missing_required_keys():
         (lambda d: d["datasets"][1].update(name="../evil"), "cannot be a directory name"),
         (lambda d: d.update(server={"url": "localhost:30000"}), "server.url: must be an http(s) URL"),
         (lambda d: d.update(sampling={"stop_token_ids": []}), "sampling.stop_token_ids: must be a non-empty list"),
-        (lambda d: d["datasets"][1].update(on_bad_row="ignore"), "datasets[1].on_bad_row: Input should be 'fail' or 'skip'"),
+        (
+            lambda d: d["datasets"][1].update(on_bad_row="ignore"),
+            "datasets[1].on_bad_row: Input should be 'fail' or 'skip'",
+        ),
         (lambda d: d.update(datasets="b.jsonl"), "datasets: Input should be a valid list"),
         (lambda d: d.update(train={"adam_betas": [0.9, 1.0]}), "each AdamW beta must be in (0, 1), got [0.9, 1.0]"),
         (lambda d: d.update(train={"adam_betas": [0.9]}), "train.adam_betas"),
@@ -154,18 +157,33 @@ def test_the_layout_puts_the_output_directories_where_the_settings_say(tmp_path)
     config = parse_config(copy.deepcopy(MINIMAL), base=tmp_path)
     layout = config.layout  # nothing set: all of it under run_dir
     assert (layout.run_dir, layout.hidden_dir, layout.engine_dir, layout.draft_dir) == (
-        tmp_path / "runs/x", tmp_path / "runs/x/hidden", tmp_path / "runs/x/engine", tmp_path / "runs/x/draft")
+        tmp_path / "runs/x",
+        tmp_path / "runs/x/hidden",
+        tmp_path / "runs/x/engine",
+        tmp_path / "runs/x/draft",
+    )
     assert config.dataset_records()[1].records_dir == str(tmp_path / "runs/x/records/B1")
-    data = {**copy.deepcopy(MINIMAL), "capture": {"out_dir": "big/hidden", "backend": "vllm", "engine": {"shared_dir": "/dev/shm/c"}},
-            "train": {"out_dir": "drafts/k25"}}
+    data = {
+        **copy.deepcopy(MINIMAL),
+        "capture": {"out_dir": "big/hidden", "backend": "vllm", "engine": {"shared_dir": "/dev/shm/c"}},
+        "train": {"out_dir": "drafts/k25"},
+    }
     config = parse_config(data, base=tmp_path)
     layout = config.layout
     assert (layout.hidden_dir, layout.engine_dir, layout.draft_dir) == (
-        tmp_path / "big/hidden", Path("/dev/shm/c"), tmp_path / "drafts/k25")
-    assert layout.final == tmp_path / "drafts/k25/final" and layout.token_counts == tmp_path / "runs/x/records/token_counts.parquet"
+        tmp_path / "big/hidden",
+        Path("/dev/shm/c"),
+        tmp_path / "drafts/k25",
+    )
+    assert (
+        layout.final == tmp_path / "drafts/k25/final"
+        and layout.token_counts == tmp_path / "runs/x/records/token_counts.parquet"
+    )
     assert config.written_dirs(["capture", "train"]) == [
-        ("capture.out_dir", tmp_path / "big/hidden"), ("capture.engine.shared_dir", Path("/dev/shm/c")),
-        ("train.out_dir", tmp_path / "drafts/k25")]
+        ("capture.out_dir", tmp_path / "big/hidden"),
+        ("capture.engine.shared_dir", Path("/dev/shm/c")),
+        ("train.out_dir", tmp_path / "drafts/k25"),
+    ]
     assert config.read_dirs(["train"]) == [("capture.out_dir", tmp_path / "big/hidden")]
 
 
@@ -210,15 +228,25 @@ def _number_fields():
     from flows.config import DatasetConfig
 
     def numeric(annotation):
-        members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+        members = (
+            typing.get_args(annotation)
+            if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+            else (annotation,)
+        )
         return bool({int, float} & set(members)) and bool not in members
 
     out = []
     for section, field in RunConfig.model_fields.items():
         model = field.annotation
         if isinstance(model, type) and issubclass(model, RunConfig.__base__):
-            out += [(f"{section}.{name}", section, name) for name, f in model.model_fields.items() if numeric(f.annotation)]
-    out += [(f"datasets[1].{name}", "datasets", name) for name, f in DatasetConfig.model_fields.items() if numeric(f.annotation)]
+            out += [
+                (f"{section}.{name}", section, name) for name, f in model.model_fields.items() if numeric(f.annotation)
+            ]
+    out += [
+        (f"datasets[1].{name}", "datasets", name)
+        for name, f in DatasetConfig.model_fields.items()
+        if numeric(f.annotation)
+    ]
     return out
 
 
@@ -227,8 +255,15 @@ NUMBER_FIELDS = _number_fields()
 
 def test_number_fields_are_found():
     keys = [key for key, _, _ in NUMBER_FIELDS]
-    assert {"server.max_concurrency", "server.request_timeout_s", "sampling.temperature", "train.seed",
-            "capture.disk_margin", "datasets[1].token_budget", "datasets[1].max_prompts"} <= set(keys)
+    assert {
+        "server.max_concurrency",
+        "server.request_timeout_s",
+        "sampling.temperature",
+        "train.seed",
+        "capture.disk_margin",
+        "datasets[1].token_budget",
+        "datasets[1].max_prompts",
+    } <= set(keys)
 
 
 @pytest.mark.parametrize("key,section,name", NUMBER_FIELDS, ids=[k for k, _, _ in NUMBER_FIELDS])
@@ -263,7 +298,11 @@ def test_bools_and_numbers_still_load_where_they_belong(tmp_path):
     data["server"] = {"max_concurrency": 8.0, "request_timeout_s": 30}
     data["records"] = {"keep_truncated": False}
     config = parse_config(data, base=tmp_path)
-    assert (config.target.trust_remote_code, config.server.max_concurrency, config.server.request_timeout_s) == (True, 8, 30.0)
+    assert (config.target.trust_remote_code, config.server.max_concurrency, config.server.request_timeout_s) == (
+        True,
+        8,
+        30.0,
+    )
     assert config.records.keep_truncated is False
     config.server.max_concurrency = 16  # assignment is validated too
     with pytest.raises(ValueError, match="must be a whole number, not true/false"):
@@ -276,15 +315,26 @@ URL_FORM = "scheme://host:port, e.g. http://127.0.0.1:30000"
 @pytest.mark.parametrize(
     "url, expected",
     [
-        ("http://127.0.0.1:99999", f"server.url: port '99999' is not a number from 1 to 65535; the form is {URL_FORM} (got 'http://127.0.0.1:99999')"),
+        (
+            "http://127.0.0.1:99999",
+            f"server.url: port '99999' is not a number from 1 to 65535; the form is {URL_FORM} (got 'http://127.0.0.1:99999')",
+        ),
         ("http://127.0.0.1:0", "server.url: port '0' is not a number from 1 to 65535"),
         ("http://127.0.0.1:", "server.url: port '' is not a number from 1 to 65535"),
         ("http://127.0.0.1:30k", "server.url: port '30k' is not a number from 1 to 65535"),
-        ("http://127.0.0.1:30000/generate",
-         "server.url: must be the server's base URL, scheme://host:port with no path: use 'http://127.0.0.1:30000'"
-         " (SGLang's native API is at the root; the pipeline adds /generate itself) (got 'http://127.0.0.1:30000/generate')"),
-        ("http://gpu-node-3:8000/v1", "server.url: must be the server's base URL, scheme://host:port with no path: use 'http://gpu-node-3:8000'"),
-        ("http://h:30000?x=1", "server.url: must be the server's base URL, scheme://host:port with no path: use 'http://h:30000'"),
+        (
+            "http://127.0.0.1:30000/generate",
+            "server.url: must be the server's base URL, scheme://host:port with no path: use 'http://127.0.0.1:30000'"
+            " (SGLang's native API is at the root; the pipeline adds /generate itself) (got 'http://127.0.0.1:30000/generate')",
+        ),
+        (
+            "http://gpu-node-3:8000/v1",
+            "server.url: must be the server's base URL, scheme://host:port with no path: use 'http://gpu-node-3:8000'",
+        ),
+        (
+            "http://h:30000?x=1",
+            "server.url: must be the server's base URL, scheme://host:port with no path: use 'http://h:30000'",
+        ),
         ("localhost:30000", f"server.url: must be an http(s) URL of the form {URL_FORM} (got 'localhost:30000')"),
         ("ftp://h:30000", f"server.url: must be an http(s) URL of the form {URL_FORM}"),
         ("http://", f"server.url: must be an http(s) URL of the form {URL_FORM}"),
@@ -325,7 +375,9 @@ def test_run_dir_must_be_a_directory_or_absent(tmp_path):
     ]
     data["run_dir"] = "notes.txt/run"
     (line,) = problems(data, base=tmp_path)
-    assert line.startswith(f"run_dir: {tmp_path / 'notes.txt/run'} cannot be a directory because {tmp_path / 'notes.txt'} is a file")
+    assert line.startswith(
+        f"run_dir: {tmp_path / 'notes.txt/run'} cannot be a directory because {tmp_path / 'notes.txt'} is a file"
+    )
     data["run_dir"] = "runs/new"
     data["train"] = {"out_dir": "notes.txt"}
     (line,) = problems(data, base=tmp_path)
@@ -343,35 +395,50 @@ def test_one_node_by_default_and_world_size_is_nodes_times_gpus(tmp_path):
     config = parse_config(copy.deepcopy(MINIMAL), base=tmp_path)
     assert (config.distributed.nnodes, config.distributed.master_addr, config.distributed.hostfile) == (1, None, None)
     assert config.world_size(config.train) == 8
-    data = {**copy.deepcopy(MINIMAL), "train": {"num_gpus": 4, "launcher": "torchrun"}, "capture": {"launcher": "torchrun"},
-            "distributed": {"nnodes": 3, "master_addr": "10.0.0.5"}}
+    data = {
+        **copy.deepcopy(MINIMAL),
+        "train": {"num_gpus": 4, "launcher": "torchrun"},
+        "capture": {"launcher": "torchrun"},
+        "distributed": {"nnodes": 3, "master_addr": "10.0.0.5"},
+    }
     config = parse_config(data, base=tmp_path)
     assert config.world_size(config.train) == 12 and config.world_size(config.capture) == 24
     assert config.layout.job("train") == tmp_path / "runs/x/jobs/train.json"
 
 
 def test_several_nodes_need_a_rendezvous_or_a_hostfile(tmp_path):
-    torchrun = {**copy.deepcopy(MINIMAL), "capture": {"launcher": "torchrun"}, "train": {"launcher": "torchrun"},
-                "distributed": {"nnodes": 2}}
+    torchrun = {
+        **copy.deepcopy(MINIMAL),
+        "capture": {"launcher": "torchrun"},
+        "train": {"launcher": "torchrun"},
+        "distributed": {"nnodes": 2},
+    }
     lines = problems(torchrun, base=tmp_path)
-    assert lines == ["distributed: nnodes 2 with torchrun needs master_addr: the address of node 0 that every node reaches "
-                     "(its rendezvous runs there, on master_port) (capture: launcher torchrun; train: launcher torchrun)"]
+    assert lines == [
+        "distributed: nnodes 2 with torchrun needs master_addr: the address of node 0 that every node reaches "
+        "(its rendezvous runs there, on master_port) (capture: launcher torchrun; train: launcher torchrun)"
+    ]
     deepspeed = {**torchrun, "capture": {"launcher": "deepspeed"}, "train": {"launcher": "deepspeed", "num_gpus": 4}}
     assert any("needs hostfile" in line for line in problems(deepspeed, base=tmp_path))
 
     hostfile = tmp_path / "hostfile"
     deepspeed["distributed"] = {"nnodes": 2, "hostfile": "hostfile"}
-    assert problems(deepspeed, base=tmp_path) == [f"distributed: cannot read the hostfile {hostfile}: No such file or directory "
-                                                 "(capture: launcher deepspeed; train: launcher deepspeed)"]
+    assert problems(deepspeed, base=tmp_path) == [
+        f"distributed: cannot read the hostfile {hostfile}: No such file or directory "
+        "(capture: launcher deepspeed; train: launcher deepspeed)"
+    ]
     hostfile.write_text("# two nodes\ngpu-0 slots=8\n\ngpu-1 slots=4\n")
     assert problems(deepspeed, base=tmp_path) == [
         f"distributed: num_gpus 8 per node, but the hostfile {hostfile} gives gpu-1 slots=4: every node runs num_gpus ranks "
-        "(the world size is nnodes x num_gpus) (capture: launcher deepspeed)"]
+        "(the world size is nnodes x num_gpus) (capture: launcher deepspeed)"
+    ]
     deepspeed["capture"] = {"launcher": "deepspeed", "num_gpus": 4}
     config = parse_config(deepspeed, base=tmp_path)
     assert config.distributed.hostfile == hostfile and config.world_size(config.train) == 8
     deepspeed["distributed"]["nnodes"] = 3
-    assert any(f"nnodes 3, but the hostfile {hostfile} lists 2 host(s)" in line for line in problems(deepspeed, base=tmp_path))
+    assert any(
+        f"nnodes 3, but the hostfile {hostfile} lists 2 host(s)" in line for line in problems(deepspeed, base=tmp_path)
+    )
     hostfile.write_text("gpu-0 slots=8\ngpu-0 slots=8\n")
     assert any("line 2: host 'gpu-0' is listed twice" in line for line in problems(deepspeed, base=tmp_path))
 
@@ -379,7 +446,10 @@ def test_several_nodes_need_a_rendezvous_or_a_hostfile(tmp_path):
 @pytest.mark.parametrize("addr", ["10.0.0.5:29500", "", "node 0"])
 def test_master_addr_is_an_address_without_a_port(addr):
     data = {**copy.deepcopy(MINIMAL), "distributed": {"nnodes": 2, "master_addr": addr}}
-    assert any(line.startswith("distributed.master_addr: must be the host name or IP address of node 0") for line in problems(data))
+    assert any(
+        line.startswith("distributed.master_addr: must be the host name or IP address of node 0")
+        for line in problems(data)
+    )
 
 
 # --- several servers (issue 13) -------------------------------------------------------------------
@@ -391,14 +461,30 @@ def test_servers_already_running_go_in_urls_and_launched_replicas_take_consecuti
     server = parse_config(data, base=tmp_path).server
     assert server.endpoints == ["http://box-a:30000", "http://box-b:30000"]
     data["server"] = {"url": "http://127.0.0.1:31000", "launch": "dev", "replicas": 3}
-    assert parse_config(data, base=tmp_path).server.endpoints == [f"http://127.0.0.1:{p}" for p in (31000, 31001, 31002)]
+    assert parse_config(data, base=tmp_path).server.endpoints == [
+        f"http://127.0.0.1:{p}" for p in (31000, 31001, 31002)
+    ]
     data["server"] = {"url": "http://[::1]:31000", "launch": "dev", "replicas": 2}
     assert parse_config(data, base=tmp_path).server.endpoints == ["http://[::1]:31000", "http://[::1]:31001"]
     data["server"] = {"url": "http://127.0.0.1:31000", "launch": "dev", "replicas": 3, "router": True}
     assert parse_config(data, base=tmp_path).server.endpoints == ["http://127.0.0.1:31000"]  # the router
-    data["server"] = {"url": "http://127.0.0.1:31000", "launch": "command", "replicas": 2, "gpus_per_replica": 4,
-                      "command": ["python", "-m", "sglang.launch_server", "--port", "{port}", "--tp", 4,
-                                  "--json-model-override-args", '{"x": 1}']}
+    data["server"] = {
+        "url": "http://127.0.0.1:31000",
+        "launch": "command",
+        "replicas": 2,
+        "gpus_per_replica": 4,
+        "command": [
+            "python",
+            "-m",
+            "sglang.launch_server",
+            "--port",
+            "{port}",
+            "--tp",
+            4,
+            "--json-model-override-args",
+            '{"x": 1}',
+        ],
+    }
     assert parse_config(data, base=tmp_path).server.command[6] == "4"  # YAML numbers become words
 
 
@@ -411,7 +497,10 @@ def test_servers_already_running_go_in_urls_and_launched_replicas_take_consecuti
         ({"urls": ["http://a:1"], "launch": "dev"}, "urls lists servers that are already running (launch: none)"),
         ({"replicas": 2}, "replicas and router are started by the pipeline: set launch: dev or command"),
         ({"router": True}, "replicas and router are started by the pipeline"),
-        ({"launch": "command", "command": ["serve"], "replicas": 2}, "with replicas > 1 the command must put each replica"),
+        (
+            {"launch": "command", "command": ["serve"], "replicas": 2},
+            "with replicas > 1 the command must put each replica",
+        ),
         ({"launch": "command", "command": ["serve", "--port", "{prot}"]}, "unknown placeholder {prot}"),
         ({"launch": "dev", "url": "http://h:65535", "replicas": 2}, "2 replicas from port 65535 go past port 65535"),
         ({"replicas": 0, "launch": "dev"}, "server.replicas: Input should be greater than or equal to 1"),
@@ -428,10 +517,17 @@ def test_bad_server_pools_are_named(server, expected):
 
 
 def test_engine_eval_settings_and_where_it_measures(tmp_path):
-    data = {**copy.deepcopy(MINIMAL), "eval": {"backend": "engine", "concurrency": 4, "baseline_url": "http://plain:30000/"},
-            "server": {"urls": ["http://with-draft:30000", "http://other:30000"]}}
+    data = {
+        **copy.deepcopy(MINIMAL),
+        "eval": {"backend": "engine", "concurrency": 4, "baseline_url": "http://plain:30000/"},
+        "server": {"urls": ["http://with-draft:30000", "http://other:30000"]},
+    }
     config = parse_config(data, base=tmp_path)
-    assert (config.eval.backend, config.eval.concurrency, config.eval.baseline_url) == ("engine", 4, "http://plain:30000")
+    assert (config.eval.backend, config.eval.concurrency, config.eval.baseline_url) == (
+        "engine",
+        4,
+        "http://plain:30000",
+    )
     assert config.eval_server_url == "http://with-draft:30000"
     assert parse_config(copy.deepcopy(MINIMAL), base=tmp_path).eval.backend == "hf"
 
@@ -442,8 +538,10 @@ def test_engine_eval_settings_and_where_it_measures(tmp_path):
         ({"eval": {"backend": "vllm"}}, "eval.backend: Input should be 'hf', 'engine' or 'both'"),
         ({"eval": {"concurrency": 0}}, "eval.concurrency: Input should be greater than or equal to 1"),
         ({"eval": {"baseline_url": "plain:30000"}}, "eval.baseline_url: must be an http(s) URL"),
-        ({"eval": {"baseline_url": "http://plain:30000"}, "server": {"launch": "dev"}},
-         "eval.baseline_url is for a server already running (server.launch: none)"),
+        (
+            {"eval": {"baseline_url": "http://plain:30000"}, "server": {"launch": "dev"}},
+            "eval.baseline_url is for a server already running (server.launch: none)",
+        ),
     ],
 )
 def test_bad_engine_eval_settings_are_named(section, expected):
@@ -464,7 +562,10 @@ def test_the_demo_server_section_for_each_engine_validates(tmp_path, monkeypatch
     (tmp_path / "no-venv" / "bin" / "python").write_text("")
     vllm = demo.demo_server(config, "vllm", "http://127.0.0.1:30011")
     assert (vllm.engine, vllm.launch) == ("vllm", "command")
-    assert vllm.command[2] == str(tmp_path / "no-venv" / "bin" / "python") and "--no-enable-chunked-prefill" in vllm.command
+    assert (
+        vllm.command[2] == str(tmp_path / "no-venv" / "bin" / "python")
+        and "--no-enable-chunked-prefill" in vllm.command
+    )
     assert vllm.command[vllm.command.index("--model") + 1] == config.target.path
 
 
@@ -473,16 +574,30 @@ def test_vllm_is_refused_with_the_dev_server_and_the_sglang_router(tmp_path):
     with pytest.raises(ConfigError, match="dev server emulates SGLang only"):
         parse_config({**base, "server": {"engine": "vllm", "launch": "dev"}})
     with pytest.raises(ConfigError, match="SGLang router"):
-        parse_config({**base, "server": {"engine": "vllm", "launch": "command", "command": ["x", "--port", "{port}"],
-                                         "router": True}})
+        parse_config(
+            {
+                **base,
+                "server": {"engine": "vllm", "launch": "command", "command": ["x", "--port", "{port}"], "router": True},
+            }
+        )
 
 
 def test_the_optimizer_settings_reach_the_deepspeed_config(tmp_path):
     from flows.train import train_job
 
-    data = {**copy.deepcopy(MINIMAL), "run_dir": str(tmp_path / "run"),
-            "train": {"adam_betas": [0.8, 0.99], "adam_eps": 1e-6, "torch_adam": False, "weight_decay": 0.1}}
+    data = {
+        **copy.deepcopy(MINIMAL),
+        "run_dir": str(tmp_path / "run"),
+        "train": {"adam_betas": [0.8, 0.99], "adam_eps": 1e-6, "torch_adam": False, "weight_decay": 0.1},
+    }
     from models.train import ds_train_config
 
-    params = ds_train_config(train_job(parse_config(data, base=tmp_path)), world_size=1, bf16=False)["optimizer"]["params"]
-    assert (params["betas"], params["eps"], params["torch_adam"], params["weight_decay"]) == ([0.8, 0.99], 1e-6, False, 0.1)
+    params = ds_train_config(train_job(parse_config(data, base=tmp_path)), world_size=1, bf16=False)["optimizer"][
+        "params"
+    ]
+    assert (params["betas"], params["eps"], params["torch_adam"], params["weight_decay"]) == (
+        [0.8, 0.99],
+        1e-6,
+        False,
+        0.1,
+    )

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-
 import io
 import json
 
 import pyarrow.parquet as pq
+import pytest
 from rich.console import Console
 from transformers import AutoTokenizer
 
@@ -24,8 +23,9 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     out = io.StringIO()
     # configs/demo.yaml with a shorter training and eval (the full one is `make demo`'s, ~5 minutes on 2 cores)
     short = {"train": {"epochs": 8}, "eval": {"prompts": 24, "max_new_tokens": 32}}
-    config = run_demo(run_dir=tmp_path / "run", console=Console(file=out, width=200), target_dir=tiny_target_dir,
-                      overrides=short)
+    config = run_demo(
+        run_dir=tmp_path / "run", console=Console(file=out, width=200), target_dir=tiny_target_dir, overrides=short
+    )
     assert config.eval.prompts == 24 and config.eval.backend == "both"
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
@@ -36,7 +36,9 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
             assert (config.run_dir / "passthrough" / dataset.name / "part-000000.parquet").exists()
             continue
         prompts = {row.id: row for row in load_dataset(dataset.path, "generate").rows[: dataset.max_prompts]}
-        rows = [r for p in live_parts(config.run_dir / "responses" / dataset.name) for r in pq.read_table(p).to_pylist()]
+        rows = [
+            r for p in live_parts(config.run_dir / "responses" / dataset.name) for r in pq.read_table(p).to_pylist()
+        ]
         assert rows, dataset.name
         ids = [r["id"] for r in rows]
         assert len(ids) == len(set(ids))  # exactly once
@@ -55,8 +57,15 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     for dataset in config.datasets:  # records: generated ones train on exactly the generated text
         if dataset.kind != "generate":
             continue
-        texts = {r["id"]: r["text"] for p in live_parts(config.run_dir / "responses" / dataset.name) for r in pq.read_table(p).to_pylist() if r["finish_reason"] == "stop"}
-        records = [r for p in live_parts(config.run_dir / "records" / dataset.name) for r in pq.read_table(p).to_pylist()]
+        texts = {
+            r["id"]: r["text"]
+            for p in live_parts(config.run_dir / "responses" / dataset.name)
+            for r in pq.read_table(p).to_pylist()
+            if r["finish_reason"] == "stop"
+        }
+        records = [
+            r for p in live_parts(config.run_dir / "records" / dataset.name) for r in pq.read_table(p).to_pylist()
+        ]
         assert sorted(r["id"] for r in records) == sorted(texts)
         for r in records:
             trained = [t for t, m in zip(r["input_ids"], r["loss_mask"]) if m]
@@ -93,7 +102,10 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     assert report["backends"] == ["hf", "engine"]
     engine, same = report["engine"]["overall"], report["engine_vs_hf"]
     assert same["equal"] and same["prompts_compared"] == report["trained"]["prompts"] == engine["prompts"]
-    assert engine["per_round"] == report["trained"]["acceptance_length"] and engine["verify_rounds"] == report["trained"]["rounds"]
+    assert (
+        engine["per_round"] == report["trained"]["acceptance_length"]
+        and engine["verify_rounds"] == report["trained"]["rounds"]
+    )
     assert engine["acceptance_length"] > engine["per_round"] and engine["speedup"] > 0
     assert report["engine"]["outputs_differ_without_draft"] == 0
     assert "engine and HF EQUAL" in printed

@@ -20,8 +20,10 @@ from models.findings import Finding
 
 REPO = Path(__file__).resolve().parents[2]
 # A template that renders the user's turns and drops every assistant turn's text: nothing to put loss on.
-NO_ANSWERS = ("{% for m in messages %}{% if m['role'] != 'assistant' %}<|{{ m['role'] }}|>{{ m['content'] }}"
-              "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+NO_ANSWERS = (
+    "{% for m in messages %}{% if m['role'] != 'assistant' %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def write_config(tmp_path: Path, target: Path, **sections) -> Path:
@@ -53,13 +55,23 @@ def test_the_demo_config_passes_every_check_and_says_cpu(tmp_path, tiny_target_d
     # GPU machine (Python 3.12, torch 2.11, transformers 5.17); every other check passes.
     warned = {name for name, f in findings.items() if f.status == "WARN"}
     assert {f.status for f in findings.values()} <= {"PASS", "WARN"}
-    assert all(name in environment.TESTED and "; tested with " in findings[name].detail for name in warned), \
-        {name: findings[name].detail for name in warned}
+    assert all(name in environment.TESTED and "; tested with " in findings[name].detail for name in warned), {
+        name: findings[name].detail for name in warned
+    }
     assert re.search(rf"\d+ passed, {len(warned)} warnings, 0 failed", result.output)
     assert "cpu" in findings["device"].detail and "no CUDA" in findings["device"].detail
     # every group that applies to a fresh demo run is there, each dataset's template included
-    assert {"python", "torch", "deepspeed", "transformers", "prefect", "engine", "draft", "disk: capture",
-            "run directory"} <= set(findings)
+    assert {
+        "python",
+        "torch",
+        "deepspeed",
+        "transformers",
+        "prefect",
+        "engine",
+        "draft",
+        "disk: capture",
+        "run directory",
+    } <= set(findings)
     assert {f"chat template: {n}" for n in ("A1_chat", "B1_code", "B2_math", "B3_long")} <= set(findings)
     assert findings["engine"].detail.startswith("server.launch: dev")
 
@@ -85,13 +97,20 @@ def test_a_template_that_masks_nothing_fails_naming_the_dataset(tmp_path, maskle
 def test_the_pipeline_stops_before_its_first_stage_on_a_fail_and_skip_checks_runs_it(tmp_path, maskless_target):
     from flows.pipeline import pipeline
 
-    config = write_config(tmp_path, maskless_target, server={"launch": "none"},
-                          datasets=[{"name": "A1_chat", "kind": "passthrough",
-                                     "path": str(REPO / "data/samples/passthrough_chat.jsonl")}])
+    config = write_config(
+        tmp_path,
+        maskless_target,
+        server={"launch": "none"},
+        datasets=[
+            {"name": "A1_chat", "kind": "passthrough", "path": str(REPO / "data/samples/passthrough_chat.jsonl")}
+        ],
+    )
     with pytest.raises(PreflightFailed, match=r"chat template: A1_chat: 0% of the tokens get loss"):
         pipeline(str(config), "generate,records")
     assert not (tmp_path / "run" / "responses").exists()  # no stage was started
-    pipeline(str(config), "generate,records", skip_checks=True)  # the same fault, found by the stage: every row a reject
+    pipeline(
+        str(config), "generate,records", skip_checks=True
+    )  # the same fault, found by the stage: every row a reject
     rejects = list((tmp_path / "run" / "rejects" / "A1_chat").glob("*"))
     assert rejects, "the records stage ran and rejected the rows the template cannot mask"
 
@@ -140,7 +159,9 @@ def test_the_engine_serving_the_target_passes_with_its_figures(tmp_path, tiny_ta
         found = by_name(engine_checks(config))
     assert {f.status for f in found.values()} == {"PASS", "WARN"}
     assert found[f"engine {url}: model"].detail == str(tiny_target_dir)
-    assert found[f"engine {url}: version"].detail.startswith("the eagle3 dev server 0.1.0-eagle3-dev (an emulation of SGLang 0.5.23")
+    assert found[f"engine {url}: version"].detail.startswith(
+        "the eagle3 dev server 0.1.0-eagle3-dev (an emulation of SGLang 0.5.23"
+    )
     # B3_long's longest sampled prompt (667 tokens) + max_new_tokens 96 does not fit a context of 512
     context = found[f"engine {url}: context"]
     assert context.status == "WARN" and "B3_long (667)" in context.detail and "SGLang refuses them" in context.advice

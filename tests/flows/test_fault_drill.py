@@ -25,7 +25,9 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes of its
 
 FLUSH_EVERY = 16
 SLOTS = 8
-PROMPTS = 600  # the disk fills after ~230 responses: the first run stops well short of them all, the rerun does the rest
+PROMPTS = (
+    600  # the disk fills after ~230 responses: the first run stops well short of them all, the rerun does the rest
+)
 
 
 @pytest.fixture
@@ -45,24 +47,39 @@ def eagle3(*args: str, api_url: str | None = None) -> subprocess.CompletedProces
 
 
 @pytest.mark.slow
-def test_disk_full_stops_generate_at_once_and_a_rerun_after_the_disk_grows_finishes(small_disk, tmpfs, tmp_path, tiny_target_dir,
-                                                                                   harness_api_url):
+def test_disk_full_stops_generate_at_once_and_a_rerun_after_the_disk_grows_finishes(
+    small_disk, tmpfs, tmp_path, tiny_target_dir, harness_api_url
+):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}: " + "word " * (i % 20)}) + "\n" for i in range(PROMPTS)))
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "prompt": f"question {i}: " + "word " * (i % 20)}) + "\n" for i in range(PROMPTS)
+        )
+    )
     run_dir = small_disk / "run"
     # Ballast: the disk keeps ~160 KB free, a few hundred responses' worth.
     (small_disk / "ballast").write_bytes(b"\0" * (3 * 2**20 - 160 * 2**10))
-    with SimServer(max_running=SLOTS, decode_s_per_token=0.0002, mean_len=40, vocab_size=2048, eos_token_id=1,
-                   model_path=str(tiny_target_dir)) as srv:  # serving the target, as the preflight checks
+    with SimServer(
+        max_running=SLOTS,
+        decode_s_per_token=0.0002,
+        mean_len=40,
+        vocab_size=2048,
+        eos_token_id=1,
+        model_path=str(tiny_target_dir),
+    ) as srv:  # serving the target, as the preflight checks
         config = tmp_path / "drill.yaml"
-        config.write_text(yaml.safe_dump({
-            "run_dir": str(run_dir),
-            "target": {"path": str(tiny_target_dir)},
-            "server": {"url": srv.url, "max_concurrency": SLOTS, "health_timeout_s": 30},
-            "sampling": {"max_new_tokens": 64, "temperature": 0.7},
-            "generate": {"flush_every": FLUSH_EVERY, "flush_interval_s": 600, "retries": 0},
-            "datasets": [{"name": "B1", "kind": "generate", "path": str(prompts)}],
-        }))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "run_dir": str(run_dir),
+                    "target": {"path": str(tiny_target_dir)},
+                    "server": {"url": srv.url, "max_concurrency": SLOTS, "health_timeout_s": 30},
+                    "sampling": {"max_new_tokens": 64, "temperature": 0.7},
+                    "generate": {"flush_every": FLUSH_EVERY, "flush_interval_s": 600, "retries": 0},
+                    "datasets": [{"name": "B1", "kind": "generate", "path": str(prompts)}],
+                }
+            )
+        )
         first = eagle3("generate", str(config))
         served = srv.snapshot().completed
         parts = live_parts(run_dir / "responses/B1")
@@ -70,7 +87,10 @@ def test_disk_full_stops_generate_at_once_and_a_rerun_after_the_disk_grows_finis
         message = " ".join(first.stderr.split())
         assert first.returncode == 1, first.stderr[-2000:]
         # The verdict is one line of its own (Prefect's flow-run log above it may show tracebacks).
-        assert any(line.startswith("pipeline failed: generate failed for B1: cannot write") for line in first.stderr.splitlines())
+        assert any(
+            line.startswith("pipeline failed: generate failed for B1: cannot write")
+            for line in first.stderr.splitlines()
+        )
         assert f"cannot write {run_dir}/responses/B1" in message and "disk full:" in message
         assert f"bytes free on {small_disk}" in message
         assert f"kept: {len(kept):,} responses of B1" in message and "to resume: free space" in message

@@ -32,7 +32,12 @@ def write_config(tmp_path: Path, url: str, target: Path, **extra) -> Path:
         "generate": {"flush_every": 10, "log_interval_s": 0.2, "retries": 0},
         "datasets": [
             {"name": "A1_chat", "kind": "passthrough", "path": str(REPO / "data/samples/passthrough_chat.jsonl")},
-            {"name": "B1_code", "kind": "generate", "path": str(REPO / "data/samples/gen_code.jsonl"), "token_budget": 300},
+            {
+                "name": "B1_code",
+                "kind": "generate",
+                "path": str(REPO / "data/samples/gen_code.jsonl"),
+                "token_budget": 300,
+            },
             {"name": "B2_math", "kind": "generate", "path": str(REPO / "data/samples/gen_math.jsonl")},
         ],
         **extra,
@@ -82,7 +87,12 @@ def test_generate_records_capture_flows_publish_their_artifacts(tmp_path, tiny_t
 
     report = {r["dataset"]: r for r in records(str(config))}
     assert report["A1_chat"]["records"] >= 32  # every conversation, some split per turn
-    stops = sum(1 for p in live_parts(run / "responses/B2_math") for f in pq.read_table(p).column("finish_reason").to_pylist() if f == "stop")
+    stops = sum(
+        1
+        for p in live_parts(run / "responses/B2_math")
+        for f in pq.read_table(p).column("finish_reason").to_pylist()
+        if f == "stop"
+    )
     assert report["B2_math"]["records"] == stops  # length-finished responses left out
     assert (run / "records/token_counts.parquet").exists()
     artifacts = asyncio.run(artifacts_by_key())
@@ -105,7 +115,10 @@ def test_generate_records_capture_flows_publish_their_artifacts(tmp_path, tiny_t
     index = pq.read_table(run / "hidden/index.parquet").to_pylist()
     assert len({(r["dataset"], r["id"]) for r in index}) == len(index) == total_records
     sample = read_sample(run / "hidden" / index[0]["shard"], index[0]["offset"], index[0]["length"])
-    assert sample["aux_hidden"].shape == (index[0]["length"], 3 * 128) and sample["last_hidden"].shape == (index[0]["length"], 128)
+    assert sample["aux_hidden"].shape == (index[0]["length"], 3 * 128) and sample["last_hidden"].shape == (
+        index[0]["length"],
+        128,
+    )
     assert asyncio.run(artifacts_by_key())["capture-cfg"].data == 100.0
     again = capture(str(config))  # resume: nothing left to capture, nothing duplicated
     assert again["samples"] == total_records

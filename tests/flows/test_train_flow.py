@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from models.file_errors import WriteFailed
 from models.rank_protocol import error_report
 from models.train import ERROR_MARK
 from models.train_checkpoint import RESUME
-from models.file_errors import WriteFailed
 from tasks.launch_ranks import RankFailure
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,19 +48,29 @@ class Ranks:
         if outcome == "killed":  # SIGKILL: no report, the launcher says the rank died
             raise RankFailure("job exited with code 1: torchrun ...\n--- last output ---\nexitcode: -9 (SIGKILL)")
         if outcome == "disk full":
-            failed = WriteFailed(self.draft_dir / "checkpoints" / "step-00000004", OSError(errno.ENOSPC, "No space left on device"),
-                                 kept="checkpoint step-00000002 (complete, step 2)", resume=RESUME)
+            failed = WriteFailed(
+                self.draft_dir / "checkpoints" / "step-00000004",
+                OSError(errno.ENOSPC, "No space left on device"),
+                kept="checkpoint step-00000002 (complete, step 2)",
+                resume=RESUME,
+            )
             on_line(f"{ERROR_MARK} {json.dumps(error_report(failed, 0))}")
             on_line(f"train rank 0 failed: {failed}")
-            raise RankFailure("job exited with code 1: torchrun ...\n--- last output ---\nTraceback (most recent call last): ...")
+            raise RankFailure(
+                "job exited with code 1: torchrun ...\n--- last output ---\nTraceback (most recent call last): ..."
+            )
         assert outcome == "done"
         self.draft_dir.mkdir(parents=True, exist_ok=True)
         common = {"epoch": 0, "per_step_loss": [0.5], "per_step_acc": [0.5], "acceptance_length": 1.8}
-        rows = [{"kind": "train", "step": s, "time": 1.0 + s, "loss": 1.0 / s, "lr": 1e-3, "tokens": 50 * s, **common}
-                for s in (3, 4)]
+        rows = [
+            {"kind": "train", "step": s, "time": 1.0 + s, "loss": 1.0 / s, "lr": 1e-3, "tokens": 50 * s, **common}
+            for s in (3, 4)
+        ]
         rows.append({"kind": "eval", "step": 4, "time": 9.0, "loss": 0.5, "tokens": 20, **common})
         (self.draft_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (self.draft_dir / "train_summary.json").write_text(json.dumps({"final": str(self.draft_dir / "final"), "steps": 4}))
+        (self.draft_dir / "train_summary.json").write_text(
+            json.dumps({"final": str(self.draft_dir / "final"), "steps": 4})
+        )
         on_line("TRAIN_DONE final=...")
 
 
@@ -94,6 +104,8 @@ def test_a_full_disk_stops_the_train_flow_at_once_with_the_ranks_message(tmp_pat
     with pytest.raises(WriteFailed) as info:
         train(str(_config(tmp_path, retries=2)))
     assert len(ranks.launches) == 1  # a retry would fill the same disk again
-    assert str(info.value).startswith(f"cannot write {tmp_path / 'run' / 'draft' / 'checkpoints' / 'step-00000004'}: disk full: ")
+    assert str(info.value).startswith(
+        f"cannot write {tmp_path / 'run' / 'draft' / 'checkpoints' / 'step-00000004'}: disk full: "
+    )
     assert str(info.value).endswith(". kept: checkpoint step-00000002 (complete, step 2). to resume: " + RESUME)
     assert "\n" not in str(info.value)

@@ -27,7 +27,11 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path):
     path.write_bytes(b"old")
     with pytest.raises(OSError, match="disk full"):
         with atomic_path(path) as tmp:
-            assert tmp.parent == tmp_path and tmp.name.startswith(".index.parquet.") and tmp.name.endswith(atomic.TMP_SUFFIX)
+            assert (
+                tmp.parent == tmp_path
+                and tmp.name.startswith(".index.parquet.")
+                and tmp.name.endswith(atomic.TMP_SUFFIX)
+            )
             tmp.write_bytes(b"half")
             raise OSError(28, "disk full")
     assert path.read_bytes() == b"old"

@@ -34,8 +34,7 @@ from models.capture import (
     trimmed_length,
     within_token_cap,
 )
-from models.jobs import CaptureJob, DatasetRecords
-from models.file_errors import DamagedShard
+from models.file_errors import DamagedShard, WriteFailed
 from models.hidden_shards import (
     ShardWriter,
     clean_temps,
@@ -46,8 +45,8 @@ from models.hidden_shards import (
     shard_metadata,
     write_index,
 )
+from models.jobs import CaptureJob, DatasetRecords
 from models.tiny_target import SAMPLES_DIR
-from models.file_errors import WriteFailed
 
 REPO = Path(__file__).resolve().parents[2]
 AUX_LAYERS = [1, 3, 4]  # default_aux_layers(8)
@@ -101,15 +100,29 @@ def records(tiny_target_dir, tmp_path_factory) -> dict:
             assert len(long_ids) == n_long
             ds_rows.append({"id": "beta-long", "input_ids": long_ids, "loss_mask": [0] * 50 + [1] * (n_long - 50)})
             rows[(ds, "beta-long")] = ds_rows[-1]
-        schema = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(mask_type)),
-                            ("num_tokens", pa.int32())])
+        schema = pa.schema(
+            [
+                ("id", pa.string()),
+                ("input_ids", pa.list_(pa.int32())),
+                ("loss_mask", pa.list_(mask_type)),
+                ("num_tokens", pa.int32()),
+            ]
+        )
         d = root / ds
         d.mkdir()
         half = len(ds_rows) // 2
         for k, chunk in enumerate((ds_rows[:half], ds_rows[half:])):
             table = pa.Table.from_pylist(
-                [{**r, "loss_mask": [bool(x) for x in r["loss_mask"]] if mask_type == pa.bool_() else r["loss_mask"],
-                  "num_tokens": len(r["input_ids"])} for r in chunk], schema=schema)
+                [
+                    {
+                        **r,
+                        "loss_mask": [bool(x) for x in r["loss_mask"]] if mask_type == pa.bool_() else r["loss_mask"],
+                        "num_tokens": len(r["input_ids"]),
+                    }
+                    for r in chunk
+                ],
+                schema=schema,
+            )
             pq.write_table(table, d / f"part-{k:06d}.parquet")
         dirs[ds] = d
     return {"dirs": dirs, "rows": rows}
@@ -165,18 +178,40 @@ def _free_port() -> int:
 
 
 def _launch_cmd(job: Path, entry: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_port", str(_free_port()), *entry, "--job", str(job)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        *entry,
+        "--job",
+        str(job),
+    ]
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
 
 
 def _torchrun(job: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_launch_cmd(job, ["-m", "models.capture"]), env=_env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = subprocess.run(
+        _launch_cmd(job, ["-m", "models.capture"]),
+        env=_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
     assert proc.returncode == 0, f"capture failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
@@ -214,8 +249,12 @@ def _check_capture(out_dir: Path, expected: dict) -> float:
 
 def _tensors(n: int, h: int = 4, dtype=torch.float32, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 100, (n,), generator=g, dtype=torch.int32), (torch.arange(n) % 2).to(torch.uint8),
-            torch.randn(n, 3 * h, generator=g).to(dtype), torch.randn(n, h, generator=g).to(dtype))
+    return (
+        torch.randint(0, 100, (n,), generator=g, dtype=torch.int32),
+        (torch.arange(n) % 2).to(torch.uint8),
+        torch.randn(n, 3 * h, generator=g).to(dtype),
+        torch.randn(n, h, generator=g).to(dtype),
+    )
 
 
 def test_shard_writer_round_trip_and_index(tmp_path):
@@ -227,14 +266,23 @@ def test_shard_writer_round_trip_and_index(tmp_path):
             w.add(f"s{i}", "d", *t)
     assert [p.name for p in list_shards(tmp_path)] == ["shard-001-000000.safetensors", "shard-001-000001.safetensors"]
     meta = shard_metadata(tmp_path / "shard-001-000000.safetensors")
-    assert meta["samples"] == [{"id": "s0", "dataset": "d", "offset": 0, "length": 4},
-                               {"id": "s1", "dataset": "d", "offset": 4, "length": 5},
-                               {"id": "s2", "dataset": "d", "offset": 9, "length": 3}]
-    assert (meta["hidden_size"], meta["aux_layers"], meta["dtype"], meta["num_tokens"]) == (4, AUX_LAYERS, "float32", 12)
+    assert meta["samples"] == [
+        {"id": "s0", "dataset": "d", "offset": 0, "length": 4},
+        {"id": "s1", "dataset": "d", "offset": 4, "length": 5},
+        {"id": "s2", "dataset": "d", "offset": 9, "length": 3},
+    ]
+    assert (meta["hidden_size"], meta["aux_layers"], meta["dtype"], meta["num_tokens"]) == (
+        4,
+        AUX_LAYERS,
+        "float32",
+        12,
+    )
     assert done_sample_keys(tmp_path) == set(written)
     for row in iter_shard_index(tmp_path):
         got = read_sample(tmp_path / row["shard"], row["offset"], row["length"])
-        for name, want in zip(("input_ids", "loss_mask", "aux_hidden", "last_hidden"), written[(row["dataset"], row["id"])]):
+        for name, want in zip(
+            ("input_ids", "loss_mask", "aux_hidden", "last_hidden"), written[(row["dataset"], row["id"])]
+        ):
             assert torch.equal(got[name], want), (row, name)
     assert pq.read_table(write_index(tmp_path)).column("id").to_pylist() == [f"s{i}" for i in range(5)]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -247,7 +295,10 @@ def test_shard_writer_continues_numbering_and_keeps_dtype(tmp_path):
     with ShardWriter(tmp_path, rank=2, shard_tokens=1) as w:
         w.add("b", "d", *_tensors(3, dtype=torch.bfloat16))
     assert [p.name for p in list_shards(tmp_path)] == [
-        "shard-000-000000.safetensors", "shard-000-000001.safetensors", "shard-002-000000.safetensors"]
+        "shard-000-000000.safetensors",
+        "shard-000-000001.safetensors",
+        "shard-002-000000.safetensors",
+    ]
     got = read_sample(tmp_path / "shard-002-000000.safetensors", 1, 2)
     assert got["aux_hidden"].dtype == torch.bfloat16 and got["aux_hidden"].shape == (2, 12)
     assert shard_metadata(tmp_path / "shard-002-000000.safetensors")["dtype"] == "bfloat16"
@@ -326,7 +377,9 @@ def test_token_cap_is_resume_consistent():
 
 
 def test_load_records_trims_and_skips(records):
-    samples, parts, no_loss = load_records([DatasetRecords(name=ds, records_dir=str(d)) for ds, d in records["dirs"].items()], 2048)
+    samples, parts, no_loss = load_records(
+        [DatasetRecords(name=ds, records_dir=str(d)) for ds, d in records["dirs"].items()], 2048
+    )
     assert no_loss == 1
     by_key = {(s.dataset, s.id): s for s in samples}
     assert ("alpha", "alpha-005") not in by_key
@@ -341,7 +394,10 @@ def test_load_records_errors_name_file_and_row(tmp_path):
     d = tmp_path / "bad"
     d.mkdir()
     schema = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8()))])
-    rows = [{"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1]}, {"id": "b", "input_ids": [1, 2, 3], "loss_mask": [0, 1]}]
+    rows = [
+        {"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1]},
+        {"id": "b", "input_ids": [1, 2, 3], "loss_mask": [0, 1]},
+    ]
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), d / "part-000000.parquet")
     with pytest.raises(ValueError, match=r"part-000000.parquet: row 1 \(id 'b'\)"):
         load_records([DatasetRecords(name="bad", records_dir=str(d))])
@@ -362,10 +418,15 @@ def test_job_validation(tmp_path):
     job = CaptureJob.model_validate(base)
     assert (job.mode, job.dtype, job.aux_layers, job.offload) == ("replicate", "auto", None, "none")
     assert CaptureJob.model_validate_json(job.model_dump_json()) == job
-    for bad, match in (({"bogus": 1}, "bogus"), ({"mode": "zero2"}, "mode"), ({"offload": "cpu"}, "zero3"),
-                       ({"mode": "zero3", "offload": "nvme"}, "nvme_path"), ({"aux_layers": [1, 1, 2]}, "aux_layers"),
-                       ({"max_batch_tokens": 0}, "max_batch_tokens"),
-                       ({"datasets": [{"name": "a", "records_dir": "r"}] * 2}, "duplicate dataset names")):
+    for bad, match in (
+        ({"bogus": 1}, "bogus"),
+        ({"mode": "zero2"}, "mode"),
+        ({"offload": "cpu"}, "zero3"),
+        ({"mode": "zero3", "offload": "nvme"}, "nvme_path"),
+        ({"aux_layers": [1, 1, 2]}, "aux_layers"),
+        ({"max_batch_tokens": 0}, "max_batch_tokens"),
+        ({"datasets": [{"name": "a", "records_dir": "r"}] * 2}, "duplicate dataset names"),
+    ):
         with pytest.raises(ValueError, match=match):
             CaptureJob.model_validate({**base, **bad})
 
@@ -418,16 +479,19 @@ def test_single_process_token_cap_then_rest(tiny_target_dir, records, expected, 
     assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate", launch_tokens=600))]) == 0
     first = {(r["dataset"], r["id"]): r["length"] for r in iter_shard_index(out)}
     assert 0 < sum(first.values()) <= 600
-    assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate", launch_tokens=600)),
-                 "--local_rank=0"]) == 0  # what the deepspeed launcher appends
+    assert (
+        main(["--job", str(_job(tiny_target_dir, records, out, "replicate", launch_tokens=600)), "--local_rank=0"]) == 0
+    )  # what the deepspeed launcher appends
     second = {(r["dataset"], r["id"]): r["length"] for r in iter_shard_index(out)}
     assert sum(second.values()) - sum(first.values()) <= 600 and len(second) < len(expected)
     first = second
     assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate"))]) == 0
     _check_capture(out, expected)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("CAPTURE_PROGRESS")]
-    assert lines[-1] == f"CAPTURE_PROGRESS rank=0 done={len(expected) - len(first)} total={len(expected) - len(first)} " \
-                        f"tokens={sum(e['input_ids'].numel() for e in expected.values()) - sum(first.values())}"
+    assert (
+        lines[-1] == f"CAPTURE_PROGRESS rank=0 done={len(expected) - len(first)} total={len(expected) - len(first)} "
+        f"tokens={sum(e['input_ids'].numel() for e in expected.values()) - sum(first.values())}"
+    )
     # Nothing left: the launch ends before loading the target (several nodes launch it anyway), the index rewritten.
     (out / "index.parquet").unlink()
     assert main(["--job", str(_job(tiny_target_dir, records, out, "replicate"))]) == 0
@@ -484,13 +548,21 @@ def test_killed_capture_resumes_exactly_once(mode, tiny_target_dir, records, exp
     out = tmp_path / "hidden"
     job = _job(tiny_target_dir, records, out, mode, shard_tokens=120)
     with open(tmp_path / "held.log", "wb") as log:
-        held = subprocess.Popen(_launch_cmd(job, [str(REPO / "tests" / "models" / "capture_held.py")]), env=_env(),
-                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        held = subprocess.Popen(
+            _launch_cmd(job, [str(REPO / "tests" / "models" / "capture_held.py")]),
+            env=_env(),
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         while not list_shards(out) and held.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)  # polling for the file, bounded by the deadline
-        assert list_shards(out), f"no shard appeared (exit {held.poll()}):\n{(tmp_path / 'held.log').read_text()[-4000:]}"
+        assert list_shards(out), (
+            f"no shard appeared (exit {held.poll()}):\n{(tmp_path / 'held.log').read_text()[-4000:]}"
+        )
     finally:
         assert not procs.kill(held), "capture ranks survived SIGKILL"
     partial = done_sample_keys(out)
@@ -503,9 +575,6 @@ def test_killed_capture_resumes_exactly_once(mode, tiny_target_dir, records, exp
 
 
 # --- failures: a full disk, damaged files ---------------------------------------------------------
-
-
-
 
 
 def _disk_for(expected: dict, share: float) -> int:
@@ -549,14 +618,19 @@ def test_shard_write_failures_name_the_file_and_keep_every_shard(tmp_path, tmpfs
         assert 1 <= len(kept) < 50
         message = str(failed.value)
         assert message.startswith(f"cannot write {out / f'shard-000-{len(kept):06d}.safetensors'}: disk full: ")
-        assert f"bytes free on {small}. kept: {len(kept)} complete shards in {out}; the 2 sample(s) (200 tokens) " \
-               "this shard would have held are captured again. to resume: make room there" in message
+        assert (
+            f"bytes free on {small}. kept: {len(kept)} complete shards in {out}; the 2 sample(s) (200 tokens) "
+            "this shard would have held are captured again. to resume: make room there" in message
+        )
         assert failed.value.errno == errno.ENOSPC and "\n" not in message
         assert done_sample_keys(out) == {("d", f"s{i}") for i in range(2 * len(kept))}
         assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
         _fill(small / "filler")
-        with pytest.raises(WriteFailed, match=rf"^cannot write {out / 'index.parquet'}: disk full: .* kept: {len(kept)} "
-                                              rf"complete shards in {out}; the index is rebuilt from their headers"):
+        with pytest.raises(
+            WriteFailed,
+            match=rf"^cannot write {out / 'index.parquet'}: disk full: .* kept: {len(kept)} "
+            rf"complete shards in {out}; the index is rebuilt from their headers",
+        ):
             write_index(out)
         tmpfs.remount(small, f"size={1024 * 1024}")  # make room: the index is written from the shards kept
         assert pq.read_table(write_index(out)).num_rows == 2 * len(kept)
@@ -573,8 +647,10 @@ def test_damaged_shard_is_named_with_what_to_do(tmp_path):
     for read in (lambda: shard_metadata(bad), lambda: done_sample_keys(tmp_path), lambda: read_sample(bad, 0, 3)):
         with pytest.raises(DamagedShard) as failed:
             read()
-        assert str(failed.value) == (f"{bad} is damaged ({len(data) - 10:,} bytes, not a complete safetensors file: "
-                                     f"incomplete metadata, file not fully covered). {advice}")
+        assert str(failed.value) == (
+            f"{bad} is damaged ({len(data) - 10:,} bytes, not a complete safetensors file: "
+            f"incomplete metadata, file not fully covered). {advice}"
+        )
     bad.write_bytes(b"not a shard")
     with pytest.raises(DamagedShard, match=r"\(11 bytes, not a complete safetensors file: "):
         shard_metadata(bad)
@@ -610,15 +686,27 @@ def test_damaged_files_stop_a_rank_with_one_line(tiny_target_dir, records, tmp_p
             (copied / ds / part.name).write_bytes(part.read_bytes())
     bad = copied / "beta" / "part-000001.parquet"
     bad.write_bytes(bad.read_bytes()[:-50])
-    assert main(["--job", str(_job(tiny_target_dir, {"dirs": {ds: copied / ds for ds in records["dirs"]}}, out, "replicate"))]) == 1
+    assert (
+        main(
+            [
+                "--job",
+                str(_job(tiny_target_dir, {"dirs": {ds: copied / ds for ds in records["dirs"]}}, out, "replicate")),
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
-    assert f"capture rank 0 failed: {bad} is damaged ({bad.stat().st_size:,} bytes, not a readable Parquet file: Parquet " \
-           "magic bytes not found in footer." in err
+    assert (
+        f"capture rank 0 failed: {bad} is damaged ({bad.stat().st_size:,} bytes, not a readable Parquet file: Parquet "
+        "magic bytes not found in footer." in err
+    )
     assert "Delete it and run the records stage again (it is rebuilt from its responses), then capture" in err
     assert "Traceback" not in err
 
 
-def test_single_process_full_disk_stops_keeps_shards_and_resumes(tiny_target_dir, records, expected, tmp_path, monkeypatch, capsys, tmpfs):
+def test_single_process_full_disk_stops_keeps_shards_and_resumes(
+    tiny_target_dir, records, expected, tmp_path, monkeypatch, capsys, tmpfs
+):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     # beta-long, half the tokens, is the first shard (longest first): the disk holds it and a few more
@@ -634,7 +722,9 @@ def test_single_process_full_disk_stops_keeps_shards_and_resumes(tiny_target_dir
         assert f"capture rank 0 failed: {report['message']}" in err and "Traceback" not in err
         partial = _check_partial(out, expected)
         assert 0 < partial < len(expected)
-        tmpfs.remount(small, f"size={_disk_for(expected, 3)}")  # the disk grows: the rerun captures the rest, exactly once
+        tmpfs.remount(
+            small, f"size={_disk_for(expected, 3)}"
+        )  # the disk grows: the rerun captures the rest, exactly once
         assert main(["--job", str(job)]) == 0
         _check_capture(out, expected)
 
@@ -651,17 +741,24 @@ def test_a_rank_that_cannot_write_stops_the_job_at_once(tiny_target_dir, records
     lines: list[str] = []
     start = time.monotonic()
     with pytest.raises(WriteFailed) as failed:
-        run_ranks(_launch_cmd(job, [str(REPO / "tests" / "models" / "capture_failing.py")]),
-                  {**_env(), "CAPTURE_FAIL_RANK": "1"}, lines.append)
+        run_ranks(
+            _launch_cmd(job, [str(REPO / "tests" / "models" / "capture_failing.py")]),
+            {**_env(), "CAPTURE_FAIL_RANK": "1"},
+            lines.append,
+        )
     elapsed = time.monotonic() - start
     message = str(failed.value)
-    assert message.startswith(f"cannot write {out / 'shard-001-000000.safetensors'}: disk full: ") and "\n" not in message
+    assert (
+        message.startswith(f"cannot write {out / 'shard-001-000000.safetensors'}: disk full: ") and "\n" not in message
+    )
     assert f"kept: 0 complete shards in {out}; the " in message and "to resume: make room there" in message
     assert not capture_retryable(None, None, Failed(data=failed.value))  # a retry would fill the disk again
     # rank 0 was stopped by the launcher while held (it would otherwise wait HOLD_S = 300 s, then finish)
     assert elapsed < 200, f"the launch took {elapsed:.0f} s: the held rank was not stopped"
     assert any("SIGTERM" in ln for ln in lines), "torchrun did not terminate the held rank"
-    assert not [ln for ln in lines if ln.startswith("CAPTURE_PROGRESS rank=0") and ln.split()[2][5:] == ln.split()[3][6:] != "0"]
+    assert not [
+        ln for ln in lines if ln.startswith("CAPTURE_PROGRESS rank=0") and ln.split()[2][5:] == ln.split()[3][6:] != "0"
+    ]
     assert list_shards(out) == [] and not [p for p in out.iterdir() if p.name.startswith(".shard")]
 
 

@@ -33,9 +33,18 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread_in_module")  # these tens
 
 
 def _config(num_kv_heads: int = 1, **kw) -> Eagle3Config:
-    values = dict(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=num_kv_heads,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, vocab_size=V,
-                  draft_vocab_size=D, aux_layers=[1, 3, 4])
+    values = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=2,
+        num_key_value_heads=num_kv_heads,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        vocab_size=V,
+        draft_vocab_size=D,
+        aux_layers=[1, 3, 4],
+    )
     values.update(kw)
     return Eagle3Config(**values)
 
@@ -47,7 +56,9 @@ def _setup(seed: int, num_kv_heads: int = 1, B: int = 2, T: int = 9, padding: bo
     model = Eagle3Draft(cfg).double()
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * (0.3 if p.ndim > 1 else 0.2) + (p.ndim == 1))
+            p.copy_(
+                torch.randn(p.shape, generator=g, dtype=torch.float64) * (0.3 if p.ndim > 1 else 0.2) + (p.ndim == 1)
+            )
     counts = torch.randint(0, 50, (V,), generator=g).numpy()
     d2t, t2d = draft_vocab(counts, V, D)
     model.set_draft_vocab(d2t, t2d)
@@ -112,8 +123,12 @@ def reference_ttt(model, ids, aux, full_target_logits, loss_mask, attention_mask
             queries = []
             for t in range(T):
                 tok = int(ids[b, t + k + 1]) if t + k + 1 < T else 0
-                x = torch.cat([_rms(emb[tok], P["midlayer.input_layernorm.weight"], eps),
-                               _rms(hidden[t], P["midlayer.hidden_norm.weight"], eps)])
+                x = torch.cat(
+                    [
+                        _rms(emb[tok], P["midlayer.input_layernorm.weight"], eps),
+                        _rms(hidden[t], P["midlayer.hidden_norm.weight"], eps),
+                    ]
+                )
                 pos = int(position_ids[b, t]) + k
                 q = (P["midlayer.self_attn.q_proj.weight"] @ x).view(nh, hd)
                 kk = (P["midlayer.self_attn.k_proj.weight"] @ x).view(nkv, hd)
@@ -165,10 +180,14 @@ def reference_ttt(model, ids, aux, full_target_logits, loss_mask, attention_mask
     per_step_loss = [loss_sum[k] / max(valid[k], 1) for k in range(K)]
     rates = [accepted[k] / max(reached[k], 1) for k in range(K)]
     return dict(
-        loss=sum(STEP_DECAY ** k * per_step_loss[k] for k in range(K)),
+        loss=sum(STEP_DECAY**k * per_step_loss[k] for k in range(K)),
         per_step_loss=per_step_loss,
         per_step_acc=[correct[k] / max(tokens[k], 1) for k in range(K)],
-        tokens=tokens, valid=valid, correct=correct, reached=reached, accepted=accepted,
+        tokens=tokens,
+        valid=valid,
+        correct=correct,
+        reached=reached,
+        accepted=accepted,
         acceptance_length=1 + sum(math.prod(rates[: k + 1]) for k in range(K)),
     )
 
@@ -193,8 +212,9 @@ def test_ttt_matches_loop_reference(seed, num_kv_heads, impl):
     assert out.correct.tolist() == ref["correct"]
     assert out.chain_reached.tolist() == ref["reached"]
     assert out.chain_accepted.tolist() == ref["accepted"]
-    torch.testing.assert_close(out.per_step_loss, torch.tensor(ref["per_step_loss"], dtype=torch.float64),
-                               rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(
+        out.per_step_loss, torch.tensor(ref["per_step_loss"], dtype=torch.float64), rtol=1e-9, atol=1e-10
+    )
     torch.testing.assert_close(out.loss.detach(), torch.tensor(ref["loss"], dtype=torch.float64), rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(out.per_step_acc, torch.tensor(ref["per_step_acc"], dtype=torch.float64))
     assert out.acceptance_length.item() == pytest.approx(ref["acceptance_length"], abs=1e-12)
@@ -206,10 +226,12 @@ def test_reference_cases_exercise_every_branch():
     totals = np.zeros(5, dtype=int)
     for seed, kv in [(0, 1), (1, 2), (2, 1), (3, 2)]:
         model, ids, aux, last, lm_head, loss_mask, attention_mask, position_ids = _setup(seed, kv)
-        out = model.forward_ttt(ids, aux, TargetHead(lm_head, model.d2t)(last), loss_mask, attention_mask,
-                                position_ids, ttt_steps=3)
-        totals += np.array([out.tokens.sum(), out.valid.sum(), out.correct.sum(),
-                            out.chain_accepted[0], out.chain_accepted[1:].sum()])
+        out = model.forward_ttt(
+            ids, aux, TargetHead(lm_head, model.d2t)(last), loss_mask, attention_mask, position_ids, ttt_steps=3
+        )
+        totals += np.array(
+            [out.tokens.sum(), out.valid.sum(), out.correct.sum(), out.chain_accepted[0], out.chain_accepted[1:].sum()]
+        )
     tokens, valid, correct, accepted0, accepted_later = totals
     assert tokens > valid > correct > 0
     assert accepted0 > 0 and accepted_later > 0
@@ -220,8 +242,9 @@ def test_ttt_without_padding_and_longer_unroll_than_sequence():
     target = TargetHead(lm_head, model.d2t)(last)
     K = 6  # steps past the end of the sequence have nothing to score and add nothing
     out = model.forward_ttt(ids, aux, target, loss_mask, ttt_steps=K)
-    ref = reference_ttt(model, ids, aux, last @ lm_head.T, loss_mask, torch.ones_like(loss_mask),
-                        torch.arange(5).expand(2, 5), K)
+    ref = reference_ttt(
+        model, ids, aux, last @ lm_head.T, loss_mask, torch.ones_like(loss_mask), torch.arange(5).expand(2, 5), K
+    )
     torch.testing.assert_close(out.per_step_loss, torch.tensor(ref["per_step_loss"], dtype=torch.float64))
     assert out.tokens.tolist()[3:] == [0, 0, 0]
     assert out.per_step_loss[3:].tolist() == [0.0, 0.0, 0.0]
@@ -247,9 +270,9 @@ def test_target_head_chunks_match_full_logits_and_break_ties_low():
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(V, 16, generator=g, dtype=torch.float64)
     weight[10] = weight[3] = torch.full((16,), 3.0, dtype=torch.float64)  # identical rows, different chunks
-    d2t, _ = draft_vocab(np.arange(V)[::-1].copy(), V, D)                  # draft ids 0..4
+    d2t, _ = draft_vocab(np.arange(V)[::-1].copy(), V, D)  # draft ids 0..4
     hidden = torch.randn(2, 4, 16, generator=g, dtype=torch.float64)
-    hidden[0, 0] = 10.0                                                     # rows 3 and 10 tie for the max
+    hidden[0, 0] = 10.0  # rows 3 and 10 tie for the max
     out = TargetHead(weight, d2t, chunk_size=4)(hidden)
     full = hidden @ weight.T
     torch.testing.assert_close(out.logits, full[..., draft_to_target_ids(d2t)])
@@ -304,8 +327,9 @@ def test_load_token_counts_sums_repeated_ids(tmp_path):
     import pyarrow.parquet as pq
 
     path = tmp_path / "token_counts.parquet"
-    pq.write_table(pa.table({"token_id": pa.array([3, 0, 3, 5], pa.int32()),
-                             "count": pa.array([2, 7, 4, 1], pa.int64())}), path)
+    pq.write_table(
+        pa.table({"token_id": pa.array([3, 0, 3, 5], pa.int32()), "count": pa.array([2, 7, 4, 1], pa.int64())}), path
+    )
     assert load_token_counts(path, 6).tolist() == [7, 0, 0, 6, 0, 1]
     with pytest.raises(ValueError, match="outside the target vocab"):
         load_token_counts(path, 5)
@@ -328,8 +352,9 @@ def test_set_draft_vocab_rejects_inconsistent_maps():
 
 def test_gradients_reach_trainable_weights_but_not_the_embedding():
     model, ids, aux, last, lm_head, loss_mask, attention_mask, position_ids = _setup(0)
-    out = model.forward_ttt(ids, aux, TargetHead(lm_head, model.d2t)(last), loss_mask, attention_mask,
-                            position_ids, ttt_steps=3)
+    out = model.forward_ttt(
+        ids, aux, TargetHead(lm_head, model.d2t)(last), loss_mask, attention_mask, position_ids, ttt_steps=3
+    )
     out.loss.backward()
     assert not model.embed_tokens.weight.requires_grad and model.embed_tokens.weight.grad is None
     names = [n for n, _ in model.named_parameters() if not n.startswith("embed_tokens")]
@@ -343,12 +368,19 @@ def test_gradients_reach_trainable_weights_but_not_the_embedding():
 
 def test_state_dict_uses_serving_names():
     model = Eagle3Draft(_config())
-    assert sorted(model.state_dict()) == sorted([
-        "embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-        *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
-        *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
-        *(f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")),
-    ])
+    assert sorted(model.state_dict()) == sorted(
+        [
+            "embed_tokens.weight",
+            "fc.weight",
+            "norm.weight",
+            "lm_head.weight",
+            "d2t",
+            "t2d",
+            *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+            *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+            *(f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")),
+        ]
+    )
     sd = model.state_dict()
     assert sd["fc.weight"].shape == (32, 96) and sd["lm_head.weight"].shape == (D, 32)
     assert sd["midlayer.self_attn.q_proj.weight"].shape == (32, 64)
@@ -359,17 +391,41 @@ def test_state_dict_uses_serving_names():
 def test_config_from_target_config():
     from transformers import LlamaConfig
 
-    hf = LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=352, num_hidden_layers=8,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    hf = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     cfg = Eagle3Config.from_target_config(hf, draft_vocab_size=512, aux_layers=[1, 3, 4])
-    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.head_dim, cfg.vocab_size, cfg.draft_vocab_size, cfg.target_hidden_size) == (
-        128, 352, 4, 2, 32, 2048, 512, 128)
+    assert (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+        cfg.draft_vocab_size,
+        cfg.target_hidden_size,
+    ) == (128, 352, 4, 2, 32, 2048, 512, 128)
     assert cfg.rope_theta == 10000.0 and cfg.max_position_embeddings == 4096 and cfg.aux_layers == [1, 3, 4]
-    mla = types.SimpleNamespace(hidden_size=7168, intermediate_size=18432, num_attention_heads=64,
-                                num_key_value_heads=64, head_dim=64, kv_lora_rank=512, rms_norm_eps=1e-6,
-                                rope_theta=50000.0, max_position_embeddings=262144, vocab_size=163840,
-                                num_hidden_layers=61, hidden_act="silu")
+    mla = types.SimpleNamespace(
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        head_dim=64,
+        kv_lora_rank=512,
+        rms_norm_eps=1e-6,
+        rope_theta=50000.0,
+        max_position_embeddings=262144,
+        vocab_size=163840,
+        num_hidden_layers=61,
+        hidden_act="silu",
+    )
     cfg = Eagle3Config.from_target_config(mla, 32000, [1, 29, 57])
     assert cfg.head_dim == 112 and cfg.rope_theta == 50000.0
     assert Eagle3Config.from_target_config(mla, 32000, [1, 29, 57], head_dim=128).head_dim == 128
@@ -392,8 +448,7 @@ def test_default_aux_layers():
 def test_inference_steps_equal_ttt_steps():
     model, ids, aux, last, lm_head, loss_mask, _, _ = _setup(7, num_kv_heads=1, padding=False)
     T, K = ids.shape[1], 4
-    out = model.forward_ttt(ids, aux, TargetHead(lm_head, model.d2t)(last), loss_mask, ttt_steps=K,
-                            return_steps=True)
+    out = model.forward_ttt(ids, aux, TargetHead(lm_head, model.d2t)(last), loss_mask, ttt_steps=K, return_steps=True)
     # Step 0 over the whole sequence: the token after each position, the target's features.
     next_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
     step = model(next_ids, aux)

@@ -14,16 +14,26 @@ from safetensors.torch import load_file, save_file
 import models.eagle3_export as ex
 from models.draft_vocab import draft_vocab
 from models.eagle3 import Eagle3Config, Eagle3Draft, KVCache, default_aux_layers
-from models.eagle3_export import (export_draft, load_exported_draft, validate_export, validate_export_vllm,
-                                  vllm_load_problems, vllm_param_name)
+from models.eagle3_export import (
+    export_draft,
+    load_exported_draft,
+    validate_export,
+    validate_export_vllm,
+    vllm_load_problems,
+    vllm_param_name,
+)
 from tests.drafts import random_draft
 
 D = 64
 REFERENCE_NAMES = {  # /work/shared/REFERENCE.md, "Export that SGLang loads"
-    "fc.weight", *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+    "fc.weight",
+    *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
     *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
     *(f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")),
-    "norm.weight", "lm_head.weight", "d2t", "t2d",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
 }
 
 
@@ -85,7 +95,10 @@ def test_names_shapes_and_config(draft, target, tmp_path):
         "midlayer.mlp.up_proj.weight": (c.intermediate_size, H),
         "midlayer.mlp.down_proj.weight": (H, c.intermediate_size),
         **{f"midlayer.{n}.weight": (H,) for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")},
-        "norm.weight": (H,), "lm_head.weight": (D, H), "d2t": (D,), "t2d": (c.vocab_size,),
+        "norm.weight": (H,),
+        "lm_head.weight": (D, H),
+        "d2t": (D,),
+        "t2d": (c.vocab_size,),
         "embed_tokens.weight": (c.vocab_size, H),
     }
     tensors = load_file(str(out / "model.safetensors"))
@@ -120,14 +133,24 @@ def test_validate_export_catches_problems(draft, target, tmp_path):
     good = export_draft(draft, tmp_path / "good", target_config=target, dtype=torch.float32)
     assert validate_export(good) == []
 
-    def drop(t): return {k: v for k, v in t.items() if k != "midlayer.mlp.up_proj.weight"}
-    def reshape(t): return {**t, "lm_head.weight": t["lm_head.weight"][:-1]}
-    def extra(t): return {**t, "layers.0.mlp.gate_proj.weight": t["midlayer.mlp.gate_proj.weight"].clone()}
-    def bad_t2d(t): return {**t, "t2d": ~t["t2d"]}
-    for edit, needle in ((drop, "missing tensor midlayer.mlp.up_proj.weight"),
-                         (reshape, "lm_head.weight: shape"),
-                         (extra, "unknown tensor layers.0.mlp.gate_proj.weight"),
-                         (bad_t2d, "t2d does not mark")):
+    def drop(t):
+        return {k: v for k, v in t.items() if k != "midlayer.mlp.up_proj.weight"}
+
+    def reshape(t):
+        return {**t, "lm_head.weight": t["lm_head.weight"][:-1]}
+
+    def extra(t):
+        return {**t, "layers.0.mlp.gate_proj.weight": t["midlayer.mlp.gate_proj.weight"].clone()}
+
+    def bad_t2d(t):
+        return {**t, "t2d": ~t["t2d"]}
+
+    for edit, needle in (
+        (drop, "missing tensor midlayer.mlp.up_proj.weight"),
+        (reshape, "lm_head.weight: shape"),
+        (extra, "unknown tensor layers.0.mlp.gate_proj.weight"),
+        (bad_t2d, "t2d does not mark"),
+    ):
         problems = validate_export(_rewrite(good, tmp_path / edit.__name__, edit))
         assert len(problems) == 1 and needle in problems[0], problems
 
@@ -194,7 +217,10 @@ def test_config_carries_aux_ids_in_each_engines_convention(draft, target, tmp_pa
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang: output of layer j
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM: input of layer i
     assert (cfg["target_hidden_size"], cfg["draft_vocab_size"], cfg["norm_before_residual"]) == (
-        target["hidden_size"], D, False)
+        target["hidden_size"],
+        D,
+        False,
+    )
 
 
 def test_vllm_name_mapping_mirrors_its_loader():
@@ -209,8 +235,9 @@ def test_vllm_name_mapping_mirrors_its_loader():
     assert vllm_param_name("t2d") is None  # skipped by vLLM
 
 
-@pytest.mark.parametrize("old, new", [("midlayer.mlp.up_proj.weight", "midlayer.mlp.upproj.weight"),
-                                      ("lm_head.weight", "head.weight")])
+@pytest.mark.parametrize(
+    "old, new", [("midlayer.mlp.up_proj.weight", "midlayer.mlp.upproj.weight"), ("lm_head.weight", "head.weight")]
+)
 def test_renamed_weight_fails_both_loaders(draft, target, tmp_path, old, new):
     good = export_draft(draft, tmp_path / "good", target_config=target, dtype=torch.float32)
     bad = _rewrite(good, tmp_path / "bad", lambda t: {(new if k == old else k): v for k, v in t.items()})
@@ -232,33 +259,41 @@ def test_vllm_check_catches_shapes_d2t_and_aux_ids(draft, target, tmp_path):
         return vllm_load_problems({**cfg, **(cfg_edit or {})}, {**tensors, **(tensor_edit or {})}, d2t_values)
 
     assert problems(tensor_edit={"fc.weight": ((H, 3 * H + 1), "F32")}) == [
-        f"fc.weight (vLLM model.fc.weight): shape [{H}, {3 * H + 1}] != expected [{H}, {3 * H}]"]
+        f"fc.weight (vLLM model.fc.weight): shape [{H}, {3 * H + 1}] != expected [{H}, {3 * H}]"
+    ]
     assert problems(tensor_edit={"midlayer.self_attn.k_proj.weight": ((1, 2 * H), "F32")})[0].startswith(
-        "midlayer.self_attn.k_proj.weight (vLLM model.layers.0.self_attn.qkv_proj.weight shard 'k'): shape [1,")
+        "midlayer.self_attn.k_proj.weight (vLLM model.layers.0.self_attn.qkv_proj.weight shard 'k'): shape [1,"
+    )
     assert problems(tensor_edit={"d2t": ((D,), "F32")}) == [
-        "d2t (vLLM draft_id_to_target_id): dtype F32, expected an integer type (I64)"]
+        "d2t (vLLM draft_id_to_target_id): dtype F32, expected an integer type (I64)"
+    ]
     shifted = d2t.clone()
     shifted[-1] = cfg["vocab_size"]  # target id D - 1 + V: outside the vocab
     assert "d2t: target ids arange(D) + d2t are not distinct ids in" in problems(d2t_values=shifted)[0]
     # a config whose top-level ids are SGLang's (no +1) or missing: vLLM would capture other layers
     assert "!= eagle_config's [1, 3, 4] + 1" in problems({"eagle_aux_hidden_state_layer_ids": [1, 3, 4]})[0]
     assert problems({"eagle_aux_hidden_state_layer_ids": None})[0].startswith(
-        "top-level eagle_aux_hidden_state_layer_ids must be 3 increasing capture indices >= 1")
+        "top-level eagle_aux_hidden_state_layer_ids must be 3 increasing capture indices >= 1"
+    )
     assert problems({"target_hidden_size": None}) == ["config target_hidden_size must be a positive int, got None"]
     assert problems({"num_hidden_layers": 2})[0].startswith("num_hidden_layers 2 != 1")
     assert problems({"architectures": ["LlamaForCausalLM"]})[0].startswith("architectures ['LlamaForCausalLM']")
     # an extra copy of a shard under vLLM's own layer name loads the same parameter twice
     assert problems(tensor_edit={"layers.0.mlp.gate_proj.weight": tensors["midlayer.mlp.gate_proj.weight"]}) == [
         "tensors layers.0.mlp.gate_proj.weight and midlayer.mlp.gate_proj.weight both load vLLM's "
-        "model.layers.0.mlp.gate_up_proj.weight shard 0"]
+        "model.layers.0.mlp.gate_up_proj.weight shard 0"
+    ]
 
 
-@pytest.mark.parametrize("aux, needle", [
-    ([2, 3, 4], "the first aux layer must be 1. SGLang versions disagree"),
-    ([0, 3, 4], "the first aux layer must be 1"),
-    ([1, 4, 3], "must be increasing"),
-    ([1, 3, 7], "layer 7 is the last of the target's 8 layers"),
-])
+@pytest.mark.parametrize(
+    "aux, needle",
+    [
+        ([2, 3, 4], "the first aux layer must be 1. SGLang versions disagree"),
+        ([0, 3, 4], "the first aux layer must be 1"),
+        ([1, 4, 3], "must be increasing"),
+        ([1, 3, 7], "layer 7 is the last of the target's 8 layers"),
+    ],
+)
 def test_export_refuses_aux_layers_engines_would_read_differently(draft, target, tmp_path, aux, needle):
     other = Eagle3Draft(Eagle3Config(**{**vars(draft.config), "aux_layers": aux}))
     with pytest.raises(ValueError, match=needle):
@@ -271,8 +306,10 @@ def test_validate_export_refuses_first_sglang_id_not_1(draft, target, tmp_path):
     cfg = json.loads((good / "config.json").read_text())
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 3, 4]
     (good / "config.json").write_text(json.dumps(cfg))
-    assert validate_export(good) == ["eagle_config.eagle_aux_hidden_state_layer_ids [2, 3, 4]: first id must be 1 "
-                                     "(SGLang versions read other lists differently)"]
+    assert validate_export(good) == [
+        "eagle_config.eagle_aux_hidden_state_layer_ids [2, 3, 4]: first id must be 1 "
+        "(SGLang versions read other lists differently)"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -309,14 +346,18 @@ def test_full_vocab_export_has_no_vocab_map_and_round_trips(full_vocab_draft, ta
 def test_vllm_refuses_d2t_at_full_vocab(full_vocab_draft, target, tmp_path):
     V = target["vocab_size"]
     good = export_draft(full_vocab_draft, tmp_path / "good", target_config=target, dtype=torch.float32)
-    old = _rewrite(good, tmp_path / "old", lambda t: {**t, "d2t": torch.zeros(V, dtype=torch.int64),
-                                                      "t2d": torch.ones(V, dtype=torch.bool)})
+    old = _rewrite(
+        good,
+        tmp_path / "old",
+        lambda t: {**t, "d2t": torch.zeros(V, dtype=torch.int64), "t2d": torch.ones(V, dtype=torch.bool)},
+    )
     assert validate_export(old) == []  # SGLang 0.5.23 loads it: hot_token_id = arange(V)
     vllm = validate_export_vllm(old)
     assert len(vllm) == 1, vllm
     assert vllm[0].startswith(f"d2t present with draft_vocab_size == vocab_size ({V}): vLLM 0.32's"), vllm
-    assert ("\"There is no module or parameter named 'draft_id_to_target_id' in Eagle3LlamaForCausalLM\""
-            in vllm[0]), vllm
+    assert "\"There is no module or parameter named 'draft_id_to_target_id' in Eagle3LlamaForCausalLM\"" in vllm[0], (
+        vllm
+    )
     only_t2d = _rewrite(good, tmp_path / "t2d", lambda t: {**t, "t2d": torch.ones(V, dtype=torch.bool)})
     assert validate_export(only_t2d) == [] and validate_export_vllm(only_t2d) == []  # t2d: skipped by both
     # export_draft never writes an identity d2t at D == V, and refuses a non-identity one
@@ -334,6 +375,7 @@ def test_missing_vocab_map_below_full_vocab_fails_both_loaders(draft, target, tm
     assert validate_export_vllm(bad) == [
         f"missing tensor d2t: draft_vocab_size {D} < vocab_size {target['vocab_size']}, so vLLM's "
         "draft_id_to_target_id would keep its zeros and compute_logits would serve draft index i as target "
-        "id i (vLLM 0.32 runs no check for unloaded draft weights)"]
+        "id i (vLLM 0.32 runs no check for unloaded draft weights)"
+    ]
     with pytest.raises(ValueError, match="missing tensor d2t"):
         load_exported_draft(bad)

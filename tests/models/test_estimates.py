@@ -8,10 +8,15 @@ import torch
 
 from models.draft_vocab import draft_vocab
 from models.eagle3 import Eagle3Config, Eagle3Draft, default_aux_layers
-from models.target_head import TargetLogits
-from models.estimates import (chain_acceptance_length, estimates_block, replay_acceptance, simulate_rounds,
-                              teacher_forced_hits)
+from models.estimates import (
+    chain_acceptance_length,
+    estimates_block,
+    replay_acceptance,
+    simulate_rounds,
+    teacher_forced_hits,
+)
 from models.spec_eval import evaluate_acceptance, greedy_generate
+from models.target_head import TargetLogits
 from tests.drafts import load_target, random_prompts
 
 D = 256
@@ -49,9 +54,14 @@ def test_estimates_block_labels_each_number():
     assert block["training_estimate"]["value"] == pytest.approx(2.4)
     assert "training-time estimate at 3 steps" in block["training_estimate"]["label"]
     assert "teacher-forced" in block["training_estimate"]["label"]
-    assert block["measured"] == {"label": "measured (speculative decoding, 3 steps, on the eval prompts)", "value": 1.83}
+    assert block["measured"] == {
+        "label": "measured (speculative decoding, 3 steps, on the eval prompts)",
+        "value": 1.83,
+    }
     short = estimates_block(5, training_cond_acc=[0.5, 0.5], measured=None)
-    assert short["training_estimate"]["value"] is None and "unrolled 2 TTT steps" in short["training_estimate"]["missing"]
+    assert (
+        short["training_estimate"]["value"] is None and "unrolled 2 TTT steps" in short["training_estimate"]["missing"]
+    )
     assert estimates_block(2, training_cond_acc=None, measured=1.0)["training_estimate"]["missing"]
 
 
@@ -91,8 +101,9 @@ def drafts(target, prompts, greedy) -> dict[str, Eagle3Draft]:
     """An untrained draft, and one trained briefly (TTT, AdamW) on the first four prompts' greedy text."""
     seqs = [p + g for p, g in zip(prompts, greedy)]
     counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=target.config.vocab_size)
-    cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=D,
-                                          aux_layers=default_aux_layers(target.config.num_hidden_layers))
+    cfg = Eagle3Config.from_target_config(
+        target.config, draft_vocab_size=D, aux_layers=default_aux_layers(target.config.num_hidden_layers)
+    )
     out = {}
     for name in ("untrained", "trained"):
         torch.manual_seed(0)
@@ -101,7 +112,9 @@ def drafts(target, prompts, greedy) -> dict[str, Eagle3Draft]:
         draft.set_draft_vocab(*draft_vocab(counts.numpy(), cfg.vocab_size, D))
         out[name] = draft.float()
     draft = out["trained"].train()
-    batches = [(torch.tensor([s]), *_target_logits(target, torch.tensor([s]), draft.d2t, cfg.aux_layers)) for s in seqs[:4]]
+    batches = [
+        (torch.tensor([s]), *_target_logits(target, torch.tensor([s]), draft.d2t, cfg.aux_layers)) for s in seqs[:4]
+    ]
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
     for i in range(60):
         ids, aux, tgt = batches[i % len(batches)]
@@ -119,15 +132,18 @@ def test_teacher_forced_hits_mark_nothing_past_the_end(target, drafts, prompts, 
     assert not any(hits[k][t] for k in range(3) for t in range(len(seq) - k - 2, len(seq)))
 
 
-@pytest.mark.parametrize("name,num_steps,max_new", [("untrained", 3, 24), ("trained", 3, 24), ("trained", 2, 31),
-                                                    ("trained", 5, 40)])
+@pytest.mark.parametrize(
+    "name,num_steps,max_new", [("untrained", 3, 24), ("trained", 3, 24), ("trained", 2, 31), ("trained", 5, 40)]
+)
 def test_round_weighted_replay_equals_measured_acceptance(target, drafts, prompts, greedy, name, num_steps, max_new):
     """Teacher-forced hits on the eval's own greedy outputs, simulated round by round, give the measured
     acceptance length exactly (and the same rounds and per-position counts); the chain formula over every
     root of the same text (`all_roots`) is another number: it weights positions differently."""
     draft = drafts[name]
     eos = {greedy[5][17]}  # one prompt stops at an eos inside a round
-    measured = evaluate_acceptance(target, draft, prompts, num_steps=num_steps, max_new_tokens=max_new, eos_token_ids=eos)
+    measured = evaluate_acceptance(
+        target, draft, prompts, num_steps=num_steps, max_new_tokens=max_new, eos_token_ids=eos
+    )
     replay = replay_acceptance(target, draft, prompts, measured.outputs, num_steps)
     assert replay["rounds"] == measured.rounds
     assert replay["per_position_reached"] == measured.per_position_reached

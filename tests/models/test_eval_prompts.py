@@ -28,8 +28,15 @@ def records(tmp_path: Path, n: int = 12) -> tuple[Path, list[str]]:
 
 def job(tmp_path: Path, target: Path, prompts: int, files: list[Path]) -> EvalJob:
     records_dir, _ = records(tmp_path) if not (tmp_path / "records").exists() else (tmp_path / "records/G1", None)
-    return EvalJob(prompts=prompts, prompt_files=files, eval_fraction=FRACTION, target_path=str(target),
-                   datasets=[{"name": "G1", "records_dir": str(records_dir)}], draft_dir=str(tmp_path), out=str(tmp_path / "e.json"))
+    return EvalJob(
+        prompts=prompts,
+        prompt_files=files,
+        eval_fraction=FRACTION,
+        target_path=str(target),
+        datasets=[{"name": "G1", "records_dir": str(records_dir)}],
+        draft_dir=str(tmp_path),
+        out=str(tmp_path / "e.json"),
+    )
 
 
 def test_held_out_records_first_then_the_prompt_set_in_file_order(tmp_path, tiny_target_dir):
@@ -40,7 +47,7 @@ def test_held_out_records_first_then_the_prompt_set_in_file_order(tmp_path, tiny
     assert [p.source for p in got] == ["G1"] * len(held) + ["prompts"] * 5
     assert sorted(p.id for p in got[: len(held)]) == sorted(held)
     file_rows = [json.loads(line) for line in prompt_set.read_text().splitlines()]
-    assert [p.id for p in got[len(held):]] == [r["id"] for r in file_rows[:5]]
+    assert [p.id for p in got[len(held) :]] == [r["id"] for r in file_rows[:5]]
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
     first = file_rows[0].get("messages") or [{"role": "user", "content": file_rows[0]["prompt"]}]
     rendered = tok.apply_chat_template(first, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
@@ -56,14 +63,20 @@ def test_the_demo_prompt_set_is_a_hundred_varied_prompts():
     assert {pid.split("-")[1] for _, pid, _ in rows} == {"code", "math", "chat", "long"}
 
 
-@pytest.mark.parametrize("line, problem", [
-    ('{"id": "a", "prompt": "fine"}\n{"id": "b", "prompt": ', "2: not valid JSON"),
-    ('{"id": "a", "text": "no prompt"}', "1: a row needs `messages`"),
-    ('\n{"id": "a", "messages": [{"role": "user"}]}', "2: messages[0] must be an object"),
-    ('{"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}', "1: the last message"),
-    ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}', "2: id 'a' repeats the row at line 1"),
-    ('[1, 2]', "1: a row must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ('{"id": "a", "prompt": "fine"}\n{"id": "b", "prompt": ', "2: not valid JSON"),
+        ('{"id": "a", "text": "no prompt"}', "1: a row needs `messages`"),
+        ('\n{"id": "a", "messages": [{"role": "user"}]}', "2: messages[0] must be an object"),
+        (
+            '{"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}',
+            "1: the last message",
+        ),
+        ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}', "2: id 'a' repeats the row at line 1"),
+        ("[1, 2]", "1: a row must be a JSON object"),
+    ],
+)
 def test_a_bad_prompt_row_names_its_file_and_line(tmp_path, line, problem):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(line)

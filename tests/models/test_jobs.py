@@ -47,8 +47,23 @@ PAIRS = [
     (TargetConfig, TargetSpec, None),
     (DistributedConfig, Nodes, None),  # what the launcher of a capture or train job reads
     # the optimizer and DeepSpeed settings travel in the train job; each rank derives its DeepSpeed config from them
-    (TrainConfig, TrainJob, {"precision", "grad_accum", "weight_decay", "adam_betas", "adam_eps", "torch_adam",
-                             "grad_clip", "zero_stage", "lr", "warmup_ratio", "min_lr_ratio"}),
+    (
+        TrainConfig,
+        TrainJob,
+        {
+            "precision",
+            "grad_accum",
+            "weight_decay",
+            "adam_betas",
+            "adam_eps",
+            "torch_adam",
+            "grad_clip",
+            "zero_stage",
+            "lr",
+            "warmup_ratio",
+            "min_lr_ratio",
+        },
+    ),
     # across stages only what is the same setting (capture's max_batch_tokens is not train's)
     (CaptureConfig, TrainJob, {"aux_layers"}),  # captured, then trained for
     (TrainConfig, EvalJob, {"eval_fraction", "seed"}),  # the held-out split and the untrained draft
@@ -105,13 +120,17 @@ def test_a_section_and_its_job_share_the_declarations_not_copies():
 def test_aux_layers_the_export_would_refuse_are_refused_at_config_time(aux):
     # the export refuses them (models/eagle3_export.py: SGLang versions disagree on a first id other
     # than 1; both engines concatenate in layer order), so a run must not capture and train for them
-    with pytest.raises(ValueError, match=r"must be increasing and start at layer 1 .* got \[" + ", ".join(map(str, aux))):
+    with pytest.raises(
+        ValueError, match=r"must be increasing and start at layer 1 .* got \[" + ", ".join(map(str, aux))
+    ):
         CaptureConfig(aux_layers=aux)
     assert CaptureConfig(aux_layers=[1, 3, 4]).aux_layers == [1, 3, 4]
 
 
 def test_a_job_file_round_trips_and_bad_keys_or_values_are_named(tmp_path):
-    job = CaptureJob(target_path="t", out_dir="h", device="cpu", launch_tokens=None, datasets=[{"name": "A", "records_dir": "r"}])
+    job = CaptureJob(
+        target_path="t", out_dir="h", device="cpu", launch_tokens=None, datasets=[{"name": "A", "records_dir": "r"}]
+    )
     path = tmp_path / "jobs" / "capture.json"
     write_job(job, path, kept=lambda: "nothing", resume="rerun")
     assert load_job(CaptureJob, path) == job

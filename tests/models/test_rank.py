@@ -8,9 +8,9 @@ import json
 import pytest
 
 from models import rank
+from models.file_errors import WriteFailed
 from models.rank import Dist, serve
 from models.rank_protocol import CAPTURE
-from models.file_errors import WriteFailed
 
 
 @pytest.fixture

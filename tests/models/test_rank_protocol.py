@@ -6,23 +6,55 @@ import errno
 
 import pytest
 
-from models.file_errors import DamagedFile, DamagedShard
-from models.rank_protocol import (CAPTURE, CAPTURE_PROGRESS, EVAL, EVAL_PROGRESS, TRAIN, TRAIN_CHECKPOINT, TRAIN_DONE,
-                                  TRAIN_EVAL, TRAIN_PROGRESS, error_report, most_telling, reported_error)
-from models.file_errors import WriteFailed
+from models.file_errors import DamagedFile, DamagedShard, WriteFailed
+from models.rank_protocol import (
+    CAPTURE,
+    CAPTURE_PROGRESS,
+    EVAL,
+    EVAL_PROGRESS,
+    TRAIN,
+    TRAIN_CHECKPOINT,
+    TRAIN_DONE,
+    TRAIN_EVAL,
+    TRAIN_PROGRESS,
+    error_report,
+    most_telling,
+    reported_error,
+)
 
 
-@pytest.mark.parametrize("protocol, kind, values, text", [
-    (CAPTURE, CAPTURE_PROGRESS, {"rank": 1, "done": 3, "total": 7, "tokens": 1200},
-     "CAPTURE_PROGRESS rank=1 done=3 total=7 tokens=1200"),
-    (TRAIN, TRAIN_PROGRESS, {"step": 0, "total": 6, "tokens": 0}, "TRAIN_PROGRESS step=0 total=6 tokens=0"),
-    (TRAIN, TRAIN_PROGRESS, {"step": 2, "total": 6, "tokens": 90, "loss": 1.25, "lr": 0.0002},
-     "TRAIN_PROGRESS step=2 total=6 tokens=90 loss=1.2500 lr=0.0002"),
-    (TRAIN, TRAIN_EVAL, {"step": 4, "acceptance_length": 1.875, "loss": 0.5}, "TRAIN_EVAL step=4 acceptance_length=1.875 loss=0.5000"),
-    (TRAIN, TRAIN_CHECKPOINT, {"step": 4}, "TRAIN_CHECKPOINT step=4"),
-    (TRAIN, TRAIN_DONE, {"final": "/runs/my run/draft/final"}, "TRAIN_DONE final=/runs/my run/draft/final"),
-    (EVAL, EVAL_PROGRESS, {"draft": "untrained", "done": 1, "total": 32}, "EVAL_PROGRESS draft=untrained done=1 total=32"),
-])
+@pytest.mark.parametrize(
+    "protocol, kind, values, text",
+    [
+        (
+            CAPTURE,
+            CAPTURE_PROGRESS,
+            {"rank": 1, "done": 3, "total": 7, "tokens": 1200},
+            "CAPTURE_PROGRESS rank=1 done=3 total=7 tokens=1200",
+        ),
+        (TRAIN, TRAIN_PROGRESS, {"step": 0, "total": 6, "tokens": 0}, "TRAIN_PROGRESS step=0 total=6 tokens=0"),
+        (
+            TRAIN,
+            TRAIN_PROGRESS,
+            {"step": 2, "total": 6, "tokens": 90, "loss": 1.25, "lr": 0.0002},
+            "TRAIN_PROGRESS step=2 total=6 tokens=90 loss=1.2500 lr=0.0002",
+        ),
+        (
+            TRAIN,
+            TRAIN_EVAL,
+            {"step": 4, "acceptance_length": 1.875, "loss": 0.5},
+            "TRAIN_EVAL step=4 acceptance_length=1.875 loss=0.5000",
+        ),
+        (TRAIN, TRAIN_CHECKPOINT, {"step": 4}, "TRAIN_CHECKPOINT step=4"),
+        (TRAIN, TRAIN_DONE, {"final": "/runs/my run/draft/final"}, "TRAIN_DONE final=/runs/my run/draft/final"),
+        (
+            EVAL,
+            EVAL_PROGRESS,
+            {"draft": "untrained", "done": 1, "total": 32},
+            "EVAL_PROGRESS draft=untrained done=1 total=32",
+        ),
+    ],
+)
 def test_lines_parse_back_to_what_was_formatted(protocol, kind, values, text):
     assert kind.format(**values) == text
     for printed in (text, f"[default1]:{text}"):  # torchrun --tee puts a prefix before it
@@ -51,12 +83,21 @@ def test_error_lines_carry_the_report():
 
 
 def test_a_report_comes_back_as_the_ranks_own_exception(tmp_path):
-    written = WriteFailed(tmp_path / "shard-001-000004.safetensors", OSError(errno.ENOSPC, "No space left on device"),
-                          kept="every complete shard", resume="make room there")
+    written = WriteFailed(
+        tmp_path / "shard-001-000004.safetensors",
+        OSError(errno.ENOSPC, "No space left on device"),
+        kept="every complete shard",
+        resume="make room there",
+    )
     report = {**error_report(written, 1), "message": str(written).replace("bytes free", "bytes free (then)")}
     again = reported_error(report)
     assert isinstance(again, WriteFailed) and str(again) == report["message"]  # the rank's words
-    assert (again.path, again.errno, again.kept, again.resume) == (written.path, errno.ENOSPC, written.kept, written.resume)
+    assert (again.path, again.errno, again.kept, again.resume) == (
+        written.path,
+        errno.ENOSPC,
+        written.kept,
+        written.resume,
+    )
 
     shard = DamagedShard(tmp_path / "s.safetensors", "7 bytes, not a complete safetensors file")
     assert type(reported_error(error_report(shard, 0))) is DamagedShard

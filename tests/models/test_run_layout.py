@@ -17,7 +17,7 @@ SCANNED = ("flows", "tasks", "models", "emulators", "bench")
 # (file, literal) -> why that literal there is not a path of the run directory.
 ALLOWED = {
     ("models/engine_hidden.py", ".lock"): "LOCK_SUFFIX: the suffix of a per-file lock beside the vLLM connector's "
-                                          "request files (f'{path}.lock'), not the run directory's write lock",
+    "request files (f'{path}.lock'), not the run directory's write lock",
 }
 
 
@@ -56,8 +56,12 @@ def test_every_path_under_the_run_directory():
 
 
 def test_settings_move_the_output_directories_out_of_the_run_directory():
-    layout = RunLayout("/runs/kimi", hidden_dir=Path("/nvme/hidden-k25"), draft_dir="/shared/draft-k25",
-                       engine_dir=Path("/dev/shm/connector"))
+    layout = RunLayout(
+        "/runs/kimi",
+        hidden_dir=Path("/nvme/hidden-k25"),
+        draft_dir="/shared/draft-k25",
+        engine_dir=Path("/dev/shm/connector"),
+    )
     assert layout.run_dir == Path("/runs/kimi")  # a str is taken as a path
     assert layout.hidden_dir == Path("/nvme/hidden-k25")
     assert layout.engine_dir == Path("/dev/shm/connector")
@@ -90,7 +94,9 @@ def test_a_damaged_part_is_moved_to_the_same_place_under_quarantine():
     assert layout.quarantine(layout.rejects("B1")) == Path("/runs/kimi/quarantine/rejects/B1")
     assert layout.quarantine(Path("/elsewhere/B1")) == Path("/runs/kimi/quarantine")  # not under RUN_DIR
     assert RunLayout.of_dataset_dir(Path("/runs/kimi/responses/B1")) == layout
-    assert RunLayout.of_dataset_dir(Path("/runs/kimi/records/B1")).token_counts == Path("/runs/kimi/records/token_counts.parquet")
+    assert RunLayout.of_dataset_dir(Path("/runs/kimi/records/B1")).token_counts == Path(
+        "/runs/kimi/records/token_counts.parquet"
+    )
 
 
 # --- no path of the layout spelled outside models/run_layout.py ----------------------------------------------
@@ -100,12 +106,18 @@ def layout_names() -> set[str]:
     """The names models/run_layout.py joins into paths: the str operands of its `/`, the names of its `_Entry`s and its
     module-level str constants."""
     tree = ast.parse(LAYOUT_FILE.read_text())
-    names = {node.value.value for node in tree.body
-             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+    names = {
+        node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
-            names |= {side.value for side in (node.left, node.right)
-                      if isinstance(side, ast.Constant) and isinstance(side.value, str)}
+            names |= {
+                side.value
+                for side in (node.left, node.right)
+                if isinstance(side, ast.Constant) and isinstance(side.value, str)
+            }
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_Entry":
             name = node.args[1]
             if isinstance(name, ast.Constant) and isinstance(name.value, str):
@@ -114,9 +126,28 @@ def layout_names() -> set[str]:
 
 
 def test_the_scan_knows_the_layout():
-    assert {"responses", "rejects", "passthrough", "records", "token_counts.parquet", "quarantine", "jobs", "logs",
-            "hidden", "engine", "draft", "checkpoints", "final", "metrics.jsonl", "train_summary.json", "eval.json",
-            ".eval-raw.json", "config.yaml", "demo-config.yaml", ".lock"} <= layout_names()
+    assert {
+        "responses",
+        "rejects",
+        "passthrough",
+        "records",
+        "token_counts.parquet",
+        "quarantine",
+        "jobs",
+        "logs",
+        "hidden",
+        "engine",
+        "draft",
+        "checkpoints",
+        "final",
+        "metrics.jsonl",
+        "train_summary.json",
+        "eval.json",
+        ".eval-raw.json",
+        "config.yaml",
+        "demo-config.yaml",
+        ".lock",
+    } <= layout_names()
 
 
 def _spelled(path: Path, names: set[str]):
@@ -153,7 +184,8 @@ def _builds_a_path(parent: ast.AST | None) -> bool:
         return all(isinstance(t, ast.Name) and t.id.isupper() for t in parent.targets)
     # `part.parent.name == "responses"`: a directory told by its name
     return isinstance(parent, ast.Compare) and any(
-        isinstance(side, ast.Attribute) and side.attr in ("name", "stem") for side in (parent.left, *parent.comparators))
+        isinstance(side, ast.Attribute) and side.attr in ("name", "stem") for side in (parent.left, *parent.comparators)
+    )
 
 
 def test_no_path_of_the_run_directory_is_spelled_outside_the_layout():

@@ -11,14 +11,14 @@ import torch
 from models.eagle3 import DraftStep, Eagle3Config, Eagle3Draft, KVCache, default_aux_layers
 from models.spec_eval import (
     SpecEvalResult,
-    speculative_decode,
     evaluate_acceptance,
     greedy_generate,
+    speculative_decode,
     speculative_generate,
 )
 from tests.drafts import load_target, random_draft, random_prompts
 
-D = 256          # draft vocab < target vocab, so d2t is not the identity
+D = 256  # draft vocab < target vocab, so d2t is not the identity
 MAX_NEW = 20
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread_in_module")  # tiny tensors
@@ -69,12 +69,12 @@ class ScriptedDraft(Eagle3Draft):
         positions = range(past, past + len(ids))
         if hidden.shape[-1] == 3 * self.config.target_hidden_size:  # an extend over verified positions
             if past == 0:
-                found = [s for s in self.seqs if s[1:len(ids) + 1] == ids]
+                found = [s for s in self.seqs if s[1 : len(ids) + 1] == ids]
                 assert len(found) == 1, "extend from an empty cache must start at a known prompt"
                 self.seq = found[0]
-            assert ids == self.seq[past + 1:past + 1 + len(ids)], "extend tokens are not the verified ones"
+            assert ids == self.seq[past + 1 : past + 1 + len(ids)], "extend tokens are not the verified ones"
             self.extends.append((past, hidden.detach().clone()))
-        t2d_index = torch.cumsum(self.t2d.long(), 0) - 1            # target id -> draft index
+        t2d_index = torch.cumsum(self.t2d.long(), 0) - 1  # target id -> draft index
         logits = step.logits.clone()
         for j, p in enumerate(positions):
             if p + 2 < len(self.seq):
@@ -85,8 +85,9 @@ class ScriptedDraft(Eagle3Draft):
 
 
 def _draft(target, counts: torch.Tensor, cls=Eagle3Draft, dtype=torch.float32, seed: int = 0):
-    cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=D,
-                                          aux_layers=default_aux_layers(target.config.num_hidden_layers))
+    cfg = Eagle3Config.from_target_config(
+        target.config, draft_vocab_size=D, aux_layers=default_aux_layers(target.config.num_hidden_layers)
+    )
     model = random_draft(cfg, target.get_input_embeddings().weight, seed=seed, counts=counts.numpy(), cls=cls)
     return model.to(dtype).eval()
 
@@ -135,8 +136,9 @@ def _expected_accepts(prompt_len: int, num_steps: int, max_new: int, hit) -> lis
 def test_random_draft_output_equals_greedy(target, prompts, greedy, num_steps):
     draft = _random_draft(target)
     for prompt, want in zip(prompts, greedy):
-        out, accepts = speculative_generate(target, draft, prompt, num_steps=num_steps, max_new_tokens=MAX_NEW,
-                                            eos_token_ids=set())
+        out, accepts = speculative_generate(
+            target, draft, prompt, num_steps=num_steps, max_new_tokens=MAX_NEW, eos_token_ids=set()
+        )
         assert out == want[:MAX_NEW]
         assert sum(a + 1 for a in accepts) == len(out) - 1
         assert all(0 <= a <= num_steps for a in accepts)
@@ -153,8 +155,9 @@ def test_partly_right_draft_output_and_accepts(target, prompts, greedy, num_step
     """Rounds accepting 0..K tokens: the output stays greedy, the accepted counts follow the script."""
     draft = _scripted_draft(target, prompts, greedy, _mixed)
     for prompt, want in zip(prompts, greedy):
-        out, accepts = speculative_generate(target, draft, prompt, num_steps=num_steps, max_new_tokens=MAX_NEW,
-                                            eos_token_ids=set())
+        out, accepts = speculative_generate(
+            target, draft, prompt, num_steps=num_steps, max_new_tokens=MAX_NEW, eos_token_ids=set()
+        )
         assert out == want[:MAX_NEW]
         assert accepts == _expected_accepts(len(prompt), num_steps, MAX_NEW, _mixed)
     seen = {a for p in prompts for a in _expected_accepts(len(p), num_steps, MAX_NEW, _mixed)}
@@ -179,13 +182,13 @@ def _reference_rounds(target, draft, prompt: list[int], num_steps: int, max_new:
     seq.append(_full(target, seq, layers)[1][-1])
     out, rounds = 1, []
     while out < max_new:
-        aux, _ = _full(target, seq[:-1], layers)                  # positions 0..L-2, tokens 1..L-1 follow
+        aux, _ = _full(target, seq[:-1], layers)  # positions 0..L-2, tokens 1..L-1 follow
         step = draft(torch.tensor([seq[1:]]), aux, cache=(cache := KVCache()))
         drafted = [int(draft.draft_to_target(step.logits[0, -1].argmax()))]
         for _ in range(1, num_steps):
             step = draft(torch.tensor([[drafted[-1]]]), step.hidden[:, -1:], cache=cache)
             drafted.append(int(draft.draft_to_target(step.logits[0, -1].argmax())))
-        verified = _full(target, seq + drafted, layers)[1][len(seq) - 1:]  # argmax at [t_last, d1..dK]
+        verified = _full(target, seq + drafted, layers)[1][len(seq) - 1 :]  # argmax at [t_last, d1..dK]
         a = 0
         while a < num_steps and drafted[a] == verified[a]:
             a += 1
@@ -216,19 +219,18 @@ def test_extend_features_are_the_targets(target, prompts, greedy):
     features at that position (hidden_states[k+1] of the aux layers), in order."""
     draft = _scripted_draft(target, prompts, greedy, _mixed)
     prompt = prompts[2]
-    out, accepts = speculative_generate(target, draft, prompt, num_steps=3, max_new_tokens=MAX_NEW,
-                                        eos_token_ids=set())
+    out, accepts = speculative_generate(target, draft, prompt, num_steps=3, max_new_tokens=MAX_NEW, eos_token_ids=set())
     starts = [past for past, _ in draft.extends]
     ends = [past + aux.shape[1] for past, aux in draft.extends]
-    assert len(draft.extends) == len(accepts)                    # one extend before each round's chain
-    assert starts[0] == 0 and starts[1:] == ends[:-1]            # contiguous, nothing twice
+    assert len(draft.extends) == len(accepts)  # one extend before each round's chain
+    assert starts[0] == 0 and starts[1:] == ends[:-1]  # contiguous, nothing twice
     # Before the last round: every position but the last verified one (its next token is unknown).
     assert ends[-1] == len(prompt) + len(out) - (accepts[-1] + 1) - 1
     assert [e - s for s, e in zip(starts[1:], ends[1:])] == [a + 1 for a in accepts[:-1]]
     with torch.no_grad():
         want, _ = _full(target, prompt + out, draft.config.aux_layers)
     for past, aux in draft.extends:
-        torch.testing.assert_close(aux, want[:, past:past + aux.shape[1]], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(aux, want[:, past : past + aux.shape[1]], rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- acceptance statistics
@@ -300,8 +302,12 @@ def test_eos_stops_generation(target, prompts, greedy, scripted):
     """A token of a greedy continuation declared eos: the output ends right after its first occurrence."""
     # The tiny target's greedy text is repetitive: find a token first seen at index j, with j
     # inside an oracle round of 4 (indices 1-4, 5-8, ...) but not at its end, so the round is cut.
-    i, j = next((i, j) for i, want in enumerate(greedy) for j in range(3, MAX_NEW)
-                if want[j] not in want[:j] and (j - 1) % 4 in (1, 2))
+    i, j = next(
+        (i, j)
+        for i, want in enumerate(greedy)
+        for j in range(3, MAX_NEW)
+        if want[j] not in want[:j] and (j - 1) % 4 in (1, 2)
+    )
     prompt, want, eos = prompts[i], greedy[i], {greedy[i][j]}
     draft = _scripted_draft(target, prompts, greedy, lambda p: True) if scripted else _random_draft(target)
     assert greedy_generate(target, prompt, max_new_tokens=MAX_NEW, eos_token_ids=eos) == want[: j + 1]
@@ -327,12 +333,18 @@ def test_default_eos_is_the_targets(target, target_dir):
     assert target.generation_config.eos_token_id == eos == 1
     draft = _random_draft(target)
     stops = []
-    for text in ("Maria has 12 apples. She gives 5 to her brother and buys 8 more. How many apples does she have now?",
-                 "A rectangle is 9 cm long and 4 cm wide. What is its area?", "What is 2+2?"):
-        prompt = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              return_dict=True)["input_ids"])
+    for text in (
+        "Maria has 12 apples. She gives 5 to her brother and buys 8 more. How many apples does she have now?",
+        "A rectangle is 9 cm long and 4 cm wide. What is its area?",
+        "What is 2+2?",
+    ):
+        prompt = list(
+            tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
         free = greedy_generate(target, prompt, max_new_tokens=64, eos_token_ids=set())
-        for p in ([prompt, prompt + free[: free.index(eos)]] if eos in free else [prompt]):
+        for p in [prompt, prompt + free[: free.index(eos)]] if eos in free else [prompt]:
             free = greedy_generate(target, p, max_new_tokens=64, eos_token_ids=set())
             default = greedy_generate(target, p, max_new_tokens=64)
             want = free[: free.index(eos) + 1] if eos in free else free
@@ -345,8 +357,10 @@ def test_default_eos_is_the_targets(target, target_dir):
 def test_edge_cases_and_result_dict(target, prompts, greedy):
     draft = _random_draft(target)
     assert speculative_generate(target, draft, prompts[0], num_steps=2, max_new_tokens=0) == ([], [])
-    assert speculative_generate(target, draft, prompts[0], num_steps=2, max_new_tokens=1,
-                                eos_token_ids=set()) == (greedy[0][:1], [])
+    assert speculative_generate(target, draft, prompts[0], num_steps=2, max_new_tokens=1, eos_token_ids=set()) == (
+        greedy[0][:1],
+        [],
+    )
     res = evaluate_acceptance(target, draft, prompts[:2], num_steps=2, max_new_tokens=1, eos_token_ids=set())
     assert isinstance(res, SpecEvalResult)
     assert res.rounds == 0 and res.acceptance_length == 0.0 and res.new_tokens == 2

@@ -77,14 +77,22 @@ SHORT = 6  # training steps of the builds below: enough to run the training, a f
 def short_builds(tmp_path_factory) -> dict[str, Path]:
     """Seed 0 built twice and seed 1 once, each trained SHORT steps."""
     root = tmp_path_factory.mktemp("short_builds")
-    return {name: build_tiny_target(root / name, seed=seed, train_steps=SHORT)
-            for name, seed in (("a", 0), ("again", 0), ("other", 1))}
+    return {
+        name: build_tiny_target(root / name, seed=seed, train_steps=SHORT)
+        for name, seed in (("a", 0), ("again", 0), ("other", 1))
+    }
 
 
 def test_same_seed_builds_are_identical(short_builds, tiny_target_dir):
     a, again = short_builds["a"], short_builds["again"]
     _assert_same_weights(again, a)
-    for name in ("tokenizer.json", "config.json", "generation_config.json", "tokenizer_config.json", "tiny_target.json"):
+    for name in (
+        "tokenizer.json",
+        "config.json",
+        "generation_config.json",
+        "tokenizer_config.json",
+        "tiny_target.json",
+    ):
         assert (again / name).read_bytes() == (a / name).read_bytes(), name
     # the tokenizer does not depend on the training: the same as the fully trained build's
     assert (a / "tokenizer.json").read_bytes() == (tiny_target_dir / "tokenizer.json").read_bytes()
@@ -93,7 +101,10 @@ def test_same_seed_builds_are_identical(short_builds, tiny_target_dir):
 
 
 def test_training_changes_the_weights(short_builds, tiny_target_dir):
-    trained, short = load_file(tiny_target_dir / "model.safetensors"), load_file(short_builds["a"] / "model.safetensors")
+    trained, short = (
+        load_file(tiny_target_dir / "model.safetensors"),
+        load_file(short_builds["a"] / "model.safetensors"),
+    )
     assert trained.keys() == short.keys()
     assert not torch.equal(trained["lm_head.weight"], short["lm_head.weight"])
     assert json.loads((tiny_target_dir / "tiny_target.json").read_text())["train_steps"] > SHORT
@@ -210,7 +221,7 @@ def test_generation_prompt(tokenizer):
     ids = _ids(tokenizer.apply_chat_template(CONVERSATION[:4], add_generation_prompt=True, tokenize=True))
     tail = tokenizer.encode("<|im_assistant|>assistant<|im_middle|>", add_special_tokens=False)
     assert tail[0] == 3 and tail[-1] == 5
-    assert ids[-len(tail):] == tail
+    assert ids[-len(tail) :] == tail
     assert ids[0] == 4  # <|im_system|>: no bos in front
 
 
@@ -228,8 +239,9 @@ def test_rerendering_a_finished_conversation_changes_its_ids(tokenizer):
 def test_history_rewrite_only_touches_leading_reasoning():
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    convo = _turns("a", "no reasoning here", "b", "answer first </think> then a stray tag",
-                   "c", "  <think>x</think>   y", "d")
+    convo = _turns(
+        "a", "no reasoning here", "b", "answer first </think> then a stray tag", "c", "  <think>x</think>   y", "d"
+    )
     rendered, _ = render_jinja_template(conversations=[convo], chat_template=CHAT_TEMPLATE)
     assert rendered[0] == (
         "<|im_user|>user<|im_middle|>a<|im_end|>"
@@ -277,7 +289,7 @@ def test_trained_target_answers_in_sentences_and_ends_its_turns(tokenizer, model
         messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
         ids = torch.tensor([_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True))])
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1]:].tolist()
+            out = model.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1] :].tolist()
         lengths.append(len(out) if out[-1] == 1 else None)
         ratios.append(len(set(out)) / len(out))  # a 1-3-token loop over 64 tokens: <= 0.05
     ended = [n for n in lengths if n is not None]
@@ -351,8 +363,9 @@ def test_sample_generate_sets():
         assert [m["role"] for m in r["messages"]] == ["system", "user"]
 
     def median_len(rows):
-        sizes = sorted(sum(len(m["content"]) for m in r["messages"]) if "messages" in r else len(r["prompt"])
-                       for r in rows)
+        sizes = sorted(
+            sum(len(m["content"]) for m in r["messages"]) if "messages" in r else len(r["prompt"]) for r in rows
+        )
         return sizes[len(sizes) // 2]
 
     assert median_len(math) < median_len(code) < median_len(long)
@@ -372,4 +385,8 @@ def test_the_tiny_target_trains_on_the_four_sample_files_only():
     from models.tiny_target import SAMPLES_DIR
 
     assert sorted(p.name for p in SAMPLES_DIR.glob("*.jsonl")) == [
-        "gen_code.jsonl", "gen_long.jsonl", "gen_math.jsonl", "passthrough_chat.jsonl"]
+        "gen_code.jsonl",
+        "gen_long.jsonl",
+        "gen_math.jsonl",
+        "passthrough_chat.jsonl",
+    ]

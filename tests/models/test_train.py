@@ -23,15 +23,22 @@ import torch
 
 from models.capture import run as run_capture
 from models.eagle3_export import load_exported_draft, validate_export
-from models.target_weights import find_tensor_name, load_target_tensors
 from models.jobs import CaptureJob, DatasetRecords, TrainJob, TrainSettings
 from models.rank import Dist
+from models.target_weights import find_tensor_name, load_target_tensors
 from models.tiny_target import SAMPLES_DIR
 from models.train import ds_train_config, lr_lambda
 from models.train_checkpoint import complete_checkpoints
+from models.train_data import (
+    TrainSample,
+    epoch_batches,
+    held_out,
+    held_out_prompts,
+    rank_micro_batches,
+    split_samples,
+    steps_per_epoch,
+)
 from models.train_metrics import MetricsWriter
-from models.train_data import (TrainSample, epoch_batches, held_out, held_out_prompts, rank_micro_batches,
-                               split_samples, steps_per_epoch)
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 300
@@ -49,7 +56,9 @@ def train_data(tiny_target_dir, tmp_path_factory) -> dict:
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
     texts = []
     for f in sorted(SAMPLES_DIR.glob("gen_*.jsonl")):
-        texts += [json.loads(line)["prompt"] for line in f.read_text(encoding="utf-8").splitlines() if '"prompt"' in line]
+        texts += [
+            json.loads(line)["prompt"] for line in f.read_text(encoding="utf-8").splitlines() if '"prompt"' in line
+        ]
     rng = random.Random(0)
     root = tmp_path_factory.mktemp("train_data")
     rows = []
@@ -64,21 +73,42 @@ def train_data(tiny_target_dir, tmp_path_factory) -> dict:
     counts = np.zeros(len(tok), dtype=np.int64)
     for r in rows:
         np.add.at(counts, [t for t, m in zip(r["input_ids"], r["loss_mask"]) if m], 1)
-    pq.write_table(pa.table({"token_id": np.flatnonzero(counts), "count": counts[counts > 0]}),
-                   root / "records" / "token_counts.parquet")
+    pq.write_table(
+        pa.table({"token_id": np.flatnonzero(counts), "count": counts[counts > 0]}),
+        root / "records" / "token_counts.parquet",
+    )
     hidden = root / "hidden"
-    run_capture(CaptureJob(target_path=str(tiny_target_dir), datasets=[{"name": "G1", "records_dir": str(records)}],
-                           out_dir=str(hidden), device="cpu", shard_tokens=1024, launch_tokens=None), Dist())
+    run_capture(
+        CaptureJob(
+            target_path=str(tiny_target_dir),
+            datasets=[{"name": "G1", "records_dir": str(records)}],
+            out_dir=str(hidden),
+            device="cpu",
+            shard_tokens=1024,
+            launch_tokens=None,
+        ),
+        Dist(),
+    )
     return {"root": root, "records": records, "hidden": hidden, "rows": rows}
 
 
 def _job(tiny_target_dir: Path, data: dict, out_dir: Path, **over) -> Path:
     job = {
-        "target_path": str(tiny_target_dir), "out_dir": str(out_dir),
+        "target_path": str(tiny_target_dir),
+        "out_dir": str(out_dir),
         "token_counts": str(data["root"] / "records" / "token_counts.parquet"),
-        "hidden_dir": str(data["hidden"]), "device": "cpu", "draft_vocab_size": 512,
-        "max_batch_tokens": 512, "max_steps": 6, "checkpoint_every": 2, "eval_every": 3, "log_every": 1,
-        "eval_fraction": 0.1, "lr": 2e-3, "ttt_steps": 3, "grad_accum": 2,
+        "hidden_dir": str(data["hidden"]),
+        "device": "cpu",
+        "draft_vocab_size": 512,
+        "max_batch_tokens": 512,
+        "max_steps": 6,
+        "checkpoint_every": 2,
+        "eval_every": 3,
+        "log_every": 1,
+        "eval_fraction": 0.1,
+        "lr": 2e-3,
+        "ttt_steps": 3,
+        "grad_accum": 2,
         **over,
     }
     path = out_dir.parent / f"{out_dir.name}.job.json"
@@ -90,17 +120,36 @@ def _job(tiny_target_dir: Path, data: dict, out_dir: Path, **over) -> Path:
 def _launch_cmd(job: Path) -> list[str]:
     from tasks.ports import free_port
 
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-            "-m", "models.train", "--job", str(job)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "models.train",
+        "--job",
+        str(job),
+    ]
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
 
 
 def _torchrun(job: Path) -> str:
-    proc = subprocess.run(_launch_cmd(job), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = subprocess.run(
+        _launch_cmd(job), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+    )
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout + proc.stderr
 
@@ -135,7 +184,9 @@ def test_rank_deal_covers_each_batch_once_per_epoch():
     batches = [[s] for s in _samples(17)]
     per_epoch = steps_per_epoch(len(batches), world_size=2, grad_accum=2)
     assert per_epoch == 4  # 17 // 4; the last incomplete round is dropped
-    seen = [id(b) for step in range(per_epoch) for rank in range(2) for b in rank_micro_batches(batches, step, rank, 2, 2)]
+    seen = [
+        id(b) for step in range(per_epoch) for rank in range(2) for b in rank_micro_batches(batches, step, rank, 2, 2)
+    ]
     assert len(seen) == len(set(seen)) == 16
     assert steps_per_epoch(3, world_size=2, grad_accum=2) == 1  # too few: one step with repeats
     assert len(rank_micro_batches(batches[:3], 0, 1, 2, 2)) == 2
@@ -193,7 +244,11 @@ def test_target_tensors_are_read_without_the_model(tiny_target_dir):
     embed, head = load_target_tensors(tiny_target_dir)
     assert torch.equal(embed, model.get_input_embeddings().weight)
     assert torch.equal(head, model.get_output_embeddings().weight)
-    names = ["language_model.model.embed_tokens.weight", "vision_tower.embed_tokens.weight", "language_model.lm_head.weight"]
+    names = [
+        "language_model.model.embed_tokens.weight",
+        "vision_tower.embed_tokens.weight",
+        "language_model.lm_head.weight",
+    ]
     assert find_tensor_name(names, "embed_tokens.weight") == "language_model.model.embed_tokens.weight"
     assert find_tensor_name(names, "lm_head.weight") == "language_model.lm_head.weight"
     assert find_tensor_name(names, "norm.weight") is None
@@ -211,7 +266,9 @@ def test_held_out_prompts_stop_before_the_first_loss_token(train_data):
 
 def test_train_job_rejects_unknown_keys(tmp_path):
     path = tmp_path / "job.json"
-    path.write_text(json.dumps({"target_path": "x", "out_dir": "y", "token_counts": "z", "hidden_dir": "h", "bogus": 1}))
+    path.write_text(
+        json.dumps({"target_path": "x", "out_dir": "y", "token_counts": "z", "hidden_dir": "h", "bogus": 1})
+    )
     with pytest.raises(ValueError, match=f"{path}: not a valid TrainJob: bogus: Extra inputs are not permitted"):
         TrainJob.load(path)
 
@@ -222,8 +279,14 @@ def test_train_job_rejects_unknown_keys(tmp_path):
 def _single_process(job: Path) -> str:
     """One rank without a launcher (WORLD_SIZE unset): the job makes its own 1-rank group."""
     env = {k: v for k, v in _env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "models.train", "--job", str(job)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "models.train", "--job", str(job)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout + proc.stderr
 
@@ -245,8 +308,17 @@ def test_online_mode_trains_like_offline_on_the_same_records(tiny_target_dir, tr
     common = ONE_RANK
     offline = one_rank_run
     online = tmp_path / "online" / "draft"
-    log = _single_process(_job(tiny_target_dir, train_data, online, mode="online", hidden_dir=None,
-                               datasets=[{"name": "G1", "records_dir": str(train_data["records"])}], **common))
+    log = _single_process(
+        _job(
+            tiny_target_dir,
+            train_data,
+            online,
+            mode="online",
+            hidden_dir=None,
+            datasets=[{"name": "G1", "records_dir": str(train_data["records"])}],
+            **common,
+        )
+    )
     assert "mode online" in log
     a, b = _metric_lines(offline), _metric_lines(online)
     assert [(x["kind"], x["step"], x["tokens"]) for x in a] == [(x["kind"], x["step"], x["tokens"]) for x in b]
@@ -255,8 +327,17 @@ def test_online_mode_trains_like_offline_on_the_same_records(tiny_target_dir, tr
     assert validate_export(online / "final") == []
     # A relaunch of a finished run trains nothing, re-exports, and keeps the last eval in the summary.
     before = json.loads((online / "train_summary.json").read_text())
-    log = _single_process(_job(tiny_target_dir, train_data, online, mode="online", hidden_dir=None,
-                               datasets=[{"name": "G1", "records_dir": str(train_data["records"])}], **common))
+    log = _single_process(
+        _job(
+            tiny_target_dir,
+            train_data,
+            online,
+            mode="online",
+            hidden_dir=None,
+            datasets=[{"name": "G1", "records_dir": str(train_data["records"])}],
+            **common,
+        )
+    )
     assert "resuming from checkpoint step-00000003" in log
     after = json.loads((online / "train_summary.json").read_text())
     assert after["steps"] == 3 and after["eval"] == before["eval"] is not None
@@ -288,8 +369,15 @@ def test_killed_training_resumes_with_the_same_state(tiny_target_dir, train_data
 
     out = tmp_path / "killed" / "draft"
     job = _job(tiny_target_dir, train_data, out)
-    proc = subprocess.Popen(_launch_cmd(job), env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        _launch_cmd(job),
+        env=_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
     seen = []
     try:
         for line in proc.stdout:  # the kill follows the line, not a timer
@@ -324,13 +412,27 @@ def _fingerprint(rows=(("D", "a", 5), ("D", "b", 7)), d2t=(0, 0, 1), **over):
     from models.train_checkpoint import run_fingerprint
     from models.train_data import data_fingerprint
 
-    fields = {"target_path": "t", "out_dir": "o", "token_counts": "tc.parquet", "hidden_dir": "h", "lr": 2e-3,
-              "grad_accum": 2, "device": "cpu"}
+    fields = {
+        "target_path": "t",
+        "out_dir": "o",
+        "token_counts": "tc.parquet",
+        "hidden_dir": "h",
+        "lr": 2e-3,
+        "grad_accum": 2,
+        "device": "cpu",
+    }
     total_steps = over.pop("total_steps", 6)
     world_size = over.pop("world_size", 2)
     job = TrainJob(**{**fields, **over})
-    config = Eagle3Config(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
-                          vocab_size=10, draft_vocab_size=3, aux_layers=[0, 1, 2])
+    config = Eagle3Config(
+        hidden_size=8,
+        intermediate_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=10,
+        draft_vocab_size=3,
+        aux_layers=[0, 1, 2],
+    )
     data = data_fingerprint(rows, {"mode": "offline", "aux_layers": [0, 1, 2]})
     return run_fingerprint(job, data, torch.tensor(d2t), config, world_size, total_steps)
 
@@ -341,17 +443,25 @@ def test_fingerprint_names_what_differs_and_ignores_how_the_run_is_watched():
     base = _fingerprint()
     assert fingerprint_differences(base, _fingerprint()) == []
     # How often to log, save and evaluate may change between launches.
-    assert fingerprint_differences(base, _fingerprint(log_every=1, checkpoint_every=7, keep_checkpoints=9, eval_every=3)) == []
+    assert (
+        fingerprint_differences(base, _fingerprint(log_every=1, checkpoint_every=7, keep_checkpoints=9, eval_every=3))
+        == []
+    )
     assert fingerprint_differences(base, _fingerprint(lr=1e-3)) == ["settings: lr 0.002 -> 0.001"]
     assert fingerprint_differences(base, _fingerprint(ttt_steps=5, world_size=4)) == [
-        "settings: ttt_steps 7 -> 5, world size (train.num_gpus) 2 -> 4"]
+        "settings: ttt_steps 7 -> 5, world size (train.num_gpus) 2 -> 4"
+    ]
     assert fingerprint_differences(base, _fingerprint(total_steps=12)) == [
-        "settings: total steps (epochs/max_steps; the cosine schedule spans them) 6 -> 12"]
+        "settings: total steps (epochs/max_steps; the cosine schedule spans them) 6 -> 12"
+    ]
     assert fingerprint_differences(base, _fingerprint(rows=[("D", "a", 5)])) == ["data: samples 2 -> 1, tokens 12 -> 5"]
     # Same counts, another sample: the digest still tells.
     assert fingerprint_differences(base, _fingerprint(rows=[("D", "a", 5), ("D", "c", 7)])) == [
-        "data: same number of samples and tokens, other ids or lengths"]
-    assert fingerprint_differences(base, _fingerprint(d2t=(0, 1, 1))) == ["draft vocabulary: other tokens (from tc.parquet)"]
+        "data: same number of samples and tokens, other ids or lengths"
+    ]
+    assert fingerprint_differences(base, _fingerprint(d2t=(0, 1, 1))) == [
+        "draft vocabulary: other tokens (from tc.parquet)"
+    ]
     # The order of the index does not matter: a resumed capture may have sharded differently.
     assert fingerprint_differences(base, _fingerprint(rows=[("D", "b", 7), ("D", "a", 5)])) == []
 
@@ -371,22 +481,34 @@ def test_check_fingerprint_refuses_another_run_and_warns_for_old_checkpoints(tmp
     with pytest.raises(CheckpointMismatch) as info:
         check_fingerprint(ckpts, _fingerprint(lr=1e-3, rows=[("D", "a", 5)]), warn=True)
     message = str(info.value)
-    assert message.startswith(f"cannot resume {tag}: it was trained on other data or settings than this launch's "
-                              "(data: samples 2 -> 1, tokens 12 -> 5; settings: lr 0.002 -> 0.001)")
+    assert message.startswith(
+        f"cannot resume {tag}: it was trained on other data or settings than this launch's "
+        "(data: samples 2 -> 1, tokens 12 -> 5; settings: lr 0.002 -> 0.001)"
+    )
     assert f"set train.out_dir to a new directory or move {ckpts} aside" in message
     assert sorted(p.name for p in tag.iterdir()) == ["COMPLETE", FINGERPRINT]  # nothing touched
 
 
 def _run_single(job: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in _env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    return subprocess.run([sys.executable, "-m", "models.train", "--job", str(job)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "models.train", "--job", str(job)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
 
 
 def _error_reports(output: str) -> list[dict]:
     from models.train import ERROR_MARK
 
-    return [json.loads(line.removeprefix(ERROR_MARK + " ")) for line in output.splitlines() if line.startswith(ERROR_MARK + " ")]
+    return [
+        json.loads(line.removeprefix(ERROR_MARK + " "))
+        for line in output.splitlines()
+        if line.startswith(ERROR_MARK + " ")
+    ]
 
 
 def _error_report(stderr: str) -> dict:
@@ -396,11 +518,17 @@ def _error_report(stderr: str) -> dict:
 
 
 def _tree(directory: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in directory.rglob("*")
+        if p.is_file()
+    }
 
 
 @pytest.mark.multiprocess
-def test_relaunch_on_other_data_or_settings_is_refused_before_training(tiny_target_dir, train_data, one_rank_run, tmp_path):
+def test_relaunch_on_other_data_or_settings_is_refused_before_training(
+    tiny_target_dir, train_data, one_rank_run, tmp_path
+):
     """Changed lr, data or length: exit 1 naming the change, checkpoints untouched; watch settings and old checkpoints resume."""
     import shutil
 
@@ -418,8 +546,10 @@ def test_relaunch_on_other_data_or_settings_is_refused_before_training(tiny_targ
     assert proc.returncode == 1
     report = _error_report(proc.stderr)
     assert report["type"] == "CheckpointMismatch" and report["kind"] == "invalid"
-    assert report["message"].startswith(f"cannot resume {out / 'checkpoints' / 'step-00000003'}: it was trained on other "
-                                        "data or settings than this launch's (settings: lr 0.002 -> 0.001)")
+    assert report["message"].startswith(
+        f"cannot resume {out / 'checkpoints' / 'step-00000003'}: it was trained on other "
+        "data or settings than this launch's (settings: lr 0.002 -> 0.001)"
+    )
     assert f"set train.out_dir to a new directory or move {out / 'checkpoints'} aside" in report["message"]
     assert "Traceback" not in proc.stderr and "resuming" not in proc.stderr
     assert _tree(out) == before  # nothing trained, written or removed
@@ -434,18 +564,29 @@ def test_relaunch_on_other_data_or_settings_is_refused_before_training(tiny_targ
     proc = _run_single(_job(tiny_target_dir, {**train_data, "hidden": fewer}, out, **one_rank))
     assert proc.returncode == 1
     message = _error_report(proc.stderr)["message"]
-    assert (f"(data: samples {samples:,} -> {samples - len(gone):,}, "
-            f"tokens {tokens:,} -> {tokens - sum(s['length'] for s in gone):,})") in message
+    assert (
+        f"(data: samples {samples:,} -> {samples - len(gone):,}, "
+        f"tokens {tokens:,} -> {tokens - sum(s['length'] for s in gone):,})"
+    ) in message
     assert _tree(out) == before
 
     proc = _run_single(_job(tiny_target_dir, train_data, out, **{**one_rank, "max_steps": 4}))
     assert proc.returncode == 1
-    assert "settings: total steps (epochs/max_steps; the cosine schedule spans them) 3 -> 4)" in _error_report(proc.stderr)["message"]
+    assert (
+        "settings: total steps (epochs/max_steps; the cosine schedule spans them) 3 -> 4)"
+        in _error_report(proc.stderr)["message"]
+    )
     assert _tree(out) == before
 
     # How the run is watched may change: the finished run resumes (and trains nothing).
-    log = _single_process(_job(tiny_target_dir, train_data, out, **{**one_rank, "eval_every": 1, "log_every": 5,
-                                                                      "checkpoint_every": 1, "keep_checkpoints": 5}))
+    log = _single_process(
+        _job(
+            tiny_target_dir,
+            train_data,
+            out,
+            **{**one_rank, "eval_every": 1, "log_every": 5, "checkpoint_every": 1, "keep_checkpoints": 5},
+        )
+    )
     assert "resuming from checkpoint step-00000003" in log
     # A checkpoint from before fingerprints resumes with a warning.
     (out / "checkpoints" / "step-00000003" / "fingerprint.json").unlink()
@@ -469,7 +610,9 @@ def test_full_disk_stops_training_at_once_and_keeps_the_last_checkpoint(tiny_tar
     out = small_disk / "draft"
     ckpts = out / "checkpoints"
     job = _job(tiny_target_dir, train_data, out)  # 2 ranks, checkpoints at 2, 4, 6
-    proc = subprocess.run(_launch_cmd(job), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = subprocess.run(
+        _launch_cmd(job), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-4000:]
     written = [r for r in _error_reports(proc.stderr) if r["kind"] == "write_failed"]
@@ -479,7 +622,9 @@ def test_full_disk_stops_training_at_once_and_keeps_the_last_checkpoint(tiny_tar
             rf"cannot write {re.escape(str(ckpts / 'step-00000004'))}\S*: disk full: [\d,]+ bytes free on {re.escape(str(small_disk))}\. "
             rf"kept: checkpoint step-00000002 \(complete, step 2\) in {re.escape(str(ckpts))}\. "
             r"to resume: make room there \(or set train.out_dir to a disk with room\), then run the train stage again: "
-            r"it resumes from the kept checkpoint", report["message"]), report["message"]
+            r"it resumes from the kept checkpoint",
+            report["message"],
+        ), report["message"]
         assert f"train rank {report['rank']} failed: {report['message']}" in proc.stderr
     # Stopped at once: nothing after the failed save, which never became a checkpoint.
     assert "TRAIN_CHECKPOINT step=2" in proc.stdout and "TRAIN_CHECKPOINT step=4" not in proc.stdout
@@ -494,12 +639,15 @@ def test_full_disk_stops_training_at_once_and_keeps_the_last_checkpoint(tiny_tar
     # Read-only now (a remount after an I/O error does that): refused at the first write, before training.
     before = _tree(out)
     tmpfs.remount(small_disk, "ro")
-    proc = subprocess.run(_launch_cmd(job), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = subprocess.run(
+        _launch_cmd(job), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+    )
     assert proc.returncode != 0
     assert [r["message"] for r in _error_reports(proc.stderr)] == [
         f"cannot write {out / 'ds_config.json'}: read-only file system. kept: checkpoint step-00000002 (complete, step 2) "
         f"in {ckpts}. to resume: make room there (or set train.out_dir to a disk with room), then run the train stage "
-        "again: it resumes from the kept checkpoint"], proc.stderr[-4000:]
+        "again: it resumes from the kept checkpoint"
+    ], proc.stderr[-4000:]
     assert _tree(out) == before
 
     tmpfs.remount(small_disk, "rw,size=64m")
@@ -523,8 +671,8 @@ def _fill(disk: Path) -> None:
 
 
 def test_a_full_disk_under_metrics_or_torch_save_is_a_write_failure_naming_the_file(small_disk):
-    from models.train_checkpoint import writing
     from models.file_errors import WriteFailed
+    from models.train_checkpoint import writing
 
     writer = MetricsWriter(small_disk, resumed_step=0, enabled=True)
     writer.write({"kind": "train", "step": 1, "loss": 1.0})

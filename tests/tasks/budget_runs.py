@@ -7,14 +7,16 @@ import asyncio
 from tasks.server_pool import ServerPool
 
 
-def budget_run_after_short_answers(generate, urls: list[str], rows, run_dir, tokenizer, sampling, *, token_budget: int,
-                                   seen, **pool_options):
+def budget_run_after_short_answers(
+    generate, urls: list[str], rows, run_dir, tokenizer, sampling, *, token_budget: int, seen, **pool_options
+):
     """Through one ServerPool(urls, **pool_options): rows[:20] with 4-token answers, then all of `rows` under
     `token_budget`. The first run makes the budget's length estimate far too low for the second, so many of its
     requests are in flight (or queued at the server) when its budget is reached.
 
     `generate(pool, rows, run_dir, tokenizer, **settings)` is the test module's run of the generate loop, `sampling`
     its sampling params. Returns the second run's report and `seen(pool)`, read before the pool closes."""
+
     async def go():
         async with ServerPool(urls, **pool_options) as pool:
             await generate(pool, rows[:20], run_dir, tokenizer, sampling_params={**sampling, "max_new_tokens": 4})

@@ -26,9 +26,17 @@ from tasks.parquet_io import list_parts, read_metadata
 
 def row(i: int, n: int = 3, reason: str = "stop") -> dict:
     return {
-        "id": f"p{i}", "prompt_ids": [1, 2, i], "output_ids": list(range(n)), "prompt_tokens": 3,
-        "completion_tokens": n, "finish_reason": reason, "text": "x" * n, "latency": 0.5,
-        "cached_tokens": 0, "reasoning_tokens": 0, "finished_at": 1000.0 + i,
+        "id": f"p{i}",
+        "prompt_ids": [1, 2, i],
+        "output_ids": list(range(n)),
+        "prompt_tokens": 3,
+        "completion_tokens": n,
+        "finish_reason": reason,
+        "text": "x" * n,
+        "latency": 0.5,
+        "cached_tokens": 0,
+        "reasoning_tokens": 0,
+        "finished_at": 1000.0 + i,
     }
 
 

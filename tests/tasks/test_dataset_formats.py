@@ -17,8 +17,10 @@ from tasks.datasets.detect import Resolver
 SAMPLES = Path(__file__).resolve().parents[2] / "data" / "formats"  # not data/samples: the tiny target trains on those
 FORMATS = ["sharegpt", "alpaca", "columns", "ultrachat"]
 KINDS = ["generate", "passthrough"]
-DOC = ("row formats: messages, sharegpt, alpaca, columns, ultrachat (docs/run-a-pipeline.md#row-formats: the config "
-       "lines of each)")
+DOC = (
+    "row formats: messages, sharegpt, alpaca, columns, ultrachat (docs/run-a-pipeline.md#row-formats: the config "
+    "lines of each)"
+)
 CONFIGURED = {  # the config lines that name each sample's format instead of detecting it
     "sharegpt": RowFormat(format="sharegpt"),
     "alpaca": RowFormat(format="alpaca"),
@@ -64,10 +66,20 @@ def test_each_sample_reads_as_its_messages_file(fmt, kind):
 def test_ids_are_kept_or_hash_the_canonical_messages():
     # Stated without the loader: explicit ids stay (an int as its digits), a row without id hashes its messages.
     sharegpt = load_dataset(SAMPLES / "fmt_sharegpt.jsonl", "passthrough").rows
-    assert [r.id for r in sharegpt] == ["sg-1", "sg-2", "3", _hash({"messages": [
-        {"role": "user", "content": "Convert 3 miles to kilometres."},
-        {"role": "assistant", "content": "3 miles is about 4.83 kilometres (1 mile = 1.609 km)."},
-    ]}), "sg-5"]
+    assert [r.id for r in sharegpt] == [
+        "sg-1",
+        "sg-2",
+        "3",
+        _hash(
+            {
+                "messages": [
+                    {"role": "user", "content": "Convert 3 miles to kilometres."},
+                    {"role": "assistant", "content": "3 miles is about 4.83 kilometres (1 mile = 1.609 km)."},
+                ]
+            }
+        ),
+        "sg-5",
+    ]
     alpaca = load_dataset(SAMPLES / "fmt_alpaca.jsonl", "generate").rows
     translate = [{"role": "user", "content": "Translate the sentence into French.\n\nThe library opens at nine."}]
     assert alpaca[1] == PromptRow(_hash({"messages": translate}), translate)
@@ -118,13 +130,21 @@ def test_parquet_and_saved_datasets_go_through_the_same_formats(fmt, reader, tmp
 
 
 def test_a_column_reader_reads_only_the_columns_of_the_format(tmp_path):
-    schema = pa.schema([("id", pa.string()), ("problem", pa.string()), ("solution", pa.string()), ("lang", pa.string()),
-                        ("seed", pa.string())])
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("problem", pa.string()),
+            ("solution", pa.string()),
+            ("lang", pa.string()),
+            ("seed", pa.string()),
+        ]
+    )
     resolver = Resolver("passthrough", RowFormat())
     assert resolver.columns(tmp_path / "x.parquet", schema) == ["id", "problem", "solution"]
     assert resolver.shape.describe() == "columns (auto: problem -> user, solution -> assistant)"
-    named = Resolver("generate", RowFormat(format="columns", prompt_field="problem", system_field="seed",
-                                           id_field="lang"))
+    named = Resolver(
+        "generate", RowFormat(format="columns", prompt_field="problem", system_field="seed", id_field="lang")
+    )
     assert named.columns(tmp_path / "x.parquet", schema) == ["lang", "seed", "problem"]
     with pytest.raises(DatasetError) as info:
         Resolver("passthrough", RowFormat(format="sharegpt")).columns(tmp_path / "x.parquet", schema)
@@ -139,20 +159,44 @@ GOOD_FIRST = {  # a good row of each format on line 1, so that auto has decided 
 }
 BAD = [  # format, kind, the bad row, what the error says is wrong
     ("sharegpt", "passthrough", {"id": "x", "messages": []}, "'conversations' is missing (row has: id, messages)"),
-    ("sharegpt", "passthrough", {"conversations": {"from": "human"}},
-     "'conversations' must be a list of {from, value} objects, got object"),
-    ("sharegpt", "passthrough", {"conversations": [{"from": "human"}, {"from": "gpt", "value": "a"}]},
-     "'conversations[0].value' is missing"),
+    (
+        "sharegpt",
+        "passthrough",
+        {"conversations": {"from": "human"}},
+        "'conversations' must be a list of {from, value} objects, got object",
+    ),
+    (
+        "sharegpt",
+        "passthrough",
+        {"conversations": [{"from": "human"}, {"from": "gpt", "value": "a"}]},
+        "'conversations[0].value' is missing",
+    ),
     ("sharegpt", "passthrough", {"conversations": [{"value": "q"}]}, "'conversations[0].from' is missing"),
-    ("sharegpt", "passthrough", {"conversations": [{"from": "bot", "value": "q"}]},
-     "'conversations[0].from' is 'bot', not a role name"),
-    ("sharegpt", "passthrough", {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " "}]},
-     "'conversations[1].value' is empty"),
-    ("sharegpt", "passthrough", {"conversations": [{"from": "human", "value": "q"}]},
-     "'conversations' has no assistant turn"),
+    (
+        "sharegpt",
+        "passthrough",
+        {"conversations": [{"from": "bot", "value": "q"}]},
+        "'conversations[0].from' is 'bot', not a role name",
+    ),
+    (
+        "sharegpt",
+        "passthrough",
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " "}]},
+        "'conversations[1].value' is empty",
+    ),
+    (
+        "sharegpt",
+        "passthrough",
+        {"conversations": [{"from": "human", "value": "q"}]},
+        "'conversations' has no assistant turn",
+    ),
     ("sharegpt", "generate", {"conversations": [{"from": "gpt", "value": "a"}]}, "'conversations' has no user turn"),
-    ("sharegpt", "generate", {"conversations": [{"from": "tool", "value": "t"}, {"from": "human", "value": "q"}]},
-     "'conversations[0].from' is a tool turn"),
+    (
+        "sharegpt",
+        "generate",
+        {"conversations": [{"from": "tool", "value": "t"}, {"from": "human", "value": "q"}]},
+        "'conversations[0].from' is a tool turn",
+    ),
     ("alpaca", "generate", {"input": "x", "output": "a"}, "'instruction' is missing (row has: input, output)"),
     ("alpaca", "generate", {"instruction": " "}, "'instruction' is empty"),
     ("alpaca", "generate", {"instruction": "q", "input": 7}, "'input' must be a string, got int"),
@@ -160,8 +204,12 @@ BAD = [  # format, kind, the bad row, what the error says is wrong
     ("columns", "generate", {"solution": "a"}, "'problem' is missing (row has: solution)"),
     ("columns", "passthrough", {"problem": "q"}, "'solution' is missing"),
     ("columns", "passthrough", {"problem": "q", "solution": ["a"]}, "'solution' must be a string, got list"),
-    ("ultrachat", "generate", {"data": {"q": "a"}},
-     "'data' must be a list of strings (user, assistant, ... alternating), got object"),
+    (
+        "ultrachat",
+        "generate",
+        {"data": {"q": "a"}},
+        "'data' must be a list of strings (user, assistant, ... alternating), got object",
+    ),
     ("ultrachat", "generate", {"data": []}, "'data' is empty"),
     ("ultrachat", "passthrough", {"data": ["q", 5]}, "'data[1]' must be a string, got int"),
     ("ultrachat", "passthrough", {"id": "u", "text": "q"}, "'data' is missing (row has: id, text)"),
@@ -193,20 +241,41 @@ DETECTED = [  # a row, the kind, the format auto picks, and how validate describ
     ({"messages": [{"role": "user", "content": "q"}]}, "generate", "messages (auto)"),
     ({"prompt": "q", "source": "x"}, "generate", "messages (auto)"),
     ({"input_ids": [1], "loss_mask": [1]}, "passthrough", "messages (auto)"),
-    ({"id": "1", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}, "passthrough",
-     "sharegpt (auto: conversations: from -> role, value -> content)"),
-    ({"instruction": "q", "input": "", "output": "a"}, "passthrough",
-     "alpaca (auto: instruction + input -> user, output -> assistant)"),
-    ({"instruction": "q", "response": "a"}, "generate",
-     "alpaca (auto: instruction + input -> user, output -> assistant)"),
-    ({"problem": "q", "solution": "a", "lang": "py"}, "passthrough",
-     "columns (auto: problem -> user, solution -> assistant)"),
-    ({"problem": "q", "generated_solution": "a", "expected_answer": "1"}, "passthrough",
-     "columns (auto: problem -> user, generated_solution -> assistant)"),
-    ({"question": "q", "generated_solution": "a"}, "passthrough",
-     "columns (auto: question -> user, generated_solution -> assistant)"),
-    ({"id": "o1", "input": "q", "output": "a", "domain": "x"}, "passthrough",
-     "columns (auto: input -> user, output -> assistant)"),
+    (
+        {"id": "1", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+        "passthrough",
+        "sharegpt (auto: conversations: from -> role, value -> content)",
+    ),
+    (
+        {"instruction": "q", "input": "", "output": "a"},
+        "passthrough",
+        "alpaca (auto: instruction + input -> user, output -> assistant)",
+    ),
+    (
+        {"instruction": "q", "response": "a"},
+        "generate",
+        "alpaca (auto: instruction + input -> user, output -> assistant)",
+    ),
+    (
+        {"problem": "q", "solution": "a", "lang": "py"},
+        "passthrough",
+        "columns (auto: problem -> user, solution -> assistant)",
+    ),
+    (
+        {"problem": "q", "generated_solution": "a", "expected_answer": "1"},
+        "passthrough",
+        "columns (auto: problem -> user, generated_solution -> assistant)",
+    ),
+    (
+        {"question": "q", "generated_solution": "a"},
+        "passthrough",
+        "columns (auto: question -> user, generated_solution -> assistant)",
+    ),
+    (
+        {"id": "o1", "input": "q", "output": "a", "domain": "x"},
+        "passthrough",
+        "columns (auto: input -> user, output -> assistant)",
+    ),
     ({"id": "0", "data": ["q", "a"]}, "passthrough", "ultrachat (auto: data: user, assistant, ... alternating)"),
 ]
 
@@ -220,10 +289,16 @@ def test_auto_picks_each_format_from_a_row_or_the_columns(tmp_path, row, kind, d
 
 
 AMBIGUOUS = [
-    ({"messages": [{"role": "user", "content": "q"}], "conversations": [{"from": "human", "value": "q"}]},
-     "(messages, sharegpt)", "set format: messages or format: sharegpt in the dataset's config"),
-    ({"instruction": "q", "problem": "p", "solution": "s"}, "(alpaca, columns)",
-     "set format: alpaca or format: columns, prompt_field: problem, response_field: solution in the dataset's config"),
+    (
+        {"messages": [{"role": "user", "content": "q"}], "conversations": [{"from": "human", "value": "q"}]},
+        "(messages, sharegpt)",
+        "set format: messages or format: sharegpt in the dataset's config",
+    ),
+    (
+        {"instruction": "q", "problem": "p", "solution": "s"},
+        "(alpaca, columns)",
+        "set format: alpaca or format: columns, prompt_field: problem, response_field: solution in the dataset's config",
+    ),
 ]
 
 
@@ -256,9 +331,11 @@ def test_an_unknown_shape_shows_its_keys_and_the_config_line_that_reads_it(tmp_p
     # nothing to guess from: the placeholders, and the other formats
     with pytest.raises(DatasetError) as info:
         load_dataset(_jsonl(tmp_path / "g.jsonl", [{"system": "s", "chat": "USER: hi"}]), "passthrough")
-    assert str(info.value).endswith("has keys [system, chat], which fit no row format; set format: columns, "
-                                    "prompt_field: COLUMN, response_field: COLUMN, system_field: system in the "
-                                    f"dataset's config — {DOC}")
+    assert str(info.value).endswith(
+        "has keys [system, chat], which fit no row format; set format: columns, "
+        "prompt_field: COLUMN, response_field: COLUMN, system_field: system in the "
+        f"dataset's config — {DOC}"
+    )
     with pytest.raises(DatasetError) as info:  # a column reader says it of the file
         load_dataset(_parquet(tmp_path / "q.parquet", rows), "generate")
     parquet = tmp_path / "q.parquet"
@@ -271,7 +348,9 @@ def test_the_first_row_that_fits_decides_for_the_dataset(tmp_path):
     assert loaded.shape.format == "ultrachat" and len(loaded.rows) == 1
     assert [r.reason for r in loaded.rejects] == [
         "has keys [junk], which fit no row format; set format: columns, prompt_field: COLUMN, response_field: COLUMN "
-        "in the dataset's config", "'data' is missing (row has: instruction, output)"]
+        "in the dataset's config",
+        "'data' is missing (row has: instruction, output)",
+    ]
 
 
 def test_role_names_map_through_the_aliases_and_the_roles_setting(tmp_path):
@@ -284,21 +363,30 @@ def test_role_names_map_through_the_aliases_and_the_roles_setting(tmp_path):
         load_dataset(path, "passthrough")
     mapped = load_dataset(path, "passthrough", row_format=RowFormat(roles={"customer": "user", "agent": "assistant"}))
     assert mapped.rows[0].messages == row.messages and mapped.rows[0].id == _hash({"messages": row.messages})
-    assert mapped.shape.describe() == ("sharegpt (auto: conversations: from -> role, value -> content; roles: "
-                                       "customer -> user, agent -> assistant)")
+    assert mapped.shape.describe() == (
+        "sharegpt (auto: conversations: from -> role, value -> content; roles: customer -> user, agent -> assistant)"
+    )
     hint = r"got 'bot' \(another name for a role: map it with roles: \{bot: \.\.\.\}\)"
     with pytest.raises(DatasetError, match=hint):
         load_dataset(_jsonl(tmp_path / "b.jsonl", [{"messages": [{"role": "bot", "content": "x"}]}]), "generate")
 
 
 def test_id_field_and_system_field(tmp_path):
-    rows = [{"prompt_id": 7, "id": "ignored", "sys": "Be brief.", "q": "hi", "a": "hello"},
-            {"prompt_id": "p2", "sys": "", "q": "bye", "a": "ciao"}]
+    rows = [
+        {"prompt_id": 7, "id": "ignored", "sys": "Be brief.", "q": "hi", "a": "hello"},
+        {"prompt_id": "p2", "sys": "", "q": "bye", "a": "ciao"},
+    ]
     fmt = RowFormat(format="columns", prompt_field="q", response_field="a", system_field="sys", id_field="prompt_id")
     loaded = load_dataset(_jsonl(tmp_path / "c.jsonl", rows), "passthrough", row_format=fmt)
     assert [(r.id, r.messages) for r in loaded.rows] == [
-        ("7", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-               {"role": "assistant", "content": "hello"}]),
+        (
+            "7",
+            [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+            ],
+        ),
         ("p2", [{"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]),  # empty system: no turn
     ]
     assert loaded.shape.describe() == "columns (configured: sys -> system, q -> user, a -> assistant; id: prompt_id)"

@@ -34,7 +34,13 @@ PROMPTS = [
     {"id": 7, "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Why?"}]},
     {"prompt": "What is 2+2?"},
     {"messages": [{"role": "user", "content": "Ünïcødé ✓", "name": "bob"}]},
-    {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]},
+    {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+        ]
+    },
 ]
 PROMPT_IDS = [
     "a",
@@ -114,12 +120,15 @@ def test_every_format_loads_the_same_prompt_rows(fmt, tmp_path):
 
 PASSTHROUGH = [
     {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
-    {"id": "agent", "messages": [
-        {"role": "user", "content": "ls"},
-        {"role": "assistant", "content": "", "reasoning_content": "run it"},
-        {"role": "tool", "content": ""},
-        {"role": "assistant", "content": "empty dir"},
-    ]},
+    {
+        "id": "agent",
+        "messages": [
+            {"role": "user", "content": "ls"},
+            {"role": "assistant", "content": "", "reasoning_content": "run it"},
+            {"role": "tool", "content": ""},
+            {"role": "assistant", "content": "empty dir"},
+        ],
+    },
     {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
 ]
 
@@ -142,11 +151,16 @@ def test_bool_loss_mask_normalises_and_hashes_like_ints(tmp_path):
 
 def test_stable_ids_match_across_formats_and_differ_by_content(tmp_path):
     rows = [{"prompt": "x"}, {"prompt": "y"}, {"messages": [{"role": "user", "content": "x"}]}]
-    from_jsonl = [r.id for r in load_dataset(write_jsonl(tmp_path / "a.jsonl", rows), "generate", on_bad_row="skip").rows]
+    from_jsonl = [
+        r.id for r in load_dataset(write_jsonl(tmp_path / "a.jsonl", rows), "generate", on_bad_row="skip").rows
+    ]
     parquet = load_dataset(write_parquet(tmp_path / "a.parquet", rows[:2]), "generate")
 
     # A prompt and the same single user message are the same prompt: one id, the second dropped.
-    assert from_jsonl == [_hash({"messages": [{"role": "user", "content": "x"}]}), _hash({"messages": [{"role": "user", "content": "y"}]})]
+    assert from_jsonl == [
+        _hash({"messages": [{"role": "user", "content": "x"}]}),
+        _hash({"messages": [{"role": "user", "content": "y"}]}),
+    ]
     assert [r.id for r in parquet.rows] == from_jsonl
     assert from_jsonl[0] != from_jsonl[1]
     assert stable_id({"messages": [{"role": "user", "content": "x"}]}) == from_jsonl[0]
@@ -169,15 +183,22 @@ GENERATE_BAD = [
     (b'{"messages": [{"role": "user"}]}', "'messages[0].content' is missing"),
     (b'{"messages": [{"role": "user", "content": " "}]}', "'messages[0].content' is empty"),
     (b'{"messages": [{"content": "x"}]}', "'messages[0].role' is missing"),
-    (b'{"messages": [{"role": "bot", "content": "x"}]}', "'messages[0].role' must be one of system, user, assistant, got 'bot'"),
+    (
+        b'{"messages": [{"role": "bot", "content": "x"}]}',
+        "'messages[0].role' must be one of system, user, assistant, got 'bot'",
+    ),
     (b'{"messages": [{"role": "tool", "content": "x"}]}', "'messages[0].role' must be one of"),
     (b'{"messages": ["hi"]}', "'messages[0]' must be an object {role, content}, got string"),
     (b'{"messages": "hi"}', "'messages' must be a list of {role, content} objects, got string"),
     (b'{"messages": []}', "'messages' is empty"),
-    (b'{"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]}',
-     "'messages' must end with a user turn (the prompt to answer), got 'system' last"),
-    (b'{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}',
-     "'messages' must end with a user turn (the prompt to answer); it has none"),
+    (
+        b'{"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]}',
+        "'messages' must end with a user turn (the prompt to answer), got 'system' last",
+    ),
+    (
+        b'{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}',
+        "'messages' must end with a user turn (the prompt to answer); it has none",
+    ),
     (b'{"prompt": ""}', "'prompt' is empty"),
     (b'{"prompt": 5}', "'prompt' must be a string, got int"),
     (b'{"prompt": "x", "messages": [{"role": "user", "content": "x"}]}', "has both 'messages' and 'prompt'"),
@@ -202,7 +223,10 @@ def test_bad_prompt_row_names_file_line_and_field(tmp_path, line, reason):
 
 PASSTHROUGH_BAD = [
     (b'{"messages": [{"role": "user", "content": "q"}]}', "'messages' has no assistant turn"),
-    (b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}', "'messages[1].content' is empty"),
+    (
+        b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}',
+        "'messages[1].content' is empty",
+    ),
     (b'{"messages": [{"role": "assistant", "content": "a"}], "input_ids": [1]}', "has both 'messages' and 'input_ids'"),
     (b'{"input_ids": [1, 2, 3], "loss_mask": [0, 1]}', "'loss_mask' has 2 entries but 'input_ids' has 3"),
     (b'{"input_ids": [1, 2], "loss_mask": [0, 0]}', "'loss_mask' has no 1s"),
@@ -233,9 +257,7 @@ def test_error_message_format_exactly(tmp_path):
     path = _bad_line_file(tmp_path, b'{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 3}]}')
     with pytest.raises(DatasetError) as info:
         load_dataset(path, "generate")
-    assert str(info.value) == (
-        f"{path} line 3: 'messages[1].content' must be a string, got int — {GENERATE_EXPECTED}"
-    )
+    assert str(info.value) == (f"{path} line 3: 'messages[1].content' must be a string, got int — {GENERATE_EXPECTED}")
     clone = pickle.loads(pickle.dumps(info.value))  # crosses process/Prefect boundaries intact
     assert (str(clone), clone.path, clone.row, clone.reason) == (str(info.value), path, 3, info.value.reason)
 
@@ -284,11 +306,20 @@ def test_skip_mode_keeps_good_rows_and_writes_rejects(tmp_path, caplog):
     table = pq.read_table(out)
     assert table.schema.field("id").type == pa.string() and table.schema.field("row").type == pa.int64()
     assert table.to_pylist()[0] == {
-        "id": "b1", "source": str(path), "row": 2, "stage": "load", "cause": "bad_row",
-        "reason": "'prompt' is empty", "raw": '{"id": "b1", "prompt": ""}',
+        "id": "b1",
+        "source": str(path),
+        "row": 2,
+        "stage": "load",
+        "cause": "bad_row",
+        "reason": "'prompt' is empty",
+        "raw": '{"id": "b1", "prompt": ""}',
     }
     assert table.column("row").to_pylist() == [2, 3, 6, 7]
-    assert table.column("raw").to_pylist()[1:] == ["not json", '{"id": 9, "messages": [{"role": "assistant", "content": "x"}]}', "\ufffd\ufffd"]
+    assert table.column("raw").to_pylist()[1:] == [
+        "not json",
+        '{"id": 9, "messages": [{"role": "assistant", "content": "x"}]}',
+        "\ufffd\ufffd",
+    ]
     # A resumed run loading the same file does not write the same rejects twice.
     assert write_rejects(loaded.rejects, tmp_path / "rejects" / "B1") == out
     assert write_rejects([], tmp_path / "rejects" / "B1") is None
@@ -296,17 +327,23 @@ def test_skip_mode_keeps_good_rows_and_writes_rejects(tmp_path, caplog):
 
 def test_duplicate_ids_keep_first_and_count_rest(tmp_path, caplog):
     # Repeats with the same content (extra keys ignored, either spelling of a prompt) are duplicates.
-    path = write_jsonl(tmp_path / "d.jsonl", [
-        {"id": "x", "prompt": "first"},
-        {"prompt": "same"},
-        {"id": "x", "prompt": "first", "source": "mirror"},
-        {"prompt": "same"},
-        {"id": "x", "messages": [{"role": "user", "content": "first"}]},
-    ])
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"id": "x", "prompt": "first"},
+            {"prompt": "same"},
+            {"id": "x", "prompt": "first", "source": "mirror"},
+            {"prompt": "same"},
+            {"id": "x", "messages": [{"role": "user", "content": "first"}]},
+        ],
+    )
     with caplog.at_level(logging.WARNING, logger="eagle3.datasets"):
         loaded = load_dataset(path, "generate")
 
-    assert [(r.id, r.messages[0]["content"]) for r in loaded.rows] == [("x", "first"), (_hash({"messages": [{"role": "user", "content": "same"}]}), "same")]
+    assert [(r.id, r.messages[0]["content"]) for r in loaded.rows] == [
+        ("x", "first"),
+        (_hash({"messages": [{"role": "user", "content": "same"}]}), "same"),
+    ]
     assert loaded.duplicates == 3 and loaded.rejects == []
     warnings = [r for r in caplog.records if r.name == "eagle3.datasets"]
     assert len(warnings) == 1 and "dropped 3 row(s)" in warnings[0].getMessage()
@@ -317,11 +354,14 @@ REPEATED_ID_FIX = "ids must be unique within a dataset: give one of the two rows
 
 
 def test_repeated_id_with_different_content_fails_naming_both_rows(tmp_path):
-    path = write_jsonl(tmp_path / "b1.jsonl", [
-        {"id": "x", "prompt": "first"},
-        {"id": "y", "prompt": "other"},
-        {"id": "x", "prompt": "second"},
-    ])
+    path = write_jsonl(
+        tmp_path / "b1.jsonl",
+        [
+            {"id": "x", "prompt": "first"},
+            {"id": "y", "prompt": "other"},
+            {"id": "x", "prompt": "second"},
+        ],
+    )
     with pytest.raises(DatasetError) as info:
         load_dataset(path, "generate")
     assert (info.value.path, info.value.row) == (path, 3)
@@ -332,13 +372,16 @@ def test_repeated_id_with_different_content_fails_naming_both_rows(tmp_path):
 
 
 def test_repeated_id_with_different_content_is_rejected_under_skip(tmp_path):
-    path = write_jsonl(tmp_path / "b1.jsonl", [
-        {"id": "x", "prompt": "first"},
-        {"id": "y", "prompt": "other"},
-        {"id": "x", "prompt": "second"},
-        {"id": "x", "prompt": "first"},
-        {"id": "x", "prompt": "third"},
-    ])
+    path = write_jsonl(
+        tmp_path / "b1.jsonl",
+        [
+            {"id": "x", "prompt": "first"},
+            {"id": "y", "prompt": "other"},
+            {"id": "x", "prompt": "second"},
+            {"id": "x", "prompt": "first"},
+            {"id": "x", "prompt": "third"},
+        ],
+    )
     loaded = load_dataset(path, "generate", on_bad_row="skip")
 
     assert [(r.id, r.messages[0]["content"]) for r in loaded.rows] == [("x", "first"), ("y", "other")]
@@ -353,11 +396,14 @@ def test_repeated_id_with_different_content_is_rejected_under_skip(tmp_path):
 
 
 def test_repeated_passthrough_id_with_different_tokens_is_a_bad_row(tmp_path):
-    path = write_jsonl(tmp_path / "a1.jsonl", [
-        {"id": "t", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
-        {"id": "t", "input_ids": [1, 2, 3], "loss_mask": [False, True, True]},  # same content
-        {"id": "t", "input_ids": [1, 2, 4], "loss_mask": [0, 1, 1]},
-    ])
+    path = write_jsonl(
+        tmp_path / "a1.jsonl",
+        [
+            {"id": "t", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
+            {"id": "t", "input_ids": [1, 2, 3], "loss_mask": [False, True, True]},  # same content
+            {"id": "t", "input_ids": [1, 2, 4], "loss_mask": [0, 1, 1]},
+        ],
+    )
     with pytest.raises(DatasetError, match=r"a1\.jsonl line 3: id 't' repeats line 1 with different content"):
         load_dataset(path, "passthrough")
     loaded = load_dataset(path, "passthrough", on_bad_row="skip")
@@ -373,11 +419,14 @@ def test_repeated_passthrough_id_with_different_tokens_is_a_bad_row(tmp_path):
     ],
 )
 def test_int_and_string_id_collide_even_with_the_same_content(tmp_path, first, repeat, reason):
-    path = write_jsonl(tmp_path / "b1.jsonl", [
-        {"id": first, "prompt": "same"},
-        {"id": "8", "prompt": "eight"},
-        {"id": repeat, "prompt": "same"},
-    ])
+    path = write_jsonl(
+        tmp_path / "b1.jsonl",
+        [
+            {"id": first, "prompt": "same"},
+            {"id": "8", "prompt": "eight"},
+            {"id": repeat, "prompt": "same"},
+        ],
+    )
     with pytest.raises(DatasetError) as info:
         load_dataset(path, "generate")
     assert info.value.row == 3
@@ -401,7 +450,9 @@ def test_repeat_across_parquet_parts_names_the_first_part(tmp_path):
     assert f'id "8" collides with id 8 at {d / "a.parquet"} row 2' in str(info.value)
 
     pq.write_table(pa.table({"id": [8, 9], "prompt": ["B", "c"]}), d / "b.parquet")
-    with pytest.raises(DatasetError, match=r"b\.parquet row 1: id '8' repeats .*a\.parquet row 2 with different content"):
+    with pytest.raises(
+        DatasetError, match=r"b\.parquet row 1: id '8' repeats .*a\.parquet row 2 with different content"
+    ):
         load_dataset(d, "generate")
 
 
@@ -500,8 +551,10 @@ def test_json_array_file_gets_a_hint(tmp_path):
 def test_iter_rows_yields_line_numbers_and_raises_on_unparseable(tmp_path):
     path = _bad_line_file(tmp_path, b"{oops")
     rows = iter_rows(path, "generate")
-    assert next(rows) == (1, PromptRow(_hash({"messages": [{"role": "user", "content": "fine"}]}),
-                                       [{"role": "user", "content": "fine"}]))
+    assert next(rows) == (
+        1,
+        PromptRow(_hash({"messages": [{"role": "user", "content": "fine"}]}), [{"role": "user", "content": "fine"}]),
+    )
     with pytest.raises(DatasetError, match=r"b1\.jsonl line 3: invalid JSON"):
         next(rows)
     ok = write_jsonl(tmp_path / "ok.jsonl", [{"id": "a", "prompt": "a", "extra": 1}, {"prompt": 3}])

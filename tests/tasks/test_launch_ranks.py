@@ -7,11 +7,10 @@ import sys
 
 import pytest
 
-from models.file_errors import DamagedShard
-from models.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
-from models.file_errors import WriteFailed
-from tasks import launch_ranks
+from models.file_errors import DamagedShard, WriteFailed
 from models.jobs import CaptureJob, Nodes
+from models.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
+from tasks import launch_ranks
 from tasks.launch_ranks import RankFailure, RankRefused, follow_job, rank_error, write_job
 
 
@@ -22,25 +21,35 @@ def _python(code: str) -> list[str]:
 @pytest.mark.multiprocess
 def test_lines_go_to_the_log_progress_and_events_to_the_task():
     # A real process (run_job): protocol lines on stdout, a log line on stderr, as the ranks print them.
-    code = ("import sys; print('TRAIN_PROGRESS step=0 total=2 tokens=0', flush=True); "
-            "print('train: resuming', file=sys.stderr, flush=True); "
-            "print('[default0]:TRAIN_PROGRESS step=2 total=2 tokens=80 loss=0.5000 lr=0.001', flush=True); "
-            "print('TRAIN_CHECKPOINT step=2', flush=True)")
+    code = (
+        "import sys; print('TRAIN_PROGRESS step=0 total=2 tokens=0', flush=True); "
+        "print('train: resuming', file=sys.stderr, flush=True); "
+        "print('[default0]:TRAIN_PROGRESS step=2 total=2 tokens=80 loss=0.5000 lr=0.001', flush=True); "
+        "print('TRAIN_CHECKPOINT step=2', flush=True)"
+    )
     logged, messages = [], []
     follow_job(_python(code), protocol=TRAIN, log=logged.append, on_message=messages.append)
     assert logged == ["train: resuming", "TRAIN_CHECKPOINT step=2"]
     assert [(m.kind, m.values) for m in messages] == [
         (TRAIN_PROGRESS, {"step": 0, "total": 2, "tokens": 0}),
         (TRAIN_PROGRESS, {"step": 2, "total": 2, "tokens": 80, "loss": 0.5, "lr": 0.001}),
-        (TRAIN_CHECKPOINT, {"step": 2})]
+        (TRAIN_CHECKPOINT, {"step": 2}),
+    ]
 
 
 @pytest.mark.multiprocess
 def test_a_failed_rank_raises_its_own_exception_in_its_words(tmp_path):
-    written = WriteFailed(tmp_path / "shard-001-000004.safetensors", OSError(errno.ENOSPC, "No space left on device"),
-                          kept="every complete shard", resume="make room there")
-    lines = [CAPTURE.error.format(error_report(RuntimeError("Connection closed by peer"), 0)),
-             CAPTURE.error.format(error_report(written, 1)), f"capture rank 1 failed: {written}"]
+    written = WriteFailed(
+        tmp_path / "shard-001-000004.safetensors",
+        OSError(errno.ENOSPC, "No space left on device"),
+        kept="every complete shard",
+        resume="make room there",
+    )
+    lines = [
+        CAPTURE.error.format(error_report(RuntimeError("Connection closed by peer"), 0)),
+        CAPTURE.error.format(error_report(written, 1)),
+        f"capture rank 1 failed: {written}",
+    ]
     code = f"import sys; print({lines!r}[0], file=sys.stderr); print(*{lines!r}[1:], sep='\\n', file=sys.stderr); sys.exit(1)"
     logged = []
     with pytest.raises(WriteFailed) as failed:
@@ -52,7 +61,9 @@ def test_a_failed_rank_raises_its_own_exception_in_its_words(tmp_path):
 @pytest.mark.multiprocess
 def test_no_report_leaves_the_launchers_failure_with_the_output_tail():
     with pytest.raises(RankFailure, match=r"(?s)exited with code 3.*--- last output ---\nkilled, in words"):
-        follow_job(_python("import sys; print('killed, in words'); sys.exit(3)"), protocol=CAPTURE, log=lambda line: None)
+        follow_job(
+            _python("import sys; print('killed, in words'); sys.exit(3)"), protocol=CAPTURE, log=lambda line: None
+        )
 
 
 def test_a_stage_decides_what_refused_and_unexplained_failures_are(tmp_path):
@@ -67,8 +78,13 @@ def test_a_stage_decides_what_refused_and_unexplained_failures_are(tmp_path):
         raise RankFailure("job exited with code 1")
 
     with pytest.raises(LookupError, match="^rank 0 crashed$"):
-        follow_job(["ranks"], protocol=CAPTURE, log=print, run=scripted,
-                   failure=lambda reports, error: LookupError(f"rank {reports[0]['rank']} crashed"))
+        follow_job(
+            ["ranks"],
+            protocol=CAPTURE,
+            log=print,
+            run=scripted,
+            failure=lambda reports, error: LookupError(f"rank {reports[0]['rank']} crashed"),
+        )
 
 
 def test_a_job_file_that_cannot_be_written_is_a_write_failure(tmp_path, monkeypatch):
@@ -92,13 +108,36 @@ def test_one_node_commands_pick_a_free_port(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     command, env = launch_ranks.rank_command("models.train", ["--job", "J"], num_ranks=2, launcher="torchrun")
-    assert command[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", command[6], "-m",
-                           "models.train", "--job", "J"]
+    assert command[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        command[6],
+        "-m",
+        "models.train",
+        "--job",
+        "J",
+    ]
     assert env == {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     command, env = launch_ranks.rank_command("models.train", ["--job", "J"], num_ranks=8, launcher="deepspeed")
-    assert command[1:] == ["-m", "deepspeed.launcher.runner", "--num_gpus", "8", "--master_port", command[6], "--module",
-                           "models.train", "--job", "J"]
-    assert env == {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # no CUDA here: the CPU accelerator, one thread a rank
+    assert command[1:] == [
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "8",
+        "--master_port",
+        command[6],
+        "--module",
+        "models.train",
+        "--job",
+        "J",
+    ]
+    assert env == {
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+    }  # no CUDA here: the CPU accelerator, one thread a rank
     monkeypatch.setattr(launch_ranks, "cuda_available", lambda: True)
     assert launch_ranks.rank_command("models.train", [], num_ranks=8, launcher="deepspeed")[1] == {}
 
@@ -106,27 +145,54 @@ def test_one_node_commands_pick_a_free_port(monkeypatch):
 def test_the_deepspeed_launcher_keeps_the_gpus_cuda_visible_devices_picks(monkeypatch):
     # Given --num_gpus the runner drops CUDA_VISIBLE_DEVICES and hands out GPUs 0..N-1; --include keeps the chosen ones.
     monkeypatch.setattr(launch_ranks, "cuda_available", lambda: True)
-    for visible, ranks, flags in (("", 2, ["--num_gpus", "2"]), ("0", 1, ["--include", "localhost:0"]),
-                                  ("2, 3,5", 2, ["--include", "localhost:2,3"]),
-                                  ("GPU-8f1c2b4e-0d6a", 1, ["--num_gpus", "1"]),  # a UUID: the runner cannot parse it
-                                  ("MIG-5e7a9c1d-77b2", 1, ["--num_gpus", "1"])):
+    for visible, ranks, flags in (
+        ("", 2, ["--num_gpus", "2"]),
+        ("0", 1, ["--include", "localhost:0"]),
+        ("2, 3,5", 2, ["--include", "localhost:2,3"]),
+        ("GPU-8f1c2b4e-0d6a", 1, ["--num_gpus", "1"]),  # a UUID: the runner cannot parse it
+        ("MIG-5e7a9c1d-77b2", 1, ["--num_gpus", "1"]),
+    ):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         command, _ = launch_ranks.rank_command("models.capture", ["--job", "J"], num_ranks=ranks, launcher="deepspeed")
         assert command[3:5] == flags and "--num_gpus" not in command[5:], visible
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(ValueError, match=r"^2 ranks, but CUDA_VISIBLE_DEVICES=3 makes 1 GPU\(s\) visible$"):
         launch_ranks.rank_command("models.capture", [], num_ranks=2, launcher="deepspeed")
-    monkeypatch.setattr(launch_ranks, "cuda_available", lambda: False)  # CPU: the accelerator counts NUMA nodes, not these
+    monkeypatch.setattr(
+        launch_ranks, "cuda_available", lambda: False
+    )  # CPU: the accelerator counts NUMA nodes, not these
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert launch_ranks.rank_command("models.capture", [], num_ranks=2, launcher="deepspeed")[0][3:5] == ["--num_gpus", "2"]
+    assert launch_ranks.rank_command("models.capture", [], num_ranks=2, launcher="deepspeed")[0][3:5] == [
+        "--num_gpus",
+        "2",
+    ]
 
 
 def test_torchrun_over_nodes_is_a_static_rendezvous_at_node_0():
     nodes = Nodes(nnodes=2, master_addr="10.0.0.5", master_port=29400, join_timeout_s=300)
-    command, _ = launch_ranks.rank_command("models.capture", ["--job", "J"], num_ranks=8, launcher="torchrun", nodes=nodes, node_rank=1)
-    assert command[1:] == ["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.5",
-                           "--rdzv_conf", "timeout=300", "--nproc_per_node", "8", "--master_port", "29400",
-                           "-m", "models.capture", "--job", "J"]
+    command, _ = launch_ranks.rank_command(
+        "models.capture", ["--job", "J"], num_ranks=8, launcher="torchrun", nodes=nodes, node_rank=1
+    )
+    assert command[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--master_addr",
+        "10.0.0.5",
+        "--rdzv_conf",
+        "timeout=300",
+        "--nproc_per_node",
+        "8",
+        "--master_port",
+        "29400",
+        "-m",
+        "models.capture",
+        "--job",
+        "J",
+    ]
     with pytest.raises(ValueError, match=r"node rank 2 is outside 0..1"):
         launch_ranks.rank_command("models.capture", [], num_ranks=8, launcher="torchrun", nodes=nodes, node_rank=2)
     with pytest.raises(ValueError, match=r"distributed: nnodes 2 with torchrun needs master_addr"):
@@ -134,13 +200,31 @@ def test_torchrun_over_nodes_is_a_static_rendezvous_at_node_0():
 
 
 def test_deepspeed_over_nodes_starts_every_node_from_the_hostfile(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch_ranks, "cuda_available", lambda: True)  # GPU nodes: DeepSpeed's CUDA accelerator, detected
+    monkeypatch.setattr(
+        launch_ranks, "cuda_available", lambda: True
+    )  # GPU nodes: DeepSpeed's CUDA accelerator, detected
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("gpu-0 slots=8\ngpu-1 slots=8\ngpu-2 slots=8\n")
     nodes = Nodes(nnodes=2, hostfile=hostfile, master_port=29400)
-    command, env = launch_ranks.rank_command("models.train", ["--job", "J"], num_ranks=8, launcher="deepspeed", nodes=nodes)
-    assert command[1:] == ["-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--num_nodes", "2",
-                           "--num_gpus", "8", "--master_port", "29400", "--module", "models.train", "--job", "J"]
+    command, env = launch_ranks.rank_command(
+        "models.train", ["--job", "J"], num_ranks=8, launcher="deepspeed", nodes=nodes
+    )
+    assert command[1:] == [
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        str(hostfile),
+        "--num_nodes",
+        "2",
+        "--num_gpus",
+        "8",
+        "--master_port",
+        "29400",
+        "--module",
+        "models.train",
+        "--job",
+        "J",
+    ]
     assert env == {}
     with_addr = nodes.model_copy(update={"master_addr": "10.0.0.5"})
     command, _ = launch_ranks.rank_command("models.train", [], num_ranks=8, launcher="deepspeed", nodes=with_addr)
@@ -148,8 +232,17 @@ def test_deepspeed_over_nodes_starts_every_node_from_the_hostfile(tmp_path, monk
     with pytest.raises(ValueError, match="starts every node's ranks from node 0"):
         launch_ranks.rank_command("models.train", [], num_ranks=8, launcher="deepspeed", nodes=nodes, node_rank=1)
     with pytest.raises(ValueError, match="node 0 is the node the pipeline runs on"):
-        launch_ranks.run_node("models.train", tmp_path / "j.json", protocol=TRAIN, num_ranks=8, launcher="deepspeed",
-                        nodes=nodes, node_rank=0, attempts=1, log=print)
+        launch_ranks.run_node(
+            "models.train",
+            tmp_path / "j.json",
+            protocol=TRAIN,
+            num_ranks=8,
+            launcher="deepspeed",
+            nodes=nodes,
+            node_rank=0,
+            attempts=1,
+            log=print,
+        )
 
 
 def test_hostfile_is_read_as_deepspeed_reads_it(tmp_path):
@@ -169,9 +262,12 @@ def test_a_job_past_its_time_limit_is_killed_and_says_so():
     import time
 
     started = time.monotonic()
-    with pytest.raises(launch_ranks.JobTimedOut, match=r"(?s)killed after its time limit of 1 s.*--- last output ---\nstarted"):
-        launch_ranks.run_job(_python("import time; print('started', flush=True); time.sleep(60)"), on_line=lambda line: None,
-                       timeout_s=1)
+    with pytest.raises(
+        launch_ranks.JobTimedOut, match=r"(?s)killed after its time limit of 1 s.*--- last output ---\nstarted"
+    ):
+        launch_ranks.run_job(
+            _python("import time; print('started', flush=True); time.sleep(60)"), on_line=lambda line: None, timeout_s=1
+        )
     assert time.monotonic() - started < 30
 
 
@@ -193,8 +289,13 @@ def test_launching_ranks_needs_neither_prefect_nor_httpx():
         if not path.is_file():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names = (
+                [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
             for name in names:
                 if name.split(".")[0] in ("prefect", "httpx"):
                     found.append(f"{module}: {name}")
@@ -223,28 +324,55 @@ def test_the_deepspeed_launcher_runs_two_cpu_ranks_of_a_capture(tmp_path, monkey
     from tasks.records.build import RECORD_SCHEMA
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    target = build_tiny_target(tmp_path / "target", train_steps=0, hidden_size=64, num_heads=2, num_kv_heads=1,
-                               intermediate_size=128, vocab_size=512)  # random weights: seconds to build
+    target = build_tiny_target(
+        tmp_path / "target",
+        train_steps=0,
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        vocab_size=512,
+    )  # random weights: seconds to build
     rng = random.Random(0)
     rows = []
     for i in range(8):
         n, prompt = rng.randint(12, 40), rng.randint(2, 8)
-        rows.append({"id": f"r{i}", "input_ids": [rng.randrange(8, 400) for _ in range(n)],
-                     "loss_mask": [0] * prompt + [1] * (n - prompt), "num_tokens": n, "num_loss_tokens": n - prompt,
-                     "truncated": False})
+        rows.append(
+            {
+                "id": f"r{i}",
+                "input_ids": [rng.randrange(8, 400) for _ in range(n)],
+                "loss_mask": [0] * prompt + [1] * (n - prompt),
+                "num_tokens": n,
+                "num_loss_tokens": n - prompt,
+                "truncated": False,
+            }
+        )
     (tmp_path / "records").mkdir()
     pq.write_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), tmp_path / "records" / "part-000000.parquet")
     out = tmp_path / "hidden"
-    job = CaptureJob(target_path=str(target), datasets=[{"name": "d", "records_dir": str(tmp_path / "records")}],
-                     out_dir=str(out), device="cpu", mode="replicate", launch_tokens=None)
+    job = CaptureJob(
+        target_path=str(target),
+        datasets=[{"name": "d", "records_dir": str(tmp_path / "records")}],
+        out_dir=str(out),
+        device="cpu",
+        mode="replicate",
+        launch_tokens=None,
+    )
     write_job(job, tmp_path / "capture.json", kept=lambda: "nothing", resume="rerun")
 
-    command, env = launch_ranks.rank_command("models.capture", ["--job", str(tmp_path / "capture.json")], num_ranks=2,
-                                       launcher="deepspeed")
+    command, env = launch_ranks.rank_command(
+        "models.capture", ["--job", str(tmp_path / "capture.json")], num_ranks=2, launcher="deepspeed"
+    )
     assert command[1:3] == ["-m", "deepspeed.launcher.runner"]
     logged, messages = [], []
-    follow_job(command, protocol=CAPTURE, log=logged.append, on_message=messages.append, env=env,
-               run=lambda c, **kw: launch_ranks.run_job(c, timeout_s=180, **kw))
+    follow_job(
+        command,
+        protocol=CAPTURE,
+        log=logged.append,
+        on_message=messages.append,
+        env=env,
+        run=lambda c, **kw: launch_ranks.run_job(c, timeout_s=180, **kw),
+    )
 
     # the runner's own lines: one node, two CPU "devices", ranks told their local rank
     text = "\n".join(logged)
@@ -252,8 +380,9 @@ def test_the_deepspeed_launcher_runs_two_cpu_ranks_of_a_capture(tmp_path, monkey
     assert "--local_rank=0" in text and "--local_rank=1" in text
     finals = {m.values["rank"]: m.values for m in messages if m.kind is CAPTURE_PROGRESS}
     assert set(finals) == {0, 1} and all(v["done"] == v["total"] for v in finals.values())
-    assert sum(v["done"] for v in finals.values()) == 8 and sum(v["tokens"] for v in finals.values()) == \
-        sum(r["num_tokens"] for r in rows)  # every record ends with a loss token: nothing trimmed
+    assert sum(v["done"] for v in finals.values()) == 8 and sum(v["tokens"] for v in finals.values()) == sum(
+        r["num_tokens"] for r in rows
+    )  # every record ends with a loss token: nothing trimmed
     assert sorted(RANK_MEMORY.parse(x)["rank"] for x in logged if RANK_MEMORY.parse(x)) == [0, 1]
     assert {p.name.split("-")[1] for p in list_shards(out)} == {"000", "001"}  # each rank wrote its own shards
 

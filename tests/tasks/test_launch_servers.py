@@ -7,8 +7,8 @@ import contextlib
 import httpx
 import pytest
 
-from tasks.ports import free_port, free_ports
 from tasks.launch_servers import launched_servers
+from tasks.ports import free_port, free_ports
 
 
 def _up(url: str) -> bool:
@@ -79,8 +79,15 @@ def test_command_replicas_each_get_their_port_and_gpus_and_all_are_stopped(tmp_p
 
     base = free_ports(2)
     command = [sys.executable, "-c", STANDIN, "{replica}", "{port}"]
-    with launched_servers("command", f"http://127.0.0.1:{base}", replicas=2, gpus_per_replica=4, command=command,
-                          log_dir=tmp_path, health_timeout_s=60) as servers:
+    with launched_servers(
+        "command",
+        f"http://127.0.0.1:{base}",
+        replicas=2,
+        gpus_per_replica=4,
+        command=command,
+        log_dir=tmp_path,
+        health_timeout_s=60,
+    ) as servers:
         urls = [s.url for s in servers]
         assert urls == [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
         assert [_up(u) for u in urls] == [True, True]
@@ -95,9 +102,16 @@ def test_a_replica_that_dies_at_start_stops_the_others(tmp_path):
 
     base = free_ports(2)
     # replica 1 exits at once, replica 0 comes up: the launch fails and replica 0 is stopped too
-    command = [sys.executable, "-c", "import sys\nif sys.argv[1] == '1': sys.exit(1)\n" + STANDIN, "{replica}", "{port}"]
+    command = [
+        sys.executable,
+        "-c",
+        "import sys\nif sys.argv[1] == '1': sys.exit(1)\n" + STANDIN,
+        "{replica}",
+        "{port}",
+    ]
     with pytest.raises(RuntimeError, match="server exited with code 1 before becoming healthy"):
-        with launched_servers("command", f"http://127.0.0.1:{base}", replicas=2, command=command, log_dir=tmp_path,
-                              health_timeout_s=60):
+        with launched_servers(
+            "command", f"http://127.0.0.1:{base}", replicas=2, command=command, log_dir=tmp_path, health_timeout_s=60
+        ):
             pytest.fail("a dead replica was taken as healthy")
     assert not _up(f"http://127.0.0.1:{base}")

@@ -63,9 +63,14 @@ def data(tmp_path_factory) -> dict:
 def _config(tiny_target_dir: Path, data: dict, run_dir: Path, port: int) -> Path:
     """The run config the nodes share: 2 nodes x 1 rank, torchrun, rendezvous on 127.0.0.1:port."""
     one_rank = {"num_gpus": 1, "launcher": "torchrun", "retries": 0}
-    config = {"run_dir": str(run_dir), "target": {"path": str(tiny_target_dir)}, "capture": one_rank, "train": one_rank,
-              "distributed": {"nnodes": 2, "master_addr": "127.0.0.1", "master_port": port, "join_timeout_s": 120},
-              "datasets": [{"name": "D1", "kind": "passthrough", "path": str(data["records"])}]}
+    config = {
+        "run_dir": str(run_dir),
+        "target": {"path": str(tiny_target_dir)},
+        "capture": one_rank,
+        "train": one_rank,
+        "distributed": {"nnodes": 2, "master_addr": "127.0.0.1", "master_port": port, "join_timeout_s": 120},
+        "datasets": [{"name": "D1", "kind": "passthrough", "path": str(data["records"])}],
+    }
     path = run_dir.parent / f"{run_dir.name}-{port}.yaml"
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config))
@@ -73,18 +78,37 @@ def _config(tiny_target_dir: Path, data: dict, run_dir: Path, port: int) -> Path
 
 
 def _capture_job(tiny_target_dir: Path, data: dict, run_dir: Path, shard_tokens: int = 150) -> Path:
-    job = CaptureJob(target_path=str(tiny_target_dir), datasets=[{"name": "D1", "records_dir": str(data["records"])}],
-                     out_dir=str(run_dir / "hidden"), device="cpu", max_batch_tokens=128, shard_tokens=shard_tokens,
-                     launch_tokens=None)
+    job = CaptureJob(
+        target_path=str(tiny_target_dir),
+        datasets=[{"name": "D1", "records_dir": str(data["records"])}],
+        out_dir=str(run_dir / "hidden"),
+        device="cpu",
+        max_batch_tokens=128,
+        shard_tokens=shard_tokens,
+        launch_tokens=None,
+    )
     path = run_dir / "jobs" / "capture.json"
     write_job(job, path, kept=lambda: "nothing", resume="rerun")
     return path
 
 
 def _train_job(tiny_target_dir: Path, data: dict, run_dir: Path, hidden: Path) -> Path:
-    job = TrainJob(target_path=str(tiny_target_dir), out_dir=str(run_dir / "draft"), token_counts=str(data["token_counts"]),
-                   hidden_dir=str(hidden), device="cpu", draft_vocab_size=256, max_batch_tokens=128, max_steps=4,
-                   checkpoint_every=100, eval_every=100, log_every=1, eval_fraction=0.1, lr=2e-3, ttt_steps=2)
+    job = TrainJob(
+        target_path=str(tiny_target_dir),
+        out_dir=str(run_dir / "draft"),
+        token_counts=str(data["token_counts"]),
+        hidden_dir=str(hidden),
+        device="cpu",
+        draft_vocab_size=256,
+        max_batch_tokens=128,
+        max_steps=4,
+        checkpoint_every=100,
+        eval_every=100,
+        log_every=1,
+        eval_fraction=0.1,
+        lr=2e-3,
+        ttt_steps=2,
+    )
     path = run_dir / "jobs" / "train.json"
     write_job(job, path, kept=lambda: "nothing", resume="rerun")
     return path
@@ -99,7 +123,9 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
-        return subprocess.Popen(command, env=_env(env), cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            command, env=_env(env), cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def _finish(process: subprocess.Popen, log: Path, *, ok: bool = True) -> str:
@@ -120,13 +146,23 @@ def _one_node(module: str, job: Path) -> str:
     return _finish(_start(command, env, log), log)
 
 
-def _two_nodes(module: str, stage: str, job: Path, config: Path, nodes: Nodes, *,
-               node1: tuple[list[str], dict[str, str]] | None = None):
+def _two_nodes(
+    module: str,
+    stage: str,
+    job: Path,
+    config: Path,
+    nodes: Nodes,
+    *,
+    node1: tuple[list[str], dict[str, str]] | None = None,
+):
     """Node 0 as the stage task launches it, node 1 by `eagle3 node`; both started, neither waited for."""
     command, env = rank_command(module, ["--job", str(job)], num_ranks=1, launcher="torchrun", nodes=nodes, node_rank=0)
     assert command[command.index("--nnodes") + 1] == "2" and command[command.index("--node_rank") + 1] == "0"
     node0 = _start(command, env, job.with_suffix(".node0.log"))
-    other, other_env = node1 or ([sys.executable, "-m", "flows.cli", "node", str(config), "--node-rank", "1", "--stages", stage], {})
+    other, other_env = node1 or (
+        [sys.executable, "-m", "flows.cli", "node", str(config), "--node-rank", "1", "--stages", stage],
+        {},
+    )
     return node0, _start(other, other_env, job.with_suffix(".node1.log"))
 
 
@@ -210,13 +246,17 @@ def test_a_capture_whose_node_dies_resumes_on_the_rerun(tiny_target_dir, data, c
     job = _capture_job(tiny_target_dir, data, run_dir, shard_tokens=60)
     nodes = _nodes(config)
     # Node 1 runs ranks that hold after their first shard (tests/models/capture_held.py): killed mid-run, certainly.
-    held, env = rank_command("tests.models.capture_held", ["--job", str(job)], num_ranks=1, launcher="torchrun",
-                             nodes=nodes, node_rank=1)
+    held, env = rank_command(
+        "tests.models.capture_held", ["--job", str(job)], num_ranks=1, launcher="torchrun", nodes=nodes, node_rank=1
+    )
     node0, node1 = _two_nodes("models.capture", "capture", job, config, nodes, node1=(held, env))
     hidden = run_dir / "hidden"
     deadline = time.monotonic() + TIMEOUT_S
-    while not [p for p in list_shards(hidden) if p.name.startswith("shard-001-")] and node1.poll() is None \
-            and time.monotonic() < deadline:
+    while (
+        not [p for p in list_shards(hidden) if p.name.startswith("shard-001-")]
+        and node1.poll() is None
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.1)  # polling for node 1's first shard, bounded by the deadline
     victims = [node1.pid, *procs.descendants(node1.pid)]
     for pid in victims:  # the whole node: its launcher and its rank
@@ -254,8 +294,9 @@ def test_an_output_dir_that_is_not_shared_stops_every_node(tiny_target_dir, data
     runs = []
     for node_rank, run_dir in enumerate((tmp_path / "node0", tmp_path / "node1")):
         job = _capture_job(tiny_target_dir, data, run_dir)
-        command, env = rank_command("models.capture", ["--job", str(job)], num_ranks=1, launcher="torchrun", nodes=nodes,
-                                    node_rank=node_rank)
+        command, env = rank_command(
+            "models.capture", ["--job", str(job)], num_ranks=1, launcher="torchrun", nodes=nodes, node_rank=node_rank
+        )
         runs.append((run_dir, _start(command, env, job.with_suffix(".log")), job.with_suffix(".log")))
     for run_dir, process, log in runs:  # each rank names the directory it was given; both fail, rank 1 named blind
         text = _finish(process, log, ok=False)

@@ -44,11 +44,30 @@ def test_settle_keeps_only_the_rejects_that_still_stand(tmp_path):
 
 def test_parts_written_before_causes_were_stored_are_classified_by_reason(tmp_path):
     d = tmp_path / "rejects/B1"
-    old_schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("row", pa.int64()), ("stage", pa.string()),
-                            ("reason", pa.string()), ("raw", pa.string())])
-    table = pa.table({"id": ["x", "y"], "source": ["s", "s"], "row": [0, 0], "stage": ["generate", "generate"],
-                      "reason": ["prompt is 900 tokens; the server accepts at most 199 (max_req_input_len 200)",
-                                 "server refused the prompt (HTTP 400): unsupported"], "raw": ["", ""]}, schema=old_schema)
+    old_schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("source", pa.string()),
+            ("row", pa.int64()),
+            ("stage", pa.string()),
+            ("reason", pa.string()),
+            ("raw", pa.string()),
+        ]
+    )
+    table = pa.table(
+        {
+            "id": ["x", "y"],
+            "source": ["s", "s"],
+            "row": [0, 0],
+            "stage": ["generate", "generate"],
+            "reason": [
+                "prompt is 900 tokens; the server accepts at most 199 (max_req_input_len 200)",
+                "server refused the prompt (HTTP 400): unsupported",
+            ],
+            "raw": ["", ""],
+        },
+        schema=old_schema,
+    )
     write_parquet_atomic(table, next_part_path(d), {"stage": "generate", "rows": 2})
     assert reject_counts(d) == {"refused": 1, "too_long": 1}
     assert settle_generate_rejects(d, responded=set(), retry_refused=False) == {"y"}

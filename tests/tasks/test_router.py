@@ -19,12 +19,12 @@ from transformers import AutoTokenizer
 from models.jobs import GenerateJob
 from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow
+from tasks.engines.client import RetryPolicy
 from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import request_sampling_params
-from tasks.ports import free_ports
 from tasks.launch_servers import launched_servers
+from tasks.ports import free_ports
 from tasks.server_pool import ServerPool
-from tasks.engines.client import RetryPolicy
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,8 +35,10 @@ SAMPLING = request_sampling_params({"max_new_tokens": 24, "temperature": 0.8, "t
 
 def prompts(n: int) -> list[PromptRow]:
     rng = random.Random(n)
-    return [PromptRow(id=f"p{i}", messages=[{"role": "user", "content": f"q{i} " + "word " * rng.randint(1, 12)}])
-            for i in range(n)]
+    return [
+        PromptRow(id=f"p{i}", messages=[{"role": "user", "content": f"q{i} " + "word " * rng.randint(1, 12)}])
+        for i in range(n)
+    ]
 
 
 def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_path, tiny_target_dir):
@@ -47,12 +49,21 @@ def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_p
 
     async def generate(pool, rows, **kw):
         settings = GenerateJob(**{"dataset": "B1", "sampling_params": SAMPLING, "flush_every": 8, **kw})
-        return await generate_dataset(rows, pool=pool, tokenizer=tokenizer, responses_dir=out / "responses/B1",
-                                      rejects_dir=out / "rejects/B1", source=Path("b1.jsonl"), settings=settings,
-                                      vocab_size=len(tokenizer))
+        return await generate_dataset(
+            rows,
+            pool=pool,
+            tokenizer=tokenizer,
+            responses_dir=out / "responses/B1",
+            rejects_dir=out / "rejects/B1",
+            source=Path("b1.jsonl"),
+            settings=settings,
+            vocab_size=len(tokenizer),
+        )
 
     logs = tmp_path / "logs"
-    with launched_servers("dev", url, replicas=2, router=True, target=tiny_target_dir, log_dir=logs, health_timeout_s=180) as procs:
+    with launched_servers(
+        "dev", url, replicas=2, router=True, target=tiny_target_dir, log_dir=logs, health_timeout_s=180
+    ) as procs:
         workers = [p.url for p in procs[:2]]
         assert procs[2].url == url and workers == [url[:-5] + str(int(url[-5:]) + i) for i in (1, 2)]
         worker_limit = httpx.get(workers[0] + "/server_info").json()["max_req_input_len"]
@@ -80,7 +91,9 @@ def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_p
         got += pq.read_table(part).to_pylist()
     assert sorted(r["id"] for r in got) == sorted(r.id for r in rows)  # every prompt once, across the three runs
     assert rest.status == "complete"
-    served = [sum(" /generate " in line for line in (logs / f"server-{i}.log").read_text().splitlines()) for i in (0, 1)]
+    served = [
+        sum(" /generate " in line for line in (logs / f"server-{i}.log").read_text().splitlines()) for i in (0, 1)
+    ]
     # the router spread the requests evenly over both workers: the pipeline gave it --policy round_robin
     # (its default, cache_aware, sent all 100 to one worker in a CI run: one chat template, one prefix)
     assert min(served) >= 0.4 * sum(served), served

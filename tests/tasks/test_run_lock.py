@@ -29,8 +29,13 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes of its
 def holder(tmp_path):
     """Another process holding RUN_DIR's lock (the first writer)."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), "--as", "first-writer"], cwd=REPO,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run_dir), "--as", "first-writer"],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "held"
     yield run_dir, proc
     if proc.poll() is None:
@@ -65,7 +70,9 @@ def test_the_lock_is_reentrant_in_one_process_and_released_at_the_end(tmp_path):
         with run_lock(run_dir, "generate"):  # a stage flow inside the pipeline flow
             assert read_holder(run_dir)["purpose"] == "pipeline"
         assert read_holder(run_dir)["pid"] == os.getpid()  # still held by the outer block
-    proc = subprocess.run([sys.executable, "-c", HOLDER, str(run_dir)], cwd=REPO, input="", capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", HOLDER, str(run_dir)], cwd=REPO, input="", capture_output=True, text=True
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "held"  # another process can take it now
 
 
@@ -82,7 +89,6 @@ def test_eagle3_generate_is_refused_while_another_writer_holds_the_run_dir(holde
     assert f"refused: {run_dir} is in use by another writer: pid {proc.pid}" in " ".join(done.stderr.split())
     assert "Traceback" not in done.stderr
     assert not (run_dir / "responses").exists()  # nothing was written
-
 
 
 OUTPUT_HOLDER = (  # RUN_DIR argv[1], holding argv[3] (capture.out_dir) for writing (argv[2] == 'also') or reading
@@ -102,8 +108,13 @@ def output_holder(tmp_path):
     started = []
 
     def start(run: str, kind: str, shared: Path, purpose: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-c", OUTPUT_HOLDER, str(tmp_path / run), kind, str(shared), purpose],
-                                cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", OUTPUT_HOLDER, str(tmp_path / run), kind, str(shared), purpose],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         started.append(proc)
         assert proc.stdout.readline().strip() == "held"
         return proc
@@ -128,8 +139,12 @@ def test_a_second_run_writing_the_same_capture_out_dir_is_refused(tmp_path, outp
     shared = tmp_path / "big-disk" / "hidden"
     a = output_holder("run-a", "also", shared, "capture")
     eagle3 = Path(sys.executable).parent / "eagle3"
-    done = subprocess.run([str(eagle3), "run", str(_config(tmp_path, "run-b", shared)), "--stages", "capture"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [str(eagle3), "run", str(_config(tmp_path, "run-b", shared)), "--stages", "capture"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     said = " ".join(done.stderr.split())
     assert done.returncode == 1, done.stderr
     assert f"refused: {shared} (capture.out_dir) is in use by another writer: pid {a.pid}" in said

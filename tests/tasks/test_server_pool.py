@@ -14,11 +14,11 @@ from emulators.sim import SimServer
 from models.jobs import GenerateJob
 from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow
+from tasks.engines.client import RetryPolicy
+from tasks.engines.errors import ServerOutage
 from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.server_pool import ServerPool
-from tasks.engines.client import RetryPolicy
-from tasks.engines.errors import ServerOutage
 from tests.tasks.budget_runs import budget_run_after_short_answers
 
 EOS = 1
@@ -33,8 +33,10 @@ def tokenizer(tiny_target_dir):
 
 def prompts(n: int, prefix: str = "p", words: tuple[int, int] = (1, 20)) -> list[PromptRow]:
     rng = random.Random(n)
-    return [PromptRow(id=f"{prefix}{i}", messages=[{"role": "user", "content": f"q{i} " + "word " * rng.randint(*words)}])
-            for i in range(n)]
+    return [
+        PromptRow(id=f"{prefix}{i}", messages=[{"role": "user", "content": f"q{i} " + "word " * rng.randint(*words)}])
+        for i in range(n)
+    ]
 
 
 def sims(n: int, **kw) -> list[SimServer]:
@@ -50,10 +52,25 @@ def responses(run_dir: Path) -> list[dict]:
 
 
 async def generate(pool: ServerPool, rows, run_dir: Path, tokenizer, **kw):
-    settings = GenerateJob(**{"dataset": "B1", "sampling_params": SAMPLING, "flush_every": 8, "flush_interval_s": 0.5,
-                              "log_interval_s": 0.2, **kw})
-    return await generate_dataset(rows, pool=pool, tokenizer=tokenizer, responses_dir=run_dir / "responses/B1",
-                                  rejects_dir=run_dir / "rejects/B1", source=Path("b1.jsonl"), settings=settings)
+    settings = GenerateJob(
+        **{
+            "dataset": "B1",
+            "sampling_params": SAMPLING,
+            "flush_every": 8,
+            "flush_interval_s": 0.5,
+            "log_interval_s": 0.2,
+            **kw,
+        }
+    )
+    return await generate_dataset(
+        rows,
+        pool=pool,
+        tokenizer=tokenizer,
+        responses_dir=run_dir / "responses/B1",
+        rejects_dir=run_dir / "rejects/B1",
+        source=Path("b1.jsonl"),
+        settings=settings,
+    )
 
 
 def stop_all(servers: list[SimServer]) -> None:
@@ -64,6 +81,7 @@ def stop_all(servers: list[SimServer]) -> None:
 def test_requests_spread_over_the_servers_each_within_its_limit(tmp_path, tokenizer):
     servers = sims(2)
     try:
+
         async def go():
             async with ServerPool([s.url for s in servers], max_concurrency=3, retry=FAST) as pool:
                 report = await generate(pool, prompts(60), tmp_path, tokenizer)
@@ -87,11 +105,14 @@ def test_a_dead_server_s_prompts_go_to_the_others_and_every_prompt_is_kept_once(
     servers = sims(3, decode_s_per_token=0.01)
     victim = servers[1]
     try:
+
         async def go():
             async with ServerPool([s.url for s in servers], max_concurrency=4, retry=FAST) as pool:
+
                 async def kill():
                     await asyncio.to_thread(victim.wait_for, lambda s: s.completed >= 3 and s.in_flight >= 2, 30)
                     await asyncio.to_thread(victim.down)  # a crash: connections dropped, port closed
+
                 killer = asyncio.create_task(kill())
                 report = await generate(pool, prompts(90), tmp_path, tokenizer)
                 await killer
@@ -112,13 +133,16 @@ def test_no_healthy_server_for_the_outage_window_stops_the_run_and_a_rerun_finis
     servers = sims(2, decode_s_per_token=0.005)
     rows = prompts(60)
     try:
+
         async def go():
             retry = RetryPolicy(initial_s=0.01, max_s=0.05, jitter=0.0, outage_window_s=0.5)
             async with ServerPool([s.url for s in servers], max_concurrency=3, retry=retry) as pool:
+
                 async def cut():
                     await asyncio.to_thread(servers[0].wait_for, lambda s: s.completed >= 5, 30)
                     for s in servers:
                         await asyncio.to_thread(s.down)
+
                 cutter = asyncio.create_task(cut())
                 try:
                     return await generate(pool, rows, tmp_path, tokenizer)
@@ -154,6 +178,7 @@ def test_a_long_prompt_goes_only_to_a_server_that_takes_it(tmp_path, tokenizer):
     small = sims(1, context_length=40 + 48)[0]  # max_req_input_len = context - max_new_tokens
     big = sims(1, context_length=130 + 48)[0]
     try:
+
         async def go():
             async with ServerPool([small.url, big.url], max_concurrency=4, retry=FAST) as pool:
                 report = await generate(pool, short + long_ + too_long, tmp_path, tokenizer)
@@ -173,13 +198,16 @@ def test_a_long_prompt_goes_only_to_a_server_that_takes_it(tmp_path, tokenizer):
 def test_a_server_back_from_an_outage_gets_requests_again(tmp_path, tokenizer):
     servers = sims(2, decode_s_per_token=0.01)
     try:
+
         async def go():
             async with ServerPool([s.url for s in servers], max_concurrency=3, retry=FAST) as pool:
+
                 async def bounce():
                     await asyncio.to_thread(servers[0].wait_for, lambda s: s.completed >= 2, 30)
                     await asyncio.to_thread(servers[0].down)
                     await asyncio.to_thread(servers[1].wait_for, lambda s: s.completed >= 10, 30)
                     await asyncio.to_thread(servers[0].up)
+
                 task = asyncio.create_task(bounce())
                 report = await generate(pool, prompts(80), tmp_path, tokenizer)
                 await task
@@ -205,8 +233,17 @@ def test_without_abort_request_the_budget_stops_requests_by_closing_them(tmp_pat
     try:
         # the requests in flight when the budget is reached must be stopped
         report, can_abort = budget_run_after_short_answers(
-            generate, [srv.url], rows, tmp_path, tokenizer, SAMPLING, token_budget=20 * 4 + 200,
-            seen=lambda pool: pool.servers[0].client.can_abort, max_concurrency=16, retry=FAST)
+            generate,
+            [srv.url],
+            rows,
+            tmp_path,
+            tokenizer,
+            SAMPLING,
+            token_budget=20 * 4 + 200,
+            seen=lambda pool: pool.servers[0].client.can_abort,
+            max_concurrency=16,
+            retry=FAST,
+        )
         stats = srv.wait_for(lambda s: s.in_flight == 0, timeout=10)  # nothing left generating at the server
     finally:
         srv.stop()
@@ -221,14 +258,24 @@ def test_without_abort_request_the_budget_stops_requests_by_closing_them(tmp_pat
 def test_a_pool_shared_by_two_datasets_keeps_each_server_s_limit(tmp_path, tokenizer):
     servers = sims(2)
     try:
+
         async def go():
             async with ServerPool([s.url for s in servers], max_concurrency=2, retry=FAST) as pool:
                 settings = dict(sampling_params=SAMPLING, flush_every=8, flush_interval_s=0.5, log_interval_s=0.2)
-                return await asyncio.gather(*(
-                    generate_dataset(prompts(30, name), pool=pool, tokenizer=tokenizer,
-                                     responses_dir=tmp_path / "responses" / name, rejects_dir=tmp_path / "rejects" / name,
-                                     source=Path("x"), settings=GenerateJob(dataset=name, **settings))
-                    for name in ("B1", "B2")))
+                return await asyncio.gather(
+                    *(
+                        generate_dataset(
+                            prompts(30, name),
+                            pool=pool,
+                            tokenizer=tokenizer,
+                            responses_dir=tmp_path / "responses" / name,
+                            rejects_dir=tmp_path / "rejects" / name,
+                            source=Path("x"),
+                            settings=GenerateJob(dataset=name, **settings),
+                        )
+                        for name in ("B1", "B2")
+                    )
+                )
 
         reports = asyncio.run(go())
         stats = [s.snapshot() for s in servers]
@@ -243,6 +290,7 @@ def test_a_prompt_only_a_dead_server_takes_waits_the_outage_window_then_stops_th
     small = sims(1, context_length=40 + 48)[0]
     big = sims(1, context_length=130 + 48)[0]
     try:
+
         async def go():
             retry = RetryPolicy(initial_s=0.01, max_s=0.05, jitter=0.0, outage_window_s=0.5)
             async with ServerPool([small.url, big.url], max_concurrency=4, retry=retry) as pool:
@@ -265,12 +313,15 @@ def test_a_retried_dataset_gets_a_whole_outage_window_again(tmp_path, tokenizer)
 
     [srv] = sims(1, decode_s_per_token=0.005)
     try:
+
         async def go():
             retry = RetryPolicy(initial_s=0.01, max_s=0.05, jitter=0.0, outage_window_s=0.6)
             async with ServerPool([srv.url], max_concurrency=2, retry=retry) as pool:
+
                 async def cut():
                     await asyncio.to_thread(srv.wait_for, lambda s: s.completed >= 3, 30)
                     await asyncio.to_thread(srv.down)
+
                 cutter = asyncio.create_task(cut())
                 with pytest.raises(ServerOutage):
                     await generate(pool, prompts(40), tmp_path, tokenizer)

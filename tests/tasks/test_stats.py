@@ -14,8 +14,8 @@ from rich.console import Console
 
 from tasks.checkpoints import RESPONSE_SCHEMA, responses_table, write_part
 from tasks.datasets import Reject
-from tasks.rejects import write_rejects
 from tasks.parquet_io import write_parquet_atomic
+from tasks.rejects import write_rejects
 from tasks.stats import (
     STATS_COLUMNS,
     DatasetStats,
@@ -89,8 +89,9 @@ def run_dir(tmp_path):
     a2 = run / "responses" / "A2"
     p0 = write_part(a2, responses_table([_row(10, 5, finished_at=50.0)]))
     p1 = write_part(a2, responses_table([_row(11, 7, finished_at=60.0)]))
-    write_part(a2, responses_table([_row(10, 5, finished_at=50.0), _row(11, 7, finished_at=60.0)]),
-               replaces=[p0.name, p1.name])
+    write_part(
+        a2, responses_table([_row(10, 5, finished_at=50.0), _row(11, 7, finished_at=60.0)]), replaces=[p0.name, p1.name]
+    )
     # C3: only rejects so far (every prompt too long, say).
     write_rejects(_rejects(2), run / "rejects" / "C3", stage="load")
     (run / "responses" / "D4").mkdir(parents=True)  # started, nothing flushed yet
@@ -122,8 +123,18 @@ def test_collect_stats_figures(run_dir):
     assert (a2.responses, a2.completion_tokens, a2.parts, a2.wall_s, a2.tokens_per_s) == (2, 12, 1, 10.0, 1.2)
     assert (a2.p50_length, a2.p95_length) == (5, 7)
     assert c3 == DatasetStats(
-        dataset="C3", responses=0, rejects=2, completion_tokens=0, prompt_tokens=0, mean_length=None,
-        p50_length=None, p95_length=None, finish_reasons={}, tokens_per_s=None, wall_s=None, parts=0,
+        dataset="C3",
+        responses=0,
+        rejects=2,
+        completion_tokens=0,
+        prompt_tokens=0,
+        mean_length=None,
+        p50_length=None,
+        p95_length=None,
+        finish_reasons={},
+        tokens_per_s=None,
+        wall_s=None,
+        parts=0,
         reject_causes={"bad_row": 2},
     )
     assert (d4.responses, d4.rejects, d4.parts) == (0, 0, 0)
@@ -264,7 +275,7 @@ def _write_jsonl(table, path):
         arr = cols[c].combine_chunks()
         values = arr.values.to_numpy().tolist()
         offsets = arr.offsets.to_numpy()
-        lists[c] = [values[offsets[i]:offsets[i + 1]] for i in range(len(arr))]
+        lists[c] = [values[offsets[i] : offsets[i + 1]] for i in range(len(arr))]
     with open(path, "w", encoding="utf-8") as f:
         for i in range(table.num_rows):
             row = {c: plain[c][i] for c in plain}
@@ -358,8 +369,13 @@ def test_eagle3_stats_names_a_damaged_part_without_a_traceback(run_dir):
     part = sorted((run_dir / "responses" / "B1").glob("part-*.parquet"))[0]
     part.write_bytes(part.read_bytes()[:-40])  # a truncated copy
     exe = Path(sys.executable).parent / "eagle3"
-    done = subprocess.run([str(exe), "stats", str(run_dir)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "COLUMNS": "250"})
+    done = subprocess.run(
+        [str(exe), "stats", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "250"},
+    )
     out = " ".join((done.stdout + done.stderr).split())
     assert done.returncode == 1 and "Traceback" not in out
     assert f"{part} is damaged" in out and "A2" in out  # named; the other datasets still reported

@@ -50,8 +50,11 @@ def records(tiny_target_dir, tmp_path_factory) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
-    texts = [json.loads(line).get("prompt") or "" for f in sorted(SAMPLES_DIR.glob("gen_*.jsonl"))
-             for line in f.read_text(encoding="utf-8").splitlines()]
+    texts = [
+        json.loads(line).get("prompt") or ""
+        for f in sorted(SAMPLES_DIR.glob("gen_*.jsonl"))
+        for line in f.read_text(encoding="utf-8").splitlines()
+    ]
     rng = random.Random(1)
     root = tmp_path_factory.mktemp("engine-records")
     datasets, keys = [], {}
@@ -68,7 +71,9 @@ def records(tiny_target_dir, tmp_path_factory) -> dict:
         rows[3]["loss_mask"] = [0] * len(rows[3]["loss_mask"])  # no loss token: never captured
         d = root / ds
         d.mkdir()
-        schema = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8()))])
+        schema = pa.schema(
+            [("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8()))]
+        )
         pq.write_table(pa.Table.from_pylist(rows, schema=schema), d / "part-000000.parquet")
         datasets.append(DatasetRecords(name=ds, records_dir=str(d)))
         keys.update({(ds, r["id"]): trimmed_length(np.array(r["loss_mask"])) for r in rows if any(r["loss_mask"])})
@@ -88,13 +93,24 @@ def app(tiny_target_dir, shared):
 
 
 def job(target: Path, records: dict, out: Path, **over) -> CaptureJob:
-    return CaptureJob(**{"target_path": str(target), "datasets": records["datasets"], "out_dir": str(out), "launch_tokens": None,
-                         "device": "cpu", "max_batch_tokens": 256, "shard_tokens": 200, **over})
+    return CaptureJob(
+        **{
+            "target_path": str(target),
+            "datasets": records["datasets"],
+            "out_dir": str(out),
+            "launch_tokens": None,
+            "device": "cpu",
+            "max_batch_tokens": 256,
+            "shard_tokens": 200,
+            **over,
+        }
+    )
 
 
 def engine(**over) -> EngineSettings:
-    return EngineSettings(**{"url": "http://vllm.test", "max_concurrency": 4, "request_timeout_s": 30, "outage_window_s": 2,
-                             **over})
+    return EngineSettings(
+        **{"url": "http://vllm.test", "max_concurrency": 4, "request_timeout_s": 30, "outage_window_s": 2, **over}
+    )
 
 
 def run(capture_job: CaptureJob, settings: EngineSettings, shared_dir: Path, transport, **kw) -> dict:
@@ -134,8 +150,10 @@ def test_layer_ids_and_final_norm_match_hf(tiny_target_dir, app, shared):
 
     async def ask() -> dict:
         async with httpx.AsyncClient(transport=transport, base_url="http://vllm.test") as client:
-            reply = await client.post("/v1/completions", json={"model": str(tiny_target_dir), "prompt": ids, "max_tokens": 1,
-                                                                "return_token_ids": True})
+            reply = await client.post(
+                "/v1/completions",
+                json={"model": str(tiny_target_dir), "prompt": ids, "max_tokens": 1, "return_token_ids": True},
+            )
             assert reply.status_code == 200, reply.text
             return reply.json()
 
@@ -171,7 +189,10 @@ def test_emulation_errors_have_vllms_body(app, tiny_target_dir):
     error = too_long.json()["error"]
     assert error["type"] == "BadRequestError" and error["code"] == 400 and error["param"] is None
     assert "maximum context length" in error["message"] and "5000 input tokens" in error["message"]
-    assert asyncio.run(post({"prompt": [5, 10**6], "max_tokens": 1})).json()["error"]["message"] == "Token id 1000000 is out of vocabulary"
+    assert (
+        asyncio.run(post({"prompt": [5, 10**6], "max_tokens": 1})).json()["error"]["message"]
+        == "Token id 1000000 is out of vocabulary"
+    )
     missing = asyncio.run(post({"model": "other", "prompt": [5], "max_tokens": 1}))
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
     with pytest.raises(ValueError, match="beyond the model's 8 layers"):
@@ -187,8 +208,13 @@ def test_vllm_backend_shards_equal_the_deepspeed_backends(tiny_target_dir, recor
     out = tmp_path / "vllm" / "hidden"
     progress = []
     start = time.monotonic()
-    done = run(job(tiny_target_dir, records, out), engine(model=str(tiny_target_dir)), shared, httpx.ASGITransport(app=app),
-               on_progress=lambda *a: progress.append(a))
+    done = run(
+        job(tiny_target_dir, records, out),
+        engine(model=str(tiny_target_dir)),
+        shared,
+        httpx.ASGITransport(app=app),
+        on_progress=lambda *a: progress.append(a),
+    )
     seconds = time.monotonic() - start
     want, got = rows(tmp_path / "ds" / "hidden"), rows(out)
     assert set(got) == set(want) == set(records["keys"])
@@ -204,14 +230,19 @@ def test_vllm_backend_shards_equal_the_deepspeed_backends(tiny_target_dir, recor
     assert worst <= ATOL, worst
     for a, b in zip(list_shards(out)[:1], list_shards(tmp_path / "ds" / "hidden")[:1]):
         ma, mb = shard_metadata(a), shard_metadata(b)
-        assert {k: ma[k] for k in ("format", "hidden_size", "aux_layers", "dtype")} == \
-               {k: mb[k] for k in ("format", "hidden_size", "aux_layers", "dtype")}
+        assert {k: ma[k] for k in ("format", "hidden_size", "aux_layers", "dtype")} == {
+            k: mb[k] for k in ("format", "hidden_size", "aux_layers", "dtype")
+        }
     assert pq.read_table(out / "index.parquet").num_rows == len(want)
     assert not list(shared.iterdir()), "connector files left behind"
     print(f"vllm backend: {len(want)} samples, {done['tokens']} tokens in {seconds:.2f}s; max abs diff {worst:.2g}")
     # Run again: nothing pending, nothing sent.
-    assert run(job(tiny_target_dir, records, out), engine(model=str(tiny_target_dir)), shared,
-               httpx.MockTransport(lambda request: pytest.fail("nothing should be sent"))) == {"samples": 0, "tokens": 0}
+    assert run(
+        job(tiny_target_dir, records, out),
+        engine(model=str(tiny_target_dir)),
+        shared,
+        httpx.MockTransport(lambda request: pytest.fail("nothing should be sent")),
+    ) == {"samples": 0, "tokens": 0}
 
 
 def test_token_cap_then_rest_is_exactly_once(tiny_target_dir, records, app, shared, tmp_path):
@@ -236,33 +267,48 @@ def fake_server(tmp_path: Path, write) -> httpx.MockTransport:
         count[0] += 1
         path = tmp_path / f"cmpl-{count[0]}.safetensors"
         write(path, body["prompt"])
-        return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}], "usage": {"prompt_tokens": len(body["prompt"])},
-                                         "kv_transfer_params": {"hidden_states_path": str(path)}})
+        return httpx.Response(
+            200,
+            json={
+                "choices": [{"index": 0, "text": "x"}],
+                "usage": {"prompt_tokens": len(body["prompt"])},
+                "kv_transfer_params": {"hidden_states_path": str(path)},
+            },
+        )
 
     return httpx.MockTransport(handle)
 
 
-@pytest.mark.parametrize("fault, message", [
-    ("missing", "does not exist here"),
-    ("truncated", "not a complete safetensors file"),
-    ("three_layers", "expected [{n}, 4, 128]"),
-    ("other_ids", "are not the"),
-])
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("missing", "does not exist here"),
+        ("truncated", "not a complete safetensors file"),
+        ("three_layers", "expected [{n}, 4, 128]"),
+        ("other_ids", "are not the"),
+    ],
+)
 def test_unusable_reply_files_stop_with_nothing_recorded(fault, message, tiny_target_dir, records, tmp_path):
     def write(path: Path, ids: list[int]) -> None:
         n = len(ids)
         if fault == "missing":
             return
-        tensors = {"token_ids": torch.tensor(ids if fault != "other_ids" else ids[::-1][:-1] + [0]),
-                   "hidden_states": torch.zeros(n, 3 if fault == "three_layers" else 4, 128)}
+        tensors = {
+            "token_ids": torch.tensor(ids if fault != "other_ids" else ids[::-1][:-1] + [0]),
+            "hidden_states": torch.zeros(n, 3 if fault == "three_layers" else 4, 128),
+        }
         save_file(tensors, str(path))
         if fault == "truncated":
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
     out = tmp_path / "hidden"
     with pytest.raises(ExtractionFailed) as info:
-        run(job(tiny_target_dir, records, out, shard_tokens=1), engine(max_concurrency=1), tmp_path / "shared",
-            fake_server(tmp_path / "shared", write))
+        run(
+            job(tiny_target_dir, records, out, shard_tokens=1),
+            engine(max_concurrency=1),
+            tmp_path / "shared",
+            fake_server(tmp_path / "shared", write),
+        )
     longest = max(records["keys"].values())
     assert message.format(n=longest) in str(info.value)
     assert not list_shards(out) and not done_sample_keys(out)
@@ -277,8 +323,12 @@ def test_a_file_outside_shared_dir_is_neither_read_nor_deleted(tiny_target_dir, 
 
     out = tmp_path / "hidden"
     with pytest.raises(ExtractionFailed, match="outside capture.engine.shared_dir"):
-        run(job(tiny_target_dir, records, out, shard_tokens=1), engine(max_concurrency=1), tmp_path / "shared",
-            fake_server(elsewhere, write))
+        run(
+            job(tiny_target_dir, records, out, shard_tokens=1),
+            engine(max_concurrency=1),
+            tmp_path / "shared",
+            fake_server(elsewhere, write),
+        )
     assert list(elsewhere.iterdir()) and not list_shards(out) and not done_sample_keys(out)
 
 
@@ -289,6 +339,7 @@ def test_statuses_mean_what_they_say(tiny_target_dir, records, app, shared, tmp_
         def handle(request: httpx.Request) -> httpx.Response:
             calls.append(status)
             return httpx.Response(status, json={"error": {"message": text, "type": "X", "param": None, "code": status}})
+
         return httpx.MockTransport(handle)
 
     out = tmp_path / "hidden"
@@ -297,7 +348,12 @@ def test_statuses_mean_what_they_say(tiny_target_dir, records, app, shared, tmp_
     assert calls == [401]  # stops at once: nothing else sent, nothing retried
     calls.clear()
     with pytest.raises(ServerOutage):
-        run(job(tiny_target_dir, records, out), engine(max_concurrency=1, outage_window_s=0.3), tmp_path / "s", answer(503))
+        run(
+            job(tiny_target_dir, records, out),
+            engine(max_concurrency=1, outage_window_s=0.3),
+            tmp_path / "s",
+            answer(503),
+        )
     assert len(calls) >= 2 and set(calls) == {503}  # retried within the window, then a clean failure
     assert not list_shards(out)
 
@@ -308,8 +364,17 @@ def test_statuses_mean_what_they_say(tiny_target_dir, records, app, shared, tmp_
     class OneRefused(httpx.AsyncBaseTransport):
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
             if len(json.loads(request.content)["prompt"]) == records["keys"][longest]:
-                return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 64 tokens.",
-                                                           "type": "BadRequestError", "param": None, "code": 400}})
+                return httpx.Response(
+                    400,
+                    json={
+                        "error": {
+                            "message": "This model's maximum context length is 64 tokens.",
+                            "type": "BadRequestError",
+                            "param": None,
+                            "code": 400,
+                        }
+                    },
+                )
             return await real.handle_async_request(request)
 
     with pytest.raises(RecordsRefused) as info:
@@ -340,15 +405,29 @@ def test_killed_capture_resumes_exactly_once(tiny_target_dir, records, app, shar
     out = tmp_path / "hidden"
     capture_job = job(tiny_target_dir, records, out, shard_tokens=120)
     (tmp_path / "job.json").write_text(capture_job.model_dump_json())
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
     with open(tmp_path / "held.log", "wb") as log:
-        held = subprocess.Popen([sys.executable, str(REPO / "tests/tasks/capture/engine_held.py"), str(tmp_path / "job.json"),
-                                 str(shared)], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        held = subprocess.Popen(
+            [sys.executable, str(REPO / "tests/tasks/capture/engine_held.py"), str(tmp_path / "job.json"), str(shared)],
+            env=env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 120
         while not list_shards(out) and held.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)  # polling for the file, bounded by the deadline
-        assert list_shards(out), f"no shard appeared (exit {held.poll()}):\n{(tmp_path / 'held.log').read_text()[-4000:]}"
+        assert list_shards(out), (
+            f"no shard appeared (exit {held.poll()}):\n{(tmp_path / 'held.log').read_text()[-4000:]}"
+        )
     finally:
         os.killpg(held.pid, signal.SIGKILL)
         held.wait(timeout=30)

@@ -7,11 +7,11 @@ from collections import namedtuple
 
 import pytest
 
+from models.jobs import RecordsJob
 from tasks.capture import plan as capture_plan
 from tasks.capture.plan import DiskTooSmall, TargetShape, capture_layers, check_fits, plan_capture, target_shape
 from tasks.checkpoints import responses_table, write_part
 from tasks.parquet_io import DamagedPart
-from models.jobs import RecordsJob
 from tasks.records.build import build_records
 
 KIMI = TargetShape(hidden_size=7168, num_layers=61, dtype="bfloat16")
@@ -19,12 +19,25 @@ KIMI = TargetShape(hidden_size=7168, num_layers=61, dtype="bfloat16")
 
 def records_dir(tmp_path, n_tokens: list[int]):
     rows = [
-        {"id": f"r{i}", "prompt_ids": [5] * (n - 2), "output_ids": [6, 1], "prompt_tokens": n - 2, "completion_tokens": 2,
-         "finish_reason": "stop", "text": "", "latency": 0.0, "cached_tokens": 0, "reasoning_tokens": 0, "finished_at": 1.0}
+        {
+            "id": f"r{i}",
+            "prompt_ids": [5] * (n - 2),
+            "output_ids": [6, 1],
+            "prompt_tokens": n - 2,
+            "completion_tokens": 2,
+            "finish_reason": "stop",
+            "text": "",
+            "latency": 0.0,
+            "cached_tokens": 0,
+            "reasoning_tokens": 0,
+            "finished_at": 1.0,
+        }
         for i, n in enumerate(n_tokens)
     ]
     write_part(tmp_path / "responses", responses_table(rows))
-    build_records("B1", "generate", tmp_path / "responses", tmp_path / "records", tmp_path / "rej", RecordsJob(vocab_size=10))
+    build_records(
+        "B1", "generate", tmp_path / "responses", tmp_path / "records", tmp_path / "rej", RecordsJob(vocab_size=10)
+    )
     return tmp_path / "records"
 
 
@@ -45,7 +58,9 @@ def test_resume_counts_only_what_is_left_and_max_tokens_caps(tmp_path, monkeypat
     fake_disk(monkeypatch, 10**15)
     d = records_dir(tmp_path, [100, 300, 600])
     assert plan_capture([d], tmp_path / "h", KIMI, "auto", margin=0.0, tokens_done=250).tokens_todo == 750
-    assert plan_capture([d], tmp_path / "h", KIMI, "auto", margin=0.0, max_tokens=500, tokens_done=100).tokens_todo == 400
+    assert (
+        plan_capture([d], tmp_path / "h", KIMI, "auto", margin=0.0, max_tokens=500, tokens_done=100).tokens_todo == 400
+    )
     assert plan_capture([d], tmp_path / "h", KIMI, "auto", margin=0.0, tokens_per_s=100.0).est_seconds == 10.0
 
 
@@ -69,14 +84,23 @@ def test_damaged_records_part_is_named_with_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(DamagedPart) as info:
         plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.05)
     message = str(info.value)
-    assert message.startswith(f"{part} is damaged ({part.stat().st_size:,} bytes, not a readable Parquet file: Parquet magic bytes")
-    assert message.endswith("Delete it and run the records stage again: it is rebuilt from its responses or passthrough part")
+    assert message.startswith(
+        f"{part} is damaged ({part.stat().st_size:,} bytes, not a readable Parquet file: Parquet magic bytes"
+    )
+    assert message.endswith(
+        "Delete it and run the records stage again: it is rebuilt from its responses or passthrough part"
+    )
 
 
 def test_target_shape_reads_nested_text_config(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "kimi_k25", "text_config": {"hidden_size": 7168, "num_hidden_layers": 61, "torch_dtype": "bfloat16"}
-    }))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "kimi_k25",
+                "text_config": {"hidden_size": 7168, "num_hidden_layers": 61, "torch_dtype": "bfloat16"},
+            }
+        )
+    )
     assert target_shape(str(tmp_path)) == KIMI
 
 
@@ -100,10 +124,14 @@ def test_the_vllm_connectors_files_are_planned_where_they_go(tmp_path, tmpfs):
     per_file_token = 4 * 7168 * 2 + 8  # the connector's bf16 [n, 4, H] + int64 ids
     window = EngineWindow(tmp_path / "engine", max_concurrency=1, shard_tokens=10)
     same = plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.0, engine=window)
-    assert same.temp_bytes == (10 + 1000 + 1000) * per_file_token  # the shard window (+ one record) + the longest in flight
+    assert (
+        same.temp_bytes == (10 + 1000 + 1000) * per_file_token
+    )  # the shard window (+ one record) + the longest in flight
     assert same.bytes_needed == 3000 * 57349 + same.temp_bytes and same.temp_usable_bytes is None
-    assert plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.0, tokens_done=2900, engine=window).temp_bytes == \
-        100 * per_file_token  # never more than what is left
+    assert (
+        plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.0, tokens_done=2900, engine=window).temp_bytes
+        == 100 * per_file_token
+    )  # never more than what is left
     assert plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.0).temp_bytes == 0  # the DeepSpeed backend
     with tmpfs(tmp_path / "shm", "16m") as shm:  # another filesystem, too small for the window
         apart = plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.0, engine=EngineWindow(shm, 1, 10))

@@ -11,8 +11,10 @@ from transformers import AutoTokenizer
 from tasks.doctor.chat_template import template_findings
 
 # Renders system/user/assistant and leaves tool turns out; no generation prompt.
-NO_TOOLS = ("{% for m in messages %}{% if m['role'] != 'tool' %}<|im_user|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}"
-            "<|im_end|>{% endif %}{% endfor %}")
+NO_TOOLS = (
+    "{% for m in messages %}{% if m['role'] != 'tool' %}<|im_user|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}"
+    "<|im_end|>{% endif %}{% endfor %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +51,21 @@ def test_the_longest_sampled_prompt_is_measured(tmp_path, tokenizer):
     short, long = "hi", "word " * 300
     rows = jsonl(tmp_path / "c.jsonl", [{"id": "s", "prompt": short}, {"id": "l", "prompt": long}])
     report = template_findings(tokenizer, [("B9", rows, "generate")])
-    expected = len(tokenizer.apply_chat_template([{"role": "user", "content": long}], add_generation_prompt=True,
-                                                 tokenize=True, return_dict=True)["input_ids"])
+    expected = len(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": long}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+    )
     assert report.longest_prompts == {"B9": expected} and expected > 300
 
 
 def test_a_template_that_drops_tool_results_warns(tmp_path, no_tools):
-    conversation = [{"role": "user", "content": "What is the weather in Paris?"},
-                    {"role": "assistant", "content": "Let me look it up."},
-                    {"role": "tool", "content": "Paris: 18 degrees, light rain"},
-                    {"role": "assistant", "content": "It is 18 degrees with light rain: take an umbrella."}]
+    conversation = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "Let me look it up."},
+        {"role": "tool", "content": "Paris: 18 degrees, light rain"},
+        {"role": "assistant", "content": "It is 18 degrees with light rain: take an umbrella."},
+    ]
     rows = jsonl(tmp_path / "d.jsonl", [{"id": "t1", "messages": conversation}])
     found = template_findings(no_tools, [("A9", rows, "passthrough")]).findings
     assert [(f.status, f.name) for f in found] == [("PASS", "chat template: A9"), ("WARN", "chat template: A9")]

@@ -17,16 +17,25 @@ def by_name(findings: list[Finding]) -> dict[str, Finding]:
 
 
 def test_a_new_run_directory_passes(tmp_path):
-    (f,) = run_dir_findings(tmp_path / "run", checkpoint_dir=tmp_path / "run" / "draft" / "checkpoints", settings=SETTINGS)
+    (f,) = run_dir_findings(
+        tmp_path / "run", checkpoint_dir=tmp_path / "run" / "draft" / "checkpoints", settings=SETTINGS
+    )
     assert f.status == "PASS" and "is new" in f.detail
 
 
 def test_a_lock_held_by_another_process_fails_naming_it(tmp_path):
     run = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from tasks.run_lock import run_lock\n"
-         f"with run_lock({str(run)!r}, 'generate'):\n    print('held', flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tasks.run_lock import run_lock\n"
+            f"with run_lock({str(run)!r}, 'generate'):\n    print('held', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"  # the lock is taken before this line is printed
         f = by_name(run_dir_findings(run, checkpoint_dir=run / "ckpt", settings=SETTINGS))["run directory: lock"]
@@ -41,7 +50,9 @@ def test_the_lock_this_process_holds_is_not_a_fail(tmp_path):
     from tasks.run_lock import run_lock
 
     with run_lock(tmp_path / "run", "pipeline"):
-        f = by_name(run_dir_findings(tmp_path / "run", checkpoint_dir=tmp_path / "c", settings=SETTINGS))["run directory: lock"]
+        f = by_name(run_dir_findings(tmp_path / "run", checkpoint_dir=tmp_path / "c", settings=SETTINGS))[
+            "run directory: lock"
+        ]
     assert f.status == "PASS"
 
 
@@ -49,7 +60,9 @@ def test_a_damaged_part_fails_naming_the_file(tmp_path):
     part = tmp_path / "run" / "responses" / "B1" / "part-000000.parquet"
     part.parent.mkdir(parents=True)
     part.write_bytes(b"not parquet")
-    f = by_name(run_dir_findings(tmp_path / "run", checkpoint_dir=tmp_path / "c", settings=SETTINGS))["run directory: parts"]
+    f = by_name(run_dir_findings(tmp_path / "run", checkpoint_dir=tmp_path / "c", settings=SETTINGS))[
+        "run directory: parts"
+    ]
     assert f.status == "FAIL" and "part-000000.parquet" in f.detail
 
 
@@ -59,8 +72,16 @@ def checkpoint(ckpt_dir, step: int, settings: dict) -> None:
     tag = ckpt_dir / f"step-{step}"
     tag.mkdir(parents=True)
     (tag / COMPLETE).write_text("")
-    (tag / FINGERPRINT).write_text(json.dumps({"version": 1, "data": {}, "vocab": {},
-                                               "settings": {**settings, "total_steps": 40, "draft.hidden_size": 128}}))
+    (tag / FINGERPRINT).write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "data": {},
+                "vocab": {},
+                "settings": {**settings, "total_steps": 40, "draft.hidden_size": 128},
+            }
+        )
+    )
 
 
 def test_a_checkpoint_of_other_settings_fails_saying_which(tmp_path):

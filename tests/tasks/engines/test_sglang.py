@@ -18,8 +18,14 @@ PARAMS = {"max_new_tokens": 8, "stop_token_ids": [1], "no_stop_trim": True}
 
 def reply(output_ids=(11, 12, 1), **meta) -> dict:
     """A well-formed SGLang /generate reply for PROMPT; `meta` overrides meta_info fields."""
-    info = {"id": "r", "prompt_tokens": len(PROMPT), "completion_tokens": len(output_ids),
-            "finish_reason": {"type": "stop", "matched": 1}, "cached_tokens": 0, "e2e_latency": 0.1}
+    info = {
+        "id": "r",
+        "prompt_tokens": len(PROMPT),
+        "completion_tokens": len(output_ids),
+        "finish_reason": {"type": "stop", "matched": 1},
+        "cached_tokens": 0,
+        "e2e_latency": 0.1,
+    }
     info.update(meta)
     return {"text": "x", "output_ids": list(output_ids), "meta_info": info}
 
@@ -54,7 +60,10 @@ def generate(script: Script, **kw):
     return asyncio.run(go())
 
 
-@pytest.mark.parametrize("status, kind", [(401, AuthError), (403, AuthError), (404, WrongEndpoint), (405, WrongEndpoint), (409, ServerRefused)])
+@pytest.mark.parametrize(
+    "status, kind",
+    [(401, AuthError), (403, AuthError), (404, WrongEndpoint), (405, WrongEndpoint), (409, ServerRefused)],
+)
 def test_statuses_that_refuse_the_run_stop_at_once_without_retry(status, kind):
     script = Script((status, {"error": {"message": "Invalid API key"}}))
     with pytest.raises(kind) as caught:
@@ -69,13 +78,31 @@ def test_statuses_that_refuse_the_run_stop_at_once_without_retry(status, kind):
 
 
 def test_400_is_a_bad_prompt_and_says_whether_it_was_too_long():
-    long = Script((400, {"object": "error", "message": "The input (9000 tokens) is longer than the model's context length (8192 tokens).", "code": 400}))
+    long = Script(
+        (
+            400,
+            {
+                "object": "error",
+                "message": "The input (9000 tokens) is longer than the model's context length (8192 tokens).",
+                "code": 400,
+            },
+        )
+    )
     with pytest.raises(BadRequest) as caught:
         generate(long)
     assert caught.value.too_long and long.calls == {"/generate": 1}
     # the scheduler's words for a prompt of max_req_input_len tokens or more (SGLang 0.5.23 managers/scheduler.py)
-    scheduler = Script((400, {"error": {"message": "Input length (9000 tokens) exceeds the maximum allowed length (8186 tokens). "
-                                                   "Use a shorter input or enable --allow-auto-truncate."}}))
+    scheduler = Script(
+        (
+            400,
+            {
+                "error": {
+                    "message": "Input length (9000 tokens) exceeds the maximum allowed length (8186 tokens). "
+                    "Use a shorter input or enable --allow-auto-truncate."
+                }
+            },
+        )
+    )
     with pytest.raises(BadRequest) as caught:
         generate(scheduler)
     assert caught.value.too_long
@@ -86,7 +113,9 @@ def test_400_is_a_bad_prompt_and_says_whether_it_was_too_long():
 
 
 def test_retryable_statuses_are_retried_until_an_answer():
-    script = Script((503, {"message": "queue full"}), (429, b"rate limited"), (408, b""), (500, b"boom"), (200, reply()))
+    script = Script(
+        (503, {"message": "queue full"}), (429, b"rate limited"), (408, b""), (500, b"boom"), (200, reply())
+    )
     done, _ = generate(script)
     assert script.calls == {"/generate": 5} and done.output_ids == [11, 12, 1]
 
@@ -172,14 +201,33 @@ def test_server_info_falls_back_to_get_server_info():
     assert asyncio.run(go()) == {"router_manager": True, "workers_count": 2}
 
 
-@pytest.mark.parametrize("meta, output_ids", [
-    # SGLang 0.5.23, managers/tokenizer_manager.py _handle_abort_req: a request aborted while QUEUED
-    ({"id": "r", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}, "weight_version": "default",
-      "e2e_latency": 0.2, "completion_tokens": 0}, []),
-    # SGLang 0.4.x: prompt_tokens 0 and no output_ids
-    ({"id": "r", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}, "prompt_tokens": 0,
-      "completion_tokens": 0, "e2e_latency": 0.2}, None),
-])
+@pytest.mark.parametrize(
+    "meta, output_ids",
+    [
+        # SGLang 0.5.23, managers/tokenizer_manager.py _handle_abort_req: a request aborted while QUEUED
+        (
+            {
+                "id": "r",
+                "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                "weight_version": "default",
+                "e2e_latency": 0.2,
+                "completion_tokens": 0,
+            },
+            [],
+        ),
+        # SGLang 0.4.x: prompt_tokens 0 and no output_ids
+        (
+            {
+                "id": "r",
+                "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+                "e2e_latency": 0.2,
+            },
+            None,
+        ),
+    ],
+)
 def test_a_queued_abort_is_an_abort_whatever_its_meta_info_lacks(meta, output_ids):
     body = {"text": "", "meta_info": meta, **({} if output_ids is None else {"output_ids": output_ids})}
     script = Script((200, body))

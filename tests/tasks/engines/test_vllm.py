@@ -17,19 +17,58 @@ from tasks.engines.errors import BadRequest, InvalidReply, ServerRefused
 from tasks.engines.vllm import VLLMClient, completion_body
 
 PROMPT = [5, 17, 33]
-PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": [1],
-          "skip_special_tokens": False, "no_stop_trim": True, "sampling_seed": 7}
-MODELS = {"object": "list", "data": [{"id": "runs/tiny-target", "object": "model", "owned_by": "vllm",
-                                      "root": "runs/tiny-target", "parent": None, "max_model_len": 64}]}
+PARAMS = {
+    "max_new_tokens": 8,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "stop_token_ids": [1],
+    "skip_special_tokens": False,
+    "no_stop_trim": True,
+    "sampling_seed": 7,
+}
+MODELS = {
+    "object": "list",
+    "data": [
+        {
+            "id": "runs/tiny-target",
+            "object": "model",
+            "owned_by": "vllm",
+            "root": "runs/tiny-target",
+            "parent": None,
+            "max_model_len": 64,
+        }
+    ],
+}
 
 
 def reply(token_ids=(291, 550, 1), finish="stop", stop_reason=None, prompt=PROMPT, **extra) -> dict:
     """A /v1/completions reply with return_token_ids, as vLLM 0.32 sends it."""
-    return {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "runs/tiny-target",
-            "choices": [{"index": 0, "text": "Hi", "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
-                         "token_ids": list(token_ids), "prompt_logprobs": None, "prompt_token_ids": list(prompt)}],
-            "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(token_ids),
-                      "completion_tokens": len(token_ids), "prompt_tokens_details": None}, **extra}
+    return {
+        "id": "cmpl-x",
+        "object": "text_completion",
+        "created": 1,
+        "model": "runs/tiny-target",
+        "choices": [
+            {
+                "index": 0,
+                "text": "Hi",
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": stop_reason,
+                "token_ids": list(token_ids),
+                "prompt_logprobs": None,
+                "prompt_token_ids": list(prompt),
+            }
+        ],
+        "usage": {
+            "prompt_tokens": len(prompt),
+            "total_tokens": len(prompt) + len(token_ids),
+            "completion_tokens": len(token_ids),
+            "prompt_tokens_details": None,
+        },
+        **extra,
+    }
 
 
 class Server:
@@ -59,9 +98,19 @@ def run(server: Server, coro_fn, **kw):
 
 def test_sampling_params_are_translated_to_vllm_fields_and_unknown_ones_refused():
     body = completion_body("m", PROMPT, PARAMS, "rid-1")
-    assert body == {"model": "m", "prompt": PROMPT, "return_token_ids": True, "request_id": "rid-1", "max_tokens": 8,
-                    "temperature": 0.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": [1], "skip_special_tokens": False,
-                    "seed": 7}
+    assert body == {
+        "model": "m",
+        "prompt": PROMPT,
+        "return_token_ids": True,
+        "request_id": "rid-1",
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "stop_token_ids": [1],
+        "skip_special_tokens": False,
+        "seed": 7,
+    }
     # vLLM accepts unknown fields and ignores them: a name it lacks must not be dropped in silence
     with pytest.raises(ValueError, match="ignore_me.*no vLLM"):
         completion_body("m", PROMPT, {**PARAMS, "ignore_me": 1}, "r")
@@ -77,12 +126,18 @@ def test_a_reply_is_parsed_with_the_served_model_named_and_the_stop_id_checked()
         run(Server((200, reply(token_ids=(291, 5), stop_reason=400))), lambda c: c.attempt(PROMPT, PARAMS, "r"))
 
 
-@pytest.mark.parametrize("bad, kind", [
-    (reply(prompt=[5, 17, 34]), "prompt_ids"),                       # generated for other ids than sent
-    (reply(finish="repetition"), "finish_reason"),                   # a reason we never asked for
-    ({**reply(), "choices": [{**reply()["choices"][0], "token_ids": None}]}, "output_ids"),  # return_token_ids ignored
-    (reply(token_ids=tuple(range(9))), "too_many_tokens"),           # more than max_tokens
-])
+@pytest.mark.parametrize(
+    "bad, kind",
+    [
+        (reply(prompt=[5, 17, 34]), "prompt_ids"),  # generated for other ids than sent
+        (reply(finish="repetition"), "finish_reason"),  # a reason we never asked for
+        (
+            {**reply(), "choices": [{**reply()["choices"][0], "token_ids": None}]},
+            "output_ids",
+        ),  # return_token_ids ignored
+        (reply(token_ids=tuple(range(9))), "too_many_tokens"),  # more than max_tokens
+    ],
+)
 def test_impossible_replies_are_invalid(bad, kind):
     with pytest.raises(InvalidReply) as err:
         run(Server((200, bad)), lambda c: c.attempt(PROMPT, PARAMS, "r"))
@@ -90,8 +145,14 @@ def test_impossible_replies_are_invalid(bad, kind):
 
 
 def test_the_spec_decode_counts_of_a_reply_are_its_verify_rounds():
-    metrics = {"speculative_decoding": {"num_spec_steps": 2, "num_accepted_draft_tokens": 1, "mean_acceptance_length": 1.5,
-                                        "acceptance_histogram": [1, 1]}}
+    metrics = {
+        "speculative_decoding": {
+            "num_spec_steps": 2,
+            "num_accepted_draft_tokens": 1,
+            "mean_acceptance_length": 1.5,
+            "acceptance_histogram": [1, 1],
+        }
+    }
     done = run(Server((200, reply(metrics=metrics))), lambda c: c.attempt(PROMPT, PARAMS, "r"))
     assert done.spec_verify_ct == 2
 
@@ -105,8 +166,10 @@ def test_max_new_tokens_above_the_context_stops_the_run_before_anything_is_sent(
 
 
 def test_a_too_long_prompt_is_a_bad_request_that_says_so():
-    message = ("This model's maximum context length is 64 tokens. However, your prompt contains at least 65 input tokens, "
-               "which exceeds this limit even without any output tokens.")
+    message = (
+        "This model's maximum context length is 64 tokens. However, your prompt contains at least 65 input tokens, "
+        "which exceeds this limit even without any output tokens."
+    )
     err = {"error": {"message": message, "type": "BadRequestError", "param": "input_tokens", "code": 400}}
     with pytest.raises(BadRequest) as e:
         run(Server((400, err)), lambda c: c.attempt(PROMPT, PARAMS, "r"))
@@ -122,7 +185,9 @@ def test_an_answer_cut_by_the_context_is_recorded_and_said_once(caplog):
     # vLLM cuts max_tokens to max_model_len - prompt (entrypoints/serve/utils/api_utils.py get_max_tokens)
     cut = reply(token_ids=(5, 6), finish="length")
     with caplog.at_level("WARNING", logger="eagle3.engine"):
-        done = run(Server((200, cut)), lambda c: asyncio.gather(*(c.attempt(PROMPT, PARAMS, f"r{i}") for i in range(3))))
+        done = run(
+            Server((200, cut)), lambda c: asyncio.gather(*(c.attempt(PROMPT, PARAMS, f"r{i}") for i in range(3)))
+        )
     assert [d.finish_reason for d in done] == ["length"] * 3
     said = [r.getMessage() for r in caplog.records if "cuts max_tokens" in r.getMessage()]
     assert len(said) == 1 and "2 of the 8 tokens asked" in said[0]
@@ -140,4 +205,9 @@ def test_abort_is_by_closing_the_connection(caplog):
 
 def test_limits_come_from_v1_models():
     limits = run(Server((200, reply())), lambda c: c.limits())
-    assert (limits.model, limits.max_input, limits.context_length, limits.reserved_tokens) == ("runs/tiny-target", 64, 64, 0)
+    assert (limits.model, limits.max_input, limits.context_length, limits.reserved_tokens) == (
+        "runs/tiny-target",
+        64,
+        64,
+        0,
+    )

@@ -35,8 +35,8 @@ from tasks.checkpoints import live_parts
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import BadRequest, ServerRefused
 from tasks.engines.vllm import VLLMClient, cpu_command
-from tasks.ports import free_port
 from tasks.launch_servers import ServerProcess, fill_placeholders
+from tasks.ports import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess]
 
@@ -56,8 +56,10 @@ def vllm_python() -> Path:
 
 def start_vllm(python: Path, target: Path, log: Path, extra: list[str] = ()) -> ServerProcess:
     port = free_port()
-    words = [fill_placeholders(w, {"host": "127.0.0.1", "port": str(port)})
-             for w in cpu_command(str(python), str(target), max_model_len=CONTEXT)]
+    words = [
+        fill_placeholders(w, {"host": "127.0.0.1", "port": str(port)})
+        for w in cpu_command(str(python), str(target), max_model_len=CONTEXT)
+    ]
     server = ServerProcess([*words, *extra], f"http://127.0.0.1:{port}", log_path=log, engine="vllm")
     server.start()
     try:
@@ -85,8 +87,15 @@ def tokenizer(tiny_target_dir):
 
 def greedy(url: str, model: str, prompt_ids: list[int], stop_ids: list[int], max_tokens: int = MAX_NEW) -> dict:
     """vLLM's own greedy answer for `prompt_ids`, asked over plain HTTP (an independent path, not our client)."""
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "stop_token_ids": stop_ids,
-            "skip_special_tokens": False, "return_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stop_token_ids": stop_ids,
+        "skip_special_tokens": False,
+        "return_token_ids": True,
+    }
     r = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
@@ -97,7 +106,9 @@ def served_model(url: str) -> str:
 
 
 def client(url: str, **kw) -> VLLMClient:
-    return VLLMClient(url, retry=RetryPolicy(initial_s=0.05, max_s=0.5, outage_window_s=30), request_timeout_s=120, **kw)
+    return VLLMClient(
+        url, retry=RetryPolicy(initial_s=0.05, max_s=0.5, outage_window_s=30), request_timeout_s=120, **kw
+    )
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -112,8 +123,13 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 def test_an_answer_keeps_its_stop_id_last_and_equals_the_server_s_own(plain, tokenizer):
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ids = chat_ids(tokenizer, "What is a prime number?")
-    params = {"max_new_tokens": 96, "temperature": 0.0, "stop_token_ids": [eos], "skip_special_tokens": False,
-              "no_stop_trim": True}
+    params = {
+        "max_new_tokens": 96,
+        "temperature": 0.0,
+        "stop_token_ids": [eos],
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
 
     async def go():
         async with client(plain, vocab_size=len(tokenizer)) as c:
@@ -121,7 +137,9 @@ def test_an_answer_keeps_its_stop_id_last_and_equals_the_server_s_own(plain, tok
 
     done = asyncio.run(go())
     assert done.finish_reason == "stop" and done.output_ids[-1] == eos
-    assert done.finish_detail.get("matched") is None  # stopped by the EOS: vLLM's stop_reason is None, even when it was asked for
+    assert (
+        done.finish_detail.get("matched") is None
+    )  # stopped by the EOS: vLLM's stop_reason is None, even when it was asked for
     assert done.prompt_tokens == len(ids) and done.completion_tokens == len(done.output_ids)
     assert done.output_ids == greedy(plain, served_model(plain), ids, [eos], 96)["token_ids"]
 
@@ -151,8 +169,11 @@ def test_max_tokens_is_cut_to_the_context_and_the_answer_ends_as_length(plain, c
 
 
 def test_max_tokens_above_the_context_is_a_400_for_any_prompt_so_it_stops_the_run(plain):
-    r = httpx.post(plain + "/v1/completions", json={"model": served_model(plain), "prompt": [5], "max_tokens": CONTEXT + 1},
-                   timeout=30)
+    r = httpx.post(
+        plain + "/v1/completions",
+        json={"model": served_model(plain), "prompt": [5], "max_tokens": CONTEXT + 1},
+        timeout=30,
+    )
     assert r.status_code == 400 and "cannot be greater than max_model_len" in r.json()["error"]["message"]
 
     async def go():
@@ -165,9 +186,18 @@ def test_max_tokens_above_the_context_is_a_400_for_any_prompt_so_it_stops_the_ru
 
 def test_unknown_fields_are_ignored_so_sglang_names_would_be_lost(plain):
     # max_new_tokens is SGLang's name: vLLM ignores it and uses its own default max_tokens, 16
-    r = httpx.post(plain + "/v1/completions", json={"model": served_model(plain), "prompt": [5, 17], "max_new_tokens": 40,
-                                                    "temperature": 0, "ignore_eos": True, "return_token_ids": True},
-                   timeout=30)
+    r = httpx.post(
+        plain + "/v1/completions",
+        json={
+            "model": served_model(plain),
+            "prompt": [5, 17],
+            "max_new_tokens": 40,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        timeout=30,
+    )
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 16
 
 
@@ -233,7 +263,9 @@ def test_closing_the_connection_aborts_the_request(plain):
         wait_for(lambda: metric(plain, "vllm:num_requests_running") == 0, "vLLM to drop the requests", timeout_s=120)
         admitted = metric(plain, "vllm:prompt_tokens_total") - prompted == n * 3 + 1
         saved = n * each + 1 - (metric(plain, "vllm:generation_tokens_total") - generated)
-        trials.append({"admitted": admitted, "finished_before_the_close": finished_first, "tokens_not_generated": saved})
+        trials.append(
+            {"admitted": admitted, "finished_before_the_close": finished_first, "tokens_not_generated": saved}
+        )
         if finished_first == 0:
             break
     last = trials[-1]
@@ -253,16 +285,18 @@ def eagle3(*args: str, wait: bool = True, **kw):
     env.pop("PREFECT_API_URL", None)
     if wait:
         return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=900, env=env, **kw)
-    return subprocess.Popen([str(exe), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                            start_new_session=True, **kw)
+    return subprocess.Popen(
+        [str(exe), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True, **kw
+    )
 
 
 def rows_of(run_dir: Path, dataset: str) -> list[dict]:
     return [r for p in live_parts(run_dir / "responses" / dataset) for r in pq.read_table(p).to_pylist()]
 
 
-def test_generate_through_vllm_killed_and_resumed_is_exactly_once_and_vllm_s_own_greedy(plain, tiny_target_dir, tokenizer,
-                                                                                     tmp_path):
+def test_generate_through_vllm_killed_and_resumed_is_exactly_once_and_vllm_s_own_greedy(
+    plain, tiny_target_dir, tokenizer, tmp_path
+):
     budget = 500  # below what the 42 greedy answers of B1_code add up to: the budget stops it
     files = {"B1_code": REPO / "data/samples/gen_code.jsonl", "B2_math": REPO / "data/samples/gen_math.jsonl"}
     config = {
@@ -273,8 +307,10 @@ def test_generate_through_vllm_killed_and_resumed_is_exactly_once_and_vllm_s_own
         "server": {"engine": "vllm", "url": plain, "launch": "none", "max_concurrency": 2, "request_timeout_s": 120},
         "sampling": {"max_new_tokens": MAX_NEW, "temperature": 0.0},
         "generate": {"flush_every": 4, "flush_interval_s": 1, "log_interval_s": 2},
-        "datasets": [{"name": "B1_code", "kind": "generate", "path": str(files["B1_code"]), "token_budget": budget},
-                     {"name": "B2_math", "kind": "generate", "path": str(files["B2_math"])}],
+        "datasets": [
+            {"name": "B1_code", "kind": "generate", "path": str(files["B1_code"]), "token_budget": budget},
+            {"name": "B2_math", "kind": "generate", "path": str(files["B2_math"])},
+        ],
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -282,8 +318,11 @@ def test_generate_through_vllm_killed_and_resumed_is_exactly_once_and_vllm_s_own
 
     first = eagle3("generate", str(path), wait=False)
     try:
-        wait_for(lambda: first.poll() is not None or any(rows_of(run_dir, d) for d in ("B1_code", "B2_math")),
-                 "the first checkpoint part", timeout_s=300)
+        wait_for(
+            lambda: first.poll() is not None or any(rows_of(run_dir, d) for d in ("B1_code", "B2_math")),
+            "the first checkpoint part",
+            timeout_s=300,
+        )
         assert first.poll() is None, "generate ended before it could be killed"
         os.killpg(first.pid, signal.SIGKILL)  # the flow process and its temporary Prefect server, mid-run
         first.wait()
@@ -326,8 +365,9 @@ def trained(plain, tiny_target_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm-demo")
     config = demo_config(base / "run")
     config.target.path, config.target.build_tiny_target = str(tiny_target_dir), False
-    config.server = type(config.server).model_validate({**config.server.model_dump(), "engine": "vllm", "launch": "none",
-                                                        "url": plain})
+    config.server = type(config.server).model_validate(
+        {**config.server.model_dump(), "engine": "vllm", "launch": "none", "url": plain}
+    )
     config.train = type(config.train).model_validate({**config.train.model_dump(), "epochs": 8})
     config.eval = type(config.eval).model_validate({**config.eval.model_dump(), "prompts": 24, "max_new_tokens": 32})
     path = base / "config.yaml"
@@ -337,14 +377,19 @@ def trained(plain, tiny_target_dir, tmp_path_factory):
     return path, config
 
 
-def test_eval_through_vllm_counts_the_verify_rounds_of_the_in_process_eval_prompt_by_prompt(vllm_python, plain, trained,
-                                                                                           tiny_target_dir, tmp_path):
+def test_eval_through_vllm_counts_the_verify_rounds_of_the_in_process_eval_prompt_by_prompt(
+    vllm_python, plain, trained, tiny_target_dir, tmp_path
+):
     path, config = trained
     final = config.layout.draft_dir / "final"
     exported = json.loads((final / "config.json").read_text())
     assert exported["draft_vocab_size"] < exported["vocab_size"]  # D < V: the real loader maps d2t
-    server = start_vllm(vllm_python, tiny_target_dir, tmp_path / "draft.log",
-                        VLLMClient.speculative_args(str(final), config.eval.num_steps))
+    server = start_vllm(
+        vllm_python,
+        tiny_target_dir,
+        tmp_path / "draft.log",
+        VLLMClient.speculative_args(str(final), config.eval.num_steps),
+    )
     try:
         data = yaml.safe_load(path.read_text())
         data["server"]["url"] = server.url
@@ -376,8 +421,9 @@ def test_an_export_whose_vocabulary_is_the_target_s_loads_and_serves(vllm_python
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32)
     v = target.config.vocab_size
-    cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=v,
-                                          aux_layers=default_aux_layers(target.config.num_hidden_layers))
+    cfg = Eagle3Config.from_target_config(
+        target.config, draft_vocab_size=v, aux_layers=default_aux_layers(target.config.num_hidden_layers)
+    )
     draft = Eagle3Draft(cfg)
     draft.load_target_embedding(target.get_input_embeddings().weight)
     draft.set_draft_vocab(*draft_vocab(torch.ones(v).numpy(), v, v))
@@ -385,6 +431,7 @@ def test_an_export_whose_vocabulary_is_the_target_s_loads_and_serves(vllm_python
     assert validate_export_vllm(final) == []
     server = start_vllm(vllm_python, tiny_target_dir, tmp_path / "dv.log", VLLMClient.speculative_args(str(final), 3))
     try:
+
         async def go():
             async with client(server.url) as c:
                 return await c.generate([5, 17, 33], {"max_new_tokens": 16, "temperature": 0.0}, "dv")
@@ -400,13 +447,26 @@ def test_the_doctor_reads_the_real_vllm_s_version_model_and_context(plain, tiny_
     from models.jobs import ServerSettings
     from tasks.doctor.engine import engine_findings
 
-    found = {f.name: f for f in engine_findings(ServerSettings(engine="vllm", url=plain), target_path=str(tiny_target_dir),
-                                                vocab_size=None, max_new_tokens=MAX_NEW, longest_prompts={"B1": 100})}
+    found = {
+        f.name: f
+        for f in engine_findings(
+            ServerSettings(engine="vllm", url=plain),
+            target_path=str(tiny_target_dir),
+            vocab_size=None,
+            max_new_tokens=MAX_NEW,
+            longest_prompts={"B1": 100},
+        )
+    }
     name = f"engine {plain}"
     assert found[f"{name}: version"].detail == "vllm 0.32.0" and found[f"{name}: version"].status == "PASS"
     assert (found[f"{name}: model"].status, found[f"{name}: model"].detail) == ("PASS", str(tiny_target_dir))
     assert found[f"{name}: context"].status == "PASS" and "vs context 2,048" in found[f"{name}: context"].detail
     assert found[f"{name}: draft"].detail.startswith("not reported")
-    other = engine_findings(ServerSettings(engine="vllm", url=plain), target_path="/models/other", vocab_size=None,
-                            max_new_tokens=MAX_NEW, longest_prompts={})
+    other = engine_findings(
+        ServerSettings(engine="vllm", url=plain),
+        target_path="/models/other",
+        vocab_size=None,
+        max_new_tokens=MAX_NEW,
+        longest_prompts={},
+    )
     assert [f.status for f in other if f.name.endswith(": model")] == ["FAIL"]

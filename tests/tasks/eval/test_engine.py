@@ -8,7 +8,16 @@ from models.eval_prompts import EvalPrompt
 from tasks.engines.client import ServerLimits
 from tasks.engines.sglang import SGLangClient, context_length, speculative_settings
 from tasks.engines.vllm import VLLMClient
-from tasks.eval.engine import Phase, Served, acceptance, check_command, compare_with_hf, engine_report, fit_draft_context, spread
+from tasks.eval.engine import (
+    Phase,
+    Served,
+    acceptance,
+    check_command,
+    compare_with_hf,
+    engine_report,
+    fit_draft_context,
+    spread,
+)
 
 
 def lim(info: dict) -> ServerLimits:
@@ -34,8 +43,8 @@ WITH = [served("A", "a1", 10, 4, 1.0), served("A", "a2", 1, 0, 0.1), served("B",
 def test_acceptance_sums_tokens_and_rounds_over_requests():
     a = acceptance(WITH)
     assert (a["completion_tokens"], a["verify_rounds"], a["prompts"]) == (20, 6, 3)
-    assert a["acceptance_length"] == round(20 / 6, 4)          # SGLang: prefill token counted
-    assert a["per_round"] == round((20 - 3) / 6, 4)             # per verify round: each request's first token is not a round's
+    assert a["acceptance_length"] == round(20 / 6, 4)  # SGLang: prefill token counted
+    assert a["per_round"] == round((20 - 3) / 6, 4)  # per verify round: each request's first token is not a round's
     assert a["per_request"]["min"] == 2.5 and a["per_request"]["max"] == 4.5  # 10/4, 9/2; the 0-round request has none
     assert acceptance([])["acceptance_length"] is None
 
@@ -58,17 +67,26 @@ def test_report_per_dataset_speedup_and_unchanged_outputs():
     assert r["server"]["avg_spec_accept_length"] == 2.8333
     assert r["outputs_differ_without_draft"] == 0
     changed = [served("A", "a1", 10, None, out=[7] * 10), *without[1:]]
-    assert engine_report(Phase(WITH, {}, 1, lim(info)), Phase(changed, {}, 1, lim({})), 3, 1)["outputs_differ_without_draft"] == 1
+    assert (
+        engine_report(Phase(WITH, {}, 1, lim(info)), Phase(changed, {}, 1, lim({})), 3, 1)[
+            "outputs_differ_without_draft"
+        ]
+        == 1
+    )
     alone = engine_report(Phase(WITH, {"x": "too long"}, 1.6, lim(info)), None, 3, 1)
     assert "speedup" not in alone["overall"] and alone["refused"] == {"x": "too long"}
 
 
 def test_comparison_with_the_hf_backend_is_per_prompt():
     engine = engine_report(Phase(WITH, {}, 1, lim({})), None, 3, 1)
-    hf = {"acceptance_length": round(17 / 6, 4),
-          "per_prompt": [{"source": "A", "id": "a1", "new_tokens": 10, "rounds": 4},
-                         {"source": "A", "id": "a2", "new_tokens": 1, "rounds": 0},
-                         {"source": "B", "id": "b1", "new_tokens": 9, "rounds": 2}]}
+    hf = {
+        "acceptance_length": round(17 / 6, 4),
+        "per_prompt": [
+            {"source": "A", "id": "a1", "new_tokens": 10, "rounds": 4},
+            {"source": "A", "id": "a2", "new_tokens": 1, "rounds": 0},
+            {"source": "B", "id": "b1", "new_tokens": 9, "rounds": 2},
+        ],
+    }
     c = compare_with_hf(engine, hf)
     assert c["equal"] and c["prompts_compared"] == 3 and c["engine_per_round"] == c["hf_acceptance_length"]
     hf["per_prompt"][2]["rounds"] = 3
@@ -91,15 +109,29 @@ def test_a_command_that_already_drafts_is_refused():
     check_command(["python", "-m", "sglang.launch_server", "--tp", "8"])
     with pytest.raises(ValueError, match="--speculative-num-steps.*remove them"):
         check_command(["python", "-m", "sglang.launch_server", "--speculative-num-steps", "3"])
-    assert SGLangClient.speculative_args("/d", 5) == ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d",
-                                         "--speculative-num-steps", "5", "--speculative-eagle-topk", "1",
-                                         "--speculative-num-draft-tokens", "6"]
+    assert SGLangClient.speculative_args("/d", 5) == [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        "/d",
+        "--speculative-num-steps",
+        "5",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "6",
+    ]
 
 
 def test_prompts_are_chosen_with_the_draft_s_reserved_tokens():
     # SGLang 0.5.23 managers/utils.py compute_num_reserved_tokens: max(topk * num_steps, num_draft_tokens) per request
-    info = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
-            "speculative_num_draft_tokens": 4, "context_length": 100}
+    info = {
+        "speculative_algorithm": "EAGLE3",
+        "speculative_num_steps": 3,
+        "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": 4,
+        "context_length": 100,
+    }
     assert reserved_tokens(info) == 4 and reserved_tokens({"context_length": 100}) == 0
     assert reserved_tokens({**info, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}) == 12
     # 100 - 16 new tokens: a prompt of 84 fits a server without the draft, but not one that reserves 4
@@ -108,8 +140,12 @@ def test_prompts_are_chosen_with_the_draft_s_reserved_tokens():
     assert [p.id for p in kept] == ["p80"] and sorted(skipped) == ["p81", "p84"]
     assert "4 reserved for the draft" in skipped["p84"]
     assert fit_draft_context(prompts, lim({"context_length": 100}), 16)[0] == prompts  # no draft: nothing reserved
-    assert fit_draft_context(prompts, lim({"max_req_len": 99, **{k: v for k, v in info.items() if k != "context_length"}}),
-                             16)[0] == kept
+    assert (
+        fit_draft_context(
+            prompts, lim({"max_req_len": 99, **{k: v for k, v in info.items() if k != "context_length"}}), 16
+        )[0]
+        == kept
+    )
     assert fit_draft_context(prompts, lim({}), 16) == (prompts, {})  # the server does not say: the server decides
     report = engine_report(Phase(WITH, {}, 1.6, lim(info), skipped), None, 3, 1)
     assert report["skipped"] == skipped and "every 40 decode batches" in report["server"]["note"]

@@ -7,15 +7,23 @@ import shlex
 
 import pytest
 
-from models.spec_eval import SpecEvalResult
 from models.eval_job import merge_results
+from models.spec_eval import SpecEvalResult
 from tasks.eval.tasks import estimates, eval_rows, sglang_command, ttt_estimate
 
 
 def _result(rounds: int, accepted_total: int, reached: list[int], accepted: list[int], prompts: int) -> SpecEvalResult:
-    return SpecEvalResult(acceptance_length=(accepted_total + rounds) / rounds, per_position_acceptance=[],
-                          per_position_reached=reached, per_position_accepted=accepted, rounds=rounds,
-                          new_tokens=accepted_total + rounds, prompts=prompts, num_steps=len(reached), outputs=[])
+    return SpecEvalResult(
+        acceptance_length=(accepted_total + rounds) / rounds,
+        per_position_acceptance=[],
+        per_position_reached=reached,
+        per_position_accepted=accepted,
+        rounds=rounds,
+        new_tokens=accepted_total + rounds,
+        prompts=prompts,
+        num_steps=len(reached),
+        outputs=[],
+    )
 
 
 def test_merged_chunks_equal_one_pass_over_all_rounds():
@@ -33,10 +41,21 @@ def test_ttt_estimate_uses_the_first_num_steps_conditional_rates(tmp_path):
     est = ttt_estimate(tmp_path, 3)
     assert est["acceptance_length"] == pytest.approx(1 + 0.5 + 0.25 + 0.25)
     assert est["per_position_acceptance"] == [0.5, 0.5, 1.0]
-    rows = eval_rows({"trained": {"acceptance_length": 2.0, "per_position_acceptance": [0.5, 0.5, 1.0], "rounds": 4,
-                                  "new_tokens": 8}, "ttt_estimate": est})
-    assert [r["draft"] for r in rows] == ["trained: measured (speculative decoding)",
-                                          "trained: training-time estimate (teacher-forced, held-out records)"]
+    rows = eval_rows(
+        {
+            "trained": {
+                "acceptance_length": 2.0,
+                "per_position_acceptance": [0.5, 0.5, 1.0],
+                "rounds": 4,
+                "new_tokens": 8,
+            },
+            "ttt_estimate": est,
+        }
+    )
+    assert [r["draft"] for r in rows] == [
+        "trained: measured (speculative decoding)",
+        "trained: training-time estimate (teacher-forced, held-out records)",
+    ]
     assert rows[0]["pos_3"] == 1.0 and rows[1]["acceptance_length"] == est["acceptance_length"]
     assert "not a measurement" in est["note"] and "at 3 steps" in est["note"]
     # Training unrolled fewer steps than the eval drafts: no estimate rather than a shorter chain's.
@@ -44,16 +63,27 @@ def test_ttt_estimate_uses_the_first_num_steps_conditional_rates(tmp_path):
 
 
 def test_eval_json_estimates_label_the_training_estimate_and_the_measurement(tmp_path):
-    (tmp_path / "train_summary.json").write_text(json.dumps({"eval": {"per_step_cond_acc": [0.8, 0.5, 0.5, 0.9, 0.9, 0.9, 0.9]}}))
-    trained = {"acceptance_length": 1.8, "replay": {"acceptance_length": 1.8, "rounds": 40,
-                                                    "all_roots": {"acceptance_length": 2.3, "per_step_cond_acc": [0.7, 0.6, 0.5],
-                                                                  "roots": 90}}}
+    (tmp_path / "train_summary.json").write_text(
+        json.dumps({"eval": {"per_step_cond_acc": [0.8, 0.5, 0.5, 0.9, 0.9, 0.9, 0.9]}})
+    )
+    trained = {
+        "acceptance_length": 1.8,
+        "replay": {
+            "acceptance_length": 1.8,
+            "rounds": 40,
+            "all_roots": {"acceptance_length": 2.3, "per_step_cond_acc": [0.7, 0.6, 0.5], "roots": 90},
+        },
+    }
     est = estimates(tmp_path, 3, trained["acceptance_length"], trained["replay"])
     assert est["num_steps"] == 3
     assert est["training_estimate"]["value"] == pytest.approx(2.4)  # 1 + .8 + .4 + .2: at 3 steps, not the 7 trained
     assert est["training_estimate"]["label"].startswith("training-time estimate at 3 steps (teacher-forced")
     assert est["measured"] == {"label": "measured (speculative decoding, 3 steps, on the eval prompts)", "value": 1.8}
-    assert est["replay"]["value"] == 1.8 and est["replay"]["rounds"] == 40 and "equals the measured" in est["replay"]["label"]
+    assert (
+        est["replay"]["value"] == 1.8
+        and est["replay"]["rounds"] == 40
+        and "equals the measured" in est["replay"]["label"]
+    )
     assert est["all_roots"]["value"] == 2.3 and "every position a root" in est["all_roots"]["label"]
     assert estimates(tmp_path / "none", 3, 1.2)["training_estimate"]["value"] is None
 
@@ -62,6 +92,8 @@ def test_sglang_command_serves_the_draft_with_chain_settings():
     cmd = shlex.split(sglang_command("moonshotai/Kimi-K2.5", "/runs/k/draft/final", 3, True))
     args = dict(zip(cmd[3::2], cmd[4::2]))
     assert cmd[:3] == ["python", "-m", "sglang.launch_server"] and cmd[-1] == "--trust-remote-code"
-    assert args["--speculative-algorithm"] == "EAGLE3" and args["--speculative-draft-model-path"] == "/runs/k/draft/final"
+    assert (
+        args["--speculative-algorithm"] == "EAGLE3" and args["--speculative-draft-model-path"] == "/runs/k/draft/final"
+    )
     assert args["--speculative-num-steps"] == "3" and args["--speculative-eagle-topk"] == "1"
     assert args["--speculative-num-draft-tokens"] == "4"

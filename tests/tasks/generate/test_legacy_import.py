@@ -14,8 +14,8 @@ from models.file_errors import WriteFailed
 from tasks.checkpoints import PartSummary, done_ids
 from tasks.datasets import DatasetError, load_dataset, stable_id
 from tasks.generate.legacy_import import ImportReport, import_jsonl
-from tasks.parquet_io import DamagedPart, list_parts, read_metadata
 from tasks.generate.prompts import chat_prompt_ids
+from tasks.parquet_io import DamagedPart, list_parts, read_metadata
 from tasks.run_lock import RunDirLocked
 from tasks.stats import collect_stats
 
@@ -38,7 +38,11 @@ def read_rows(run, dataset="B1"):
 
 def check_counts(report: ImportReport):
     assert report.lines == (
-        report.imported + report.skipped_existing + report.duplicates + report.aborted + report.bad_lines
+        report.imported
+        + report.skipped_existing
+        + report.duplicates
+        + report.aborted
+        + report.bad_lines
         + report.partial_last_line
     )
 
@@ -67,7 +71,7 @@ FLAT = [
         "text": "xyz",
         "finished_at": 1010.0,
     },
-    {   # no completion_tokens / prompt_tokens: counted from the ids
+    {  # no completion_tokens / prompt_tokens: counted from the ids
         "id": "glaive-3",
         "prompt_ids": [2, 14, 3],
         "output_ids": [40, 1],
@@ -98,8 +102,13 @@ def test_flat_format_imports_ids_and_counts(tmp_path):
     summary = PartSummary.from_metadata(read_metadata(report.parts[0]))
     assert summary == PartSummary.of_table(pq.read_table(report.parts[0]))
     assert summary == PartSummary(
-        rows=3, completion_tokens=12, prompt_tokens=11, finish_reasons={"length": 1, "stop": 2},
-        lengths=[4, 6, 2], first_finished_at=1000.0, last_finished_at=1020.0,
+        rows=3,
+        completion_tokens=12,
+        prompt_tokens=11,
+        finish_reasons={"length": 1, "stop": 2},
+        lengths=[4, 6, 2],
+        first_finished_at=1000.0,
+        last_finished_at=1020.0,
     )
 
 
@@ -114,7 +123,7 @@ PROMPTS = [
 
 def nested_lines():
     return [
-        {   # answer in `response`, reasoning split off
+        {  # answer in `response`, reasoning split off
             "messages": PROMPTS[0]["messages"],
             "response": "Hello there!",
             "reasoning_content": "A greeting.",
@@ -122,23 +131,30 @@ def nested_lines():
             "finish_reason": "stop",
             "created": 2000,
         },
-        {   # a whole OpenAI response: its `id` names the completion, not the prompt
+        {  # a whole OpenAI response: its `id` names the completion, not the prompt
             "id": "chatcmpl-abc123",
             "object": "chat.completion",
             "created": 2030,
             "messages": PROMPTS[1]["messages"],
-            "choices": [{"index": 0, "finish_reason": "length",
-                         "message": {"role": "assistant", "content": "Rayleigh scattering",
-                                     "reasoning_content": None}}],
-            "usage": {"prompt_tokens": 14, "completion_tokens": 3,
-                      "completion_tokens_details": {"reasoning_tokens": 0}},
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "length",
+                    "message": {"role": "assistant", "content": "Rayleigh scattering", "reasoning_content": None},
+                }
+            ],
+            "usage": {
+                "prompt_tokens": 14,
+                "completion_tokens": 3,
+                "completion_tokens_details": {"reasoning_tokens": 0},
+            },
         },
-        {   # `prompt` string, thinking still inline in content (the old capture bug), no usage
+        {  # `prompt` string, thinking still inline in content (the old capture bug), no usage
             "prompt": "What is 2+2?",
             "content": "<think>2+2=4</think>4",
             "finish_reason": "stop",
         },
-        {   # the answer as a trailing assistant turn
+        {  # the answer as a trailing assistant turn
             "messages": [*PROMPTS[3]["messages"], {"role": "assistant", "content": "Teal."}],
             "usage": {"prompt_tokens": 9, "completion_tokens": 4},
             "finish_reason": "stop",
@@ -166,7 +182,9 @@ def test_nested_format_tokenises_and_keeps_dataset_ids(tmp_path, tok):
     for row, prompt in zip(rows, dataset.rows):
         assert row["prompt_ids"] == chat_prompt_ids(tok, prompt.messages)
     assert rows[0]["text"] == "<think>A greeting.</think>Hello there!"
-    assert rows[0]["output_ids"] == tok.encode("<think>A greeting.</think>Hello there!", add_special_tokens=False) + [eos]
+    assert rows[0]["output_ids"] == tok.encode("<think>A greeting.</think>Hello there!", add_special_tokens=False) + [
+        eos
+    ]
     assert rows[1]["output_ids"] == tok.encode("Rayleigh scattering", add_special_tokens=False)  # length: no eos
     assert rows[2]["output_ids"] == tok.encode("<think>2+2=4</think>4", add_special_tokens=False) + [eos]
     assert rows[3]["output_ids"] == tok.encode("Teal.", add_special_tokens=False) + [eos]
@@ -257,8 +275,10 @@ def test_bad_line_names_file_and_line(tmp_path):
         ({"output_ids": [1], "prompt_ids": [1]}, "has no 'id' and no prompt"),
         ({"id": "z", "output_ids": [1]}, "has no 'prompt_ids'/'input_ids' and no prompt"),
         ({"id": "z", "output_ids": [1, -2], "prompt_ids": [1]}, r"'output_ids\[1\]' must be a non-negative"),
-        ({"id": "z", "output_ids": [1], "prompt_ids": [1], "usage": {"completion_tokens": "3"}},
-         "'usage.completion_tokens' must be a non-negative int"),
+        (
+            {"id": "z", "output_ids": [1], "prompt_ids": [1], "usage": {"completion_tokens": "3"}},
+            "'usage.completion_tokens' must be a non-negative int",
+        ),
         ({"messages": [{"role": "assistant", "content": "hi"}], "response": "x"}, "prompt: 'messages' is empty"),
         ([1, 2], "a line must be a JSON object, got list"),
     ]:
@@ -270,8 +290,12 @@ def test_bad_line_names_file_and_line(tmp_path):
 def test_skip_bad_lines_writes_rejects(tmp_path):
     file = tmp_path / "raw.jsonl"
     file.write_text(
-        json.dumps(FLAT[0]) + "\n{broken\n" + json.dumps({"id": "q", "output_ids": [1]}) + "\n"
-        + json.dumps(FLAT[1]) + "\n"
+        json.dumps(FLAT[0])
+        + "\n{broken\n"
+        + json.dumps({"id": "q", "output_ids": [1]})
+        + "\n"
+        + json.dumps(FLAT[1])
+        + "\n"
     )
     report = import_jsonl(tmp_path / "run", "B1", file, tokenizer=None, on_bad_line="skip")
     assert (report.lines, report.imported, report.bad_lines) == (4, 2, 2)
@@ -290,8 +314,9 @@ def test_skip_bad_lines_writes_rejects(tmp_path):
 
 def test_aborted_lines_are_left_for_generation(tmp_path):
     aborted = dict(FLAT[0], finish_reason={"type": "abort"})
-    report = import_jsonl(tmp_path / "run", "B1", write_lines(tmp_path / "raw.jsonl", [aborted, FLAT[0]]),
-                          tokenizer=None)
+    report = import_jsonl(
+        tmp_path / "run", "B1", write_lines(tmp_path / "raw.jsonl", [aborted, FLAT[0]]), tokenizer=None
+    )
     assert (report.aborted, report.imported, report.duplicates) == (1, 1, 0)
     check_counts(report)
 
@@ -320,8 +345,11 @@ def test_stats_of_an_imported_run_match_the_source_jsonl(tmp_path, tok):
             n = len(tok.encode(row["content"], add_special_tokens=False)) + 1  # + eos (stop)
         lengths.append(n)
         p = row.get("prompt_tokens", usage.get("prompt_tokens"))
-        prompt_tokens += p if p is not None else len(row.get("prompt_ids") or chat_prompt_ids(
-            tok, [{"role": "user", "content": row["prompt"]}]))
+        prompt_tokens += (
+            p
+            if p is not None
+            else len(row.get("prompt_ids") or chat_prompt_ids(tok, [{"role": "user", "content": row["prompt"]}]))
+        )
         reason = row.get("finish_reason") or row["choices"][0]["finish_reason"]
         reason = reason["type"] if isinstance(reason, dict) else reason
         reasons[reason] = reasons.get(reason, 0) + 1
@@ -387,8 +415,9 @@ def test_a_bad_line_anywhere_imports_nothing_of_the_file(tmp_path):
 
 def test_parts_are_cut_by_tokens_too(tmp_path):
     # 7 ids a row: a budget of 14 ids makes parts of 2 rows however large flush_every is.
-    report = import_jsonl(tmp_path / "run", "B1", write_lines(tmp_path / "raw.jsonl", flat_rows(5)),
-                          tokenizer=None, flush_tokens=14)
+    report = import_jsonl(
+        tmp_path / "run", "B1", write_lines(tmp_path / "raw.jsonl", flat_rows(5)), tokenizer=None, flush_tokens=14
+    )
     assert [pq.read_metadata(p).num_rows for p in report.parts] == [2, 2, 1]
     assert [r["id"] for r in read_rows(tmp_path / "run")] == [f"r{i}" for i in range(5)]
 
@@ -504,9 +533,16 @@ def test_a_damaged_part_is_named(tmp_path):
 def test_a_second_writer_is_refused(tmp_path):
     run = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from tasks.run_lock import run_lock\n"
-         f"with run_lock({str(run)!r}, 'generate B1'):\n    print('held', flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[3],
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tasks.run_lock import run_lock\n"
+            f"with run_lock({str(run)!r}, 'generate B1'):\n    print('held', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[3],
     )
     try:
         assert holder.stdout.readline().strip() == "held"

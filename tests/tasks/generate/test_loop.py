@@ -18,14 +18,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from emulators.sim import SimConfig, SimServer, simulate_output
+from models.jobs import GenerateJob
 from tasks.checkpoints import done_ids, live_parts, summarize
 from tasks.datasets import PromptRow
-from models.jobs import GenerateJob
+from tasks.engines.client import RetryPolicy
+from tasks.engines.errors import ServerOutage
 from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.server_pool import ServerPool
-from tasks.engines.client import RetryPolicy
-from tasks.engines.errors import ServerOutage
 
 REPO = Path(__file__).resolve().parents[3]
 EOS = 1  # <|im_end|> of the tiny target; also the sim server's eos
@@ -40,7 +40,9 @@ def tokenizer(tiny_target_dir):
 def prompts(n: int, prefix: str = "p") -> list[PromptRow]:
     rng = random.Random(n)
     return [
-        PromptRow(id=f"{prefix}{i}", messages=[{"role": "user", "content": f"question {i}: " + "word " * rng.randint(1, 30)}])
+        PromptRow(
+            id=f"{prefix}{i}", messages=[{"role": "user", "content": f"question {i}: " + "word " * rng.randint(1, 30)}]
+        )
         for i in range(n)
     ]
 
@@ -51,13 +53,30 @@ def settings(**kw) -> GenerateJob:
     return GenerateJob(**base)
 
 
-def run(server: SimServer, rows, run_dir: Path, *, slots: int = 8, retry: RetryPolicy | None = None, timeout: float = 30.0, tokenizer, **kw):
+def run(
+    server: SimServer,
+    rows,
+    run_dir: Path,
+    *,
+    slots: int = 8,
+    retry: RetryPolicy | None = None,
+    timeout: float = 30.0,
+    tokenizer,
+    **kw,
+):
     async def go():
         retry_policy = retry or RetryPolicy(initial_s=0.01, max_s=0.1, outage_window_s=10)
-        async with ServerPool([server.url], max_concurrency=slots, request_timeout_s=timeout, retry=retry_policy) as pool:
+        async with ServerPool(
+            [server.url], max_concurrency=slots, request_timeout_s=timeout, retry=retry_policy
+        ) as pool:
             return await generate_dataset(
-                rows, pool=pool, tokenizer=tokenizer, responses_dir=run_dir / "responses/B1",
-                rejects_dir=run_dir / "rejects/B1", source=Path("b1.jsonl"), settings=settings(**kw),
+                rows,
+                pool=pool,
+                tokenizer=tokenizer,
+                responses_dir=run_dir / "responses/B1",
+                rejects_dir=run_dir / "rejects/B1",
+                source=Path("b1.jsonl"),
+                settings=settings(**kw),
             )
 
     return asyncio.run(go())
@@ -65,16 +84,24 @@ def run(server: SimServer, rows, run_dir: Path, *, slots: int = 8, retry: RetryP
 
 def run_with_fault(server: SimServer, rows, run_dir: Path, *, tokenizer, retry: RetryPolicy, after: int, fault):
     """A run over 2 slots during which `await fault()` strikes, once the server has completed `after` requests."""
+
     async def go():
         async with ServerPool([server.url], max_concurrency=2, retry=retry) as pool:
+
             async def strike():
                 await asyncio.to_thread(server.wait_for, lambda s: s.completed >= after, 20)
                 await fault()
+
             striker = asyncio.create_task(strike())
             try:
                 return await generate_dataset(
-                    rows, pool=pool, tokenizer=tokenizer, responses_dir=run_dir / "responses/B1",
-                    rejects_dir=run_dir / "rejects/B1", source=Path("x"), settings=settings(),
+                    rows,
+                    pool=pool,
+                    tokenizer=tokenizer,
+                    responses_dir=run_dir / "responses/B1",
+                    rejects_dir=run_dir / "rejects/B1",
+                    source=Path("x"),
+                    settings=settings(),
                 )
             finally:
                 await striker
@@ -113,16 +140,23 @@ def test_every_prompt_once_with_the_servers_exact_output(server, tmp_path, token
 
 def test_in_flight_never_exceeds_the_shared_limit_across_datasets(tmp_path, tokenizer):
     with SimServer(max_running=64, decode_s_per_token=0.002, mean_len=20, vocab_size=2048) as srv:
+
         async def go():
             async with ServerPool([srv.url], max_concurrency=5) as pool:  # one server, one limit, two datasets
-                return await asyncio.gather(*(
-                    generate_dataset(
-                        prompts(30, prefix=name), pool=pool, tokenizer=tokenizer,
-                        responses_dir=tmp_path / "responses" / name, rejects_dir=tmp_path / "rejects" / name,
-                        source=Path("x"), settings=settings(dataset=name),
+                return await asyncio.gather(
+                    *(
+                        generate_dataset(
+                            prompts(30, prefix=name),
+                            pool=pool,
+                            tokenizer=tokenizer,
+                            responses_dir=tmp_path / "responses" / name,
+                            rejects_dir=tmp_path / "rejects" / name,
+                            source=Path("x"),
+                            settings=settings(dataset=name),
+                        )
+                        for name in ("B1", "B2")
                     )
-                    for name in ("B1", "B2")
-                ))
+                )
 
         reports = asyncio.run(go())
         stats = srv.snapshot()
@@ -208,8 +242,15 @@ def test_outage_fails_cleanly_keeps_work_and_resumes(server, tmp_path, tokenizer
     done_first = 10
     retry = RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=0.5)
     with pytest.raises(ServerOutage):
-        run_with_fault(server, rows, tmp_path, tokenizer=tokenizer, retry=retry, after=done_first,
-                       fault=lambda: asyncio.to_thread(server.down))
+        run_with_fault(
+            server,
+            rows,
+            tmp_path,
+            tokenizer=tokenizer,
+            retry=retry,
+            after=done_first,
+            fault=lambda: asyncio.to_thread(server.down),
+        )
     kept = {r["id"] for r in responses(tmp_path)}
     # what finished before the outage was flushed on the way out; the server counts a request done just before
     # its answer goes out, so the (2-slot) cut may still drop the last two answers on the wire
@@ -235,14 +276,21 @@ def test_server_side_abort_is_sent_again(server, tmp_path, tokenizer):
 
     async def go():
         async with ServerPool([server.url], max_concurrency=4) as pool:
+
             async def abort_some():
                 await asyncio.to_thread(server.wait_for, lambda s: s.in_flight >= 4, 10)
                 await asyncio.to_thread(server.abort_all)  # e.g. the server drained its queue
                 server.slow(0)
+
             killer = asyncio.create_task(abort_some())
             report = await generate_dataset(
-                rows, pool=pool, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
-                rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(),
+                rows,
+                pool=pool,
+                tokenizer=tokenizer,
+                responses_dir=tmp_path / "responses/B1",
+                rejects_dir=tmp_path / "rejects/B1",
+                source=Path("x"),
+                settings=settings(),
             )
             await killer
             return report
@@ -291,7 +339,15 @@ def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, tiny
     rng = random.Random(1234)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with SimServer(max_running=6, decode_s_per_token=0.002, mean_len=25, vocab_size=2048, eos_token_id=EOS) as srv:
-        args = [sys.executable, str(script), srv.url, str(tiny_target_dir), str(tmp_path / "run"), str(prompts_file), json.dumps(SAMPLING)]
+        args = [
+            sys.executable,
+            str(script),
+            srv.url,
+            str(tiny_target_dir),
+            str(tmp_path / "run"),
+            str(prompts_file),
+            json.dumps(SAMPLING),
+        ]
         kills = 0
         for _ in range(3):
             before = srv.snapshot().completed
@@ -321,12 +377,20 @@ def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, tiny
 
 def test_cancellation_aborts_in_flight_requests_and_keeps_what_finished(tmp_path, tokenizer):
     with SimServer(max_running=4, decode_s_per_token=0.01, mean_len=20, vocab_size=2048, eos_token_id=EOS) as srv:
+
         async def go():
             async with ServerPool([srv.url], max_concurrency=4) as pool:
-                task = asyncio.create_task(generate_dataset(
-                    prompts(40), pool=pool, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
-                    rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(),
-                ))
+                task = asyncio.create_task(
+                    generate_dataset(
+                        prompts(40),
+                        pool=pool,
+                        tokenizer=tokenizer,
+                        responses_dir=tmp_path / "responses/B1",
+                        rejects_dir=tmp_path / "rejects/B1",
+                        source=Path("x"),
+                        settings=settings(),
+                    )
+                )
                 await asyncio.to_thread(srv.wait_for, lambda s: s.completed >= 8 and s.running >= 2, 20)
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
@@ -395,8 +459,13 @@ def test_replies_with_impossible_counts_are_never_recorded(server, tmp_path, tok
         retry = RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=30)
         async with ServerPool([server.url], max_concurrency=4, retry=retry, transport=transport) as pool:
             report = await generate_dataset(
-                rows, pool=pool, tokenizer=tokenizer, responses_dir=tmp_path / "responses/B1",
-                rejects_dir=tmp_path / "rejects/B1", source=Path("x"), settings=settings(),
+                rows,
+                pool=pool,
+                tokenizer=tokenizer,
+                responses_dir=tmp_path / "responses/B1",
+                rejects_dir=tmp_path / "rejects/B1",
+                source=Path("x"),
+                settings=settings(),
             )
             return report, pool.invalid_replies
 

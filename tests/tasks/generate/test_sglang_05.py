@@ -20,11 +20,11 @@ from emulators.sim import SimServer, simulate_output
 from models.jobs import GenerateJob
 from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow
+from tasks.engines.client import RetryPolicy
 from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.rejects import read_rejects
 from tasks.server_pool import ServerPool
-from tasks.engines.client import RetryPolicy
 from tests.tasks.budget_runs import budget_run_after_short_answers
 
 EOS = 1
@@ -41,25 +41,49 @@ def tokenizer(tiny_target_dir):
 
 def prompts(n: int, prefix: str = "p") -> list[PromptRow]:
     rng = random.Random(n)
-    return [PromptRow(id=f"{prefix}{i}", messages=[{"role": "user", "content": f"q{i} " + "word " * rng.randint(1, 20)}])
-            for i in range(n)]
+    return [
+        PromptRow(id=f"{prefix}{i}", messages=[{"role": "user", "content": f"q{i} " + "word " * rng.randint(1, 20)}])
+        for i in range(n)
+    ]
 
 
 def sim(**kw) -> SimServer:
-    base = dict(max_running=4, decode_s_per_token=0.002, mean_len=16, vocab_size=2048, eos_token_id=EOS,
-                sglang_version="0.5", disconnect_poll_s=POLL_S, seed=0)
+    base = dict(
+        max_running=4,
+        decode_s_per_token=0.002,
+        mean_len=16,
+        vocab_size=2048,
+        eos_token_id=EOS,
+        sglang_version="0.5",
+        disconnect_poll_s=POLL_S,
+        seed=0,
+    )
     return SimServer(**{**base, **kw}).start()
 
 
 def settings(dataset: str = "B1", **kw) -> GenerateJob:
-    return GenerateJob(**{"dataset": dataset, "sampling_params": SAMPLING, "flush_every": 8, "flush_interval_s": 0.5,
-                          "log_interval_s": 0.2, **kw})
+    return GenerateJob(
+        **{
+            "dataset": dataset,
+            "sampling_params": SAMPLING,
+            "flush_every": 8,
+            "flush_interval_s": 0.5,
+            "log_interval_s": 0.2,
+            **kw,
+        }
+    )
 
 
 async def generate(pool: ServerPool, rows, run_dir: Path, tokenizer, dataset: str = "B1", **kw):
-    return await generate_dataset(rows, pool=pool, tokenizer=tokenizer, responses_dir=run_dir / "responses" / dataset,
-                                  rejects_dir=run_dir / "rejects" / dataset, source=Path(f"{dataset}.jsonl"),
-                                  settings=settings(dataset, **kw))
+    return await generate_dataset(
+        rows,
+        pool=pool,
+        tokenizer=tokenizer,
+        responses_dir=run_dir / "responses" / dataset,
+        rejects_dir=run_dir / "rejects" / dataset,
+        source=Path(f"{dataset}.jsonl"),
+        settings=settings(dataset, **kw),
+    )
 
 
 def responses(run_dir: Path, dataset: str = "B1") -> list[dict]:
@@ -82,8 +106,17 @@ def test_a_budget_reached_while_requests_are_queued_aborts_them_cleanly(tmp_path
         # queue (1 runs at a time) when the first answers reach the budget
         with caplog.at_level(logging.INFO):
             report, invalid = budget_run_after_short_answers(
-                generate, [server.url], rows, tmp_path, tokenizer, SAMPLING, token_budget=20 * 4 + 100,
-                seen=lambda pool: pool.invalid_replies, max_concurrency=12, retry=FAST)
+                generate,
+                [server.url],
+                rows,
+                tmp_path,
+                tokenizer,
+                SAMPLING,
+                token_budget=20 * 4 + 100,
+                seen=lambda pool: pool.invalid_replies,
+                max_concurrency=12,
+                retry=FAST,
+            )
         stats = server.snapshot()
     finally:
         server.stop()
@@ -105,6 +138,7 @@ def test_a_request_re_sent_while_the_server_still_holds_its_rid_is_not_refused(t
     server.drop_fraction(0.2, seed=3)
     rows = prompts(40)
     try:
+
         async def go():
             async with ServerPool([server.url], max_concurrency=8, retry=FAST) as pool:
                 return await generate(pool, rows, tmp_path, tokenizer)
@@ -120,7 +154,10 @@ def test_a_request_re_sent_while_the_server_still_holds_its_rid_is_not_refused(t
     assert sorted(r["id"] for r in got) == sorted(r.id for r in rows) and report.new_responses == len(rows)
     for r in got:  # the server's exact answer, once
         row = next(x for x in rows if x.id == r["id"])
-        assert r["output_ids"] == simulate_output(chat_prompt_ids(tokenizer, row.messages), SAMPLING, server.config).output_ids
+        assert (
+            r["output_ids"]
+            == simulate_output(chat_prompt_ids(tokenizer, row.messages), SAMPLING, server.config).output_ids
+        )
     assert down_logs(caplog) == []  # one dropped connection is not a dead server
     resent = [r.getMessage() for r in caplog.records if "sending again with a new rid" in r.getMessage()]
     assert len(resent) >= stats.dropped_connections  # the log says why each re-send happened
@@ -135,12 +172,15 @@ def test_an_abort_reaches_only_the_request_it_names(tokenizer):
     params = {**SAMPLING, "max_new_tokens": 200}
     keys = ["B1:p1", "B1:p10", "B1:p11", "B1:p12"]
     try:
+
         async def go():
             async with ServerPool([server.url], max_concurrency=8, retry=FAST) as pool:
                 await pool.start()
                 leases = [await pool.reserve(3) for _ in keys]
-                tasks = [asyncio.create_task(pool.generate(lease, [5, 6, 7 + i], params, key))
-                         for i, (lease, key) in enumerate(zip(leases, keys))]
+                tasks = [
+                    asyncio.create_task(pool.generate(lease, [5, 6, 7 + i], params, key))
+                    for i, (lease, key) in enumerate(zip(leases, keys))
+                ]
                 await asyncio.to_thread(server.wait_for, lambda s: s.running == len(keys), 10)
                 assert await pool.abort("B1:p1")
                 return [t.finish_reason for t in await asyncio.gather(*tasks)]
@@ -164,8 +204,18 @@ def test_an_abort_the_admin_key_guards_falls_back_to_closing_the_request(tmp_pat
         # the budgeted run sends 12 at once: those still queued when its budget is reached must be stopped
         with caplog.at_level(logging.INFO):
             report, can_abort = budget_run_after_short_answers(
-                generate, [server.url], prompts(40), tmp_path, tokenizer, SAMPLING, token_budget=20 * 4 + 150,
-                seen=lambda pool: pool.servers[0].client.can_abort, max_concurrency=12, retry=FAST, api_key="user-key")
+                generate,
+                [server.url],
+                prompts(40),
+                tmp_path,
+                tokenizer,
+                SAMPLING,
+                token_budget=20 * 4 + 150,
+                seen=lambda pool: pool.servers[0].client.can_abort,
+                max_concurrency=12,
+                retry=FAST,
+                api_key="user-key",
+            )
         stats = server.wait_for(lambda s: s.in_flight == 0, timeout=10 + 4 * POLL_S)
     finally:
         server.stop()
@@ -187,6 +237,7 @@ def test_a_prompt_the_server_keeps_aborting_becomes_a_named_reject_tried_again_n
     server = sim()
     server.abort_if(lambda ids: ids == doomed)
     try:
+
         async def go():
             async with ServerPool([server.url], max_concurrency=4, retry=FAST) as pool:
                 first = await generate(pool, rows, tmp_path, tokenizer, max_requeues=2)
@@ -214,14 +265,19 @@ def test_drill_budget_kill_and_dropped_connections_on_a_pool_of_two(tmp_path, to
     victim, survivor = servers
     budgeted, whole = prompts(150, "a"), prompts(200, "b")
     try:
+
         async def go():
             async with ServerPool([s.url for s in servers], max_concurrency=10, retry=FAST) as pool:
+
                 async def kill():
                     await asyncio.to_thread(victim.wait_for, lambda s: s.completed >= 40 and s.in_flight >= 3, 30)
                     await asyncio.to_thread(victim.down)
+
                 killer = asyncio.create_task(kill())
-                reports = await asyncio.gather(generate(pool, budgeted, tmp_path, tokenizer, "A", token_budget=1500),
-                                               generate(pool, whole, tmp_path, tokenizer, "B"))
+                reports = await asyncio.gather(
+                    generate(pool, budgeted, tmp_path, tokenizer, "A", token_budget=1500),
+                    generate(pool, whole, tmp_path, tokenizer, "B"),
+                )
                 await killer
                 return reports, pool.rows(), pool.invalid_replies
 

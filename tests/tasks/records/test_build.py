@@ -13,15 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from tasks.checkpoints import compact, responses_table, write_part
-from tasks.generate.passthrough import PASSTHROUGH_SCHEMA, copy_passthrough
-from tasks.parquet_io import list_parts
-from tasks.generate.prompts import chat_prompt_ids
 from models.file_errors import WriteFailed
-from tasks.records import build as records_module
-from tasks.parquet_io import DamagedPart
 from models.jobs import RecordsJob
 from models.run_layout import RunLayout
+from tasks.checkpoints import compact, responses_table, write_part
+from tasks.generate.passthrough import PASSTHROUGH_SCHEMA, copy_passthrough
+from tasks.generate.prompts import chat_prompt_ids
+from tasks.parquet_io import DamagedPart, list_parts
+from tasks.records import build as records_module
 from tasks.records.build import (
     build_records,
     count_tokens,
@@ -46,10 +45,17 @@ def response(tokenizer, i: int, answer: str, finish: str = "stop") -> dict:
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": f"question number {i}"}])
     output = tokenizer.encode(answer, add_special_tokens=False) + ([tokenizer.eos_token_id] if finish == "stop" else [])
     return {
-        "id": f"r{i}", "prompt_ids": prompt, "output_ids": output, "prompt_tokens": len(prompt),
-        "completion_tokens": len(output), "finish_reason": finish,
-        "text": tokenizer.decode(output, skip_special_tokens=False), "latency": 0.1, "cached_tokens": 0,
-        "reasoning_tokens": 0, "finished_at": 1.0 + i,
+        "id": f"r{i}",
+        "prompt_ids": prompt,
+        "output_ids": output,
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(output),
+        "finish_reason": finish,
+        "text": tokenizer.decode(output, skip_special_tokens=False),
+        "latency": 0.1,
+        "cached_tokens": 0,
+        "reasoning_tokens": 0,
+        "finished_at": 1.0 + i,
     }
 
 
@@ -61,7 +67,9 @@ def test_generated_records_train_exactly_on_the_generated_ids(tmp_path, tokenize
     rows = [response(tokenizer, i, f"<think>step {i}</think>answer {i} is {i * 7}") for i in range(6)]
     rows.append(response(tokenizer, 6, "cut off in the midd", finish="length"))
     write_part(tmp_path / "responses", responses_table(rows))
-    report = build_records("B1", "generate", tmp_path / "responses", tmp_path / "records", tmp_path / "rejects", settings(tokenizer))
+    report = build_records(
+        "B1", "generate", tmp_path / "responses", tmp_path / "records", tmp_path / "rejects", settings(tokenizer)
+    )
     got = {r["id"]: r for r in records_of(tmp_path / "records")}
     assert sorted(got) == [f"r{i}" for i in range(6)]  # the length-finished one is left out
     assert report.dropped == {"finish_length": 1}
@@ -85,16 +93,32 @@ def test_an_end_token_at_the_length_cap_is_a_whole_answer_whichever_rule_the_ser
         row["finish_reason"] = finish
         cut = response(tokenizer, 1, "cut off in the midd", finish="length")  # no eos: truncated on both
         write_part(tmp_path / version / "responses", responses_table([row, cut]))
-        report = build_records("B1", "generate", tmp_path / version / "responses", tmp_path / version / "records",
-                               tmp_path / version / "rejects", settings(tokenizer, stop_token_ids=[eos]))
-        built[version] = ([(r["id"], r["input_ids"]) for r in records_of(tmp_path / version / "records")], report.dropped)
+        report = build_records(
+            "B1",
+            "generate",
+            tmp_path / version / "responses",
+            tmp_path / version / "records",
+            tmp_path / version / "rejects",
+            settings(tokenizer, stop_token_ids=[eos]),
+        )
+        built[version] = (
+            [(r["id"], r["input_ids"]) for r in records_of(tmp_path / version / "records")],
+            report.dropped,
+        )
     assert built["0.5"] == built["0.4"]
     assert [i for i, _ in built["0.5"][0]] == ["r0"] and built["0.5"][1] == {"finish_length": 1}
 
 
 def test_keep_truncated_includes_length_finished(tmp_path, tokenizer):
     write_part(tmp_path / "responses", responses_table([response(tokenizer, 0, "cut", finish="length")]))
-    report = build_records("B1", "generate", tmp_path / "responses", tmp_path / "records", tmp_path / "rej", settings(tokenizer, keep_truncated=True))
+    report = build_records(
+        "B1",
+        "generate",
+        tmp_path / "responses",
+        tmp_path / "records",
+        tmp_path / "rej",
+        settings(tokenizer, keep_truncated=True),
+    )
     assert report.records == 1 and report.dropped == {}
 
 
@@ -103,18 +127,36 @@ def test_max_seq_len_truncate_and_drop_and_min_loss_tokens(tmp_path, tokenizer):
     write_part(tmp_path / "responses", responses_table(rows))
     longest = max(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows)
     cut = len(rows[0]["prompt_ids"]) + 30
-    trunc = build_records("B1", "generate", tmp_path / "responses", tmp_path / "t", tmp_path / "r", settings(tokenizer, max_seq_len=cut))
+    trunc = build_records(
+        "B1", "generate", tmp_path / "responses", tmp_path / "t", tmp_path / "r", settings(tokenizer, max_seq_len=cut)
+    )
     assert trunc.truncated == 2 and trunc.max_length == cut < longest
     assert all(len(r["input_ids"]) == len(r["loss_mask"]) <= cut for r in records_of(tmp_path / "t"))
-    drop = build_records("B1", "generate", tmp_path / "responses", tmp_path / "d", tmp_path / "r", settings(tokenizer, max_seq_len=cut, overflow="drop"))
+    drop = build_records(
+        "B1",
+        "generate",
+        tmp_path / "responses",
+        tmp_path / "d",
+        tmp_path / "r",
+        settings(tokenizer, max_seq_len=cut, overflow="drop"),
+    )
     assert drop.records == 1 and drop.dropped == {"too_long": 2}
-    few = build_records("B1", "generate", tmp_path / "responses", tmp_path / "m", tmp_path / "r", settings(tokenizer, min_loss_tokens=10))
+    few = build_records(
+        "B1",
+        "generate",
+        tmp_path / "responses",
+        tmp_path / "m",
+        tmp_path / "r",
+        settings(tokenizer, min_loss_tokens=10),
+    )
     assert few.records == 2 and few.dropped == {"few_loss_tokens": 1}
 
 
 def test_rerun_is_idempotent_and_follows_compaction_and_settings(tmp_path, tokenizer):
     for k in range(4):
-        write_part(tmp_path / "responses", responses_table([response(tokenizer, 10 * k + j, f"a{j}") for j in range(3)]))
+        write_part(
+            tmp_path / "responses", responses_table([response(tokenizer, 10 * k + j, f"a{j}") for j in range(3)])
+        )
     args = ("B1", "generate", tmp_path / "responses", tmp_path / "records", tmp_path / "rejects")
     first = build_records(*args, settings(tokenizer))
     assert (first.parts_built, first.records) == (4, 12)
@@ -139,12 +181,17 @@ def passthrough_part(tmp_path: Path, rows: list[dict]) -> Path:
 
 def test_pretokenized_rows_are_validated_with_reasons(tmp_path, tokenizer):
     v = len(tokenizer)
-    source = passthrough_part(tmp_path, [
-        {"id": "ok", "messages": None, "input_ids": [5, 6, 7, 1], "loss_mask": [0, 0, 1, 1]},
-        {"id": "oov", "messages": None, "input_ids": [5, v + 3], "loss_mask": [0, 1]},
-        {"id": "noloss", "messages": None, "input_ids": [5, 6], "loss_mask": [0, 0]},
-    ])
-    report = build_records("A1", "passthrough", source, tmp_path / "records", tmp_path / "rejects", settings(tokenizer), tokenizer)
+    source = passthrough_part(
+        tmp_path,
+        [
+            {"id": "ok", "messages": None, "input_ids": [5, 6, 7, 1], "loss_mask": [0, 0, 1, 1]},
+            {"id": "oov", "messages": None, "input_ids": [5, v + 3], "loss_mask": [0, 1]},
+            {"id": "noloss", "messages": None, "input_ids": [5, 6], "loss_mask": [0, 0]},
+        ],
+    )
+    report = build_records(
+        "A1", "passthrough", source, tmp_path / "records", tmp_path / "rejects", settings(tokenizer), tokenizer
+    )
     assert [r["id"] for r in records_of(tmp_path / "records")] == ["ok"]
     assert report.rejects == 2
     reasons = {r["id"]: r["reason"] for r in pq.read_table(list_parts(tmp_path / "rejects")[0]).to_pylist()}
@@ -154,8 +201,20 @@ def test_pretokenized_rows_are_validated_with_reasons(tmp_path, tokenizer):
 
 def test_passthrough_conversations_mask_assistant_turns_and_split_rewritten_history(tmp_path, tokenizer):
     copy_passthrough("A1", REPO / "data/samples/passthrough_chat.jsonl", tmp_path / "passthrough", tmp_path / "rejects")
-    report = build_records("A1", "passthrough", tmp_path / "passthrough", tmp_path / "records", tmp_path / "rejects", settings(tokenizer), tokenizer)
-    rows = [json.loads(line) for line in (REPO / "data/samples/passthrough_chat.jsonl").read_text().splitlines() if line.strip()]
+    report = build_records(
+        "A1",
+        "passthrough",
+        tmp_path / "passthrough",
+        tmp_path / "records",
+        tmp_path / "rejects",
+        settings(tokenizer),
+        tokenizer,
+    )
+    rows = [
+        json.loads(line)
+        for line in (REPO / "data/samples/passthrough_chat.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     got = records_of(tmp_path / "records")
     split = [r for r in got if "#t" in r["id"]]
     assert split and len(got) > len(rows)  # some histories are rewritten by the template, so split
@@ -164,17 +223,28 @@ def test_passthrough_conversations_mask_assistant_turns_and_split_rewritten_hist
         assistants = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
         if row["id"] in by_id:  # stable: one record, every assistant turn trained, reasoning included
             record = by_id[row["id"]]
-            trained = tokenizer.decode([t for t, m in zip(record["input_ids"], record["loss_mask"]) if m], skip_special_tokens=False)
+            trained = tokenizer.decode(
+                [t for t, m in zip(record["input_ids"], record["loss_mask"]) if m], skip_special_tokens=False
+            )
             assert trained == "<|im_end|>".join(assistants) + "<|im_end|>"
         else:  # split: record k trains on assistant turn k only, with its reasoning
             for k, content in enumerate(assistants):
                 record = by_id[f"{row['id']}#t{k}"]
-                trained = tokenizer.decode([t for t, m in zip(record["input_ids"], record["loss_mask"]) if m], skip_special_tokens=False)
+                trained = tokenizer.decode(
+                    [t for t, m in zip(record["input_ids"], record["loss_mask"]) if m], skip_special_tokens=False
+                )
                 assert trained == content + "<|im_end|>"
     assert report.records == len(got)
 
-    rejected = build_records("A1", "passthrough", tmp_path / "passthrough", tmp_path / "records2", tmp_path / "rejects2",
-                             settings(tokenizer, on_rewrite="reject"), tokenizer)
+    rejected = build_records(
+        "A1",
+        "passthrough",
+        tmp_path / "passthrough",
+        tmp_path / "records2",
+        tmp_path / "rejects2",
+        settings(tokenizer, on_rewrite="reject"),
+        tokenizer,
+    )
     assert rejected.rejects == len({r["id"].split("#")[0] for r in split})
     reasons = pq.read_table(list_parts(tmp_path / "rejects2")[0]).column("reason").to_pylist()
     assert all("split" in reason for reason in reasons)
@@ -183,7 +253,9 @@ def test_passthrough_conversations_mask_assistant_turns_and_split_rewritten_hist
 def test_token_counts_and_coverage(tmp_path, tokenizer):
     rows = [response(tokenizer, i, "alpha beta " * (i + 1)) for i in range(5)]
     write_part(tmp_path / "responses", responses_table(rows))
-    build_records("B1", "generate", tmp_path / "responses", tmp_path / "records/B1", tmp_path / "rej", settings(tokenizer))
+    build_records(
+        "B1", "generate", tmp_path / "responses", tmp_path / "records/B1", tmp_path / "rej", settings(tokenizer)
+    )
     total, counts = count_tokens([tmp_path / "records/B1"], RunLayout(tmp_path).token_counts, len(tokenizer))
     naive = Counter(t for r in rows for t in r["output_ids"])
     assert total == sum(naive.values())
@@ -208,9 +280,21 @@ def big_responses(tmp_path: Path, parts: int, rows: int = 40, length: int = 400)
         batch = []
         for j in range(rows):
             out = rng.integers(3, 2000, length).tolist()
-            batch.append({"id": f"p{k}-{j}", "prompt_ids": [5, 6], "output_ids": out, "prompt_tokens": 2,
-                          "completion_tokens": length, "finish_reason": "stop", "text": "", "latency": 0.1,
-                          "cached_tokens": 0, "reasoning_tokens": 0, "finished_at": 1.0})
+            batch.append(
+                {
+                    "id": f"p{k}-{j}",
+                    "prompt_ids": [5, 6],
+                    "output_ids": out,
+                    "prompt_tokens": 2,
+                    "completion_tokens": length,
+                    "finish_reason": "stop",
+                    "text": "",
+                    "latency": 0.1,
+                    "cached_tokens": 0,
+                    "reasoning_tokens": 0,
+                    "finished_at": 1.0,
+                }
+            )
         write_part(tmp_path / "responses", responses_table(batch))
         ids += [r["id"] for r in batch]
     return ids
@@ -222,7 +306,9 @@ def test_full_disk_stops_records_at_once_keeps_parts_and_resumes(tmp_path, tmpfs
     with tmpfs(tmp_path / "small", "160k") as small:
         records = small / "records"
         with pytest.raises(WriteFailed) as failed:
-            build_records("B1", "generate", tmp_path / "responses", records, tmp_path / "rejects", RecordsJob(vocab_size=2048))
+            build_records(
+                "B1", "generate", tmp_path / "responses", records, tmp_path / "rejects", RecordsJob(vocab_size=2048)
+            )
         kept = list_parts(records)
         one_part = kept[0].stat().st_size if kept else None
         assert 1 <= len(kept) < 6, "the disk should hold some parts, not all"
@@ -238,7 +324,9 @@ def test_full_disk_stops_records_at_once_keeps_parts_and_resumes(tmp_path, tmpfs
         assert got == ids[: 40 * len(kept)]
         # the disk grows: the rerun builds only the missing parts, every record exactly once
         tmpfs.remount(small, "size=4m")
-        report = build_records("B1", "generate", tmp_path / "responses", records, tmp_path / "rejects", RecordsJob(vocab_size=2048))
+        report = build_records(
+            "B1", "generate", tmp_path / "responses", records, tmp_path / "rejects", RecordsJob(vocab_size=2048)
+        )
         assert report.parts_built == 6 - len(kept)
         got = [r["id"] for r in records_of(records)]
         assert sorted(got) == sorted(ids) and len(got) == len(set(got)) == 240
@@ -247,10 +335,13 @@ def test_full_disk_stops_records_at_once_keeps_parts_and_resumes(tmp_path, tmpfs
 
 @pytest.mark.parametrize("what", ["records part", "token counts", "rejects"])
 def test_write_failures_name_the_file_and_what_is_kept(what, tmp_path, tokenizer, monkeypatch):
-    source = passthrough_part(tmp_path, [
-        {"id": "ok", "messages": None, "input_ids": [5, 6, 7, 1], "loss_mask": [0, 0, 1, 1]},
-        {"id": "noloss", "messages": None, "input_ids": [5, 6], "loss_mask": [0, 0]},
-    ])
+    source = passthrough_part(
+        tmp_path,
+        [
+            {"id": "ok", "messages": None, "input_ids": [5, 6, 7, 1], "loss_mask": [0, 0, 1, 1]},
+            {"id": "noloss", "messages": None, "input_ids": [5, 6], "loss_mask": [0, 0]},
+        ],
+    )
     if what == "records part":
         monkeypatch.setattr(records_module, "write_parquet_atomic", _refuse(errno.EROFS))
     elif what == "rejects":
@@ -266,8 +357,10 @@ def test_write_failures_name_the_file_and_what_is_kept(what, tmp_path, tokenizer
         return
     with pytest.raises(WriteFailed) as failed:
         build_records(*args)
-    expected = {"records part": f"cannot write {tmp_path / 'records' / 'part-000000.parquet'}: read-only file system. ",
-                "rejects": f"cannot write {tmp_path / 'rejects'}: disk quota exceeded"}[what]
+    expected = {
+        "records part": f"cannot write {tmp_path / 'records' / 'part-000000.parquet'}: read-only file system. ",
+        "rejects": f"cannot write {tmp_path / 'rejects'}: disk quota exceeded",
+    }[what]
     assert str(failed.value).startswith(expected)
     assert f"kept: 0 complete records parts in {tmp_path / 'records'}" in str(failed.value)
     assert list_parts(tmp_path / "records") == []  # the rejects come first: a part on disk has its rejects
@@ -276,6 +369,7 @@ def test_write_failures_name_the_file_and_what_is_kept(what, tmp_path, tokenizer
 def _refuse(code: int):
     def write(*args, **kwargs):
         raise OSError(code, "refused by the test")
+
     return write
 
 
@@ -294,33 +388,51 @@ def damage(path: Path, how: str) -> None:
 @pytest.mark.parametrize("how", ["truncated", "garbage", "empty", "pages"])
 def test_damaged_responses_part_is_named_with_what_to_do(how, tmp_path, tokenizer):
     for k in range(2):
-        write_part(tmp_path / "run/responses/B1", responses_table([response(tokenizer, 10 * k + j, f"a{j}") for j in range(3)]))
+        write_part(
+            tmp_path / "run/responses/B1", responses_table([response(tokenizer, 10 * k + j, f"a{j}") for j in range(3)])
+        )
     bad = list_parts(tmp_path / "run/responses/B1")[1]
     damage(bad, how)
     with pytest.raises(DamagedPart) as failed:
-        build_records("B1", "generate", tmp_path / "run/responses/B1", tmp_path / "run/records/B1", tmp_path / "run/rejects/B1", settings(tokenizer))
+        build_records(
+            "B1",
+            "generate",
+            tmp_path / "run/responses/B1",
+            tmp_path / "run/records/B1",
+            tmp_path / "run/rejects/B1",
+            settings(tokenizer),
+        )
     message = str(failed.value)
     assert message.startswith(f"{bad} is damaged ({bad.stat().st_size:,} bytes, not a readable Parquet file: ")
     where = tmp_path / "run/quarantine/responses/B1"
-    assert message.endswith(f"). Move it aside: mkdir -p {where} && mv {bad} {where}/ -- then run generate (the prompts "
-                            "it held are generated again, exactly once) and the records stage again")
+    assert message.endswith(
+        f"). Move it aside: mkdir -p {where} && mv {bad} {where}/ -- then run generate (the prompts "
+        "it held are generated again, exactly once) and the records stage again"
+    )
     assert failed.value.path == bad
     if how == "pages":  # the footer could be read, so the part before it was converted: kept
         assert [p.name for p in list_parts(tmp_path / "run/records/B1")] == ["part-000000.parquet"]
 
 
 def test_damaged_passthrough_and_records_parts(tmp_path, tokenizer):
-    source = passthrough_part(tmp_path, [{"id": "ok", "messages": None, "input_ids": [5, 6, 7, 1], "loss_mask": [0, 0, 1, 1]}])
+    source = passthrough_part(
+        tmp_path, [{"id": "ok", "messages": None, "input_ids": [5, 6, 7, 1], "loss_mask": [0, 0, 1, 1]}]
+    )
     args = ("A1", "passthrough", source, tmp_path / "records", tmp_path / "rejects", settings(tokenizer), tokenizer)
     build_records(*args)
     record = list_parts(tmp_path / "records")[0]
     damage(record, "truncated")
     rebuild = "Delete it and run the records stage again: it is rebuilt from its responses or passthrough part"
-    for read in (lambda: build_records(*args), lambda: summarize_records(tmp_path / "records"),
-                 lambda: count_tokens([tmp_path / "records"], tmp_path / "token_counts.parquet", len(tokenizer))):
+    for read in (
+        lambda: build_records(*args),
+        lambda: summarize_records(tmp_path / "records"),
+        lambda: count_tokens([tmp_path / "records"], tmp_path / "token_counts.parquet", len(tokenizer)),
+    ):
         with pytest.raises(DamagedPart) as failed:
             read()
-        assert str(failed.value).startswith(f"{record} is damaged ({record.stat().st_size:,} bytes, not a readable Parquet file: ")
+        assert str(failed.value).startswith(
+            f"{record} is damaged ({record.stat().st_size:,} bytes, not a readable Parquet file: "
+        )
         assert str(failed.value).endswith(f"). {rebuild}")
     # the advice works: delete it and the stage rebuilds it
     record.unlink()
@@ -334,14 +446,25 @@ def test_damaged_passthrough_and_records_parts(tmp_path, tokenizer):
     (tmp_path / "records" / "part-000000.parquet").unlink()
     with pytest.raises(DamagedPart) as failed:
         build_records(*args)
-    assert str(failed.value).startswith(f"{source / 'part-000000.parquet'} is damaged (400 bytes, not a readable Parquet file")
-    assert str(failed.value).endswith("Delete it and run generate again (it is copied again from the dataset file), then the records stage")
+    assert str(failed.value).startswith(
+        f"{source / 'part-000000.parquet'} is damaged (400 bytes, not a readable Parquet file"
+    )
+    assert str(failed.value).endswith(
+        "Delete it and run generate again (it is copied again from the dataset file), then the records stage"
+    )
 
 
 def test_record_stats_reports_a_damaged_dataset_and_goes_on(tmp_path, tokenizer):
     for ds in ("A1", "B1"):
         write_part(tmp_path / "responses" / ds, responses_table([response(tokenizer, 0, "hello")]))
-        build_records(ds, "generate", tmp_path / "responses" / ds, tmp_path / "records" / ds, tmp_path / "rejects", settings(tokenizer))
+        build_records(
+            ds,
+            "generate",
+            tmp_path / "responses" / ds,
+            tmp_path / "records" / ds,
+            tmp_path / "rejects",
+            settings(tokenizer),
+        )
     damage(list_parts(tmp_path / "records/A1")[0], "garbage")
     with pytest.raises(DamagedPart, match="A1/part-000000.parquet is damaged"):
         record_stats(tmp_path)

@@ -132,7 +132,9 @@ def test_reject_mode_keeps_stable_samples_and_names_the_first_rewritten_turn(tok
             continue
         with pytest.raises(MaskError) as err:
             conversation_records(row["id"], messages, tokenizer, on_rewrite="reject")
-        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant" and m["content"].startswith("<think>"))
+        first = next(
+            i for i, m in enumerate(messages) if m["role"] == "assistant" and m["content"].startswith("<think>")
+        )
         assert err.value.turn == first
         assert err.value.row_id == row["id"]
         assert f"assistant message {first}" in err.value.reason
@@ -182,7 +184,9 @@ def test_trailing_non_assistant_turns_are_ignored(tokenizer, rows):
 
 def test_conversation_without_assistant_turn_is_an_error(tokenizer):
     with pytest.raises(MaskError) as err:
-        conversation_records("r1", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], tokenizer)
+        conversation_records(
+            "r1", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], tokenizer
+        )
     assert isinstance(err.value, ValueError)
     assert err.value.turn is None and "no assistant turn" in err.value.reason
     assert str(err.value).startswith("r1: ")
@@ -215,7 +219,8 @@ def test_generation_prompt_that_opens_reasoning(tiny_target_dir):
     # Kimi-K2.5 style: the prompt ends with <think>. A turn that starts with its reasoning fits
     # (the prompt's <think> gets no loss: the model did not generate it); one without does not.
     tok = _tokenizer_with_template(
-        tiny_target_dir, CHAT_TEMPLATE.replace(GEN_PROMPT, GEN_PROMPT.replace("<|im_middle|>{%", "<|im_middle|><think>{%"))
+        tiny_target_dir,
+        CHAT_TEMPLATE.replace(GEN_PROMPT, GEN_PROMPT.replace("<|im_middle|>{%", "<|im_middle|><think>{%")),
     )
     reasoning = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>Easy.</think>\n\n4."}]
     [record] = conversation_records("r4", reasoning, tok)
@@ -226,7 +231,9 @@ def test_generation_prompt_that_opens_reasoning(tiny_target_dir):
 
 
 def test_template_glue_after_the_end_of_turn_gets_no_loss(tiny_target_dir, rows):
-    tok = _tokenizer_with_template(tiny_target_dir, CHAT_TEMPLATE.replace("<|im_end|>{%- endfor", "<|im_end|>{{ '\\n' }}{%- endfor"))
+    tok = _tokenizer_with_template(
+        tiny_target_dir, CHAT_TEMPLATE.replace("<|im_end|>{%- endfor", "<|im_end|>{{ '\\n' }}{%- endfor")
+    )
     messages = next(r for r in rows if r["id"] == "pt-010")["messages"]
     [record] = conversation_records("pt-010", messages, tok)
     assert _masked_text(tok, record) == messages[2]["content"] + IM_END + messages[4]["content"] + IM_END

@@ -163,14 +163,28 @@ def test_eval_table_rounds_values(tmp_path):
     ]
     m = load_metrics(write_lines(tmp_path / "m.jsonl", lines))
     assert eval_table(m) == [
-        {"step": 10, "epoch": 0, "loss": 2.0, "acceptance_length": 1.5,
-         "acc_0": 0.5, "acc_1": 0.25, "acc_2": 0.125, "tokens": 100},
-        {"step": 20, "epoch": 1, "loss": 1.2346, "acceptance_length": 2.718,
-         "acc_0": 0.812, "acc_1": 0.667, "acc_2": 0.5, "tokens": 12345},
+        {
+            "step": 10,
+            "epoch": 0,
+            "loss": 2.0,
+            "acceptance_length": 1.5,
+            "acc_0": 0.5,
+            "acc_1": 0.25,
+            "acc_2": 0.125,
+            "tokens": 100,
+        },
+        {
+            "step": 20,
+            "epoch": 1,
+            "loss": 1.2346,
+            "acceptance_length": 2.718,
+            "acc_0": 0.812,
+            "acc_1": 0.667,
+            "acc_2": 0.5,
+            "tokens": 12345,
+        },
     ]
-    assert list(eval_table(m)[0]) == [
-        "step", "epoch", "loss", "acceptance_length", "acc_0", "acc_1", "acc_2", "tokens"
-    ]
+    assert list(eval_table(m)[0]) == ["step", "epoch", "loss", "acceptance_length", "acc_0", "acc_1", "acc_2", "tokens"]
 
 
 def test_eval_table_empty():
@@ -291,8 +305,10 @@ def test_report_shows_the_estimate_at_the_evals_steps_beside_the_measurement(tmp
     m = TrainMetrics(train=[train_row(5)], eval=[eval_row(5, acc_len=3.019, acc=rates)])
     md = report_markdown(m, tmp_path / "p.png", embed_png=False, eval_steps=3, measured=1.8)
     assert "training-time estimate at 7 TTT steps, teacher-forced on held-out records" in md
-    assert ("- Training-time estimate at 3 steps (teacher-forced on held-out training records, chain formula): **2.400**"
-            in md)
+    assert (
+        "- Training-time estimate at 3 steps (teacher-forced on held-out training records, chain formula): **2.400**"
+        in md
+    )
     assert "- Measured (speculative decoding, 3 steps, on the eval prompts): **1.800**" in md
     pending = report_markdown(m, tmp_path / "p.png", embed_png=False, eval_steps=3)
     assert "on the eval prompts): not measured yet" in pending

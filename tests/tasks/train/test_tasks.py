@@ -7,9 +7,9 @@ import pickle
 
 from prefect.states import Failed
 
+from models.file_errors import WriteFailed
 from models.rank_protocol import error_report
 from models.train_checkpoint import RESUME, CheckpointMismatch
-from models.file_errors import WriteFailed
 from tasks.launch_ranks import RankFailure
 from tasks.train.tasks import TrainFailed, error_line, job_failure, retry_train_job
 
@@ -21,8 +21,12 @@ def _retried(error: Exception) -> bool:
 
 
 def test_a_failed_write_is_raised_with_the_ranks_words_and_not_retried(tmp_path):
-    written = WriteFailed(tmp_path / "checkpoints" / "step-00000004", OSError(errno.ENOSPC, "No space left on device"),
-                          kept="checkpoint step-00000002 (complete, step 2)", resume=RESUME)
+    written = WriteFailed(
+        tmp_path / "checkpoints" / "step-00000004",
+        OSError(errno.ENOSPC, "No space left on device"),
+        kept="checkpoint step-00000002 (complete, step 2)",
+        resume=RESUME,
+    )
     # The rank saw "0 bytes free"; the pipeline must say what the rank saw, not what the disk says later.
     report = {**error_report(written, 1), "message": str(written).replace("bytes free", "bytes free (at the failure)")}
     other = error_report(RuntimeError("Connection closed by peer"), 0)  # a rank that lost its peer
@@ -34,8 +38,13 @@ def test_a_failed_write_is_raised_with_the_ranks_words_and_not_retried(tmp_path)
 
 
 def test_a_checkpoint_of_another_run_and_bad_input_are_not_retried():
-    refused = job_failure([error_report(CheckpointMismatch("cannot resume X: ... (settings: lr 0.002 -> 0.001) ..."), 0)], KILLED)
-    assert isinstance(refused, CheckpointMismatch) and str(refused) == "cannot resume X: ... (settings: lr 0.002 -> 0.001) ..."
+    refused = job_failure(
+        [error_report(CheckpointMismatch("cannot resume X: ... (settings: lr 0.002 -> 0.001) ..."), 0)], KILLED
+    )
+    assert (
+        isinstance(refused, CheckpointMismatch)
+        and str(refused) == "cannot resume X: ... (settings: lr 0.002 -> 0.001) ..."
+    )
     assert not _retried(refused)
     invalid = job_failure([error_report(ValueError("no training samples (all held out or none captured)"), 0)], KILLED)
     assert isinstance(invalid, TrainFailed) and not invalid.retryable
@@ -74,6 +83,6 @@ def test_the_report_takes_the_measured_value_of_an_eval_of_this_training_only(tm
     (tmp_path / "eval.json").write_text(json.dumps({"num_steps": 3, "trained": {"acceptance_length": 1.81}}))
     os.utime(tmp_path / "train_summary.json", (1000, 1000))
     assert measured_acceptance(tmp_path, 3) == 1.81
-    assert measured_acceptance(tmp_path, 4) is None           # measured at another chain length
-    os.utime(tmp_path / "eval.json", (500, 500))               # an eval of the draft before this training
+    assert measured_acceptance(tmp_path, 4) is None  # measured at another chain length
+    os.utime(tmp_path / "eval.json", (500, 500))  # an eval of the draft before this training
     assert measured_acceptance(tmp_path, 3) is None
