@@ -7,8 +7,9 @@ the counts in each rejects part's footer (tasks.rejects).
 
 A dataset with a damaged part (one that is not a readable Parquet file) is reported as damaged,
 with the file and what is wrong, and the other datasets are reported as usual: `eagle3 stats` is
-safe to run on any run directory, also while a run writes it. That is what keeps `eagle3 stats` well under a second on a run with
-hundreds of thousands of responses, where parsing the same responses as JSONL takes many seconds.
+safe to run on any run directory, also while a run writes it. That is what keeps `eagle3 stats` well under
+a second on a run with hundreds of thousands of responses, where parsing the same responses as JSONL takes
+many seconds.
 
 Percentiles use the nearest-rank method (see `nearest_rank`): the reported p50/p95 is always a
 length some response actually had.
@@ -32,6 +33,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from rich.console import JustifyMethod
 from rich.table import Table
+from rich.text import Text
 
 from models.run_layout import RunLayout
 from tasks.checkpoints import META, PartSummary
@@ -62,6 +64,22 @@ class DatasetStats:
     lengths: Sequence[int] | np.ndarray = field(default_factory=list, repr=False, compare=False)
     reject_causes: dict[str, int] = field(default_factory=dict)  # rejects by cause (tasks.rejects.CAUSES)
     damaged: str | None = None  # "<file> is damaged (...)": the figures above then count nothing
+
+    @property
+    def truncated(self) -> int:
+        """Responses cut by the length limit (finish_reason `length`: sampling.max_new_tokens or the context)."""
+        return self.finish_reasons.get("length", 0)
+
+    @property
+    def truncated_share(self) -> float | None:
+        """`truncated` as a share of the responses; None without responses."""
+        return self.truncated / self.responses if self.responses else None
+
+
+# A share of cut answers at or above this is flagged by `eagle3 stats`: the records stage leaves them out
+# (records.keep_truncated), so their tokens are spent for nothing, and a reasoning set cut this often has
+# a max_new_tokens too small for it.
+TRUNCATED_WARN_SHARE = 0.05
 
 
 def nearest_rank(sorted_values: Sequence[Any] | np.ndarray, p: float) -> Any:
@@ -129,6 +147,8 @@ STATS_COLUMNS = (
     "p50_length",
     "p95_length",
     "finish_reasons",
+    "truncated",
+    "truncated_share",
     "tokens_per_s",
     "wall_s",
     "parts",
@@ -155,6 +175,7 @@ def render_stats_table(stats: Sequence[DatasetStats]) -> Table:
         ("p50", "right"),
         ("p95", "right"),
         ("finish reasons", "left"),
+        ("cut by length", "right"),
         ("tok/s", "right"),
         ("wall", "right"),
         ("parts", "right"),
@@ -175,6 +196,7 @@ def render_stats_table(stats: Sequence[DatasetStats]) -> Table:
             "-" if s.p50_length is None else f"{s.p50_length:,}",
             "-" if s.p95_length is None else f"{s.p95_length:,}",
             " ".join(f"{k}={v:,}" for k, v in sorted(s.finish_reasons.items())) or "-",
+            _cut(s),
             "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}",
             "-" if s.wall_s is None else _duration(s.wall_s),
             f"{s.parts:,}",
@@ -182,11 +204,26 @@ def render_stats_table(stats: Sequence[DatasetStats]) -> Table:
             style="bold red" if s.damaged else "bold" if is_total else None,
             end_section=i == len(rows) - 1,
         )
+    cut = [s for s in rows if (s.truncated_share or 0) >= TRUNCATED_WARN_SHARE]
     damaged = [s.damaged for s in rows if s.damaged]
     if damaged:
         table.caption = "DAMAGED (figures of these datasets are not shown):\n" + "\n".join(damaged)
         table.caption_style = "red"
+    elif cut:
+        table.caption = (
+            f"CUT: {', '.join(f'{s.dataset} {s.truncated_share:.0%}' for s in cut)} of the answers ended at the "
+            "length limit; the records stage leaves them out (records.keep_truncated): raise sampling.max_new_tokens"
+        )
+        table.caption_style = "yellow"
     return table
+
+
+def _cut(s: DatasetStats) -> Text | str:
+    """`12 (3.4%)`, in yellow at TRUNCATED_WARN_SHARE or more; "-" without responses."""
+    if s.truncated_share is None:
+        return "-"
+    text = f"{s.truncated:,} ({s.truncated_share:.1%})"
+    return Text(text, style="yellow") if s.truncated_share >= TRUNCATED_WARN_SHARE else text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -383,3 +383,23 @@ def test_eagle3_stats_names_a_damaged_part_without_a_traceback(run_dir):
     report = json.loads(as_json.stdout)
     assert as_json.returncode == 1 and report["damaged"][0].startswith(f"{part} is damaged")
     assert {r["dataset"]: r["responses"] for r in report["responses"]}["A2"] == 2
+
+
+def test_answers_cut_by_the_length_limit_are_counted_and_flagged(tmp_path):
+    # B1: 1 of 4 answers ended by length (25%: flagged); A2: 1 of 40 (2.5%: counted, not flagged)
+    write_part(
+        tmp_path / "responses" / "B1", responses_table([_row(i, 10) for i in range(3)] + [_row(3, 64, "length")])
+    )
+    write_part(
+        tmp_path / "responses" / "A2", responses_table([_row(i, 5) for i in range(39)] + [_row(39, 64, "length")])
+    )
+    stats = {s.dataset: s for s in collect_stats(tmp_path)}
+    assert (stats["B1"].truncated, stats["B1"].truncated_share) == (1, 0.25)
+    assert (stats["A2"].truncated, stats["A2"].truncated_share) == (1, 0.025)
+    rows = {r["dataset"]: r for r in stats_rows(list(stats.values()), total=True)}
+    assert (rows["TOTAL"]["truncated"], rows["TOTAL"]["truncated_share"]) == (2, 2 / 44)
+    table = render_stats_table(list(stats.values()))
+    assert table.caption.startswith("CUT: B1 25% of the answers ended at the length limit")
+    assert "A2" not in table.caption
+    cut = table.columns[[c.header for c in table.columns].index("cut by length")]
+    assert [str(c) for c in cut.cells] == ["1 (2.5%)", "1 (25.0%)", "2 (4.5%)"]
