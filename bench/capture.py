@@ -883,9 +883,9 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
     )
     w = out["writer"]
     print(
-        f"   ShardWriter alone (cat, safetensors, fsync; best pass): {w['mb_per_s']:,.0f} MB/s, {w['us_per_token']:.0f} us "
-        f"per token = {100 * w['share_of_bare_forward']:.1f}% of the bare forward's {w['bare_forward_us_per_token']:.0f} "
-        "us per token"
+        f"   ShardWriter alone (cat, safetensors, fsync; best pass): {w['mb_per_s']:,.0f} MB/s, "
+        f"{w['us_per_token']:.0f} us per token = {100 * w['share_of_bare_forward']:.1f}% of the bare forward's "
+        f"{w['bare_forward_us_per_token']:.0f} us per token"
     )
 
     per = [
@@ -921,7 +921,8 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
         print(
             "   start-up (seconds after launch): rank 0 planned (interpreter, torchrun, imports, config, process "
             "group,\n   records read), first done=0 (model loaded; ZeRO-3: partitioned); tail = last final line -> "
-            "launcher exit;\n   a DeepSpeed CPU comm op (re)built meanwhile (JIT, ~45 s on 2 cores) is part of the start-up"
+            "launcher exit;\n   a DeepSpeed CPU comm op (re)built meanwhile (JIT, ~45 s on 2 cores) is part of the "
+            "start-up"
         )
         harness.table(("run", "planned", "done=0", "tail", "torch extension built meanwhile"), rows)
         print(
@@ -975,9 +976,10 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
         )
         print(
             f"   header {g['header_per_sample']:.0f} B per sample (tensor table + JSON sample list); planner estimate "
-            f"{g['planner_per_token']:,} B/token (4H x dtype + 5).\n   The format's overhead with these samples at bf16 "
-            f"H={h}: {projected_overhead_pct(g, h, 2):.3f}%; bf16 H=7168 (Kimi): {projected_overhead_pct(g, 7168, 2):.4f}%, "
-            f"or {projected_overhead_pct(g, 7168, 2, 1400):.4f}% with 1,400-token samples"
+            f"{g['planner_per_token']:,} B/token (4H x dtype + 5).\n   The format's overhead with these samples at "
+            f"bf16 H={h}: {projected_overhead_pct(g, h, 2):.3f}%; bf16 H=7168 (Kimi): "
+            f"{projected_overhead_pct(g, 7168, 2):.4f}%, or {projected_overhead_pct(g, 7168, 2, 1400):.4f}% "
+            "with 1,400-token samples"
         )
         checks = [
             (

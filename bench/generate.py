@@ -715,7 +715,7 @@ def bench_throughput_and_budget(p: Params, tmp: Path, out: dict[str, Any]) -> No
                 p,
                 f"budget {k + 1}",
                 len(order),
-                lambda: run_ours(p, server.url, order, tmp / f"run-budget-{k}", budget=budget),
+                lambda order=order, k=k: run_ours(p, server.url, order, tmp / f"run-budget-{k}", budget=budget),
             )
             spent = report.completion_tokens
             trials.append(
@@ -969,8 +969,9 @@ def print_server_part(p: Params, out: dict[str, Any]) -> None:
     ps = out["prompt_set"]
     print()
     print(
-        f"server: max_running {p.max_running}, decode {p.decode_ms} ms/token -> capacity {p.capacity_tok_s:,.0f} tok/s; "
-        f"lengths lognormal mean {p.mean_len:.0f} sigma {p.sigma}, max_new_tokens {p.max_new_tokens}"
+        f"server: max_running {p.max_running}, decode {p.decode_ms} ms/token -> capacity "
+        f"{p.capacity_tok_s:,.0f} tok/s; lengths lognormal mean {p.mean_len:.0f} sigma {p.sigma}, "
+        f"max_new_tokens {p.max_new_tokens}"
     )
     print(
         f"prompts: {ps['prompts']} (prompt tokens mean {ps['prompt_tokens_mean']:.0f}); completions mean "
@@ -1013,8 +1014,9 @@ def print_server_part(p: Params, out: dict[str, Any]) -> None:
     a = out["throughput"][0]
     if a["full_load_occupancy"] is not None:
         print(
-            f"   (a) slot occupancy while the queue lasted ({a['full_load_s']:.1f} s): {100 * a['full_load_occupancy']:.1f}%; "
-            f"then {a['drain_s']:.1f} s draining the longest responses with free slots"
+            f"   (a) slot occupancy while the queue lasted ({a['full_load_s']:.1f} s): "
+            f"{100 * a['full_load_occupancy']:.1f}%; then {a['drain_s']:.1f} s draining the longest responses "
+            "with free slots"
         )
     print()
     b = out["budget"]
@@ -1146,8 +1148,8 @@ def print_pool_part(out: dict[str, Any]) -> None:
     )
     print(
         f"   one of {k['servers']} killed (SIGKILL) after {k['killed_after_tokens'] or 0:,} served tokens: "
-        f"{k['responses']:,} responses, {k['distinct_ids']:,} distinct ids of {k['prompts']:,} prompts in {k['wall_s']:.1f} s "
-        f"-> {'exactly once' if k['exactly_once'] else 'NOT exactly once'}"
+        f"{k['responses']:,} responses, {k['distinct_ids']:,} distinct ids of {k['prompts']:,} prompts in "
+        f"{k['wall_s']:.1f} s -> {'exactly once' if k['exactly_once'] else 'NOT exactly once'}"
     )
 
 

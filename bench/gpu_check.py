@@ -35,7 +35,8 @@ steps, in well under a minute (tests/bench/test_gpu_check.py runs it). Its figur
 path works. Usage::
 
     bash bench/gpu_check.sh [--FLAG VALUE ...]              # the GPU machine (docs/gpu-check.md)
-    .venv/bin/python bench/gpu_check.py --cpu-smoke [--rank-launcher deepspeed] [--json out.json] [--keep DIR] [--verbose]
+    .venv/bin/python bench/gpu_check.py --cpu-smoke [--rank-launcher deepspeed] [--json out.json]
+        [--keep DIR] [--verbose]
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Params:
     quick: bool = False  # --cpu-smoke: the small CPU preset
     device: str = "cuda"  # cuda: deepspeed launcher, NCCL, bf16; cpu: torchrun, gloo, fp32
     precision: str = "auto"  # auto: bf16 on cuda, fp32 on cpu; bf16 / fp32 to choose (bf16 on CPU: the dtype path here)
-    # auto: deepspeed on cuda, torchrun on cpu; `--cpu-smoke --rank-launcher deepspeed`: the GPU run's launcher on the CPU
+    # auto: deepspeed on cuda, torchrun on cpu; `--cpu-smoke --rank-launcher deepspeed`: the GPU run's launcher on CPU
     rank_launcher: str = "auto"
     seed: int = 0
     # the target (models/tiny_target.py); vocab_size is an upper bound: the BPE trainer decides
@@ -339,7 +340,7 @@ class Check:
         single_process: bool = False,
         on_progress: Callable[[Any], None] | None = None,
     ) -> dict[str, Any]:
-        """Launch `python -m module --job JOB` as the stage tasks do; its protocol lines with their times and its memory.
+        """Launch `python -m module --job JOB` as the stage tasks do; its protocol lines, their times, its memory.
 
         Ranks (`single_process` False): tasks.launch_ranks.rank_command with this check's launcher; the eval
         job runs as one process, as tasks/eval/tasks.py starts it. The output is followed with
@@ -655,7 +656,8 @@ def check_export(p: Params, work: Path) -> dict[str, Any]:
     """The export in draft/final/: validated for SGLang and vLLM and loaded back (models.eagle3_export), its size."""
     import torch
 
-    from models.eagle3_export import load_exported_draft, validate_export, validate_export_vllm
+    from models.eagle3_export import load_exported_draft, validate_export
+    from models.eagle3_vllm import validate_export_vllm
 
     final = RunLayout(work).final
     problems = validate_export(final) + [f"vLLM: {x}" for x in validate_export_vllm(final)]
@@ -817,8 +819,8 @@ def report(out: dict[str, Any]) -> None:
                 + (
                     ""
                     if ph.get("eval", {}).get("ok") or "prompts_done" not in ph.get("eval", {})
-                    else f" (partial: {', '.join(f'{k} {n}' for k, n in ph['eval']['prompts_done'].items())} of {ph['eval']['prompts']} "
-                    "prompts)"
+                    else f" (partial: {', '.join(f'{k} {n}' for k, n in ph['eval']['prompts_done'].items())} "
+                    f"of {ph['eval']['prompts']} prompts)"
                 ),
             ],
             ["eval: GPU peak allocated GiB", get("eval", "gpu_peak_allocated_gib")],

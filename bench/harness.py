@@ -256,7 +256,7 @@ def record_row(record_id: str, input_ids: list[int], prompt_tokens: int) -> dict
 
 
 def write_records(rows: list[dict[str, Any]], records_dir: Path, rows_per_part: int) -> int:
-    """`rows` as records parts of `rows_per_part` rows, written as the records stage writes a part; returns the parts."""
+    """`rows` as records parts of `rows_per_part` rows, written as the records stage writes one; returns the parts."""
     import pyarrow as pa
 
     from tasks.parquet_io import write_parquet_atomic
@@ -503,7 +503,7 @@ def best_of(repeats: int, fn: Callable[[], T]) -> tuple[float, list[float], T]:
 def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """An aligned text table, indented: the first column left-aligned, the others right-aligned."""
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    fmt = "   " + "  ".join("{:<%d}" % w if i == 0 else "{:>%d}" % w for i, w in enumerate(widths))
+    fmt = "   " + "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
     print(fmt.format(*head))
     print("   " + "  ".join("-" * w for w in widths))
     for row in rows:

@@ -973,14 +973,16 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
     )
     print(
         f"data: {s['records']} records (sample conversations cut to {p.max_prompt_tokens} tokens + greedy continuation "
-        f"<= {p.max_new_tokens}): {s['tokens']:,} tokens, mean {s['mean_len']:.0f}, p50 {s['p50_len']}, p95 {s['p95_len']}, "
-        f"max {s['max_len']}; {s['train_samples']} train / {s['held_out']} held out; {s['batches_per_epoch']} micro "
+        f"<= {p.max_new_tokens}): {s['tokens']:,} tokens, mean {s['mean_len']:.0f}, p50 {s['p50_len']}, "
+        f"p95 {s['p95_len']}, max {s['max_len']}; {s['train_samples']} train / {s['held_out']} held out; "
+        f"{s['batches_per_epoch']} micro "
         f"batches per epoch at max_batch_tokens {p.max_batch_tokens} ({s['tokens_per_batch']:,.0f} real tokens each, "
         f"{s['padding_pct']:.1f}% padding)"
     )
     print(
-        f"job: ZeRO stage {p.zero_stage}, {p.steps} optimizer steps, grad_accum {p.grad_accum}, lr {p.lr:g} (warmup {p.warmup_ratio:g}), AdamW "
-        f"betas {BETAS} wd {p.weight_decay:g}, clip {p.grad_clip:g}, log every {p.log_every}; measured: steps "
+        f"job: ZeRO stage {p.zero_stage}, {p.steps} optimizer steps, grad_accum {p.grad_accum}, lr {p.lr:g} "
+        f"(warmup {p.warmup_ratio:g}), AdamW betas {BETAS} wd {p.weight_decay:g}, clip {p.grad_clip:g}, "
+        f"log every {p.log_every}; measured: steps "
         f"{p.skip + 1}-{p.steps}; {p.threads} thread(s) per rank / baseline process"
     )
     print()
@@ -1109,19 +1111,23 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
         rows,
     )
     print(
-        "   paired per step: median over the measured steps of baseline step time / ours (same micro batches; N ranks: the"
+        "   paired per step: median over the measured steps of baseline step time / ours (same micro batches; "
+        "N ranks: the"
         "\n   slowest baseline process's step, so lockstep waiting is not counted): robust to bursts of other load"
-        "\n   lockstep bound: the ratio that waiting for the slowest rank at every step alone gives (padded tokens as the cost);"
-        "\n   per rank / 1-process baseline: ours' tok/s per rank over the 1-process baseline's (in brackets: the same for"
-        "\n   one of the side-by-side baseline processes: what the cores give N processes); whole launch: all tokens / launch"
+        "\n   lockstep bound: the ratio that waiting for the slowest rank at every step alone gives "
+        "(padded tokens as the cost);"
+        "\n   per rank / 1-process baseline: ours' tok/s per rank over the 1-process baseline's "
+        "(in brackets: the same for"
+        "\n   one of the side-by-side baseline processes: what the cores give N processes); "
+        "whole launch: all tokens / launch"
         "\n   wall time (start-up, warmup steps, final eval, checkpoint, export included) over the baseline's tok/s"
     )
     x = out.get("interleaved")
     if x:
         print()
         print(
-            f"in-process, interleaved (1 rank, one process, the same batch tensors; steps {p.skip + 1}-{p.in_process_steps};"
-            " ms per step, mean):"
+            "in-process, interleaved (1 rank, one process, the same batch tensors; "
+            f"steps {p.skip + 1}-{p.in_process_steps}; ms per step, mean):"
         )
         rows = [
             (
@@ -1136,11 +1142,13 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
         ]
         harness.markdown_table(("step", "forward ms", "backward ms", "rest ms", "step ms", "tok/s"), rows)
         print(
-            f"   ours/plain tok/s {x['ratio']:.3f}; per step, ours - plain: median {x['extra_ms_per_step']:+.1f} ms, mean "
-            f"{x['extra_ms_per_step_mean']:+.1f} ms; ours/plain step time, median {x['step_ratio_median']:.3f};"
-            f"\n   losses differ by at most {x['loss_max_rel_diff']:.1e} (relative); loading a step's batch (HiddenSource.batch,"
+            f"   ours/plain tok/s {x['ratio']:.3f}; per step, ours - plain: median {x['extra_ms_per_step']:+.1f} ms, "
+            f"mean {x['extra_ms_per_step_mean']:+.1f} ms; ours/plain step time, median {x['step_ratio_median']:.3f};"
+            f"\n   losses differ by at most {x['loss_max_rel_diff']:.1e} (relative); "
+            "loading a step's batch (HiddenSource.batch,"
             f" in both loops, not timed above): {x['load_ms']:.1f} ms\n"
-            "   rest: plain = clip + AdamW + LambdaLR + zero_grad; ours = engine.step (ZeRO-2 reduce, norm, clip, AdamW on"
+            "   rest: plain = clip + AdamW + LambdaLR + zero_grad; ours = engine.step (ZeRO-2 reduce, norm, clip, "
+            "AdamW on"
             f" the\n   flat partition, copy back, scheduler) + engine.train() + the per-step token all-reduce + every "
             f"{p.log_every} step(s)\n   the job's metrics line (all-reduces, grad norm, metrics.jsonl, TensorBoard)"
         )
@@ -1149,7 +1157,8 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
         a, b = one["loss_first_last"]
         print(
             f"   1 rank, same arithmetic: the logged losses of ours and the baseline differ by at most "
-            f"{one['loss_max_rel_diff']:.1e} (relative; loss {a:.3f} at step {p.log_every} -> {b:.3f} at step {p.steps})"
+            f"{one['loss_max_rel_diff']:.1e} (relative; loss {a:.3f} at step {p.log_every} -> {b:.3f} "
+            f"at step {p.steps})"
         )
 
 

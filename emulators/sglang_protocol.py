@@ -87,7 +87,8 @@ import secrets
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, AsyncContextManager, Protocol, TypeVar
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -166,7 +167,7 @@ class SGLangVersion:
 
     @property
     def stop_before_length(self) -> bool:
-        """0.5.23 schedule_batch.py `update_finish_state` checks stop tokens first; 0.4.10 `check_finished` the length."""
+        """0.5.23 schedule_batch.py `update_finish_state` checks stop tokens first; 0.4.10 `check_finished` length."""
         return not self.is_04
 
     @property
@@ -191,7 +192,7 @@ class SGLangVersion:
 
     @property
     def has_admin_api_key(self) -> bool:
-        """--admin-api-key exists from 0.5 (utils/auth.py); 0.4.10 has only --api-key (utils.py add_api_key_middleware)."""
+        """--admin-api-key exists from 0.5 (utils/auth.py); 0.4.10 only --api-key (utils.py add_api_key_middleware)."""
         return not self.is_04
 
 
@@ -558,7 +559,7 @@ class ModelLimits:
         return self.max_req_len - 5
 
     def max_new_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        """The scheduler's clamp of max_new_tokens to what the context leaves (scheduler.py `init_req_max_new_tokens`)."""
+        """The scheduler's clamp of max_new_tokens to the context left (scheduler.py `init_req_max_new_tokens`)."""
         budget = max(0, self.max_req_len - prompt_len - 1)
         return budget if params.max_new_tokens is None else min(params.max_new_tokens, budget)
 
@@ -574,7 +575,7 @@ class ModelLimits:
             raise BadRequest(f"The input_ids {list(ids)} contains negative values.")
 
     def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
-        """TokenizerManager._validate_one_request (SGLang 0.5.23, ~lines 1333-1378), then the scheduler's validate_input_length.
+        """TokenizerManager._validate_one_request (0.5.23, lines ~1333-78), then the scheduler's validate_input_length.
 
         0.5.23 counts the prompt plus the reserved tokens in both tokenizer checks and refuses a total
         over the context; 0.4.10 reserves nothing and refuses a total of the context or more.
@@ -594,8 +595,8 @@ class ModelLimits:
                 )
         if prompt_len >= self.max_req_input_len:
             raise BadRequest(
-                f"Input length ({prompt_len} tokens) exceeds the maximum allowed length ({self.max_req_input_len} tokens). "
-                "Use a shorter input or enable --allow-auto-truncate."
+                f"Input length ({prompt_len} tokens) exceeds the maximum allowed length "
+                f"({self.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate."
             )
 
     def admit(self, ids: Sequence[int], raw_params: Any, *, unimplemented_by: str | None = None) -> SamplingParams:
@@ -779,7 +780,7 @@ class HeldRids:
         self._held: Counter[str] = Counter()
 
     def claim(self, rids: Sequence[str]) -> None:
-        """tokenizer_manager.py `_init_req_state` (0.5.23): BadRequest for a held or repeated rid; else hold them all."""
+        """tokenizer_manager.py `_init_req_state` (0.5.23): BadRequest for a held or repeated rid; else hold all."""
         if self.version.refuses_duplicate_rids:
             seen: set[str] = set()
             for rid in rids:
@@ -852,7 +853,7 @@ def text_token_ids(output_ids: list[int], finish_reason: dict[str, Any], no_stop
 
 
 def _weight_versions(n: int) -> list[dict[str, Any]]:
-    """utils/weight_versions.py compute_weight_version_spans + add_weight_versions_to_meta_info, weights never updated."""
+    """utils/weight_versions.py compute_weight_version_spans + add_weight_versions_to_meta_info; no weight updates."""
     return [{"version": WEIGHT_VERSION, "start": 0, "end": n}]
 
 
@@ -1156,7 +1157,7 @@ def create_sglang_app(
     auth: Auth | None = None,
     open_paths: Iterable[str] = (),
     on_auth_refused: Callable[[], Any] | None = None,
-    lifespan: Callable[[FastAPI], AsyncContextManager[None]] | None = None,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
 ) -> FastAPI:
     """A FastAPI app with SGLang's endpoints, error bodies and API-key rules over `backend`.
 

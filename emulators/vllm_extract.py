@@ -1,4 +1,4 @@
-"""vLLM's hidden-state extraction endpoint, emulated over the dev server's model (capture.backend: vllm in tests and the demo).
+"""vLLM's hidden-state extraction endpoint, emulated on the dev server's model (capture.backend: vllm in tests, demo).
 
 A real vLLM server started with
     --speculative-config '{"method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -95,7 +95,7 @@ class Extraction:
 
 
 class _PreNorm(threading.local):
-    """Per thread: whether to keep the final norm's input, and the kept tensor (the SGLang engine's thread never keeps)."""
+    """Per thread: whether to keep the final norm's input, and the kept one (the SGLang engine's thread never keeps)."""
 
     keep = False
     value: torch.Tensor | None = None
@@ -160,7 +160,7 @@ def error(message: str, status: int = 400, err_type: str = "BadRequestError") ->
 
 
 def router(extractor: Extractor) -> APIRouter:
-    """`POST /v1/completions` (token-id prompt, max_tokens 1) and `GET /v1/models`, as vLLM serves them with extraction."""
+    """`POST /v1/completions` (token ids, max_tokens 1) and `GET /v1/models`, as vLLM serves them with extraction."""
     api = APIRouter()
 
     @api.post("/v1/completions")

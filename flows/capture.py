@@ -10,7 +10,7 @@ from prefect import flow
 from flows.config import RunConfig
 from flows.config_file import load_config, save_run_config
 from models.jobs import CaptureJob, CaptureSettings, EngineSettings
-from tasks.capture.engine_server import launched_engine
+from tasks.capture.engine_server import CaptureServer, launched_engine
 from tasks.capture.plan import EngineWindow, capture_layers, target_shape
 from tasks.capture.tasks import (
     capture_retryable,
@@ -38,23 +38,17 @@ def capture(config_path: str) -> dict:
         plan = plan_capture_task(records_dirs, layout.hidden_dir, shape, c.dtype, c.disk_margin, c.max_tokens, engine)
         aux_layers = capture_layers(shape.num_layers, c.aux_layers)
         speed = 0.0
-        # a crashed or killed rank (or a vLLM outage) is retried (the retry resumes); capture_retryable says which failures
+        # a crashed or killed rank (or a vLLM outage) is retried (the retry resumes);
+        # capture_retryable says which failures
         retried: dict[str, Any] = dict(
             retries=c.retries, retry_delay_seconds=c.retry_delay_s, retry_condition_fn=capture_retryable
         )
         if c.backend == "vllm" and plan.tokens_todo:
             e = c.engine
-            with launched_engine(
-                e.launch,
-                e.url,
-                target=config.target.path,
-                aux_layers=aux_layers,
-                num_layers=shape.num_layers,
-                shared_dir=layout.engine_dir,
-                command=e.command,
-                log_dir=layout.logs,
-                health_timeout_s=e.health_timeout_s,
-            ):
+            server = CaptureServer(
+                e.launch, e.url, config.target.path, aux_layers, shape.num_layers, layout.engine_dir, e.command
+            )
+            with launched_engine(server, log_dir=layout.logs, health_timeout_s=e.health_timeout_s):
                 speed = run_engine_capture.with_options(**retried)(
                     capture_job(config, aux_layers),
                     EngineSettings(**e.pick(EngineSettings)),
@@ -62,7 +56,8 @@ def capture(config_path: str) -> dict:
                     Path(config_path).stem,
                     c.max_tokens,
                 )
-        # Several nodes: always launched, since the other nodes' `eagle3 node` joins every launch (ranks with nothing to do exit at once).
+        # Several nodes: always launched, since the other nodes' `eagle3 node` joins every launch
+        # (ranks with nothing to do exit at once).
         elif c.backend == "deepspeed" and (plan.tokens_todo or config.distributed.multinode):
             speed = run_capture_job.with_options(**retried)(
                 capture_job(config, aux_layers),
@@ -84,7 +79,8 @@ def capture(config_path: str) -> dict:
 
 
 def capture_job(config: RunConfig, aux_layers: list[int]) -> CaptureJob:
-    """The job every rank reads (models/capture.py), and the vLLM capture's; the job task states its launch_tokens per attempt."""
+    """The job every rank reads (models/capture.py), and the vLLM capture's; the job task states its
+    launch_tokens per attempt."""
     c = config.capture
     return CaptureJob(
         **{**c.pick(CaptureSettings), "aux_layers": aux_layers},

@@ -95,7 +95,7 @@ def eval_(
     config: Path = typer.Argument(..., help="The YAML run config (its train stage must have exported a draft)."),
     skip_checks: bool = typer.Option(False, "--skip-checks", help=SKIP_CHECKS_HELP),
 ) -> None:
-    """Stage 5: acceptance length of the exported draft by speculative decoding with the target (same as `run CONFIG --stages eval`)."""
+    """Stage 5: acceptance length of the exported draft with the target (same as `run CONFIG --stages eval`)."""
     _run_stages(config, ["eval"], skip_checks=skip_checks)
 
 
@@ -124,7 +124,8 @@ def run(
     unknown = [s for s in chosen if s not in STAGES]
     if unknown or not chosen:
         err.print(
-            f"[red]error:[/red] unknown stage(s) {', '.join(unknown) or '(none given)'}; available: {', '.join(STAGES)}",
+            f"[red]error:[/red] unknown stage(s) {', '.join(unknown) or '(none given)'}; "
+            f"available: {', '.join(STAGES)}",
             highlight=False,
         )
         raise typer.Exit(2)
@@ -169,7 +170,7 @@ def stats(
     run_dir: Path = typer.Argument(..., help="A run directory (run_dir of a config)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """Per-dataset table of a run from Parquet footers only (fast, safe while a run is writing); exit 1 if a part is damaged."""
+    """Per-dataset table of a run from Parquet footers only (fast, safe during a run); exit 1 if a part is damaged."""
     if not run_dir.is_dir():
         err.print(
             f"[red]error:[/red] {escape(str(run_dir))} is not a directory (give the run_dir of a config)",
@@ -205,7 +206,8 @@ def _print_stats(run_dir: Path, *, as_json: bool) -> bool:
 def import_jsonl(
     run_dir: Path = typer.Argument(
         ...,
-        help="The run directory to import into (its config.yaml names the target tokenizer; with --target it may be new).",
+        help="The run directory to import into (its config.yaml names the target tokenizer; "
+        "with --target it may be new).",
     ),
     dataset: str = typer.Argument(..., help="Dataset name (directory under responses/)."),
     file: Path = typer.Argument(..., help="A legacy raw_responses.jsonl."),
@@ -224,9 +226,11 @@ def import_jsonl(
 
     All or nothing per file: every line is checked before any is added.
 
-    Ids already in RUN_DIR/responses/DATASET/ are skipped: a rerun (after a fix, a kill or a full disk) adds each response once.
+    Ids already in RUN_DIR/responses/DATASET/ are skipped: a rerun (after a fix, a kill or a full disk) adds each
+    response once.
 
-    Exit status: 0 done; 2 bad input (file and line named); 1 another writer holds RUN_DIR, a write failed or a part there is damaged.
+    Exit status: 0 done; 2 bad input (file and line named); 1 another writer holds RUN_DIR, a write failed or a part
+    there is damaged.
     """
     from contextlib import ExitStack
     from typing import NoReturn
@@ -248,7 +252,8 @@ def import_jsonl(
         fail(f"--on-bad-line must be fail or skip, got {on_bad_line!r}", 2)
     if not DATASET_NAME.match(dataset):
         fail(
-            f"dataset {dataset!r} cannot be a directory name: use letters, digits, '_', '.', '-' and start with a letter or digit",
+            f"dataset {dataset!r} cannot be a directory name: "
+            "use letters, digits, '_', '.', '-' and start with a letter or digit",
             2,
         )
     if not file.is_file():
@@ -335,7 +340,7 @@ def node(
         ",".join(NODE_STAGES), help="Comma-separated stages to join, in order, of: capture, train."
     ),
 ) -> None:
-    """On a node other than 0: run this node's ranks of the capture and train jobs node 0 launches (torchrun, distributed.nnodes > 1)."""
+    """On a node other than 0: run its ranks of node 0's capture and train jobs (torchrun, distributed.nnodes > 1)."""
     from models.rank_protocol import CAPTURE, TRAIN
     from tasks.launch_ranks import resolve_launcher, run_node
 
@@ -354,8 +359,9 @@ def node(
         launchers = {s: resolve_launcher(getattr(cfg, s).launcher) for s in chosen}
         if "deepspeed" in launchers.values():
             problem = (
-                f"{', '.join(s for s, l in launchers.items() if l == 'deepspeed')}: the deepspeed launcher starts every "
-                "node's ranks from node 0 over ssh (distributed.hostfile); run nothing on the other nodes"
+                f"{', '.join(s for s, how in launchers.items() if how == 'deepspeed')}: "
+                "the deepspeed launcher starts every node's ranks from node 0 over ssh (distributed.hostfile); "
+                "run nothing on the other nodes"
             )
     if problem:
         err.print(f"[red]error:[/red] {escape(problem)}", highlight=False, soft_wrap=True)

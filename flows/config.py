@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from models.jobs import (
     CaptureSettings,
@@ -22,12 +22,12 @@ from models.jobs import (
     EngineSettings,
     EvalSettings,
     GenerateSettings,
-    Nodes,
     RecordSettings,
     ServerSettings,
     TargetSpec,
     TrainSettings,
 )
+from models.nodes import Nodes
 from models.run_layout import RunLayout
 from models.server_access import replica_url
 from models.spec import Spec
@@ -49,6 +49,17 @@ class TargetConfig(TargetSpec, Section):
     )
 
 
+def command_words(value: Any) -> Any:
+    """A command list with YAML's numbers (`--tp, 8`) as the strings every argument is on a command line anyway."""
+    if isinstance(value, list):
+        return [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
+    return value
+
+
+# A launch command (ServerConfig's, EngineConfig's): a list of words, YAML's numbers read as strings.
+CommandWords = Annotated[list[str] | None, BeforeValidator(command_words)]
+
+
 class ServerConfig(ServerSettings, Section):
     """The serving engine's server(s) (or an SGLang router) that the generate stage and the engine eval send to."""
 
@@ -64,12 +75,13 @@ class ServerConfig(ServerSettings, Section):
         description="Who runs the server during the generate stage. `none`: it is already running at `url`. "
         "`dev`: the pipeline starts the built-in dev server (an SGLang emulation) on the target (demo, tests). "
         "`command`: the pipeline starts `command` (e.g. SGLang's launch_server, or vLLM's api_server), waits for the "
-        "engine's health path, and stops it after generation, also on failure or cancellation, so the GPUs are free for "
-        "capture and training.",
+        "engine's health path, and stops it after generation, also on failure or cancellation, "
+        "so the GPUs are free for capture and training.",
     )
-    command: list[str] | None = Field(
+    command: CommandWords = Field(
         default=None,
-        description="launch: command: the server command as a list of arguments; its log goes to RUN_DIR/logs/server.log "
+        description="launch: command: the server command as a list of arguments; "
+        "its log goes to RUN_DIR/logs/server.log "
         "(server-N.log for replica N). Placeholders filled per replica: {host}, {port}, {replica} (0, 1, ...) and "
         "{gpus} (e.g. 0,1,2,3: the replica's GPUs when gpus_per_replica is set, also put in CUDA_VISIBLE_DEVICES).",
     )
@@ -90,18 +102,15 @@ class ServerConfig(ServerSettings, Section):
     router: bool = Field(
         default=False,
         description="launch: dev|command: also start an SGLang router (pip install sglang-router) at `url` in front of "
-        "the replicas; requests then go to the router, which spreads them (see docs/scale-out.md, 'Behind an SGLang router', for what it changes).",
+        "the replicas; requests then go to the router, which spreads them (see docs/scale-out.md, "
+        "'Behind an SGLang router', for what it changes).",
     )
     router_args: list[str] = Field(
         default_factory=list,
         description="Extra arguments for sglang_router.launch_router. Without a --policy the router gets "
-        "[--policy, round_robin]: its own default, cache_aware, may send every prompt to one worker (docs/scale-out.md).",
+        "[--policy, round_robin]: its own default, cache_aware, may send every prompt to one worker "
+        "(docs/scale-out.md).",
     )
-
-    @field_validator("command", mode="before")
-    @classmethod
-    def _command_words(cls, value: Any) -> Any:
-        return command_words(value)
 
     @model_validator(mode="after")
     def _command_for_launch(self) -> ServerConfig:
@@ -155,7 +164,8 @@ PLACEHOLDERS = ("host", "port", "replica", "gpus")
 
 
 def check_command(launch: str, command: list[str] | None, placeholders: tuple[str, ...], example: str) -> None:
-    """ValueError for `launch: command` without a command, or a command word with a placeholder not in `placeholders`."""
+    """ValueError for `launch: command` without a command, or a command word with a placeholder not in
+    `placeholders`."""
     if launch == "command" and not command:
         raise ValueError(f"launch: command needs `command` (e.g. {example})")
     for word in command or []:
@@ -165,13 +175,6 @@ def check_command(launch: str, command: list[str] | None, placeholders: tuple[st
                     f"command word {word!r}: unknown placeholder {{{name}}}; known: "
                     + ", ".join("{" + p + "}" for p in placeholders)
                 )
-
-
-def command_words(value: Any) -> Any:
-    """A command list with YAML's numbers (`--tp, 8`) as the strings every argument is on a command line anyway."""
-    if isinstance(value, list):
-        return [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
-    return value
 
 
 class SamplingConfig(Section):
@@ -195,7 +198,8 @@ class SamplingConfig(Section):
         ge=0,
         description="Makes sampling repeatable: each /generate request gets SGLang's `sampling_seed`, derived from "
         "(seed, dataset, prompt id), so a prompt's response does not depend on the order or concurrency it was sent "
-        "with. SGLang honours it only when the server runs with --enable-deterministic-inference (docs/run-a-pipeline.md, 'Repeatable sampling'); "
+        "with. SGLang honours it only when the server runs with --enable-deterministic-inference "
+        "(docs/run-a-pipeline.md, 'Repeatable sampling'); "
         "the dev server always does. None: the server draws its own randomness.",
     )
 
@@ -243,8 +247,8 @@ class LaunchConfig(Section):
         default=2,
         ge=0,
         description="Prefect retries of a job whose rank crashed or was killed; a retry resumes (complete "
-        "shards are skipped, training goes on from the last checkpoint). A full disk, a damaged file, a checkpoint of other "
-        "data or settings, or a refused job is not retried.",
+        "shards are skipped, training goes on from the last checkpoint). "
+        "A full disk, a damaged file, a checkpoint of other data or settings, or a refused job is not retried.",
     )
     retry_delay_s: float = Field(default=60.0, ge=0, description="Seconds to wait before each retry of the job.")
 
@@ -257,7 +261,7 @@ class LaunchConfig(Section):
 
 
 class DistributedConfig(Nodes, Section):
-    """The nodes the capture and train jobs span (models/jobs.py `Nodes`); each node runs the stage's num_gpus ranks.
+    """The nodes the capture and train jobs span (models/nodes.py `Nodes`); each node runs the stage's num_gpus ranks.
 
     torchrun: the pipeline runs on node 0 and starts its ranks; every other node runs
     `eagle3 node CONFIG --node-rank R` (docs/scale-out.md). deepspeed: node 0 starts them all from the hostfile.
@@ -269,13 +273,16 @@ class EngineConfig(EngineSettings, Section):
 
     launch: Literal["none", "dev", "command"] = Field(
         default="none",
-        description="Who runs the vLLM server during the capture stage. `none`: it is already running at `url`, started "
-        "with the extraction config the capture logs (and docs/kimi-k25.md shows). `dev`: the built-in dev server emulates "
-        "it on the target (demo, tests). `command`: the pipeline starts `command`, waits for /health, and stops it after.",
+        description="Who runs the vLLM server during the capture stage. "
+        "`none`: it is already running at `url`, started with the extraction config the capture logs "
+        "(and docs/kimi-k25.md shows). "
+        "`dev`: the built-in dev server emulates it on the target (demo, tests). "
+        "`command`: the pipeline starts `command`, waits for /health, and stops it after.",
     )
-    command: list[str] | None = Field(
+    command: CommandWords = Field(
         default=None,
-        description="launch: command: the vLLM command as a list of arguments; its log goes to RUN_DIR/logs/capture-server.log. "
+        description="launch: command: the vLLM command as a list of arguments; "
+        "its log goes to RUN_DIR/logs/capture-server.log. "
         "Placeholders: {host}, {port} (from url), {speculative_config} and {kv_transfer_config} (the extraction config "
         "as JSON, with the layer ids and shared_dir this capture reads), {shared_dir}.",
     )
@@ -284,11 +291,6 @@ class EngineConfig(EngineSettings, Section):
         gt=0,
         description="How long to wait for the server's /health at the start (a 1T model loads for many minutes).",
     )
-
-    @field_validator("command", mode="before")
-    @classmethod
-    def _command_words(cls, value: Any) -> Any:
-        return command_words(value)
 
     @model_validator(mode="after")
     def _command_for_launch(self) -> EngineConfig:
@@ -310,9 +312,10 @@ class CaptureConfig(CaptureSettings, LaunchConfig):
 
     backend: Literal["deepspeed", "vllm"] = Field(
         default="deepspeed",
-        description="`deepspeed`: ranks run the HF target (mode, num_gpus, launcher; small and medium targets, the demo). "
-        "`vllm`: a vLLM server running the target (INT4 Kimi-K2.5 on 8 GPUs needs no BF16 copy) extracts them; see `engine`. "
-        "Both write the same shards, index and metadata.",
+        description="`deepspeed`: ranks run the HF target "
+        "(mode, num_gpus, launcher; small and medium targets, the demo). "
+        "`vllm`: a vLLM server running the target (INT4 Kimi-K2.5 on 8 GPUs needs no BF16 copy) extracts them; "
+        "see `engine`. Both write the same shards, index and metadata.",
     )
     engine: EngineConfig = Field(
         default_factory=EngineConfig, description="backend: vllm: the server and how to reach it."
@@ -321,7 +324,8 @@ class CaptureConfig(CaptureSettings, LaunchConfig):
     max_tokens: int | None = Field(
         default=None,
         ge=1,
-        description="Capture at most this many tokens in total (one way to fit a disk: the remaining records are not captured).",
+        description="Capture at most this many tokens in total "
+        "(one way to fit a disk: the remaining records are not captured).",
     )
     out_dir: Path | None = Field(
         default=None, description="Where the hidden states go; default RUN_DIR/hidden. Put it on a big disk."
@@ -472,7 +476,8 @@ class RunConfig(Section):
 
     @property
     def layout(self) -> RunLayout:
-        """Every path of this run: RUN_DIR's layout, with capture.out_dir, capture.engine.shared_dir and train.out_dir where set."""
+        """Every path of this run: RUN_DIR's layout, with capture.out_dir, capture.engine.shared_dir and train.out_dir
+        where set."""
         return RunLayout(
             self.run_dir,
             hidden_dir=self.capture.out_dir,

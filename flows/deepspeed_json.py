@@ -1,4 +1,5 @@
-"""`make deepspeed-json`: write deploy/deepspeed/*.json, the DeepSpeed configs the stages derive from the declared defaults.
+"""`make deepspeed-json`: write deploy/deepspeed/*.json, the DeepSpeed configs the stages derive from the
+declared defaults.
 
 Nothing reads these files: each train rank derives its config from the train settings in its job
 (models/train.py `ds_train_config`), each ZeRO-3 capture rank from its capture job

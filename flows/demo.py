@@ -64,7 +64,8 @@ def run_demo(
 
     `engine` "vllm": generate and the engine eval go through a real vLLM (.venv-vllm's CPU build) started by the
     pipeline, instead of the dev server's SGLang emulation.
-    `capture_backend` "vllm": the capture stage starts the dev server with vLLM's extraction flags instead of DeepSpeed ranks.
+    `capture_backend` "vllm": the capture stage starts the dev server with vLLM's extraction flags instead of
+    DeepSpeed ranks.
     `overrides`: {section: {setting: value}} over configs/demo.yaml, validated like the file (the tests' shorter demo).
     """
     console = console or Console()
@@ -165,7 +166,8 @@ def render_engine(engine: dict) -> Table:
 
 
 def render_eval(eval_report: Path) -> Table:
-    """The eval stage's result (draft/eval.json, RunLayout.eval_report): acceptance length per draft, the TTT estimate, where the draft is."""
+    """The eval stage's result (draft/eval.json, RunLayout.eval_report): acceptance length per draft, the TTT
+    estimate, where the draft is."""
     report = json.loads(eval_report.read_text())
     k = report["num_steps"]
     table = Table(

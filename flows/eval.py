@@ -55,7 +55,8 @@ def eval_job(config: RunConfig) -> EvalJob:
 
 
 def engine_server(config: RunConfig) -> EngineServer:
-    """The engine eval's server: `server` as the generate stage starts it, one server at server.url (or the running one)."""
+    """The engine eval's server: `server` as the generate stage starts it, one server at server.url
+    (or the running one)."""
     s = config.server
     return EngineServer(
         settings=ServerSettings(**{**s.pick(ServerSettings), "url": config.eval_server_url, "urls": None}),

@@ -1,4 +1,5 @@
-"""Flow `generate`: one task per dataset; passthrough datasets are copied, generate datasets go through the serving engine (SGLang or vLLM)."""
+"""Flow `generate`: one task per dataset; passthrough datasets are copied, generate datasets go through the
+serving engine (SGLang or vLLM)."""
 
 from __future__ import annotations
 

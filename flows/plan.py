@@ -42,14 +42,16 @@ def print_plan(config: RunConfig, console: Console) -> bool:
 
     records = {d.name: summarize_records(layout.records(d.name)) for d in config.datasets}
     console.print(
-        f"records: {sum(r.records for r in records.values()):,} records, {sum(r.tokens for r in records.values()):,} tokens, "
+        f"records: {sum(r.records for r in records.values()):,} records, "
+        f"{sum(r.tokens for r in records.values()):,} tokens, "
         f"{sum(r.loss_tokens for r in records.values()):,} loss tokens so far"
     )
     try:
         plan = capture_plan(config)
     except Exception as exc:  # e.g. a Hub id on an offline machine
         console.print(
-            f"[yellow]capture: no disk plan: cannot read the target's config.json ({escape(str(exc).splitlines()[0])[:160]}). "
+            "[yellow]capture: no disk plan: cannot read the target's config.json "
+            f"({escape(str(exc).splitlines()[0])[:160]}). "
             "Point target.path at a local copy of the checkpoint (config.json is all the plan needs).[/yellow]",
             highlight=False,
         )
@@ -85,7 +87,8 @@ def print_plan(config: RunConfig, console: Console) -> bool:
 
 
 def capture_plan(config: RunConfig) -> CapturePlan:
-    """The capture's bytes still to write against the free space (reads the target's config.json; raises if it cannot)."""
+    """The capture's bytes still to write against the free space
+    (reads the target's config.json; raises if it cannot)."""
     shape = target_shape(config.target.path, config.target.trust_remote_code)
     c, layout = config.capture, config.layout
     engine = EngineWindow(layout.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None

@@ -90,7 +90,10 @@ def server_flags(aux_layers: list[int], num_layers: int, shared_dir: str | Path)
 
 
 def wait_for_file(path: str | Path, timeout_s: float) -> None:
-    """Return once the connector has finished writing `path` (its `.lock` is free, or there is none); TimeoutError after `timeout_s`."""
+    """Return once the connector has finished writing `path` (its `.lock` is free, or there is none).
+
+    TimeoutError after `timeout_s`.
+    """
     lock = f"{path}{LOCK_SUFFIX}"
     try:
         fd = os.open(lock, os.O_RDONLY)
@@ -111,7 +114,7 @@ def wait_for_file(path: str | Path, timeout_s: float) -> None:
 
 
 def read_connector_file(path: str | Path, token_ids: list[int], num_ids: int, hidden_size: int) -> torch.Tensor:
-    """The [n, num_ids, H] hidden states of one request's file, checked against what was sent; ExtractionFailed otherwise."""
+    """The [n, num_ids, H] hidden states in a request's file, checked against what was sent; else ExtractionFailed."""
     path = Path(path)
     layers = f"start vLLM with the extraction config this capture logs ({num_ids} layer ids)"
     try:
@@ -160,14 +163,17 @@ def read_connector_file(path: str | Path, token_ids: list[int], num_ids: int, hi
 
 @dataclass(frozen=True)
 class FinalNorm:
-    """The target's final RMSNorm (Llama / DeepSeek-V3 form), applied as HF applies it: math in float32, weight times the input dtype."""
+    """The target's final RMSNorm (Llama / DeepSeek-V3 form), applied as HF applies it.
+
+    The math in float32, the weight times the input dtype.
+    """
 
     weight: torch.Tensor  # [H]
     eps: float
 
     @classmethod
     def load(cls, target_path: str | Path) -> FinalNorm:
-        """The weight from the checkpoint (models/target_weights.py), eps from config.json (the text config of multimodal ones)."""
+        """The checkpoint's weight (models/target_weights.py), eps from config.json (multimodal: its text config)."""
         from models.target_weights import checkpoint_dir, load_final_norm
 
         config = json.loads((checkpoint_dir(target_path) / "config.json").read_text())
@@ -185,7 +191,7 @@ class FinalNorm:
 
 
 def sample_rows(hidden: torch.Tensor, norm: FinalNorm, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(aux [n, 3H], last [n, H]) in `dtype` from a file's [n, 4, H]: three aux outputs in layer order, the normed last one."""
+    """(aux [n, 3H], last [n, H]) in `dtype` of a file's [n, 4, H]: 3 aux outputs in layer order, the last normed."""
     n, k, h = hidden.shape
     aux = hidden[:, : k - 1, :].reshape(n, (k - 1) * h)  # [n, 3H] = cat(aux_0, aux_1, aux_2) along the last axis
     last = norm(hidden[:, k - 1, :])  # [n, H], after the final norm

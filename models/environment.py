@@ -83,8 +83,6 @@ def environment_checks(
 
 def _python_finding() -> Finding:
     have = ".".join(map(str, sys.version_info[:3]))
-    if sys.version_info < (3, 10):
-        return Finding("python", "FAIL", have, "use Python 3.10 or later")
     tested = tested_versions("python")
     if _matches(have, tested):
         return Finding("python", "PASS", have)

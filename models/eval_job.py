@@ -75,8 +75,8 @@ def run(job: EvalJob) -> dict[str, Any]:
         )
     if len(prompts) < job.prompts:
         print(
-            f"eval: only {len(prompts)} prompts (asked for {job.prompts}): raise train.eval_fraction or add eval.prompt_files "
-            "for more",
+            f"eval: only {len(prompts)} prompts (asked for {job.prompts}): raise train.eval_fraction or add "
+            "eval.prompt_files for more",
             flush=True,
         )
 
@@ -121,8 +121,8 @@ def run(job: EvalJob) -> dict[str, Any]:
             },
         }
         print(
-            f"eval: {name} draft: acceptance length {result[name]['acceptance_length']:.3f} over {result[name]['rounds']} "
-            f"rounds; per position {result[name]['per_position_acceptance']}",
+            f"eval: {name} draft: acceptance length {result[name]['acceptance_length']:.3f} over "
+            f"{result[name]['rounds']} rounds; per position {result[name]['per_position_acceptance']}",
             flush=True,
         )
     out = Path(job.out)

@@ -23,7 +23,9 @@ class EvalPrompt(NamedTuple):
 
 
 def eval_prompts(job: EvalJob, vocab_size: int | None = None) -> list[EvalPrompt]:
-    """Up to `job.prompts` prompts: held-out records' tokens before their first loss token (held-out hash order), then the prompt files'."""
+    """Up to `job.prompts` prompts: held-out records' tokens before their first loss token (held-out hash order),
+    then the prompt files'.
+    """
     out = [EvalPrompt(*p) for p in held_out_prompts(job.datasets, job.eval_fraction, job.prompts, vocab_size)]
     # every file is read (a bad row fails the eval even where the held-out records fill it), rendered as needed
     rows = [

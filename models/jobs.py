@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from models.server_access import api_key_from_env, server_url
 from models.spec import Spec
+
+# A server's base URL (server.url, capture.engine.url, eval.baseline_url), checked and without a trailing slash.
+ServerUrl = Annotated[str, AfterValidator(server_url)]
 
 # --- the target -------------------------------------------------------------------------------
 
@@ -95,11 +98,11 @@ class ServerSettings(Spec):
 
     engine: Literal["sglang", "vllm"] = Field(
         default="sglang",
-        description="The serving engine of generate and the engine eval (tasks/engines/): sglang (its native /generate) "
-        "or vllm (its OpenAI-compatible /v1/completions with token ids; `make vllm` installs the CPU build). The dev "
-        "server emulates SGLang only.",
+        description="The serving engine of generate and the engine eval (tasks/engines/): sglang (its native "
+        "/generate) or vllm (its OpenAI-compatible /v1/completions with token ids; `make vllm` installs the CPU "
+        "build). The dev server emulates SGLang only.",
     )
-    url: str = Field(
+    url: ServerUrl = Field(
         default="http://127.0.0.1:30000",
         description="Base URL of the server: scheme://host:port with no path (not .../generate, not .../v1). https is "
         "allowed; without a port the scheme's default (80, 443) is used, as behind a proxy.",
@@ -140,11 +143,6 @@ class ServerSettings(Spec):
         description="Name of the environment variable holding the server's API key (sent as a "
         "Bearer token). The key itself never goes into the config, logs or artifacts.",
     )
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, value: str) -> str:
-        return server_url(value)
 
     @field_validator("urls")
     @classmethod
@@ -256,60 +254,6 @@ class RecordsJob(RecordSettings):
         return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-# --- nodes ------------------------------------------------------------------------------------
-
-
-class Nodes(Spec):
-    """The nodes a capture or train job spans: one (the defaults), or several sharing RUN_DIR.
-
-    World size = nnodes x the stage's num_gpus (every node runs that many ranks). Global rank r runs on
-    node r // num_gpus as its local rank r % num_gpus: node 0 holds ranks 0..num_gpus-1, rank 0 among them.
-    """
-
-    nnodes: int = Field(
-        default=1,
-        ge=1,
-        le=1024,
-        description="Nodes a capture or train job runs on; each runs the stage's num_gpus ranks. Above 1, RUN_DIR (and "
-        "capture.out_dir, train.out_dir) must be one shared filesystem, the repository and its .venv at the same path on "
-        "every node. The pipeline runs on node 0.",
-    )
-    master_addr: str | None = Field(
-        default=None,
-        description="Address of node 0 that every node reaches (torchrun: the rendezvous; deepspeed: optional, the "
-        "first host of the hostfile by default). Needed by torchrun when nnodes > 1.",
-    )
-    master_port: int = Field(
-        default=29500,
-        ge=1,
-        le=65535,
-        description="nnodes > 1: TCP port on node 0 for the rendezvous and the process group (one node: a free port is picked).",
-    )
-    hostfile: Path | None = Field(
-        default=None,
-        description="deepspeed launcher, nnodes > 1: DeepSpeed's hostfile (`<host> slots=<GPUs>` a line; the first "
-        "nnodes hosts are used). Node 0 starts every node's ranks over passwordless ssh with pdsh.",
-    )
-    join_timeout_s: int = Field(
-        default=600,
-        ge=1,
-        description="torchrun, nnodes > 1: how long node 0 waits for the other nodes to join (and they for node 0).",
-    )
-
-    @field_validator("master_addr")
-    @classmethod
-    def _plain_address(cls, value: str | None) -> str | None:
-        if value is not None and (not value or any(c.isspace() for c in value) or value.count(":") == 1):
-            raise ValueError(
-                f"must be the host name or IP address of node 0 (no spaces; the port goes in master_port), got {value!r}"
-            )
-        return value
-
-    @property
-    def multinode(self) -> bool:
-        return self.nnodes > 1
-
-
 # --- capture ----------------------------------------------------------------------------------
 
 
@@ -365,8 +309,8 @@ class CaptureJob(CaptureSettings, RecordsRef, RankJob):
     out_dir: str = Field(description="Shards + index.parquet go here (RUN_DIR/hidden).")
     launch_tokens: int | None = Field(
         ge=0,
-        description="Most tokens THIS launch captures: capture.max_tokens less what complete shards hold (null: no cap). "
-        "Always stated by the task: no default.",
+        description="Most tokens THIS launch captures: capture.max_tokens less what complete shards hold "
+        "(null: no cap). Always stated by the task: no default.",
     )
 
 
@@ -379,7 +323,7 @@ class EngineSettings(Spec):
     reads the file the reply names, and deletes it once the shard holding the record is on disk.
     """
 
-    url: str = Field(
+    url: ServerUrl = Field(
         default="http://127.0.0.1:8000",
         description="Base URL of the vLLM server (scheme://host:port, no path; the capture adds /v1/completions).",
     )
@@ -389,15 +333,16 @@ class EngineSettings(Spec):
     )
     shared_dir: Path | None = Field(
         default=None,
-        description="The connector's shared_storage_path: where vLLM writes a file per request, read and deleted by the "
-        "capture. Must be this machine's view of the server's directory and used by this capture alone. Default "
-        "RUN_DIR/engine; a RAM disk (/dev/shm/...) is fastest (vLLM's advice).",
+        description="The connector's shared_storage_path: where vLLM writes a file per request, read and deleted by "
+        "the capture. Must be this machine's view of the server's directory and used by this capture alone. "
+        "Default RUN_DIR/engine; a RAM disk (/dev/shm/...) is fastest (vLLM's advice).",
     )
     max_concurrency: int = Field(
         default=32,
         ge=1,
         le=4096,
-        description="Requests in flight at once; each holds a file of n x 4 x hidden x 2 bytes in shared_dir until its shard is written.",
+        description="Requests in flight at once; each holds a file of n x 4 x hidden x 2 bytes in shared_dir until "
+        "its shard is written.",
     )
     request_timeout_s: float = Field(
         default=600.0,
@@ -412,13 +357,9 @@ class EngineSettings(Spec):
     )
     api_key_env: str | None = Field(
         default=None,
-        description="Name of the environment variable holding the server's API key (vLLM --api-key), sent as a Bearer token.",
+        description="Name of the environment variable holding the server's API key (vLLM --api-key), sent as a "
+        "Bearer token.",
     )
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, value: str) -> str:
-        return server_url(value)
 
     def api_key(self) -> str | None:
         """The key from the environment (None when no variable is named); RuntimeError when it is not set."""
@@ -461,7 +402,8 @@ class TrainSettings(HeldOut):
     draft_vocab_size: int = Field(
         default=32000,
         ge=1,
-        description="Tokens the draft can propose: the most frequent loss tokens of the records (capped by the target vocab).",
+        description="Tokens the draft can propose: the most frequent loss tokens of the records (capped by the "
+        "target vocab).",
     )
     ttt_steps: int = Field(
         default=7, ge=1, le=16, description="Training-time-test steps unrolled per position (EAGLE-3: 7)."
@@ -515,8 +457,8 @@ class TrainSettings(HeldOut):
     )
     draft_overrides: dict[str, int | float] = Field(
         default_factory=dict,
-        description="Draft shape settings that differ from the target's (head_dim, num_attention_heads, num_key_value_heads, "
-        "intermediate_size, rope_theta, rms_norm_eps); e.g. head_dim: 128 for an MLA target.",
+        description="Draft shape settings that differ from the target's (head_dim, num_attention_heads, "
+        "num_key_value_heads, intermediate_size, rope_theta, rms_norm_eps); e.g. head_dim: 128 for an MLA target.",
     )
 
     @field_validator("adam_betas")
@@ -580,14 +522,16 @@ class EvalSettings(Spec):
         default=3,
         ge=1,
         le=16,
-        description="Draft tokens per verify round (SGLang --speculative-num-steps; top-k 1, num-draft-tokens = this + 1).",
+        description="Draft tokens per verify round (SGLang --speculative-num-steps; top-k 1, num-draft-tokens = "
+        "this + 1).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="Where the target and draft run; auto: cuda if available."
     )
     compare_untrained: bool = Field(
         default=True,
-        description="Also measure the draft as training starts it (same seed, untrained): the baseline the trained one must beat.",
+        description="Also measure the draft as training starts it (same seed, untrained): the baseline the trained "
+        "one must beat.",
     )
 
 
@@ -597,30 +541,26 @@ class EngineEvalSettings(Spec):
     backend: Literal["hf", "engine", "both"] = Field(
         default="hf",
         description="hf: speculative decoding in-process with the HF target (the whole target in this process's GPUs: "
-        "small targets, the demo). engine: the eval starts the server (server.launch dev|command) with the exported draft "
-        "(SGLang's --speculative-* flags from num_steps), decodes the prompts greedily through /generate and reads the "
-        "acceptance from meta_info, then again without the draft for the speedup (a 1T target). both: each, on the same "
-        "prompts, side by side in eval.json.",
+        "small targets, the demo). engine: the eval starts the server (server.launch dev|command) with the exported "
+        "draft (SGLang's --speculative-* flags from num_steps), decodes the prompts greedily through /generate and "
+        "reads the acceptance from meta_info, then again without the draft for the speedup (a 1T target). both: each, "
+        "on the same prompts, side by side in eval.json.",
     )
     concurrency: int = Field(
         default=1,
         ge=1,
         le=1024,
-        description="engine: eval requests in flight at once (1: batch-size-1 latency, where speculative decoding gains most).",
+        description="engine: eval requests in flight at once (1: batch-size-1 latency, where speculative decoding "
+        "gains most).",
     )
     baseline: bool = Field(
         default=True, description="engine: also decode the prompts without the draft, for the speedup in tokens/s."
     )
-    baseline_url: str | None = Field(
+    baseline_url: ServerUrl | None = Field(
         default=None,
         description="engine with server.launch: none: a running server of the same target WITHOUT the draft, for the "
         "speedup (server.url must then serve the draft). Unset: no speedup is measured with launch: none.",
     )
-
-    @field_validator("baseline_url")
-    @classmethod
-    def _baseline_url(cls, value: str | None) -> str | None:
-        return None if value is None else server_url(value)
 
 
 class EvalJob(EvalSettings, HeldOut, RecordsRef, TargetRef):

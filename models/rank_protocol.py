@@ -13,7 +13,7 @@ short by a dying process does not parse and is an ordinary log line.
              TRAIN_DONE final=DIR
              TRAIN_ERROR {json}
     eval     EVAL_PROGRESS draft=NAME done=i total=n [new_tokens=T rounds=R accepted=A]
-                                                                   prompt i's figures: tokens, verify rounds, accepted drafts
+                                                                   prompt i's tokens, verify rounds, accepted drafts
              EVAL_ERROR {json}
     any      RANK_MEMORY rank=R host_peak_rss=B [gpu_peak_allocated=B gpu_peak_reserved=B]
                                                                    every rank as it exits (bytes)

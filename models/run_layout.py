@@ -42,7 +42,7 @@ TENSORBOARD = "tensorboard"
 
 
 class _Entry:
-    """One entry of a layout directory, read like a property: `layout.metrics` is `layout.draft_dir / "metrics.jsonl"`."""
+    """One entry of a layout directory, read as a property: `layout.metrics` is `layout.draft_dir / "metrics.jsonl"`."""
 
     def __init__(self, directory: str, name: str, doc: str) -> None:
         self.directory, self.name, self.__doc__ = directory, name, doc
@@ -66,7 +66,7 @@ class RunLayout:
     draft_dir: Path
     """train.out_dir, else RUN_DIR/draft: the train stage's checkpoints, metrics and exported draft."""
     engine_dir: Path
-    """capture.engine.shared_dir, else RUN_DIR/engine: the vLLM connector's per-request files (capture.backend: vllm)."""
+    """capture.engine.shared_dir, else RUN_DIR/engine: the vLLM connector's request files (capture.backend: vllm)."""
 
     def __init__(
         self,

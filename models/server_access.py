@@ -14,7 +14,7 @@ _NETLOC = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^:\[\]@]+)(?::(?P<port>[^:]*
 
 
 def api_key_from_env(variable: str | None, setting: str) -> str | None:
-    """The API key in environment variable `variable` (None when none is named); RuntimeError naming `setting` when unset."""
+    """The API key in env variable `variable` (None when none is named); RuntimeError naming `setting` when unset."""
     if variable is None:
         return None
     key = os.environ.get(variable)

@@ -46,7 +46,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
-from models.eagle3 import Eagle3Draft, KVCache
+from models.eagle3 import Eagle3Draft
+from models.eagle3_caches import KVCache
 
 
 @dataclass
@@ -263,7 +264,7 @@ def speculative_generate(
     eos_token_ids: set[int] | None = None,
     aux_layers: list[int] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Greedy generation with the draft proposing num_steps tokens per round; returns (output ids, accepted count per round).
+    """Greedy decoding, the draft proposing num_steps tokens per round; returns (output ids, accepted count per round).
 
     The output equals `greedy_generate`'s. The accepted count of a round cut by eos or
     max_new_tokens is what was kept minus one (module docstring), so sum(a + 1) == len(output) - 1.

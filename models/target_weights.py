@@ -1,4 +1,4 @@
-"""Single tensors of a target checkpoint (its input embedding, its lm_head, its final norm), read without loading the model.
+"""Single tensors of a target checkpoint (its input embedding, lm_head, final norm), read without loading the model.
 
 The draft needs two frozen pieces of a target that may be a 1T-parameter MoE: the input embedding
 (the draft embeds tokens with it) and the lm_head (target logits are recomputed from the stored

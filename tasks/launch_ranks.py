@@ -22,7 +22,7 @@ from typing import Any
 
 from models.atomic import write_atomic
 from models.file_errors import WriteFailed, is_write_error
-from models.jobs import Nodes
+from models.nodes import Nodes
 from models.rank_protocol import Message, Protocol, most_telling, reported_error
 from models.spec import Spec
 from tasks.ports import free_port
@@ -86,7 +86,8 @@ HOSTFILE_LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\d+)")
 
 
 def node_problems(nodes: Nodes, launcher: str, num_gpus: int) -> list[str]:
-    """Why `nodes` cannot run a job of `num_gpus` ranks per node under `launcher` (torchrun or deepspeed); [] if it can."""
+    """Why `nodes` cannot run a job of `num_gpus` ranks per node under `launcher` (torchrun or deepspeed);
+    [] if it can."""
     if not nodes.multinode:
         return []
     if launcher == "torchrun":
@@ -280,7 +281,8 @@ def run_job(
 
 
 def write_job(job: Spec, path: Path, *, kept: Callable[[], str], resume: str) -> None:
-    """Write a rank job's JSON file (atomically) from its spec; a storage failure is `WriteFailed` saying what is `kept()`."""
+    """Write a rank job's JSON file (atomically) from its spec;
+    a storage failure is `WriteFailed` saying what is `kept()`."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, job.model_dump_json(indent=2))
@@ -364,7 +366,8 @@ def run_node(
     attempts: int,
     log: Callable[[str], None],
 ) -> None:
-    """Run node `node_rank`'s ranks of a multi-node torchrun job that node 0's pipeline launches; return when it succeeds.
+    """Run node `node_rank`'s ranks of a multi-node torchrun job that node 0's pipeline launches;
+    return when it succeeds.
 
     Node 0 writes `job_path` before it starts its own launcher, and ranks read it only once every node
     has joined, so this may start before or after node 0 (within distributed.join_timeout_s). Node 0
@@ -382,8 +385,8 @@ def run_node(
     for attempt in range(1, attempts + 1):
         log(
             f"node {node_rank}: {protocol.name} ranks {node_rank * num_ranks}..{(node_rank + 1) * num_ranks - 1} of "
-            f"{nodes.nnodes * num_ranks}, joining node 0 at {nodes.master_addr}:{nodes.master_port} (launch {attempt} of "
-            f"at most {attempts}): {' '.join(command)}"
+            f"{nodes.nnodes * num_ranks}, joining node 0 at {nodes.master_addr}:{nodes.master_port} "
+            f"(launch {attempt} of at most {attempts}): {' '.join(command)}"
         )
         try:
             follow_job(command, protocol=protocol, env=env, log=log, on_message=lambda message: log(message.line))

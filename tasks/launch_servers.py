@@ -264,7 +264,8 @@ def answers(url: str) -> bool:
 
 @contextlib.contextmanager
 def serving(servers: list[ServerProcess], health_timeout_s: float) -> Iterator[list[ServerProcess]]:
-    """Start `servers`, wait until each is healthy, yield them; stop them all on exit (SIGTERM raises here, so they are)."""
+    """Start `servers`, wait until each is healthy, yield them;
+    stop them all on exit (SIGTERM raises here, so they are)."""
     previous = None
     if threading.current_thread() is threading.main_thread():
 

@@ -57,7 +57,8 @@ class RunDirLocked(RuntimeError):
             f"{' (the last reader to start; others may read it too)' if holder.get('reads') else ''}. "
             f"Only one process may write {what}. Wait for that one to finish, or stop it (it can be resumed later); "
             "`eagle3 stats` and `eagle3 plan` work meanwhile. If that process is gone and this message stays, the lock "
-            f"is held from another machine that mounts {run_dir} (see docs/operate-and-recover.md, 'One writer per run directory')."
+            f"is held from another machine that mounts {run_dir} "
+            "(see docs/operate-and-recover.md, 'One writer per run directory')."
         )
 
 

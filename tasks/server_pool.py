@@ -12,8 +12,9 @@ max_model_len) and its figures. The engine's client (tasks/engines/) makes and r
   Whether the server is taken out of the pool depends on what failed:
   - it cannot be reached (connect error) or answered 200 with impossible content: marked down;
   - the connection dropped, the request timed out, or it answered 408/429/5xx: one health probe
-    (the engine's health path: SGLang's /health_generate, vLLM's /health) decides. A server that answers it stays in: one dropped connection is not
-    a dead server, and marking healthy servers down would leave capacity idle.
+    (the engine's health path: SGLang's /health_generate, vLLM's /health) decides. A server that answers it
+    stays in: one dropped connection is not a dead server, and marking healthy servers down would leave
+    capacity idle.
   A monitor polls a down server's health path, with backoff, until it answers again.
 - A prompt is at one server at a time and its reply is recorded only by the caller, so every
   prompt is still recorded exactly once. A timed-out request is aborted at the server that held it.
@@ -275,7 +276,8 @@ class ServerPool:
         self._notify()
 
     def _failed(self, s: Server, exc: ServerUnavailable) -> None:
-        """A request failed at `s` (module docstring): down now, or a health probe decides; a rid clash changes nothing."""
+        """A request failed at `s` (module docstring): down now, or a health probe decides;
+        a rid clash changes nothing."""
         if isinstance(exc, DuplicateRequestId):  # the server still held that rid: not a fault of the server
             return
         cause = exc.__cause__
@@ -324,7 +326,8 @@ class ServerPool:
     # --- requests ---------------------------------------------------------------------------
 
     def input_limit(self) -> int | None:
-        """The longest prompt + 1 that some server takes, over the servers seen so far (None: a limit is unknown, no check).
+        """The longest prompt + 1 that some server takes, over the servers seen so far
+        (None: a limit is unknown, no check).
 
         A prompt rejected as too long here is checked again on every run (a server with a bigger
         context, or one that was not up yet, may take it then).

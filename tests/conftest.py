@@ -58,7 +58,7 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Tmpfs:
-    """Real small filesystems for full-disk tests: `with tmpfs(directory, size) as d:`, `tmpfs.remount(d, "size=4m")`."""
+    """Tiny real filesystems for full-disk tests: `with tmpfs(directory, size) as d:`, `tmpfs.remount(d, "size=4m")`."""
 
     def __init__(self) -> None:
         self.mounted: list[Path] = []

@@ -83,3 +83,16 @@ def test_only_the_cli_imports_the_emulators():
         if module.split(".")[0] == "emulators" and str(path.relative_to(REPO)) not in IMPORTS_EMULATORS
     ]
     assert found == []
+
+
+MAX_LINES = 600  # a file past this holds more than one concept: split it by concept, not by line count
+
+
+def test_no_file_of_the_layers_is_over_600_lines():
+    long = {
+        str(path.relative_to(REPO)): n
+        for package in LAYER
+        for path in sorted((REPO / package).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}

@@ -214,7 +214,7 @@ class Scheduler:
         return True
 
     def _abort(self, rid: str, abort_all: bool = False, cause: str = "request") -> int:
-        """/abort_request: every sequence whose rid starts with `rid`, if `rid` is held (sglang_protocol.abort_matcher)."""
+        """/abort_request: every sequence whose rid starts with `rid`, if `rid` is held (sglang.abort_matcher)."""
         match = sglang.abort_matcher(rid, abort_all, self._held)
         if match is None:
             return 0

@@ -64,7 +64,8 @@ class RecordsRefused(ValueError):
         first = "; ".join(f"{ds}/{rid} ({n} tokens): {why}" for ds, rid, n, why in refused[:3])
         super().__init__(
             f"the vLLM server refused {len(refused)} record(s), e.g. {first}. Every other record is captured. "
-            "Start vLLM with a larger --max-model-len (or drop the records with records.max_seq_len), then run the capture "
+            "Start vLLM with a larger --max-model-len (or drop the records with records.max_seq_len), "
+            "then run the capture "
             "stage again: only the refused records are sent."
         )
 

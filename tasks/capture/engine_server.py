@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -18,27 +19,32 @@ from models.engine_hidden import extraction_config
 from tasks.launch_servers import ServerProcess, answers, fill_placeholders, serving
 
 
-def engine_command(
-    launch: str,
-    url: str,
-    *,
-    target: str,
-    aux_layers: list[int],
-    num_layers: int,
-    shared_dir: Path,
-    command: list[str] | None = None,
-) -> list[str]:
+@dataclass(frozen=True)
+class CaptureServer:
+    """The capture's server: how it is launched (capture.engine.launch), where it answers, what it extracts."""
+
+    launch: str  # dev | command | none
+    url: str
+    target: str
+    aux_layers: list[int]
+    num_layers: int
+    shared_dir: Path
+    command: list[str] | None = None  # launch: command
+
+
+def engine_command(server: CaptureServer) -> list[str]:
     """The server's command line: the dev server's emulation, or `command` with its placeholders filled."""
-    parts = urlparse(url)
+    parts = urlparse(server.url)
     host, port = parts.hostname or "127.0.0.1", str(parts.port or 80)
-    speculative, kv_transfer = extraction_config(aux_layers, num_layers, shared_dir)
-    if launch == "dev":
+    shared_dir = server.shared_dir
+    speculative, kv_transfer = extraction_config(server.aux_layers, server.num_layers, shared_dir)
+    if server.launch == "dev":
         return [
             sys.executable,
             "-m",
             "emulators.dev_server",
             "--model",
-            target,
+            server.target,
             "--host",
             host,
             "--port",
@@ -48,7 +54,7 @@ def engine_command(
             "--kv-transfer-config",
             json.dumps(kv_transfer),
         ]
-    if not command:
+    if not server.command:
         raise ValueError("capture.engine.launch: command needs capture.engine.command")
     fill = {
         "host": host,
@@ -57,27 +63,17 @@ def engine_command(
         "kv_transfer_config": json.dumps(kv_transfer),
         "shared_dir": str(shared_dir),
     }
-    return [fill_placeholders(word, fill) for word in command]
+    return [fill_placeholders(word, fill) for word in server.command]
 
 
 def launched_engine(
-    launch: str,
-    url: str,
-    *,
-    target: str,
-    aux_layers: list[int],
-    num_layers: int,
-    shared_dir: Path,
-    command: list[str] | None = None,
-    log_dir: Path | None = None,
-    health_timeout_s: float = 3600.0,
+    server: CaptureServer, *, log_dir: Path | None = None, health_timeout_s: float = 3600.0
 ) -> contextlib.AbstractContextManager:
     """A context running the capture's server (`dev` or `command`), or nothing (`none`: it runs already)."""
-    if launch == "none":
+    if server.launch == "none":
         return contextlib.nullcontext()
-    words = engine_command(
-        launch, url, target=target, aux_layers=aux_layers, num_layers=num_layers, shared_dir=shared_dir, command=command
-    )
+    words = engine_command(server)
+    url = server.url
     if answers(url):
         raise RuntimeError(
             f"something already answers at {url}: stop it (an old server would be used instead of the one this "

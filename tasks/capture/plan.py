@@ -96,7 +96,8 @@ def capture_layers(num_layers: int, override: list[int] | None) -> list[int]:
     bad = [k for k in override if not 0 <= k < num_layers]
     if len(override) != 3 or bad or len(set(override)) != 3:
         raise ValueError(
-            f"capture.aux_layers must be 3 distinct 0-based layers below {num_layers} (the target's layer count), got {override}"
+            f"capture.aux_layers must be 3 distinct 0-based layers below {num_layers} "
+            f"(the target's layer count), got {override}"
         )
     return list(override)
 
@@ -158,8 +159,9 @@ def check_fits(plan: CapturePlan) -> None:
         return
     if not plan.temp_fits:
         raise DiskTooSmall(
-            f"the vLLM connector's files need up to {human_bytes(plan.temp_bytes)} at once in {plan.temp_dir} (the records "
-            f"in flight and the shard being filled, the longest first) but it has {human_bytes(plan.temp_usable_bytes or 0)} "
+            f"the vLLM connector's files need up to {human_bytes(plan.temp_bytes)} at once in {plan.temp_dir} "
+            "(the records in flight and the shard being filled, the longest first) "
+            f"but it has {human_bytes(plan.temp_usable_bytes or 0)} "
             "after the margin. Ways out: a lower capture.engine.max_concurrency or capture.shard_tokens; "
             "capture.engine.shared_dir on a bigger filesystem."
         )

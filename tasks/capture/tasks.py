@@ -20,7 +20,8 @@ from prefect.cache_policies import NO_CACHE
 from models.atomic import write_atomic
 from models.file_errors import DamagedFile, WriteFailed
 from models.hidden_shards import METADATA_NAME, RESUME, iter_shard_index, list_shards, write_index
-from models.jobs import CaptureJob, EngineSettings, Nodes
+from models.jobs import CaptureJob, EngineSettings
+from models.nodes import Nodes
 from models.rank_protocol import CAPTURE, Message
 from tasks import launch_ranks
 from tasks.artifacts import artifact_key, progress_artifact
@@ -62,7 +63,8 @@ def rank_error(reports: list[dict[str, Any]]) -> Exception | None:
 
 
 def run_ranks(command: list[str], env: dict[str, str], on_line: Callable[[str], None]) -> None:
-    """Run capture ranks, every output line to `on_line`; a rank that reported why it failed raises that (`rank_error`)."""
+    """Run capture ranks, every output line to `on_line`; a rank that reported why it failed raises that
+    (`rank_error`)."""
     follow_job(
         command,
         protocol=CAPTURE,
@@ -218,7 +220,8 @@ def progress_line(done: int, total: int, tokens: int, seconds: float, where: str
 def run_engine_capture(
     job: CaptureJob, engine: EngineSettings, shared_dir: Path, config_name: str, token_cap: int | None = None
 ) -> float:
-    """Capture through the vLLM server (tasks/capture/engine.py), tracking progress like the DeepSpeed job; return tokens/s.
+    """Capture through the vLLM server (tasks/capture/engine.py), tracking progress like the DeepSpeed job;
+    return tokens/s.
 
     `token_cap` caps the whole capture as for the job: each attempt gets what is left after the complete shards.
     """

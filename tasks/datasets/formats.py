@@ -30,7 +30,16 @@ from pydantic import Field, model_validator
 from models.spec import Spec
 from tasks.datasets.errors import DatasetError
 from tasks.datasets.raw import COLUMNS, EXPECTED
-from tasks.datasets.rows import GENERATE_ROLES, BadRow, Kind, given_id, keys_note, prompt_length, type_name
+from tasks.datasets.rows import (
+    GENERATE_ROLES,
+    BadRow,
+    Kind,
+    given_id,
+    keys_note,
+    listed_objects,
+    prompt_length,
+    type_name,
+)
 
 FormatName = Literal["auto", "messages", "sharegpt", "alpaca", "columns", "ultrachat"]
 Role = Literal["system", "user", "assistant", "tool"]
@@ -233,15 +242,8 @@ def from_messages(data: dict, kind: Kind, shape: Shape) -> dict:
 def from_sharegpt(data: dict, kind: Kind, shape: Shape) -> dict:
     """Format sharegpt: `conversations` [{from, value}] -> messages."""
     conversations = _present(data, "conversations")
-    if not isinstance(conversations, list):
-        raise BadRow(f"'conversations' must be a list of {{from, value}} objects, got {type_name(conversations)}")
-    if not conversations:
-        raise BadRow("'conversations' is empty")
     turns = []
-    for i, turn in enumerate(conversations):
-        where = f"conversations[{i}]"
-        if not isinstance(turn, dict):
-            raise BadRow(f"'{where}' must be an object {{from, value}}, got {type_name(turn)}")
+    for where, turn in listed_objects(conversations, "conversations", "from, value"):
         turns.append(
             _Turn(_role(turn.get("from"), f"{where}.from", shape), turn.get("value"), f"{where}.value", f"{where}.from")
         )

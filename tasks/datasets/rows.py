@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
@@ -159,16 +159,23 @@ def _role(turn: Any) -> Any:
     return turn.get("role") if isinstance(turn, dict) else None
 
 
-def _messages(value: Any, roles: tuple[str, ...]) -> list[dict]:
+def listed_objects(value: Any, name: str, keys: str) -> Iterator[tuple[str, dict]]:
+    """Each object of the list `value` (the row's `name`) with where it stands (`name[i]`); BadRow for a value that is
+    not a list, an empty list, or an item that is not an object {keys}. Lazily: an item's own checks come first."""
     if not isinstance(value, list):
-        raise BadRow(f"'messages' must be a list of {{role, content}} objects, got {type_name(value)}")
+        raise BadRow(f"'{name}' must be a list of {{{keys}}} objects, got {type_name(value)}")
     if not value:
-        raise BadRow("'messages' is empty")
+        raise BadRow(f"'{name}' is empty")
+    for i, item in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(item, dict):
+            raise BadRow(f"'{where}' must be an object {{{keys}}}, got {type_name(item)}")
+        yield where, item
+
+
+def _messages(value: Any, roles: tuple[str, ...]) -> list[dict]:
     out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRow(f"'{where}' must be an object {{role, content}}, got {type_name(m)}")
+    for where, m in listed_objects(value, "messages", "role, content"):
         role = _string_key(m, where, "role")
         if role not in roles:
             other = f" (another name for a role: map it with roles: {{{role}: ...}})"
@@ -231,13 +238,16 @@ def _loss_mask(value: Any, length: int) -> list[int]:
 def given_id(data: dict, key: str = "id") -> str | None:
     """The row's id from `key` as a string, None if it has none; BadRow for one that is not a string or int."""
     value = data.get(key)
-    if value is None:
-        return None
+    return None if value is None else id_text(value, key, empty="is empty; leave it out to get a content hash")
+
+
+def id_text(value: Any, key: str, *, empty: str = "is empty") -> str:
+    """An id given in `key` (a string or int, not blank) as a string; BadRow for any other value."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise BadRow(f"'{key}' must be a string or int, got {type_name(value)}")
     text = str(value)
     if not text.strip():
-        raise BadRow(f"'{key}' is empty; leave it out to get a content hash")
+        raise BadRow(f"'{key}' {empty}")
     return text
 
 

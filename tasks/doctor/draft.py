@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from models.eagle3_export import CONFIG_FILE, VLLM_AUX_KEY, validate_export, validate_export_vllm
+from models.eagle3_export import CONFIG_FILE, VLLM_AUX_KEY, validate_export
+from models.eagle3_vllm import validate_export_vllm
 from models.findings import Finding
 
 EAGLE31_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "use_aux_norm")  # read by the engines, not trained here

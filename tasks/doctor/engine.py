@@ -8,6 +8,7 @@ speculative_* args), vLLM's /v1/models (id, root, max_model_len) and /version.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,32 +34,30 @@ def engine_findings(
     timeout_s: float = 10.0,
 ) -> list[Finding]:
     """The findings for every server generate sends to (server.urls, or server.url)."""
-    return asyncio.run(_all(server, target_path, vocab_size, max_new_tokens, longest_prompts, timeout_s))
+    return asyncio.run(_all(_Check(server, target_path, vocab_size, max_new_tokens, longest_prompts, timeout_s)))
 
 
-async def _all(
-    server: ServerSettings,
-    target_path: str,
-    vocab_size: int | None,
-    max_new_tokens: int | None,
-    longest_prompts: dict[str, int],
-    timeout_s: float,
-) -> list[Finding]:
+@dataclass(frozen=True)
+class _Check:
+    """What engine_findings checks every server against (its arguments)."""
+
+    server: ServerSettings
+    target_path: str
+    vocab_size: int | None
+    max_new_tokens: int | None
+    longest_prompts: dict[str, int]
+    timeout_s: float
+
+
+async def _all(check: _Check) -> list[Finding]:
     out: list[Finding] = []
-    for url in server.endpoints:
-        out += await _one(url, server, target_path, vocab_size, max_new_tokens, longest_prompts, timeout_s)
+    for url in check.server.endpoints:
+        out += await _one(url, check)
     return out
 
 
-async def _one(
-    url: str,
-    server: ServerSettings,
-    target_path: str,
-    vocab_size: int | None,
-    max_new_tokens: int | None,
-    longest_prompts: dict[str, int],
-    timeout_s: float,
-) -> list[Finding]:
+async def _one(url: str, check: _Check) -> list[Finding]:
+    server, timeout_s = check.server, check.timeout_s
     name = f"engine {url}"
     try:
         api_key = server.api_key()
@@ -116,9 +115,9 @@ async def _one(
             ]
     out = [
         _version_finding(name, server.engine, version),
-        _model_finding(name, limits, target_path, server.engine),
-        *_vocab_findings(name, limits, vocab_size),
-        _context_finding(name, limits, max_new_tokens, longest_prompts, server.engine),
+        _model_finding(name, limits, check.target_path, server.engine),
+        *_vocab_findings(name, limits, check.vocab_size),
+        _context_finding(name, limits, check.max_new_tokens, check.longest_prompts, server.engine),
     ]
     out.append(_draft_finding(name, limits, server.engine))
     return out

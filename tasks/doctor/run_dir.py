@@ -1,4 +1,5 @@
-"""Doctor: the run directory as another run left it: who holds its lock, damaged parts, a checkpoint of other settings."""
+"""Doctor: the run directory as another run left it: who holds its lock, damaged parts, a checkpoint of
+other settings."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from tasks.stats import collect_stats
 
 
 def run_dir_findings(run_dir: Path, *, checkpoint_dir: Path, settings: dict[str, Any]) -> list[Finding]:
-    """Lock, damaged parts, and the newest checkpoint in `checkpoint_dir` against `settings` (models/train_checkpoint.py's
-    `optimisation_settings` of this config: what can be known before the data is read)."""
+    """Lock, damaged parts, and the newest checkpoint in `checkpoint_dir` against `settings`
+    (models/train_checkpoint.py's `optimisation_settings` of this config: what can be known before the data is read)."""
     if not run_dir.is_dir():
         return [Finding("run directory", "PASS", f"{run_dir} is new (created by the first stage)")]
     return [_lock_finding(run_dir), _damaged_finding(run_dir), _checkpoint_finding(checkpoint_dir, settings)]

@@ -332,7 +332,8 @@ class EngineClient:
         return parse
 
     async def get_json(self, path_or_url: str, timeout_s: float = 10.0) -> Any:
-        """One GET without retries (a path on this server, or a full URL, e.g. a router's worker); None unless 200 JSON."""
+        """One GET without retries (a path on this server, or a full URL, e.g. a router's worker);
+        None unless 200 JSON."""
         try:
             response = await self._http.get(path_or_url, timeout=timeout_s)
             return response.json() if response.status_code == 200 else None
@@ -340,7 +341,8 @@ class EngineClient:
             return None
 
     async def healthy(self, timeout_s: float = 30.0) -> bool:
-        """One health check at `health_path`: True on 200; ServerRefused for a wrong key or URL (waiting will not heal)."""
+        """One health check at `health_path`: True on 200; ServerRefused for a wrong key or URL
+        (waiting will not heal)."""
         try:
             response = await self._http.get(self.health_path, timeout=timeout_s)
         except httpx.HTTPError:

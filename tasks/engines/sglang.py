@@ -85,7 +85,8 @@ def _seconds(value: Any) -> float:
 
 
 def context_length(info: dict[str, Any]) -> int | None:
-    """The context a /server_info says the server has (context_length, else max_req_len + 1); None if it does not say."""
+    """The context a /server_info says the server has (context_length, else max_req_len + 1);
+    None if it does not say."""
     for key, extra in (("context_length", 0), ("max_req_len", 1)):
         value = info.get(key)
         if type(value) is int and value > 0:
@@ -216,7 +217,8 @@ class SGLangClient(EngineClient):
 
     @staticmethod
     def speculative_args(draft_dir: str, num_steps: int) -> list[str]:
-        """SGLang's flags that serve `draft_dir` as an EAGLE-3 chain draft of `num_steps` tokens per round (REFERENCE)."""
+        """SGLang's flags that serve `draft_dir` as an EAGLE-3 chain draft of `num_steps` tokens per round
+        (REFERENCE)."""
         return [
             "--speculative-algorithm",
             SPECULATIVE_ALGORITHM,

@@ -272,12 +272,14 @@ class VLLMClient(EngineClient):
 
     @staticmethod
     def speculative_args(draft_dir: str, num_steps: int) -> list[str]:
-        """vLLM's flags that serve `draft_dir` as an EAGLE-3 draft of `num_steps` tokens, with per-request verify counts."""
+        """vLLM's flags that serve `draft_dir` as an EAGLE-3 draft of `num_steps` tokens,
+        with per-request verify counts."""
         config = {"method": SPEC_METHOD, "model": str(draft_dir), "num_speculative_tokens": num_steps}
         return ["--speculative-config", json.dumps(config), *SPEC_METRICS_FLAGS]
 
     def check_draft(self, limits: ServerLimits, num_steps: int) -> None:
-        """Nothing to check before sending: vLLM does not report its draft over HTTP; replies show it (module docstring)."""
+        """Nothing to check before sending: vLLM does not report its draft over HTTP;
+        replies show it (module docstring)."""
 
     async def extract(self, ids: list[int], model: str) -> str:
         """Capture: send one record's ids (max_tokens 1); the path of the hidden-state file the server wrote."""

@@ -70,7 +70,8 @@ class EngineServer:
         return client_class(self.engine).speculative_args(draft_dir, num_steps)
 
     def serving(self, extra_args: list[str], name: str, logger: Any) -> contextlib.AbstractContextManager:
-        """The server with `extra_args` (the draft's flags, or none) for one phase; nothing to start with launch: none."""
+        """The server with `extra_args` (the draft's flags, or none) for one phase;
+        nothing to start with launch: none."""
         if self.launch == "none":
             return contextlib.nullcontext()
         logger.info(
@@ -120,7 +121,8 @@ class Phase:
 def fit_draft_context(
     prompts: list[EvalPrompt], limits: ServerLimits, max_new_tokens: int
 ) -> tuple[list[EvalPrompt], dict[str, str]]:
-    """The prompts the draft server takes with its reserved tokens (SGLang's two length checks), and why the others not."""
+    """The prompts the draft server takes with its reserved tokens (SGLang's two length checks),
+    and why the others not."""
     ctx, reserved = limits.context_length, limits.reserved_tokens
     if ctx is None:
         return prompts, {}
@@ -215,7 +217,8 @@ def check_command(command: list[str] | None) -> None:
 
 
 def acceptance(served: list[Served]) -> dict[str, Any]:
-    """SGLang's acceptance length and the per-round mean over `served` (module docstring), with the per-request spread."""
+    """SGLang's acceptance length and the per-round mean over `served` (module docstring),
+    with the per-request spread."""
     tokens = sum(s.completion_tokens for s in served)
     verify = sum(s.spec_verify_ct or 0 for s in served)
     per_request = sorted(s.completion_tokens / s.spec_verify_ct for s in served if s.spec_verify_ct)

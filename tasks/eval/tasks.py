@@ -282,7 +282,8 @@ def ttt_estimate(draft_dir: Path, num_steps: int) -> dict[str, Any] | None:
 def estimates(
     draft_dir: Path, num_steps: int, measured: float | None, replay: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """eval.json's labelled figures at the eval's num_steps: the training-time estimate, the measured value, the replay."""
+    """eval.json's labelled figures at the eval's num_steps: the training-time estimate, the measured value,
+    the replay."""
     return estimates_block(num_steps, training_cond_acc=_training_cond_acc(draft_dir), measured=measured, replay=replay)
 
 
@@ -366,31 +367,17 @@ def engine_rows(engine: dict[str, Any]) -> list[dict[str, Any]]:
 
 def sglang_command(target_path: str, draft_dir: Path, num_steps: int, trust_remote_code: bool, tp: int = 8) -> str:
     """The SGLang launch that serves the target with this draft (REFERENCE: EAGLE3, top-k 1)."""
-    args = [
-        "python",
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        target_path,
-        "--tp",
-        str(tp),
-        *SGLangClient.speculative_args(str(draft_dir), num_steps),
-    ]
-    if trust_remote_code:
-        args.append("--trust-remote-code")
-    return shlex.join(args)
+    launch = ["python", "-m", "sglang.launch_server", "--model-path", target_path, "--tp", str(tp)]
+    return _with_draft(launch, SGLangClient.speculative_args(str(draft_dir), num_steps), trust_remote_code)
 
 
 def vllm_command(target_path: str, draft_dir: Path, num_steps: int, trust_remote_code: bool, tp: int = 8) -> str:
-    """The vLLM launch that serves the target with this draft, with per-request verify counts (tasks/engines/vllm.py)."""
-    args = [
-        "vllm",
-        "serve",
-        target_path,
-        "--tensor-parallel-size",
-        str(tp),
-        *VLLMClient.speculative_args(str(draft_dir), num_steps),
-    ]
-    if trust_remote_code:
-        args.append("--trust-remote-code")
-    return shlex.join(args)
+    """The vLLM launch that serves the target with this draft, with per-request verify counts
+    (tasks/engines/vllm.py)."""
+    launch = ["vllm", "serve", target_path, "--tensor-parallel-size", str(tp)]
+    return _with_draft(launch, VLLMClient.speculative_args(str(draft_dir), num_steps), trust_remote_code)
+
+
+def _with_draft(launch: list[str], speculative: list[str], trust_remote_code: bool) -> str:
+    """The launch line with the draft's flags (and --trust-remote-code where the target needs it), shell-quoted."""
+    return shlex.join([*launch, *speculative, *(["--trust-remote-code"] if trust_remote_code else [])])

@@ -204,7 +204,8 @@ def _record_rejects(rejects: list[Reject], directory: Path, file: Path, report: 
         raise WriteFailed(
             directory,
             e,
-            kept=f"all {report.imported} imported response(s) from {file}; its bad lines are not listed in {directory} yet",
+            kept=f"all {report.imported} imported response(s) from {file}; "
+            f"its bad lines are not listed in {directory} yet",
             resume=RESUME + " (that lists the bad lines)",
         ) from None
 

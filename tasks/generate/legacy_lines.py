@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks import datasets
-from tasks.datasets.rows import type_name
+from tasks.datasets.rows import id_text, type_name
 from tasks.generate.prompts import chat_prompt_ids
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -296,12 +296,10 @@ def _legacy_id(d: dict) -> str | None:
             str(d.get("object", "")).startswith("chat.completion") or str(value).startswith("chatcmpl-")
         ):
             continue  # the id of an OpenAI completion object names the answer, not the prompt
-        if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise BadLine(f"'{key}' must be a string or int, got {type_name(value)}")
-        text = str(value)
-        if not text.strip():
-            raise BadLine(f"'{key}' is empty")
-        return text
+        try:
+            return id_text(value, key)
+        except datasets.BadRow as bad:
+            raise BadLine(bad.reason) from None
     return None
 
 

@@ -192,7 +192,8 @@ async def generate_dataset(
 
 
 def quarantine_advice(part: Path, responses_dir: Path) -> str:
-    """What to do about a damaged part of `responses_dir` or of its rejects: move it aside (never deleted for the user), run again."""
+    """What to do about a damaged part of `responses_dir` or of its rejects: move it aside
+    (never deleted for the user), run again."""
     where = RunLayout.of_dataset_dir(responses_dir).quarantine(part.parent)
     held = "responses" if part.parent == Path(responses_dir) else "rejects"
     return (
@@ -247,7 +248,8 @@ class _Run:
                 if limit is not None and len(ids) >= limit:
                     self.reject(
                         row,
-                        f"prompt is {len(ids)} tokens; the server accepts at most {limit - 1} (max_req_input_len {limit})",
+                        f"prompt is {len(ids)} tokens; "
+                        f"the server accepts at most {limit - 1} (max_req_input_len {limit})",
                         "too_long",
                     )
                     continue
@@ -284,7 +286,8 @@ class _Run:
             await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
 
     def request_params(self, row: PromptRow) -> dict[str, Any]:
-        """The sampling_params of `row`'s request: the dataset's, plus its own sampling_seed when sampling.seed is set."""
+        """The sampling_params of `row`'s request: the dataset's, plus its own sampling_seed when
+        sampling.seed is set."""
         params = self.settings.sampling_params
         if self.settings.sampling_seed is None:
             return params
@@ -392,7 +395,8 @@ class _Run:
             kept=f"{self.done_before + self.recorded - self.writer.pending:,} responses of {self.settings.dataset} in "
             f"{self.writer.directory} (every part written is whole); {lost:,} answered or in-flight prompts "
             "could not be kept and are generated again on resume",
-            resume="free space there (or move run_dir to a bigger disk), then run the same command: it resumes exactly once",
+            resume="free space there (or move run_dir to a bigger disk), "
+            "then run the same command: it resumes exactly once",
         )
 
     async def flush_on_time(self) -> None:
@@ -426,7 +430,8 @@ class _Run:
         self.rejects.append(Reject(path=self.source, row=0, id=row.id, reason=reason, raw=raw, cause=cause))
 
     def fail(self, exc: BaseException) -> None:
-        """Stop the run: the first failure is the one raised; in-flight requests are cancelled (and aborted in close)."""
+        """Stop the run: the first failure is the one raised;
+        in-flight requests are cancelled (and aborted in close)."""
         if self.failure is None:
             self.failure = exc
             self.wake.set()
@@ -479,7 +484,8 @@ class _Run:
                         self.rejects_dir,
                         exc,
                         kept=f"every response part of {self.settings.dataset}",
-                        resume=f"free space, then run again: the {len(self.rejects)} prompts rejected in this run are checked again",
+                        resume=f"free space, then run again: the {len(self.rejects)} prompts "
+                        "rejected in this run are checked again",
                     )
 
     def progress(self) -> Progress:

@@ -87,7 +87,8 @@ async def generate_responses(
     await aupdate_progress_artifact(
         artifact_id,
         progress=100.0,
-        description=f"{name}: {report.status}, {report.responses:,} responses, {report.completion_tokens:,} completion tokens",
+        description=f"{name}: {report.status}, {report.responses:,} responses, "
+        f"{report.completion_tokens:,} completion tokens",
     )
     causes = ", ".join(f"{cause} {n}" for cause, n in report.reject_causes.items())
     logger.info(

@@ -272,7 +272,10 @@ def _check_tokenized(input_ids: list[int], loss_mask: list[int], vocab_size: int
         return f"input_ids has {len(input_ids)} tokens but loss_mask has {len(loss_mask)}; they must be equally long"
     bad = [t for t in input_ids if not 0 <= t < vocab_size]
     if bad:
-        return f"token id {bad[0]} is outside the target's vocabulary (0..{vocab_size - 1}); were these ids made with another tokenizer?"
+        return (
+            f"token id {bad[0]} is outside the target's vocabulary (0..{vocab_size - 1}); "
+            "were these ids made with another tokenizer?"
+        )
     if not any(loss_mask):
         return "loss_mask has no 1: nothing to train on"
     return None

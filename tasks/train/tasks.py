@@ -17,7 +17,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from models.jobs import Nodes, TrainJob
+from models.jobs import TrainJob
+from models.nodes import Nodes
 from models.rank_protocol import TRAIN, TRAIN_EVAL, Message, most_telling
 from models.run_layout import CHECKPOINTS, EVAL_REPORT, FINAL, METRICS, TRAIN_SUMMARY, TRAINING_PLOT
 from models.train_checkpoint import RESUME, CheckpointMismatch, kept_checkpoint

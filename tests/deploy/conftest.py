@@ -78,7 +78,7 @@ class PrefectServer:
         return self.clis(list(args), timeout=timeout)[0]
 
     def clis(self, *commands: list[str], timeout: float = 300) -> list[str]:
-        """Several `prefect` commands at once (each spends seconds importing Prefect); their stdouts, or the test fails."""
+        """Several `prefect` commands at once (each imports Prefect for seconds); their stdouts, or the test fails."""
         running = [
             subprocess.Popen(
                 [PREFECT, *args], env=self.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

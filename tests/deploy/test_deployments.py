@@ -211,7 +211,8 @@ def test_a_killed_worker_leaves_nothing_a_rerun_does_not_finish_exactly_once(pre
         )
         assert 0 < kept < n
 
-        # docs/operate-and-recover.md, 'A dead worker or a killed run': mark the stuck run Crashed, start a worker, run the deployment again
+        # docs/operate-and-recover.md, 'A dead worker or a killed run': mark the stuck run Crashed, start a worker,
+        # run the deployment again
         server.python(MARK_CRASHED, first)
         worker = server.worker("eagle3-cpu", tmp_path / "worker2.log")
         try:

@@ -189,8 +189,8 @@ def test_a_team_server_on_postgresql_runs_a_deployment_on_the_box_its_queue_name
             model_path=str(tiny_target_dir),
         ) as sim,
     ):
-        # docs/prefect-team.md, 'Setting it up': the pool's limit is the number of boxes, a queue per box, one worker per box
-        # polling only its queue and running one flow run at a time
+        # docs/prefect-team.md, 'Setting it up': the pool's limit is the number of boxes, a queue per box, one worker
+        # per box polling only its queue and running one flow run at a time
         boxes = ("box-a", "box-b")
         server.create_pools_and_deploy(
             ["work-pool", "set-concurrency-limit", "eagle3-gpu", str(len(boxes))],

@@ -1,4 +1,4 @@
-"""sampling.seed against the dev server: the same responses whatever the concurrency (and so the batches) they ran in."""
+"""sampling.seed at the dev server: the same responses whatever the concurrency (and so the batches) they ran in."""
 
 from __future__ import annotations
 

@@ -318,7 +318,7 @@ def test_partly_right_draft_counts_rounds_like_the_eval(serve_app, tiny_target_d
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("entry", ["module", "eagle3"])
 def test_server_process_with_draft_flags(entry, tiny_target_dir, draft_dir, target, prompts, tmp_path):
-    """`python -m emulators.dev_server` and `eagle3 serve-dev` with SGLang's flags serve the draft as the eval decodes."""
+    """`python -m emulators.dev_server`, `eagle3 serve-dev` with SGLang's flags serve the draft as the eval decodes."""
     import sys
     from pathlib import Path
 
@@ -371,7 +371,10 @@ def test_server_process_with_draft_flags(entry, tiny_target_dir, draft_dir, targ
 def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(
     serve_app, spec_server, tiny_target_dir, target, draft_dir, prompts
 ):
-    """tasks/eval/engine.py end to end at real servers: with the draft, then without; SGLang's count and the per-round one."""
+    """tasks/eval/engine.py end to end at real servers: with the draft, then without.
+
+    Both counts: SGLang's and the per-round one.
+    """
     import asyncio
 
     from models.eval_prompts import EvalPrompt

@@ -21,7 +21,7 @@ def prefect_harness(tmp_path_factory):
 
 @pytest.fixture
 def harness_api_url(prefect_harness) -> str:
-    """The session's test server, for `eagle3` subprocesses that need not start a temporary one of their own (~15 s on 2 cores)."""
+    """The session's test server, for `eagle3` subprocesses that need not start a temporary one (~15 s on 2 cores)."""
     from prefect.settings import PREFECT_API_URL
 
     url = PREFECT_API_URL.value()

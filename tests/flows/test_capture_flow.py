@@ -165,7 +165,10 @@ def test_rank_error_prefers_the_cause_over_its_peers_lost_connections(tmp_path):
 
 @pytest.mark.multiprocess
 def test_the_vllm_backend_runs_the_flow_plan_and_artifact_like_the_deepspeed_one(tmp_path, tiny_target_dir):
-    """capture.backend: vllm with the dev server's emulation launched by the flow: same summary, index, metadata, artifact."""
+    """capture.backend: vllm with the dev server's emulation launched by the flow.
+
+    Same summary, index, metadata, artifact.
+    """
     import asyncio
 
     from rich.console import Console

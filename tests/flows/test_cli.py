@@ -197,7 +197,8 @@ def test_validate_rejects_bad_config_values_with_exit_2(tmp_path, change, expect
 def test_validate_rejects_repeated_ids_and_empty_datasets_with_exit_1(tmp_path):
     conflict = tmp_path / "conflict.jsonl"
     conflict.write_text(
-        '{"id": "x", "prompt": "a"}\n{"id": 7, "prompt": "b"}\n{"id": "x", "prompt": "c"}\n{"id": "7", "prompt": "b"}\n{"id": "x", "prompt": "a"}\n'
+        '{"id": "x", "prompt": "a"}\n{"id": 7, "prompt": "b"}\n{"id": "x", "prompt": "c"}\n'
+        '{"id": "7", "prompt": "b"}\n{"id": "x", "prompt": "a"}\n'
     )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
@@ -237,7 +238,8 @@ def test_validate_rejects_repeated_ids_and_empty_datasets_with_exit_1(tmp_path):
 
 
 def test_generate_refuses_an_empty_dataset_with_exit_1(tmp_path, harness_api_url):
-    # Against the session's test server: a temporary server of its own is the fault drill's first run (test_fault_drill.py).
+    # Against the session's test server: a temporary server of its own is the fault drill's first run
+    # (test_fault_drill.py).
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     path = _write_config(

@@ -429,8 +429,8 @@ def test_several_nodes_need_a_rendezvous_or_a_hostfile(tmp_path):
     ]
     hostfile.write_text("# two nodes\ngpu-0 slots=8\n\ngpu-1 slots=4\n")
     assert problems(deepspeed, base=tmp_path) == [
-        f"distributed: num_gpus 8 per node, but the hostfile {hostfile} gives gpu-1 slots=4: every node runs num_gpus ranks "
-        "(the world size is nnodes x num_gpus) (capture: launcher deepspeed)"
+        f"distributed: num_gpus 8 per node, but the hostfile {hostfile} gives gpu-1 slots=4: every node runs "
+        "num_gpus ranks (the world size is nnodes x num_gpus) (capture: launcher deepspeed)"
     ]
     deepspeed["capture"] = {"launcher": "deepspeed", "num_gpus": 4}
     config = parse_config(deepspeed, base=tmp_path)

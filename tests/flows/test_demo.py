@@ -11,7 +11,8 @@ from rich.console import Console
 from transformers import AutoTokenizer
 
 from flows.demo import run_demo
-from models.eagle3_export import validate_export, validate_export_vllm
+from models.eagle3_export import validate_export
+from models.eagle3_vllm import validate_export_vllm
 from tasks.checkpoints import live_parts
 from tasks.datasets import load_dataset
 from tasks.generate.prompts import chat_prompt_ids

@@ -765,7 +765,10 @@ def test_a_rank_that_cannot_write_stops_the_job_at_once(tiny_target_dir, records
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_torchrun_full_disk_drill(tiny_target_dir, records, expected, tmp_path, tmpfs):
-    """The hidden dir on a small tmpfs: two ranks fill it; the job stops with one line; a rerun after it grows completes."""
+    """The hidden dir on a small tmpfs: two ranks fill it; the job stops with one line.
+
+    A rerun after it grows completes.
+    """
     from tasks.capture.tasks import run_ranks
 
     with tmpfs(tmp_path / "small", _disk_for(expected, 0.4)) as small:

@@ -16,15 +16,8 @@ from models.draft_vocab import (
     draft_vocab_coverage,
     load_token_counts,
 )
-from models.eagle3 import (
-    STEP_DECAY,
-    Eagle3Config,
-    Eagle3Draft,
-    KVCache,
-    RotaryEmbedding,
-    apply_rope,
-    default_aux_layers,
-)
+from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, RotaryEmbedding, apply_rope, default_aux_layers
+from models.eagle3_caches import KVCache
 from models.target_head import TargetHead
 
 V, D = 12, 5  # small vocabs: some target argmaxes fall outside the draft vocab, some draft guesses hit

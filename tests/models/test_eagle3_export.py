@@ -1,4 +1,4 @@
-"""EAGLE-3 export for SGLang and vLLM: round trip, exact names/shapes/config, both loaders' validations, atomic replace."""
+"""EAGLE-3 export for SGLang and vLLM: round trip, exact names/shapes/config, both loaders' checks, atomic replace."""
 
 from __future__ import annotations
 
@@ -13,15 +13,10 @@ from safetensors.torch import load_file, save_file
 
 import models.eagle3_export as ex
 from models.draft_vocab import draft_vocab
-from models.eagle3 import Eagle3Config, Eagle3Draft, KVCache, default_aux_layers
-from models.eagle3_export import (
-    export_draft,
-    load_exported_draft,
-    validate_export,
-    validate_export_vllm,
-    vllm_load_problems,
-    vllm_param_name,
-)
+from models.eagle3 import Eagle3Config, Eagle3Draft, default_aux_layers
+from models.eagle3_caches import KVCache
+from models.eagle3_export import export_draft, load_exported_draft, validate_export
+from models.eagle3_vllm import validate_export_vllm, vllm_load_problems, vllm_param_name
 from tests.drafts import random_draft
 
 D = 64

@@ -26,12 +26,12 @@ from models.jobs import (
     EngineSettings,
     EvalJob,
     GenerateJob,
-    Nodes,
     RecordsJob,
     ServerSettings,
     TargetSpec,
     TrainJob,
 )
+from models.nodes import Nodes
 from models.spec import Spec, load_job
 from tasks.launch_ranks import write_job
 

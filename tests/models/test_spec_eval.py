@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from models.eagle3 import DraftStep, Eagle3Config, Eagle3Draft, KVCache, default_aux_layers
+from models.eagle3 import DraftStep, Eagle3Config, Eagle3Draft, default_aux_layers
+from models.eagle3_caches import KVCache
 from models.spec_eval import (
     SpecEvalResult,
     evaluate_acceptance,

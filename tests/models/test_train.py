@@ -529,7 +529,10 @@ def _tree(directory: Path) -> dict[str, tuple[int, int]]:
 def test_relaunch_on_other_data_or_settings_is_refused_before_training(
     tiny_target_dir, train_data, one_rank_run, tmp_path
 ):
-    """Changed lr, data or length: exit 1 naming the change, checkpoints untouched; watch settings and old checkpoints resume."""
+    """Changed lr, data or length: exit 1 naming the change, checkpoints untouched.
+
+    Watch settings and old checkpoints resume.
+    """
     import shutil
 
     from models.hidden_shards import list_shards
@@ -604,7 +607,10 @@ def small_disk(tmp_path, tmpfs):
 
 @pytest.mark.multiprocess
 def test_full_disk_stops_training_at_once_and_keeps_the_last_checkpoint(tiny_target_dir, train_data, small_disk, tmpfs):
-    """A real ENOSPC in the step-4 save: exit 1 with one clear report, step 2 kept intact; after the disk grows, a rerun finishes."""
+    """A real ENOSPC in the step-4 save: exit 1 with one clear report, step 2 kept intact.
+
+    After the disk grows, a rerun finishes.
+    """
     import re
 
     out = small_disk / "draft"
@@ -619,7 +625,8 @@ def test_full_disk_stops_training_at_once_and_keeps_the_last_checkpoint(tiny_tar
     assert written, output[-6000:]
     for report in written:  # the rank(s) whose write failed, each in one line
         assert re.fullmatch(
-            rf"cannot write {re.escape(str(ckpts / 'step-00000004'))}\S*: disk full: [\d,]+ bytes free on {re.escape(str(small_disk))}\. "
+            rf"cannot write {re.escape(str(ckpts / 'step-00000004'))}\S*: disk full: [\d,]+ bytes free on "
+            rf"{re.escape(str(small_disk))}\. "
             rf"kept: checkpoint step-00000002 \(complete, step 2\) in {re.escape(str(ckpts))}\. "
             r"to resume: make room there \(or set train.out_dir to a disk with room\), then run the train stage again: "
             r"it resumes from the kept checkpoint",
@@ -644,9 +651,9 @@ def test_full_disk_stops_training_at_once_and_keeps_the_last_checkpoint(tiny_tar
     )
     assert proc.returncode != 0
     assert [r["message"] for r in _error_reports(proc.stderr)] == [
-        f"cannot write {out / 'ds_config.json'}: read-only file system. kept: checkpoint step-00000002 (complete, step 2) "
-        f"in {ckpts}. to resume: make room there (or set train.out_dir to a disk with room), then run the train stage "
-        "again: it resumes from the kept checkpoint"
+        f"cannot write {out / 'ds_config.json'}: read-only file system. kept: checkpoint step-00000002 "
+        f"(complete, step 2) in {ckpts}. to resume: make room there (or set train.out_dir to a disk with room), "
+        "then run the train stage again: it resumes from the kept checkpoint"
     ], proc.stderr[-4000:]
     assert _tree(out) == before
 

@@ -297,7 +297,10 @@ AMBIGUOUS = [
     (
         {"instruction": "q", "problem": "p", "solution": "s"},
         "(alpaca, columns)",
-        "set format: alpaca or format: columns, prompt_field: problem, response_field: solution in the dataset's config",
+        (
+            "set format: alpaca or format: columns, prompt_field: problem, response_field: solution in the dataset's "
+            "config"
+        ),
     ),
 ]
 

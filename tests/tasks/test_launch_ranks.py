@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from models.file_errors import DamagedShard, WriteFailed
-from models.jobs import CaptureJob, Nodes
+from models.jobs import CaptureJob
+from models.nodes import Nodes
 from models.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
 from tasks import launch_ranks
 from tasks.launch_ranks import RankFailure, RankRefused, follow_job, rank_error, write_job
@@ -50,7 +51,10 @@ def test_a_failed_rank_raises_its_own_exception_in_its_words(tmp_path):
         CAPTURE.error.format(error_report(written, 1)),
         f"capture rank 1 failed: {written}",
     ]
-    code = f"import sys; print({lines!r}[0], file=sys.stderr); print(*{lines!r}[1:], sep='\\n', file=sys.stderr); sys.exit(1)"
+    code = (
+        f"import sys; print({lines!r}[0], file=sys.stderr); print(*{lines!r}[1:], sep='\\n', file=sys.stderr); "
+        "sys.exit(1)"
+    )
     logged = []
     with pytest.raises(WriteFailed) as failed:
         follow_job(_python(code), protocol=CAPTURE, log=logged.append)
@@ -309,7 +313,10 @@ def test_launching_ranks_needs_neither_prefect_nor_httpx():
 
 @pytest.mark.multiprocess
 def test_the_deepspeed_launcher_runs_two_cpu_ranks_of_a_capture(tmp_path, monkeypatch):
-    """`rank_command(launcher="deepspeed")` + `follow_job`, as the GPU check launches its ranks: 2 gloo ranks of a real capture."""
+    """`rank_command(launcher="deepspeed")` + `follow_job`, as the GPU check launches its ranks.
+
+    Two gloo ranks of a real capture.
+    """
     import random
 
     import pyarrow as pa

@@ -1,4 +1,4 @@
-"""The generate loop through a pool of simulated SGLang servers: spread, limits, failover, outage, input limits, abort."""
+"""The generate loop over a pool of simulated SGLang servers: spread, limits, failover, outage, input limits, abort."""
 
 from __future__ import annotations
 

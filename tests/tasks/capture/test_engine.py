@@ -46,7 +46,10 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def records(tiny_target_dir, tmp_path_factory) -> dict:
-    """Two datasets of records as the records stage writes them: {"datasets": [...], "keys": {(ds, id): trimmed length}}."""
+    """Two datasets of records as the records stage writes them.
+
+    {"datasets": [...], "keys": {(ds, id): trimmed length}}
+    """
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)

@@ -358,7 +358,10 @@ def test_generate_through_vllm_killed_and_resumed_is_exactly_once_and_vllm_s_own
 
 @pytest.fixture(scope="module")
 def trained(plain, tiny_target_dir, tmp_path_factory):
-    """The demo's stages generate..train with generate through the plain vLLM (a shorter training, as tests/flows/test_demo.py)."""
+    """The demo's stages generate..train with generate through the plain vLLM.
+
+    A shorter training, as in tests/flows/test_demo.py.
+    """
     from flows.config_file import dump_config
     from flows.demo import demo_config
 
@@ -417,7 +420,8 @@ def test_an_export_whose_vocabulary_is_the_target_s_loads_and_serves(vllm_python
 
     from models.draft_vocab import draft_vocab
     from models.eagle3 import Eagle3Config, Eagle3Draft, default_aux_layers
-    from models.eagle3_export import export_draft, validate_export_vllm
+    from models.eagle3_export import export_draft
+    from models.eagle3_vllm import validate_export_vllm
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32)
     v = target.config.vocab_size

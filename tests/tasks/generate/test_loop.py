@@ -319,7 +319,9 @@ RUNNER = textwrap.dedent(
             await generate_dataset(
                 rows, pool=pool, tokenizer=tokenizer, responses_dir=Path(run_dir) / "responses/B1",
                 rejects_dir=Path(run_dir) / "rejects/B1", source=Path(prompts_file),
-                settings=GenerateJob(dataset="B1", sampling_params=json.loads(params), flush_every=3, flush_interval_s=0.2),
+                settings=GenerateJob(
+                    dataset="B1", sampling_params=json.loads(params), flush_every=3, flush_interval_s=0.2
+                ),
             )
 
     asyncio.run(main())
@@ -354,7 +356,9 @@ def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, tiny
             proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             target = before + rng.randint(3, 12)  # a random moment: after this many more answers
             try:
-                srv.wait_for(lambda s: s.completed >= target or proc.poll() is not None, timeout=60)
+                srv.wait_for(
+                    lambda s, target=target, proc=proc: s.completed >= target or proc.poll() is not None, timeout=60
+                )
             finally:
                 if proc.poll() is None:
                     os.kill(proc.pid, signal.SIGKILL)

@@ -95,7 +95,7 @@ def down_logs(caplog) -> list[str]:
 
 
 def test_a_budget_reached_while_requests_are_queued_aborts_them_cleanly(tmp_path, tokenizer, caplog):
-    """SGLang 0.5.23 answers a request aborted while QUEUED with no prompt_tokens (tokenizer_manager.py _handle_abort_req).
+    """SGLang 0.5.23 answers a request aborted while QUEUED with no prompt_tokens (tokenizer_manager _handle_abort_req).
 
     Before: every such answer was an InvalidReply, the server was marked down and the prompt sent again.
     """
@@ -198,7 +198,8 @@ def test_an_abort_the_admin_key_guards_falls_back_to_closing_the_request(tmp_pat
 
     Before: the 401 was taken for "aborted"; requests stopped at the budget kept running to their end.
     """
-    # 4 run at once (48 tokens, 1.4 s each), so of 12 sent, 8 wait in the server's queue when the first 4 reach the budget
+    # 4 run at once (48 tokens, 1.4 s each), so of 12 sent, 8 wait in the server's queue when the first 4 reach the
+    # budget
     server = sim(max_running=4, decode_s_per_token=0.03, mean_len=200, api_key="user-key", admin_api_key="admin-key")
     try:
         # the budgeted run sends 12 at once: those still queued when its budget is reached must be stopped

@@ -79,7 +79,7 @@ def reference_mask(tokenizer, messages: list[dict], loss_turns: set[int] | None 
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = []
     for a, b in enc["offset_mapping"]:
-        for c0, c1, e1 in spans:
+        for c0, c1, _ in spans:
             assert not (a < c0 < b or a < c1 < b), "a token straddles a turn boundary"
         mask.append(int(any((c0 <= a and b <= c1) or (a, b) == (c1, e1) for c0, c1, e1 in spans)))
     return list(enc["input_ids"]), mask
