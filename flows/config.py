@@ -32,6 +32,7 @@ from models.run_layout import RunLayout
 from models.server_access import replica_url
 from models.spec import Spec
 from tasks.datasets.formats import RowFormat
+from tasks.datasets.hub import HubDataset, hub_repo_id, is_hub_path
 
 DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -363,7 +364,20 @@ class DatasetConfig(RowFormat, Section):
     )
     path: Path = Field(
         description="JSONL file, Parquet file or directory, or a local Hugging Face `datasets` "
-        "directory (save_to_disk). Relative paths resolve against the config's base directory."
+        "directory (save_to_disk). Relative paths resolve against the config's base directory. "
+        "`hf:ORG/NAME`: a Hugging Face Hub dataset, read with `datasets` (split, config, revision below); the commit "
+        "read is recorded in RUN_DIR/datasets/<name>.json and read again by every rerun."
+    )
+    split: str | None = Field(default=None, description="`hf:` datasets: the split to read. Omitted: `train`.")
+    config: str | None = Field(
+        default=None,
+        description="`hf:` datasets: the dataset's config (subset) name, for a dataset that has several. "
+        "Omitted: its default.",
+    )
+    revision: str | None = Field(
+        default=None,
+        description="`hf:` datasets: the branch, tag or commit to read. Omitted: the commit the run recorded in "
+        "RUN_DIR/datasets/<name>.json, else the newest (main), which is then recorded.",
     )
     token_budget: int | None = Field(
         default=None,
@@ -392,6 +406,24 @@ class DatasetConfig(RowFormat, Section):
             )
         return value
 
+    @field_validator("path", mode="before")
+    @classmethod
+    def _hub_path_has_its_form(cls, value: Any) -> Any:
+        if isinstance(value, str | Path) and is_hub_path(value):
+            hub_repo_id(value)  # ValueError naming the form; checked on the string, before Path folds '//'
+        return value
+
+    @model_validator(mode="after")
+    def _hub_settings_only_for_hub_paths(self) -> DatasetConfig:
+        given = [key for key in ("split", "config", "revision") if getattr(self, key) is not None]
+        if given and not is_hub_path(self.path):
+            raise ValueError(
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to Hub datasets only"
+                f" (path: hf:ORG/NAME); {self.path} is a local path"
+                " (remove them, or point path at the Hub dataset)"
+            )
+        return self
+
     @model_validator(mode="after")
     def _budget_only_for_generate(self) -> DatasetConfig:
         if self.kind == "passthrough" and self.token_budget is not None:
@@ -410,6 +442,18 @@ class DatasetConfig(RowFormat, Section):
     def row_format(self) -> RowFormat:
         """This dataset's row format settings, what load_dataset and iter_rows take."""
         return RowFormat(**self.pick(RowFormat))
+
+    def source(self, layout: RunLayout) -> Path | HubDataset:
+        """What the loader reads: the path, or for `hf:` the Hub dataset with its settings and the run's record."""
+        if not is_hub_path(self.path):
+            return self.path
+        return HubDataset(
+            hub_repo_id(self.path),
+            split=self.split or "train",
+            config=self.config,
+            revision=self.revision,
+            record=layout.hub_record(self.name),
+        )
 
 
 class RunConfig(Section):
@@ -468,7 +512,8 @@ class RunConfig(Section):
         if out.capture.engine.shared_dir is not None:
             out.capture.engine.shared_dir = _absolute(out.capture.engine.shared_dir, base)
         for dataset in out.datasets:
-            dataset.path = _absolute(dataset.path, base)
+            if not is_hub_path(dataset.path):  # hf:ORG/NAME names a Hub dataset, not a file
+                dataset.path = _absolute(dataset.path, base)
         out.eval.prompt_files = [_absolute(f, base) for f in out.eval.prompt_files]
         if out.target.build_tiny_target or not _looks_like_hub_id(out.target.path):
             out.target.path = str(_absolute(Path(out.target.path), base))

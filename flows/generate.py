@@ -59,7 +59,12 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
     dataset = config.datasets[index]
     if dataset.kind == "passthrough":
         return asyncio.to_thread(
-            copy_passthrough_task, dataset.name, dataset.path, dataset.on_bad_row, config.layout, dataset.row_format
+            copy_passthrough_task,
+            dataset.name,
+            dataset.source(config.layout),
+            dataset.on_bad_row,
+            config.layout,
+            dataset.row_format,
         )
     gen = config.generate
     settings = GenerateJob(
@@ -79,7 +84,7 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
     )
     return task(
         dataset.name,
-        dataset.path,
+        dataset.source(config.layout),
         dataset.on_bad_row,
         config.target.path,
         config.target.trust_remote_code,

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from flows.config import RunConfig
 from tasks.datasets import DatasetError, EmptyDatasetError, LoadedDataset, load_dataset
+from tasks.datasets.hub import is_hub_path
 
 
 def validate_datasets(config: RunConfig, *, config_path: Path, console: Console) -> bool:
@@ -28,7 +29,7 @@ def validate_datasets(config: RunConfig, *, config_path: Path, console: Console)
     for i, dataset in enumerate(config.datasets):
         budget = f"{dataset.token_budget:,}" if dataset.token_budget else "-"
         cap = f"{dataset.max_prompts:,}" if dataset.max_prompts else "-"
-        if not dataset.path.exists():
+        if not is_hub_path(dataset.path) and not dataset.path.exists():
             missing.append(f"datasets[{i}] {dataset.name}: {dataset.path}")
             table.add_row(
                 str(i), escape(dataset.name), dataset.kind, "-", "-", "-", budget, cap, "[red]missing file[/red]"
@@ -36,7 +37,9 @@ def validate_datasets(config: RunConfig, *, config_path: Path, console: Console)
             continue
         empty: EmptyDatasetError | None = None
         try:
-            loaded = load_dataset(dataset.path, dataset.kind, row_format=dataset.row_format, on_bad_row="skip")
+            loaded = load_dataset(
+                dataset.source(config.layout), dataset.kind, row_format=dataset.row_format, on_bad_row="skip"
+            )
         except EmptyDatasetError as exc:  # no rows, or none left after the bad ones: still list those
             empty = exc
             loaded = LoadedDataset(rows=[], rejects=list(exc.rejects), duplicates=0, path=dataset.path, shape=exc.shape)

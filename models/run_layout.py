@@ -7,6 +7,7 @@
     RUN_DIR/passthrough/<dataset>/          passthrough rows, validated and copied in
     RUN_DIR/records/<dataset>/              training records
     RUN_DIR/records/token_counts.parquet    loss-token frequencies, for the draft vocabulary
+    RUN_DIR/datasets/<dataset>.json         a Hub dataset's repo, config, split and the commit the run reads
     RUN_DIR/quarantine/                     damaged parts, moved aside by hand as the error says
     RUN_DIR/jobs/<stage>.json               the job the ranks of capture, train and eval read
     RUN_DIR/logs/                           the launched servers' output
@@ -164,6 +165,11 @@ class RunLayout:
     def records(self, dataset: str) -> Path:
         """RUN_DIR/records/<dataset>: its training records (input_ids, loss_mask)."""
         return self.records_root / dataset
+
+    def hub_record(self, dataset: str) -> Path:
+        """RUN_DIR/datasets/<dataset>.json: a Hub dataset's repo, config, split and the commit the run reads (written by
+        the first load, read by every later one; tasks/datasets/hub.py)."""
+        return self.run_dir / "datasets" / f"{dataset}.json"
 
     def quarantine(self, directory: Path) -> Path:
         """RUN_DIR/quarantine/<directory's path under RUN_DIR>: where a damaged part of `directory` is moved aside."""

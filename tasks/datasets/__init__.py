@@ -1,4 +1,4 @@
-"""Load prompt and passthrough datasets from JSONL, Parquet or a saved Hugging Face dataset.
+"""Load prompt and passthrough datasets from JSONL, Parquet, a saved Hugging Face dataset or the Hugging Face Hub.
 
 Accepted inputs (chosen by path):
 - `*.jsonl` / `*.json`: JSON Lines, one object per line, UTF-8. Whitespace-only lines are skipped.
@@ -8,6 +8,9 @@ Accepted inputs (chosen by path):
 - a directory written by `datasets.Dataset.save_to_disk` (state.json + data-*.arrow in Arrow
   IPC stream format), read with pyarrow alone; a `DatasetDict` directory (dataset_dict.json)
   contributes its "train" split.
+- `hf:ORG/NAME`: a Hugging Face Hub dataset (hub.py: a HubDataset carries its split, config, revision and the run's
+  record of the commit read), fetched with huggingface_hub into the Hub cache, or found there with HF_HUB_OFFLINE=1,
+  and read with `datasets`.
 
 Row formats (the dataset's `format`, formats.py; any file type): each row is read into the canonical row below.
 - messages: the canonical row itself; role names other than the four are renamed through ROLE_ALIASES (human ->
@@ -53,6 +56,7 @@ own fields: 'conversations[2].value' is missing) and what is expected; with `on_
 
 from tasks.datasets.errors import DatasetError, DatasetNotFoundError, EmptyDatasetError
 from tasks.datasets.formats import ROLE_ALIASES, RowFormat, Shape
+from tasks.datasets.hub import HubDataset
 from tasks.datasets.loader import OnBadRow, iter_rows, load_dataset
 from tasks.datasets.rows import (
     GENERATE_ROLES,
@@ -70,7 +74,7 @@ from tasks.datasets.rows import (
 
 # The package's public names; each concept has its module: rows.py (row rules and ids), errors.py, loader.py (ids
 # unique, bad rows raised or rejected), formats.py (row formats -> canonical rows), detect.py (format auto), raw.py
-# (what readers yield) and one reader per file type: jsonl.py, parquet.py, hf_saved.py.
+# (what readers yield) and one reader per file type: jsonl.py, parquet.py, hf_saved.py, and hub.py for `hf:` paths.
 __all__ = [
     "GENERATE_ROLES",
     "PASSTHROUGH_ROLES",
@@ -79,6 +83,7 @@ __all__ = [
     "DatasetError",
     "DatasetNotFoundError",
     "EmptyDatasetError",
+    "HubDataset",
     "Kind",
     "LoadedDataset",
     "OnBadRow",

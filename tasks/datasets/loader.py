@@ -13,6 +13,7 @@ from tasks.datasets.detect import Resolver
 from tasks.datasets.errors import DatasetError, DatasetNotFoundError, EmptyDatasetError
 from tasks.datasets.formats import RowFormat
 from tasks.datasets.hf_saved import read_hf_saved, train_split
+from tasks.datasets.hub import HubDataset, hub_repo_id, is_hub_path, read_hub
 from tasks.datasets.jsonl import read_jsonl
 from tasks.datasets.parquet import read_parquet
 from tasks.datasets.raw import ACCEPTED_FORMATS, COLUMNS, Raw
@@ -29,7 +30,7 @@ REPEATED_ID_FIX = (
 
 
 def iter_rows(
-    path: Path | str, kind: Kind, row_format: RowFormat | None = None
+    path: Path | str | HubDataset, kind: Kind, row_format: RowFormat | None = None
 ) -> Iterator[tuple[int, PromptRow | PassthroughRow | BadRow]]:
     """Each row read in the dataset's row format and checked, with the number errors use for it (JSONL line, else row;
     per file in a directory): the row, or the BadRow that says why it is none. For a sample of a dataset.
@@ -39,7 +40,7 @@ def iter_rows(
     """
     _check_kind(kind)
     resolver = Resolver(kind, row_format or RowFormat())
-    return _checked_rows(_open_rows(Path(path), resolver), resolver)
+    return _checked_rows(_open_rows(path, resolver), resolver)
 
 
 def _checked_rows(raws: Iterator[Raw], resolver: Resolver) -> Iterator[tuple[int, PromptRow | PassthroughRow | BadRow]]:
@@ -56,11 +57,15 @@ def _checked_rows(raws: Iterator[Raw], resolver: Resolver) -> Iterator[tuple[int
 
 @overload
 def load_dataset(
-    path: Path | str, kind: Literal["generate"], *, row_format: RowFormat | None = None, on_bad_row: OnBadRow = "fail"
+    path: Path | str | HubDataset,
+    kind: Literal["generate"],
+    *,
+    row_format: RowFormat | None = None,
+    on_bad_row: OnBadRow = "fail",
 ) -> LoadedDataset[PromptRow]: ...
 @overload
 def load_dataset(
-    path: Path | str,
+    path: Path | str | HubDataset,
     kind: Literal["passthrough"],
     *,
     row_format: RowFormat | None = None,
@@ -68,10 +73,10 @@ def load_dataset(
 ) -> LoadedDataset[PassthroughRow]: ...
 @overload
 def load_dataset(
-    path: Path | str, kind: Kind, *, row_format: RowFormat | None = None, on_bad_row: OnBadRow = "fail"
+    path: Path | str | HubDataset, kind: Kind, *, row_format: RowFormat | None = None, on_bad_row: OnBadRow = "fail"
 ) -> LoadedDataset[PromptRow] | LoadedDataset[PassthroughRow]: ...
 def load_dataset(
-    path: Path | str, kind: Kind, *, row_format: RowFormat | None = None, on_bad_row: OnBadRow = "fail"
+    path: Path | str | HubDataset, kind: Kind, *, row_format: RowFormat | None = None, on_bad_row: OnBadRow = "fail"
 ) -> LoadedDataset[PromptRow] | LoadedDataset[PassthroughRow]:
     """Read every row in the dataset's row format and validate it; the first occurrence of each id wins.
 
@@ -86,7 +91,8 @@ def load_dataset(
     _check_kind(kind)
     if on_bad_row not in ("fail", "skip"):
         raise ValueError(f"on_bad_row must be 'fail' or 'skip', got {on_bad_row!r}")
-    path = Path(path)
+    source = path
+    path = source.path if isinstance(source, HubDataset) else Path(source)
     build = BUILDERS[kind]
     resolver = Resolver(kind, row_format or RowFormat())
     id_field = resolver.fmt.id_field
@@ -98,7 +104,7 @@ def load_dataset(
     duplicates = 0
     first_duplicate: tuple[str, Path, int] | None = None
 
-    for raw in _open_rows(path, resolver):
+    for raw in _open_rows(source, resolver):
         try:
             if raw.error is not None:
                 raise BadRow(raw.error, raw.expected)
@@ -198,8 +204,18 @@ def _empty_dataset(path: Path, rejects: list[Reject], resolver: Resolver) -> Emp
     )
 
 
-def _open_rows(path: Path, resolver: Resolver) -> Iterator[Raw]:
-    """Pick the reader for `path`; format and existence errors raise here, not at first row."""
+def _open_rows(source: Path | str | HubDataset, resolver: Resolver) -> Iterator[Raw]:
+    """Pick the reader for `source`; format and existence errors raise here, not at first row. A bare `hf:ORG/NAME`
+    path reads the Hub dataset's train split and records nothing (a HubDataset says more)."""
+    if isinstance(source, HubDataset):
+        return read_hub(source, resolver.columns)
+    if is_hub_path(source):
+        try:
+            repo_id = hub_repo_id(source)
+        except ValueError as e:
+            raise DatasetError(source, None, str(e)) from None
+        return read_hub(HubDataset(repo_id), resolver.columns)
+    path = Path(source)
     if not path.exists():
         raise DatasetNotFoundError(
             path,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from tasks.datasets import OnBadRow, RowFormat, load_dataset
+from tasks.datasets import HubDataset, OnBadRow, RowFormat, load_dataset
 from tasks.parquet_io import list_parts, read_metadata, write_parquet_atomic
 from tasks.rejects import replace_stage_rejects
 
@@ -34,7 +34,7 @@ class PassthroughReport:
 
 def copy_passthrough(
     name: str,
-    source: Path,
+    source: Path | HubDataset,
     out_dir: Path,
     rejects_dir: Path,
     on_bad_row: OnBadRow = "fail",
@@ -42,7 +42,8 @@ def copy_passthrough(
 ) -> PassthroughReport:
     """Validate `source` (read in `row_format`, default auto) and write its rows as one atomic part in `out_dir`; a
     no-op if neither the file nor its row format changed."""
-    stat = source.stat() if source.is_file() else None
+    # A Hub dataset has no file to stat: it is read again each time (from the Hub cache, at the recorded commit).
+    stat = source.stat() if isinstance(source, Path) and source.is_file() else None
     # The row format is part of the source only when set: a run copied before the setting existed is not copied again.
     read_as = [row_format.model_dump(mode="json")] if row_format is not None and row_format != RowFormat() else []
     fingerprint = json.dumps([str(source), *([stat.st_size, stat.st_mtime_ns] if stat else []), *read_as])

@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from models.jobs import GenerateJob, ServerSettings
 from models.run_layout import RunLayout
 from tasks.artifacts import artifact_key
-from tasks.datasets import OnBadRow, RowFormat, load_dataset
+from tasks.datasets import HubDataset, OnBadRow, RowFormat, load_dataset
 from tasks.engines.client import RetryPolicy, auth_hint
 from tasks.engines.errors import ServerOutage
 from tasks.generate.loop import GenerateReport, Progress, generate_dataset
@@ -42,7 +42,7 @@ async def _retry_on_outage(task: Any, task_run: Any, state: Any) -> bool:
 )
 async def generate_responses(
     name: str,
-    source: Path,
+    source: Path | HubDataset,
     on_bad_row: OnBadRow,
     target_path: str,
     trust_remote_code: bool,
@@ -78,7 +78,7 @@ async def generate_responses(
         tokenizer=tokenizer,
         responses_dir=layout.responses(name),
         rejects_dir=layout.rejects(name),
-        source=source,
+        source=loaded.path,  # the hf: path of a Hub dataset
         settings=settings,
         vocab_size=len(tokenizer),
         on_progress=on_progress,
@@ -125,7 +125,7 @@ def server_pool(server: ServerSettings, logger: Any, *, max_concurrency: int | N
 
 @task(name="copy-passthrough", task_run_name="passthrough {name}", cache_policy=NO_CACHE)
 def copy_passthrough_task(
-    name: str, source: Path, on_bad_row: OnBadRow, layout: RunLayout, row_format: RowFormat
+    name: str, source: Path | HubDataset, on_bad_row: OnBadRow, layout: RunLayout, row_format: RowFormat
 ) -> PassthroughReport:
     """Validate a passthrough dataset and copy it into the run."""
     report = copy_passthrough(name, source, layout.passthrough(name), layout.rejects(name), on_bad_row, row_format)

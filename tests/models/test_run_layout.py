@@ -36,6 +36,7 @@ def test_every_path_under_the_run_directory():
     assert layout.records_root == Path("/runs/kimi/records")
     assert layout.records("B1") == Path("/runs/kimi/records/B1")
     assert layout.token_counts == Path("/runs/kimi/records/token_counts.parquet")
+    assert layout.hub_record("H1") == Path("/runs/kimi/datasets/H1.json")
     assert layout.job("capture") == Path("/runs/kimi/jobs/capture.json")
     assert layout.job("train") == Path("/runs/kimi/jobs/train.json")
     assert layout.job("eval") == Path("/runs/kimi/jobs/eval.json")
@@ -132,6 +133,7 @@ def test_the_scan_knows_the_layout():
         "passthrough",
         "records",
         "token_counts.parquet",
+        "datasets",
         "quarantine",
         "jobs",
         "logs",
