@@ -20,6 +20,9 @@ Row formats (the dataset's `format`, formats.py; any file type): each row is rea
   (the assistant turn; needed for passthrough).
 - columns: `system_field` (optional), `prompt_field`, `response_field` (passthrough), one turn each.
 - ultrachat: `data`, strings alternating user, assistant, ...
+- glaive: `system` + `chat` (glaive-function-calling-v2): `chat` split on the role markers opening its lines (USER:,
+  ASSISTANT:, FUNCTION RESPONSE: -> user, assistant, tool), `<|endoftext|>` removed; `system` minus `SYSTEM:` is the
+  system turn. A `<functioncall> {...}` in an assistant turn stays text.
 - auto (the default): detected once per dataset, from the columns (Parquet, Arrow) or the first row that fits a
   format (JSONL); keys that fit no format or several are a bad row (a file error for a column reader) that names
   them and the config line that reads them (detect.py has the rules).
@@ -29,8 +32,10 @@ the same row, with the same id, as the conversation written as `messages`.
 Row kinds:
 - generate: optional `id` (string or int), and either `messages` (non-empty list of
   {role: system|user|assistant, content: str}, ending with a user turn) or `prompt` (a non-empty
-  string, which becomes one user message). Not both. A conversation that ends with an assistant turn is cut
-  after its last user turn (rows.prompt_length), in every format, and the cut turns are not checked.
+  string, which becomes one user message). Not both, except that a `prompt` equal to the content of the first
+  user turn of `messages` (ultrachat_200k: prompt, prompt_id, messages) is ignored and `messages` read.
+  A conversation that ends with an assistant turn is cut after its last user turn (rows.prompt_length), in
+  every format, and the cut turns are not checked.
 - passthrough: optional `id`, and either `messages` with at least one assistant turn (roles
   system|user|assistant|tool: agentic transcripts carry tool results), or `input_ids`
   (non-negative ints) + `loss_mask` (0/1 or bools, same length, at least one 1).

@@ -5,6 +5,7 @@ The keys looked at are a column reader's columns, or a JSONL row's keys that are
 - sharegpt: with `conversations`;
 - ultrachat: with `data` holding a list of strings;
 - alpaca: with `instruction`;
+- glaive: with `system` and `chat` (glaive-function-calling-v2);
 - columns: with a known pair of prompt and response columns (KNOWN_COLUMNS, first match): problem + solution
   (Magicoder-OSS-Instruct), problem + generated_solution (OpenMathInstruct-2), question + generated_solution
   (OpenMathInstruct-1), input + output without an instruction (OpenCodeInstruct).
@@ -47,7 +48,7 @@ RESPONSE_NAMES = (
 )
 SYSTEM_NAMES = ("system", "system_prompt")
 FORMATS_DOC = (
-    "row formats: messages, sharegpt, alpaca, columns, ultrachat (docs/run-a-pipeline.md#row-formats: the "
+    "row formats: messages, sharegpt, alpaca, columns, ultrachat, glaive (docs/run-a-pipeline.md#row-formats: the "
     "config lines of each)"
 )
 
@@ -67,6 +68,8 @@ def detect(
         found.append(Shape.of(fmt, "ultrachat"))
     if "instruction" in present:
         found.append(Shape.of(fmt, "alpaca"))
+    if "chat" in present and "system" in present:
+        found.append(Shape.of(fmt, "glaive"))
     for prompt, response in KNOWN_COLUMNS:
         if prompt in present and response in present and not (prompt == "input" and "instruction" in present):
             found.append(Shape.of(fmt, "columns", prompt_field=prompt, response_field=response))

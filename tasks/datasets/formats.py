@@ -9,6 +9,10 @@ A dataset's `format` (the RowFormat spec, composed into each dataset of the run 
   puts it below the instruction), optional `output` (the assistant turn; needed for passthrough).
 - `columns`: one turn per named column: `system_field` (optional), `prompt_field`, `response_field` (passthrough).
 - `ultrachat`: `data`, a list of strings alternating user, assistant, ... (UltraChat as first published).
+- `glaive`: `system` + `chat` (glaiveai/glaive-function-calling-v2): `chat` is one string of turns, each opening with
+  a role marker at the start of a line (`USER:` -> user, `ASSISTANT:` -> assistant, `FUNCTION RESPONSE:` -> tool);
+  every `<|endoftext|>` is removed and each turn stripped; `system` without its leading `SYSTEM:` is the system turn
+  (none if empty). Nothing else is parsed: an assistant's `<functioncall> {...}` stays text, not `tool_calls`.
 
 Each `from_*` function turns a raw row into {"id"?, "messages": [...]} (format messages: the row itself, roles
 renamed), or raises BadRow naming the row's own fields. Only role and content are kept from the turns of a converted
@@ -19,6 +23,7 @@ an assistant turn ends at its last user turn, and the cut turns are not checked.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +46,7 @@ from tasks.datasets.rows import (
     type_name,
 )
 
-FormatName = Literal["auto", "messages", "sharegpt", "alpaca", "columns", "ultrachat"]
+FormatName = Literal["auto", "messages", "sharegpt", "alpaca", "columns", "ultrachat", "glaive"]
 Role = Literal["system", "user", "assistant", "tool"]
 
 # Role names public sets use for the four roles: ShareGPT's `from` (human, gpt; chatgpt, bing, bard in
@@ -68,8 +73,9 @@ class RowFormat(Spec):
         description="The rows' shape: `messages` (`messages` [{role, content}] or `prompt`; passthrough also "
         "`input_ids` + `loss_mask`), `sharegpt` (`conversations` [{from, value}]), `alpaca` (`instruction`, `input`, "
         "`output`), `columns` (prompt_field, response_field, system_field), `ultrachat` (`data` [user, assistant, "
-        "...]). `auto`: detected from the columns (Parquet, Arrow) or the first row (JSONL), one format per dataset; "
-        "an unknown or ambiguous shape is an error that says what to set.",
+        "...]), `glaive` (`system` + `chat`, one string of USER:/ASSISTANT:/FUNCTION RESPONSE: turns). `auto`: "
+        "detected from the columns (Parquet, Arrow) or the first row (JSONL), one format per dataset; an unknown or "
+        "ambiguous shape is an error that says what to set.",
     )
     roles: dict[str, Role] = Field(
         default_factory=dict,
@@ -116,7 +122,7 @@ class RowFormat(Spec):
 class Shape:
     """A dataset's row format, resolved: the format, the fields it reads, and whether `auto` detected it."""
 
-    format: str  # messages | sharegpt | alpaca | columns | ultrachat
+    format: str  # messages | sharegpt | alpaca | columns | ultrachat | glaive
     auto: bool = False
     id_field: str = "id"
     roles: Mapping[str, str] = field(default_factory=lambda: dict(ROLE_ALIASES))
@@ -148,6 +154,7 @@ class Shape:
             "sharegpt": "conversations: from -> role, value -> content",
             "alpaca": "instruction + input -> user, output -> assistant",
             "ultrachat": "data: user, assistant, ... alternating",
+            "glaive": "system -> system, chat: USER: -> user, ASSISTANT: -> assistant, FUNCTION RESPONSE: -> tool",
             "columns": ", ".join(f"{name} -> {role}" for role, name in self._turn_fields() if name),
         }[self.format]
         extras = [details] if details else []
@@ -167,6 +174,8 @@ class Shape:
             "alpaca": "'instruction' (string), optional 'input', and "
             + ("'output' (the response)" if kind == "passthrough" else "optional 'output' (cut: the target answers)"),
             "ultrachat": "'data', a list of strings alternating user, assistant, ..., starting with the user",
+            "glaive": "'chat', a string of turns each opening a line with USER:, ASSISTANT: or FUNCTION RESPONSE:, "
+            "and optional 'system' (string)",
             "columns": " and ".join(f"'{name}'" for _, name in self._turn_fields() if name) + " (strings)",
         }[self.format]
         return f"format {self.format}: each row needs {needs}"
@@ -212,6 +221,7 @@ class Shape:
             "sharegpt": ("conversations",),
             "alpaca": ("instruction", "input", "output"),
             "ultrachat": ("data",),
+            "glaive": ("system", "chat"),
             "columns": tuple(name for _, name in self._turn_fields() if name),
         }[self.format]
 
@@ -221,6 +231,8 @@ class Shape:
             return ("instruction", "output") if kind == "passthrough" else ("instruction",)
         if self.format == "columns":
             return tuple(n for n in (self.prompt_field, self.response_field if kind == "passthrough" else None) if n)
+        if self.format == "glaive":
+            return ("chat",)
         return self._fields()
 
 
@@ -295,12 +307,51 @@ def from_ultrachat(data: dict, kind: Kind, shape: Shape) -> dict:
     return _conversation(turns, data, kind, shape, "data")
 
 
+# glaive-function-calling-v2's role markers, each opening a line of `chat`, and the role of the turn it opens.
+GLAIVE_ROLES = {"USER": "user", "ASSISTANT": "assistant", "FUNCTION RESPONSE": "tool"}
+_GLAIVE_MARKER = re.compile(r"^(USER|ASSISTANT|FUNCTION RESPONSE):", re.MULTILINE)
+_GLAIVE_END = "<|endoftext|>"
+
+
+def from_glaive(data: dict, kind: Kind, shape: Shape) -> dict:
+    """Format glaive: `system` (minus `SYSTEM:`) -> the system turn, `chat` split on its role markers -> the turns."""
+    chat = _present(data, "chat")
+    if not isinstance(chat, str):
+        raise BadRow(f"'chat' must be a string of USER:/ASSISTANT:/FUNCTION RESPONSE: turns, got {type_name(chat)}")
+    if not chat.replace(_GLAIVE_END, "").strip():
+        raise BadRow("'chat' is empty")
+    turns = []
+    system = data.get("system")
+    if system is not None and not isinstance(system, str):
+        raise BadRow(f"'system' must be a string, got {type_name(system)}")
+    if system:
+        text = system.strip()
+        text = text[len("SYSTEM:") :].strip() if text.startswith("SYSTEM:") else text
+        if text:
+            turns.append(_Turn("system", text, "system"))
+    markers = list(_GLAIVE_MARKER.finditer(chat))
+    before = chat[: markers[0].start()] if markers else chat
+    if before.replace(_GLAIVE_END, "").strip():
+        raise BadRow(
+            f"'chat' does not open with a role marker (USER:, ASSISTANT:, FUNCTION RESPONSE:): {before.strip()[:40]!r}"
+        )
+    for i, marker in enumerate(markers):
+        end = markers[i + 1].start() if i + 1 < len(markers) else len(chat)
+        text = chat[marker.end() : end].replace(_GLAIVE_END, "").strip()
+        where = f"chat turn {i + 1} ({marker.group(1)}:)"
+        turns.append(_Turn(GLAIVE_ROLES[marker.group(1)], text, where, where))
+    if not any(t.role == "user" for t in turns):
+        raise BadRow("'chat' has no USER: turn")
+    return _conversation(turns, data, kind, shape, "chat")
+
+
 CONVERTERS: dict[str, Callable[[dict, Kind, Shape], dict]] = {
     "messages": from_messages,
     "sharegpt": from_sharegpt,
     "alpaca": from_alpaca,
     "columns": from_columns,
     "ultrachat": from_ultrachat,
+    "glaive": from_glaive,
 }
 
 

@@ -92,7 +92,11 @@ def build_prompt(data: dict) -> PromptRow:
     """A prompt row from a parsed object (normalised messages, stable id); BadRow if it is not one."""
     messages, prompt = data.get("messages"), data.get("prompt")
     if messages is not None and prompt is not None:
-        raise BadRow("has both 'messages' and 'prompt'; give one")
+        if prompt != first_user_content(messages):
+            raise BadRow(
+                "has both 'messages' and 'prompt', and 'prompt' is not the first user turn's content; give one"
+            )
+        prompt = None  # ultrachat_200k: `prompt` repeats the first user turn; the conversation is `messages`
     if prompt is not None:
         if not isinstance(prompt, str):
             raise BadRow(f"'prompt' must be a string, got {type_name(prompt)}")
@@ -153,6 +157,13 @@ def prompt_length(turns: list) -> int:
     if not turns or _role(turns[-1]) != "assistant":
         return len(turns)
     return next((i + 1 for i in range(len(turns) - 1, -1, -1) if _role(turns[i]) == "user"), 0)
+
+
+def first_user_content(messages: Any) -> Any:
+    """The content of the first user turn of `messages` (None if there is none or it is not a list of objects)."""
+    if not isinstance(messages, list):
+        return None
+    return next((m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"), None)
 
 
 def _role(turn: Any) -> Any:

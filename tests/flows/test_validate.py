@@ -8,6 +8,7 @@ from rich.console import Console
 
 from flows.config_file import parse_config
 from flows.validate import validate_datasets
+from tasks.datasets import load_dataset
 
 SAMPLES = Path(__file__).resolve().parents[2] / "data" / "formats"  # not data/samples: the tiny target trains on those
 
@@ -53,3 +54,65 @@ def test_validate_prints_the_format_of_every_dataset(tmp_path):
         "junk.jsonl line 1: has keys [question, answer], which fit no row format; set format: columns, "
         "prompt_field: question, response_field: answer in the dataset's config\n"
     ) in out
+
+
+KIMI = Path(__file__).resolve().parents[2] / "configs" / "kimi-k25.yaml"
+KIMI_FORMATS = {  # the line `eagle3 validate configs/kimi-k25.yaml` prints per dataset, and the rows of its sample
+    "A1_deepswekimi": ("messages (configured)", 3),
+    "A2_kimik25": ("messages (configured)", 3),
+    "B1_glaive": (
+        "glaive (configured: system -> system, chat: USER: -> user, ASSISTANT: -> assistant, FUNCTION RESPONSE: -> "
+        "tool)",
+        4,
+    ),
+    "B2_opencodeinstruct": ("columns (configured: input -> user, output -> assistant)", 3),
+    "B3_magicoder": ("columns (configured: problem -> user, solution -> assistant)", 3),
+    "B4_mixturethoughts": ("messages (configured)", 3),
+    "B5_ultrachat": ("messages (configured: id: prompt_id)", 3),
+    "B6_sharegpt": ("sharegpt (configured: conversations: from -> role, value -> content)", 3),
+    "B7_openmathinstruct": ("columns (configured: problem -> user, generated_solution -> assistant)", 3),
+    "B8_toolcalls": ("messages (configured)", 3),
+}
+
+
+def _kimi_on_samples(tmp_path, *, auto: bool = False):
+    """configs/kimi-k25.yaml, each dataset's path at data/formats/kimi/<its file name> (`auto`: no format lines)."""
+    import yaml
+
+    data = yaml.safe_load(KIMI.read_text())
+    data["run_dir"] = str(tmp_path / "run")
+    for dataset in data["datasets"]:
+        dataset["path"] = str(SAMPLES / "kimi" / Path(dataset["path"]).name)
+        if auto:
+            for key in ("format", "prompt_field", "response_field", "system_field"):
+                dataset.pop(key, None)
+    return parse_config(data, base=tmp_path)
+
+
+def test_validate_reads_the_kimi_config_on_samples_of_each_real_format(tmp_path):
+    config = _kimi_on_samples(tmp_path)
+    assert [d.name for d in config.datasets] == list(KIMI_FORMATS)
+    console = Console(record=True, width=250, color_system=None)
+    assert validate_datasets(config, config_path=KIMI, console=console)
+    out = console.export_text()
+    for name, (described, _) in KIMI_FORMATS.items():
+        assert f"\n{name}: format {described}\n" in out
+    assert f"{KIMI} is valid: 10 dataset(s) ready." in out
+    for dataset in config.datasets:  # every row of every sample loads
+        loaded = load_dataset(dataset.source(config.layout), dataset.kind, row_format=dataset.row_format)
+        assert len(loaded.rows) == KIMI_FORMATS[dataset.name][1] and not loaded.rejects and not loaded.duplicates
+    b5 = next(d for d in config.datasets if d.name == "B5_ultrachat")
+    assert [r.id[:8] for r in load_dataset(b5.path, "generate", row_format=b5.row_format).rows] == [
+        "4e1b7c0d",
+        "a7c9e1b3",
+        "0d9a2f6e",
+    ]
+
+
+def test_auto_reads_the_kimi_samples_as_the_config_says(tmp_path):
+    configured, detected = _kimi_on_samples(tmp_path), _kimi_on_samples(tmp_path, auto=True)
+    for named, auto in zip(configured.datasets, detected.datasets, strict=True):
+        want = load_dataset(named.path, named.kind, row_format=named.row_format)
+        got = load_dataset(auto.path, auto.kind, row_format=auto.row_format)
+        assert got.shape.auto and got.shape.format == want.shape.format
+        assert [(r.id, r.messages) for r in got.rows] == [(r.id, r.messages) for r in want.rows]

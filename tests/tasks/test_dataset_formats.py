@@ -15,17 +15,18 @@ from tasks.datasets import DatasetError, PromptRow, RowFormat, iter_rows, load_d
 from tasks.datasets.detect import Resolver
 
 SAMPLES = Path(__file__).resolve().parents[2] / "data" / "formats"  # not data/samples: the tiny target trains on those
-FORMATS = ["sharegpt", "alpaca", "columns", "ultrachat"]
+FORMATS = ["sharegpt", "alpaca", "columns", "ultrachat", "glaive"]
 KINDS = ["generate", "passthrough"]
 DOC = (
-    "row formats: messages, sharegpt, alpaca, columns, ultrachat (docs/run-a-pipeline.md#row-formats: the config "
-    "lines of each)"
+    "row formats: messages, sharegpt, alpaca, columns, ultrachat, glaive (docs/run-a-pipeline.md#row-formats: the "
+    "config lines of each)"
 )
 CONFIGURED = {  # the config lines that name each sample's format instead of detecting it
     "sharegpt": RowFormat(format="sharegpt"),
     "alpaca": RowFormat(format="alpaca"),
     "columns": RowFormat(format="columns", prompt_field="problem", response_field="solution"),
     "ultrachat": RowFormat(format="ultrachat"),
+    "glaive": RowFormat(format="glaive"),
 }
 
 
@@ -156,6 +157,7 @@ GOOD_FIRST = {  # a good row of each format on line 1, so that auto has decided 
     "alpaca": {"instruction": "q", "output": "a"},
     "columns": {"problem": "q", "solution": "a"},
     "ultrachat": {"data": ["q", "a"]},
+    "glaive": {"system": "SYSTEM: s", "chat": "USER: q\n\n\nASSISTANT: a <|endoftext|>"},
 }
 BAD = [  # format, kind, the bad row, what the error says is wrong
     ("sharegpt", "passthrough", {"id": "x", "messages": []}, "'conversations' is missing (row has: id, messages)"),
@@ -213,6 +215,35 @@ BAD = [  # format, kind, the bad row, what the error says is wrong
     ("ultrachat", "generate", {"data": []}, "'data' is empty"),
     ("ultrachat", "passthrough", {"data": ["q", 5]}, "'data[1]' must be a string, got int"),
     ("ultrachat", "passthrough", {"id": "u", "text": "q"}, "'data' is missing (row has: id, text)"),
+    ("glaive", "generate", {"system": "SYSTEM: s", "chat": " <|endoftext|>\n"}, "'chat' is empty"),
+    ("glaive", "generate", {"system": "SYSTEM: s", "chat": ["USER: q"]}, "'chat' must be a string of USER:/ASSISTANT:"),
+    ("glaive", "passthrough", {"system": "SYSTEM: s", "text": "USER: q"}, "'chat' is missing (row has: system, text)"),
+    ("glaive", "passthrough", {"system": "SYSTEM: s", "chat": "ASSISTANT: a"}, "'chat' has no USER: turn"),
+    ("glaive", "generate", {"system": 3, "chat": "USER: q"}, "'system' must be a string, got int"),
+    (
+        "glaive",
+        "generate",
+        {"system": "SYSTEM: s", "chat": "Hello USER: q"},
+        "'chat' does not open with a role marker (USER:, ASSISTANT:, FUNCTION RESPONSE:): 'Hello USER: q'",
+    ),
+    (
+        "glaive",
+        "passthrough",
+        {"system": "SYSTEM: s", "chat": "USER: q\nASSISTANT: <|endoftext|>"},
+        "'chat turn 2 (ASSISTANT:)' is empty",
+    ),
+    (
+        "glaive",
+        "passthrough",
+        {"system": "SYSTEM: s", "chat": "USER: q\nFUNCTION RESPONSE: {}"},
+        "'chat' has no assistant turn",
+    ),
+    (
+        "glaive",
+        "generate",
+        {"system": "", "chat": "USER: q\nASSISTANT: <functioncall> {}\nFUNCTION RESPONSE: {}\nUSER: thanks"},
+        "'chat turn 3 (FUNCTION RESPONSE:)' is a tool turn; a prompt to generate from has system, user, assistant",
+    ),
 ]
 
 
@@ -277,6 +308,16 @@ DETECTED = [  # a row, the kind, the format auto picks, and how validate describ
         "columns (auto: input -> user, output -> assistant)",
     ),
     ({"id": "0", "data": ["q", "a"]}, "passthrough", "ultrachat (auto: data: user, assistant, ... alternating)"),
+    (
+        {"system": "SYSTEM: s", "chat": "USER: q\nASSISTANT: a"},
+        "passthrough",
+        "glaive (auto: system -> system, chat: USER: -> user, ASSISTANT: -> assistant, FUNCTION RESPONSE: -> tool)",
+    ),
+    (
+        {"prompt": "q", "prompt_id": "p", "messages": [{"role": "user", "content": "q"}]},
+        "generate",
+        "messages (auto)",
+    ),
 ]
 
 
@@ -333,9 +374,9 @@ def test_an_unknown_shape_shows_its_keys_and_the_config_line_that_reads_it(tmp_p
     assert row.messages == [{"role": "user", "content": "What is 6 x 7?"}, {"role": "assistant", "content": "42"}]
     # nothing to guess from: the placeholders, and the other formats
     with pytest.raises(DatasetError) as info:
-        load_dataset(_jsonl(tmp_path / "g.jsonl", [{"system": "s", "chat": "USER: hi"}]), "passthrough")
+        load_dataset(_jsonl(tmp_path / "g.jsonl", [{"system": "s", "dialogue": "USER: hi"}]), "passthrough")
     assert str(info.value).endswith(
-        "has keys [system, chat], which fit no row format; set format: columns, "
+        "has keys [system, dialogue], which fit no row format; set format: columns, "
         "prompt_field: COLUMN, response_field: COLUMN, system_field: system in the "
         f"dataset's config — {DOC}"
     )
@@ -425,3 +466,103 @@ def test_a_passthrough_copy_is_made_again_when_the_row_format_changes(tmp_path):
     assert copy_passthrough(*args, RowFormat()).copied and not copy_passthrough(*args, RowFormat()).copied
     assert not copy_passthrough(*args).copied  # no format given: auto, the same copy
     assert copy_passthrough(*args, RowFormat(format="sharegpt")).copied
+
+
+def test_glaive_splits_chat_on_its_role_markers_and_keeps_function_calls_as_text():
+    rows = load_dataset(SAMPLES / "fmt_glaive.jsonl", "passthrough").rows
+    first = rows[0].messages
+    assert [m["role"] for m in first] == ["system", "user", "assistant", "tool", "assistant"]
+    assert first[0]["content"].startswith("You are a helpful assistant with access to the following functions.")
+    # the function call is the assistant turn's text, its <|endoftext|> removed: no tool_calls are parsed
+    assert first[2] == {
+        "role": "assistant",
+        "content": '<functioncall> {"name": "get_time", "arguments": \'{"zone": "Asia/Tokyo"}\'}',
+    }
+    assert rows[3].messages[0] == {"role": "user", "content": "Is a tomato a fruit?\nAsking for a quiz."}  # no system
+    # a prompt ends at its last USER: turn, with the id the same conversation gets as `messages`
+    prompts = load_dataset(SAMPLES / "fmt_glaive.jsonl", "generate").rows
+    assert [m["role"] for m in prompts[0].messages] == ["system", "user"]
+    assert [m["role"] for m in prompts[1].messages] == ["system", "user", "assistant", "user"]
+    assert prompts[2].id == _hash({"messages": prompts[2].messages})
+
+
+def test_a_bad_glaive_row_is_one_line_with_file_and_row_under_a_column_reader_too(tmp_path):
+    rows = [{"system": "SYSTEM: s", "chat": "USER: q\nASSISTANT: a"}, {"system": "SYSTEM: s", "chat": "ASSISTANT: a"}]
+    path = _parquet(tmp_path / "g.parquet", rows)
+    with pytest.raises(DatasetError) as info:
+        load_dataset(path, "generate")
+    assert str(info.value).startswith(f"{path} row 2: 'chat' has no USER: turn — format glaive: each row needs 'chat'")
+    assert "\n" not in str(info.value)
+    with pytest.raises(DatasetError, match="has no 'chat' column for format glaive"):
+        load_dataset(
+            _parquet(tmp_path / "s.parquet", [{"system": "s", "text": "q"}]),
+            "generate",
+            row_format=CONFIGURED["glaive"],
+        )
+
+
+ULTRACHAT_200K = [  # HuggingFaceH4/ultrachat_200k's shape: the prompt repeats the first user turn
+    {
+        "prompt": "What is a haiku?",
+        "prompt_id": "9f2c",
+        "messages": [
+            {"role": "user", "content": "What is a haiku?"},
+            {"role": "assistant", "content": "A three-line poem of 5, 7 and 5 syllables."},
+            {"role": "user", "content": "Write one about rain."},
+            {"role": "assistant", "content": "Soft rain on the roof / ..."},
+        ],
+    },
+    {
+        "prompt": "Name a blue fruit.",
+        "prompt_id": "17ab",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a blue fruit."},
+            {"role": "assistant", "content": "Blueberries."},
+        ],
+    },
+]
+ULTRACHAT_200K_AS_MESSAGES = [  # the same rows written as `messages`, by hand
+    {
+        "id": "9f2c",
+        "messages": [
+            {"role": "user", "content": "What is a haiku?"},
+            {"role": "assistant", "content": "A three-line poem of 5, 7 and 5 syllables."},
+            {"role": "user", "content": "Write one about rain."},
+            {"role": "assistant", "content": "Soft rain on the roof / ..."},
+        ],
+    },
+    {
+        "id": "17ab",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a blue fruit."},
+            {"role": "assistant", "content": "Blueberries."},
+        ],
+    },
+]
+
+
+@pytest.mark.parametrize("reader", ["jsonl", "parquet"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_ultrachat_200k_reads_its_messages_when_prompt_is_the_first_user_turn(tmp_path, kind, reader):
+    write = _jsonl if reader == "jsonl" else _parquet
+    path = write(tmp_path / f"u.{reader}", ULTRACHAT_200K)
+    expected = load_dataset(_jsonl(tmp_path / "m.jsonl", ULTRACHAT_200K_AS_MESSAGES), kind).rows
+    for row_format in (RowFormat(id_field="prompt_id"), RowFormat(format="messages", id_field="prompt_id")):
+        loaded = load_dataset(path, kind, row_format=row_format)
+        assert [(r.id, r.messages) for r in loaded.rows] == [(r.id, r.messages) for r in expected]
+        assert loaded.shape.describe().endswith("id: prompt_id)") and not loaded.rejects
+    assert [r.id for r in expected] == ["9f2c", "17ab"]
+    if kind == "generate":
+        assert expected[0].messages[-1] == {"role": "user", "content": "Write one about rain."}
+
+
+def test_a_prompt_that_is_not_the_first_user_turn_is_still_the_both_error(tmp_path):
+    rows = [dict(ULTRACHAT_200K[0]), {**ULTRACHAT_200K[1], "prompt": "Name a red fruit."}]
+    path = _jsonl(tmp_path / "u.jsonl", rows)
+    with pytest.raises(DatasetError) as info:
+        load_dataset(path, "generate", row_format=RowFormat(id_field="prompt_id"))
+    assert str(info.value).startswith(
+        f"{path} line 2: has both 'messages' and 'prompt', and 'prompt' is not the first user turn's content; give one"
+    )

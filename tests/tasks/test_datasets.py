@@ -201,7 +201,10 @@ GENERATE_BAD = [
     ),
     (b'{"prompt": ""}', "'prompt' is empty"),
     (b'{"prompt": 5}', "'prompt' must be a string, got int"),
-    (b'{"prompt": "x", "messages": [{"role": "user", "content": "x"}]}', "has both 'messages' and 'prompt'"),
+    (
+        b'{"prompt": "y", "messages": [{"role": "user", "content": "x"}]}',
+        "has both 'messages' and 'prompt', and 'prompt' is not the first user turn's content",
+    ),
     (b'{"id": 1.5, "prompt": "x"}', "'id' must be a string or int, got float"),
     (b'{"id": true, "prompt": "x"}', "'id' must be a string or int, got bool"),
     (b'{"id": "", "prompt": "x"}', "'id' is empty"),
