@@ -75,7 +75,11 @@ def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_p
                 # run, which sends 48 requests at once; the two dev servers decode 16 each in lockstep,
                 # so 16 still wait when the first answers cross the budget: those must be stopped
                 await generate(pool, rows[:20], sampling_params={**SAMPLING, "max_new_tokens": 1})
-                budgeted = await generate(pool, rows[:80], token_budget=20 + 120)
+                # 96-token answers: the 16 waiting ones need 96 more decode steps, time enough to be stopped (at 24
+                # a CI run once saw all 48 finish before the stop reached them)
+                budgeted = await generate(
+                    pool, rows[:80], token_budget=20 + 120, sampling_params={**SAMPLING, "max_new_tokens": 96}
+                )
                 rest = await generate(pool, rows)
                 return budgeted, rest, pool.servers[0]
 
