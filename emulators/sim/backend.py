@@ -91,7 +91,8 @@ class SimBackend:
                 )
         out = simulate_output(ids, params, srv.config)
         doomed = srv._abort_if is not None and bool(srv._abort_if(ids))
-        return Seq(rid, len(ids), out, arrived, srv._engine_loop().create_future(), doomed)
+        held = srv._hold_if is not None and bool(srv._hold_if(ids))
+        return Seq(rid, len(ids), out, arrived, srv._engine_loop().create_future(), doomed, held)
 
     def abort(self, rid: str, abort_all: bool) -> int:
         self.server.stats.abort_requests += 1

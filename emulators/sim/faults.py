@@ -1,13 +1,13 @@
 """Fault injection for the simulated SGLang server: `SimServer`'s fault API and the middleware before its routes.
 
 The faults: answer errors (``fail_next``), close connections without an answer (``drop_next``, or cut a random
-fraction of admitted requests later: ``drop_fraction``), hold requests (``slow``), report starting (``set_starting``),
-refuse or abort prompts (``reject_if``, ``abort_if``), an outage (``down``/``up``/``restart``). Admin:
-``POST /_fault`` (see ``FaultInjection.apply_fault``) and ``GET /_stats`` for a server in another
-process; they take no key. The faults that answer instead of the routes (an outage, ``fail_next``, ``drop_next``)
-are an ASGI middleware in front of them (`FaultMiddleware`), the others (``drop_fraction``, ``slow``,
-``reject_if``, ``abort_if``) live in the handlers (backend.py) and the engine (scheduler.py). What the server
-then does follows SGLang 0.5.23: a cut client is noticed only on the disconnect poll (tokenizer_manager.py
+fraction of admitted requests later: ``drop_fraction``), hold requests (``slow``, or until aborted: ``hold_if``),
+report starting (``set_starting``), refuse or abort prompts (``reject_if``, ``abort_if``), an outage
+(``down``/``up``/``restart``). Admin: ``POST /_fault`` (see ``FaultInjection.apply_fault``) and ``GET /_stats`` for a
+server in another process; they take no key. The faults that answer instead of the routes (an outage, ``fail_next``,
+``drop_next``) are an ASGI middleware in front of them (`FaultMiddleware`), the others (``drop_fraction``, ``slow``,
+``reject_if``, ``abort_if``, ``hold_if``) live in the handlers (backend.py) and the engine (scheduler.py). What the
+server then does follows SGLang 0.5.23: a cut client is noticed only on the disconnect poll (tokenizer_manager.py
 ``_stream_one_response``, sglang_protocol.results_or_abort), a server-side abort is ``FINISH_ABORT()``.
 """
 
@@ -58,6 +58,7 @@ class FaultInjection:
         self._slow_s = 0.0
         self._reject: Callable[[list[int]], Any] | None = None
         self._abort_if: Callable[[list[int]], Any] | None = None
+        self._hold_if: Callable[[list[int]], Any] | None = None
         self._down: str | None = None  # None | "refuse" | "503"
 
     # -- fault injection (public) ----------------------------------------------------------------
@@ -124,13 +125,22 @@ class FaultInjection:
         """
         self._call(setattr, self, "_abort_if", predicate)
 
+    def hold_if(self, predicate: Callable[[list[int]], Any] | None) -> None:
+        """Hold prompts where predicate(prompt_ids) is truthy before they are scheduled, until they are aborted (by
+        /abort_request, their client's disconnect, or shutdown); None clears (prompts already held stay held).
+
+        A test's causal stand-in for "still queued when the client acts": no timing decides whether they finish first.
+        They count in flight and end as SGLang's queued abort (sglang_protocol.queued_abort_result).
+        """
+        self._call(setattr, self, "_hold_if", predicate)
+
     def clear_faults(self) -> None:
-        """Undo fail_next, drop_next, drop_fraction, slow, reject_if, abort_if and starting (not down: use up)."""
+        """Undo fail_next, drop_next, drop_fraction, slow, reject_if, abort_if, hold_if and starting (not down)."""
 
         def apply():
             self._fail_left = self._drop_left = 0
             self._drop_fraction = 0.0
-            self._slow_s, self._reject, self._abort_if, self._starting = 0.0, None, None, False
+            self._slow_s, self._reject, self._abort_if, self._hold_if, self._starting = 0.0, None, None, None, False
 
         self._call(apply)
 

@@ -32,14 +32,34 @@ if TYPE_CHECKING:
 class Seq:
     """One prompt inside the simulated engine."""
 
-    __slots__ = ("rid", "prompt_len", "out", "arrived", "queued_at", "started", "handle", "future", "state", "doomed")
+    __slots__ = (
+        "rid",
+        "prompt_len",
+        "out",
+        "arrived",
+        "queued_at",
+        "started",
+        "handle",
+        "future",
+        "state",
+        "doomed",
+        "held",
+    )
 
     def __init__(
-        self, rid: str, prompt_len: int, out: SimOutput, arrived: float, future: asyncio.Future, doomed: bool = False
+        self,
+        rid: str,
+        prompt_len: int,
+        out: SimOutput,
+        arrived: float,
+        future: asyncio.Future,
+        doomed: bool = False,
+        held: bool = False,
     ):
         self.rid, self.prompt_len, self.out = rid, prompt_len, out
         self.arrived, self.future = arrived, future
         self.doomed = doomed  # abort_if: the server aborts it when it starts running
+        self.held = held  # hold_if: never scheduled; it ends only when aborted (a request, a disconnect, shutdown)
         self.queued_at = self.started = 0.0
         self.handle: asyncio.Handle | asyncio.TimerHandle | None = None
         self.state = "new"  # new -> delay (slow) -> queued -> running -> done
@@ -92,13 +112,15 @@ class Scheduler:
             s.max_in_flight = s.in_flight
 
     def _admit(self, seqs: list[Seq]) -> None:
-        """New sequences enter the server: held by slow(), else queued for a slot."""
+        """New sequences enter the server: held by hold_if() or slow(), else queued for a slot."""
         for seq in seqs:
             self._live.add(seq)
             self.stats.sequences += 1
         delay = self._slow_s
         for seq in seqs:
-            if delay > 0:
+            if seq.held:
+                seq.state = "delay"
+            elif delay > 0:
                 seq.state = "delay"
                 seq.handle = self._engine_loop().call_later(delay, self._enqueue, seq)
             else:
@@ -180,7 +202,7 @@ class Scheduler:
     def _abort_seq(self, seq: Seq, cause: str) -> bool:
         """Abort `seq` for `cause` ("request", "disconnect", "server" or "shutdown"); False if it had already finished.
 
-        Still queued (or held by slow()): SGLang's queued-abort answer (sglang_protocol.queued_abort_result).
+        Still queued (or held by slow() or hold_if()): SGLang's queued-abort answer (queued_abort_result).
         Running: FINISH_ABORT() through the normal output path with the tokens generated so far.
         """
         if seq.state == "done":

@@ -563,6 +563,30 @@ def test_abort_if_aborts_matching_prompts_as_they_start(make_server):
     assert s.aborted == 1 and s.aborted_by_request == 0 and s.completed == 2
 
 
+def test_hold_if_holds_matching_prompts_until_they_are_aborted(make_server):
+    """hold_if: a matching prompt never runs (the others do); an abort ends it as a queued one."""
+    srv = make_server(decode_s_per_token=0.001)
+    srv.hold_if(lambda ids: 13 in ids)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=10) as c:
+            held = asyncio.ensure_future(
+                c.post("/generate", json={"input_ids": [13, 14], "rid": "h1", "sampling_params": {"max_new_tokens": 5}})
+            )
+            free = await c.post("/generate", json={"input_ids": [15], "sampling_params": {"max_new_tokens": 5}})
+            s = await asyncio.to_thread(srv.wait_for, lambda s: s.in_flight == 1 and s.completed == 1, 10)
+            assert not held.done() and s.running == 0  # held in the queue: admitted, not running
+            assert (await c.post("/abort_request", json={"rid": "h1"})).status_code == 200
+            return free.json(), (await held).json()
+
+    free, held = asyncio.run(run())
+    assert free["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    assert held["meta_info"]["finish_reason"]["type"] == "abort" and held["output_ids"] == []
+    assert "prompt_tokens" not in held["meta_info"]  # SGLang's answer for a request aborted while queued
+    s = srv.snapshot()
+    assert (s.completed, s.aborted, s.queued_aborts, s.in_flight) == (1, 1, 1, 0)
+
+
 def test_drop_fraction_cuts_admitted_requests_which_stay_held_until_the_poll(make_server):
     """drop_fraction: seeded draws, one per admitted /generate; a cut request runs on and holds its rid until the
     disconnect poll aborts it (SGLang 0.5.23 tokenizer_manager.py `_stream_one_response`)."""

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import asyncio
 
+from tasks.generate.prompts import chat_prompt_ids
 from tasks.server_pool import ServerPool
+
+
+def prompts_from(tokenizer, rows, start: int):
+    """A sim server's hold_if predicate: true for the prompt ids of rows[start:].
+
+    The budgeted run sends rows in file order, so the requests it sends after the first `start - 20` stay queued at
+    the server until they are stopped: whether they are still running when the budget is reached does not depend on
+    how fast a loaded machine reads the first answers."""
+    held = {tuple(chat_prompt_ids(tokenizer, row.messages)) for row in rows[start:]}
+    return lambda ids: tuple(ids) in held
 
 
 def budget_run_after_short_answers(

@@ -19,7 +19,7 @@ from tasks.engines.errors import ServerOutage
 from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.server_pool import ServerPool
-from tests.tasks.budget_runs import budget_run_after_short_answers
+from tests.tasks.budget_runs import budget_run_after_short_answers, prompts_from
 
 EOS = 1
 SAMPLING = request_sampling_params({"max_new_tokens": 48, "temperature": 0.7, "top_p": 0.95}, [EOS])
@@ -224,12 +224,13 @@ def test_a_server_back_from_an_outage_gets_requests_again(tmp_path, tokenizer):
 
 def test_without_abort_request_the_budget_stops_requests_by_closing_them(tmp_path, tokenizer):
     """An SGLang router answers /abort_request with 404: the budget then cancels the HTTP requests."""
-    # every answer 48 tokens; 8 run at once, so of 16 sent, 8 wait in the server's queue while the first 8
-    # finish together and cross the budget: those 8 are far from done when they must be stopped (0.96 s each,
-    # so also when a loaded CI machine is slow to react: at 0.24 s each the server once finished them first)
-    [srv] = sims(1, decode_s_per_token=0.02, mean_len=48, length_dist="fixed", max_running=8, disconnect_poll_s=0.05)
+    # every answer 48 tokens; of 16 sent, the first 8 run and cross the budget; the server holds the other 8 until
+    # they are stopped (hold_if: at 0.96 s per answer instead, a loaded CI machine once read the first answers so late
+    # that the server had finished the other 8 as well)
+    [srv] = sims(1, decode_s_per_token=0.005, mean_len=48, length_dist="fixed", max_running=8, disconnect_poll_s=0.05)
     srv.fail_next(10**6, status=404, message="Not Found", path="/abort_request")
     rows = prompts(120)
+    srv.hold_if(prompts_from(tokenizer, rows, 20 + 8))
     try:
         # the requests in flight when the budget is reached must be stopped
         report, can_abort = budget_run_after_short_answers(

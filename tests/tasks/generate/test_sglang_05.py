@@ -25,7 +25,7 @@ from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.rejects import read_rejects
 from tasks.server_pool import ServerPool
-from tests.tasks.budget_runs import budget_run_after_short_answers
+from tests.tasks.budget_runs import budget_run_after_short_answers, prompts_from
 
 EOS = 1
 MAX_NEW = 48
@@ -99,11 +99,12 @@ def test_a_budget_reached_while_requests_are_queued_aborts_them_cleanly(tmp_path
 
     Before: every such answer was an InvalidReply, the server was marked down and the prompt sent again.
     """
-    server = sim(max_running=1, decode_s_per_token=0.004, mean_len=30)
+    server = sim(max_running=1, decode_s_per_token=0.004, mean_len=30, length_dist="fixed")
     rows = prompts(80)
+    server.hold_if(prompts_from(tokenizer, rows, 20 + 6))  # queued until stopped, however late the answers are read
     try:
-        # the length estimate is so low that the budgeted run sends many at once, most of which wait in the server's
-        # queue (1 runs at a time) when the first answers reach the budget
+        # the length estimate is so low that the budgeted run sends 12 at once: 1 runs at a time, the 4th answer
+        # reaches the budget, and 6 are still held in the server's queue then
         with caplog.at_level(logging.INFO):
             report, invalid = budget_run_after_short_answers(
                 generate,
@@ -198,16 +199,25 @@ def test_an_abort_the_admin_key_guards_falls_back_to_closing_the_request(tmp_pat
 
     Before: the 401 was taken for "aborted"; requests stopped at the budget kept running to their end.
     """
-    # 4 run at once (48 tokens, 1.4 s each), so of 12 sent, 8 wait in the server's queue when the first 4 reach the
-    # budget
-    server = sim(max_running=4, decode_s_per_token=0.03, mean_len=200, api_key="user-key", admin_api_key="admin-key")
+    # 4 run at once (48 tokens each), so of 12 sent, 8 are held in the server's queue when the first 4 reach the
+    # budget (hold_if: however late the answers are read)
+    server = sim(
+        max_running=4,
+        decode_s_per_token=0.005,
+        mean_len=48,
+        length_dist="fixed",
+        api_key="user-key",
+        admin_api_key="admin-key",
+    )
+    rows = prompts(40)
+    server.hold_if(prompts_from(tokenizer, rows, 20 + 4))
     try:
         # the budgeted run sends 12 at once: those still queued when its budget is reached must be stopped
         with caplog.at_level(logging.INFO):
             report, can_abort = budget_run_after_short_answers(
                 generate,
                 [server.url],
-                prompts(40),
+                rows,
                 tmp_path,
                 tokenizer,
                 SAMPLING,
@@ -222,7 +232,7 @@ def test_an_abort_the_admin_key_guards_falls_back_to_closing_the_request(tmp_pat
         server.stop()
     assert report.status == "budget reached" and not can_abort
     assert stats.auth_refused >= 1 and stats.aborted_by_request == 0  # refused (the aborts sent at once, together)
-    assert stats.aborted_by_disconnect >= 3  # the server stopped them (they did not run to their end)
+    assert stats.aborted_by_disconnect >= 8  # the server stopped the 8 held ones (they did not run to their end)
     assert report.completion_tokens <= 20 * 4 + 150 + 2 * MAX_NEW
     said = [r.getMessage() for r in caplog.records if "abort_request refused our key" in r.getMessage()]
     assert len(said) == 1 and "admin-key" not in said[0] and "user-key" not in said[0]  # once, and no key in the log
