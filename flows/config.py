@@ -390,6 +390,14 @@ class DatasetConfig(RowFormat, Section):
         ge=1,
         description="Use at most this many prompts of the dataset (in file order).",
     )
+    max_in_flight: int | None = Field(
+        default=None,
+        ge=1,
+        description="Generate datasets: at most this many of the dataset's requests at once, over the whole pool "
+        "(within generate.max_concurrency). 1 makes a budget stop exact: the prompts answered are the first ones, in "
+        "file order, whose tokens reach token_budget, the same on every run with sampling.seed. Omitted: no limit "
+        "of its own.",
+    )
     on_bad_row: Literal["fail", "skip"] = Field(
         default="fail",
         description="`fail`: a malformed row stops the run with its file and row. `skip`: the row "
@@ -426,11 +434,12 @@ class DatasetConfig(RowFormat, Section):
 
     @model_validator(mode="after")
     def _budget_only_for_generate(self) -> DatasetConfig:
-        if self.kind == "passthrough" and self.token_budget is not None:
-            raise ValueError(
-                "token_budget applies to generate datasets only; a passthrough dataset already "
-                "holds its responses (remove token_budget or set kind: generate)"
-            )
+        for key in ("token_budget", "max_in_flight"):
+            if self.kind == "passthrough" and getattr(self, key) is not None:
+                raise ValueError(
+                    f"{key} applies to generate datasets only; a passthrough dataset already "
+                    f"holds its responses (remove {key} or set kind: generate)"
+                )
         if self.kind == "passthrough" and self.format == "columns" and self.response_field is None:
             raise ValueError(
                 "format: columns needs response_field for a passthrough dataset (the column holding the "

@@ -201,6 +201,9 @@ class GenerateJob(GenerateSettings):
         default=None, description="Completion tokens this dataset may spend; None: no limit."
     )
     max_prompts: int | None = Field(default=None, description="Use at most this many prompts (file order).")
+    max_in_flight: int | None = Field(
+        default=None, description="At most this many of this dataset's requests at once; None: the pool's limit only."
+    )
     max_requeues: int = Field(
         default=2, ge=0, description="A request the server aborted on its own is sent again this often."
     )

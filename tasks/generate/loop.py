@@ -240,8 +240,9 @@ class _Run:
     async def drain(self, queue: deque[PromptRow]) -> None:
         """Send every queued prompt that the budget admits; return when nothing is left in flight."""
         wake = self.wake
+        cap = self.settings.max_in_flight
         while self.failure is None and not self.stopping:
-            if queue and self.budget.can_admit():
+            if queue and self.budget.can_admit() and (cap is None or len(self.in_flight) < cap):
                 row = queue.popleft()
                 ids = chat_prompt_ids(self.tokenizer, row.messages)
                 limit = self.pool.input_limit()

@@ -48,6 +48,9 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
         if dataset.token_budget and len(rows) < len(prompts):
             # stopped by the budget: within a few responses of it (those already finished when the abort came)
             assert dataset.token_budget <= spent <= dataset.token_budget + 3 * max_new
+            if dataset.max_in_flight == 1:  # exact: the first prompts in file order whose tokens reach the budget
+                assert ids == list(prompts)[: len(ids)]
+                assert spent - rows[-1]["completion_tokens"] < dataset.token_budget
         for r in rows:
             assert r["prompt_ids"] == chat_prompt_ids(tokenizer, prompts[r["id"]].messages)
             assert r["completion_tokens"] == len(r["output_ids"]) <= max_new
