@@ -60,7 +60,15 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 from bench import harness  # noqa: E402  (first: the offline environment the ranks and baselines inherit)
-from models.capture import deal, load_records, make_batches  # noqa: E402
+from models.capture import (  # noqa: E402
+    capture_batch,
+    deal,
+    forward_kwargs,
+    load_records,
+    make_batches,
+    padded_batch,
+    write_sample,
+)
 from models.eagle3 import default_aux_layers  # noqa: E402
 from models.hidden_shards import INDEX_NAME, list_shards, read_sample, shard_metadata  # noqa: E402
 from models.jobs import (  # noqa: E402
@@ -151,34 +159,14 @@ class Bare:
     pass_no: int = 0
 
 
-def call_kwargs_for(model: torch.nn.Module) -> dict[str, Any]:
-    """What models.capture passes to forward (logits_to_keep=1: no [n, vocab] matmul)."""
-    import inspect
-
-    kwargs: dict[str, Any] = {"output_hidden_states": True, "use_cache": False}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        kwargs["logits_to_keep"] = 1
-    return kwargs
-
-
-def padded_batch(batch, parts, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The right-padded [B, S] ids and mask, built as models.capture.capture_batch builds them."""
-    width = max(s.length for s in batch)
-    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, s in enumerate(batch):
-        input_ids[i, : s.length] = torch.from_numpy(
-            parts[s.part].input_ids[s.start : s.start + s.length].astype(np.int64)
-        )
-        attention_mask[i, : s.length] = 1
-    return input_ids, attention_mask
-
-
 def bare_loop(
     model, batches, parts, pad_id: int, aux_layers: list[int], keep: set[tuple[str, str]]
 ) -> tuple[int, dict]:
-    """Forward every batch; the hidden states are dropped (cloned only for the `keep` samples). Returns tokens."""
-    kwargs = call_kwargs_for(model)
+    """Forward every batch; the hidden states are dropped (cloned only for the `keep` samples). Returns tokens.
+
+    The batches and call kwargs are models.capture's (`padded_batch`, `forward_kwargs`: logits_to_keep=1).
+    """
+    kwargs = forward_kwargs(model)
     kept: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
     tokens = 0
     with torch.no_grad():
@@ -201,25 +189,16 @@ def inproc_loop(
     model, batches, parts, pad_id: int, aux_layers: list[int], num_layers: int, shard_tokens: int, out_dir: Path
 ) -> int:
     """The rank's loop body without the launcher: models.capture.capture_batch + ShardWriter. Returns tokens."""
-    from models.capture import capture_batch
     from models.hidden_shards import ShardWriter
 
-    kwargs = call_kwargs_for(model)
+    kwargs = forward_kwargs(model)
     tokens = 0
     with ShardWriter(out_dir, 0, shard_tokens, aux_layers=aux_layers) as writer, torch.no_grad():
         for batch in batches:
             for s, aux, last in capture_batch(
                 model, batch, parts, aux_layers, num_layers, pad_id, torch.device("cpu"), kwargs
             ):
-                part = parts[s.part]
-                writer.add(
-                    s.id,
-                    s.dataset,
-                    torch.from_numpy(part.input_ids[s.start : s.start + s.length].copy()),
-                    torch.from_numpy(part.loss_mask[s.start : s.start + s.length].copy()),
-                    aux,
-                    last,
-                )
+                write_sample(writer, parts, s, aux, last)
                 tokens += s.length
     return tokens
 

@@ -997,14 +997,11 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
             continue
         cpu = f"{r['cpu_ms_per_1k_tokens']:.0f}" if r.get("cpu_ms_per_1k_tokens") else "-"
         share = f"{r['cpu_s'] / (r['window_s'] * r['n']):.2f}" if r.get("cpu_s") else "-"
+        head = (label, f"{r['tokens_per_s']:,.0f}", f"{r['window_s']:.1f}", cpu, share)
         if r["kind"] == "ours":
             rows.append(
                 (
-                    label,
-                    f"{r['tokens_per_s']:,.0f}",
-                    f"{r['window_s']:.1f}",
-                    cpu,
-                    share,
+                    *head,
                     f"{r['startup_s']:.1f}",
                     f"{r['steps_s']:.1f}",
                     f"{r['tail_s']:.1f}",
@@ -1014,20 +1011,7 @@ def print_report(p: Params, out: dict[str, Any]) -> None:
                 )
             )
         else:
-            rows.append(
-                (
-                    label,
-                    f"{r['tokens_per_s']:,.0f}",
-                    f"{r['window_s']:.1f}",
-                    cpu,
-                    share,
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    f"median step {1e3 * r['median_step_s']:.0f} ms",
-                )
-            )
+            rows.append((*head, "-", "-", "-", "-", f"median step {1e3 * r['median_step_s']:.0f} ms"))
     harness.markdown_table(
         (
             "run",

@@ -875,24 +875,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--no-enable-chunked-prefill", action="store_true", help="accepted for vLLM's command line (no chunking here)"
     )
-    ap.add_argument("--api-key", default=None, help="SGLang's --api-key: required on every endpoint but /health*")
-    ap.add_argument(
-        "--admin-api-key",
-        default=None,
-        help="SGLang's --admin-api-key: the only key /abort_request and /flush_cache take",
-    )
-    ap.add_argument(
-        "--disconnect-poll-s",
-        type=float,
-        default=sglang.DISCONNECT_POLL_S,
-        help="how often a disconnected client is noticed (SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT)",
-    )
-    ap.add_argument(
-        "--sglang-version",
-        default="0.5",
-        choices=list(sglang.SGLANG_VERSIONS),
-        help="follow SGLang 0.5.23 (default) or 0.4.x where they differ",
-    )
+    sglang.add_server_flags(ap)
     ap.add_argument(
         "--decode-log-interval",
         type=int,

@@ -79,6 +79,7 @@ text win); only the fields above are parsed (others are ignored, the schema gate
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import json
@@ -1085,6 +1086,38 @@ class _AuthMiddleware:
 
 
 # ---------------------------------------------------------------------------------------------
+# Command-line flags
+# ---------------------------------------------------------------------------------------------
+
+
+def add_server_flags(
+    ap: argparse.ArgumentParser, *, sglang_version: str = "0.5", disconnect_poll_s: float = DISCONNECT_POLL_S
+) -> None:
+    """The SGLang flags both servers' CLIs take: --api-key, --admin-api-key, --sglang-version, --disconnect-poll-s.
+
+    `sglang_version` and `disconnect_poll_s` are the defaults of the last two.
+    """
+    ap.add_argument("--api-key", default=None, help="SGLang's --api-key: required on every endpoint but /health*")
+    ap.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="SGLang's --admin-api-key: the only key /abort_request and /flush_cache take",
+    )
+    ap.add_argument(
+        "--sglang-version",
+        default=sglang_version,
+        choices=list(SGLANG_VERSIONS),
+        help="follow SGLang 0.5.23 (default) or 0.4.x where they differ",
+    )
+    ap.add_argument(
+        "--disconnect-poll-s",
+        type=float,
+        default=disconnect_poll_s,
+        help="how often a disconnected client is noticed (SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT)",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # The app
 # ---------------------------------------------------------------------------------------------
 
@@ -1246,6 +1279,7 @@ __all__ = [
     "ServerError",
     "V05",
     "abort_matcher",
+    "add_server_flags",
     "contract_error",
     "contract_error_body",
     "create_sglang_app",

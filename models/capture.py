@@ -340,9 +340,7 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     del samples, pending  # only this rank's share stays referenced
 
     forward, model = _load_target(job, dist, dtype, device)
-    call_kwargs: dict[str, Any] = {"output_hidden_states": True, "use_cache": False}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        call_kwargs["logits_to_keep"] = 1  # the capture never reads logits: skip the [n, vocab] matmul
+    call_kwargs = forward_kwargs(model)
     pad_id = config.pad_token_id if isinstance(getattr(config, "pad_token_id", None), int) else 0
 
     # ZeRO-3 gathers parameters collectively inside forward: every rank runs the same number.
@@ -364,15 +362,7 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
             for s, aux, last in capture_batch(
                 forward, batch, parts, aux_layers, num_layers, pad_id, device, call_kwargs
             ):
-                part = parts[s.part]
-                writer.add(
-                    s.id,
-                    s.dataset,
-                    torch.from_numpy(part.input_ids[s.start : s.start + s.length].copy()),
-                    torch.from_numpy(part.loss_mask[s.start : s.start + s.length].copy()),
-                    aux,
-                    last,
-                )
+                write_sample(writer, parts, s, aux, last)
                 done_here += 1
                 tokens_here += s.length
             if time.monotonic() - last_report >= PROGRESS_EVERY_S:
@@ -391,6 +381,42 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     return {"samples": done_here, "tokens": tokens_here}
 
 
+def forward_kwargs(model: torch.nn.Module) -> dict[str, Any]:
+    """The keyword arguments the capture passes to the target's forward (all hidden states, no cache)."""
+    kwargs: dict[str, Any] = {"output_hidden_states": True, "use_cache": False}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1  # the capture never reads logits: skip the [n, vocab] matmul
+    return kwargs
+
+
+def padded_batch(batch: list[Sample], parts: list[RecordPart], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The right-padded int64 input_ids [B, S] and attention_mask [B, S] of `batch`, on the CPU."""
+    width = max(s.length for s in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, S]
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, S]
+    for i, s in enumerate(batch):
+        input_ids[i, : s.length] = torch.from_numpy(
+            parts[s.part].input_ids[s.start : s.start + s.length].astype(np.int64)
+        )
+        attention_mask[i, : s.length] = 1
+    return input_ids, attention_mask
+
+
+def write_sample(
+    writer: ShardWriter, parts: list[RecordPart], s: Sample, aux: torch.Tensor, last: torch.Tensor
+) -> None:
+    """Queue one sample as `capture_batch` yields it in `writer`, with its ids and loss mask from `parts`."""
+    part = parts[s.part]
+    writer.add(
+        s.id,
+        s.dataset,
+        torch.from_numpy(part.input_ids[s.start : s.start + s.length].copy()),
+        torch.from_numpy(part.loss_mask[s.start : s.start + s.length].copy()),
+        aux,
+        last,
+    )
+
+
 def capture_batch(
     forward: Callable[..., Any],
     batch: list[Sample],
@@ -401,15 +427,8 @@ def capture_batch(
     device: torch.device,
     call_kwargs: dict[str, Any],
 ):
-    """One right-padded forward; yield (sample, aux [n, 3H], last [n, H]) on the CPU, unpadded."""
-    width = max(s.length for s in batch)
-    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, S]
-    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, S]
-    for i, s in enumerate(batch):
-        input_ids[i, : s.length] = torch.from_numpy(
-            parts[s.part].input_ids[s.start : s.start + s.length].astype(np.int64)
-        )
-        attention_mask[i, : s.length] = 1
+    """One right-padded forward (`padded_batch`); yield (sample, aux [n, 3H], last [n, H]) on the CPU, unpadded."""
+    input_ids, attention_mask = padded_batch(batch, parts, pad_id)
     out = forward(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **call_kwargs)
     hidden = out.hidden_states  # L+1 tensors [B, S, H]; [0] is the embeddings
     if len(hidden) != num_layers + 1:

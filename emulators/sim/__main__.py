@@ -35,24 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--starting", action="store_true", help="start with /health_generate answering 503")
     ap.add_argument("--log-level", default="warning")
-    ap.add_argument("--api-key", default=None, help="SGLang's --api-key: required on every endpoint but /health*")
-    ap.add_argument(
-        "--admin-api-key",
-        default=None,
-        help="SGLang's --admin-api-key: the only key /abort_request and /flush_cache take",
-    )
-    ap.add_argument(
-        "--sglang-version",
-        default=d.sglang_version,
-        choices=list(sglang.SGLANG_VERSIONS),
-        help="follow SGLang 0.5.23 (default) or 0.4.x where they differ",
-    )
-    ap.add_argument(
-        "--disconnect-poll-s",
-        type=float,
-        default=d.disconnect_poll_s,
-        help="how often a disconnected client is noticed (SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT)",
-    )
+    sglang.add_server_flags(ap, sglang_version=d.sglang_version, disconnect_poll_s=d.disconnect_poll_s)
     ap.add_argument(
         "--reserved-tokens",
         type=int,
