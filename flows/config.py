@@ -398,6 +398,13 @@ class DatasetConfig(RowFormat, Section):
         "file order, whose tokens reach token_budget, the same on every run with sampling.seed. Omitted: no limit "
         "of its own.",
     )
+    turns: Literal["last", "all"] = Field(
+        default="last",
+        description="Generate datasets: `last`: the target answers each conversation's last user turn, after the "
+        "dataset's own earlier turns. `all`: it answers every user turn in order, each prompt holding its own earlier "
+        "answers; one response per turn, id `<id>#t<k>`, regenerated up to the first tool call "
+        "(docs/run-a-pipeline.md, Multi-turn conversations).",
+    )
     on_bad_row: Literal["fail", "skip"] = Field(
         default="fail",
         description="`fail`: a malformed row stops the run with its file and row. `skip`: the row "
@@ -434,8 +441,8 @@ class DatasetConfig(RowFormat, Section):
 
     @model_validator(mode="after")
     def _budget_only_for_generate(self) -> DatasetConfig:
-        for key in ("token_budget", "max_in_flight"):
-            if self.kind == "passthrough" and getattr(self, key) is not None:
+        for key, unset in (("token_budget", None), ("max_in_flight", None), ("turns", "last")):
+            if self.kind == "passthrough" and getattr(self, key) != unset:
                 raise ValueError(
                     f"{key} applies to generate datasets only; a passthrough dataset already "
                     f"holds its responses (remove {key} or set kind: generate)"

@@ -73,6 +73,7 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
         token_budget=dataset.token_budget,
         max_prompts=dataset.max_prompts,
         max_in_flight=dataset.max_in_flight,
+        turns=dataset.turns,
         sampling_params=request_sampling_params(config.sampling.model_dump(), config.sampling.stop_token_ids or []),
         sampling_seed=config.sampling.seed,
         retry_rejects=retry_rejects,

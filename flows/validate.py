@@ -9,8 +9,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from flows.config import RunConfig
-from tasks.datasets import DatasetError, EmptyDatasetError, LoadedDataset, load_dataset
+from tasks.datasets import DatasetError, EmptyDatasetError, LoadedDataset, PromptRow, load_dataset
 from tasks.datasets.hub import is_hub_path
+from tasks.generate.conversations import conversation
 
 
 def validate_datasets(config: RunConfig, *, config_path: Path, console: Console) -> bool:
@@ -50,7 +51,12 @@ def validate_datasets(config: RunConfig, *, config_path: Path, console: Console)
             )
             continue
         shape = loaded.shape.describe() if loaded.shape else "auto, not detected from any row"
-        formats.append(f"{dataset.name}: format {shape}")
+        turns = ""
+        if dataset.kind == "generate" and dataset.turns == "all":  # what turn-by-turn regeneration will send
+            prompts = [row for row in loaded.rows[: dataset.max_prompts] if isinstance(row, PromptRow)]
+            users = sum(len(conversation(row).users) for row in prompts)
+            turns = f"; turns: all, {users:,} user turns to answer (up to each conversation's first tool call)"
+        formats.append(f"{dataset.name}: format {shape}{turns}")
         bad = len(loaded.rejects)
         status = "[green]ok[/green]"
         shown = "\n    ".join(f"{r.location}: {r.reason}" for r in loaded.rejects[:5])

@@ -204,6 +204,9 @@ class GenerateJob(GenerateSettings):
     max_in_flight: int | None = Field(
         default=None, description="At most this many of this dataset's requests at once; None: the pool's limit only."
     )
+    turns: Literal["last", "all"] = Field(
+        default="last", description="last: answer each conversation's last user turn; all: every user turn, in order."
+    )
     max_requeues: int = Field(
         default=2, ge=0, description="A request the server aborted on its own is sent again this often."
     )

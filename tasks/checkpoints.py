@@ -33,6 +33,7 @@ from tasks.parquet_io import (
     write_parquet_atomic,
 )
 from tasks.threads import run_to_the_end
+from tasks.turn_ids import is_later_turn, split_turn_id
 
 RESPONSE_SCHEMA = pa.schema(
     [
@@ -64,9 +65,16 @@ class PartSummary:
     lengths: list[int] = field(default_factory=list)  # completion tokens per response
     first_finished_at: float | None = None
     last_finished_at: float | None = None
+    later_turns: int = 0  # responses to a conversation's turn after its first (tasks.turn_ids)
+
+    @property
+    def conversations(self) -> int:
+        """Conversations with a response: each has its first turn on disk, or is a single prompt."""
+        return self.rows - self.later_turns
 
     def add(self, other: PartSummary) -> None:
         self.rows += other.rows
+        self.later_turns += other.later_turns
         self.completion_tokens += other.completion_tokens
         self.prompt_tokens += other.prompt_tokens
         for reason, n in other.finish_reasons.items():
@@ -92,6 +100,7 @@ class PartSummary:
             lengths=lengths,
             first_finished_at=min(finished) if finished else None,
             last_finished_at=max(finished) if finished else None,
+            later_turns=sum(map(is_later_turn, table.column("id").to_pylist())),
         )
 
     def to_metadata(self) -> dict[str, str]:
@@ -103,6 +112,7 @@ class PartSummary:
             f"{META}lengths": json.dumps(self.lengths, separators=(",", ":")),
             f"{META}first_finished_at": json.dumps(self.first_finished_at),
             f"{META}last_finished_at": json.dumps(self.last_finished_at),
+            f"{META}later_turns": str(self.later_turns),
         }
 
     @classmethod
@@ -115,6 +125,7 @@ class PartSummary:
             lengths=json.loads(meta[f"{META}lengths"]),
             first_finished_at=json.loads(meta[f"{META}first_finished_at"]),
             last_finished_at=json.loads(meta[f"{META}last_finished_at"]),
+            later_turns=int(meta.get(f"{META}later_turns", "0")),  # parts from before multi-turn: single turns
         )
 
 
@@ -169,6 +180,19 @@ def part_summary(part: Path) -> PartSummary:
         raise DamagedPart(
             part, f"its footer has no valid eagle3 summary ({exc!r}); response parts are written by eagle3 only"
         ) from None
+
+
+def turn_outputs(directory: Path) -> dict[str, tuple[list[int], str]]:
+    """(output_ids, finish_reason) of every response on disk whose id names a conversation's turn
+    (tasks.generate.conversations), for a `turns: all` dataset to continue its conversations."""
+    out: dict[str, tuple[list[int], str]] = {}
+    for part in live_parts(directory):
+        with reading(part):
+            table = pq.read_table(part, columns=["id", "output_ids", "finish_reason"])
+        for rid, ids, reason in zip(*(table.column(c).to_pylist() for c in ("id", "output_ids", "finish_reason"))):
+            if split_turn_id(rid) is not None:
+                out[rid] = (ids, reason)
+    return out
 
 
 def done_ids(directory: Path) -> set[str]:

@@ -64,6 +64,7 @@ class DatasetStats:
     lengths: Sequence[int] | np.ndarray = field(default_factory=list, repr=False, compare=False)
     reject_causes: dict[str, int] = field(default_factory=dict)  # rejects by cause (tasks.rejects.CAUSES)
     damaged: str | None = None  # "<file> is damaged (...)": the figures above then count nothing
+    conversations: int = 0  # responses less those of a conversation's later turns (turns: all; tasks.turn_ids)
 
     @property
     def truncated(self) -> int:
@@ -118,6 +119,7 @@ def total_stats(stats: Sequence[DatasetStats]) -> DatasetStats:
                 finish_reasons=dict(s.finish_reasons),
                 first_finished_at=s.first_finished_at,
                 last_finished_at=s.last_finished_at,
+                later_turns=s.responses - s.conversations,
             )
         )
     lengths = _sorted([np.asarray(s.lengths, dtype=np.int64) for s in stats])
@@ -139,6 +141,7 @@ def total_stats(stats: Sequence[DatasetStats]) -> DatasetStats:
 STATS_COLUMNS = (
     "dataset",
     "responses",
+    "conversations",
     "rejects",
     "reject_causes",
     "completion_tokens",
@@ -168,6 +171,7 @@ def render_stats_table(stats: Sequence[DatasetStats]) -> Table:
     columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("dataset", "left"),
         ("responses", "right"),
+        ("conversations", "right"),
         ("rejects", "right"),
         ("completion tok", "right"),
         ("prompt tok", "right"),
@@ -189,6 +193,7 @@ def render_stats_table(stats: Sequence[DatasetStats]) -> Table:
         table.add_row(
             s.dataset,
             f"{s.responses:,}",
+            f"{s.conversations:,}",
             f"{s.rejects:,}",
             f"{s.completion_tokens:,}",
             f"{s.prompt_tokens:,}",
@@ -334,6 +339,7 @@ def _from_summary(
         lengths=lengths,
         reject_causes=dict(sorted(rejects.items())),
         damaged=damaged,
+        conversations=summary.conversations,
     )
 
 

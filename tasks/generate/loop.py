@@ -36,7 +36,9 @@ from tasks.datasets import PromptRow, Reject
 from tasks.engines.client import Completion
 from tasks.engines.errors import BadRequest, ServerOutage
 from tasks.generate.budget import TokenBudget
+from tasks.generate.conversations import Conversation, answer_text, is_whole
 from tasks.generate.prompts import chat_prompt_ids, prompt_sampling_seed
+from tasks.generate.work import plan_work
 from tasks.parquet_io import DamagedPart
 from tasks.rejects import reject_counts, settle_generate_rejects, write_rejects
 from tasks.server_pool import Lease, ServerPool
@@ -97,6 +99,8 @@ class GenerateReport:
     reject_causes: dict[str, int] = field(
         default_factory=dict
     )  # the dataset's standing rejects by cause (tasks.rejects)
+    conversations: int | None = None  # turns: all: conversations with a turn on disk (`responses` counts turns)
+    ended_conversations: int = 0  # turns: all: ended before their last user turn (a turn cut by length, a reject)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,22 +136,27 @@ async def generate_dataset(
         standing = settle_generate_rejects(rejects_dir, responded, retry_refused=settings.retry_rejects)
     except DamagedPart as exc:
         raise exc.with_advice(quarantine_advice(exc.path, responses_dir)) from None
-    skip = responded | standing
-    rejected_before = sum(1 for p in prompts if p.id in standing)
-    queue = deque(p for p in prompts if p.id not in skip)
+    work = plan_work(prompts, settings, responses_dir, responded, standing, tokenizer)
+    queue, total = work.queue, work.total
     budget = TokenBudget(
         settings.token_budget, int(settings.sampling_params.get("max_new_tokens", 128)), spent=before.completion_tokens
     )
     budget.seed(before.lengths)
-    logger.info(
-        "%s: %d prompts, %d already done (%d completion tokens), %d to go",
-        settings.dataset,
-        len(prompts),
-        len(prompts) - len(queue),
-        before.completion_tokens,
-        len(queue),
-    )
+    logger.info("%s: %s", settings.dataset, work.describe(len(prompts), before))
     run = _Run(settings, pool, tokenizer, budget, source, rejects_dir, logger, vocab_size)
+    run.conversations, run.ended = work.conversations, work.ended
+    if work.holes:
+        logger.warning(
+            "%s: %d conversation(s) not continued: a turn is missing while later turns are on disk (a part moved "
+            "aside?): %s",
+            settings.dataset,
+            len(work.holes),
+            ", ".join(work.holes[:10]),
+        )
+    for row in work.empty:
+        run.reject(
+            row, "turns: all regenerates a conversation up to its first tool call: no user turn before it", "bad_row"
+        )
     run.writer = ResponseWriter(
         responses_dir,
         flush_every=settings.flush_every,
@@ -155,7 +164,7 @@ async def generate_dataset(
         compact_min_parts=settings.compact_min_parts,
     )
     run.done_before = before.rows
-    run.total = len(prompts) - rejected_before
+    run.total = total - work.rejected_before
 
     if queue and not budget.exhausted:
         await pool.start()
@@ -171,6 +180,8 @@ async def generate_dataset(
             raise run.failure
         if on_progress is not None:
             await on_progress(run.progress())
+    elif run.rejects:  # turns: all: rows with nothing to regenerate, named
+        await run.close()
 
     after = summarize(responses_dir)
     wall = time.monotonic() - started
@@ -179,7 +190,7 @@ async def generate_dataset(
         status="budget reached" if budget.exhausted else "complete",
         responses=after.rows,
         new_responses=after.rows - before.rows,
-        rejects=rejected_before + len(run.rejects),
+        rejects=work.rejected_before + len(run.rejects),
         new_rejects=len(run.rejects),
         completion_tokens=after.completion_tokens,
         wasted_tokens=budget.wasted,
@@ -188,6 +199,8 @@ async def generate_dataset(
         tokens_per_s=(after.completion_tokens - before.completion_tokens) / wall if wall > 0 else 0.0,
         finish_reasons=after.finish_reasons,
         reject_causes=reject_counts(rejects_dir),
+        conversations=after.conversations if settings.turns == "all" else None,
+        ended_conversations=run.ended,
     )
 
 
@@ -233,6 +246,8 @@ class _Run:
         self.written.set()
         self.aborted = 0
         self.recorded = 0
+        self.conversations: dict[str, Conversation] = {}  # turns: all: by the response id of the turn in the queue
+        self.ended = 0  # turns: all: conversations ended before their last user turn
         self.done_before = 0
         self.total = 0
         self.window: deque[tuple[float, int, int]] = deque()  # (time, spent, done) samples
@@ -340,6 +355,9 @@ class _Run:
                 self.server_aborted(row, done, queue)
             return
         self.record(row, ids, done, time.monotonic() - sent)
+        conv = self.conversations.pop(row.id, None)
+        if conv is not None:
+            self.continue_conversation(conv, done, queue)
         if self.budget.exhausted and not self.stopping:
             self.stopping = True
             await self.abort_in_flight()
@@ -425,7 +443,23 @@ class _Run:
         self.budget.finish(done.completion_tokens)
         self.recorded += 1
 
+    def continue_conversation(self, conv: Conversation, done: Completion, queue: deque[PromptRow]) -> None:
+        """turns: all: queue the conversation's next turn (first, so conversations finish in order); a turn cut by
+        the length limit ends the conversation."""
+        stop_ids = self.settings.sampling_params.get("stop_token_ids") or []
+        if not is_whole(done.output_ids, done.finish_reason, stop_ids):
+            if conv.next_turn + 1 < len(conv.users):
+                self.ended += 1
+            return
+        conv.answers.append(answer_text(self.tokenizer, done.output_ids, stop_ids))
+        if not conv.finished:
+            row = conv.prompt()
+            self.conversations[row.id] = conv
+            queue.appendleft(row)
+
     def reject(self, row: PromptRow, reason: str, cause: str) -> None:
+        if self.conversations.pop(row.id, None) is not None:  # turns: all: a rejected turn ends its conversation
+            self.ended += 1
         self.log.warning("%s: prompt %s rejected (%s): %s", self.settings.dataset, row.id, cause, reason)
         raw = json.dumps(row.messages, ensure_ascii=False)
         self.rejects.append(Reject(path=self.source, row=0, id=row.id, reason=reason, raw=raw, cause=cause))

@@ -91,11 +91,18 @@ async def generate_responses(
         f"{report.completion_tokens:,} completion tokens",
     )
     causes = ", ".join(f"{cause} {n}" for cause, n in report.reject_causes.items())
+    turns = (
+        f" in {report.conversations:,} conversations ({report.ended_conversations:,} ended early by an answer cut at "
+        "the length limit or a rejected turn)"
+        if report.conversations is not None
+        else ""
+    )
     logger.info(
-        "%s: %s — %d responses (%d new), %d rejects of prompts%s, %d completion tokens, %d wasted by aborts",
+        "%s: %s — %d responses%s (%d new), %d rejects of prompts%s, %d completion tokens, %d wasted by aborts",
         name,
         report.status,
         report.responses,
+        turns,
         report.new_responses,
         report.rejects,
         f" (rejects by cause: {causes})" if causes else "",

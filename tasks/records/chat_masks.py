@@ -34,6 +34,8 @@ from typing import Any, Literal
 
 import jinja2
 
+from tasks.turn_ids import turn_id
+
 OnRewrite = Literal["split", "reject"]
 
 
@@ -137,7 +139,7 @@ def conversation_records(
     for k, (through, (start, end)) in enumerate(zip(throughs, spans)):
         mask = [0] * len(through)
         mask[start:end] = [1] * (end - start)
-        records.append(TokenizedTurns(f"{row_id}#t{k}", list(through), mask))
+        records.append(TokenizedTurns(turn_id(row_id, k), list(through), mask))
     return records
 
 

@@ -104,6 +104,9 @@ def test_missing_required_keys():
     "change, expected",
     [
         (lambda d: d["datasets"][0].update(token_budget=5), "token_budget applies to generate datasets only"),
+        (lambda d: d["datasets"][0].update(turns="all"), "turns applies to generate datasets only"),
+        (lambda d: d["datasets"][0].update(max_in_flight=1), "max_in_flight applies to generate datasets only"),
+        (lambda d: d["datasets"][1].update(turns="every"), "turns"),
         (lambda d: d["datasets"][1].update(name="A1"), "dataset name 'A1' is used twice"),
         (lambda d: d["datasets"][1].update(name="../evil"), "cannot be a directory name"),
         (lambda d: d.update(server={"url": "localhost:30000"}), "server.url: must be an http(s) URL"),

@@ -14,10 +14,27 @@ from flows.demo import run_demo
 from models.eagle3_export import validate_export
 from models.eagle3_vllm import validate_export_vllm
 from tasks.checkpoints import live_parts
-from tasks.datasets import load_dataset
+from tasks.datasets import PromptRow, load_dataset
 from tasks.generate.prompts import chat_prompt_ids
+from tasks.turn_ids import split_turn_id, turn_id
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes of its own
+
+
+def conversation_turns(tokenizer, rows: dict, answers: dict, eos: int) -> dict:
+    """Each answered turn's prompt as a PromptRow, from the conversations and the recorded answers: the system turn,
+    the user turns so far, and after each earlier one the target's answer without its end-of-turn token."""
+    turns = {}
+    for row in rows.values():
+        history = [m for m in row.messages if m["role"] == "system"]
+        for k, user in enumerate(m for m in row.messages if m["role"] == "user"):
+            turns[turn_id(row.id, k)] = PromptRow(turn_id(row.id, k), [*history, user])
+            answer = answers.get(turn_id(row.id, k))
+            if answer is None or answer["output_ids"][-1] != eos:
+                break
+            text = tokenizer.decode(answer["output_ids"][:-1], skip_special_tokens=False)
+            history += [user, {"role": "assistant", "content": text}]
+    return turns
 
 
 def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
@@ -43,6 +60,9 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
         assert rows, dataset.name
         ids = [r["id"] for r in rows]
         assert len(ids) == len(set(ids))  # exactly once
+        if dataset.turns == "all":  # one response per user turn, each prompt holding the target's earlier answers
+            prompts = conversation_turns(tokenizer, prompts, {r["id"]: r for r in rows}, eos)
+            assert len(ids) > len({split_turn_id(i)[0] for i in ids}) >= 8  # later turns were answered
         assert set(ids) <= set(prompts)
         spent = sum(r["completion_tokens"] for r in rows)
         if dataset.token_budget and len(rows) < len(prompts):

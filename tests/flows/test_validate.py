@@ -96,7 +96,8 @@ def test_validate_reads_the_kimi_config_on_samples_of_each_real_format(tmp_path)
     assert validate_datasets(config, config_path=KIMI, console=console)
     out = console.export_text()
     for name, (described, _) in KIMI_FORMATS.items():
-        assert f"\n{name}: format {described}\n" in out
+        turns = "; turns: all, 5 user turns to answer (up to each conversation's first tool call)"
+        assert f"\n{name}: format {described}{turns if name == 'B5_ultrachat' else ''}\n" in out
     assert f"{KIMI} is valid: 10 dataset(s) ready." in out
     for dataset in config.datasets:  # every row of every sample loads
         loaded = load_dataset(dataset.source(config.layout), dataset.kind, row_format=dataset.row_format)

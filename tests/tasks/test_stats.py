@@ -98,6 +98,20 @@ def run_dir(tmp_path):
     return run
 
 
+def test_a_multi_turn_dataset_counts_its_conversations_and_turns_apart(tmp_path):
+    """turns: all writes one response per turn, `<id>#t<k>`; a conversation's turns may lie in several parts."""
+    turns = tmp_path / "run" / "responses" / "M1"
+    named = lambda rid, length, reason="stop": {**_row(0, length, reason), "id": rid}  # noqa: E731
+    write_part(turns, responses_table([named("c1#t0", 10), named("c2#t0", 12), named("c1#t1", 20, "length")]))
+    write_part(turns, responses_table([named("c2#t1", 8), named("c2#t2", 9), named("c3#t0", 5), named("p9", 7)]))
+    [m1] = collect_stats(tmp_path / "run")
+    assert (m1.responses, m1.conversations, m1.truncated) == (7, 4, 1)  # c1, c2, c3 and the single prompt p9
+    total = total_stats([m1])
+    assert (total.responses, total.conversations) == (7, 4)
+    [row] = [r for r in stats_rows([m1]) if r["dataset"] == "M1"]
+    assert (row["responses"], row["conversations"], row["truncated"]) == (7, 4, 1)
+
+
 def test_collect_stats_figures(run_dir):
     stats = collect_stats(run_dir)
     assert [s.dataset for s in stats] == ["A2", "B1", "C3", "D4"]
@@ -118,6 +132,7 @@ def test_collect_stats_figures(run_dir):
         first_finished_at=100.0,
         last_finished_at=140.0,
         reject_causes={"bad_row": 3},
+        conversations=4,  # one-turn prompts: a conversation each
     )
     assert list(b1.lengths) == [10, 20, 30, 40]
     assert (a2.responses, a2.completion_tokens, a2.parts, a2.wall_s, a2.tokens_per_s) == (2, 12, 1, 10.0, 1.2)
