@@ -186,7 +186,7 @@ class Shape:
         if self.format == "messages":
             wanted = (self.id_field, *COLUMNS[kind][1:])
             content = [c for c in COLUMNS[kind][1:] if c in names]
-            if not set(content) - {"loss_mask"}:
+            if not set(content) - {"loss_mask", "tools"}:
                 need = "'messages' or 'prompt'" if kind == "generate" else "'messages' or 'input_ids' + 'loss_mask'"
                 raise DatasetError(
                     source,

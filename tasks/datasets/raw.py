@@ -14,7 +14,7 @@ import pyarrow as pa
 # The fields of the canonical row per kind (format messages); a column reader reads only the fields of the dataset's
 # format (tasks/datasets/formats.py: Shape.columns) and never the rest of the file.
 COLUMNS: dict[str, tuple[str, ...]] = {
-    "generate": ("id", "messages", "prompt"),
+    "generate": ("id", "messages", "prompt", "tools"),
     "passthrough": ("id", "messages", "input_ids", "loss_mask"),
 }
 # What each kind expects, appended to every row error.

@@ -28,6 +28,7 @@ class PromptRow:
 
     id: str
     messages: list[dict]
+    tools: list[dict] | None = None  # tool definitions, given to the chat template (`tools=`) with the messages
 
 
 @dataclass(slots=True)
@@ -118,7 +119,27 @@ def build_prompt(data: dict) -> PromptRow:
     else:
         raise BadRow(f"missing 'messages' or 'prompt'{keys_note(data)}")
     row_id = given_id(data)
-    return PromptRow(id=row_id if row_id is not None else stable_id({"messages": messages}), messages=messages)
+    row = PromptRow(id=row_id if row_id is not None else stable_id({"messages": messages}), messages=messages)
+    row.tools = _tools(data.get("tools"))
+    return row
+
+
+def _tools(value: Any) -> list[dict] | None:
+    """A row's `tools`: a list of tool definitions (objects), or a JSON string of one, as Hub sets often store it;
+    None or an empty list: no tools."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as exc:
+            raise BadRow(f"'tools' is a string but not JSON ({exc.msg} at character {exc.pos})") from None
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list):
+        raise BadRow(f"'tools' must be a list of tool definitions or a JSON string of one, got {type_name(value)}")
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise BadRow(f"'tools[{i}]' must be an object (a tool definition), got {type_name(tool)}")
+    return value
 
 
 def build_passthrough(data: dict) -> PassthroughRow:

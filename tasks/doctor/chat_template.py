@@ -135,7 +135,7 @@ def _prompt_findings(name: str, rows: list[Any], tokenizer: Any) -> tuple[Findin
     check = f"chat template: {name}"
     row = rows[0]
     try:
-        ids = chat_prompt_ids(tokenizer, row.messages)
+        ids = chat_prompt_ids(tokenizer, row.messages, row.tools)
         plain = _ids(
             tokenizer.apply_chat_template(row.messages, add_generation_prompt=False, tokenize=True, return_dict=True)
         )
@@ -149,7 +149,7 @@ def _prompt_findings(name: str, rows: list[Any], tokenizer: Any) -> tuple[Findin
     longest = len(ids)
     for other in rows[1:]:
         try:
-            longest = max(longest, len(chat_prompt_ids(tokenizer, other.messages)))
+            longest = max(longest, len(chat_prompt_ids(tokenizer, other.messages, other.tools)))
         except Exception:  # noqa: BLE001, S112 - the first row's failure is the finding; the others are only measured
             continue
     text = tokenizer.decode(ids)

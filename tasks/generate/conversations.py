@@ -38,6 +38,7 @@ class Conversation:
     id: str
     head: list[dict[str, Any]]  # leading system turns
     users: list[dict[str, Any]]  # the user turns to answer, in order
+    tools: list[dict] | None = None  # the row's tool definitions, in every turn's prompt
     answers: list[str] = field(default_factory=list)  # the target's answers to users[: len(answers)]
 
     @property
@@ -55,7 +56,7 @@ class Conversation:
         for user, answer in zip(self.users, self.answers):
             messages += [user, {"role": "assistant", "content": answer}]
         messages.append(self.users[len(self.answers)])
-        return PromptRow(id=turn_id(self.id, self.next_turn), messages=messages)
+        return PromptRow(id=turn_id(self.id, self.next_turn), messages=messages, tools=self.tools)
 
 
 def conversation(row: PromptRow) -> Conversation:
@@ -70,7 +71,7 @@ def conversation(row: PromptRow) -> Conversation:
             head.append({"role": "system", "content": m["content"]})
         elif role == "user":
             users.append({"role": "user", "content": m["content"]})
-    return Conversation(row.id, head, users)
+    return Conversation(row.id, head, users, tools=row.tools)
 
 
 def is_whole(output_ids: list[int], finish_reason: str, stop_ids: Iterable[int]) -> bool:

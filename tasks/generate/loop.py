@@ -259,7 +259,7 @@ class _Run:
         while self.failure is None and not self.stopping:
             if queue and self.budget.can_admit() and (cap is None or len(self.in_flight) < cap):
                 row = queue.popleft()
-                ids = chat_prompt_ids(self.tokenizer, row.messages)
+                ids = chat_prompt_ids(self.tokenizer, row.messages, row.tools)
                 limit = self.pool.input_limit()
                 if limit is not None and len(ids) >= limit:
                     self.reject(

@@ -6,13 +6,17 @@ import hashlib
 from typing import Any
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Render `messages` with the target's chat template plus the generation prompt, as token ids.
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
+    """Render `messages` (and the row's tool definitions, `tools`) with the target's chat template plus the
+    generation prompt, as token ids.
 
     SGLang's /generate applies no template, so this is where the prompt format is decided: by the
     target's own tokenizer, exactly as the model was trained to see it.
     """
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    extra = {"tools": tools} if tools else {}
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, **extra
+    )
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded  # transformers 4 returned a list
     return [int(i) for i in ids]
 
