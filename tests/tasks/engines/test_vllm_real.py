@@ -353,6 +353,52 @@ def test_generate_through_vllm_killed_and_resumed_is_exactly_once_and_vllm_s_own
             assert r["completion_tokens"] == len(r["output_ids"])
 
 
+def test_turns_all_through_vllm_answers_each_turn_after_vllm_s_own_earlier_answers(
+    plain, tiny_target_dir, tokenizer, tmp_path
+):
+    """`eagle3 generate` with turns: all against the real vLLM: each turn's prompt is the chat template over the
+    conversation with vLLM's own earlier answers, and each answer is vLLM's greedy answer to that prompt."""
+    from tasks.datasets import load_dataset
+    from tasks.generate.prompts import chat_prompt_ids
+    from tasks.turn_ids import turn_id
+
+    chats = REPO / "data/formats/multiturn_chat.jsonl"
+    config = {
+        "run_dir": str(tmp_path / "run"),
+        "target": {"path": str(tiny_target_dir)},
+        "server": {"engine": "vllm", "url": plain, "launch": "none", "max_concurrency": 4, "request_timeout_s": 120},
+        "sampling": {"max_new_tokens": MAX_NEW, "temperature": 0.0},
+        "generate": {"flush_every": 4, "flush_interval_s": 1, "log_interval_s": 2},
+        "datasets": [{"name": "C1", "kind": "generate", "path": str(chats), "turns": "all"}],
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = eagle3("generate", str(path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = served_model(plain)
+    rows = rows_of(Path(config["run_dir"]), "C1")
+    by_id = {r["id"]: r for r in rows}
+    later = 0
+    for row in load_dataset(chats, "generate").rows:
+        history = [m for m in row.messages if m["role"] == "system"]
+        for k, user in enumerate(m for m in row.messages if m["role"] == "user"):
+            r = by_id.get(turn_id(row.id, k))
+            if r is None:  # only after an answer cut by the length limit
+                assert k > 0 and by_id[turn_id(row.id, k - 1)]["output_ids"][-1] != eos
+                break
+            later += k > 0
+            assert r["prompt_ids"] == chat_prompt_ids(tokenizer, [*history, user]), r["id"]
+            own = greedy(plain, model, r["prompt_ids"], [eos])
+            assert r["output_ids"] == own["token_ids"], r["id"]
+            if r["output_ids"][-1] != eos:
+                break
+            answer = tokenizer.decode(r["output_ids"][:-1], skip_special_tokens=False)
+            history += [user, {"role": "assistant", "content": answer}]
+    assert later >= 3 and len(by_id) == len(rows)  # later turns answered; every turn once
+
+
 # --- the eval through vLLM, with the draft the pipeline trained -----------------------------------
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -106,6 +107,7 @@ def test_turns_all_killed_mid_conversation_resumes_each_turn_once(tmp_path, tiny
         try:  # kill -9 as soon as a conversation is on disk part-way (polling the parts: no sleep decides it)
             killed_mid: set[str] = set()
             while proc.poll() is None and not killed_mid:
+                time.sleep(0.02)  # a poll interval, not a wait for anything: the parts on disk decide
                 killed_mid = mid_conversation(on_disk(run_dir), eos) if (run_dir / "responses/C1").exists() else set()
         finally:
             if proc.poll() is None:
