@@ -57,6 +57,14 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return build_tiny_target(shared / "tiny_target" / "model")
 
 
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target_dir):
+    """The tiny target's tokenizer, loaded once per test module."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
 class Tmpfs:
     """Tiny real filesystems for full-disk tests: `with tmpfs(directory, size) as d:`, `tmpfs.remount(d, "size=4m")`."""
 

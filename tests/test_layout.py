@@ -33,6 +33,16 @@ def imports(path: Path):
                 yield alias.name, None, node.lineno
 
 
+def imports_in(package: str, refused) -> list[str]:
+    """`path:line: module` for each import in REPO/package whose top-level package `refused(top)` is true of."""
+    return [
+        f"{path.relative_to(REPO)}:{line}: {module}"
+        for path in sorted((REPO / package).rglob("*.py"))
+        for module, _, line in imports(path)
+        if refused(module.split(".")[0])
+    ]
+
+
 def test_no_module_imports_a_private_name_of_another():
     found = [
         f"{path.relative_to(REPO)}:{line}: {module}.{name}"
@@ -45,32 +55,17 @@ def test_no_module_imports_a_private_name_of_another():
 
 @pytest.mark.parametrize("package", ["flows", "tasks", "models"])
 def test_imports_point_flows_to_tasks_to_models(package):
-    upward = [
-        f"{path.relative_to(REPO)}:{line}: {module}"
-        for path in sorted((REPO / package).rglob("*.py"))
-        for module, _, line in imports(path)
-        if module.split(".")[0] in LAYER and LAYER[module.split(".")[0]] > LAYER[package]
-    ]
+    upward = imports_in(package, lambda top: top in LAYER and LAYER[top] > LAYER[package])
     assert upward == []
 
 
 def test_models_import_no_prefect_or_httpx():
-    found = [
-        f"{path.relative_to(REPO)}:{line}: {module}"
-        for path in sorted((REPO / "models").rglob("*.py"))
-        for module, _, line in imports(path)
-        if module.split(".")[0] in ("prefect", "httpx")
-    ]
+    found = imports_in("models", lambda top: top in ("prefect", "httpx"))
     assert found == []
 
 
 def test_emulators_import_models_only():
-    found = [
-        f"{path.relative_to(REPO)}:{line}: {module}"
-        for path in sorted((REPO / "emulators").rglob("*.py"))
-        for module, _, line in imports(path)
-        if module.split(".")[0] in PACKAGES and module.split(".")[0] not in EMULATORS_MAY_IMPORT
-    ]
+    found = imports_in("emulators", lambda top: top in PACKAGES and top not in EMULATORS_MAY_IMPORT)
     assert found == []
 
 

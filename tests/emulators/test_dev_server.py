@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from emulators.dev_server import Engine, EngineSequence, SamplingParams, create_app
+from tests.emulators.sglang_shapes import FINISHED_META
 
 CONTEXT = 512  # smaller than the tiny target's 4096 positions: over-long prompts stay cheap
 PROMPTS = [[20, 31, 42, 53], [100, 7, 250], [300, 301, 302, 303, 304, 305], [64, 65], [900, 12, 13, 14, 15]]
@@ -60,18 +61,7 @@ def test_generate_input_ids_has_sglang_shape(client, hf):
     out = r.json()
     assert list(out) == ["text", "output_ids", "meta_info"]
     meta = out["meta_info"]
-    assert list(meta) == [
-        "id",
-        "finish_reason",
-        "prompt_tokens",
-        "weight_version",
-        "num_retractions",
-        "reasoning_tokens",
-        "completion_tokens",
-        "cached_tokens",
-        "weight_versions",
-        "e2e_latency",
-    ]  # SGLang 0.5.23 tokenizer_manager.py _handle_batch_output
+    assert list(meta) == FINISHED_META  # SGLang 0.5.23 tokenizer_manager.py _handle_batch_output
     assert meta["id"] == "one"
     assert meta["finish_reason"] == {"type": "length", "length": 6}
     assert meta["prompt_tokens"] == len(PROMPTS[0])

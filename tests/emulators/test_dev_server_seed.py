@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pyarrow.parquet as pq
 from transformers import AutoTokenizer
 
 from emulators.dev_server import create_app
 from models.jobs import GenerateJob
-from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow
-from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import prompt_sampling_seed, request_sampling_params
 from tasks.server_pool import ServerPool
+from tests.generate_runs import generate_into, responses
 
 EOS = 1
 SAMPLING = request_sampling_params({"max_new_tokens": 24, "temperature": 0.8, "top_p": 0.95, "seed": 3}, [EOS])
@@ -55,19 +53,10 @@ def generate(url: str, run_dir: Path, tokenizer, *, slots: int, seed: int | None
 
     async def go():
         async with ServerPool([url], max_concurrency=slots, request_timeout_s=120) as pool:
-            await generate_dataset(
-                ROWS,
-                pool=pool,
-                tokenizer=tokenizer,
-                responses_dir=run_dir / "responses/B1",
-                rejects_dir=run_dir / "rejects/B1",
-                source=Path("b1.jsonl"),
-                settings=settings,
-            )
+            await generate_into(run_dir, ROWS, pool=pool, tokenizer=tokenizer, settings=settings, source="b1.jsonl")
 
     asyncio.run(go())
-    rows = [r for p in live_parts(run_dir / "responses/B1") for r in pq.read_table(p).to_pylist()]
-    return {r["id"]: r["output_ids"] for r in rows}
+    return {r["id"]: r["output_ids"] for r in responses(run_dir)}
 
 
 def test_seeded_responses_do_not_depend_on_concurrency(tiny_target_dir, serve_app, tmp_path):

@@ -203,20 +203,15 @@ def test_flags_are_checked_with_sglang_names(draft_dir, tmp_path):
             Speculative.from_flags(**kwargs)
 
 
+def draft_flags(target_dir, draft_dir, *more: str) -> list[str]:
+    """The dev server's flags for `target_dir` with the draft at `draft_dir` and 3 steps, then `more`."""
+    flags = ["--model", str(target_dir), "--speculative-draft-model-path", str(draft_dir)]
+    return [*flags, "--speculative-num-steps", "3", *more]
+
+
 def test_module_cli_refuses_bad_speculative_flags(tiny_target_dir, draft_dir, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(
-            [
-                "--model",
-                str(tiny_target_dir),
-                "--speculative-draft-model-path",
-                str(draft_dir),
-                "--speculative-num-steps",
-                "3",
-                "--speculative-eagle-topk",
-                "2",
-            ]
-        )
+        main(draft_flags(tiny_target_dir, draft_dir, "--speculative-eagle-topk", "2"))
     assert exc.value.code == 2
     assert "--speculative-eagle-topk must be 1" in capsys.readouterr().err
 
@@ -226,20 +221,8 @@ def test_eagle3_serve_dev_refuses_bad_speculative_flags(tiny_target_dir, draft_d
 
     from flows.cli import app
 
-    result = CliRunner().invoke(
-        app,
-        [
-            "serve-dev",
-            "--model",
-            str(tiny_target_dir),
-            "--speculative-draft-model-path",
-            str(draft_dir),
-            "--speculative-num-steps",
-            "3",
-            "--speculative-num-draft-tokens",
-            "3",
-        ],
-    )
+    flags = draft_flags(tiny_target_dir, draft_dir, "--speculative-num-draft-tokens", "3")
+    result = CliRunner().invoke(app, ["serve-dev", *flags])
     assert result.exit_code == 2
     assert "must be --speculative-num-steps + 1 = 4" in result.output
 
@@ -368,6 +351,29 @@ def test_server_process_with_draft_flags(entry, tiny_target_dir, draft_dir, targ
     assert info["internal_states"][0].get("avg_spec_accept_length") == folded_avg(kept)
 
 
+def engine_decode(url, chosen, params, vocab_size: int, select=None):
+    """tasks/eval/engine.py's decode of `chosen` at `url`: 2 at once, no key, a 30 s outage window."""
+    import asyncio
+
+    from tasks.engines.client import RetryPolicy
+    from tasks.eval.engine import decode_prompts
+
+    return asyncio.run(
+        decode_prompts(
+            url,
+            chosen,
+            params,
+            concurrency=2,
+            retry=RetryPolicy(outage_window_s=30),
+            request_timeout_s=60,
+            api_key=None,
+            auth_hint="",
+            vocab_size=vocab_size,
+            select=select,
+        )
+    )
+
+
 def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(
     serve_app, spec_server, tiny_target_dir, target, draft_dir, prompts
 ):
@@ -375,11 +381,8 @@ def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(
 
     Both counts: SGLang's and the per-round one.
     """
-    import asyncio
-
     from models.eval_prompts import EvalPrompt
-    from tasks.engines.client import RetryPolicy
-    from tasks.eval.engine import compare_with_hf, decode_prompts, engine_report
+    from tasks.eval.engine import compare_with_hf, engine_report
 
     model, tok = target
     eval_prompts = [EvalPrompt("A" if i % 2 else "B", f"p{i}", p) for i, p in enumerate(prompts)]
@@ -390,20 +393,7 @@ def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(
             client.check_draft(limits, NUM_STEPS)
             return eval_prompts, {}
 
-        return asyncio.run(
-            decode_prompts(
-                url,
-                eval_prompts,
-                params,
-                concurrency=2,
-                retry=RetryPolicy(outage_window_s=30),
-                request_timeout_s=60,
-                api_key=None,
-                auth_hint="",
-                vocab_size=model.config.vocab_size,
-                select=select if check else None,
-            )
-        )
+        return engine_decode(url, eval_prompts, params, model.config.vocab_size, select=select if check else None)
 
     with_draft = decode(spec_server, check=True)
     with serve_app(create_app(tiny_target_dir, context_length=CONTEXT, max_batch_size=4, model_name="tiny")) as plain:
@@ -447,11 +437,8 @@ def test_the_engine_eval_leaves_out_of_both_phases_a_prompt_only_the_draft_serve
     """SGLang 0.5.23 reserves max(topk * steps, draft tokens) per request with a draft (tokenizer_manager.py
     `_validate_one_request`): a prompt that fits the server without the draft is refused by the one with it.
     The eval chooses its prompts with the reserve, so both phases decode the same prompts."""
-    import asyncio
-
     from models.eval_prompts import EvalPrompt
-    from tasks.engines.client import RetryPolicy
-    from tasks.eval.engine import decode_prompts, fit_draft_context
+    from tasks.eval.engine import fit_draft_context
 
     model, tok = target
     near = [5] * (
@@ -461,20 +448,7 @@ def test_the_engine_eval_leaves_out_of_both_phases_a_prompt_only_the_draft_serve
     params = {**GREEDY, "stop_token_ids": [tok.eos_token_id], "no_stop_trim": True}
 
     def decode(url, chosen, select=None):
-        return asyncio.run(
-            decode_prompts(
-                url,
-                chosen,
-                params,
-                concurrency=2,
-                retry=RetryPolicy(outage_window_s=30),
-                request_timeout_s=60,
-                api_key=None,
-                auth_hint="",
-                vocab_size=model.config.vocab_size,
-                select=select,
-            )
-        )
+        return engine_decode(url, chosen, params, model.config.vocab_size, select=select)
 
     unfiltered = decode(spec_server, eval_prompts)  # what the eval did before: the draft server refuses it
     assert list(unfiltered.refused) == ["near"] and "context length" in unfiltered.refused["near"]

@@ -30,6 +30,7 @@ import torch
 
 from emulators.dev_server import Speculative, create_app
 from emulators.sim import SimServer
+from tests.emulators.sglang_shapes import FINISHED_META
 
 CONTEXT = 4096
 NUM_STEPS = 3  # the draft's --speculative-num-steps; topk 1, S + 1 draft tokens
@@ -37,18 +38,6 @@ RESERVED = NUM_STEPS + 1  # compute_num_reserved_tokens() = max(topk * steps, nu
 POLL_S = 0.3  # the servers' disconnect poll (SGLang: 4 s), short for tests
 HELD_POLL_S = 2.0  # the poll of the servers whose tests watch a disconnected client's rid stay held
 LONG = 4000  # max_new_tokens of a request that runs for seconds on either server
-FINISHED_META = [
-    "id",
-    "finish_reason",
-    "prompt_tokens",
-    "weight_version",
-    "num_retractions",
-    "reasoning_tokens",
-    "completion_tokens",
-    "cached_tokens",
-    "weight_versions",
-    "e2e_latency",
-]
 FINISH_ABORT = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 USER, ADMIN = "user-key", "admin-key"
 

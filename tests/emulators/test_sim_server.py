@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from emulators.sim import SimConfig, SimServer, simulate_output
+from tests.emulators.sglang_shapes import FINISHED_META
 
 PROMPT = [101, 102, 103, 104]
 
@@ -114,18 +115,7 @@ def test_generate_single_and_batch_match_the_pure_function(make_server):
         expected = simulate_output(PROMPT, params, srv.config)
         assert body["output_ids"] == expected.output_ids and body["text"] == expected.text
         meta = body["meta_info"]
-        assert list(meta) == [
-            "id",
-            "finish_reason",
-            "prompt_tokens",
-            "weight_version",
-            "num_retractions",
-            "reasoning_tokens",
-            "completion_tokens",
-            "cached_tokens",
-            "weight_versions",
-            "e2e_latency",
-        ]  # SGLang 0.5.23's _handle_batch_output
+        assert list(meta) == FINISHED_META  # SGLang 0.5.23's _handle_batch_output
         assert meta["id"] == "r1" and meta["finish_reason"] == expected.finish_reason
         assert meta["prompt_tokens"] == 4 and meta["completion_tokens"] == len(expected.output_ids)
         assert meta["cached_tokens"] == 0 and meta["reasoning_tokens"] == 0 and meta["e2e_latency"] > 0

@@ -29,6 +29,7 @@ from tasks.capture.tasks import CaptureRefused, capture_retryable, rank_error
 from tasks.checkpoints import responses_table, write_part
 from tasks.launch_ranks import RankFailure
 from tasks.records.build import build_records
+from tests.generate_runs import response_row
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,22 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 def write_run(tmp_path: Path, target: Path, **capture_settings) -> Path:
     """A config with one dataset whose records (10 records of 40 tokens) are already built."""
     run = tmp_path / "run"
-    rows = [
-        {
-            "id": f"r{i}",
-            "prompt_ids": [5] * 30,
-            "output_ids": [6] * 9 + [1],
-            "prompt_tokens": 30,
-            "completion_tokens": 10,
-            "finish_reason": "stop",
-            "text": "",
-            "latency": 0.0,
-            "cached_tokens": 0,
-            "reasoning_tokens": 0,
-            "finished_at": 1.0,
-        }
-        for i in range(10)
-    ]
+    rows = [response_row(f"r{i}", [5] * 30, [6] * 9 + [1]) for i in range(10)]
     write_part(run / "responses/B1", responses_table(rows))
     build_records(
         "B1", "generate", run / "responses/B1", run / "records/B1", run / "rejects/B1", RecordsJob(vocab_size=2048)

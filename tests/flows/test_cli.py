@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.run_locks import lock_held_elsewhere
+
 REPO = Path(__file__).resolve().parents[2]
 EAGLE3 = Path(sys.executable).parent / "eagle3"
 
@@ -315,27 +317,11 @@ def test_import_jsonl_bad_line_imports_nothing_then_skip_then_fix(tmp_path, tiny
 def test_import_jsonl_refuses_a_second_writer(tmp_path):
     legacy, run_dir = tmp_path / "raw_responses.jsonl", tmp_path / "run"
     legacy.write_text("\n".join(json.dumps(x) for x in _legacy_lines(2)) + "\n")
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from tasks.run_lock import run_lock\n"
-            f"with run_lock({str(run_dir)!r}, 'generate B1'):\n    print('held', flush=True); sys.stdin.read()",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with lock_held_elsewhere(run_dir, "generate B1") as holder:
         # A tokenizer path that does not exist: the lock is refused before the tokenizer is loaded.
         result = eagle3(
             "import-jsonl", str(run_dir), "B1", str(legacy), "--target", str(tmp_path / "no-such-tokenizer")
         )
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=60)
     assert result.returncode == 1, result.stderr
     assert result.stderr.startswith(f"refused: {run_dir} is in use by another writer: pid {holder.pid} on ")
     assert "writing generate B1" in result.stderr

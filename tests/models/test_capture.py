@@ -11,9 +11,7 @@ import errno
 import json
 import os
 import random
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -47,6 +45,7 @@ from models.hidden_shards import (
 )
 from models.jobs import CaptureJob, DatasetRecords
 from models.tiny_target import SAMPLES_DIR
+from tests.models.torchrun import cpu_env, launch_cmd
 
 REPO = Path(__file__).resolve().parents[2]
 AUX_LAYERS = [1, 3, 4]  # default_aux_layers(8)
@@ -171,42 +170,10 @@ def _job(tiny_target_dir: Path, records: dict, out_dir: Path, mode: str, **over)
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _launch_cmd(job: Path, entry: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        *entry,
-        "--job",
-        str(job),
-    ]
-
-
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
-
-
 def _torchrun(job: Path) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        _launch_cmd(job, ["-m", "models.capture"]),
-        env=_env(),
+        launch_cmd(job, ["-m", "models.capture"]),
+        env=cpu_env(),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -549,8 +516,8 @@ def test_killed_capture_resumes_exactly_once(mode, tiny_target_dir, records, exp
     job = _job(tiny_target_dir, records, out, mode, shard_tokens=120)
     with open(tmp_path / "held.log", "wb") as log:
         held = subprocess.Popen(
-            _launch_cmd(job, [str(REPO / "tests" / "models" / "capture_held.py")]),
-            env=_env(),
+            launch_cmd(job, [str(REPO / "tests" / "models" / "capture_held.py")]),
+            env=cpu_env(),
             cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -742,8 +709,8 @@ def test_a_rank_that_cannot_write_stops_the_job_at_once(tiny_target_dir, records
     start = time.monotonic()
     with pytest.raises(WriteFailed) as failed:
         run_ranks(
-            _launch_cmd(job, [str(REPO / "tests" / "models" / "capture_failing.py")]),
-            {**_env(), "CAPTURE_FAIL_RANK": "1"},
+            launch_cmd(job, [str(REPO / "tests" / "models" / "capture_failing.py")]),
+            {**cpu_env(), "CAPTURE_FAIL_RANK": "1"},
             lines.append,
         )
     elapsed = time.monotonic() - start
@@ -775,7 +742,7 @@ def test_torchrun_full_disk_drill(tiny_target_dir, records, expected, tmp_path, 
         out = small / "hidden"
         job = _job(tiny_target_dir, records, out, "replicate", shard_tokens=120)
         with pytest.raises(WriteFailed) as failed:
-            run_ranks(_launch_cmd(job, ["-m", "models.capture"]), _env(), lambda line: None)
+            run_ranks(launch_cmd(job, ["-m", "models.capture"]), cpu_env(), lambda line: None)
         assert "disk full: " in str(failed.value) and f"bytes free on {small}" in str(failed.value)
         assert "\n" not in str(failed.value)
         partial = _check_partial(out, expected)

@@ -21,6 +21,7 @@ from models.rank_protocol import (
     most_telling,
     reported_error,
 )
+from tests.rank_failures import shard_write_failed
 
 
 @pytest.mark.parametrize(
@@ -83,12 +84,7 @@ def test_error_lines_carry_the_report():
 
 
 def test_a_report_comes_back_as_the_ranks_own_exception(tmp_path):
-    written = WriteFailed(
-        tmp_path / "shard-001-000004.safetensors",
-        OSError(errno.ENOSPC, "No space left on device"),
-        kept="every complete shard",
-        resume="make room there",
-    )
+    written = shard_write_failed(tmp_path)
     report = {**error_report(written, 1), "message": str(written).replace("bytes free", "bytes free (then)")}
     again = reported_error(report)
     assert isinstance(again, WriteFailed) and str(again) == report["message"]  # the rank's words

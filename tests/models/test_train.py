@@ -9,7 +9,6 @@ checkpoint resumes from it and ends with exactly the weights and metrics of an u
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from models.train_data import (
     steps_per_epoch,
 )
 from models.train_metrics import MetricsWriter
+from tests.models.torchrun import cpu_env, launch_cmd
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 300
@@ -118,37 +118,12 @@ def _job(tiny_target_dir: Path, data: dict, out_dir: Path, **over) -> Path:
 
 
 def _launch_cmd(job: Path) -> list[str]:
-    from tasks.ports import free_port
-
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "models.train",
-        "--job",
-        str(job),
-    ]
-
-
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
+    return launch_cmd(job, ["-m", "models.train"])
 
 
 def _torchrun(job: Path) -> str:
     proc = subprocess.run(
-        _launch_cmd(job), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+        _launch_cmd(job), env=cpu_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
     )
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout + proc.stderr
@@ -276,10 +251,10 @@ def test_train_job_rejects_unknown_keys(tmp_path):
 # --- real launches ------------------------------------------------------------------------------
 
 
-def _single_process(job: Path) -> str:
+def _run_single(job: Path) -> subprocess.CompletedProcess:
     """One rank without a launcher (WORLD_SIZE unset): the job makes its own 1-rank group."""
-    env = {k: v for k, v in _env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    proc = subprocess.run(
+    env = {k: v for k, v in cpu_env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    return subprocess.run(
         [sys.executable, "-m", "models.train", "--job", str(job)],
         env=env,
         cwd=REPO,
@@ -287,6 +262,11 @@ def _single_process(job: Path) -> str:
         text=True,
         timeout=LAUNCH_TIMEOUT_S,
     )
+
+
+def _single_process(job: Path) -> str:
+    """`_run_single`, which must succeed; its output."""
+    proc = _run_single(job)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout + proc.stderr
 
@@ -308,17 +288,16 @@ def test_online_mode_trains_like_offline_on_the_same_records(tiny_target_dir, tr
     common = ONE_RANK
     offline = one_rank_run
     online = tmp_path / "online" / "draft"
-    log = _single_process(
-        _job(
-            tiny_target_dir,
-            train_data,
-            online,
-            mode="online",
-            hidden_dir=None,
-            datasets=[{"name": "G1", "records_dir": str(train_data["records"])}],
-            **common,
-        )
+    online_job = _job(
+        tiny_target_dir,
+        train_data,
+        online,
+        mode="online",
+        hidden_dir=None,
+        datasets=[{"name": "G1", "records_dir": str(train_data["records"])}],
+        **common,
     )
+    log = _single_process(online_job)
     assert "mode online" in log
     a, b = _metric_lines(offline), _metric_lines(online)
     assert [(x["kind"], x["step"], x["tokens"]) for x in a] == [(x["kind"], x["step"], x["tokens"]) for x in b]
@@ -327,17 +306,7 @@ def test_online_mode_trains_like_offline_on_the_same_records(tiny_target_dir, tr
     assert validate_export(online / "final") == []
     # A relaunch of a finished run trains nothing, re-exports, and keeps the last eval in the summary.
     before = json.loads((online / "train_summary.json").read_text())
-    log = _single_process(
-        _job(
-            tiny_target_dir,
-            train_data,
-            online,
-            mode="online",
-            hidden_dir=None,
-            datasets=[{"name": "G1", "records_dir": str(train_data["records"])}],
-            **common,
-        )
-    )
+    log = _single_process(online_job)
     assert "resuming from checkpoint step-00000003" in log
     after = json.loads((online / "train_summary.json").read_text())
     assert after["steps"] == 3 and after["eval"] == before["eval"] is not None
@@ -371,7 +340,7 @@ def test_killed_training_resumes_with_the_same_state(tiny_target_dir, train_data
     job = _job(tiny_target_dir, train_data, out)
     proc = subprocess.Popen(
         _launch_cmd(job),
-        env=_env(),
+        env=cpu_env(),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -487,18 +456,6 @@ def test_check_fingerprint_refuses_another_run_and_warns_for_old_checkpoints(tmp
     )
     assert f"set train.out_dir to a new directory or move {ckpts} aside" in message
     assert sorted(p.name for p in tag.iterdir()) == ["COMPLETE", FINGERPRINT]  # nothing touched
-
-
-def _run_single(job: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in _env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    return subprocess.run(
-        [sys.executable, "-m", "models.train", "--job", str(job)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT_S,
-    )
 
 
 def _error_reports(output: str) -> list[dict]:
@@ -617,7 +574,7 @@ def test_full_disk_stops_training_at_once_and_keeps_the_last_checkpoint(tiny_tar
     ckpts = out / "checkpoints"
     job = _job(tiny_target_dir, train_data, out)  # 2 ranks, checkpoints at 2, 4, 6
     proc = subprocess.run(
-        _launch_cmd(job), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+        _launch_cmd(job), env=cpu_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-4000:]
@@ -647,7 +604,7 @@ def test_full_disk_stops_training_at_once_and_keeps_the_last_checkpoint(tiny_tar
     before = _tree(out)
     tmpfs.remount(small_disk, "ro")
     proc = subprocess.run(
-        _launch_cmd(job), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+        _launch_cmd(job), env=cpu_env(), cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
     )
     assert proc.returncode != 0
     assert [r["message"] for r in _error_reports(proc.stderr)] == [

@@ -268,6 +268,14 @@ def test_a_bad_row_under_skip_is_rejected_with_its_id_field(tmp_path):
     assert [(r.row, r.id, r.reason) for r in loaded.rejects] == [(2, "p2", "'data[1]' must be a string, got int")]
 
 
+ALPACA = "alpaca (auto: instruction + input -> user, output -> assistant)"
+
+
+def _columns(user: str, assistant: str) -> str:
+    """How validate describes the columns format it picked."""
+    return f"columns (auto: {user} -> user, {assistant} -> assistant)"
+
+
 DETECTED = [  # a row, the kind, the format auto picks, and how validate describes it
     ({"messages": [{"role": "user", "content": "q"}]}, "generate", "messages (auto)"),
     ({"prompt": "q", "source": "x"}, "generate", "messages (auto)"),
@@ -277,36 +285,16 @@ DETECTED = [  # a row, the kind, the format auto picks, and how validate describ
         "passthrough",
         "sharegpt (auto: conversations: from -> role, value -> content)",
     ),
-    (
-        {"instruction": "q", "input": "", "output": "a"},
-        "passthrough",
-        "alpaca (auto: instruction + input -> user, output -> assistant)",
-    ),
-    (
-        {"instruction": "q", "response": "a"},
-        "generate",
-        "alpaca (auto: instruction + input -> user, output -> assistant)",
-    ),
-    (
-        {"problem": "q", "solution": "a", "lang": "py"},
-        "passthrough",
-        "columns (auto: problem -> user, solution -> assistant)",
-    ),
+    ({"instruction": "q", "input": "", "output": "a"}, "passthrough", ALPACA),
+    ({"instruction": "q", "response": "a"}, "generate", ALPACA),
+    ({"problem": "q", "solution": "a", "lang": "py"}, "passthrough", _columns("problem", "solution")),
     (
         {"problem": "q", "generated_solution": "a", "expected_answer": "1"},
         "passthrough",
-        "columns (auto: problem -> user, generated_solution -> assistant)",
+        _columns("problem", "generated_solution"),
     ),
-    (
-        {"question": "q", "generated_solution": "a"},
-        "passthrough",
-        "columns (auto: question -> user, generated_solution -> assistant)",
-    ),
-    (
-        {"id": "o1", "input": "q", "output": "a", "domain": "x"},
-        "passthrough",
-        "columns (auto: input -> user, output -> assistant)",
-    ),
+    ({"question": "q", "generated_solution": "a"}, "passthrough", _columns("question", "generated_solution")),
+    ({"id": "o1", "input": "q", "output": "a", "domain": "x"}, "passthrough", _columns("input", "output")),
     ({"id": "0", "data": ["q", "a"]}, "passthrough", "ultrachat (auto: data: user, assistant, ... alternating)"),
     (
         {"system": "SYSTEM: s", "chat": "USER: q\nASSISTANT: a"},
@@ -501,28 +489,7 @@ def test_a_bad_glaive_row_is_one_line_with_file_and_row_under_a_column_reader_to
         )
 
 
-ULTRACHAT_200K = [  # HuggingFaceH4/ultrachat_200k's shape: the prompt repeats the first user turn
-    {
-        "prompt": "What is a haiku?",
-        "prompt_id": "9f2c",
-        "messages": [
-            {"role": "user", "content": "What is a haiku?"},
-            {"role": "assistant", "content": "A three-line poem of 5, 7 and 5 syllables."},
-            {"role": "user", "content": "Write one about rain."},
-            {"role": "assistant", "content": "Soft rain on the roof / ..."},
-        ],
-    },
-    {
-        "prompt": "Name a blue fruit.",
-        "prompt_id": "17ab",
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Name a blue fruit."},
-            {"role": "assistant", "content": "Blueberries."},
-        ],
-    },
-]
-ULTRACHAT_200K_AS_MESSAGES = [  # the same rows written as `messages`, by hand
+ULTRACHAT_200K_AS_MESSAGES = [  # the rows below written as `messages`, by hand
     {
         "id": "9f2c",
         "messages": [
@@ -540,6 +507,10 @@ ULTRACHAT_200K_AS_MESSAGES = [  # the same rows written as `messages`, by hand
             {"role": "assistant", "content": "Blueberries."},
         ],
     },
+]
+ULTRACHAT_200K = [  # HuggingFaceH4/ultrachat_200k's shape: the prompt repeats the first user turn
+    {"prompt": prompt, "prompt_id": row["id"], "messages": row["messages"]}
+    for prompt, row in zip(["What is a haiku?", "Name a blue fruit."], ULTRACHAT_200K_AS_MESSAGES, strict=True)
 ]
 
 

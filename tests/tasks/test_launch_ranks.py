@@ -13,6 +13,7 @@ from models.nodes import Nodes
 from models.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
 from tasks import launch_ranks
 from tasks.launch_ranks import RankFailure, RankRefused, follow_job, rank_error, write_job
+from tests.rank_failures import shard_write_failed
 
 
 def _python(code: str) -> list[str]:
@@ -40,12 +41,7 @@ def test_lines_go_to_the_log_progress_and_events_to_the_task():
 
 @pytest.mark.multiprocess
 def test_a_failed_rank_raises_its_own_exception_in_its_words(tmp_path):
-    written = WriteFailed(
-        tmp_path / "shard-001-000004.safetensors",
-        OSError(errno.ENOSPC, "No space left on device"),
-        kept="every complete shard",
-        resume="make room there",
-    )
+    written = shard_write_failed(tmp_path)
     lines = [
         CAPTURE.error.format(error_report(RuntimeError("Connection closed by peer"), 0)),
         CAPTURE.error.format(error_report(written, 1)),

@@ -8,23 +8,19 @@ stops requests at the budget by closing their connections.
 from __future__ import annotations
 
 import asyncio
-import random
-from pathlib import Path
 
 import httpx
-import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
 from models.jobs import GenerateJob
-from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow
 from tasks.engines.client import RetryPolicy
-from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import request_sampling_params
 from tasks.launch_servers import launched_servers
 from tasks.ports import free_ports
 from tasks.server_pool import ServerPool
+from tests.generate_runs import generate_into, prompt_rows, responses
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,11 +30,7 @@ SAMPLING = request_sampling_params({"max_new_tokens": 24, "temperature": 0.8, "t
 
 
 def prompts(n: int) -> list[PromptRow]:
-    rng = random.Random(n)
-    return [
-        PromptRow(id=f"p{i}", messages=[{"role": "user", "content": f"q{i} " + "word " * rng.randint(1, 12)}])
-        for i in range(n)
-    ]
+    return prompt_rows(n, words=(1, 12))
 
 
 def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_path, tiny_target_dir):
@@ -49,15 +41,8 @@ def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_p
 
     async def generate(pool, rows, **kw):
         settings = GenerateJob(**{"dataset": "B1", "sampling_params": SAMPLING, "flush_every": 8, **kw})
-        return await generate_dataset(
-            rows,
-            pool=pool,
-            tokenizer=tokenizer,
-            responses_dir=out / "responses/B1",
-            rejects_dir=out / "rejects/B1",
-            source=Path("b1.jsonl"),
-            settings=settings,
-            vocab_size=len(tokenizer),
+        return await generate_into(
+            out, rows, pool=pool, tokenizer=tokenizer, settings=settings, source="b1.jsonl", vocab_size=len(tokenizer)
         )
 
     logs = tmp_path / "logs"
@@ -90,9 +75,7 @@ def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_p
     assert budgeted.status == "budget reached" and budgeted.aborted >= 1
     assert not server.client.can_abort  # the router has no /abort_request: the requests were closed instead
     assert idle == [{"num_running_reqs": 0, "num_waiting_reqs": 0}] * 2  # nothing left generating
-    got = []
-    for part in live_parts(out / "responses/B1"):
-        got += pq.read_table(part).to_pylist()
+    got = responses(out)
     assert sorted(r["id"] for r in got) == sorted(r.id for r in rows)  # every prompt once, across the three runs
     assert rest.status == "complete"
     served = [

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import random
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
-from transformers import AutoTokenizer
 
 from emulators.sim import SimServer
-from models.jobs import GenerateJob
-from tasks.checkpoints import live_parts
-from tasks.datasets import PromptRow
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import ServerOutage
-from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.server_pool import ServerPool
+from tests.generate_runs import generate_into, generate_job, responses
+from tests.generate_runs import prompt_rows as prompts
 from tests.tasks.budget_runs import budget_run_after_short_answers, prompts_from
 
 EOS = 1
@@ -26,51 +21,14 @@ SAMPLING = request_sampling_params({"max_new_tokens": 48, "temperature": 0.7, "t
 FAST = RetryPolicy(initial_s=0.01, max_s=0.05, jitter=0.0, outage_window_s=10)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_target_dir):
-    return AutoTokenizer.from_pretrained(tiny_target_dir)
-
-
-def prompts(n: int, prefix: str = "p", words: tuple[int, int] = (1, 20)) -> list[PromptRow]:
-    rng = random.Random(n)
-    return [
-        PromptRow(id=f"{prefix}{i}", messages=[{"role": "user", "content": f"q{i} " + "word " * rng.randint(*words)}])
-        for i in range(n)
-    ]
-
-
 def sims(n: int, **kw) -> list[SimServer]:
     base = dict(max_running=8, decode_s_per_token=0.002, mean_len=16, vocab_size=2048, eos_token_id=EOS)
     return [SimServer(**{**base, **kw}, seed=0).start() for _ in range(n)]
 
 
-def responses(run_dir: Path) -> list[dict]:
-    rows = []
-    for part in live_parts(run_dir / "responses/B1"):
-        rows += pq.read_table(part).to_pylist()
-    return rows
-
-
 async def generate(pool: ServerPool, rows, run_dir: Path, tokenizer, **kw):
-    settings = GenerateJob(
-        **{
-            "dataset": "B1",
-            "sampling_params": SAMPLING,
-            "flush_every": 8,
-            "flush_interval_s": 0.5,
-            "log_interval_s": 0.2,
-            **kw,
-        }
-    )
-    return await generate_dataset(
-        rows,
-        pool=pool,
-        tokenizer=tokenizer,
-        responses_dir=run_dir / "responses/B1",
-        rejects_dir=run_dir / "rejects/B1",
-        source=Path("b1.jsonl"),
-        settings=settings,
-    )
+    settings = generate_job(SAMPLING, **kw)
+    return await generate_into(run_dir, rows, pool=pool, tokenizer=tokenizer, settings=settings, source="b1.jsonl")
 
 
 def stop_all(servers: list[SimServer]) -> None:
@@ -262,17 +220,14 @@ def test_a_pool_shared_by_two_datasets_keeps_each_server_s_limit(tmp_path, token
 
         async def go():
             async with ServerPool([s.url for s in servers], max_concurrency=2, retry=FAST) as pool:
-                settings = dict(sampling_params=SAMPLING, flush_every=8, flush_interval_s=0.5, log_interval_s=0.2)
                 return await asyncio.gather(
                     *(
-                        generate_dataset(
+                        generate_into(
+                            tmp_path,
                             prompts(30, name),
                             pool=pool,
                             tokenizer=tokenizer,
-                            responses_dir=tmp_path / "responses" / name,
-                            rejects_dir=tmp_path / "rejects" / name,
-                            source=Path("x"),
-                            settings=GenerateJob(dataset=name, **settings),
+                            settings=generate_job(SAMPLING, name),
                         )
                         for name in ("B1", "B2")
                     )

@@ -13,27 +13,13 @@ from tasks.capture.plan import DiskTooSmall, TargetShape, capture_layers, check_
 from tasks.checkpoints import responses_table, write_part
 from tasks.parquet_io import DamagedPart
 from tasks.records.build import build_records
+from tests.generate_runs import response_row
 
 KIMI = TargetShape(hidden_size=7168, num_layers=61, dtype="bfloat16")
 
 
 def records_dir(tmp_path, n_tokens: list[int]):
-    rows = [
-        {
-            "id": f"r{i}",
-            "prompt_ids": [5] * (n - 2),
-            "output_ids": [6, 1],
-            "prompt_tokens": n - 2,
-            "completion_tokens": 2,
-            "finish_reason": "stop",
-            "text": "",
-            "latency": 0.0,
-            "cached_tokens": 0,
-            "reasoning_tokens": 0,
-            "finished_at": 1.0,
-        }
-        for i, n in enumerate(n_tokens)
-    ]
+    rows = [response_row(f"r{i}", [5] * (n - 2), [6, 1]) for i, n in enumerate(n_tokens)]
     write_part(tmp_path / "responses", responses_table(rows))
     build_records(
         "B1", "generate", tmp_path / "responses", tmp_path / "records", tmp_path / "rej", RecordsJob(vocab_size=10)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from models.findings import Finding
 from tasks.doctor.run_dir import run_dir_findings
+from tests.run_locks import lock_held_elsewhere
 
 SETTINGS = {"mode": "offline", "lr": 0.002, "ttt_steps": 7, "world_size": 2}
 
@@ -25,23 +24,9 @@ def test_a_new_run_directory_passes(tmp_path):
 
 def test_a_lock_held_by_another_process_fails_naming_it(tmp_path):
     run = tmp_path / "run"
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from tasks.run_lock import run_lock\n"
-            f"with run_lock({str(run)!r}, 'generate'):\n    print('held', flush=True); sys.stdin.read()",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "held"  # the lock is taken before this line is printed
+    with lock_held_elsewhere(run, "generate") as holder:
         f = by_name(run_dir_findings(run, checkpoint_dir=run / "ckpt", settings=SETTINGS))["run directory: lock"]
         assert f.status == "FAIL" and f"pid {holder.pid}" in f.detail and "writing generate" in f.detail
-    finally:
-        holder.communicate("")
     f = by_name(run_dir_findings(run, checkpoint_dir=run / "ckpt", settings=SETTINGS))["run directory: lock"]
     assert f.status == "PASS"  # released with its process
 

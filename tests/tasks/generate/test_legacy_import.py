@@ -3,8 +3,6 @@ import json
 import logging
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -18,6 +16,7 @@ from tasks.generate.prompts import chat_prompt_ids
 from tasks.parquet_io import DamagedPart, list_parts, read_metadata
 from tasks.run_lock import RunDirLocked
 from tasks.stats import collect_stats
+from tests.run_locks import lock_held_elsewhere
 
 
 @pytest.fixture(scope="module")
@@ -532,25 +531,9 @@ def test_a_damaged_part_is_named(tmp_path):
 @pytest.mark.multiprocess
 def test_a_second_writer_is_refused(tmp_path):
     run = tmp_path / "run"
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from tasks.run_lock import run_lock\n"
-            f"with run_lock({str(run)!r}, 'generate B1'):\n    print('held', flush=True); sys.stdin.read()",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).resolve().parents[3],
-    )
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with lock_held_elsewhere(run, "generate B1") as holder:
         with pytest.raises(RunDirLocked, match=rf"in use by another writer: pid {holder.pid} on .*writing generate B1"):
             import_jsonl(run, "B1", write_lines(tmp_path / "raw.jsonl", flat_rows(2)), tokenizer=None)
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=60)
     assert entries(run / "responses" / "B1") == []
     assert import_jsonl(run, "B1", tmp_path / "raw.jsonl", tokenizer=None).imported == 2  # free again
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx
 import pyarrow.parquet as pq
 import pytest
-from transformers import AutoTokenizer
 
 from emulators.sim import SimConfig, SimServer, simulate_output
 from models.jobs import GenerateJob
@@ -23,34 +22,21 @@ from tasks.checkpoints import done_ids, live_parts, summarize
 from tasks.datasets import PromptRow
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import ServerOutage
-from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.server_pool import ServerPool
+from tests.generate_runs import generate_into, generate_job, prompt_rows, responses
 
 REPO = Path(__file__).resolve().parents[3]
 EOS = 1  # <|im_end|> of the tiny target; also the sim server's eos
 SAMPLING = request_sampling_params({"max_new_tokens": 64, "temperature": 0.7, "top_p": 0.95}, [EOS])
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_target_dir):
-    return AutoTokenizer.from_pretrained(tiny_target_dir)
-
-
 def prompts(n: int, prefix: str = "p") -> list[PromptRow]:
-    rng = random.Random(n)
-    return [
-        PromptRow(
-            id=f"{prefix}{i}", messages=[{"role": "user", "content": f"question {i}: " + "word " * rng.randint(1, 30)}]
-        )
-        for i in range(n)
-    ]
+    return prompt_rows(n, prefix, words=(1, 30), question="question {i}: ")
 
 
 def settings(**kw) -> GenerateJob:
-    base = dict(dataset="B1", sampling_params=SAMPLING, flush_every=8, flush_interval_s=0.5, log_interval_s=0.2)
-    base.update(kw)
-    return GenerateJob(**base)
+    return generate_job(SAMPLING, **kw)
 
 
 def run(
@@ -69,14 +55,8 @@ def run(
         async with ServerPool(
             [server.url], max_concurrency=slots, request_timeout_s=timeout, retry=retry_policy
         ) as pool:
-            return await generate_dataset(
-                rows,
-                pool=pool,
-                tokenizer=tokenizer,
-                responses_dir=run_dir / "responses/B1",
-                rejects_dir=run_dir / "rejects/B1",
-                source=Path("b1.jsonl"),
-                settings=settings(**kw),
+            return await generate_into(
+                run_dir, rows, pool=pool, tokenizer=tokenizer, settings=settings(**kw), source="b1.jsonl"
             )
 
     return asyncio.run(go())
@@ -94,23 +74,11 @@ def run_with_fault(server: SimServer, rows, run_dir: Path, *, tokenizer, retry: 
 
             striker = asyncio.create_task(strike())
             try:
-                return await generate_dataset(
-                    rows,
-                    pool=pool,
-                    tokenizer=tokenizer,
-                    responses_dir=run_dir / "responses/B1",
-                    rejects_dir=run_dir / "rejects/B1",
-                    source=Path("x"),
-                    settings=settings(),
-                )
+                return await generate_into(run_dir, rows, pool=pool, tokenizer=tokenizer, settings=settings())
             finally:
                 await striker
 
     return asyncio.run(go())
-
-
-def responses(run_dir: Path, dataset: str = "B1") -> list[dict]:
-    return [r for p in live_parts(run_dir / "responses" / dataset) for r in pq.read_table(p).to_pylist()]
 
 
 def expected_output(tokenizer, row: PromptRow, config: SimConfig):
@@ -145,13 +113,11 @@ def test_in_flight_never_exceeds_the_shared_limit_across_datasets(tmp_path, toke
             async with ServerPool([srv.url], max_concurrency=5) as pool:  # one server, one limit, two datasets
                 return await asyncio.gather(
                     *(
-                        generate_dataset(
+                        generate_into(
+                            tmp_path,
                             prompts(30, prefix=name),
                             pool=pool,
                             tokenizer=tokenizer,
-                            responses_dir=tmp_path / "responses" / name,
-                            rejects_dir=tmp_path / "rejects" / name,
-                            source=Path("x"),
                             settings=settings(dataset=name),
                         )
                         for name in ("B1", "B2")
@@ -283,15 +249,7 @@ def test_server_side_abort_is_sent_again(server, tmp_path, tokenizer):
                 server.slow(0)
 
             killer = asyncio.create_task(abort_some())
-            report = await generate_dataset(
-                rows,
-                pool=pool,
-                tokenizer=tokenizer,
-                responses_dir=tmp_path / "responses/B1",
-                rejects_dir=tmp_path / "rejects/B1",
-                source=Path("x"),
-                settings=settings(),
-            )
+            report = await generate_into(tmp_path, rows, pool=pool, tokenizer=tokenizer, settings=settings())
             await killer
             return report
 
@@ -385,15 +343,7 @@ def test_cancellation_aborts_in_flight_requests_and_keeps_what_finished(tmp_path
         async def go():
             async with ServerPool([srv.url], max_concurrency=4) as pool:
                 task = asyncio.create_task(
-                    generate_dataset(
-                        prompts(40),
-                        pool=pool,
-                        tokenizer=tokenizer,
-                        responses_dir=tmp_path / "responses/B1",
-                        rejects_dir=tmp_path / "rejects/B1",
-                        source=Path("x"),
-                        settings=settings(),
-                    )
+                    generate_into(tmp_path, prompts(40), pool=pool, tokenizer=tokenizer, settings=settings())
                 )
                 await asyncio.to_thread(srv.wait_for, lambda s: s.completed >= 8 and s.running >= 2, 20)
                 task.cancel()
@@ -462,15 +412,7 @@ def test_replies_with_impossible_counts_are_never_recorded(server, tmp_path, tok
         transport = LyingTransport(6, lie)
         retry = RetryPolicy(initial_s=0.01, max_s=0.05, outage_window_s=30)
         async with ServerPool([server.url], max_concurrency=4, retry=retry, transport=transport) as pool:
-            report = await generate_dataset(
-                rows,
-                pool=pool,
-                tokenizer=tokenizer,
-                responses_dir=tmp_path / "responses/B1",
-                rejects_dir=tmp_path / "rejects/B1",
-                source=Path("x"),
-                settings=settings(),
-            )
+            report = await generate_into(tmp_path, rows, pool=pool, tokenizer=tokenizer, settings=settings())
             return report, pool.invalid_replies
 
     report, invalid = asyncio.run(go())

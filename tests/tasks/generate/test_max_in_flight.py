@@ -7,18 +7,16 @@ import itertools
 import random
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
 from emulators.sim import SimServer, simulate_output
 from models.jobs import GenerateJob
-from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow
 from tasks.engines.client import RetryPolicy
-from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.server_pool import ServerPool
+from tests.generate_runs import generate_into, responses
 
 EOS = 1
 SAMPLING = request_sampling_params({"max_new_tokens": 48, "temperature": 0.7, "top_p": 0.95}, [EOS])
@@ -41,19 +39,10 @@ def prompts(n: int) -> list[PromptRow]:
 def run(server: SimServer, rows, run_dir: Path, tokenizer, **settings):
     async def go():
         async with ServerPool([server.url], max_concurrency=8, retry=FAST) as pool:
-            return await generate_dataset(
-                rows,
-                pool=pool,
-                tokenizer=tokenizer,
-                responses_dir=run_dir / "responses/B1",
-                rejects_dir=run_dir / "rejects/B1",
-                source=Path("B1.jsonl"),
-                settings=GenerateJob(dataset="B1", sampling_params=SAMPLING, flush_every=4, **settings),
-            )
+            job = GenerateJob(dataset="B1", sampling_params=SAMPLING, flush_every=4, **settings)
+            return await generate_into(run_dir, rows, pool=pool, tokenizer=tokenizer, settings=job)
 
-    report = asyncio.run(go())
-    got = [r for p in live_parts(run_dir / "responses/B1") for r in pq.read_table(p).to_pylist()]
-    return report, got
+    return asyncio.run(go()), responses(run_dir)
 
 
 def test_one_in_flight_stops_a_budget_at_the_file_order_prefix_that_reaches_it(tmp_path, tokenizer):

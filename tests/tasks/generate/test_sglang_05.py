@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections import Counter
 from pathlib import Path
 
-import pyarrow.parquet as pq
-import pytest
-from transformers import AutoTokenizer
-
 from emulators.sim import SimServer, simulate_output
-from models.jobs import GenerateJob
-from tasks.checkpoints import live_parts
-from tasks.datasets import PromptRow
 from tasks.engines.client import RetryPolicy
-from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.rejects import read_rejects
 from tasks.server_pool import ServerPool
+from tests.generate_runs import generate_into, generate_job, responses
+from tests.generate_runs import prompt_rows as prompts
 from tests.tasks.budget_runs import budget_run_after_short_answers, prompts_from
 
 EOS = 1
@@ -32,19 +25,6 @@ MAX_NEW = 48
 SAMPLING = request_sampling_params({"max_new_tokens": MAX_NEW, "temperature": 0.7, "top_p": 0.95}, [EOS])
 FAST = RetryPolicy(initial_s=0.01, max_s=0.05, jitter=0.0, outage_window_s=20)
 POLL_S = 0.5  # the servers' disconnect poll (SGLang: SGLANG_REQUEST_STATE_WAIT_TIMEOUT, ~4 s), short for tests
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_target_dir):
-    return AutoTokenizer.from_pretrained(tiny_target_dir)
-
-
-def prompts(n: int, prefix: str = "p") -> list[PromptRow]:
-    rng = random.Random(n)
-    return [
-        PromptRow(id=f"{prefix}{i}", messages=[{"role": "user", "content": f"q{i} " + "word " * rng.randint(1, 20)}])
-        for i in range(n)
-    ]
 
 
 def sim(**kw) -> SimServer:
@@ -61,33 +41,22 @@ def sim(**kw) -> SimServer:
     return SimServer(**{**base, **kw}).start()
 
 
-def settings(dataset: str = "B1", **kw) -> GenerateJob:
-    return GenerateJob(
-        **{
-            "dataset": dataset,
-            "sampling_params": SAMPLING,
-            "flush_every": 8,
-            "flush_interval_s": 0.5,
-            "log_interval_s": 0.2,
-            **kw,
-        }
-    )
-
-
 async def generate(pool: ServerPool, rows, run_dir: Path, tokenizer, dataset: str = "B1", **kw):
-    return await generate_dataset(
-        rows,
-        pool=pool,
-        tokenizer=tokenizer,
-        responses_dir=run_dir / "responses" / dataset,
-        rejects_dir=run_dir / "rejects" / dataset,
-        source=Path(f"{dataset}.jsonl"),
-        settings=settings(dataset, **kw),
+    settings = generate_job(SAMPLING, dataset, **kw)
+    return await generate_into(
+        run_dir, rows, pool=pool, tokenizer=tokenizer, settings=settings, source=f"{dataset}.jsonl"
     )
 
 
-def responses(run_dir: Path, dataset: str = "B1") -> list[dict]:
-    return [r for p in live_parts(run_dir / "responses" / dataset) for r in pq.read_table(p).to_pylist()]
+def budget_run(server: SimServer, rows, run_dir: Path, tokenizer, token_budget: int, seen, **kw):
+    """`budget_run_after_short_answers` at `server` through this module's `generate`: 12 at once, FAST retries."""
+    kw.update(token_budget=token_budget, seen=seen, max_concurrency=12, retry=FAST)
+    return budget_run_after_short_answers(generate, [server.url], rows, run_dir, tokenizer, SAMPLING, **kw)
+
+
+def first_can_abort(pool: ServerPool) -> bool:
+    """Whether the client of the pool's first server still sends /abort_request."""
+    return pool.servers[0].client.can_abort
 
 
 def down_logs(caplog) -> list[str]:
@@ -106,17 +75,8 @@ def test_a_budget_reached_while_requests_are_queued_aborts_them_cleanly(tmp_path
         # the length estimate is so low that the budgeted run sends 12 at once: 1 runs at a time, the 4th answer
         # reaches the budget, and 6 are still held in the server's queue then
         with caplog.at_level(logging.INFO):
-            report, invalid = budget_run_after_short_answers(
-                generate,
-                [server.url],
-                rows,
-                tmp_path,
-                tokenizer,
-                SAMPLING,
-                token_budget=20 * 4 + 100,
-                seen=lambda pool: pool.invalid_replies,
-                max_concurrency=12,
-                retry=FAST,
+            report, invalid = budget_run(
+                server, rows, tmp_path, tokenizer, 20 * 4 + 100, lambda pool: pool.invalid_replies
             )
         stats = server.snapshot()
     finally:
@@ -214,18 +174,8 @@ def test_an_abort_the_admin_key_guards_falls_back_to_closing_the_request(tmp_pat
     try:
         # the budgeted run sends 12 at once: those still queued when its budget is reached must be stopped
         with caplog.at_level(logging.INFO):
-            report, can_abort = budget_run_after_short_answers(
-                generate,
-                [server.url],
-                rows,
-                tmp_path,
-                tokenizer,
-                SAMPLING,
-                token_budget=20 * 4 + 150,
-                seen=lambda pool: pool.servers[0].client.can_abort,
-                max_concurrency=12,
-                retry=FAST,
-                api_key="user-key",
+            report, can_abort = budget_run(
+                server, rows, tmp_path, tokenizer, 20 * 4 + 150, first_can_abort, api_key="user-key"
             )
         stats = server.wait_for(lambda s: s.in_flight == 0, timeout=10 + 4 * POLL_S)
     finally:

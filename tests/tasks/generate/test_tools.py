@@ -7,18 +7,16 @@ import copy
 import json
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
 from emulators.sim import SimServer
 from models.jobs import GenerateJob
-from tasks.checkpoints import live_parts
 from tasks.datasets import DatasetError, load_dataset
 from tasks.engines.client import RetryPolicy
-from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import request_sampling_params
 from tasks.server_pool import ServerPool
+from tests.generate_runs import generate_into, responses
 
 REPO = Path(__file__).resolve().parents[3]
 B8 = REPO / "data/formats/kimi/B8_toolcalls.jsonl"
@@ -67,20 +65,11 @@ def test_generate_sends_the_tools_through_the_chat_template(tmp_path, tokenizer)
 
         async def go():
             async with ServerPool([srv.url], max_concurrency=4, retry=RetryPolicy(initial_s=0.01, max_s=0.05)) as pool:
-                return await generate_dataset(
-                    rows,
-                    pool=pool,
-                    tokenizer=tokenizer,
-                    responses_dir=tmp_path / "responses/B8",
-                    rejects_dir=tmp_path / "rejects/B8",
-                    source=B8,
-                    settings=GenerateJob(
-                        dataset="B8", sampling_params=request_sampling_params({"max_new_tokens": 8}, [EOS])
-                    ),
-                )
+                job = GenerateJob(dataset="B8", sampling_params=request_sampling_params({"max_new_tokens": 8}, [EOS]))
+                return await generate_into(tmp_path, rows, pool=pool, tokenizer=tokenizer, settings=job)
 
         report = asyncio.run(go())
-    got = {r["id"]: r for p in live_parts(tmp_path / "responses/B8") for r in pq.read_table(p).to_pylist()}
+    got = {r["id"]: r for r in responses(tmp_path, "B8")}
     assert report.new_responses == len(rows) == len(got)
     for row in rows:
         prompt = tokenizer.decode(got[row.id]["prompt_ids"])

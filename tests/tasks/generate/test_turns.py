@@ -5,21 +5,20 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
 from emulators.sim import SimServer
 from models.jobs import GenerateJob
-from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow
 from tasks.engines.client import RetryPolicy
 from tasks.generate.conversations import conversation
-from tasks.generate.loop import generate_dataset
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.rejects import read_rejects
 from tasks.server_pool import ServerPool
 from tasks.turn_ids import is_later_turn, split_turn_id, turn_id
+from tests.generate_runs import generate_into
+from tests.generate_runs import responses as dataset_responses
 
 EOS = 1  # <|im_end|> of the tiny target; also the sim server's eos
 FAST = RetryPolicy(initial_s=0.01, max_s=0.05, jitter=0.0, outage_window_s=20)
@@ -60,23 +59,14 @@ def conversations(n: int) -> list[PromptRow]:
 def run(server: SimServer, rows, run_dir: Path, tokenizer, *, max_new_tokens: int = 24, **kw):
     async def go():
         async with ServerPool([server.url], max_concurrency=6, retry=FAST) as pool:
-            return await generate_dataset(
-                rows,
-                pool=pool,
-                tokenizer=tokenizer,
-                responses_dir=run_dir / "responses/C1",
-                rejects_dir=run_dir / "rejects/C1",
-                source=Path("c1.jsonl"),
-                settings=GenerateJob(
-                    dataset="C1", sampling_params=sampling(max_new_tokens), flush_every=3, turns="all", **kw
-                ),
-            )
+            job = GenerateJob(dataset="C1", sampling_params=sampling(max_new_tokens), flush_every=3, turns="all", **kw)
+            return await generate_into(run_dir, rows, pool=pool, tokenizer=tokenizer, settings=job)
 
     return asyncio.run(go())
 
 
 def responses(run_dir: Path) -> list[dict]:
-    return [r for p in live_parts(run_dir / "responses/C1") for r in pq.read_table(p).to_pylist()]
+    return dataset_responses(run_dir, "C1")
 
 
 def expected_prompt(tokenizer, row: PromptRow, turn: int, by_id: dict[str, dict]) -> list[int]:
