@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
@@ -24,6 +24,35 @@ from models.spec import Spec
 
 # A server's base URL (server.url, capture.engine.url, eval.baseline_url), checked and without a trailing slash.
 ServerUrl = Annotated[str, AfterValidator(server_url)]
+# The two settings every server section has (server, capture.engine), declared once.
+OutageWindow = Annotated[
+    float,
+    Field(
+        gt=0,
+        description="How long the server may stay unreachable (connect errors, 5xx, 408, 429) before the stage "
+        "fails cleanly; a Prefect retry of the stage (generate.retries, capture.retries) then resumes it.",
+    ),
+]
+ApiKeyEnv = Annotated[
+    str | None,
+    Field(
+        description="Name of the environment variable holding the server's API key (SGLang's or vLLM's --api-key), "
+        "sent as a Bearer token. The key itself never goes into the config, logs or artifacts.",
+    ),
+]
+
+
+class KeyFromEnv:
+    """The API key of a server section with an `api_key_env` setting, read from the environment at use."""
+
+    if TYPE_CHECKING:  # the section's own field (not a field here: pydantic would put it first in the section)
+        api_key_env: str | None
+    KEY_SETTING: ClassVar[str] = "server.api_key_env"  # the setting's path, for the error when the variable is not set
+
+    def api_key(self) -> str | None:
+        """The key from the environment (None when no variable is named); RuntimeError when it is not set."""
+        return api_key_from_env(self.api_key_env, self.KEY_SETTING)
+
 
 # --- the target -------------------------------------------------------------------------------
 
@@ -93,7 +122,7 @@ class AuxLayers(Spec):
 # --- generate ---------------------------------------------------------------------------------
 
 
-class ServerSettings(Spec):
+class ServerSettings(KeyFromEnv, Spec):
     """How to reach the serving engine's servers (the API key is read from `api_key_env` at use, never stored)."""
 
     engine: Literal["sglang", "vllm"] = Field(
@@ -126,23 +155,14 @@ class ServerSettings(Spec):
         description="Seconds one request may take before it is cancelled and retried; "
         "long enough for max_new_tokens at the slowest expected decode speed.",
     )
-    outage_window_s: float = Field(
-        default=900.0,
-        gt=0,
-        description="How long the server may stay unreachable (connect errors, 5xx, 429) before "
-        "the generate task fails cleanly; Prefect task retries then resume it.",
-    )
+    outage_window_s: OutageWindow = 900.0
     health_timeout_s: float = Field(
         default=600.0,
         gt=0,
         description="How long to wait for the server's health path (SGLang's /health_generate, vLLM's /health) at the "
         "start of the generate stage (a 1T model takes minutes to load).",
     )
-    api_key_env: str | None = Field(
-        default=None,
-        description="Name of the environment variable holding the server's API key (sent as a "
-        "Bearer token). The key itself never goes into the config, logs or artifacts.",
-    )
+    api_key_env: ApiKeyEnv = None
 
     @field_validator("urls")
     @classmethod
@@ -164,10 +184,6 @@ class ServerSettings(Spec):
     def endpoints(self) -> list[str]:
         """The servers requests go to (already running ones; a launched pool is in the pipeline's ServerConfig)."""
         return list(self.urls) if self.urls else [self.url]
-
-    def api_key(self) -> str | None:
-        """The key from the environment (None when no variable is named); RuntimeError when it is not set."""
-        return api_key_from_env(self.api_key_env, "server.api_key_env")
 
 
 class GenerateSettings(Spec):
@@ -320,7 +336,7 @@ class CaptureJob(CaptureSettings, RecordsRef, RankJob):
     )
 
 
-class EngineSettings(Spec):
+class EngineSettings(KeyFromEnv, Spec):
     """How the capture reaches a vLLM server that extracts hidden states (capture.backend: vllm; docs/kimi-k25.md).
 
     The server runs the target with `speculative_config.method = extract_hidden_states` and the
@@ -355,21 +371,10 @@ class EngineSettings(Spec):
         gt=0,
         description="Seconds one request (a prefill of one record) and the wait for its file may take.",
     )
-    outage_window_s: float = Field(
-        default=900.0,
-        gt=0,
-        description="How long the server may stay unreachable (connect errors, 5xx, 408, 429) before the capture fails "
-        "cleanly; a Prefect retry (capture.retries) then resumes it.",
-    )
-    api_key_env: str | None = Field(
-        default=None,
-        description="Name of the environment variable holding the server's API key (vLLM --api-key), sent as a "
-        "Bearer token.",
-    )
+    outage_window_s: OutageWindow = 900.0
+    api_key_env: ApiKeyEnv = None
 
-    def api_key(self) -> str | None:
-        """The key from the environment (None when no variable is named); RuntimeError when it is not set."""
-        return api_key_from_env(self.api_key_env, "capture.engine.api_key_env")
+    KEY_SETTING: ClassVar[str] = "capture.engine.api_key_env"
 
 
 # --- train ------------------------------------------------------------------------------------
