@@ -182,6 +182,15 @@ def part_summary(part: Path) -> PartSummary:
         ) from None
 
 
+def is_whole(output_ids: list[int], finish_reason: str, stop_ids: Iterable[int]) -> bool:
+    """A whole answer: the server said `stop`, or `length` with a stop id last (SGLang 0.4 checks the length cap
+    before the stop token; models.jobs.RecordsJob.stop_token_ids). Records keep only these (unless
+    records.keep_truncated), and with turns: all only these are followed by the next turn."""
+    if finish_reason == "stop":
+        return True
+    return finish_reason == "length" and bool(output_ids) and output_ids[-1] in set(stop_ids)
+
+
 def turn_outputs(directory: Path) -> dict[str, tuple[list[int], str]]:
     """(output_ids, finish_reason) of every response on disk whose id names a conversation's turn
     (tasks.generate.conversations), for a `turns: all` dataset to continue its conversations."""

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tasks.checkpoints import is_whole
 from tasks.datasets import PromptRow
 from tasks.turn_ids import split_turn_id, turn_id
 
@@ -72,12 +73,6 @@ def conversation(row: PromptRow) -> Conversation:
         elif role == "user":
             users.append({"role": "user", "content": m["content"]})
     return Conversation(row.id, head, users, tools=row.tools)
-
-
-def is_whole(output_ids: list[int], finish_reason: str, stop_ids: Iterable[int]) -> bool:
-    """An answer the next turn may follow: the server said `stop`, or it ends with a stop token (SGLang 0.4 says
-    `length` for a stop token exactly at max_new_tokens; models.jobs.RecordsJob.stop_token_ids)."""
-    return finish_reason == "stop" or (bool(output_ids) and output_ids[-1] in set(stop_ids))
 
 
 def answer_text(tokenizer: Any, output_ids: list[int], stop_ids: Iterable[int]) -> str:

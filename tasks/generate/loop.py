@@ -31,12 +31,12 @@ from typing import Any
 from models.file_errors import WriteFailed
 from models.jobs import GenerateJob
 from models.run_layout import RunLayout
-from tasks.checkpoints import ResponseWriter, done_ids, summarize
+from tasks.checkpoints import ResponseWriter, done_ids, is_whole, summarize
 from tasks.datasets import PromptRow, Reject
 from tasks.engines.client import Completion
 from tasks.engines.errors import BadRequest, ServerOutage
 from tasks.generate.budget import TokenBudget
-from tasks.generate.conversations import Conversation, answer_text, is_whole
+from tasks.generate.conversations import Conversation, answer_text
 from tasks.generate.prompts import chat_prompt_ids, prompt_sampling_seed
 from tasks.generate.work import plan_work
 from tasks.parquet_io import DamagedPart

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from models.file_errors import WriteFailed
 from models.jobs import RecordsJob
 from models.run_layout import RunLayout
-from tasks.checkpoints import live_parts
+from tasks.checkpoints import is_whole, live_parts
 from tasks.datasets import Reject
 from tasks.parquet_io import DamagedPart, list_parts, read_metadata, reading, write_parquet_atomic
 from tasks.records.chat_masks import MaskError, conversation_records
@@ -226,12 +226,8 @@ def _from_responses(table: pa.Table, settings: RecordsJob) -> tuple[list[dict], 
     report = PartReport()
     rows: list[dict] = []
     columns = table.select(["id", "prompt_ids", "output_ids", "finish_reason"]).to_pylist()
-    stops = set(settings.stop_token_ids)
     for r in columns:
-        ended = r["finish_reason"] == "stop" or (
-            r["finish_reason"] == "length" and r["output_ids"][-1:] and r["output_ids"][-1] in stops
-        )
-        if not ended and not settings.keep_truncated:
+        if not is_whole(r["output_ids"], r["finish_reason"], settings.stop_token_ids) and not settings.keep_truncated:
             report.drop(f"finish_{r['finish_reason']}")  # ended by length/abort: not a whole answer
             continue
         ids = r["prompt_ids"] + r["output_ids"]
