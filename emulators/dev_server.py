@@ -693,11 +693,18 @@ class _DevBackend:
         )
 
 
-def _load_draft(draft_dir: str | Path, target):
-    """The exported draft in float32, checked against the target; SGLang's embedding rule (create_app)."""
+def _load_draft(draft_dir: str | Path, target, version: sglang.SGLangVersion = sglang.V05):
+    """The exported draft in float32, checked against the target; SGLang's embedding rule (create_app).
+
+    As SGLang `version` serves it: 0.4 reads no EAGLE-3.1 keys (`SGLangVersion.reads_eagle31_keys`), so
+    its draft has no fc_norm and feeds each step the pre-norm state, whatever the export says.
+    """
     from models.eagle3_export import load_exported_draft
 
     draft = load_exported_draft(draft_dir, dtype=torch.float32).eval()
+    if not version.reads_eagle31_keys:
+        draft.fc_norm = None
+        draft.config.fc_norm = draft.config.norm_output = False
     cfg, tcfg = draft.config, target.config
     if cfg.vocab_size != tcfg.vocab_size or cfg.target_hidden_size != tcfg.hidden_size:
         raise ValueError(
@@ -769,7 +776,7 @@ def create_app(
     )
     draft = None
     if speculative is not None:
-        draft = _load_draft(speculative.draft_model_path, model)
+        draft = _load_draft(speculative.draft_model_path, model, version)
     engine = Engine(
         model,
         tokenizer,

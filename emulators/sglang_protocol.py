@@ -192,6 +192,14 @@ class SGLangVersion:
         return self.is_04
 
     @property
+    def reads_eagle31_keys(self) -> bool:
+        """0.5.23 srt/models/llama_eagle3.py builds `fc_norm` (config fc_norm or use_aux_norm) and, with
+        `norm_output`, hands the next draft step the post-norm state; 0.4.10's reads neither key, and its
+        `load_weights` drops the fc_norm.* tensors unread (no such parameter): an EAGLE-3.1 draft is served as
+        EAGLE-3."""
+        return not self.is_04
+
+    @property
     def has_admin_api_key(self) -> bool:
         """--admin-api-key exists from 0.5 (utils/auth.py); 0.4.10 only --api-key (utils.py add_api_key_middleware)."""
         return not self.is_04

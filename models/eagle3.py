@@ -14,6 +14,12 @@ One draft step, at every position t of a sequence (B batch, T tokens, H hidden, 
     h_out  = h' + mlp(post_attention_layernorm(h'))                  fed to the next step
     logits = lm_head(norm(h_out))                                    [D]
 
+EAGLE-3.1 (`Eagle3Config.fc_norm`, `norm_output`; `DRAFT_VARIANTS`) changes two lines, as vLLM 0.32
+`model_executor/models/llama_eagle3.py` and SGLang 0.5.23 `srt/models/llama_eagle3.py` serve it:
+
+    h      = fc(cat(fc_norm[0](a0), fc_norm[1](a1), fc_norm[2](a2)))  at step 0, aux_hidden[t] = cat(a0, a1, a2)
+    fed to the next step: norm(h_out) instead of h_out                 (the engines' `aux_output` / `aux`)
+
 Training-time test (TTT), `Eagle3Draft.forward_ttt`, unrolls K steps over the whole sequence at
 once. With x = input_ids, z = target logits (z[j] is the target's distribution for x[j+1]) and
 pos = position_ids (default arange(T)), step k = 0..K-1 at position t:
@@ -55,6 +61,12 @@ from models.eagle3_caches import KVCache, TTTCache, at_least_fp32
 from models.target_head import TargetLogits
 
 STEP_DECAY = 0.8  # weight of step k's loss is STEP_DECAY**k (EAGLE-3)
+AUX_FEATURES = 3  # target hidden states fused by fc (the engines' num_aux_hidden_states)
+# `train.draft_variant` -> the Eagle3Config flags (and config.json keys) that both engines read
+DRAFT_VARIANTS: dict[str, dict[str, bool]] = {
+    "eagle3": {"fc_norm": False, "norm_output": False},
+    "eagle3.1": {"fc_norm": True, "norm_output": True},
+}
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
@@ -90,6 +102,8 @@ class Eagle3Config:
     target_hidden_size: int | None = None  # None: hidden_size; fc input is 3 * this
     aux_layers: list[int] = field(default_factory=list)  # 0-based target layers fused by fc
     hidden_act: str = "silu"
+    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm(target_hidden_size) per aux feature before fc
+    norm_output: bool = False  # EAGLE-3.1: the next draft step reads norm(h_out), not h_out
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -110,11 +124,20 @@ class Eagle3Config:
             )
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
-        if len(self.aux_layers) != 3 or len(set(self.aux_layers)) != 3:
-            raise ValueError(f"aux_layers must be 3 distinct layer ids, got {self.aux_layers}")
+        if len(self.aux_layers) != AUX_FEATURES or len(set(self.aux_layers)) != AUX_FEATURES:
+            raise ValueError(f"aux_layers must be {AUX_FEATURES} distinct layer ids, got {self.aux_layers}")
         if self.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} not one of {sorted(_ACTIVATIONS)}")
         self.aux_layers = [int(i) for i in self.aux_layers]
+
+    @property
+    def variant(self) -> str:
+        """The `DRAFT_VARIANTS` name of the two flags (`train.draft_variant`)."""
+        flags = {"fc_norm": self.fc_norm, "norm_output": self.norm_output}
+        for name, want in DRAFT_VARIANTS.items():
+            if flags == want:
+                return name
+        return f"fc_norm={self.fc_norm}, norm_output={self.norm_output}"
 
     @classmethod
     def from_target_config(cls, hf_config, draft_vocab_size: int, aux_layers: list[int], **overrides) -> Eagle3Config:
@@ -293,7 +316,7 @@ class Eagle3Output:
     chain_reached: torch.Tensor  # [K]
     chain_accepted: torch.Tensor  # [K]
     step_logits: list[torch.Tensor] | None = None  # K x [B, T, D] when return_steps
-    step_hidden: list[torch.Tensor] | None = None  # K x [B, T, H] when return_steps
+    step_hidden: list[torch.Tensor] | None = None  # K x [B, T, H] when return_steps: what step k+1 reads
 
 
 def acceptance_length(chain_accepted: torch.Tensor, chain_reached: torch.Tensor) -> torch.Tensor:
@@ -324,7 +347,13 @@ class Eagle3Draft(nn.Module):
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen: see load_target_embedding
-        self.fc = nn.Linear(3 * _resolved(config.target_hidden_size, "target_hidden_size"), h, bias=False)
+        target_hidden = _resolved(config.target_hidden_size, "target_hidden_size")
+        self.fc = nn.Linear(AUX_FEATURES * target_hidden, h, bias=False)
+        self.fc_norm = (  # EAGLE-3.1 only: `fc_norm.{i}.weight` in the export, as both engines name it
+            nn.ModuleList([RMSNorm(target_hidden, config.rms_norm_eps) for _ in range(AUX_FEATURES)])
+            if config.fc_norm
+            else None
+        )
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
@@ -371,6 +400,21 @@ class Eagle3Draft(nn.Module):
         out[..., draft_to_target_ids(self.d2t)] = draft_logits
         return out
 
+    # -- the two places EAGLE-3.1 differs
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[..., 3*Ht] target aux features -> [..., H] through fc; EAGLE-3.1 normalizes each feature first."""
+        aux_hidden = aux_hidden.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            chunks = aux_hidden.chunk(AUX_FEATURES, dim=-1)
+            aux_hidden = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)], -1)
+        return self.fc(aux_hidden)
+
+    def head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's [..., H] output -> (draft logits [..., D], the hidden state the next step reads)."""
+        normed = self.norm(hidden)
+        return self.lm_head(normed), normed if self.config.norm_output else hidden
+
     # -- inference
 
     def forward(
@@ -386,7 +430,8 @@ class Eagle3Draft(nn.Module):
 
         input_ids [B, S]: the token that FOLLOWS each position (x[t+1] at position t).
         hidden [B, S, 3*Ht] (target aux features: extend/first step, goes through fc) or
-        [B, S, H] (a previous step's `hidden`). position_ids [B, S] default: len(cache) + arange(S).
+        [B, S, H] (a previous step's `hidden`: pre-norm, or post-norm with `norm_output`).
+        position_ids [B, S] default: len(cache) + arange(S).
         Over a whole prefix with aux features this is TTT step 0; one token at position t+1
         after it, fed step 0's hidden at t and the token x[t+2], is TTT step 1 at t; and so on.
         """
@@ -396,15 +441,15 @@ class Eagle3Draft(nn.Module):
             position_ids = (len(cache) + torch.arange(s, device=input_ids.device)).expand(b, s)
         embeds = self.embed_tokens(input_ids)  # [B, S, H]
         if (
-            hidden.shape[-1] == 3 * _resolved(self.config.target_hidden_size, "target_hidden_size")
+            hidden.shape[-1] == AUX_FEATURES * _resolved(self.config.target_hidden_size, "target_hidden_size")
             and hidden.shape[-1] != self.config.hidden_size
         ):
-            hidden = self.fc(hidden.to(self.fc.weight.dtype))  # [B, S, H]
+            hidden = self.fuse(hidden)  # [B, S, H]
         elif hidden.shape[-1] != self.config.hidden_size:
             raise ValueError(f"hidden width {hidden.shape[-1]} is neither 3*target_hidden_size nor hidden_size")
         cos, sin = self.rotary(position_ids, embeds.dtype)  # [B, S, hd]
         hidden = self.midlayer(embeds, hidden, cos, sin, cache)  # [B, S, H] pre-norm
-        logits = self.lm_head(self.norm(hidden))  # [B, S, D]
+        logits, hidden = self.head(hidden)  # [B, S, D], [B, S, H]
         if target_vocab_logits:
             logits = self.to_target_vocab(logits)  # [B, S, V]
         return DraftStep(logits=logits, hidden=hidden, cache=cache)
@@ -441,13 +486,13 @@ class Eagle3Draft(nn.Module):
         target_logp = torch.log_softmax(at_least_fp32(target.logits), -1)  # [B, T, D] restricted, renormalized
         cache = TTTCache(attention_mask, impl=attn_impl)
 
-        hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))  # [B, T, H]
+        hidden = self.fuse(aux_hidden)  # [B, T, H]
         losses, tokens, valid, correct, chain_steps, step_logits, step_hidden = [], [], [], [], [], [], []
         for k in range(ttt_steps):
             embeds = self.embed_tokens(_shift_left(input_ids, k + 1))  # [B, T, H]   x[t+k+1]
             cos, sin = self.rotary(position_ids + k, embeds.dtype)  # [B, T, hd]  RoPE at pos+k
-            hidden = self.midlayer(embeds, hidden, cos, sin, cache)  # [B, T, H]   next step's input
-            logits = self.lm_head(self.norm(hidden))  # [B, T, D]
+            hidden = self.midlayer(embeds, hidden, cos, sin, cache)  # [B, T, H]
+            logits, hidden = self.head(hidden)  # [B, T, D], [B, T, H] next step's input
             if return_steps:
                 step_logits.append(logits)
                 step_hidden.append(hidden)

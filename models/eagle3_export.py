@@ -24,6 +24,15 @@ speculative/eagle_worker.py, model_executor/model_runner.py):
   (head_dim, heads, kv heads, rms_norm_eps, rope_theta, rope_scaling, max_position_embeddings
   for the RoPE cache; LlamaMLP raises unless hidden_act == "silu"); num_hidden_layers 1 (more
   would add `BasicDecoderLayer`s).
+- EAGLE-3.1 (`Eagle3Config.fc_norm`, `norm_output`): config keys `fc_norm` and `norm_output`, both
+  written (false for EAGLE-3, which both engines also assume when they are absent), and with fc_norm
+  the tensors `fc_norm.{0,1,2}.weight` [target_hidden_size]: SGLang 0.5.23 builds `self.fc_norm`
+  from `fc_norm` (or its legacy `use_aux_norm`, whose weights it renames from `aux_norm_low/mid/
+  high`) and looks `fc_norm.i.weight` up as `model.fc_norm.i.weight`; `norm_output` makes the draft
+  return its post-norm state as the one the next step reads. Neither key exists in older engines,
+  which would serve a 3.1 draft as EAGLE-3 without a word. `norm_before_fc` (one RMSNorm over the
+  whole concatenation, weight `input_norm.weight`) is another option of both engines that we never
+  train, so `validate_export` refuses it, and `use_aux_norm` too (vLLM does not read it).
 - RoPE: `Eagle3Draft` trains with unscaled RoPE at `config.rope_theta`, so `rope_scaling` is null
   and rope_theta is the draft's own, never the target's (copying Kimi's YaRN scaling would rotate
   differently from training). max_position_embeddings is the target's, so long contexts fit.
@@ -64,7 +73,7 @@ from safetensors.torch import save_file
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.atomic import replace_dir
-from models.eagle3 import Eagle3Config, Eagle3Draft
+from models.eagle3 import AUX_FEATURES, Eagle3Config, Eagle3Draft
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 VLLM_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # registry -> Eagle3LlamaForCausalLM
@@ -94,6 +103,11 @@ SGLANG_REQUIRED_WEIGHTS: dict[str, _Shape] = {
 # Only when draft_vocab_size < vocab_size: at D == V the map is the identity, which both engines
 # assume without them, and vLLM refuses a d2t (module docstring).
 VOCAB_MAP = ("d2t", "t2d")
+# Only with config fc_norm: true (EAGLE-3.1): one RMSNorm per aux feature, [target_hidden_size] each.
+FC_NORM_WEIGHTS: dict[str, _Shape] = {
+    f"fc_norm.{i}.weight": lambda c: (c["target_hidden_size"],) for i in range(AUX_FEATURES)
+}
+VARIANT_KEYS = ("fc_norm", "norm_output")  # Eagle3Config fields = config.json keys both engines read
 _EMBED_SHAPE: _Shape = lambda c: (c["vocab_size"], c["hidden_size"])  # noqa: E731
 _INT_KEYS = (
     "hidden_size",
@@ -145,6 +159,8 @@ def sglang_config(config: Eagle3Config, target_config, dtype: torch.dtype) -> di
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "norm_before_residual": False,
+        "fc_norm": config.fc_norm,
+        "norm_output": config.norm_output,
         "eagle_config": {VLLM_AUX_KEY: list(config.aux_layers), "use_aux_hidden_state": True},  # SGLang
         VLLM_AUX_KEY: [a + 1 for a in config.aux_layers],  # vLLM: capture index = input of layer a + 1
     }
@@ -262,7 +278,7 @@ def validate_export(out_dir: str | Path) -> list[str]:
     except Exception as e:  # safetensors raises its own error types for a bad file
         return [f"{WEIGHTS_FILE}: cannot read: {e}"]
 
-    rules = dict(SGLANG_REQUIRED_WEIGHTS)
+    rules = {**SGLANG_REQUIRED_WEIGHTS, **(FC_NORM_WEIGHTS if cfg.get("fc_norm") else {})}
     rules[EMBED] = _EMBED_SHAPE
     if EMBED not in names and cfg["hidden_size"] != cfg["target_hidden_size"]:
         problems.append(
@@ -335,6 +351,13 @@ def _config_problems(cfg: dict) -> list[str]:
         )
     if not isinstance(eagle, dict) or eagle.get("use_aux_hidden_state") is not True:
         p.append("eagle_config.use_aux_hidden_state must be true")
+    for key in VARIANT_KEYS:
+        if not isinstance(cfg.get(key, False), bool):
+            p.append(f"config {key} must be true or false, got {cfg[key]!r}")
+    if cfg.get("use_aux_norm"):
+        p.append("use_aux_norm: SGLang's legacy name of fc_norm; vLLM does not read it (write fc_norm)")
+    if cfg.get("norm_before_fc") or (isinstance(eagle, dict) and eagle.get("norm_before_fc")):
+        p.append("norm_before_fc: an input_norm over all aux features that this draft was never trained with")
     return p
 
 
@@ -356,6 +379,7 @@ def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None
         rope_theta=float(cfg["rope_theta"]),
         aux_layers=list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
         hidden_act=cfg["hidden_act"],
+        **{key: bool(cfg.get(key, False)) for key in VARIANT_KEYS},
     )
     draft = Eagle3Draft(config).to(dtype or getattr(torch, cfg["torch_dtype"]))
     with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:

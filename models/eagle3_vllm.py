@@ -35,7 +35,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from models.eagle3_export import CONFIG_FILE, EMBED, VLLM_ARCHITECTURES, VLLM_AUX_KEY, WEIGHTS_FILE
+from models.eagle3_export import (
+    CONFIG_FILE,
+    EMBED,
+    FC_NORM_WEIGHTS,
+    VARIANT_KEYS,
+    VLLM_ARCHITECTURES,
+    VLLM_AUX_KEY,
+    WEIGHTS_FILE,
+)
 
 # vLLM's loader, mirrored (the module docstring): checkpoint name -> Eagle3LlamaForCausalLM parameter.
 _VLLM_STACKED = (
@@ -100,6 +108,8 @@ def _vllm_expected(cfg: Mapping) -> dict[_VShard, tuple[str, tuple[int, ...]]]:
     }
     if D != V:  # Eagle3LlamaForCausalLM.__init__ creates draft_id_to_target_id only then
         shapes["d2t"] = (D,)
+    if cfg.get("fc_norm"):  # LlamaModel.__init__: nn.ModuleList of RMSNorm(target_hidden_size), one per aux state
+        shapes.update({name: rule(cfg) for name, rule in FC_NORM_WEIGHTS.items()})
     return {_vllm_loaded_name(n): (n, shape) for n, shape in shapes.items()}
 
 
@@ -147,6 +157,12 @@ def vllm_load_problems(
         )
     if cfg.get("hidden_act") != "silu":
         p.append(f"hidden_act {cfg.get('hidden_act')!r}: vLLM's LlamaMLP supports only 'silu'")
+    for flag in VARIANT_KEYS:  # getattr(self.config, flag, False): any truthy value turns it on
+        if not isinstance(cfg.get(flag, False), bool):
+            p.append(f"config {flag} must be true or false, got {cfg[flag]!r}")
+    nested_config = cfg.get("eagle_config")
+    if cfg.get("norm_before_fc") or (isinstance(nested_config, dict) and nested_config.get("norm_before_fc")):
+        p.append("norm_before_fc: vLLM would add an input_norm over all aux features (not trained with this draft)")
     if cfg.get("norm_before_residual", False) is not False:
         p.append("norm_before_residual must be false: the draft applies hidden_norm after taking the residual")
     eagle = cfg.get("eagle_config")

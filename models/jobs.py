@@ -466,6 +466,12 @@ class TrainSettings(HeldOut):
         description="DeepSpeed ZeRO stage of the optimizer states and gradients: 2 partitions both over the "
         "ranks; 0 or 1 only to take ZeRO-2 apart (bench/train.py).",
     )
+    draft_variant: Literal["eagle3", "eagle3.1"] = Field(
+        default="eagle3",
+        description="eagle3.1: EAGLE 3.1's two changes (an RMSNorm per aux feature before fc, and each draft step "
+        "reading the previous one's post-norm output), written as fc_norm/norm_output in the export's config.json; "
+        "served by vLLM 0.32 and SGLang 0.5.23 (older engines ignore the keys and serve it wrong).",
+    )
     draft_overrides: dict[str, int | float] = Field(
         default_factory=dict,
         description="Draft shape settings that differ from the target's (head_dim, num_attention_heads, "

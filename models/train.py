@@ -58,7 +58,7 @@ from models import numerics  # noqa: F401  (CPU denormals flushed before any mat
 from models.atomic import write_atomic
 from models.capture import capture_batch, load_records
 from models.draft_vocab import draft_vocab, draft_vocab_coverage, load_token_counts
-from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, default_aux_layers
+from models.eagle3 import DRAFT_VARIANTS, STEP_DECAY, Eagle3Config, Eagle3Draft, default_aux_layers
 from models.eagle3_export import export_draft
 from models.hidden_shards import METADATA_NAME
 from models.jobs import TrainJob, TrainSettings
@@ -153,7 +153,11 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     d2t, t2d = draft_vocab(counts, int(text.vocab_size), job.draft_vocab_size)
     torch.manual_seed(job.seed)  # identical initial weights on every rank
     config = Eagle3Config.from_target_config(
-        text, draft_vocab_size=int(d2t.shape[0]), aux_layers=aux_layers, **job.draft_overrides
+        text,
+        draft_vocab_size=int(d2t.shape[0]),
+        aux_layers=aux_layers,
+        **DRAFT_VARIANTS[job.draft_variant],
+        **job.draft_overrides,
     )
     draft = Eagle3Draft(config)
     draft.load_target_embedding(embed.to(draft.embed_tokens.weight.dtype))

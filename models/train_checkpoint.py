@@ -36,6 +36,7 @@ LATEST = "latest"
 
 
 FINGERPRINT = "fingerprint.json"
+LATER_DRAFT_FLAGS = ("fc_norm", "norm_output")  # Eagle3Config fields added after fingerprint version 1
 
 
 RESUME = (
@@ -159,10 +160,14 @@ def run_fingerprint(
     watched and saved) and where files live. `total_steps` stands for epochs/max_steps: the cosine
     schedule is laid out over it, so extending a run would change the learning rate of every step left.
     """
+    draft = asdict(config)
+    for flag in LATER_DRAFT_FLAGS:  # absent from the fingerprints written before them: absent means off
+        if not draft[flag]:
+            del draft[flag]
     settings = {
         **optimisation_settings(job, world_size),
         "total_steps": total_steps,
-        **{f"draft.{k}": v for k, v in asdict(config).items()},
+        **{f"draft.{k}": v for k, v in draft.items()},
     }
     ids = d2t.to(torch.int64).cpu().numpy().tobytes()
     vocab = {"digest": hashlib.sha256(ids).hexdigest(), "size": int(d2t.shape[0]), "token_counts": job.token_counts}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from models.draft_vocab import draft_vocab
-from models.eagle3 import Eagle3Config, Eagle3Draft, default_aux_layers
+from models.eagle3 import DRAFT_VARIANTS, Eagle3Config, Eagle3Draft, default_aux_layers
 from models.eagle3_export import export_draft
 
 
@@ -28,10 +28,14 @@ def random_draft(
     return draft.eval()
 
 
-def export_random_draft(model, out_dir, *, draft_vocab_size: int):
-    """A random draft (seed 0) over `model`'s embedding, exported in float32 (models/eagle3_export.py) to out_dir."""
+def export_random_draft(model, out_dir, *, draft_vocab_size: int, variant: str = "eagle3"):
+    """A random draft (seed 0; `variant` of DRAFT_VARIANTS) over `model`'s embedding, exported in float32
+    (models/eagle3_export.py) to out_dir."""
     cfg = Eagle3Config.from_target_config(
-        model.config, draft_vocab_size=draft_vocab_size, aux_layers=default_aux_layers(model.config.num_hidden_layers)
+        model.config,
+        draft_vocab_size=draft_vocab_size,
+        aux_layers=default_aux_layers(model.config.num_hidden_layers),
+        **DRAFT_VARIANTS[variant],
     )
     draft = random_draft(cfg, model.get_input_embeddings().weight)
     return export_draft(draft, out_dir, target_config=model.config, dtype=torch.float32)

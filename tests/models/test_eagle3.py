@@ -42,10 +42,15 @@ def _config(num_kv_heads: int = 1, **kw) -> Eagle3Config:
     return Eagle3Config(**values)
 
 
-def _setup(seed: int, num_kv_heads: int = 1, B: int = 2, T: int = 9, padding: bool = True):
+# the two variants as the EAGLE-3.1 report and both engines define them: (fc_norm, norm_output)
+VARIANTS = {"eagle3": (False, False), "eagle3.1": (True, True)}
+
+
+def _setup(seed: int, num_kv_heads: int = 1, B: int = 2, T: int = 9, padding: bool = True, variant: str = "eagle3"):
     """A random fp64 draft (random norm weights too), a random target head and a random batch."""
     g = torch.Generator().manual_seed(seed)
-    cfg = _config(num_kv_heads)
+    fc_norm, norm_output = VARIANTS[variant]
+    cfg = _config(num_kv_heads, fc_norm=fc_norm, norm_output=norm_output)
     model = Eagle3Draft(cfg).double()
     with torch.no_grad():
         for p in model.parameters():
@@ -56,7 +61,9 @@ def _setup(seed: int, num_kv_heads: int = 1, B: int = 2, T: int = 9, padding: bo
     d2t, t2d = draft_vocab(counts, V, D)
     model.set_draft_vocab(d2t, t2d)
     ids = torch.randint(0, V, (B, T), generator=g)
+    # three features of different scales, as a target's early, middle and late layers are
     aux = torch.randn(B, T, 3 * cfg.hidden_size, generator=g, dtype=torch.float64)
+    aux *= torch.tensor([0.5, 4.0, 20.0], dtype=torch.float64).repeat_interleave(cfg.hidden_size)
     last = torch.randn(B, T, cfg.hidden_size, generator=g, dtype=torch.float64)
     lm_head = torch.randn(V, cfg.hidden_size, generator=g, dtype=torch.float64)
     loss_mask = torch.rand(B, T, generator=g) > 0.25
@@ -93,10 +100,14 @@ def _softmax(xs):
     return [x / sum(e) for x in e]
 
 
-def reference_ttt(model, ids, aux, full_target_logits, loss_mask, attention_mask, position_ids, K):
+def reference_ttt(
+    model, ids, aux, full_target_logits, loss_mask, attention_mask, position_ids, K, fc_norm=False, norm_output=False
+):
     """Training-time test written out position by position, from the spec, with Python loops.
 
     full_target_logits[b, j] is the target's [V] logits at position j (predicting token j+1).
+    EAGLE-3.1 (`fc_norm`, `norm_output`): each of the three aux features goes through its own RMSNorm
+    before fc, and the next step reads the post-norm output instead of the pre-norm one.
     """
     cfg = model.config
     P = {name: p.detach() for name, p in model.named_parameters()}
@@ -108,7 +119,15 @@ def reference_ttt(model, ids, aux, full_target_logits, loss_mask, attention_mask
     loss_sum, valid, tokens, correct = [0.0] * K, [0] * K, [0] * K, [0] * K
     reached, accepted = [0] * K, [0] * K
     for b in range(B):
-        hidden = [P["fc.weight"] @ aux[b, t] for t in range(T)]
+        if fc_norm:
+            H = cfg.hidden_size
+            hidden = [
+                P["fc.weight"]
+                @ torch.cat([_rms(aux[b, t, i * H : (i + 1) * H], P[f"fc_norm.{i}.weight"], eps) for i in range(3)])
+                for t in range(T)
+            ]
+        else:
+            hidden = [P["fc.weight"] @ aux[b, t] for t in range(T)]
         keys, values = {}, {}  # (step, position) -> [nkv, hd]
         hit = [[False] * K for _ in range(T)]
         counted = [[False] * K for _ in range(T)]
@@ -145,13 +164,14 @@ def reference_ttt(model, ids, aux, full_target_logits, loss_mask, attention_mask
                 up = P["midlayer.mlp.up_proj.weight"] @ y
                 new_hidden.append(h1 + P["midlayer.mlp.down_proj.weight"] @ (gate * torch.sigmoid(gate) * up))
             hidden = new_hidden
+            step_out = hidden  # what the step's logits read through the final norm
             for t in range(T):
                 j = t + k + 2  # the token this step predicts
                 if not (j < T and loss_mask[b, j] and attention_mask[b, j]):
                     continue
                 counted[t][k] = True
                 tokens[k] += 1
-                logits = P["lm_head.weight"] @ _rms(hidden[t], P["norm.weight"], eps)  # [D]
+                logits = P["lm_head.weight"] @ _rms(step_out[t], P["norm.weight"], eps)  # [D]
                 z = full_target_logits[b, j - 1]  # [V]
                 top = int(torch.argmax(z))
                 if not t2d[top]:
@@ -163,6 +183,8 @@ def reference_ttt(model, ids, aux, full_target_logits, loss_mask, attention_mask
                 if draft_ids[int(torch.argmax(logits))] == top:
                     correct[k] += 1
                     hit[t][k] = True
+            if norm_output:  # the next step reads norm(h_out)
+                hidden = [_rms(h, P["norm.weight"], eps) for h in step_out]
         for t in range(T):  # greedy chains rooted at t
             for k in range(K):
                 if not all(counted[t][: k + 1]):
@@ -189,16 +211,24 @@ def reference_ttt(model, ids, aux, full_target_logits, loss_mask, attention_mask
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
-@pytest.mark.parametrize("seed,num_kv_heads", [(0, 1), (1, 2), (2, 1), (3, 2)])
-def test_ttt_matches_loop_reference(seed, num_kv_heads, impl):
-    model, ids, aux, last, lm_head, loss_mask, attention_mask, position_ids = _setup(seed, num_kv_heads)
+@pytest.mark.parametrize(
+    "seed,num_kv_heads,variant",
+    [(0, 1, "eagle3"), (1, 2, "eagle3"), (2, 1, "eagle3"), (3, 2, "eagle3"), (4, 1, "eagle3.1"), (5, 2, "eagle3.1")],
+)
+def test_ttt_matches_loop_reference(seed, num_kv_heads, variant, impl):
+    setup = _setup(seed, num_kv_heads, variant=variant)
+    model, ids, aux, last, lm_head, loss_mask, attention_mask, position_ids = setup
+    assert model.config.variant == variant
     K = 3
     head = TargetHead(lm_head, model.d2t, chunk_size=5)
     target = head(last)
     assert 0 < int(target.in_draft.sum()) < target.in_draft.numel()  # both kinds of positions present
 
     out = model.forward_ttt(ids, aux, target, loss_mask, attention_mask, position_ids, ttt_steps=K, attn_impl=impl)
-    ref = reference_ttt(model, ids, aux, last @ lm_head.T, loss_mask, attention_mask, position_ids, K)
+    fc_norm, norm_output = VARIANTS[variant]
+    ref = reference_ttt(
+        model, ids, aux, last @ lm_head.T, loss_mask, attention_mask, position_ids, K, fc_norm, norm_output
+    )
 
     assert out.tokens.tolist() == ref["tokens"]
     assert out.valid.tolist() == ref["valid"]
@@ -438,8 +468,9 @@ def test_default_aux_layers():
 # ----------------------------------------------------------------------------- (d) inference == TTT
 
 
-def test_inference_steps_equal_ttt_steps():
-    model, ids, aux, last, lm_head, loss_mask, _, _ = _setup(7, num_kv_heads=1, padding=False)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_inference_steps_equal_ttt_steps(variant):
+    model, ids, aux, last, lm_head, loss_mask, _, _ = _setup(7, num_kv_heads=1, padding=False, variant=variant)
     T, K = ids.shape[1], 4
     out = model.forward_ttt(ids, aux, TargetHead(lm_head, model.d2t)(last), loss_mask, ttt_steps=K, return_steps=True)
     # Step 0 over the whole sequence: the token after each position, the target's features.

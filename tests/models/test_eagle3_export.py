@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import models.eagle3_export as ex
 from models.draft_vocab import draft_vocab
-from models.eagle3 import Eagle3Config, Eagle3Draft, default_aux_layers
+from models.eagle3 import DRAFT_VARIANTS, Eagle3Config, Eagle3Draft, default_aux_layers
 from models.eagle3_caches import KVCache
 from models.eagle3_export import export_draft, load_exported_draft, validate_export
 from models.eagle3_vllm import validate_export_vllm, vllm_load_problems, vllm_param_name
@@ -37,12 +37,12 @@ def target(tiny_target_dir: Path) -> dict:
     return json.loads((tiny_target_dir / "config.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def draft(tiny_target_dir: Path) -> Eagle3Draft:
+def _random_draft(tiny_target_dir: Path, variant: str) -> Eagle3Draft:
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(tiny_target_dir)
-    model = Eagle3Draft(Eagle3Config.from_target_config(hf, D, default_aux_layers(hf.num_hidden_layers)))
+    aux = default_aux_layers(hf.num_hidden_layers)
+    model = Eagle3Draft(Eagle3Config.from_target_config(hf, D, aux, **DRAFT_VARIANTS[variant]))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -53,6 +53,16 @@ def draft(tiny_target_dir: Path) -> Eagle3Draft:
     counts = torch.randint(0, 100, (hf.vocab_size,), generator=g).numpy()
     model.set_draft_vocab(*draft_vocab(counts, hf.vocab_size, D))
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_target_dir: Path) -> Eagle3Draft:
+    return _random_draft(tiny_target_dir, "eagle3")
+
+
+@pytest.fixture(scope="module")
+def draft31(tiny_target_dir: Path) -> Eagle3Draft:
+    return _random_draft(tiny_target_dir, "eagle3.1")
 
 
 def _two_steps(model: Eagle3Draft, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +170,69 @@ def test_validate_export_catches_problems(draft, target, tmp_path):
     with pytest.raises(ValueError, match="hidden_act"):
         export_draft(gelu, tmp_path / "gelu", target_config=target)
     assert not (tmp_path / "gelu").exists()
+
+
+# --- EAGLE-3.1: fc_norm and norm_output -------------------------------------------------------------
+
+FC_NORM = {f"fc_norm.{i}.weight" for i in range(3)}  # vLLM 0.32 / SGLang 0.5.23 llama_eagle3.py: self.fc_norm[i]
+
+
+def test_eagle3_1_export_round_trips_with_its_keys_and_norms(draft, draft31, target, tmp_path):
+    plain = export_draft(draft, tmp_path / "plain", target_config=target, dtype=torch.float32)
+    out = export_draft(draft31, tmp_path / "v31", target_config=target, dtype=torch.float32)
+    cfg, plain_cfg = (json.loads((d / "config.json").read_text()) for d in (out, plain))
+    assert (cfg["fc_norm"], cfg["norm_output"]) == (True, True)
+    assert (plain_cfg["fc_norm"], plain_cfg["norm_output"]) == (False, False)
+    header = _header(out)
+    assert set(header) == REFERENCE_NAMES | FC_NORM | {"embed_tokens.weight"}
+    assert {header[n] for n in FC_NORM} == {((cfg["target_hidden_size"],), "F32")}
+    assert FC_NORM.isdisjoint(_header(plain))
+    assert validate_export(out) == [] and validate_export_vllm(out) == []
+    loaded = load_exported_draft(out)
+    assert loaded.config.variant == "eagle3.1"
+    for name, t in draft31.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    for a, b in zip(_two_steps(draft31), _two_steps(loaded)):
+        assert torch.equal(a, b)
+    # the two variants of the same weights draft differently: the keys are read, not decorative
+    assert not torch.equal(_two_steps(draft31)[1], _two_steps(load_exported_draft(plain))[1])
+
+
+def test_eagle3_1_keys_and_norms_are_checked_for_both_engines(draft31, target, tmp_path):
+    good = export_draft(draft31, tmp_path / "good", target_config=target, dtype=torch.float32)
+
+    def without_norm(t):
+        return {k: v for k, v in t.items() if k != "fc_norm.1.weight"}
+
+    missing = _rewrite(good, tmp_path / "missing", without_norm)
+    assert validate_export(missing) == ["missing tensor fc_norm.1.weight"]
+    assert [p for p in validate_export_vllm(missing) if "fc_norm" in p] == [
+        "missing tensor fc_norm.1.weight: vLLM's model.fc_norm.1.weight would not be initialized from the checkpoint"
+    ]
+
+    def with_config(name: str, **change) -> Path:
+        cfg = {**json.loads((good / "config.json").read_text()), **change}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        os.link(good / "model.safetensors", tmp_path / name / "model.safetensors")
+        return tmp_path / name
+
+    # norms without fc_norm: true are tensors neither engine has a place for
+    off = with_config("off", fc_norm=False)
+    assert validate_export(off) == [f"unknown tensor {n}: SGLang would silently skip it" for n in sorted(FC_NORM)]
+    assert sum("unknown tensor fc_norm" in p for p in validate_export_vllm(off)) == 3
+    legacy = with_config("legacy", use_aux_norm=True)
+    assert any("use_aux_norm" in p and "vLLM does not read it" in p for p in validate_export(legacy))
+    eagle = json.loads((good / "config.json").read_text())["eagle_config"]
+    for before in (  # both engines read it at the top level and inside eagle_config
+        with_config("before_fc", norm_before_fc=True),
+        with_config("nested", eagle_config={**eagle, "norm_before_fc": True}),
+    ):
+        assert any("norm_before_fc" in p for p in validate_export(before))
+        assert any("norm_before_fc" in p for p in validate_export_vllm(before))
+    word = with_config("word", norm_output="yes")
+    assert "config norm_output must be true or false, got 'yes'" in validate_export(word)
+    assert "config norm_output must be true or false, got 'yes'" in validate_export_vllm(word)
 
 
 def test_export_is_atomic(draft, target, tmp_path, monkeypatch):

@@ -429,13 +429,43 @@ def trained(plain, tiny_target_dir, tmp_path_factory):
     return path, config
 
 
-def test_eval_through_vllm_counts_the_verify_rounds_of_the_in_process_eval_prompt_by_prompt(
-    vllm_python, plain, trained, tiny_target_dir, tmp_path
-):
+@pytest.fixture(scope="module")
+def trained31(trained, tmp_path_factory):
+    """An EAGLE-3.1 draft (train.draft_variant) trained on the same run's captured hidden states.
+
+    Half the epochs and eval prompts of `trained`: enough for an acceptance above 1 (trained norms), in half the time.
+    """
     path, config = trained
+    data = yaml.safe_load(path.read_text())
+    out_dir = str(tmp_path_factory.mktemp("vllm-demo") / "d31")
+    data["train"].update({"draft_variant": "eagle3.1", "out_dir": out_dir, "epochs": 4})
+    data["eval"]["prompts"] = 12
+    path31 = path.with_name("config31.yaml")
+    path31.write_text(yaml.safe_dump(data, sort_keys=False))
+    done = eagle3("run", str(path31), "--stages", "train")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    from flows.config_file import load_config
+
+    return path31, load_config(path31)
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+def test_eval_through_vllm_counts_the_verify_rounds_of_the_in_process_eval_prompt_by_prompt(
+    vllm_python, plain, variant, request, tiny_target_dir, tmp_path
+):
+    path, config = request.getfixturevalue({"eagle3": "trained", "eagle3.1": "trained31"}[variant])
     final = config.layout.draft_dir / "final"
     exported = json.loads((final / "config.json").read_text())
     assert exported["draft_vocab_size"] < exported["vocab_size"]  # D < V: the real loader maps d2t
+    # the variant's keys as vLLM 0.32's llama_eagle3.py reads them (getattr(config, "fc_norm", False), ...)
+    assert (exported["fc_norm"], exported["norm_output"]) == ((variant == "eagle3.1"),) * 2
+    if variant == "eagle3.1":  # trained norms, not the initial ones: a loader that dropped them serves other rounds
+        import torch
+        from safetensors import safe_open
+
+        with safe_open(str(final / "model.safetensors"), framework="pt") as f:
+            norms = [f.get_tensor(f"fc_norm.{i}.weight").float() for i in range(3)]
+        assert not any(torch.allclose(w, torch.ones_like(w)) for w in norms)
     server = start_vllm(
         vllm_python,
         tiny_target_dir,
@@ -456,7 +486,7 @@ def test_eval_through_vllm_counts_the_verify_rounds_of_the_in_process_eval_promp
     assert engine["engine"] == "vllm"
     rounds = {(p["source"], p["id"]): (p["completion_tokens"], p["spec_verify_ct"]) for p in engine["per_prompt"]}
     in_process = {(p["source"], p["id"]): (p["new_tokens"], p["rounds"]) for p in hf["per_prompt"]}
-    assert len(rounds) == len(in_process) == report["prompts"] == 24
+    assert len(rounds) == len(in_process) == report["prompts"] == config.eval.prompts
     assert rounds == in_process  # prompt by prompt: the same tokens in the same verify rounds
     assert engine["overall"]["per_round"] == hf["acceptance_length"] > 1.0
     assert report["engine_vs_hf"]["equal"] and engine["outputs_differ_without_draft"] == 0
