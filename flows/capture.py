@@ -9,6 +9,7 @@ from prefect import flow
 
 from flows.config import RunConfig
 from flows.config_file import load_config, save_run_config
+from models.hidden_shards import NATIVE
 from models.jobs import CaptureJob, CaptureSettings, EngineSettings
 from tasks.capture.engine_server import CaptureServer, launched_engine
 from tasks.capture.plan import EngineWindow, capture_layers, target_shape
@@ -35,7 +36,9 @@ def capture(config_path: str) -> dict:
         engine = (
             EngineWindow(layout.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
         )
-        plan = plan_capture_task(records_dirs, layout.hidden_dir, shape, c.dtype, c.disk_margin, c.max_tokens, engine)
+        plan = plan_capture_task(
+            records_dirs, layout.hidden_dir, shape, c.dtype, c.storage, c.disk_margin, c.max_tokens, engine
+        )
         aux_layers = capture_layers(shape.num_layers, c.aux_layers)
         speed = 0.0
         # a crashed or killed rank (or a vLLM outage) is retried (the retry resumes);
@@ -74,6 +77,7 @@ def capture(config_path: str) -> dict:
             "num_layers": shape.num_layers,
             "aux_layers": aux_layers,
             "dtype": plan.dtype,
+            **({"storage": c.storage} if c.storage != NATIVE else {}),  # absent: native, as before fp8 existed
         }
         return index_hidden_states(layout.hidden_dir, metadata, speed, Path(config_path).stem)
 

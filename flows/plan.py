@@ -98,6 +98,7 @@ def capture_plan(config: RunConfig) -> CapturePlan:
         shape,
         c.dtype,
         margin=c.disk_margin,
+        storage=c.storage,
         max_tokens=c.max_tokens,
         tokens_done=captured_tokens(layout.hidden_dir),
         tokens_per_s=last_throughput(layout.hidden_dir),

@@ -53,7 +53,7 @@ import torch
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.eagle3 import default_aux_layers
 from models.file_errors import DamagedFile
-from models.hidden_shards import ShardWriter, clean_temps, list_shards, shard_metadata, write_index
+from models.hidden_shards import NATIVE, ShardWriter, clean_temps, list_shards, shard_metadata, write_index
 from models.jobs import CaptureJob, DatasetRecords
 from models.rank import Dist, check_shared_dir, init_process_group, log, say, serve
 from models.rank_protocol import CAPTURE, CAPTURE_PROGRESS
@@ -318,7 +318,7 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     # The plan: identical on every rank, because every rank reads the same files before any rank
     # writes (the barrier below) and the deal is deterministic.
     existing = [shard_metadata(p) for p in list_shards(out_dir)]
-    check_compatible(existing, out_dir, hidden_size, aux_layers, dtype)
+    check_compatible(existing, out_dir, hidden_size, aux_layers, dtype, job.storage)
     done = {(s["dataset"], s["id"]) for m in existing for s in m["samples"]}
     samples, parts, no_loss = load_records(job.datasets, vocab_size)
     pending = within_token_cap([s for s in samples if (s.dataset, s.id) not in done], job.launch_tokens)
@@ -349,7 +349,8 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     done_here = tokens_here = 0
     last_report = time.monotonic()
     say(CAPTURE_PROGRESS.format(rank=dist.rank, done=0, total=total, tokens=0))
-    with ShardWriter(out_dir, dist.rank, job.shard_tokens, aux_layers=aux_layers) as writer, torch.no_grad():
+    writer = ShardWriter(out_dir, dist.rank, job.shard_tokens, aux_layers=aux_layers, storage=job.storage)
+    with writer, torch.no_grad():
         for step in range(steps):
             if step >= len(batches):
                 forward(
@@ -484,12 +485,17 @@ def _load_target(
 
 
 def check_compatible(
-    existing: list[dict], out_dir: Path, hidden_size: int, aux_layers: list[int], dtype: torch.dtype
+    existing: list[dict], out_dir: Path, hidden_size: int, aux_layers: list[int], dtype: torch.dtype, storage: str
 ) -> None:
     """ValueError unless the shards in `out_dir` were captured with these settings (either backend writes into them)."""
-    want = {"hidden_size": hidden_size, "aux_layers": aux_layers, "dtype": str(dtype).removeprefix("torch.")}
+    want = {
+        "hidden_size": hidden_size,
+        "aux_layers": aux_layers,
+        "dtype": str(dtype).removeprefix("torch."),
+        "storage": storage,
+    }
     for meta in existing[:1]:  # all shards come from runs that passed this same check
-        have = {k: meta.get(k) for k in want}
+        have = {k: meta.get(k, NATIVE if k == "storage" else None) for k in want}
         if have != want:
             raise ValueError(
                 f"{out_dir} holds shards captured with {have}, this job captures {want}: "

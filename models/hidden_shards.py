@@ -12,6 +12,20 @@ Its string metadata (read from the header alone, no tensor bytes) says which row
 sample: `samples` = JSON list of {"id", "dataset", "offset", "length"}, and `hidden_size`,
 `aux_layers` (JSON list), `dtype` (e.g. "float32"), `num_tokens`, `format`.
 
+FP8 storage (`capture.storage: fp8`; metadata `storage` = "fp8", absent = "native"): the two hidden
+tensors are float8 e4m3 (torch.float8_e4m3fn, safetensors F8_E4M3), each with a float32 scale per
+token and feature beside it:
+
+    aux_hidden   float8_e4m3fn [T, 3H]   aux_scale   float32 [T, 3]   (one per aux layer: they differ in scale)
+    last_hidden  float8_e4m3fn [T, H]    last_scale  float32 [T, 1]
+
+value = e4m3 * scale, the scale being the row's (feature's) largest |value| / 448, e4m3's largest
+finite number, so nothing saturates. `dtype` stays the dtype the target computed in, which
+`read_sample` dequantizes to. Error bound per value: |x - x'| <= 2^-4 |x| (3 mantissa bits, round to
+nearest) or, below e4m3's smallest normal (2^-6 * scale), the subnormal half-step 2^-10 * scale.
+Bytes per token: 4H + 16 + 5 against 8H + 5 in bf16 (Kimi-K2.5, H = 7168: 28,693 against 57,349).
+A directory holds one storage and one dtype: `storage_of` refuses a mixed one.
+
 Shards are written to a temporary name starting with '.', fsynced and renamed into place (models/atomic.py),
 so a shard that exists is complete: a resumed capture trusts every `shard-*.safetensors` and skips the
 samples listed in them. Each rank writes only its own `shard-{rank:03d}-*` names, so ranks never
@@ -37,6 +51,13 @@ from models.file_errors import DamagedShard, WriteFailed
 
 FORMAT = "eagle3-hidden-v1"
 TENSORS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
+NATIVE, FP8 = "native", "fp8"  # `capture.storage`, and the shard metadata's `storage` (absent: native)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+# the hidden tensor -> (its scale tensor, features per row that get a scale each)
+FP8_SCALES = {"aux_hidden": ("aux_scale", 3), "last_hidden": ("last_scale", 1)}
+ID_BYTES = 4 + 1  # int32 input id + uint8 loss flag per token
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 INDEX_NAME = "index.parquet"
 METADATA_NAME = (
     "metadata.json"  # beside the index: the capture's target, layers, dtype and speed (tasks/capture/tasks.py)
@@ -63,6 +84,30 @@ def _shard_problem(path: str | Path, error: BaseException) -> str:
     if isinstance(error, SafetensorError):
         return f"{size}, not a complete safetensors file: {text}"
     return f"{size}, no valid sample list in its header: {type(error).__name__}: {text}"
+
+
+def bytes_per_token(hidden_size: int, dtype: str, storage: str = NATIVE) -> int:
+    """Bytes one captured token takes in a shard: ids, mask, 3H aux and H last hidden values (and fp8 scales)."""
+    if storage == FP8:
+        return 4 * hidden_size + 4 * sum(groups for _, groups in FP8_SCALES.values()) + ID_BYTES
+    return 4 * hidden_size * DTYPE_BYTES[dtype] + ID_BYTES
+
+
+def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, W] -> (e4m3 [T, W], float32 scales [T, groups]): each row's `groups` equal slices scaled to +-448."""
+    t, w = x.shape
+    sliced = x.detach().to(torch.float32).reshape(t, groups, w // groups)
+    scale = sliced.abs().amax(-1) / FP8_MAX  # [T, groups]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero slice: any scale will do
+    q = (sliced / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(t, w), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 [T, W] and float32 scales [T, groups] -> [T, W] in `dtype`."""
+    t, w = q.shape
+    groups = scale.shape[-1]
+    return (q.to(torch.float32).reshape(t, groups, w // groups) * scale[..., None]).reshape(t, w).to(dtype)
 
 
 def shard_name(rank: int, seq: int) -> str:
@@ -110,18 +155,50 @@ def iter_shard_index(out_dir: str | Path) -> Iterator[dict]:
             }
 
 
+class MixedShards(ValueError):
+    """A hidden-state directory holds shards of more than one storage or dtype: training reads one kind."""
+
+
+def storage_of(out_dir: str | Path) -> tuple[str, str | None]:
+    """(storage, dtype) that every shard in `out_dir` shares ((native, None) when there are none); MixedShards
+    naming each kind, how many shards it has and one of them, when they differ."""
+    kinds: dict[tuple[str, str], list[str]] = {}
+    for path in list_shards(out_dir):
+        meta = shard_metadata(path)
+        kinds.setdefault((meta.get("storage", NATIVE), str(meta.get("dtype"))), []).append(path.name)
+    if len(kinds) > 1:
+        found = "; ".join(
+            f"{len(names)} {storage} {dtype} shard(s) ({names[0]}{', ...' if len(names) > 1 else ''})"
+            for (storage, dtype), names in sorted(kinds.items())
+        )
+        raise MixedShards(
+            f"{out_dir} mixes hidden-state shards: {found}. A capture writes one kind (capture.storage, "
+            "capture.dtype); move the shards of one kind aside, or capture again into an empty capture.out_dir"
+        )
+    if not kinds:
+        return NATIVE, None
+    return next(iter(kinds))
+
+
 def done_sample_keys(out_dir: str | Path) -> set[tuple[str, str]]:
     """(dataset, id) of every sample in a complete shard of `out_dir`, from shard headers only."""
     return {(row["dataset"], row["id"]) for row in iter_shard_index(out_dir)}
 
 
 def read_sample(shard_path: str | Path, offset: int, length: int) -> dict[str, torch.Tensor]:
-    """The rows [offset, offset+length) of every tensor in a shard, read through a memory map."""
+    """The rows [offset, offset+length) of every tensor in a shard, read through a memory map;
+    fp8 hidden states dequantized to the shard's `dtype`."""
     out = {}
     try:
         with safe_open(str(shard_path), framework="pt") as f:
             for name in TENSORS:
                 out[name] = f.get_slice(name)[offset : offset + length]
+            meta = f.metadata() or {}
+            if meta.get("storage", NATIVE) == FP8:
+                dtype = getattr(torch, meta["dtype"])
+                for name, (scale_name, _) in FP8_SCALES.items():
+                    scale = f.get_slice(scale_name)[offset : offset + length]
+                    out[name] = dequantize_fp8(out[name], scale, dtype)
     except SafetensorError as e:
         raise DamagedShard(shard_path, _shard_problem(shard_path, e)) from None
     return out
@@ -185,9 +262,20 @@ class ShardWriter:
     Call `close()` (or use as a context manager) to write the remainder.
     """
 
-    def __init__(self, out_dir: str | Path, rank: int, shard_tokens: int, *, aux_layers: list[int] | None = None):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        rank: int,
+        shard_tokens: int,
+        *,
+        aux_layers: list[int] | None = None,
+        storage: str = NATIVE,
+    ):
         if shard_tokens < 1:
             raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+        if storage not in (NATIVE, FP8):
+            raise ValueError(f"storage must be {NATIVE!r} or {FP8!r}, got {storage!r}")
+        self.storage = storage
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
@@ -233,18 +321,16 @@ class ShardWriter:
                 f"{dataset}/{sample_id}: hidden {h}/{last_hidden.dtype} differs from "
                 f"{self._hidden_size}/{self._dtype} earlier in this shard writer"
             )
-        self._pending.append(
-            (
-                str(sample_id),
-                str(dataset),
-                {
-                    "input_ids": input_ids.detach().to("cpu", torch.int32),
-                    "loss_mask": loss_mask.detach().to("cpu", torch.uint8),
-                    "aux_hidden": aux_hidden.detach().to("cpu"),
-                    "last_hidden": last_hidden.detach().to("cpu"),
-                },
-            )
-        )
+        tensors = {
+            "input_ids": input_ids.detach().to("cpu", torch.int32),
+            "loss_mask": loss_mask.detach().to("cpu", torch.uint8),
+            "aux_hidden": aux_hidden.detach().to("cpu"),
+            "last_hidden": last_hidden.detach().to("cpu"),
+        }
+        if self.storage == FP8:  # quantized as they come: the queue holds the smaller bytes
+            for name, (scale_name, groups) in FP8_SCALES.items():
+                tensors[name], tensors[scale_name] = quantize_fp8(tensors[name], groups)
+        self._pending.append((str(sample_id), str(dataset), tensors))
         self._pending_tokens += n
         if self._pending_tokens >= self.shard_tokens:
             return self.flush()
@@ -259,7 +345,8 @@ class ShardWriter:
             n = int(t["input_ids"].shape[0])
             samples.append({"id": sample_id, "dataset": dataset, "offset": offset, "length": n})
             offset += n
-        tensors = {name: torch.cat([t[name] for _, _, t in self._pending]).contiguous() for name in TENSORS}
+        names = self._pending[0][2]  # the TENSORS, and with fp8 their scales
+        tensors = {name: torch.cat([t[name] for _, _, t in self._pending]).contiguous() for name in names}
         metadata = {
             "format": FORMAT,
             "samples": json.dumps(samples, separators=(",", ":")),
@@ -267,6 +354,7 @@ class ShardWriter:
             "aux_layers": json.dumps(self.aux_layers),
             "dtype": str(self._dtype).removeprefix("torch."),
             "num_tokens": str(offset),
+            **({"storage": FP8} if self.storage == FP8 else {}),  # absent: native, as in every earlier shard
         }
         path = self.out_dir / shard_name(self.rank, self.next_seq)
         try:

@@ -291,6 +291,12 @@ class CaptureSettings(AuxLayers):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto", description="Dtype the target runs and the hidden states are stored in; auto: the checkpoint's."
     )
+    storage: Literal["native", "fp8"] = Field(
+        default="native",
+        description="How the hidden states are stored. native: in `dtype`. fp8: float8 e4m3 with a float32 scale "
+        "per token and feature (models/hidden_shards.py), about half of bf16's bytes; training dequantizes them "
+        "to `dtype`. One kind per capture.out_dir.",
+    )
     max_batch_tokens: int = Field(default=16384, ge=1, description="Padded tokens per forward pass on one rank.")
     shard_tokens: int = Field(
         default=16384,

@@ -23,9 +23,10 @@ import torch
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.capture import make_batches
-from models.hidden_shards import METADATA_NAME, iter_shard_index, read_sample
+from models.hidden_shards import METADATA_NAME, iter_shard_index, read_sample, storage_of
 
-CAPTURE_IDENTITY = ("target", "hidden_size", "num_layers", "aux_layers", "dtype")  # of hidden/metadata.json
+# of hidden/metadata.json (`storage` only in an fp8 capture's: absent, a native one's fingerprint is as before)
+CAPTURE_IDENTITY = ("target", "hidden_size", "num_layers", "aux_layers", "dtype", "storage")
 SORT_WINDOW = 64  # samples sorted by length inside windows this big before packing: less padding, still shuffled
 
 
@@ -137,6 +138,7 @@ class HiddenSource:
         rows = list(iter_shard_index(self.hidden_dir))
         if not rows:
             raise FileNotFoundError(f"{self.hidden_dir}: no hidden-state shards; run the capture stage first")
+        self.storage, self.dtype = storage_of(self.hidden_dir)  # MixedShards: one kind per directory
         self.cut = sum(1 for r in rows if r["length"] > self.max_len)
         self.samples = [
             TrainSample(

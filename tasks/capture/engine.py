@@ -135,7 +135,7 @@ async def capture_with_engine(
     ids_wanted = engine_layer_ids(aux_layers, shape.num_layers)
 
     existing = [shard_metadata(p) for p in list_shards(out_dir)]
-    check_compatible(existing, out_dir, shape.hidden_size, aux_layers, dtype)
+    check_compatible(existing, out_dir, shape.hidden_size, aux_layers, dtype, job.storage)
     done_keys = {(s["dataset"], s["id"]) for m in existing for s in m["samples"]}
     samples, parts, no_loss = load_records(job.datasets, None)
     pending = within_token_cap([s for s in samples if (s.dataset, s.id) not in done_keys], job.launch_tokens)
@@ -216,7 +216,7 @@ async def capture_with_engine(
         url_hint="capture.engine.url must be the base URL of the vLLM server (e.g. http://host:8000, no "
         "path) and capture.engine.model its served model name.",
     ) as client:
-        writer = ShardWriter(out_dir, ENGINE_RANK, job.shard_tokens, aux_layers=aux_layers)
+        writer = ShardWriter(out_dir, ENGINE_RANK, job.shard_tokens, aux_layers=aux_layers, storage=job.storage)
 
         async def worker() -> None:
             for sample in queue:

@@ -20,10 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from models.eagle3 import default_aux_layers
+from models.hidden_shards import DTYPE_BYTES, NATIVE, bytes_per_token
 from tasks.records.build import summarize_records
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-ID_BYTES = 4 + 1  # int32 input id + uint8 loss flag per token
 
 
 class DiskTooSmall(RuntimeError):
@@ -58,6 +56,7 @@ class CapturePlan:
     out_dir: str
     dtype: str
     hidden_size: int
+    storage: str  # capture.storage: native (dtype) or fp8 (e4m3 with scales)
     est_seconds: float | None  # from a previous capture's throughput, when known
     temp_bytes: int = 0  # vLLM connector files at most on disk at once (0: DeepSpeed backend)
     temp_dir: str | None = None  # where they go
@@ -109,6 +108,7 @@ def plan_capture(
     dtype: str,
     *,
     margin: float,
+    storage: str = NATIVE,
     max_tokens: int | None = None,
     tokens_done: int = 0,
     tokens_per_s: float | None = None,
@@ -121,7 +121,7 @@ def plan_capture(
     reports = [summarize_records(d) for d in records_dirs]
     total = sum(r.tokens for r in reports)
     todo = max(0, (min(total, max_tokens) if max_tokens else total) - tokens_done)
-    per_token = 4 * shape.hidden_size * DTYPE_BYTES[dtype] + ID_BYTES
+    per_token = bytes_per_token(shape.hidden_size, dtype, storage)
     out_fs = _existing_parent(out_dir)
     free = shutil.disk_usage(out_fs).free
     needed, temp_bytes, temp_usable = todo * per_token, 0, None
@@ -146,6 +146,7 @@ def plan_capture(
         out_dir=str(out_dir),
         dtype=dtype,
         hidden_size=shape.hidden_size,
+        storage=storage,
         est_seconds=todo / tokens_per_s if tokens_per_s else None,
         temp_bytes=temp_bytes,
         temp_dir=str(engine.shared_dir) if engine is not None else None,

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from safetensors import safe_open
 
 from models.capture import (
     Sample,
@@ -34,13 +35,17 @@ from models.capture import (
 )
 from models.file_errors import DamagedShard, WriteFailed
 from models.hidden_shards import (
+    MixedShards,
     ShardWriter,
     clean_temps,
+    dequantize_fp8,
     done_sample_keys,
     iter_shard_index,
     list_shards,
+    quantize_fp8,
     read_sample,
     shard_metadata,
+    storage_of,
     write_index,
 )
 from models.jobs import CaptureJob, DatasetRecords
@@ -253,6 +258,91 @@ def test_shard_writer_round_trip_and_index(tmp_path):
             assert torch.equal(got[name], want), (row, name)
     assert pq.read_table(write_index(tmp_path)).column("id").to_pylist() == [f"s{i}" for i in range(5)]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# --- fp8 storage ---------------------------------------------------------------------------------
+
+
+def e4m3_bound(x: torch.Tensor, scale: torch.Tensor, groups: int) -> torch.Tensor:
+    """How far e4m3 with per-row scales may move each value: half a step of 3 mantissa bits (2^-4 relative),
+    and below e4m3's smallest normal number (2^-6 scaled) half the subnormal step, 2^-9 scaled."""
+    t, w = x.shape
+    s = scale.repeat_interleave(w // groups, dim=-1).reshape(t, w)
+    return torch.maximum(2.0**-4 * x.abs(), 2.0**-10 * s)
+
+
+def test_fp8_round_trip_stays_within_the_e4m3_bound_and_uses_the_whole_range():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 3 * 32, generator=g, dtype=torch.float64)
+    x *= torch.tensor([1e-3, 1.0, 300.0], dtype=torch.float64).repeat_interleave(32)  # three layers' scales
+    x[5] = 0.0  # an all-zero row
+    q, scale = quantize_fp8(x, 3)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (64, 3)
+    back = dequantize_fp8(q, scale, torch.float64)
+    err = (back - x).abs()
+    assert torch.all(err <= e4m3_bound(x, scale, 3) * (1 + 1e-6))
+    assert torch.equal(back[5], x[5])
+    # each slice's largest value lands on e4m3's largest, 448: nothing saturates, no range is left unused
+    top = q.to(torch.float32).abs().reshape(64, 3, 32).amax(-1)
+    assert torch.equal(top[torch.arange(64) != 5], torch.full((63, 3), 448.0))
+    # the error is real: the mean relative error of e4m3's normal values sits between 2^-8 and 2^-4
+    normal = x.abs() >= 2.0**-6 * scale.double().repeat_interleave(32, dim=-1)
+    rel = err[normal] / x.abs()[normal]
+    assert 2.0**-8 < rel.mean().item() < 2.0**-4
+
+
+def test_fp8_capture_dequantizes_within_the_e4m3_bound_of_the_bf16_capture(tiny_target_dir, records, tmp_path):
+    """The same records captured twice in bfloat16, stored native and fp8: every value within the bound."""
+    native, fp8 = tmp_path / "bf16", tmp_path / "fp8"
+    assert main(["--job", str(_job(tiny_target_dir, records, native, "replicate", dtype="bfloat16"))]) == 0
+    job = _job(tiny_target_dir, records, fp8, "replicate", dtype="bfloat16", storage="fp8")
+    assert main(["--job", str(job)]) == 0
+    assert storage_of(native) == ("native", "bfloat16") and storage_of(fp8) == ("fp8", "bfloat16")
+    with safe_open(str(list_shards(fp8)[0]), framework="pt") as f:
+        assert f.get_slice("aux_hidden").get_dtype() == "F8_E4M3" and f.get_slice("aux_scale").get_shape()[1] == 3
+    want = {(r["dataset"], r["id"]): r for r in iter_shard_index(native)}
+    got = {(r["dataset"], r["id"]): r for r in iter_shard_index(fp8)}
+    assert set(got) == set(want)
+    worst = 0.0
+    for key, r in got.items():
+        b = want[key]
+        a = read_sample(native / b["shard"], b["offset"], b["length"])
+        q = read_sample(fp8 / r["shard"], r["offset"], r["length"])
+        assert torch.equal(q["input_ids"], a["input_ids"]) and torch.equal(q["loss_mask"], a["loss_mask"])
+        with safe_open(str(fp8 / r["shard"]), framework="pt") as f:
+            scales = {n: f.get_slice(n)[r["offset"] : r["offset"] + r["length"]] for n in ("aux_scale", "last_scale")}
+        for name, scale_name, groups in (("aux_hidden", "aux_scale", 3), ("last_hidden", "last_scale", 1)):
+            assert q[name].dtype == torch.bfloat16  # dequantized to the dtype the target computed in
+            x, y = a[name].double(), q[name].double()
+            # e4m3's bound, and the rounding of the dequantized value to bfloat16 (8 bits: 2^-9 relative)
+            bound = e4m3_bound(x, scales[scale_name].double(), groups) + 2.0**-8 * x.abs()
+            assert torch.all((y - x).abs() <= bound), (key, name, ((y - x).abs() - bound).max())
+            worst = max(worst, ((y - x).abs() / x.abs().clamp(min=1e-6)).median().item())
+    assert worst > 0  # quantized, not copied
+    size = lambda d: sum(p.stat().st_size for p in list_shards(d))  # noqa: E731
+    assert 0.45 < size(fp8) / size(native) < 0.6  # about half of bf16's bytes (H = 128: ids and scales weigh more)
+
+
+def test_a_directory_of_two_storages_is_refused_by_training_and_by_the_capture(
+    tiny_target_dir, records, tmp_path, capsys
+):
+    from models.train_data import HiddenSource
+
+    out = tmp_path / "hidden"
+    for storage in ("native", "fp8"):
+        with ShardWriter(out, rank=0, shard_tokens=100, aux_layers=AUX_LAYERS, storage=storage) as w:
+            w.add(f"{storage}-0", "B1", *_tensors(5))
+    with pytest.raises(MixedShards) as info:
+        HiddenSource(out, 64)
+    message = str(info.value)
+    assert "1 fp8 float32 shard(s) (shard-000-000001.safetensors)" in message
+    assert "1 native float32 shard(s) (shard-000-000000.safetensors)" in message and "capture.storage" in message
+    # a capture into a native directory with fp8 storage stops before it writes anything
+    native = tmp_path / "native"
+    assert main(["--job", str(_job(tiny_target_dir, records, native, "replicate", launch_tokens=200))]) == 0
+    before = sorted(p.name for p in native.iterdir())
+    assert main(["--job", str(_job(tiny_target_dir, records, native, "replicate", storage="fp8"))]) != 0
+    assert "'storage': 'native'" in capsys.readouterr().err and sorted(p.name for p in native.iterdir()) == before
 
 
 def test_shard_writer_continues_numbering_and_keeps_dtype(tmp_path):

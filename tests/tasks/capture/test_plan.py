@@ -40,6 +40,20 @@ def test_kimi_bytes_per_token_is_8h_plus_ids(tmp_path, monkeypatch):
     assert plan.fits and plan.dtype == "bfloat16"
 
 
+def test_kimi_fp8_bytes_per_token_is_4h_plus_scales_and_ids(tmp_path, monkeypatch):
+    fake_disk(monkeypatch, 10**15)
+    d = records_dir(tmp_path, [100, 300])
+    plan = plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.05, storage="fp8")
+    # e4m3 aux [3H] and last [H], a float32 scale per token for each aux layer and the last: 4 scales
+    assert plan.bytes_per_token == 4 * 7168 + 4 * 4 + 5 == 28693
+    assert plan.bytes_needed == 400 * 28693 and plan.storage == "fp8" and plan.dtype == "bfloat16"
+    # the reference run's 92M tokens: 4.8 TiB in bf16, 2.4 TiB in fp8 (docs/kimi-k25.md)
+    bf16 = plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.05)
+    assert (92e6 * bf16.bytes_per_token / 2**40, 92e6 * plan.bytes_per_token / 2**40) == pytest.approx(
+        (4.80, 2.40), abs=0.01
+    )
+
+
 def test_resume_counts_only_what_is_left_and_max_tokens_caps(tmp_path, monkeypatch):
     fake_disk(monkeypatch, 10**15)
     d = records_dir(tmp_path, [100, 300, 600])
