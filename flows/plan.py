@@ -63,7 +63,8 @@ def print_plan(config: RunConfig, console: Console) -> bool:
     )
     console.print(
         f"capture: {plan.tokens_todo:,} tokens to go ({plan.tokens_done:,} done) x {plan.bytes_per_token:,} B "
-        f"(hidden {plan.hidden_size}, {plan.dtype}) = {human_bytes(plan.bytes_needed)}; "
+        f"(hidden {plan.hidden_size}, {'fp8 e4m3 with scales' if plan.storage == 'fp8' else plan.dtype}) = "
+        f"{human_bytes(plan.bytes_needed)}; "
         f"{human_bytes(plan.free_bytes)} free in {escape(plan.out_dir)}; {eta}",
         highlight=False,
     )

@@ -289,7 +289,9 @@ class CaptureSettings(AuxLayers):
         "(targets larger than one GPU; see offload).",
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        default="auto", description="Dtype the target runs and the hidden states are stored in; auto: the checkpoint's."
+        default="auto",
+        description="Dtype the target runs in (and the hidden states are stored in, with storage: native); auto: the "
+        "checkpoint's.",
     )
     storage: Literal["native", "fp8"] = Field(
         default="native",
