@@ -9,7 +9,6 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import httpx
@@ -258,55 +257,25 @@ def test_server_side_abort_is_sent_again(server, tmp_path, tokenizer):
     assert sorted(r["id"] for r in responses(tmp_path)) == sorted(r.id for r in rows)
 
 
-RUNNER = textwrap.dedent(
-    """
-    import asyncio, json, sys
-    from pathlib import Path
-    from transformers import AutoTokenizer
-    from tasks.datasets import PromptRow
-    from models.jobs import GenerateJob
-    from tasks.generate.loop import generate_dataset
-    from tasks.server_pool import ServerPool
-
-    url, tok_dir, run_dir, prompts_file, params = sys.argv[1:6]
-    rows = [PromptRow(**json.loads(l)) for l in open(prompts_file)]
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-
-    async def main():
-        async with ServerPool([url], max_concurrency=6) as pool:
-            await generate_dataset(
-                rows, pool=pool, tokenizer=tokenizer, responses_dir=Path(run_dir) / "responses/B1",
-                rejects_dir=Path(run_dir) / "rejects/B1", source=Path(prompts_file),
-                settings=GenerateJob(
-                    dataset="B1", sampling_params=json.loads(params), flush_every=3, flush_interval_s=0.2
-                ),
-            )
-
-    asyncio.run(main())
-    print("DONE", flush=True)
-    """
-)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_equals_a_clean_run(tmp_path, tiny_target_dir, tokenizer):
     rows = prompts(60)
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"id": r.id, "messages": r.messages}) + "\n" for r in rows))
-    script = tmp_path / "runner.py"
-    script.write_text(RUNNER)
     rng = random.Random(1234)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with SimServer(max_running=6, decode_s_per_token=0.002, mean_len=25, vocab_size=2048, eos_token_id=EOS) as srv:
+        job = GenerateJob(dataset="B1", sampling_params=SAMPLING, flush_every=3, flush_interval_s=0.2)
         args = [
             sys.executable,
-            str(script),
+            str(REPO / "tests" / "generate_runner.py"),
             srv.url,
             str(tiny_target_dir),
             str(tmp_path / "run"),
             str(prompts_file),
-            json.dumps(SAMPLING),
+            job.model_dump_json(),
+            "6",
         ]
         kills = 0
         for _ in range(3):

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -18,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from models.jobs import RecordsJob
+from models.jobs import GenerateJob, RecordsJob
 from tasks.checkpoints import live_parts
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.launch_servers import launched_servers
@@ -30,36 +29,6 @@ pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[3]
 TURNS = 3
-
-RUNNER = textwrap.dedent(
-    """
-    import asyncio, json, sys
-    from pathlib import Path
-    from transformers import AutoTokenizer
-    from tasks.datasets import PromptRow
-    from models.jobs import GenerateJob
-    from tasks.generate.loop import generate_dataset
-    from tasks.server_pool import ServerPool
-
-    url, tok_dir, run_dir, prompts_file, params = sys.argv[1:6]
-    rows = [PromptRow(**json.loads(l)) for l in open(prompts_file)]
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-
-    async def main():
-        async with ServerPool([url], max_concurrency=4) as pool:
-            report = await generate_dataset(
-                rows, pool=pool, tokenizer=tokenizer, responses_dir=Path(run_dir) / "responses/C1",
-                rejects_dir=Path(run_dir) / "rejects/C1", source=Path(prompts_file),
-                settings=GenerateJob(
-                    dataset="C1", sampling_params=json.loads(params), sampling_seed=0, flush_every=2,
-                    flush_interval_s=0.2, turns="all",
-                ),
-            )
-        print("DONE", json.dumps({"conversations": report.conversations, "responses": report.responses}), flush=True)
-
-    asyncio.run(main())
-    """
-)
 
 
 def conversation_rows(n: int) -> list[dict]:
@@ -95,27 +64,37 @@ def test_turns_all_killed_mid_conversation_resumes_each_turn_once(tmp_path, tiny
     rows = conversation_rows(8)
     prompts_file = tmp_path / "conversations.jsonl"
     prompts_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    script = tmp_path / "runner.py"
-    script.write_text(RUNNER)
     run_dir = tmp_path / "run"
     url = f"http://127.0.0.1:{free_ports(1)}"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with launched_servers("dev", url, target=tiny_target_dir, log_dir=tmp_path / "logs", health_timeout_s=180):
-        args = [sys.executable, str(script), url, str(tiny_target_dir), str(run_dir), str(prompts_file)]
-        args.append(json.dumps(sampling))
+        job = GenerateJob(
+            dataset="C1", sampling_params=sampling, sampling_seed=0, flush_every=2, flush_interval_s=0.2, turns="all"
+        )
+        runner = str(REPO / "tests" / "generate_runner.py")
+        args = [sys.executable, runner, url, str(tiny_target_dir), str(run_dir), str(prompts_file)]
+        args += [job.model_dump_json(), "4"]
         proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:  # kill -9 as soon as a conversation is on disk part-way (polling the parts: no sleep decides it)
-            killed_mid: set[str] = set()
+        # kill -9 as soon as a conversation is on disk part-way (polling the parts: no sleep decides it). The
+        # runner is stopped (SIGSTOP) while the parts are read: what they show is what the kill leaves, even on a
+        # loaded machine where a read takes long enough for more parts to land (a read that finds none part-way
+        # lets it go on).
+        killed_mid: set[str] = set()
+        try:
             while proc.poll() is None and not killed_mid:
                 time.sleep(0.02)  # a poll interval, not a wait for anything: the parts on disk decide
-                killed_mid = mid_conversation(on_disk(run_dir), eos) if (run_dir / "responses/C1").exists() else set()
+                os.kill(proc.pid, signal.SIGSTOP)
+                if (run_dir / "responses/C1").exists():
+                    killed_mid = mid_conversation(on_disk(run_dir), eos)
+                if not killed_mid:
+                    os.kill(proc.pid, signal.SIGCONT)
         finally:
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)
             _, err = proc.communicate(timeout=60)
         assert proc.returncode == -signal.SIGKILL, err[-2000:]  # killed, not finished
         before = on_disk(run_dir)
-        assert mid_conversation(before, eos) >= killed_mid and killed_mid  # the kill left conversations part-way
+        assert mid_conversation(before, eos) == killed_mid and killed_mid  # the kill left conversations part-way
         final = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stderr[-2000:]
     report = json.loads(final.stdout.split("DONE", 1)[1])
