@@ -310,6 +310,16 @@ class CaptureSettings(AuxLayers):
     )
     nvme_path: Path | None = Field(default=None, description="zero3 with offload: nvme: a fast local directory.")
 
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _fp8_is_a_storage(cls, value: object) -> object:
+        if isinstance(value, str) and value.lower().startswith(("fp8", "float8")):
+            raise ValueError(
+                f"{value!r}: capture.dtype is the dtype the target runs in; to store the hidden states as fp8, "
+                "set capture.storage: fp8 (and leave dtype auto or bfloat16)"
+            )
+        return value
+
     @model_validator(mode="after")
     def _nvme_needs_a_path(self) -> CaptureSettings:
         if self.offload == "nvme" and self.nvme_path is None:

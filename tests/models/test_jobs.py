@@ -116,6 +116,13 @@ def test_a_section_and_its_job_share_the_declarations_not_copies():
     assert (job.max_batch_tokens, job.shard_tokens, job.aux_layers, job.mode) == (4096, 999, [1, 2, 3], "replicate")
 
 
+@pytest.mark.parametrize("value", ["fp8", "float8_e4m3fn", "FP8"])
+def test_fp8_as_a_capture_dtype_points_at_capture_storage(value):
+    with pytest.raises(ValueError, match=f"'{value}': capture.dtype is the dtype the target runs in; .*storage: fp8"):
+        CaptureConfig(dtype=value)
+    assert CaptureConfig(dtype="bfloat16", storage="fp8").storage == "fp8"
+
+
 @pytest.mark.parametrize("aux", [[2, 3, 4], [0, 3, 4], [1, 4, 3]])
 def test_aux_layers_the_export_would_refuse_are_refused_at_config_time(aux):
     # the export refuses them (models/eagle3_export.py: SGLang versions disagree on a first id other
