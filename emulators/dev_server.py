@@ -693,7 +693,7 @@ class _DevBackend:
         )
 
 
-def _load_draft(draft_dir: str | Path, target, version: sglang.SGLangVersion = sglang.V05):
+def load_served_draft(draft_dir: str | Path, target, version: sglang.SGLangVersion = sglang.V05):
     """The exported draft in float32, checked against the target; SGLang's embedding rule (create_app).
 
     As SGLang `version` serves it: 0.4 reads no EAGLE-3.1 keys (`SGLangVersion.reads_eagle31_keys`), so
@@ -776,7 +776,7 @@ def create_app(
     )
     draft = None
     if speculative is not None:
-        draft = _load_draft(speculative.draft_model_path, model, version)
+        draft = load_served_draft(speculative.draft_model_path, model, version)
     engine = Engine(
         model,
         tokenizer,

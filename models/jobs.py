@@ -290,14 +290,12 @@ class CaptureSettings(AuxLayers):
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto",
-        description="Dtype the target runs in (and the hidden states are stored in, with storage: native); auto: the "
-        "checkpoint's.",
+        description="Dtype the target runs in (and the hidden states are stored in, storage native); auto: its own.",
     )
     storage: Literal["native", "fp8"] = Field(
         default="native",
-        description="How the hidden states are stored. native: in `dtype`. fp8: float8 e4m3 with a float32 scale "
-        "per token and feature (models/hidden_shards.py), about half of bf16's bytes; training dequantizes them "
-        "to `dtype`. One kind per capture.out_dir.",
+        description="native: hidden states stored in `dtype`. fp8: float8 e4m3 with a float32 scale per token and "
+        "feature, half of bf16's bytes (models/hidden_shards.py); one kind per capture.out_dir.",
     )
     max_batch_tokens: int = Field(default=16384, ge=1, description="Padded tokens per forward pass on one rank.")
     shard_tokens: int = Field(
@@ -314,10 +312,7 @@ class CaptureSettings(AuxLayers):
     @classmethod
     def _fp8_is_a_storage(cls, value: object) -> object:
         if isinstance(value, str) and value.lower().startswith(("fp8", "float8")):
-            raise ValueError(
-                f"{value!r}: capture.dtype is the dtype the target runs in; to store the hidden states as fp8, "
-                "set capture.storage: fp8 (and leave dtype auto or bfloat16)"
-            )
+            raise ValueError(f"{value!r}: capture.dtype is what the target runs in; for fp8 set capture.storage: fp8")
         return value
 
     @model_validator(mode="after")

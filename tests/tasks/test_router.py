@@ -89,8 +89,9 @@ def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_p
     assert rest.status == "complete"
     # the router spread the requests evenly over both workers: the pipeline gave it --policy round_robin
     # (its default, cache_aware, sent all 100 to one worker in a CI run: one chat template, one prefix). Counted
-    # over the two runs without a budget: in the budgeted one, which answers end before the stop is a race
-    # between the workers (a CI run once logged 37 and 63 over all three runs)
-    unbudgeted = [a + c - b for a, b, c in zip(before_the_budget, after_the_budget, at_the_end, strict=True)]
+    # over the last run: in the budgeted one, which answers end before the stop is a race between the workers, and
+    # in the first a loaded CI run once saw the router send all 20 to one worker (its health checks of the other
+    # not yet passed)
+    last = [c - b for b, c in zip(after_the_budget, at_the_end, strict=True)]
     assert sum(before_the_budget) == 20, before_the_budget  # 1-token answers: none is stopped
-    assert min(unbudgeted) >= 0.4 * sum(unbudgeted), (before_the_budget, after_the_budget, at_the_end)
+    assert sum(last) >= 20 and min(last) >= 0.4 * sum(last), (before_the_budget, after_the_budget, at_the_end)
