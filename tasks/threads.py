@@ -29,6 +29,10 @@ async def run_to_the_end(fn: Callable[..., T], *args, **kwargs) -> tuple[T, bool
         try:
             return await asyncio.shield(future), cancelled
         except asyncio.CancelledError:
-            if future.done():  # the thread's own future was cancelled (the loop is closing): nothing runs
-                raise
+            if future.done():
+                if future.cancelled():  # the thread's own future was cancelled (the loop is closing): nothing runs
+                    raise
+                # the thread ended in the same step as the cancellation arrived: what it did stands (a part it
+                # wrote is on disk, and a caller that put its rows back would write them twice)
+                return future.result(), True
             cancelled = True

@@ -87,11 +87,11 @@ def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_p
     got = responses(out)
     assert sorted(r["id"] for r in got) == sorted(r.id for r in rows)  # every prompt once, across the three runs
     assert rest.status == "complete"
-    # the router spread the requests evenly over both workers: the pipeline gave it --policy round_robin
-    # (its default, cache_aware, sent all 100 to one worker in a CI run: one chat template, one prefix). Counted
-    # over the last run: in the budgeted one, which answers end before the stop is a race between the workers, and
-    # in the first a loaded CI run once saw the router send all 20 to one worker (its health checks of the other
-    # not yet passed)
-    last = [c - b for b, c in zip(after_the_budget, at_the_end, strict=True)]
+    # the pipeline gave the router --policy round_robin: its default, cache_aware, sent all 100 to one worker in a
+    # CI run (one chat template, one prefix). How evenly round_robin spreads is the router's own business: under
+    # load it skips a worker whose health check is late (a CI run saw 0 and 20, then 8 and 56), so the test asks
+    # only that both workers served
+    router = procs[2].command
+    assert router[router.index("--policy") + 1] == "round_robin"
     assert sum(before_the_budget) == 20, before_the_budget  # 1-token answers: none is stopped
-    assert sum(last) >= 20 and min(last) >= 0.4 * sum(last), (before_the_budget, after_the_budget, at_the_end)
+    assert min(at_the_end) >= 1 and sum(at_the_end) >= 100, (before_the_budget, after_the_budget, at_the_end)
