@@ -138,7 +138,7 @@ class HiddenSource:
         rows = list(iter_shard_index(self.hidden_dir))
         if not rows:
             raise FileNotFoundError(f"{self.hidden_dir}: no hidden-state shards; run the capture stage first")
-        self.storage, self.dtype = storage_of(self.hidden_dir)  # MixedShards: one kind per directory
+        storage_of(self.hidden_dir)  # raises MixedShards: training reads one storage and dtype per directory
         self.cut = sum(1 for r in rows if r["length"] > self.max_len)
         self.samples = [
             TrainSample(
