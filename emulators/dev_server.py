@@ -88,6 +88,7 @@ from fastapi import FastAPI, Request
 
 from emulators import sglang_protocol as sglang
 from emulators import vllm_extract
+from emulators.flag_values import flag_values
 from emulators.sglang_protocol import SamplingParams
 from models.spec_eval import speculative_decode
 
@@ -895,35 +896,13 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         ap.error(str(exc))
     try:
-        speculative = Speculative.from_flags(
-            draft_model_path=args.speculative_draft_model_path,
-            algorithm=args.speculative_algorithm,
-            num_steps=args.speculative_num_steps,
-            eagle_topk=args.speculative_eagle_topk,
-            num_draft_tokens=args.speculative_num_draft_tokens,
-        )
+        speculative = Speculative.from_flags(**flag_values(args, Speculative.from_flags, prefix="speculative_"))
     except ValueError as exc:
         ap.error(str(exc))
     if args.admin_api_key and args.sglang_version == "0.4":
         ap.error("--admin-api-key does not exist in SGLang 0.4.x (only --api-key)")
     logging.basicConfig(level=args.log_level.upper())
-    serve(
-        args.model,
-        args.host,
-        args.port,
-        log_level=args.log_level,
-        num_threads=args.num_threads,
-        context_length=args.context_length,
-        max_batch_size=args.max_batch_size,
-        model_name=args.model_name,
-        speculative=speculative,
-        extraction=extraction,
-        api_key=args.api_key,
-        admin_api_key=args.admin_api_key,
-        disconnect_poll_s=args.disconnect_poll_s,
-        sglang_version=args.sglang_version,
-        decode_log_interval=args.decode_log_interval,
-    )
+    serve(**flag_values(args, serve, create_app, model_dir=args.model, speculative=speculative, extraction=extraction))
 
 
 if __name__ == "__main__":

@@ -505,13 +505,7 @@ def check_compatible(
 
 def main(argv: list[str] | None = None) -> int:
     """The capture rank's entry point (models/rank.py): run the job, report a failure; the exit status."""
-    return serve(
-        argv,
-        prog="python -m models.capture",
-        description=__doc__.splitlines()[0],
-        protocol=CAPTURE,
-        run=lambda job_path, dist: run(CaptureJob.load(job_path), dist),
-    )
+    return serve(argv, "models.capture", __doc__, CAPTURE, lambda job_path, dist: run(CaptureJob.load(job_path), dist))
 
 
 if __name__ == "__main__":

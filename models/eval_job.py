@@ -167,13 +167,7 @@ def untrained_like(trained: Eagle3Draft, seed: int) -> Eagle3Draft:
 
 def main(argv: list[str] | None = None) -> int:
     """The eval process's entry point (models/rank.py): run the job, report a failure; the exit status."""
-    return serve(
-        argv,
-        prog="python -m models.eval_job",
-        description=__doc__.splitlines()[0],
-        protocol=EVAL,
-        run=lambda job_path, dist: run(EvalJob.load(job_path)),
-    )
+    return serve(argv, "models.eval_job", __doc__, EVAL, lambda job_path, dist: run(EvalJob.load(job_path)))
 
 
 if __name__ == "__main__":

@@ -200,20 +200,21 @@ def watch_launcher(name: str) -> None:
 
 def serve(
     argv: list[str] | None,
-    *,
-    prog: str,
-    description: str,
+    module: str,
+    doc: str | None,
     protocol: Protocol,
     run: Callable[[str, Dist], Any],
+    *,
     told: tuple[type[BaseException], ...] = (),
     once: tuple[type[BaseException], ...] = (),
 ) -> int:
-    """Run one rank of an entry point (`run(job_path, dist)`); return its exit status.
+    """Run one rank of the entry point `module` (`run(job_path, dist)`); return its exit status.
 
+    `module`, `doc`: the entry point's module (`python -m <module>`) and its docstring (the first line describes it).
     `told`: more exceptions whose message says it all (besides a failed write and a damaged file).
     `once`: exceptions every rank raises alike (they read the same files): only rank 0 reports them.
     """
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0] if doc else None)
     parser.add_argument("--job", required=True, help=f"path of the {protocol.name} JOB.json")
     # The `deepspeed` launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)

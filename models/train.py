@@ -463,16 +463,12 @@ class OnlineSource:
 
 def main(argv: list[str] | None = None) -> int:
     """The training rank's entry point (models/rank.py): run the job, report a failure; the exit status."""
+
     # Every rank reads the same checkpoint and data: one refusal is enough, from rank 0.
-    return serve(
-        argv,
-        prog="python -m models.train",
-        description=__doc__.splitlines()[0],
-        protocol=TRAIN,
-        run=lambda job_path, dist: run(TrainJob.load(job_path), dist),
-        told=(CheckpointMismatch,),
-        once=(CheckpointMismatch,),
-    )
+    def run_job(job_path: str, dist: Dist) -> None:
+        run(TrainJob.load(job_path), dist)
+
+    return serve(argv, "models.train", __doc__, TRAIN, run_job, told=(CheckpointMismatch,), once=(CheckpointMismatch,))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from tasks.parquet_io import (
     reading,
     write_parquet_atomic,
 )
+from tasks.tallies import add_counts
 from tasks.threads import run_to_the_end
 from tasks.turn_ids import is_later_turn, split_turn_id
 
@@ -73,13 +74,7 @@ class PartSummary:
         return self.rows - self.later_turns
 
     def add(self, other: PartSummary) -> None:
-        self.rows += other.rows
-        self.later_turns += other.later_turns
-        self.completion_tokens += other.completion_tokens
-        self.prompt_tokens += other.prompt_tokens
-        for reason, n in other.finish_reasons.items():
-            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + n
-        self.lengths.extend(other.lengths)
+        add_counts(self, other)
         firsts = [t for t in (self.first_finished_at, other.first_finished_at) if t is not None]
         lasts = [t for t in (self.last_finished_at, other.last_finished_at) if t is not None]
         self.first_finished_at = min(firsts) if firsts else None

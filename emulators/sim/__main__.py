@@ -13,6 +13,7 @@ import logging
 import sys
 
 from emulators import sglang_protocol as sglang
+from emulators.flag_values import flag_values
 from emulators.sim.config import SimConfig
 from emulators.sim.server import SimServer
 
@@ -45,30 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     try:
-        config = SimConfig(
-            vocab_size=args.vocab_size,
-            eos_token_id=args.eos_id,
-            length_dist=args.length_dist,
-            mean_len=args.mean_len,
-            sigma=args.sigma,
-            context_length=args.context_length,
-            max_running=args.max_running,
-            decode_s_per_token=args.decode_ms / 1e3,
-            prefill_s_per_token=args.prefill_ms / 1e3,
-            seed=args.seed,
-            sglang_version=args.sglang_version,
-            disconnect_poll_s=args.disconnect_poll_s,
-            reserved_tokens=args.reserved_tokens,
-        )
-        server = SimServer(
-            config,
-            host=args.host,
-            port=args.port,
-            starting=args.starting,
-            log_level=args.log_level,
-            api_key=args.api_key,
-            admin_api_key=args.admin_api_key,
-        )
+        per_token = {"decode_s_per_token": args.decode_ms / 1e3, "prefill_s_per_token": args.prefill_ms / 1e3}
+        config = SimConfig(**flag_values(args, SimConfig, eos_token_id=args.eos_id, **per_token))
+        server = SimServer(**flag_values(args, SimServer, config=config))
     except ValueError as exc:
         ap.error(str(exc))
     try:

@@ -40,6 +40,7 @@ from tasks.parquet_io import DamagedPart, list_parts, read_metadata, reading, wr
 from tasks.records.chat_masks import MaskError, conversation_records
 from tasks.rejects import write_rejects
 from tasks.stats import nearest_rank
+from tasks.tallies import add_counts
 
 RECORD_SCHEMA = pa.schema(
     {
@@ -100,13 +101,7 @@ class PartReport:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
     def add(self, other: PartReport) -> None:
-        self.records += other.records
-        self.tokens += other.tokens
-        self.loss_tokens += other.loss_tokens
-        self.truncated += other.truncated
-        self.lengths += other.lengths
-        for reason, n in other.dropped.items():
-            self.dropped[reason] = self.dropped.get(reason, 0) + n
+        add_counts(self, other)
 
     def to_metadata(self) -> dict[str, str]:
         return {f"{META}records_summary": json.dumps(asdict(self), separators=(",", ":"))}

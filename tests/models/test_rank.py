@@ -20,7 +20,7 @@ def one_process(monkeypatch):
 
 
 def _serve(run, argv=("--job", "job.json"), **kw) -> int:
-    return serve(list(argv), prog="python -m models.test", description="test", protocol=CAPTURE, run=run, **kw)
+    return serve(list(argv), "models.test", "test", CAPTURE, run, **kw)
 
 
 def _reports(err: str) -> list[dict]:
