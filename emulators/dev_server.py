@@ -852,10 +852,10 @@ def serve(
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """CLI: ``python -m emulators.dev_server --model DIR [--host] [--port] ...``."""
-    ap = argparse.ArgumentParser(prog="python -m emulators.dev_server", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="HF model directory (weights + tokenizer)")
+def main(argv: list[str] | None = None, prog: str = "python -m emulators.dev_server") -> None:
+    """CLI: ``python -m emulators.dev_server --model DIR [--host] [--port] ...`` (also `eagle3 serve-dev`)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="HF model directory (weights + tokenizer; `eagle3 tiny-target`)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--context-length", type=int, default=None, help="default: max_position_embeddings")
@@ -891,6 +891,8 @@ def main(argv: list[str] | None = None) -> None:
         help="decode batches between folds of avg_spec_accept_length (SGLang's flag)",
     )
     args = ap.parse_args(argv)
+    if not (Path(args.model) / "config.json").is_file():
+        ap.error(f"{args.model} has no config.json; build one with `eagle3 tiny-target {args.model}`")
     try:
         extraction = vllm_extract.Extraction.from_flags(args.speculative_config, args.kv_transfer_config)
     except ValueError as exc:

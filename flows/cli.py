@@ -419,67 +419,19 @@ def tiny_target(
     console.print(f"tiny target written to {path}")
 
 
-@app.command("serve-dev")
-def serve_dev(
-    model: Path = typer.Option(
-        ..., help="Directory of a small Hugging Face causal LM (e.g. from `eagle3 tiny-target`)."
-    ),
-    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
-    port: int = typer.Option(30000, help="TCP port."),
-    context_length: int | None = typer.Option(
-        None, help="Context length (default: the model's max_position_embeddings)."
-    ),
-    max_batch_size: int = typer.Option(16, help="Most sequences decoded together."),
-    speculative_algorithm: str | None = typer.Option(None, help="EAGLE3 (the only one; implied by a draft path)."),
-    speculative_draft_model_path: Path | None = typer.Option(
-        None, help="Serve with this EAGLE-3 draft export: chain speculative decoding, greedy requests only."
-    ),
-    speculative_num_steps: int | None = typer.Option(None, help="Draft tokens proposed per verify round."),
-    speculative_eagle_topk: int | None = typer.Option(None, help="Must be 1 (chain)."),
-    speculative_num_draft_tokens: int | None = typer.Option(None, help="Must be num-steps + 1."),
-    sglang_version: str = typer.Option(
-        "0.5",
-        help="Answer as SGLang 0.5.23 (0.5) or 0.4.x (0.4) where they differ (docs/engines.md, 'SGLang versions').",
-    ),
-    disconnect_poll_s: float = typer.Option(
-        4.0, help="How often a client that went away is noticed (SGLang: SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s)."
-    ),
-) -> None:
-    """Serve a small model over SGLang's native HTTP API on CPU (for the demo and tests)."""
-    from emulators.dev_server import Speculative, serve
+@app.command(
+    "serve-dev",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def serve_dev(ctx: typer.Context) -> None:
+    """Serve a small model over SGLang's native HTTP API on CPU (for the demo and tests); --help lists its flags.
 
-    if not (model / "config.json").is_file():
-        err.print(
-            f"[red]error:[/red] {model} has no config.json; build one with `eagle3 tiny-target {model}`",
-            highlight=False,
-        )
-        raise typer.Exit(2)
-    try:
-        speculative = Speculative.from_flags(
-            draft_model_path=speculative_draft_model_path,
-            algorithm=speculative_algorithm,
-            num_steps=speculative_num_steps,
-            eagle_topk=speculative_eagle_topk,
-            num_draft_tokens=speculative_num_draft_tokens,
-        )
-    except ValueError as exc:
-        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
-    if sglang_version not in ("0.5", "0.4"):
-        err.print(
-            f"[red]error:[/red] --sglang-version must be 0.5 or 0.4, got {escape(sglang_version)}", highlight=False
-        )
-        raise typer.Exit(2)
-    serve(
-        model,
-        host=host,
-        port=port,
-        context_length=context_length,
-        max_batch_size=max_batch_size,
-        speculative=speculative,
-        sglang_version=sglang_version,
-        disconnect_poll_s=disconnect_poll_s,
-    )
+    The flags are the dev server's own (`python -m emulators.dev_server`), declared there once.
+    """
+    from emulators.dev_server import main
+
+    main(ctx.args, prog="eagle3 serve-dev")
 
 
 def _config_or_exit(path: Path):

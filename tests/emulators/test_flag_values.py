@@ -18,8 +18,9 @@ def test_a_parameter_takes_its_flag_and_given_values_win():
     assert flag_values(argparse.Namespace(x_a=1, a=2), target, prefix="x_") == {"a": 1}
 
 
-def test_the_dev_server_command_line_reaches_serve_and_the_draft():
-    argv = ["--model", "/m", "--port", "9", "--num-threads", "2", "--context-length", "64", "--max-batch-size", "3",
+def test_the_dev_server_command_line_reaches_serve_and_the_draft(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    argv = ["--model", str(tmp_path), "--port", "9", "--num-threads", "2", "--context-length", "64", "--max-batch-size", "3",
             "--model-name", "tiny", "--api-key", "k", "--admin-api-key", "a", "--disconnect-poll-s", "0.5",
             "--decode-log-interval", "7", "--log-level", "debug", "--speculative-algorithm", "EAGLE3",
             "--speculative-draft-model-path", "/d", "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
@@ -33,7 +34,7 @@ def test_the_dev_server_command_line_reaches_serve_and_the_draft():
         "draft_model_path": "/d", "algorithm": "EAGLE3", "num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3
     }  # fmt: skip
     assert serve.call_args.kwargs == {
-        "model_dir": "/m", "host": "127.0.0.1", "port": 9, "log_level": "debug", "num_threads": 2,
+        "model_dir": str(tmp_path), "host": "127.0.0.1", "port": 9, "log_level": "debug", "num_threads": 2,
         "context_length": 64, "max_batch_size": 3, "model_name": "tiny", "speculative": "the draft",
         "extraction": None, "api_key": "k", "admin_api_key": "a", "disconnect_poll_s": 0.5, "sglang_version": "0.5",
         "decode_log_interval": 7,
