@@ -75,7 +75,7 @@ REPORT_RESERVE_S = 10.0  # kept from the budget for the report
 
 
 @dataclass
-class Params:
+class Params(harness.TargetParams):
     """Every knob of one check (printed and saved with the figures). Defaults: the GPU run."""
 
     quick: bool = False  # --cpu-smoke: the small CPU preset
@@ -467,18 +467,7 @@ def build_target(p: Params, work: Path) -> dict[str, Any]:
 
     from models.tiny_target import build_tiny_target
 
-    target = build_tiny_target(
-        work / "target",
-        seed=p.seed,
-        vocab_size=p.vocab_size,
-        hidden_size=p.hidden_size,
-        num_layers=p.num_layers,
-        num_heads=p.num_heads,
-        num_kv_heads=p.num_kv_heads,
-        intermediate_size=p.intermediate_size,
-        train_steps=p.target_train_steps,
-        device=p.device,
-    )
+    target = build_tiny_target(work / "target", **p.target_shape(), train_steps=p.target_train_steps, device=p.device)
     params = 0
     for f in sorted(target.glob("*.safetensors")):
         with safe_open(f, "pt") as st:

@@ -228,18 +228,12 @@ class TargetParams:
         target = self.target_dir(bench)
         print(f"  target: {target.relative_to(REPO)} (built once, then reused) ...", flush=True)
         t0 = time.perf_counter()
-        build_tiny_target(
-            target,
-            seed=self.seed,
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            intermediate_size=self.intermediate_size,
-            **extra,
-        )
+        build_tiny_target(target, **self.target_shape(), **extra)
         return target, time.perf_counter() - t0
+
+    def target_shape(self) -> dict[str, Any]:
+        """build_tiny_target's arguments for this shape and seed (the fields declared here)."""
+        return {f.name: getattr(self, f.name) for f in fields(TargetParams)}
 
 
 def record_row(record_id: str, input_ids: list[int], prompt_tokens: int) -> dict[str, Any]:

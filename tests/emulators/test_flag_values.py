@@ -20,11 +20,13 @@ def test_a_parameter_takes_its_flag_and_given_values_win():
 
 def test_the_dev_server_command_line_reaches_serve_and_the_draft(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    argv = ["--model", str(tmp_path), "--port", "9", "--num-threads", "2", "--context-length", "64", "--max-batch-size", "3",
-            "--model-name", "tiny", "--api-key", "k", "--admin-api-key", "a", "--disconnect-poll-s", "0.5",
-            "--decode-log-interval", "7", "--log-level", "debug", "--speculative-algorithm", "EAGLE3",
-            "--speculative-draft-model-path", "/d", "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", "3"]  # fmt: skip
+    argv = [
+        *("--model", str(tmp_path), "--port", "9", "--num-threads", "2", "--context-length", "64"),
+        *("--max-batch-size", "3", "--model-name", "tiny", "--api-key", "k", "--admin-api-key", "a"),
+        *("--disconnect-poll-s", "0.5", "--decode-log-interval", "7", "--log-level", "debug"),
+        *("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d"),
+        *("--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"),
+    ]
     with (
         mock.patch.object(dev_server, "serve", autospec=True) as serve,
         mock.patch.object(dev_server.Speculative, "from_flags", autospec=True, return_value="the draft") as draft,

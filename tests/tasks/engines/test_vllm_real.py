@@ -293,6 +293,23 @@ def eagle3(*args: str, wait: bool = True, **kw):
     )
 
 
+def generate_config(tmp_path: Path, url: str, target: Path, datasets: list[dict], max_concurrency: int):
+    """A greedy generate config against the running vLLM at `url`, written to tmp_path: its path and RUN_DIR."""
+    run_dir = tmp_path / "run"
+    server = {"engine": "vllm", "url": url, "launch": "none", "max_concurrency": max_concurrency}
+    config = {
+        "run_dir": str(run_dir),
+        "target": {"path": str(target)},
+        "server": server | {"request_timeout_s": 120},
+        "sampling": {"max_new_tokens": MAX_NEW, "temperature": 0.0},
+        "generate": {"flush_every": 4, "flush_interval_s": 1, "log_interval_s": 2},
+        "datasets": datasets,
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, run_dir
+
+
 def rows_of(run_dir: Path, dataset: str) -> list[dict]:
     return [r for p in live_parts(run_dir / "responses" / dataset) for r in pq.read_table(p).to_pylist()]
 
@@ -302,22 +319,13 @@ def test_generate_through_vllm_killed_and_resumed_is_exactly_once_and_vllm_s_own
 ):
     budget = 500  # below what the 42 greedy answers of B1_code add up to: the budget stops it
     files = {"B1_code": REPO / "data/samples/gen_code.jsonl", "B2_math": REPO / "data/samples/gen_math.jsonl"}
-    config = {
-        "run_dir": str(tmp_path / "run"),
-        "target": {"path": str(tiny_target_dir)},
-        # 2 in flight: answers arrive a pair at a time, so B2_math cannot finish between its first part and the
-        # kill even when this machine starves the test (at 8, a loaded run once wrote all 50 before the kill)
-        "server": {"engine": "vllm", "url": plain, "launch": "none", "max_concurrency": 2, "request_timeout_s": 120},
-        "sampling": {"max_new_tokens": MAX_NEW, "temperature": 0.0},
-        "generate": {"flush_every": 4, "flush_interval_s": 1, "log_interval_s": 2},
-        "datasets": [
-            {"name": "B1_code", "kind": "generate", "path": str(files["B1_code"]), "token_budget": budget},
-            {"name": "B2_math", "kind": "generate", "path": str(files["B2_math"])},
-        ],
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    run_dir = Path(config["run_dir"])
+    datasets = [
+        {"name": "B1_code", "kind": "generate", "path": str(files["B1_code"]), "token_budget": budget},
+        {"name": "B2_math", "kind": "generate", "path": str(files["B2_math"])},
+    ]
+    # 2 in flight: answers arrive a pair at a time, so B2_math cannot finish between its first part and the
+    # kill even when this machine starves the test (at 8, a loaded run once wrote all 50 before the kill)
+    path, run_dir = generate_config(tmp_path, plain, tiny_target_dir, datasets, max_concurrency=2)
 
     first = eagle3("generate", str(path), wait=False)
     try:
@@ -366,22 +374,14 @@ def test_turns_all_through_vllm_answers_each_turn_after_vllm_s_own_earlier_answe
     from tasks.turn_ids import turn_id
 
     chats = REPO / "data/formats/multiturn_chat.jsonl"
-    config = {
-        "run_dir": str(tmp_path / "run"),
-        "target": {"path": str(tiny_target_dir)},
-        "server": {"engine": "vllm", "url": plain, "launch": "none", "max_concurrency": 4, "request_timeout_s": 120},
-        "sampling": {"max_new_tokens": MAX_NEW, "temperature": 0.0},
-        "generate": {"flush_every": 4, "flush_interval_s": 1, "log_interval_s": 2},
-        "datasets": [{"name": "C1", "kind": "generate", "path": str(chats), "turns": "all"}],
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
+    datasets = [{"name": "C1", "kind": "generate", "path": str(chats), "turns": "all"}]
+    path, run_dir = generate_config(tmp_path, plain, tiny_target_dir, datasets, max_concurrency=4)
     done = eagle3("generate", str(path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model = served_model(plain)
-    rows = rows_of(Path(config["run_dir"]), "C1")
+    rows = rows_of(run_dir, "C1")
     by_id = {r["id"]: r for r in rows}
     later = 0
     for row in load_dataset(chats, "generate").rows:
