@@ -229,18 +229,10 @@ def write_index(out_dir: str | Path) -> Path:
 
     out_dir = Path(out_dir)
     rows = list(iter_shard_index(out_dir))
-    table = pa.Table.from_pylist(
-        rows,
-        schema=pa.schema(
-            [
-                ("id", pa.string()),
-                ("dataset", pa.string()),
-                ("shard", pa.string()),
-                ("offset", pa.int64()),
-                ("length", pa.int64()),
-            ]
-        ),
+    schema = pa.schema(
+        {"id": pa.string(), "dataset": pa.string(), "shard": pa.string(), "offset": pa.int64(), "length": pa.int64()}
     )
+    table = pa.Table.from_pylist(rows, schema=schema)
     path = out_dir / INDEX_NAME
     try:
         with atomic_file(path) as f:

@@ -34,17 +34,17 @@ runpy.run_path("bench/gpu_check.py", run_name="__main__")
 """
 
 
+def cpu_smoke(script: str, out: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    """`gpu_check --cpu-smoke --json OUT` run by `script` (gpu_check under an import guard), its output captured."""
+    command = [sys.executable, "-c", script, "--cpu-smoke", "--json", str(out)]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_cpu_smoke_runs_every_phase_and_reports_its_figures(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run(
-        [sys.executable, "-c", WITHOUT_PREFECT, "--cpu-smoke", "--json", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=480,
-    )
+    proc = cpu_smoke(WITHOUT_PREFECT, out, timeout_s=480)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     figures = json.loads(out.read_text())
     phases = figures["phases"]
@@ -177,13 +177,7 @@ def test_a_missing_deepspeed_stops_the_check_before_its_first_phase(tmp_path):
     hidden = WITHOUT_PREFECT.replace(
         "sys.meta_path.insert(0, Refuse())", "sys.meta_path.insert(0, Refuse())\nsys.modules['deepspeed'] = None"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", hidden, "--cpu-smoke", "--json", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = cpu_smoke(hidden, out, timeout_s=300)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "stopped before its first phase: deepspeed failed" in proc.stdout and "== target" not in proc.stdout
     figures = json.loads(out.read_text())

@@ -131,15 +131,7 @@ def test_parquet_and_saved_datasets_go_through_the_same_formats(fmt, reader, tmp
 
 
 def test_a_column_reader_reads_only_the_columns_of_the_format(tmp_path):
-    schema = pa.schema(
-        [
-            ("id", pa.string()),
-            ("problem", pa.string()),
-            ("solution", pa.string()),
-            ("lang", pa.string()),
-            ("seed", pa.string()),
-        ]
-    )
+    schema = pa.schema({name: pa.string() for name in ("id", "problem", "solution", "lang", "seed")})
     resolver = Resolver("passthrough", RowFormat())
     assert resolver.columns(tmp_path / "x.parquet", schema) == ["id", "problem", "solution"]
     assert resolver.shape.describe() == "columns (auto: problem -> user, solution -> assistant)"

@@ -108,36 +108,22 @@ def test_one_node_commands_pick_a_free_port(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     command, env = launch_ranks.rank_command("models.train", ["--job", "J"], num_ranks=2, launcher="torchrun")
-    assert command[1:] == [
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        command[6],
-        "-m",
-        "models.train",
-        "--job",
-        "J",
-    ]
+    port = command[6]
+    assert (
+        command[1:]
+        == f"-m torch.distributed.run --nproc_per_node 2 --master_port {port} -m models.train --job J".split()
+    )
     assert env == {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     command, env = launch_ranks.rank_command("models.train", ["--job", "J"], num_ranks=8, launcher="deepspeed")
-    assert command[1:] == [
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        "8",
-        "--master_port",
-        command[6],
-        "--module",
-        "models.train",
-        "--job",
-        "J",
-    ]
+    port = command[6]
+    assert (
+        command[1:]
+        == f"-m deepspeed.launcher.runner --num_gpus 8 --master_port {port} --module models.train --job J".split()
+    )
     assert env == {
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
-    }  # no CUDA here: the CPU accelerator, one thread a rank
+    }  # no CUDA here: the CPU accelerator, a thread a rank
     monkeypatch.setattr(launch_ranks, "cuda_available", lambda: True)
     assert launch_ranks.rank_command("models.train", [], num_ranks=8, launcher="deepspeed")[1] == {}
 
