@@ -27,10 +27,10 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pyarrow as pa
-from pydantic import Field, model_validator
+from pydantic import Field, StringConstraints, model_validator
 
 from models.spec import Spec
 from tasks.datasets.errors import DatasetError
@@ -65,6 +65,9 @@ ROLE_ALIASES: dict[str, str] = {
 }
 
 
+FieldName = Annotated[str, StringConstraints(min_length=1)]  # a row's field or a table's column, by name
+
+
 class RowFormat(Spec):
     """How a dataset's rows spell a conversation; every loader of a dataset reads its rows through it."""
 
@@ -83,26 +86,21 @@ class RowFormat(Spec):
         "tool, e.g. {bot: assistant}; on top of the built-in ones (human -> user; gpt, chatgpt, bing, bard, model -> "
         "assistant).",
     )
-    id_field: str = Field(
+    id_field: FieldName = Field(
         default="id",
-        min_length=1,
         description="The field holding each row's id (string or int, kept as given); a row without one gets a hash "
         "of its messages.",
     )
-    prompt_field: str | None = Field(
-        default=None,
-        min_length=1,
-        description="format: columns: the column holding the user turn (e.g. `problem`).",
+    prompt_field: FieldName | None = Field(
+        default=None, description="format: columns: the column holding the user turn (e.g. `problem`)."
     )
-    response_field: str | None = Field(
+    response_field: FieldName | None = Field(
         default=None,
-        min_length=1,
         description="format: columns: the column holding the assistant turn (e.g. `solution`); needed for "
         "passthrough, cut for generate (the target answers instead).",
     )
-    system_field: str | None = Field(
+    system_field: FieldName | None = Field(
         default=None,
-        min_length=1,
         description="format: columns: a column holding a system prompt; null or empty in a row: no system turn.",
     )
 
