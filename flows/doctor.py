@@ -23,7 +23,7 @@ from flows.plan import capture_plan
 from flows.train import train_job
 from models.environment import environment_checks
 from models.findings import Finding, failed
-from models.train_checkpoint import optimisation_settings
+from models.train_checkpoint import optimisation_settings, variant_settings
 from tasks.capture.plan import capture_layers
 
 ALL_STAGES = ("generate", "records", "capture", "train", "eval")
@@ -262,5 +262,6 @@ def _disk(config: RunConfig) -> list[Finding]:
 def _run_dir(config: RunConfig) -> list[Finding]:
     from tasks.doctor.run_dir import run_dir_findings
 
-    settings = optimisation_settings(train_job(config), config.world_size(config.train))
+    job = train_job(config)
+    settings = optimisation_settings(job, config.world_size(config.train)) | variant_settings(job)
     return run_dir_findings(config.run_dir, checkpoint_dir=config.layout.checkpoints, settings=settings)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from models.atomic import fsync_tree, write_atomic
-from models.eagle3 import Eagle3Config
+from models.eagle3 import DRAFT_VARIANTS, Eagle3Config
 from models.file_errors import WriteFailed, existing_parent, is_write_error
 from models.jobs import TrainJob
 from models.rank import Dist, log
@@ -172,6 +172,17 @@ def run_fingerprint(
     ids = d2t.to(torch.int64).cpu().numpy().tobytes()
     vocab = {"digest": hashlib.sha256(ids).hexdigest(), "size": int(d2t.shape[0]), "token_counts": job.token_counts}
     return {"version": 1, "data": data, "vocab": vocab, "settings": settings}
+
+
+def variant_settings(job: TrainJob) -> dict[str, bool]:
+    """The fingerprint's draft flags that train.draft_variant sets, the ones off too: what `eagle3 doctor`
+    compares with a checkpoint's (`checkpoint_settings`) besides `optimisation_settings`."""
+    return {f"draft.{flag}": on for flag, on in DRAFT_VARIANTS[job.draft_variant].items()}
+
+
+def checkpoint_settings(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """A fingerprint's settings with its later draft flags filled in: absent means off (`run_fingerprint`)."""
+    return {f"draft.{flag}": False for flag in LATER_DRAFT_FLAGS} | fingerprint.get("settings", {})
 
 
 def optimisation_settings(job: TrainJob, world_size: int) -> dict[str, Any]:

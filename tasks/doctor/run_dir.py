@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from models.findings import Finding
-from models.train_checkpoint import FINGERPRINT, complete_checkpoints, settings_differences
+from models.train_checkpoint import FINGERPRINT, checkpoint_settings, complete_checkpoints, settings_differences
 from tasks.records.build import record_stats
 from tasks.run_lock import describe_holder, lock_holder
 from tasks.stats import collect_stats
@@ -16,7 +16,8 @@ from tasks.stats import collect_stats
 
 def run_dir_findings(run_dir: Path, *, checkpoint_dir: Path, settings: dict[str, Any]) -> list[Finding]:
     """Lock, damaged parts, and the newest checkpoint in `checkpoint_dir` against `settings`
-    (models/train_checkpoint.py's `optimisation_settings` of this config: what can be known before the data is read)."""
+    (models/train_checkpoint.py's `optimisation_settings` and `variant_settings` of this config: what can be known
+    before the data is read)."""
     if not run_dir.is_dir():
         return [Finding("run directory", "PASS", f"{run_dir} is new (created by the first stage)")]
     return [_lock_finding(run_dir), _damaged_finding(run_dir), _checkpoint_finding(checkpoint_dir, settings)]
@@ -66,7 +67,7 @@ def _checkpoint_finding(checkpoint_dir: Path, settings: dict[str, Any]) -> Findi
         return Finding(
             "train checkpoint", "FAIL", f"{path}: cannot read: {exc}", f"move {checkpoint_dir} aside to start fresh"
         )
-    known = {k: v for k, v in old.get("settings", {}).items() if k in settings}
+    known = {k: v for k, v in checkpoint_settings(old).items() if k in settings}
     differences = settings_differences(known, settings)
     if differences:
         return Finding(

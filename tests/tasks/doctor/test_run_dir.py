@@ -77,3 +77,42 @@ def test_a_checkpoint_of_other_settings_fails_saying_which(tmp_path):
     checkpoint(ckpt, 40, {**SETTINGS, "lr": 0.001})
     f = by_name(run_dir_findings(tmp_path / "run", checkpoint_dir=ckpt, settings=SETTINGS))["train checkpoint"]
     assert f.status == "FAIL" and "step-40 was trained with other settings: lr 0.001 -> 0.002" in f.detail
+
+
+def _trained(ckpt_dir, variant: str) -> dict:
+    """A checkpoint whose fingerprint the train stage wrote (run_fingerprint) for a `variant` draft; its job."""
+    import torch
+
+    from models.eagle3 import DRAFT_VARIANTS, Eagle3Config
+    from models.jobs import TrainJob
+    from models.train_checkpoint import COMPLETE, FINGERPRINT, run_fingerprint
+
+    job = TrainJob(target_path="t", out_dir="o", token_counts="tc", hidden_dir="h", device="cpu", draft_variant=variant)
+    shape = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1}
+    config = Eagle3Config(**shape, vocab_size=10, draft_vocab_size=3, aux_layers=[0, 1, 2], **DRAFT_VARIANTS[variant])
+    tag = ckpt_dir / "step-10"
+    tag.mkdir(parents=True)
+    (tag / COMPLETE).write_text("")
+    (tag / FINGERPRINT).write_text(json.dumps(run_fingerprint(job, {}, torch.tensor([0, 1, 2]), config, 1, 10)))
+    return job
+
+
+def test_a_checkpoint_of_the_other_draft_variant_fails_both_ways(tmp_path):
+    """The doctor's settings for a config (optimisation_settings | variant_settings) against what training wrote."""
+    from models.train_checkpoint import optimisation_settings, variant_settings
+
+    def finding(trained: str, configured: str) -> Finding:
+        ckpt = tmp_path / "run" / trained / configured
+        job = _trained(ckpt, trained).model_copy(update={"draft_variant": configured})
+        settings = optimisation_settings(job, 1) | variant_settings(job)
+        return by_name(run_dir_findings(tmp_path / "run", checkpoint_dir=ckpt, settings=settings))["train checkpoint"]
+
+    assert finding("eagle3", "eagle3").status == "PASS"  # its fingerprint has no flags: absent means off
+    assert finding("eagle3.1", "eagle3.1").status == "PASS"
+    for trained, configured, change in (
+        ("eagle3", "eagle3.1", "False -> True"),
+        ("eagle3.1", "eagle3", "True -> False"),
+    ):
+        f = finding(trained, configured)
+        assert f.status == "FAIL", (trained, configured, f.detail)
+        assert f"draft.fc_norm {change}, draft.norm_output {change}" in f.detail
