@@ -25,6 +25,7 @@ from models.environment import environment_checks
 from models.findings import Finding, failed
 from models.train_checkpoint import optimisation_settings, variant_settings
 from tasks.capture.plan import capture_layers
+from tasks.datasets.hub import is_hub_path
 
 ALL_STAGES = ("generate", "records", "capture", "train", "eval")
 STATUS_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
@@ -231,7 +232,10 @@ def _target(config: RunConfig) -> tuple[dict[str, Any], Any, Finding | None]:
 def _template(config: RunConfig, tokenizer: Any):
     from tasks.doctor.chat_template import template_findings
 
-    present = [(d.name, d.path, d.kind) for d in config.datasets if d.path.exists()]
+    # a missing file is `eagle3 validate`'s to name; a Hub dataset is sampled from the local cache
+    present = [
+        (d.name, d.source(config.layout), d.kind) for d in config.datasets if d.path.exists() or is_hub_path(d.path)
+    ]
     formats = {d.name: d.row_format for d in config.datasets}
     return template_findings(tokenizer, present, on_rewrite=config.records.on_rewrite, formats=formats)
 

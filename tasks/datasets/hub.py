@@ -17,7 +17,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +56,18 @@ class HubDataset:
     config: str | None = None
     revision: str | None = None  # the dataset's `revision` setting; None: the record's, else main
     record: Path | None = None  # RUN_DIR/datasets/<name>.json; None (a sample, a check) records nothing
+    cache_only: bool = False  # read the local Hub cache only, never download (a check that must take seconds)
 
     @property
     def path(self) -> Path:
         """The dataset's `path` (hf:ORG/NAME), what errors and LoadedDataset name it by."""
         return Path(HUB_PREFIX + self.repo_id)
+
+    def for_a_check(self) -> HubDataset:
+        """The revision the run reads (its setting, else the run's record), from the local cache only, recording
+        nothing: what `eagle3 doctor` samples. DatasetError for a record that cannot be read."""
+        revision, _ = _revision_to_read(self)
+        return replace(self, revision=revision, record=None, cache_only=True)
 
 
 def read_hub(source: HubDataset, select: SelectColumns) -> Iterator[Raw]:
@@ -119,14 +126,22 @@ def _snapshot(source: HubDataset, revision: str | None, recorded: bool) -> tuple
     )
 
     try:
-        snapshot = Path(snapshot_download(source.repo_id, repo_type="dataset", revision=revision))
+        # cache_only, or HF_HUB_OFFLINE set (which the library reads itself): the cache's refs/ and snapshots/ only
+        local = source.cache_only
+        snapshot = Path(
+            snapshot_download(source.repo_id, repo_type="dataset", revision=revision, local_files_only=local)
+        )
     except LocalEntryNotFoundError as e:
-        offline = _offline()
+        offline = hub_offline()
         at = f"revision {revision}" if revision else "its main revision"
         if recorded:
             at += f" (recorded in {source.record} by the run's first load, so that a rerun reads the same rows)"
         where = (
-            "is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" if offline else f"cannot be read ({e})"
+            "is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
+            if offline
+            else "is not in the local Hugging Face cache (a check reads the cache only)"
+            if source.cache_only
+            else f"cannot be read ({e})"
         )
         fix = (
             f"download it on a machine with network: hf download --repo-type dataset {source.repo_id}"
@@ -183,7 +198,8 @@ def _write_record(source: HubDataset, commit: str) -> None:
     os.replace(tmp, source.record)
 
 
-def _offline() -> bool:
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE is set (as huggingface_hub read it): a dataset not in the cache cannot be fetched."""
     from huggingface_hub import constants
 
     return bool(constants.HF_HUB_OFFLINE)

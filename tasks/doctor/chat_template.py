@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from models.findings import Finding
-from tasks.datasets import BadRow, DatasetError, Kind, RowFormat, iter_rows
+from tasks.datasets import BadRow, DatasetError, DatasetNotFoundError, HubDataset, Kind, RowFormat, iter_rows
+from tasks.datasets.hub import hub_offline
 from tasks.generate.prompts import chat_prompt_ids
 from tasks.records.chat_masks import MaskError, OnRewrite, conversation_records
 
@@ -41,34 +42,34 @@ class TemplateReport:
 
 def template_findings(
     tokenizer: Any,
-    datasets: Sequence[tuple[str, Path, Kind]],
+    datasets: Sequence[tuple[str, Path | HubDataset, Kind]],
     *,
     on_rewrite: OnRewrite = "split",
     sample_rows: int = SAMPLE_ROWS,
     formats: Mapping[str, RowFormat] | None = None,
 ) -> TemplateReport:
     """Check the template on `datasets` ((name, path, kind) each, read in `formats[name]`, default auto); missing files
-    are `eagle3 validate`'s to report."""
+    are `eagle3 validate`'s to report. A Hub dataset is read as the run would read it, from the local cache only and
+    recording nothing (HubDataset.for_a_check): one not there is a WARN (the stage that reads it downloads it), a FAIL
+    when HF_HUB_OFFLINE forbids that."""
     report = TemplateReport()
     for name, path, kind in datasets:
         try:
-            rows = _first_rows(path, kind, sample_rows, (formats or {}).get(name))
+            source = path.for_a_check() if isinstance(path, HubDataset) else path
+            rows = _first_rows(source, kind, sample_rows, (formats or {}).get(name))
+        except DatasetNotFoundError as exc:
+            hub = isinstance(path, HubDataset)
+            report.findings.append(_not_cached_finding(name, exc) if hub else _unreadable_finding(name, exc))
+            continue
         except (DatasetError, OSError) as exc:
-            report.findings.append(
-                Finding(
-                    f"chat template: {name}",
-                    "FAIL",
-                    f"cannot read a sample: {exc}"[:300],
-                    "`eagle3 validate CONFIG` lists what is wrong with the file",
-                )
-            )
+            report.findings.append(_unreadable_finding(name, exc))
             continue
         if not rows:
             report.findings.append(
                 Finding(
                     f"chat template: {name}",
                     "FAIL",
-                    f"no valid row in the first {sample_rows} of {path}",
+                    f"no valid row in the first {sample_rows} of {path.path if isinstance(path, HubDataset) else path}",
                     "`eagle3 validate CONFIG` lists what is wrong with the rows",
                 )
             )
@@ -85,7 +86,21 @@ def template_findings(
     return report
 
 
-def _first_rows(path: Path, kind: Kind, n: int, row_format: RowFormat | None) -> list[Any]:
+def _unreadable_finding(name: str, exc: Exception) -> Finding:
+    advice = "`eagle3 validate CONFIG` lists what is wrong with the file"
+    return Finding(f"chat template: {name}", "FAIL", f"cannot read a sample: {exc}"[:300], advice)
+
+
+def _not_cached_finding(name: str, exc: DatasetError) -> Finding:
+    """A Hub dataset not in the local cache: the stage that reads it downloads it, unless HF_HUB_OFFLINE is set."""
+    detail = f"not sampled: {exc.path} {exc.reason}"[:300]
+    if hub_offline():
+        return Finding(f"chat template: {name}", "FAIL", detail, exc.expected or "")
+    advice = f"the generate stage downloads it; to have it checked first: {exc.expected}"
+    return Finding(f"chat template: {name}", "WARN", detail, advice)
+
+
+def _first_rows(path: Path | HubDataset, kind: Kind, n: int, row_format: RowFormat | None) -> list[Any]:
     rows = []
     for number, row in iter_rows(path, kind, row_format):
         if number > n:

@@ -76,6 +76,24 @@ def test_the_demo_config_passes_every_check_and_says_cpu(tmp_path, tiny_target_d
     assert findings["engine"].detail.startswith("server.launch: dev")
 
 
+def test_a_hub_dataset_gets_its_chat_template_checked_from_the_cache(tmp_path, tiny_target_dir, monkeypatch):
+    from tests.hub_cache import offline_hub_cache, publish
+
+    hub = offline_hub_cache(tmp_path, monkeypatch)
+    publish(hub, "1" * 40, [{"id": "h1", "conversations": [{"from": "human", "value": "Hi there"}]}])
+    datasets = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())["datasets"][:1]
+    datasets[0]["path"] = str(REPO / datasets[0]["path"])
+    hubs = [
+        {"name": "H1", "kind": "generate", "path": "hf:org/chats"},
+        {"name": "H2", "kind": "generate", "path": "hf:org/absent"},
+    ]
+    findings = by_name(doctor_findings(load_config(write_config(tmp_path, tiny_target_dir, datasets=datasets + hubs))))
+    assert findings["chat template: H1"].status == "PASS", findings["chat template: H1"].detail
+    assert findings["chat template: H2"].status == "FAIL"  # HF_HUB_OFFLINE: the generate stage could not fetch it
+    assert "hf download --repo-type dataset org/absent" in findings["chat template: H2"].advice
+    assert not (tmp_path / "run" / "datasets").exists()  # the check records no commit
+
+
 @pytest.fixture
 def maskless_target(tmp_path, tiny_target_dir) -> Path:
     """The tiny target with a chat template that drops the assistant turns' text."""

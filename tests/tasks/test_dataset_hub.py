@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from flows.config import DatasetConfig
 from models.run_layout import RunLayout
 from tasks.datasets import DatasetError, DatasetNotFoundError, HubDataset, RowFormat, iter_rows, load_dataset
+from tests.hub_cache import offline_hub_cache, publish
 
 COMMIT = "1" * 40
 NEWER = "2" * 40
@@ -27,34 +28,7 @@ ROWS = [  # ShareGPT rows; the last repeats the first (a duplicate, dropped and 
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch) -> Path:
-    """An empty, offline Hub cache under tmp_path: the environment and the constants the libraries read at import."""
-    import datasets
-    import huggingface_hub.constants
-
-    home = tmp_path / "hf"
-    hub = home / "hub"
-    hub.mkdir(parents=True)
-    for key, value in {"HF_HOME": home, "HF_HUB_CACHE": hub, "HF_DATASETS_CACHE": home / "datasets"}.items():
-        monkeypatch.setenv(key, str(value))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    return hub
-
-
-def _publish(hub: Path, commit: str, rows: list[dict], *, repo: str = "org/chats", main: bool = True, split="train"):
-    """A commit of a dataset repo as the Hub cache holds it: snapshots/<commit>/data/<split>-*.parquet, refs/main."""
-    org, name = repo.split("/")
-    root = hub / f"datasets--{org}--{name}"
-    data = root / "snapshots" / commit / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), data / f"{split}-00000-of-00001.parquet")
-    if main:
-        (root / "refs").mkdir(exist_ok=True)
-        (root / "refs" / "main").write_text(commit)
+    return offline_hub_cache(tmp_path, monkeypatch)
 
 
 def _local(tmp_path: Path, rows: list[dict]) -> Path:
@@ -67,7 +41,7 @@ def test_a_hub_dataset_reads_as_the_same_rows_in_a_local_file(hub_cache, tmp_pat
     record = tmp_path / "run" / "datasets" / "chats.json"
     with_answers = [r for r in ROWS if r["conversations"][-1]["from"] == "gpt"]
     for kind, rows, commit in (("generate", ROWS, COMMIT), ("passthrough", with_answers, NEWER)):
-        _publish(hub_cache, commit, [*rows, rows[0]])
+        publish(hub_cache, commit, [*rows, rows[0]])
         hub = load_dataset(HubDataset("org/chats", revision=commit, record=record), kind)
         local = load_dataset(_local(tmp_path, [*rows, rows[0]]), kind)
         assert [(r.id, r.messages) for r in hub.rows] == [(r.id, r.messages) for r in local.rows]
@@ -82,13 +56,13 @@ def test_a_hub_dataset_reads_as_the_same_rows_in_a_local_file(hub_cache, tmp_pat
 
 
 def test_the_commit_read_is_recorded_and_a_rerun_reads_it_after_main_moved(hub_cache, tmp_path):
-    _publish(hub_cache, COMMIT, ROWS)
+    publish(hub_cache, COMMIT, ROWS)
     record = tmp_path / "run" / "datasets" / "chats.json"
     source = HubDataset("org/chats", record=record)
     first = load_dataset(source, "generate")
     assert json.loads(record.read_text()) == {"repo": "org/chats", "config": None, "split": "train", "revision": COMMIT}
 
-    _publish(hub_cache, NEWER, ROWS[:1])  # main moves on, with other rows
+    publish(hub_cache, NEWER, ROWS[:1])  # main moves on, with other rows
     again = load_dataset(source, "generate")
     assert again.rows == first.rows
     assert json.loads(record.read_text())["revision"] == COMMIT
@@ -103,7 +77,7 @@ def test_the_commit_read_is_recorded_and_a_rerun_reads_it_after_main_moved(hub_c
 
 
 def test_a_recorded_commit_missing_from_the_offline_cache_is_a_clear_error(hub_cache, tmp_path):
-    _publish(hub_cache, COMMIT, ROWS)
+    publish(hub_cache, COMMIT, ROWS)
     record = tmp_path / "datasets" / "chats.json"
     record.parent.mkdir()
     record.write_text(json.dumps({"repo": "org/chats", "config": None, "split": "train", "revision": NEWER}))
@@ -125,10 +99,10 @@ def test_a_dataset_not_in_the_cache_says_how_to_download_it(hub_cache):
 
 
 def test_split_and_row_format_settings_apply(hub_cache, tmp_path):
-    _publish(hub_cache, COMMIT, ROWS)
-    _publish(hub_cache, COMMIT, ROWS[2:], split="test")
+    publish(hub_cache, COMMIT, ROWS)
+    publish(hub_cache, COMMIT, ROWS[2:], split="test")
     assert [r.id for r in load_dataset(HubDataset("org/chats", split="test"), "generate").rows] == ["c"]
-    _publish(hub_cache, COMMIT, [{"q": "What is 3+3?", "a": "6"}], repo="org/math")
+    publish(hub_cache, COMMIT, [{"q": "What is 3+3?", "a": "6"}], repo="org/math")
     fmt = RowFormat(format="columns", prompt_field="q", response_field="a", id_field="q")
     rows = load_dataset(HubDataset("org/math"), "passthrough", row_format=fmt).rows
     assert [(r.id, r.messages) for r in rows] == [
@@ -137,20 +111,20 @@ def test_split_and_row_format_settings_apply(hub_cache, tmp_path):
     with pytest.raises(DatasetError, match=f"hf:org/chats: at commit {COMMIT}: .*nope"):
         load_dataset(HubDataset("org/chats", split="nope"), "generate")
     # a bad row names the hf: path and the row
-    _publish(hub_cache, NEWER, [ROWS[0], {"id": "x", "conversations": [{"from": "human"}]}])
+    publish(hub_cache, NEWER, [ROWS[0], {"id": "x", "conversations": [{"from": "human"}]}])
     with pytest.raises(DatasetError, match=r"^hf:org/chats row 2: .*conversations\[0\]\.value"):
         load_dataset(HubDataset("org/chats", revision=NEWER), "generate")
 
 
 def test_a_bare_hf_path_reads_the_train_split_and_records_nothing(hub_cache, tmp_path):
-    _publish(hub_cache, COMMIT, ROWS)
+    publish(hub_cache, COMMIT, ROWS)
     assert [number for number, _ in iter_rows("hf:org/chats", "generate")] == [1, 2, 3]
     with pytest.raises(DatasetError, match="hf:org is not a Hub dataset path|'hf:org' is not a Hub dataset path"):
         load_dataset("hf:org", "generate")
 
 
 def test_without_the_datasets_library_the_error_says_to_install_it(hub_cache, monkeypatch):
-    _publish(hub_cache, COMMIT, ROWS)
+    publish(hub_cache, COMMIT, ROWS)
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets raises ImportError
     with pytest.raises(DatasetError, match="pip install datasets"):
         load_dataset("hf:org/chats", "generate")
@@ -182,7 +156,7 @@ def test_hub_settings_on_a_local_path_are_a_config_error():
 
 
 def test_the_config_setting_picks_a_config_the_readme_declares(hub_cache):
-    _publish(hub_cache, COMMIT, ROWS[:1])
+    publish(hub_cache, COMMIT, ROWS[:1])
     snapshot = hub_cache / "datasets--org--chats" / "snapshots" / COMMIT
     (snapshot / "fr").mkdir()
     pq.write_table(pa.Table.from_pylist(ROWS[1:]), snapshot / "fr" / "train-00000-of-00001.parquet")

@@ -76,3 +76,50 @@ def test_a_template_without_a_generation_prompt_warns(tmp_path, no_tools):
     rows = jsonl(tmp_path / "e.jsonl", [{"id": "p1", "prompt": "Name three prime numbers."}])
     (f,) = template_findings(no_tools, [("B9", rows, "generate")]).findings
     assert f.status == "WARN" and "add_generation_prompt adds nothing" in f.detail
+
+
+def _chats(prompt: str) -> list[dict]:
+    """ShareGPT rows as a Hub dataset publishes them; the second row's prompt is `prompt`."""
+    return [
+        {"id": "a", "conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello!"}]},
+        {"id": "b", "conversations": [{"from": "human", "value": prompt}]},
+    ]
+
+
+def test_a_hub_dataset_is_sampled_from_the_cache_at_the_run_s_recorded_commit(tmp_path, tokenizer, monkeypatch):
+    """The check reads what the run reads (the commit its record pins, not the newer main), records nothing, and
+    measures what the same rows measure in a local file."""
+    from tasks.datasets import HubDataset
+    from tests.hub_cache import offline_hub_cache, publish
+
+    hub = offline_hub_cache(tmp_path, monkeypatch)
+    pinned, newer = _chats("word " * 50), _chats("short")
+    publish(hub, "1" * 40, pinned, main=False)
+    publish(hub, "2" * 40, newer)
+    record = tmp_path / "run" / "datasets" / "B9.json"
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"repo": "org/chats", "config": None, "split": "train", "revision": "1" * 40}))
+    before = record.read_text()
+    source = HubDataset("org/chats", record=record)
+    report = template_findings(tokenizer, [("B9", source, "generate")])
+    local = template_findings(tokenizer, [("B9", jsonl(tmp_path / "pinned.jsonl", pinned), "generate")])
+    assert report.longest_prompts == local.longest_prompts and report.longest_prompts["B9"] > 50
+    assert [(f.status, f.detail) for f in report.findings] == [(f.status, f.detail) for f in local.findings]
+    assert record.read_text() == before
+
+
+def test_a_hub_dataset_not_in_the_cache_warns_online_and_fails_offline(tmp_path, tokenizer, monkeypatch):
+    import huggingface_hub.constants
+
+    from tasks.datasets import HubDataset
+    from tests.hub_cache import offline_hub_cache
+
+    offline_hub_cache(tmp_path, monkeypatch)  # empty
+    source = HubDataset("org/absent")
+    (f,) = template_findings(tokenizer, [("B9", source, "generate")]).findings
+    assert f.status == "FAIL" and "not in the local Hugging Face cache and HF_HUB_OFFLINE is set" in f.detail
+    assert "hf download --repo-type dataset org/absent" in f.advice
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # online: the stage would download it
+    (f,) = template_findings(tokenizer, [("B9", source, "generate")]).findings
+    assert f.status == "WARN" and f.detail.startswith("not sampled: hf:org/absent")
+    assert "hf download --repo-type dataset org/absent" in f.advice
