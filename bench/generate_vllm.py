@@ -38,11 +38,13 @@ TARGET = 0.95
 
 @dataclass
 class Params:
+    """Every knob of one bench run (printed and saved with the figures)."""
+
+    url: str = ""  # a running vLLM; empty: start one from .venv-vllm on the tiny target
     prompts: int = 256
     concurrency: int = 16
     max_new_tokens: int = 128
     repeats: int = 3
-    url: str = ""  # a running vLLM; empty: start one from .venv-vllm on the tiny target
     quick: bool = False
 
     @classmethod

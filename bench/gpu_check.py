@@ -336,13 +336,12 @@ class Check:
         protocol: Any,
         limit_s: float,
         *,
-        ranks: int = 1,
         single_process: bool = False,
         on_progress: Callable[[Any], None] | None = None,
     ) -> dict[str, Any]:
         """Launch `python -m module --job JOB` as the stage tasks do; its protocol lines, their times, its memory.
 
-        Ranks (`single_process` False): tasks.launch_ranks.rank_command with this check's launcher; the eval
+        One rank (`single_process` False; one GPU): tasks.launch_ranks.rank_command with this check's launcher; the eval
         job runs as one process, as tasks/eval/tasks.py starts it. The output is followed with
         tasks.launch_ranks.follow_job, so a failing rank raises its own exception; the launch is killed
         at `limit_s` (JobTimedOut). `on_progress` gets each progress message as it comes.
@@ -353,7 +352,7 @@ class Check:
         if single_process:
             command, env = [sys.executable, "-m", module, "--job", str(job_path)], {"OMP_NUM_THREADS": "1"}
         else:
-            command, env = rank_command(module, ["--job", str(job_path)], num_ranks=ranks, launcher=self.p.launcher)
+            command, env = rank_command(module, ["--job", str(job_path)], num_ranks=1, launcher=self.p.launcher)
         # The ranks import models/ from this checkout (no editable install on the GPU machine) and the
         # carried wheels from PYTHONPATH (bench/gpu_check.sh puts them there).
         env = {
