@@ -44,10 +44,11 @@ demo: $(STAMP)
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/eagle3 demo
 
 # Two pytest-xdist workers (one per core on a 2-core machine); --dist loadscope keeps a test file on one
-# worker, so its module fixtures are built once. A single test file runs in one process: pytest FILE.
+# worker, so its module fixtures are built once; --no-loadscope-reorder starts the files in the order
+# tests/conftest.py sorts them, the longest first. A single test file runs in one process: pytest FILE.
 # --durations: the 25 slowest setups and calls at the end, to see where the suite's time goes.
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadscope --durations=25 tests
+	$(BIN)/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=25 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadscope tests -m "not slow and not e2e and not multiprocess"

@@ -20,6 +20,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+# The order test files start in under `pytest -n 2 --dist loadscope --no-loadscope-reorder` (make test): the longest
+# first, so that the two workers end together. The real-vLLM file alone takes about 12 minutes on one worker (its
+# servers are module fixtures); started last, it was the suite's tail. Then the other heavy kinds, then the rest.
+FIRST = ("vllm", "slow", "e2e", "multiprocess")
+
+
+def start_rank(item: pytest.Item) -> int:
+    """Where `item`'s file starts: the first of FIRST that marks the item, else after them all."""
+    return next((i for i, name in enumerate(FIRST) if item.get_closest_marker(name)), len(FIRST))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank: dict[str, int] = {}
+    for item in items:
+        file = item.nodeid.split("::")[0]
+        rank[file] = min(rank.get(file, len(FIRST)), start_rank(item))
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: each file's own order is kept
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread():
     """The tests' models are tiny: one intra-op thread is faster than two spin-waiting on a busy 2-core box."""
