@@ -94,10 +94,11 @@ def test_turn_ids_name_a_conversation_and_its_turn():
 
 
 def test_a_conversation_is_regenerated_up_to_its_first_tool_call():
+    tools = {"role": "system", "content": "tools: get_weather"}
     row = PromptRow(
         id="g1",
         messages=[
-            {"role": "system", "content": "tools: get_weather"},
+            tools,
             user("hello"),
             assistant("hi"),
             user("weather in Paris?"),
@@ -108,18 +109,11 @@ def test_a_conversation_is_regenerated_up_to_its_first_tool_call():
         ],
     )
     conv = conversation(row)
-    assert conv.head == [{"role": "system", "content": "tools: get_weather"}]
+    assert conv.head == [tools]
     assert conv.users == [user("hello"), user("weather in Paris?")]  # "and in Rome?" comes after the tool call
     conv.answers.append("the target's hi")
-    assert conv.prompt() == PromptRow(
-        id="g1#t1",
-        messages=[
-            {"role": "system", "content": "tools: get_weather"},
-            user("hello"),
-            assistant("the target's hi"),
-            user("weather in Paris?"),
-        ],
-    )
+    expected = [tools, user("hello"), assistant("the target's hi"), user("weather in Paris?")]
+    assert conv.prompt() == PromptRow(id="g1#t1", messages=expected)
 
 
 def test_every_turn_once_each_prompt_holding_the_targets_own_earlier_answers(tmp_path, tokenizer):
