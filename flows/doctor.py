@@ -24,7 +24,7 @@ from flows.train import train_job
 from models.environment import environment_checks
 from models.findings import Finding, failed
 from models.train_checkpoint import optimisation_settings, variant_settings
-from tasks.capture.plan import capture_layers
+from tasks.capture.plan import capture_layers, target_shape
 from tasks.datasets.hub import is_hub_path
 
 ALL_STAGES = ("generate", "records", "capture", "train", "eval")
@@ -264,8 +264,15 @@ def _disk(config: RunConfig) -> list[Finding]:
 
 
 def _run_dir(config: RunConfig) -> list[Finding]:
-    from tasks.doctor.run_dir import run_dir_findings
+    from tasks.doctor.run_dir import run_dir_findings, shards_finding
 
     job = train_job(config)
     settings = optimisation_settings(job, config.world_size(config.train)) | variant_settings(job)
-    return run_dir_findings(config.run_dir, checkpoint_dir=config.layout.checkpoints, settings=settings)
+    found = run_dir_findings(config.run_dir, checkpoint_dir=config.layout.checkpoints, settings=settings)
+    try:
+        plan, shape = capture_plan(config), target_shape(config.target.path, config.target.trust_remote_code)
+        layers = capture_layers(shape.num_layers, config.capture.aux_layers)
+    except Exception:  # noqa: BLE001 - the target's config or capture.aux_layers: said by the target and draft checks
+        return found
+    want = {"hidden_size": plan.hidden_size, "aux_layers": layers, "dtype": plan.dtype, "storage": plan.storage}
+    return [*found, shards_finding(config.layout.hidden_dir, want)]

@@ -53,7 +53,7 @@ import torch
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.eagle3 import default_aux_layers
 from models.file_errors import DamagedFile
-from models.hidden_shards import NATIVE, ShardWriter, clean_temps, list_shards, shard_metadata, write_index
+from models.hidden_shards import ShardWriter, captured_with, clean_temps, list_shards, shard_metadata, write_index
 from models.jobs import CaptureJob, DatasetRecords
 from models.rank import Dist, check_shared_dir, init_process_group, log, say, serve
 from models.rank_protocol import CAPTURE, CAPTURE_PROGRESS
@@ -495,7 +495,7 @@ def check_compatible(
         "storage": storage,
     }
     for meta in existing[:1]:  # all shards come from runs that passed this same check
-        have = {k: meta.get(k, NATIVE if k == "storage" else None) for k in want}
+        have = captured_with(meta)
         if have != want:
             raise ValueError(
                 f"{out_dir} holds shards captured with {have}, this job captures {want}: "

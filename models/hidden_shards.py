@@ -40,6 +40,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -125,6 +126,14 @@ def list_shards(out_dir: str | Path) -> list[Path]:
         if m:
             found.append((int(m.group(1)), int(m.group(2)), p))
     return [p for _, _, p in sorted(found)]
+
+
+CAPTURE_SETTINGS = ("hidden_size", "aux_layers", "dtype", "storage")  # what a capture resuming into shards must share
+
+
+def captured_with(meta: dict) -> dict[str, Any]:
+    """The CAPTURE_SETTINGS in a shard's metadata (`shard_metadata`); a shard without `storage` is native."""
+    return {k: meta.get(k, NATIVE if k == "storage" else None) for k in CAPTURE_SETTINGS}
 
 
 def shard_metadata(path: str | Path) -> dict:

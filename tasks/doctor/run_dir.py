@@ -1,5 +1,5 @@
 """Doctor: the run directory as another run left it: who holds its lock, damaged parts, a checkpoint of
-other settings."""
+other settings, hidden-state shards captured with other settings."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from models.file_errors import DamagedShard
 from models.findings import Finding
+from models.hidden_shards import captured_with, list_shards, shard_metadata
 from models.train_checkpoint import FINGERPRINT, checkpoint_settings, complete_checkpoints, settings_differences
 from tasks.records.build import record_stats
 from tasks.run_lock import describe_holder, lock_holder
@@ -82,3 +84,25 @@ def _checkpoint_finding(checkpoint_dir: Path, settings: dict[str, Any]) -> Findi
         "PASS",
         f"{tag}: its settings are this config's (data and vocabulary are checked when training starts)",
     )
+
+
+def shards_finding(out_dir: Path, want: dict[str, Any]) -> Finding:
+    """The shards already in the capture's `out_dir` against `want`, the settings this config captures with
+    (models/hidden_shards.py CAPTURE_SETTINGS): the capture refuses to resume into shards of others."""
+    shards = list_shards(out_dir) if out_dir.is_dir() else []
+    if not shards:
+        return Finding("capture shards", "PASS", f"none in {out_dir} (the capture starts fresh)")
+    try:
+        have = captured_with(shard_metadata(shards[0]))
+    except DamagedShard as exc:
+        return Finding("capture shards", "FAIL", str(exc)[:300], f"move {shards[0]} aside: the capture redoes it")
+    if have != want:
+        differ = ", ".join(f"{k} {have[k]} -> {want[k]}" for k in want if have[k] != want[k])
+        return Finding(
+            "capture shards",
+            "FAIL",
+            f"{out_dir} holds {len(shards)} shard(s) captured with other settings: {differ}"[:500],
+            "the capture stage would refuse to resume into them: restore those settings, or set capture.out_dir to "
+            "another directory (or move the shards aside) to capture afresh",
+        )
+    return Finding("capture shards", "PASS", f"{len(shards)} shard(s) in {out_dir} with these settings: it resumes")

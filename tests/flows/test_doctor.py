@@ -94,6 +94,26 @@ def test_a_hub_dataset_gets_its_chat_template_checked_from_the_cache(tmp_path, t
     assert not (tmp_path / "run" / "datasets").exists()  # the check records no commit
 
 
+def test_shards_captured_with_other_settings_fail_before_the_capture_refuses_them(tmp_path, tiny_target_dir):
+    """Shards as the capture writes them for this target (float32, its hidden size, EAGLE-3's default layers): the
+    config that wrote them resumes; one that would capture fp8 into them fails, naming what differs."""
+    import torch
+
+    from models.eagle3 import default_aux_layers
+    from models.hidden_shards import ShardWriter
+
+    target = json.loads((tiny_target_dir / "config.json").read_text())
+    h, layers = target["hidden_size"], default_aux_layers(target["num_hidden_layers"])
+    hidden = tmp_path / "run" / "hidden"
+    with ShardWriter(hidden, rank=0, shard_tokens=1, aux_layers=layers) as w:
+        w.add("r1", "A1_chat", torch.ones(2, dtype=torch.long), torch.ones(2), torch.zeros(2, 3 * h), torch.zeros(2, h))
+    same = by_name(doctor_findings(load_config(write_config(tmp_path, tiny_target_dir))))["capture shards"]
+    assert same.status == "PASS" and same.detail.endswith("with these settings: it resumes"), same.detail
+    fp8 = write_config(tmp_path, tiny_target_dir, capture={"storage": "fp8"})
+    other = by_name(doctor_findings(load_config(fp8)))["capture shards"]
+    assert other.status == "FAIL" and other.detail.endswith("captured with other settings: storage native -> fp8")
+
+
 @pytest.fixture
 def maskless_target(tmp_path, tiny_target_dir) -> Path:
     """The tiny target with a chat template that drops the assistant turns' text."""

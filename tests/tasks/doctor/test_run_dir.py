@@ -116,3 +116,15 @@ def test_a_checkpoint_of_the_other_draft_variant_fails_both_ways(tmp_path):
         f = finding(trained, configured)
         assert f.status == "FAIL", (trained, configured, f.detail)
         assert f"draft.fc_norm {change}, draft.norm_output {change}" in f.detail
+
+
+def test_a_damaged_shard_fails_naming_it_and_none_passes(tmp_path):
+    from tasks.doctor.run_dir import shards_finding
+
+    want = {"hidden_size": 8, "aux_layers": [1, 3, 4], "dtype": "float32", "storage": "native"}
+    f = shards_finding(tmp_path / "hidden", want)
+    assert f.status == "PASS" and "the capture starts fresh" in f.detail
+    (tmp_path / "hidden").mkdir()
+    (tmp_path / "hidden" / "shard-000-000000.safetensors").write_bytes(b"not a shard")
+    f = shards_finding(tmp_path / "hidden", want)
+    assert f.status == "FAIL" and "shard-000-000000.safetensors" in f.detail and "move" in f.advice
