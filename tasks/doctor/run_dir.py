@@ -89,7 +89,10 @@ def _checkpoint_finding(checkpoint_dir: Path, settings: dict[str, Any]) -> Findi
 def shards_finding(out_dir: Path, want: dict[str, Any]) -> Finding:
     """The shards already in the capture's `out_dir` against `want`, the settings this config captures with
     (models/hidden_shards.py CAPTURE_SETTINGS): the capture refuses to resume into shards of others."""
-    shards = list_shards(out_dir) if out_dir.is_dir() else []
+    try:
+        shards = list_shards(out_dir) if out_dir.is_dir() else []
+    except OSError as exc:  # e.g. not readable by this user: the capture could not read it either
+        return Finding("capture shards", "FAIL", f"cannot list {out_dir}: {exc}"[:300], "fix its permissions")
     if not shards:
         return Finding("capture shards", "PASS", f"none in {out_dir} (the capture starts fresh)")
     try:

@@ -128,3 +128,15 @@ def test_a_damaged_shard_fails_naming_it_and_none_passes(tmp_path):
     (tmp_path / "hidden" / "shard-000-000000.safetensors").write_bytes(b"not a shard")
     f = shards_finding(tmp_path / "hidden", want)
     assert f.status == "FAIL" and "shard-000-000000.safetensors" in f.detail and "move" in f.advice
+
+
+def test_a_capture_directory_that_cannot_be_listed_fails(tmp_path, monkeypatch):
+    import tasks.doctor.run_dir as run_dir
+
+    def denied(out_dir):
+        raise PermissionError(13, "Permission denied", str(out_dir))
+
+    monkeypatch.setattr(run_dir, "list_shards", denied)  # as for a directory of another user (root reads any)
+    (tmp_path / "hidden").mkdir()
+    f = run_dir.shards_finding(tmp_path / "hidden", {"storage": "native"})
+    assert f.status == "FAIL" and f.detail.startswith(f"cannot list {tmp_path / 'hidden'}: [Errno 13]")
