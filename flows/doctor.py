@@ -81,7 +81,7 @@ def doctor_findings(
         out += [("draft", f) for f in _draft(config, target)]
     if target and ({"generate", "records", "capture"} & set(stages)):
         out += [("disk", f) for f in _disk(config)]
-    out += [("run directory", f) for f in _run_dir(config)]
+    out += [("run directory", f) for f in _run_dir(config, capture="capture" in stages)]
     return out
 
 
@@ -263,12 +263,15 @@ def _disk(config: RunConfig) -> list[Finding]:
     return disk_findings(plan, budget_tokens=budgets, run_dir=config.run_dir)
 
 
-def _run_dir(config: RunConfig) -> list[Finding]:
+def _run_dir(config: RunConfig, *, capture: bool) -> list[Finding]:
+    """The run directory's checks; `capture`: the capture stage runs, so its shards are checked too."""
     from tasks.doctor.run_dir import run_dir_findings, shards_finding
 
     job = train_job(config)
     settings = optimisation_settings(job, config.world_size(config.train)) | variant_settings(job)
     found = run_dir_findings(config.run_dir, checkpoint_dir=config.layout.checkpoints, settings=settings)
+    if not capture:
+        return found
     try:
         plan, shape = capture_plan(config), target_shape(config.target.path, config.target.trust_remote_code)
         layers = capture_layers(shape.num_layers, config.capture.aux_layers)

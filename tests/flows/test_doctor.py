@@ -112,6 +112,8 @@ def test_shards_captured_with_other_settings_fail_before_the_capture_refuses_the
     fp8 = write_config(tmp_path, tiny_target_dir, capture={"storage": "fp8"})
     other = by_name(doctor_findings(load_config(fp8)))["capture shards"]
     assert other.status == "FAIL" and other.detail.endswith("captured with other settings: storage native -> fp8")
+    # a launch without the capture stage (`eagle3 generate`) is not stopped by them
+    assert "capture shards" not in by_name(doctor_findings(load_config(fp8), ["generate"]))
 
 
 @pytest.fixture
