@@ -125,7 +125,7 @@ class Params(harness.TargetParams):
 
     @classmethod
     def quick_preset(cls) -> Params:
-        """--cpu-smoke: the same path on CPU at toy sizes (the test and demo target's shape)."""
+        """--cpu-smoke: the same path on CPU at toy sizes (a target half the demo's width, random weights)."""
         return cls(
             quick=True,
             device="cpu",
