@@ -24,7 +24,7 @@ from flows.train import train_job
 from models.environment import environment_checks
 from models.findings import Finding, failed
 from models.train_checkpoint import optimisation_settings, variant_settings
-from tasks.capture.plan import capture_layers, target_shape
+from tasks.capture.plan import capture_dtype, capture_layers, target_shape
 from tasks.datasets.hub import is_hub_path
 
 ALL_STAGES = ("generate", "records", "capture", "train", "eval")
@@ -272,10 +272,11 @@ def _run_dir(config: RunConfig, *, capture: bool) -> list[Finding]:
     found = run_dir_findings(config.run_dir, checkpoint_dir=config.layout.checkpoints, settings=settings)
     if not capture:
         return found
+    c = config.capture
     try:
-        plan, shape = capture_plan(config), target_shape(config.target.path, config.target.trust_remote_code)
-        layers = capture_layers(shape.num_layers, config.capture.aux_layers)
+        shape = target_shape(config.target.path, config.target.trust_remote_code)
+        layers = capture_layers(shape.num_layers, c.aux_layers)
     except Exception:  # noqa: BLE001 - the target's config or capture.aux_layers: said by the target and draft checks
         return found
-    want = {"hidden_size": plan.hidden_size, "aux_layers": layers, "dtype": plan.dtype, "storage": plan.storage}
-    return [*found, shards_finding(config.layout.hidden_dir, want)]
+    want = {"hidden_size": shape.hidden_size, "aux_layers": layers, "dtype": capture_dtype(shape, c.dtype)}
+    return [*found, shards_finding(config.layout.hidden_dir, want | {"storage": c.storage})]

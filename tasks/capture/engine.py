@@ -46,7 +46,7 @@ from models.engine_hidden import (
 )
 from models.hidden_shards import ShardWriter, clean_temps, list_shards, shard_metadata, write_index
 from models.jobs import CaptureJob, EngineSettings
-from tasks.capture.plan import target_shape
+from tasks.capture.plan import capture_dtype, target_shape
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import BadRequest
 from tasks.engines.vllm import VLLMClient
@@ -130,7 +130,7 @@ async def capture_with_engine(
     out_dir.mkdir(parents=True, exist_ok=True)
     shared_dir.mkdir(parents=True, exist_ok=True)
     shape = target_shape(job.target_path, job.trust_remote_code)
-    dtype = DTYPES.get(shape.dtype if job.dtype == "auto" else job.dtype, torch.float32)
+    dtype = DTYPES.get(capture_dtype(shape, job.dtype), torch.float32)
     aux_layers = default_aux_layers(shape.num_layers) if job.aux_layers is None else list(job.aux_layers)
     ids_wanted = engine_layer_ids(aux_layers, shape.num_layers)
 

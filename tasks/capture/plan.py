@@ -101,6 +101,11 @@ def capture_layers(num_layers: int, override: list[int] | None) -> list[int]:
     return list(override)
 
 
+def capture_dtype(shape: TargetShape, setting: str) -> str:
+    """The dtype the capture stores for `capture.dtype: <setting>`: auto is the checkpoint's (else float32)."""
+    return shape.dtype if setting == "auto" else setting
+
+
 def plan_capture(
     records_dirs: list[Path],
     out_dir: Path,
@@ -115,7 +120,7 @@ def plan_capture(
     engine: EngineWindow | None = None,
 ) -> CapturePlan:
     """Bytes the capture still needs against the free space of `out_dir`'s filesystem (and of the connector's)."""
-    dtype = shape.dtype if dtype == "auto" else dtype
+    dtype = capture_dtype(shape, dtype)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"cannot plan for dtype {dtype!r}; set capture.dtype to one of {', '.join(DTYPE_BYTES)}")
     reports = [summarize_records(d) for d in records_dirs]
