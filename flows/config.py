@@ -44,10 +44,8 @@ class Section(Spec):
 class TargetConfig(TargetSpec, Section):
     """The target model whose responses and hidden states the draft learns from."""
 
-    build_tiny_target: bool = Field(
-        default=False,
-        description="Build the deterministic tiny demo target at `path` if it is not there yet (demo and tests only).",
-    )
+    build_tiny_target: bool = False
+    """Build the deterministic tiny demo target at `path` if it is not there yet (demo and tests only)."""
 
 
 def command_words(value: Any) -> Any:
@@ -64,54 +62,31 @@ CommandWords = Annotated[list[str] | None, BeforeValidator(command_words)]
 class ServerConfig(ServerSettings, Section):
     """The serving engine's server(s) (or an SGLang router) that the generate stage and the engine eval send to."""
 
-    max_concurrency: int = Field(
-        default=64,
-        ge=1,
-        le=4096,
-        description="Most requests in flight to each server at once, over all datasets together "
-        "(behind a router: to the router).",
-    )
-    launch: Literal["none", "dev", "command"] = Field(
-        default="none",
-        description="Who runs the server during the generate stage. `none`: it is already running at `url`. "
-        "`dev`: the pipeline starts the built-in dev server (an SGLang emulation) on the target (demo, tests). "
-        "`command`: the pipeline starts `command` (e.g. SGLang's launch_server, or vLLM's api_server), waits for the "
-        "engine's health path, and stops it after generation, also on failure or cancellation, "
-        "so the GPUs are free for capture and training.",
-    )
-    command: CommandWords = Field(
-        default=None,
-        description="launch: command: the server command as a list of arguments; "
-        "its log goes to RUN_DIR/logs/server.log "
-        "(server-N.log for replica N). Placeholders filled per replica: {host}, {port}, {replica} (0, 1, ...) and "
-        "{gpus} (e.g. 0,1,2,3: the replica's GPUs when gpus_per_replica is set, also put in CUDA_VISIBLE_DEVICES).",
-    )
-    replicas: int = Field(
-        default=1,
-        ge=1,
-        le=64,
-        description="launch: dev|command: how many servers the pipeline starts. Replica N listens on url's port + N "
-        "(without a router), or on port + 1 + N behind the router, which takes url's port. With several replicas "
-        "a `command` must use {port}.",
-    )
-    gpus_per_replica: int | None = Field(
-        default=None,
-        ge=1,
-        description="launch: command: GPUs each replica gets (e.g. 4 for two TP-4 servers on 8 GPUs): replica N gets "
-        "GPUs N*g .. N*g+g-1 as {gpus} and in CUDA_VISIBLE_DEVICES. Unset: every replica sees every GPU.",
-    )
-    router: bool = Field(
-        default=False,
-        description="launch: dev|command: also start an SGLang router (pip install sglang-router) at `url` in front of "
-        "the replicas; requests then go to the router, which spreads them (see docs/scale-out.md, "
-        "'Behind an SGLang router', for what it changes).",
-    )
-    router_args: list[str] = Field(
-        default_factory=list,
-        description="Extra arguments for sglang_router.launch_router. Without a --policy the router gets "
-        "[--policy, round_robin]: its own default, cache_aware, may send every prompt to one worker "
-        "(docs/scale-out.md).",
-    )
+    max_concurrency: int = Field(default=64, ge=1, le=4096)
+    """Most requests in flight to each server at once, over all datasets together (behind a router: to the router)."""
+    launch: Literal["none", "dev", "command"] = "none"
+    """Who runs the server during the generate stage. `none`: it is already running at `url`. `dev`: the pipeline starts
+    the built-in dev server (an SGLang emulation) on the target (demo, tests). `command`: the pipeline starts
+    `command` (e.g. SGLang's launch_server, or vLLM's api_server), waits for the engine's health path, and stops it
+    after generation, also on failure or cancellation, so the GPUs are free for capture and training."""
+    command: CommandWords = None
+    """launch: command: the server command as a list of arguments; its log goes to RUN_DIR/logs/server.log (server-N.log
+    for replica N). Placeholders filled per replica: {host}, {port}, {replica} (0, 1, ...) and {gpus} (e.g. 0,1,2,3:
+    the replica's GPUs when gpus_per_replica is set, also put in CUDA_VISIBLE_DEVICES)."""
+    replicas: int = Field(default=1, ge=1, le=64)
+    """launch: dev|command: how many servers the pipeline starts. Replica N listens on url's port + N (without a
+    router), or on port + 1 + N behind the router, which takes url's port. With several replicas a `command` must use
+    {port}."""
+    gpus_per_replica: int | None = Field(default=None, ge=1)
+    """launch: command: GPUs each replica gets (e.g. 4 for two TP-4 servers on 8 GPUs): replica N gets GPUs N*g ..
+    N*g+g-1 as {gpus} and in CUDA_VISIBLE_DEVICES. Unset: every replica sees every GPU."""
+    router: bool = False
+    """launch: dev|command: also start an SGLang router (pip install sglang-router) at `url` in front of the replicas;
+    requests then go to the router, which spreads them (see docs/scale-out.md, 'Behind an SGLang router', for what it
+    changes)."""
+    router_args: list[str] = Field(default_factory=list)
+    """Extra arguments for sglang_router.launch_router. Without a --policy the router gets [--policy, round_robin]: its
+    own default, cache_aware, may send every prompt to one worker (docs/scale-out.md)."""
 
     @model_validator(mode="after")
     def _command_for_launch(self) -> ServerConfig:
@@ -181,28 +156,22 @@ def check_command(launch: str, command: list[str] | None, placeholders: tuple[st
 class SamplingConfig(Section):
     """Sampling parameters sent with every /generate request (SGLang's `sampling_params`)."""
 
-    max_new_tokens: int = Field(
-        default=16384,
-        ge=1,
-        description="Most completion tokens per response. Set it explicitly: SGLang's own default "
-        "is 128, which silently truncates reasoning responses.",
-    )
-    temperature: float = Field(default=1.0, ge=0, description="0 means greedy decoding.")
-    top_p: float = Field(default=0.95, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(default=-1, ge=-1, description="-1 disables top-k filtering.")
-    stop_token_ids: list[int] | None = Field(
-        default=None,
-        description="Token ids that end a response (kept in output_ids). Default: the target tokenizer's eos token.",
-    )
-    seed: int | None = Field(
-        default=None,
-        ge=0,
-        description="Makes sampling repeatable: each /generate request gets SGLang's `sampling_seed`, derived from "
-        "(seed, dataset, prompt id), so a prompt's response does not depend on the order or concurrency it was sent "
-        "with. SGLang honours it only when the server runs with --enable-deterministic-inference "
-        "(docs/run-a-pipeline.md, 'Repeatable sampling'); "
-        "the dev server always does. None: the server draws its own randomness.",
-    )
+    max_new_tokens: int = Field(default=16384, ge=1)
+    """Most completion tokens per response. Set it explicitly: SGLang's own default is 128, which silently truncates
+    reasoning responses."""
+    temperature: float = Field(default=1.0, ge=0)
+    """0 means greedy decoding."""
+    top_p: float = Field(default=0.95, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(default=-1, ge=-1)
+    """-1 disables top-k filtering."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end a response (kept in output_ids). Default: the target tokenizer's eos token."""
+    seed: int | None = Field(default=None, ge=0)
+    """Makes sampling repeatable: each /generate request gets SGLang's `sampling_seed`, derived from (seed, dataset,
+    prompt id), so a prompt's response does not depend on the order or concurrency it was sent with. SGLang honours
+    it only when the server runs with --enable-deterministic-inference (docs/run-a-pipeline.md, 'Repeatable
+    sampling'); the dev server always does. None: the server draws its own randomness."""
 
     @field_validator("top_k")
     @classmethod
@@ -222,12 +191,10 @@ class SamplingConfig(Section):
 class GenerateConfig(GenerateSettings, Section):
     """Checkpointing, progress and retries of the generate stage."""
 
-    retries: int = Field(
-        default=3, ge=0, description="Prefect retries of a dataset task that failed (e.g. server outage)."
-    )
-    retry_delay_s: float = Field(
-        default=60.0, ge=0, description="First delay before a retry; doubles each time, with jitter."
-    )
+    retries: int = Field(default=3, ge=0)
+    """Prefect retries of a dataset task that failed (e.g. server outage)."""
+    retry_delay_s: float = Field(default=60.0, ge=0)
+    """First delay before a retry; doubles each time, with jitter."""
 
 
 class RecordsConfig(RecordSettings, Section):
@@ -237,21 +204,16 @@ class RecordsConfig(RecordSettings, Section):
 class LaunchConfig(Section):
     """How a DeepSpeed job of the pipeline is launched and retried (capture, train)."""
 
-    num_gpus: int = Field(
-        default=8, ge=1, description="Ranks of the job: one per GPU (on a CPU-only machine, CPU processes)."
-    )
-    launcher: Literal["auto", "torchrun", "deepspeed"] = Field(
-        default="auto",
-        description="auto: the deepspeed launcher on a CUDA machine, torchrun (gloo, DS_ACCELERATOR=cpu) otherwise.",
-    )
-    retries: int = Field(
-        default=2,
-        ge=0,
-        description="Prefect retries of a job whose rank crashed or was killed; a retry resumes (complete "
-        "shards are skipped, training goes on from the last checkpoint). "
-        "A full disk, a damaged file, a checkpoint of other data or settings, or a refused job is not retried.",
-    )
-    retry_delay_s: float = Field(default=60.0, ge=0, description="Seconds to wait before each retry of the job.")
+    num_gpus: int = Field(default=8, ge=1)
+    """Ranks of the job: one per GPU (on a CPU-only machine, CPU processes)."""
+    launcher: Literal["auto", "torchrun", "deepspeed"] = "auto"
+    """auto: the deepspeed launcher on a CUDA machine, torchrun (gloo, DS_ACCELERATOR=cpu) otherwise."""
+    retries: int = Field(default=2, ge=0)
+    """Prefect retries of a job whose rank crashed or was killed; a retry resumes (complete shards are skipped, training
+    goes on from the last checkpoint). A full disk, a damaged file, a checkpoint of other data or settings, or a
+    refused job is not retried."""
+    retry_delay_s: float = Field(default=60.0, ge=0)
+    """Seconds to wait before each retry of the job."""
 
     @property
     def device(self) -> Literal["cpu", "cuda"]:
@@ -272,26 +234,16 @@ class DistributedConfig(Nodes, Section):
 class EngineConfig(EngineSettings, Section):
     """capture.backend: vllm: the vLLM server that extracts hidden states, and who runs it (docs/kimi-k25.md)."""
 
-    launch: Literal["none", "dev", "command"] = Field(
-        default="none",
-        description="Who runs the vLLM server during the capture stage. "
-        "`none`: it is already running at `url`, started with the extraction config the capture logs "
-        "(and docs/kimi-k25.md shows). "
-        "`dev`: the built-in dev server emulates it on the target (demo, tests). "
-        "`command`: the pipeline starts `command`, waits for /health, and stops it after.",
-    )
-    command: CommandWords = Field(
-        default=None,
-        description="launch: command: the vLLM command as a list of arguments; "
-        "its log goes to RUN_DIR/logs/capture-server.log. "
-        "Placeholders: {host}, {port} (from url), {speculative_config} and {kv_transfer_config} (the extraction config "
-        "as JSON, with the layer ids and shared_dir this capture reads), {shared_dir}.",
-    )
-    health_timeout_s: float = Field(
-        default=3600.0,
-        gt=0,
-        description="How long to wait for the server's /health at the start (a 1T model loads for many minutes).",
-    )
+    launch: Literal["none", "dev", "command"] = "none"
+    """Who runs the vLLM server during the capture stage. `none`: it is already running at `url`, started with the
+    extraction config the capture logs (and docs/kimi-k25.md shows). `dev`: the built-in dev server emulates it on
+    the target (demo, tests). `command`: the pipeline starts `command`, waits for /health, and stops it after."""
+    command: CommandWords = None
+    """launch: command: the vLLM command as a list of arguments; its log goes to RUN_DIR/logs/capture-server.log.
+    Placeholders: {host}, {port} (from url), {speculative_config} and {kv_transfer_config} (the extraction config as
+    JSON, with the layer ids and shared_dir this capture reads), {shared_dir}."""
+    health_timeout_s: float = Field(default=3600.0, gt=0)
+    """How long to wait for the server's /health at the start (a 1T model loads for many minutes)."""
 
     @model_validator(mode="after")
     def _command_for_launch(self) -> EngineConfig:
@@ -311,37 +263,26 @@ ENGINE_PLACEHOLDERS = ("host", "port", "speculative_config", "kv_transfer_config
 class CaptureConfig(CaptureSettings, LaunchConfig):
     """The capture of the target's hidden states for every training record: a DeepSpeed job, or a vLLM server."""
 
-    backend: Literal["deepspeed", "vllm"] = Field(
-        default="deepspeed",
-        description="`deepspeed`: ranks run the HF target "
-        "(mode, num_gpus, launcher; small and medium targets, the demo). "
-        "`vllm`: a vLLM server running the target (INT4 Kimi-K2.5 on 8 GPUs needs no BF16 copy) extracts them; "
-        "see `engine`. Both write the same shards, index and metadata.",
-    )
-    engine: EngineConfig = Field(
-        default_factory=EngineConfig, description="backend: vllm: the server and how to reach it."
-    )
+    backend: Literal["deepspeed", "vllm"] = "deepspeed"
+    """`deepspeed`: ranks run the HF target (mode, num_gpus, launcher; small and medium targets, the demo). `vllm`: a
+    vLLM server running the target (INT4 Kimi-K2.5 on 8 GPUs needs no BF16 copy) extracts them; see `engine`. Both
+    write the same shards, index and metadata."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """backend: vllm: the server and how to reach it."""
 
-    max_tokens: int | None = Field(
-        default=None,
-        ge=1,
-        description="Capture at most this many tokens in total "
-        "(one way to fit a disk: the remaining records are not captured).",
-    )
-    out_dir: Path | None = Field(
-        default=None, description="Where the hidden states go; default RUN_DIR/hidden. Put it on a big disk."
-    )
-    disk_margin: float = Field(
-        default=0.05, ge=0, lt=1, description="Share of the free space kept free: the job must fit in the rest."
-    )
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Capture at most this many tokens in total (one way to fit a disk: the remaining records are not captured)."""
+    out_dir: Path | None = None
+    """Where the hidden states go; default RUN_DIR/hidden. Put it on a big disk."""
+    disk_margin: float = Field(default=0.05, ge=0, lt=1)
+    """Share of the free space kept free: the job must fit in the rest."""
 
 
 class TrainConfig(TrainSettings, LaunchConfig):
     """The DeepSpeed job that trains the EAGLE-3 draft (ZeRO-2, training-time test)."""
 
-    out_dir: Path | None = Field(
-        default=None, description="Checkpoints, metrics and the exported draft; default RUN_DIR/draft."
-    )
+    out_dir: Path | None = None
+    """Checkpoints, metrics and the exported draft; default RUN_DIR/draft."""
 
 
 class EvalConfig(EvalSettings, EngineEvalSettings, Section):
@@ -356,60 +297,39 @@ class DatasetConfig(RowFormat, Section):
     declared in tasks/datasets/formats.py; `row_format` hands them to the loader.
     """
 
-    name: str = Field(description="Unique name; used as the directory name under responses/, records/, rejects/.")
-    kind: Literal["passthrough", "generate"] = Field(
-        description="`generate`: prompts sent to the target through SGLang. `passthrough`: rows "
-        "that already hold the responses (`messages` with assistant turns, or `input_ids` + "
-        "`loss_mask`)."
-    )
-    path: Path = Field(
-        description="JSONL file, Parquet file or directory, or a local Hugging Face `datasets` "
-        "directory (save_to_disk). Relative paths resolve against the config's base directory. "
-        "`hf:ORG/NAME`: a Hugging Face Hub dataset, read with `datasets` (split, config, revision below); the commit "
-        "read is recorded in RUN_DIR/datasets/<name>.json and read again by every rerun."
-    )
-    split: str | None = Field(default=None, description="`hf:` datasets: the split to read. Omitted: `train`.")
-    config: str | None = Field(
-        default=None,
-        description="`hf:` datasets: the dataset's config (subset) name, for a dataset that has several. "
-        "Omitted: its default.",
-    )
-    revision: str | None = Field(
-        default=None,
-        description="`hf:` datasets: the branch, tag or commit to read. Omitted: the commit the run recorded in "
-        "RUN_DIR/datasets/<name>.json, else the newest (main), which is then recorded.",
-    )
-    token_budget: int | None = Field(
-        default=None,
-        ge=1,
-        description="Generate datasets: stop once the server has spent this many completion "
-        "tokens on this dataset. Omitted: no token limit.",
-    )
-    max_prompts: int | None = Field(
-        default=None,
-        ge=1,
-        description="Use at most this many prompts of the dataset (in file order).",
-    )
-    max_in_flight: int | None = Field(
-        default=None,
-        ge=1,
-        description="Generate datasets: at most this many of the dataset's requests at once, over the whole pool "
-        "(within generate.max_concurrency). 1 makes a budget stop exact: the prompts answered are the first ones, in "
-        "file order, whose tokens reach token_budget, the same on every run with sampling.seed. Omitted: no limit "
-        "of its own.",
-    )
-    turns: Literal["last", "all"] = Field(
-        default="last",
-        description="Generate datasets: `last`: the target answers each conversation's last user turn, after the "
-        "dataset's own earlier turns. `all`: it answers every user turn in order, each prompt holding its own earlier "
-        "answers; one response per turn, id `<id>#t<k>`, regenerated up to the first tool call "
-        "(docs/run-a-pipeline.md, Multi-turn conversations).",
-    )
-    on_bad_row: Literal["fail", "skip"] = Field(
-        default="fail",
-        description="`fail`: a malformed row stops the run with its file and row. `skip`: the row "
-        "and the reason go to RUN_DIR/rejects/<name>/ and the rest is used.",
-    )
+    name: str
+    """Unique name; used as the directory name under responses/, records/, rejects/."""
+    kind: Literal["passthrough", "generate"]
+    """`generate`: prompts sent to the target through SGLang. `passthrough`: rows that already hold the responses
+    (`messages` with assistant turns, or `input_ids` + `loss_mask`)."""
+    path: Path
+    """JSONL file, Parquet file or directory, or a local Hugging Face `datasets` directory (save_to_disk). Relative
+    paths resolve against the config's base directory. `hf:ORG/NAME`: a Hugging Face Hub dataset, read with
+    `datasets` (split, config, revision below); the commit read is recorded in RUN_DIR/datasets/<name>.json and read
+    again by every rerun."""
+    split: str | None = None
+    """`hf:` datasets: the split to read. Omitted: `train`."""
+    config: str | None = None
+    """`hf:` datasets: the dataset's config (subset) name, for a dataset that has several. Omitted: its default."""
+    revision: str | None = None
+    """`hf:` datasets: the branch, tag or commit to read. Omitted: the commit the run recorded in
+    RUN_DIR/datasets/<name>.json, else the newest (main), which is then recorded."""
+    token_budget: int | None = Field(default=None, ge=1)
+    """Generate datasets: stop once the server has spent this many completion tokens on this dataset. Omitted: no token
+    limit."""
+    max_prompts: int | None = Field(default=None, ge=1)
+    """Use at most this many prompts of the dataset (in file order)."""
+    max_in_flight: int | None = Field(default=None, ge=1)
+    """Generate datasets: at most this many of the dataset's requests at once, over the whole pool (within
+    generate.max_concurrency). 1 makes a budget stop exact: the prompts answered are the first ones, in file order,
+    whose tokens reach token_budget, the same on every run with sampling.seed. Omitted: no limit of its own."""
+    turns: Literal["last", "all"] = "last"
+    """Generate datasets: `last`: the target answers each conversation's last user turn, after the dataset's own earlier
+    turns. `all`: it answers every user turn in order, each prompt holding its own earlier answers; one response per
+    turn, id `<id>#t<k>`, regenerated up to the first tool call (docs/run-a-pipeline.md, Multi-turn conversations)."""
+    on_bad_row: Literal["fail", "skip"] = "fail"
+    """`fail`: a malformed row stops the run with its file and row. `skip`: the row and the reason go to
+    RUN_DIR/rejects/<name>/ and the rest is used."""
 
     @field_validator("name")
     @classmethod
@@ -475,10 +395,9 @@ class DatasetConfig(RowFormat, Section):
 class RunConfig(Section):
     """A whole run: where it lives, the target, the server, sampling, stage settings, the datasets."""
 
-    run_dir: Path = Field(
-        description="Directory of this run (config, responses, records, hidden states, draft). "
-        "Relative paths resolve against the config's base directory."
-    )
+    run_dir: Path
+    """Directory of this run (config, responses, records, hidden states, draft). Relative paths resolve against the
+    config's base directory."""
     target: TargetConfig
     server: ServerConfig = Field(default_factory=ServerConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -488,7 +407,8 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
-    datasets: list[DatasetConfig] = Field(min_length=1, description="The input datasets, in order.")
+    datasets: list[DatasetConfig] = Field(min_length=1)
+    """The input datasets, in order."""
 
     @model_validator(mode="after")
     def _unique_dataset_names(self) -> RunConfig:

@@ -60,19 +60,16 @@ class KeyFromEnv:
 class TargetCode(Spec):
     """Whether the target's own modelling code may run."""
 
-    trust_remote_code: bool = Field(
-        default=False,
-        description="Pass trust_remote_code=True to transformers (Kimi-K2.5's tokenizer needs it).",
-    )
+    trust_remote_code: bool = False
+    """Pass trust_remote_code=True to transformers (Kimi-K2.5's tokenizer needs it)."""
 
 
 class TargetSpec(TargetCode):
     """The target model whose responses and hidden states the draft learns from."""
 
-    path: str = Field(
-        description="Hugging Face repo id or local directory of the target: its tokenizer and chat "
-        "template build the prompts; its weights are loaded by the capture stage."
-    )
+    path: str
+    """Hugging Face repo id or local directory of the target: its tokenizer and chat template build the prompts; its
+    weights are loaded by the capture stage."""
 
 
 class DatasetRecords(Spec):
@@ -85,7 +82,8 @@ class DatasetRecords(Spec):
 class RecordsRef(Spec):
     """The records a job reads, per dataset."""
 
-    datasets: list[DatasetRecords] = Field(default_factory=list, description="Each dataset's records directory.")
+    datasets: list[DatasetRecords] = Field(default_factory=list)
+    """Each dataset's records directory."""
 
     @field_validator("datasets")
     @classmethod
@@ -99,10 +97,8 @@ class RecordsRef(Spec):
 class AuxLayers(Spec):
     """Which decoder layers' outputs EAGLE-3 reads (the capture writes them, the draft is built for them)."""
 
-    aux_layers: list[int] | None = Field(
-        default=None,
-        description="0-based decoder layers whose outputs are captured; default [1, L//2-1, L-4] (EAGLE-3).",
-    )
+    aux_layers: list[int] | None = None
+    """0-based decoder layers whose outputs are captured; default [1, L//2-1, L-4] (EAGLE-3)."""
 
     @field_validator("aux_layers")
     @classmethod
@@ -125,43 +121,27 @@ class AuxLayers(Spec):
 class ServerSettings(KeyFromEnv, Spec):
     """How to reach the serving engine's servers (the API key is read from `api_key_env` at use, never stored)."""
 
-    engine: Literal["sglang", "vllm"] = Field(
-        default="sglang",
-        description="The serving engine of generate and the engine eval (tasks/engines/): sglang (its native "
-        "/generate) or vllm (its OpenAI-compatible /v1/completions with token ids; `make vllm` installs the CPU "
-        "build). The dev server emulates SGLang only.",
-    )
-    url: ServerUrl = Field(
-        default="http://127.0.0.1:30000",
-        description="Base URL of the server: scheme://host:port with no path (not .../generate, not .../v1). https is "
-        "allowed; without a port the scheme's default (80, 443) is used, as behind a proxy.",
-    )
-    urls: list[str] | None = Field(
-        default=None,
-        min_length=1,
-        description="Several servers already running (launch: none), e.g. one per box or two TP-4 servers on one "
-        "8-GPU box: each request goes to the least-loaded healthy one, each gets max_concurrency, and a server that "
-        "fails is left for the others. When given, `url` is not used. For one server (or a router) use `url`.",
-    )
-    max_req_input_len: int | None = Field(
-        default=None,
-        ge=2,
-        description="Longest prompt + 1 that a server accepts, when it does not say (an SGLang router whose workers "
-        "cannot be asked); a server's own max_req_input_len wins where it is smaller.",
-    )
-    request_timeout_s: float = Field(
-        default=1800.0,
-        gt=0,
-        description="Seconds one request may take before it is cancelled and retried; "
-        "long enough for max_new_tokens at the slowest expected decode speed.",
-    )
+    engine: Literal["sglang", "vllm"] = "sglang"
+    """The serving engine of generate and the engine eval (tasks/engines/): sglang (its native /generate) or vllm (its
+    OpenAI-compatible /v1/completions with token ids; `make vllm` installs the CPU build). The dev server emulates
+    SGLang only."""
+    url: ServerUrl = "http://127.0.0.1:30000"
+    """Base URL of the server: scheme://host:port with no path (not .../generate, not .../v1). https is allowed; without
+    a port the scheme's default (80, 443) is used, as behind a proxy."""
+    urls: list[str] | None = Field(default=None, min_length=1)
+    """Several servers already running (launch: none), e.g. one per box or two TP-4 servers on one 8-GPU box: each
+    request goes to the least-loaded healthy one, each gets max_concurrency, and a server that fails is left for the
+    others. When given, `url` is not used. For one server (or a router) use `url`."""
+    max_req_input_len: int | None = Field(default=None, ge=2)
+    """Longest prompt + 1 that a server accepts, when it does not say (an SGLang router whose workers cannot be asked);
+    a server's own max_req_input_len wins where it is smaller."""
+    request_timeout_s: float = Field(default=1800.0, gt=0)
+    """Seconds one request may take before it is cancelled and retried; long enough for max_new_tokens at the slowest
+    expected decode speed."""
     outage_window_s: OutageWindow = 900.0
-    health_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="How long to wait for the server's health path (SGLang's /health_generate, vLLM's /health) at the "
-        "start of the generate stage (a 1T model takes minutes to load).",
-    )
+    health_timeout_s: float = Field(default=600.0, gt=0)
+    """How long to wait for the server's health path (SGLang's /health_generate, vLLM's /health) at the start of the
+    generate stage (a 1T model takes minutes to load)."""
     api_key_env: ApiKeyEnv = None
 
     @field_validator("urls")
@@ -189,46 +169,38 @@ class ServerSettings(KeyFromEnv, Spec):
 class GenerateSettings(Spec):
     """Checkpointing and progress of the generate stage."""
 
-    flush_every: int = Field(default=256, ge=1, description="Write a checkpoint part every this many responses.")
-    flush_interval_s: float = Field(
-        default=60.0, gt=0, description="...and at least this often (seconds): a kill loses at most this window."
-    )
-    log_interval_s: float = Field(
-        default=30.0, gt=0, description="Seconds between progress log lines and progress-artifact updates."
-    )
-    throughput_window_s: float = Field(
-        default=120.0, gt=0, description="Tokens/s and the ETA are measured over this recent window."
-    )
-    compact_min_parts: int = Field(
-        default=64, ge=2, description="Merge small checkpoint parts once this many have been written."
-    )
+    flush_every: int = Field(default=256, ge=1)
+    """Write a checkpoint part every this many responses."""
+    flush_interval_s: float = Field(default=60.0, gt=0)
+    """...and at least this often (seconds): a kill loses at most this window."""
+    log_interval_s: float = Field(default=30.0, gt=0)
+    """Seconds between progress log lines and progress-artifact updates."""
+    throughput_window_s: float = Field(default=120.0, gt=0)
+    """Tokens/s and the ETA are measured over this recent window."""
+    compact_min_parts: int = Field(default=64, ge=2)
+    """Merge small checkpoint parts once this many have been written."""
 
 
 class GenerateJob(GenerateSettings):
     """How one dataset is generated: the stage's settings plus what the pipeline fills in."""
 
     dataset: str
-    sampling_params: dict[str, Any] = Field(description="SGLang sampling_params sent with every request.")
-    sampling_seed: int | None = Field(
-        default=None,
-        description="sampling.seed: each request's sampling_seed is derived from it, the dataset and the prompt id.",
-    )
-    token_budget: int | None = Field(
-        default=None, description="Completion tokens this dataset may spend; None: no limit."
-    )
-    max_prompts: int | None = Field(default=None, description="Use at most this many prompts (file order).")
-    max_in_flight: int | None = Field(
-        default=None, description="At most this many of this dataset's requests at once; None: the pool's limit only."
-    )
-    turns: Literal["last", "all"] = Field(
-        default="last", description="last: answer each conversation's last user turn; all: every user turn, in order."
-    )
-    max_requeues: int = Field(
-        default=2, ge=0, description="A request the server aborted on its own is sent again this often."
-    )
-    retry_rejects: bool = Field(
-        default=False, description="Also send again prompts the server refused (400) in earlier runs."
-    )
+    sampling_params: dict[str, Any]
+    """SGLang sampling_params sent with every request."""
+    sampling_seed: int | None = None
+    """sampling.seed: each request's sampling_seed is derived from it, the dataset and the prompt id."""
+    token_budget: int | None = None
+    """Completion tokens this dataset may spend; None: no limit."""
+    max_prompts: int | None = None
+    """Use at most this many prompts (file order)."""
+    max_in_flight: int | None = None
+    """At most this many of this dataset's requests at once; None: the pool's limit only."""
+    turns: Literal["last", "all"] = "last"
+    """last: answer each conversation's last user turn; all: every user turn, in order."""
+    max_requeues: int = Field(default=2, ge=0)
+    """A request the server aborted on its own is sent again this often."""
+    retry_rejects: bool = False
+    """Also send again prompts the server refused (400) in earlier runs."""
 
 
 # --- records ----------------------------------------------------------------------------------
@@ -237,37 +209,27 @@ class GenerateJob(GenerateSettings):
 class RecordSettings(Spec):
     """How responses and passthrough rows become training records (input_ids + loss_mask)."""
 
-    max_seq_len: int | None = Field(
-        default=8192,
-        ge=16,
-        description="Longest record in tokens; longer ones are cut or dropped (see overflow). null: no limit.",
-    )
-    overflow: Literal["truncate", "drop"] = Field(
-        default="truncate", description="`truncate`: keep the first max_seq_len tokens. `drop`: leave the record out."
-    )
-    min_loss_tokens: int = Field(default=1, ge=1, description="Records with fewer loss tokens than this are left out.")
-    keep_truncated: bool = Field(
-        default=False,
-        description="Also train on responses that ended by length (cut off by max_new_tokens) or abort.",
-    )
-    on_rewrite: Literal["split", "reject"] = Field(
-        default="split",
-        description="Passthrough conversations whose chat template rewrites earlier turns (e.g. drops "
-        "their reasoning): `split` makes one record per assistant turn, exactly as the model saw it; "
-        "`reject` sends the row to rejects.",
-    )
+    max_seq_len: int | None = Field(default=8192, ge=16)
+    """Longest record in tokens; longer ones are cut or dropped (see overflow). null: no limit."""
+    overflow: Literal["truncate", "drop"] = "truncate"
+    """`truncate`: keep the first max_seq_len tokens. `drop`: leave the record out."""
+    min_loss_tokens: int = Field(default=1, ge=1)
+    """Records with fewer loss tokens than this are left out."""
+    keep_truncated: bool = False
+    """Also train on responses that ended by length (cut off by max_new_tokens) or abort."""
+    on_rewrite: Literal["split", "reject"] = "split"
+    """Passthrough conversations whose chat template rewrites earlier turns (e.g. drops their reasoning): `split` makes
+    one record per assistant turn, exactly as the model saw it; `reject` sends the row to rejects."""
 
 
 class RecordsJob(RecordSettings):
     """How records are cut and filtered, with the target vocabulary every token id must be below."""
 
     vocab_size: int = Field(ge=1)
-    stop_token_ids: list[int] = Field(
-        default_factory=list,
-        description="The stop ids generate sent. A response that ends with one is whole, whether the server said "
-        "`stop` or `length` for it: SGLang 0.5 checks the stop token first, 0.4 the length cap first, so an end "
-        "token exactly at max_new_tokens is `stop` on one and `length` on the other.",
-    )
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """The stop ids generate sent. A response that ends with one is whole, whether the server said `stop` or `length`
+    for it: SGLang 0.5 checks the stop token first, 0.4 the length cap first, so an end token exactly at
+    max_new_tokens is `stop` on one and `length` on the other."""
 
     def digest(self) -> str:
         """A short hash of the settings: a records part built with other settings is built again."""
@@ -282,31 +244,22 @@ class RecordsJob(RecordSettings):
 class CaptureSettings(AuxLayers):
     """How the target's hidden states are captured for every training record."""
 
-    mode: Literal["replicate", "zero3"] = Field(
-        default="replicate",
-        description="`replicate`: every rank holds the whole target (data parallel; the target must "
-        "fit one GPU). `zero3`: parameters partitioned over the ranks with DeepSpeed ZeRO-3 "
-        "(targets larger than one GPU; see offload).",
-    )
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        default="auto",
-        description="Dtype the target runs in (and the hidden states are stored in, storage native); auto: its own.",
-    )
-    storage: Literal["native", "fp8"] = Field(
-        default="native",
-        description="native: hidden states stored in `dtype`. fp8: float8 e4m3 with a float32 scale per token and "
-        "feature, half of bf16's bytes (models/hidden_shards.py); one kind per capture.out_dir.",
-    )
-    max_batch_tokens: int = Field(default=16384, ge=1, description="Padded tokens per forward pass on one rank.")
-    shard_tokens: int = Field(
-        default=16384,
-        ge=1,
-        description="Tokens per safetensors shard (a kill loses at most one unfinished shard per rank).",
-    )
-    offload: Literal["none", "cpu", "nvme"] = Field(
-        default="none", description="zero3 only: where partitioned parameters live between uses."
-    )
-    nvme_path: Path | None = Field(default=None, description="zero3 with offload: nvme: a fast local directory.")
+    mode: Literal["replicate", "zero3"] = "replicate"
+    """`replicate`: every rank holds the whole target (data parallel; the target must fit one GPU). `zero3`: parameters
+    partitioned over the ranks with DeepSpeed ZeRO-3 (targets larger than one GPU; see offload)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Dtype the target runs in (and the hidden states are stored in, storage native); auto: its own."""
+    storage: Literal["native", "fp8"] = "native"
+    """native: hidden states stored in `dtype`. fp8: float8 e4m3 with a float32 scale per token and feature, half of
+    bf16's bytes (models/hidden_shards.py); one kind per capture.out_dir."""
+    max_batch_tokens: int = Field(default=16384, ge=1)
+    """Padded tokens per forward pass on one rank."""
+    shard_tokens: int = Field(default=16384, ge=1)
+    """Tokens per safetensors shard (a kill loses at most one unfinished shard per rank)."""
+    offload: Literal["none", "cpu", "nvme"] = "none"
+    """zero3 only: where partitioned parameters live between uses."""
+    nvme_path: Path | None = None
+    """zero3 with offload: nvme: a fast local directory."""
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -327,26 +280,25 @@ class CaptureSettings(AuxLayers):
 class TargetRef(TargetCode):
     """The target a job loads (the run config's `target`)."""
 
-    target_path: str = Field(description="The target's checkpoint directory or hub id (target.path).")
+    target_path: str
+    """The target's checkpoint directory or hub id (target.path)."""
 
 
 class RankJob(TargetRef):
     """What every DeepSpeed rank job names: the target, and the device its ranks run on."""
 
-    device: Literal["cpu", "cuda"] = Field(
-        default="cuda", description="cuda under the deepspeed launcher, cpu (gloo) otherwise."
-    )
+    device: Literal["cpu", "cuda"] = "cuda"
+    """cuda under the deepspeed launcher, cpu (gloo) otherwise."""
 
 
 class CaptureJob(CaptureSettings, RecordsRef, RankJob):
     """The JOB.json a capture launch reads (written by the capture task)."""
 
-    out_dir: str = Field(description="Shards + index.parquet go here (RUN_DIR/hidden).")
-    launch_tokens: int | None = Field(
-        ge=0,
-        description="Most tokens THIS launch captures: capture.max_tokens less what complete shards hold "
-        "(null: no cap). Always stated by the task: no default.",
-    )
+    out_dir: str
+    """Shards + index.parquet go here (RUN_DIR/hidden)."""
+    launch_tokens: int | None = Field(ge=0)
+    """Most tokens THIS launch captures: capture.max_tokens less what complete shards hold (null: no cap). Always stated
+    by the task: no default."""
 
 
 class EngineSettings(KeyFromEnv, Spec):
@@ -358,32 +310,19 @@ class EngineSettings(KeyFromEnv, Spec):
     reads the file the reply names, and deletes it once the shard holding the record is on disk.
     """
 
-    url: ServerUrl = Field(
-        default="http://127.0.0.1:8000",
-        description="Base URL of the vLLM server (scheme://host:port, no path; the capture adds /v1/completions).",
-    )
-    model: str | None = Field(
-        default=None,
-        description="The served model name sent in every request; default: target.path (vLLM's default name).",
-    )
-    shared_dir: Path | None = Field(
-        default=None,
-        description="The connector's shared_storage_path: where vLLM writes a file per request, read and deleted by "
-        "the capture. Must be this machine's view of the server's directory and used by this capture alone. "
-        "Default RUN_DIR/engine; a RAM disk (/dev/shm/...) is fastest (vLLM's advice).",
-    )
-    max_concurrency: int = Field(
-        default=32,
-        ge=1,
-        le=4096,
-        description="Requests in flight at once; each holds a file of n x 4 x hidden x 2 bytes in shared_dir until "
-        "its shard is written.",
-    )
-    request_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="Seconds one request (a prefill of one record) and the wait for its file may take.",
-    )
+    url: ServerUrl = "http://127.0.0.1:8000"
+    """Base URL of the vLLM server (scheme://host:port, no path; the capture adds /v1/completions)."""
+    model: str | None = None
+    """The served model name sent in every request; default: target.path (vLLM's default name)."""
+    shared_dir: Path | None = None
+    """The connector's shared_storage_path: where vLLM writes a file per request, read and deleted by the capture. Must
+    be this machine's view of the server's directory and used by this capture alone. Default RUN_DIR/engine; a RAM
+    disk (/dev/shm/...) is fastest (vLLM's advice)."""
+    max_concurrency: int = Field(default=32, ge=1, le=4096)
+    """Requests in flight at once; each holds a file of n x 4 x hidden x 2 bytes in shared_dir until its shard is
+    written."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds one request (a prefill of one record) and the wait for its file may take."""
     outage_window_s: OutageWindow = 900.0
     api_key_env: ApiKeyEnv = None
 
@@ -405,91 +344,69 @@ DRAFT_OVERRIDES = (
 class HeldOut(Spec):
     """The held-out split and the seed: training never sees the split, eval decodes its prompts."""
 
-    eval_fraction: float = Field(
-        default=0.02,
-        ge=0,
-        lt=1,
-        description="Share of the samples held out (a stable hash of dataset and id): never trained on; "
-        "the training eval and `eagle3 eval` use them.",
-    )
-    seed: int = Field(default=0, description="Seed of the draft's initial weights and of the data order.")
+    eval_fraction: float = Field(default=0.02, ge=0, lt=1)
+    """Share of the samples held out (a stable hash of dataset and id): never trained on; the training eval and `eagle3
+    eval` use them."""
+    seed: int = 0
+    """Seed of the draft's initial weights and of the data order."""
 
 
 class TrainSettings(HeldOut):
     """How the EAGLE-3 draft is trained (training-time test, schedule, checkpoints, evaluation)."""
 
-    mode: Literal["offline", "online"] = Field(
-        default="offline",
-        description="`offline`: train on the captured hidden states (RUN_DIR/hidden). `online`: every rank runs the "
-        "target itself on the records (no capture, no disk; only for a target that fits one device).",
-    )
-    draft_vocab_size: int = Field(
-        default=32000,
-        ge=1,
-        description="Tokens the draft can propose: the most frequent loss tokens of the records (capped by the "
-        "target vocab).",
-    )
-    ttt_steps: int = Field(
-        default=7, ge=1, le=16, description="Training-time-test steps unrolled per position (EAGLE-3: 7)."
-    )
-    epochs: int = Field(default=1, ge=1, description="Passes over the training samples.")
-    max_steps: int | None = Field(
-        default=None, ge=1, description="Stop after this many optimizer steps (overrides epochs)."
-    )
-    max_batch_tokens: int = Field(
-        default=16384,
-        ge=16,
-        description="Padded tokens per micro batch on one rank; longer samples are cut to this length.",
-    )
-    lr: float = Field(default=1e-4, gt=0, description="Peak AdamW learning rate.")
-    warmup_ratio: float = Field(
-        default=0.015, ge=0, lt=1, description="Share of the steps with linear warmup; cosine decay after."
-    )
-    min_lr_ratio: float = Field(
-        default=0.0, ge=0, le=1, description="Learning rate at the last step, as a share of lr."
-    )
-    checkpoint_every: int = Field(
-        default=500, ge=1, description="Optimizer steps between checkpoints (also one at the end)."
-    )
-    keep_checkpoints: int = Field(default=2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
-    eval_every: int = Field(
-        default=500,
-        ge=1,
-        description="Optimizer steps between evaluations on the held-out split (also one at the end).",
-    )
-    log_every: int = Field(default=10, ge=1, description="Optimizer steps per metrics.jsonl / TensorBoard line.")
+    mode: Literal["offline", "online"] = "offline"
+    """`offline`: train on the captured hidden states (RUN_DIR/hidden). `online`: every rank runs the target itself on
+    the records (no capture, no disk; only for a target that fits one device)."""
+    draft_vocab_size: int = Field(default=32000, ge=1)
+    """Tokens the draft can propose: the most frequent loss tokens of the records (capped by the target vocab)."""
+    ttt_steps: int = Field(default=7, ge=1, le=16)
+    """Training-time-test steps unrolled per position (EAGLE-3: 7)."""
+    epochs: int = Field(default=1, ge=1)
+    """Passes over the training samples."""
+    max_steps: int | None = Field(default=None, ge=1)
+    """Stop after this many optimizer steps (overrides epochs)."""
+    max_batch_tokens: int = Field(default=16384, ge=16)
+    """Padded tokens per micro batch on one rank; longer samples are cut to this length."""
+    lr: float = Field(default=1e-4, gt=0)
+    """Peak AdamW learning rate."""
+    warmup_ratio: float = Field(default=0.015, ge=0, lt=1)
+    """Share of the steps with linear warmup; cosine decay after."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Learning rate at the last step, as a share of lr."""
+    checkpoint_every: int = Field(default=500, ge=1)
+    """Optimizer steps between checkpoints (also one at the end)."""
+    keep_checkpoints: int = Field(default=2, ge=1)
+    """Complete checkpoints kept; older ones are deleted."""
+    eval_every: int = Field(default=500, ge=1)
+    """Optimizer steps between evaluations on the held-out split (also one at the end)."""
+    log_every: int = Field(default=10, ge=1)
+    """Optimizer steps per metrics.jsonl / TensorBoard line."""
     # the optimizer and DeepSpeed: each rank derives its DeepSpeed config from these (models/train.py ds_train_config)
-    precision: Literal["auto", "bf16", "fp32"] = Field(
-        default="auto", description="auto: bf16 on GPUs (fp32 master weights in the optimizer), fp32 on CPU."
-    )
-    grad_accum: int = Field(default=1, ge=1, description="Micro batches per optimizer step on each rank.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    adam_betas: tuple[float, float] = Field(
-        default=(0.9, 0.95), description="AdamW betas (beta1, beta2), each in (0, 1): the EAGLE-3 recipes' [0.9, 0.95]."
-    )
-    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
-    torch_adam: bool = Field(
-        default=True,
-        description="true: DeepSpeed runs torch's AdamW (nothing compiled); false: DeepSpeed's fused Adam "
-        "(CUDA only, JIT-built on first use).",
-    )
-    grad_clip: float = Field(default=0.5, gt=0, description="Gradient norm clipping (DeepSpeed gradient_clipping).")
-    zero_stage: Literal[0, 1, 2] = Field(
-        default=2,
-        description="DeepSpeed ZeRO stage of the optimizer states and gradients: 2 partitions both over the "
-        "ranks; 0 or 1 only to take ZeRO-2 apart (bench/train.py).",
-    )
-    draft_variant: Literal["eagle3", "eagle3.1"] = Field(
-        default="eagle3",
-        description="eagle3.1: EAGLE 3.1's two changes (an RMSNorm per aux feature before fc, and each draft step "
-        "reading the previous one's post-norm output), written as fc_norm/norm_output in the export's config.json; "
-        "served by vLLM 0.32 and SGLang 0.5.23 (older engines ignore the keys and serve it wrong).",
-    )
-    draft_overrides: dict[str, int | float] = Field(
-        default_factory=dict,
-        description="Draft shape settings that differ from the target's (head_dim, num_attention_heads, "
-        "num_key_value_heads, intermediate_size, rope_theta, rms_norm_eps); e.g. head_dim: 128 for an MLA target.",
-    )
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """auto: bf16 on GPUs (fp32 master weights in the optimizer), fp32 on CPU."""
+    grad_accum: int = Field(default=1, ge=1)
+    """Micro batches per optimizer step on each rank."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas (beta1, beta2), each in (0, 1): the EAGLE-3 recipes' [0.9, 0.95]."""
+    adam_eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+    torch_adam: bool = True
+    """true: DeepSpeed runs torch's AdamW (nothing compiled); false: DeepSpeed's fused Adam (CUDA only, JIT-built on
+    first use)."""
+    grad_clip: float = Field(default=0.5, gt=0)
+    """Gradient norm clipping (DeepSpeed gradient_clipping)."""
+    zero_stage: Literal[0, 1, 2] = 2
+    """DeepSpeed ZeRO stage of the optimizer states and gradients: 2 partitions both over the ranks; 0 or 1 only to take
+    ZeRO-2 apart (bench/train.py)."""
+    draft_variant: Literal["eagle3", "eagle3.1"] = "eagle3"
+    """eagle3.1: EAGLE 3.1's two changes (an RMSNorm per aux feature before fc, and each draft step reading the previous
+    one's post-norm output), written as fc_norm/norm_output in the export's config.json; served by vLLM 0.32 and
+    SGLang 0.5.23 (older engines ignore the keys and serve it wrong)."""
+    draft_overrides: dict[str, int | float] = Field(default_factory=dict)
+    """Draft shape settings that differ from the target's (head_dim, num_attention_heads, num_key_value_heads,
+    intermediate_size, rope_theta, rms_norm_eps); e.g. head_dim: 128 for an MLA target."""
 
     @field_validator("adam_betas")
     @classmethod
@@ -510,11 +427,12 @@ class TrainSettings(HeldOut):
 class TrainJob(TrainSettings, AuxLayers, RecordsRef, RankJob):
     """The JOB.json a training launch reads (written by the train task)."""
 
-    out_dir: str = Field(description="RUN_DIR/draft: checkpoints, metrics, the export.")
-    token_counts: str = Field(description="RUN_DIR/records/token_counts.parquet (the draft vocabulary).")
-    hidden_dir: str | None = Field(
-        default=None, description="offline: the capture shards (online: `datasets`, the records)."
-    )
+    out_dir: str
+    """RUN_DIR/draft: checkpoints, metrics, the export."""
+    token_counts: str
+    """RUN_DIR/records/token_counts.parquet (the draft vocabulary)."""
+    hidden_dir: str | None = None
+    """offline: the capture shards (online: `datasets`, the records)."""
 
     @model_validator(mode="after")
     def _data_for_the_mode(self) -> TrainJob:
@@ -536,65 +454,44 @@ class TrainJob(TrainSettings, AuxLayers, RecordsRef, RankJob):
 class EvalSettings(Spec):
     """`eagle3 eval`: speculative decoding with the HF target (greedy) and the exported draft on held-out prompts."""
 
-    prompts: int = Field(
-        default=32,
-        ge=1,
-        description="Prompts decoded: held-out records' prompts first, then prompt_files' prompts, up to this many.",
-    )
-    prompt_files: list[Path] = Field(
-        default_factory=list,
-        description="JSONL prompt sets for the eval beside the held-out records (e.g. data/eval/prompts.jsonl): rows "
-        "with `id` and `messages` ([{role, content}]) or `prompt` (a string), rendered with the target's chat template "
-        "and the generation prompt. Relative paths are resolved like the datasets' paths.",
-    )
-    max_new_tokens: int = Field(default=128, ge=1, description="Tokens generated per prompt.")
-    num_steps: int = Field(
-        default=3,
-        ge=1,
-        le=16,
-        description="Draft tokens per verify round (SGLang --speculative-num-steps; top-k 1, num-draft-tokens = "
-        "this + 1).",
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        default="auto", description="Where the target and draft run; auto: cuda if available."
-    )
-    compare_untrained: bool = Field(
-        default=True,
-        description="Also measure the draft as training starts it (same seed, untrained): the baseline the trained "
-        "one must beat.",
-    )
+    prompts: int = Field(default=32, ge=1)
+    """Prompts decoded: held-out records' prompts first, then prompt_files' prompts, up to this many."""
+    prompt_files: list[Path] = Field(default_factory=list)
+    """JSONL prompt sets for the eval beside the held-out records (e.g. data/eval/prompts.jsonl): rows with `id` and
+    `messages` ([{role, content}]) or `prompt` (a string), rendered with the target's chat template and the
+    generation prompt. Relative paths are resolved like the datasets' paths."""
+    max_new_tokens: int = Field(default=128, ge=1)
+    """Tokens generated per prompt."""
+    num_steps: int = Field(default=3, ge=1, le=16)
+    """Draft tokens per verify round (SGLang --speculative-num-steps; top-k 1, num-draft-tokens = this + 1)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the target and draft run; auto: cuda if available."""
+    compare_untrained: bool = True
+    """Also measure the draft as training starts it (same seed, untrained): the baseline the trained one must beat."""
 
 
 class EngineEvalSettings(Spec):
     """How the eval is measured: in-process with HF transformers, through the serving engine, or both side by side."""
 
-    backend: Literal["hf", "engine", "both"] = Field(
-        default="hf",
-        description="hf: speculative decoding in-process with the HF target (the whole target in this process's GPUs: "
-        "small targets, the demo). engine: the eval starts the server (server.launch dev|command) with the exported "
-        "draft (SGLang's --speculative-* flags from num_steps), decodes the prompts greedily through /generate and "
-        "reads the acceptance from meta_info, then again without the draft for the speedup (a 1T target). both: each, "
-        "on the same prompts, side by side in eval.json.",
-    )
-    concurrency: int = Field(
-        default=1,
-        ge=1,
-        le=1024,
-        description="engine: eval requests in flight at once (1: batch-size-1 latency, where speculative decoding "
-        "gains most).",
-    )
-    baseline: bool = Field(
-        default=True, description="engine: also decode the prompts without the draft, for the speedup in tokens/s."
-    )
-    baseline_url: ServerUrl | None = Field(
-        default=None,
-        description="engine with server.launch: none: a running server of the same target WITHOUT the draft, for the "
-        "speedup (server.url must then serve the draft). Unset: no speedup is measured with launch: none.",
-    )
+    backend: Literal["hf", "engine", "both"] = "hf"
+    """hf: speculative decoding in-process with the HF target (the whole target in this process's GPUs: small targets,
+    the demo). engine: the eval starts the server (server.launch dev|command) with the exported draft (SGLang's
+    --speculative-* flags from num_steps), decodes the prompts greedily through /generate and reads the acceptance
+    from meta_info, then again without the draft for the speedup (a 1T target). both: each, on the same prompts, side
+    by side in eval.json."""
+    concurrency: int = Field(default=1, ge=1, le=1024)
+    """engine: eval requests in flight at once (1: batch-size-1 latency, where speculative decoding gains most)."""
+    baseline: bool = True
+    """engine: also decode the prompts without the draft, for the speedup in tokens/s."""
+    baseline_url: ServerUrl | None = None
+    """engine with server.launch: none: a running server of the same target WITHOUT the draft, for the speedup
+    (server.url must then serve the draft). Unset: no speedup is measured with launch: none."""
 
 
 class EvalJob(EvalSettings, HeldOut, RecordsRef, TargetRef):
     """The JOB.json of an eval launch (written by the eval task): held-out prompts come from `datasets`."""
 
-    draft_dir: str = Field(description="The export: config.json + model.safetensors.")
-    out: str = Field(description="Where the result JSON goes.")
+    draft_dir: str
+    """The export: config.json + model.safetensors."""
+    out: str
+    """Where the result JSON goes."""

@@ -1,6 +1,7 @@
 """The base of every spec and config section: strict pydantic models, and job files read through them.
 
-`Spec` rejects unknown keys, validates on assignment and refuses true/false for a number; `load_job`
+`Spec` rejects unknown keys, validates on assignment and refuses true/false for a number; a field's
+description is the docstring under it (pydantic's use_attribute_docstrings). `load_job`
 reads a rank's JSON job through its spec, naming the file and every bad key. Pydantic only (no torch,
 prefect or httpx): the bottom layer.
 """
@@ -20,7 +21,7 @@ S = TypeVar("S", bound="Spec")
 class Spec(BaseModel):
     """Base of every spec and config section: unknown keys are errors, values are validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
     @field_validator("*", mode="before")
     @classmethod

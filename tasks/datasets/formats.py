@@ -71,38 +71,25 @@ FieldName = Annotated[str, StringConstraints(min_length=1)]  # a row's field or 
 class RowFormat(Spec):
     """How a dataset's rows spell a conversation; every loader of a dataset reads its rows through it."""
 
-    format: FormatName = Field(
-        default="auto",
-        description="The rows' shape: `messages` (`messages` [{role, content}] or `prompt`; passthrough also "
-        "`input_ids` + `loss_mask`), `sharegpt` (`conversations` [{from, value}]), `alpaca` (`instruction`, `input`, "
-        "`output`), `columns` (prompt_field, response_field, system_field), `ultrachat` (`data` [user, assistant, "
-        "...]), `glaive` (`system` + `chat`, one string of USER:/ASSISTANT:/FUNCTION RESPONSE: turns). `auto`: "
-        "detected from the columns (Parquet, Arrow) or the first row (JSONL), one format per dataset; an unknown or "
-        "ambiguous shape is an error that says what to set.",
-    )
-    roles: dict[str, Role] = Field(
-        default_factory=dict,
-        description="Role names of the rows (`messages` role, ShareGPT `from`) mapped to system, user, assistant or "
-        "tool, e.g. {bot: assistant}; on top of the built-in ones (human -> user; gpt, chatgpt, bing, bard, model -> "
-        "assistant).",
-    )
-    id_field: FieldName = Field(
-        default="id",
-        description="The field holding each row's id (string or int, kept as given); a row without one gets a hash "
-        "of its messages.",
-    )
-    prompt_field: FieldName | None = Field(
-        default=None, description="format: columns: the column holding the user turn (e.g. `problem`)."
-    )
-    response_field: FieldName | None = Field(
-        default=None,
-        description="format: columns: the column holding the assistant turn (e.g. `solution`); needed for "
-        "passthrough, cut for generate (the target answers instead).",
-    )
-    system_field: FieldName | None = Field(
-        default=None,
-        description="format: columns: a column holding a system prompt; null or empty in a row: no system turn.",
-    )
+    format: FormatName = "auto"
+    """The rows' shape: `messages` (`messages` [{role, content}] or `prompt`; passthrough also `input_ids` +
+    `loss_mask`), `sharegpt` (`conversations` [{from, value}]), `alpaca` (`instruction`, `input`, `output`),
+    `columns` (prompt_field, response_field, system_field), `ultrachat` (`data` [user, assistant, ...]), `glaive`
+    (`system` + `chat`, one string of USER:/ASSISTANT:/FUNCTION RESPONSE: turns). `auto`: detected from the columns
+    (Parquet, Arrow) or the first row (JSONL), one format per dataset; an unknown or ambiguous shape is an error that
+    says what to set."""
+    roles: dict[str, Role] = Field(default_factory=dict)
+    """Role names of the rows (`messages` role, ShareGPT `from`) mapped to system, user, assistant or tool, e.g. {bot:
+    assistant}; on top of the built-in ones (human -> user; gpt, chatgpt, bing, bard, model -> assistant)."""
+    id_field: FieldName = "id"
+    """The field holding each row's id (string or int, kept as given); a row without one gets a hash of its messages."""
+    prompt_field: FieldName | None = None
+    """format: columns: the column holding the user turn (e.g. `problem`)."""
+    response_field: FieldName | None = None
+    """format: columns: the column holding the assistant turn (e.g. `solution`); needed for passthrough, cut for
+    generate (the target answers instead)."""
+    system_field: FieldName | None = None
+    """format: columns: a column holding a system prompt; null or empty in a row: no system turn."""
 
     @model_validator(mode="after")
     def _columns_fields_with_format_columns(self) -> RowFormat:
