@@ -17,6 +17,7 @@ from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from models.jobs import (
     CaptureSettings,
+    DatasetGenerateSettings,
     DatasetRecords,
     EngineEvalSettings,
     EngineSettings,
@@ -290,11 +291,12 @@ class EvalConfig(EvalSettings, EngineEvalSettings, Section):
     in-process (HF), through the serving engine, or both."""
 
 
-class DatasetConfig(RowFormat, Section):
+class DatasetConfig(RowFormat, DatasetGenerateSettings, Section):
     """One input dataset: a file or directory of prompt rows (generate) or finished rows (passthrough).
 
     Its row format settings (format, roles, id_field, prompt_field, response_field, system_field) are RowFormat's,
-    declared in tasks/datasets/formats.py; `row_format` hands them to the loader.
+    declared in tasks/datasets/formats.py; `row_format` hands them to the loader. What a generate dataset may spend
+    (token_budget, max_prompts, max_in_flight, turns) is DatasetGenerateSettings', which its GenerateJob carries.
     """
 
     name: str
@@ -314,19 +316,6 @@ class DatasetConfig(RowFormat, Section):
     revision: str | None = None
     """`hf:` datasets: the branch, tag or commit to read. Omitted: the commit the run recorded in
     RUN_DIR/datasets/<name>.json, else the newest (main), which is then recorded."""
-    token_budget: int | None = Field(default=None, ge=1)
-    """Generate datasets: stop once the server has spent this many completion tokens on this dataset. Omitted: no token
-    limit."""
-    max_prompts: int | None = Field(default=None, ge=1)
-    """Use at most this many prompts of the dataset (in file order)."""
-    max_in_flight: int | None = Field(default=None, ge=1)
-    """Generate datasets: at most this many of the dataset's requests at once, over the whole pool (within
-    generate.max_concurrency). 1 makes a budget stop exact: the prompts answered are the first ones, in file order,
-    whose tokens reach token_budget, the same on every run with sampling.seed. Omitted: no limit of its own."""
-    turns: Literal["last", "all"] = "last"
-    """Generate datasets: `last`: the target answers each conversation's last user turn, after the dataset's own earlier
-    turns. `all`: it answers every user turn in order, each prompt holding its own earlier answers; one response per
-    turn, id `<id>#t<k>`, regenerated up to the first tool call (docs/run-a-pipeline.md, Multi-turn conversations)."""
     on_bad_row: Literal["fail", "skip"] = "fail"
     """`fail`: a malformed row stops the run with its file and row. `skip`: the row and the reason go to
     RUN_DIR/rejects/<name>/ and the rest is used."""

@@ -10,7 +10,7 @@ from prefect import flow, get_run_logger
 
 from flows.config import RunConfig
 from flows.config_file import load_config, save_run_config
-from models.jobs import GenerateJob, GenerateSettings
+from models.jobs import DatasetGenerateSettings, GenerateJob, GenerateSettings
 from tasks.generate.prompts import request_sampling_params
 from tasks.generate.tasks import (
     copy_passthrough_task,
@@ -69,11 +69,8 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
     gen = config.generate
     settings = GenerateJob(
         **gen.pick(GenerateSettings),
+        **dataset.pick(DatasetGenerateSettings),
         dataset=dataset.name,
-        token_budget=dataset.token_budget,
-        max_prompts=dataset.max_prompts,
-        max_in_flight=dataset.max_in_flight,
-        turns=dataset.turns,
         sampling_params=request_sampling_params(config.sampling.model_dump(), config.sampling.stop_token_ids or []),
         sampling_seed=config.sampling.seed,
         retry_rejects=retry_rejects,

@@ -181,7 +181,25 @@ class GenerateSettings(Spec):
     """Merge small checkpoint parts once this many have been written."""
 
 
-class GenerateJob(GenerateSettings):
+class DatasetGenerateSettings(Spec):
+    """What one generate dataset may spend and which turns it answers: a dataset's config, carried by its job."""
+
+    token_budget: int | None = Field(default=None, ge=1)
+    """Generate datasets: stop once the server has spent this many completion tokens on this dataset. Omitted: no token
+    limit."""
+    max_prompts: int | None = Field(default=None, ge=1)
+    """Use at most this many prompts of the dataset (in file order)."""
+    max_in_flight: int | None = Field(default=None, ge=1)
+    """Generate datasets: at most this many of the dataset's requests at once, over the whole pool (within
+    generate.max_concurrency). 1 makes a budget stop exact: the prompts answered are the first ones, in file order,
+    whose tokens reach token_budget, the same on every run with sampling.seed. Omitted: no limit of its own."""
+    turns: Literal["last", "all"] = "last"
+    """Generate datasets: `last`: the target answers each conversation's last user turn, after the dataset's own earlier
+    turns. `all`: it answers every user turn in order, each prompt holding its own earlier answers; one response per
+    turn, id `<id>#t<k>`, regenerated up to the first tool call (docs/run-a-pipeline.md, Multi-turn conversations)."""
+
+
+class GenerateJob(GenerateSettings, DatasetGenerateSettings):
     """How one dataset is generated: the stage's settings plus what the pipeline fills in."""
 
     dataset: str
@@ -189,14 +207,6 @@ class GenerateJob(GenerateSettings):
     """SGLang sampling_params sent with every request."""
     sampling_seed: int | None = None
     """sampling.seed: each request's sampling_seed is derived from it, the dataset and the prompt id."""
-    token_budget: int | None = None
-    """Completion tokens this dataset may spend; None: no limit."""
-    max_prompts: int | None = None
-    """Use at most this many prompts (file order)."""
-    max_in_flight: int | None = None
-    """At most this many of this dataset's requests at once; None: the pool's limit only."""
-    turns: Literal["last", "all"] = "last"
-    """last: answer each conversation's last user turn; all: every user turn, in order."""
     max_requeues: int = Field(default=2, ge=0)
     """A request the server aborted on its own is sent again this often."""
     retry_rejects: bool = False
