@@ -381,10 +381,10 @@ async def run_ours(p: Params, url: str, prompts: list[PromptRow], root: Path, *,
             prompts,
             pool=pool,
             tokenizer=IdsTokenizer(),
-            responses_dir=RunLayout(root).responses("bench"),
-            rejects_dir=RunLayout(root).rejects("bench"),
+            layout=RunLayout(root),
             source=root / "prompts.jsonl",
             settings=settings,
+            vocab_size=None,
         )
 
 
@@ -806,10 +806,10 @@ def bench_checkpoints(p: Params, tmp: Path, out: dict[str, Any]) -> None:
                 prompts,
                 pool=pool,
                 tokenizer=IdsTokenizer(),
-                responses_dir=responses_dir,
-                rejects_dir=rejects_dir,
+                layout=resumed,
                 source=jsonl,
                 settings=settings,
+                vocab_size=None,
             )
             return time.perf_counter() - t0, report
 

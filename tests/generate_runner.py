@@ -35,10 +35,10 @@ def main(argv: list[str]) -> None:
                 rows,
                 pool=pool,
                 tokenizer=tokenizer,
-                responses_dir=layout.responses(settings.dataset),
-                rejects_dir=layout.rejects(settings.dataset),
-                source=Path(prompts_file),
+                layout=layout,
                 settings=settings,
+                source=Path(prompts_file),
+                vocab_size=len(tokenizer),
             )
 
     report = asyncio.run(run())

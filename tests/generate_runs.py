@@ -8,6 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from models.jobs import GenerateJob
+from models.run_layout import RunLayout
 from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow
 from tasks.generate.loop import generate_dataset
@@ -34,16 +35,26 @@ def generate_job(sampling: dict, dataset: str = "B1", **kw) -> GenerateJob:
     return GenerateJob(**{"dataset": dataset, "sampling_params": sampling, **base, **kw})
 
 
-def generate_into(run_dir: Path, rows, *, pool, tokenizer, settings: GenerateJob, source: str = "x", **kw):
+def generate_into(
+    run_dir: Path,
+    rows,
+    *,
+    pool,
+    tokenizer,
+    settings: GenerateJob,
+    source: str = "x",
+    vocab_size: int | None = None,
+    **kw,
+):
     """`generate_dataset(rows, ...)` (a coroutine) writing run_dir/responses/DATASET and run_dir/rejects/DATASET."""
     return generate_dataset(
         rows,
         pool=pool,
         tokenizer=tokenizer,
-        responses_dir=run_dir / "responses" / settings.dataset,
-        rejects_dir=run_dir / "rejects" / settings.dataset,
+        layout=RunLayout(run_dir),
         source=Path(source),
         settings=settings,
+        vocab_size=vocab_size,
         **kw,
     )
 

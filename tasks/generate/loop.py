@@ -114,20 +114,21 @@ async def generate_dataset(
     *,
     pool: ServerPool,
     tokenizer: Any,
-    responses_dir: Path,
-    rejects_dir: Path,
+    layout: RunLayout,
     source: Path,
     settings: GenerateJob,
-    vocab_size: int | None = None,
+    vocab_size: int | None,
     on_progress: ProgressHook | None = None,
     logger: logging.Logger | logging.LoggerAdapter = log,
 ) -> GenerateReport:
     """Generate responses for the prompts not yet done, within the budget; resumable at any point.
 
-    `pool` may be shared by several datasets: its per-server limits hold over all of them.
-    `vocab_size` checks every reply's ids against the target's vocabulary.
+    Writes the dataset's responses and rejects in `layout` (`settings.dataset` names it). `pool` may be shared by
+    several datasets: its per-server limits hold over all of them. `vocab_size` checks every reply's ids against the
+    target's vocabulary; None (a bench's or a test's ids-only tokenizer) checks nothing.
     """
     started = time.monotonic()
+    responses_dir, rejects_dir = layout.responses(settings.dataset), layout.rejects(settings.dataset)
     if settings.max_prompts is not None:
         prompts = prompts[: settings.max_prompts]
     try:  # every part is read before anything is sent: a damaged one stops the run here

@@ -76,8 +76,7 @@ async def generate_responses(
         loaded.rows,
         pool=pool,
         tokenizer=tokenizer,
-        responses_dir=layout.responses(name),
-        rejects_dir=layout.rejects(name),
+        layout=layout,
         source=loaded.path,  # the hf: path of a Hub dataset
         settings=settings,
         vocab_size=len(tokenizer),
