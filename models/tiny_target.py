@@ -161,16 +161,7 @@ def build_tiny_target(
     try:
         tokenizer = _build_tokenizer(files, vocab_size, max_position_embeddings)
         _save_tokenizer(tokenizer, tmp)
-        model = _build_model(
-            tokenizer,
-            seed,
-            hidden_size,
-            num_layers,
-            num_heads,
-            num_kv_heads,
-            intermediate_size,
-            max_position_embeddings,
-        )
+        model = _build_model(tokenizer, params)
         _train(model, _training_sequences(tokenizer, files), train_steps, seed, torch.device(device))
         _save_model(model, tmp)
         (tmp / _BUILD_INFO).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
@@ -238,28 +229,20 @@ def _build_tokenizer(files: Sequence[Path], vocab_size: int, model_max_length: i
     )
 
 
-def _build_model(
-    tokenizer: PreTrainedTokenizerFast,
-    seed: int,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    intermediate_size: int,
-    max_position_embeddings: int,
-) -> LlamaForCausalLM:
+def _build_model(tokenizer: PreTrainedTokenizerFast, params: dict) -> LlamaForCausalLM:
+    """The random-weight model of a build's `params` (what its build info records), seeded by params["seed"]."""
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(PAD)
     if not isinstance(pad_id, int):  # one token in: one id out
         raise TypeError(f"the tokenizer maps {PAD!r} to {pad_id!r}, not to one id")
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
+        hidden_size=params["hidden_size"],
+        intermediate_size=params["intermediate_size"],
+        num_hidden_layers=params["num_layers"],
+        num_attention_heads=params["num_heads"],
+        num_key_value_heads=params["num_kv_heads"],
+        max_position_embeddings=params["max_position_embeddings"],
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=eos_id,
@@ -268,7 +251,7 @@ def _build_model(
     )
     # Seed a private copy of the global RNG so building does not disturb the caller's randomness.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(params["seed"])
         model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
         torch.nn.init.normal_(model.lm_head.weight, mean=0.0, std=LM_HEAD_INIT_STD)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
