@@ -22,6 +22,7 @@ from tasks.datasets.rows import BUILDERS, BadRow, Kind, LoadedDataset, Passthrou
 log = logging.getLogger("eagle3.datasets")
 
 OnBadRow = Literal["fail", "skip"]
+DatasetSource = Path | str | HubDataset  # what a loader reads: a local path, or a Hub dataset with its settings
 REPEATED_ID_FIX = (
     "ids must be unique within a dataset: give one of the two rows another id (or remove its id to"
     " get a content hash), or delete the repeat; with on_bad_row: skip the first row is kept and"
@@ -30,7 +31,7 @@ REPEATED_ID_FIX = (
 
 
 def iter_rows(
-    path: Path | str | HubDataset, kind: Kind, row_format: RowFormat | None = None
+    path: DatasetSource, kind: Kind, row_format: RowFormat | None = None
 ) -> Iterator[tuple[int, PromptRow | PassthroughRow | BadRow]]:
     """Each row read in the dataset's row format and checked, with the number errors use for it (JSONL line, else row;
     per file in a directory): the row, or the BadRow that says why it is none. For a sample of a dataset.
@@ -55,28 +56,17 @@ def _checked_rows(raws: Iterator[Raw], resolver: Resolver) -> Iterator[tuple[int
             yield raw.row, bad
 
 
+# The row type follows `kind`: a variable Kind gets the union (mypy sums the two overloads over it).
 @overload
 def load_dataset(
-    path: Path | str | HubDataset,
-    kind: Literal["generate"],
-    *,
-    row_format: RowFormat | None = None,
-    on_bad_row: OnBadRow = "fail",
+    path: DatasetSource, kind: Literal["generate"], *, row_format: RowFormat | None = ..., on_bad_row: OnBadRow = ...
 ) -> LoadedDataset[PromptRow]: ...
 @overload
 def load_dataset(
-    path: Path | str | HubDataset,
-    kind: Literal["passthrough"],
-    *,
-    row_format: RowFormat | None = None,
-    on_bad_row: OnBadRow = "fail",
+    path: DatasetSource, kind: Literal["passthrough"], *, row_format: RowFormat | None = ..., on_bad_row: OnBadRow = ...
 ) -> LoadedDataset[PassthroughRow]: ...
-@overload
 def load_dataset(
-    path: Path | str | HubDataset, kind: Kind, *, row_format: RowFormat | None = None, on_bad_row: OnBadRow = "fail"
-) -> LoadedDataset[PromptRow] | LoadedDataset[PassthroughRow]: ...
-def load_dataset(
-    path: Path | str | HubDataset, kind: Kind, *, row_format: RowFormat | None = None, on_bad_row: OnBadRow = "fail"
+    path: DatasetSource, kind: Kind, *, row_format: RowFormat | None = None, on_bad_row: OnBadRow = "fail"
 ) -> LoadedDataset[PromptRow] | LoadedDataset[PassthroughRow]:
     """Read every row in the dataset's row format and validate it; the first occurrence of each id wins.
 
@@ -204,7 +194,7 @@ def _empty_dataset(path: Path, rejects: list[Reject], resolver: Resolver) -> Emp
     )
 
 
-def _open_rows(source: Path | str | HubDataset, resolver: Resolver) -> Iterator[Raw]:
+def _open_rows(source: DatasetSource, resolver: Resolver) -> Iterator[Raw]:
     """Pick the reader for `source`; format and existence errors raise here, not at first row. A bare `hf:ORG/NAME`
     path reads the Hub dataset's train split and records nothing (a HubDataset says more)."""
     if isinstance(source, HubDataset):
