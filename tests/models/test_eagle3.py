@@ -19,6 +19,7 @@ from models.draft_vocab import (
 from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, RotaryEmbedding, apply_rope, default_aux_layers
 from models.eagle3_caches import KVCache
 from models.target_head import TargetHead
+from tests.kimi_k25 import kimi_k25_config
 
 V, D = 12, 5  # small vocabs: some target argmaxes fall outside the draft vocab, some draft guesses hit
 
@@ -435,20 +436,9 @@ def test_config_from_target_config():
         cfg.target_hidden_size,
     ) == (128, 352, 4, 2, 32, 2048, 512, 128)
     assert cfg.rope_theta == 10000.0 and cfg.max_position_embeddings == 4096 and cfg.aux_layers == [1, 3, 4]
-    mla = types.SimpleNamespace(
-        hidden_size=7168,
-        intermediate_size=18432,
-        num_attention_heads=64,
-        num_key_value_heads=64,
-        head_dim=64,
-        kv_lora_rank=512,
-        rms_norm_eps=1e-6,
-        rope_theta=50000.0,
-        max_position_embeddings=262144,
-        vocab_size=163840,
-        num_hidden_layers=61,
-        hidden_act="silu",
-    )
+    text = kimi_k25_config()["text_config"]
+    # transformers' DeepseekV3Config sets head_dim = qk_rope_head_dim: MLA's, not the attention's
+    mla = types.SimpleNamespace(**text, head_dim=text["qk_rope_head_dim"])
     cfg = Eagle3Config.from_target_config(mla, 32000, [1, 29, 57])
     assert cfg.head_dim == 112 and cfg.rope_theta == 50000.0
     assert Eagle3Config.from_target_config(mla, 32000, [1, 29, 57], head_dim=128).head_dim == 128

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import shutil
 from collections import namedtuple
 
 import pytest
@@ -14,6 +14,7 @@ from tasks.checkpoints import responses_table, write_part
 from tasks.parquet_io import DamagedPart
 from tasks.records.build import build_records
 from tests.generate_runs import response_row
+from tests.kimi_k25 import CONFIG_JSON
 
 KIMI = TargetShape(hidden_size=7168, num_layers=61, dtype="bfloat16")
 
@@ -93,14 +94,7 @@ def test_damaged_records_part_is_named_with_what_to_do(tmp_path, monkeypatch):
 
 
 def test_target_shape_reads_nested_text_config(tmp_path):
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            {
-                "model_type": "kimi_k25",
-                "text_config": {"hidden_size": 7168, "num_hidden_layers": 61, "torch_dtype": "bfloat16"},
-            }
-        )
-    )
+    shutil.copy(CONFIG_JSON, tmp_path / "config.json")  # Kimi-K2.5's: the text config nested
     assert target_shape(str(tmp_path)) == KIMI
 
 
