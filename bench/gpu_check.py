@@ -126,31 +126,23 @@ class Params(harness.TargetParams):
     @classmethod
     def quick_preset(cls) -> Params:
         """--cpu-smoke: the same path on CPU at toy sizes (a target half the demo's width, random weights)."""
+        # by stage, as the fields above
+        target = dict(hidden_size=64, num_layers=8, num_heads=2, num_kv_heads=1, intermediate_size=128)
+        records = dict(prompts=24, prompt_tokens=16, new_tokens=40, gen_batch=24)
+        capture = dict(capture_batch_tokens=2048, shard_tokens=4096)
+        train = dict(steps=6, skip_steps=2, log_every=1, train_batch_tokens=512, lr=2e-3, eval_fraction=0.25)
+        evaluate = dict(eval_prompts=2, eval_new_tokens=12)
         return cls(
             quick=True,
             device="cpu",
-            hidden_size=64,
-            num_layers=8,
-            num_heads=2,
-            num_kv_heads=1,
-            intermediate_size=128,
-            prompts=24,
-            prompt_tokens=16,
-            new_tokens=40,
-            gen_batch=24,
-            capture_batch_tokens=2048,
-            shard_tokens=4096,
-            steps=6,
-            skip_steps=2,
-            log_every=1,
-            train_batch_tokens=512,
-            lr=2e-3,
-            eval_fraction=0.25,
-            eval_prompts=2,
-            eval_new_tokens=12,
             budget_s=240.0,
-            target_train_steps=0,
-        )  # a random target: the smoke only shows the path works
+            target_train_steps=0,  # a random target: the smoke only shows the path works
+            **target,
+            **records,
+            **capture,
+            **train,
+            **evaluate,
+        )
 
     @property
     def launcher(self) -> str:

@@ -393,15 +393,8 @@ def _fingerprint(rows=(("D", "a", 5), ("D", "b", 7)), d2t=(0, 0, 1), **over):
     total_steps = over.pop("total_steps", 6)
     world_size = over.pop("world_size", 2)
     job = TrainJob(**{**fields, **over})
-    config = Eagle3Config(
-        hidden_size=8,
-        intermediate_size=16,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=10,
-        draft_vocab_size=3,
-        aux_layers=[0, 1, 2],
-    )
+    layer = dict(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1)
+    config = Eagle3Config(**layer, vocab_size=10, draft_vocab_size=3, aux_layers=[0, 1, 2])
     data = data_fingerprint(rows, {"mode": "offline", "aux_layers": [0, 1, 2]})
     return run_fingerprint(job, data, torch.tensor(d2t), config, world_size, total_steps)
 

@@ -212,18 +212,6 @@ GENERATE_BAD = [
 ]
 
 
-@pytest.mark.parametrize("line,reason", GENERATE_BAD, ids=[r for _, r in GENERATE_BAD])
-def test_bad_prompt_row_names_file_line_and_field(tmp_path, line, reason):
-    path = _bad_line_file(tmp_path, line)
-    with pytest.raises(DatasetError) as info:
-        load_dataset(path, "generate")
-    err = info.value
-    assert isinstance(err, ValueError)
-    assert err.path == path and err.row == 3 and reason in err.reason
-    assert str(err).startswith(f"{path} line 3: ")
-    assert reason in str(err) and "b1.jsonl" in str(err)
-
-
 PASSTHROUGH_BAD = [
     (b'{"messages": [{"role": "user", "content": "q"}]}', "'messages' has no assistant turn"),
     (
@@ -245,15 +233,26 @@ PASSTHROUGH_BAD = [
 ]
 
 
-@pytest.mark.parametrize("line,reason", PASSTHROUGH_BAD, ids=[r for _, r in PASSTHROUGH_BAD])
-def test_bad_passthrough_row_names_file_line_and_field(tmp_path, line, reason):
-    path = tmp_path / "a1.jsonl"
-    path.write_bytes(b'{"input_ids": [1], "loss_mask": [1]}\n' + line + b"\n")
+BAD_ROWS = [("generate", *bad) for bad in GENERATE_BAD] + [("passthrough", *bad) for bad in PASSTHROUGH_BAD]
+GOOD_ROW = {"generate": b'{"prompt": "fine"}', "passthrough": b'{"input_ids": [1], "loss_mask": [1]}'}
+EXPECTED = {
+    "generate": GENERATE_EXPECTED,
+    "passthrough": "each row needs 'messages' [{role, content}] with an assistant turn",
+}
+
+
+@pytest.mark.parametrize("kind,line,reason", BAD_ROWS, ids=[f"{kind}: {reason}" for kind, _, reason in BAD_ROWS])
+def test_a_bad_row_names_file_line_and_field(tmp_path, kind, line, reason):
+    path = tmp_path / "b1.jsonl"  # a good row, a blank line, the bad row (line 3), a good row after it
+    path.write_bytes(GOOD_ROW[kind] + b"\n   \n" + line + b"\n" + GOOD_ROW[kind] + b"\n")
     with pytest.raises(DatasetError) as info:
-        load_dataset(path, "passthrough")
-    assert info.value.row == 2
-    assert str(info.value).startswith(f"{path} line 2: {reason}")
-    assert "each row needs 'messages' [{role, content}] with an assistant turn" in str(info.value)
+        load_dataset(path, kind)
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert err.path == path and err.row == 3 and reason in err.reason
+    unparsed = reason.startswith(("invalid JSON", "not valid UTF-8"))  # not a row yet: the file's format is named
+    expected = "expected JSON Lines: one JSON object per line, UTF-8" if unparsed else EXPECTED[kind]
+    assert str(err).startswith(f"{path} line 3: {reason}") and expected in str(err)
 
 
 def test_error_message_format_exactly(tmp_path):
@@ -357,14 +356,8 @@ REPEATED_ID_FIX = "ids must be unique within a dataset: give one of the two rows
 
 
 def test_repeated_id_with_different_content_fails_naming_both_rows(tmp_path):
-    path = write_jsonl(
-        tmp_path / "b1.jsonl",
-        [
-            {"id": "x", "prompt": "first"},
-            {"id": "y", "prompt": "other"},
-            {"id": "x", "prompt": "second"},
-        ],
-    )
+    rows = [{"id": "x", "prompt": "first"}, {"id": "y", "prompt": "other"}, {"id": "x", "prompt": "second"}]
+    path = write_jsonl(tmp_path / "b1.jsonl", rows)
     with pytest.raises(DatasetError) as info:
         load_dataset(path, "generate")
     assert (info.value.path, info.value.row) == (path, 3)

@@ -94,22 +94,10 @@ def _capture_job(tiny_target_dir: Path, data: dict, run_dir: Path, shard_tokens:
 
 
 def _train_job(tiny_target_dir: Path, data: dict, run_dir: Path, hidden: Path) -> Path:
-    job = TrainJob(
-        target_path=str(tiny_target_dir),
-        out_dir=str(run_dir / "draft"),
-        token_counts=str(data["token_counts"]),
-        hidden_dir=str(hidden),
-        device="cpu",
-        draft_vocab_size=256,
-        max_batch_tokens=128,
-        max_steps=4,
-        checkpoint_every=100,
-        eval_every=100,
-        log_every=1,
-        eval_fraction=0.1,
-        lr=2e-3,
-        ttt_steps=2,
-    )
+    paths = dict(target_path=str(tiny_target_dir), token_counts=str(data["token_counts"]), hidden_dir=str(hidden))
+    steps = dict(max_steps=4, checkpoint_every=100, eval_every=100, log_every=1)  # no checkpoint or eval on the way
+    model = dict(draft_vocab_size=256, max_batch_tokens=128, eval_fraction=0.1, lr=2e-3, ttt_steps=2)
+    job = TrainJob(out_dir=str(run_dir / "draft"), device="cpu", **paths, **steps, **model)
     path = run_dir / "jobs" / "train.json"
     write_job(job, path, kept=lambda: "nothing", resume="rerun")
     return path

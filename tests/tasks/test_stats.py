@@ -137,10 +137,11 @@ def test_collect_stats_figures(run_dir):
     assert list(b1.lengths) == [10, 20, 30, 40]
     assert (a2.responses, a2.completion_tokens, a2.parts, a2.wall_s, a2.tokens_per_s) == (2, 12, 1, 10.0, 1.2)
     assert (a2.p50_length, a2.p95_length) == (5, 7)
-    assert c3 == DatasetStats(
+    assert c3 == DatasetStats(  # rejects only
         dataset="C3",
-        responses=0,
         rejects=2,
+        reject_causes={"bad_row": 2},
+        responses=0,
         completion_tokens=0,
         prompt_tokens=0,
         mean_length=None,
@@ -150,7 +151,6 @@ def test_collect_stats_figures(run_dir):
         tokens_per_s=None,
         wall_s=None,
         parts=0,
-        reject_causes={"bad_row": 2},
     )
     assert (d4.responses, d4.rejects, d4.parts) == (0, 0, 0)
 
