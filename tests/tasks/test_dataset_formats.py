@@ -151,6 +151,13 @@ GOOD_FIRST = {  # a good row of each format on line 1, so that auto has decided 
     "ultrachat": {"data": ["q", "a"]},
     "glaive": {"system": "SYSTEM: s", "chat": "USER: q\n\n\nASSISTANT: a <|endoftext|>"},
 }
+
+
+def glaive(chat, system="SYSTEM: s") -> dict:
+    """A glaive row: its system prompt and its chat, one string of USER:/ASSISTANT:/FUNCTION RESPONSE: turns."""
+    return {"system": system, "chat": chat}
+
+
 BAD = [  # format, kind, the bad row, what the error says is wrong
     ("sharegpt", "passthrough", {"id": "x", "messages": []}, "'conversations' is missing (row has: id, messages)"),
     (
@@ -207,33 +214,23 @@ BAD = [  # format, kind, the bad row, what the error says is wrong
     ("ultrachat", "generate", {"data": []}, "'data' is empty"),
     ("ultrachat", "passthrough", {"data": ["q", 5]}, "'data[1]' must be a string, got int"),
     ("ultrachat", "passthrough", {"id": "u", "text": "q"}, "'data' is missing (row has: id, text)"),
-    ("glaive", "generate", {"system": "SYSTEM: s", "chat": " <|endoftext|>\n"}, "'chat' is empty"),
-    ("glaive", "generate", {"system": "SYSTEM: s", "chat": ["USER: q"]}, "'chat' must be a string of USER:/ASSISTANT:"),
+    ("glaive", "generate", glaive(" <|endoftext|>\n"), "'chat' is empty"),
+    ("glaive", "generate", glaive(["USER: q"]), "'chat' must be a string of USER:/ASSISTANT:"),
     ("glaive", "passthrough", {"system": "SYSTEM: s", "text": "USER: q"}, "'chat' is missing (row has: system, text)"),
-    ("glaive", "passthrough", {"system": "SYSTEM: s", "chat": "ASSISTANT: a"}, "'chat' has no USER: turn"),
-    ("glaive", "generate", {"system": 3, "chat": "USER: q"}, "'system' must be a string, got int"),
+    ("glaive", "passthrough", glaive("ASSISTANT: a"), "'chat' has no USER: turn"),
+    ("glaive", "generate", glaive("USER: q", system=3), "'system' must be a string, got int"),
     (
         "glaive",
         "generate",
-        {"system": "SYSTEM: s", "chat": "Hello USER: q"},
+        glaive("Hello USER: q"),
         "'chat' does not open with a role marker (USER:, ASSISTANT:, FUNCTION RESPONSE:): 'Hello USER: q'",
     ),
-    (
-        "glaive",
-        "passthrough",
-        {"system": "SYSTEM: s", "chat": "USER: q\nASSISTANT: <|endoftext|>"},
-        "'chat turn 2 (ASSISTANT:)' is empty",
-    ),
-    (
-        "glaive",
-        "passthrough",
-        {"system": "SYSTEM: s", "chat": "USER: q\nFUNCTION RESPONSE: {}"},
-        "'chat' has no assistant turn",
-    ),
+    ("glaive", "passthrough", glaive("USER: q\nASSISTANT: <|endoftext|>"), "'chat turn 2 (ASSISTANT:)' is empty"),
+    ("glaive", "passthrough", glaive("USER: q\nFUNCTION RESPONSE: {}"), "'chat' has no assistant turn"),
     (
         "glaive",
         "generate",
-        {"system": "", "chat": "USER: q\nASSISTANT: <functioncall> {}\nFUNCTION RESPONSE: {}\nUSER: thanks"},
+        glaive("USER: q\nASSISTANT: <functioncall> {}\nFUNCTION RESPONSE: {}\nUSER: thanks", system=""),
         "'chat turn 3 (FUNCTION RESPONSE:)' is a tool turn; a prompt to generate from has system, user, assistant",
     ),
 ]
