@@ -869,6 +869,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m emulators.dev_ser
     ap.add_argument("--speculative-eagle-topk", type=int, default=None, help="must be 1 (chain)")
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="must be num-steps + 1")
     ap.add_argument(
+        "--decode-log-interval",
+        type=int,
+        default=sglang.DECODE_LOG_INTERVAL,
+        help="decode batches between folds of avg_spec_accept_length (SGLang's flag)",
+    )
+    ap.add_argument(
         "--speculative-config",
         "--speculative_config",
         default=None,
@@ -884,12 +890,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m emulators.dev_ser
         "--no-enable-chunked-prefill", action="store_true", help="accepted for vLLM's command line (no chunking here)"
     )
     sglang.add_server_flags(ap)
-    ap.add_argument(
-        "--decode-log-interval",
-        type=int,
-        default=sglang.DECODE_LOG_INTERVAL,
-        help="decode batches between folds of avg_spec_accept_length (SGLang's flag)",
-    )
     args = ap.parse_args(argv)
     if not (Path(args.model) / "config.json").is_file():
         ap.error(f"{args.model} has no config.json; build one with `eagle3 tiny-target {args.model}`")
