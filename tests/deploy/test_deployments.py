@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from tasks.ports import free_port
+from tests.run_configs import write_run_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -175,18 +176,14 @@ def test_a_killed_worker_leaves_nothing_a_rerun_does_not_finish_exactly_once(pre
         eos_token_id=1,
         model_path=str(tiny_target_dir),
     ) as sim:
-        config = tmp_path / "killed.yaml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "run_dir": str(run_dir),
-                    "target": {"path": str(tiny_target_dir)},
-                    "server": {"url": sim.url, "max_concurrency": 4},
-                    "sampling": {"max_new_tokens": 48, "temperature": 0.8},
-                    "generate": {"flush_every": 4, "retries": 0},
-                    "datasets": [{"name": "B1", "kind": "generate", "path": str(prompts)}],
-                }
-            )
+        config = write_run_config(
+            tmp_path / "killed.yaml",
+            run_dir,
+            tiny_target_dir,
+            [{"name": "B1", "kind": "generate", "path": str(prompts)}],
+            server={"url": sim.url, "max_concurrency": 4},
+            sampling={"max_new_tokens": 48, "temperature": 0.8},
+            generate={"flush_every": 4, "retries": 0},
         )
         worker = server.worker("eagle3-cpu", tmp_path / "worker1.log")
         first = server.run_deployment("generate/generate", f"config_path={config}")

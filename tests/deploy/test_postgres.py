@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import yaml
 
 from tasks.ports import free_port
+from tests.run_configs import write_run_config
 
 RUN_ON_QUEUE = r"""
 import json, sys
@@ -203,17 +203,13 @@ def test_a_team_server_on_postgresql_runs_a_deployment_on_the_box_its_queue_name
             for box in boxes
         }
         try:
-            config = tmp_path / "team.yaml"
-            config.write_text(
-                yaml.safe_dump(
-                    {
-                        "run_dir": str(run_dir),
-                        "target": {"path": str(tiny_target_dir)},
-                        "server": {"url": sim.url, "max_concurrency": 8},
-                        "sampling": {"max_new_tokens": 32, "temperature": 0.8},
-                        "datasets": [{"name": "B1", "kind": "generate", "path": str(prompts)}],
-                    }
-                )
+            config = write_run_config(
+                tmp_path / "team.yaml",
+                run_dir,
+                tiny_target_dir,
+                [{"name": "B1", "kind": "generate", "path": str(prompts)}],
+                server={"url": sim.url, "max_concurrency": 8},
+                sampling={"max_new_tokens": 32, "temperature": 0.8},
             )
             params = {"config_path": str(config), "stages": "generate,records"}
             flow_run_id = server.python(RUN_ON_QUEUE, "pipeline/run", json.dumps(params), "box-b").split()[-1]

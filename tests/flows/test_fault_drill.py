@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import yaml
 
 from emulators.sim import SimServer
 from tasks.checkpoints import live_parts
+from tests.run_configs import write_run_config
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes of its own
 
@@ -67,18 +67,14 @@ def test_disk_full_stops_generate_at_once_and_a_rerun_after_the_disk_grows_finis
         eos_token_id=1,
         model_path=str(tiny_target_dir),
     ) as srv:  # serving the target, as the preflight checks
-        config = tmp_path / "drill.yaml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "run_dir": str(run_dir),
-                    "target": {"path": str(tiny_target_dir)},
-                    "server": {"url": srv.url, "max_concurrency": SLOTS, "health_timeout_s": 30},
-                    "sampling": {"max_new_tokens": 64, "temperature": 0.7},
-                    "generate": {"flush_every": FLUSH_EVERY, "flush_interval_s": 600, "retries": 0},
-                    "datasets": [{"name": "B1", "kind": "generate", "path": str(prompts)}],
-                }
-            )
+        config = write_run_config(
+            tmp_path / "drill.yaml",
+            run_dir,
+            tiny_target_dir,
+            [{"name": "B1", "kind": "generate", "path": str(prompts)}],
+            server={"url": srv.url, "max_concurrency": SLOTS, "health_timeout_s": 30},
+            sampling={"max_new_tokens": 64, "temperature": 0.7},
+            generate={"flush_every": FLUSH_EVERY, "flush_interval_s": 600, "retries": 0},
         )
         first = eagle3("generate", str(config))
         served = srv.snapshot().completed
