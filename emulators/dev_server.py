@@ -91,6 +91,7 @@ from emulators import vllm_extract
 from emulators.flag_values import flag_values
 from emulators.sglang_protocol import SamplingParams
 from models.spec_eval import speculative_decode
+from models.target_loader import load_language_model
 
 logger = logging.getLogger("eagle3.dev_server")
 
@@ -753,7 +754,7 @@ def create_app(
     `num_threads` sets torch's process-wide intra-op threads; None leaves them as they are
     (`serve` picks a value for a dedicated process).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     version = sglang.SGLangVersion.of(sglang_version)
     auth = sglang.Auth(api_key=api_key, admin_api_key=admin_api_key, version=version)  # checked before any loading
@@ -761,7 +762,7 @@ def create_app(
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).to(torch.float32).eval()  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
+    model = load_language_model(str(model_dir), dtype=torch.float32).eval()  # a kimi_k25 wrapper's text model too
     max_positions = int(model.config.max_position_embeddings)
     context_len = int(context_length or max_positions)
     if not 8 <= context_len <= max_positions:

@@ -57,6 +57,7 @@ from models.hidden_shards import ShardWriter, captured_with, clean_temps, list_s
 from models.jobs import CaptureJob, DatasetRecords
 from models.rank import Dist, check_shared_dir, init_process_group, log, say, serve
 from models.rank_protocol import CAPTURE, CAPTURE_PROGRESS
+from models.target_loader import load_language_model
 
 PROGRESS_EVERY_S = 2.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -444,12 +445,8 @@ def _load_target(
     job: CaptureJob, dist: Dist, dtype: torch.dtype, device: torch.device
 ) -> tuple[Callable[..., Any], torch.nn.Module]:
     """(forward, model): the model itself (replicate) or its DeepSpeed engine (zero3), and the HF model."""
-    from transformers import AutoModelForCausalLM
-
     if job.mode == "replicate":
-        model = AutoModelForCausalLM.from_pretrained(
-            job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code
-        )
+        model = load_language_model(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code)
         model = model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
         return model, model
 
@@ -466,7 +463,7 @@ def _load_target(
     # Must exist (and stay referenced: transformers keeps only a weak reference) BEFORE
     # from_pretrained, so the weights are created partitioned (zero.Init) instead of whole on every rank.
     hf_ds_config = HfDeepSpeedConfig(ds_config)
-    model = AutoModelForCausalLM.from_pretrained(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code)
+    model = load_language_model(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code, config=config)
     leaves = moe_leaf_classes(model)
     if leaves:
         set_z3_leaf_modules(model, leaves)

@@ -32,6 +32,7 @@ from models.jobs import EvalJob
 from models.rank import say, serve
 from models.rank_protocol import EVAL, EVAL_PROGRESS
 from models.spec_eval import SpecEvalResult, evaluate_acceptance
+from models.target_loader import load_language_model
 
 
 def run(job: EvalJob) -> dict[str, Any]:
@@ -41,7 +42,7 @@ def run(job: EvalJob) -> dict[str, Any]:
     "replay": the round-weighted replay of its own greedy outputs and the chain formula over every root of
     them (models/estimates.py `replay_acceptance`).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     final = Path(job.draft_dir)
     if not (final / "config.json").is_file():
@@ -52,14 +53,9 @@ def run(job: EvalJob) -> dict[str, Any]:
         "cuda" if job.device == "cuda" or (job.device == "auto" and torch.cuda.is_available()) else "cpu"
     )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cuda":  # spread a target larger than one GPU over all of them
-        target = AutoModelForCausalLM.from_pretrained(
-            job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code, device_map="auto"
-        )
-    else:
-        target = AutoModelForCausalLM.from_pretrained(
-            job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code
-        )
+    # On GPUs: a target larger than one spread over all of them.
+    spread = {"device_map": "auto"} if device.type == "cuda" else {}
+    target = load_language_model(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code, **spread)
     target = target.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

@@ -22,15 +22,25 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 from transformers.utils import logging as hf_logging
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.atomic import replace_dir
 from models.eagle3 import default_aux_layers
+from models.tiny_kimi import KIMI_FIXED, MEDIA_PAD, kimi_text_config, save_kimi_k25
 
 SAMPLES_DIR = Path(__file__).resolve().parents[1] / "data" / "samples"
 
@@ -94,6 +104,28 @@ TRAIN_THREADS = 1
 # rate still looped after 180 steps).
 LM_HEAD_INIT_STD = 0.3
 
+TargetShape = Literal["llama", "kimi"]
+SHAPES: tuple[TargetShape, ...] = ("llama", "kimi")
+# The Kimi-shaped build (build_kimi_target): its sizes beside hidden/layers/heads (models/tiny_kimi.py keeps what
+# stays Kimi's own). MoE: 8 routed experts of width 128, top-2, plus the shared one; the first layer dense (704).
+KIMI_SIZES = {
+    "intermediate_size": 704,
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "q_lora_rank": 96,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+}
+# Its training: half the Llama's batch at 3e-3 for twice the steps (~170 s on one core). Measured on 3 sample
+# prompts: the Llama's recipe (5e-3, 8 x 256) left it answering "<think>ist<|im_end|>" to every prompt, and 2e-3 at
+# 8 x 256 looped; this one answers in 9-12 tokens ending with <|im_end|>, no loop.
+KIMI_TRAIN_STEPS = 200
+KIMI_TRAIN_LR = 3e-3
+KIMI_TRAIN_BATCH = 4
+# The tokenizer's model_max_length: the Llama build's context (the config's 262,144 is YaRN's stretched one).
+KIMI_TOKENIZER_MAX_LENGTH = 4096
+
 
 def build_tiny_target(
     out_dir: str | Path,
@@ -123,34 +155,98 @@ def build_tiny_target(
     on a GPU). A build trained elsewhere than on the CPU is its own build (other rounding, so other
     weights): its build info says where.
     """
-    default_aux_layers(num_layers)  # validates num_layers
-    if train_steps < 0:
-        raise ValueError(f"train_steps must be >= 0, got {train_steps}")
-    out_dir = Path(out_dir)
-    files = [Path(p) for p in corpus_files] if corpus_files is not None else sorted(SAMPLES_DIR.glob("*.jsonl"))
-    if not files:
-        raise FileNotFoundError(f"no corpus files for the tiny target tokenizer (looked in {SAMPLES_DIR})")
-    params = {
+    files = _corpus_files(corpus_files)
+    params = _build_params(
+        files,
+        seed=seed,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        train_steps=train_steps,
+        train_lr=TRAIN_LR,
+        train_batch=TRAIN_BATCH,
+    )
+    if device != "cpu":
+        params["trained_on"] = device
+    return _build(Path(out_dir), params, files, device)
+
+
+def build_kimi_target(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    corpus_files: Sequence[Path] | None = None,
+    vocab_size: int = 2048,
+    hidden_size: int = 256,
+    num_layers: int = 8,
+    num_heads: int = 4,
+    train_steps: int = KIMI_TRAIN_STEPS,
+) -> Path:
+    """Build (or reuse) the Kimi-K2.5-shaped tiny target in `out_dir` (models/tiny_kimi.py); return its path.
+
+    A tiny DeepSeek-V3 (MLA, 8 routed experts top-2 + 1 shared, the first layer dense, YaRN x64) saved as a
+    kimi_k25 checkpoint; the tokenizer is the Llama build's plus Kimi's `<|media_pad|>`. Built, trained and
+    reused like `build_tiny_target`'s target, byte-for-byte from `seed`.
+    """
+    files = _corpus_files(corpus_files)
+    params = _build_params(
+        files,
+        shape="kimi",
+        seed=seed,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        **KIMI_SIZES,
+        max_position_embeddings=KIMI_FIXED["max_position_embeddings"],
+        tokenizer_max_length=KIMI_TOKENIZER_MAX_LENGTH,
+        train_steps=train_steps,
+        train_lr=KIMI_TRAIN_LR,
+        train_batch=KIMI_TRAIN_BATCH,
+    )
+    return _build(Path(out_dir), params, files, "cpu")
+
+
+def build_target(out_dir: str | Path, shape: TargetShape = "llama", **kwargs: Any) -> Path:
+    """`build_tiny_target` or `build_kimi_target`, by `shape`."""
+    if shape not in SHAPES:
+        raise ValueError(f"tiny target shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    return (build_kimi_target if shape == "kimi" else build_tiny_target)(out_dir, **kwargs)
+
+
+def _build_params(files: list[Path], **shape: Any) -> dict[str, Any]:
+    """A build's info: its `shape` arguments (validated), the training recipe's constants and the corpus digest.
+
+    Equal params mean an equal build: a change to any of them rebuilds.
+    """
+    default_aux_layers(shape["num_layers"])  # validates num_layers
+    if shape["train_steps"] < 0:
+        raise ValueError(f"train_steps must be >= 0, got {shape['train_steps']}")
+    return {
         "format_version": _FORMAT_VERSION,
-        "seed": seed,
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
-        "num_heads": num_heads,
-        "num_kv_heads": num_kv_heads,
-        "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_position_embeddings,
-        "train_steps": train_steps,
-        "train_lr": TRAIN_LR,
-        "train_batch": TRAIN_BATCH,
+        **shape,
         "train_seq_len": TRAIN_SEQ_LEN,
         "train_warmup": TRAIN_WARMUP,
         "lm_head_init_std": LM_HEAD_INIT_STD,
         "train_threads": TRAIN_THREADS,
         "corpus_sha256": _corpus_digest(files),
     }
-    if device != "cpu":
-        params["trained_on"] = device
+
+
+def _corpus_files(corpus_files: Sequence[Path] | None) -> list[Path]:
+    files = [Path(p) for p in corpus_files] if corpus_files is not None else sorted(SAMPLES_DIR.glob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no corpus files for the tiny target tokenizer (looked in {SAMPLES_DIR})")
+    return files
+
+
+def _build(out_dir: Path, params: dict[str, Any], files: list[Path], device: str) -> Path:
+    """Reuse the build in `out_dir` if its build info is `params`, else build it in a temp dir and publish it."""
+    shape = params.get("shape", "llama")
     if _read_build_info(out_dir) == params:
         return out_dir
     if out_dir.exists() and _read_build_info(out_dir) is None and any(out_dir.iterdir()):
@@ -159,11 +255,27 @@ def build_tiny_target(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        tokenizer = _build_tokenizer(files, vocab_size, max_position_embeddings)
+        tokenizer = _build_tokenizer(
+            files,
+            params["vocab_size"],
+            params.get("tokenizer_max_length", params["max_position_embeddings"]),
+            extra=[MEDIA_PAD] if shape == "kimi" else [],
+        )
         _save_tokenizer(tokenizer, tmp)
         model = _build_model(tokenizer, params)
-        _train(model, _training_sequences(tokenizer, files), train_steps, seed, torch.device(device))
-        _save_model(model, tmp)
+        _train(
+            model,
+            _training_sequences(tokenizer, files),
+            params["train_steps"],
+            params["seed"],
+            torch.device(device),
+            batch_size=params["train_batch"],
+            lr=params["train_lr"],
+        )
+        if shape == "kimi":
+            save_kimi_k25(model, tokenizer, tmp)
+        else:
+            _save_model(model, tmp)
         (tmp / _BUILD_INFO).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
         _fix_permissions(tmp)
         _replace_dir(tmp, out_dir, params)
@@ -199,7 +311,10 @@ def _corpus_digest(files: Sequence[Path]) -> str:
     return h.hexdigest()
 
 
-def _build_tokenizer(files: Sequence[Path], vocab_size: int, model_max_length: int) -> PreTrainedTokenizerFast:
+def _build_tokenizer(
+    files: Sequence[Path], vocab_size: int, model_max_length: int, extra: Sequence[str] = ()
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE over the corpus with SPECIAL_TOKENS as ids 0..7; `extra` special tokens get the last ids."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -216,46 +331,60 @@ def _build_tokenizer(files: Sequence[Path], vocab_size: int, model_max_length: i
     tok.train_from_iterator(_corpus_texts(files), trainer=trainer)
     for i, t in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    tok.add_special_tokens(list(extra))  # after training: the BPE's ids stay those of a build without them
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,
         pad_token=PAD,
         bos_token=None,
         unk_token=None,
-        additional_special_tokens=[IM_USER, IM_ASSISTANT, IM_SYSTEM, IM_MIDDLE, THINK, END_THINK],
+        additional_special_tokens=[IM_USER, IM_ASSISTANT, IM_SYSTEM, IM_MIDDLE, THINK, END_THINK, *extra],
         chat_template=CHAT_TEMPLATE,
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
 
 
-def _build_model(tokenizer: PreTrainedTokenizerFast, params: dict) -> LlamaForCausalLM:
+def _build_model(tokenizer: PreTrainedTokenizerFast, params: dict) -> PreTrainedModel:
     """The random-weight model of a build's `params` (what its build info records), seeded by params["seed"]."""
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(PAD)
-    if not isinstance(pad_id, int):  # one token in: one id out
-        raise TypeError(f"the tokenizer maps {PAD!r} to {pad_id!r}, not to one id")
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=params["hidden_size"],
-        intermediate_size=params["intermediate_size"],
-        num_hidden_layers=params["num_layers"],
-        num_attention_heads=params["num_heads"],
-        num_key_value_heads=params["num_kv_heads"],
-        max_position_embeddings=params["max_position_embeddings"],
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        dtype="float32",
+    if not isinstance(pad_id, int) or not isinstance(eos_id, int):  # one token in: one id out
+        raise TypeError(f"the tokenizer maps {PAD!r}, {IM_END!r} to {pad_id!r}, {eos_id!r}, not to one id each")
+    sizes = _config_sizes(tokenizer, params, eos_id, pad_id)
+    config = (
+        kimi_text_config(params, sizes)
+        if params.get("shape") == "kimi"
+        else LlamaConfig(
+            **sizes,
+            num_key_value_heads=params["num_kv_heads"],
+            max_position_embeddings=params["max_position_embeddings"],
+            tie_word_embeddings=False,
+        )
     )
     # Seed a private copy of the global RNG so building does not disturb the caller's randomness.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(params["seed"])
-        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
+        model_class = DeepseekV3ForCausalLM if isinstance(config, DeepseekV3Config) else LlamaForCausalLM
+        model = model_class(config).to(torch.float32)  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
         torch.nn.init.normal_(model.lm_head.weight, mean=0.0, std=LM_HEAD_INIT_STD)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
     return model.eval()
+
+
+def _config_sizes(tokenizer: PreTrainedTokenizerFast, params: dict, eos_id: int, pad_id: int) -> dict[str, Any]:
+    """The config keywords every shape takes from a build's params: sizes, special ids, float32."""
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": params["hidden_size"],
+        "intermediate_size": params["intermediate_size"],
+        "num_hidden_layers": params["num_layers"],
+        "num_attention_heads": params["num_heads"],
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "dtype": "float32",
+    }
 
 
 def _corpus_conversations(files: Sequence[Path]) -> Iterator[list[dict[str, str]]]:
@@ -295,17 +424,26 @@ def _training_sequences(tokenizer: PreTrainedTokenizerFast, files: Sequence[Path
     return out
 
 
-def _train(model: LlamaForCausalLM, sequences: list[list[int]], steps: int, seed: int, device: torch.device) -> None:
+def _train(
+    model: PreTrainedModel,
+    sequences: list[list[int]],
+    steps: int,
+    seed: int,
+    device: torch.device,
+    *,
+    batch_size: int = TRAIN_BATCH,
+    lr: float = TRAIN_LR,
+) -> None:
     """Train `model` in place for `steps` AdamW steps on `sequences`, packed; deterministic from `seed`.
 
-    Each step reads TRAIN_BATCH x TRAIN_SEQ_LEN tokens from a stream of the sequences in shuffled
+    Each step reads batch_size x TRAIN_SEQ_LEN tokens from a stream of the sequences in shuffled
     order (a new order each pass, drawn from a private generator), every position a target.
     """
     if steps == 0 or not sequences:
         return
     order = torch.Generator().manual_seed(seed)  # private: the caller's RNG state is not touched
     stream: list[int] = []
-    tokens_per_step = TRAIN_BATCH * TRAIN_SEQ_LEN
+    tokens_per_step = batch_size * TRAIN_SEQ_LEN
 
     def batch() -> torch.Tensor:
         nonlocal stream
@@ -313,16 +451,16 @@ def _train(model: LlamaForCausalLM, sequences: list[list[int]], steps: int, seed
             for i in torch.randperm(len(sequences), generator=order).tolist():
                 stream.extend(sequences[i])
         chunk, stream = stream[:tokens_per_step], stream[tokens_per_step:]
-        return torch.tensor(chunk, dtype=torch.long).view(TRAIN_BATCH, TRAIN_SEQ_LEN)
+        return torch.tensor(chunk, dtype=torch.long).view(batch_size, TRAIN_SEQ_LEN)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(TRAIN_THREADS)
     model.to(device).train()  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
     try:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR, betas=(0.9, 0.95), weight_decay=0.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
         for step in range(steps):
             for group in optimizer.param_groups:
-                group["lr"] = TRAIN_LR * min(1.0, (step + 1) / TRAIN_WARMUP)
+                group["lr"] = lr * min(1.0, (step + 1) / TRAIN_WARMUP)
             x = batch().to(device)
             loss = model(input_ids=x, labels=x).loss
             loss.backward()
@@ -348,7 +486,7 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def _save_model(model: LlamaForCausalLM, out_dir: Path) -> None:
+def _save_model(model: PreTrainedModel, out_dir: Path) -> None:
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar in test and demo output
     try:

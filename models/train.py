@@ -66,6 +66,7 @@ from models.rank import Dist, check_shared_dir, init_process_group, log, say, se
 from models.rank_protocol import TRAIN, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
 from models.run_layout import CHECKPOINTS, DS_CONFIG, FINAL, TRAIN_SUMMARY
 from models.target_head import TargetHead
+from models.target_loader import load_language_model
 from models.target_weights import load_target_tensors
 from models.train_checkpoint import (
     CheckpointMismatch,
@@ -403,8 +404,6 @@ class OnlineSource:
     """Samples from the records; hidden states computed by the target on this rank, per batch."""
 
     def __init__(self, job: TrainJob, aux_layers: list[int], vocab_size: int, device: torch.device):
-        from transformers import AutoModelForCausalLM
-
         from models.capture import resolve_dtype
 
         records, self.parts, _ = load_records(job.datasets, vocab_size)
@@ -420,8 +419,8 @@ class OnlineSource:
 
         cfg = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
         dtype = torch.bfloat16 if job.bf16 else resolve_dtype("auto", cfg)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code
+        self.model = load_language_model(
+            job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code, config=cfg
         )
         self.model = self.model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
         self.num_layers = (

@@ -76,6 +76,19 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return build_tiny_target(shared / "tiny_target" / "model")
 
 
+@pytest.fixture(scope="session")
+def kimi_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Kimi-K2.5-shaped tiny target (models/tiny_kimi.py, trained: about 3 minutes), built once per test session
+    and shared by the xdist workers like tiny_target_dir."""
+    from models.tiny_target import build_kimi_target
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with open(shared / "kimi_target.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_kimi_target(shared / "kimi_target" / "model")
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_target_dir):
     """The tiny target's tokenizer, loaded once per test module."""
