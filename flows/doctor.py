@@ -1,18 +1,19 @@
 """`eagle3 doctor`, and the pipeline's preflight: the checks that find in seconds what would fail hours in.
 
-Six groups, each in its own module: the environment (models/environment.py), the serving engine,
-the chat template on a sample of each dataset, an exported draft, the disk, and the run directory
-(tasks/doctor/). Each finding is PASS, WARN or FAIL with one line of what to do; any FAIL makes
-`eagle3 doctor` exit 1 and stops the pipeline before its first stage (`--skip-checks` skips them,
-said in the log). What a group needs that is not there yet (no server launched, no records, no
-export) is a PASS saying so, not a guess.
+Seven groups, each in its own module: the environment (models/environment.py), the serving engine,
+the chat template on a sample of each dataset, an exported draft, what vLLM needs of the target (when
+vLLM serves it or extracts its hidden states), the disk, and the run directory (tasks/doctor/). Each
+finding is PASS, WARN or FAIL with one line of what to do; any FAIL makes `eagle3 doctor` exit 1
+and stops the pipeline before its first stage (`--skip-checks` skips them, said in the log). What
+a group needs that is not there yet (no server launched, no records, no export) is a PASS saying
+so, not a guess.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -26,6 +27,9 @@ from models.findings import Finding, failed
 from models.train_checkpoint import optimisation_settings, variant_settings
 from tasks.capture.plan import capture_dtype, capture_layers, target_shape
 from tasks.datasets.hub import is_hub_path
+
+if TYPE_CHECKING:
+    from tasks.doctor.vllm_target import VllmServer
 
 ALL_STAGES = ("generate", "records", "capture", "train", "eval")
 STATUS_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
@@ -45,6 +49,7 @@ def doctor_findings(
     """
     standalone = stages is None
     stages = list(ALL_STAGES) if stages is None else stages
+    served_export = standalone or "eval" in stages and "train" not in stages  # else the train stage replaces it
     out: list[tuple[str, Finding]] = []
     out += [("environment", f) for f in _environment(config, stages)]
     target, tokenizer, note = _target(config)
@@ -77,8 +82,10 @@ def doctor_findings(
         )
     if template is not None and ({"generate", "records"} & set(stages)):
         out += [("chat template", f) for f in template.findings]
-    if target and (standalone or "eval" in stages and "train" not in stages):
+    if target and served_export:
         out += [("draft", f) for f in _draft(config, target)]
+    if target and "vllm" in (config.server.engine, config.capture.backend):
+        out += [("vllm target", f) for f in _vllm_target(config, target, stages, engine=engine, export=served_export)]
     if target and ({"generate", "records", "capture"} & set(stages)):
         out += [("disk", f) for f in _disk(config)]
     out += [("run directory", f) for f in _run_dir(config, capture="capture" in stages)]
@@ -250,6 +257,63 @@ def _draft(config: RunConfig, target: dict[str, Any]) -> list[Finding]:
         vocab_size=int(target["vocab_size"]),
         hidden_size=int(target["hidden_size"]),
     )
+
+
+def _vllm_target(
+    config: RunConfig, target: dict[str, Any], stages: list[str], *, engine: bool, export: bool
+) -> list[Finding]:
+    """What vLLM needs of the target, for the vLLM servers `stages` use; `engine`: ask a running one its version;
+    `export`: the existing export is the draft the engine eval serves."""
+    from tasks.doctor.vllm_target import vllm_target_findings
+    from tasks.launch_ranks import cuda_available
+
+    try:
+        aux = capture_layers(int(target["num_hidden_layers"]), config.capture.aux_layers)
+    except ValueError:  # capture.aux_layers: said by the draft and run directory checks
+        aux = None
+    servers = []
+    if config.server.engine == "vllm" and {"generate", "eval"} & set(stages):
+        draft = "eval" in stages and config.eval.backend != "hf"
+        servers.append(_vllm_server(config, aux, draft=draft, export=export, engine=engine))
+    if config.capture.backend == "vllm" and "capture" in stages:
+        servers.append(_vllm_capture_server(config, aux, int(target["num_hidden_layers"]), engine=engine))
+    return vllm_target_findings(config.target.path, servers, cuda=cuda_available())
+
+
+def _vllm_server(config: RunConfig, aux: list[int] | None, *, draft: bool, export: bool, engine: bool) -> VllmServer:
+    """The server section's vLLM: with our draft's aux ids and the export's when the engine eval serves a draft."""
+    from models.eagle3_export import vllm_aux_ids
+    from tasks.doctor.vllm_target import VllmServer, export_aux_ids
+
+    s = config.server
+    ids = []
+    if draft and aux:
+        ids.append(("draft", vllm_aux_ids(aux)))
+    if draft and export and (found := export_aux_ids(config.layout.final)) is not None:
+        ids.append(("export", found))
+    version = _vllm_version(s, s.endpoints) if engine and s.launch == "none" else None
+    return VllmServer("server", draft, tuple(ids), s.command if s.launch == "command" else None, version)
+
+
+def _vllm_capture_server(config: RunConfig, aux: list[int] | None, layers: int, *, engine: bool) -> VllmServer:
+    """capture.engine's vLLM: the extraction's ids (the aux layers' outputs, then the end layer's)."""
+    from models.engine_hidden import engine_layer_ids
+    from tasks.doctor.vllm_target import VllmServer
+
+    e = config.capture.engine
+    ids = (("capture", engine_layer_ids(aux, layers)),) if aux else ()
+    version = _vllm_version(e, [e.url]) if engine and e.launch == "none" else None
+    return VllmServer("capture.engine", False, ids, e.command if e.launch == "command" else None, version)
+
+
+def _vllm_version(settings: Any, urls: list[str]) -> str | None:
+    """The version the running vLLM at `urls` says (None: not known; the engine group says why)."""
+    from tasks.doctor.vllm_target import served_version
+
+    try:
+        return served_version(urls, settings.api_key())
+    except RuntimeError:  # its API key's variable is not set: the engine group's FAIL
+        return None
 
 
 def _disk(config: RunConfig) -> list[Finding]:

@@ -123,6 +123,11 @@ _INT_KEYS = (
 _ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}  # torch_dtype -> safetensors dtype
 
 
+def vllm_aux_ids(aux_layers: list[int]) -> list[int]:
+    """vLLM's ids for our aux layers: capture index = the state entering layer a + 1 (the module docstring)."""
+    return [a + 1 for a in aux_layers]
+
+
 def _text_config(target_config) -> dict:
     cfg = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
     return dict(cfg.get("text_config") or cfg)  # multimodal targets (Kimi-K2.5) nest the LM config
@@ -162,7 +167,7 @@ def sglang_config(config: Eagle3Config, target_config, dtype: torch.dtype) -> di
         "fc_norm": config.fc_norm,
         "norm_output": config.norm_output,
         "eagle_config": {VLLM_AUX_KEY: list(config.aux_layers), "use_aux_hidden_state": True},  # SGLang
-        VLLM_AUX_KEY: [a + 1 for a in config.aux_layers],  # vLLM: capture index = input of layer a + 1
+        VLLM_AUX_KEY: vllm_aux_ids(config.aux_layers),
     }
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if target.get(key) is not None:

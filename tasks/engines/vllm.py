@@ -33,6 +33,7 @@ against that real server in tests/engines/test_real_vllm.py:
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from models.engine_hidden import ExtractionFailed
@@ -71,10 +72,14 @@ def cpu_command(python: str, target: str, *, max_model_len: int = 2048) -> list[
     0.32.0), and a CPU torch.Generator has no offset: "RuntimeError: CPU Generator does not use offset", every
     request in flight answered 500. Eight seeded 700-token prompts at once were enough here. CUDA generators
     have offsets, so a GPU vLLM should not need the flag (not tried: no GPU here).
+
+    A Kimi-K2.5-shaped target (`shape_words`) adds what its shape needs on CPU.
     """
+    env, flags = shape_words(target)
     return [
         "env",
         "VLLM_CPU_KVCACHE_SPACE=1",
+        *env,
         python,
         "-m",
         API_SERVER,
@@ -90,7 +95,34 @@ def cpu_command(python: str, target: str, *, max_model_len: int = 2048) -> list[
         "float32",
         "--enforce-eager",
         "--no-enable-chunked-prefill",
+        *flags,
     ]
+
+
+def shape_words(target: str) -> tuple[list[str], list[str]]:
+    """(environment words, flags) that vLLM 0.32 on CPU needs for the shape of `target`'s config.json.
+
+    - A multimodal wrapper (Kimi-K2.5's `kimi_k25`): every modality limited to 0, so vLLM serves the text model
+      alone and never profiles the vision tower (`--limit-mm-per-prompt`; the project sends token ids only).
+    - MLA attention (a text config with `kv_lora_rank`, DeepSeek-V3/Kimi): `VLLM_MLA_DISABLE=1`. On CPU the MLA
+      kernels (CPU_MLA, block size 16) and the Llama-style EAGLE-3 draft's attention (CPU_ATTN, block sizes
+      that are multiples of 32) share no KV block size, so vLLM refuses the draft at start ("No common block
+      size for 16", vllm/v1/worker/utils.py); with MLA disabled the target runs MLA as plain attention over
+      the decompressed keys and values (greedy output still equal to transformers'). One recipe for the
+      servers with and without the draft, so the engine eval's two passes run the same target. On a GPU the
+      MLA backends take the draft's block size: do not set it there.
+    A target that is not a local directory (a Hub id) adds nothing.
+    """
+    try:
+        config = json.loads((Path(target) / "config.json").read_text())
+    except (OSError, ValueError):
+        return [], []
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    env = ["VLLM_MLA_DISABLE=1"] if text.get("kv_lora_rank") else []
+    flags = []
+    if "text_config" in config and "vision_config" in config:
+        flags = ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0, "vision_chunk": 0})]
+    return env, flags
 
 
 def completion_body(

@@ -17,6 +17,7 @@ from flows.config_file import load_config
 from flows.doctor import PreflightFailed, doctor_findings, engine_checks
 from models import environment
 from models.findings import Finding
+from tests.run_configs import write_demo_config
 
 REPO = Path(__file__).resolve().parents[2]
 # A template that renders the user's turns and drops every assistant turn's text: nothing to put loss on.
@@ -26,28 +27,13 @@ NO_ANSWERS = (
 )
 
 
-def write_config(tmp_path: Path, target: Path, **sections) -> Path:
-    """configs/demo.yaml for a run in tmp_path on `target` (already built), with `sections` merged over it."""
-    data = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    data["run_dir"] = str(tmp_path / "run")
-    data["target"] = {"path": str(target)}
-    for d in data["datasets"]:
-        d["path"] = str(REPO / d["path"])
-    data["eval"]["prompt_files"] = [str(REPO / p) for p in data["eval"]["prompt_files"]]
-    for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 def by_name(findings: list[tuple[str, Finding]] | list[Finding]) -> dict[str, Finding]:
     """Findings by check name, from doctor_findings' (group, finding) pairs or a group's list."""
     return {f.name: f for f in (item[1] if isinstance(item, tuple) else item for item in findings)}
 
 
 def test_the_demo_config_passes_every_check_and_says_cpu(tmp_path, tiny_target_dir):
-    config = write_config(tmp_path, tiny_target_dir)
+    config = write_demo_config(tmp_path, tiny_target_dir)
     result = CliRunner().invoke(app, ["doctor", str(config)])
     assert result.exit_code == 0, result.output
     findings = by_name(doctor_findings(load_config(config)))
@@ -87,7 +73,9 @@ def test_a_hub_dataset_gets_its_chat_template_checked_from_the_cache(tmp_path, t
         {"name": "H1", "kind": "generate", "path": "hf:org/chats"},
         {"name": "H2", "kind": "generate", "path": "hf:org/absent"},
     ]
-    findings = by_name(doctor_findings(load_config(write_config(tmp_path, tiny_target_dir, datasets=datasets + hubs))))
+    findings = by_name(
+        doctor_findings(load_config(write_demo_config(tmp_path, tiny_target_dir, datasets=datasets + hubs)))
+    )
     assert findings["chat template: H1"].status == "PASS", findings["chat template: H1"].detail
     assert findings["chat template: H2"].status == "FAIL"  # HF_HUB_OFFLINE: the generate stage could not fetch it
     assert "hf download --repo-type dataset org/absent" in findings["chat template: H2"].advice
@@ -107,9 +95,9 @@ def test_shards_captured_with_other_settings_fail_before_the_capture_refuses_the
     hidden = tmp_path / "run" / "hidden"
     with ShardWriter(hidden, rank=0, shard_tokens=1, aux_layers=layers) as w:
         w.add("r1", "A1_chat", torch.ones(2, dtype=torch.long), torch.ones(2), torch.zeros(2, 3 * h), torch.zeros(2, h))
-    same = by_name(doctor_findings(load_config(write_config(tmp_path, tiny_target_dir))))["capture shards"]
+    same = by_name(doctor_findings(load_config(write_demo_config(tmp_path, tiny_target_dir))))["capture shards"]
     assert same.status == "PASS" and same.detail.endswith("with these settings: it resumes"), same.detail
-    fp8 = write_config(tmp_path, tiny_target_dir, capture={"storage": "fp8"})
+    fp8 = write_demo_config(tmp_path, tiny_target_dir, capture={"storage": "fp8"})
     other = by_name(doctor_findings(load_config(fp8)))["capture shards"]
     assert other.status == "FAIL" and other.detail.endswith("captured with other settings: storage native -> fp8")
     # a launch without the capture stage (`eagle3 generate`) is not stopped by them
@@ -126,7 +114,7 @@ def maskless_target(tmp_path, tiny_target_dir) -> Path:
 
 
 def test_a_template_that_masks_nothing_fails_naming_the_dataset(tmp_path, maskless_target):
-    config = write_config(tmp_path, maskless_target)
+    config = write_demo_config(tmp_path, maskless_target)
     result = CliRunner().invoke(app, ["doctor", str(config)])
     assert result.exit_code == 1, result.output
     f = by_name(doctor_findings(load_config(config)))["chat template: A1_chat"]
@@ -137,7 +125,7 @@ def test_a_template_that_masks_nothing_fails_naming_the_dataset(tmp_path, maskle
 def test_the_pipeline_stops_before_its_first_stage_on_a_fail_and_skip_checks_runs_it(tmp_path, maskless_target):
     from flows.pipeline import pipeline
 
-    config = write_config(
+    config = write_demo_config(
         tmp_path,
         maskless_target,
         server={"launch": "none"},
@@ -160,7 +148,7 @@ def test_a_draft_whose_vllm_aux_ids_are_off_by_one_fails(tmp_path, tiny_target_d
 
     from tests.drafts import export_random_draft
 
-    config = load_config(write_config(tmp_path, tiny_target_dir))
+    config = load_config(write_demo_config(tmp_path, tiny_target_dir))
     export = config.layout.draft_dir / "final"
     export_random_draft(AutoModelForCausalLM.from_pretrained(tiny_target_dir), export, draft_vocab_size=1024)
     assert {f.status for g, f in doctor_findings(config, ["eval"]) if g == "draft"} == {"PASS"}
@@ -182,7 +170,7 @@ def test_a_dev_server_serving_another_model_fails(tmp_path, tiny_target_dir, ser
 
     other = build_tiny_target(tmp_path / "other-model", seed=1, train_steps=0)
     with serve_app(create_app(other)) as url:
-        config = load_config(write_config(tmp_path, tiny_target_dir, server={"url": url, "launch": "none"}))
+        config = load_config(write_demo_config(tmp_path, tiny_target_dir, server={"url": url, "launch": "none"}))
         found = by_name(engine_checks(config))
         result = CliRunner().invoke(app, ["doctor", str(tmp_path / "config.yaml")])
     model = found[f"engine {url}: model"]
@@ -195,7 +183,7 @@ def test_the_engine_serving_the_target_passes_with_its_figures(tmp_path, tiny_ta
     from emulators.dev_server import create_app
 
     with serve_app(create_app(tiny_target_dir, context_length=512)) as url:
-        config = load_config(write_config(tmp_path, tiny_target_dir, server={"url": url, "launch": "none"}))
+        config = load_config(write_demo_config(tmp_path, tiny_target_dir, server={"url": url, "launch": "none"}))
         found = by_name(engine_checks(config))
     assert {f.status for f in found.values()} == {"PASS", "WARN"}
     assert found[f"engine {url}: model"].detail == str(tiny_target_dir)
@@ -212,6 +200,6 @@ def test_an_unreachable_server_fails_with_what_to_do(tmp_path, tiny_target_dir):
     from tasks.ports import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
-    config = load_config(write_config(tmp_path, tiny_target_dir, server={"url": url, "launch": "none"}))
+    config = load_config(write_demo_config(tmp_path, tiny_target_dir, server={"url": url, "launch": "none"}))
     (f,) = engine_checks(config)
     assert f.status == "FAIL" and "not reachable" in f.detail and "start the server" in f.advice
