@@ -30,16 +30,29 @@ def demo(
         metavar="deepspeed|vllm",
         help="vllm: capture through the dev server's emulation of vLLM's hidden-state extraction.",
     ),
-    engine: str = typer.Option(
-        "sglang",
+    engine: str | None = typer.Option(
+        None,
         "--engine",
         metavar="sglang|vllm",
         help="vllm: generate and the engine eval through a real vLLM (`make vllm` installs its CPU build "
-        "in .venv-vllm); sglang: through the dev server, which emulates SGLang.",
+        "in .venv-vllm); sglang: through the dev server, which emulates SGLang. Default: sglang for the "
+        "llama target, vllm for the kimi one.",
+    ),
+    target: str = typer.Option(
+        "llama",
+        "--target",
+        metavar="llama|kimi",
+        help="kimi: the Kimi-K2.5-shaped tiny target (a kimi_k25 checkpoint: MLA, MoE, YaRN; configs/demo-kimi.yaml) "
+        "instead of the tiny Llama (configs/demo.yaml).",
     ),
 ) -> None:
     """Run the pipeline on the embedded default: tiny target, dev server (or a real vLLM), sample data."""
-    from flows.demo import run_demo, vllm_python
+    from flows.demo import DEMO_TARGETS, run_demo, vllm_python
+
+    if target not in DEMO_TARGETS:
+        err.print(f"[red]error:[/red] --target must be llama or kimi, got {escape(target)!r}", highlight=False)
+        raise typer.Exit(2)
+    engine = engine or DEMO_TARGETS[target].engine
 
     if capture_backend not in ("deepspeed", "vllm"):
         err.print(
@@ -56,7 +69,7 @@ def demo(
         except FileNotFoundError as e:
             err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
             raise typer.Exit(2) from None
-    run_demo(run_dir=run_dir, console=console, capture_backend=capture_backend, engine=engine)
+    run_demo(run_dir=run_dir, console=console, capture_backend=capture_backend, engine=engine, target=target)
 
 
 @app.command()
@@ -395,23 +408,30 @@ def node(
 @app.command("tiny-target")
 def tiny_target(
     out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer to."),
+    shape: str = typer.Option(
+        "llama",
+        "--shape",
+        metavar="llama|kimi",
+        help="llama: a tiny Llama; kimi: Kimi-K2.5's shape, a tiny DeepSeek-V3 (MLA, MoE, YaRN) saved as a "
+        "kimi_k25 checkpoint.",
+    ),
     seed: int = typer.Option(0, help="Seed of the initial weights and of the training's data order."),
     num_layers: int = typer.Option(8, help="Decoder layers (at least 8, so the EAGLE-3 aux layers are distinct)."),
-    hidden_size: int = typer.Option(128, help="Hidden size."),
+    hidden_size: int = typer.Option(None, help="Hidden size (default: 128 for llama, 256 for kimi)."),
     train_steps: int = typer.Option(
         None, help="Training steps on the sample data (default: the demo's; 0: random weights)."
     ),
 ) -> None:
-    """Build the deterministic tiny Llama target (BPE tokenizer, chat template, briefly trained on the sample data)."""
-    from models.tiny_target import TRAIN_STEPS, build_tiny_target
+    """Build a deterministic tiny target (BPE tokenizer, Kimi-style chat template, briefly trained on the samples)."""
+    from models.tiny_target import SHAPES, build_target
 
+    if shape not in SHAPES:
+        err.print(f"[red]error:[/red] --shape must be llama or kimi, got {escape(shape)!r}", highlight=False)
+        raise typer.Exit(2)
+    given = {"hidden_size": hidden_size, "train_steps": train_steps}
     try:
-        path = build_tiny_target(
-            out_dir,
-            seed=seed,
-            num_layers=num_layers,
-            hidden_size=hidden_size,
-            train_steps=TRAIN_STEPS if train_steps is None else train_steps,
+        path = build_target(
+            out_dir, shape, seed=seed, num_layers=num_layers, **{k: v for k, v in given.items() if v is not None}
         )
     except ValueError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)

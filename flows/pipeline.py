@@ -16,7 +16,7 @@ from flows.eval import evaluate
 from flows.generate import generate
 from flows.records import records
 from flows.train import train
-from models.tiny_target import build_tiny_target
+from models.tiny_target import build_target
 from tasks.launch_servers import launched_servers
 from tasks.run_lock import run_lock
 
@@ -64,7 +64,7 @@ def run_stages(
 ) -> dict:
     """The chosen stages in order, each as a subflow, after the preflight checks."""
     if config.target.build_tiny_target:  # demo and tests: the deterministic tiny target, built once
-        build_tiny_target(config.target.path)
+        build_target(config.target.path, config.target.tiny_shape)
     log = get_run_logger()
     if skip_checks:
         log.warning(

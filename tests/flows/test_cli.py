@@ -96,6 +96,21 @@ def test_tiny_target_refuses_too_few_layers(tmp_path):
     assert "8" in result.stderr
 
 
+def test_validate_kimi_demo_preset_is_valid():
+    result = eagle3("validate", "configs/demo-kimi.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "is valid" in result.stdout and "B4_chat" in result.stdout
+
+
+def test_an_unknown_shape_or_demo_target_is_refused_before_anything_is_built(tmp_path):
+    result = eagle3("tiny-target", str(tmp_path / "t"), "--shape", "qwen")
+    assert result.returncode == 2 and "--shape must be llama or kimi, got 'qwen'" in result.stderr
+    assert not (tmp_path / "t").exists()
+    result = eagle3("demo", "--target", "qwen", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and "--target must be llama or kimi, got 'qwen'" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_serve_dev_without_a_model_says_how_to_build_one(tmp_path):
     result = eagle3("serve-dev", "--model", str(tmp_path))
     assert result.returncode == 2
