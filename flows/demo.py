@@ -13,6 +13,7 @@ from rich.table import Table
 from flows.config import RunConfig
 from flows.config_file import dump_config, load_config
 from flows.pipeline import pipeline
+from models.tiny_target import build_target
 from tasks.checkpoints import live_parts
 from tasks.engines.vllm import cpu_command
 from tasks.eval.tasks import engine_rows
@@ -93,6 +94,8 @@ def run_demo(
         setattr(config, section, type(current).model_validate({**current.model_dump(), **values}))
     if target_dir is not None:
         config.target.path = str(target_dir)
+    if config.target.build_tiny_target:  # first: vLLM's command follows the target's shape (its config.json)
+        build_target(config.target.path, config.target.tiny_shape)
     config.server = demo_server(config, engine, f"http://127.0.0.1:{free_port()}")
     if capture_backend == "vllm":
         config.capture.backend = "vllm"

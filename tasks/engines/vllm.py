@@ -102,7 +102,7 @@ def cpu_command(python: str, target: str, *, max_model_len: int = 2048) -> list[
 def shape_words(target: str) -> tuple[list[str], list[str]]:
     """(environment words, flags) that vLLM 0.32 on CPU needs for the shape of `target`'s config.json.
 
-    - A multimodal wrapper (Kimi-K2.5's `kimi_k25`): every modality limited to 0, so vLLM serves the text model
+    - Kimi-K2.5's wrapper (`model_type: kimi_k25`): every modality limited to 0, so vLLM serves the text model
       alone and never profiles the vision tower (`--limit-mm-per-prompt`; the project sends token ids only).
     - MLA attention (a text config with `kv_lora_rank`, DeepSeek-V3/Kimi): `VLLM_MLA_DISABLE=1`. On CPU the MLA
       kernels (CPU_MLA, block size 16) and the Llama-style EAGLE-3 draft's attention (CPU_ATTN, block sizes
@@ -120,7 +120,7 @@ def shape_words(target: str) -> tuple[list[str], list[str]]:
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     env = ["VLLM_MLA_DISABLE=1"] if text.get("kv_lora_rank") else []
     flags = []
-    if "text_config" in config and "vision_config" in config:
+    if config.get("model_type") == "kimi_k25":  # its modalities (kimi_k25.py KimiK25ProcessingInfo)
         flags = ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0, "vision_chunk": 0})]
     return env, flags
 

@@ -211,3 +211,23 @@ def test_limits_come_from_v1_models():
         64,
         0,
     )
+
+
+def test_the_cpu_command_follows_the_target_s_shape(tmp_path, tiny_target_dir):
+    """Kimi-K2.5's config.json (tests/kimi_k25_config.json, the published layout): text only, MLA as plain attention;
+    a Llama, or a target that is not a local directory, gets the plain command."""
+    from tasks.engines.vllm import cpu_command, shape_words
+    from tests.kimi_k25 import CONFIG_JSON
+
+    kimi = tmp_path / "kimi"
+    kimi.mkdir()
+    (kimi / "config.json").write_text(CONFIG_JSON.read_text())
+    env, flags = shape_words(str(kimi))
+    assert env == ["VLLM_MLA_DISABLE=1"]
+    assert flags == ["--limit-mm-per-prompt", '{"image": 0, "video": 0, "vision_chunk": 0}']
+    words = cpu_command("python", str(kimi))
+    assert words[:4] == ["env", "VLLM_CPU_KVCACHE_SPACE=1", "VLLM_MLA_DISABLE=1", "python"]
+    assert words[-2:] == flags
+    assert shape_words(str(tiny_target_dir)) == ([], [])
+    assert shape_words("moonshotai/Kimi-K2.5") == ([], [])
+    assert "VLLM_MLA_DISABLE=1" not in cpu_command("python", str(tiny_target_dir))

@@ -165,30 +165,48 @@ def test_our_aux_states_are_the_ones_vllm_selects_with_the_ids_we_export(
     print(f"aux states: ours vs vLLM ids {ids} (+ end layer {NUM_LAYERS}): max relative diff {worst:.2e}")
 
 
-def test_the_kimi_demo_through_vllm_measures_what_the_in_process_eval_measures_prompt_by_prompt(
-    vllm_python, kimi_target_dir, tmp_path
-):
-    """`eagle3 demo --target kimi`, shorter: generate and the engine eval through vLLM (MLA as plain attention, so the
-    Llama-style draft runs on CPU: tasks/engines/vllm.py shape_words), capture under ZeRO-3, train, in-process eval."""
+@pytest.fixture(scope="module")
+def kimi_demo(vllm_python, kimi_target_dir, tmp_path_factory):
+    """`eagle3 demo --target kimi`, shorter (8 epochs, 24 prompts): generate and the engine eval through vLLM (MLA as
+    plain attention, so the Llama-style draft runs on CPU: tasks/engines/vllm.py shape_words), capture under ZeRO-3,
+    train, the in-process eval. (config, what it printed)."""
     import io
 
     from rich.console import Console
 
     from flows.demo import run_demo
-    from models.eagle3_export import validate_export
-    from models.eagle3_vllm import validate_export_vllm
-    from tasks.checkpoints import live_parts
 
     out = io.StringIO()
     short = {"train": {"epochs": 8}, "eval": {"prompts": 24, "max_new_tokens": 32}}
     config = run_demo(
-        run_dir=tmp_path / "run",
+        run_dir=tmp_path_factory.mktemp("kimi-demo") / "run",
         console=Console(file=out, width=200),
         target_dir=kimi_target_dir,
         overrides=short,
         engine="vllm",
         target="kimi",
     )
+    return config, out.getvalue()
+
+
+def engine_equals_in_process(report: dict, prompts: int) -> None:
+    """The engine eval counted the in-process eval's tokens and verify rounds, prompt by prompt."""
+    engine, hf = report["engine"], report["trained"]
+    assert engine["engine"] == "vllm"
+    rounds = {(p["source"], p["id"]): (p["completion_tokens"], p["spec_verify_ct"]) for p in engine["per_prompt"]}
+    in_process = {(p["source"], p["id"]): (p["new_tokens"], p["rounds"]) for p in hf["per_prompt"]}
+    assert len(rounds) == len(in_process) == report["prompts"] == prompts
+    assert rounds == in_process
+    assert engine["overall"]["per_round"] == hf["acceptance_length"] > 1.0
+    assert report["engine_vs_hf"]["equal"] and engine.get("outputs_differ_without_draft", 0) == 0
+
+
+def test_the_kimi_demo_through_vllm_measures_what_the_in_process_eval_measures_prompt_by_prompt(kimi_demo):
+    from models.eagle3_export import validate_export
+    from models.eagle3_vllm import validate_export_vllm
+    from tasks.checkpoints import live_parts
+
+    config, printed = kimi_demo
     assert config.target.tiny_shape == "kimi" and config.capture.mode == "zero3"
     command = " ".join(config.server.command or [])
     assert "VLLM_MLA_DISABLE=1" in command and "--limit-mm-per-prompt" in command
@@ -207,11 +225,29 @@ def test_the_kimi_demo_through_vllm_measures_what_the_in_process_eval_measures_p
     assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM's ids for ours [1, 3, 4]
     assert exported["rope_scaling"] is None  # the Llama-style draft keeps plain RoPE (the target's is YaRN)
     report = json.loads(config.layout.eval_report.read_text())
-    assert report["engine"]["engine"] == "vllm"
-    same = report["engine_vs_hf"]
-    assert same["prompts_compared"] == report["trained"]["prompts"] == 24
-    assert same["same_verify_rounds"] == same["same_completion_tokens"] == 24 and same["equal"], same
+    engine_equals_in_process(report, 24)
     assert report["trained"]["acceptance_length"] > report["untrained"]["acceptance_length"] + 0.05
-    printed = out.getvalue()
     assert "engine and HF EQUAL on the same 24 prompts (24 with the same verify rounds)" in printed
     assert "trained, measured by the engine (vLLM + draft)" in printed
+
+
+def test_an_eagle3_1_draft_on_the_kimi_shape_counts_the_in_process_rounds_in_vllm(kimi_demo):
+    """EAGLE-3.1 (train.draft_variant) on the same run's hidden states, evaluated through vLLM with the draft only."""
+    import yaml
+
+    from flows.config_file import load_config
+    from tests.tasks.engines.test_vllm_real import eagle3
+
+    config, _ = kimi_demo
+    data = yaml.safe_load(config.layout.demo_config.read_text())
+    out_dir = str(config.run_dir / "draft31")
+    data["train"].update({"draft_variant": "eagle3.1", "out_dir": out_dir, "epochs": 4})
+    data["eval"].update({"baseline": False})  # the draft's pass only: one vLLM start
+    path = config.layout.demo_config.with_name("config31.yaml")
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    done = eagle3("run", str(path), "--stages", "train,eval")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    config31 = load_config(path)
+    exported = json.loads((config31.layout.draft_dir / "final" / "config.json").read_text())
+    assert exported["fc_norm"] is True and exported["norm_output"] is True
+    engine_equals_in_process(json.loads(config31.layout.eval_report.read_text()), 24)
