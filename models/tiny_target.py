@@ -1,4 +1,4 @@
-"""A deterministic tiny Llama target with a Kimi-style chat template, for tests and the demo.
+"""A deterministic tiny target with a Kimi-style chat template, for tests and the demo: a Llama, or Kimi's shape.
 
 The real target (Kimi-K2.5) is a 1T-parameter MoE; everything before and after SGLang only needs
 something with the same *shape of interface*: a fast tokenizer whose chat template wraps turns in
@@ -11,6 +11,10 @@ has structure: a random-weight model's greedy output falls into 1-3-token loops 
 ends a turn, which makes a draft's acceptance length noise. After `train_steps` steps the target
 answers with sentences it has learned from the corpus, ends them with <|im_end|> at varied lengths,
 and its samples vary around them, like a (very small) real model.
+
+`build_kimi_target` makes the same target in Kimi-K2.5's own shape instead (a tiny DeepSeek-V3 with MLA, MoE and
+YaRN, saved as a kimi_k25 checkpoint: models/tiny_kimi.py), for what depends on the model's shape and checkpoint
+layout (loaders, layer ids, the engines' MLA paths); `build_target` picks one by name.
 """
 
 from __future__ import annotations
