@@ -26,6 +26,7 @@ from safetensors import safe_open
 from models.eagle3 import default_aux_layers
 from models.eagle3_export import vllm_aux_ids
 from models.hidden_shards import iter_shard_index, read_sample
+from models.jobs import CaptureJob
 from models.target_weights import load_final_norm
 from tasks.engines.vllm import shape_words
 from tests.models.torchrun import cpu_env, launch_cmd
@@ -82,25 +83,17 @@ def captured(kimi_target_dir, records, tmp_path_factory) -> Path:
     """Our capture of the records: 2 ranks, ZeRO-3, the pipeline's default aux layers."""
     out = tmp_path_factory.mktemp("kimi-capture") / "hidden"
     job = out.parent / "capture.job.json"
-    job.write_text(
-        json.dumps(
-            {
-                "target_path": str(kimi_target_dir),
-                "trust_remote_code": False,
-                "datasets": [{"name": "alpha", "records_dir": str(records)}],
-                "out_dir": str(out),
-                "aux_layers": None,
-                "mode": "zero3",
-                "dtype": "auto",
-                "max_batch_tokens": 256,
-                "shard_tokens": 300,
-                "launch_tokens": None,
-                "offload": "none",
-                "nvme_path": None,
-                "device": "cpu",
-            }
-        )
+    spec = CaptureJob(
+        target_path=str(kimi_target_dir),
+        datasets=[{"name": "alpha", "records_dir": str(records)}],
+        out_dir=str(out),
+        mode="zero3",
+        device="cpu",
+        max_batch_tokens=256,
+        shard_tokens=300,
+        launch_tokens=None,
     )
+    job.write_text(spec.model_dump_json())
     proc = subprocess.run(
         launch_cmd(job, ["-m", "models.capture"]), env=cpu_env(), cwd=REPO, capture_output=True, text=True, timeout=600
     )
