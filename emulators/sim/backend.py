@@ -117,10 +117,17 @@ class SimBackend:
             max_running=cfg.max_running,
             dtype="simulated",
             device="none",
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=False,  # it answers with a "text" (emulators/sim/output.py), as a tokenizer would
             version=VERSION,
+        )
+
+    def loads(self) -> dict[str, Any]:
+        srv = self.server
+        return sglang.loads(
             running=len(srv._running),
             waiting=len(srv._live) - len(srv._running),
+            max_running=srv.config.max_running,
+            version=VERSION,
         )
 
     def model_info(self) -> dict[str, Any]:

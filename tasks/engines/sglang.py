@@ -35,8 +35,53 @@ from tasks.engines.errors import (
     WrongEndpoint,
 )
 
+LAUNCH_SERVER = "sglang.launch_server"
 DUPLICATE_RID = "duplicate request id"  # SGLang's 400 for a rid it still holds (lower case, as matched)
 SPECULATIVE_ALGORITHM = "EAGLE3"
+
+
+def cpu_command(python: str, target: str, *, context_length: int = 2048, max_running: int | None = None) -> list[str]:
+    """The command that serves `target` with the real SGLang 0.5.23 on a CPU (.venv-sglang, `make sglang`), with
+    {host}/{port} to fill.
+
+    - `SGLANG_USE_CPU_ENGINE=1`: SGLang's CPU platform is opt-in (sglang/srt/platforms/__init__.py); `--device
+      cpu` alone is not enough.
+    - `--attention-backend torch_native`: attention in plain torch. The CPU kernel library (sgl_kernel) is a
+      stand-in with no ops in .venv-sglang (deploy/sglang-cpu/sgl_kernel_common_ops.py), and a dense Llama on a
+      CPU without AMX then calls none.
+    - `--skip-tokenizer-init`: the pipeline sends and reads token ids only, as it does against a GPU server.
+    - `--mem-fraction-static 0.05`: about 1 GB of KV cache on this 24 GB machine, plenty for a tiny target.
+    - `--sleep-on-idle`: without it the idle scheduler spins (about 65% of a core).
+    - float32: the dtype HF transformers computes the references in, so greedy outputs can be compared.
+    - `--max-running-requests N` (when given): N requests decode at once, the rest queue at the server.
+    A GPU server takes none of these; docs/engines.md has its launch.
+    """
+    return [
+        "env",
+        "SGLANG_USE_CPU_ENGINE=1",
+        python,
+        "-m",
+        LAUNCH_SERVER,
+        "--model-path",
+        target,
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--device",
+        "cpu",
+        "--skip-tokenizer-init",
+        "--attention-backend",
+        "torch_native",
+        "--dtype",
+        "float32",
+        "--mem-fraction-static",
+        "0.05",
+        "--sleep-on-idle",
+        "--context-length",
+        str(context_length),
+        *(["--max-running-requests", str(max_running)] if max_running else []),
+    ]
 
 
 def parse_generate(body: Any) -> Completion:

@@ -31,6 +31,7 @@ import torch
 from emulators.dev_server import Speculative, create_app
 from emulators.sim import SimServer
 from tests.emulators.sglang_shapes import FINISHED_META
+from tests.sglang_real import start_sglang
 
 CONTEXT = 4096
 NUM_STEPS = 3  # the draft's --speculative-num-steps; topk 1, S + 1 draft tokens
@@ -92,7 +93,11 @@ class Emulation:
         return self.pool.submit(self.generate, body, **kw)
 
     def state(self) -> dict[str, Any]:
-        """internal_states[0] of /server_info (num_running_reqs, num_waiting_reqs, avg_spec_accept_length)."""
+        """loads[0] of /v1/loads (num_running_reqs, num_waiting_reqs): where SGLang 0.5.23 reports them."""
+        return self.get("/v1/loads").json()["loads"][0]
+
+    def internal_state(self) -> dict[str, Any]:
+        """internal_states[0] of /server_info (avg_spec_accept_length with a draft)."""
         return self.get("/server_info").json()["internal_states"][0]
 
     def wait(self, running: int, waiting: int = 0, timeout: float = 10.0) -> None:
@@ -148,13 +153,14 @@ def small_draft_dir(small_target, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(small_target_dir, small_draft_dir, serve_app):
+def servers(small_target_dir, small_draft_dir, serve_app, tmp_path_factory):
     """`servers(kind, **settings)`: a running server of that kind, one per distinct settings, for the module.
 
     Settings: slots (max_batch_size / max_running, default 8), poll (disconnect_poll_s, default POLL_S),
     version ("0.5" | "0.4"), api_key, admin_api_key, draft (dev: an EAGLE-3 draft; sim: its reserved tokens).
     """
     started: dict[tuple, Emulation] = {}
+    real_logs = tmp_path_factory.mktemp("sglang_logs")
     with contextlib.ExitStack() as stack:
 
         def start(kind: str, **settings: Any) -> Emulation:
@@ -164,7 +170,30 @@ def servers(small_target_dir, small_draft_dir, serve_app):
             slots, poll_s = settings.get("slots", 8), settings.get("poll", POLL_S)
             keys = dict(api_key=settings.get("api_key"), admin_api_key=settings.get("admin_api_key"))
             version = settings.get("version", "0.5")
-            if kind == "dev":
+            if kind == "real":  # the real SGLang 0.5.23 (tests/sglang_real.py): one start per distinct settings
+                if version != "0.5":
+                    pytest.skip("the real server is SGLang 0.5.23; 0.4.x is emulated only")
+                if settings.get("draft"):
+                    pytest.skip("no EAGLE-3 draft on the real server on CPU (docs/engines.md)")
+                # its disconnect poll is SGLANG_REQUEST_STATE_WAIT_TIMEOUT, whole seconds (srt/environ.py EnvInt)
+                key = (kind, tuple(sorted((k, v) for k, v in settings.items() if k != "poll")))
+                if key in started:
+                    return started[key]
+                extra = [
+                    w for k in ("api_key", "admin_api_key") if keys[k] for w in (f"--{k.replace('_', '-')}", keys[k])
+                ]
+                log = real_logs / f"sglang-{len(started)}.log"
+                server = start_sglang(
+                    small_target_dir,
+                    log,
+                    context_length=CONTEXT,
+                    max_running=slots,
+                    extra=extra,
+                    env={"SGLANG_REQUEST_STATE_WAIT_TIMEOUT": str(int(HELD_POLL_S))},
+                )
+                stack.callback(server.stop)
+                url = server.url
+            elif kind == "dev":
                 speculative = (
                     Speculative.from_flags(draft_model_path=small_draft_dir, num_steps=NUM_STEPS)
                     if settings.get("draft")
@@ -209,7 +238,7 @@ def servers(small_target_dir, small_draft_dir, serve_app):
             emu.abort(abort_all=True, headers={"Authorization": f"Bearer {admin}"} if admin else {})
 
 
-@pytest.fixture(params=["dev", "sim"])
+@pytest.fixture(params=["dev", "sim", pytest.param("real", marks=[pytest.mark.sglang, pytest.mark.multiprocess])])
 def emu(request, servers):
     """`emu(**settings)`: the server of this test's kind (see `servers`); every one it started is idle afterwards."""
     used: list[Emulation] = []
@@ -230,15 +259,17 @@ def emu(request, servers):
 
 
 def test_a_finished_request_has_sglangs_response_shape(emu):
-    """A finished /generate is {"text", "output_ids", "meta_info"} with meta_info's keys in SGLang's order,
-    counts that match the ids, and the rid as "id" (managers/tokenizer_manager.py `_handle_batch_output`)."""
+    """A finished /generate is {"text", "output_ids", "meta_info"} ({"output_ids", "meta_info"} from a server
+    started with --skip-tokenizer-init, as /server_info says) with meta_info's keys in SGLang's order, counts
+    that match the ids, and the rid as "id" (managers/tokenizer_manager.py `_handle_batch_output`)."""
     s = emu()
     r = s.generate(
         {"input_ids": [11, 12, 13, 14], "rid": "shape", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
     )
     assert r.status_code == 200
     out = r.json()
-    assert list(out) == ["text", "output_ids", "meta_info"]
+    skip_tokenizer = s.get("/server_info").json()["skip_tokenizer_init"]
+    assert list(out) == ["output_ids", "meta_info"] if skip_tokenizer else ["text", "output_ids", "meta_info"]
     meta = out["meta_info"]
     assert list(meta) == FINISHED_META
     n = len(out["output_ids"])
@@ -246,7 +277,9 @@ def test_a_finished_request_has_sglangs_response_shape(emu):
     assert meta["finish_reason"]["type"] in ("stop", "length") and meta["weight_version"] == "default"
     assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": n}]
     assert meta["num_retractions"] == meta["cached_tokens"] == meta["reasoning_tokens"] == 0
-    assert isinstance(meta["e2e_latency"], float) and isinstance(out["text"], str)
+    assert isinstance(meta["e2e_latency"], float) and isinstance(out.get("text", ""), str)
+    assert meta["cached_tokens_details"] is None and meta["dp_rank"] is None
+    assert 0 < meta["response_sent_to_client_ts"] - time.time() + 60 < 120  # a wall-clock timestamp, now
 
 
 def test_a_batch_is_answered_in_input_order(emu):
@@ -323,6 +356,7 @@ def test_a_queued_abort_is_answered_without_prompt_tokens(emu, version):
             "e2e_latency",
             "weight_versions",
             "completion_tokens",
+            "response_sent_to_client_ts",
         ]
         assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
         assert out["meta_info"]["completion_tokens"] == 0 and out["meta_info"]["e2e_latency"] > 0
@@ -378,21 +412,25 @@ def test_abort_request_matches_by_rid_prefix_and_only_a_held_rid(emu):
 
 
 def test_a_held_rid_is_refused_as_a_duplicate(emu):
-    """A /generate whose rid the server still holds -- or with one such rid in a batch, or a rid repeated inside
-    the batch -- is refused 400 {"error": {"message": "Duplicate request ID detected: <rid>"}}
-    (managers/tokenizer_manager.py `_init_req_state`; entrypoints/http_server.py `_create_error_response`);
+    """A /generate whose rid the server still holds -- or with one such rid in a batch -- is refused 400
+    {"error": {"message": "Duplicate request ID detected: <rid>"}} (managers/tokenizer_manager.py
+    `_init_req_state`; entrypoints/http_server.py `_create_error_response`), a rid repeated inside the batch with
+    "Duplicate request IDs detected within the request: [<rids>]" (managers/io_struct.py, the batch check);
     the rid is free again once its request has finished."""
     s = emu(slots=1)
     running = s.background(long_body("dup"))
     s.wait(running=1)
     quick = {"sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-    for body, rid in (
-        ({"input_ids": [1, 2], "rid": "dup"}, "dup"),
-        ({"input_ids": [[1], [2]], "rid": ["fresh", "dup"]}, "dup"),
-        ({"input_ids": [[1], [2]], "rid": ["twice", "twice"]}, "twice"),
+    for body, message in (
+        ({"input_ids": [1, 2], "rid": "dup"}, "Duplicate request ID detected: dup"),
+        ({"input_ids": [[1], [2]], "rid": ["fresh", "dup"]}, "Duplicate request ID detected: dup"),
+        (
+            {"input_ids": [[1], [2]], "rid": ["twice", "twice"]},
+            "Duplicate request IDs detected within the request: ['twice']",
+        ),
     ):
         r = s.generate({**body, **quick})
-        assert r.status_code == 400 and r.json() == {"error": {"message": f"Duplicate request ID detected: {rid}"}}
+        assert r.status_code == 400 and r.json() == {"error": {"message": message}}
     assert s.abort("dup").status_code == 200
     running.result(timeout=30)
     # Nothing of the refused batches is held; "dup" is free again.
@@ -553,7 +591,7 @@ def test_avg_spec_accept_length_is_folded_every_40_decode_batches(emu, small_tar
 
     s = emu(draft=True)
     assert s.post("/flush_cache").status_code == 200  # whatever other tests sent, start from nothing
-    assert "avg_spec_accept_length" not in s.state()
+    assert "avg_spec_accept_length" not in s.internal_state()
     draft = load_exported_draft(small_draft_dir, dtype=torch.float32).eval()
     params = {"max_new_tokens": 16, "ignore_eos": True, "temperature": 0}
     kept: list[int] = []  # tokens per verify round, in serving order
@@ -566,10 +604,10 @@ def test_avg_spec_accept_length_is_folded_every_40_decode_batches(emu, small_tar
         )
         assert out["meta_info"]["spec_verify_ct"] == len(rounds)  # one decode batch of size 1 per round
         kept += [r.kept for r in rounds]
-        avg = s.state().get("avg_spec_accept_length")
+        avg = s.internal_state().get("avg_spec_accept_length")
         assert avg == folded_avg(kept, 40), (len(kept), avg)
         seen_absent |= avg is None
         seen_present |= avg is not None and len(kept) % 40 != 0  # rounds since the last fold are not in it
     assert seen_absent and seen_present and len(kept) >= 80
     assert s.post("/flush_cache").status_code == 200
-    assert "avg_spec_accept_length" not in s.state()
+    assert "avg_spec_accept_length" not in s.internal_state()

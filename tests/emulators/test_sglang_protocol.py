@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -235,9 +236,10 @@ def test_response_shapes():
     assert text_token_ids([4, 5, 1], finish_stop(1), no_stop_trim=False) == [4, 5]
     assert text_token_ids([4, 5, 1], finish_stop(1), no_stop_trim=True) == [4, 5, 1]
     assert text_token_ids([4, 5], finish_length(2), no_stop_trim=False) == [4, 5]
-    result = generate_result(
-        rid="r", text="t", output_ids=[4, 5], finish_reason=finish_length(2), prompt_tokens=3, e2e_latency=0.5
-    )
+    before = time.time()
+    args = dict(rid="r", text="t", output_ids=[4, 5], finish_reason=finish_length(2), prompt_tokens=3, e2e_latency=0.5)
+    result = generate_result(**args)
+    assert before <= result["meta_info"].pop("response_sent_to_client_ts") <= time.time()  # the last key
     assert result == {
         "text": "t",
         "output_ids": [4, 5],
@@ -251,9 +253,12 @@ def test_response_shapes():
             "completion_tokens": 2,
             "cached_tokens": 0,
             "weight_versions": [{"version": "default", "start": 0, "end": 2}],
+            "cached_tokens_details": None,
+            "dp_rank": None,
             "e2e_latency": 0.5,
         },
     }
+    assert list(generate_result(**{**args, "text": None})) == ["output_ids", "meta_info"]  # --skip-tokenizer-init
     old = generate_result(
         rid="r",
         text="t",
@@ -278,7 +283,10 @@ def test_response_shapes():
 
 def test_queued_abort_shapes():
     """tokenizer_manager.py _handle_abort_req: 0.5.23 has no prompt_tokens, 0.4.10 no output_ids."""
-    assert queued_abort_result(rid="q", e2e_latency=0.25) == {
+    queued = queued_abort_result(rid="q", e2e_latency=0.25)
+    assert list(queued["meta_info"])[-1] == "response_sent_to_client_ts"
+    queued["meta_info"].pop("response_sent_to_client_ts")
+    assert queued == {
         "text": "",
         "output_ids": [],
         "meta_info": {
@@ -323,7 +331,7 @@ def test_held_rids_and_the_prefix_abort():
     held.claim(["a:1", "a:10"])
     with pytest.raises(BadRequest, match="^Duplicate request ID detected: a:1$"):
         held.claim(["b", "a:1"])
-    with pytest.raises(BadRequest, match="^Duplicate request ID detected: c$"):
+    with pytest.raises(BadRequest, match=r"^Duplicate request IDs detected within the request: \['c'\]$"):
         held.claim(["c", "c"])
     assert "b" not in held and "c" not in held  # a refused claim holds nothing
     match = abort_matcher("a:1", False, held)

@@ -78,7 +78,10 @@ def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_p
 
         budgeted, rest, server, before_the_budget, after_the_budget = asyncio.run(go())
         at_the_end = served()
-        idle = [httpx.get(w + "/server_info").json()["internal_states"][0] for w in workers]
+        idle = [
+            {k: httpx.get(w + "/v1/loads").json()["loads"][0][k] for k in ("num_running_reqs", "num_waiting_reqs")}
+            for w in workers
+        ]
 
     assert server.router and server.max_input == worker_limit  # the limit came from the workers
     assert budgeted.status == "budget reached" and budgeted.aborted >= 1

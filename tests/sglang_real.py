@@ -1,0 +1,59 @@
+"""The real SGLang 0.5.23 for the tests marked `sglang`: .venv-sglang (`make sglang`; CI makes it).
+
+What is real: the unmodified sglang package (HTTP server, tokenizer manager, scheduler, radix cache, model code),
+on CPU. What is a stand-in: its kernel library and torchvision's ops (deploy/sglang-cpu/, each file says why).
+Without .venv-sglang the tests that use `sglang_python` skip, saying so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tasks.engines.sglang import cpu_command
+from tasks.launch_servers import ServerProcess, fill_placeholders
+from tasks.ports import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+START_TIMEOUT_S = 600  # ~30 s on idle cores, ~90 s on busy ones
+
+
+def sglang_python() -> Path:
+    """The real SGLang's interpreter, or a skip that says how to get it."""
+    if not SGLANG_PYTHON.is_file():
+        pytest.skip(f"no real SGLang: {SGLANG_PYTHON} is missing (`make sglang` installs it; CI does)")
+    return SGLANG_PYTHON
+
+
+def sglang_command(target: Path, *, context_length: int, max_running: int | None = None, extra=()) -> list[str]:
+    """cpu_command for the test venv, {host} filled, {port} left to fill."""
+    words = cpu_command(str(sglang_python()), str(target), context_length=context_length, max_running=max_running)
+    return [fill_placeholders(w, {"host": "127.0.0.1"}) for w in words] + list(extra)
+
+
+def start_sglang(
+    target: Path,
+    log: Path,
+    *,
+    context_length: int,
+    max_running: int | None = None,
+    extra: list[str] = (),  # type: ignore[assignment]
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+) -> ServerProcess:
+    """A real SGLang serving `target`, healthy (its /health_generate answered 200); stop() it when done."""
+    port = port or free_port()
+    words = [
+        fill_placeholders(w, {"port": str(port)})
+        for w in sglang_command(target, context_length=context_length, max_running=max_running, extra=extra)
+    ]
+    server = ServerProcess(words, f"http://127.0.0.1:{port}", log_path=log, env=env, engine="sglang")
+    server.start()
+    try:
+        server.wait_healthy(timeout_s=START_TIMEOUT_S)
+    except BaseException:
+        server.stop()
+        raise
+    return server
