@@ -33,10 +33,11 @@ def demo(
     engine: str | None = typer.Option(
         None,
         "--engine",
-        metavar="sglang|vllm",
-        help="vllm: generate and the engine eval through a real vLLM (`make vllm` installs its CPU build "
-        "in .venv-vllm); sglang: through the dev server, which emulates SGLang. Default: sglang for the "
-        "llama target, vllm for the kimi one.",
+        metavar="dev|sglang|vllm",
+        help="dev: generate and the engine eval through the dev server, which emulates SGLang; sglang: generate "
+        "through a real SGLang 0.5.23 (`make sglang` installs it for CPU in .venv-sglang; the eval is then "
+        "in-process only); vllm: generate and the engine eval through a real vLLM (`make vllm` installs its CPU "
+        "build in .venv-vllm). Default: dev for the llama target, vllm for the kimi one.",
     ),
     target: str = typer.Option(
         "llama",
@@ -46,8 +47,8 @@ def demo(
         "instead of the tiny Llama (configs/demo.yaml).",
     ),
 ) -> None:
-    """Run the pipeline on the embedded default: tiny target, dev server (or a real vLLM), sample data."""
-    from flows.demo import DEMO_TARGETS, run_demo, vllm_python
+    """Run the pipeline on the embedded default: tiny target, dev server (or a real SGLang or vLLM), sample data."""
+    from flows.demo import DEMO_TARGETS, check_demo_engine, run_demo
 
     if target not in DEMO_TARGETS:
         err.print(f"[red]error:[/red] --target must be llama or kimi, got {escape(target)!r}", highlight=False)
@@ -60,15 +61,11 @@ def demo(
             highlight=False,
         )
         raise typer.Exit(2)
-    if engine not in ("sglang", "vllm"):
-        err.print(f"[red]error:[/red] --engine must be sglang or vllm, got {escape(engine)!r}", highlight=False)
-        raise typer.Exit(2)
-    if engine == "vllm":
-        try:
-            vllm_python()
-        except FileNotFoundError as e:
-            err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
-            raise typer.Exit(2) from None
+    try:
+        check_demo_engine(engine, target)
+    except (ValueError, FileNotFoundError) as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
+        raise typer.Exit(2) from None
     run_demo(run_dir=run_dir, console=console, capture_backend=capture_backend, engine=engine, target=target)
 
 

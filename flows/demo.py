@@ -15,7 +15,7 @@ from flows.config_file import dump_config, load_config
 from flows.pipeline import pipeline
 from models.tiny_target import build_target
 from tasks.checkpoints import live_parts
-from tasks.engines.vllm import cpu_command
+from tasks.engines import sglang, vllm
 from tasks.eval.tasks import engine_rows
 from tasks.launch_servers import SERVER_LOG
 from tasks.ports import free_port
@@ -33,11 +33,18 @@ class DemoTarget:
 
 
 DEMO_TARGETS = {
-    "llama": DemoTarget(REPO / "configs" / "demo.yaml", "sglang"),
+    "llama": DemoTarget(REPO / "configs" / "demo.yaml", "dev"),
     # vLLM serves the kimi_k25 wrapper as published (models/tiny_kimi.py); the dev server is an SGLang emulation
     "kimi": DemoTarget(REPO / "configs" / "demo-kimi.yaml", "vllm"),
 }
 VLLM_VENV = REPO / ".venv-vllm"  # `make vllm`: the CPU build of vLLM in a venv of its own (REFERENCE.md)
+SGLANG_VENV = REPO / ".venv-sglang"  # `make sglang`: the real SGLang 0.5.23 on CPU, with labelled stand-ins
+# What `--engine` names: the server the demo's generate (and engine eval) goes through.
+DEMO_ENGINES = {
+    "dev": "the dev server",
+    "sglang": "a real SGLang",
+    "vllm": "a real vLLM",
+}
 SHOWN_PER_DATASET = 2
 
 
@@ -61,11 +68,43 @@ def vllm_python() -> Path:
     return python
 
 
+def sglang_python() -> Path:
+    """The Python of .venv-sglang; FileNotFoundError saying how to make it."""
+    python = SGLANG_VENV / "bin" / "python"
+    if not python.is_file():
+        raise FileNotFoundError(
+            f"{python} is missing: `make sglang` installs SGLang 0.5.23 for CPU there (about 3 minutes); "
+            "with a GPU, install SGLang your own way and start it yourself (server.engine: sglang, launch: none)"
+        )
+    return python
+
+
+def check_demo_engine(engine: str, target: str) -> None:
+    """ValueError/FileNotFoundError if `engine` cannot run the demo of `target` here, saying what to do."""
+    if engine not in DEMO_ENGINES:
+        raise ValueError(f"--engine must be {', '.join(DEMO_ENGINES)}, got {engine!r}")
+    if engine == "sglang" and target != "llama":
+        raise ValueError(
+            "the real SGLang here serves the tiny Llama target only: SGLang 0.5.23 stops at start on the tiny "
+            "kimi_k25 checkpoint, in Kimi's multimodal processor (sglang/srt/multimodal/processors/kimi_k25.py "
+            "reads the published remote code's media_processor), docs/engines.md; use --engine vllm or dev"
+        )
+    if engine == "vllm":
+        vllm_python()
+    if engine == "sglang":
+        sglang_python()
+
+
 def demo_server(config: RunConfig, engine: str, url: str):
-    """The demo's server section: the dev server (SGLang's emulation), or a real vLLM from .venv-vllm, at `url`."""
+    """The demo's server section at `url`: the dev server (SGLang's emulation), a real SGLang from .venv-sglang, or a
+    real vLLM from .venv-vllm, each started by the pipeline."""
     server = {**config.server.model_dump(), "url": url, "launch": "dev"}
     if engine == "vllm":
-        server.update(engine="vllm", launch="command", command=cpu_command(str(vllm_python()), config.target.path))
+        command = vllm.cpu_command(str(vllm_python()), config.target.path)
+        server.update(engine="vllm", launch="command", command=command)
+    if engine == "sglang":
+        command = sglang.cpu_command(str(sglang_python()), config.target.path)
+        server.update(engine="sglang", launch="command", command=command)
     return type(config.server).model_validate(server)
 
 
@@ -75,13 +114,15 @@ def run_demo(
     target_dir: Path | None = None,
     capture_backend: str = "deepspeed",
     overrides: dict[str, dict] | None = None,
-    engine: str = "sglang",
+    engine: str = "dev",
     target: str = "llama",
 ) -> RunConfig:
     """Run the whole pipeline as one Prefect flow run on the sample data (dev server on a free port), print the results.
 
     `engine` "vllm": generate and the engine eval go through a real vLLM (.venv-vllm's CPU build) started by the
-    pipeline, instead of the dev server's SGLang emulation.
+    pipeline, instead of the dev server's SGLang emulation. "sglang": generate goes through a real SGLang
+    (.venv-sglang); the eval is in-process only, since SGLang's EAGLE-3 needs a kernel op that has no CPU build
+    here (docs/engines.md).
     `capture_backend` "vllm": the capture stage starts the dev server with vLLM's extraction flags instead of
     DeepSpeed ranks.
     `overrides`: {section: {setting: value}} over configs/demo.yaml, validated like the file (the tests' shorter demo).
@@ -97,6 +138,8 @@ def run_demo(
     if config.target.build_tiny_target:  # first: vLLM's command follows the target's shape (its config.json)
         build_target(config.target.path, config.target.tiny_shape)
     config.server = demo_server(config, engine, f"http://127.0.0.1:{free_port()}")
+    if engine == "sglang":  # SGLang cannot serve the draft on CPU (docs/engines.md): the eval runs in-process
+        config.eval = type(config.eval).model_validate({**config.eval.model_dump(), "backend": "hf"})
     if capture_backend == "vllm":
         config.capture.backend = "vllm"
         config.capture.engine.launch = "dev"
@@ -106,7 +149,12 @@ def run_demo(
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(dump_config(config))
     console.rule("eagle3 demo: flow `pipeline` (generate -> records -> capture -> train -> eval)")
-    server = "vLLM" if engine == "vllm" else "the dev server"
+    server = DEMO_ENGINES[engine]
+    if engine == "sglang":
+        console.print(
+            "the real SGLang serves generate; the eval is in-process only: SGLang's EAGLE-3 needs the kernel op "
+            "copy_all_layer_kv_cache_cpu, which has no CPU build here (docs/engines.md)"
+        )
     console.print(
         f"config: {config_path}; {server} runs at {config.server.url} during generate (log: {layout.logs / SERVER_LOG})"
     )

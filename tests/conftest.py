@@ -23,7 +23,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # The order test files start in under `pytest -n 2 --dist loadscope --no-loadscope-reorder` (make test): the longest
 # first, so that the two workers end together. The real-vLLM file alone takes about 12 minutes on one worker (its
 # servers are module fixtures); started last, it was the suite's tail. Then the other heavy kinds, then the rest.
-FIRST = ("vllm", "slow", "e2e", "multiprocess")
+FIRST = ("vllm", "sglang", "slow", "e2e", "multiprocess")
 
 
 def start_rank(item: pytest.Item) -> int:

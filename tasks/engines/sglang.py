@@ -40,7 +40,9 @@ DUPLICATE_RID = "duplicate request id"  # SGLang's 400 for a rid it still holds 
 SPECULATIVE_ALGORITHM = "EAGLE3"
 
 
-def cpu_command(python: str, target: str, *, context_length: int = 2048, max_running: int | None = None) -> list[str]:
+def cpu_command(
+    python: str, target: str, *, context_length: int | None = None, max_running: int | None = None
+) -> list[str]:
     """The command that serves `target` with the real SGLang 0.5.23 on a CPU (.venv-sglang, `make sglang`), with
     {host}/{port} to fill.
 
@@ -53,6 +55,7 @@ def cpu_command(python: str, target: str, *, context_length: int = 2048, max_run
     - `--mem-fraction-static 0.05`: about 1 GB of KV cache on this 24 GB machine, plenty for a tiny target.
     - `--sleep-on-idle`: without it the idle scheduler spins (about 65% of a core).
     - float32: the dtype HF transformers computes the references in, so greedy outputs can be compared.
+    - `--context-length N` (when given; else the model's max_position_embeddings).
     - `--max-running-requests N` (when given): N requests decode at once, the rest queue at the server.
     A GPU server takes none of these; docs/engines.md has its launch.
     """
@@ -78,8 +81,7 @@ def cpu_command(python: str, target: str, *, context_length: int = 2048, max_run
         "--mem-fraction-static",
         "0.05",
         "--sleep-on-idle",
-        "--context-length",
-        str(context_length),
+        *(["--context-length", str(context_length)] if context_length else []),
         *(["--max-running-requests", str(max_running)] if max_running else []),
     ]
 

@@ -282,6 +282,28 @@ def test_a_finished_request_has_sglangs_response_shape(emu):
     assert 0 < meta["response_sent_to_client_ts"] - time.time() + 60 < 120  # a wall-clock timestamp, now
 
 
+def test_server_info_is_flat_and_the_queue_counts_are_in_v1_loads(emu):
+    """/server_info (and its old name /get_server_info) is one flat body: the version (an emulation's own), the
+    server args (context_length, max_running_requests, skip_tokenizer_init as started) and max_req_input_len =
+    context - 1 - 5
+    at the top level (entrypoints/http_server.py `get_server_info`; managers/scheduler.py max_req_len,
+    max_req_input_len); internal_states holds no queue counts: GET /v1/loads does (entrypoints/v1_loads.py), as the
+    real server answered."""
+    s = emu(slots=1)
+    info, old = s.get("/server_info").json(), s.get("/get_server_info").json()
+    assert info["version"] == old["version"] == ("0.5.23" if s.kind == "real" else info["version"])  # ours: our own
+    assert info["max_req_input_len"] == old["max_req_input_len"] == CONTEXT - 6
+    assert info["context_length"] == CONTEXT and info["max_running_requests"] == 1
+    assert isinstance(info["skip_tokenizer_init"], bool) and len(info["internal_states"]) == 1
+    assert not {"num_running_reqs", "num_waiting_reqs"} & set(info["internal_states"][0])
+    running = s.background(long_body("counted"))
+    queued = s.background(long_body("waiting", [9, 10]))
+    s.wait(running=1, waiting=1)  # /v1/loads: loads[0].num_running_reqs, num_waiting_reqs
+    assert s.get("/v1/loads").json()["loads"][0]["max_running_requests"] == 1
+    s.abort("waiting"), s.abort("counted")
+    assert queued.result(timeout=30).status_code == running.result(timeout=30).status_code == 200
+
+
 def test_a_batch_is_answered_in_input_order(emu):
     """A batch /generate returns a JSON list in input order, however the items finish
     (managers/tokenizer_manager.py `_handle_batch_request` gathers the items' waiters in order)."""

@@ -109,6 +109,12 @@ def test_an_unknown_shape_or_demo_target_is_refused_before_anything_is_built(tmp
     result = eagle3("demo", "--target", "qwen", "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "--target must be llama or kimi, got 'qwen'" in result.stderr
     assert not (tmp_path / "run").exists()
+    result = eagle3("demo", "--engine", "tgi", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and "--engine must be dev, sglang, vllm, got 'tgi'" in result.stderr
+    result = eagle3("demo", "--target", "kimi", "--engine", "sglang", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and "serves the tiny Llama target only" in result.stderr
+    assert "multimodal/processors/kimi_k25.py" in result.stderr.replace("\n", "")
+    assert not (tmp_path / "run").exists()
 
 
 def test_serve_dev_without_a_model_says_how_to_build_one(tmp_path):

@@ -1,20 +1,23 @@
-"""Generate stage against a REAL vLLM: our loop vs a plain asyncio client with the same requests in flight, one run.
+"""Generate stage against a REAL engine: our loop vs a plain asyncio client with the same requests in flight, one run.
 
-A real vLLM (the CPU build in .venv-vllm, `make vllm`; or `--url` of one already running) serves the
-tiny target. The same prompts (the sample datasets' prompts, rendered with the target's chat template,
-repeated under fresh ids to `--prompts`) go through
+A real vLLM (`--engine vllm`, the default: the CPU build in .venv-vllm, `make vllm`) or a real SGLang 0.5.23
+(`--engine sglang`: .venv-sglang, `make sglang`), or `--url` of one already running, serves the tiny target.
+The same prompts (the sample datasets' prompts, rendered with the target's chat template, repeated under fresh
+ids to `--prompts`) go through
 
 (a) ours: `tasks.generate.loop.generate_dataset` through a `ServerPool` of that one server with
     `max_concurrency` = `--concurrency`, writing its checkpoints as the stage does;
 (b) the baseline: an asyncio client that keeps `--concurrency` requests in flight (a semaphore) with
-    the same /v1/completions body, and keeps the replies in a list (no checks, no disk).
+    the same request body (vLLM's /v1/completions, SGLang's /generate), and keeps the replies in a list
+    (no checks, no disk).
 
 Greedy (temperature 0), so both decode the same tokens. The two alternate, `--repeats` times each,
 after one warm-up pass of (b); the figure is output tokens per second over the wall time of a pass, and
 the target is median(a) / median(b) >= 0.95. Nothing is asserted: the report prints PASS or FAIL.
-Results and their reading: docs/bench-generate.md ("Against a real vLLM"). Usage::
+Results and their reading: docs/bench-generate.md ("Against a real vLLM", "Against a real SGLang"). Usage::
 
-    make vllm && .venv/bin/python bench/generate_vllm.py [--quick] [--json out.json] [--url URL] [--PARAM VALUE ...]
+    make vllm && .venv/bin/python bench/generate_real.py [--quick] [--json out.json] [--url URL] [--PARAM VALUE ...]
+    make sglang && .venv/bin/python bench/generate_real.py --engine sglang [--quick] ...
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ TARGET = 0.95
 class Params:
     """Every knob of one bench run (printed and saved with the figures)."""
 
-    url: str = ""  # a running vLLM; empty: start one from .venv-vllm on the tiny target
+    engine: str = "vllm"  # vllm | sglang
+    url: str = ""  # a running server of that engine; empty: start one from .venv-vllm / .venv-sglang on the tiny target
     prompts: int = 256
     concurrency: int = 16
     max_new_tokens: int = 128
@@ -50,6 +54,9 @@ class Params:
     @classmethod
     def quick_preset(cls) -> Params:
         return cls(prompts=48, concurrency=8, max_new_tokens=64, repeats=1, quick=True)
+
+
+VENVS = {"vllm": ".venv-vllm", "sglang": ".venv-sglang"}  # `make vllm`, `make sglang`
 
 
 def prompt_rows(tokenizer: Any, n: int) -> list[Any]:
@@ -76,7 +83,7 @@ async def run_ours(
         [url],
         max_concurrency=p.concurrency,
         retry=RetryPolicy(outage_window_s=60),
-        engine="vllm",
+        engine=p.engine,
         request_timeout_s=300,
     ) as pool:
         started = time.perf_counter()
@@ -95,11 +102,22 @@ async def run_ours(
     return {"wall_s": wall, "tokens": report.completion_tokens, "tok_s": report.completion_tokens / wall}
 
 
+def plain_request(engine: str, model: str, ids: list[int], params: dict[str, Any], rid: str) -> tuple[str, dict]:
+    """The path and body the baseline posts: the engine's own request, as our client builds it."""
+    if engine == "sglang":
+        return "/generate", {"input_ids": ids, "sampling_params": params, "rid": rid}
+    from tasks.engines.vllm import completion_body
+
+    return "/v1/completions", completion_body(model, ids, params, rid)
+
+
+def completion_tokens(engine: str, reply: dict[str, Any]) -> int:
+    return reply["meta_info"]["completion_tokens"] if engine == "sglang" else reply["usage"]["completion_tokens"]
+
+
 async def run_plain(
     p: Params, url: str, model: str, prompts: list[list[int]], params: dict[str, Any]
 ) -> dict[str, Any]:
-    from tasks.engines.vllm import completion_body
-
     gate = asyncio.Semaphore(p.concurrency)
     replies: list[Any] = []
     async with httpx.AsyncClient(
@@ -108,13 +126,14 @@ async def run_plain(
 
         async def one(i: int, ids: list[int]) -> None:
             async with gate:
-                r = await http.post("/v1/completions", json=completion_body(model, ids, params, f"plain-{i}"))
+                path, body = plain_request(p.engine, model, ids, params, f"plain-{i}-{time.monotonic_ns()}")
+                r = await http.post(path, json=body)
                 replies.append(r.json())
 
         started = time.perf_counter()
         await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
         wall = time.perf_counter() - started
-    tokens = sum(r["usage"]["completion_tokens"] for r in replies)
+    tokens = sum(completion_tokens(p.engine, r) for r in replies)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
 
 
@@ -126,27 +145,28 @@ def measure(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     target = None
     server = None
     url = p.url
+    if p.engine not in VENVS:
+        raise SystemExit(f"--engine must be {' or '.join(VENVS)}, got {p.engine!r}")
     if not url:
-        from tasks.engines.vllm import cpu_command
+        from tasks.engines import sglang, vllm
         from tasks.launch_servers import ServerProcess, fill_placeholders
         from tasks.ports import free_port
 
-        python = REPO / ".venv-vllm" / "bin" / "python"
+        python = REPO / VENVS[p.engine] / "bin" / "python"
         if not python.is_file():
-            raise SystemExit(f"{python} is missing: `make vllm` installs the CPU build of vLLM (or pass --url)")
-        target, _ = harness.TargetParams().build_target("generate-vllm")
+            raise SystemExit(f"{python} is missing: `make {p.engine}` installs it (or pass --url)")
+        target, _ = harness.TargetParams().build_target("generate-real")
+        command = (sglang if p.engine == "sglang" else vllm).cpu_command(str(python), str(target))
         port = free_port()
-        words = [
-            fill_placeholders(w, {"host": "127.0.0.1", "port": str(port)})
-            for w in cpu_command(str(python), str(target))
-        ]
+        words = [fill_placeholders(w, {"host": "127.0.0.1", "port": str(port)}) for w in command]
         url = f"http://127.0.0.1:{port}"
-        server = ServerProcess(words, url, log_path=tmp / "vllm.log", engine="vllm")
+        log = tmp / f"{p.engine}.log"
+        server = ServerProcess(words, url, log_path=log, engine=p.engine)
         server.start()
-        print(f"starting vLLM at {url} (log {tmp / 'vllm.log'})", flush=True)
+        print(f"starting {p.engine} at {url} (log {log})", flush=True)
         server.wait_healthy(timeout_s=600)
     try:
-        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        model = served_model(p.engine, url)
         tokenizer = AutoTokenizer.from_pretrained(target or model)
         params = request_sampling_params(
             {"max_new_tokens": p.max_new_tokens, "temperature": 0.0}, default_stop_ids(tokenizer)
@@ -168,16 +188,31 @@ def measure(p: Params, tmp: Path, out: dict[str, Any]) -> None:
         a, b = harness.median_of(x["tok_s"] for x in ours), harness.median_of(x["tok_s"] for x in plain)
         out["ratio"] = a / b if a and b else None
         out["same_tokens"] = all(x["tokens"] == plain[0]["tokens"] for x in ours + plain)
-        out["vllm"] = httpx.get(url + "/version", timeout=10).json().get("version")
+        out["version"] = engine_version(p.engine, url)
     finally:
         if server is not None:
             server.stop()
 
 
+def served_model(engine: str, url: str) -> str:
+    """The served model's path or name (the tokenizer is read from it when no target was built here)."""
+    if engine == "sglang":
+        return httpx.get(url + "/model_info", timeout=10).json()["model_path"]
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def engine_version(engine: str, url: str) -> str | None:
+    if engine == "sglang":
+        return httpx.get(url + "/server_info", timeout=10).json().get("version")
+    return httpx.get(url + "/version", timeout=10).json().get("version")
+
+
 def report(out: dict[str, Any]) -> None:
     p = out["params"]
+    name = {"vllm": "vLLM", "sglang": "SGLang"}[p.get("engine", "vllm")]
+    version = out.get("version", out.get("vllm"))  # "vllm": the key of runs saved before --engine
     print(
-        f"\nvLLM {out.get('vllm')}: {p['prompts']} prompts, {p['concurrency']} in flight, max_new_tokens "
+        f"\n{name} {version}: {p['prompts']} prompts, {p['concurrency']} in flight, max_new_tokens "
         f"{p['max_new_tokens']}, greedy; {p['repeats']} pass(es) each, alternating"
     )
     rows = [
@@ -194,16 +229,16 @@ def report(out: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = harness.arguments(__doc__, Params(), keep="the checkpoints and the vLLM log").parse_args(argv)
+    args = harness.arguments(__doc__, Params(), keep="the checkpoints and the server log").parse_args(argv)
     p = harness.params_from(args, Params)
     return harness.run_bench(
-        "generate-vllm",
+        f"generate-{p.engine}",
         args,
         asdict(p),
         {},
         lambda tmp, out: measure(p, tmp, out),
         report,
-        kept="the checkpoints and the vLLM log",
+        kept="the checkpoints and the server log",
     )
 
 
