@@ -434,7 +434,7 @@ class _Run:
                 "prompt_tokens": done.prompt_tokens,
                 "completion_tokens": done.completion_tokens,
                 "finish_reason": done.finish_reason,
-                "text": done.text,
+                "text": self.text(done),
                 "latency": latency,
                 "cached_tokens": done.cached_tokens,
                 "reasoning_tokens": done.reasoning_tokens,
@@ -443,6 +443,13 @@ class _Run:
         )
         self.budget.finish(done.completion_tokens)
         self.recorded += 1
+
+    def text(self, done: Completion) -> str:
+        """The response's text: the server's, else (a server started with --skip-tokenizer-init sends none, as the
+        real SGLang on CPU is) the target's tokenizer's decode of output_ids, special tokens kept as requested."""
+        if done.text or not done.output_ids or not hasattr(self.tokenizer, "decode"):
+            return done.text
+        return self.tokenizer.decode(done.output_ids, skip_special_tokens=False)
 
     def continue_conversation(self, conv: Conversation, done: Completion, queue: deque[PromptRow]) -> None:
         """turns: all: queue the conversation's next turn (first, so conversations finish in order); a turn cut by

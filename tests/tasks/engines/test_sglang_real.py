@@ -165,6 +165,9 @@ def assert_sglangs_own(url: str, rows: list[dict], eos: int) -> None:
         assert r["output_ids"] == o["output_ids"], r["id"]
         assert r["finish_reason"] == o["meta_info"]["finish_reason"]["type"], r["id"]
         assert r["completion_tokens"] == len(r["output_ids"]) == o["meta_info"]["completion_tokens"], r["id"]
+        # the server sent no text (--skip-tokenizer-init): the loop decoded the ids, the end-of-turn token kept
+        assert "text" not in o and r["text"], r["id"]
+        assert r["text"].endswith("<|im_end|>") == (r["finish_reason"] == "stop"), r["id"]
 
 
 def test_generate_killed_then_the_server_killed_is_exactly_once_and_sglangs_own_greedy(
