@@ -556,8 +556,18 @@ def test_the_demo_server_section_for_each_engine_validates(tmp_path, monkeypatch
     import flows.demo as demo
 
     config = demo.demo_config(tmp_path / "run")
+    dev = demo.demo_server(config, "dev", "http://127.0.0.1:30011")
+    assert (dev.engine, dev.launch, dev.url) == ("sglang", "dev", "http://127.0.0.1:30011")
+    monkeypatch.setattr(demo, "SGLANG_VENV", tmp_path / "no-sglang")
+    with pytest.raises(FileNotFoundError, match="make sglang"):
+        demo.demo_server(config, "sglang", "http://127.0.0.1:30011")
+    (tmp_path / "no-sglang" / "bin").mkdir(parents=True)
+    (tmp_path / "no-sglang" / "bin" / "python").write_text("")
     sglang = demo.demo_server(config, "sglang", "http://127.0.0.1:30011")
-    assert (sglang.engine, sglang.launch, sglang.url) == ("sglang", "dev", "http://127.0.0.1:30011")
+    assert (sglang.engine, sglang.launch) == ("sglang", "command")
+    assert sglang.command[:3] == ["env", "SGLANG_USE_CPU_ENGINE=1", str(tmp_path / "no-sglang" / "bin" / "python")]
+    assert sglang.command[sglang.command.index("--model-path") + 1] == config.target.path
+    assert "--skip-tokenizer-init" in sglang.command and "torch_native" in sglang.command
     monkeypatch.setattr(demo, "VLLM_VENV", tmp_path / "no-venv")
     with pytest.raises(FileNotFoundError, match="make vllm"):
         demo.demo_server(config, "vllm", "http://127.0.0.1:30011")

@@ -173,8 +173,8 @@ def assert_sglangs_own(url: str, rows: list[dict], eos: int) -> None:
 def test_generate_killed_then_the_server_killed_is_exactly_once_and_sglangs_own_greedy(
     served, tiny_target_dir, eos, tmp_path
 ):
-    budget = 150  # below what the 20 greedy answers of B1_code add up to: the budget stops it
-    files = {"B1_code": subset(tmp_path, "gen_code.jsonl", 20), "B2_math": subset(tmp_path, "gen_math.jsonl", 24)}
+    budget = 100  # below what the 14 greedy answers of B1_code add up to: the budget stops it
+    files = {"B1_code": subset(tmp_path, "gen_code.jsonl", 14), "B2_math": subset(tmp_path, "gen_math.jsonl", 18)}
     datasets = [
         {"name": "B1_code", "kind": "generate", "path": str(files["B1_code"]), "token_budget": budget},
         {"name": "B2_math", "kind": "generate", "path": str(files["B2_math"])},
@@ -229,7 +229,7 @@ def test_the_real_router_over_two_real_servers_one_killed_answers_every_prompt_o
     router.start()
     try:
         router.wait_healthy(timeout_s=120)
-        file = subset(tmp_path, "gen_math.jsonl", 30)
+        file = subset(tmp_path, "gen_math.jsonl", 20)
         path, run_dir = generate_config(
             tmp_path, router_url, tiny_target_dir, [{"name": "B2_math", "kind": "generate", "path": str(file)}]
         )
