@@ -236,7 +236,7 @@ def test_an_eagle3_1_draft_on_the_kimi_shape_counts_the_in_process_rounds_in_vll
     config, _ = kimi_demo
     data = yaml.safe_load(config.layout.demo_config.read_text())
     out_dir = str(config.run_dir / "draft31")
-    data["train"].update({"draft_variant": "eagle3.1", "out_dir": out_dir, "epochs": 3})
+    data["train"].update({"draft_variant": "eagle3.1", "out_dir": out_dir, "epochs": 4})
     data["eval"].update({"baseline": False, "prompts": 12})  # the draft's pass only, on 12 prompts: one vLLM start
     path = config.layout.demo_config.with_name("config31.yaml")
     path.write_text(yaml.safe_dump(data, sort_keys=False))
