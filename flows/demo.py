@@ -57,26 +57,23 @@ def demo_config(run_dir: Path | None = None, target: str = "llama") -> RunConfig
     return config
 
 
-def vllm_python() -> Path:
-    """The Python of .venv-vllm; FileNotFoundError saying how to make it."""
-    python = VLLM_VENV / "bin" / "python"
+def engine_python(venv: Path, engine: str, install: str) -> Path:
+    """The Python of an engine's venv; FileNotFoundError saying how to make it (`install`) and what a GPU user does."""
+    python = venv / "bin" / "python"
     if not python.is_file():
         raise FileNotFoundError(
-            f"{python} is missing: `make vllm` installs the CPU build of vLLM there (about a minute); "
-            "with a GPU, install vLLM your own way and start it yourself (server.engine: vllm, launch: none)"
+            f"{python} is missing: `make {engine}` installs {install} there; with a GPU, install {engine} your own "
+            f"way and start it yourself (server.engine: {engine}, launch: none)"
         )
     return python
+
+
+def vllm_python() -> Path:
+    return engine_python(VLLM_VENV, "vllm", "the CPU build of vLLM (about a minute)")
 
 
 def sglang_python() -> Path:
-    """The Python of .venv-sglang; FileNotFoundError saying how to make it."""
-    python = SGLANG_VENV / "bin" / "python"
-    if not python.is_file():
-        raise FileNotFoundError(
-            f"{python} is missing: `make sglang` installs SGLang 0.5.23 for CPU there (about 3 minutes); "
-            "with a GPU, install SGLang your own way and start it yourself (server.engine: sglang, launch: none)"
-        )
-    return python
+    return engine_python(SGLANG_VENV, "sglang", "SGLang 0.5.23 for CPU (about 3 minutes)")
 
 
 def check_demo_engine(engine: str, target: str) -> None:

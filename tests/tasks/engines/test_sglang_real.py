@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from tasks.datasets import load_dataset
 from tasks.launch_servers import ServerProcess, router_process
 from tasks.ports import free_port
 from tests.sglang_real import sglang_python, start_sglang
+from tests.tasks.engines.test_vllm_real import eagle3, rows_of, wait_for  # the CLI as a user runs it; parts
 
 pytestmark = [pytest.mark.sglang, pytest.mark.multiprocess, pytest.mark.timeout(1800)]
 
@@ -101,29 +101,10 @@ def greedy(url: str, prompts: list[list[int]], eos: int) -> list[dict]:
     return r.json()
 
 
-def eagle3(*args: str, wait: bool = True):
-    """The CLI as a user runs it, each with its own temporary Prefect server; in a session of its own (killpg)."""
-    exe = Path(sys.executable).parent / "eagle3"
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)
-    if wait:
-        return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=1200, env=env)
-    return subprocess.Popen(
-        [str(exe), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
-    )
-
-
 def kill(process: subprocess.Popen) -> None:
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-
-
-def wait_for(condition, what: str, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def subset(tmp_path: Path, name: str, n: int) -> Path:
@@ -148,10 +129,6 @@ def generate_config(tmp_path: Path, url: str, target: Path, datasets: list[dict]
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, run_dir
-
-
-def rows_of(run_dir: Path, dataset: str) -> list[dict]:
-    return [r for p in live_parts(run_dir / "responses" / dataset) for r in pq.read_table(p).to_pylist()]
 
 
 def rejects_of(run_dir: Path, dataset: str) -> list[dict]:
@@ -184,7 +161,7 @@ def test_generate_killed_then_the_server_killed_is_exactly_once_and_sglangs_own_
 
     first = eagle3("generate", str(path), wait=False)  # 1. generate killed mid-run
     try:
-        wait_for(lambda: first.poll() is not None or count() > 0, "the first checkpoint part")
+        wait_for(lambda: first.poll() is not None or count() > 0, "the first checkpoint part", 300)
         assert first.poll() is None, "generate ended before it could be killed"
     finally:
         kill(first)
@@ -192,7 +169,7 @@ def test_generate_killed_then_the_server_killed_is_exactly_once_and_sglangs_own_
 
     second = eagle3("generate", str(path), wait=False)  # 2. resumed; the server killed under it and restarted
     try:
-        wait_for(lambda: second.poll() is not None or count() >= killed_at + 4, "the resumed run's first parts")
+        wait_for(lambda: second.poll() is not None or count() >= killed_at + 4, "the resumed run's first parts", 300)
         assert second.poll() is None, "the resumed generate ended before the server could be killed"
         served.kill()
         served_again_at = time.monotonic()
@@ -235,7 +212,7 @@ def test_the_real_router_over_two_real_servers_one_killed_answers_every_prompt_o
         )
         run = eagle3("generate", str(path), wait=False)
         try:
-            wait_for(lambda: run.poll() is not None or len(rows_of(run_dir, "B2_math")) > 0, "the first part")
+            wait_for(lambda: run.poll() is not None or len(rows_of(run_dir, "B2_math")) > 0, "the first part", 300)
             assert run.poll() is None, "generate ended before a worker could be killed"
             process = second.process
             assert process is not None
