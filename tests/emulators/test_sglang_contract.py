@@ -164,12 +164,13 @@ def servers(small_target_dir, small_draft_dir, serve_app, tmp_path_factory):
     with contextlib.ExitStack() as stack:
 
         def start(kind: str, **settings: Any) -> Emulation:
+            # a default passed or left out: the same server, started once
+            settings = {"slots": 8, "poll": POLL_S, "version": "0.5", **settings}
             key = (kind, tuple(sorted(settings.items())))
             if key in started:
                 return started[key]
-            slots, poll_s = settings.get("slots", 8), settings.get("poll", POLL_S)
+            slots, poll_s, version = settings["slots"], settings["poll"], settings["version"]
             keys = dict(api_key=settings.get("api_key"), admin_api_key=settings.get("admin_api_key"))
-            version = settings.get("version", "0.5")
             if kind == "real":  # the real SGLang 0.5.23 (tests/sglang_real.py): one start per distinct settings
                 if version != "0.5":
                     pytest.skip("the real server is SGLang 0.5.23; 0.4.x is emulated only")

@@ -172,7 +172,9 @@ def kimi_demo(vllm_python, kimi_target_dir, tmp_path_factory):
     from flows.demo import run_demo
 
     out = io.StringIO()
-    short = {"train": {"epochs": 8}, "eval": {"prompts": 24, "max_new_tokens": 32}}
+    # no pass without the draft (eval.baseline): its speedup says nothing on CPU, and greedy with and without the
+    # draft is compared on the Llama target (test_vllm_real.py); this saves a third vLLM start
+    short = {"train": {"epochs": 8}, "eval": {"prompts": 24, "max_new_tokens": 32, "baseline": False}}
     config = run_demo(
         run_dir=tmp_path_factory.mktemp("kimi-demo") / "run",
         console=Console(file=out, width=200),
@@ -243,6 +245,10 @@ def test_an_eagle3_1_draft_on_the_kimi_shape_counts_the_in_process_rounds_in_vll
     done = eagle3("run", str(path), "--stages", "train,eval")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     config31 = load_config(path)
-    exported = json.loads((config31.layout.draft_dir / "final" / "config.json").read_text())
+    final = config31.layout.draft_dir / "final"
+    exported = json.loads((final / "config.json").read_text())
     assert exported["fc_norm"] is True and exported["norm_output"] is True
+    with safe_open(str(final / "model.safetensors"), framework="pt") as f:  # trained norms, not the initial ones:
+        norms = [f.get_tensor(f"fc_norm.{i}.weight").float() for i in range(3)]  # a loader that dropped them
+    assert not any(torch.allclose(w, torch.ones_like(w)) for w in norms)  # would serve other rounds
     engine_equals_in_process(json.loads(config31.layout.eval_report.read_text()), 12)
