@@ -123,6 +123,13 @@ _INT_KEYS = (
 _ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}  # torch_dtype -> safetensors dtype
 
 
+def export_dtype(cfg: Mapping) -> str | None:
+    """The weights' dtype a config.json states: `torch_dtype` (ours, transformers 4), else `dtype` (the key
+    transformers 5 writes, e.g. in a SpecForge export); both engines read either through transformers' config."""
+    found = cfg.get("torch_dtype") or cfg.get("dtype")
+    return found if isinstance(found, str) else None
+
+
 def vllm_aux_ids(aux_layers: list[int]) -> list[int]:
     """vLLM's ids for our aux layers: capture index = the state entering layer a + 1 (the module docstring)."""
     return [a + 1 for a in aux_layers]
@@ -289,7 +296,7 @@ def validate_export(out_dir: str | Path) -> list[str]:
         problems.append(
             f"missing {EMBED}: SGLang shares the target's embedding only when hidden_size == target_hidden_size"
         )
-    float_dtype = _ST_DTYPES[cfg["torch_dtype"]]
+    float_dtype = _ST_DTYPES[str(export_dtype(cfg))]
     optional = {EMBED, *VOCAB_MAP} if cfg["draft_vocab_size"] == cfg["vocab_size"] else {EMBED}
     for name, rule in rules.items():
         if name not in names:
@@ -338,8 +345,9 @@ def _config_problems(cfg: dict) -> list[str]:
     for key in ("rms_norm_eps", "rope_theta"):
         if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
             p.append(f"config {key} must be a positive number, got {cfg.get(key)!r}")
-    if cfg.get("torch_dtype") not in _ST_DTYPES:
-        p.append(f"torch_dtype {cfg.get('torch_dtype')!r} not one of {sorted(_ST_DTYPES)}")
+    if export_dtype(cfg) not in _ST_DTYPES:
+        stated = cfg.get("torch_dtype") or cfg.get("dtype")
+        p.append(f"torch_dtype (or dtype) {stated!r} not one of {sorted(_ST_DTYPES)}")
     eagle = cfg.get("eagle_config")
     ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
     if not (
@@ -367,7 +375,7 @@ def _config_problems(cfg: dict) -> list[str]:
 
 
 def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Eagle3Draft:
-    """The `Eagle3Draft` of an export (validated first), in `dtype` (default: the file's torch_dtype).
+    """The `Eagle3Draft` of an export (validated first), in `dtype` (default: the file's torch_dtype or dtype).
 
     An export without embed_tokens (allowed when hidden_size == target_hidden_size) leaves the
     embedding uninitialized: call `load_target_embedding` with the target's. An export without
@@ -386,7 +394,7 @@ def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None
         hidden_act=cfg["hidden_act"],
         **{key: bool(cfg.get(key, False)) for key in VARIANT_KEYS},
     )
-    draft = Eagle3Draft(config).to(dtype or getattr(torch, cfg["torch_dtype"]))
+    draft = Eagle3Draft(config).to(dtype or getattr(torch, str(export_dtype(cfg))))
     with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:
         state = {n: f.get_tensor(n) for n in f.keys()}
     missing, _ = draft.load_state_dict(state, strict=False)  # unknown names were rejected by validate_export

@@ -172,6 +172,31 @@ def test_validate_export_catches_problems(draft, target, tmp_path):
     assert not (tmp_path / "gelu").exists()
 
 
+def test_an_export_whose_config_says_dtype_as_transformers_5_writes_it_validates_and_loads(draft, target, tmp_path):
+    """transformers 5 writes the weights' dtype as `dtype`, not `torch_dtype` (a SpecForge export saved with it);
+    both engines read either key through transformers' config, so our checks and loader do too."""
+    from transformers import LlamaConfig
+
+    good = export_draft(draft, tmp_path / "good", target_config=target, dtype=torch.float32)
+    cfg = json.loads((good / "config.json").read_text())
+    written = tmp_path / "written_by_transformers"
+    LlamaConfig(dtype=torch.float32).save_pretrained(written)  # the key as transformers itself names it
+    keys = set(json.loads((written / "config.json").read_text()))
+    assert "dtype" in keys and "torch_dtype" not in keys
+    cfg["dtype"] = cfg.pop("torch_dtype")
+    respelled = _rewrite(good, tmp_path / "respelled", lambda t: t)
+    (respelled / "config.json").write_text(json.dumps(cfg))
+    assert validate_export(respelled) == [] and validate_export_vllm(respelled) == []
+    loaded = load_exported_draft(respelled)
+    assert loaded.fc.weight.dtype == torch.float32
+    for name, t in draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+
+    cfg.pop("dtype")  # neither key: a clear error naming both
+    (respelled / "config.json").write_text(json.dumps(cfg))
+    assert validate_export(respelled) == [f"torch_dtype (or dtype) None not one of {sorted(ex._ST_DTYPES)}"]
+
+
 # --- EAGLE-3.1: fc_norm and norm_output -------------------------------------------------------------
 
 FC_NORM = {f"fc_norm.{i}.weight" for i in range(3)}  # vLLM 0.32 / SGLang 0.5.23 llama_eagle3.py: self.fc_norm[i]
