@@ -374,6 +374,12 @@ def _config_problems(cfg: dict) -> list[str]:
     return p
 
 
+def has_embedding(out_dir: str | Path) -> bool:
+    """Whether an export holds its own embed_tokens (ours always do; another trainer's may not)."""
+    with safe_open(str(Path(out_dir) / WEIGHTS_FILE), framework="pt") as f:
+        return EMBED in f.keys()
+
+
 def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Eagle3Draft:
     """The `Eagle3Draft` of an export (validated first), in `dtype` (default: the file's torch_dtype or dtype).
 

@@ -25,7 +25,7 @@ import torch
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.atomic import write_atomic
 from models.eagle3 import Eagle3Draft
-from models.eagle3_export import load_exported_draft
+from models.eagle3_export import has_embedding, load_exported_draft
 from models.estimates import replay_acceptance
 from models.eval_prompts import eval_prompts
 from models.jobs import EvalJob
@@ -60,7 +60,7 @@ def run(job: EvalJob) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     first_device = next(target.parameters()).device
-    trained = load_exported_draft(final, dtype=dtype).to(first_device).eval()
+    trained = draft_for_target(final, target, dtype).to(first_device).eval()
 
     selected = eval_prompts(job, int(trained.config.vocab_size))
     prompts = [p.input_ids for p in selected]
@@ -150,6 +150,18 @@ def accepted_tokens(result: SpecEvalResult) -> int:
     acceptance_length is the mean over rounds of accepted + 1 (models/spec_eval.py), so this is exact.
     """
     return round(result.acceptance_length * result.rounds) - result.rounds
+
+
+def draft_for_target(final: Path, target: Any, dtype: torch.dtype) -> Eagle3Draft:
+    """The export in `final` as the engines serve it beside `target`: an export without embed_tokens gets the
+    target's embedding, as vLLM 0.32 (v1/spec_decode/llm_base_proposer.py `_maybe_share_embeddings`: a draft
+    without its own embed_tokens shares the target's) and SGLang 0.5.23 (speculative/eagle_worker.py
+    `init_lm_head` -> `set_embed`) give it. Without this the draft would be measured with an uninitialized
+    embedding."""
+    draft = load_exported_draft(final, dtype=dtype)
+    if not has_embedding(final):  # validate_export allows that only when hidden_size == target_hidden_size
+        draft.load_target_embedding(target.get_input_embeddings().weight.detach().cpu().to(dtype))
+    return draft
 
 
 def untrained_like(trained: Eagle3Draft, seed: int) -> Eagle3Draft:

@@ -197,6 +197,29 @@ def test_an_export_whose_config_says_dtype_as_transformers_5_writes_it_validates
     assert validate_export(respelled) == [f"torch_dtype (or dtype) None not one of {sorted(ex._ST_DTYPES)}"]
 
 
+def test_an_export_without_embed_tokens_is_evaluated_with_the_target_s_embedding(
+    draft, target, tiny_target_dir, tmp_path
+):
+    """Another trainer's export may leave the embedding out (allowed when hidden_size == target_hidden_size): the
+    engines then give the draft the target's (vLLM 0.32 v1/spec_decode/llm_base_proposer.py
+    `_maybe_share_embeddings`; SGLang's `set_embed`), and so does the in-process eval."""
+    from transformers import AutoModelForCausalLM
+
+    from models.eval_job import draft_for_target
+
+    good = export_draft(draft, tmp_path / "good", target_config=target, dtype=torch.float32)
+    bare = _rewrite(good, tmp_path / "bare", lambda t: {k: v for k, v in t.items() if k != "embed_tokens.weight"})
+    assert validate_export(bare) == [] and not ex.has_embedding(bare) and ex.has_embedding(good)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32)
+    theirs = model.get_input_embeddings().weight  # read by transformers, not by our loader
+    left_out = load_exported_draft(bare)  # what the eval measured before: not the target's embedding
+    assert not torch.equal(left_out.embed_tokens.weight, theirs)
+    served = draft_for_target(bare, model, torch.float32)
+    assert torch.equal(served.embed_tokens.weight, theirs)
+    for a, b in zip(_two_steps(served), _two_steps(load_exported_draft(good))):  # the draft that was exported
+        assert torch.equal(a, b)
+
+
 # --- EAGLE-3.1: fc_norm and norm_output -------------------------------------------------------------
 
 FC_NORM = {f"fc_norm.{i}.weight" for i in range(3)}  # vLLM 0.32 / SGLang 0.5.23 llama_eagle3.py: self.fc_norm[i]
