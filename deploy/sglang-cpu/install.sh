@@ -16,7 +16,7 @@ KERNEL=sglang-kernel==0.4.10
 TORCHVISION=torchvision==0.28.0
 
 test -d "$venv" || "$py" -m venv "$venv"
-pip=("$venv/bin/pip" install -q --no-compile --no-warn-conflicts)  # bytecode on first import (Makefile PIP)
+pip=("$venv/bin/pip" install -q --no-warn-conflicts)
 "$venv/bin/pip" install -q --upgrade pip
 # The local CPU torch first: sglang's metadata pins a CUDA torch 2.14.1, so sglang itself goes in with --no-deps.
 "${pip[@]}" torch==2.13.0
