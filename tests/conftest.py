@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import socket
@@ -14,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from tests.targets import built, shared_root
 
 # Tests never touch the network: the hub client reads these once, at import time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,29 +65,41 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The deterministic tiny target (tokenizer + trained Llama weights), the demo's, built once per test session.
 
     Its training takes most of a minute, so the xdist workers share one build: the first to ask
-    builds it under a lock in the session's common temp dir, the others wait and reuse it.
+    builds it under a lock in the session's common temp dir (or $EAGLE3_TEST_TARGETS: tests/targets.py),
+    the others wait and reuse it.
     """
-    # Imported here so test sessions that never ask for a model do not pay for torch/transformers.
-    from models.tiny_target import build_tiny_target
-
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/, above popen-gwK/
-    with open(shared / "tiny_target.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        return build_tiny_target(shared / "tiny_target" / "model")
+    return built(shared_root(tmp_path_factory.getbasetemp()), "tiny")
 
 
 @pytest.fixture(scope="session")
 def kimi_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Kimi-K2.5-shaped tiny target (models/tiny_kimi.py, trained: about 3 minutes), built once per test session
     and shared by the xdist workers like tiny_target_dir."""
-    from models.tiny_target import build_kimi_target
+    return built(shared_root(tmp_path_factory.getbasetemp()), "kimi")
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    with open(shared / "kimi_target.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return build_kimi_target(shared / "kimi_target" / "model")
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory):
+    """One Prefect test server per worker for every test that asks (starting one takes ~10 s; the flow tests all do:
+    tests/flows/conftest.py)."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(home / "results")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def harness_api_url(prefect_harness) -> str:
+    """The session's test server, for `eagle3` subprocesses that need not start a temporary one (~15 s on 2 cores)."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    assert url and url.startswith("http://127.0.0.1:"), url
+    return url
 
 
 @pytest.fixture(scope="module")

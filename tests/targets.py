@@ -1,0 +1,51 @@
+"""Where the test session's tiny targets are built, once, for every xdist worker; and a command that builds them first.
+
+Each target is byte-for-byte reproducible from its build parameters (models/tiny_target.py), and `build_*_target`
+reuses a directory whose build info equals them, so a build made before the tests is the one the tests would make.
+By default they are built in the session's common temp dir. With `EAGLE3_TEST_TARGETS=DIR` they are built (or
+reused) in DIR: `.ci/run` builds them there with `python -m tests.targets DIR` while the engines install (that
+install leaves about half of the CPU idle), so the tests start with both targets made. Builders take a lock per
+target, so a test that asks for one while the command is still building it waits for that build.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ENV = "EAGLE3_TEST_TARGETS"
+
+
+def shared_root(basetemp: Path) -> Path:
+    """`$EAGLE3_TEST_TARGETS`, else the session's common temp dir (pytest-N/, above the workers' popen-gwK/)."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV]).resolve()
+    return basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp
+
+
+def built(root: Path, name: str) -> Path:
+    """The target `name` ("tiny" or "kimi") under `root`, built under its lock unless its build is already there."""
+    # Imported here so test sessions that never ask for a model do not pay for torch/transformers.
+    from models.tiny_target import build_kimi_target, build_tiny_target
+
+    builders: dict[str, Callable[[Path], Path]] = {"tiny": build_tiny_target, "kimi": build_kimi_target}
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{name}_target.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return builders[name](root / f"{name}_target" / "model")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m tests.targets DIR  (then run the tests with EAGLE3_TEST_TARGETS=DIR)", file=sys.stderr)
+        return 2
+    for name in ("tiny", "kimi"):
+        print(f"tests.targets: {name}: {built(Path(argv[0]).resolve(), name)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
