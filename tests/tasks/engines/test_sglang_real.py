@@ -148,7 +148,7 @@ def assert_sglangs_own(url: str, rows: list[dict], eos: int) -> None:
 
 
 def test_generate_killed_then_the_server_killed_is_exactly_once_and_sglangs_own_greedy(
-    served, tiny_target_dir, eos, tmp_path
+    served, tiny_target_dir, eos, tmp_path, harness_api_url
 ):
     budget = 100  # below what the 14 greedy answers of B1_code add up to: the budget stops it
     files = {"B1_code": subset(tmp_path, "gen_code.jsonl", 14), "B2_math": subset(tmp_path, "gen_math.jsonl", 18)}
@@ -159,7 +159,7 @@ def test_generate_killed_then_the_server_killed_is_exactly_once_and_sglangs_own_
     path, run_dir = generate_config(tmp_path, served.url, tiny_target_dir, datasets)
     count = lambda: sum(len(rows_of(run_dir, d)) for d in files)  # noqa: E731
 
-    first = eagle3("generate", str(path), wait=False)  # 1. generate killed mid-run
+    first = eagle3("generate", str(path), api_url=harness_api_url, wait=False)  # 1. generate killed mid-run
     try:
         wait_for(lambda: first.poll() is not None or count() > 0, "the first checkpoint part", 300)
         assert first.poll() is None, "generate ended before it could be killed"
@@ -167,7 +167,8 @@ def test_generate_killed_then_the_server_killed_is_exactly_once_and_sglangs_own_
         kill(first)
     killed_at = count()
 
-    second = eagle3("generate", str(path), wait=False)  # 2. resumed; the server killed under it and restarted
+    # 2. resumed; the server killed under it and restarted
+    second = eagle3("generate", str(path), api_url=harness_api_url, wait=False)
     try:
         wait_for(lambda: second.poll() is not None or count() >= killed_at + 4, "the resumed run's first parts", 300)
         assert second.poll() is None, "the resumed generate ended before the server could be killed"
@@ -195,7 +196,7 @@ def test_generate_killed_then_the_server_killed_is_exactly_once_and_sglangs_own_
 
 
 def test_the_real_router_over_two_real_servers_one_killed_answers_every_prompt_once(
-    served, tiny_target_dir, eos, tmp_path
+    served, tiny_target_dir, eos, tmp_path, harness_api_url
 ):
     """The sglang-router (the pipeline's router_process: round robin) over the module's server and a second one; the
     second is killed with SIGKILL once answers come back. The router has no /abort_request, and a request on the
@@ -210,7 +211,7 @@ def test_the_real_router_over_two_real_servers_one_killed_answers_every_prompt_o
         path, run_dir = generate_config(
             tmp_path, router_url, tiny_target_dir, [{"name": "B2_math", "kind": "generate", "path": str(file)}]
         )
-        run = eagle3("generate", str(path), wait=False)
+        run = eagle3("generate", str(path), api_url=harness_api_url, wait=False)
         try:
             wait_for(lambda: run.poll() is not None or len(rows_of(run_dir, "B2_math")) > 0, "the first part", 300)
             assert run.poll() is None, "generate ended before a worker could be killed"
