@@ -37,7 +37,7 @@ CONTEXT = 4096
 NUM_STEPS = 3  # the draft's --speculative-num-steps; topk 1, S + 1 draft tokens
 RESERVED = NUM_STEPS + 1  # compute_num_reserved_tokens() = max(topk * steps, num_draft_tokens)
 POLL_S = 0.3  # the servers' disconnect poll (SGLang: 4 s), short for tests
-HELD_POLL_S = 2.0  # the poll of the servers whose tests watch a disconnected client's rid stay held
+HELD_POLL_S = 4.0  # the disconnect poll in the held-rid test: SGLang's default (srt/environ.py)
 LONG = 4000  # max_new_tokens of a request that runs for seconds on either server
 FINISH_ABORT = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 USER, ADMIN = "user-key", "admin-key"
