@@ -3,9 +3,9 @@
 Each target is byte-for-byte reproducible from its build parameters (models/tiny_target.py), and `build_*_target`
 reuses a directory whose build info equals them, so a build made before the tests is the one the tests would make.
 By default they are built in the session's common temp dir. With `EAGLE3_TEST_TARGETS=DIR` they are built (or
-reused) in DIR: `.ci/run` builds them there with `python -m tests.targets DIR` while the engines install (that
-install leaves about half of the CPU idle), so the tests start with both targets made. Builders take a lock per
-target, so a test that asks for one while the command is still building it waits for that build.
+reused) in DIR: `.ci/run` builds them there with `python -m tests.targets DIR tiny` and `... kimi` while the engines
+install (that install leaves CPU idle). Builders take a lock per target, so a test that asks for one while the
+command is still building it waits for that build, and the tests need not wait for the command to end.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ENV = "EAGLE3_TEST_TARGETS"
+TARGETS = ("tiny", "kimi")
 
 
 def shared_root(basetemp: Path) -> Path:
@@ -39,10 +40,14 @@ def built(root: Path, name: str) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m tests.targets DIR  (then run the tests with EAGLE3_TEST_TARGETS=DIR)", file=sys.stderr)
+    names = argv[1:] or list(TARGETS)
+    if not argv or any(name not in TARGETS for name in names):
+        print(
+            f"usage: python -m tests.targets DIR [{'|'.join(TARGETS)} ...]  (then run the tests with {ENV}=DIR)",
+            file=sys.stderr,
+        )
         return 2
-    for name in ("tiny", "kimi"):
+    for name in names:
         print(f"tests.targets: {name}: {built(Path(argv[0]).resolve(), name)}", flush=True)
     return 0
 
