@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,8 @@ def test_the_vllm_backend_runs_the_flow_plan_and_artifact_like_the_deepspeed_one
     from tasks.ports import free_port
     from tests.flows.test_generate_flow import artifacts_by_key
 
+    since = datetime.now(timezone.utc)
+
     engine = {"launch": "dev", "url": f"http://127.0.0.1:{free_port()}", "max_concurrency": 3, "health_timeout_s": 120}
     config = write_run(tmp_path, tiny_target_dir, backend="vllm", engine=engine, shard_tokens=100)
     config = config.rename(
@@ -183,7 +186,7 @@ def test_the_vllm_backend_runs_the_flow_plan_and_artifact_like_the_deepspeed_one
     assert len(done_sample_keys(run / "hidden")) == 10
     assert not list((run / "engine").iterdir()), "connector files left behind"
     assert "POST /v1/completions" in (run / "logs/capture-server.log").read_text()
-    artifact = asyncio.run(artifacts_by_key())["capture-capture-vllm"]
+    artifact = asyncio.run(artifacts_by_key(since))["capture-capture-vllm"]
     assert artifact.type == "progress" and artifact.data == 100.0
     console = Console(record=True, width=200)
     assert print_plan(load_config(config), console)

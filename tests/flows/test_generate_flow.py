@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.sorting import ArtifactSort
 
 from emulators.sim import SimServer
 from flows.capture import capture
@@ -47,13 +49,22 @@ def write_config(tmp_path: Path, url: str, target: Path, **extra) -> Path:
     return path
 
 
-async def artifacts_by_key() -> dict[str, object]:
+async def artifacts_by_key(since: datetime) -> dict[str, object]:
+    """The newest artifact of each key created since `since`. The worker's one test server holds every test's
+    artifacts, and a generate's keys name the dataset only: an engine test's generate, killed mid-run, leaves a
+    generate-b1-code of its own short of 100 (and the server answers 200 artifacts at most: newest first)."""
     async with get_client() as client:
-        return {a.key: a for a in await client.read_artifacts() if a.key}
+        newest_first = await client.read_artifacts(sort=ArtifactSort.CREATED_DESC)
+    found: dict[str, object] = {}
+    for artifact in newest_first:
+        if artifact.key and artifact.created is not None and artifact.created >= since:
+            found.setdefault(artifact.key, artifact)
+    return found
 
 
 @pytest.mark.multiprocess
 def test_generate_records_capture_flows_publish_their_artifacts(tmp_path, tiny_target_dir, monkeypatch):
+    since = datetime.now(timezone.utc)
     sim = dict(max_running=4, decode_s_per_token=0.0005, mean_len=12, vocab_size=2048, eos_token_id=1)
     with SimServer(**sim) as srv, SimServer(**sim) as other:  # two servers: one pool, a limit each
         config = write_config(tmp_path, srv.url, tiny_target_dir)
@@ -74,7 +85,7 @@ def test_generate_records_capture_flows_publish_their_artifacts(tmp_path, tiny_t
     passthrough = pq.read_table(run / "passthrough/A1_chat/part-000000.parquet")
     assert passthrough.num_rows == 32
 
-    artifacts = asyncio.run(artifacts_by_key())
+    artifacts = asyncio.run(artifacts_by_key(since))
     assert artifacts["generate-b1-code"].type == "progress" and artifacts["generate-b1-code"].data == 100.0
     assert artifacts["generate-b2-math"].data == 100.0
     table = artifacts["generate-summary-cfg"]
@@ -95,7 +106,7 @@ def test_generate_records_capture_flows_publish_their_artifacts(tmp_path, tiny_t
     )
     assert report["B2_math"]["records"] == stops  # length-finished responses left out
     assert (run / "records/token_counts.parquet").exists()
-    artifacts = asyncio.run(artifacts_by_key())
+    artifacts = asyncio.run(artifacts_by_key(since))
     assert artifacts["records-report-cfg"].type == "table"
     assert "cover" in artifacts["records-vocab-cfg"].data
 
@@ -119,7 +130,7 @@ def test_generate_records_capture_flows_publish_their_artifacts(tmp_path, tiny_t
         index[0]["length"],
         128,
     )
-    assert asyncio.run(artifacts_by_key())["capture-cfg"].data == 100.0
+    assert asyncio.run(artifacts_by_key(since))["capture-cfg"].data == 100.0
     again = capture(str(config))  # resume: nothing left to capture, nothing duplicated
     assert again["samples"] == total_records
 
