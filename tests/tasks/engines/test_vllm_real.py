@@ -335,7 +335,7 @@ def test_generate_through_vllm_killed_and_resumed_is_exactly_once_and_vllm_s_own
             timeout_s=300,
         )
         assert first.poll() is None, "generate ended before it could be killed"
-        os.killpg(first.pid, signal.SIGKILL)  # the flow process and its temporary Prefect server, mid-run
+        os.killpg(first.pid, signal.SIGKILL)  # the flow process, mid-run
         first.wait()
     finally:
         if first.poll() is None:
