@@ -14,6 +14,7 @@ flows/, tasks/ and models/ alike.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
@@ -407,6 +408,9 @@ class TrainSettings(HeldOut):
     first use)."""
     grad_clip: float = Field(default=0.5, gt=0)
     """Gradient norm clipping (DeepSpeed gradient_clipping)."""
+    lm_head_init: Literal["random", "target"] = "random"
+    """The draft lm_head's initial weights: `random` (torch's default init), or `target`: the target lm_head's rows of
+    the draft vocabulary's tokens (as vLLM's speculators trainer starts it), a head that already ranks tokens."""
     zero_stage: Literal[0, 1, 2] = 2
     """DeepSpeed ZeRO stage of the optimizer states and gradients: 2 partitions both over the ranks; 0 or 1 only to take
     ZeRO-2 apart (bench/train.py)."""
@@ -460,6 +464,51 @@ class TrainJob(TrainSettings, AuxLayers, RecordsRef, RankJob):
 
 # --- eval -------------------------------------------------------------------------------------
 
+BENCHMARK_FORMATS = ("mt_bench", "gsm8k", "humaneval")
+BENCHMARK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class BenchmarkSpec(Spec):
+    """A published benchmark the eval also decodes, in its published format (models/eval_benchmarks.py), reported on its
+    own beside the published acceptance length for the target."""
+
+    name: str
+    """Its name in eval.json and the tables, e.g. mt_bench (letters, digits, '_', '.', '-')."""
+    path: str
+    """The benchmark's rows as published: a local JSONL (.jsonl, .jsonl.gz) or Parquet file (relative paths resolve like
+    the datasets'), or `hf:ORG/NAME`, a Hub dataset read from the local Hugging Face cache only, never downloaded (`hf
+    download --repo-type dataset ORG/NAME` beforehand), with `split` and `config`."""
+    format: Literal["mt_bench", "gsm8k", "humaneval"] | None = None
+    """mt_bench (FastChat's question.jsonl: question_id, category, turns), gsm8k (openai/gsm8k: question, answer) or
+    humaneval (openai/openai_humaneval: task_id, prompt, ...). Omitted: told from the first row's keys."""
+    limit: int | None = Field(default=80, ge=1)
+    """Questions decoded, the first ones in file order (MT-bench has 80); null: all of them."""
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    """Tokens generated per question. Omitted: eval.max_new_tokens. SpecForge's benchmarks allow 2048 (MT-bench),
+    512 (GSM8K), 1024 (HumanEval)."""
+    anchor: float | None = Field(default=None, ge=1)
+    """A published acceptance length to print beside ours (completion tokens / verify rounds, as SpecForge's
+    bench_eagle3 counts). Omitted: the one data/benchmarks/anchors.json holds for the target (matched on target.path's
+    last part) and this format, if any."""
+    split: str | None = None
+    """`hf:` benchmarks: the split to read. Omitted: test."""
+    config: str | None = None
+    """`hf:` benchmarks: the dataset's config (subset), e.g. main for openai/gsm8k. Omitted: its default."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_word(cls, value: str) -> str:
+        if not BENCHMARK_NAME.match(value):
+            raise ValueError(f"{value!r}: a benchmark name is letters, digits, '_', '.', '-', from a letter or digit")
+        return value
+
+    @model_validator(mode="after")
+    def _hub_settings_only_for_hub_paths(self) -> BenchmarkSpec:
+        given = [key for key in ("split", "config") if getattr(self, key) is not None]
+        if given and not self.path.startswith("hf:"):
+            raise ValueError(f"{', '.join(given)}: for hf: benchmarks only; {self.path} is a local file")
+        return self
+
 
 class EvalSettings(Spec):
     """`eagle3 eval`: speculative decoding with the HF target (greedy) and the exported draft on held-out prompts."""
@@ -478,6 +527,19 @@ class EvalSettings(Spec):
     """Where the target and draft run; auto: cuda if available."""
     compare_untrained: bool = True
     """Also measure the draft as training starts it (same seed, untrained): the baseline the trained one must beat."""
+    benchmarks: list[BenchmarkSpec] = Field(default_factory=list)
+    """Published benchmarks (MT-bench, GSM8K, HumanEval) decoded with the trained draft after the eval prompts, each
+    reported on its own in eval.json and a table, beside the published acceptance length for the target where one is
+    known (docs/acceptance.md, Benchmarks and published anchors)."""
+
+    @field_validator("benchmarks")
+    @classmethod
+    def _unique_benchmark_names(cls, value: list[BenchmarkSpec]) -> list[BenchmarkSpec]:
+        names = [b.name for b in value]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"benchmark name(s) {repeated} given more than once: each name once")
+        return value
 
 
 class EngineEvalSettings(Spec):

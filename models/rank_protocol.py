@@ -10,6 +10,7 @@ short by a dying process does not parse and is an ordinary log line.
     train    TRAIN_PROGRESS step=S total=N tokens=T [loss=L lr=X]  rank 0, all ranks' tokens
              TRAIN_EVAL step=S acceptance_length=A loss=L
              TRAIN_CHECKPOINT step=S                               a complete checkpoint
+             TRAIN_BEST step=S acceptance_length=A dir=DIR         a new best held-out eval, its draft exported
              TRAIN_DONE final=DIR
              TRAIN_ERROR {json}
     eval     EVAL_PROGRESS draft=NAME done=i total=n [new_tokens=T rounds=R accepted=A]
@@ -159,8 +160,11 @@ TRAIN_PROGRESS = Line(
 )
 TRAIN_EVAL = Line("TRAIN_EVAL", (Field("step"), Field("acceptance_length", float, ".3f"), Field("loss", float, ".4f")))
 TRAIN_CHECKPOINT = Line("TRAIN_CHECKPOINT", (Field("step"),))
+TRAIN_BEST = Line("TRAIN_BEST", (Field("step"), Field("acceptance_length", float, ".3f"), Field("dir", str)))
 TRAIN_DONE = Line("TRAIN_DONE", (Field("final", str),))
-TRAIN = Protocol("train", ErrorLine("TRAIN_ERROR"), TRAIN_PROGRESS, (TRAIN_EVAL, TRAIN_CHECKPOINT, TRAIN_DONE))
+TRAIN = Protocol(
+    "train", ErrorLine("TRAIN_ERROR"), TRAIN_PROGRESS, (TRAIN_EVAL, TRAIN_CHECKPOINT, TRAIN_BEST, TRAIN_DONE)
+)
 
 # After each prompt, its figures (optional: a parser of the first three reads these lines too):
 # new tokens, verify rounds, accepted draft tokens; a stopped eval still tells what it measured.

@@ -13,7 +13,7 @@
     RUN_DIR/logs/                           the launched servers' output
     RUN_DIR/hidden/      (capture.out_dir)  capture shards, index.parquet, metadata.json (models/hidden_shards.py)
     RUN_DIR/engine/      (capture.engine.shared_dir)  the vLLM connector's per-request files
-    RUN_DIR/draft/       (train.out_dir)    checkpoints/, final/, metrics.jsonl, train_summary.json, eval.json, ...
+    RUN_DIR/draft/       (train.out_dir)    checkpoints/, final/, best/, metrics.jsonl, train_summary.json, ...
 
 Everything else asks a `RunLayout` (RunConfig.layout in a flow) for a path. The train ranks know only their
 job's out_dir, so they join the names of the draft directory's entries (CHECKPOINTS, FINAL, ...) to it.
@@ -34,9 +34,12 @@ LOCK_NAME = ".lock"  # the write lock, in RUN_DIR and in each output directory o
 # Entries of the draft directory, which the train ranks write into their job's out_dir.
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
+BEST = "best"
+BEST_MARKER = "best.json"  # in best/: the step, epoch, acceptance length and loss of its eval
 METRICS = "metrics.jsonl"
 TRAIN_SUMMARY = "train_summary.json"
 EVAL_REPORT = "eval.json"
+EVAL_RAW = ".eval-raw.json"
 TRAINING_PLOT = "training.png"
 DS_CONFIG = "ds_config.json"
 TENSORBOARD = "tensorboard"
@@ -127,11 +130,16 @@ class RunLayout:
     final = _Entry(
         "draft_dir", FINAL, "draft/final: the exported draft SGLang and vLLM load (config.json, model.safetensors)."
     )
+    best = _Entry(
+        "draft_dir",
+        BEST,
+        "draft/best: the draft of the best held-out eval, exported like final/, with best.json (models/train_best.py).",
+    )
     metrics = _Entry(
         "draft_dir", METRICS, "draft/metrics.jsonl: one line per training log interval and per held-out eval."
     )
     train_summary = _Entry(
-        "draft_dir", TRAIN_SUMMARY, "draft/train_summary.json: the training's final eval and where the draft is."
+        "draft_dir", TRAIN_SUMMARY, "draft/train_summary.json: the last and the best eval, where each draft is."
     )
     eval_report = _Entry(
         "draft_dir",
@@ -140,7 +148,7 @@ class RunLayout:
     )
     eval_raw = _Entry(
         "draft_dir",
-        ".eval-raw.json",
+        EVAL_RAW,
         "draft/.eval-raw.json: the HF eval job's own result, before the eval stage folds it into eval.json.",
     )
     training_plot = _Entry(
@@ -178,6 +186,19 @@ class RunLayout:
             return root / Path(directory).relative_to(self.run_dir)
         except ValueError:  # not under RUN_DIR
             return root
+
+    def exported_as(self, fmt: str) -> Path:
+        """draft/<fmt>: `eagle3 export`'s default output, the draft written in format `fmt` (sglang, speculators)."""
+        return self.draft_dir / fmt
+
+    def eval_of(self, draft: str) -> tuple[Path, Path, Path]:
+        """(the draft, its eval.json, the HF eval job's raw result) for eval.draft `draft`: `final` and `best` are
+        the train stage's exports, reported in draft/eval.json; any other value is a draft directory, reported in
+        RUN_DIR/evals/<its name>/."""
+        if draft in (FINAL, BEST):
+            return self.draft_dir / draft, self.eval_report, self.eval_raw
+        folder = self.run_dir / "evals" / Path(draft).name
+        return Path(draft), folder / EVAL_REPORT, folder / EVAL_RAW
 
     def job(self, stage: Literal["capture", "train", "eval"]) -> Path:
         """RUN_DIR/jobs/<stage>.json: the job the stage's ranks read (on every node)."""

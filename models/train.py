@@ -16,8 +16,9 @@ models/train_metrics.py. Files under `out_dir` (RUN_DIR/draft):
     checkpoints/latest           tag of the newest COMPLETE checkpoint (written atomically, last)
     metrics.jsonl                one line per log interval ("train") and per eval ("eval")
     tensorboard/                 the same scalars as TensorBoard events
-    final/                       config.json + model.safetensors for SGLang (models/eagle3_export.py)
-    train_summary.json           the final eval and where the draft is
+    final/                       config.json + model.safetensors for SGLang (models/eagle3_export.py): the last step
+    best/                        the same export of the best held-out eval's draft, + best.json (models/train_best.py)
+    train_summary.json           the final eval, the best one, and where each draft is
 
 A relaunch resumes from the newest complete checkpoint (model, optimizer and scheduler states, the
 data position and every rank's RNG) and drops metrics lines past that step; a kill loses at most the
@@ -38,7 +39,8 @@ counts only once its COMPLETE marker is renamed into place, so the last complete
 replaced by a partial one.
 
 Output protocol for the flow (models/rank_protocol.py): `TRAIN_PROGRESS step=S total=N ...`,
-`TRAIN_EVAL step=S acceptance_length=A`, `TRAIN_CHECKPOINT step=S`, `TRAIN_DONE final=DIR`, and on
+`TRAIN_EVAL step=S acceptance_length=A`, `TRAIN_CHECKPOINT step=S`, `TRAIN_BEST step=S acceptance_length=A dir=DIR`
+(a new best held-out eval, exported), `TRAIN_DONE final=DIR`, and on
 failure one line `TRAIN_ERROR {json}` before the exit with status 1 (the rank harness, models/rank.py).
 """
 
@@ -57,17 +59,18 @@ import torch
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.atomic import write_atomic
 from models.capture import capture_batch, load_records
-from models.draft_vocab import draft_vocab, draft_vocab_coverage, load_token_counts
+from models.draft_vocab import draft_to_target_ids, draft_vocab, draft_vocab_coverage, load_token_counts
 from models.eagle3 import DRAFT_VARIANTS, STEP_DECAY, Eagle3Config, Eagle3Draft, default_aux_layers
 from models.eagle3_export import export_draft
 from models.hidden_shards import METADATA_NAME
 from models.jobs import TrainJob, TrainSettings
 from models.rank import Dist, check_shared_dir, init_process_group, log, say, serve
-from models.rank_protocol import TRAIN, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
+from models.rank_protocol import TRAIN, TRAIN_BEST, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
 from models.run_layout import CHECKPOINTS, DS_CONFIG, FINAL, TRAIN_SUMMARY
 from models.target_head import TargetHead
 from models.target_loader import load_language_model
 from models.target_weights import load_target_tensors
+from models.train_best import BestDraft
 from models.train_checkpoint import (
     CheckpointMismatch,
     check_fingerprint,
@@ -163,6 +166,9 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     draft = Eagle3Draft(config)
     draft.load_target_embedding(embed.to(draft.embed_tokens.weight.dtype))
     draft.set_draft_vocab(d2t, t2d)
+    if job.lm_head_init == "target":  # the target's rows of the draft tokens: [D, H] from [V, H]
+        with torch.no_grad():
+            draft.lm_head.weight.copy_(head[draft_to_target_ids(d2t)].to(draft.lm_head.weight.dtype))
     target_head = TargetHead(head.to(device), d2t.to(device))
     del embed, head
 
@@ -195,6 +201,12 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
 
     position = resume_checkpoint(engine, ckpt_dir, dist)
     writer = MetricsWriter(out_dir, position.step, enabled=dist.rank == 0)
+    dtype = torch.bfloat16 if job.bf16 else torch.float32
+
+    def export(directory: Path) -> None:  # final/ and best/ alike: validated, renamed into place once complete
+        export_draft(engine.module, directory, target_config=target_config, dtype=dtype)
+
+    best = BestDraft(out_dir, position.step, dist, export)  # the best eval up to the resumed step, and best/
 
     # --- the loop
     eval_batches = epoch_batches(eval_samples, job.max_batch_tokens, job.seed, 0) if eval_samples else []
@@ -261,6 +273,9 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
                         step=position.step, acceptance_length=last_eval["acceptance_length"], loss=last_eval["loss"]
                     )
                 )
+                new = best.offer(position.step, position.epoch, last_eval)  # rank 0 exports, the others wait
+                if new is not None:
+                    tell(TRAIN_BEST.format(step=new.step, acceptance_length=new.acceptance_length, dir=best.dir))
             if position.step % job.checkpoint_every == 0 or position.step == total_steps:
                 save_checkpoint(engine, ckpt_dir, position, job.keep_checkpoints, dist, fingerprint)
                 tell(TRAIN_CHECKPOINT.format(step=position.step))
@@ -274,7 +289,8 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     if last_eval is None:  # a relaunch of a finished run: its last eval is in the metrics
         last_eval = read_last_eval(writer.path)
     summary = {
-        "final": str(final),
+        "final": str(final),  # the last step's draft
+        "best": best.summary(position.step),  # the best held-out eval's, in best/; None without held-out evals
         "steps": position.step,
         "tokens": position.tokens,
         "eval": last_eval,
@@ -284,11 +300,10 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     if dist.rank == 0:
         # export_draft replaces final/ only once the new export is complete; a relaunch exports again
         with writing(final, ckpt_dir, also="the previous export in final/, if any, is unchanged"):
-            export_draft(
-                engine.module, final, target_config=target_config, dtype=torch.bfloat16 if job.bf16 else torch.float32
-            )
+            export(final)
         with writing(out_dir / TRAIN_SUMMARY, ckpt_dir):
             write_atomic(out_dir / TRAIN_SUMMARY, json.dumps(summary, indent=2))
+        log(f"train: the last step's draft (step {position.step}) is in {final}; " + best.described(position.step))
         say(TRAIN_DONE.format(final=final))
     dist.barrier()
     return summary

@@ -36,7 +36,8 @@ LATEST = "latest"
 
 
 FINGERPRINT = "fingerprint.json"
-LATER_DRAFT_FLAGS = ("fc_norm", "norm_output")  # Eagle3Config fields added after fingerprint version 1
+# Eagle3Config fields added after fingerprint version 1 (our trainer never sets the last two: other trainers' options)
+LATER_DRAFT_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual")
 
 
 RESUME = (
@@ -203,6 +204,8 @@ def optimisation_settings(job: TrainJob, world_size: int) -> dict[str, Any]:
         "bf16": job.bf16,
         "seed": job.seed,
         "eval_fraction": job.eval_fraction,
+        # added later: absent from older fingerprints, so written only when not the old behaviour
+        **({"lm_head_init": job.lm_head_init} if job.lm_head_init != "random" else {}),
     }
 
 

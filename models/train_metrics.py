@@ -57,18 +57,24 @@ class Metrics:
         }
 
 
-def read_last_eval(metrics_path: Path) -> dict[str, Any] | None:
-    """The last eval line of metrics.jsonl (without kind/step/epoch/time), or None."""
-    last = None
+def read_evals(metrics_path: Path) -> list[dict[str, Any]]:
+    """The eval lines of metrics.jsonl, whole, in file order (a line cut by a kill is skipped); [] without the file."""
+    evals = []
     if metrics_path.is_file():
         for line in metrics_path.read_text().splitlines():
             try:
                 row = json.loads(line)
             except ValueError:
                 continue
-            if row.get("kind") == "eval":
-                last = {k: v for k, v in row.items() if k not in ("kind", "step", "epoch", "time")}
-    return last
+            if isinstance(row, dict) and row.get("kind") == "eval":
+                evals.append(row)
+    return evals
+
+
+def read_last_eval(metrics_path: Path) -> dict[str, Any] | None:
+    """The last eval line of metrics.jsonl (without kind/step/epoch/time), or None."""
+    evals = read_evals(metrics_path)
+    return {k: v for k, v in evals[-1].items() if k not in ("kind", "step", "epoch", "time")} if evals else None
 
 
 class MetricsWriter:

@@ -33,10 +33,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from models.atomic import atomic_path
 from models.estimates import MEASURED_LABEL, TRAINING_LABEL, chain_acceptance_length
+from models.train_best import describe
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 KINDS = ("train", "eval")
@@ -227,6 +228,12 @@ def eval_table(metrics: TrainMetrics) -> list[dict]:
     return out
 
 
+def best_line(best: dict | None) -> str:
+    """The report's line on the best held-out eval (train_summary.json's "best") and where its draft is."""
+    words = describe(best)
+    return f"- {words[0].upper()}{words[1:]}"
+
+
 def _cell(column: str, v: Any) -> str:
     """Markdown cell text: ints with thousands separators, loss to 4 decimals, other floats to 3."""
     if v is None:
@@ -266,8 +273,13 @@ def report_markdown(
     embed_png: bool = True,
     eval_steps: int | None = None,
     measured: float | None = None,
+    best: dict | None | Literal[False] = False,
 ) -> str:
     """A markdown report: headline figures, the eval table, the plot and the exported draft path.
+
+    `best`: train_summary.json's "best" (models/train_best.py: the best held-out eval, its export in best/ or null when
+    a relaunch rolled it back, and whether it is the last step's; None without held-out evals): the report then says
+    which step was best and where each export is. False (the default): not known, not shown.
 
     With `eval_steps` (the eval stage's num_steps) it adds the training-time estimate at that many
     steps next to `measured` (the eval stage's acceptance length at those steps; None: not yet
@@ -302,7 +314,9 @@ def report_markdown(
     else:
         parts.append("- No eval rows logged yet.")
     if draft_dir is not None:
-        parts.append(f"- Exported draft: `{draft_dir}`")
+        parts.append(f"- Exported draft: `{draft_dir}`" + (" (the last step's)" if best is not False else ""))
+    if best is not False:
+        parts.append(best_line(best))
     if eval_steps is not None:
         parts += ["", "## Acceptance length: estimate and measurement", ""]
         parts += acceptance_lines(metrics, eval_steps, measured)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact, update_progress_artifact
@@ -19,8 +19,9 @@ from prefect.cache_policies import NO_CACHE
 
 from models.jobs import TrainJob
 from models.nodes import Nodes
-from models.rank_protocol import TRAIN, TRAIN_EVAL, Message, most_telling
+from models.rank_protocol import TRAIN, TRAIN_BEST, TRAIN_EVAL, Message, most_telling
 from models.run_layout import CHECKPOINTS, EVAL_REPORT, FINAL, METRICS, TRAIN_SUMMARY, TRAINING_PLOT
+from models.train_best import describe
 from models.train_checkpoint import RESUME, CheckpointMismatch, kept_checkpoint
 from tasks.artifacts import artifact_key, progress_artifact
 from tasks.launch_ranks import RankFailure, follow_job, rank_command, rank_error, run_job, write_job
@@ -89,11 +90,15 @@ def run_train_job(
     )
     last = 0.0
     held_out: float | None = None
+    best: dict[str, Any] | None = None  # the last TRAIN_BEST: the best held-out eval so far, exported to best/
 
     def on_message(message: Message) -> None:
-        nonlocal first, last, held_out
+        nonlocal first, last, held_out, best
         if message.kind is TRAIN_EVAL:
             held_out = message.values["acceptance_length"]
+            return
+        if message.kind is TRAIN_BEST:
+            best = message.values
             return
         if message.kind is not TRAIN.progress:
             return  # a checkpoint or the end: in the log already
@@ -111,6 +116,7 @@ def run_train_job(
             f"train: step {step:,}/{total:,}, {tokens:,} tokens, {rate:,.0f} tok/s"
             + (f", ETA {eta / 60:.1f} min" if eta is not None else "")
             + (f", held-out acceptance length {held_out:.2f}" if held_out is not None else "")
+            + (f" (best {best['acceptance_length']:.2f} at step {best['step']:,})" if best is not None else "")
         )
         update_progress_artifact(artifact, progress=round(100.0 * step / max(1, total), 2), description=text)
         logger.info(text)
@@ -120,9 +126,10 @@ def run_train_job(
         command, protocol=TRAIN, env=env, log=logger.info, on_message=on_message, failure=job_failure, run=run_job
     )
     summary = json.loads((Path(job.out_dir) / TRAIN_SUMMARY).read_text())
-    update_progress_artifact(
-        artifact, progress=100.0, description=f"train: done, {summary['steps']:,} steps; draft in {summary['final']}"
-    )
+    done = f"train: done, {summary['steps']:,} steps; the last step's draft in {summary['final']}"
+    if "best" in summary:  # models/train_best.py: the best held-out eval and its draft in best/
+        done += "; " + describe(summary["best"])
+    update_progress_artifact(artifact, progress=100.0, description=done)  # rank 0 logged the same words
     return summary
 
 
@@ -144,12 +151,29 @@ def report_training(draft_dir: Path, config_name: str, eval_steps: int | None = 
         )
     measured = measured_acceptance(draft_dir, eval_steps) if eval_steps is not None else None
     create_markdown_artifact(
-        markdown=report_markdown(metrics, png, draft_dir=draft_dir / FINAL, eval_steps=eval_steps, measured=measured),
+        markdown=report_markdown(
+            metrics,
+            png,
+            draft_dir=draft_dir / FINAL,
+            eval_steps=eval_steps,
+            measured=measured,
+            best=trained_best(draft_dir),
+        ),
         key=artifact_key("train-report", config_name),
         description="EAGLE-3 draft training report",
     )
     get_run_logger().info("training report: %s (plot %s)", draft_dir / METRICS, png)
     return {"plot": str(png), "evals": rows}
+
+
+def trained_best(draft_dir: Path) -> dict | None | Literal[False]:
+    """train_summary.json's "best" (None: no held-out evals), or False when no summary says (none, or written before
+    best/ existed)."""
+    try:
+        summary = json.loads((draft_dir / TRAIN_SUMMARY).read_text())
+    except (OSError, ValueError):
+        return False
+    return summary["best"] if isinstance(summary, dict) and "best" in summary else False
 
 
 def measured_acceptance(draft_dir: Path, num_steps: int) -> float | None:

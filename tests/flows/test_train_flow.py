@@ -68,8 +68,10 @@ class Ranks:
         ]
         rows.append({"kind": "eval", "step": 4, "time": 9.0, "loss": 0.5, "tokens": 20, **common})
         (self.draft_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        best = {"step": 4, "epoch": 0, "acceptance_length": 1.8, "loss": 0.5, "dir": str(self.draft_dir / "best")}
+        on_line(f"TRAIN_BEST step=4 acceptance_length=1.800 dir={best['dir']}")
         (self.draft_dir / "train_summary.json").write_text(
-            json.dumps({"final": str(self.draft_dir / "final"), "steps": 4})
+            json.dumps({"final": str(self.draft_dir / "final"), "best": {**best, "last": True}, "steps": 4})
         )
         on_line("TRAIN_DONE final=...")
 
@@ -82,6 +84,7 @@ def test_a_killed_training_job_is_retried_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr("tasks.train.tasks.run_job", ranks)
     result = train(str(config))
     assert result["steps"] == 4 and len(ranks.launches) == 3
+    assert result["best"]["step"] == 4 and result["best"]["dir"] == str(tmp_path / "run" / "draft" / "best")
     assert all("models.train" in command for command in ranks.launches)
 
 

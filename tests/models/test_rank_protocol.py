@@ -13,6 +13,7 @@ from models.rank_protocol import (
     EVAL,
     EVAL_PROGRESS,
     TRAIN,
+    TRAIN_BEST,
     TRAIN_CHECKPOINT,
     TRAIN_DONE,
     TRAIN_EVAL,
@@ -47,6 +48,12 @@ from tests.rank_failures import shard_write_failed
             "TRAIN_EVAL step=4 acceptance_length=1.875 loss=0.5000",
         ),
         (TRAIN, TRAIN_CHECKPOINT, {"step": 4}, "TRAIN_CHECKPOINT step=4"),
+        (
+            TRAIN,
+            TRAIN_BEST,
+            {"step": 4, "acceptance_length": 1.875, "dir": "/runs/my run/draft/best"},
+            "TRAIN_BEST step=4 acceptance_length=1.875 dir=/runs/my run/draft/best",
+        ),
         (TRAIN, TRAIN_DONE, {"final": "/runs/my run/draft/final"}, "TRAIN_DONE final=/runs/my run/draft/final"),
         (
             EVAL,

@@ -129,8 +129,19 @@ def _torchrun(job: Path) -> str:
     return proc.stdout + proc.stderr
 
 
-def _final_state(out_dir: Path) -> dict[str, torch.Tensor]:
-    return load_exported_draft(out_dir / "final", dtype=torch.float32).state_dict()
+def _final_state(out_dir: Path, export: str = "final") -> dict[str, torch.Tensor]:
+    return load_exported_draft(out_dir / export, dtype=torch.float32).state_dict()
+
+
+def _checkpoint_state(out_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The draft's weights in the DeepSpeed checkpoint of `step` (the engine's module is the TTT wrapper: `draft.`)."""
+    saved = torch.load(out_dir / "checkpoints" / f"step-{step:08d}" / "mp_rank_00_model_states.pt", weights_only=False)
+    return {name.removeprefix("draft."): t for name, t in saved["module"].items()}
+
+
+def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 0.0) -> None:
+    for name in got:  # an export leaves out nothing the draft trains (d2t/t2d only at a full vocabulary)
+        torch.testing.assert_close(got[name], want[name].to(got[name].dtype), rtol=0, atol=atol, msg=name)
 
 
 def _metric_lines(out_dir: Path) -> list[dict]:
@@ -335,6 +346,9 @@ def test_killed_training_resumes_with_the_same_state(tiny_target_dir, train_data
     assert any((reference / "tensorboard").iterdir())
     assert [s for s, _ in complete_checkpoints(reference / "checkpoints")] == [4, 6]  # keep_checkpoints=2
     assert (reference / "checkpoints" / "latest").read_text() == "step-00000006"
+    best = max(evals, key=lambda x: x["acceptance_length"])  # the first of equals
+    assert summary["best"]["step"] == best["step"] and summary["best"]["dir"] == str(reference / "best")
+    assert f"TRAIN_BEST step={evals[0]['step']} " in log  # the first eval is the best so far: exported
 
     out = tmp_path / "killed" / "draft"
     job = _job(tiny_target_dir, train_data, out)
@@ -367,10 +381,166 @@ def test_killed_training_resumes_with_the_same_state(tiny_target_dir, train_data
     assert want.keys() == got.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+    # The best eval (step 3's export survived the kill: its step is before the resumed checkpoint) is the reference's.
+    assert "removing" not in log.replace("removing incomplete checkpoint", "")
+    resumed, want_best = (json.loads((d / "train_summary.json").read_text())["best"] for d in (out, reference))
+    assert (resumed["step"], resumed["acceptance_length"]) == (want_best["step"], want_best["acceptance_length"])
+    assert resumed["dir"] == str(out / "best")
+    _assert_same_weights(_final_state(out, "best"), _final_state(reference, "best"), atol=1e-6)
     ref_lines, lines = _metric_lines(reference), _metric_lines(out)
     assert [(x["kind"], x["step"]) for x in lines] == [(x["kind"], x["step"]) for x in ref_lines]
     for a, b in zip(lines, ref_lines):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6), (a, b)
+
+
+# --- the best held-out eval: best/ beside final/ ---------------------------------------------------------------
+
+# An eval every step and a checkpoint every step, all kept: the held-out acceptance of this tiny run peaks early and
+# never comes back above it, so the best draft is not the last; the checkpoints hold each step's weights to compare.
+BEST_RUN = {
+    "max_steps": 10,
+    "eval_every": 1,
+    "checkpoint_every": 1,
+    "keep_checkpoints": 10,
+    "lr": 1e-2,
+    "eval_fraction": 0.3,
+    "grad_accum": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def best_run(tiny_target_dir, train_data, tmp_path_factory) -> tuple[Path, str]:
+    """A finished BEST_RUN of one rank and its log, shared: tests that relaunch it work on a copy."""
+    out = tmp_path_factory.mktemp("best_run") / "draft"
+    return out, _single_process(_job(tiny_target_dir, train_data, out, **BEST_RUN))
+
+
+def _rolled_back_to(run: Path, to: Path, step: int) -> Path:
+    """A copy of a finished run as a kill after `step`'s checkpoint leaves it: no checkpoint past it (the metrics and
+    best/ past it stay, as a kill leaves them: the relaunch must deal with them)."""
+    import shutil
+
+    shutil.copytree(run, to)
+    for later, tag in complete_checkpoints(to / "checkpoints"):
+        if later > step:
+            shutil.rmtree(to / "checkpoints" / tag)
+    (to / "checkpoints" / "latest").write_text(f"step-{step:08d}")
+    (to / "final").rename(to.parent / "final-of-the-finished-run")  # a killed run has no final/
+    return to
+
+
+@pytest.mark.multiprocess
+def test_the_best_held_out_eval_is_exported_to_best_and_the_last_step_to_final(best_run):
+    out, log = best_run
+    evals = [x for x in _metric_lines(out) if x["kind"] == "eval"]
+    assert [x["step"] for x in evals] == list(range(1, 11))
+    # The best, recomputed from the eval lines: the greatest acceptance, the first of equals; exported each time the
+    # best so far rose strictly.
+    rises, top = [], None
+    for x in evals:
+        if top is None or x["acceptance_length"] > top["acceptance_length"]:
+            rises.append(x["step"])
+            top = x
+    assert top is not None and top["step"] < 10, f"the run's acceptance no longer peaks before its end: {evals}"
+    assert [int(line.split()[1].removeprefix("step=")) for line in log.splitlines() if "TRAIN_BEST " in line] == rises
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["final"] == str(out / "final") and summary["steps"] == 10
+    assert summary["best"] == {
+        "step": top["step"],
+        "epoch": top["epoch"],
+        "acceptance_length": top["acceptance_length"],
+        "loss": top["loss"],
+        "dir": str(out / "best"),
+        "last": False,
+    }
+    assert json.loads((out / "best" / "best.json").read_text()) == {
+        k: top[k] for k in ("step", "epoch", "acceptance_length", "loss")
+    }
+    assert f"the best held-out eval is at step {top['step']}, acceptance length " in log
+    # best/ is that step's draft, final/ the last step's: each compared with the checkpoint of its step.
+    assert validate_export(out / "best") == []
+    best, final = _final_state(out, "best"), _final_state(out)
+    _assert_same_weights(best, _checkpoint_state(out, top["step"]))
+    _assert_same_weights(final, _checkpoint_state(out, 10))
+    assert not torch.equal(best["fc.weight"], final["fc.weight"])
+
+
+@pytest.mark.multiprocess
+def test_a_relaunch_keeps_the_best_of_the_steps_it_keeps_and_drops_a_best_it_rolls_back(
+    tiny_target_dir, train_data, best_run, tmp_path
+):
+    """A kill after the best's checkpoint keeps best/ as the best to beat; a kill before it (best/ is from steps the
+    relaunch trains again) removes best/, and the retrained run exports the same best again."""
+    run, _ = best_run
+    reference = json.loads((run / "train_summary.json").read_text())["best"]
+    b = reference["step"]
+    job = {**BEST_RUN}
+
+    # Killed after checkpoint b + 1: best/ (step b) is kept, and no later eval replaces it (none beats it).
+    after = _rolled_back_to(run, tmp_path / "after" / "draft", b + 1)
+    before = _tree(after / "best")
+    log = _single_process(_job(tiny_target_dir, train_data, after, **job))
+    assert f"resuming from checkpoint step-{b + 1:08d}" in log
+    assert "TRAIN_BEST" not in log and f"removing {after / 'best'}" not in log
+    assert _tree(after / "best") == before  # not exported again
+    assert json.loads((after / "train_summary.json").read_text())["best"] == {**reference, "dir": str(after / "best")}
+
+    # Killed after checkpoint b - 1 (b = 1: before any checkpoint): best/ is from a rolled-back future. It is removed
+    # before training, then step b is trained, evaluated and exported again: the same draft as the finished run's.
+    rolled = _rolled_back_to(run, tmp_path / "rolled" / "draft", b - 1)
+    if b == 1:
+        import shutil
+
+        shutil.rmtree(rolled / "checkpoints")
+    log = _single_process(_job(tiny_target_dir, train_data, rolled, **job))
+    assert (
+        f"train: removing {rolled / 'best'}: its eval at step {b} is past the resumed step {b - 1}: those steps are "
+        "trained and evaluated again"
+    ) in log
+    assert f"TRAIN_BEST step={b} " in log
+    if b > 1:  # the best eval up to the resumed step lost its export to the rolled-back one: still the one to beat
+        assert "has no export left; the next eval that beats it is exported" in log
+    got = json.loads((rolled / "train_summary.json").read_text())["best"]
+    assert (got["step"], got["acceptance_length"]) == (b, reference["acceptance_length"])
+    assert got["dir"] == str(rolled / "best")
+    _assert_same_weights(_final_state(rolled, "best"), _final_state(run, "best"), atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_without_held_out_evals_there_is_no_best_and_final_is_the_draft(
+    tiny_target_dir, train_data, best_run, tmp_path
+):
+    import shutil
+
+    out = tmp_path / "no-eval" / "draft"
+    out.mkdir(parents=True)
+    shutil.copytree(best_run[0] / "best", out / "best")  # left by another run: a fresh start is not its future
+    log = _single_process(_job(tiny_target_dir, train_data, out, **{**ONE_RANK, "eval_fraction": 0.0}))
+    assert f"train: removing {out / 'best'}: its eval at step " in log
+    assert not (out / "best").exists() and "TRAIN_BEST" not in log and "TRAIN_EVAL" not in log
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["best"] is None and summary["eval"] is None
+    assert "no held-out eval (train.eval_fraction 0): no best/, the draft is final/" in log
+    assert validate_export(out / "final") == []
+
+
+@pytest.mark.multiprocess
+def test_lm_head_init_target_starts_the_head_at_the_target_s_rows_of_the_draft_tokens(
+    tiny_target_dir, train_data, tmp_path
+):
+    """One step at a vanishing learning rate: the exported head is still its start, the target lm_head's rows of
+    the exported d2t's tokens, read here from the target's own safetensors file."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "target-head" / "draft"
+    job = {**ONE_RANK, "max_steps": 1, "lr": 1e-12, "warmup_ratio": 0.0, "lm_head_init": "target"}
+    _single_process(_job(tiny_target_dir, train_data, out, **job))
+    state = _final_state(out)
+    head = load_file(str(tiny_target_dir / "model.safetensors"))["lm_head.weight"]
+    ids = torch.arange(state["d2t"].shape[0]) + state["d2t"]
+    torch.testing.assert_close(state["lm_head.weight"], head[ids].float(), rtol=0, atol=1e-6)
+    fingerprint = json.loads(next((out / "checkpoints").glob("step-*/fingerprint.json")).read_text())
+    assert fingerprint["settings"]["lm_head_init"] == "target"  # another start: another run
 
 
 # --- fingerprints: a relaunch resumes only its own run --------------------------------------------

@@ -315,3 +315,25 @@ def test_report_shows_the_estimate_at_the_evals_steps_beside_the_measurement(tmp
     too_many = report_markdown(m, tmp_path / "p.png", embed_png=False, eval_steps=8)
     assert "not known (training unrolled 7 TTT steps, fewer than 8)" in too_many
     assert "Acceptance length: estimate and measurement" not in report_markdown(m, tmp_path / "p.png", embed_png=False)
+
+
+def test_report_says_which_eval_was_best_and_where_each_export_is(tmp_path):
+    m = TrainMetrics(train=[train_row(6)], eval=[eval_row(3, acc_len=2.5), eval_row(6, acc_len=2.25)])
+    best = {"step": 3, "epoch": 0, "acceptance_length": 2.5, "loss": 1.0, "dir": "/r/draft/best", "last": False}
+    md = report_markdown(m, tmp_path / "p.png", embed_png=False, draft_dir="/r/draft/final", best=best)
+    assert "- Exported draft: `/r/draft/final` (the last step's)" in md
+    assert "- The best held-out eval is at step 3, acceptance length 2.500: its draft is in /r/draft/best" in md
+    last = report_markdown(
+        m, tmp_path / "p.png", embed_png=False, best={**best, "step": 6, "acceptance_length": 2.25, "last": True}
+    )
+    assert (
+        "- The best held-out eval is the last step's (step 6, acceptance length 2.250): "
+        "/r/draft/best holds the same draft as final/" in last
+    )
+    lost = report_markdown(m, tmp_path / "p.png", embed_png=False, best={**best, "dir": None})
+    assert "has no export: a relaunch rolled it back, no later eval beat it" in lost
+    none = report_markdown(m, tmp_path / "p.png", embed_png=False, draft_dir="/r/draft/final", best=None)
+    assert "- No held-out eval (train.eval_fraction 0): no best/, the draft is final/" in none
+    # A summary from before best/ existed says nothing about it: neither does the report.
+    unknown = report_markdown(m, tmp_path / "p.png", embed_png=False, draft_dir="/r/draft/final")
+    assert "best held-out eval" not in unknown.lower() and "(the last step's)" not in unknown

@@ -86,3 +86,18 @@ def test_the_report_takes_the_measured_value_of_an_eval_of_this_training_only(tm
     assert measured_acceptance(tmp_path, 4) is None  # measured at another chain length
     os.utime(tmp_path / "eval.json", (500, 500))  # an eval of the draft before this training
     assert measured_acceptance(tmp_path, 3) is None
+
+
+def test_the_report_reads_the_best_from_the_summary_when_it_has_one(tmp_path):
+    import json
+
+    from tasks.train.tasks import trained_best
+
+    assert trained_best(tmp_path) is False  # no summary yet
+    (tmp_path / "train_summary.json").write_text(json.dumps({"steps": 4}))
+    assert trained_best(tmp_path) is False  # written before best/ existed
+    (tmp_path / "train_summary.json").write_text(json.dumps({"steps": 4, "best": None}))
+    assert trained_best(tmp_path) is None  # no held-out evals
+    best = {"step": 2, "epoch": 0, "acceptance_length": 1.5, "loss": 1.0, "dir": str(tmp_path / "best"), "last": False}
+    (tmp_path / "train_summary.json").write_text(json.dumps({"steps": 4, "best": best}))
+    assert trained_best(tmp_path) == best
