@@ -705,11 +705,19 @@ def load_served_draft(draft_dir: str | Path, target, version: sglang.SGLangVersi
     """The exported draft in float32, checked against the target; SGLang's embedding rule (create_app).
 
     As SGLang `version` serves it: 0.4 reads no EAGLE-3.1 keys (`SGLangVersion.reads_eagle31_keys`), so
-    its draft has no fc_norm and feeds each step the pre-norm state, whatever the export says.
+    its draft has no fc_norm and feeds each step the pre-norm state, whatever the export says. No version
+    reads the speculators format (no `speculators_config` in sglang 0.5.23) or `norm_before_residual`
+    (srt/models/llama_eagle3.py `LlamaDecoderLayer.forward` keeps the raw hidden state as the residual).
     """
-    from models.eagle3_export import load_exported_draft
+    from models.eagle3_export import load_exported_draft, read_export_config
 
+    if read_export_config(Path(draft_dir))[1]:
+        raise ValueError(
+            f"--speculative-draft-model-path {draft_dir}: a speculators-format draft, which SGLang does not read "
+            "(eagle3 export CONFIG --draft DIR --format sglang writes one it reads)"
+        )
     draft = load_exported_draft(draft_dir, dtype=torch.float32).eval()
+    draft.midlayer.norm_before_residual = draft.config.norm_before_residual = False  # as SGLang serves it
     if not version.reads_eagle31_keys:
         draft.fc_norm = None
         draft.config.fc_norm = draft.config.norm_output = False

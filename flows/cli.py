@@ -103,10 +103,38 @@ def generate(
 @app.command("eval")
 def eval_(
     config: Path = typer.Argument(..., help="The YAML run config (its train stage must have exported a draft)."),
+    draft: str | None = typer.Option(
+        None,
+        "--draft",
+        help="final, best, or the directory of any EAGLE-3 draft for this target (ours, SGLang-style, speculators "
+        "format); default eval.draft. Another draft's report: RUN_DIR/evals/<name>/eval.json.",
+    ),
     skip_checks: bool = typer.Option(False, "--skip-checks", help=SKIP_CHECKS_HELP),
 ) -> None:
     """Stage 5: acceptance length of the exported draft with the target (same as `run CONFIG --stages eval`)."""
-    _run_stages(config, ["eval"], skip_checks=skip_checks)
+    _run_stages(config, ["eval"], skip_checks=skip_checks, eval_draft=draft)
+
+
+@app.command("export")
+def export(
+    config: Path = typer.Argument(..., help="The YAML run config (its target is the draft's target)."),
+    to: str = typer.Option("speculators", "--format", help="speculators | sglang: the format written."),
+    draft: str = typer.Option("final", "--draft", help="final, best, or the directory of any EAGLE-3 draft."),
+    out: Path | None = typer.Option(None, "--out", help="Where to write it (default: RUN_DIR/draft/<format>)."),
+) -> None:
+    """Write a draft in another format, the tensors unchanged: `speculators` (`vllm serve OUT` serves the target with
+    it, no other flag) or `sglang` (our export: SGLang's and vLLM's --speculative-* flags). Reads either format."""
+    from flows.export import export_draft_as
+
+    cfg = _config_or_exit(config)
+    try:
+        written = export_draft_as(cfg, draft, to, out)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(1) from None
+    console.print(f"wrote {escape(str(written))} ({to} format)", highlight=False)
+    if to == "speculators":
+        console.print(f"serve it: vllm serve {escape(str(written))}", highlight=False)
 
 
 @app.command()
@@ -142,8 +170,20 @@ def run(
     _run_stages(config, chosen, retry_rejects=retry_rejects, skip_checks=skip_checks)
 
 
-def _run_stages(config: Path, stages: list[str], *, retry_rejects: bool = False, skip_checks: bool = False) -> None:
+def _run_stages(
+    config: Path,
+    stages: list[str],
+    *,
+    retry_rejects: bool = False,
+    skip_checks: bool = False,
+    eval_draft: str | None = None,
+) -> None:
     cfg = _config_or_exit(config)  # fail on a bad config before Prefect starts
+    if eval_draft not in (None, "final", "best"):
+        eval_draft = str(Path(eval_draft).resolve())
+        if not (Path(eval_draft) / "config.json").is_file():
+            err.print(f"[red]error:[/red] --draft {escape(eval_draft)}: no config.json there (not a draft)")
+            raise typer.Exit(2)
     from flows.pipeline import pipeline
     from tasks.run_lock import RunDirLocked, run_lock
 
@@ -153,7 +193,7 @@ def _run_stages(config: Path, stages: list[str], *, retry_rejects: bool = False,
         with run_lock(
             cfg.run_dir, f"eagle3 {','.join(stages)}", also=cfg.written_dirs(stages), reads=cfg.read_dirs(stages)
         ):
-            pipeline(str(config), ",".join(stages), retry_rejects, skip_checks)
+            pipeline(str(config), ",".join(stages), retry_rejects, skip_checks, eval_draft)
     except RunDirLocked as exc:
         err.print(f"[red]refused:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(1) from None
@@ -164,7 +204,7 @@ def _run_stages(config: Path, stages: list[str], *, retry_rejects: bool = False,
     if "eval" in stages:
         from flows.demo import render_eval
 
-        console.print(render_eval(cfg.layout.eval_report))
+        console.print(render_eval(cfg.layout.eval_of(eval_draft or cfg.eval.draft)[1]))
 
 
 @app.command()

@@ -40,12 +40,17 @@ def _run_name() -> str:
 
 @flow(name="pipeline", flow_run_name=_run_name)
 def pipeline(
-    config_path: str, stages: str = ALL_STAGES, retry_rejects: bool = False, skip_checks: bool = False
+    config_path: str,
+    stages: str = ALL_STAGES,
+    retry_rejects: bool = False,
+    skip_checks: bool = False,
+    eval_draft: str | None = None,
 ) -> dict:
     """The whole run, or the chosen stages; every stage resumes where it stopped.
 
     `retry_rejects`: also send again the prompts the server refused (HTTP 400) in earlier runs.
     `skip_checks`: do not run the preflight checks (flows/doctor.py) before the first stage.
+    `eval_draft`: the draft the eval stage measures instead of eval.draft (final, best or a draft directory).
     """
     config = load_config(config_path)
     chosen = parse_stages(stages)
@@ -56,11 +61,16 @@ def pipeline(
         also=config.written_dirs(chosen),
         reads=config.read_dirs(chosen),
     ):
-        return run_stages(config_path, config, chosen, retry_rejects, skip_checks)
+        return run_stages(config_path, config, chosen, retry_rejects, skip_checks, eval_draft)
 
 
 def run_stages(
-    config_path: str, config: RunConfig, chosen: list[str], retry_rejects: bool, skip_checks: bool = False
+    config_path: str,
+    config: RunConfig,
+    chosen: list[str],
+    retry_rejects: bool,
+    skip_checks: bool = False,
+    eval_draft: str | None = None,
 ) -> dict:
     """The chosen stages in order, each as a subflow, after the preflight checks."""
     if config.target.build_tiny_target:  # demo and tests: the deterministic tiny target, built once
@@ -86,7 +96,7 @@ def run_stages(
     if "train" in chosen:
         results["train"] = train(config_path)
     if "eval" in chosen:
-        results["eval"] = evaluate(config_path)
+        results["eval"] = evaluate(config_path, eval_draft)
     return results
 
 

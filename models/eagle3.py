@@ -20,6 +20,12 @@ EAGLE-3.1 (`Eagle3Config.fc_norm`, `norm_output`; `DRAFT_VARIANTS`) changes two 
     h      = fc(cat(fc_norm[0](a0), fc_norm[1](a1), fc_norm[2](a2)))  at step 0, aux_hidden[t] = cat(a0, a1, a2)
     fed to the next step: norm(h_out) instead of h_out                 (the engines' `aux_output` / `aux`)
 
+Two options of other trainers' drafts (speculators 0.9.0's training defaults, `Eagle3Config.norm_before_fc`,
+`norm_before_residual`), which we read and evaluate but never train:
+
+    h      = fc(input_norm(aux_hidden[t]))                            norm_before_fc: one RMSNorm over all 3*Ht
+    h'     = hidden_norm(h) + o_proj(attention(...))                  norm_before_residual: residual = hidden_norm(h)
+
 Training-time test (TTT), `Eagle3Draft.forward_ttt`, unrolls K steps over the whole sequence at
 once. With x = input_ids, z = target logits (z[j] is the target's distribution for x[j+1]) and
 pos = position_ids (default arange(T)), step k = 0..K-1 at position t:
@@ -104,6 +110,12 @@ class Eagle3Config:
     hidden_act: str = "silu"
     fc_norm: bool = False  # EAGLE-3.1: one RMSNorm(target_hidden_size) per aux feature before fc
     norm_output: bool = False  # EAGLE-3.1: the next draft step reads norm(h_out), not h_out
+    # Two options other trainers use (speculators' training defaults), never set by our trainer: we read them to
+    # evaluate such drafts. norm_before_fc: one RMSNorm over all 3*Ht aux features before fc (`input_norm`);
+    # norm_before_residual: the layer's residual is hidden_norm(h), not h. vLLM 0.32 serves both; SGLang 0.5.23
+    # only the first (models/eagle3_export.py).
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -128,6 +140,8 @@ class Eagle3Config:
             raise ValueError(f"aux_layers must be {AUX_FEATURES} distinct layer ids, got {self.aux_layers}")
         if self.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} not one of {sorted(_ACTIVATIONS)}")
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError("fc_norm and norm_before_fc are exclusive: one RMSNorm per aux feature, or one over all")
         self.aux_layers = [int(i) for i in self.aux_layers]
 
     @property
@@ -274,12 +288,14 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_before_residual = config.norm_before_residual
 
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache
     ) -> torch.Tensor:
-        residual = hidden  # [B, S, H]
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # [B, S, 2H]
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden  # [B, S, H]
+        x = torch.cat([self.input_layernorm(embeds), normed], -1)  # [B, S, 2H]
         hidden = residual + self.self_attn(x, cos, sin, cache)  # [B, S, H]
         return hidden + self.mlp(self.post_attention_layernorm(hidden))  # [B, S, H]
 
@@ -354,6 +370,8 @@ class Eagle3Draft(nn.Module):
             if config.fc_norm
             else None
         )
+        # another trainer's option (Eagle3Config.norm_before_fc): `input_norm.weight` [3*Ht], as both engines name it
+        self.input_norm = RMSNorm(AUX_FEATURES * target_hidden, config.rms_norm_eps) if config.norm_before_fc else None
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
@@ -405,6 +423,8 @@ class Eagle3Draft(nn.Module):
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[..., 3*Ht] target aux features -> [..., H] through fc; EAGLE-3.1 normalizes each feature first."""
         aux_hidden = aux_hidden.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            aux_hidden = self.input_norm(aux_hidden)
         if self.fc_norm is not None:
             chunks = aux_hidden.chunk(AUX_FEATURES, dim=-1)
             aux_hidden = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)], -1)

@@ -30,9 +30,13 @@ speculative/eagle_worker.py, model_executor/model_runner.py):
   from `fc_norm` (or its legacy `use_aux_norm`, whose weights it renames from `aux_norm_low/mid/
   high`) and looks `fc_norm.i.weight` up as `model.fc_norm.i.weight`; `norm_output` makes the draft
   return its post-norm state as the one the next step reads. Neither key exists in older engines,
-  which would serve a 3.1 draft as EAGLE-3 without a word. `norm_before_fc` (one RMSNorm over the
-  whole concatenation, weight `input_norm.weight`) is another option of both engines that we never
-  train, so `validate_export` refuses it, and `use_aux_norm` too (vLLM does not read it).
+  which would serve a 3.1 draft as EAGLE-3 without a word. `use_aux_norm` is refused (vLLM does not read it).
+- Other trainers' options (speculators' training defaults), which we read and never train:
+  `norm_before_fc` (one RMSNorm over the whole concatenation, weight `input_norm.weight`
+  [3 * target_hidden_size]; SGLang 0.5.23 reads `eagle_config.norm_before_fc`, else the top-level key)
+  and `norm_before_residual` (the layer's residual is hidden_norm(h)): vLLM reads it, SGLang 0.5.23's
+  layer ignores it, so `validate_export` refuses it and `load_problems` (what our eval loads) does not.
+  Other trainers' drafts in the speculators format are read through models/speculators_format.py.
 - RoPE: `Eagle3Draft` trains with unscaled RoPE at `config.rope_theta`, so `rope_scaling` is null
   and rope_theta is the draft's own, never the target's (copying Kimi's YaRN scaling would rotate
   differently from training). max_position_embeddings is the target's, so long contexts fit.
@@ -66,6 +70,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -74,12 +79,23 @@ from safetensors.torch import save_file
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.atomic import replace_dir
 from models.eagle3 import AUX_FEATURES, Eagle3Config, Eagle3Draft
+from models.export_format import (  # noqa: F401  (names other modules import from here)
+    ARCHITECTURE,
+    CONFIG_FILE,
+    EMBED,
+    INPUT_NORM,
+    VLLM_AUX_KEY,
+    WEIGHTS_FILE,
+    vllm_aux_ids,
+)
+from models.speculators_format import (
+    from_speculators_config,
+    from_speculators_name,
+    is_speculators,
+    to_speculators_name,
+)
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
 VLLM_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # registry -> Eagle3LlamaForCausalLM
-VLLM_AUX_KEY = "eagle_aux_hidden_state_layer_ids"  # top level for vLLM, inside eagle_config for SGLang
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-EMBED = "embed_tokens.weight"
 
 _Shape = Callable[[Mapping], tuple[int, ...]]
 # name -> expected shape from the exported config.json (H hidden, Ht target hidden, hd head_dim).
@@ -108,6 +124,7 @@ FC_NORM_WEIGHTS: dict[str, _Shape] = {
     f"fc_norm.{i}.weight": lambda c: (c["target_hidden_size"],) for i in range(AUX_FEATURES)
 }
 VARIANT_KEYS = ("fc_norm", "norm_output")  # Eagle3Config fields = config.json keys both engines read
+OTHER_TRAINERS_KEYS = ("norm_before_fc", "norm_before_residual")  # Eagle3Config fields we read, never train
 _EMBED_SHAPE: _Shape = lambda c: (c["vocab_size"], c["hidden_size"])  # noqa: E731
 _INT_KEYS = (
     "hidden_size",
@@ -128,11 +145,6 @@ def export_dtype(cfg: Mapping) -> str | None:
     transformers 5 writes, e.g. in a SpecForge export); both engines read either through transformers' config."""
     found = cfg.get("torch_dtype") or cfg.get("dtype")
     return found if isinstance(found, str) else None
-
-
-def vllm_aux_ids(aux_layers: list[int]) -> list[int]:
-    """vLLM's ids for our aux layers: capture index = the state entering layer a + 1 (the module docstring)."""
-    return [a + 1 for a in aux_layers]
 
 
 def _text_config(target_config) -> dict:
@@ -170,7 +182,8 @@ def sglang_config(config: Eagle3Config, target_config, dtype: torch.dtype) -> di
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
-        "norm_before_residual": False,
+        "norm_before_residual": config.norm_before_residual,
+        "norm_before_fc": config.norm_before_fc,
         "fc_norm": config.fc_norm,
         "norm_output": config.norm_output,
         "eagle_config": {VLLM_AUX_KEY: list(config.aux_layers), "use_aux_hidden_state": True},  # SGLang
@@ -240,15 +253,27 @@ def export_draft(
 
     from models.eagle3_vllm import validate_export_vllm  # here: that module imports this one's names
 
+    checks = (("SGLang", validate_export), ("vLLM", validate_export_vllm))
+    return write_checked(out_dir, config, tensors, checks, failure="EAGLE-3 export is not loadable by")
+
+
+Check = Callable[[Path], list[str]]
+
+
+def write_checked(
+    out_dir: Path, config: dict, tensors: dict[str, torch.Tensor], checks: tuple[tuple[str, Check], ...], failure: str
+) -> Path:
+    """config.json + model.safetensors assembled in a sibling temp dir, checked by each (reader, check), renamed into
+    place; ValueError `failure READER:` + the problems of the first check that finds any (nothing replaced then)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        for engine, check in (("SGLang", validate_export), ("vLLM", validate_export_vllm)):
+        for reader, check in checks:
             problems = check(tmp)
             if problems:
-                raise ValueError(f"EAGLE-3 export is not loadable by {engine}:\n  " + "\n  ".join(problems))
+                raise ValueError(f"{failure} {reader}:\n  " + "\n  ".join(problems))
         tmp.chmod(0o755)  # mkdtemp makes 0700
         for p in tmp.iterdir():
             p.chmod(0o644)
@@ -265,32 +290,94 @@ def _is_export(path: Path) -> bool:
         return False
 
 
+class ExportFiles(NamedTuple):
+    """An export read for checking: its config in our form, its tensors under our names, where they are."""
+
+    cfg: dict
+    speculators: bool  # the files are in the speculators format (models/speculators_format.py)
+    meta: dict[str, tuple[tuple[int, ...], str]]  # our name -> (shape, safetensors dtype such as "BF16")
+    names: dict[str, str]  # our name -> the name in the file
+
+
+def read_export(out_dir: str | Path) -> ExportFiles:
+    """config.json and the safetensors header of an export, ours or speculators' (renamed to ours).
+
+    Raises ValueError naming the file for what cannot be read at all.
+    """
+    out_dir = Path(out_dir)
+    cfg, speculators = read_export_config(out_dir)
+    rename = from_speculators_name if speculators else (lambda n: n)
+    try:
+        with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:
+            names = {rename(n): n for n in f.keys()}
+            meta = {ours: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for ours, n in names.items()}
+    except Exception as e:  # safetensors raises its own error types for a bad file
+        raise ValueError(f"{WEIGHTS_FILE}: cannot read: {e}") from e
+    if speculators and export_dtype(cfg) is None and "fc.weight" in meta:  # no dtype stated: the weights' own
+        cfg["torch_dtype"] = {v: k for k, v in _ST_DTYPES.items()}.get(meta["fc.weight"][1])
+    return ExportFiles(cfg, speculators, meta, names)
+
+
+def read_export_config(out_dir: Path) -> tuple[dict, bool]:
+    """(config.json in our form, whether the file is in the speculators format); ValueError naming what is wrong."""
+    try:
+        cfg = json.loads((out_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{CONFIG_FILE}: cannot read: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{CONFIG_FILE}: not a JSON object")
+    if not is_speculators(cfg):
+        return cfg, False
+    try:
+        return from_speculators_config(cfg), True
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{CONFIG_FILE} (speculators format): {e}") from e
+
+
 def validate_export(out_dir: str | Path) -> list[str]:
     """Problems that would make SGLang fail, or silently serve something else; [] when fine.
 
     Checks config.json keys, every required tensor (name, shape, dtype), no unknown names, and
     d2t/t2d: draft ids = arange(D) + d2t strictly increasing inside the vocab, t2d marking exactly them.
     d2t/t2d are optional when draft_vocab_size == vocab_size (SGLang then maps draft id i to target
-    id i, the only possible map); `validate_export_vllm` refuses d2t there.
+    id i, the only possible map); `validate_export_vllm` refuses d2t there. A speculators-format
+    draft is refused: SGLang 0.5.23 does not read that format.
     """
+    return _problems(out_dir, sglang=True)
+
+
+def load_problems(out_dir: str | Path) -> list[str]:
+    """What stops `load_exported_draft` from loading a draft exactly as trained; [] when fine.
+
+    `validate_export`'s checks less SGLang's own limits (the first aux id 1, norm_before_residual, its format),
+    for our exports and for other trainers' drafts, in the speculators format too.
+    """
+    return _problems(out_dir, sglang=False)
+
+
+def _problems(out_dir: str | Path, *, sglang: bool) -> list[str]:
     out_dir = Path(out_dir)
     try:
-        cfg = json.loads((out_dir / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as e:
-        return [f"{CONFIG_FILE}: cannot read: {e}"]
-    problems = _config_problems(cfg)
+        cfg, speculators = read_export_config(out_dir)
+    except ValueError as e:
+        return [str(e)]
+    if sglang and speculators:
+        return [
+            f"{CONFIG_FILE}: the speculators format (a speculators_config key), which SGLang 0.5.23 does not read; "
+            f"write our export from it: eagle3 export CONFIG --draft {out_dir} --format sglang --out DIR"
+        ]
+    problems = _config_problems(cfg, sglang=sglang)
     if problems:
         return problems  # shapes cannot be derived from a broken config
     try:
-        with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:
-            names = set(f.keys())
-            meta = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in names}
-            d2t = f.get_tensor("d2t") if "d2t" in names else None
-            t2d = f.get_tensor("t2d") if "t2d" in names else None
-    except Exception as e:  # safetensors raises its own error types for a bad file
-        return [f"{WEIGHTS_FILE}: cannot read: {e}"]
+        export = read_export(out_dir)
+    except ValueError as e:
+        return [str(e)]
+    cfg, names, meta = export.cfg, set(export.meta), export.meta
 
     rules = {**SGLANG_REQUIRED_WEIGHTS, **(FC_NORM_WEIGHTS if cfg.get("fc_norm") else {})}
+    if norm_before_fc(cfg):
+        rules[INPUT_NORM] = lambda c: (AUX_FEATURES * c["target_hidden_size"],)
     rules[EMBED] = _EMBED_SHAPE
     if EMBED not in names and cfg["hidden_size"] != cfg["target_hidden_size"]:
         problems.append(
@@ -301,16 +388,20 @@ def validate_export(out_dir: str | Path) -> list[str]:
     for name, rule in rules.items():
         if name not in names:
             if name not in optional:
-                problems.append(f"missing tensor {name}")
+                problems.append(f"missing tensor {export_name(export, name)}")
             continue
         shape, dt = meta[name]
         if shape != rule(cfg):
-            problems.append(f"{name}: shape {list(shape)} != expected {list(rule(cfg))}")
+            problems.append(f"{export_name(export, name)}: shape {list(shape)} != expected {list(rule(cfg))}")
         want = "I64" if name == "d2t" else "BOOL" if name == "t2d" else float_dtype
         if dt != want:
-            problems.append(f"{name}: dtype {dt} != {want}")
-    problems += [f"unknown tensor {n}: SGLang would silently skip it" for n in sorted(names - set(rules))]
-    if d2t is not None and not any(n.startswith(("d2t", "t2d")) for n in problems):
+            problems.append(f"{export_name(export, name)}: dtype {dt} != {want}")
+    skipped = "SGLang would silently skip it" if sglang else "the draft model has no such tensor"
+    problems += [f"unknown tensor {export.names[n]}: {skipped}" for n in sorted(names - set(rules))]
+    if "d2t" in names and not any(n.startswith(("d2t", "t2d")) for n in problems):
+        with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:
+            d2t = f.get_tensor(export.names["d2t"])
+            t2d = f.get_tensor(export.names["t2d"]) if "t2d" in names else None
         ids = torch.arange(d2t.shape[0], dtype=torch.int64) + d2t.to(torch.int64)
         if ids.numel() and (ids.min() < 0 or ids.max() >= cfg["vocab_size"] or not torch.all(ids[1:] > ids[:-1])):
             problems.append("d2t: draft ids (arange + d2t) are not strictly increasing ids inside the vocab")
@@ -322,7 +413,20 @@ def validate_export(out_dir: str | Path) -> list[str]:
     return problems
 
 
-def _config_problems(cfg: dict) -> list[str]:
+def export_name(export: ExportFiles, name: str) -> str:
+    """The file's name of our tensor `name` (a missing one: the name the format would give it)."""
+    return export.names.get(name) or (to_speculators_name(name) if export.speculators else name)
+
+
+def norm_before_fc(cfg: Mapping) -> bool:
+    """Whether a config asks for one RMSNorm over all aux features before fc: `eagle_config.norm_before_fc`, else the
+    top-level key (both engines read it so: SGLang 0.5.23 and vLLM 0.32 llama_eagle3.py `LlamaModel.__init__`)."""
+    eagle = cfg.get("eagle_config")
+    nested = eagle.get("norm_before_fc") if isinstance(eagle, dict) else None
+    return bool(nested if nested is not None else cfg.get("norm_before_fc", False))
+
+
+def _config_problems(cfg: dict, *, sglang: bool = True) -> list[str]:
     p = []
     if cfg.get("architectures") != [ARCHITECTURE]:
         p.append(f"architectures {cfg.get('architectures')!r} != [{ARCHITECTURE!r}]")
@@ -357,20 +461,25 @@ def _config_problems(cfg: dict) -> list[str]:
         and all(isinstance(i, int) and i >= 0 for i in ids)
     ):
         p.append(f"eagle_config.eagle_aux_hidden_state_layer_ids must be 3 distinct layer ids, got {ids!r}")
-    elif ids[0] != 1:
+    elif sglang and ids[0] != 1:
         p.append(
             f"eagle_config.eagle_aux_hidden_state_layer_ids {ids}: first id must be 1 "
             "(SGLang versions read other lists differently)"
         )
     if not isinstance(eagle, dict) or eagle.get("use_aux_hidden_state") is not True:
         p.append("eagle_config.use_aux_hidden_state must be true")
-    for key in VARIANT_KEYS:
+    for key in (*VARIANT_KEYS, *OTHER_TRAINERS_KEYS):
         if not isinstance(cfg.get(key, False), bool):
             p.append(f"config {key} must be true or false, got {cfg[key]!r}")
     if cfg.get("use_aux_norm"):
         p.append("use_aux_norm: SGLang's legacy name of fc_norm; vLLM does not read it (write fc_norm)")
-    if cfg.get("norm_before_fc") or (isinstance(eagle, dict) and eagle.get("norm_before_fc")):
-        p.append("norm_before_fc: an input_norm over all aux features that this draft was never trained with")
+    if norm_before_fc(cfg) and cfg.get("fc_norm"):
+        p.append("norm_before_fc and fc_norm are both set: one RMSNorm over all aux features, or one per feature")
+    if sglang and cfg.get("norm_before_residual"):
+        p.append(
+            "norm_before_residual: SGLang 0.5.23 (srt/models/llama_eagle3.py LlamaDecoderLayer) always keeps the "
+            "un-normalized hidden state as the residual, so it would serve this draft wrong; serve it with vLLM"
+        )
     return p
 
 
@@ -381,17 +490,19 @@ def has_embedding(out_dir: str | Path) -> bool:
 
 
 def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Eagle3Draft:
-    """The `Eagle3Draft` of an export (validated first), in `dtype` (default: the file's torch_dtype or dtype).
+    """The `Eagle3Draft` of an export, ours or speculators' (`load_problems` first), in `dtype` (default: the
+    file's torch_dtype or dtype).
 
     An export without embed_tokens (allowed when hidden_size == target_hidden_size) leaves the
     embedding uninitialized: call `load_target_embedding` with the target's. An export without
     d2t/t2d (written so when draft_vocab_size == vocab_size) keeps `Eagle3Draft`'s identity vocab.
     """
     out_dir = Path(out_dir)
-    problems = validate_export(out_dir)
+    problems = load_problems(out_dir)
     if problems:
-        raise ValueError(f"{out_dir} is not a valid EAGLE-3 export:\n  " + "\n  ".join(problems))
-    cfg = json.loads((out_dir / CONFIG_FILE).read_text())
+        raise ValueError(f"{out_dir} is not a valid EAGLE-3 draft:\n  " + "\n  ".join(problems))
+    export = read_export(out_dir)
+    cfg = export.cfg
     config = Eagle3Config(
         **{k: cfg[k] for k in _INT_KEYS},
         rms_norm_eps=float(cfg["rms_norm_eps"]),
@@ -399,12 +510,14 @@ def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None
         aux_layers=list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
         hidden_act=cfg["hidden_act"],
         **{key: bool(cfg.get(key, False)) for key in VARIANT_KEYS},
+        norm_before_fc=norm_before_fc(cfg),
+        norm_before_residual=bool(cfg.get("norm_before_residual", False)),
     )
     draft = Eagle3Draft(config).to(dtype or getattr(torch, str(export_dtype(cfg))))
     with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:
-        state = {n: f.get_tensor(n) for n in f.keys()}
-    missing, _ = draft.load_state_dict(state, strict=False)  # unknown names were rejected by validate_export
-    # validate_export let d2t/t2d be absent only at D == V, where Eagle3Draft.__init__'s buffers
+        state = {ours: f.get_tensor(name) for ours, name in export.names.items()}
+    missing, _ = draft.load_state_dict(state, strict=False)  # unknown names were rejected by load_problems
+    # load_problems let d2t/t2d be absent only at D == V, where Eagle3Draft.__init__'s buffers
     # (d2t zeros, t2d all true) are the identity map the engines assume too.
     optional = {EMBED, *VOCAB_MAP} if config.draft_vocab_size == config.vocab_size else {EMBED}
     if set(missing) - optional:

@@ -22,13 +22,13 @@ models/registry.py, v1/worker/gpu_model_runner.py); `validate_export_vllm` mirro
   leaves zeros = draft index i served as target id i.
   `embed_tokens` is optional there; we always write it (see above).
 - config: `draft_vocab_size` (null -> vocab_size), `target_hidden_size` (fc input 3 * it),
-  `eagle_config.use_aux_hidden_state`, `norm_before_residual` (written false: the hidden_norm is
-  applied after the residual is taken, as in SGLang's and our layer).
+  `eagle_config.use_aux_hidden_state`, `norm_before_residual` and `norm_before_fc` (other trainers'
+  options, which vLLM serves and our draft model reads: models/eagle3.py).
+- A draft in the speculators format is checked in our names (models/speculators_format.py).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -36,13 +36,16 @@ import torch
 from safetensors import safe_open
 
 from models.eagle3_export import (
-    CONFIG_FILE,
     EMBED,
     FC_NORM_WEIGHTS,
+    INPUT_NORM,
+    OTHER_TRAINERS_KEYS,
     VARIANT_KEYS,
     VLLM_ARCHITECTURES,
     VLLM_AUX_KEY,
     WEIGHTS_FILE,
+    norm_before_fc,
+    read_export,
 )
 
 # vLLM's loader, mirrored (the module docstring): checkpoint name -> Eagle3LlamaForCausalLM parameter.
@@ -110,6 +113,8 @@ def _vllm_expected(cfg: Mapping) -> dict[_VShard, tuple[str, tuple[int, ...]]]:
         shapes["d2t"] = (D,)
     if cfg.get("fc_norm"):  # LlamaModel.__init__: nn.ModuleList of RMSNorm(target_hidden_size), one per aux state
         shapes.update({name: rule(cfg) for name, rule in FC_NORM_WEIGHTS.items()})
+    if norm_before_fc(cfg):  # LlamaModel.__init__: one RMSNorm(3 * target_hidden_size) as input_norm
+        shapes[INPUT_NORM] = (3 * Ht,)
     return {_vllm_loaded_name(n): (n, shape) for n, shape in shapes.items()}
 
 
@@ -160,11 +165,9 @@ def vllm_load_problems(
     for flag in VARIANT_KEYS:  # getattr(self.config, flag, False): any truthy value turns it on
         if not isinstance(cfg.get(flag, False), bool):
             p.append(f"config {flag} must be true or false, got {cfg[flag]!r}")
-    nested_config = cfg.get("eagle_config")
-    if cfg.get("norm_before_fc") or (isinstance(nested_config, dict) and nested_config.get("norm_before_fc")):
-        p.append("norm_before_fc: vLLM would add an input_norm over all aux features (not trained with this draft)")
-    if cfg.get("norm_before_residual", False) is not False:
-        p.append("norm_before_residual must be false: the draft applies hidden_norm after taking the residual")
+    for flag in OTHER_TRAINERS_KEYS:  # vLLM reads both (LlamaModel.__init__, LlamaDecoderLayer.__init__)
+        if not isinstance(cfg.get(flag, False), bool):
+            p.append(f"config {flag} must be true or false, got {cfg[flag]!r}")
     eagle = cfg.get("eagle_config")
     if isinstance(eagle, dict) and eagle.get("use_aux_hidden_state", True) is not True:
         p.append("eagle_config.use_aux_hidden_state must be true (false makes vLLM skip fc)")
@@ -255,15 +258,13 @@ def validate_export_vllm(out_dir: str | Path) -> list[str]:
     """`vllm_load_problems` for the export at `out_dir` (config.json + model.safetensors header and d2t)."""
     out_dir = Path(out_dir)
     try:
-        cfg = json.loads((out_dir / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as e:
-        return [f"{CONFIG_FILE}: cannot read: {e}"]
-    if not isinstance(cfg, dict):
-        return [f"{CONFIG_FILE}: not a JSON object"]
-    try:
+        export = read_export(out_dir)
+    except ValueError as e:
+        return [str(e)]
+    d2t = None
+    if "d2t" in export.meta:
         with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:
-            tensors = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}
-            d2t = f.get_tensor("d2t") if "d2t" in tensors else None
-    except Exception as e:  # safetensors raises its own error types for a bad file
-        return [f"{WEIGHTS_FILE}: cannot read: {e}"]
-    return vllm_load_problems(cfg, tensors, d2t)
+            d2t = f.get_tensor(export.names["d2t"])
+    # A speculators draft is checked in our names: vLLM's loader maps `layers.0.x` and `midlayer.x` to the same
+    # parameter, and its SpeculatorsConfig gives the layer the keys models/speculators_format.py reads.
+    return vllm_load_problems(export.cfg, export.meta, d2t)

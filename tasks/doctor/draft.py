@@ -10,15 +10,14 @@ code). Shapes, names and the rest of what each loader reads are `validate_export
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from models.eagle3_export import CONFIG_FILE, VLLM_AUX_KEY, validate_export
+from models.eagle3_export import CONFIG_FILE, VLLM_AUX_KEY, read_export_config, validate_export
 from models.eagle3_vllm import validate_export_vllm
 from models.findings import Finding
 
-EAGLE31_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "use_aux_norm")  # read by the engines, not trained here
+NORM_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual")  # models/eagle3.py reads each
 
 
 def draft_findings(export_dir: Path, *, trained_layers: list[int], vocab_size: int, hidden_size: int) -> list[Finding]:
@@ -30,11 +29,9 @@ def draft_findings(export_dir: Path, *, trained_layers: list[int], vocab_size: i
     if not (export_dir / CONFIG_FILE).is_file():
         return [Finding("draft", "PASS", f"no export in {export_dir} yet (the train stage writes it)")]
     try:
-        cfg: dict[str, Any] = json.loads((export_dir / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        return [
-            Finding("draft", "FAIL", f"{export_dir / CONFIG_FILE}: cannot read: {exc}", "run the train stage again")
-        ]
+        cfg, _ = read_export_config(export_dir)  # a speculators-format draft in our keys
+    except ValueError as exc:
+        return [Finding("draft", "FAIL", f"{export_dir}: {exc}", "run the train stage again")]
     return [
         _aux_finding(cfg, trained_layers),
         _shape_finding(cfg, vocab_size, hidden_size),
@@ -90,20 +87,25 @@ def _shape_finding(cfg: dict[str, Any], vocab_size: int, hidden_size: int) -> Fi
 
 
 def _norm_finding(cfg: dict[str, Any]) -> Finding:
-    on = [k for k in EAGLE31_FLAGS if cfg.get(k)]
-    before = cfg.get("norm_before_residual", False)
-    seen = f"norm_before_residual {str(bool(before)).lower()}; " + (
-        f"set: {', '.join(on)}" if on else "no EAGLE-3.1 norms"
-    )
-    if on or before:
+    on = [k for k in NORM_FLAGS if cfg.get(k)]
+    seen = f"set: {', '.join(on)}" if on else "no norm options (EAGLE-3)"
+    if cfg.get("use_aux_norm"):
+        return Finding(
+            "draft: norm flags",
+            "WARN",
+            f"{seen}; use_aux_norm",
+            "use_aux_norm is SGLang's legacy name of fc_norm, which vLLM and this project's eval do not read: "
+            "write fc_norm",
+        )
+    if cfg.get("norm_before_residual"):
         return Finding(
             "draft: norm flags",
             "WARN",
             seen,
-            "the engines apply these norms, this project's training and eval do not: served acceptance "
-            "will differ from the in-process eval",
+            "vLLM and the in-process eval apply norm_before_residual, SGLang 0.5.23 ignores it: serve this draft "
+            "with vLLM",
         )
-    return Finding("draft: norm flags", "PASS", seen)
+    return Finding("draft: norm flags", "PASS", seen + "; each applied by both engines and the in-process eval")
 
 
 def _loader_findings(export_dir: Path) -> list[Finding]:

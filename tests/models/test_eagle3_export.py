@@ -272,12 +272,12 @@ def test_eagle3_1_keys_and_norms_are_checked_for_both_engines(draft31, target, t
     legacy = with_config("legacy", use_aux_norm=True)
     assert any("use_aux_norm" in p and "vLLM does not read it" in p for p in validate_export(legacy))
     eagle = json.loads((good / "config.json").read_text())["eagle_config"]
-    for before in (  # both engines read it at the top level and inside eagle_config
+    for before in (  # both engines read it at the top level and inside eagle_config: an input_norm they would load
         with_config("before_fc", norm_before_fc=True),
         with_config("nested", eagle_config={**eagle, "norm_before_fc": True}),
     ):
-        assert any("norm_before_fc" in p for p in validate_export(before))
-        assert any("norm_before_fc" in p for p in validate_export_vllm(before))
+        assert [p.split(":")[0] for p in validate_export(before)] == ["norm_before_fc and fc_norm are both set"]
+        assert any(p.startswith("missing tensor input_norm.weight: vLLM's") for p in validate_export_vllm(before))
     word = with_config("word", norm_output="yes")
     assert "config norm_output must be true or false, got 'yes'" in validate_export(word)
     assert "config norm_output must be true or false, got 'yes'" in validate_export_vllm(word)

@@ -33,7 +33,7 @@ import yaml
 from tasks.checkpoints import live_parts
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import BadRequest, ServerRefused
-from tasks.engines.vllm import VLLMClient, cpu_command
+from tasks.engines.vllm import SPEC_METRICS_FLAGS, VLLMClient, cpu_command
 from tasks.launch_servers import ServerProcess, fill_placeholders
 from tasks.ports import free_port
 
@@ -467,6 +467,41 @@ def test_eval_through_vllm_counts_the_verify_rounds_of_the_in_process_eval_promp
     assert engine["overall"]["per_round"] == hf["acceptance_length"] > 1.0
     assert report["engine_vs_hf"]["equal"] and engine["outputs_differ_without_draft"] == 0
     assert engine["overall"]["speedup"] is not None
+
+
+def test_a_speculators_export_is_served_by_vllm_serve_alone_and_counted_as_the_in_process_eval(
+    vllm_python, plain, trained, tiny_target_dir, tmp_path, harness_api_url
+):
+    """`eagle3 export --format speculators`, then `vllm serve DIR` with no other flag: vLLM takes the target and
+    the draft tokens per round from the draft's config; `eagle3 eval --draft DIR` reads the same format in-process
+    and counts the same verify rounds prompt by prompt."""
+    path, config = trained
+    spec = tmp_path / "speculators"
+    done = eagle3("export", str(path), "--format", "speculators", "--out", str(spec), api_url=harness_api_url)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"vllm serve {spec}" in done.stdout
+    # --model DIR: the draft's directory, and only the flag that reports each request's verify rounds (our count)
+    server = start_vllm(vllm_python, spec, tmp_path / "speculators.log", list(SPEC_METRICS_FLAGS))
+    try:
+        served = served_model(server.url)
+        assert "vllm:spec_decode_num_drafts" in httpx.get(server.url + "/metrics", timeout=10).text  # a draft is on
+        data = yaml.safe_load(path.read_text())
+        data["server"]["url"] = server.url
+        data["eval"].update({"backend": "both", "baseline": False})
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        done = eagle3("eval", str(path), "--draft", str(spec), api_url=harness_api_url)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    finally:
+        server.stop()
+    assert served in (str(spec), str(tiny_target_dir))
+    report = json.loads((config.layout.run_dir / "evals" / "speculators" / "eval.json").read_text())
+    assert report["draft"] == str(spec)
+    engine, hf = report["engine"], report["trained"]
+    rounds = {(p["source"], p["id"]): (p["completion_tokens"], p["spec_verify_ct"]) for p in engine["per_prompt"]}
+    in_process = {(p["source"], p["id"]): (p["new_tokens"], p["rounds"]) for p in hf["per_prompt"]}
+    assert len(rounds) == len(in_process) == config.eval.prompts
+    assert rounds == in_process
+    assert engine["overall"]["per_round"] == hf["acceptance_length"] > 1.0
 
 
 def test_the_doctor_reads_the_real_vllm_s_version_model_and_context(plain, tiny_target_dir):
