@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from models.jobs import (
+    BenchmarkSpec,
     CaptureSettings,
     DatasetGenerateSettings,
     DatasetRecords,
@@ -293,6 +294,26 @@ class EvalConfig(EvalSettings, EngineEvalSettings, Section):
     """`eagle3 eval`: greedy speculative decoding with the target and the exported draft on the eval prompts, measured
     in-process (HF), through the serving engine, or both."""
 
+    draft: str = Field(default="final", min_length=1)
+    """The draft measured: `final` (the train stage's last export, RUN_DIR/draft/final), `best` (its export at the
+    best held-out eval, RUN_DIR/draft/best), or the directory of any EAGLE-3 draft for this target: ours, an
+    SGLang-style export (SpecForge's, either dtype key) or the speculators format; its report is then
+    RUN_DIR/evals/<directory name>/eval.json. `eagle3 eval CONFIG --draft DIR` sets it for one run."""
+
+    @field_validator("benchmarks")
+    @classmethod
+    def _hub_benchmarks_have_their_form(cls, value: list[BenchmarkSpec]) -> list[BenchmarkSpec]:
+        for b in value:
+            if is_hub_path(b.path):
+                try:
+                    hub_repo_id(b.path)
+                except ValueError:
+                    raise ValueError(
+                        f"{b.name}: {b.path!r} is not a Hub dataset path: expected hf:ORG/NAME, e.g. hf:openai/gsm8k "
+                        "(split and config are the benchmark's settings)"
+                    ) from None
+        return value
+
 
 class DatasetConfig(RowFormat, DatasetGenerateSettings, Section):
     """One input dataset: a file or directory of prompt rows (generate) or finished rows (passthrough).
@@ -443,6 +464,11 @@ class RunConfig(Section):
             if not is_hub_path(dataset.path):  # hf:ORG/NAME names a Hub dataset, not a file
                 dataset.path = _absolute(dataset.path, base)
         out.eval.prompt_files = [_absolute(f, base) for f in out.eval.prompt_files]
+        if out.eval.draft not in ("final", "best"):  # a draft directory
+            out.eval.draft = str(_absolute(Path(out.eval.draft), base))
+        for benchmark in out.eval.benchmarks:
+            if not is_hub_path(benchmark.path):  # hf:ORG/NAME names a Hub dataset, not a file
+                benchmark.path = str(_absolute(Path(benchmark.path), base))
         if out.target.build_tiny_target or not _looks_like_hub_id(out.target.path):
             out.target.path = str(_absolute(Path(out.target.path), base))
         return out

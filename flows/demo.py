@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 
 from flows.config import RunConfig
@@ -16,6 +16,7 @@ from flows.pipeline import pipeline
 from models.tiny_target import build_target
 from tasks.checkpoints import live_parts
 from tasks.engines import sglang, vllm
+from tasks.eval.benchmarks import benchmark_rows
 from tasks.eval.tasks import engine_rows
 from tasks.launch_servers import SERVER_LOG
 from tasks.ports import free_port
@@ -46,6 +47,7 @@ DEMO_ENGINES = {
     "vllm": "a real vLLM",
 }
 SHOWN_PER_DATASET = 2
+TEXT_COLUMNS = ("benchmark", "format", "anchor_draft")  # the benchmark table's left-aligned columns
 
 
 def demo_config(run_dir: Path | None = None, target: str = "llama") -> RunConfig:
@@ -231,10 +233,37 @@ def render_engine(engine: dict) -> Table:
     return table
 
 
-def render_eval(eval_report: Path) -> Table:
+def render_eval(eval_report: Path) -> RenderableType:
     """The eval stage's result (draft/eval.json, RunLayout.eval_report): acceptance length per draft, the TTT
-    estimate, where the draft is."""
+    estimate, where the draft is; then the benchmarks beside their published anchors, when the eval ran some."""
     report = json.loads(eval_report.read_text())
+    table = render_eval_table(report)
+    return (
+        Group(table, render_benchmarks(report["benchmarks"], report["num_steps"]))
+        if report.get("benchmarks")
+        else table
+    )
+
+
+def render_benchmarks(section: dict, num_steps: int) -> Table:
+    """eval.json's benchmarks (tasks/eval/benchmarks.py benchmark_rows): ours beside the published anchor."""
+    rows = benchmark_rows(section)
+    table = Table(
+        title=f"published benchmarks: trained draft, {num_steps} steps, top-k 1, {num_steps + 1} draft tokens, greedy "
+        "target",
+        caption="acceptance length: completion tokens / verify rounds, as SpecForge's bench_eagle3 counts it and the "
+        "anchors were published; per round: without the prefill's token; anchor: data/benchmarks/anchors.json for "
+        "this target (or the config's). A tiny target is not a published one: docs/acceptance.md",
+    )
+    for column in rows[0]:
+        table.add_column(column.replace("_", " "), justify="left" if column in TEXT_COLUMNS else "right")
+    for row in rows:
+        table.add_row(*["" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()])
+    return table
+
+
+def render_eval_table(report: dict) -> Table:
+    """The eval's acceptance length per draft and backend, and the TTT estimate."""
     k = report["num_steps"]
     table = Table(
         title=f"acceptance length: {k} draft tokens per round (SGLang topk 1), greedy target, "

@@ -10,6 +10,7 @@ from prefect import flow, get_run_logger
 from flows.config import RunConfig
 from flows.config_file import load_config, save_run_config
 from models.jobs import EvalJob, EvalSettings, HeldOut, ServerSettings
+from tasks.eval.benchmarks import benchmark_rows, benchmark_table_text, resolve_benchmarks
 from tasks.eval.engine import EngineServer
 from tasks.eval.tasks import evaluate_draft, evaluate_on_engine, publish_eval
 from tasks.run_lock import run_lock
@@ -17,22 +18,29 @@ from tasks.train.tasks import report_training
 
 
 @flow(name="eval", flow_run_name="eval {config_path}")
-def evaluate(config_path: str) -> dict:
-    """Stage 5: decode the eval prompts with the greedy target and the draft; report the acceptance length."""
+def evaluate(config_path: str, draft: str | None = None) -> dict:
+    """Stage 5: decode the eval prompts with the greedy target and the draft; report the acceptance length.
+
+    `draft`: instead of eval.draft, this one (final, best, or the directory of any EAGLE-3 draft).
+    """
     config = load_config(config_path)
     name = Path(config_path).stem
+    chosen = draft or config.eval.draft
+    ours = chosen in ("final", "best")  # the train stage's: its held-out metrics belong to it
+    draft_dir, report_path, raw_path = config.layout.eval_of(chosen)
     with run_lock(config.run_dir, "eval", also=config.written_dirs(["eval"])):
         save_run_config(config)
-        job = eval_job(config)
+        job = eval_job(config, draft_dir, raw_path)
         backend = config.eval.backend
         hf = evaluate_draft(job, config.layout.job("eval"), name) if backend in ("hf", "both") else None
         engine = (
             evaluate_on_engine(job, config.eval, engine_server(config), name) if backend in ("engine", "both") else None
         )
-        report = publish_eval(job, hf, engine, name)
-        if (
-            config.layout.metrics.is_file()
-        ):  # the training report again, now with the measured value beside its estimate
+        train_dir = config.layout.draft_dir if ours else None
+        report = publish_eval(job, hf, engine, name, report_path, train_dir)
+        if report.get("benchmarks"):
+            get_run_logger().info("benchmarks:\n%s", benchmark_table_text(benchmark_rows(report["benchmarks"])))
+        if ours and config.layout.metrics.is_file():  # the training report again, the measured value by its estimate
             report_training(config.layout.draft_dir, name, eval_steps=config.eval.num_steps)
     get_run_logger().info(
         "serve it with SGLang:\n%s\nor with vLLM:\n%s", report["sglang_command"], report["vllm_command"]
@@ -40,16 +48,19 @@ def evaluate(config_path: str) -> dict:
     return report
 
 
-def eval_job(config: RunConfig) -> EvalJob:
-    """The eval job of this run: the `eval` section, the held-out split of `train`, the exported draft."""
+def eval_job(config: RunConfig, draft_dir: Path, raw_path: Path) -> EvalJob:
+    """The eval job of this run: the `eval` section, the held-out split of `train`, the exported draft; each benchmark
+    read and checked, a Hub one's rows written beside the job (tasks/eval/benchmarks.py)."""
     layout = config.layout
+    settings = config.eval.pick(EvalSettings)
+    settings["benchmarks"] = resolve_benchmarks(config.eval.benchmarks, layout.job("eval").parent / "benchmarks")
     return EvalJob(
-        **config.eval.pick(EvalSettings),
+        **settings,
         **config.train.pick(HeldOut),
         target_path=config.target.path,
         trust_remote_code=config.target.trust_remote_code,
-        draft_dir=str(layout.final),
-        out=str(layout.eval_raw),
+        draft_dir=str(draft_dir),
+        out=str(raw_path),
         datasets=config.dataset_records(),
     )
 

@@ -9,7 +9,8 @@ a Prefect worker thread that was created before that setting decodes up to 40x s
 Progress goes to stdout after each prompt as `EVAL_PROGRESS draft=NAME done=i total=n new_tokens=T
 rounds=R accepted=A` (models/rank_protocol.py): that prompt's figures, so a caller that stops the eval
 (the GPU check at its time limit) keeps what was measured. The trained draft goes first, for the same
-reason. The result (one entry per evaluated draft, see `merge_results`) is written atomically to the
+reason. Then the trained draft on each of `eval.benchmarks` (progress as `draft=trained:BENCHMARK`).
+The result (one entry per evaluated draft, see `merge_results`, and "benchmarks") is written atomically to the
 job's `out` path. A failure exits through the rank harness (models/rank.py) with one `EVAL_ERROR {json}` line.
 """
 
@@ -27,8 +28,8 @@ from models.atomic import write_atomic
 from models.eagle3 import Eagle3Draft
 from models.eagle3_export import has_embedding, load_exported_draft
 from models.estimates import replay_acceptance
-from models.eval_prompts import eval_prompts
-from models.jobs import EvalJob
+from models.eval_prompts import EvalPrompt, benchmark_prompts, eval_prompts
+from models.jobs import BenchmarkSpec, EvalJob
 from models.rank import say, serve
 from models.rank_protocol import EVAL, EVAL_PROGRESS
 from models.spec_eval import SpecEvalResult, evaluate_acceptance
@@ -36,11 +37,12 @@ from models.target_loader import load_language_model
 
 
 def run(job: EvalJob) -> dict[str, Any]:
-    """Decode the held-out prompts with each draft; return {"prompts", "device", "untrained"?, "trained"}.
+    """Decode the held-out prompts with each draft, then the benchmarks with the trained one; return {"prompts",
+    "device", "untrained"?, "trained", "benchmarks"?}.
 
     Each draft's entry is `merge_results` plus "per_prompt" (new tokens and verify rounds of each prompt) and
     "replay": the round-weighted replay of its own greedy outputs and the chain formula over every root of
-    them (models/estimates.py `replay_acceptance`).
+    them (models/estimates.py `replay_acceptance`). "benchmarks": `decode_benchmark`'s entry per benchmark.
     """
     from transformers import AutoTokenizer
 
@@ -75,6 +77,8 @@ def run(job: EvalJob) -> dict[str, Any]:
             "eval.prompt_files for more",
             flush=True,
         )
+
+    benchmarks = benchmark_prompts(job, int(trained.config.vocab_size))  # read (and checked) before any decoding
 
     drafts = {"trained": trained}  # first: an eval stopped part-way has measured the draft that matters
     if job.compare_untrained:
@@ -121,10 +125,53 @@ def run(job: EvalJob) -> dict[str, Any]:
             f"{result[name]['rounds']} rounds; per position {result[name]['per_position_acceptance']}",
             flush=True,
         )
+    if job.benchmarks:
+        result["benchmarks"] = {
+            spec.name: decode_benchmark(target, trained, spec, benchmarks[spec.name], job, eos)
+            for spec in job.benchmarks
+        }
     out = Path(job.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(result, indent=2))
     return result
+
+
+def decode_benchmark(
+    target: Any, draft: Eagle3Draft, spec: BenchmarkSpec, prompts: list[EvalPrompt], job: EvalJob, eos: set[int]
+) -> dict[str, Any]:
+    """One benchmark's questions decoded with `draft`: `merge_results` over them, "max_new_tokens", "per_prompt", and
+    "acceptance_length_specforge": completion tokens / verify rounds (the prefill's token counted), as SpecForge's
+    bench_eagle3 and the published anchors count (models/spec_eval.py counts tokens per verify round)."""
+    max_new_tokens = spec.max_new_tokens or job.max_new_tokens
+    parts = []
+    for i, prompt in enumerate(prompts):
+        part = evaluate_acceptance(
+            target, draft, [prompt.input_ids], num_steps=job.num_steps, max_new_tokens=max_new_tokens, eos_token_ids=eos
+        )
+        parts.append(part)
+        say(
+            EVAL_PROGRESS.format(
+                draft=f"trained:{spec.name}",
+                done=i + 1,
+                total=len(prompts),
+                new_tokens=part.new_tokens,
+                rounds=part.rounds,
+                accepted=accepted_tokens(part),
+            )
+        )
+    merged = merge_results(parts)
+    rounds = merged["rounds"]
+    merged["acceptance_length_specforge"] = round(merged["new_tokens"] / rounds, 4) if rounds else None
+    merged["max_new_tokens"] = max_new_tokens
+    merged["per_prompt"] = [
+        {"id": p.id, "new_tokens": r.new_tokens, "rounds": r.rounds} for p, r in zip(prompts, parts)
+    ]
+    print(
+        f"eval: benchmark {spec.name}: acceptance length {merged['acceptance_length']:.3f} per verify round "
+        f"({merged['acceptance_length_specforge']} as SpecForge counts) over {len(prompts)} questions",
+        flush=True,
+    )
+    return merged
 
 
 def merge_results(parts: list[SpecEvalResult]) -> dict[str, Any]:

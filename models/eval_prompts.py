@@ -3,6 +3,7 @@
 `eval_prompts(job, vocab_size)` returns them in a fixed order, so two backends, two runs and the
 untrained baseline all measure on the same token ids: the held-out records' prompts first, then the
 prompt sets of `job.prompt_files` in file and line order, up to `job.prompts` in all.
+`benchmark_prompts(job, vocab_size)`: each of `job.benchmarks`' questions (models/eval_benchmarks.py), apart.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from models.eval_benchmarks import read_benchmark
 from models.jobs import EvalJob
 from models.train_data import held_out_prompts
 
@@ -42,6 +44,26 @@ def eval_prompts(job: EvalJob, vocab_size: int | None = None) -> list[EvalPrompt
                     f"{where}: prompt {pid!r} renders to token ids outside the model's vocabulary ({vocab_size})"
                 )
             out.append(EvalPrompt(source, pid, ids))
+    return out
+
+
+def benchmark_prompts(job: EvalJob, vocab_size: int | None = None) -> dict[str, list[EvalPrompt]]:
+    """Each benchmark's prompts (source: its name), in file order, rendered like the prompt files' prompts; every
+    benchmark is read (and checked) before the tokenizer is loaded."""
+    read = {spec.name: read_benchmark(spec) for spec in job.benchmarks}
+    if not read:
+        return {}
+    tokenizer = _tokenizer(job)
+    out: dict[str, list[EvalPrompt]] = {}
+    for name, benchmark in read.items():
+        out[name] = []
+        for p in benchmark.prompts:
+            ids = _render(tokenizer, p.messages)
+            if vocab_size is not None and any(i >= vocab_size for i in ids):
+                raise ValueError(
+                    f"{p.where}: question {p.id!r} renders to token ids outside the model's vocabulary ({vocab_size})"
+                )
+            out[name].append(EvalPrompt(name, p.id, ids))
     return out
 
 

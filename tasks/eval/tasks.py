@@ -17,18 +17,21 @@ from prefect.cache_policies import NO_CACHE
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from models.atomic import write_atomic
+from models.eagle3_export import read_export_config
 from models.estimates import chain_acceptance_length, estimates_block
-from models.eval_prompts import eval_prompts
+from models.eval_prompts import benchmark_prompts, eval_prompts
 from models.jobs import EngineEvalSettings, EvalJob
 from models.rank_protocol import EVAL, Message
-from models.run_layout import EVAL_REPORT, TRAIN_SUMMARY
+from models.run_layout import TRAIN_SUMMARY
 from tasks.artifacts import artifact_key, progress_artifact
 from tasks.engines.client import RetryPolicy, auth_hint
 from tasks.engines.sglang import SGLangClient
 from tasks.engines.vllm import VLLMClient
+from tasks.eval.benchmarks import benchmark_rows, benchmark_section
 from tasks.eval.engine import (
     EngineServer,
     Phase,
+    acceptance,
     check_command,
     compare_with_hf,
     decode_prompts,
@@ -54,7 +57,7 @@ def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, 
         resume="make room there, then run the eval stage again",
     )
     artifact = progress_artifact(progress=0.0, key=artifact_key("eval", config_name), description="eval: starting")
-    drafts = 2 if job.compare_untrained else 1
+    drafts = (2 if job.compare_untrained else 1) + len(job.benchmarks)  # each draft, then each benchmark (trained)
     seen: list[str] = []
 
     def on_progress(message: Message) -> None:
@@ -62,11 +65,13 @@ def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, 
         if name not in seen:
             seen.append(name)
         progress = 100.0 * (len(seen) - 1 + done / total) / drafts
+        what = f"benchmark {name.split(':', 1)[1]}" if ":" in name else f"{name} draft"
         update_progress_artifact(
-            artifact, progress=round(progress, 1), description=f"eval: {name} draft, {done}/{total} prompts"
+            artifact, progress=round(progress, 1), description=f"eval: {what}, {done}/{total} prompts"
         )
 
     raw_path = Path(job.out)
+    raw_path.parent.mkdir(parents=True, exist_ok=True)  # RUN_DIR/evals/<draft>/ for a draft from elsewhere
     raw_path.unlink(missing_ok=True)
     # Batch-1 decoding is many tiny ops: one CPU thread beats two that spin-wait for each other
     # (measured 20x on 2 busy cores); on GPUs it does not matter.
@@ -98,7 +103,7 @@ def evaluate_on_engine(
     if server.launch == "command":
         check_command(server.command)
     tokenizer = AutoTokenizer.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
-    vocab_size = int(json.loads((final / "config.json").read_text())["vocab_size"])
+    vocab_size = int(read_export_config(final)[0]["vocab_size"])  # either format (models/speculators_format.py)
     prompts = eval_prompts(job, vocab_size)
     if not prompts:
         raise ValueError(f"no eval prompts (train.eval_fraction={job.eval_fraction}): raise eval_fraction and retrain")
@@ -110,9 +115,18 @@ def evaluate_on_engine(
         key=artifact_key("eval-engine", config_name),
         description="engine eval: starting the server with the draft",
     )
-    phases = 2 if engine.baseline and (server.launch != "none" or engine.baseline_url) else 1
+    benchmarks = benchmark_prompts(job, vocab_size)
+    baseline = engine.baseline and (server.launch != "none" or engine.baseline_url)
+    phases = 1 + len(benchmarks) + (1 if baseline else 0)  # the draft's, each benchmark's (with it), the baseline
 
-    def measure(url: str, chosen: list, phase: int, what: str, select: Callable[..., Any] | None = None) -> Phase:
+    def measure(
+        url: str,
+        chosen: list,
+        phase: int,
+        what: str,
+        select: Callable[..., Any] | None = None,
+        sampling: dict[str, Any] | None = None,
+    ) -> Phase:
         async def on_done(done: int, total: int) -> None:
             await aupdate_progress_artifact(
                 artifact,
@@ -125,7 +139,7 @@ def evaluate_on_engine(
             decode_prompts(
                 url,
                 chosen,
-                params,
+                sampling or params,
                 engine=server.engine,
                 concurrency=engine.concurrency,
                 retry=RetryPolicy(outage_window_s=s.outage_window_s),
@@ -146,6 +160,20 @@ def evaluate_on_engine(
     spec = server.speculative_args(str(final), job.num_steps)
     with server.serving(spec, "eval-with-draft", logger):
         with_draft = measure(server.settings.url, prompts, 0, "with the draft", select=draft_prompts)
+        on_benchmarks = {}
+        for i, b in enumerate(job.benchmarks):  # each with its own generation length, left out like the eval prompts
+            n = b.max_new_tokens or job.max_new_tokens
+            chosen = benchmarks[b.name]
+            on_benchmarks[b.name] = measure(
+                server.settings.url,
+                chosen,
+                1 + i,
+                f"benchmark {b.name} with the draft",
+                select=lambda limits, client, chosen=chosen, n=n: fit_draft_context(chosen, limits, n),
+                sampling=request_sampling_params(
+                    {"max_new_tokens": n, "temperature": 0.0}, default_stop_ids(tokenizer)
+                ),
+            )
     if with_draft.skipped:
         logger.warning(
             "engine eval: %d prompt(s) left out of both phases: too long for the draft server's reserved tokens "
@@ -163,16 +191,21 @@ def evaluate_on_engine(
             )
         )
     without = None
-    if phases == 2:  # the same prompts as the draft phase served, so that the speedup compares like with like
+    if baseline:  # the same prompts as the draft phase served, so that the speedup compares like with like
         served = {(r.source, r.id) for r in with_draft.served}
         with server.serving([], "eval-without-draft", logger):
             without = measure(
                 engine.baseline_url or server.settings.url,
                 [p for p in prompts if (p.source, p.id) in served],
-                1,
+                phases - 1,
                 "without the draft",
             )
     report = engine_report(with_draft, without, job.num_steps, engine.concurrency, server.engine)
+    if on_benchmarks:  # completion tokens / verify rounds per benchmark, as SpecForge's bench_eagle3 counts
+        report["benchmarks"] = {
+            name: {**acceptance(phase.served), "refused": phase.refused, "skipped": phase.skipped}
+            for name, phase in on_benchmarks.items()
+        }
     overall = report["overall"]
     speedup = f", speedup {overall['speedup']:.2f}x" if overall.get("speedup") else ""
     logger.info(
@@ -192,11 +225,19 @@ def evaluate_on_engine(
 
 @task(name="eval-report", cache_policy=NO_CACHE)
 def publish_eval(
-    job: EvalJob, hf: dict[str, Any] | None, engine: dict[str, Any] | None, config_name: str
+    job: EvalJob,
+    hf: dict[str, Any] | None,
+    engine: dict[str, Any] | None,
+    config_name: str,
+    report_path: Path,
+    train_dir: Path | None,
 ) -> dict[str, Any]:
-    """eval.json beside the export, and the eval-summary table artifact: each backend that ran, side by side."""
+    """eval.json at `report_path`, and the eval-summary table artifact: each backend that ran, side by side.
+
+    `train_dir`: the draft directory of the training that made the draft (its held-out metrics give the
+    training-time estimate), or None for a draft trained elsewhere.
+    """
     final = Path(job.draft_dir)
-    draft_dir = final.parent
     report: dict[str, Any] = {
         "num_steps": job.num_steps,
         "max_new_tokens": job.max_new_tokens,
@@ -204,20 +245,23 @@ def publish_eval(
         "backends": [name for name, r in (("hf", hf), ("engine", engine)) if r is not None],
     }
     if hf is not None:
-        report.update(hf)
+        report.update({k: v for k, v in hf.items() if k != "benchmarks"})
     if engine is not None:
         report["engine"] = engine
         report.setdefault("prompts", engine["overall"]["prompts"])
         if hf is not None:
             report["engine_vs_hf"] = compare_with_hf(engine, hf["trained"])
     measured = measured_value(report)
-    report["ttt_estimate"] = ttt_estimate(draft_dir, job.num_steps)
+    report["ttt_estimate"] = ttt_estimate(train_dir, job.num_steps)
     report["estimates"] = estimates(
-        draft_dir, job.num_steps, measured, hf["trained"].get("replay") if hf is not None else None
+        train_dir, job.num_steps, measured, hf["trained"].get("replay") if hf is not None else None
     )
+    if job.benchmarks:
+        report["benchmarks"] = benchmark_section(job, hf, engine)
     report["sglang_command"] = sglang_command(job.target_path, final, job.num_steps, job.trust_remote_code)
     report["vllm_command"] = vllm_command(job.target_path, final, job.num_steps, job.trust_remote_code)
-    write_atomic(draft_dir / EVAL_REPORT, json.dumps(report, indent=2))
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(report_path, json.dumps(report, indent=2))
     create_table_artifact(
         table=eval_rows(report),
         key=artifact_key("eval-summary", config_name),
@@ -228,6 +272,17 @@ def publish_eval(
         "TTT accept rates at the same number of steps, teacher-forced on training records "
         "(a different text and weighting; docs/acceptance.md, 'Two acceptance numbers')",
     )
+    if job.benchmarks:
+        create_table_artifact(
+            table=benchmark_rows(report["benchmarks"]),
+            key=artifact_key("eval-benchmarks", config_name),
+            description=f"Published benchmarks with the trained draft at {job.num_steps} steps, top-k 1, "
+            f"{job.num_steps + 1} draft tokens, greedy target: acceptance length as SpecForge's bench_eagle3 counts "
+            "it (completion tokens / verify rounds; the HF backend's, else the engine's; 'engine': the engine's "
+            "beside the HF one), per verify round without the prefill's token, and the acceptance length published "
+            "for this target (data/benchmarks/anchors.json, or the entry's anchor). Comparable only for the same "
+            "target, prompts and generation length (docs/acceptance.md, Benchmarks and published anchors)",
+        )
     if engine is not None:
         create_table_artifact(
             table=engine_rows(engine),
@@ -251,21 +306,22 @@ def _exported(job: EvalJob) -> Path:
     final = Path(job.draft_dir)
     if not (final / "config.json").is_file():
         raise FileNotFoundError(
-            f"{final}: no exported draft; run the train stage first (eagle3 run CONFIG --stages train)"
+            f"{final}: no draft there (no config.json); for the run's own draft (eval.draft final or best) run the "
+            "train stage first (eagle3 run CONFIG --stages train), else give the directory of an EAGLE-3 draft"
         )
     return final
 
 
-def _training_cond_acc(draft_dir: Path) -> list[float] | None:
+def _training_cond_acc(draft_dir: Path | None) -> list[float] | None:
     """The held-out TTT eval's per-step conditional accept rates at the end of training, or None."""
-    summary = draft_dir / TRAIN_SUMMARY
-    if not summary.is_file():
+    summary = draft_dir / TRAIN_SUMMARY if draft_dir is not None else None
+    if summary is None or not summary.is_file():
         return None
     last = json.loads(summary.read_text()).get("eval")
     return list(last["per_step_cond_acc"]) if last else None
 
 
-def ttt_estimate(draft_dir: Path, num_steps: int) -> dict[str, Any] | None:
+def ttt_estimate(draft_dir: Path | None, num_steps: int) -> dict[str, Any] | None:
     """The training-time estimate at the eval's chain length: the chain formula over the first num_steps
     held-out TTT rates (models/estimates.py); None without a held-out eval or with fewer TTT steps."""
     cond = _training_cond_acc(draft_dir)
@@ -280,7 +336,7 @@ def ttt_estimate(draft_dir: Path, num_steps: int) -> dict[str, Any] | None:
 
 
 def estimates(
-    draft_dir: Path, num_steps: int, measured: float | None, replay: dict[str, Any] | None = None
+    draft_dir: Path | None, num_steps: int, measured: float | None, replay: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """eval.json's labelled figures at the eval's num_steps: the training-time estimate, the measured value,
     the replay."""

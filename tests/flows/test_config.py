@@ -203,6 +203,8 @@ def test_demo_preset_loads():
     assert list(kinds.values()).count("generate") >= 3
     assert config.target.build_tiny_target
     assert all(d.path.exists() for d in config.datasets)
+    assert [(b.name, b.limit) for b in config.eval.benchmarks] == [("mt_bench", 8), ("gsm8k", 8), ("humaneval", 8)]
+    assert all(Path(b.path).is_file() for b in config.eval.benchmarks)
 
 
 def test_kimi_preset_is_the_reference_run():
@@ -549,6 +551,43 @@ def test_engine_eval_settings_and_where_it_measures(tmp_path):
 )
 def test_bad_engine_eval_settings_are_named(section, expected):
     data = {**copy.deepcopy(MINIMAL), **section}
+    assert any(expected in line for line in problems(data)), problems(data)
+
+
+# --- published benchmarks (issue 36) ---------------------------------------------------------------
+
+
+def test_benchmark_paths_resolve_like_the_datasets_and_hub_ones_stay(tmp_path):
+    benchmarks = [
+        {"name": "mt_bench", "path": "bench/question.jsonl"},
+        {"name": "gsm8k", "path": "hf:openai/gsm8k", "config": "main", "limit": 50, "anchor": 3.2},
+    ]
+    config = parse_config({**copy.deepcopy(MINIMAL), "eval": {"benchmarks": benchmarks}}, base=tmp_path)
+    mt, gsm = config.eval.benchmarks
+    assert (mt.path, mt.limit, mt.format) == (str(tmp_path / "bench/question.jsonl"), 80, None)
+    assert (gsm.path, gsm.config, gsm.split, gsm.limit, gsm.anchor) == ("hf:openai/gsm8k", "main", None, 50, 3.2)
+    assert parse_config(yaml.safe_load(dump_config(config)), base=tmp_path) == config
+    assert parse_config(copy.deepcopy(MINIMAL), base=tmp_path).eval.benchmarks == []
+
+
+@pytest.mark.parametrize(
+    "benchmark, expected",
+    [
+        ({"name": "g", "path": "hf:openai"}, "eval.benchmarks: g: 'hf:openai' is not a Hub dataset path: expected"),
+        (
+            {"name": "g", "path": "q.jsonl", "turns": 2},
+            "eval.benchmarks[0].turns: unknown key; allowed keys here: name, path",
+        ),
+        (
+            {"name": "g", "path": "q.jsonl", "format": "mmlu"},
+            "eval.benchmarks[0].format: Input should be 'mt_bench', 'gsm8k' or 'humaneval'",
+        ),
+        ({"name": "g", "path": "q.jsonl", "config": "main"}, "config: for hf: benchmarks only"),
+        ({"path": "q.jsonl"}, "eval.benchmarks[0].name: required key is missing"),
+    ],
+)
+def test_bad_benchmarks_are_named(benchmark, expected):
+    data = {**copy.deepcopy(MINIMAL), "eval": {"benchmarks": [benchmark]}}
     assert any(expected in line for line in problems(data)), problems(data)
 
 

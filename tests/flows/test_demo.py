@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -17,6 +18,8 @@ from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow, load_dataset
 from tasks.generate.prompts import chat_prompt_ids
 from tasks.turn_ids import split_turn_id, turn_id
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes of its own
 
@@ -40,7 +43,16 @@ def conversation_turns(tokenizer, rows: dict, answers: dict, eos: int) -> dict:
 def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     out = io.StringIO()
     # configs/demo.yaml with a shorter training and eval (the full one is `make demo`'s, ~5 minutes on 2 cores)
-    short = {"train": {"epochs": 8}, "eval": {"prompts": 24, "max_new_tokens": 32}}
+    # and 2 questions of each published benchmark format (data/benchmarks/) instead of 8
+    benchmarks = [
+        {"name": name, "path": str(REPO / "data" / "benchmarks" / file), "limit": 2}
+        for name, file in (
+            ("mt_bench", "mt_bench_question.jsonl"),
+            ("gsm8k", "gsm8k_test.jsonl"),
+            ("humaneval", "humaneval.jsonl"),
+        )
+    ]
+    short = {"train": {"epochs": 8}, "eval": {"prompts": 24, "max_new_tokens": 32, "benchmarks": benchmarks}}
     config = run_demo(
         run_dir=tmp_path / "run", console=Console(file=out, width=200), target_dir=tiny_target_dir, overrides=short
     )
@@ -133,3 +145,11 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     assert engine["acceptance_length"] > engine["per_round"] and engine["speedup"] > 0
     assert report["engine"]["outputs_differ_without_draft"] == 0
     assert "engine and HF EQUAL" in printed
+    # the published benchmark formats, each apart, in both backends alike, beside no anchor (none for a tiny target)
+    assert list(report["benchmarks"]) == ["mt_bench", "gsm8k", "humaneval"]
+    for name, b in report["benchmarks"].items():
+        assert b["prompts"] == b["engine"]["prompts"] == 2 and b["num_steps"] == 3, name
+        assert b["acceptance_length"] == b["hf"]["acceptance_length_specforge"] == b["engine"]["acceptance_length"]
+        assert b["per_round"] == b["hf"]["acceptance_length"] == b["engine"]["per_round"]
+        assert b["anchor"] is None and b["published"] == []
+    assert "published benchmarks" in printed and "none published for this target" in printed
