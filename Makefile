@@ -26,7 +26,7 @@ SGLANG_RECIPE := $(wildcard deploy/sglang-cpu/*)
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU machines: take the local CPU build of torch first, so the wide torch range
@@ -34,6 +34,9 @@ $(STAMP): pyproject.toml
 	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 		$(BIN)/pip install -q torch==2.13.0; fi
 	$(BIN)/pip install -q -e '.[dev]'
+	# SpecForge's benchmark client (specforge/benchmarks/sglang.py: requests + a tokenizer), an independent count of
+	# the acceptance length in a test; --no-deps: the rest of SpecForge pins its own torch, transformers and SGLang.
+	$(BIN)/pip install -q --no-deps specforge==0.2.0
 	touch $(STAMP)
 
 # The project's .venv too: `make vllm && .venv/bin/eagle3 demo --engine vllm` works on a fresh clone.

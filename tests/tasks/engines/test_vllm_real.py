@@ -16,6 +16,7 @@ Without .venv-vllm every test here skips, saying so.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -28,6 +29,7 @@ from pathlib import Path
 import httpx
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 
 from tasks.checkpoints import live_parts
@@ -502,6 +504,72 @@ def test_a_speculators_export_is_served_by_vllm_serve_alone_and_counted_as_the_i
     assert len(rounds) == len(in_process) == config.eval.prompts
     assert rounds == in_process
     assert engine["overall"]["per_round"] == hf["acceptance_length"] > 1.0
+
+
+def test_specforge_s_benchmark_client_counts_the_demo_draft_as_our_eval_does(
+    trained, tiny_target_dir, serve_app, monkeypatch
+):
+    """An independent count: SpecForge 0.2.0's own benchmark client (specforge/benchmarks/sglang.py, unmodified but
+    for its dataset loader, which would download GSM8K: our sample rows instead, formatted by its own GSM8K
+    formatter) against the dev server serving the demo's draft with SGLang's flags. Its totals of completion
+    tokens and `spec_verify_ct` equal our in-process eval's new tokens and verify rounds on the token ids the
+    server received, so its acceptance length (tokens / verify rounds, as the published anchors count) is ours."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from emulators.dev_server import Speculative, create_app
+    from models.eagle3_export import load_exported_draft
+    from models.spec_eval import evaluate_acceptance
+
+    try:
+        import specforge.benchmarks.sglang as specforge_bench
+    except ImportError:
+        pytest.fail("no specforge package: `make venv` installs it (pip install --no-deps specforge==0.2.0)")
+    _, config = trained
+    final, steps, max_new = config.layout.draft_dir / "final", config.eval.num_steps, 48
+    rows = [json.loads(line) for line in (REPO / "data" / "benchmarks" / "gsm8k_test.jsonl").read_text().splitlines()]
+    texts = [specforge_bench.DATASETS["gsm8k"]["format"](row) for row in rows[:6]]
+    monkeypatch.setattr(specforge_bench, "_load_prompts", lambda name, max_samples: [[t] for t in texts])
+    args = argparse.Namespace(  # specforge/cli.py's `benchmark` defaults, but the sizes
+        model=str(tiny_target_dir),
+        dataset="gsm8k",
+        max_new_tokens=max_new,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=1,
+        max_samples=None,
+        num_prompts=len(texts),
+        concurrency=1,
+        timeout_seconds=600,
+        enable_thinking=False,
+        trust_remote_code=False,
+        output_json=None,
+    )
+    speculative = Speculative.from_flags(
+        draft_model_path=final, algorithm="EAGLE3", num_steps=steps, eagle_topk=1, num_draft_tokens=steps + 1
+    )
+    with serve_app(create_app(tiny_target_dir, context_length=CONTEXT, speculative=speculative)) as url:
+        args.base_url = url
+        theirs = specforge_bench._run_sglang(args)
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    draft = load_exported_draft(final, dtype=torch.float32).eval()
+    # what the client sent: each text in its chat template; what the server decoded: its tokens, no BOS
+    ids = [
+        tokenizer.encode(
+            specforge_bench._apply_chat_template(tokenizer, [{"role": "user", "content": t}], False),
+            add_special_tokens=False,
+        )
+        for t in texts
+    ]
+    eos = {tokenizer.eos_token_id}
+    ours = evaluate_acceptance(target, draft, ids, num_steps=steps, max_new_tokens=max_new, eos_token_ids=eos)
+    assert (theirs.samples, theirs.output_tokens, theirs.spec_verify_count) == (
+        len(texts),
+        ours.new_tokens,
+        ours.rounds,
+    )
+    assert theirs.output_tokens / theirs.spec_verify_count > 1.2  # a trained draft: rounds that accept drafts
 
 
 def test_the_doctor_reads_the_real_vllm_s_version_model_and_context(plain, tiny_target_dir):
