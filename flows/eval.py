@@ -53,7 +53,7 @@ def eval_job(config: RunConfig, draft_dir: Path, raw_path: Path) -> EvalJob:
     read and checked, a Hub one's rows written beside the job (tasks/eval/benchmarks.py)."""
     layout = config.layout
     settings = config.eval.pick(EvalSettings)
-    settings["benchmarks"] = resolve_benchmarks(config.eval.benchmarks, layout.job("eval").parent / "benchmarks")
+    settings["benchmarks"] = resolve_benchmarks(config.eval.benchmarks, layout.benchmark_rows())
     return EvalJob(
         **settings,
         **config.train.pick(HeldOut),

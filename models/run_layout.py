@@ -200,6 +200,11 @@ class RunLayout:
         folder = self.run_dir / "evals" / Path(draft).name
         return Path(draft), folder / EVAL_REPORT, folder / EVAL_RAW
 
+    def benchmark_rows(self) -> Path:
+        """RUN_DIR/jobs/benchmarks: the rows of each `hf:` eval benchmark (<name>.jsonl), read from the Hub cache and
+        written beside the eval job that names them (tasks/eval/benchmarks.py)."""
+        return self.run_dir / "jobs" / "benchmarks"
+
     def job(self, stage: Literal["capture", "train", "eval"]) -> Path:
         """RUN_DIR/jobs/<stage>.json: the job the stage's ranks read (on every node)."""
         return self.run_dir / "jobs" / f"{stage}.json"

@@ -22,7 +22,7 @@ from models.eval_benchmarks import read_benchmark
 from models.jobs import BenchmarkSpec, EvalJob
 from tasks.datasets.hub import HubDataset, hub_repo_id, is_hub_path, read_hub
 
-ANCHORS = Path(__file__).resolve().parents[2] / "data" / "benchmarks" / "anchors.json"
+ANCHORS = Path(__file__).resolve().parents[2] / "data/benchmarks/anchors.json"  # in the repository
 
 
 def resolve_benchmarks(benchmarks: list[BenchmarkSpec], rows_dir: Path) -> list[BenchmarkSpec]:
