@@ -178,8 +178,10 @@ def _run_stages(
     skip_checks: bool = False,
     eval_draft: str | None = None,
 ) -> None:
+    from models.run_layout import RUN_DRAFTS
+
     cfg = _config_or_exit(config)  # fail on a bad config before Prefect starts
-    if eval_draft not in (None, "final", "best"):
+    if eval_draft is not None and eval_draft not in RUN_DRAFTS:
         eval_draft = str(Path(eval_draft).resolve())
         if not (Path(eval_draft) / "config.json").is_file():
             err.print(f"[red]error:[/red] --draft {escape(eval_draft)}: no config.json there (not a draft)")

@@ -30,7 +30,7 @@ from models.jobs import (
     TrainSettings,
 )
 from models.nodes import Nodes
-from models.run_layout import RunLayout
+from models.run_layout import RUN_DRAFTS, RunLayout
 from models.server_access import replica_url
 from models.spec import Spec
 from tasks.datasets.formats import RowFormat
@@ -464,7 +464,7 @@ class RunConfig(Section):
             if not is_hub_path(dataset.path):  # hf:ORG/NAME names a Hub dataset, not a file
                 dataset.path = _absolute(dataset.path, base)
         out.eval.prompt_files = [_absolute(f, base) for f in out.eval.prompt_files]
-        if out.eval.draft not in ("final", "best"):  # a draft directory
+        if out.eval.draft not in RUN_DRAFTS:  # a draft directory
             out.eval.draft = str(_absolute(Path(out.eval.draft), base))
         for benchmark in out.eval.benchmarks:
             if not is_hub_path(benchmark.path):  # hf:ORG/NAME names a Hub dataset, not a file

@@ -10,6 +10,7 @@ from prefect import flow, get_run_logger
 from flows.config import RunConfig
 from flows.config_file import load_config, save_run_config
 from models.jobs import EvalJob, EvalSettings, HeldOut, ServerSettings
+from models.run_layout import RUN_DRAFTS
 from tasks.eval.benchmarks import benchmark_rows, benchmark_table_text, resolve_benchmarks
 from tasks.eval.engine import EngineServer
 from tasks.eval.tasks import evaluate_draft, evaluate_on_engine, publish_eval
@@ -26,7 +27,7 @@ def evaluate(config_path: str, draft: str | None = None) -> dict:
     config = load_config(config_path)
     name = Path(config_path).stem
     chosen = draft or config.eval.draft
-    ours = chosen in ("final", "best")  # the train stage's: its held-out metrics belong to it
+    ours = chosen in RUN_DRAFTS  # the train stage's: its held-out metrics belong to it
     draft_dir, report_path, raw_path = config.layout.eval_of(chosen)
     with run_lock(config.run_dir, "eval", also=config.written_dirs(["eval"])):
         save_run_config(config)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from flows.config import RunConfig
 from models.draft_convert import FORMATS, convert_draft
+from models.run_layout import RUN_DRAFTS
 
 
 def export_draft_as(config: RunConfig, draft: str, to: str, out: Path | None = None) -> Path:
@@ -19,7 +20,7 @@ def export_draft_as(config: RunConfig, draft: str, to: str, out: Path | None = N
     layout = config.layout
     src = layout.eval_of(draft)[0]
     if not (src / "config.json").is_file():
-        hint = "run the train stage first" if draft in ("final", "best") else "give a draft directory"
+        hint = "run the train stage first" if draft in RUN_DRAFTS else "give a draft directory"
         raise FileNotFoundError(f"{src}: no draft there (no config.json); {hint}")
     from transformers import AutoConfig
 

@@ -35,6 +35,7 @@ LOCK_NAME = ".lock"  # the write lock, in RUN_DIR and in each output directory o
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
 BEST = "best"
+RUN_DRAFTS = (FINAL, BEST)  # the train stage's own exports, as eval.draft and --draft name them
 BEST_MARKER = "best.json"  # in best/: the step, epoch, acceptance length and loss of its eval
 METRICS = "metrics.jsonl"
 TRAIN_SUMMARY = "train_summary.json"
@@ -195,7 +196,7 @@ class RunLayout:
         """(the draft, its eval.json, the HF eval job's raw result) for eval.draft `draft`: `final` and `best` are
         the train stage's exports, reported in draft/eval.json; any other value is a draft directory, reported in
         RUN_DIR/evals/<its name>/."""
-        if draft in (FINAL, BEST):
+        if draft in RUN_DRAFTS:
             return self.draft_dir / draft, self.eval_report, self.eval_raw
         folder = self.run_dir / "evals" / Path(draft).name
         return Path(draft), folder / EVAL_REPORT, folder / EVAL_RAW
