@@ -38,6 +38,7 @@ from tasks.engines.errors import (
 LAUNCH_SERVER = "sglang.launch_server"
 DUPLICATE_RID = "duplicate request id"  # SGLang's 400 for a rid it still holds (lower case, as matched)
 SPECULATIVE_ALGORITHM = "EAGLE3"
+KV_CACHE_TOKENS = 65536  # cpu_command's KV cache, in tokens
 
 
 def cpu_command(
@@ -52,7 +53,13 @@ def cpu_command(
       stand-in with no ops in .venv-sglang (deploy/sglang-cpu/sgl_kernel_common_ops.py), and a dense Llama on a
       CPU without AMX then calls none.
     - `--skip-tokenizer-init`: the pipeline sends and reads token ids only, as it does against a GPU server.
-    - `--mem-fraction-static 0.05`: about 1 GB of KV cache on this 24 GB machine, plenty for a tiny target.
+    - `--mem-fraction-static 0.5` with `--max-total-tokens` (KV_CACHE_TOKENS, or the context length when that is
+      larger): on CPU SGLang sizes the KV cache from the machine's free memory before and after loading the
+      weights (mem_cache/kv_cache_configurator.py `_profile_available_bytes`) and refuses to start when the free
+      memory fell by more than 1 - the fraction meanwhile. At 0.05 a server started while other processes grew
+      by 5% exited ("Loaded weights leave no GPU memory for the KV cache", a CI run); at 0.5 it takes half the
+      free memory shrinking, and the token cap keeps the cache itself small (65536 tokens of the tiny target are
+      256 MB).
     - `--sleep-on-idle`: without it the idle scheduler spins (about 65% of a core).
     - float32: the dtype HF transformers computes the references in, so greedy outputs can be compared.
     - `--context-length N` (when given; else the model's max_position_embeddings).
@@ -79,7 +86,9 @@ def cpu_command(
         "--dtype",
         "float32",
         "--mem-fraction-static",
-        "0.05",
+        "0.5",
+        "--max-total-tokens",
+        str(max(KV_CACHE_TOKENS, context_length or 0)),
         "--sleep-on-idle",
         *(["--context-length", str(context_length)] if context_length else []),
         *(["--max-running-requests", str(max_running)] if max_running else []),

@@ -8,11 +8,13 @@ stops requests at the budget by closing their connections.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from emulators.sglang_protocol import DISCONNECT_POLL_S
 from models.jobs import GenerateJob
 from tasks.datasets import PromptRow
 from tasks.engines.client import RetryPolicy
@@ -27,6 +29,9 @@ pytestmark = pytest.mark.multiprocess
 EOS = 1
 # every answer as long as max_new_tokens: the budget test below needs to know the lengths
 SAMPLING = request_sampling_params({"max_new_tokens": 24, "temperature": 0.8, "top_p": 0.95, "ignore_eos": True}, [EOS])
+
+
+IDLE_WITHIN_S = 3 * DISCONNECT_POLL_S + 5  # three of a worker's disconnect polls, and a margin for a loaded machine
 
 
 def prompts(n: int) -> list[PromptRow]:
@@ -78,10 +83,20 @@ def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_p
 
         budgeted, rest, server, before_the_budget, after_the_budget = asyncio.run(go())
         at_the_end = served()
-        idle = [
-            {k: httpx.get(w + "/v1/loads").json()["loads"][0][k] for k in ("num_running_reqs", "num_waiting_reqs")}
-            for w in workers
-        ]
+
+        def loads() -> list[dict[str, int]]:
+            return [
+                {k: httpx.get(w + "/v1/loads").json()["loads"][0][k] for k in ("num_running_reqs", "num_waiting_reqs")}
+                for w in workers
+            ]
+
+        # a worker notices a closed request only on its disconnect poll (SGLang's 4 s, emulators/sglang_protocol.py):
+        # a request the pipeline closed in the last seconds (a retry the router sent to both workers under load: a
+        # CI run saw 8 still running on each) is stopped by the next poll, or it never is
+        idle, deadline = loads(), time.monotonic() + IDLE_WITHIN_S
+        while idle != [{"num_running_reqs": 0, "num_waiting_reqs": 0}] * 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            idle = loads()
 
     assert server.router and server.max_input == worker_limit  # the limit came from the workers
     assert budgeted.status == "budget reached" and budgeted.aborted >= 1
