@@ -1,13 +1,13 @@
 """Export an `Eagle3Draft` as the directory SGLang serves with `--speculative-algorithm EAGLE3`.
 
 The directory holds `config.json` and `model.safetensors`. What SGLang does with them (read in
-sgl-project/sglang python/sglang/srt/models/llama_eagle3.py, models/llama.py,
-speculative/eagle_worker.py, model_executor/model_runner.py):
+sgl-project/sglang python/sglang/srt/models/llama_eagle3.py, sglang/srt/models/llama.py,
+sglang/srt/speculative/eagle_worker.py, sglang/srt/model_executor/model_runner.py):
 
 - `LlamaForCausalLMEagle3.load_weights`: a name containing "d2t" becomes
   `hot_token_id = d2t + arange(D)` (draft index -> target id); "t2d" is skipped; without d2t
   `hot_token_id` stays None and the draft's top-k indices are used as target ids as they are
-  (sglang 0.5.23 models/llama_eagle3.py `load_weights`, speculative/eagle_worker_v2.py
+  (sglang 0.5.23 sglang/srt/models/llama_eagle3.py `load_weights`, speculative/eagle_worker_v2.py
   `init_lm_head` / `draft_forward`): right when D == V, silently wrong when D < V; q/k/v_proj are
   fused into qkv_proj and gate/up_proj into gate_up_proj; any other name is looked up as is or as
   `model.{name}` and SILENTLY DROPPED when neither exists (the parameter keeps its random init).

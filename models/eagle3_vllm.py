@@ -1,8 +1,8 @@
 """What vLLM's loader does with an export of models/eagle3_export.py, mirrored: `validate_export_vllm`.
 
 The same directory is what vLLM serves with `--speculative-config '{"method": "eagle3", "model": DIR}'`
-(read in vllm-project/vllm vllm/model_executor/models/llama_eagle3.py, models/llama.py,
-models/registry.py, v1/worker/gpu_model_runner.py); `validate_export_vllm` mirrors its loader:
+(read in vllm-project/vllm vllm/model_executor/models/llama_eagle3.py, vllm/model_executor/models/llama.py,
+vllm/model_executor/models/registry.py, vllm/v1/worker/gpu_model_runner.py); `validate_export_vllm` mirrors its loader:
 
 - the registry maps `LlamaForCausalLMEagle3` to `Eagle3LlamaForCausalLM`.
 - `Eagle3LlamaForCausalLM.load_weights`: names containing "t2d" are skipped; "d2t" becomes the
@@ -11,7 +11,7 @@ models/registry.py, v1/worker/gpu_model_runner.py); `validate_export_vllm` mirro
   parameter ONLY when draft_vocab_size != the target's vocab size (None otherwise: compute_logits
   returns the logits as they are), yet load_weights renames every d2t to it, so a D == V export
   carrying d2t fails: "There is no module or parameter named 'draft_id_to_target_id' in
-  Eagle3LlamaForCausalLM" (vLLM 0.32 llama_eagle3.py, models/utils.py AutoWeightsLoader). The
+  Eagle3LlamaForCausalLM" (vLLM 0.32 llama_eagle3.py, vllm/model_executor/models/utils.py AutoWeightsLoader). The
   export therefore writes d2t/t2d only when D < V. Every name other than
   lm_head gets a `model.` prefix; `LlamaModel.load_weights` maps `midlayer.` to `layers.0.`, fuses
   q/k/v into qkv_proj (input 2 * hidden_size for layer 0) and gate/up into gate_up_proj, and

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("flows", "tasks", "models", "emulators", "bench", "tests")
 LAYER = {"flows": 2, "tasks": 1, "models": 0}
 # emulators/ (the engines emulated, for the demo and the tests) stand beside the layers: they use models/ (the tiny
-# target's decoding) and no layer above it; of flows/tasks/models only the CLI's `serve-dev` imports them (the demo
+# target's decoding) and no layer above it; of flows, tasks and models only the CLI's `serve-dev` imports them (the demo
 # and the stages start the dev server as a process and reach every engine over HTTP).
 EMULATORS_MAY_IMPORT = {"models", "emulators"}
 IMPORTS_EMULATORS = {"flows/cli.py"}

