@@ -22,7 +22,7 @@ SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_RECIPE := $(wildcard deploy/sglang-cpu/*)
 
-.PHONY: demo test test-fast lint format venv vllm sglang clean up down deepspeed-json
+.PHONY: demo test test-fast lint format venv vllm sglang clean up down deepspeed-json config-keys
 
 venv: $(STAMP)
 
@@ -83,6 +83,10 @@ format: $(STAMP)
 
 deepspeed-json: $(STAMP)
 	$(BIN)/python -m flows.deepspeed_json
+
+# docs/config-keys.md, every config key from the schema (tests/flows/test_config_keys.py checks it is current)
+config-keys: $(STAMP)
+	$(BIN)/python -m flows.config_keys
 
 up: $(STAMP)
 	deploy/local-up.sh
