@@ -225,6 +225,18 @@ def test_kimi_preset_is_the_reference_run():
     assert not any(w.startswith("--speculative") for w in config.server.command)
 
 
+def test_the_one_gpu_preset_is_a_mid_size_run_with_published_anchors():
+    from tasks.eval.benchmarks import published_anchors
+
+    config = load_config(REPO / "configs/llama-3.1-8b-1gpu.yaml", base=REPO)
+    assert (config.train.num_gpus, config.train.mode, config.eval.backend) == (1, "online", "both")
+    assert sum(d.token_budget or 0 for d in config.datasets) == 10_000_000
+    assert all(str(d.path).startswith("hf:") for d in config.datasets)
+    # the anchors REFERENCE.md records for Llama-3.1-8B (SpecBundle: GSM8K 2.55, HumanEval 3.34)
+    anchors = [published_anchors(config.target.path, b.name)[0] for b in config.eval.benchmarks]
+    assert [a["acceptance_length"] for a in anchors] == [2.55, 3.34]
+
+
 def _number_fields():
     """(key path, data change) for every int/float field of every section, present and future."""
     import types
