@@ -195,8 +195,9 @@ def _aux_ids_finding(whose: str, ids: list[int], num_layers: int, arch: str, ver
     """The ids the target's model class returns. deepseek_v2.py DeepseekV2Model.forward: id k < L is taken as the
     hidden state entering layer k, as `hidden_states + residual`, so id 0 (residual still None) is a TypeError; id L
     (after the loop) only since the end-layer fix (END_LAYER_FIX). llama.py (EagleModelMixin._maybe_add_hidden_state,
-    vllm/model_executor/models/interfaces.py) does not crash on 0 (the embeddings) and returns L in every release followed here. An id
-    above L (or below 0) matches no layer in either: vLLM returns one state fewer than asked, in silence."""
+    vllm/model_executor/models/interfaces.py) does not crash on 0 (the embeddings) and returns L in every release
+    followed here. An id above L (or below 0) matches no layer in either: vLLM returns one state fewer than asked, in
+    silence."""
     name = f"vllm target: aux ids, {whose}"
     deepseek = arch in DEEPSEEK_CLASS
     family = "DeepseekV2Model (vllm/model_executor/models/deepseek_v2.py)" if deepseek else "llama.py's EagleModelMixin"
