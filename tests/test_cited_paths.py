@@ -22,8 +22,15 @@ ROOTS = "|".join(re.escape(t) for t in TOP)
 CITED = re.compile(rf"(?<![\w./-])((?:{ROOTS})/[\w.*{{}}<>-]+(?:/[\w.*{{}}<>-]+)*/?)")
 PROSE = (".md", ".yaml", ".yml", ".sh", ".toml")
 # paths the docs tell users to create, not files of this repository: a user's copy of a preset, their data (the
-# Kimi preset's datasets, docs/run-a-pipeline.md), a DeepSpeed hostfile (docs/scale-out.md)
-USER_PATHS = {"configs/my-kimi.yaml", "configs/my-2nodes.yaml", "deploy/hostfile", "data/kimi/"}
+# Kimi preset's datasets, docs/run-a-pipeline.md; FastChat's MT-bench questions, configs/llama-3.1-8b-1gpu.yaml), a
+# DeepSpeed hostfile (docs/scale-out.md)
+USER_PATHS = {
+    "configs/my-kimi.yaml",
+    "configs/my-2nodes.yaml",
+    "deploy/hostfile",
+    "data/kimi/",
+    "data/mt_bench/question.jsonl",
+}
 USER_PREFIXES = ("data/kimi/",)
 
 
