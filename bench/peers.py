@@ -1,0 +1,185 @@
+"""Our trainer against the reference trainers, vLLM's speculators and SGLang's SpecForge, on identical data.
+
+One demo run (`eagle3 demo`'s `run_demo`: generate, records, capture, train, eval), then the same 1-layer EAGLE-3 draft
+trained three more times on its training split, its captured hidden states and its draft vocabulary (d2t/t2d), with
+the same settings (bench/peer_trainers/__init__.py `PeerJob`: 20 epochs, lr 0.002, 7 TTT steps, 512-token packs per
+optimizer step on one process):
+
+- `ours`: `eagle3 run --stages train` on one rank (`train.num_gpus: 1`, `max_batch_tokens: 512`);
+- `speculators 0.9.0` and `SpecForge 0.2.0`: each its own training command, in a venv of its own made by the bench
+  (bench/peer_trainers/<peer>.py; their small CPU patches under bench/peer_trainers/patches/, each saying why),
+  with its own recipe otherwise (optimizer, initialisation, norms: each module's docstring lists them).
+
+Every draft, and the demo's own (2 ranks, 1,024 tokens per step), is then measured by `eagle3 eval CONFIG --draft DIR`
+with `eval.backend: both` on the demo's prompts: in-process (HF) and in the real vLLM 0.32 (.venv-vllm, `make vllm`)
+serving the target with that draft, the two counts compared prompt by prompt (`engine_vs_hf`).
+
+A comparison of quality and training speed, not a wall-clock target (bench/README.md): tokens/s is each trainer's
+trained tokens over the wall time of its whole training command (start-up included), on the same machine in the same
+run. Printed as the markdown table of docs/benchmarks.md ("Against the reference trainers"):
+
+    .venv/bin/python bench/peers.py [--quick] [--keep DIR] [--json FILE]
+
+The peers' venvs are kept in runs/peers/ (made once, ~4 and ~2.5 minutes). On 2 otherwise idle cores each
+training takes a few minutes and each eval about 2 (its vLLM server included); speculators slows down twenty-fold
+when another process shares the cores, so run nothing else meanwhile. --epochs 5 gives the early columns of
+docs/benchmarks.md; --quick trains 4 epochs: a smoke run of the bench, not its figures.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench import harness  # noqa: E402
+from bench.peer_trainers import PeerJob, PeerRun, specforge, speculators  # noqa: E402
+from bench.variants import eagle3  # noqa: E402
+from flows.config_file import load_config  # noqa: E402
+from models.run_layout import RunLayout  # noqa: E402
+
+VENVS = REPO / "runs" / "peers"  # the peers' venvs, kept between runs
+PEERS = {"speculators 0.9.0": speculators, "SpecForge 0.2.0": specforge}
+OURS, DEMO = "ours", "ours, the demo's (2 ranks)"
+
+
+@dataclass
+class Params:
+    """The knobs of one run: the training length of every draft (configs/demo.yaml: 20 epochs) and the seed."""
+
+    quick: bool = False
+    epochs: int = 20
+    seed: int = 0
+
+    @classmethod
+    def quick_preset(cls) -> Params:
+        return cls(quick=True, epochs=4)
+
+
+def run_config(run_dir: Path, name: str, train: dict[str, Any]) -> Path:
+    """The demo's resolved config with these train settings and its own draft directory, and the eval in-process AND
+    in the real vLLM (started by the eval with each draft) on the demo's prompts only."""
+    from flows.demo import demo_server
+
+    layout = RunLayout(run_dir)
+    data = yaml.safe_load(layout.demo_config.read_text())
+    data["train"].update({**train, "out_dir": str(run_dir / name)})
+    data["eval"].update({"backend": "both", "compare_untrained": False, "benchmarks": [], "baseline": False})
+    config = load_config(layout.demo_config)
+    data["server"] = demo_server(config, "vllm", data["server"]["url"]).model_dump(mode="json", exclude_none=True)
+    path = run_dir / f"peers-{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def train_ours(run_dir: Path, job: PeerJob) -> tuple[Path, PeerRun]:
+    """Ours on the job's settings, one rank: the config it ran with and what it cost."""
+    train = {"num_gpus": 1, "max_batch_tokens": job.max_batch_tokens, "epochs": job.epochs, "seed": job.seed}
+    train.update({"lr": job.lr, "ttt_steps": job.ttt_steps})  # one layer: our draft's only shape
+    config = run_config(run_dir, f"ours-{job.epochs}-epochs", train)
+    train_s = eagle3("run", str(config), "--stages", "train")
+    layout = load_config(config).layout
+    summary = json.loads(layout.train_summary.read_text())
+    run = PeerRun(OURS, layout.final, summary["steps"], summary["tokens"], round(train_s, 1), 0.0)
+    return config, run
+
+
+def demo_run(run_dir: Path) -> PeerRun:
+    """The demo's own draft as it trained (its wall time is not measured apart from the demo's)."""
+    layout = RunLayout(run_dir)
+    summary = json.loads(layout.train_summary.read_text())
+    return PeerRun(DEMO, layout.final, summary["steps"], summary["tokens"], 0.0, 0.0)
+
+
+def evaluate(config: Path, run: PeerRun) -> dict[str, Any]:
+    """`eagle3 eval CONFIG --draft DIR` (both backends); the figures of its report."""
+    wall_s = eagle3("eval", str(config), "--draft", str(run.draft_dir))
+    _, report_path, _ = load_config(config).layout.eval_of(str(run.draft_dir))
+    report = json.loads(report_path.read_text())
+    hf, engine = report["trained"], report["engine"]["overall"]
+    return {
+        "acceptance": hf["acceptance_length"],
+        "per_position": hf["per_position_acceptance"],
+        "vllm_per_round": engine["per_round"],
+        "vllm_equal": report["engine_vs_hf"]["equal"],
+        "prompts": report["engine_vs_hf"]["prompts_compared"],
+        "eval_s": round(wall_s, 1),
+    }
+
+
+def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    from flows.demo import run_demo
+
+    run_dir = scratch / "run"
+    started = time.monotonic()
+    config = run_demo(run_dir=run_dir, console=Console(quiet=True), overrides={"train": {"epochs": p.epochs}})
+    out["wall_s"] = {"demo": round(time.monotonic() - started, 1)}
+    job = PeerJob(run_dir=run_dir, target=Path(config.target.path), epochs=p.epochs, seed=p.seed)
+    runs = [demo_run(run_dir)]
+    eval_config, ours = train_ours(run_dir, job)
+    runs.append(ours)
+    for name, peer in PEERS.items():
+        started = time.monotonic()
+        python = peer.ensure_venv(VENVS)
+        out["wall_s"][f"{name} venv"] = round(time.monotonic() - started, 1)
+        runs.append(peer.train(python, job, scratch / name.split()[0]))
+        print(f"{name}: {runs[-1].optimizer_steps} steps in {runs[-1].train_s:.0f} s", flush=True)
+    results = {}
+    for run in runs:
+        results[run.trainer] = {**json_safe(run), **evaluate(eval_config, run)}
+        print(f"{run.trainer}: acceptance {results[run.trainer]['acceptance']:.3f}", flush=True)
+    out["results"] = results
+
+
+def json_safe(run: PeerRun) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(replace(run)).items()}
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    head = (
+        "| trainer | acceptance (in-process) | vLLM 0.32, per round | same as vLLM | per position | optimizer steps "
+        "| trained tokens | training tokens/s | training wall (s) |\n"
+        "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |"
+    )
+    rows = []
+    for name, r in results.items():
+        per_position = " / ".join(f"{a:.2f}" for a in r["per_position"])
+        speed = f"{r['trained_tokens'] / r['train_s']:,.0f}" if r["train_s"] else "—"
+        wall = f"{r['train_s']:.0f}" if r["train_s"] else "—"
+        rows.append(
+            f"| {name} | {r['acceptance']:.3f} | {r['vllm_per_round']:.3f} | "
+            f"{'yes' if r['vllm_equal'] else 'NO'} ({r['prompts']} prompts) | {per_position} | {r['optimizer_steps']} "
+            f"| {r['trained_tokens']:,} | {speed} | {wall} |"
+        )
+    return "\n".join([head, *rows])
+
+
+def report(out: dict[str, Any]) -> None:
+    print(table(out["results"]))
+    print("\nwall seconds: " + json.dumps(out["wall_s"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    kept = "the demo run, each trainer's data, logs and draft, the eval reports"
+    ap = harness.arguments(__doc__, Params(), keep=kept, quick="4 epochs per trainer: a smoke run")
+    args = ap.parse_args(argv)
+    p = harness.params_from(args, Params)
+    import torch
+
+    return harness.run_bench(
+        "peers", args, asdict(p), {"torch": torch.__version__}, lambda d, o: measure(p, d, o), report, kept=kept
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
