@@ -82,11 +82,11 @@ format: $(STAMP)
 	$(BIN)/ruff format $(LINTED)
 
 deepspeed-json: $(STAMP)
-	$(BIN)/python -m flows.deepspeed_json
+	$(BIN)/python -m flows.commands.deepspeed_json
 
-# docs/config-keys.md, every config key from the schema (tests/flows/test_config_keys.py checks it is current)
+# docs/config-keys.md, every config key from the schema (tests/flows/config/test_keys.py checks it is current)
 config-keys: $(STAMP)
-	$(BIN)/python -m flows.config_keys
+	$(BIN)/python -m flows.config.keys
 
 up: $(STAMP)
 	deploy/local-up.sh

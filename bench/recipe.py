@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from bench import harness  # noqa: E402
 from bench.variants import eagle3  # noqa: E402
-from flows.config_file import load_config  # noqa: E402
+from flows.config.file import load_config  # noqa: E402
 from models.run_layout import RunLayout  # noqa: E402
 
 # recipe -> the train settings it changes from the demo's
@@ -90,7 +90,7 @@ def figures(config: Path) -> dict[str, Any]:
 def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
     from rich.console import Console
 
-    from flows.demo import run_demo
+    from flows.commands.demo import run_demo
 
     run_dir = scratch / "run"
     started = time.monotonic()

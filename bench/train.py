@@ -78,7 +78,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(harness.REPO / "runs" / "bench
 import torch  # noqa: E402
 
 import models  # noqa: E402,F401  (flushes CPU denormals in this process, as in every rank)
-from flows.config import TrainConfig  # noqa: E402
+from flows.config.schema import TrainConfig  # noqa: E402
 from models.capture import run as run_capture  # noqa: E402
 from models.draft_vocab import draft_vocab, load_token_counts  # noqa: E402
 from models.eagle3 import (  # noqa: E402

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import harness  # noqa: E402
-from flows.config_file import load_config  # noqa: E402
+from flows.config.file import load_config  # noqa: E402
 from models.hidden_shards import METADATA_NAME, list_shards  # noqa: E402
 from models.run_layout import RunLayout  # noqa: E402
 
@@ -140,7 +140,7 @@ def table(results: dict[str, dict]) -> str:
 def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
     from rich.console import Console
 
-    from flows.demo import run_demo
+    from flows.commands.demo import run_demo
 
     run_dir = scratch / "run"
     started = time.monotonic()  # `eagle3 demo`, in this process (its Prefect server too), with the epochs

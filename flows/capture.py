@@ -7,8 +7,8 @@ from typing import Any
 
 from prefect import flow
 
-from flows.config import RunConfig
-from flows.config_file import load_config, save_run_config
+from flows.config.schema import RunConfig
+from flows.stage_run import stage_run
 from models.hidden_shards import NATIVE
 from models.jobs import CaptureJob, CaptureSettings, EngineSettings
 from tasks.capture.engine_server import CaptureServer, launched_engine
@@ -20,24 +20,26 @@ from tasks.capture.tasks import (
     run_capture_job,
     run_engine_capture,
 )
-from tasks.run_lock import run_lock
 
 
 @flow(name="capture", flow_run_name="capture {config_path}")
 def capture(config_path: str) -> dict:
     """Stage 3: plan the disk, run the ranks (or the vLLM server), index the shards."""
-    config = load_config(config_path)
-    with run_lock(config.run_dir, "capture", also=config.written_dirs(["capture"])):  # one writer per run directory
-        save_run_config(config)
+    with stage_run(config_path, "capture") as config:
         shape = target_shape(config.target.path, config.target.trust_remote_code)
         layout = config.layout
-        records_dirs = [layout.records(d.name) for d in config.datasets]
         c = config.capture
-        engine = (
-            EngineWindow(layout.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
-        )
         plan = plan_capture_task(
-            records_dirs, layout.hidden_dir, shape, c.dtype, c.storage, c.disk_margin, c.max_tokens, engine
+            records_dirs=[layout.records(d.name) for d in config.datasets],
+            out_dir=layout.hidden_dir,
+            shape=shape,
+            dtype=c.dtype,
+            storage=c.storage,
+            margin=c.disk_margin,
+            max_tokens=c.max_tokens,
+            engine=EngineWindow(layout.engine_dir, c.engine.max_concurrency, c.shard_tokens)
+            if c.backend == "vllm"
+            else None,
         )
         aux_layers = capture_layers(shape.num_layers, c.aux_layers)
         speed = 0.0
@@ -49,26 +51,32 @@ def capture(config_path: str) -> dict:
         if c.backend == "vllm" and plan.tokens_todo:
             e = c.engine
             server = CaptureServer(
-                e.launch, e.url, config.target.path, aux_layers, shape.num_layers, layout.engine_dir, e.command
+                launch=e.launch,
+                url=e.url,
+                target=config.target.path,
+                aux_layers=aux_layers,
+                num_layers=shape.num_layers,
+                shared_dir=layout.engine_dir,
+                command=e.command,
             )
             with launched_engine(server, log_dir=layout.logs, health_timeout_s=e.health_timeout_s):
                 speed = run_engine_capture.with_options(**retried)(
-                    capture_job(config, aux_layers),
-                    EngineSettings(**e.pick(EngineSettings)),
-                    layout.engine_dir,
-                    Path(config_path).stem,
-                    c.max_tokens,
+                    job=capture_job(config, aux_layers),
+                    engine=EngineSettings(**e.pick(EngineSettings)),
+                    shared_dir=layout.engine_dir,
+                    config_name=Path(config_path).stem,
+                    token_cap=c.max_tokens,
                 )
         # Several nodes: always launched, since the other nodes' `eagle3 node` joins every launch
         # (ranks with nothing to do exit at once).
         elif c.backend == "deepspeed" and (plan.tokens_todo or config.distributed.multinode):
             speed = run_capture_job.with_options(**retried)(
-                capture_job(config, aux_layers),
-                layout.job("capture"),
-                c.num_gpus,
-                c.launcher,
-                Path(config_path).stem,
-                c.max_tokens,
+                job=capture_job(config, aux_layers),
+                job_path=layout.job("capture"),
+                num_ranks=c.num_gpus,
+                launcher=c.launcher,
+                config_name=Path(config_path).stem,
+                token_cap=c.max_tokens,
                 nodes=config.distributed,
             )
         metadata = {
@@ -79,7 +87,9 @@ def capture(config_path: str) -> dict:
             "dtype": plan.dtype,
             **({"storage": c.storage} if c.storage != NATIVE else {}),  # absent: native, as before fp8 existed
         }
-        return index_hidden_states(layout.hidden_dir, metadata, speed, Path(config_path).stem)
+        return index_hidden_states(
+            out_dir=layout.hidden_dir, metadata=metadata, tokens_per_s=speed, config_name=Path(config_path).stem
+        )
 
 
 def capture_job(config: RunConfig, aux_layers: list[int]) -> CaptureJob:

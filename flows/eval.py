@@ -7,14 +7,13 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.config import RunConfig
-from flows.config_file import load_config, save_run_config
+from flows.config.schema import RunConfig
+from flows.stage_run import stage_run
 from models.jobs import EvalJob, EvalSettings, HeldOut, ServerSettings
 from models.run_layout import RUN_DRAFTS
 from tasks.eval.benchmarks import benchmark_rows, benchmark_table_text, resolve_benchmarks
 from tasks.eval.engine import EngineServer
 from tasks.eval.tasks import evaluate_draft, evaluate_on_engine, publish_eval
-from tasks.run_lock import run_lock
 from tasks.train.tasks import report_training
 
 
@@ -24,25 +23,35 @@ def evaluate(config_path: str, draft: str | None = None) -> dict:
 
     `draft`: instead of eval.draft, this one (final, best, or the directory of any EAGLE-3 draft).
     """
-    config = load_config(config_path)
-    name = Path(config_path).stem
-    chosen = draft or config.eval.draft
-    ours = chosen in RUN_DRAFTS  # the train stage's: its held-out metrics belong to it
-    draft_dir, report_path, raw_path = config.layout.eval_of(chosen)
-    with run_lock(config.run_dir, "eval", also=config.written_dirs(["eval"])):
-        save_run_config(config)
+    with stage_run(config_path, "eval") as config:
+        name = Path(config_path).stem
+        chosen = draft or config.eval.draft
+        ours = chosen in RUN_DRAFTS  # the train stage's: its held-out metrics belong to it
+        draft_dir, report_path, raw_path = config.layout.eval_of(chosen)
         job = eval_job(config, draft_dir, raw_path)
         backend = config.eval.backend
-        hf = evaluate_draft(job, config.layout.job("eval"), name) if backend in ("hf", "both") else None
-        engine = (
-            evaluate_on_engine(job, config.eval, engine_server(config), name) if backend in ("engine", "both") else None
+        hf = (
+            evaluate_draft(job=job, job_path=config.layout.job("eval"), config_name=name)
+            if backend in ("hf", "both")
+            else None
         )
-        train_dir = config.layout.draft_dir if ours else None
-        report = publish_eval(job, hf, engine, name, report_path, train_dir)
+        engine = (
+            evaluate_on_engine(job=job, engine=config.eval, server=engine_server(config), config_name=name)
+            if backend in ("engine", "both")
+            else None
+        )
+        report = publish_eval(
+            job=job,
+            hf=hf,
+            engine=engine,
+            config_name=name,
+            report_path=report_path,
+            train_dir=config.layout.draft_dir if ours else None,
+        )
         if report.get("benchmarks"):
             get_run_logger().info("benchmarks:\n%s", benchmark_table_text(benchmark_rows(report["benchmarks"])))
         if ours and config.layout.metrics.is_file():  # the training report again, the measured value by its estimate
-            report_training(config.layout.draft_dir, name, eval_steps=config.eval.num_steps)
+            report_training(draft_dir=config.layout.draft_dir, config_name=name, eval_steps=config.eval.num_steps)
     get_run_logger().info(
         "serve it with SGLang:\n%s\nor with vLLM:\n%s", report["sglang_command"], report["vllm_command"]
     )

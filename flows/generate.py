@@ -8,8 +8,8 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.config import RunConfig
-from flows.config_file import load_config, save_run_config
+from flows.config.schema import RunConfig
+from flows.stage_run import stage_run
 from models.jobs import DatasetGenerateSettings, GenerateJob, GenerateSettings
 from tasks.generate.prompts import request_sampling_params
 from tasks.generate.tasks import (
@@ -19,22 +19,19 @@ from tasks.generate.tasks import (
     publish_server_table,
     server_pool,
 )
-from tasks.run_lock import run_lock
 from tasks.server_pool import ServerPool
 
 
 @flow(name="generate", flow_run_name="generate {config_path}", log_prints=True)
 async def generate(config_path: str, retry_rejects: bool = False) -> list[dict]:
     """Stage 1: fan out one task per dataset, all sharing one pool of servers and its per-server limits."""
-    config = load_config(config_path)
-    with run_lock(config.run_dir, "generate"):
-        save_run_config(config)
+    with stage_run(config_path, "generate") as config:
         async with server_pool(config.server, get_run_logger()) as pool:  # shared by every dataset
             calls = (dataset_task(config, i, pool, retry_rejects) for i in range(len(config.datasets)))
             results = await asyncio.gather(*calls, return_exceptions=True)
             if pool.started_at is not None:
-                await publish_server_table(pool.rows(), Path(config_path).stem)
-        rows = await publish_generate_summary(config.run_dir, Path(config_path).stem)
+                await publish_server_table(rows=pool.rows(), config_name=Path(config_path).stem)
+        rows = await publish_generate_summary(run_dir=config.run_dir, config_name=Path(config_path).stem)
     failures = [(d.name, r) for d, r in zip(config.datasets, results) if isinstance(r, BaseException)]
     if failures:
         raise GenerateFailed(failures) from failures[0][1]
@@ -60,11 +57,11 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
     if dataset.kind == "passthrough":
         return asyncio.to_thread(
             copy_passthrough_task,
-            dataset.name,
-            dataset.source(config.layout),
-            dataset.on_bad_row,
-            config.layout,
-            dataset.row_format,
+            name=dataset.name,
+            source=dataset.source(config.layout),
+            on_bad_row=dataset.on_bad_row,
+            layout=config.layout,
+            row_format=dataset.row_format,
         )
     gen = config.generate
     settings = GenerateJob(
@@ -82,13 +79,13 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
         retry_jitter_factor=0.5 if gen.retries else None,  # type: ignore[arg-type]
     )
     return task(
-        dataset.name,
-        dataset.source(config.layout),
-        dataset.on_bad_row,
-        config.target.path,
-        config.target.trust_remote_code,
-        settings,
-        config.layout,
-        pool,
-        dataset.row_format,
+        name=dataset.name,
+        source=dataset.source(config.layout),
+        on_bad_row=dataset.on_bad_row,
+        target_path=config.target.path,
+        trust_remote_code=config.target.trust_remote_code,
+        settings=settings,
+        layout=config.layout,
+        pool=pool,
+        row_format=dataset.row_format,
     )

@@ -9,9 +9,9 @@ from prefect.runtime import flow_run
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from flows.capture import capture
-from flows.config import RunConfig
-from flows.config_file import load_config
-from flows.doctor import engine_checks, preflight, report
+from flows.commands.doctor import engine_checks, preflight, report
+from flows.config.file import load_config
+from flows.config.schema import RunConfig
 from flows.eval import evaluate
 from flows.generate import generate
 from flows.records import records
@@ -49,7 +49,7 @@ def pipeline(
     """The whole run, or the chosen stages; every stage resumes where it stopped.
 
     `retry_rejects`: also send again the prompts the server refused (HTTP 400) in earlier runs.
-    `skip_checks`: do not run the preflight checks (flows/doctor.py) before the first stage.
+    `skip_checks`: do not run the preflight checks (flows/commands/doctor.py) before the first stage.
     `eval_draft`: the draft the eval stage measures instead of eval.draft (final, best or a draft directory).
     """
     config = load_config(config_path)

@@ -6,21 +6,16 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.config import RunConfig
-from flows.config_file import load_config, save_run_config
+from flows.config.schema import RunConfig
+from flows.stage_run import stage_run
 from models.jobs import TrainJob, TrainSettings
-from tasks.run_lock import run_lock
 from tasks.train.tasks import report_training, retry_train_job, run_train_job
 
 
 @flow(name="train", flow_run_name="train {config_path}")
 def train(config_path: str) -> dict:
     """Stage 4: run (or resume) the training ranks, then plot and publish the metrics."""
-    config = load_config(config_path)
-    with run_lock(
-        config.run_dir, "train", also=config.written_dirs(["train"]), reads=config.read_dirs(["train"])
-    ):  # one writer per run directory
-        save_run_config(config)
+    with stage_run(config_path, "train") as config:
         name = Path(config_path).stem
         t = config.train
         # A retry relaunches the ranks, which resume from the last checkpoint; only a crash is retried.
@@ -28,9 +23,14 @@ def train(config_path: str) -> dict:
             retries=t.retries, retry_delay_seconds=t.retry_delay_s, retry_condition_fn=retry_train_job
         )
         summary = job(
-            train_job(config), config.layout.job("train"), t.num_gpus, t.launcher, name, nodes=config.distributed
+            job=train_job(config),
+            job_path=config.layout.job("train"),
+            num_ranks=t.num_gpus,
+            launcher=t.launcher,
+            config_name=name,
+            nodes=config.distributed,
         )
-        report = report_training(config.layout.draft_dir, name, eval_steps=config.eval.num_steps)
+        report = report_training(draft_dir=config.layout.draft_dir, config_name=name, eval_steps=config.eval.num_steps)
         return {**summary, "plot": report["plot"]}
 
 

@@ -1,7 +1,7 @@
 """Typed job specs: every setting of a stage declared once, with its default, range and meaning.
 
 Each stage has a `*Settings` class holding what a user chooses for it. The run config's section
-(flows/config.py) extends it with what only the pipeline needs (ranks, launcher, retries, where
+(flows/config/schema.py) extends it with what only the pipeline needs (ranks, launcher, retries, where
 outputs go); the stage's `*Job` extends it with what the pipeline fills in (the target, paths, the
 device). A flow builds a job from the run config in one call (`Spec.pick`); a rank process reads
 its JSON job through the same class (`load_job`, models/spec.py), so an unknown key or a bad value in a job file

@@ -94,7 +94,9 @@ class RunLayout:
 
     # entries of RUN_DIR
     config = _Entry(
-        "run_dir", "config.yaml", "RUN_DIR/config.yaml: the resolved config, as run (flows/config.py save_run_config)."
+        "run_dir",
+        "config.yaml",
+        "RUN_DIR/config.yaml: the resolved config, as run (flows/config/file.py save_run_config).",
     )
     demo_config = _Entry(
         "run_dir",

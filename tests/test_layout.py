@@ -14,7 +14,7 @@ LAYER = {"flows": 2, "tasks": 1, "models": 0}
 # target's decoding) and no layer above it; of flows, tasks and models only the CLI's `serve-dev` imports them (the demo
 # and the stages start the dev server as a process and reach every engine over HTTP).
 EMULATORS_MAY_IMPORT = {"models", "emulators"}
-IMPORTS_EMULATORS = {"flows/cli.py"}
+IMPORTS_EMULATORS = {"flows/commands/cli.py"}
 
 
 def sources():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from flows.config import TrainConfig
+from flows.config.schema import TrainConfig
 from models.capture import ds_inference_config
 from models.train import ds_train_config
 

@@ -160,8 +160,8 @@ def test_the_vllm_backend_runs_the_flow_plan_and_artifact_like_the_deepspeed_one
 
     from rich.console import Console
 
-    from flows.config_file import load_config
-    from flows.plan import print_plan
+    from flows.commands.plan import print_plan
+    from flows.config.file import load_config
     from models.hidden_shards import done_sample_keys
     from tasks.ports import free_port
     from tests.flows.test_generate_flow import artifacts_by_key

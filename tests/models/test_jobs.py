@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flows.config import (
+from flows.config.schema import (
     CaptureConfig,
     DatasetConfig,
     DistributedConfig,

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from flows.config import DatasetConfig
+from flows.config.schema import DatasetConfig
 from models.run_layout import RunLayout
 from tasks.datasets import DatasetError, DatasetNotFoundError, HubDataset, RowFormat, iter_rows, load_dataset
 from tests.hub_cache import offline_hub_cache, publish
@@ -172,7 +172,7 @@ def test_the_config_setting_picks_a_config_the_readme_declares(hub_cache):
 
 
 def test_a_config_file_keeps_the_hf_path_and_names_the_dataset_of_a_bad_one(tmp_path):
-    from flows.config_file import ConfigError, parse_config
+    from flows.config.file import ConfigError, parse_config
 
     data = {
         "run_dir": "runs/x",

@@ -152,7 +152,7 @@ def test_a_second_run_writing_the_same_capture_out_dir_is_refused(tmp_path, outp
     assert "Traceback" not in said
     assert read_holder(tmp_path / "run-b") == {}  # B let its own run directory go again
 
-    from flows.config_file import load_config
+    from flows.config.file import load_config
 
     b = load_config(_config(tmp_path, "run-b", shared))
     every = ["generate", "records", "capture", "train", "eval"]
@@ -166,7 +166,7 @@ def test_a_second_run_writing_the_same_capture_out_dir_is_refused(tmp_path, outp
 
 
 def test_runs_may_train_from_one_capture_at_once_and_a_capture_waits_for_them(tmp_path, output_holder):
-    from flows.config_file import load_config
+    from flows.config.file import load_config
 
     shared = tmp_path / "big-disk" / "hidden"
     b = output_holder("run-b", "reads", shared, "train")  # run B trains from the finished capture

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.config_file import load_config
-from flows.doctor import doctor_findings
+from flows.commands.doctor import doctor_findings
+from flows.config.file import load_config
 from models.findings import Finding
 from tasks.doctor.vllm_target import (
     VllmServer,

@@ -67,7 +67,7 @@ def kimi_demo(vllm_python, kimi_target_dir, tmp_path_factory, prefect_harness):
 
     from rich.console import Console
 
-    from flows.demo import run_demo
+    from flows.commands.demo import run_demo
 
     out = io.StringIO()
     # no pass without the draft (eval.baseline): its speedup says nothing on CPU, and greedy with and without the

@@ -411,10 +411,10 @@ def test_turns_all_through_vllm_answers_each_turn_after_vllm_s_own_earlier_answe
 def trained(plain, tiny_target_dir, tmp_path_factory, harness_api_url):
     """The demo's stages generate..train with generate through the plain vLLM.
 
-    A shorter training, as in tests/flows/test_demo.py.
+    A shorter training, as in tests/flows/commands/test_demo.py.
     """
-    from flows.config_file import dump_config
-    from flows.demo import demo_config
+    from flows.commands.demo import demo_config
+    from flows.config.file import dump_config
 
     base = tmp_path_factory.mktemp("vllm-demo")
     config = demo_config(base / "run")

@@ -12,14 +12,14 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from flows.cli import app
-from flows.config_file import load_config
-from flows.doctor import PreflightFailed, doctor_findings, engine_checks
+from flows.commands.cli import app
+from flows.commands.doctor import PreflightFailed, doctor_findings, engine_checks
+from flows.config.file import load_config
 from models import environment
 from models.findings import Finding
 from tests.run_configs import write_demo_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # A template that renders the user's turns and drops every assistant turn's text: nothing to put loss on.
 NO_ANSWERS = (
     "{% for m in messages %}{% if m['role'] != 'assistant' %}<|{{ m['role'] }}|>{{ m['content'] }}"

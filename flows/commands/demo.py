@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 
-from flows.config import RunConfig
-from flows.config_file import dump_config, load_config
+from flows.config.file import dump_config, load_config
+from flows.config.schema import RunConfig
 from flows.pipeline import pipeline
 from models.tiny_target import build_target
 from tasks.checkpoints import live_parts
@@ -22,7 +22,7 @@ from tasks.launch_servers import SERVER_LOG
 from tasks.ports import free_port
 from tasks.stats import collect_stats, render_rows_table, render_stats_table
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flows.config import RunConfig
+from flows.config.schema import RunConfig
 from tasks.capture.plan import (
     CapturePlan,
     DiskTooSmall,

@@ -3,7 +3,7 @@
 A section extends its stage's settings (models/jobs.py: what the stage's job also carries) with what
 only the pipeline needs (launch, retries, output directories); tests/models/test_jobs.py keeps any
 setting from being declared twice. Unknown keys are rejected, so a misspelled key fails before any GPU
-hour is spent. Reading a YAML file with every problem named: flows/config_file.py.
+hour is spent. Reading a YAML file with every problem named: flows/config/file.py.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.config import RunConfig
-from flows.config_file import ConfigError, dump_config, load_config, parse_config
+from flows.config.file import ConfigError, dump_config, load_config, parse_config
+from flows.config.schema import RunConfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 MINIMAL = {
     "run_dir": "runs/x",
@@ -51,7 +51,7 @@ def test_every_field_is_documented():
                 assert field.description, f"{model.__name__}.{name} has no description"
 
     walk(RunConfig)
-    from flows.config import DatasetConfig
+    from flows.config.schema import DatasetConfig
 
     walk(DatasetConfig)
 
@@ -242,7 +242,7 @@ def _number_fields():
     import types
     import typing
 
-    from flows.config import DatasetConfig
+    from flows.config.schema import DatasetConfig
 
     def numeric(annotation):
         members = (
@@ -604,7 +604,7 @@ def test_bad_benchmarks_are_named(benchmark, expected):
 
 
 def test_the_demo_server_section_for_each_engine_validates(tmp_path, monkeypatch):
-    import flows.demo as demo
+    import flows.commands.demo as demo
 
     config = demo.demo_config(tmp_path / "run")
     dev = demo.demo_server(config, "dev", "http://127.0.0.1:30011")

@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flows.config import RunConfig
-from flows.plan import capture_plan
+from flows.commands.plan import capture_plan
+from flows.config.schema import RunConfig
 from flows.train import train_job
 from models.environment import environment_checks
 from models.findings import Finding, failed

@@ -48,7 +48,7 @@ def demo(
     ),
 ) -> None:
     """Run the pipeline on the embedded default: tiny target, dev server (or a real SGLang or vLLM), sample data."""
-    from flows.demo import DEMO_TARGETS, check_demo_engine, run_demo
+    from flows.commands.demo import DEMO_TARGETS, check_demo_engine, run_demo
 
     if target not in DEMO_TARGETS:
         err.print(f"[red]error:[/red] --target must be llama or kimi, got {escape(target)!r}", highlight=False)
@@ -72,7 +72,7 @@ def demo(
 @app.command()
 def validate(config: Path = typer.Argument(..., help="The YAML run config to check.")) -> None:
     """Check a run config and every dataset file it names; print a table of the datasets."""
-    from flows.validate import validate_datasets
+    from flows.commands.validate import validate_datasets
 
     cfg = _config_or_exit(config)
     ok = validate_datasets(cfg, config_path=config, console=console)
@@ -124,7 +124,7 @@ def export(
 ) -> None:
     """Write a draft in another format, the tensors unchanged: `speculators` (`vllm serve OUT` serves the target with
     it, no other flag) or `sglang` (our export: SGLang's and vLLM's --speculative-* flags). Reads either format."""
-    from flows.export import export_draft_as
+    from flows.commands.export import export_draft_as
 
     cfg = _config_or_exit(config)
     try:
@@ -144,7 +144,7 @@ def doctor(config: Path = typer.Argument(..., help="The YAML run config to check
     A table of checks, each PASS, WARN or FAIL with what to do. Exit status: 0 no FAIL; 1 a check failed; 2 bad config.
     The pipeline runs the same checks before its first stage (--skip-checks skips them).
     """
-    from flows.doctor import print_doctor
+    from flows.commands.doctor import print_doctor
 
     cfg = _config_or_exit(config)
     raise typer.Exit(0 if print_doctor(cfg, config, console) else 1)
@@ -204,7 +204,7 @@ def _run_stages(
         raise typer.Exit(1) from None
     _print_stats(cfg.run_dir, as_json=False)
     if "eval" in stages:
-        from flows.demo import render_eval
+        from flows.commands.demo import render_eval
 
         console.print(render_eval(cfg.layout.eval_of(eval_draft or cfg.eval.draft)[1]))
 
@@ -212,7 +212,7 @@ def _run_stages(
 @app.command()
 def plan(config: Path = typer.Argument(..., help="The YAML run config.")) -> None:
     """What every stage still has to do: tokens, disk bytes against free space, time when known."""
-    from flows.plan import print_plan
+    from flows.commands.plan import print_plan
 
     raise typer.Exit(0 if print_plan(_config_or_exit(config), console) else 1)
 
@@ -284,17 +284,12 @@ def import_jsonl(
     Exit status: 0 done; 2 bad input (file and line named); 1 another writer holds RUN_DIR, a write failed or a part
     there is damaged.
     """
-    from contextlib import ExitStack
     from typing import NoReturn
 
-    from flows.config import DATASET_NAME
-    from flows.config_file import ConfigError, load_config
-    from models.file_errors import WriteFailed
+    from flows.config.file import ConfigError, load_config
+    from flows.config.schema import DATASET_NAME
     from models.run_layout import RunLayout
-    from tasks.datasets import DatasetError
-    from tasks.generate.legacy_import import import_jsonl as do_import
-    from tasks.parquet_io import DamagedPart
-    from tasks.run_lock import RunDirLocked, run_lock
+    from tasks.generate.legacy_import_run import ImportFailed, import_legacy_file
 
     def fail(message: str, code: int, label: str = "error") -> NoReturn:
         err.print(f"[red]{label}:[/red] {escape(message)}", highlight=False, soft_wrap=True)
@@ -337,41 +332,17 @@ def import_jsonl(
                 soft_wrap=True,
             )
     new_run_dir = not run_dir.exists()
-    with ExitStack() as stack:
-        # Held from before the tokenizer loads: a second writer is refused at once, not after it.
-        try:
-            stack.enter_context(run_lock(run_dir, f"import-jsonl {dataset}"))
-        except RunDirLocked as exc:
-            fail(str(exc), 1, "refused")
-        except OSError as exc:
-            fail(str(WriteFailed(layout.lock, exc, kept="nothing was imported")), 1)
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust)
-        except Exception as exc:  # a wrong path, a Hub id while offline, a broken tokenizer.json
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            fail(f"cannot load the target tokenizer from {target}: {reason}. Pass --target PATH.", 2)
-        try:
-            report = do_import(
-                run_dir,
-                dataset,
-                file,
-                tokenizer=tokenizer,  # on_bad_line: fail or skip, checked above
-                on_bad_line="skip" if on_bad_line == "skip" else "fail",
-            )
-        except (WriteFailed, DamagedPart) as exc:  # the run directory's fault: the message says what to do
-            fail(str(exc), 1)
-        except DatasetError as exc:
-            if exc.row is None:  # FILE or RUN_DIR, changed since the checks above
-                fail(str(exc), 2)
-            fail(
-                f"{exc}. Nothing of this file was imported: fix or delete that line and run the import again, or pass "
-                f"--on-bad-line skip to import the other lines and list the bad ones in {layout.rejects(dataset)}/.",
-                2,
-            )
-        except OSError as exc:  # writes fail as WriteFailed: this is a read (FILE or a part) the OS refused
-            fail(f"cannot read {exc.filename or file}: {exc.strerror or exc}", 1)
+    try:
+        report = import_legacy_file(
+            run_dir,
+            dataset,
+            file,
+            target=target,
+            trust_remote_code=trust,
+            on_bad_line="skip" if on_bad_line == "skip" else "fail",  # fail or skip, checked above
+        )
+    except ImportFailed as exc:
+        fail(str(exc), exc.code, exc.label)
     console.print(escape(report.summary()), highlight=False, soft_wrap=True)
     if new_run_dir:
         console.print(f"created the run directory {escape(str(run_dir))}", highlight=False)
@@ -495,7 +466,7 @@ def serve_dev(ctx: typer.Context) -> None:
 
 def _config_or_exit(path: Path):
     """The validated config at `path`; on any problem print them all and exit with status 2."""
-    from flows.config_file import ConfigError, load_config
+    from flows.config.file import ConfigError, load_config
 
     try:
         return load_config(path)

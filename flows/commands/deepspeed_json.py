@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "deploy" / "deepspeed"
+TEMPLATES = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
 TRAIN_WORLD_SIZE = 8  # the reference box: one rank per GPU
 
 
@@ -22,7 +22,7 @@ def templates() -> dict[str, dict]:
     a bf16 ZeRO-3 capture with its parameters offloaded to CPU."""
     import torch
 
-    from flows.config import TrainConfig
+    from flows.config.schema import TrainConfig
     from models.capture import ds_inference_config
     from models.train import ds_train_config
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flows.config import RunConfig
+from flows.config.schema import RunConfig
 from models.draft_convert import FORMATS, convert_draft
 from models.run_layout import RUN_DRAFTS
 

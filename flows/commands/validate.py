@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flows.config import RunConfig
+from flows.config.schema import RunConfig
 from tasks.datasets import DatasetError, EmptyDatasetError, LoadedDataset, PromptRow, load_dataset
 from tasks.datasets.hub import is_hub_path
 from tasks.generate.conversations import conversation
