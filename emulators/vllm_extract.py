@@ -7,7 +7,7 @@ A real vLLM server started with
                            "kv_connector_extra_config": {"shared_storage_path": DIR}}'
 answers `POST /v1/completions` and writes `DIR/{request_id}.safetensors` (`token_ids` int64 [n],
 `hidden_states` [n, len(ids), H] in the model dtype); the reply's top-level `kv_transfer_params`
-holds `hidden_states_path`. The dev server takes the same two flags (`emulators/dev_server.py`) and
+holds `hidden_states_path`. The dev server takes the same two flags (`emulators/dev_server/cli.py`) and
 mounts this router; the contract is written down, with its sources, in docs/kimi-k25.md.
 
 Which vLLM: the feature as vLLM PR #33736 added it (in the v0.17.0 API docs): vllm/v1/spec_decode/

@@ -2,10 +2,10 @@
 
 For the generate-stage tests (fault injection, kill/resume determinism) and for the generate
 benchmark (a server of known capacity). It speaks the same subset of SGLang's native API as
-``emulators/dev_server.py``, with the same request, response and error shapes (see that module's
+``emulators/dev_server/``, with the same request, response and error shapes (see that package's
 docstring), and adds fault injection.
 
-Endpoints: SGLang's, from ``emulators/sglang_protocol.py`` (``text`` is refused: no tokenizer;
+Endpoints: SGLang's, from ``emulators/sglang_protocol/app.py`` (``text`` is refused: no tokenizer;
 sampling params SGLang knows but the simulation does not model are accepted and ignored), with
 its rules (SGLang 0.5.23, or 0.4.x with ``sglang_version="0.4"``): a held rid refused as a
 duplicate, a disconnected client noticed only on the ``disconnect_poll_s`` poll (SGLang's 4 s;

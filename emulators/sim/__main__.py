@@ -12,8 +12,8 @@ import asyncio
 import logging
 import sys
 
-from emulators import sglang_protocol as sglang
 from emulators.flag_values import flag_values
+from emulators.sglang_protocol.flags import add_server_flags
 from emulators.sim.config import SimConfig
 from emulators.sim.server import SimServer
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--starting", action="store_true", help="start with /health_generate answering 503")
     ap.add_argument("--log-level", default="warning")
-    sglang.add_server_flags(ap, sglang_version=d.sglang_version, disconnect_poll_s=d.disconnect_poll_s)
+    add_server_flags(ap, sglang_version=d.sglang_version, disconnect_poll_s=d.disconnect_poll_s)
     ap.add_argument(
         "--reserved-tokens",
         type=int,

@@ -1,7 +1,7 @@
-"""The simulated engine behind sglang_protocol's SGLang endpoints: `SimBackend` (an sglang_protocol.SGLangBackend).
+"""The simulated engine behind sglang_protocol's SGLang endpoints: `SimBackend` (an sglang_protocol.app.SGLangBackend).
 
 /generate as SGLang 0.5.23's tokenizer_manager.py ``generate_request`` takes it: the body normalised, its rids
-claimed (``_init_req_state``: duplicates refused), each prompt checked (sglang_protocol.ModelLimits), a failure
+claimed (``_init_req_state``: duplicates refused), each prompt checked (sglang_protocol.limits.ModelLimits), a failure
 freeing the batch's rids; /flush_cache only when idle (scheduler.py ``flush_cache``).
 """
 
@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from emulators import sglang_protocol as sglang
+from emulators.sglang_protocol.disconnect import results_or_abort
+from emulators.sglang_protocol.errors import BadRequest, ContractError, MalformedRequest
+from emulators.sglang_protocol.info import loads, model_info, server_info
+from emulators.sglang_protocol.request import parse_generate
 from emulators.sim.output import simulate_output
 from emulators.sim.scheduler import Seq
 
@@ -23,7 +26,7 @@ VERSION = "0.1.0-eagle3-sim"
 
 
 class SimBackend:
-    """The simulated engine behind the SGLang endpoints (see sglang_protocol.SGLangBackend)."""
+    """The simulated engine behind the SGLang endpoints (see sglang_protocol.app.SGLangBackend)."""
 
     def __init__(self, server: SimServer):
         self.server = server
@@ -38,14 +41,12 @@ class SimBackend:
         try:
             arrived = srv._engine_loop().time()
             try:
-                req = sglang.parse_generate(
-                    await request.body(), server="sim server", accepts_text=False, version=srv.version
-                )
+                req = parse_generate(await request.body(), server="sim server", accepts_text=False, version=srv.version)
                 # tokenizer_manager.py generate_request: normalise, `_init_req_state` (duplicate rids),
                 # then check each prompt; a failure frees the batch's rids again.
                 try:
                     srv._held.claim(req.rids)
-                except sglang.BadRequest:
+                except BadRequest:
                     srv.stats.duplicate_rids += 1
                     raise
                 try:
@@ -57,13 +58,13 @@ class SimBackend:
                     for rid in req.rids:
                         srv._held.release(rid)
                     raise
-            except (sglang.BadRequest, sglang.ContractError, sglang.MalformedRequest):
+            except (BadRequest, ContractError, MalformedRequest):
                 srv.stats.rejected += 1
                 raise
             srv._admit(seqs)
             if srv._drop_fraction > 0 and srv._drop_rng.random() < srv._drop_fraction:
                 srv._cut_later(request.scope, srv._drop_after_s, seqs)
-            results = await sglang.results_or_abort(
+            results = await results_or_abort(
                 request,
                 asyncio.gather(*(s.future for s in seqs)),
                 # The poll noticed the client is gone: abort_request(rid) for each (prefix rule included).
@@ -84,7 +85,7 @@ class SimBackend:
         if srv._reject is not None:
             verdict = srv._reject(ids)
             if verdict:
-                raise sglang.BadRequest(
+                raise BadRequest(
                     verdict
                     if isinstance(verdict, str)
                     else "The prompt was rejected by the sim server's reject_if rule."
@@ -110,7 +111,7 @@ class SimBackend:
     def server_info(self) -> dict[str, Any]:
         srv = self.server
         cfg = srv.config
-        return sglang.server_info(
+        return server_info(
             model_path=cfg.model_path,
             served_model_name=cfg.model_path,
             limits=cfg.limits,
@@ -123,7 +124,7 @@ class SimBackend:
 
     def loads(self) -> dict[str, Any]:
         srv = self.server
-        return sglang.loads(
+        return loads(
             running=len(srv._running),
             waiting=len(srv._live) - len(srv._running),
             max_running=srv.config.max_running,
@@ -131,6 +132,6 @@ class SimBackend:
         )
 
     def model_info(self) -> dict[str, Any]:
-        return sglang.model_info(
+        return model_info(
             model_path=self.server.config.model_path, model_type="simulated", architectures=["SimulatedForCausalLM"]
         )

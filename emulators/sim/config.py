@@ -1,6 +1,6 @@
 """What the simulated SGLang model and server look like: `SimConfig`.
 
-Its limits are SGLang's (sglang_protocol.ModelLimits: SGLang 0.5.23, or 0.4.x with ``sglang_version="0.4"``), and
+Its limits are SGLang's (sglang_protocol.limits.ModelLimits: SGLang 0.5.23, or 0.4.x with ``sglang_version="0.4"``), and
 ``disconnect_poll_s`` defaults to SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT (srt/environ.py, 4 s).
 """
 
@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from emulators import sglang_protocol as sglang
+from emulators.sglang_protocol.disconnect import DISCONNECT_POLL_S
+from emulators.sglang_protocol.limits import ModelLimits
+from emulators.sglang_protocol.versions import SGLangVersion
 
 FIRST_ID = 10  # output ids are drawn from [10, vocab_size): clear of the usual special ids
 
@@ -30,7 +32,7 @@ class SimConfig:
     seed: int = 0  # mixed into every output: another seed, another "model"
     model_path: str = "sim-model"
     # SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT: a gone client is noticed on a poll this often (<= 0: at once)
-    disconnect_poll_s: float = sglang.DISCONNECT_POLL_S
+    disconnect_poll_s: float = DISCONNECT_POLL_S
     sglang_version: str = "0.5"  # "0.5" (SGLang 0.5.23) | "0.4" (0.4.x where they differ)
     reserved_tokens: int = 0  # per-request tokens an EAGLE server reserves in its length checks (0: no draft)
 
@@ -47,18 +49,18 @@ class SimConfig:
             raise ValueError(f"max_running must be at least 1, got {self.max_running}")
         if self.decode_s_per_token < 0 or self.prefill_s_per_token < 0:
             raise ValueError("decode_s_per_token and prefill_s_per_token must be >= 0")
-        sglang.SGLangVersion.of(self.sglang_version)  # validates
+        SGLangVersion.of(self.sglang_version)  # validates
         if self.reserved_tokens < 0:
             raise ValueError(f"reserved_tokens must be >= 0, got {self.reserved_tokens}")
 
     @property
-    def version(self) -> sglang.SGLangVersion:
-        return sglang.SGLangVersion.of(self.sglang_version)
+    def version(self) -> SGLangVersion:
+        return SGLangVersion.of(self.sglang_version)
 
     @property
-    def limits(self) -> sglang.ModelLimits:
+    def limits(self) -> ModelLimits:
         """The vocabulary and context, and SGLang's limits from them (reserved tokens included)."""
-        return sglang.ModelLimits(
+        return ModelLimits(
             vocab_size=self.vocab_size,
             context_length=self.context_length,
             reserved_tokens=self.reserved_tokens,

@@ -8,7 +8,7 @@ server in another process; they take no key. The faults that answer instead of t
 ``drop_next``) are an ASGI middleware in front of them (`FaultMiddleware`), the others (``drop_fraction``, ``slow``,
 ``reject_if``, ``abort_if``, ``hold_if``) live in the handlers (backend.py) and the engine (scheduler.py). What the
 server then does follows SGLang 0.5.23: a cut client is noticed only on the disconnect poll (tokenizer_manager.py
-``_stream_one_response``, sglang_protocol.results_or_abort), a server-side abort is ``FINISH_ABORT()``.
+``_stream_one_response``, sglang_protocol.disconnect.results_or_abort), a server-side abort is ``FINISH_ABORT()``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import random
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from emulators import sglang_protocol as sglang
+from emulators.sglang_protocol.errors import error_response
 from emulators.sim.connections import peer
 from emulators.sim.scheduler import Seq
 
@@ -130,7 +130,7 @@ class FaultInjection:
         /abort_request, their client's disconnect, or shutdown); None clears (prompts already held stay held).
 
         A test's causal stand-in for "still queued when the client acts": no timing decides whether they finish first.
-        They count in flight and end as SGLang's queued abort (sglang_protocol.queued_abort_result).
+        They count in flight and end as SGLang's queued abort (sglang_protocol.results.queued_abort_result).
         """
         self._call(setattr, self, "_hold_if", predicate)
 
@@ -308,9 +308,9 @@ class FaultMiddleware:
             return
         await _read_body(receive)
         if fault == "down":
-            await sglang.error_response(503, "The server is down (simulated outage).")(scope, receive, send)
+            await error_response(503, "The server is down (simulated outage).")(scope, receive, send)
         elif fault == "fail":
-            await sglang.error_response(srv._fail_status, srv._fail_message)(scope, receive, send)
+            await error_response(srv._fail_status, srv._fail_message)(scope, receive, send)
         else:
             await srv._connections.drop(scope, receive, reset=srv._drop_reset)
 

@@ -21,8 +21,9 @@ import struct
 from array import array
 from typing import Any
 
-from emulators import sglang_protocol as sglang
-from emulators.sglang_protocol import parse_sampling_params
+from emulators.sglang_protocol.errors import MalformedRequest
+from emulators.sglang_protocol.results import finish_reason, text_token_ids
+from emulators.sglang_protocol.sampling import parse_sampling_params
 from emulators.sim.config import FIRST_ID, SimConfig
 
 
@@ -42,7 +43,7 @@ class SimOutput:
 
 def output_text(ids: list[int], finish: dict, no_stop_trim: bool) -> str:
     """Deterministic detokenisation: ``t<id>`` per token; the matched stop token is trimmed."""
-    return " ".join([f"t{t}" for t in sglang.text_token_ids(ids, finish, no_stop_trim)])
+    return " ".join([f"t{t}" for t in text_token_ids(ids, finish, no_stop_trim)])
 
 
 def _id_array(prompt_ids: Any) -> array:
@@ -50,11 +51,11 @@ def _id_array(prompt_ids: Any) -> array:
     if isinstance(prompt_ids, array) and prompt_ids.typecode == "q":
         return prompt_ids
     if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
-        raise sglang.MalformedRequest("input_ids must be a list of ints or a list of lists of ints")
+        raise MalformedRequest("input_ids must be a list of ints or a list of lists of ints")
     try:
         return array("q", prompt_ids)
     except (TypeError, OverflowError):
-        raise sglang.MalformedRequest("input_ids must be a list of ints or a list of lists of ints") from None
+        raise MalformedRequest("input_ids must be a list of ints or a list of lists of ints") from None
 
 
 def _natural_length(rng: random.Random, cfg: SimConfig) -> int:
@@ -114,9 +115,9 @@ def simulate_output(prompt_ids: Any, params: Any = None, config: SimConfig | Non
         out = [_avoid(t, stops, span) for t in out]
     if stop:
         out.append(stop_id)
-    # The finish of those ids as SGLang labels it (sglang_protocol.finish_reason): a natural end AT the cap is
+    # The finish of those ids as SGLang labels it (sglang_protocol.results.finish_reason): a natural end AT the cap is
     # "stop" in 0.5.23 (`update_finish_state` checks the stop token first), "length" in 0.4.x (`check_finished`).
-    finish = sglang.finish_reason(out, limit, () if p.ignore_eos else (stop_id,), cfg.version)
+    finish = finish_reason(out, limit, () if p.ignore_eos else (stop_id,), cfg.version)
     assert finish is not None  # the ids end at the stop token or at the cap
     return SimOutput(out, finish, natural, p.no_stop_trim)
 

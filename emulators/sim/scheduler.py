@@ -6,8 +6,8 @@ L * decode_s_per_token`` seconds after it started, however many run together (a 
 saturation). Capacity is ``max_running / decode_s_per_token`` tokens/s. ``SimServer.stats``
 counts served and aborted tokens, the busy-slot integral and the observed maxima.
 
-Request ids and aborts follow SGLang 0.5.23 as emulators/sglang_protocol.py states them, with their sources:
-a rid is held from admission until its final output (tokenizer_manager.py ``rid_to_state``),
+Request ids and aborts follow SGLang 0.5.23 as emulators/sglang_protocol/rids.py and results.py state them, with their
+sources: a rid is held from admission until its final output (tokenizer_manager.py ``rid_to_state``),
 /abort_request aborts the waiting queue first, then the running (srt/managers/scheduler.py ``abort_request``),
 a queued abort gets tokenizer_manager.py ``_handle_abort_req``'s answer, a running one ``FINISH_ABORT()`` with
 the tokens generated so far.
@@ -21,7 +21,9 @@ import asyncio
 from collections import deque
 from typing import TYPE_CHECKING
 
-from emulators import sglang_protocol as sglang
+from emulators.sglang_protocol.results import finish_abort, generate_result, queued_abort_result
+from emulators.sglang_protocol.rids import HeldRids, abort_matcher
+from emulators.sglang_protocol.versions import SGLangVersion
 from emulators.sim.output import SimOutput, output_text
 
 if TYPE_CHECKING:
@@ -73,7 +75,7 @@ class Scheduler:
 
     # Set by SimServer.__init__ / SimServer._begin (server.py) and FaultInjection._init_faults (faults.py).
     config: SimConfig
-    version: sglang.SGLangVersion
+    version: SGLangVersion
     stats: SimStats
     _loop: asyncio.AbstractEventLoop | None
     _slow_s: float
@@ -83,7 +85,7 @@ class Scheduler:
         self._running: set[Seq] = set()
         self._waiting: deque[Seq] = deque()
         self._live: set[Seq] = set()  # every unfinished sequence (delay, queued, running)
-        self._held = sglang.HeldRids(self.version)  # SGLang's rid_to_state: claimed at admission, freed at the end
+        self._held = HeldRids(self.version)  # SGLang's rid_to_state: claimed at admission, freed at the end
         self._last_touch = 0.0
 
     def _engine_loop(self) -> asyncio.AbstractEventLoop:
@@ -186,7 +188,7 @@ class Scheduler:
         if not seq.future.done():
             seq.future.set_result(
                 result
-                or sglang.generate_result(
+                or generate_result(
                     rid=seq.rid,
                     text=output_text(ids, reason, seq.out.no_stop_trim),
                     output_ids=ids,
@@ -208,7 +210,7 @@ class Scheduler:
         if seq.state == "done":
             return False
         cfg, ids = self.config, seq.out.output_ids
-        reason = sglang.finish_abort("Server shutting down" if cause == "shutdown" else None)
+        reason = finish_abort("Server shutting down" if cause == "shutdown" else None)
         if seq.state == "running":
             elapsed = self._engine_loop().time() - seq.started - cfg.prefill_s_per_token * seq.prompt_len
             done = len(ids) if cfg.decode_s_per_token == 0 else int(max(0.0, elapsed) / cfg.decode_s_per_token)
@@ -222,7 +224,7 @@ class Scheduler:
             done = 0
             result = None
             if cause != "shutdown":
-                result = sglang.queued_abort_result(
+                result = queued_abort_result(
                     rid=seq.rid, e2e_latency=self._engine_loop().time() - seq.arrived, version=self.version
                 )
                 self.stats.queued_aborts += 1
@@ -236,8 +238,8 @@ class Scheduler:
         return True
 
     def _abort(self, rid: str, abort_all: bool = False, cause: str = "request") -> int:
-        """/abort_request: every sequence whose rid starts with `rid`, if `rid` is held (sglang.abort_matcher)."""
-        match = sglang.abort_matcher(rid, abort_all, self._held)
+        """/abort_request: every sequence whose rid starts with `rid`, if `rid` is held (rids.py `abort_matcher`)."""
+        match = abort_matcher(rid, abort_all, self._held)
         if match is None:
             return 0
         # scheduler.py abort_request: the waiting queue first (those never start), then the running ones.

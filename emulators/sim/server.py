@@ -26,7 +26,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from emulators import sglang_protocol as sglang
+from emulators.sglang_protocol.app import create_sglang_app
+from emulators.sglang_protocol.auth import Auth
+from emulators.sglang_protocol.errors import BadRequest
 from emulators.sim.backend import VERSION, SimBackend
 from emulators.sim.config import SimConfig
 from emulators.sim.connections import Connections
@@ -41,7 +43,7 @@ class SimServer(Scheduler, FaultInjection):
     """A simulated SGLang server on 127.0.0.1; see the package docstring (emulators/sim/__init__.py).
 
     Every public method is safe to call from any thread (it runs on the server's event loop).
-    `api_key` / `admin_api_key` are SGLang's ``--api-key`` / ``--admin-api-key`` (sglang_protocol.Auth);
+    `api_key` / `admin_api_key` are SGLang's ``--api-key`` / ``--admin-api-key`` (sglang_protocol.auth.Auth);
     `config_fields` override fields of `config` (e.g. ``disconnect_poll_s=0.3, sglang_version="0.4"``).
     Test usage::
 
@@ -72,8 +74,8 @@ class SimServer(Scheduler, FaultInjection):
     ):
         self.config = dataclasses.replace(config or SimConfig(), **config_fields)
         self.version = self.config.version
-        # SGLang's --api-key / --admin-api-key (sglang_protocol.Auth); the admin paths take no key.
-        self.auth = sglang.Auth(api_key=api_key, admin_api_key=admin_api_key, version=self.version)
+        # SGLang's --api-key / --admin-api-key (sglang_protocol.auth.Auth); the admin paths take no key.
+        self.auth = Auth(api_key=api_key, admin_api_key=admin_api_key, version=self.version)
         self.host, self.port = host, port
         self.log_level = log_level
         self.stats = SimStats()
@@ -311,7 +313,7 @@ class SimServer(Scheduler, FaultInjection):
         def refused():
             self.stats.auth_refused += 1
 
-        app = sglang.create_sglang_app(
+        app = create_sglang_app(
             SimBackend(self),
             title="eagle3 simulated SGLang server",
             version=VERSION,
@@ -333,7 +335,7 @@ class SimServer(Scheduler, FaultInjection):
                     raise ValueError("the body must be a JSON object")
                 state = self.apply_fault(spec)
             except (ValueError, TypeError) as exc:
-                raise sglang.BadRequest(f"bad fault spec: {exc}") from exc
+                raise BadRequest(f"bad fault spec: {exc}") from exc
             return JSONResponse(state)
 
         app.add_middleware(FaultMiddleware, server=self)

@@ -459,7 +459,7 @@ def serve_dev(ctx: typer.Context) -> None:
 
     The flags are the dev server's own (`python -m emulators.dev_server`), declared there once.
     """
-    from emulators.dev_server import main
+    from emulators.dev_server.cli import main
 
     main(ctx.args, prog="eagle3 serve-dev")
 

@@ -18,9 +18,10 @@ from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy, ServerLimits, auth_hint
 from tasks.engines.errors import AuthError, InvalidReply, ServerOutage, ServerRefused
 
-# The engine versions our emulations and clients follow (emulators/sglang_protocol.py; the real vLLM of `make vllm`).
+# The engine versions our emulations and clients follow (emulators/sglang_protocol/versions.py; the real vLLM of
+# `make vllm`).
 ENGINE_VERSIONS = {"sglang": "0.5.23", "vllm": "0.32.0"}
-DEV_SERVER = "-eagle3-dev"  # how emulators/dev_server.py's /server_info version ends
+DEV_SERVER = "-eagle3-dev"  # how emulators/dev_server/backend.py's /server_info version ends
 NO_RETRY = RetryPolicy(initial_s=0.1, max_s=0.1, jitter=0.0, outage_window_s=0.0)  # one try: a check, not a run
 
 

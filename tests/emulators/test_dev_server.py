@@ -9,7 +9,10 @@ import httpx
 import pytest
 import torch
 
-from emulators.dev_server import Engine, EngineSequence, SamplingParams, create_app
+from emulators.dev_server.app import create_app
+from emulators.dev_server.engine import Engine
+from emulators.dev_server.sequence import EngineSequence
+from emulators.sglang_protocol.sampling import SamplingParams
 from tests.emulators.sglang_shapes import FINISHED_META
 
 CONTEXT = 512  # smaller than the tiny target's 4096 positions: over-long prompts stay cheap
@@ -321,7 +324,7 @@ def test_dev_and_sim_servers_answer_bad_input_alike(client):
 
 def test_cli_flags_reach_the_app(monkeypatch, tiny_target_dir):
     """SGLang's --api-key / --admin-api-key, and --disconnect-poll-s, --sglang-version, --decode-log-interval."""
-    import emulators.dev_server as dev
+    import emulators.dev_server.cli as dev
 
     seen = {}
     monkeypatch.setattr(dev, "serve", lambda model, host, port, **kw: seen.update(kw))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from emulators.dev_server import create_app
+from emulators.dev_server.app import create_app
 from models.jobs import GenerateJob
 from tasks.datasets import PromptRow
 from tasks.generate.prompts import prompt_sampling_seed, request_sampling_params

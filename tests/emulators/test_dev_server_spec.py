@@ -12,7 +12,9 @@ import httpx
 import pytest
 import torch
 
-from emulators.dev_server import Speculative, create_app, main
+from emulators.dev_server.app import create_app
+from emulators.dev_server.cli import main
+from emulators.dev_server.speculative import Speculative
 from models.draft_vocab import draft_vocab
 from models.eagle3 import DraftStep, Eagle3Draft
 from models.eagle3_export import load_exported_draft
@@ -168,16 +170,16 @@ def test_output_with_draft_equals_output_without(serve_app, spec_server, tiny_ta
 
 
 def test_an_eagle3_1_draft_is_served_as_each_sglang_version_reads_it(target, tmp_path):
-    from emulators import sglang_protocol as sglang
-    from emulators.dev_server import load_served_draft
+    from emulators.dev_server.draft import load_served_draft
+    from emulators.sglang_protocol.versions import V05, SGLangVersion
 
     model, _ = target
     final = drafts.export_random_draft(model, tmp_path / "final", draft_vocab_size=D, variant="eagle3.1")
     # 0.5.23 builds fc_norm and hands each step the post-norm state, as the export says
-    new = load_served_draft(final, model, sglang.V05)
+    new = load_served_draft(final, model, V05)
     assert new.config.variant == "eagle3.1" and new.fc_norm is not None
     # 0.4.10 reads neither key and drops the fc_norm tensors: the same weights, drafted as EAGLE-3
-    old = load_served_draft(final, model, sglang.SGLangVersion("0.4"))
+    old = load_served_draft(final, model, SGLangVersion("0.4"))
     assert old.config.variant == "eagle3" and old.fc_norm is None
     assert torch.equal(old.fc.weight, new.fc.weight)
     ids, aux = torch.tensor([[9, 10, 11]]), torch.randn(1, 3, 3 * model.config.hidden_size)

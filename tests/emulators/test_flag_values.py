@@ -3,7 +3,7 @@
 import argparse
 from unittest import mock
 
-import emulators.dev_server as dev_server
+import emulators.dev_server.cli as dev_cli
 import emulators.sim.__main__ as sim_main
 from emulators.flag_values import flag_values
 
@@ -28,10 +28,10 @@ def test_the_dev_server_command_line_reaches_serve_and_the_draft(tmp_path):
         *("--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"),
     ]
     with (
-        mock.patch.object(dev_server, "serve", autospec=True) as serve,
-        mock.patch.object(dev_server.Speculative, "from_flags", autospec=True, return_value="the draft") as draft,
+        mock.patch.object(dev_cli, "serve", autospec=True) as serve,
+        mock.patch.object(dev_cli.Speculative, "from_flags", autospec=True, return_value="the draft") as draft,
     ):
-        dev_server.main(argv)
+        dev_cli.main(argv)
     assert draft.call_args.kwargs == {
         "draft_model_path": "/d", "algorithm": "EAGLE3", "num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3
     }  # fmt: skip

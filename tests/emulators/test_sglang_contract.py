@@ -2,7 +2,7 @@
 
 Each test is one rule: its docstring states it and cites the SGLang 0.5.23 source (file and function,
 relative to the ``sglang`` package) it comes from. Every test runs against the dev server
-(emulators/dev_server.py, a real tiny model) and the simulated server (emulators/sim/) through the
+(emulators/dev_server/, a real tiny model) and the simulated server (emulators/sim/) through the
 ``emu`` fixture (ids "dev" and "sim"), speaking plain HTTP with httpx, so an emulation that drifts from
 SGLang (or from the other one) fails here. Tests marked with a version also run with
 ``sglang_version="0.4"`` (0.4.x, read in 0.4.10.post2) where the two differ.
@@ -28,7 +28,8 @@ import httpx
 import pytest
 import torch
 
-from emulators.dev_server import Speculative, create_app
+from emulators.dev_server.app import create_app
+from emulators.dev_server.speculative import Speculative
 from emulators.sim import SimServer
 from tests.emulators.sglang_shapes import FINISHED_META
 from tests.sglang_real import start_sglang

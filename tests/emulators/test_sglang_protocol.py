@@ -7,30 +7,23 @@ import time
 
 import pytest
 
-from emulators.sglang_protocol import (
-    Auth,
-    BadRequest,
-    ContractError,
-    HeldRids,
-    MalformedRequest,
-    ModelLimits,
-    SamplingParams,
-    SGLangVersion,
-    abort_matcher,
-    contract_error,
-    error_response,
+from emulators.sglang_protocol.auth import Auth
+from emulators.sglang_protocol.contract import contract_error
+from emulators.sglang_protocol.errors import BadRequest, ContractError, MalformedRequest, error_response
+from emulators.sglang_protocol.limits import ModelLimits, num_reserved_tokens
+from emulators.sglang_protocol.request import parse_abort, parse_generate
+from emulators.sglang_protocol.results import (
     finish_abort,
     finish_length,
     finish_reason,
     finish_stop,
     generate_result,
-    num_reserved_tokens,
-    parse_abort,
-    parse_generate,
-    parse_sampling_params,
     queued_abort_result,
     text_token_ids,
 )
+from emulators.sglang_protocol.rids import HeldRids, abort_matcher
+from emulators.sglang_protocol.sampling import SamplingParams, parse_sampling_params
+from emulators.sglang_protocol.versions import SGLangVersion
 
 
 def body(**fields) -> bytes:

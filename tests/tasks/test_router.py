@@ -14,7 +14,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from emulators.sglang_protocol import DISCONNECT_POLL_S
+from emulators.sglang_protocol.disconnect import DISCONNECT_POLL_S
 from models.jobs import GenerateJob
 from tasks.datasets import PromptRow
 from tasks.engines.client import RetryPolicy
@@ -90,9 +90,10 @@ def test_generate_through_a_real_sglang_router_in_front_of_two_dev_servers(tmp_p
                 for w in workers
             ]
 
-        # a worker notices a closed request only on its disconnect poll (SGLang's 4 s, emulators/sglang_protocol.py):
-        # a request the pipeline closed in the last seconds (a retry the router sent to both workers under load: a
-        # CI run saw 8 still running on each) is stopped by the next poll, or it never is
+        # a worker notices a closed request only on its disconnect poll (SGLang's 4 s,
+        # emulators/sglang_protocol/disconnect.py): a request the pipeline closed in the last seconds (a retry the
+        # router sent to both workers under load: a CI run saw 8 still running on each) is stopped by the next poll,
+        # or it never is
         idle, deadline = loads(), time.monotonic() + IDLE_WITHIN_S
         while idle != [{"num_running_reqs": 0, "num_waiting_reqs": 0}] * 2 and time.monotonic() < deadline:
             time.sleep(0.2)

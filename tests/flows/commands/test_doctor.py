@@ -165,7 +165,7 @@ def test_a_draft_whose_vllm_aux_ids_are_off_by_one_fails(tmp_path, tiny_target_d
 
 
 def test_a_dev_server_serving_another_model_fails(tmp_path, tiny_target_dir, serve_app):
-    from emulators.dev_server import create_app
+    from emulators.dev_server.app import create_app
     from models.tiny_target import build_tiny_target
 
     other = build_tiny_target(tmp_path / "other-model", seed=1, train_steps=0)
@@ -180,7 +180,7 @@ def test_a_dev_server_serving_another_model_fails(tmp_path, tiny_target_dir, ser
 
 
 def test_the_engine_serving_the_target_passes_with_its_figures(tmp_path, tiny_target_dir, serve_app):
-    from emulators.dev_server import create_app
+    from emulators.dev_server.app import create_app
 
     with serve_app(create_app(tiny_target_dir, context_length=512)) as url:
         config = load_config(write_demo_config(tmp_path, tiny_target_dir, server={"url": url, "launch": "none"}))

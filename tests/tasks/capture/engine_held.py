@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from emulators.dev_server import create_app
+from emulators.dev_server.app import create_app
 from emulators.vllm_extract import Extraction
 from models.engine_hidden import extraction_config
 from models.jobs import CaptureJob, EngineSettings

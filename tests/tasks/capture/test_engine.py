@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from emulators.dev_server import create_app
+from emulators.dev_server.app import create_app
 from emulators.vllm_extract import Extraction
 from models.capture import main as capture_main
 from models.capture import trimmed_length

@@ -516,7 +516,8 @@ def test_specforge_s_benchmark_client_counts_the_demo_draft_as_our_eval_does(
     server received, so its acceptance length (tokens / verify rounds, as the published anchors count) is ours."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from emulators.dev_server import Speculative, create_app
+    from emulators.dev_server.app import create_app
+    from emulators.dev_server.speculative import Speculative
     from models.eagle3_export import load_exported_draft
     from models.spec_eval import evaluate_acceptance
 
