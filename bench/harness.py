@@ -504,14 +504,23 @@ def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         print(fmt.format(*row))
 
 
-def markdown_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """A markdown table (pipes), columns padded for the terminal."""
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+def markdown_table(head: Sequence[str], rows: Sequence[Sequence[Any]], *, align: str | None = None) -> None:
+    """A markdown table (pipes), columns padded for the terminal.
+
+    With `align` (one letter per column, "l" or "r"), a table as docs/ hold them instead: cells not
+    padded, the rule under the head marking each column's alignment (`---`, `---:`).
+    """
+    if align is not None and len(align) != len(head):
+        raise ValueError(f"align {align!r}: one letter per column, {len(head)} columns")
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)] if align is None else [0] * len(head)
 
     def line(cells: Sequence[Any]) -> str:
         return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
 
     print(line(head))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    if align is None:
+        print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    else:
+        print("| " + " | ".join("---:" if a == "r" else "---" for a in align) + " |")
     for row in rows:
         print(line(row))

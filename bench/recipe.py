@@ -106,25 +106,28 @@ def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
     out["results"] = results
 
 
-def table(results: dict[str, list[dict[str, Any]]]) -> str:
+def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
     base = statistics.mean(r["acceptance"] for r in results["demo"])
-    head = (
-        "| recipe | acceptance per seed | mean | spread (max - min) | vs demo | optimizer steps |\n"
-        "| --- | --- | ---: | ---: | ---: | ---: |"
-    )
     rows = []
     for recipe, runs in results.items():
         values = [r["acceptance"] for r in runs]
         mean = statistics.mean(values)
         rows.append(
-            f"| {recipe} | {' / '.join(f'{v:.3f}' for v in values)} | {mean:.3f} | {max(values) - min(values):.3f} "
-            f"| {mean / base - 1:+.1%} | {runs[0]['steps']} |"
+            (
+                recipe,
+                " / ".join(f"{v:.3f}" for v in values),
+                f"{mean:.3f}",
+                f"{max(values) - min(values):.3f}",
+                f"{mean / base - 1:+.1%}",
+                f"{runs[0]['steps']}",
+            )
         )
-    return "\n".join([head, *rows])
+    head = ("recipe", "acceptance per seed", "mean", "spread (max - min)", "vs demo", "optimizer steps")
+    harness.markdown_table(head, rows, align="llrrrr")
 
 
 def report(out: dict[str, Any]) -> None:
-    print(table(out["results"]))
+    print_table(out["results"])
     print("\nwall seconds of each `eagle3` command (its Prefect server included): " + json.dumps(out["wall_s"]))
 
 

@@ -118,23 +118,34 @@ def figures(config: Path) -> dict:
     }
 
 
-def table(results: dict[str, dict]) -> str:
-    head = (
-        "| draft | storage | bytes/token | capture tokens/s | loss (first / middle / last step) "
-        "| acceptance per round | per position | rounds | TTT estimate |\n"
-        "| --- | --- | ---: | ---: | --- | ---: | --- | ---: | ---: |"
-    )
+def print_table(results: dict[str, dict]) -> None:
     rows = []
     for name, f in results.items():
-        loss = " / ".join(f"{v:.3f} (step {s})" for s, v in f["loss"])
-        position = " / ".join(f"{a:.3f}" for a in f["per_position"])
-        estimate = "" if f["ttt_estimate"] is None else f"{f['ttt_estimate']:.3f}"
         rows.append(
-            f"| {name} | {f['storage']} ({f['dtype']}) | {f['bytes_per_token']:,.0f} "
-            f"| {f['capture_tokens_per_s']:,.0f} | {loss} | {f['acceptance_per_round']:.3f} | {position} "
-            f"| {f['rounds']:,} | {estimate} |"
+            (
+                name,
+                f"{f['storage']} ({f['dtype']})",
+                f"{f['bytes_per_token']:,.0f}",
+                f"{f['capture_tokens_per_s']:,.0f}",
+                " / ".join(f"{v:.3f} (step {s})" for s, v in f["loss"]),
+                f"{f['acceptance_per_round']:.3f}",
+                " / ".join(f"{a:.3f}" for a in f["per_position"]),
+                f"{f['rounds']:,}",
+                "" if f["ttt_estimate"] is None else f"{f['ttt_estimate']:.3f}",
+            )
         )
-    return "\n".join([head, *rows])
+    head = (
+        "draft",
+        "storage",
+        "bytes/token",
+        "capture tokens/s",
+        "loss (first / middle / last step)",
+        "acceptance per round",
+        "per position",
+        "rounds",
+        "TTT estimate",
+    )
+    harness.markdown_table(head, rows, align="llrrlrlrr")
 
 
 def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
@@ -159,7 +170,7 @@ def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
 
 
 def report(out: dict[str, Any]) -> None:
-    print(table(out["results"]))
+    print_table(out["results"])
     print("\nwall seconds of each `eagle3` command (its Prefect server included): " + json.dumps(out["wall_s"]))
 
 
