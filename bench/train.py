@@ -78,31 +78,19 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(harness.REPO / "runs" / "bench
 import torch  # noqa: E402
 
 import models  # noqa: E402,F401  (flushes CPU denormals in this process, as in every rank)
+from bench import train_baselines, train_report  # noqa: E402
 from flows.config.schema import TrainConfig  # noqa: E402
 from models.capture import run as run_capture  # noqa: E402
-from models.draft_vocab import draft_vocab, load_token_counts  # noqa: E402
-from models.eagle3 import (  # noqa: E402
-    STEP_DECAY,
-    Eagle3Config,
-    Eagle3Draft,
-    default_aux_layers,  # noqa: E402
-)
-from models.hidden_shards import METADATA_NAME  # noqa: E402
 from models.jobs import CaptureJob, TrainJob  # noqa: E402
 from models.rank import Dist  # noqa: E402
 from models.rank_protocol import TRAIN_PROGRESS  # noqa: E402
 from models.run_layout import RunLayout  # noqa: E402
-from models.target_head import TargetHead
-from models.target_weights import load_target_tensors  # noqa: E402
 from models.tiny_target import SAMPLES_DIR  # noqa: E402
-from models.train import lr_lambda  # noqa: E402
 from models.train_data import HiddenSource, epoch_batches, rank_micro_batches, split_samples, steps_per_epoch  # noqa: E402
-from models.train_metrics import Metrics
 from tasks.records.build import count_tokens  # noqa: E402
 
 DATASET = "bench"
-RUN_CONFIG = TrainConfig()  # the run config's train section as declared: its defaults (AdamW betas, eps, ...)
-BETAS, EPS = RUN_CONFIG.adam_betas, RUN_CONFIG.adam_eps
+RUN_CONFIG = TrainConfig()  # the run config's train section as declared: its defaults (ttt_steps, grad_accum, ...)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,135 +387,8 @@ def ours(p: Params, ranks: int, target: Path, data: Path, tmp: Path, tag: str, v
 
 
 # ---------------------------------------------------------------------------------------------
-# The baseline: a plain PyTorch loop over the same draft and data
+# The baseline: a plain PyTorch loop over the same draft and data (its loops: bench/train_baselines.py)
 # ---------------------------------------------------------------------------------------------
-
-
-def setup(cfg: dict[str, Any], world: int) -> dict[str, Any]:
-    """What models.train.run builds before its loop: data source and split, the draft (seeded), TargetHead."""
-    from transformers import AutoConfig
-
-    device = torch.device("cpu")
-    target = cfg["target_path"]
-    text = AutoConfig.from_pretrained(target)
-    text = text.get_text_config() if hasattr(text, "get_text_config") else text
-    source = HiddenSource(cfg["hidden_dir"], cfg["max_batch_tokens"])
-    meta = Path(cfg["hidden_dir"]) / METADATA_NAME  # as models.train._data_source: the capture's, else the default
-    aux_layers = (json.loads(meta.read_text()).get("aux_layers") if meta.is_file() else None) or default_aux_layers(
-        int(text.num_hidden_layers)
-    )
-    embed, head = load_target_tensors(target, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
-    counts = load_token_counts(cfg["token_counts"], int(text.vocab_size))
-    d2t, t2d = draft_vocab(counts, int(text.vocab_size), cfg["draft_vocab_size"])
-    torch.manual_seed(cfg["seed"])  # as models.train.run: the same initial weights
-    config = Eagle3Config.from_target_config(text, draft_vocab_size=int(d2t.shape[0]), aux_layers=aux_layers)
-    draft = Eagle3Draft(config)
-    draft.load_target_embedding(embed.to(draft.embed_tokens.weight.dtype))
-    draft.set_draft_vocab(d2t, t2d)
-    target_head = TargetHead(head.to(device), d2t.to(device))
-    train_samples, _ = split_samples(source.samples, cfg["eval_fraction"])
-    per_epoch = steps_per_epoch(
-        len(epoch_batches(train_samples, cfg["max_batch_tokens"], cfg["seed"], 0)), world, cfg["grad_accum"]
-    )
-    return {
-        "device": device,
-        "source": source,
-        "draft": draft,
-        "target_head": target_head,
-        "train_samples": train_samples,
-        "per_epoch": per_epoch,
-        "warmup": max(1, round(cfg["warmup_ratio"] * cfg["steps"])),
-    }
-
-
-def plain_optimizer(cfg: dict[str, Any], draft: Eagle3Draft, warmup: int):
-    """AdamW + LambdaLR as the job's DeepSpeed config and scheduler set them up."""
-    params = [q for q in draft.parameters() if q.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg["lr"], betas=BETAS, eps=EPS, weight_decay=cfg["weight_decay"])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg["steps"], warmup, 0.0))
-    return params, optimizer, scheduler
-
-
-def plain_loop(cfg: dict[str, Any], rank: int, world: int, barrier: Any = None) -> dict[str, Any]:
-    """The job's training loop without DeepSpeed, the process group or the launcher (rank's share only)."""
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(cfg["threads"])
-    try:
-        x = setup(cfg, world)
-        device, source, draft, target_head = x["device"], x["source"], x["draft"], x["target_head"]
-        train_samples, per_epoch = x["train_samples"], x["per_epoch"]
-        params, optimizer, scheduler = plain_optimizer(cfg, draft, x["warmup"])
-        grad_accum, total, ttt = cfg["grad_accum"], cfg["steps"], cfg["ttt_steps"]
-        if barrier is not None:
-            barrier.wait()  # side by side: every process starts its loop together
-
-        step = epoch = step_in_epoch = 0
-        times = [time.monotonic()]  # end of step s at times[s]
-        cpu = [time.process_time()]
-        tokens = [0]  # cumulative real tokens after step s
-        losses: dict[int, float] = {}
-        running = Metrics(ttt, device)
-        draft.train()
-        while step < total:
-            batches = epoch_batches(train_samples, cfg["max_batch_tokens"], cfg["seed"], epoch)
-            while step_in_epoch < per_epoch and step < total:
-                step_tokens = 0
-                for micro in rank_micro_batches(batches, step_in_epoch, rank, world, grad_accum):
-                    batch = source.batch(micro, device)
-                    out = draft.forward_ttt(
-                        batch.input_ids,
-                        batch.aux_hidden,
-                        target_head(batch.last_hidden),
-                        batch.loss_mask,
-                        batch.attention_mask,
-                        ttt_steps=ttt,
-                    )
-                    (out.loss / grad_accum).backward()
-                    running.add(out)
-                    step_tokens += batch.tokens
-                torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                step_in_epoch += 1
-                tokens.append(tokens[-1] + step_tokens)
-                if step % cfg["log_every"] == 0 or step == total:
-                    losses[step] = running.summary(STEP_DECAY)["loss"]
-                    running = Metrics(ttt, device)
-                times.append(time.monotonic())
-                cpu.append(time.process_time())
-            if step_in_epoch >= per_epoch:
-                epoch += 1
-                step_in_epoch = 0
-        return {
-            "rank": rank,
-            "times": times,
-            "cpu": cpu,
-            "tokens": tokens,
-            "losses": losses,
-            "trainable_parameters": sum(q.numel() for q in params),
-            "per_epoch": per_epoch,
-            "train_samples": len(train_samples),
-        }
-    finally:
-        torch.set_num_threads(saved_threads)
-
-
-def baseline_worker(cfg_path: str, processes: int, out_path: str) -> None:
-    """`bench/train.py --baseline-worker CFG N OUT`: the baseline's own launch (a session of its own, like a job's)."""
-    cfg = json.loads(Path(cfg_path).read_text())
-    if processes == 1:
-        results = [plain_loop(cfg, 0, 1)]
-    else:  # side by side, each over its rank's share, started together
-        results, _ = harness.spawn(
-            plain_loop,
-            [(cfg, k, processes) for k in range(processes)],
-            threads=cfg["threads"],
-            timeout_s=cfg["timeout_s"],
-            what="baseline",
-        )
-    Path(out_path).write_text(json.dumps(results))
 
 
 def baseline(p: Params, processes: int, target: Path, data: Path, tmp: Path, here: bool = False) -> dict[str, Any]:
@@ -546,7 +407,7 @@ def baseline(p: Params, processes: int, target: Path, data: Path, tmp: Path, her
     }
     if here:
         assert processes == 1
-        results = [plain_loop(cfg, 0, 1)]
+        results = [train_baselines.plain_loop(cfg, 0, 1)]
     else:
         cfg_path, out_path = tmp / f"baseline-{processes}.json", tmp / f"baseline-{processes}.out.json"
         cfg_path.write_text(json.dumps(cfg))
@@ -600,137 +461,6 @@ def baseline(p: Params, processes: int, target: Path, data: Path, tmp: Path, her
     }
 
 
-def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
-    """One process (1 rank): the plain step and the job's DeepSpeed step in alternation, on the same batch tensors.
-
-    Both drafts start from the same seed and see the same batches; each step runs the plain loop's
-    step and the job's (models.train.build_engine / train_forward, engine.backward / step, the per-step token
-    all-reduce), alternating which goes first. Whatever else runs on the machine hits both alike, so
-    the difference is the engine's per-step cost. Phases: forward (TargetHead + forward_ttt, through
-    the engine for ours), backward (engine.backward: autograd + ZeRO-2 gradient hooks), the rest
-    (plain: clip + AdamW + LambdaLR + zero_grad; ours: engine.step: ZeRO-2 reduction, norm, clip,
-    AdamW on the flat partition, copy back, scheduler; + train(), the token all-reduce and, every
-    `log_every` steps, the job's metrics line: Metrics all-reduce, grad norm, metrics.jsonl and
-    TensorBoard, as rank 0 writes it).
-    """
-    from tasks.ports import free_port
-
-    os.environ.update(
-        DS_ACCELERATOR="cpu",
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    torch.set_num_threads(cfg["threads"])
-    import deepspeed
-
-    from models.train import build_engine, grad_norm, sum_over_ranks, train_forward
-    from models.train_metrics import MetricsWriter
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    dist = Dist(group=True)
-    a, b = setup(cfg, 1), setup(cfg, 1)  # the same seed: the same initial weights
-    device, source, train_samples, per_epoch = a["device"], a["source"], a["train_samples"], a["per_epoch"]
-    params, optimizer, scheduler = plain_optimizer(cfg, a["draft"], a["warmup"])
-    engine = build_engine(TrainJob.model_validate(job), b["draft"], cfg["steps"], b["warmup"])
-    grad_accum, total, ttt = cfg["grad_accum"], cfg["steps"], cfg["ttt_steps"]
-    running = {"plain": Metrics(ttt, device), "ours": Metrics(ttt, device)}
-    losses: dict[str, dict[int, float]] = {"plain": {}, "ours": {}}
-    writer = MetricsWriter(Path(job["out_dir"]), 0, enabled=True)  # metrics.jsonl + TensorBoard, as rank 0's
-    window = {"tokens": 0, "start": time.monotonic()}
-    a["draft"].train()
-
-    def log_step(n: int) -> bool:
-        return n % cfg["log_every"] == 0 or n == total
-
-    def plain_step(batches, n: int) -> tuple[float, float, float]:
-        fwd = bwd = 0.0
-        start = time.perf_counter()
-        for batch in batches:
-            t0 = time.perf_counter()
-            out = a["draft"].forward_ttt(
-                batch.input_ids,
-                batch.aux_hidden,
-                a["target_head"](batch.last_hidden),
-                batch.loss_mask,
-                batch.attention_mask,
-                ttt_steps=ttt,
-            )
-            t1 = time.perf_counter()
-            (out.loss / grad_accum).backward()
-            fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
-            running["plain"].add(out)
-        torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if log_step(n):  # a plain loop keeps its loss too
-            losses["plain"][n] = running["plain"].summary(STEP_DECAY)["loss"]
-            running["plain"] = Metrics(ttt, device)
-        return fwd, bwd, time.perf_counter() - start - fwd - bwd
-
-    def ours_step(batches, n: int) -> tuple[float, float, float]:
-        fwd = bwd = 0.0
-        start = time.perf_counter()
-        engine.train()
-        step_tokens = 0
-        for batch in batches:
-            t0 = time.perf_counter()
-            out = train_forward(engine, batch, b["target_head"], ttt)
-            t1 = time.perf_counter()
-            engine.backward(out.loss)
-            fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
-            engine.step()
-            running["ours"].add(out)
-            step_tokens += batch.tokens
-        sum_over_ranks(step_tokens, dist, device)
-        window["tokens"] += step_tokens
-        if log_step(n):  # the job's metrics line (models.train.run)
-            running["ours"].all_reduce(dist)
-            elapsed = max(1e-9, time.monotonic() - window["start"])
-            line = {
-                "kind": "train",
-                "step": n,
-                "epoch": 0,
-                "time": time.time(),
-                **running["ours"].summary(STEP_DECAY),
-                "lr": engine.get_lr()[0],
-                "grad_norm": grad_norm(engine),
-                "tokens": 0,
-                "tokens_per_s": round(sum_over_ranks(window["tokens"], dist, device) / elapsed, 2),
-            }
-            writer.write(line)
-            losses["ours"][n] = line["loss"]
-            running["ours"] = Metrics(ttt, device)
-            window.update(tokens=0, start=time.monotonic())
-        return fwd, bwd, time.perf_counter() - start - fwd - bwd
-
-    phases: dict[str, list[tuple[float, float, float]]] = {"plain": [], "ours": []}
-    tokens: list[int] = []
-    load_s: list[float] = []
-    step = epoch = step_in_epoch = 0
-    while step < total:
-        batches = epoch_batches(train_samples, cfg["max_batch_tokens"], cfg["seed"], epoch)
-        while step_in_epoch < per_epoch and step < total:
-            t0 = time.perf_counter()
-            micro = [source.batch(m, device) for m in rank_micro_batches(batches, step_in_epoch, 0, 1, grad_accum)]
-            load_s.append(time.perf_counter() - t0)
-            order = (("plain", plain_step), ("ours", ours_step))
-            for name, fn in order if step % 2 == 0 else reversed(order):
-                phases[name].append(fn(micro, step + 1))
-            tokens.append(sum(m.tokens for m in micro))
-            step += 1
-            step_in_epoch += 1
-        if step_in_epoch >= per_epoch:
-            epoch += 1
-            step_in_epoch = 0
-    writer.close()
-    torch.distributed.destroy_process_group()
-    return {"phases": phases, "tokens": tokens, "losses": losses, "load_s": load_s}
-
-
 def run_interleaved(p: Params, target: Path, data: Path, tmp: Path) -> dict[str, Any]:
     """`interleaved` in a fresh spawned process; medians per phase over the measured steps."""
     cfg = {
@@ -742,7 +472,12 @@ def run_interleaved(p: Params, target: Path, data: Path, tmp: Path) -> dict[str,
     }
     job = job_dict(Params(**{**asdict(p), "steps": p.in_process_steps}), target, data, tmp / "draft-interleaved", 1)
     (res,), _ = harness.spawn(
-        interleaved, [(cfg, job)], threads=p.threads, timeout_s=p.timeout_s, what="interleaved run", together=False
+        train_baselines.interleaved,
+        [(cfg, job)],
+        threads=p.threads,
+        timeout_s=p.timeout_s,
+        what="interleaved run",
+        together=False,
     )
     k = p.skip
     out: dict[str, Any] = {"steps_measured": len(res["tokens"]) - k, "tokens": sum(res["tokens"][k:])}
@@ -952,200 +687,6 @@ def ratios(p: Params, runs: list[dict[str, Any]]) -> dict[str, Any]:
     return res
 
 
-# ---------------------------------------------------------------------------------------------
-# Report
-# ---------------------------------------------------------------------------------------------
-
-
-def print_report(p: Params, out: dict[str, Any]) -> None:
-    s = out["setup"]
-    runs = out["runs"]
-    b1 = next((r for r in runs if r["kind"] == "baseline" and r.get("trainable_parameters")), None)
-    print()
-    print(
-        f"target: tiny Llama hidden {p.hidden_size}, {p.num_layers} layers, {p.num_heads} heads / {p.num_kv_heads} kv, "
-        f"intermediate {p.intermediate_size}, vocab {p.vocab_size} ({s['target']})"
-    )
-    print(
-        f"draft: 1 layer, hidden {p.hidden_size}, draft vocab {p.draft_vocab_size}, TTT {p.ttt_steps} steps"
-        + (f", {b1['trainable_parameters']:,} trainable parameters" if b1 else "")
-        + "; fp32"
-    )
-    print(
-        f"data: {s['records']} records (sample conversations cut to {p.max_prompt_tokens} tokens + greedy continuation "
-        f"<= {p.max_new_tokens}): {s['tokens']:,} tokens, mean {s['mean_len']:.0f}, p50 {s['p50_len']}, "
-        f"p95 {s['p95_len']}, max {s['max_len']}; {s['train_samples']} train / {s['held_out']} held out; "
-        f"{s['batches_per_epoch']} micro "
-        f"batches per epoch at max_batch_tokens {p.max_batch_tokens} ({s['tokens_per_batch']:,.0f} real tokens each, "
-        f"{s['padding_pct']:.1f}% padding)"
-    )
-    print(
-        f"job: ZeRO stage {p.zero_stage}, {p.steps} optimizer steps, grad_accum {p.grad_accum}, lr {p.lr:g} "
-        f"(warmup {p.warmup_ratio:g}), AdamW betas {BETAS} wd {p.weight_decay:g}, clip {p.grad_clip:g}, "
-        f"log every {p.log_every}; measured: steps "
-        f"{p.skip + 1}-{p.steps}; {p.threads} thread(s) per rank / baseline process"
-    )
-    print()
-    print("runs (tok/s over the measured steps, all ranks)")
-    rows = []
-    for r in runs:
-        label = f"#{r['pass_no'] + 1} " + (
-            f"ours, {r['n']} rank(s)" if r["kind"] == "ours" else f"baseline, {r['n']} process(es)"
-        )
-        if not r.get("tokens_per_s"):
-            rows.append((label, "FAILED", "-", "-", "-", "-", "-", "-"))
-            continue
-        cpu = f"{r['cpu_ms_per_1k_tokens']:.0f}" if r.get("cpu_ms_per_1k_tokens") else "-"
-        share = f"{r['cpu_s'] / (r['window_s'] * r['n']):.2f}" if r.get("cpu_s") else "-"
-        head = (label, f"{r['tokens_per_s']:,.0f}", f"{r['window_s']:.1f}", cpu, share)
-        if r["kind"] == "ours":
-            rows.append(
-                (
-                    *head,
-                    f"{r['startup_s']:.1f}",
-                    f"{r['steps_s']:.1f}",
-                    f"{r['tail_s']:.1f}",
-                    f"{r['wall_s']:.1f}",
-                    f"agent CPU {r.get('launcher_cpu_s', 0):.2f} s"
-                    + (f"; built {', '.join(r['ops_built'])}" if r["ops_built"] else ""),
-                )
-            )
-        else:
-            rows.append((*head, "-", "-", "-", "-", f"median step {1e3 * r['median_step_s']:.0f} ms"))
-    harness.markdown_table(
-        (
-            "run",
-            "tok/s",
-            "measured s",
-            "CPU ms/1k tok",
-            "CPU/wall",
-            "start-up s",
-            "all steps s",
-            "tail s",
-            "launch s",
-            "notes",
-        ),
-        rows,
-    )
-    print(
-        "   measured: steps after the skip; CPU: the ranks' (ours) or the processes' (baseline) over those steps;\n"
-        "   CPU/wall: CPU s / (measured s x processes): 1.00 = each process had a core to itself all along.\n"
-        "   start-up: launch -> TRAIN_PROGRESS step=0 (interpreter, imports, process group, data index, draft, engine);"
-        "\n   all steps: -> the last step's metrics line; tail: final eval + checkpoint + export + teardown;"
-        "\n   agent: the torchrun agent's CPU over the measured steps; built: torch extensions (re)built meanwhile"
-    )
-    print()
-    multi = p.repeats > 1
-    print(
-        "ratios: ours tok/s / baseline tok/s of the same pass (1.00 = no overhead; < 1 = ours slower)"
-        + (f"; median of {p.repeats} passes [range]" if multi else "")
-    )
-    rows = []
-    for n, x in out["ratios"].items():
-        lo, hi = x["ratio_range"]
-        base = "1 process" if n == "1" else f"{n} processes side by side"
-        cpu = (
-            "-"
-            if x["cpu_ratio"] is None
-            else f"{x['cpu_ratio']:.3f}"
-            + (f" [{x['cpu_ratio_range'][0]:.2f}-{x['cpu_ratio_range'][1]:.2f}]" if multi else "")
-        )
-        per = (
-            "-"
-            if x["per_rank_vs_1_process"] is None
-            else (
-                f"{x['per_rank_vs_1_process']:.2f}" + ("" if n == "1" else f" ({x['baseline_per_process_vs_1']:.2f})")
-            )
-        )
-        paired = (
-            "-"
-            if x["paired_ratio"] is None
-            else f"{x['paired_ratio']:.3f}"
-            + (f" [{x['paired_ratio_range'][0]:.2f}-{x['paired_ratio_range'][1]:.2f}]" if multi else "")
-        )
-        rows.append(
-            (
-                f"{n} rank(s)",
-                f"{x['ours']:,.0f}",
-                base,
-                f"{x['baseline']:,.0f}",
-                f"{x['ratio']:.3f}" + (f" [{lo:.2f}-{hi:.2f}]" if multi else ""),
-                paired,
-                cpu,
-                f"{s['lockstep'][n]['bound']:.3f}",
-                per,
-                f"{x['startup_s']:.1f} + {x['tail_s']:.1f}",
-                f"{x['end_to_end_ratio']:.3f}",
-            )
-        )
-    harness.markdown_table(
-        (
-            "ours",
-            "tok/s",
-            "baseline",
-            "tok/s",
-            "ours/baseline",
-            "paired per step",
-            "tok per CPU-s, ours/baseline",
-            "lockstep bound",
-            "per rank / 1-process baseline (baseline's)",
-            "start-up + tail s",
-            "whole launch / baseline",
-        ),
-        rows,
-    )
-    print(
-        "   paired per step: median over the measured steps of baseline step time / ours (same micro batches; "
-        "N ranks: the"
-        "\n   slowest baseline process's step, so lockstep waiting is not counted): robust to bursts of other load"
-        "\n   lockstep bound: the ratio that waiting for the slowest rank at every step alone gives "
-        "(padded tokens as the cost);"
-        "\n   per rank / 1-process baseline: ours' tok/s per rank over the 1-process baseline's "
-        "(in brackets: the same for"
-        "\n   one of the side-by-side baseline processes: what the cores give N processes); "
-        "whole launch: all tokens / launch"
-        "\n   wall time (start-up, warmup steps, final eval, checkpoint, export included) over the baseline's tok/s"
-    )
-    x = out.get("interleaved")
-    if x:
-        print()
-        print(
-            "in-process, interleaved (1 rank, one process, the same batch tensors; "
-            f"steps {p.skip + 1}-{p.in_process_steps}; ms per step, mean):"
-        )
-        rows = [
-            (
-                name,
-                f"{x[key]['forward_ms']:.1f}",
-                f"{x[key]['backward_ms']:.1f}",
-                f"{x[key]['rest_ms']:.1f}",
-                f"{x[key]['step_ms']:.1f}",
-                f"{x[key]['tokens_per_s']:,.0f}",
-            )
-            for name, key in (("plain PyTorch step", "plain"), ("our step: DeepSpeed engine + job loop body", "ours"))
-        ]
-        harness.markdown_table(("step", "forward ms", "backward ms", "rest ms", "step ms", "tok/s"), rows)
-        print(
-            f"   ours/plain tok/s {x['ratio']:.3f}; per step, ours - plain: median {x['extra_ms_per_step']:+.1f} ms, "
-            f"mean {x['extra_ms_per_step_mean']:+.1f} ms; ours/plain step time, median {x['step_ratio_median']:.3f};"
-            f"\n   losses differ by at most {x['loss_max_rel_diff']:.1e} (relative); "
-            "loading a step's batch (HiddenSource.batch,"
-            f" in both loops, not timed above): {x['load_ms']:.1f} ms\n"
-            "   rest: plain = clip + AdamW + LambdaLR + zero_grad; ours = engine.step (ZeRO-2 reduce, norm, clip, "
-            "AdamW on"
-            f" the\n   flat partition, copy back, scheduler) + engine.train() + the per-step token all-reduce + every "
-            f"{p.log_every} step(s)\n   the job's metrics line (all-reduces, grad norm, metrics.jsonl, TensorBoard)"
-        )
-    one = out["ratios"].get("1")
-    if one and one.get("loss_max_rel_diff") is not None:
-        a, b = one["loss_first_last"]
-        print(
-            f"   1 rank, same arithmetic: the logged losses of ours and the baseline differ by at most "
-            f"{one['loss_max_rel_diff']:.1e} (relative; loss {a:.3f} at step {p.log_every} -> {b:.3f} "
-            f"at step {p.steps})"
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
     kept = "jobs and rank logs"
     ap = harness.arguments(
@@ -1159,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.baseline_worker:
         cfg_path, n, out_path = args.baseline_worker
-        baseline_worker(cfg_path, int(n), out_path)
+        train_baselines.baseline_worker(cfg_path, int(n), out_path)
         return 0
     p = harness.params_from(args, Params)
 
@@ -1177,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
         asdict(p),
         versions,
         lambda tmp, out: run(p, tmp, out, args.verbose),
-        lambda out: print_report(p, out),
+        lambda out: train_report.print_report(p, out),
         kept=kept,
     )
 
