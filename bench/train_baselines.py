@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from bench import harness
-from flows.config import TrainConfig
+from flows.config.schema import TrainConfig
 from models.draft_vocab import draft_vocab, load_token_counts
 from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, default_aux_layers
 from models.hidden_shards import METADATA_NAME
@@ -186,7 +186,7 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(cfg["threads"])
     import deepspeed
 
-    from models.train import build_engine, grad_norm, sum_over_ranks, train_forward
+    from models.train import build_engine, ds_train_config, grad_norm, sum_over_ranks, train_forward
     from models.train_metrics import MetricsWriter
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -194,7 +194,9 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     a, b = setup(cfg, 1), setup(cfg, 1)  # the same seed: the same initial weights
     device, source, train_samples, per_epoch = a["device"], a["source"], a["train_samples"], a["per_epoch"]
     params, optimizer, scheduler = plain_optimizer(cfg, a["draft"], a["warmup"])
-    engine = build_engine(TrainJob.model_validate(job), b["draft"], cfg["steps"], b["warmup"])
+    train_job = TrainJob.model_validate(job)
+    ds_config = ds_train_config(train_job, world_size=dist.world_size, bf16=train_job.bf16)  # as models/train.py does
+    engine = build_engine(ds_config, b["draft"], train_job.min_lr_ratio, cfg["steps"], b["warmup"])
     grad_accum, total, ttt = cfg["grad_accum"], cfg["steps"], cfg["ttt_steps"]
     running = {"plain": Metrics(ttt, device), "ours": Metrics(ttt, device)}
     losses: dict[str, dict[int, float]] = {"plain": {}, "ours": {}}
