@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from bench import harness  # noqa: E402
 from bench.peer_trainers import PeerJob, PeerRun, specforge, speculators  # noqa: E402
 from bench.variants import eagle3  # noqa: E402
-from flows.config_file import load_config  # noqa: E402
+from flows.config.file import load_config  # noqa: E402
 from models.run_layout import RunLayout  # noqa: E402
 
 VENVS = REPO / "runs" / "peers"  # the peers' venvs, kept between runs
@@ -67,7 +67,7 @@ class Params:
 def run_config(run_dir: Path, name: str, train: dict[str, Any]) -> Path:
     """The demo's resolved config with these train settings and its own draft directory, and the eval in-process AND
     in the real vLLM (started by the eval with each draft) on the demo's prompts only."""
-    from flows.demo import demo_server
+    from flows.commands.demo import demo_server
 
     layout = RunLayout(run_dir)
     data = yaml.safe_load(layout.demo_config.read_text())
@@ -118,7 +118,7 @@ def evaluate(config: Path, run: PeerRun) -> dict[str, Any]:
 def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
     from rich.console import Console
 
-    from flows.demo import run_demo
+    from flows.commands.demo import run_demo
 
     run_dir = scratch / "run"
     started = time.monotonic()
@@ -145,27 +145,39 @@ def json_safe(run: PeerRun) -> dict[str, Any]:
     return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(replace(run)).items()}
 
 
-def table(results: dict[str, dict[str, Any]]) -> str:
-    head = (
-        "| trainer | acceptance (in-process) | vLLM 0.32, per round | same as vLLM | per position | optimizer steps "
-        "| trained tokens | training tokens/s | training wall (s) |\n"
-        "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |"
-    )
+def table(results: dict[str, dict[str, Any]]) -> None:
+    """The markdown table of docs/benchmarks.md, one row per draft."""
+    head = [
+        "trainer",
+        "acceptance (in-process)",
+        "vLLM 0.32, per round",
+        "same as vLLM",
+        "per position",
+        "optimizer steps",
+        "trained tokens",
+        "training tokens/s",
+        "training wall (s)",
+    ]
     rows = []
     for name, r in results.items():
-        per_position = " / ".join(f"{a:.2f}" for a in r["per_position"])
-        speed = f"{r['trained_tokens'] / r['train_s']:,.0f}" if r["train_s"] else "—"
-        wall = f"{r['train_s']:.0f}" if r["train_s"] else "—"
         rows.append(
-            f"| {name} | {r['acceptance']:.3f} | {r['vllm_per_round']:.3f} | "
-            f"{'yes' if r['vllm_equal'] else 'NO'} ({r['prompts']} prompts) | {per_position} | {r['optimizer_steps']} "
-            f"| {r['trained_tokens']:,} | {speed} | {wall} |"
+            [
+                name,
+                f"{r['acceptance']:.3f}",
+                f"{r['vllm_per_round']:.3f}",
+                f"{'yes' if r['vllm_equal'] else 'NO'} ({r['prompts']} prompts)",
+                " / ".join(f"{a:.2f}" for a in r["per_position"]),
+                r["optimizer_steps"],
+                f"{r['trained_tokens']:,}",
+                f"{r['trained_tokens'] / r['train_s']:,.0f}" if r["train_s"] else "—",
+                f"{r['train_s']:.0f}" if r["train_s"] else "—",
+            ]
         )
-    return "\n".join([head, *rows])
+    harness.markdown_table(head, rows, align="lrrllrrrr")
 
 
 def report(out: dict[str, Any]) -> None:
-    print(table(out["results"]))
+    table(out["results"])
     print("\nwall seconds: " + json.dumps(out["wall_s"]))
 
 

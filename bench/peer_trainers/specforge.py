@@ -160,7 +160,7 @@ def ensure_venv(root: Path) -> Path:
 
 def _run_config(run_dir: Path):
     """The run's resolved config (RUN_DIR/config.yaml, else the demo's demo-config.yaml)."""
-    from flows.config_file import load_config
+    from flows.config.file import load_config
     from models.run_layout import RunLayout
 
     layout = RunLayout(run_dir)

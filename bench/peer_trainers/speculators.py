@@ -153,7 +153,7 @@ class Prepared:
 
 def prepare_data(job: PeerJob, out: Path) -> Prepared:
     """Write the run's training split, then its held-out split, in speculators' offline format under `out`."""
-    from flows.config_file import load_config
+    from flows.config.file import load_config
     from models.export_format import vllm_aux_ids
     from models.run_layout import RunLayout
     from models.train_data import HiddenSource, split_samples
