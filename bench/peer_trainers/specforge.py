@@ -209,7 +209,9 @@ def _write_features(samples: list, out: Path) -> None:
 
 def _draft_vocab(run_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t [D] int64 offsets, t2d [V] bool) of the run's trained draft: the vocabulary every trainer uses."""
-    path = run_dir / "draft" / "final" / "model.safetensors"
+    from models.run_layout import RunLayout
+
+    path = RunLayout(run_dir).final / "model.safetensors"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no trained draft; let the demo run finish its train stage first")
     with safe_open(str(path), framework="pt") as f:
@@ -243,9 +245,11 @@ def _draft_config(job: PeerJob, draft_vocab_size: int) -> dict:
     The aux layers come from our draft's config.json (both SGLang's `eagle_config` and vLLM's top-level ids), so a
     server feeds this draft the layers its data was captured from; SpecForge's norm and fc options stay unset.
     """
+    from models.run_layout import RunLayout
+
     target = json.loads((job.target / "config.json").read_text())
     target = target.get("text_config", target)
-    ours = json.loads((job.run_dir / "draft" / "final" / "config.json").read_text())
+    ours = json.loads((RunLayout(job.run_dir).final / "config.json").read_text())
     config = {k: target[k] for k in TARGET_FIELDS if target.get(k) is not None}
     config.update(
         architectures=["LlamaForCausalLMEagle3"],
@@ -379,7 +383,7 @@ def train(python: Path, job: PeerJob, work: Path) -> PeerRun:
     train_s = time.monotonic() - started
 
     checkpoint, steps = _final_checkpoint(work / "output")
-    draft = work / "draft"
+    draft = work / "exported"  # the SGLang-style export of the last checkpoint
     _specforge(
         python,
         [
