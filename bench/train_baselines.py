@@ -164,7 +164,7 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     """One process (1 rank): the plain step and the job's DeepSpeed step in alternation, on the same batch tensors.
 
     Both drafts start from the same seed and see the same batches; each step runs the plain loop's
-    step and the job's (models.train.build_engine / train_forward, engine.backward / step, the per-step token
+    step and the job's (models.train.wrap_in_deepspeed / train_forward, engine.backward / step, the per-step token
     all-reduce), alternating which goes first. Whatever else runs on the machine hits both alike, so
     the difference is the engine's per-step cost. Phases: forward (TargetHead + forward_ttt, through
     the engine for ours), backward (engine.backward: autograd + ZeRO-2 gradient hooks), the rest
@@ -186,7 +186,7 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(cfg["threads"])
     import deepspeed
 
-    from models.train import build_engine, ds_train_config, grad_norm, sum_over_ranks, train_forward
+    from models.train import ds_train_config, grad_norm, sum_over_ranks, train_forward, wrap_in_deepspeed
     from models.train_metrics import MetricsWriter
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -196,7 +196,7 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     params, optimizer, scheduler = plain_optimizer(cfg, a["draft"], a["warmup"])
     train_job = TrainJob.model_validate(job)
     ds_config = ds_train_config(train_job, world_size=dist.world_size, bf16=train_job.bf16)  # as models/train.py does
-    engine = build_engine(ds_config, b["draft"], train_job.min_lr_ratio, cfg["steps"], b["warmup"])
+    ds_model = wrap_in_deepspeed(ds_config, b["draft"], train_job.min_lr_ratio, cfg["steps"], b["warmup"])
     grad_accum, total, ttt = cfg["grad_accum"], cfg["steps"], cfg["ttt_steps"]
     running = {"plain": Metrics(ttt, device), "ours": Metrics(ttt, device)}
     losses: dict[str, dict[int, float]] = {"plain": {}, "ours": {}}
@@ -236,15 +236,15 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     def ours_step(batches, n: int) -> tuple[float, float, float]:
         fwd = bwd = 0.0
         start = time.perf_counter()
-        engine.train()
+        ds_model.train()
         step_tokens = 0
         for batch in batches:
             t0 = time.perf_counter()
-            out = train_forward(engine, batch, b["target_head"], ttt)
+            out = train_forward(ds_model, batch, b["target_head"], ttt)
             t1 = time.perf_counter()
-            engine.backward(out.loss)
+            ds_model.backward(out.loss)
             fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
-            engine.step()
+            ds_model.step()
             running["ours"].add(out)
             step_tokens += batch.tokens
         sum_over_ranks(step_tokens, dist, device)
@@ -258,8 +258,8 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
                 "epoch": 0,
                 "time": time.time(),
                 **running["ours"].summary(STEP_DECAY),
-                "lr": engine.get_lr()[0],
-                "grad_norm": grad_norm(engine),
+                "lr": ds_model.get_lr()[0],
+                "grad_norm": grad_norm(ds_model),
                 "tokens": 0,
                 "tokens_per_s": round(sum_over_ranks(window["tokens"], dist, device) / elapsed, 2),
             }

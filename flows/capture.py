@@ -10,16 +10,16 @@ from prefect import flow
 from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
 from models.hidden_shards import NATIVE
-from models.jobs import CaptureJob, CaptureSettings, EngineSettings
-from tasks.capture.engine_server import CaptureServer, launched_engine
-from tasks.capture.plan import EngineWindow, capture_layers, target_shape
+from models.jobs import CaptureJob, CaptureSettings, VllmCaptureSettings
+from tasks.capture.plan import ExtractionWindow, capture_layers, target_shape
 from tasks.capture.tasks import (
     capture_retryable,
     index_hidden_states,
     plan_capture_task,
     run_capture_job,
-    run_engine_capture,
+    run_vllm_capture,
 )
+from tasks.capture.vllm_server import CaptureServer, launched_capture_server
 
 
 @flow(name="capture", flow_run_name="capture {config_path}")
@@ -37,7 +37,7 @@ def capture(config_path: str) -> dict:
             storage=c.storage,
             margin=c.disk_margin,
             max_tokens=c.max_tokens,
-            engine=EngineWindow(layout.engine_dir, c.engine.max_concurrency, c.shard_tokens)
+            engine=ExtractionWindow(layout.engine_dir, c.engine.max_concurrency, c.shard_tokens)
             if c.backend == "vllm"
             else None,
         )
@@ -59,10 +59,10 @@ def capture(config_path: str) -> dict:
                 shared_dir=layout.engine_dir,
                 command=e.command,
             )
-            with launched_engine(server, log_dir=layout.logs, health_timeout_s=e.health_timeout_s):
-                speed = run_engine_capture.with_options(**retried)(
+            with launched_capture_server(server, log_dir=layout.logs, health_timeout_s=e.health_timeout_s):
+                speed = run_vllm_capture.with_options(**retried)(
                     job=capture_job(config, aux_layers),
-                    engine=EngineSettings(**e.pick(EngineSettings)),
+                    engine=VllmCaptureSettings(**e.pick(VllmCaptureSettings)),
                     shared_dir=layout.engine_dir,
                     config_name=Path(config_path).stem,
                     token_cap=c.max_tokens,

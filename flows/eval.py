@@ -12,8 +12,8 @@ from flows.stage_run import stage_run
 from models.jobs import EvalJob, EvalSettings, HeldOut, ServerSettings
 from models.run_layout import RUN_DRAFTS
 from tasks.eval.benchmarks import benchmark_rows, benchmark_table_text, resolve_benchmarks
-from tasks.eval.engine import EngineServer
-from tasks.eval.tasks import evaluate_draft, evaluate_on_engine, publish_eval
+from tasks.eval.on_server import EvalServer
+from tasks.eval.tasks import evaluate_draft, evaluate_on_server, publish_eval
 from tasks.train.tasks import report_training
 
 
@@ -36,7 +36,7 @@ def evaluate(config_path: str, draft: str | None = None) -> dict:
             else None
         )
         engine = (
-            evaluate_on_engine(job=job, engine=config.eval, server=engine_server(config), config_name=name)
+            evaluate_on_server(job=job, engine=config.eval, server=eval_server(config), config_name=name)
             if backend in ("engine", "both")
             else None
         )
@@ -75,11 +75,11 @@ def eval_job(config: RunConfig, draft_dir: Path, raw_path: Path) -> EvalJob:
     )
 
 
-def engine_server(config: RunConfig) -> EngineServer:
+def eval_server(config: RunConfig) -> EvalServer:
     """The engine eval's server: `server` as the generate stage starts it, one server at server.url
     (or the running one)."""
     s = config.server
-    return EngineServer(
+    return EvalServer(
         settings=ServerSettings(**{**s.pick(ServerSettings), "url": config.eval_server_url, "urls": None}),
         launch=s.launch,
         target=config.target.path,

@@ -1,4 +1,4 @@
-"""Acceptance-length estimates, and how they relate to the measured value (models/spec_eval.py).
+"""Acceptance-length estimates, and how they relate to the measured value (models/speculative_decoding.py).
 
 Three numbers answer "how many tokens per target forward?" and they differ in kind:
 
@@ -7,7 +7,7 @@ Three numbers answer "how many tokens per target forward?" and they differ in ki
    `per_step_cond_acc`). Teacher-forced on held-out *records* (the dataset's responses, not the
    target's greedy text), and every position counts as a chain root once.
 2. measured: speculative decoding with S draft tokens per round on the eval prompts
-   (models/spec_eval.py `evaluate_acceptance`): the mean over verify rounds of the tokens a round
+   (models/speculative_decoding.py `evaluate_acceptance`): the mean over verify rounds of the tokens a round
    adds. Rounds start only where the previous round ended, so positions are weighted by rounds.
 3. round-weighted replay (`replay_acceptance`): the draft teacher-forced on the eval's own greedy
    output sequences (one target forward and one TTT forward per prompt: hits per position per
@@ -102,7 +102,7 @@ def simulate_rounds(hits: list[list[bool]], prompt_len: int, output_len: int) ->
     The output's first token comes from the prefill; each round drafts from the last verified
     position r (root), accepts steps 0, 1, ... while hits[k][r] (at most len(hits)), adds the
     accepted tokens plus the bonus, and is cut where the output ends. A cut round's accepted count
-    is its known hits (at most what was left), as models/spec_eval.py counts it.
+    is its known hits (at most what was left), as models/speculative_decoding.py counts it.
     """
     steps = len(hits)
     rounds, produced = [], 1
@@ -123,7 +123,7 @@ def replay_acceptance(
     """The round-weighted replay (module docstring, 3) over prompts and their greedy outputs.
 
     Returns acceptance_length (mean kept tokens per simulated round; 0.0 with no round),
-    per_position_* counted as models/spec_eval.py counts them, rounds, and `all_roots`: the
+    per_position_* counted as models/speculative_decoding.py counts them, rounds, and `all_roots`: the
     per-step conditional accept rates over every root in the outputs and their chain formula.
     """
     if num_steps < 1:

@@ -32,7 +32,7 @@ from models.eval_prompts import EvalPrompt, benchmark_prompts, eval_prompts
 from models.jobs import BenchmarkSpec, EvalJob
 from models.rank import say, serve
 from models.rank_protocol import EVAL, EVAL_PROGRESS
-from models.spec_eval import SpecEvalResult, evaluate_acceptance
+from models.speculative_decoding import SpecEvalResult, evaluate_acceptance
 from models.target_loader import load_language_model
 
 
@@ -102,7 +102,7 @@ def run(job: EvalJob) -> dict[str, Any]:
                 )
             )
         result[name] = merge_results(parts)
-        # per prompt, to set beside the engine backend's replies (tasks/eval/engine.py compare_with_hf)
+        # per prompt, to set beside the engine backend's replies (tasks/eval/on_server.py compare_with_hf)
         result[name]["per_prompt"] = [
             {"source": p.source, "id": p.id, "new_tokens": r.new_tokens, "rounds": r.rounds}
             for p, r in zip(selected, parts)
@@ -141,7 +141,7 @@ def decode_benchmark(
 ) -> dict[str, Any]:
     """One benchmark's questions decoded with `draft`: `merge_results` over them, "max_new_tokens", "per_prompt", and
     "acceptance_length_specforge": completion tokens / verify rounds (the prefill's token counted), as SpecForge's
-    bench_eagle3 and the published anchors count (models/spec_eval.py counts tokens per verify round)."""
+    bench_eagle3 and the published anchors count (models/speculative_decoding.py counts tokens per verify round)."""
     max_new_tokens = spec.max_new_tokens or job.max_new_tokens
     parts = []
     for i, prompt in enumerate(prompts):
@@ -194,7 +194,7 @@ def merge_results(parts: list[SpecEvalResult]) -> dict[str, Any]:
 def accepted_tokens(result: SpecEvalResult) -> int:
     """Draft tokens the target accepted over `result`'s verify rounds: acceptance_length x rounds - rounds.
 
-    acceptance_length is the mean over rounds of accepted + 1 (models/spec_eval.py), so this is exact.
+    acceptance_length is the mean over rounds of accepted + 1 (models/speculative_decoding.py), so this is exact.
     """
     return round(result.acceptance_length * result.rounds) - result.rounds
 

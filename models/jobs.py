@@ -3,8 +3,8 @@
 Each stage has a `*Settings` class holding what a user chooses for it. The run config's section
 (flows/config/schema.py) extends it with what only the pipeline needs (ranks, launcher, retries, where
 outputs go); the stage's `*Job` extends it with what the pipeline fills in (the target, paths, the
-device). A flow builds a job from the run config in one call (`Spec.pick`); a rank process reads
-its JSON job through the same class (`load_job`, models/spec.py), so an unknown key or a bad value in a job file
+device). A flow builds a job from the run config in one call (`StrictModel.pick`); a rank process reads
+its JSON job through the same class (`load_job`, models/strict.py), so an unknown key or a bad value in a job file
 fails with its name, and no default can drift between the config and the job.
 
 This module is the bottom layer: pydantic only (no torch, prefect or httpx), importable by
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from models.server_access import api_key_from_env, server_url
-from models.spec import Spec
+from models.strict import StrictModel
 
 # A server's base URL (server.url, capture.engine.url, eval.baseline_url), checked and without a trailing slash.
 ServerUrl = Annotated[str, AfterValidator(server_url)]
@@ -58,7 +58,7 @@ class KeyFromEnv:
 # --- the target -------------------------------------------------------------------------------
 
 
-class TargetCode(Spec):
+class TargetCode(StrictModel):
     """Whether the target's own modelling code may run."""
 
     trust_remote_code: bool = False
@@ -73,14 +73,14 @@ class TargetSpec(TargetCode):
     weights are loaded by the capture stage."""
 
 
-class DatasetRecords(Spec):
+class DatasetRecords(StrictModel):
     """One dataset's training records: RUN_DIR/records/<name>/part-*.parquet."""
 
     name: str
     records_dir: str
 
 
-class RecordsRef(Spec):
+class RecordsRef(StrictModel):
     """The records a job reads, per dataset."""
 
     datasets: list[DatasetRecords] = Field(default_factory=list)
@@ -95,7 +95,7 @@ class RecordsRef(Spec):
         return value
 
 
-class AuxLayers(Spec):
+class AuxLayers(StrictModel):
     """Which decoder layers' outputs EAGLE-3 reads (the capture writes them, the draft is built for them)."""
 
     aux_layers: list[int] | None = None
@@ -119,7 +119,7 @@ class AuxLayers(Spec):
 # --- generate ---------------------------------------------------------------------------------
 
 
-class ServerSettings(KeyFromEnv, Spec):
+class ServerSettings(KeyFromEnv, StrictModel):
     """How to reach the serving engine's servers (the API key is read from `api_key_env` at use, never stored)."""
 
     engine: Literal["sglang", "vllm"] = "sglang"
@@ -167,7 +167,7 @@ class ServerSettings(KeyFromEnv, Spec):
         return list(self.urls) if self.urls else [self.url]
 
 
-class GenerateSettings(Spec):
+class GenerateSettings(StrictModel):
     """Checkpointing and progress of the generate stage."""
 
     flush_every: int = Field(default=256, ge=1)
@@ -182,7 +182,7 @@ class GenerateSettings(Spec):
     """Merge small checkpoint parts once this many have been written."""
 
 
-class DatasetGenerateSettings(Spec):
+class DatasetGenerateSettings(StrictModel):
     """What one generate dataset may spend and which turns it answers: a dataset's config, carried by its job."""
 
     token_budget: int | None = Field(default=None, ge=1)
@@ -217,7 +217,7 @@ class GenerateJob(GenerateSettings, DatasetGenerateSettings):
 # --- records ----------------------------------------------------------------------------------
 
 
-class RecordSettings(Spec):
+class RecordSettings(StrictModel):
     """How responses and passthrough rows become training records (input_ids + loss_mask)."""
 
     max_seq_len: int | None = Field(default=8192, ge=16)
@@ -312,7 +312,7 @@ class CaptureJob(CaptureSettings, RecordsRef, RankJob):
     by the task: no default."""
 
 
-class EngineSettings(KeyFromEnv, Spec):
+class VllmCaptureSettings(KeyFromEnv, StrictModel):
     """How the capture reaches a vLLM server that extracts hidden states (capture.backend: vllm; docs/kimi-k25.md).
 
     The server runs the target with `speculative_config.method = extract_hidden_states` and the
@@ -352,7 +352,7 @@ DRAFT_OVERRIDES = (
 )
 
 
-class HeldOut(Spec):
+class HeldOut(StrictModel):
     """The held-out split and the seed: training never sees the split, eval decodes its prompts."""
 
     eval_fraction: float = Field(default=0.02, ge=0, lt=1)
@@ -468,7 +468,7 @@ BENCHMARK_FORMATS = ("mt_bench", "gsm8k", "humaneval")
 BENCHMARK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
-class BenchmarkSpec(Spec):
+class BenchmarkSpec(StrictModel):
     """A published benchmark the eval also decodes, in its published format (models/eval_benchmarks.py), reported on its
     own beside the published acceptance length for the target."""
 
@@ -510,7 +510,7 @@ class BenchmarkSpec(Spec):
         return self
 
 
-class EvalSettings(Spec):
+class EvalSettings(StrictModel):
     """`eagle3 eval`: speculative decoding with the HF target (greedy) and the exported draft on held-out prompts."""
 
     prompts: int = Field(default=32, ge=1)
@@ -542,7 +542,7 @@ class EvalSettings(Spec):
         return value
 
 
-class EngineEvalSettings(Spec):
+class ServedEvalSettings(StrictModel):
     """How the eval is measured: in-process with HF transformers, through the serving engine, or both side by side."""
 
     backend: Literal["hf", "engine", "both"] = "hf"

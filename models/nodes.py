@@ -9,10 +9,10 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from models.spec import Spec
+from models.strict import StrictModel
 
 
-class Nodes(Spec):
+class Nodes(StrictModel):
     """The nodes a capture or train job spans: one (the defaults), or several sharing RUN_DIR.
 
     World size = nnodes x the stage's num_gpus (every node runs that many ranks). Global rank r runs on

@@ -188,7 +188,7 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
         with writing(out_dir / DS_CONFIG, ckpt_dir):
             out_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(out_dir / DS_CONFIG, json.dumps(ds_config, indent=2))
-    engine = build_engine(ds_config, draft, job.min_lr_ratio, total_steps, warmup)
+    ds_model = wrap_in_deepspeed(ds_config, draft, job.min_lr_ratio, total_steps, warmup)
     if dist.rank == 0:
         log(
             f"train: {len(train_samples)} training samples ({sum(s.length for s in train_samples):,} tokens), "
@@ -199,12 +199,12 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
             + (f"; {source.cut} samples cut to {job.max_batch_tokens} tokens" if source.cut else "")
         )
 
-    position = resume_checkpoint(engine, ckpt_dir, dist)
+    position = resume_checkpoint(ds_model, ckpt_dir, dist)
     writer = MetricsWriter(out_dir, position.step, enabled=dist.rank == 0)
     dtype = torch.bfloat16 if job.bf16 else torch.float32
 
     def export(directory: Path) -> None:  # final/ and best/ alike: validated, renamed into place once complete
-        export_draft(engine.module, directory, target_config=target_config, dtype=dtype)
+        export_draft(ds_model.module, directory, target_config=target_config, dtype=dtype)
 
     best = BestDraft(out_dir, position.step, dist, export)  # the best eval up to the resumed step, and best/
 
@@ -218,15 +218,15 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     while position.step < total_steps:
         batches = epoch_batches(train_samples, job.max_batch_tokens, job.seed, position.epoch)
         while position.step_in_epoch < per_epoch and position.step < total_steps:
-            engine.train()
+            ds_model.train()
             step_tokens = 0
             for micro in rank_micro_batches(
                 batches, position.step_in_epoch, dist.rank, dist.world_size, job.grad_accum
             ):
                 batch = source.batch(micro, device)
-                out = train_forward(engine, batch, target_head, job.ttt_steps)
-                engine.backward(out.loss)
-                engine.step()
+                out = train_forward(ds_model, batch, target_head, job.ttt_steps)
+                ds_model.backward(out.loss)
+                ds_model.step()
                 running.add(out)
                 step_tokens += batch.tokens
             position.step += 1
@@ -244,8 +244,8 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
                     "epoch": position.epoch,
                     "time": time.time(),
                     **running.summary(STEP_DECAY),
-                    "lr": engine.get_lr()[0],
-                    "grad_norm": grad_norm(engine),
+                    "lr": ds_model.get_lr()[0],
+                    "grad_norm": grad_norm(ds_model),
                     "tokens": position.tokens,
                     "tokens_per_s": round(tokens_per_s, 2),
                 }
@@ -260,11 +260,11 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
                         total=total_steps,
                         tokens=position.tokens,
                         loss=out.loss.item(),
-                        lr=engine.get_lr()[0],
+                        lr=ds_model.get_lr()[0],
                     )
                 )
             if eval_batches and (position.step % job.eval_every == 0 or position.step == total_steps):
-                last_eval = _evaluate(engine, source, eval_batches, target_head, job, dist, device)
+                last_eval = _evaluate(ds_model, source, eval_batches, target_head, job, dist, device)
                 writer.write(
                     {"kind": "eval", "step": position.step, "epoch": position.epoch, "time": time.time(), **last_eval}
                 )
@@ -277,7 +277,7 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
                 if new is not None:
                     tell(TRAIN_BEST.format(step=new.step, acceptance_length=new.acceptance_length, dir=best.dir))
             if position.step % job.checkpoint_every == 0 or position.step == total_steps:
-                save_checkpoint(engine, ckpt_dir, position, job.keep_checkpoints, dist, fingerprint)
+                save_checkpoint(ds_model, ckpt_dir, position, job.keep_checkpoints, dist, fingerprint)
                 tell(TRAIN_CHECKPOINT.format(step=position.step))
         if position.step_in_epoch >= per_epoch:
             position.epoch += 1
@@ -324,41 +324,43 @@ class _TTT(torch.nn.Module):
         return self.draft.forward_ttt(*args, **kwargs)
 
 
-def build_engine(ds_config: dict[str, Any], draft: Eagle3Draft, min_lr_ratio: float, total_steps: int, warmup: int):
+def wrap_in_deepspeed(
+    ds_config: dict[str, Any], draft: Eagle3Draft, min_lr_ratio: float, total_steps: int, warmup: int
+):
     import deepspeed
 
     wrapped = _TTT(draft)
     params = [p for p in wrapped.parameters() if p.requires_grad]
     schedule = lr_lambda(total_steps, warmup, min_lr_ratio)
-    engine, *_ = deepspeed.initialize(
+    ds_model, *_ = deepspeed.initialize(
         model=wrapped,
         model_parameters=params,
         config=ds_config,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
     )
-    return _EngineView(engine)
+    return _DeepSpeedModel(ds_model)
 
 
-class _EngineView:
+class _DeepSpeedModel:
     """The DeepSpeed engine, with `module` meaning the draft itself (for export) and the TTT call as `__call__`."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, ds_model):
+        self.ds_model = ds_model
 
     def __getattr__(self, name):
-        return getattr(self.engine, name)
+        return getattr(self.ds_model, name)
 
     @property
     def module(self) -> Eagle3Draft:
-        return self.engine.module.draft
+        return self.ds_model.module.draft
 
     def __call__(self, *args, **kwargs):
-        return self.engine(*args, **kwargs)
+        return self.ds_model(*args, **kwargs)
 
 
 @torch.no_grad()
 def _evaluate(
-    engine,
+    ds_model,
     source,
     eval_batches: list[list[TrainSample]],
     target_head: TargetHead,
@@ -367,13 +369,13 @@ def _evaluate(
     device: torch.device,
 ) -> dict[str, Any]:
     """TTT metrics over the held-out samples, summed over ranks (every rank evaluates a share)."""
-    engine.eval()
+    ds_model.eval()
     metrics = Metrics(job.ttt_steps, device)
     for samples in eval_share(eval_batches, dist.rank, dist.world_size):
         batch = source.batch(samples, device)
-        metrics.add(engine.module.forward_ttt(*_ttt_args(batch, target_head), ttt_steps=job.ttt_steps))
+        metrics.add(ds_model.module.forward_ttt(*_ttt_args(batch, target_head), ttt_steps=job.ttt_steps))
     metrics.all_reduce(dist)
-    engine.train()
+    ds_model.train()
     return metrics.summary(STEP_DECAY)
 
 
@@ -381,8 +383,8 @@ def _ttt_args(batch: Batch, target_head: TargetHead) -> tuple:
     return (batch.input_ids, batch.aux_hidden, target_head(batch.last_hidden), batch.loss_mask, batch.attention_mask)
 
 
-def grad_norm(engine) -> float | None:
-    norm = engine.get_global_grad_norm()
+def grad_norm(ds_model) -> float | None:
+    norm = ds_model.get_global_grad_norm()
     if norm is None:
         return None
     norm = float(norm)

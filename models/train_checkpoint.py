@@ -72,7 +72,7 @@ def complete_checkpoints(ckpt_dir: Path) -> list[tuple[int, str]]:
 
 
 def save_checkpoint(
-    engine, ckpt_dir: Path, position: Position, keep: int, dist: Dist, fingerprint: dict[str, Any]
+    ds_model, ckpt_dir: Path, position: Position, keep: int, dist: Dist, fingerprint: dict[str, Any]
 ) -> None:
     """Save a checkpoint; it counts only once COMPLETE is renamed into place (rank 0, after every rank).
 
@@ -81,12 +81,14 @@ def save_checkpoint(
     """
     tag = f"step-{position.step:08d}"
     with writing(ckpt_dir / tag, ckpt_dir):
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"position": asdict(position)}, save_latest=False)
+        ds_model.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"position": asdict(position)}, save_latest=False)
         rng = {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and engine.device.type == "cuda" else None,
+            "cuda": torch.cuda.get_rng_state()
+            if torch.cuda.is_available() and ds_model.device.type == "cuda"
+            else None,
         }
         torch.save(rng, ckpt_dir / tag / f"rng-rank-{dist.rank}.pt")
     dist.barrier()  # every rank's files are on disk
@@ -285,7 +287,7 @@ def check_fingerprint(ckpt_dir: Path, fingerprint: dict[str, Any], *, warn: bool
         )
 
 
-def resume_checkpoint(engine, ckpt_dir: Path, dist: Dist) -> Position:
+def resume_checkpoint(ds_model, ckpt_dir: Path, dist: Dist) -> Position:
     """Load the newest complete checkpoint, if any; drop incomplete ones (a kill during a save)."""
     done = complete_checkpoints(ckpt_dir)
     dist.barrier()  # everyone listed before rank 0 cleans up
@@ -299,7 +301,7 @@ def resume_checkpoint(engine, ckpt_dir: Path, dist: Dist) -> Position:
     if not done:
         return Position()
     step, tag = done[-1]
-    _, client = engine.load_checkpoint(
+    _, client = ds_model.load_checkpoint(
         str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     position = Position(**client["position"])

@@ -24,7 +24,7 @@ from models.atomic import write_atomic
 from models.file_errors import WriteFailed, is_write_error
 from models.nodes import Nodes
 from models.rank_protocol import Message, Protocol, most_telling, reported_error
-from models.spec import Spec
+from models.strict import StrictModel
 from tasks.ports import free_port
 
 
@@ -280,7 +280,7 @@ def run_job(
         )
 
 
-def write_job(job: Spec, path: Path, *, kept: Callable[[], str], resume: str) -> None:
+def write_job(job: StrictModel, path: Path, *, kept: Callable[[], str], resume: str) -> None:
     """Write a rank job's JSON file (atomically) from its spec;
     a storage failure is `WriteFailed` saying what is `kept()`."""
     try:

@@ -12,7 +12,7 @@ the real model behind them:
 
 SGLang behaviours it follows (SGLang 0.5.23 unless started with ``sglang_version="0.4"``; the rules
 and their sources are in ``emulators/sglang_protocol/``): a stop token before the length cap
-(`Engine._append`, `Engine._speculate`); a held rid refused as a duplicate; a disconnected client
+(`Batcher._append`, `Batcher._speculate`); a held rid refused as a duplicate; a disconnected client
 noticed only on the ``disconnect_poll_s`` poll (default SGLang's 4 s); /abort_request by rid prefix;
 the queued-abort and running-abort answers; ``--api-key`` / ``--admin-api-key``; /flush_cache
 refused (400) while requests are in flight, and resetting the speculative metrics when it succeeds.
@@ -26,13 +26,13 @@ One concept per file:
 
 - speculative.py: `Speculative`, a draft to serve with, from SGLang's ``--speculative-*`` flags (greedy chain
   speculative decoding, ``spec_verify_ct``, the reserved tokens).
-- sequence.py: `EngineSequence`, one request inside the engine, and its KV cache.
-- engine.py: `Engine`, the continuous batcher: one worker thread owns the model; SGLang's speculative metrics
+- sequence.py: `BatchSequence`, one request inside the batcher, and its KV cache.
+- batcher.py: `Engine`, the continuous batcher: one worker thread owns the model; SGLang's speculative metrics
   (``avg_spec_accept_length``).
 - sampling.py: `sample`, one token from the logits (greedy, or temperature + top-k + top-p).
 - draft.py: `load_served_draft`, an EAGLE-3 export as SGLang serves it.
 - backend.py: `DevBackend`, the model behind sglang_protocol's endpoints.
-- app.py: `create_app` (the model, the engine and sglang_protocol's app; vLLM's hidden-state extraction) and
+- app.py: `create_app` (the model, the batcher and sglang_protocol's app; vLLM's hidden-state extraction) and
   `serve`, uvicorn until interrupted.
 - cli.py: `main`, the command line (also ``eagle3 serve-dev``).
 - __main__.py: ``python -m emulators.dev_server --model DIR [--host] [--port] [--speculative-* ..]

@@ -21,8 +21,8 @@ from fastapi import FastAPI
 
 from emulators import vllm_extract
 from emulators.dev_server.backend import VERSION, DevBackend
+from emulators.dev_server.batcher import Batcher
 from emulators.dev_server.draft import load_served_draft
-from emulators.dev_server.engine import Engine
 from emulators.dev_server.speculative import Speculative
 from emulators.sglang_protocol.app import create_sglang_app
 from emulators.sglang_protocol.auth import Auth
@@ -102,7 +102,7 @@ def create_app(
     draft = None
     if speculative is not None:
         draft = load_served_draft(speculative.draft_model_path, model, version)
-    engine = Engine(
+    batcher = Batcher(
         model,
         tokenizer,
         eos_ids=_eos_ids(model, tokenizer),
@@ -113,7 +113,7 @@ def create_app(
         decode_log_interval=decode_log_interval,
     )
     backend = DevBackend(
-        engine,
+        batcher,
         model,
         tokenizer,
         limits,
@@ -126,11 +126,11 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        engine.start()
+        batcher.start()
         try:
             yield
         finally:
-            await asyncio.to_thread(engine.stop)
+            await asyncio.to_thread(batcher.stop)
 
     app = create_sglang_app(
         backend,
@@ -140,7 +140,7 @@ def create_app(
         auth=auth,
         lifespan=lifespan,
     )
-    app.state.engine = engine
+    app.state.batcher = batcher
     if extraction is not None:
         app.include_router(
             vllm_extract.router(

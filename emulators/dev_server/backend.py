@@ -17,8 +17,8 @@ from typing import Any
 
 from fastapi import Request
 
-from emulators.dev_server.engine import Engine
-from emulators.dev_server.sequence import EngineSequence
+from emulators.dev_server.batcher import Batcher
+from emulators.dev_server.sequence import BatchSequence
 from emulators.dev_server.speculative import Speculative
 from emulators.sglang_protocol.disconnect import DISCONNECT_POLL_S, results_or_abort
 from emulators.sglang_protocol.errors import BadRequest, ContractError, ServerError
@@ -38,7 +38,7 @@ class DevBackend:
 
     def __init__(
         self,
-        engine: Engine,
+        batcher: Batcher,
         model,
         tokenizer,
         limits: ModelLimits,
@@ -49,18 +49,18 @@ class DevBackend:
         speculative: Speculative | None = None,
         disconnect_poll_s: float = DISCONNECT_POLL_S,
     ):
-        self.engine, self.model, self.tokenizer, self.limits = engine, model, tokenizer, limits
+        self.batcher, self.model, self.tokenizer, self.limits = batcher, model, tokenizer, limits
         self.model_path, self.served_model_name = model_path, served_model_name
         self.max_batch_size = max_batch_size
         self.speculative = speculative
-        self.version = engine.version
+        self.version = batcher.version
         self.disconnect_poll_s = disconnect_poll_s
         self.held = HeldRids(self.version)  # event loop only
 
-    def sequence(self, prompt: str | list[int], raw_params: Any, rid: str, arrived: float) -> EngineSequence:
-        """Tokenize and check one prompt (SGLang's checks and words): a sequence for the engine."""
+    def sequence(self, prompt: str | list[int], raw_params: Any, rid: str, arrived: float) -> BatchSequence:
+        """Tokenize and check one prompt (SGLang's checks and words): a sequence for the batcher."""
         if isinstance(prompt, str):
-            with self.engine.tokenizer_lock:
+            with self.batcher.tokenizer_lock:
                 ids = self.tokenizer.encode(prompt, add_special_tokens=False)  # no chat template, no BOS
         else:
             ids = list(prompt)
@@ -72,7 +72,7 @@ class DevBackend:
                 "or start the server without --speculative-draft-model-path."
             )
         loop = asyncio.get_running_loop()
-        return EngineSequence(
+        return BatchSequence(
             rid=rid,
             prompt_ids=ids,
             params=params,
@@ -84,8 +84,8 @@ class DevBackend:
 
     async def generate(self, request: Request) -> Any:
         arrived = time.perf_counter()
-        if not self.engine.alive:  # app used without its lifespan, or shutting down
-            raise ServerError(503, "The dev server's engine is not running.")
+        if not self.batcher.alive:  # app used without its lifespan, or shutting down
+            raise ServerError(503, "The dev server's batcher is not running.")
         try:
             req = parse_generate(await request.body(), server="dev server", version=self.version)
             # tokenizer_manager.py generate_request: normalise, `_init_req_state` (duplicate rids), then
@@ -105,7 +105,7 @@ class DevBackend:
         for s in seqs:  # held until its final output is processed (`_handle_batch_output` deletes it)
             # The default re-binds the loop variable; mypy can't infer such a lambda (python/mypy#15459).
             s.future.add_done_callback(lambda _f, rid=s.rid: self.held.release(rid))  # type: ignore[misc]
-        self.engine.submit(seqs)
+        self.batcher.submit(seqs)
         try:
             results = await results_or_abort(
                 request,
@@ -120,23 +120,23 @@ class DevBackend:
 
     def abort(self, rid: str, abort_all: bool) -> int:
         match = abort_matcher(rid, abort_all, self.held)
-        return 0 if match is None else self.engine.abort(match)
+        return 0 if match is None else self.batcher.abort(match)
 
     def flush_cache(self) -> bool:
-        return self.engine.flush_cache()
+        return self.batcher.flush_cache()
 
     def healthy(self) -> bool:
-        return self.engine.alive
+        return self.batcher.alive
 
     async def health_generate(self) -> bool:
-        if not self.engine.alive:
+        if not self.batcher.alive:
             return False
         probe = self.sequence([0], {"max_new_tokens": 1, "temperature": 0}, health_check_rid(), time.perf_counter())
-        self.engine.submit([probe])
+        self.batcher.submit([probe])
         try:
             await asyncio.wait_for(probe.future, timeout=_HEALTH_CHECK_TIMEOUT_S)
         except Exception:  # includes the timeout
-            self.engine.abort(seqs=[probe])
+            self.batcher.abort(seqs=[probe])
             return False
         return True
 
@@ -151,13 +151,13 @@ class DevBackend:
             skip_tokenizer_init=False,
             version=VERSION,
             speculative=self.speculative.server_args() if self.speculative else None,
-            avg_spec_accept_length=self.engine.avg_spec_accept_length if self.speculative else None,
+            avg_spec_accept_length=self.batcher.avg_spec_accept_length if self.speculative else None,
         )
 
     def loads(self) -> dict[str, Any]:
         return loads(
-            running=len(self.engine._active),
-            waiting=len(self.engine._waiting),
+            running=len(self.batcher._active),
+            waiting=len(self.batcher._waiting),
             max_running=self.max_batch_size,
             version=VERSION,
         )

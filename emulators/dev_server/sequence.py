@@ -1,4 +1,4 @@
-"""One request inside the engine: `EngineSequence`, and its KV cache in and out of transformers' cache.
+"""One request inside the batcher: `BatchSequence`, and its KV cache in and out of transformers' cache.
 
 Its ``max_new_tokens`` is the request's after SGLang 0.5.23's clamp to the context (scheduler.py
 ``init_req_max_new_tokens``, emulators/sglang_protocol/limits.py).
@@ -16,8 +16,8 @@ from emulators.sglang_protocol.sampling import SamplingParams
 
 
 @dataclasses.dataclass(eq=False)
-class EngineSequence:
-    """One request's state inside the engine."""
+class BatchSequence:
+    """One request's state inside the batcher."""
 
     rid: str
     prompt_ids: list[int]

@@ -4,7 +4,8 @@ Speculative decoding (``--speculative-algorithm EAGLE3 --speculative-draft-model
 --speculative-num-steps S [--speculative-eagle-topk 1] [--speculative-num-draft-tokens S+1]``,
 SGLang's flags): the server loads an EAGLE-3 draft exported by ``models/eagle3_export.py`` (draft.py) and
 decodes every request with chain (top-1) speculative decoding -- the very function the in-process
-eval uses, ``models.spec_eval.speculative_decode`` (greedy target, top-1 draft; engine.py). ``meta_info`` then
+eval uses, ``models.speculative_decoding.speculative_decode`` (greedy target, top-1 draft; batcher.py).
+``meta_info`` then
 carries SGLang's ``spec_verify_ct``: the request's verify rounds (target forwards after the
 prefill); the first token comes from the prefill and belongs to no round, so a request that ends
 there has 0. SGLang's acceptance length is ``completion_tokens / spec_verify_ct``; the per-round

@@ -39,7 +39,7 @@ class SimBackend:
         if stats.open_requests > stats.max_open_requests:
             stats.max_open_requests = stats.open_requests
         try:
-            arrived = srv._engine_loop().time()
+            arrived = srv._batch_loop().time()
             try:
                 req = parse_generate(await request.body(), server="sim server", accepts_text=False, version=srv.version)
                 # tokenizer_manager.py generate_request: normalise, `_init_req_state` (duplicate rids),
@@ -93,7 +93,7 @@ class SimBackend:
         out = simulate_output(ids, params, srv.config)
         doomed = srv._abort_if is not None and bool(srv._abort_if(ids))
         held = srv._hold_if is not None and bool(srv._hold_if(ids))
-        return Seq(rid, len(ids), out, arrived, srv._engine_loop().create_future(), doomed, held)
+        return Seq(rid, len(ids), out, arrived, srv._batch_loop().create_future(), doomed, held)
 
     def abort(self, rid: str, abort_all: bool) -> int:
         self.server.stats.abort_requests += 1

@@ -44,7 +44,7 @@ class FaultInjection:
     reset_stats: Callable[[], None]
     _abort: Callable[[str, bool], int]
     _drop_all_sequences: Callable[[str], None]
-    _engine_loop: Callable[[], asyncio.AbstractEventLoop]
+    _batch_loop: Callable[[], asyncio.AbstractEventLoop]
     # Its own state that may be None (set in _init_faults).
     _fail_path: str | None  # None: any non-admin path
     _drop_path: str | None
@@ -263,7 +263,7 @@ class FaultInjection:
                 self.stats.dropped_connections += 1
                 transport.close()
 
-        self._engine_loop().call_later(after_s, cut)
+        self._batch_loop().call_later(after_s, cut)
 
     def _take_fault(self, path: str | None) -> str | None:
         """The injected fault that takes this request, "fail" or "drop", counted; None: serve it."""

@@ -88,7 +88,7 @@ class Scheduler:
         self._held = HeldRids(self.version)  # SGLang's rid_to_state: claimed at admission, freed at the end
         self._last_touch = 0.0
 
-    def _engine_loop(self) -> asyncio.AbstractEventLoop:
+    def _batch_loop(self) -> asyncio.AbstractEventLoop:
         """The server's event loop, which the engine runs on; none means the server is not started (a bug)."""
         loop = self._loop
         if loop is None:
@@ -97,7 +97,7 @@ class Scheduler:
 
     def _touch(self) -> None:
         """Advance the busy integrals to now (call before the running set changes)."""
-        now = self._engine_loop().time()
+        now = self._batch_loop().time()
         dt = now - self._last_touch
         if dt > 0 and self._running:
             self.stats.busy_slot_s += len(self._running) * dt
@@ -124,7 +124,7 @@ class Scheduler:
                 seq.state = "delay"
             elif delay > 0:
                 seq.state = "delay"
-                seq.handle = self._engine_loop().call_later(delay, self._enqueue, seq)
+                seq.handle = self._batch_loop().call_later(delay, self._enqueue, seq)
             else:
                 self._enqueue(seq)
         self._gauges()
@@ -136,7 +136,7 @@ class Scheduler:
         if seq.out.finish_reason.get("length") == 0:  # max_new_tokens 0: nothing to run
             self._finish(seq, seq.out.output_ids, seq.out.finish_reason)
             return
-        seq.state, seq.queued_at = "queued", self._engine_loop().time()
+        seq.state, seq.queued_at = "queued", self._batch_loop().time()
         if self._waiting or len(self._running) >= self.config.max_running:
             self.stats.queued_sequences += 1  # no free slot: it will wait
         self._waiting.append(seq)
@@ -147,7 +147,7 @@ class Scheduler:
         if not self._waiting or len(self._running) >= self.config.max_running:
             return
         self._touch()
-        loop, cfg = self._engine_loop(), self.config
+        loop, cfg = self._batch_loop(), self.config
         now = loop.time()
         while self._waiting and len(self._running) < cfg.max_running:
             seq = self._waiting.popleft()
@@ -194,7 +194,7 @@ class Scheduler:
                     output_ids=ids,
                     finish_reason=reason,
                     prompt_tokens=seq.prompt_len,
-                    e2e_latency=self._engine_loop().time() - seq.arrived,
+                    e2e_latency=self._batch_loop().time() - seq.arrived,
                     version=self.version,
                 )
             )
@@ -212,7 +212,7 @@ class Scheduler:
         cfg, ids = self.config, seq.out.output_ids
         reason = finish_abort("Server shutting down" if cause == "shutdown" else None)
         if seq.state == "running":
-            elapsed = self._engine_loop().time() - seq.started - cfg.prefill_s_per_token * seq.prompt_len
+            elapsed = self._batch_loop().time() - seq.started - cfg.prefill_s_per_token * seq.prompt_len
             done = len(ids) if cfg.decode_s_per_token == 0 else int(max(0.0, elapsed) / cfg.decode_s_per_token)
             if cause == "server":  # abort_if aborts it as it starts
                 done = 0
@@ -225,7 +225,7 @@ class Scheduler:
             result = None
             if cause != "shutdown":
                 result = queued_abort_result(
-                    rid=seq.rid, e2e_latency=self._engine_loop().time() - seq.arrived, version=self.version
+                    rid=seq.rid, e2e_latency=self._batch_loop().time() - seq.arrived, version=self.version
                 )
                 self.stats.queued_aborts += 1
         self.stats.aborted += 1

@@ -297,7 +297,7 @@ def _vllm_server(config: RunConfig, aux: list[int] | None, *, draft: bool, expor
 
 def _vllm_capture_server(config: RunConfig, aux: list[int] | None, layers: int, *, engine: bool) -> VllmServer:
     """capture.engine's vLLM: the extraction's ids (the aux layers' outputs, then the end layer's)."""
-    from models.engine_hidden import engine_layer_ids
+    from models.vllm_hidden import engine_layer_ids
     from tasks.doctor.vllm_target import VllmServer
 
     e = config.capture.engine

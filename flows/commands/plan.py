@@ -10,7 +10,7 @@ from flows.config.schema import RunConfig
 from tasks.capture.plan import (
     CapturePlan,
     DiskTooSmall,
-    EngineWindow,
+    ExtractionWindow,
     check_fits,
     human_bytes,
     plan_capture,
@@ -92,7 +92,9 @@ def capture_plan(config: RunConfig) -> CapturePlan:
     (reads the target's config.json; raises if it cannot)."""
     shape = target_shape(config.target.path, config.target.trust_remote_code)
     c, layout = config.capture, config.layout
-    engine = EngineWindow(layout.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
+    engine = (
+        ExtractionWindow(layout.engine_dir, c.engine.max_concurrency, c.shard_tokens) if c.backend == "vllm" else None
+    )
     return plan_capture(
         [layout.records(d.name) for d in config.datasets],
         layout.hidden_dir,

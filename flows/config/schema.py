@@ -20,26 +20,26 @@ from models.jobs import (
     CaptureSettings,
     DatasetGenerateSettings,
     DatasetRecords,
-    EngineEvalSettings,
-    EngineSettings,
     EvalSettings,
     GenerateSettings,
     RecordSettings,
+    ServedEvalSettings,
     ServerSettings,
     TargetSpec,
     TrainSettings,
+    VllmCaptureSettings,
 )
 from models.nodes import Nodes
 from models.run_layout import RUN_DRAFTS, RunLayout
 from models.server_access import replica_url
-from models.spec import Spec
+from models.strict import StrictModel
 from tasks.datasets.formats import RowFormat
 from tasks.datasets.hub import HubDataset, hub_repo_id, is_hub_path
 
 DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
-class Section(Spec):
+class Section(StrictModel):
     """Base of every config section: unknown keys are errors, no bool for a number (models/jobs.py)."""
 
 
@@ -236,7 +236,7 @@ class DistributedConfig(Nodes, Section):
     """
 
 
-class EngineConfig(EngineSettings, Section):
+class EngineConfig(VllmCaptureSettings, Section):
     """capture.backend: vllm: the vLLM server that extracts hidden states, and who runs it (docs/kimi-k25.md)."""
 
     launch: Literal["none", "dev", "command"] = "none"
@@ -290,7 +290,7 @@ class TrainConfig(TrainSettings, LaunchConfig):
     """Checkpoints, metrics and the exported draft; default RUN_DIR/draft."""
 
 
-class EvalConfig(EvalSettings, EngineEvalSettings, Section):
+class EvalConfig(EvalSettings, ServedEvalSettings, Section):
     """`eagle3 eval`: greedy speculative decoding with the target and the exported draft on the eval prompts, measured
     in-process (HF), through the serving engine, or both."""
 

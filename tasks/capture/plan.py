@@ -7,7 +7,7 @@ for a full run. The plan counts the tokens of the records not yet captured.
 Through a vLLM server (capture.backend: vllm) the connector also writes a file per request
 (n x 4 x H in the server's dtype, + int64 ids) that lives until the shard holding its record is on
 disk: at most the writer's window (shard_tokens + one record) plus the `max_concurrency` requests in
-flight, counted here with the longest records (`EngineWindow`). On the shards' filesystem that room
+flight, counted here with the longest records (`ExtractionWindow`). On the shards' filesystem that room
 is added to what the capture needs; elsewhere (a RAM disk) it is checked against that filesystem.
 """
 
@@ -36,7 +36,7 @@ class TargetShape:
 
 
 @dataclass(frozen=True)
-class EngineWindow:
+class ExtractionWindow:
     """capture.backend: vllm: where the connector's files go and what bounds how many exist at once."""
 
     shared_dir: Path
@@ -117,7 +117,7 @@ def plan_capture(
     max_tokens: int | None = None,
     tokens_done: int = 0,
     tokens_per_s: float | None = None,
-    engine: EngineWindow | None = None,
+    engine: ExtractionWindow | None = None,
 ) -> CapturePlan:
     """Bytes the capture still needs against the free space of `out_dir`'s filesystem (and of the connector's)."""
     dtype = capture_dtype(shape, dtype)

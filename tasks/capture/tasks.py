@@ -20,12 +20,12 @@ from prefect.cache_policies import NO_CACHE
 from models.atomic import write_atomic
 from models.file_errors import DamagedFile, WriteFailed
 from models.hidden_shards import METADATA_NAME, RESUME, iter_shard_index, list_shards, write_index
-from models.jobs import CaptureJob, EngineSettings
+from models.jobs import CaptureJob, VllmCaptureSettings
 from models.nodes import Nodes
 from models.rank_protocol import CAPTURE, Message
 from tasks import launch_ranks
 from tasks.artifacts import artifact_key, progress_artifact
-from tasks.capture.plan import CapturePlan, EngineWindow, TargetShape, check_fits, human_bytes, plan_capture
+from tasks.capture.plan import CapturePlan, ExtractionWindow, TargetShape, check_fits, human_bytes, plan_capture
 from tasks.engines.errors import ServerOutage
 from tasks.launch_ranks import RankFailure, RankRefused, follow_job, rank_command, run_job, write_job
 
@@ -101,7 +101,7 @@ def plan_capture_task(
     storage: str,
     margin: float,
     max_tokens: int | None,
-    engine: EngineWindow | None = None,
+    engine: ExtractionWindow | None = None,
 ) -> CapturePlan:
     """The disk plan; refuses (DiskTooSmall) a capture that cannot fit."""
     logger = get_run_logger()
@@ -219,17 +219,17 @@ def progress_line(done: int, total: int, tokens: int, seconds: float, where: str
 
 
 @task(name="capture-engine", cache_policy=NO_CACHE)
-def run_engine_capture(
-    job: CaptureJob, engine: EngineSettings, shared_dir: Path, config_name: str, token_cap: int | None = None
+def run_vllm_capture(
+    job: CaptureJob, engine: VllmCaptureSettings, shared_dir: Path, config_name: str, token_cap: int | None = None
 ) -> float:
-    """Capture through the vLLM server (tasks/capture/engine.py), tracking progress like the DeepSpeed job;
+    """Capture through the vLLM server (tasks/capture/vllm_capture.py), tracking progress like the DeepSpeed job;
     return tokens/s.
 
     `token_cap` caps the whole capture as for the job: each attempt gets what is left after the complete shards.
     """
     from prefect.utilities.asyncutils import run_coro_as_sync
 
-    from tasks.capture.engine import capture_with_engine
+    from tasks.capture.vllm_capture import capture_with_vllm
 
     logger = get_run_logger()
     if token_cap is not None:
@@ -251,7 +251,7 @@ def run_engine_capture(
             logger.info(line)
 
     result: dict[str, int] = run_coro_as_sync(
-        capture_with_engine(job, engine, shared_dir, on_progress=on_progress, logger=logger)
+        capture_with_vllm(job, engine, shared_dir, on_progress=on_progress, logger=logger)
     )
     update_progress_artifact(
         artifact, progress=100.0, description=f"capture: done, {result['tokens']:,} tokens this run"

@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal
 import pyarrow as pa
 from pydantic import Field, StringConstraints, model_validator
 
-from models.spec import Spec
+from models.strict import StrictModel
 from tasks.datasets.errors import DatasetError
 from tasks.datasets.raw import COLUMNS, EXPECTED
 from tasks.datasets.rows import (
@@ -68,7 +68,7 @@ ROLE_ALIASES: dict[str, str] = {
 FieldName = Annotated[str, StringConstraints(min_length=1)]  # a row's field or a table's column, by name
 
 
-class RowFormat(Spec):
+class RowFormat(StrictModel):
     """How a dataset's rows spell a conversation; every loader of a dataset reads its rows through it."""
 
     format: FormatName = "auto"

@@ -223,7 +223,7 @@ def _aux_ids_finding(whose: str, ids: list[int], num_layers: int, arch: str, ver
 
 def _end_layer_finding(name: str, seen: str, num_layers: int, version: str | None, *, capture: bool) -> Finding:
     """Id L on the DeepSeek/Kimi class: honoured from vLLM 0.25.0 on (PR #46973); older ones never return it.
-    `capture`: the ids are the extraction's, which always end with L (models/engine_hidden.py engine_layer_ids)."""
+    `capture`: the ids are the extraction's, which always end with L (models/vllm_hidden.py engine_layer_ids)."""
     fix = ".".join(map(str, END_LAYER_FIX))
     why = f"id {num_layers}, the end layer's output, is returned only by vLLM >= {fix} (the end-layer fix, PR #46973)"
     other = (

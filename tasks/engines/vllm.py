@@ -27,7 +27,7 @@ against that real server in tests/tasks/engines/test_vllm_real.py:
   (entrypoints/generate/base/protocol.py PerRequestMetrics). vLLM reports its draft nowhere else
   over HTTP, so a server without it is known by replies without these metrics.
 - Hidden-state extraction for the capture (`extract`): the reply's `kv_transfer_params
-  .hidden_states_path` names the file ExampleHiddenStatesConnector wrote (tasks/capture/engine.py).
+  .hidden_states_path` names the file ExampleHiddenStatesConnector wrote (tasks/capture/vllm_capture.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from models.engine_hidden import ExtractionFailed
+from models.vllm_hidden import ExtractionFailed
 from tasks.engines.client import FINISH_REASONS, Completion, EngineClient, ServerLimits, count
 from tasks.engines.errors import InvalidReply, ServerRefused
 

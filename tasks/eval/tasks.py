@@ -1,5 +1,5 @@
 """Prefect tasks of the eval stage: speculative decoding with the target and the exported draft, measured in-process
-(HF backend) and/or through the serving engine (tasks/eval/engine.py), then eval.json and the artifacts."""
+(HF backend) and/or through the serving engine (tasks/eval/on_server.py), then eval.json and the artifacts."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from models.atomic import write_atomic
 from models.eagle3_export import read_export_config
 from models.estimates import chain_acceptance_length, estimates_block
 from models.eval_prompts import benchmark_prompts, eval_prompts
-from models.jobs import EngineEvalSettings, EvalJob
+from models.jobs import EvalJob, ServedEvalSettings
 from models.rank_protocol import EVAL, Message
 from models.run_layout import TRAIN_SUMMARY
 from tasks.artifacts import artifact_key, progress_artifact
@@ -28,8 +28,8 @@ from tasks.engines.client import RetryPolicy, auth_hint
 from tasks.engines.sglang import SGLangClient
 from tasks.engines.vllm import VLLMClient
 from tasks.eval.benchmarks import benchmark_rows, benchmark_section
-from tasks.eval.engine import (
-    EngineServer,
+from tasks.eval.on_server import (
+    EvalServer,
     Phase,
     acceptance,
     check_command,
@@ -91,10 +91,10 @@ def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, 
 
 
 @task(name="engine-eval", cache_policy=NO_CACHE)
-def evaluate_on_engine(
-    job: EvalJob, engine: EngineEvalSettings, server: EngineServer, config_name: str
+def evaluate_on_server(
+    job: EvalJob, engine: ServedEvalSettings, server: EvalServer, config_name: str
 ) -> dict[str, Any]:
-    """Engine backend (tasks/eval/engine.py): the eval prompts through the serving engine with the draft served, then
+    """Engine backend (tasks/eval/on_server.py): the eval prompts through the serving engine with the draft served, then
     without."""
     from transformers import AutoTokenizer
 

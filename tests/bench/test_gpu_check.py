@@ -155,7 +155,7 @@ def test_an_eval_past_its_limit_leaves_its_per_prompt_figures(tmp_path):
     assert evaluation["prompts"] == 4 and evaluation["prompts_done"] == {"trained": 2}  # the trained draft first
     trained = evaluation["per_prompt"]["trained"]
     assert [x["prompt"] for x in trained] == [1, 2] and list(evaluation["per_prompt"]) == ["trained"]
-    for x in trained:  # each round adds accepted + 1 tokens, the prefill the first one (models/spec_eval.py)
+    for x in trained:  # each round adds accepted + 1 tokens, the prefill the first one (models/speculative_decoding.py)
         assert 1 <= x["new_tokens"] <= 12 and x["new_tokens"] - 1 == x["rounds"] + x["accepted"]
         assert 0 <= x["accepted"] <= 3 * x["rounds"]
     rounds = sum(x["rounds"] for x in trained)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from emulators.dev_server.app import create_app
-from emulators.dev_server.engine import Engine
-from emulators.dev_server.sequence import EngineSequence
+from emulators.dev_server.batcher import Batcher
+from emulators.dev_server.sequence import BatchSequence
 from emulators.sglang_protocol.sampling import SamplingParams
 from tests.emulators.sglang_shapes import FINISHED_META
 
@@ -115,13 +115,13 @@ def test_greedy_is_identical_alone_and_batched(server, client, hf):
 
 
 def test_engine_batches_mixed_lengths_and_late_joiners_exactly(hf):
-    """White-box: drive the engine's steps by hand so batching (padding, joins) surely happens."""
+    """White-box: drive the batcher's steps by hand so batching (padding, joins) surely happens."""
     model, tok = hf
     loop = asyncio.new_event_loop()
-    engine = Engine(model, tok, eos_ids=set(), max_batch_size=8)
+    batcher = Batcher(model, tok, eos_ids=set(), max_batch_size=8)
     params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=10)
     seqs = [
-        EngineSequence(
+        BatchSequence(
             rid=str(i),
             prompt_ids=p,
             params=params,
@@ -134,16 +134,16 @@ def test_engine_batches_mixed_lengths_and_late_joiners_exactly(hf):
     ]
     with torch.inference_mode():
         for s in seqs[:3]:
-            engine._admitted.append(s)
-            engine._prefill(s)
+            batcher._admitted.append(s)
+            batcher._prefill(s)
         for _ in range(3):
-            assert len(engine._active) == 3  # three cache lengths, one forward
-            engine._step()
+            assert len(batcher._active) == 3  # three cache lengths, one forward
+            batcher._step()
         for s in seqs[3:]:  # two more join mid-way
-            engine._admitted.append(s)
-            engine._prefill(s)
-        while engine._active:
-            engine._step()
+            batcher._admitted.append(s)
+            batcher._prefill(s)
+        while batcher._active:
+            batcher._step()
     loop.run_until_complete(asyncio.sleep(0))  # deliver the results posted to the loop
     results = [s.future.result() for s in seqs]
     loop.close()

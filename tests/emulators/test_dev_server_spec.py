@@ -1,5 +1,5 @@
 """The dev server with an EAGLE-3 draft: SGLang's `--speculative-*` flags, `spec_verify_ct`, and the
-engine-measured acceptance equal to the in-process eval (models/spec_eval.py) on the same prompts.
+engine-measured acceptance equal to the in-process eval (models/speculative_decoding.py) on the same prompts.
 
 The draft is an untrained (random) one, exported as SGLang reads it: the point is equality, not quality.
 `avg_spec_accept_length` is folded every `decode_log_interval` decode batches as SGLang 0.5.23's
@@ -18,7 +18,7 @@ from emulators.dev_server.speculative import Speculative
 from models.draft_vocab import draft_vocab
 from models.eagle3 import DraftStep, Eagle3Draft
 from models.eagle3_export import load_exported_draft
-from models.spec_eval import evaluate_acceptance, greedy_generate, speculative_decode
+from models.speculative_decoding import evaluate_acceptance, greedy_generate, speculative_decode
 from tests import drafts
 
 CONTEXT = 512
@@ -294,7 +294,7 @@ def test_partly_right_draft_counts_rounds_like_the_eval(serve_app, tiny_target_d
     draft = draft.eval().setup(seqs, lambda p: _PATTERN[p % len(_PATTERN)] == "1")
 
     app = _spec_app(tiny_target_dir, draft_dir, decode_log_interval=1)
-    app.state.engine.draft = draft  # white-box: the same scripted draft object serves and is evaluated
+    app.state.batcher.draft = draft  # white-box: the same scripted draft object serves and is evaluated
     params = {**GREEDY, "ignore_eos": True}
     with serve_app(app) as url:
         outs = _generate(url, prompts, params)
@@ -373,11 +373,11 @@ def test_server_process_with_draft_flags(entry, tiny_target_dir, draft_dir, targ
 
 
 def engine_decode(url, chosen, params, vocab_size: int, select=None):
-    """tasks/eval/engine.py's decode of `chosen` at `url`: 2 at once, no key, a 30 s outage window."""
+    """tasks/eval/on_server.py's decode of `chosen` at `url`: 2 at once, no key, a 30 s outage window."""
     import asyncio
 
     from tasks.engines.client import RetryPolicy
-    from tasks.eval.engine import decode_prompts
+    from tasks.eval.on_server import decode_prompts
 
     return asyncio.run(
         decode_prompts(
@@ -398,12 +398,12 @@ def engine_decode(url, chosen, params, vocab_size: int, select=None):
 def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(
     serve_app, spec_server, tiny_target_dir, target, draft_dir, prompts
 ):
-    """tasks/eval/engine.py end to end at real servers: with the draft, then without.
+    """tasks/eval/on_server.py end to end at real servers: with the draft, then without.
 
     Both counts: SGLang's and the per-round one.
     """
     from models.eval_prompts import EvalPrompt
-    from tasks.eval.engine import compare_with_hf, engine_report
+    from tasks.eval.on_server import compare_with_hf, engine_report
 
     model, tok = target
     eval_prompts = [EvalPrompt("A" if i % 2 else "B", f"p{i}", p) for i, p in enumerate(prompts)]
@@ -459,7 +459,7 @@ def test_the_engine_eval_leaves_out_of_both_phases_a_prompt_only_the_draft_serve
     `_validate_one_request`): a prompt that fits the server without the draft is refused by the one with it.
     The eval chooses its prompts with the reserve, so both phases decode the same prompts."""
     from models.eval_prompts import EvalPrompt
-    from tasks.eval.engine import fit_draft_context
+    from tasks.eval.on_server import fit_draft_context
 
     model, tok = target
     near = [5] * (

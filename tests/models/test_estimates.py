@@ -15,7 +15,7 @@ from models.estimates import (
     simulate_rounds,
     teacher_forced_hits,
 )
-from models.spec_eval import evaluate_acceptance, greedy_generate
+from models.speculative_decoding import evaluate_acceptance, greedy_generate
 from models.target_head import TargetLogits
 from tests.drafts import load_target, random_prompts
 

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from models.eval_job import draft_for_target, run
 from models.jobs import EvalJob
-from models.spec_eval import evaluate_acceptance
+from models.speculative_decoding import evaluate_acceptance
 from tests.drafts import export_random_draft, load_target
 from tests.models.test_eval_benchmarks import LLAMA2_SYSTEM
 

@@ -23,22 +23,22 @@ from flows.config.schema import (
 from models.jobs import (
     CaptureJob,
     CaptureSettings,
-    EngineSettings,
     EvalJob,
     GenerateJob,
     RecordsJob,
     ServerSettings,
     TargetSpec,
     TrainJob,
+    VllmCaptureSettings,
 )
 from models.nodes import Nodes
-from models.spec import Spec, load_job
+from models.strict import StrictModel, load_job
 from tasks.launch_ranks import write_job
 
 # (run config section, the spec the pipeline builds from it, the settings they share: None = all in common)
 PAIRS = [
     (ServerConfig, ServerSettings, None),
-    (EngineConfig, EngineSettings, None),  # capture.engine: the vLLM server of capture.backend vllm
+    (EngineConfig, VllmCaptureSettings, None),  # capture.engine: the vLLM server of capture.backend vllm
     (GenerateConfig, GenerateJob, None),
     (RecordsConfig, RecordsJob, None),
     (CaptureConfig, CaptureJob, None),
@@ -83,11 +83,11 @@ def test_every_section_of_the_run_config_is_checked():
     sections.add(DatasetConfig)  # datasets: list[DatasetConfig]
     sections |= {EngineConfig}  # capture.engine
     checked = {section for section, _, _ in PAIRS} | set(NO_JOB)
-    missing = sorted(s.__name__ for s in sections if issubclass(s, Spec) and s not in checked)
+    missing = sorted(s.__name__ for s in sections if issubclass(s, StrictModel) and s not in checked)
     assert not missing, f"sections neither paired with their job in PAIRS nor listed in NO_JOB: {missing}"
 
 
-def owner(cls: type[Spec], name: str) -> type:
+def owner(cls: type[StrictModel], name: str) -> type:
     """The class whose body declares field `name` (with its default and description)."""
     return next(k for k in cls.__mro__ if name in vars(k).get("__annotations__", {}))
 

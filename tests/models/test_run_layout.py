@@ -16,7 +16,7 @@ SCANNED = ("flows", "tasks", "models", "emulators", "bench")
 
 # (file, literal) -> why that literal there is not a path of the run directory.
 ALLOWED = {
-    ("models/engine_hidden.py", ".lock"): "LOCK_SUFFIX: the suffix of a per-file lock beside the vLLM connector's "
+    ("models/vllm_hidden.py", ".lock"): "LOCK_SUFFIX: the suffix of a per-file lock beside the vLLM connector's "
     "request files (f'{path}.lock'), not the run directory's write lock",
 }
 

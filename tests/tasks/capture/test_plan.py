@@ -112,11 +112,11 @@ def test_capture_layers():
 
 
 def test_the_vllm_connectors_files_are_planned_where_they_go(tmp_path, tmpfs):
-    from tasks.capture.plan import EngineWindow
+    from tasks.capture.plan import ExtractionWindow
 
     d = records_dir(tmp_path, [100, 300, 600, 1000, 1000])
     per_file_token = 4 * 7168 * 2 + 8  # the connector's bf16 [n, 4, H] + int64 ids
-    window = EngineWindow(tmp_path / "engine", max_concurrency=1, shard_tokens=10)
+    window = ExtractionWindow(tmp_path / "engine", max_concurrency=1, shard_tokens=10)
     same = plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.0, engine=window)
     assert (
         same.temp_bytes == (10 + 1000 + 1000) * per_file_token
@@ -128,7 +128,7 @@ def test_the_vllm_connectors_files_are_planned_where_they_go(tmp_path, tmpfs):
     )  # never more than what is left
     assert plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.0).temp_bytes == 0  # the DeepSpeed backend
     with tmpfs(tmp_path / "shm", "16m") as shm:  # another filesystem, too small for the window
-        apart = plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.0, engine=EngineWindow(shm, 1, 10))
+        apart = plan_capture([d], tmp_path / "hidden", KIMI, "auto", margin=0.0, engine=ExtractionWindow(shm, 1, 10))
         assert apart.bytes_needed == 3000 * 57349 and apart.temp_usable_bytes <= 16 * 2**20 and not apart.fits
         with pytest.raises(DiskTooSmall, match="capture.engine.max_concurrency"):
             check_fits(apart)

@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 from models.eval_job import merge_results
-from models.spec_eval import SpecEvalResult
+from models.speculative_decoding import SpecEvalResult
 from tasks.eval.tasks import estimates, eval_rows, sglang_command, ttt_estimate
 
 

@@ -9,7 +9,7 @@ metrics.speculative_decoding.num_spec_steps with --per-request-spec-decode-metri
 - acceptance length, SGLang's way: sum(completion_tokens) / sum(verify rounds), over the requests
   (SpecForge's benchmark sums the same way). It counts the token of the prefill forward too.
 - per round: sum(completion_tokens - 1) / sum(verify rounds), the mean tokens per verify round,
-  which is how the HF backend (models/spec_eval.py) and SGLang's own `avg_spec_accept_length` count.
+  which is how the HF backend (models/speculative_decoding.py) and SGLang's own `avg_spec_accept_length` count.
   On the same prompts, target and draft, it equals the HF backend's acceptance length exactly.
 
 Both per dataset (the prompt's source) and overall, with the per-request distribution, and the
@@ -49,7 +49,7 @@ from tasks.launch_servers import SERVER_LOG, launched_servers
 
 
 @dataclass(frozen=True)
-class EngineServer:
+class EvalServer:
     """The server the engine eval measures at: started here (launch dev|command, one server) or already running."""
 
     settings: (

@@ -5,8 +5,8 @@ iteration-level batching: up to ``max_batch_size`` active sequences, each with i
 every decode step left-pads those caches into one batch and runs one forward for all of them;
 new requests are prefilled between steps, finished and aborted ones leave between steps. Finish
 checks, aborts and answers follow SGLang 0.5.23 (0.4.x with ``sglang_version="0.4"``) as
-emulators/sglang_protocol/ states them: a stop token before the length cap (`Engine._append`,
-`Engine._speculate`), the queued-abort and running-abort answers, /flush_cache only when idle.
+emulators/sglang_protocol/ states them: a stop token before the length cap (`Batcher._append`,
+`Batcher._speculate`), the queued-abort and running-abort answers, /flush_cache only when idle.
 
 ``avg_spec_accept_length`` in ``/server_info``'s ``internal_states`` follows SGLang 0.5.23's
 scheduler_components/metrics_reporter.py: every verify round is one decode batch (batch size 1)
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from emulators.dev_server.sampling import sample
-from emulators.dev_server.sequence import EngineSequence, cache_from_kv, kv_from_cache
+from emulators.dev_server.sequence import BatchSequence, cache_from_kv, kv_from_cache
 from emulators.sglang_protocol.info import DECODE_LOG_INTERVAL
 from emulators.sglang_protocol.results import (
     finish_abort,
@@ -49,12 +49,12 @@ from emulators.sglang_protocol.results import (
     text_token_ids,
 )
 from emulators.sglang_protocol.versions import SGLangVersion
-from models.spec_eval import speculative_decode
+from models.speculative_decoding import speculative_decode
 
 logger = logging.getLogger("eagle3.dev_server")
 
 
-class Engine:
+class Batcher:
     """Continuous batching over per-sequence KV caches, run by one background thread."""
 
     def __init__(
@@ -90,9 +90,9 @@ class Engine:
         self.max_batch_size = max_batch_size
         # transformers 5 renamed the forward argument and output field `past_key_values` -> `cache`.
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self._waiting: deque[EngineSequence] = deque()
-        self._admitted: list[EngineSequence] = []  # taken from the queue, prefill pending
-        self._active: list[EngineSequence] = []
+        self._waiting: deque[BatchSequence] = deque()
+        self._admitted: list[BatchSequence] = []  # taken from the queue, prefill pending
+        self._active: list[BatchSequence] = []
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -101,7 +101,7 @@ class Engine:
 
     def start(self) -> None:
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="dev-server-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="dev-server-batcher", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -115,7 +115,7 @@ class Engine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, seqs: list[EngineSequence]) -> None:
+    def submit(self, seqs: list[BatchSequence]) -> None:
         with self._cond:
             self._waiting.extend(seqs)
             self._cond.notify()
@@ -186,7 +186,7 @@ class Engine:
         for s in leftover:
             self._finish(s, finish_abort("Server shutting down", 503))
 
-    def _prefill(self, s: EngineSequence) -> None:
+    def _prefill(self, s: BatchSequence) -> None:
         """Run one admitted sequence's prompt and sample its first token; it then joins `_active`."""
         reason, logits = None, None
         if s.abort_requested:  # out of the queue already: a running request's abort (FINISH_ABORT)
@@ -210,8 +210,8 @@ class Engine:
         else:
             self._append(s, logits)
 
-    def _speculate(self, s: EngineSequence) -> None:
-        """Decode one admitted (greedy) sequence to its end with the draft, as models/spec_eval.py does."""
+    def _speculate(self, s: BatchSequence) -> None:
+        """Decode one admitted (greedy) sequence to its end with the draft, as models/speculative_decoding.py does."""
         reason: dict[str, Any] | None
         if s.abort_requested:
             reason = finish_abort()
@@ -221,7 +221,7 @@ class Engine:
             # SGLang's stop rule: eos ids and the request's stop_token_ids, neither under ignore_eos.
             stop = set() if s.params.ignore_eos else {*self.eos_ids, *s.params.stop_token_ids}
             if self.num_steps is None:
-                raise RuntimeError("_speculate without num_steps: the Engine has a draft but no num_steps")
+                raise RuntimeError("_speculate without num_steps: the Batcher has a draft but no num_steps")
             # speculative_decode cuts a round at the cap before it looks for a stop, so a stop accepted
             # beyond max_new_tokens never gets in: a length finish at the cap, as SGLang 0.5.23's
             # schedule_batch.py `_cap_finished_len_at_max_new_tokens` demotes it.
@@ -307,7 +307,7 @@ class Engine:
             s.kv = [(k[row : row + 1, :, width - n :], v[row : row + 1, :, width - n :]) for k, v in new_kv]
             self._append(s, out.logits[row, -1])
 
-    def _append(self, s: EngineSequence, logits: torch.Tensor) -> None:
+    def _append(self, s: BatchSequence, logits: torch.Tensor) -> None:
         """Sample one token for `s`, then apply SGLang's finish checks in SGLang's order."""
         if s.generator is None:
             raise RuntimeError(f"sequence {s.rid!r} has no generator: it is sampled before its prefill")
@@ -325,7 +325,7 @@ class Engine:
                 self._active.remove(s)
         self._finish(s, reason)
 
-    def _finish(self, s: EngineSequence, reason: dict) -> None:
+    def _finish(self, s: BatchSequence, reason: dict) -> None:
         s.finish_reason = reason
         s.kv = None
         ids = text_token_ids(s.output_ids, reason, s.params.no_stop_trim)
@@ -343,7 +343,7 @@ class Engine:
         )
         s.loop.call_soon_threadsafe(_set_result, s.future, result)
 
-    def _finish_queued(self, s: EngineSequence) -> None:
+    def _finish_queued(self, s: BatchSequence) -> None:
         """A sequence aborted in the waiting queue: tokenizer_manager.py `_handle_abort_req`'s answer."""
         s.finish_reason = {"type": "abort", "message": "Abort in waiting queue"}
         result = queued_abort_result(rid=s.rid, e2e_latency=time.perf_counter() - s.created, version=self.version)

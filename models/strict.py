@@ -1,6 +1,6 @@
-"""The base of every spec and config section: strict pydantic models, and job files read through them.
+"""The strict pydantic base of every job spec and config section, and job files read through it.
 
-`Spec` rejects unknown keys, validates on assignment and refuses true/false for a number; a field's
+`StrictModel` rejects unknown keys, validates on assignment and refuses true/false for a number; a field's
 description is the docstring under it (pydantic's use_attribute_docstrings). `load_job`
 reads a rank's JSON job through its spec, naming the file and every bad key. Pydantic only (no torch,
 prefect or httpx): the bottom layer.
@@ -15,11 +15,11 @@ from typing import Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
-S = TypeVar("S", bound="Spec")
+S = TypeVar("S", bound="StrictModel")
 
 
-class Spec(BaseModel):
-    """Base of every spec and config section: unknown keys are errors, values are validated on assignment."""
+class StrictModel(BaseModel):
+    """Base of every job spec and config section: unknown keys are errors, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
@@ -40,7 +40,7 @@ class Spec(BaseModel):
         """This spec read from a JSON job file (`load_job`)."""
         return load_job(cls, path)
 
-    def pick(self, spec: type[Spec]) -> dict[str, Any]:
+    def pick(self, spec: type[StrictModel]) -> dict[str, Any]:
         """The values of the fields `spec` declares (self is a subclass of it): a job's share of a config section."""
         return {name: getattr(self, name) for name in spec.model_fields}
 

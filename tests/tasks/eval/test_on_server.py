@@ -1,4 +1,4 @@
-"""The engine eval's arithmetic and checks (tasks/eval/engine.py): SGLang's count, the per-round count, speedup."""
+"""The engine eval's arithmetic and checks (tasks/eval/on_server.py): SGLang's count, the per-round count, speedup."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from models.eval_prompts import EvalPrompt
 from tasks.engines.client import ServerLimits
 from tasks.engines.sglang import SGLangClient, context_length, speculative_settings
 from tasks.engines.vllm import VLLMClient
-from tasks.eval.engine import (
+from tasks.eval.on_server import (
     Phase,
     Served,
     acceptance,

@@ -4,7 +4,7 @@ For each pending record (trimmed, resumable and capped exactly as models/capture
 `POST /v1/completions` with `prompt` = the token ids and `max_tokens: 1` makes the server run the
 prefill and write the record's hidden states to `{shared_dir}/{request_id}.safetensors`; the reply's
 `kv_transfer_params.hidden_states_path` names the file. The file is read (after the connector's
-`.lock`, models/engine_hidden.py), checked (the ids sent, [n, 4, H]), the final norm is applied to the
+`.lock`, models/vllm_hidden.py), checked (the ids sent, [n, 4, H]), the final norm is applied to the
 last layer, and the sample goes to a `ShardWriter` -- the same shards, index and metadata as the
 DeepSpeed ranks write, so train, plan and resume cannot tell the backends apart.
 
@@ -34,7 +34,9 @@ import torch
 
 from models.capture import DTYPES, check_compatible, load_records, within_token_cap
 from models.eagle3 import default_aux_layers
-from models.engine_hidden import (
+from models.hidden_shards import ShardWriter, clean_temps, list_shards, shard_metadata, write_index
+from models.jobs import CaptureJob, VllmCaptureSettings
+from models.vllm_hidden import (
     LOCK_SUFFIX,
     ExtractionFailed,
     FinalNorm,
@@ -44,15 +46,13 @@ from models.engine_hidden import (
     server_flags,
     wait_for_file,
 )
-from models.hidden_shards import ShardWriter, clean_temps, list_shards, shard_metadata, write_index
-from models.jobs import CaptureJob, EngineSettings
 from tasks.capture.plan import capture_dtype, target_shape
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import BadRequest
 from tasks.engines.vllm import VLLMClient
 from tasks.threads import run_to_the_end
 
-ENGINE_RANK = 0  # the shard names' rank: one writer, in the pipeline's process
+CAPTURE_RANK = 0  # the shard names' rank: one writer, in the pipeline's process
 log = logging.getLogger("eagle3.capture.engine")
 
 
@@ -113,9 +113,9 @@ def clean_connector_files(shared_dir: Path) -> int:
     return n
 
 
-async def capture_with_engine(
+async def capture_with_vllm(
     job: CaptureJob,
-    engine: EngineSettings,
+    engine: VllmCaptureSettings,
     shared_dir: Path,
     *,
     on_progress: Callable[[int, int, int], None] = lambda done, total, tokens: None,
@@ -140,7 +140,7 @@ async def capture_with_engine(
     samples, parts, no_loss = load_records(job.datasets, None)
     pending = within_token_cap([s for s in samples if (s.dataset, s.id) not in done_keys], job.launch_tokens)
     pending.sort(key=lambda s: (-s.length, s.dataset, s.id))  # longest first: no long straggler at the end
-    clean_temps(out_dir, ENGINE_RANK)
+    clean_temps(out_dir, CAPTURE_RANK)
     stale = clean_connector_files(shared_dir)
     logger.info(
         "capture (vllm %s): %d records with loss tokens (%d without, skipped), %d already captured, %d pending; "
@@ -216,7 +216,7 @@ async def capture_with_engine(
         url_hint="capture.engine.url must be the base URL of the vLLM server (e.g. http://host:8000, no "
         "path) and capture.engine.model its served model name.",
     ) as client:
-        writer = ShardWriter(out_dir, ENGINE_RANK, job.shard_tokens, aux_layers=aux_layers, storage=job.storage)
+        writer = ShardWriter(out_dir, CAPTURE_RANK, job.shard_tokens, aux_layers=aux_layers, storage=job.storage)
 
         async def worker() -> None:
             for sample in queue:

@@ -1,4 +1,4 @@
-"""Chain speculative decoding (models/spec_eval.py) on the tiny target: output equal to plain
+"""Chain speculative decoding (models/speculative_decoding.py) on the tiny target: output equal to plain
 greedy, rounds equal to a cache-free reference, exact acceptance for scripted drafts, stopping."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from models.eagle3 import DraftStep, Eagle3Config, Eagle3Draft, default_aux_layers
 from models.eagle3_caches import KVCache
-from models.spec_eval import (
+from models.speculative_decoding import (
     SpecEvalResult,
     evaluate_acceptance,
     greedy_generate,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from models.engine_hidden import extraction_config
+from models.vllm_hidden import extraction_config
 from tasks.launch_servers import ServerProcess, answers, fill_placeholders, serving
 
 
@@ -32,7 +32,7 @@ class CaptureServer:
     command: list[str] | None = None  # launch: command
 
 
-def engine_command(server: CaptureServer) -> list[str]:
+def capture_server_command(server: CaptureServer) -> list[str]:
     """The server's command line: the dev server's emulation, or `command` with its placeholders filled."""
     parts = urlparse(server.url)
     host, port = parts.hostname or "127.0.0.1", str(parts.port or 80)
@@ -66,13 +66,13 @@ def engine_command(server: CaptureServer) -> list[str]:
     return [fill_placeholders(word, fill) for word in server.command]
 
 
-def launched_engine(
+def launched_capture_server(
     server: CaptureServer, *, log_dir: Path | None = None, health_timeout_s: float = 3600.0
 ) -> contextlib.AbstractContextManager:
     """A context running the capture's server (`dev` or `command`), or nothing (`none`: it runs already)."""
     if server.launch == "none":
         return contextlib.nullcontext()
-    words = engine_command(server)
+    words = capture_server_command(server)
     url = server.url
     if answers(url):
         raise RuntimeError(

@@ -1,10 +1,11 @@
-"""The capture through a vLLM server (tasks/capture/engine.py) against the dev server's emulation of vLLM's extraction.
+"""The capture through a vLLM server (tasks/capture/vllm_capture.py) against the dev server's emulation of vLLM's
+extraction.
 
 The emulation (emulators/vllm_extract.py) is served in process through httpx's ASGI transport, so most
 of these tests start no process: the vLLM backend's shards equal the DeepSpeed backend's (the rank
 entry point, one process, fp32) sample by sample; replies that name a missing, truncated or
 misshapen file stop the capture with nothing recorded; statuses mean what they say; a full disk
-stops it at once. The kill -9 test runs the capture in a child process (tests/tasks/capture/engine_held.py).
+stops it at once. The kill -9 test runs the capture in a child process (tests/tasks/capture/vllm_held.py).
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from emulators.dev_server.app import create_app
 from emulators.vllm_extract import Extraction
 from models.capture import main as capture_main
 from models.capture import trimmed_length
-from models.engine_hidden import ExtractionFailed, FinalNorm, engine_layer_ids, extraction_config
 from models.file_errors import WriteFailed
 from models.hidden_shards import done_sample_keys, iter_shard_index, list_shards, read_sample, shard_metadata
-from models.jobs import CaptureJob, DatasetRecords, EngineSettings
+from models.jobs import CaptureJob, DatasetRecords, VllmCaptureSettings
 from models.tiny_target import SAMPLES_DIR
-from tasks.capture.engine import RecordsRefused, capture_with_engine
+from models.vllm_hidden import ExtractionFailed, FinalNorm, engine_layer_ids, extraction_config
+from tasks.capture.vllm_capture import RecordsRefused, capture_with_vllm
 from tasks.engines.errors import AuthError, ServerOutage
 
 REPO = Path(__file__).resolve().parents[3]
@@ -110,14 +111,14 @@ def job(target: Path, records: dict, out: Path, **over) -> CaptureJob:
     )
 
 
-def engine(**over) -> EngineSettings:
-    return EngineSettings(
+def engine(**over) -> VllmCaptureSettings:
+    return VllmCaptureSettings(
         **{"url": "http://vllm.test", "max_concurrency": 4, "request_timeout_s": 30, "outage_window_s": 2, **over}
     )
 
 
-def run(capture_job: CaptureJob, settings: EngineSettings, shared_dir: Path, transport, **kw) -> dict:
-    return asyncio.run(capture_with_engine(capture_job, settings, shared_dir, transport=transport, **kw))
+def run(capture_job: CaptureJob, settings: VllmCaptureSettings, shared_dir: Path, transport, **kw) -> dict:
+    return asyncio.run(capture_with_vllm(capture_job, settings, shared_dir, transport=transport, **kw))
 
 
 def deepspeed_backend(target: Path, records: dict, out: Path, monkeypatch) -> None:
@@ -417,7 +418,7 @@ def test_killed_capture_resumes_exactly_once(tiny_target_dir, records, app, shar
     }
     with open(tmp_path / "held.log", "wb") as log:
         held = subprocess.Popen(
-            [sys.executable, str(REPO / "tests/tasks/capture/engine_held.py"), str(tmp_path / "job.json"), str(shared)],
+            [sys.executable, str(REPO / "tests/tasks/capture/vllm_held.py"), str(tmp_path / "job.json"), str(shared)],
             env=env,
             cwd=REPO,
             stdout=log,

@@ -1,6 +1,6 @@
 """The vLLM-backend capture in a child process that stops after its first shard, for the kill -9 test.
 
-    python tests/tasks/capture/engine_held.py JOB.json SHARED_DIR
+    python tests/tasks/capture/vllm_held.py JOB.json SHARED_DIR
 
 Serves the dev server's vLLM emulation in process (the tiny target of the job, writing to
 SHARED_DIR), captures through it, and after writing its first shard waits (bounded) for
@@ -19,9 +19,9 @@ import httpx
 
 from emulators.dev_server.app import create_app
 from emulators.vllm_extract import Extraction
-from models.engine_hidden import extraction_config
-from models.jobs import CaptureJob, EngineSettings
-from tasks.capture.engine import capture_with_engine
+from models.jobs import CaptureJob, VllmCaptureSettings
+from models.vllm_hidden import extraction_config
+from tasks.capture.vllm_capture import capture_with_vllm
 from tests.models.capture_held import hold_after_first_shard
 
 
@@ -30,8 +30,8 @@ def main(job_path: str, shared: str) -> None:
     speculative, kv = extraction_config([1, 3, 4], 8, shared)
     app = create_app(job.target_path, extraction=Extraction.from_flags(json.dumps(speculative), json.dumps(kv)))
     hold_after_first_shard()
-    engine = EngineSettings(url="http://vllm.test", max_concurrency=4)
-    asyncio.run(capture_with_engine(job, engine, Path(shared), transport=httpx.ASGITransport(app=app)))
+    engine = VllmCaptureSettings(url="http://vllm.test", max_concurrency=4)
+    asyncio.run(capture_with_vllm(job, engine, Path(shared), transport=httpx.ASGITransport(app=app)))
 
 
 if __name__ == "__main__":
