@@ -5,19 +5,22 @@ hidden states, draft vocabulary and eval prompts, the draft trained again per re
 the draft's initial weights and the data order) and evaluated in-process (eval.backend: hf, the demo's prompts,
 3 draft tokens per round). The recipes (issue 36: what the peers do differently):
 
-- `demo`: the demo's settings (configs/demo.yaml);
+- `demo`: the demo's settings (configs/demo.yaml; 512-token batches since round 1 of docs/benchmarks.md);
 - `target lm_head`: `train.lm_head_init: target` (the draft head starts at the target's rows, as speculators does);
 - `betas 0.999, clip 1.0`: AdamW betas (0.9, 0.999) and gradient clipping 1.0 (speculators' and SpecForge's);
-- `512-token batches`: `train.max_batch_tokens: 512`, twice the optimizer steps per epoch on the same tokens;
-- `512 + target lm_head`: both.
+- `equal TTT weights`: `train.ttt_step_weight: 1.0` (every TTT step's loss weighs alike, as speculators');
+- `speculators' norms`: `train.norm_before_fc` and `norm_before_residual` (speculators' draft layer);
+- `Muon`: `train.optimizer: muon` (speculators' optimizer for the matrices);
+- `speculators' recipe`: all of speculators' choices above at once.
 
 A comparison of quality, not of speed: no baseline ratio (bench/README.md). Printed as the markdown table of
 docs/benchmarks.md ("The training recipe"): per recipe the acceptance length per seed, their mean and spread, the
 difference from `demo` and the optimizer steps:
 
-    .venv/bin/python bench/recipe.py [--quick] [--keep DIR] [--json FILE]
+    .venv/bin/python bench/recipe.py [--quick] [--only 'RECIPE,RECIPE'] [--keep DIR] [--json FILE]
 
---quick trains 1 seed of 4 epochs per recipe: a smoke run of the bench, not its figures.
+--only runs those recipes and the demo's; --quick trains 1 seed of 4 epochs per recipe: a smoke run of the bench,
+not its figures.
 """
 
 from __future__ import annotations
@@ -40,13 +43,25 @@ from bench.variants import eagle3  # noqa: E402
 from flows.config.file import load_config  # noqa: E402
 from models.run_layout import RunLayout  # noqa: E402
 
-# recipe -> the train settings it changes from the demo's
+# recipe -> the train settings it changes from the demo's (configs/demo.yaml: max_batch_tokens 512 since round 1)
 RECIPES: dict[str, dict[str, Any]] = {
     "demo": {},
+    # round 1 (docs/benchmarks.md): the head's start and the peers' AdamW settings
     "target lm_head": {"lm_head_init": "target"},
     "betas 0.999, clip 1.0": {"adam_betas": [0.9, 0.999], "grad_clip": 1.0},
-    "512-token batches": {"max_batch_tokens": 512},
-    "512 + target lm_head": {"max_batch_tokens": 512, "lm_head_init": "target"},
+    # round 2: what vLLM's speculators does that ours did not (bench/peer_trainers/speculators.py)
+    "equal TTT weights": {"ttt_step_weight": 1.0},
+    "speculators' norms": {"norm_before_fc": True, "norm_before_residual": True},
+    "Muon": {"optimizer": "muon"},
+    "speculators' recipe": {
+        "ttt_step_weight": 1.0,
+        "norm_before_fc": True,
+        "norm_before_residual": True,
+        "optimizer": "muon",
+        "lm_head_init": "target",
+        "adam_betas": [0.9, 0.999],
+        "grad_clip": 1.0,
+    },
 }
 
 
@@ -57,6 +72,7 @@ class Params:
     quick: bool = False
     seeds: int = 3
     epochs: int = 20
+    only: str = ""  # comma-separated recipe names (the demo's always runs: the table's baseline); "" = all
 
     @classmethod
     def quick_preset(cls) -> Params:
@@ -97,13 +113,22 @@ def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
     run_demo(run_dir=run_dir, console=Console(quiet=True), overrides={"train": {"epochs": p.epochs}})
     out["wall_s"] = {"demo": round(time.monotonic() - started, 1)}
     results: dict[str, list[dict[str, Any]]] = {}
-    for recipe in RECIPES:
+    for recipe in chosen(p.only):
         for seed in range(p.seeds):
             config = recipe_config(run_dir, recipe, seed, p.epochs)
             out["wall_s"][f"{recipe}, seed {seed}"] = round(eagle3("run", str(config), "--stages", "train,eval"), 1)
             results.setdefault(recipe, []).append({"seed": seed, **figures(config)})
             print(f"{recipe}, seed {seed}: {results[recipe][-1]['acceptance']:.3f}", flush=True)
     out["results"] = results
+
+
+def chosen(only: str) -> list[str]:
+    """The recipes to run: `demo` and those named in `only` (all when empty), in RECIPES' order."""
+    names = {n.strip() for n in only.split(",") if n.strip()}
+    unknown = sorted(names - set(RECIPES))
+    if unknown:
+        raise SystemExit(f"--only: unknown recipe(s) {unknown}; known: {list(RECIPES)}")
+    return [r for r in RECIPES if not names or r == "demo" or r in names]
 
 
 def print_table(results: dict[str, list[dict[str, Any]]]) -> None:

@@ -66,7 +66,7 @@ from models.draft_vocab import draft_to_target_ids
 from models.eagle3_caches import KVCache, TTTCache, at_least_fp32
 from models.target_head import TargetLogits
 
-STEP_DECAY = 0.8  # weight of step k's loss is STEP_DECAY**k (EAGLE-3)
+STEP_DECAY = 0.8  # weight of step k's loss is STEP_DECAY**k (EAGLE-3); the default of train.ttt_step_weight
 AUX_FEATURES = 3  # target hidden states fused by fc (the engines' num_aux_hidden_states)
 # `train.draft_variant` -> the Eagle3Config flags (and config.json keys) that both engines read
 DRAFT_VARIANTS: dict[str, dict[str, bool]] = {

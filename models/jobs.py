@@ -379,7 +379,7 @@ class TrainSettings(HeldOut):
     max_batch_tokens: int = Field(default=16384, ge=16)
     """Padded tokens per micro batch on one rank; longer samples are cut to this length."""
     lr: float = Field(default=1e-4, gt=0)
-    """Peak AdamW learning rate."""
+    """Peak learning rate (AdamW's; Muon's is derived from it, see optimizer)."""
     warmup_ratio: float = Field(default=0.015, ge=0, lt=1)
     """Share of the steps with linear warmup; cosine decay after."""
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
@@ -393,6 +393,10 @@ class TrainSettings(HeldOut):
     log_every: int = Field(default=10, ge=1)
     """Optimizer steps per metrics.jsonl / TensorBoard line."""
     # the optimizer and DeepSpeed: each rank derives its DeepSpeed config from these (models/train.py ds_train_config)
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW on every trained weight. muon: DeepSpeed's Muon on the draft layer's and fc's matrices (learning
+    rate lr * 0.2 * sqrt(hidden size): AdamW's update size, as vLLM's speculators runs it) with AdamW on the rest (the
+    lm_head, norms)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 on GPUs (fp32 master weights in the optimizer), fp32 on CPU."""
     grad_accum: int = Field(default=1, ge=1)
@@ -414,6 +418,15 @@ class TrainSettings(HeldOut):
     zero_stage: Literal[0, 1, 2] = 2
     """DeepSpeed ZeRO stage of the optimizer states and gradients: 2 partitions both over the ranks; 0 or 1 only to take
     ZeRO-2 apart (bench/train.py)."""
+    ttt_step_weight: float = Field(default=0.8, gt=0, le=1)
+    """The loss of training-time-test step k weighs this to the k-th power: 0.8 as EAGLE-3 and SpecForge, 1.0 (every
+    step alike) as vLLM's speculators."""
+    norm_before_fc: bool = False
+    """One RMSNorm over the concatenated aux hidden states before fc (`input_norm`), as vLLM's speculators trains;
+    served by vLLM 0.32 and SGLang 0.5.23. Exclusive with draft_variant eagle3.1 (one RMSNorm per aux feature)."""
+    norm_before_residual: bool = False
+    """The draft layer's residual is hidden_norm(h) instead of h, as vLLM's speculators trains; served by vLLM 0.32
+    only (SGLang 0.5.23's LlamaDecoderLayer always keeps h)."""
     draft_variant: Literal["eagle3", "eagle3.1"] = "eagle3"
     """eagle3.1: EAGLE 3.1's two changes (an RMSNorm per aux feature before fc, and each draft step reading the previous
     one's post-norm output), written as fc_norm/norm_output in the export's config.json; served by vLLM 0.32 and
@@ -428,6 +441,15 @@ class TrainSettings(HeldOut):
         if not all(0 < b < 1 for b in value):
             raise ValueError(f"each AdamW beta must be in (0, 1), got {list(value)}")
         return value
+
+    @model_validator(mode="after")
+    def _one_aux_norm(self) -> TrainSettings:
+        if self.norm_before_fc and self.draft_variant == "eagle3.1":
+            raise ValueError(
+                "norm_before_fc and draft_variant eagle3.1 are exclusive: one RMSNorm over all aux features, or "
+                "EAGLE-3.1's one per feature; set one of them"
+            )
+        return self
 
     @field_validator("draft_overrides")
     @classmethod

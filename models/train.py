@@ -97,31 +97,51 @@ ERROR_MARK = TRAIN.error.mark
 PROGRESS_EVERY_S = 2.0
 
 
-def ds_train_config(settings: TrainSettings, *, world_size: int, bf16: bool) -> dict[str, Any]:
+def ds_train_config(
+    settings: TrainSettings, *, world_size: int, bf16: bool, hidden_size: int | None = None
+) -> dict[str, Any]:
     """The DeepSpeed config of a draft training launch, derived from the train settings on the rank:
-    ZeRO-2, AdamW, clipping, bf16 on GPUs; train_batch_size is this launch's world size x grad_accum."""
+    ZeRO-2, AdamW (or Muon), clipping, bf16 on GPUs; train_batch_size is this launch's world size x grad_accum.
+    `hidden_size` is the draft's, which train.optimizer muon needs for its learning rate (`muon_lr`)."""
+    adamw = {
+        "lr": settings.lr,
+        "betas": list(settings.adam_betas),
+        "eps": settings.adam_eps,
+        "weight_decay": settings.weight_decay,
+        "torch_adam": settings.torch_adam,
+    }
+    optimizer = {"type": "AdamW", "params": adamw}
+    if settings.optimizer == "muon":
+        if hidden_size is None:
+            raise ValueError("train.optimizer muon: the DeepSpeed config needs the draft's hidden size")
+        muon = {"muon_lr": muon_lr(settings.lr, hidden_size), "adam_lr": settings.lr, "momentum": MUON_MOMENTUM}
+        optimizer = {"type": "Muon", "params": {**adamw, **muon}}
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,  # one token-budget batch (models/train_data.py)
         "gradient_accumulation_steps": settings.grad_accum,
         "train_batch_size": world_size * settings.grad_accum,
         "gradient_clipping": settings.grad_clip,
         "zero_optimization": {"stage": settings.zero_stage, "overlap_comm": False, "contiguous_gradients": True},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": settings.lr,
-                "betas": list(settings.adam_betas),
-                "eps": settings.adam_eps,
-                "weight_decay": settings.weight_decay,
-                "torch_adam": settings.torch_adam,
-            },
-        },
+        "optimizer": optimizer,
         "steps_per_print": 10**9,  # our own logging
         "wall_clock_breakdown": False,
     }
     if bf16:
         config["bf16"] = {"enabled": True}
     return config
+
+
+MUON_MOMENTUM = 0.95  # speculators 0.9.0's and DeepSpeed's Muon default
+MUON_UPDATE_RMS = 0.2  # AdamW's typical update RMS per unit lr, which speculators' `match_rms_adamw` gives Muon
+
+
+def muon_lr(lr: float, hidden_size: int) -> float:
+    """Muon's learning rate for the draft's matrices, so that their updates have AdamW's RMS (speculators 0.9.0 runs
+    Muon at lr with `match_rms_adamw`: an orthogonalized update scaled to RMS 0.2 * lr). DeepSpeed 0.19's Muon
+    (runtime/zero/muon/original_muon.py `muon_update`) scales by sqrt(max(1, rows / cols)) instead, an update of RMS
+    1 / sqrt(min(rows, cols)) per unit lr; the draft's matrices (fc, o_proj, mlp, and q_proj) have min(rows, cols) =
+    hidden_size, so lr * 0.2 * sqrt(hidden_size) matches them (k_proj/v_proj, narrower under GQA, move faster)."""
+    return lr * MUON_UPDATE_RMS * hidden_size**0.5
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float):
@@ -161,6 +181,8 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
         draft_vocab_size=int(d2t.shape[0]),
         aux_layers=aux_layers,
         **DRAFT_VARIANTS[job.draft_variant],
+        norm_before_fc=job.norm_before_fc,
+        norm_before_residual=job.norm_before_residual,
         **job.draft_overrides,
     )
     draft = Eagle3Draft(config)
@@ -183,7 +205,7 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     warmup = max(1, round(job.warmup_ratio * total_steps))
     fingerprint = run_fingerprint(job, source.fingerprint, d2t, config, dist.world_size, total_steps)
     check_fingerprint(ckpt_dir, fingerprint, warn=dist.rank == 0)  # before anything is trained or removed
-    ds_config = ds_train_config(job, world_size=dist.world_size, bf16=job.bf16)
+    ds_config = ds_train_config(job, world_size=dist.world_size, bf16=job.bf16, hidden_size=config.hidden_size)
     if dist.rank == 0:  # the DeepSpeed config as run, next to the checkpoints
         with writing(out_dir / DS_CONFIG, ckpt_dir):
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -224,7 +246,7 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
                 batches, position.step_in_epoch, dist.rank, dist.world_size, job.grad_accum
             ):
                 batch = source.batch(micro, device)
-                out = train_forward(ds_model, batch, target_head, job.ttt_steps)
+                out = train_forward(ds_model, batch, target_head, job.ttt_steps, job.ttt_step_weight)
                 ds_model.backward(out.loss)
                 ds_model.step()
                 running.add(out)
@@ -243,7 +265,7 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
                     "step": position.step,
                     "epoch": position.epoch,
                     "time": time.time(),
-                    **running.summary(STEP_DECAY),
+                    **running.summary(job.ttt_step_weight),
                     "lr": ds_model.get_lr()[0],
                     "grad_norm": grad_norm(ds_model),
                     "tokens": position.tokens,
@@ -309,8 +331,8 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     return summary
 
 
-def train_forward(model, batch: Batch, target_head: TargetHead, ttt_steps: int):
-    return model(*_ttt_args(batch, target_head), ttt_steps=ttt_steps)
+def train_forward(model, batch: Batch, target_head: TargetHead, ttt_steps: int, step_weight: float = STEP_DECAY):
+    return model(*_ttt_args(batch, target_head), ttt_steps=ttt_steps, step_decay=step_weight)
 
 
 class _TTT(torch.nn.Module):
@@ -373,10 +395,14 @@ def _evaluate(
     metrics = Metrics(job.ttt_steps, device)
     for samples in eval_share(eval_batches, dist.rank, dist.world_size):
         batch = source.batch(samples, device)
-        metrics.add(ds_model.module.forward_ttt(*_ttt_args(batch, target_head), ttt_steps=job.ttt_steps))
+        metrics.add(
+            ds_model.module.forward_ttt(
+                *_ttt_args(batch, target_head), ttt_steps=job.ttt_steps, step_decay=job.ttt_step_weight
+            )
+        )
     metrics.all_reduce(dist)
     ds_model.train()
-    return metrics.summary(STEP_DECAY)
+    return metrics.summary(job.ttt_step_weight)
 
 
 def _ttt_args(batch: Batch, target_head: TargetHead) -> tuple:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from models.atomic import fsync_tree, write_atomic
-from models.eagle3 import DRAFT_VARIANTS, Eagle3Config
+from models.eagle3 import DRAFT_VARIANTS, STEP_DECAY, Eagle3Config
 from models.file_errors import WriteFailed, existing_parent, is_write_error
 from models.jobs import TrainJob
 from models.rank import Dist, log
@@ -36,7 +36,7 @@ LATEST = "latest"
 
 
 FINGERPRINT = "fingerprint.json"
-# Eagle3Config fields added after fingerprint version 1 (our trainer never sets the last two: other trainers' options)
+# Eagle3Config fields added after fingerprint version 1 (train.draft_variant, train.norm_before_fc/_residual)
 LATER_DRAFT_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual")
 
 
@@ -178,9 +178,14 @@ def run_fingerprint(
 
 
 def variant_settings(job: TrainJob) -> dict[str, bool]:
-    """The fingerprint's draft flags that train.draft_variant sets, the ones off too: what `eagle3 doctor`
-    compares with a checkpoint's (`checkpoint_settings`) besides `optimisation_settings`."""
-    return {f"draft.{flag}": on for flag, on in DRAFT_VARIANTS[job.draft_variant].items()}
+    """The fingerprint's draft flags that train.draft_variant and train.norm_before_* set, the ones off too: what
+    `eagle3 doctor` compares with a checkpoint's (`checkpoint_settings`) besides `optimisation_settings`."""
+    flags = {
+        **DRAFT_VARIANTS[job.draft_variant],
+        "norm_before_fc": job.norm_before_fc,
+        "norm_before_residual": job.norm_before_residual,
+    }
+    return {f"draft.{flag}": on for flag, on in flags.items()}
 
 
 def checkpoint_settings(fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -208,6 +213,8 @@ def optimisation_settings(job: TrainJob, world_size: int) -> dict[str, Any]:
         "eval_fraction": job.eval_fraction,
         # added later: absent from older fingerprints, so written only when not the old behaviour
         **({"lm_head_init": job.lm_head_init} if job.lm_head_init != "random" else {}),
+        **({"optimizer": job.optimizer} if job.optimizer != "adamw" else {}),
+        **({"ttt_step_weight": job.ttt_step_weight} if job.ttt_step_weight != STEP_DECAY else {}),
     }
 
 

@@ -441,6 +441,16 @@ class RunConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _draft_the_engine_serves(self) -> RunConfig:
+        if self.train.norm_before_residual and self.server.engine == "sglang" and self.server.launch != "dev":
+            raise ValueError(
+                "train.norm_before_residual: SGLang 0.5.23 (srt/models/llama_eagle3.py LlamaDecoderLayer) always keeps "
+                "the un-normalized hidden state as the residual, so it would serve this draft wrong; serve it with "
+                "server.engine: vllm, or remove norm_before_residual"
+            )
+        return self
+
     @property
     def eval_server_url(self) -> str:
         """Where the engine eval's server with the draft listens: server.url, or the first of server.urls."""

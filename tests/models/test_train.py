@@ -205,6 +205,23 @@ def test_ds_config_is_zero2_adamw_with_clipping():
     assert "bf16" not in ds_train_config(TrainSettings(grad_clip=1), world_size=1, bf16=False)
 
 
+def test_ds_config_muon_runs_the_matrices_at_adamw_s_update_size():
+    """lr 0.002 and a draft of hidden size 128: Muon's lr 0.002 * 0.2 * sqrt(128) = 0.00452548 (by hand), AdamW's 0.002
+    for the rest, both in DeepSpeed's Muon config (runtime/engine.py `_muon_param_groups`: muon_lr, adam_lr)."""
+    c = ds_train_config(TrainSettings(optimizer="muon", lr=0.002), world_size=1, bf16=False, hidden_size=128)
+    params = c["optimizer"]["params"]
+    assert c["optimizer"]["type"] == "Muon" and params["momentum"] == 0.95
+    assert params["muon_lr"] == pytest.approx(0.00452548, rel=1e-6) and params["adam_lr"] == 0.002
+    assert params["betas"] == [0.9, 0.95] and params["weight_decay"] == 0.0
+    with pytest.raises(ValueError, match="needs the draft's hidden size"):
+        ds_train_config(TrainSettings(optimizer="muon"), world_size=1, bf16=False)
+
+
+def test_norm_before_fc_and_eagle3_1_are_refused_together():
+    with pytest.raises(ValueError, match="norm_before_fc and draft_variant eagle3.1 are exclusive"):
+        TrainSettings(norm_before_fc=True, draft_variant="eagle3.1")
+
+
 def test_only_complete_checkpoints_count(tmp_path):
     for step, complete in ((2, True), (4, True), (6, False)):
         d = tmp_path / f"step-{step:08d}"
@@ -541,6 +558,31 @@ def test_lm_head_init_target_starts_the_head_at_the_target_s_rows_of_the_draft_t
     torch.testing.assert_close(state["lm_head.weight"], head[ids].float(), rtol=0, atol=1e-6)
     fingerprint = json.loads(next((out / "checkpoints").glob("step-*/fingerprint.json")).read_text())
     assert fingerprint["settings"]["lm_head_init"] == "target"  # another start: another run
+
+
+@pytest.mark.multiprocess
+def test_speculators_recipe_trains_muon_updates_and_exports_its_norms(tiny_target_dir, train_data, tmp_path):
+    """speculators' choices in our trainer: Muon, norm_before_fc/_residual, every TTT step weighted alike. Muon's update
+    of a matrix is orthogonalized: fc's change from step 1 to step 2 has a flat spectrum, its top half of singular
+    values within a few-fold (Newton-Schulz's five steps leave the smallest ones short), where AdamW's step on the same
+    run spreads its top half 38-fold."""
+    out = tmp_path / "speculators-recipe" / "draft"
+    recipe = {"optimizer": "muon", "norm_before_fc": True, "norm_before_residual": True, "ttt_step_weight": 1.0}
+    job = {**ONE_RANK, "max_steps": 2, "checkpoint_every": 1, "warmup_ratio": 0.0, **recipe}
+    _single_process(_job(tiny_target_dir, train_data, out, **job))
+    step = [_checkpoint_state(out, n)["fc.weight"].double() for n in (1, 2)]
+    singular = torch.linalg.svdvals(step[1] - step[0])
+    assert singular[0] / singular[len(singular) // 2] < 4, singular  # measured 1.8 here; AdamW's step: 38
+    assert json.loads((out / "ds_config.json").read_text())["optimizer"]["type"] == "Muon"
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["norm_before_fc"] is True and config["norm_before_residual"] is True
+    assert "input_norm.weight" in _final_state(out)
+    settings = json.loads(next((out / "checkpoints").glob("step-*/fingerprint.json")).read_text())["settings"]
+    assert (settings["optimizer"], settings["ttt_step_weight"], settings["draft.norm_before_fc"]) == ("muon", 1.0, True)
+    from models.eagle3_vllm import validate_export_vllm
+
+    assert validate_export_vllm(out / "final") == []  # served by vLLM; SGLang's check names its one limit
+    assert [p.split(":")[0] for p in validate_export(out / "final")] == ["norm_before_residual"]
 
 
 # --- fingerprints: a relaunch resumes only its own run --------------------------------------------

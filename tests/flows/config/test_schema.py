@@ -118,6 +118,14 @@ def test_missing_required_keys():
         (lambda d: d.update(datasets="b.jsonl"), "datasets: Input should be a valid list"),
         (lambda d: d.update(train={"adam_betas": [0.9, 1.0]}), "each AdamW beta must be in (0, 1), got [0.9, 1.0]"),
         (lambda d: d.update(train={"adam_betas": [0.9]}), "train.adam_betas"),
+        (
+            lambda d: d.update(train={"norm_before_fc": True, "draft_variant": "eagle3.1"}),
+            "norm_before_fc and draft_variant eagle3.1 are exclusive",
+        ),
+        (
+            lambda d: d.update(train={"norm_before_residual": True}, server={"url": "http://h:1", "engine": "sglang"}),
+            "train.norm_before_residual: SGLang 0.5.23 (srt/models/llama_eagle3.py LlamaDecoderLayer) always keeps",
+        ),
     ],
 )
 def test_semantic_errors(change, expected):
