@@ -10,6 +10,7 @@ the draft's initial weights and the data order) and evaluated in-process (eval.b
 - `betas 0.999, clip 1.0`: AdamW betas (0.9, 0.999) and gradient clipping 1.0 (speculators' and SpecForge's);
 - `equal TTT weights`: `train.ttt_step_weight: 1.0` (every TTT step's loss weighs alike, as speculators');
 - `speculators' norms`: `train.norm_before_fc` and `norm_before_residual` (speculators' draft layer);
+- `norm_before_fc`: that one alone (SGLang 0.5.23 serves it; not norm_before_residual);
 - `Muon`: `train.optimizer: muon` (speculators' optimizer for the matrices);
 - `speculators' recipe`: all of speculators' choices above at once.
 
@@ -52,6 +53,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     # round 2: what vLLM's speculators does that ours did not (bench/peer_trainers/speculators.py)
     "equal TTT weights": {"ttt_step_weight": 1.0},
     "speculators' norms": {"norm_before_fc": True, "norm_before_residual": True},
+    "norm_before_fc": {"norm_before_fc": True},  # the half of speculators' norms that SGLang 0.5.23 serves
     "Muon": {"optimizer": "muon"},
     "speculators' recipe": {
         "ttt_step_weight": 1.0,
