@@ -396,7 +396,7 @@ class TrainSettings(HeldOut):
     optimizer: Literal["adamw", "muon"] = "adamw"
     """adamw: AdamW on every trained weight. muon: DeepSpeed's Muon on the draft layer's and fc's matrices (learning
     rate lr * 0.2 * sqrt(hidden size): AdamW's update size, as vLLM's speculators runs it) with AdamW on the rest (the
-    lm_head, norms)."""
+    lm_head, norms). Needs zero_stage: 0."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 on GPUs (fp32 master weights in the optimizer), fp32 on CPU."""
     grad_accum: int = Field(default=1, ge=1)
@@ -441,6 +441,17 @@ class TrainSettings(HeldOut):
         if not all(0 < b < 1 for b in value):
             raise ValueError(f"each AdamW beta must be in (0, 1), got {list(value)}")
         return value
+
+    @model_validator(mode="after")
+    def _muon_without_zero_partitions(self) -> TrainSettings:
+        if self.optimizer == "muon" and self.zero_stage != 0:
+            raise ValueError(
+                f"optimizer muon needs zero_stage: 0 (got {self.zero_stage}): DeepSpeed 0.19's ZeRO-1/2 "
+                "(runtime/zero/stage_1_and_2.py) write Muon's orthogonalized update into the gradient partitions and "
+                "then clip that by grad_clip, shrinking Muon's steps about 50-fold here; without partitions DeepSpeed "
+                "clips the gradient, as Muon expects (the draft's optimizer state fits each rank whole)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_aux_norm(self) -> TrainSettings:
