@@ -1,6 +1,6 @@
 """Capture-stage benchmark: our capture job against a bare forward loop, in one run.
 
-On a tiny Llama target (models/tiny_target.py, larger than its default: hidden 256, 8 layers) and
+On a tiny Llama target (models/target/tiny.py, larger than its default: hidden 256, 8 layers) and
 a synthetic records set (lognormal lengths, loss on the second half, written as records parts in
 RECORD_SCHEMA), one run measures:
 
@@ -8,10 +8,10 @@ RECORD_SCHEMA), one run measures:
    (tasks.launch_ranks.rank_command + run_job: torchrun, DS_ACCELERATOR=cpu, gloo, OMP_NUM_THREADS per
    rank), for (a) 1 rank replicate, (b) 2 ranks replicate, (c) 2 ranks ZeRO-3, against baselines
    measured in the same run, each a fresh Python process like a rank:
-   - bare: a forward loop over the same batches (the 1-rank deal, models.capture.make_batches),
+   - bare: a forward loop over the same batches (the 1-rank deal, models.capture.job.make_batches),
      the same model, dtype and call kwargs (`output_hidden_states=True, use_cache=False,
      logits_to_keep=1`), nothing kept or written; at the ranks' thread count, before and after (a);
-   - in-process: models.capture.capture_batch + ShardWriter in a plain process (our per-batch code
+   - in-process: models.capture.job.capture_batch + ShardWriter in a plain process (our per-batch code
      without the launcher): splits (a)'s overhead into code path vs launch;
    - bare on all cores: one bare process with ranks x threads threads;
    - bare side by side: `ranks` bare processes at once, each over the share the deal gives a rank:
@@ -60,7 +60,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 from bench import capture_report, harness  # noqa: E402  (harness first: the offline env ranks and baselines inherit)
-from models.capture import (  # noqa: E402
+from models.capture.job import (  # noqa: E402
     capture_batch,
     deal,
     forward_kwargs,
@@ -69,15 +69,11 @@ from models.capture import (  # noqa: E402
     padded_batch,
     write_sample,
 )
-from models.eagle3 import default_aux_layers  # noqa: E402
-from models.hidden_shards import INDEX_NAME, list_shards, read_sample, shard_metadata  # noqa: E402
-from models.jobs import (  # noqa: E402
-    CaptureJob,
-    CaptureSettings,  # noqa: E402
-    DatasetRecords,
-)
-from models.rank_protocol import CAPTURE_PROGRESS  # noqa: E402
-from models.run_layout import RunLayout  # noqa: E402
+from models.capture.shards import INDEX_NAME, list_shards, read_sample, shard_metadata  # noqa: E402
+from models.common.jobs import CaptureJob, CaptureSettings, DatasetRecords  # noqa: E402
+from models.common.rank_protocol import CAPTURE_PROGRESS  # noqa: E402
+from models.common.run_layout import RunLayout  # noqa: E402
+from models.draft.eagle3 import default_aux_layers  # noqa: E402
 
 FIRST_ID = 8  # record ids are drawn from [FIRST_ID, vocab): clear of the special tokens 0..7
 DATASET = "bench"
@@ -188,8 +184,8 @@ def bare_loop(
 def inproc_loop(
     model, batches, parts, pad_id: int, aux_layers: list[int], num_layers: int, shard_tokens: int, out_dir: Path
 ) -> int:
-    """The rank's loop body without the launcher: models.capture.capture_batch + ShardWriter. Returns tokens."""
-    from models.hidden_shards import ShardWriter
+    """The rank's loop body without the launcher: models.capture.job.capture_batch + ShardWriter. Returns tokens."""
+    from models.capture.shards import ShardWriter
 
     kwargs = forward_kwargs(model)
     tokens = 0
@@ -436,7 +432,7 @@ def writer_alone(
     lengths: list[int], hidden: int, dtype: torch.dtype, aux_layers: list[int], shard_tokens: int, out_dir: Path
 ) -> dict[str, Any]:
     """ShardWriter alone (concatenation, safetensors, fsync, rename) over samples of these lengths, no forward."""
-    from models.hidden_shards import ShardWriter
+    from models.capture.shards import ShardWriter
 
     g = torch.Generator().manual_seed(0)
     n_max = max(lengths)

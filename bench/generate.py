@@ -57,8 +57,8 @@ import pyarrow.compute as pc  # noqa: E402
 
 from bench import generate_report, harness  # noqa: E402
 from emulators.sim import SimConfig, simulate_output  # noqa: E402
-from models.jobs import GenerateJob  # noqa: E402
-from models.run_layout import RunLayout  # noqa: E402
+from models.common.jobs import GenerateJob  # noqa: E402
+from models.common.run_layout import RunLayout  # noqa: E402
 from tasks.checkpoints import RESPONSE_SCHEMA, compact, done_ids, summarize, write_part  # noqa: E402
 from tasks.datasets import PromptRow  # noqa: E402
 from tasks.engines.client import RetryPolicy  # noqa: E402

@@ -70,8 +70,8 @@ def prompt_rows(tokenizer: Any, n: int) -> list[Any]:
 async def run_ours(
     p: Params, url: str, rows: list[Any], tokenizer: Any, root: Path, params: dict[str, Any]
 ) -> dict[str, Any]:
-    from models.jobs import GenerateJob
-    from models.run_layout import RunLayout
+    from models.common.jobs import GenerateJob
+    from models.common.run_layout import RunLayout
     from tasks.engines.client import RetryPolicy
     from tasks.generate.loop import generate_dataset
     from tasks.server_pool import ServerPool

@@ -4,15 +4,15 @@ One script that a machine with one GPU, PyTorch and transformers but no internet
 minutes (bench/gpu_check.sh installs the wheels it lacks first: docs/gpu-check.md). It runs the
 pipeline's own code, the way the stage tasks run it, without Prefect:
 
-1. target   models.tiny_target.build_tiny_target, widened (default hidden 1024, 16 layers);
+1. target   models.target.tiny.build_tiny_target, widened (default hidden 1024, 16 layers);
 2. records  the target's own greedy continuations of random prompts (in this process, on the GPU),
             written as the records stage writes them (tasks/records/build.py: parts + token counts);
 3. capture  `models.capture` (replicate, bf16) launched by tasks.launch_ranks.rank_command with the
             deepspeed launcher on 1 GPU and followed with tasks.launch_ranks.follow_job;
 4. train    `models.train` (DeepSpeed ZeRO-2, bf16, NCCL) likewise, a few hundred steps, a checkpoint
             and the export at the end;
-5. export   the export in draft/final/ validated (SGLang and vLLM) and loaded back (models.eagle3_export);
-6. eval     `models.eval_job`: chain speculative decoding, trained and untrained draft.
+5. export   the export in draft/final/ validated (SGLang and vLLM) and loaded back (models.export.sglang);
+6. eval     `models.eval`: chain speculative decoding, trained and untrained draft.
 
 Each phase runs under its own time limit, cut to what is left of the whole run's `--budget-s`; a
 launched job past its limit is killed (tasks.launch_ranks.run_job), an in-process phase interrupted. A
@@ -27,7 +27,7 @@ Figures: capture tokens/s (forward phase: first to last progress line; and launc
 steps/s and tokens/s (between metrics.jsonl train lines, the first `--skip-steps` left out), the
 first and final training loss, the held-out TTT acceptance estimate, export size, the eval's
 acceptance length (trained, untrained), wall time per phase, and each launched process's peak
-memory from its `RANK_MEMORY` line (models/rank.py: host RSS; CUDA allocator peak allocated and
+memory from its `RANK_MEMORY` line (models/ranks/harness.py: host RSS; CUDA allocator peak allocated and
 reserved), the GPU's name and memory, torch / CUDA / NCCL / DeepSpeed / transformers versions.
 
 `--cpu-smoke` runs the same sequence on this machine: a small target, torchrun + gloo, fp32, a few
@@ -63,7 +63,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.harness, models, tasks
 from bench import harness  # noqa: E402  (first: the offline environment the ranks inherit)
-from models.run_layout import RunLayout  # noqa: E402  (plain Python: `work` is laid out as a run directory)
+from models.common.run_layout import RunLayout  # noqa: E402  (plain Python: `work` is laid out as a run directory)
 
 DATASET = "check"
 REPORT_RESERVE_S = 10.0  # kept from the budget for the report
@@ -84,7 +84,7 @@ class Params(harness.TargetParams):
     # auto: deepspeed on cuda, torchrun on cpu; `--cpu-smoke --rank-launcher deepspeed`: the GPU run's launcher on CPU
     rank_launcher: str = "auto"
     seed: int = 0
-    # the target (models/tiny_target.py); vocab_size is an upper bound: the BPE trainer decides
+    # the target (models/target/tiny.py); vocab_size is an upper bound: the BPE trainer decides
     hidden_size: int = 1024
     num_layers: int = 16
     num_heads: int = 16
@@ -338,7 +338,7 @@ class Check:
         tasks.launch_ranks.follow_job, so a failing rank raises its own exception; the launch is killed
         at `limit_s` (JobTimedOut). `on_progress` gets each progress message as it comes.
         """
-        from models.rank_protocol import RANK_MEMORY
+        from models.common.rank_protocol import RANK_MEMORY
         from tasks.launch_ranks import follow_job, rank_command, run_job
 
         if single_process:
@@ -456,7 +456,7 @@ def build_target(p: Params, work: Path) -> dict[str, Any]:
     """The widened tiny target; its parameters counted from the checkpoint's headers."""
     from safetensors import safe_open
 
-    from models.tiny_target import build_tiny_target
+    from models.target.tiny import build_tiny_target
 
     target = build_tiny_target(work / "target", **p.target_shape(), train_steps=p.target_train_steps, device=p.device)
     params = 0
@@ -534,9 +534,9 @@ def make_records(p: Params, work: Path, target: Path) -> dict[str, Any]:
 
 def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     """`models.capture` on 1 rank (replicate): tokens/s of the forward phase and of the whole launch, stored bytes."""
-    from models.hidden_shards import list_shards
-    from models.jobs import CaptureJob
-    from models.rank_protocol import CAPTURE
+    from models.capture.shards import list_shards
+    from models.common.jobs import CaptureJob
+    from models.common.rank_protocol import CAPTURE
     from tasks.launch_ranks import write_job
 
     p, layout = check.p, RunLayout(check.work)
@@ -575,8 +575,8 @@ def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
 
 def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     """`models.train` (ZeRO-2) on 1 rank: steps/s and tokens/s between metrics lines, losses, the held-out estimate."""
-    from models.jobs import TrainJob
-    from models.rank_protocol import TRAIN, TRAIN_PROGRESS
+    from models.common.jobs import TrainJob
+    from models.common.rank_protocol import TRAIN, TRAIN_PROGRESS
     from tasks.launch_ranks import write_job
 
     p, layout = check.p, RunLayout(check.work)
@@ -633,11 +633,11 @@ def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
 
 
 def check_export(p: Params, work: Path) -> dict[str, Any]:
-    """The export in draft/final/: validated for SGLang and vLLM and loaded back (models.eagle3_export), its size."""
+    """The export in draft/final/: validated for SGLang and vLLM and loaded back (models.export.sglang), its size."""
     import torch
 
-    from models.eagle3_export import load_exported_draft, validate_export
-    from models.eagle3_vllm import validate_export_vllm
+    from models.export.sglang import load_exported_draft, validate_export
+    from models.export.vllm import validate_export_vllm
 
     final = RunLayout(work).final
     problems = validate_export(final) + [f"vLLM: {x}" for x in validate_export_vllm(final)]
@@ -656,14 +656,14 @@ def check_export(p: Params, work: Path) -> dict[str, Any]:
 
 
 def evaluate(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
-    """`models.eval_job`: acceptance length of the trained and the untrained draft on held-out prompts.
+    """`models.eval`: acceptance length of the trained and the untrained draft on held-out prompts.
 
     Each prompt's figures (its EVAL_PROGRESS line: new tokens, verify rounds, accepted draft tokens)
     go into the JSON as they come, with the acceptance length so far (`partial_eval`): an eval
-    killed at its limit leaves them, the trained draft's first (models/eval_job.py runs it first).
+    killed at its limit leaves them, the trained draft's first (models/eval/job.py runs it first).
     """
-    from models.jobs import EvalJob
-    from models.rank_protocol import EVAL
+    from models.common.jobs import EvalJob
+    from models.common.rank_protocol import EVAL
     from tasks.launch_ranks import write_job
 
     p, layout = check.p, RunLayout(check.work)
@@ -694,7 +694,7 @@ def evaluate(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
         )
         check.progress(num_steps=p.eval_num_steps, **partial_eval(per_prompt, total=v["total"]))
 
-    run = check.launch("models.eval_job", job_path, EVAL, limit_s, single_process=True, on_progress=on_progress)
+    run = check.launch("models.eval", job_path, EVAL, limit_s, single_process=True, on_progress=on_progress)
     result = json.loads(raw.read_text())
     trained, untrained = result["trained"], result.get("untrained", {})
     return {
@@ -833,12 +833,12 @@ SINGLE_VM_NCCL = {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_CUME
 
 
 def preflight(p: Params, json_path: Path) -> list[Any] | None:
-    """The environment checks (models/environment.py), printed; None after writing the JSON when one FAILs.
+    """The environment checks (models/ranks/environment.py), printed; None after writing the JSON when one FAILs.
 
     Seconds, before the first phase: a missing package or an unseen GPU stops the check here, not minutes in.
     """
-    from models.environment import environment_checks
-    from models.findings import failed
+    from models.common.findings import failed
+    from models.ranks.environment import environment_checks
 
     findings = environment_checks(p.device)
     for f in findings:

@@ -176,7 +176,7 @@ def run_bench(
 @functools.cache
 def tiny_target_defaults() -> dict[str, Any]:
     """build_tiny_target's keyword defaults: the shape of the test and demo target, declared there once."""
-    from models.tiny_target import build_tiny_target
+    from models.target.tiny import build_tiny_target
 
     return {
         name: q.default
@@ -188,7 +188,7 @@ def tiny_target_defaults() -> dict[str, Any]:
 def tiny_target_default(name: str) -> Any:
     """A dataclass field defaulting to build_tiny_target's default for `name`.
 
-    Read when a Params is made, not when this module is imported: models.tiny_target loads torch
+    Read when a Params is made, not when this module is imported: models.target.tiny loads torch
     and transformers, which the generate bench does without.
     """
     return field(default_factory=lambda: tiny_target_defaults()[name])
@@ -223,7 +223,7 @@ class TargetParams:
 
     def build_target(self, bench: str, **extra: Any) -> tuple[Path, float]:
         """The target built into `target_dir` (or reused when there) and the seconds that took."""
-        from models.tiny_target import build_tiny_target
+        from models.target.tiny import build_tiny_target
 
         target = self.target_dir(bench)
         print(f"  target: {target.relative_to(REPO)} (built once, then reused) ...", flush=True)

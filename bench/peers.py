@@ -44,7 +44,7 @@ from bench import harness  # noqa: E402
 from bench.peer_trainers import PeerJob, PeerRun, specforge, speculators  # noqa: E402
 from bench.variants import eagle3  # noqa: E402
 from flows.config.file import load_config  # noqa: E402
-from models.run_layout import RunLayout  # noqa: E402
+from models.common.run_layout import RunLayout  # noqa: E402
 
 VENVS = REPO / "runs" / "peers"  # the peers' venvs, kept between runs
 PEERS = {"speculators 0.9.0": speculators, "SpecForge 0.2.0": specforge}

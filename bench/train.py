@@ -1,8 +1,8 @@
 """Train-stage benchmark: our DeepSpeed ZeRO-2 training step against a plain PyTorch loop, in one run.
 
-On the tiny Llama target (models/tiny_target.py, its default shape) and records made of its own
+On the tiny Llama target (models/target/tiny.py, its default shape) and records made of its own
 greedy continuations of the sample conversations (data/samples/*.jsonl; loss on the continuation),
-whose hidden states are captured in-process with `models.capture.run`, one run measures the draft's
+whose hidden states are captured in-process with `models.capture.job.run`, one run measures the draft's
 training throughput (real tokens per second) of:
 
 - ours: `models.train` launched as the train flow launches it (tasks.launch_ranks.rank_command + run_job:
@@ -21,7 +21,7 @@ training throughput (real tokens per second) of:
   (a child in a new session, the N loops its children), so that both sides share the cores with
   other load on the same terms (Linux schedules each session as one group).
 - in-process, interleaved (once per run, 1 rank): one process holding both a plain draft and the
-  job's DeepSpeed engine (models.train.wrap_in_deepspeed) alternates their steps on the same batch tensors,
+  job's DeepSpeed engine (models.train.job.wrap_in_deepspeed) alternates their steps on the same batch tensors,
   timing forward, backward and the rest of each step: other load hits both alike, so this isolates
   the engine's per-step cost from everything else (launcher, job loop, process, machine).
 
@@ -80,13 +80,13 @@ import torch  # noqa: E402
 import models  # noqa: E402,F401  (flushes CPU denormals in this process, as in every rank)
 from bench import train_baselines, train_report  # noqa: E402
 from flows.config.schema import TrainConfig  # noqa: E402
-from models.capture import run as run_capture  # noqa: E402
-from models.jobs import CaptureJob, TrainJob  # noqa: E402
-from models.rank import Dist  # noqa: E402
-from models.rank_protocol import TRAIN_PROGRESS  # noqa: E402
-from models.run_layout import RunLayout  # noqa: E402
-from models.tiny_target import SAMPLES_DIR  # noqa: E402
-from models.train_data import HiddenSource, epoch_batches, rank_micro_batches, split_samples, steps_per_epoch  # noqa: E402
+from models.capture.job import run as run_capture  # noqa: E402
+from models.common.jobs import CaptureJob, TrainJob  # noqa: E402
+from models.common.rank_protocol import TRAIN_PROGRESS  # noqa: E402
+from models.common.run_layout import RunLayout  # noqa: E402
+from models.ranks.harness import Dist  # noqa: E402
+from models.target.tiny import SAMPLES_DIR  # noqa: E402
+from models.train.data import HiddenSource, epoch_batches, rank_micro_batches, split_samples, steps_per_epoch  # noqa: E402
 from tasks.records.build import count_tokens  # noqa: E402
 
 DATASET = "bench"
@@ -274,7 +274,7 @@ def job_dict(p: Params, target: Path, data: Path, out_dir: Path, ranks: int) -> 
         "weight_decay": p.weight_decay,
         "grad_clip": p.grad_clip,
         "precision": "fp32",
-        "zero_stage": p.zero_stage,  # each rank derives its DeepSpeed config from these (models/train.py)
+        "zero_stage": p.zero_stage,  # each rank derives its DeepSpeed config from these (models/train/job.py)
     }
     TrainJob.model_validate(job)  # the job's own spec accepts every key and value
     return job

@@ -18,23 +18,23 @@ import torch
 
 from bench import harness
 from flows.config.schema import TrainConfig
-from models.draft_vocab import draft_vocab, load_token_counts
-from models.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, default_aux_layers
-from models.hidden_shards import METADATA_NAME
-from models.jobs import TrainJob
-from models.rank import Dist
-from models.target_head import TargetHead
-from models.target_weights import load_target_tensors
-from models.train import lr_lambda
-from models.train_data import HiddenSource, epoch_batches, rank_micro_batches, split_samples, steps_per_epoch
-from models.train_metrics import Metrics
+from models.capture.shards import METADATA_NAME
+from models.common.jobs import TrainJob
+from models.draft.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, default_aux_layers
+from models.draft.target_head import TargetHead
+from models.draft.vocab import draft_vocab, load_token_counts
+from models.ranks.harness import Dist
+from models.target.weights import load_target_tensors
+from models.train.data import HiddenSource, epoch_batches, rank_micro_batches, split_samples, steps_per_epoch
+from models.train.job import lr_lambda
+from models.train.metrics import Metrics
 
 RUN_CONFIG = TrainConfig()  # the run config's train section as declared: the AdamW betas and eps the job gets
 BETAS, EPS = RUN_CONFIG.adam_betas, RUN_CONFIG.adam_eps
 
 
 def setup(cfg: dict[str, Any], world: int) -> dict[str, Any]:
-    """What models.train.run builds before its loop: data source and split, the draft (seeded), TargetHead."""
+    """What models.train.job.run builds before its loop: data source and split, the draft (seeded), TargetHead."""
     from transformers import AutoConfig
 
     device = torch.device("cpu")
@@ -42,14 +42,14 @@ def setup(cfg: dict[str, Any], world: int) -> dict[str, Any]:
     text = AutoConfig.from_pretrained(target)
     text = text.get_text_config() if hasattr(text, "get_text_config") else text
     source = HiddenSource(cfg["hidden_dir"], cfg["max_batch_tokens"])
-    meta = Path(cfg["hidden_dir"]) / METADATA_NAME  # as models.train._data_source: the capture's, else the default
+    meta = Path(cfg["hidden_dir"]) / METADATA_NAME  # as models.train.job._data_source: the capture's, else the default
     aux_layers = (json.loads(meta.read_text()).get("aux_layers") if meta.is_file() else None) or default_aux_layers(
         int(text.num_hidden_layers)
     )
     embed, head = load_target_tensors(target, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
     counts = load_token_counts(cfg["token_counts"], int(text.vocab_size))
     d2t, t2d = draft_vocab(counts, int(text.vocab_size), cfg["draft_vocab_size"])
-    torch.manual_seed(cfg["seed"])  # as models.train.run: the same initial weights
+    torch.manual_seed(cfg["seed"])  # as models.train.job.run: the same initial weights
     config = Eagle3Config.from_target_config(text, draft_vocab_size=int(d2t.shape[0]), aux_layers=aux_layers)
     draft = Eagle3Draft(config)
     draft.load_target_embedding(embed.to(draft.embed_tokens.weight.dtype))
@@ -164,7 +164,7 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     """One process (1 rank): the plain step and the job's DeepSpeed step in alternation, on the same batch tensors.
 
     Both drafts start from the same seed and see the same batches; each step runs the plain loop's
-    step and the job's (models.train.wrap_in_deepspeed / train_forward, engine.backward / step, the per-step token
+    step and the job's (models.train.job.wrap_in_deepspeed / train_forward, engine.backward / step, the per-step token
     all-reduce), alternating which goes first. Whatever else runs on the machine hits both alike, so
     the difference is the engine's per-step cost. Phases: forward (TargetHead + forward_ttt, through
     the engine for ours), backward (engine.backward: autograd + ZeRO-2 gradient hooks), the rest
@@ -186,8 +186,8 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(cfg["threads"])
     import deepspeed
 
-    from models.train import ds_train_config, grad_norm, sum_over_ranks, train_forward, wrap_in_deepspeed
-    from models.train_metrics import MetricsWriter
+    from models.train.job import ds_train_config, grad_norm, sum_over_ranks, train_forward, wrap_in_deepspeed
+    from models.train.metrics import MetricsWriter
 
     deepspeed.init_distributed(dist_backend="gloo")
     dist = Dist(group=True)
@@ -195,7 +195,9 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     device, source, train_samples, per_epoch = a["device"], a["source"], a["train_samples"], a["per_epoch"]
     params, optimizer, scheduler = plain_optimizer(cfg, a["draft"], a["warmup"])
     train_job = TrainJob.model_validate(job)
-    ds_config = ds_train_config(train_job, world_size=dist.world_size, bf16=train_job.bf16)  # as models/train.py does
+    ds_config = ds_train_config(
+        train_job, world_size=dist.world_size, bf16=train_job.bf16
+    )  # as models/train/job.py does
     ds_model = wrap_in_deepspeed(ds_config, b["draft"], train_job.min_lr_ratio, cfg["steps"], b["warmup"])
     grad_accum, total, ttt = cfg["grad_accum"], cfg["steps"], cfg["ttt_steps"]
     running = {"plain": Metrics(ttt, device), "ours": Metrics(ttt, device)}
@@ -249,7 +251,7 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             step_tokens += batch.tokens
         sum_over_ranks(step_tokens, dist, device)
         window["tokens"] += step_tokens
-        if log_step(n):  # the job's metrics line (models.train.run)
+        if log_step(n):  # the job's metrics line (models.train.job.run)
             running["ours"].all_reduce(dist)
             elapsed = max(1e-9, time.monotonic() - window["start"])
             line = {

@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO))
 
 from bench import harness  # noqa: E402
 from flows.config.file import load_config  # noqa: E402
-from models.hidden_shards import METADATA_NAME, list_shards  # noqa: E402
-from models.run_layout import RunLayout  # noqa: E402
+from models.capture.shards import METADATA_NAME, list_shards  # noqa: E402
+from models.common.run_layout import RunLayout  # noqa: E402
 
 # name -> (capture.out_dir under RUN_DIR, or None for the demo's own; capture.dtype; capture.storage;
 # train.draft_variant)

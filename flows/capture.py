@@ -9,8 +9,8 @@ from prefect import flow
 
 from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
-from models.hidden_shards import NATIVE
-from models.jobs import CaptureJob, CaptureSettings, VllmCaptureSettings
+from models.capture.shards import NATIVE
+from models.common.jobs import CaptureJob, CaptureSettings, VllmCaptureSettings
 from tasks.capture.plan import ExtractionWindow, capture_layers, target_shape
 from tasks.capture.tasks import (
     capture_retryable,
@@ -93,7 +93,7 @@ def capture(config_path: str) -> dict:
 
 
 def capture_job(config: RunConfig, aux_layers: list[int]) -> CaptureJob:
-    """The job every rank reads (models/capture.py), and the vLLM capture's; the job task states its
+    """The job every rank reads (models/capture/job.py), and the vLLM capture's; the job task states its
     launch_tokens per attempt."""
     c = config.capture
     return CaptureJob(

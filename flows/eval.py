@@ -9,8 +9,8 @@ from prefect import flow, get_run_logger
 
 from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
-from models.jobs import EvalJob, EvalSettings, HeldOut, ServerSettings
-from models.run_layout import RUN_DRAFTS
+from models.common.jobs import EvalJob, EvalSettings, HeldOut, ServerSettings
+from models.common.run_layout import RUN_DRAFTS
 from tasks.eval.benchmarks import benchmark_rows, benchmark_table_text, resolve_benchmarks
 from tasks.eval.on_server import EvalServer
 from tasks.eval.tasks import evaluate_draft, evaluate_on_server, publish_eval

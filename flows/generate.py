@@ -10,7 +10,7 @@ from prefect import flow, get_run_logger
 
 from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
-from models.jobs import DatasetGenerateSettings, GenerateJob, GenerateSettings
+from models.common.jobs import DatasetGenerateSettings, GenerateJob, GenerateSettings
 from tasks.generate.prompts import request_sampling_params
 from tasks.generate.tasks import (
     copy_passthrough_task,

@@ -16,7 +16,7 @@ from flows.eval import evaluate
 from flows.generate import generate
 from flows.records import records
 from flows.train import train
-from models.tiny_target import build_target
+from models.target.tiny import build_target
 from tasks.launch_servers import launched_servers
 from tasks.run_lock import run_lock
 

@@ -8,7 +8,7 @@ from prefect import flow
 
 from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
-from models.jobs import RecordSettings, RecordsJob
+from models.common.jobs import RecordSettings, RecordsJob
 from tasks.records.tasks import build_dataset_records, count_record_tokens, publish_records_report, target_vocab
 
 

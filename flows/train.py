@@ -8,7 +8,7 @@ from prefect import flow
 
 from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
-from models.jobs import TrainJob, TrainSettings
+from models.common.jobs import TrainJob, TrainSettings
 from tasks.train.tasks import report_training, retry_train_job, run_train_job
 
 
@@ -35,7 +35,8 @@ def train(config_path: str) -> dict:
 
 
 def train_job(config: RunConfig) -> TrainJob:
-    """The job every rank reads (models/train.py); each rank derives its DeepSpeed config from the settings in it."""
+    """The job every rank reads (models/train/job.py); each rank derives its DeepSpeed config from the settings in
+    it."""
     t, layout = config.train, config.layout
     return TrainJob(
         **t.pick(TrainSettings),

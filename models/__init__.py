@@ -1,3 +1,4 @@
-"""The bottom layer: torch code (draft model, vocab mapping, capture and training rank entry points,
-evaluation, tiny target) and the torch-free pieces every layer shares (job specs in jobs.py, file
-errors, atomic writes, the rank line protocol). Modules that do torch math import models.numerics."""
+"""The bottom layer, one sub-package per concept: draft/ (the model), capture/, train/ and eval/ (the stages' rank
+entry points, `python -m models.<stage>`), export/, target/ (the target's loading, the tiny targets), ranks/ (the rank
+harness), and common/, the torch-free pieces every layer shares (job specs, file errors, atomic writes, the rank line
+protocol). Modules that do torch math import models.numerics."""

@@ -179,7 +179,7 @@ def part_summary(part: Path) -> PartSummary:
 
 def is_whole(output_ids: list[int], finish_reason: str, stop_ids: Iterable[int]) -> bool:
     """A whole answer: the server said `stop`, or `length` with a stop id last (SGLang 0.4 checks the length cap
-    before the stop token; models.jobs.RecordsJob.stop_token_ids). Records keep only these (unless
+    before the stop token; models.common.jobs.RecordsJob.stop_token_ids). Records keep only these (unless
     records.keep_truncated), and with turns: all only these are followed by the next turn."""
     if finish_reason == "stop":
         return True

@@ -2,7 +2,7 @@
 
 A stage task writes the JSON job its ranks read (`write_job`), builds the launch (`rank_command`) and
 calls `follow_job`: it runs the ranks (`run_job`), puts their output in the log, hands their protocol
-lines (models/rank_protocol.py) to the task, and when the job fails raises what the failing rank
+lines (models/common/rank_protocol.py) to the task, and when the job fails raises what the failing rank
 reported, its own exception (a failed write, a damaged file, ...), rather than the launcher's exit
 code, which stays as `RankFailure` only when no rank said why.
 """
@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from models.atomic import write_atomic
-from models.file_errors import WriteFailed, is_write_error
-from models.nodes import Nodes
-from models.rank_protocol import Message, Protocol, most_telling, reported_error
-from models.strict import StrictModel
+from models.common.atomic import write_atomic
+from models.common.file_errors import WriteFailed, is_write_error
+from models.common.nodes import Nodes
+from models.common.rank_protocol import Message, Protocol, most_telling, reported_error
+from models.common.strict import StrictModel
 from tasks.ports import free_port
 
 

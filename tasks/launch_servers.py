@@ -17,13 +17,13 @@ from urllib.parse import urlparse
 import httpx
 from prefect.utilities.asyncutils import run_coro_as_sync
 
-from models.server_access import replica_url
+from models.common.server_access import replica_url
 from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import ServerOutage
 from tasks.ports import free_port
 
-SERVER_LOG = "server.log"  # a lone server's log in the log_dir it is given (RUN_DIR/logs: models/run_layout.py)
+SERVER_LOG = "server.log"  # a lone server's log in the log_dir it is given (RUN_DIR/logs: models/common/run_layout.py)
 
 
 class ServerProcess:

@@ -21,8 +21,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from models.atomic import TMP_SUFFIX, atomic_file
-from models.file_errors import DamagedFile
+from models.common.atomic import TMP_SUFFIX, atomic_file
+from models.common.file_errors import DamagedFile
 
 PART_SUFFIX = ".parquet"
 # Zero padding keeps names in lexical order up to a million parts per directory.

@@ -35,7 +35,7 @@ from rich.console import JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
-from models.run_layout import RunLayout
+from models.common.run_layout import RunLayout
 from tasks.checkpoints import META, PartSummary
 from tasks.parquet_io import DamagedPart, list_parts, reading
 from tasks.rejects import reject_counts

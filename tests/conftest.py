@@ -73,8 +73,8 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def kimi_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The Kimi-K2.5-shaped tiny target (models/tiny_kimi.py, trained: about 3 minutes), built once per test session
-    and shared by the xdist workers like tiny_target_dir."""
+    """The Kimi-K2.5-shaped tiny target (models/target/tiny_kimi.py, trained: about 3 minutes), built once per test
+    session and shared by the xdist workers like tiny_target_dir."""
     return built(shared_root(tmp_path_factory.getbasetemp()), "kimi")
 
 

@@ -2,7 +2,7 @@
 
     python tests/generate_runner.py URL TOKENIZER_DIR RUN_DIR PROMPTS_JSONL GENERATE_JOB_JSON MAX_CONCURRENCY
 
-PROMPTS_JSONL holds PromptRow fields a line; GENERATE_JOB_JSON a models.jobs.GenerateJob (its dataset names the
+PROMPTS_JSONL holds PromptRow fields a line; GENERATE_JOB_JSON a models.common.jobs.GenerateJob (its dataset names the
 responses and rejects directories under RUN_DIR). At the end it prints `DONE {"conversations": N, "responses": N}`.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 def main(argv: list[str]) -> None:
     from transformers import AutoTokenizer
 
-    from models.jobs import GenerateJob
-    from models.run_layout import RunLayout
+    from models.common.jobs import GenerateJob
+    from models.common.run_layout import RunLayout
     from tasks.datasets import PromptRow
     from tasks.generate.loop import generate_dataset
     from tasks.server_pool import ServerPool

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from models.jobs import GenerateJob
-from models.run_layout import RunLayout
+from models.common.jobs import GenerateJob
+from models.common.run_layout import RunLayout
 from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow
 from tasks.generate.loop import generate_dataset

@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-from models.file_errors import WriteFailed
+from models.common.file_errors import WriteFailed
 
 
 def shard_write_failed(directory: Path) -> WriteFailed:

@@ -1,6 +1,6 @@
 """Where the test session's tiny targets are built, once, for every xdist worker; and a command that builds them first.
 
-Each target is byte-for-byte reproducible from its build parameters (models/tiny_target.py), and `build_*_target`
+Each target is byte-for-byte reproducible from its build parameters (models/target/tiny.py), and `build_*_target`
 reuses a directory whose build info equals them, so a build made before the tests is the one the tests would make.
 By default they are built in the session's common temp dir. With `EAGLE3_TEST_TARGETS=DIR` they are built (or
 reused) in DIR: `.ci/run` builds them there with `python -m tests.targets DIR tiny` and `... kimi` while the engines
@@ -30,7 +30,7 @@ def shared_root(basetemp: Path) -> Path:
 def built(root: Path, name: str) -> Path:
     """The target `name` ("tiny" or "kimi") under `root`, built under its lock unless its build is already there."""
     # Imported here so test sessions that never ask for a model do not pay for torch/transformers.
-    from models.tiny_target import build_kimi_target, build_tiny_target
+    from models.target.tiny import build_kimi_target, build_tiny_target
 
     builders: dict[str, Callable[[Path], Path]] = {"tiny": build_tiny_target, "kimi": build_kimi_target}
     root.mkdir(parents=True, exist_ok=True)

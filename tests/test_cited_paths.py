@@ -1,7 +1,7 @@
 """Every repository path the prose cites exists: README, docs/, configs, bench/ and deploy/ notes, docstrings and
 comments (and, outside tests/, every string: help texts and error messages send users to files too).
 
-A cited path is a word starting at one of the repository's top-level folders (`models/train.py`, `docs/engines.md`,
+A cited path is a word starting at one of the repository's top-level folders (`models/train/job.py`, `docs/engines.md`,
 `deploy/deepspeed/`); one with a wildcard or a placeholder (`deploy/deepspeed/*.json`, `runs/<bench>/`) is not checked.
 A path inside someone else's tree is cited with its root (`vllm/model_executor/models/llama_eagle3.py`), so it is
 not read as one of ours. The paths a user writes (their own config, data and hostfile) are listed in USER_PATHS.
@@ -94,8 +94,8 @@ def test_every_cited_repository_path_exists():
 
 def test_the_scan_reads_each_kind_of_citation():
     # an independent list: paths written by hand from a module docstring, a comment, a doc page and a string
-    assert cited("see models/hidden_shards.py `read_sample`, and docs/engines.md.") == [
-        "models/hidden_shards.py",
+    assert cited("see models/capture/shards.py `read_sample`, and docs/engines.md.") == [
+        "models/capture/shards.py",
         "docs/engines.md",
     ]
     assert cited("vllm/model_executor/models/llama_eagle3.py and RUN_DIR/draft/final") == []
@@ -103,4 +103,4 @@ def test_the_scan_reads_each_kind_of_citation():
         "tests/engines/test_real_vllm.py"
     ]
     seen = {cite for path in tracked() for _, text in prose(path) for cite in cited(text)}
-    assert {"docs/engines.md", "models/hidden_shards.py", "deploy/sglang-cpu/", "tests/conftest.py"} <= seen
+    assert {"docs/engines.md", "models/capture/shards.py", "deploy/sglang-cpu/", "tests/conftest.py"} <= seen

@@ -26,10 +26,10 @@ from pathlib import Path
 class PeerJob:
     """One draft to train: the same data and settings for every trainer.
 
-    `run_dir` is a finished demo run (models/run_layout.py RunLayout): its resolved config (RUN_DIR/config.yaml), its
-    records, its captured hidden states (RUN_DIR/hidden, models/hidden_shards.py) and its trained draft
+    `run_dir` is a finished demo run (models/common/run_layout.py RunLayout): its resolved config (RUN_DIR/config.yaml),
+    its records, its captured hidden states (RUN_DIR/hidden, models/capture/shards.py) and its trained draft
     (RUN_DIR/draft/final: config.json, model.safetensors with `d2t` and `t2d`, the draft vocabulary every trainer
-    uses). Training samples are the run's training split (models/train_data.py `split_samples` with the config's
+    uses). Training samples are the run's training split (models/train/data.py `split_samples` with the config's
     held-out fraction): the held-out ones are not trained on, by anyone.
     """
 

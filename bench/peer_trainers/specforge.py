@@ -1,7 +1,7 @@
 """SGLang's SpecForge 0.2.0 as a peer trainer: its offline EAGLE-3 training (`specforge train`) on our split, on CPU.
 
-The data: the demo run's training split (models/train_data.py `HiddenSource` + `split_samples`, the code path
-models/train.py takes, samples cut to `max_batch_tokens` as ours are) written one sample per `.ckpt` file in
+The data: the demo run's training split (models/train/data.py `HiddenSource` + `split_samples`, the code path
+models/train/job.py takes, samples cut to `max_batch_tokens` as ours are) written one sample per `.ckpt` file in
 SpecForge's offline feature format, with our draft vocabulary (d2t/t2d of RUN_DIR/draft/final) as its
 `vocab_mapping_path`, so SpecForge does not count its own. Its draft config is a 1-layer `LlamaForCausalLMEagle3`
 built from the target's config, with our draft vocabulary size and the captured aux layers.
@@ -161,7 +161,7 @@ def ensure_venv(root: Path) -> Path:
 def _run_config(run_dir: Path):
     """The run's resolved config (RUN_DIR/config.yaml, else the demo's demo-config.yaml)."""
     from flows.config.file import load_config
-    from models.run_layout import RunLayout
+    from models.common.run_layout import RunLayout
 
     layout = RunLayout(run_dir)
     for path in (layout.config, layout.demo_config):
@@ -171,8 +171,9 @@ def _run_config(run_dir: Path):
 
 
 def _training_samples(job: PeerJob) -> list:
-    """Our training split, exactly as models/train.py builds it (same cut, same held-out hash), in a stable order."""
-    from models.train_data import HiddenSource, split_samples
+    """Our training split, exactly as models/train/job.py builds it (same cut, same held-out hash), in a stable
+    order."""
+    from models.train.data import HiddenSource, split_samples
 
     config = _run_config(job.run_dir)
     source = HiddenSource(config.layout.hidden_dir, job.max_batch_tokens)
@@ -191,7 +192,7 @@ def _write_features(samples: list, out: Path) -> None:
     the final hidden state after the final norm, our `last_hidden`. bfloat16, the dtype its capture stores and its
     bf16 model takes without a cast.
     """
-    from models.hidden_shards import read_sample
+    from models.capture.shards import read_sample
 
     out.mkdir(parents=True, exist_ok=True)
     for i, s in enumerate(samples):  # file names sort in this order: SpecForge lists them sorted
@@ -209,7 +210,7 @@ def _write_features(samples: list, out: Path) -> None:
 
 def _draft_vocab(run_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t [D] int64 offsets, t2d [V] bool) of the run's trained draft: the vocabulary every trainer uses."""
-    from models.run_layout import RunLayout
+    from models.common.run_layout import RunLayout
 
     path = RunLayout(run_dir).final / "model.safetensors"
     if not path.is_file():
@@ -245,7 +246,7 @@ def _draft_config(job: PeerJob, draft_vocab_size: int) -> dict:
     The aux layers come from our draft's config.json (both SGLang's `eagle_config` and vLLM's top-level ids), so a
     server feeds this draft the layers its data was captured from; SpecForge's norm and fc options stay unset.
     """
-    from models.run_layout import RunLayout
+    from models.common.run_layout import RunLayout
 
     target = json.loads((job.target / "config.json").read_text())
     target = target.get("text_config", target)
@@ -257,7 +258,7 @@ def _draft_config(job: PeerJob, draft_vocab_size: int) -> dict:
         num_hidden_layers=job.num_layers,
         draft_vocab_size=draft_vocab_size,
         # fc's input is 3 x this (SpecForge, SGLang and vLLM default it to hidden_size); `eagle3 eval`'s loader
-        # (models/eagle3_export.py) wants it written
+        # (models/export/sglang.py) wants it written
         target_hidden_size=target["hidden_size"],
         tie_word_embeddings=False,
         use_cache=True,
@@ -270,8 +271,8 @@ def _draft_config(job: PeerJob, draft_vocab_size: int) -> dict:
 
 
 def _batch_size(samples: list, max_batch_tokens: int, seed: int) -> int:
-    """Samples per SpecForge step whose steps per epoch come nearest ours (models/train_data.py `epoch_batches`)."""
-    from models.train_data import epoch_batches
+    """Samples per SpecForge step whose steps per epoch come nearest ours (models/train/data.py `epoch_batches`)."""
+    from models.train.data import epoch_batches
 
     packs = len(epoch_batches(samples, max_batch_tokens, seed, 0))
     return max(1, round(len(samples) / packs))

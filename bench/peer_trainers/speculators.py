@@ -9,7 +9,7 @@ directory (`load_from_disk`, torch format) with columns input_ids [n] int64, los
 DATA/hidden_states/hs_{i}.safetensors for row i with token_ids [n] and hidden_states [n, 4, H]: the three aux
 layers' states, then the verifier's last hidden state. Rows are our training split followed by our held-out split,
 and `--train-data-ratio` cuts exactly between them, so speculators validates on our held-out samples and trains on
-nothing else. Each sample is cut to max_batch_tokens, as our trainer cuts it (models/train_data.py HiddenSource).
+nothing else. Each sample is cut to max_batch_tokens, as our trainer cuts it (models/train/data.py HiddenSource).
 
 The last hidden state: speculators/models/eagle3/core.py `Eagle3DraftModel.forward` computes its targets as
 `verifier_lm_head(verifier_norm(verifier_last_hidden_states))`, verifier_norm being the target's final norm
@@ -38,7 +38,7 @@ lm_head init, and all three norm flags false.
 
 The draft is speculators' last epoch checkpoint, CHECKPOINTS/<epochs-1>: config.json (speculators_config) and
 model.safetensors with layers.0.*, fc, norm, input_norm, lm_head, d2t, t2d and embed_tokens (the target's, frozen);
-vLLM 0.32 loads it as an EAGLE-3 draft, `eagle3 eval --draft DIR` reads it (models/speculators_format.py).
+vLLM 0.32 loads it as an EAGLE-3 draft, `eagle3 eval --draft DIR` reads it (models/export/speculators.py).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from safetensors.torch import load_file, save_file
 from bench.peer_trainers import PeerJob, PeerRun
 
 if TYPE_CHECKING:
-    from models.train_data import TrainSample
+    from models.train.data import TrainSample
 
 VERSION = "0.9.0"
 TRAINER = f"speculators {VERSION}"
@@ -154,9 +154,9 @@ class Prepared:
 def prepare_data(job: PeerJob, out: Path) -> Prepared:
     """Write the run's training split, then its held-out split, in speculators' offline format under `out`."""
     from flows.config.file import load_config
-    from models.export_format import vllm_aux_ids
-    from models.run_layout import RunLayout
-    from models.train_data import HiddenSource, split_samples
+    from models.common.run_layout import RunLayout
+    from models.export.format import vllm_aux_ids
+    from models.train.data import HiddenSource, split_samples
 
     layout = RunLayout(job.run_dir)
     config = load_config(layout.config)
@@ -188,7 +188,7 @@ def prepare_data(job: PeerJob, out: Path) -> Prepared:
 
 def _final_norm(target: Path) -> torch.Tensor:
     """The target's final-norm weight [H] in float32; refused when an entry is 0 (the state could not be un-normed)."""
-    from models.target_weights import load_final_norm
+    from models.target.weights import load_final_norm
 
     weight = load_final_norm(target).float()
     if bool((weight == 0).any()):
@@ -198,7 +198,7 @@ def _final_norm(target: Path) -> torch.Tensor:
 
 def _write_sample(sample: TrainSample, index: int, norm: torch.Tensor, hidden_dir: Path) -> dict[str, torch.Tensor]:
     """hs_{index}.safetensors for one sample; returns its dataset row (input_ids, loss_mask: int64 [n])."""
-    from models.hidden_shards import read_sample
+    from models.capture.shards import read_sample
 
     part = read_sample(sample.ref[0], sample.ref[1], sample.length)
     n, h = part["last_hidden"].shape
@@ -239,7 +239,7 @@ def _write_vocab(draft_weights: Path, out: Path) -> tuple[Path, Path, int]:
 
 def _aux_layers(hidden_dir: Path) -> list[int]:
     """Our aux layer ids (0-based layer outputs), from the capture's shard metadata."""
-    from models.hidden_shards import list_shards, shard_metadata
+    from models.capture.shards import list_shards, shard_metadata
 
     layers = {tuple(shard_metadata(p)["aux_layers"]) for p in list_shards(hidden_dir)}
     if len(layers) != 1:

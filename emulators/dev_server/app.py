@@ -30,7 +30,7 @@ from emulators.sglang_protocol.disconnect import DISCONNECT_POLL_S
 from emulators.sglang_protocol.info import DECODE_LOG_INTERVAL
 from emulators.sglang_protocol.limits import ModelLimits
 from emulators.sglang_protocol.versions import SGLangVersion
-from models.target_loader import load_language_model
+from models.target.loader import load_language_model
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -49,7 +49,7 @@ from emulators.sglang_protocol.results import (
     text_token_ids,
 )
 from emulators.sglang_protocol.versions import SGLangVersion
-from models.speculative_decoding import speculative_decode
+from models.eval.speculative_decoding import speculative_decode
 
 logger = logging.getLogger("eagle3.dev_server")
 
@@ -211,7 +211,8 @@ class Batcher:
             self._append(s, logits)
 
     def _speculate(self, s: BatchSequence) -> None:
-        """Decode one admitted (greedy) sequence to its end with the draft, as models/speculative_decoding.py does."""
+        """Decode one admitted (greedy) sequence to its end with the draft, as models/eval/speculative_decoding.py
+        does."""
         reason: dict[str, Any] | None
         if s.abort_requested:
             reason = finish_abort()

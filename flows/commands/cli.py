@@ -178,7 +178,7 @@ def _run_stages(
     skip_checks: bool = False,
     eval_draft: str | None = None,
 ) -> None:
-    from models.run_layout import RUN_DRAFTS
+    from models.common.run_layout import RUN_DRAFTS
 
     cfg = _config_or_exit(config)  # fail on a bad config before Prefect starts
     if eval_draft is not None and eval_draft not in RUN_DRAFTS:
@@ -288,7 +288,7 @@ def import_jsonl(
 
     from flows.config.file import ConfigError, load_config
     from flows.config.schema import DATASET_NAME
-    from models.run_layout import RunLayout
+    from models.common.run_layout import RunLayout
     from tasks.generate.legacy_import_run import ImportFailed, import_legacy_file
 
     def fail(message: str, code: int, label: str = "error") -> NoReturn:
@@ -364,7 +364,7 @@ def node(
     ),
 ) -> None:
     """On a node other than 0: run its ranks of node 0's capture and train jobs (torchrun, distributed.nnodes > 1)."""
-    from models.rank_protocol import CAPTURE, TRAIN
+    from models.common.rank_protocol import CAPTURE, TRAIN
     from tasks.launch_ranks import resolve_launcher, run_node
 
     cfg = _config_or_exit(config)
@@ -433,7 +433,7 @@ def tiny_target(
     ),
 ) -> None:
     """Build a deterministic tiny target (BPE tokenizer, Kimi-style chat template, briefly trained on the samples)."""
-    from models.tiny_target import SHAPES, build_target
+    from models.target.tiny import SHAPES, build_target
 
     if shape not in SHAPES:
         err.print(f"[red]error:[/red] --shape must be llama or kimi, got {escape(shape)!r}", highlight=False)

@@ -13,7 +13,7 @@ from rich.table import Table
 from flows.config.file import dump_config, load_config
 from flows.config.schema import RunConfig
 from flows.pipeline import pipeline
-from models.tiny_target import build_target
+from models.target.tiny import build_target
 from tasks.checkpoints import live_parts
 from tasks.engines import sglang, vllm
 from tasks.eval.benchmarks import benchmark_rows
@@ -35,7 +35,7 @@ class DemoTarget:
 
 DEMO_TARGETS = {
     "llama": DemoTarget(REPO / "configs" / "demo.yaml", "dev"),
-    # vLLM serves the kimi_k25 wrapper as published (models/tiny_kimi.py); the dev server is an SGLang emulation
+    # vLLM serves the kimi_k25 wrapper as published (models/target/tiny_kimi.py); the dev server is an SGLang emulation
     "kimi": DemoTarget(REPO / "configs" / "demo-kimi.yaml", "vllm"),
 }
 VLLM_VENV = REPO / ".venv-vllm"  # `make vllm`: the CPU build of vLLM in a venv of its own (REFERENCE.md)

@@ -1,6 +1,6 @@
 """`eagle3 doctor`, and the pipeline's preflight: the checks that find in seconds what would fail hours in.
 
-Seven groups, each in its own module: the environment (models/environment.py), the serving engine,
+Seven groups, each in its own module: the environment (models/ranks/environment.py), the serving engine,
 the chat template on a sample of each dataset, an exported draft, what vLLM needs of the target (when
 vLLM serves it or extracts its hidden states), the disk, and the run directory (tasks/doctor/). Each
 finding is PASS, WARN or FAIL with one line of what to do; any FAIL makes `eagle3 doctor` exit 1
@@ -22,9 +22,9 @@ from rich.table import Table
 from flows.commands.plan import capture_plan
 from flows.config.schema import RunConfig
 from flows.train import train_job
-from models.environment import environment_checks
-from models.findings import Finding, failed
-from models.train_checkpoint import optimisation_settings, variant_settings
+from models.common.findings import Finding, failed
+from models.ranks.environment import environment_checks
+from models.train.checkpoint import optimisation_settings, variant_settings
 from tasks.capture.plan import capture_dtype, capture_layers, target_shape
 from tasks.datasets.hub import is_hub_path
 
@@ -282,7 +282,7 @@ def _vllm_target(
 
 def _vllm_server(config: RunConfig, aux: list[int] | None, *, draft: bool, export: bool, engine: bool) -> VllmServer:
     """The server section's vLLM: with our draft's aux ids and the export's when the engine eval serves a draft."""
-    from models.eagle3_export import vllm_aux_ids
+    from models.export.sglang import vllm_aux_ids
     from tasks.doctor.vllm_target import VllmServer, export_aux_ids
 
     s = config.server
@@ -297,7 +297,7 @@ def _vllm_server(config: RunConfig, aux: list[int] | None, *, draft: bool, expor
 
 def _vllm_capture_server(config: RunConfig, aux: list[int] | None, layers: int, *, engine: bool) -> VllmServer:
     """capture.engine's vLLM: the extraction's ids (the aux layers' outputs, then the end layer's)."""
-    from models.vllm_hidden import engine_layer_ids
+    from models.capture.vllm_hidden import engine_layer_ids
     from tasks.doctor.vllm_target import VllmServer
 
     e = config.capture.engine

@@ -77,7 +77,7 @@ def save_run_config(config: RunConfig) -> Path:
         tmp.replace(path)
     except OSError as exc:  # the first write of every stage: a full disk shows here first
         tmp.unlink(missing_ok=True)
-        from models.file_errors import WriteFailed
+        from models.common.file_errors import WriteFailed
 
         raise WriteFailed(
             path,

@@ -1,7 +1,7 @@
 """The run config's schema: `RunConfig` and its sections, each setting declared once with its default and meaning.
 
-A section extends its stage's settings (models/jobs.py: what the stage's job also carries) with what
-only the pipeline needs (launch, retries, output directories); tests/models/test_jobs.py keeps any
+A section extends its stage's settings (models/common/jobs.py: what the stage's job also carries) with what
+only the pipeline needs (launch, retries, output directories); tests/models/common/test_jobs.py keeps any
 setting from being declared twice. Unknown keys are rejected, so a misspelled key fails before any GPU
 hour is spent. Reading a YAML file with every problem named: flows/config/file.py.
 """
@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
-from models.jobs import (
+from models.common.jobs import (
     BenchmarkSpec,
     CaptureSettings,
     DatasetGenerateSettings,
@@ -29,10 +29,10 @@ from models.jobs import (
     TrainSettings,
     VllmCaptureSettings,
 )
-from models.nodes import Nodes
-from models.run_layout import RUN_DRAFTS, RunLayout
-from models.server_access import replica_url
-from models.strict import StrictModel
+from models.common.nodes import Nodes
+from models.common.run_layout import RUN_DRAFTS, RunLayout
+from models.common.server_access import replica_url
+from models.common.strict import StrictModel
 from tasks.datasets.formats import RowFormat
 from tasks.datasets.hub import HubDataset, hub_repo_id, is_hub_path
 
@@ -40,7 +40,7 @@ DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class Section(StrictModel):
-    """Base of every config section: unknown keys are errors, no bool for a number (models/jobs.py)."""
+    """Base of every config section: unknown keys are errors, no bool for a number (models/common/jobs.py)."""
 
 
 class TargetConfig(TargetSpec, Section):
@@ -50,7 +50,7 @@ class TargetConfig(TargetSpec, Section):
     """Build the deterministic tiny demo target at `path` if it is not there yet (demo and tests only)."""
     tiny_shape: Literal["llama", "kimi"] = "llama"
     """The tiny target's shape, with build_tiny_target: `llama` (a tiny Llama), or `kimi` (Kimi-K2.5's: a tiny
-    DeepSeek-V3 with MLA, MoE and YaRN in the kimi_k25 checkpoint layout, models/tiny_kimi.py)."""
+    DeepSeek-V3 with MLA, MoE and YaRN in the kimi_k25 checkpoint layout, models/target/tiny_kimi.py)."""
 
 
 def command_words(value: Any) -> Any:
@@ -229,7 +229,8 @@ class LaunchConfig(Section):
 
 
 class DistributedConfig(Nodes, Section):
-    """The nodes the capture and train jobs span (models/nodes.py `Nodes`); each node runs the stage's num_gpus ranks.
+    """The nodes the capture and train jobs span (models/common/nodes.py `Nodes`); each node runs the stage's num_gpus
+    ranks.
 
     torchrun: the pipeline runs on node 0 and starts its ranks; every other node runs
     `eagle3 node CONFIG --node-rank R` (docs/scale-out.md). deepspeed: node 0 starts them all from the hostfile.

@@ -19,8 +19,8 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from models.eagle3 import default_aux_layers
-from models.hidden_shards import DTYPE_BYTES, NATIVE, bytes_per_token
+from models.capture.shards import DTYPE_BYTES, NATIVE, bytes_per_token
+from models.draft.eagle3 import default_aux_layers
 from tasks.records.build import summarize_records
 
 

@@ -1,6 +1,6 @@
 """Prefect tasks of the capture stage: plan the disk, run the DeepSpeed job (or the vLLM capture), index the shards.
 
-A failed rank reports its exception in one `CAPTURE_ERROR {json}` line (models/rank_protocol.py); the
+A failed rank reports its exception in one `CAPTURE_ERROR {json}` line (models/common/rank_protocol.py); the
 job task raises that exception again (`rank_error`), so a full disk or a damaged file reads as one
 line in `eagle3 run`, and `capture_retryable` tells Prefect to retry only a crashed or killed rank.
 """
@@ -17,12 +17,12 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from models.atomic import write_atomic
-from models.file_errors import DamagedFile, WriteFailed
-from models.hidden_shards import METADATA_NAME, RESUME, iter_shard_index, list_shards, write_index
-from models.jobs import CaptureJob, VllmCaptureSettings
-from models.nodes import Nodes
-from models.rank_protocol import CAPTURE, Message
+from models.capture.shards import METADATA_NAME, RESUME, iter_shard_index, list_shards, write_index
+from models.common.atomic import write_atomic
+from models.common.file_errors import DamagedFile, WriteFailed
+from models.common.jobs import CaptureJob, VllmCaptureSettings
+from models.common.nodes import Nodes
+from models.common.rank_protocol import CAPTURE, Message
 from tasks import launch_ranks
 from tasks.artifacts import artifact_key, progress_artifact
 from tasks.capture.plan import CapturePlan, ExtractionWindow, TargetShape, check_fits, human_bytes, plan_capture

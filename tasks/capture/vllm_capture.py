@@ -1,10 +1,10 @@
 """The capture through a vLLM server (capture.backend: vllm): every record's ids in, the DeepSpeed path's shards out.
 
-For each pending record (trimmed, resumable and capped exactly as models/capture.py does it) one
+For each pending record (trimmed, resumable and capped exactly as models/capture/job.py does it) one
 `POST /v1/completions` with `prompt` = the token ids and `max_tokens: 1` makes the server run the
 prefill and write the record's hidden states to `{shared_dir}/{request_id}.safetensors`; the reply's
 `kv_transfer_params.hidden_states_path` names the file. The file is read (after the connector's
-`.lock`, models/vllm_hidden.py), checked (the ids sent, [n, 4, H]), the final norm is applied to the
+`.lock`, models/capture/vllm_hidden.py), checked (the ids sent, [n, 4, H]), the final norm is applied to the
 last layer, and the sample goes to a `ShardWriter` -- the same shards, index and metadata as the
 DeepSpeed ranks write, so train, plan and resume cannot tell the backends apart.
 
@@ -32,11 +32,9 @@ from pathlib import Path
 import httpx
 import torch
 
-from models.capture import DTYPES, check_compatible, load_records, within_token_cap
-from models.eagle3 import default_aux_layers
-from models.hidden_shards import ShardWriter, clean_temps, list_shards, shard_metadata, write_index
-from models.jobs import CaptureJob, VllmCaptureSettings
-from models.vllm_hidden import (
+from models.capture.job import DTYPES, check_compatible, load_records, within_token_cap
+from models.capture.shards import ShardWriter, clean_temps, list_shards, shard_metadata, write_index
+from models.capture.vllm_hidden import (
     LOCK_SUFFIX,
     ExtractionFailed,
     FinalNorm,
@@ -46,6 +44,8 @@ from models.vllm_hidden import (
     server_flags,
     wait_for_file,
 )
+from models.common.jobs import CaptureJob, VllmCaptureSettings
+from models.draft.eagle3 import default_aux_layers
 from tasks.capture.plan import capture_dtype, target_shape
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import BadRequest

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from models.vllm_hidden import extraction_config
+from models.capture.vllm_hidden import extraction_config
 from tasks.launch_servers import ServerProcess, answers, fill_placeholders, serving
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.findings import Finding
+from models.common.findings import Finding
 from tasks.datasets import BadRow, DatasetError, DatasetNotFoundError, HubDataset, Kind, RowFormat, iter_rows
 from tasks.datasets.hub import hub_offline
 from tasks.generate.prompts import chat_prompt_ids

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from models.findings import Finding
+from models.common.findings import Finding
 from tasks.capture.plan import CapturePlan, DiskTooSmall, check_fits, human_bytes
 
 LOW_FREE_BYTES = 1 << 30  # a run directory's responses, records and logs: a WARN below 1 GiB free

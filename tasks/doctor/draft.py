@@ -3,7 +3,7 @@
 The aux layer ids are where a draft is most easily served wrong without an error: SGLang reads
 `eagle_config.eagle_aux_hidden_state_layer_ids` as outputs of 0-based layers (ours), vLLM the
 top-level key as capture indices (input of layer i), so the two lists must differ by exactly one
-and name the layers the draft was trained on (models/eagle3_export.py's docstring has the engine
+and name the layers the draft was trained on (models/export/sglang.py's docstring has the engine
 code). Shapes, names and the rest of what each loader reads are `validate_export` and
 `validate_export_vllm`.
 """
@@ -13,11 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from models.eagle3_export import CONFIG_FILE, VLLM_AUX_KEY, read_export_config, validate_export
-from models.eagle3_vllm import validate_export_vllm
-from models.findings import Finding
+from models.common.findings import Finding
+from models.export.sglang import CONFIG_FILE, VLLM_AUX_KEY, read_export_config, validate_export
+from models.export.vllm import validate_export_vllm
 
-NORM_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual")  # models/eagle3.py reads each
+NORM_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual")  # models/draft/eagle3.py reads each
 
 
 def draft_findings(export_dir: Path, *, trained_layers: list[int], vocab_size: int, hidden_size: int) -> list[Finding]:

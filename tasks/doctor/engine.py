@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.findings import Finding
-from models.jobs import ServerSettings
+from models.common.findings import Finding
+from models.common.jobs import ServerSettings
 from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy, ServerLimits, auth_hint
 from tasks.engines.errors import AuthError, InvalidReply, ServerOutage, ServerRefused

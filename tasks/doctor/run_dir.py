@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from models.file_errors import DamagedShard
-from models.findings import Finding
-from models.hidden_shards import captured_with, list_shards, shard_metadata
-from models.train_checkpoint import FINGERPRINT, checkpoint_settings, complete_checkpoints, settings_differences
+from models.capture.shards import captured_with, list_shards, shard_metadata
+from models.common.file_errors import DamagedShard
+from models.common.findings import Finding
+from models.train.checkpoint import FINGERPRINT, checkpoint_settings, complete_checkpoints, settings_differences
 from tasks.records.build import record_stats
 from tasks.run_lock import describe_holder, lock_holder
 from tasks.stats import collect_stats
@@ -18,7 +18,7 @@ from tasks.stats import collect_stats
 
 def run_dir_findings(run_dir: Path, *, checkpoint_dir: Path, settings: dict[str, Any]) -> list[Finding]:
     """Lock, damaged parts, and the newest checkpoint in `checkpoint_dir` against `settings`
-    (models/train_checkpoint.py's `optimisation_settings` and `variant_settings` of this config: what can be known
+    (models/train/checkpoint.py's `optimisation_settings` and `variant_settings` of this config: what can be known
     before the data is read)."""
     if not run_dir.is_dir():
         return [Finding("run directory", "PASS", f"{run_dir} is new (created by the first stage)")]
@@ -88,7 +88,7 @@ def _checkpoint_finding(checkpoint_dir: Path, settings: dict[str, Any]) -> Findi
 
 def shards_finding(out_dir: Path, want: dict[str, Any]) -> Finding:
     """The shards already in the capture's `out_dir` against `want`, the settings this config captures with
-    (models/hidden_shards.py CAPTURE_SETTINGS): the capture refuses to resume into shards of others."""
+    (models/capture/shards.py CAPTURE_SETTINGS): the capture refuses to resume into shards of others."""
     try:
         shards = list_shards(out_dir) if out_dir.is_dir() else []
     except OSError as exc:  # e.g. not readable by this user: the capture could not read it either

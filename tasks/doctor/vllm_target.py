@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.eagle3_export import CONFIG_FILE, VLLM_AUX_KEY
-from models.findings import Finding
+from models.common.findings import Finding
+from models.export.sglang import CONFIG_FILE, VLLM_AUX_KEY
 
 # The architectures vLLM runs with deepseek_v2.py's DeepseekV2Model (model_executor/models/registry.py; the kimi_k25
 # wrapper builds its language model as DeepseekV2ForCausalLM, kimi_k25.py).
@@ -214,7 +214,7 @@ def _aux_ids_finding(whose: str, ids: list[int], num_layers: int, arch: str, ver
             "FAIL",
             f"{seen}: " + "; ".join(wrong),
             f"use ids 1..{num_layers} (our aux layer a, the output of 0-based layer a, is vLLM id a + 1: "
-            "models/eagle3_export.py vllm_aux_ids); fix capture.aux_layers, or export again",
+            "models/export/sglang.py vllm_aux_ids); fix capture.aux_layers, or export again",
         )
     if not deepseek or num_layers not in ids:
         return Finding(name, "PASS", seen)
@@ -223,7 +223,8 @@ def _aux_ids_finding(whose: str, ids: list[int], num_layers: int, arch: str, ver
 
 def _end_layer_finding(name: str, seen: str, num_layers: int, version: str | None, *, capture: bool) -> Finding:
     """Id L on the DeepSeek/Kimi class: honoured from vLLM 0.25.0 on (PR #46973); older ones never return it.
-    `capture`: the ids are the extraction's, which always end with L (models/vllm_hidden.py engine_layer_ids)."""
+    `capture`: the ids are the extraction's, which always end with L (models/capture/vllm_hidden.py
+    engine_layer_ids)."""
     fix = ".".join(map(str, END_LAYER_FIX))
     why = f"id {num_layers}, the end layer's output, is returned only by vLLM >= {fix} (the end-layer fix, PR #46973)"
     other = (

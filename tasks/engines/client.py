@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from models.jobs import ServerSettings
+from models.common.jobs import ServerSettings
 from tasks.engines.errors import (
     AUTH_STATUS,
     ENDPOINT_STATUS,

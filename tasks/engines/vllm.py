@@ -36,7 +36,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from models.vllm_hidden import ExtractionFailed
+from models.capture.vllm_hidden import ExtractionFailed
 from tasks.engines.client import FINISH_REASONS, Completion, EngineClient, ServerLimits, count
 from tasks.engines.errors import InvalidReply, ServerRefused
 

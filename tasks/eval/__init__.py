@@ -1,2 +1,2 @@
 """Stage 5, eval: the Prefect task that measures the exported draft's acceptance length (tasks.py). The
-decoding itself is models/eval_job.py and models/speculative_decoding.py."""
+decoding itself is models/eval/job.py and models/eval/speculative_decoding.py."""

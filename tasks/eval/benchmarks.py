@@ -1,7 +1,7 @@
 """The eval's published benchmarks (`eval.benchmarks`) on the pipeline's side: Hub benchmarks written to local files
 before the job starts, the published anchors, eval.json's `benchmarks` section and its table.
 
-The eval job (models/eval_job.py) reads only local files: a `hf:ORG/NAME` benchmark is read here from the local
+The eval job (models/eval/job.py) reads only local files: a `hf:ORG/NAME` benchmark is read here from the local
 Hugging Face cache (tasks/datasets/hub.py, cache only: never a download) and written, one row a line, to
 RUN_DIR/jobs/benchmarks/<name>.jsonl beside the job that names it. Every benchmark is read here once (its format told,
 every row checked), so a bad row stops the stage before the target is loaded.
@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from models.atomic import write_atomic
-from models.eval_benchmarks import read_benchmark
-from models.jobs import BenchmarkSpec, EvalJob
+from models.common.atomic import write_atomic
+from models.common.jobs import BenchmarkSpec, EvalJob
+from models.eval.benchmarks import read_benchmark
 from tasks.datasets.hub import HubDataset, hub_repo_id, is_hub_path, read_hub
 
 ANCHORS = Path(__file__).resolve().parents[2] / "data/benchmarks/anchors.json"  # in the repository

@@ -1,6 +1,6 @@
 """The eval's engine backend: acceptance length and speedup measured where the draft will be served.
 
-The eval prompts (models/eval_prompts.py, the same ones the HF backend decodes) go greedily through
+The eval prompts (models/eval/prompts.py, the same ones the HF backend decodes) go greedily through
 the serving engine (`server.engine`: SGLang's /generate or vLLM's /v1/completions, tasks/engines/),
 first to a server that serves the target with the exported draft, then (for the speedup) to one
 without it. From each reply's verify rounds (SGLang's meta_info.spec_verify_ct, vLLM's
@@ -9,7 +9,7 @@ metrics.speculative_decoding.num_spec_steps with --per-request-spec-decode-metri
 - acceptance length, SGLang's way: sum(completion_tokens) / sum(verify rounds), over the requests
   (SpecForge's benchmark sums the same way). It counts the token of the prefill forward too.
 - per round: sum(completion_tokens - 1) / sum(verify rounds), the mean tokens per verify round,
-  which is how the HF backend (models/speculative_decoding.py) and SGLang's own `avg_spec_accept_length` count.
+  which is how the HF backend (models/eval/speculative_decoding.py) and SGLang's own `avg_spec_accept_length` count.
   On the same prompts, target and draft, it equals the HF backend's acceptance length exactly.
 
 Both per dataset (the prompt's source) and overall, with the per-request distribution, and the
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.eval_prompts import EvalPrompt
-from models.jobs import ServerSettings
+from models.common.jobs import ServerSettings
+from models.eval.prompts import EvalPrompt
 from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy, ServerLimits
 from tasks.engines.errors import BadRequest

@@ -16,13 +16,13 @@ from prefect.artifacts import aupdate_progress_artifact, create_table_artifact, 
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.asyncutils import run_coro_as_sync
 
-from models.atomic import write_atomic
-from models.eagle3_export import read_export_config
-from models.estimates import chain_acceptance_length, estimates_block
-from models.eval_prompts import benchmark_prompts, eval_prompts
-from models.jobs import EvalJob, ServedEvalSettings
-from models.rank_protocol import EVAL, Message
-from models.run_layout import TRAIN_SUMMARY
+from models.common.atomic import write_atomic
+from models.common.jobs import EvalJob, ServedEvalSettings
+from models.common.rank_protocol import EVAL, Message
+from models.common.run_layout import TRAIN_SUMMARY
+from models.eval.estimates import chain_acceptance_length, estimates_block
+from models.eval.prompts import benchmark_prompts, eval_prompts
+from models.export.sglang import read_export_config
 from tasks.artifacts import artifact_key, progress_artifact
 from tasks.engines.client import RetryPolicy, auth_hint
 from tasks.engines.sglang import SGLangClient
@@ -46,7 +46,7 @@ from tasks.launch_ranks import follow_job, write_job
 def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, Any]:
     """HF backend: chain speculative decoding (greedy target, top-1 draft) in-process on the eval prompts.
 
-    Returns {"prompts", "device", "untrained"?, "trained"} (models/eval_job.py); eval.json is written by `publish_eval`.
+    Returns {"prompts", "device", "untrained"?, "trained"} (models/eval/job.py); eval.json is written by `publish_eval`.
     """
     logger = get_run_logger()
     final = _exported(job)
@@ -76,7 +76,7 @@ def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, 
     # Batch-1 decoding is many tiny ops: one CPU thread beats two that spin-wait for each other
     # (measured 20x on 2 busy cores); on GPUs it does not matter.
     follow_job(
-        [sys.executable, "-m", "models.eval_job", "--job", str(job_path)],
+        [sys.executable, "-m", "models.eval", "--job", str(job_path)],
         protocol=EVAL,
         log=logger.info,
         on_message=on_progress,
@@ -103,7 +103,7 @@ def evaluate_on_server(
     if server.launch == "command":
         check_command(server.command)
     tokenizer = AutoTokenizer.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
-    vocab_size = int(read_export_config(final)[0]["vocab_size"])  # either format (models/speculators_format.py)
+    vocab_size = int(read_export_config(final)[0]["vocab_size"])  # either format (models/export/speculators.py)
     prompts = eval_prompts(job, vocab_size)
     if not prompts:
         raise ValueError(f"no eval prompts (train.eval_fraction={job.eval_fraction}): raise eval_fraction and retrain")
@@ -323,7 +323,7 @@ def _training_cond_acc(draft_dir: Path | None) -> list[float] | None:
 
 def ttt_estimate(draft_dir: Path | None, num_steps: int) -> dict[str, Any] | None:
     """The training-time estimate at the eval's chain length: the chain formula over the first num_steps
-    held-out TTT rates (models/estimates.py); None without a held-out eval or with fewer TTT steps."""
+    held-out TTT rates (models/eval/estimates.py); None without a held-out eval or with fewer TTT steps."""
     cond = _training_cond_acc(draft_dir)
     if cond is None or len(cond) < num_steps:
         return None

@@ -25,7 +25,7 @@ only one part's rows are in memory, a part being cut at `flush_every` rows or `f
 prompt + output ids, whichever comes first. Renames need no extra disk space.
 
 Failures: a write that the storage refuses (disk full, read-only, quota) raises
-models.file_errors.WriteFailed naming the path, what was kept and how to resume. A part already
+models.common.file_errors.WriteFailed naming the path, what was kept and how to resume. A part already
 in RUN_DIR/responses/<dataset>/ that cannot be read raises tasks.parquet_io.DamagedPart naming it
 and where to move it; nothing is imported until it is moved. The import holds the run
 directory's write lock (tasks.run_lock) for its whole run: a second writer gets RunDirLocked.
@@ -47,9 +47,9 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from models.atomic import TMP_SUFFIX, fsync_dir
-from models.file_errors import WriteFailed
-from models.run_layout import RunLayout
+from models.common.atomic import TMP_SUFFIX, fsync_dir
+from models.common.file_errors import WriteFailed
+from models.common.run_layout import RunLayout
 from tasks.checkpoints import PartSummary, done_ids, finish_compaction, live_parts, responses_table
 from tasks.datasets import DatasetError, Reject
 from tasks.generate.legacy_lines import BadLine, LegacyLine, legacy_id_or_none, parse_line, read_lines

@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.file_errors import WriteFailed
-from models.jobs import GenerateJob
-from models.run_layout import RunLayout
+from models.common.file_errors import WriteFailed
+from models.common.jobs import GenerateJob
+from models.common.run_layout import RunLayout
 from tasks.checkpoints import ResponseWriter, done_ids, is_whole, summarize
 from tasks.datasets import PromptRow, Reject
 from tasks.engines.client import Completion

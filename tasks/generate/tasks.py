@@ -10,8 +10,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from models.jobs import GenerateJob, ServerSettings
-from models.run_layout import RunLayout
+from models.common.jobs import GenerateJob, ServerSettings
+from models.common.run_layout import RunLayout
 from tasks.artifacts import artifact_key
 from tasks.datasets import HubDataset, OnBadRow, RowFormat, load_dataset
 from tasks.engines.client import RetryPolicy, auth_hint

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.jobs import GenerateJob
+from models.common.jobs import GenerateJob
 from tasks.checkpoints import PartSummary, turn_outputs
 from tasks.datasets import PromptRow
 from tasks.generate.conversations import Conversation, resume

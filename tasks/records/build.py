@@ -31,9 +31,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from models.file_errors import WriteFailed
-from models.jobs import RecordsJob
-from models.run_layout import RunLayout
+from models.common.file_errors import WriteFailed
+from models.common.jobs import RecordsJob
+from models.common.run_layout import RunLayout
 from tasks.checkpoints import is_whole, live_parts
 from tasks.datasets import Reject
 from tasks.parquet_io import DamagedPart, list_parts, read_metadata, reading, write_parquet_atomic

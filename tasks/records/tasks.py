@@ -8,8 +8,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from models.jobs import RecordsJob
-from models.run_layout import RunLayout
+from models.common.jobs import RecordsJob
+from models.common.run_layout import RunLayout
 from tasks.artifacts import artifact_key
 from tasks.generate.prompts import default_stop_ids
 from tasks.records.build import RecordsReport, build_records, count_tokens, coverage

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from models.atomic import atomic_path
-from models.estimates import MEASURED_LABEL, TRAINING_LABEL, chain_acceptance_length
-from models.train_best import describe
+from models.common.atomic import atomic_path
+from models.eval.estimates import MEASURED_LABEL, TRAINING_LABEL, chain_acceptance_length
+from models.train.best import describe
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 KINDS = ("train", "eval")
@@ -178,7 +178,7 @@ def acceptance_lines(metrics: TrainMetrics, eval_steps: int, measured: float | N
     """Markdown lines: the last held-out eval's chain formula at `eval_steps` steps and the measured value, labelled.
 
     The training-time number is the chain formula 1 + sum_k prod_{j<=k} p_j over the first
-    eval_steps per-step conditional accept rates (models/estimates.py), so it compares with a
+    eval_steps per-step conditional accept rates (models/eval/estimates.py), so it compares with a
     measurement at the same number of draft tokens per round; it still differs in kind.
     """
     training, measured_label = TRAINING_LABEL.format(steps=eval_steps), MEASURED_LABEL.format(steps=eval_steps)
@@ -210,7 +210,7 @@ def eval_table(metrics: TrainMetrics) -> list[dict]:
     """One row per eval: step, epoch, loss (4 dp), acceptance_length (3 dp), acc_0.. (3 dp), tokens.
 
     acc_k is the eval's per_step_acc[k]; a row has as many acc_ columns as its per_step_acc has
-    entries. `tokens` is the eval row's own field (models/train.py logs the number of held-out
+    entries. `tokens` is the eval row's own field (models/train/job.py logs the number of held-out
     positions scored there, not cumulative training tokens).
     """
     out = []
@@ -277,7 +277,7 @@ def report_markdown(
 ) -> str:
     """A markdown report: headline figures, the eval table, the plot and the exported draft path.
 
-    `best`: train_summary.json's "best" (models/train_best.py: the best held-out eval, its export in best/ or null when
+    `best`: train_summary.json's "best" (models/train/best.py: the best held-out eval, its export in best/ or null when
     a relaunch rolled it back, and whether it is the last step's; None without held-out evals): the report then says
     which step was best and where each export is. False (the default): not known, not shown.
 

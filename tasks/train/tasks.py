@@ -1,6 +1,6 @@
 """Prefect tasks of the train stage: run the DeepSpeed training job, publish its metrics and report.
 
-A failed job raises what its failing rank reported in its `TRAIN_ERROR` line (models/rank_protocol.py):
+A failed job raises what its failing rank reported in its `TRAIN_ERROR` line (models/common/rank_protocol.py):
 a `WriteFailed`, a damaged file or a `CheckpointMismatch` with the rank's own one-line message, or `TrainFailed`.
 Only a `TrainFailed` that is `retryable` (a rank that crashed or was killed without a final
 verdict) is worth a Prefect retry (`retry_train_job`); the retry resumes from the last checkpoint.
@@ -17,12 +17,12 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from models.jobs import TrainJob
-from models.nodes import Nodes
-from models.rank_protocol import TRAIN, TRAIN_BEST, TRAIN_EVAL, Message, most_telling
-from models.run_layout import CHECKPOINTS, EVAL_REPORT, FINAL, METRICS, TRAIN_SUMMARY, TRAINING_PLOT
-from models.train_best import describe
-from models.train_checkpoint import RESUME, CheckpointMismatch, kept_checkpoint
+from models.common.jobs import TrainJob
+from models.common.nodes import Nodes
+from models.common.rank_protocol import TRAIN, TRAIN_BEST, TRAIN_EVAL, Message, most_telling
+from models.common.run_layout import CHECKPOINTS, EVAL_REPORT, FINAL, METRICS, TRAIN_SUMMARY, TRAINING_PLOT
+from models.train.best import describe
+from models.train.checkpoint import RESUME, CheckpointMismatch, kept_checkpoint
 from tasks.artifacts import artifact_key, progress_artifact
 from tasks.launch_ranks import RankFailure, follow_job, rank_command, rank_error, run_job, write_job
 from tasks.train.report import eval_table, load_metrics, plot_training, report_markdown
@@ -127,7 +127,7 @@ def run_train_job(
     )
     summary = json.loads((Path(job.out_dir) / TRAIN_SUMMARY).read_text())
     done = f"train: done, {summary['steps']:,} steps; the last step's draft in {summary['final']}"
-    if "best" in summary:  # models/train_best.py: the best held-out eval and its draft in best/
+    if "best" in summary:  # models/train/best.py: the best held-out eval and its draft in best/
         done += "; " + describe(summary["best"])
     update_progress_artifact(artifact, progress=100.0, description=done)  # rank 0 logged the same words
     return summary

@@ -66,11 +66,11 @@ def test_cpu_smoke_runs_every_phase_and_reports_its_figures(tmp_path):
 
 # The eval job as the check launches it, but held for good after its 2nd prompt's line: the check's eval limit
 # (--eval-s) is then certainly what ends it, with exactly 2 prompts measured. The check process swaps it in for
-# `python -m models.eval_job` through tasks.launch_ranks.follow_job, which Check.launch imports when it launches.
+# `python -m models.eval` through tasks.launch_ranks.follow_job, which Check.launch imports when it launches.
 HELD_EVAL = """
 import sys, threading
 from models import eval_job
-from models.rank_protocol import EVAL_PROGRESS
+from models.common.rank_protocol import EVAL_PROGRESS
 say = eval_job.say
 def held(line):
     say(line)
@@ -85,8 +85,8 @@ WITH_HELD_EVAL = WITHOUT_PREFECT.replace(
 import tasks.launch_ranks
 follow_job = tasks.launch_ranks.follow_job
 def held_eval(command, **kw):
-    if "models.eval_job" in command:
-        at = command.index("models.eval_job")
+    if "models.eval" in command:
+        at = command.index("models.eval")
         command = [*command[:at - 1], "-c", {HELD_EVAL!r}, *command[at + 1:]]
     return follow_job(command, **kw)
 tasks.launch_ranks.follow_job = held_eval
@@ -155,7 +155,9 @@ def test_an_eval_past_its_limit_leaves_its_per_prompt_figures(tmp_path):
     assert evaluation["prompts"] == 4 and evaluation["prompts_done"] == {"trained": 2}  # the trained draft first
     trained = evaluation["per_prompt"]["trained"]
     assert [x["prompt"] for x in trained] == [1, 2] and list(evaluation["per_prompt"]) == ["trained"]
-    for x in trained:  # each round adds accepted + 1 tokens, the prefill the first one (models/speculative_decoding.py)
+    for x in (
+        trained
+    ):  # each round adds accepted + 1 tokens, the prefill the first one (models/eval/speculative_decoding.py)
         assert 1 <= x["new_tokens"] <= 12 and x["new_tokens"] - 1 == x["rounds"] + x["accepted"]
         assert 0 <= x["accepted"] <= 3 * x["rounds"]
     rounds = sum(x["rounds"] for x in trained)

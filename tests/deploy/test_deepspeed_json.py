@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from flows.config.schema import TrainConfig
-from models.capture import ds_inference_config
-from models.train import ds_train_config
+from models.capture.job import ds_inference_config
+from models.train.job import ds_train_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from emulators.dev_server.app import create_app
-from models.jobs import GenerateJob
+from models.common.jobs import GenerateJob
 from tasks.datasets import PromptRow
 from tasks.generate.prompts import prompt_sampling_seed, request_sampling_params
 from tasks.server_pool import ServerPool

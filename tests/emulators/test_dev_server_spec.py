@@ -1,5 +1,5 @@
 """The dev server with an EAGLE-3 draft: SGLang's `--speculative-*` flags, `spec_verify_ct`, and the
-engine-measured acceptance equal to the in-process eval (models/speculative_decoding.py) on the same prompts.
+engine-measured acceptance equal to the in-process eval (models/eval/speculative_decoding.py) on the same prompts.
 
 The draft is an untrained (random) one, exported as SGLang reads it: the point is equality, not quality.
 `avg_spec_accept_length` is folded every `decode_log_interval` decode batches as SGLang 0.5.23's
@@ -15,10 +15,10 @@ import torch
 from emulators.dev_server.app import create_app
 from emulators.dev_server.cli import main
 from emulators.dev_server.speculative import Speculative
-from models.draft_vocab import draft_vocab
-from models.eagle3 import DraftStep, Eagle3Draft
-from models.eagle3_export import load_exported_draft
-from models.speculative_decoding import evaluate_acceptance, greedy_generate, speculative_decode
+from models.draft.eagle3 import DraftStep, Eagle3Draft
+from models.draft.vocab import draft_vocab
+from models.eval.speculative_decoding import evaluate_acceptance, greedy_generate, speculative_decode
+from models.export.sglang import load_exported_draft
 from tests import drafts
 
 CONTEXT = 512
@@ -48,7 +48,7 @@ def folded_avg(kept: list[int], interval: int = 40) -> float | None:
 
 @pytest.fixture(scope="module")
 def draft_dir(target, tmp_path_factory):
-    """A random draft over the target's embedding, exported in float32 (models/eagle3_export.py)."""
+    """A random draft over the target's embedding, exported in float32 (models/export/sglang.py)."""
     model, _ = target
     return export_random_draft(model, tmp_path_factory.mktemp("draft") / "final")
 
@@ -402,7 +402,7 @@ def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(
 
     Both counts: SGLang's and the per-round one.
     """
-    from models.eval_prompts import EvalPrompt
+    from models.eval.prompts import EvalPrompt
     from tasks.eval.on_server import compare_with_hf, engine_report
 
     model, tok = target
@@ -458,7 +458,7 @@ def test_the_engine_eval_leaves_out_of_both_phases_a_prompt_only_the_draft_serve
     """SGLang 0.5.23 reserves max(topk * steps, draft tokens) per request with a draft (tokenizer_manager.py
     `_validate_one_request`): a prompt that fits the server without the draft is refused by the one with it.
     The eval chooses its prompts with the reserve, so both phases decode the same prompts."""
-    from models.eval_prompts import EvalPrompt
+    from models.eval.prompts import EvalPrompt
     from tasks.eval.on_server import fit_draft_context
 
     model, tok = target

@@ -124,7 +124,7 @@ def long_body(rid: str, prompt: list[int] | None = None) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def small_target_dir(tmp_path_factory) -> Any:
     """An untrained small target (tokenizer + random Llama weights, 8 layers: the least a draft takes)."""
-    from models.tiny_target import build_tiny_target
+    from models.target.tiny import build_tiny_target
 
     return build_tiny_target(
         tmp_path_factory.mktemp("small_target") / "model",
@@ -609,8 +609,8 @@ def test_avg_spec_accept_length_is_folded_every_40_decode_batches(emu, small_tar
     metrics_reporter.py `update_spec_metrics`, `report_decode_stats`; internal_state.py `_average_accept_length`):
     absent until the first fold; a /flush_cache on an idle server resets it (scheduler.py `flush_cache` ->
     `reset_metrics`)."""
-    from models.eagle3_export import load_exported_draft
-    from models.speculative_decoding import speculative_decode
+    from models.eval.speculative_decoding import speculative_decode
+    from models.export.sglang import load_exported_draft
     from tests.emulators.test_dev_server_spec import folded_avg
 
     s = emu(draft=True)

@@ -1,7 +1,7 @@
 """The `capture` flow's failure handling under a real (test) Prefect server, with the rank launch faked.
 
 What the ranks themselves do on a full disk or a damaged file is tested with real launches in
-tests/models/test_capture.py; here the launch is replaced so that the flow's side is quick to check:
+tests/models/capture/test_job.py; here the launch is replaced so that the flow's side is quick to check:
 a killed rank is retried (resuming, with the token cap less what is on disk), a failed write is not,
 and the flow fails with the rank's one-line message.
 """
@@ -19,11 +19,11 @@ import yaml
 from prefect.states import Failed
 
 from flows.capture import capture
-from models.capture import ERROR_MARK
-from models.file_errors import DamagedShard, WriteFailed
-from models.hidden_shards import ShardWriter
-from models.jobs import RecordsJob
-from models.rank_protocol import error_report
+from models.capture.job import ERROR_MARK
+from models.capture.shards import ShardWriter
+from models.common.file_errors import DamagedShard, WriteFailed
+from models.common.jobs import RecordsJob
+from models.common.rank_protocol import error_report
 from tasks.capture import tasks as capture_tasks
 from tasks.capture.plan import DiskTooSmall
 from tasks.capture.tasks import CaptureRefused, capture_retryable, rank_error
@@ -162,7 +162,7 @@ def test_the_vllm_backend_runs_the_flow_plan_and_artifact_like_the_deepspeed_one
 
     from flows.commands.plan import print_plan
     from flows.config.file import load_config
-    from models.hidden_shards import done_sample_keys
+    from models.capture.shards import done_sample_keys
     from tasks.ports import free_port
     from tests.flows.test_generate_flow import artifacts_by_key
 

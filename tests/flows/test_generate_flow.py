@@ -17,7 +17,7 @@ from emulators.sim import SimServer
 from flows.capture import capture
 from flows.generate import generate
 from flows.records import records
-from models.hidden_shards import read_sample
+from models.capture.shards import read_sample
 from tasks.capture import plan as capture_plan
 from tasks.capture.plan import DiskTooSmall
 from tasks.checkpoints import live_parts

@@ -2,7 +2,7 @@
 
 The ranks are replaced by a stand-in for `run_job` that prints what real ranks print (their
 protocol lines and the TRAIN_ERROR report) and fails the way the launcher fails: the flow, its task
-options from the config and the retry condition are the real ones. tests/models/test_train.py
+options from the config and the retry condition are the real ones. tests/models/train/test_job.py
 shows the real ranks producing those reports (a full tmpfs, a changed fingerprint).
 """
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from models.file_errors import WriteFailed
-from models.rank_protocol import error_report
-from models.train import ERROR_MARK
-from models.train_checkpoint import RESUME
+from models.common.file_errors import WriteFailed
+from models.common.rank_protocol import error_report
+from models.train.checkpoint import RESUME
+from models.train.job import ERROR_MARK
 from tasks.launch_ranks import RankFailure
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from models.file_errors import DamagedShard, WriteFailed
-from models.jobs import CaptureJob
-from models.nodes import Nodes
-from models.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
+from models.common.file_errors import DamagedShard, WriteFailed
+from models.common.jobs import CaptureJob
+from models.common.nodes import Nodes
+from models.common.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
 from tasks import launch_ranks
 from tasks.launch_ranks import RankFailure, RankRefused, follow_job, rank_error, write_job
 from tests.rank_failures import shard_write_failed
@@ -306,10 +306,10 @@ def test_the_deepspeed_launcher_runs_two_cpu_ranks_of_a_capture(tmp_path, monkey
     import torch
     from transformers import AutoModelForCausalLM
 
-    from models.eagle3 import default_aux_layers
-    from models.hidden_shards import iter_shard_index, list_shards, read_sample
-    from models.rank_protocol import CAPTURE_PROGRESS, RANK_MEMORY
-    from models.tiny_target import build_tiny_target
+    from models.capture.shards import iter_shard_index, list_shards, read_sample
+    from models.common.rank_protocol import CAPTURE_PROGRESS, RANK_MEMORY
+    from models.draft.eagle3 import default_aux_layers
+    from models.target.tiny import build_tiny_target
     from tasks.records.build import RECORD_SCHEMA
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -27,9 +27,9 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from models.hidden_shards import iter_shard_index, list_shards, read_sample, shard_metadata
-from models.jobs import CaptureJob, TrainJob
-from models.nodes import Nodes
+from models.capture.shards import iter_shard_index, list_shards, read_sample, shard_metadata
+from models.common.jobs import CaptureJob, TrainJob
+from models.common.nodes import Nodes
 from tasks.launch_ranks import rank_command, write_job
 from tasks.ports import free_port
 
@@ -220,7 +220,7 @@ def test_two_node_training_equals_one_node_with_the_same_world_size(tiny_target_
     for a, b in zip(got, want):
         assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=1e-6), (a, b)
         assert a["per_step_loss"] == pytest.approx(b["per_step_loss"], rel=0, abs=1e-6)
-    from models.eagle3_export import load_exported_draft
+    from models.export.sglang import load_exported_draft
 
     a = load_exported_draft(two / "draft" / "final", dtype=torch.float32).state_dict()
     b = load_exported_draft(single / "draft" / "final", dtype=torch.float32).state_dict()
@@ -234,9 +234,15 @@ def test_a_capture_whose_node_dies_resumes_on_the_rerun(tiny_target_dir, data, c
     config = _config(tiny_target_dir, data, run_dir, free_port())
     job = _capture_job(tiny_target_dir, data, run_dir, shard_tokens=60)
     nodes = _nodes(config)
-    # Node 1 runs ranks that hold after their first shard (tests/models/capture_held.py): killed mid-run, certainly.
+    # Node 1 runs ranks that hold after their first shard (tests/models/capture/capture_held.py): killed mid-run,
+    # certainly.
     held, env = rank_command(
-        "tests.models.capture_held", ["--job", str(job)], num_ranks=1, launcher="torchrun", nodes=nodes, node_rank=1
+        "tests.models.capture.capture_held",
+        ["--job", str(job)],
+        num_ranks=1,
+        launcher="torchrun",
+        nodes=nodes,
+        node_rank=1,
     )
     node0, node1 = _two_nodes("models.capture", "capture", job, config, nodes, node1=(held, env))
     hidden = run_dir / "hidden"

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from emulators.sglang_protocol.disconnect import DISCONNECT_POLL_S
-from models.jobs import GenerateJob
+from models.common.jobs import GenerateJob
 from tasks.datasets import PromptRow
 from tasks.engines.client import RetryPolicy
 from tasks.generate.prompts import request_sampling_params

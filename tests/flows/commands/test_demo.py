@@ -12,8 +12,8 @@ from rich.console import Console
 from transformers import AutoTokenizer
 
 from flows.commands.demo import run_demo
-from models.eagle3_export import validate_export
-from models.eagle3_vllm import validate_export_vllm
+from models.export.sglang import validate_export
+from models.export.vllm import validate_export_vllm
 from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow, load_dataset
 from tasks.generate.prompts import chat_prompt_ids

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from flows.commands.cli import app
 from flows.commands.doctor import PreflightFailed, doctor_findings, engine_checks
 from flows.config.file import load_config
-from models import environment
-from models.findings import Finding
+from models.common.findings import Finding
+from models.ranks import environment
 from tests.run_configs import write_demo_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -87,8 +87,8 @@ def test_shards_captured_with_other_settings_fail_before_the_capture_refuses_the
     config that wrote them resumes; one that would capture fp8 into them fails, naming what differs."""
     import torch
 
-    from models.eagle3 import default_aux_layers
-    from models.hidden_shards import ShardWriter
+    from models.capture.shards import ShardWriter
+    from models.draft.eagle3 import default_aux_layers
 
     target = json.loads((tiny_target_dir / "config.json").read_text())
     h, layers = target["hidden_size"], default_aux_layers(target["num_hidden_layers"])
@@ -166,7 +166,7 @@ def test_a_draft_whose_vllm_aux_ids_are_off_by_one_fails(tmp_path, tiny_target_d
 
 def test_a_dev_server_serving_another_model_fails(tmp_path, tiny_target_dir, serve_app):
     from emulators.dev_server.app import create_app
-    from models.tiny_target import build_tiny_target
+    from models.target.tiny import build_tiny_target
 
     other = build_tiny_target(tmp_path / "other-model", seed=1, train_steps=0)
     with serve_app(create_app(other)) as url:

@@ -7,7 +7,7 @@ from collections import namedtuple
 
 import pytest
 
-from models.jobs import RecordsJob
+from models.common.jobs import RecordsJob
 from tasks.capture import plan as capture_plan
 from tasks.capture.plan import DiskTooSmall, TargetShape, capture_layers, check_fits, plan_capture, target_shape
 from tasks.checkpoints import responses_table, write_part

@@ -30,13 +30,13 @@ from safetensors.torch import save_file
 
 from emulators.dev_server.app import create_app
 from emulators.vllm_extract import Extraction
-from models.capture import main as capture_main
-from models.capture import trimmed_length
-from models.file_errors import WriteFailed
-from models.hidden_shards import done_sample_keys, iter_shard_index, list_shards, read_sample, shard_metadata
-from models.jobs import CaptureJob, DatasetRecords, VllmCaptureSettings
-from models.tiny_target import SAMPLES_DIR
-from models.vllm_hidden import ExtractionFailed, FinalNorm, engine_layer_ids, extraction_config
+from models.capture.job import main as capture_main
+from models.capture.job import trimmed_length
+from models.capture.shards import done_sample_keys, iter_shard_index, list_shards, read_sample, shard_metadata
+from models.capture.vllm_hidden import ExtractionFailed, FinalNorm, engine_layer_ids, extraction_config
+from models.common.file_errors import WriteFailed
+from models.common.jobs import CaptureJob, DatasetRecords, VllmCaptureSettings
+from models.target.tiny import SAMPLES_DIR
 from tasks.capture.vllm_capture import RecordsRefused, capture_with_vllm
 from tasks.engines.errors import AuthError, ServerOutage
 

@@ -19,10 +19,10 @@ import httpx
 
 from emulators.dev_server.app import create_app
 from emulators.vllm_extract import Extraction
-from models.jobs import CaptureJob, VllmCaptureSettings
-from models.vllm_hidden import extraction_config
+from models.capture.vllm_hidden import extraction_config
+from models.common.jobs import CaptureJob, VllmCaptureSettings
 from tasks.capture.vllm_capture import capture_with_vllm
-from tests.models.capture_held import hold_after_first_shard
+from tests.models.capture.capture_held import hold_after_first_shard
 
 
 def main(job_path: str, shared: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from models.findings import Finding
+from models.common.findings import Finding
 from tasks.doctor.run_dir import run_dir_findings
 from tests.run_locks import lock_held_elsewhere
 
@@ -52,7 +52,7 @@ def test_a_damaged_part_fails_naming_the_file(tmp_path):
 
 
 def checkpoint(ckpt_dir, step: int, settings: dict) -> None:
-    from models.train_checkpoint import COMPLETE, FINGERPRINT
+    from models.train.checkpoint import COMPLETE, FINGERPRINT
 
     tag = ckpt_dir / f"step-{step}"
     tag.mkdir(parents=True)
@@ -83,9 +83,9 @@ def _trained(ckpt_dir, variant: str) -> dict:
     """A checkpoint whose fingerprint the train stage wrote (run_fingerprint) for a `variant` draft; its job."""
     import torch
 
-    from models.eagle3 import DRAFT_VARIANTS, Eagle3Config
-    from models.jobs import TrainJob
-    from models.train_checkpoint import COMPLETE, FINGERPRINT, run_fingerprint
+    from models.common.jobs import TrainJob
+    from models.draft.eagle3 import DRAFT_VARIANTS, Eagle3Config
+    from models.train.checkpoint import COMPLETE, FINGERPRINT, run_fingerprint
 
     job = TrainJob(target_path="t", out_dir="o", token_counts="tc", hidden_dir="h", device="cpu", draft_variant=variant)
     shape = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1}
@@ -99,7 +99,7 @@ def _trained(ckpt_dir, variant: str) -> dict:
 
 def test_a_checkpoint_of_the_other_draft_variant_fails_both_ways(tmp_path):
     """The doctor's settings for a config (optimisation_settings | variant_settings) against what training wrote."""
-    from models.train_checkpoint import optimisation_settings, variant_settings
+    from models.train.checkpoint import optimisation_settings, variant_settings
 
     def finding(trained: str, configured: str) -> Finding:
         ckpt = tmp_path / "run" / trained / configured

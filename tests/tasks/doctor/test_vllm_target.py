@@ -11,7 +11,7 @@ import pytest
 
 from flows.commands.doctor import doctor_findings
 from flows.config.file import load_config
-from models.findings import Finding
+from models.common.findings import Finding
 from tasks.doctor.vllm_target import (
     VllmServer,
     export_aux_ids,
@@ -31,14 +31,14 @@ GPU_COMMAND = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory) -> Path:
     """The tiny kimi_k25 target, untrained (its config and tokenizer are what is checked)."""
-    from models.tiny_target import build_kimi_target
+    from models.target.tiny import build_kimi_target
 
     return build_kimi_target(tmp_path_factory.mktemp("kimi") / "model", train_steps=0)
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
-    from models.tiny_target import build_tiny_target
+    from models.target.tiny import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("llama") / "model", train_steps=0)
 

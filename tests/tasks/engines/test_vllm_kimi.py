@@ -1,7 +1,7 @@
 """The Kimi-K2.5-shaped tiny target (a kimi_k25 checkpoint: MLA, MoE, YaRN) against a REAL vLLM (.venv-vllm).
 
 - Layer ids: the aux hidden states our capture stores (2 torchrun ranks under DeepSpeed ZeRO-3, the MoE blocks
-  as leaf modules, the target read through models/target_loader.py) equal, numerically, the states vLLM's own
+  as leaf modules, the target read through models/target/loader.py) equal, numerically, the states vLLM's own
   DeepSeek model selects for the ids our export writes for vLLM (`vllm_aux_ids`), read through vLLM's offline
   API with its CPU MLA kernels (tests/tasks/engines/vllm_aux_states.py); vLLM's end-layer id L is the state
   BEFORE the final norm, ours after it: the final norm of vLLM's state is ours.
@@ -24,10 +24,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from models.eagle3 import default_aux_layers
-from models.eagle3_export import vllm_aux_ids
-from models.hidden_shards import iter_shard_index, read_sample
-from models.target_weights import load_final_norm
+from models.capture.shards import iter_shard_index, read_sample
+from models.draft.eagle3 import default_aux_layers
+from models.export.sglang import vllm_aux_ids
+from models.target.weights import load_final_norm
 from tasks.engines.vllm import shape_words
 from tests.models.torchrun import cpu_env
 
@@ -93,7 +93,9 @@ def test_our_aux_states_are_the_ones_vllm_selects_with_the_ids_we_export(
 ):
     config, _ = kimi_demo
     captured = config.layout.hidden_dir  # the pipeline's default aux layers, 2 ranks under ZeRO-3 with the MoE
-    assert config.capture.mode == "zero3" and config.capture.num_gpus == 2  # blocks as leaf modules (models/capture.py)
+    assert (
+        config.capture.mode == "zero3" and config.capture.num_gpus == 2
+    )  # blocks as leaf modules (models/capture/job.py)
     aux = default_aux_layers(NUM_LAYERS)
     ids = vllm_aux_ids(aux)
     assert ids == [2, 4, 5]
@@ -162,8 +164,8 @@ def engine_equals_in_process(report: dict, prompts: int) -> None:
 
 
 def test_the_kimi_demo_through_vllm_measures_what_the_in_process_eval_measures_prompt_by_prompt(kimi_demo):
-    from models.eagle3_export import validate_export
-    from models.eagle3_vllm import validate_export_vllm
+    from models.export.sglang import validate_export
+    from models.export.vllm import validate_export_vllm
     from tasks.checkpoints import live_parts
 
     config, printed = kimi_demo

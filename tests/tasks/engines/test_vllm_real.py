@@ -518,8 +518,8 @@ def test_specforge_s_benchmark_client_counts_the_demo_draft_as_our_eval_does(
 
     from emulators.dev_server.app import create_app
     from emulators.dev_server.speculative import Speculative
-    from models.eagle3_export import load_exported_draft
-    from models.speculative_decoding import evaluate_acceptance
+    from models.eval.speculative_decoding import evaluate_acceptance
+    from models.export.sglang import load_exported_draft
 
     try:
         import specforge.benchmarks.sglang as specforge_bench
@@ -575,7 +575,7 @@ def test_specforge_s_benchmark_client_counts_the_demo_draft_as_our_eval_does(
 
 def test_the_doctor_reads_the_real_vllm_s_version_model_and_context(plain, tiny_target_dir):
     # tasks/doctor/engine.py against vLLM 0.32.0 itself: /version, /v1/models (root = --model, max_model_len)
-    from models.jobs import ServerSettings
+    from models.common.jobs import ServerSettings
     from tasks.doctor.engine import engine_findings
 
     found = {

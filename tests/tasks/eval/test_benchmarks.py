@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from models.jobs import BenchmarkSpec, EvalJob
+from models.common.jobs import BenchmarkSpec, EvalJob
 from tasks.datasets import DatasetNotFoundError
 from tasks.eval import tasks as eval_tasks
 from tasks.eval.benchmarks import (
@@ -78,7 +78,7 @@ def job(tmp_path: Path, target: str, benchmarks: list[dict]) -> EvalJob:
     )
 
 
-HF_BENCH = {  # models/eval_job.py decode_benchmark's entry
+HF_BENCH = {  # models/eval/job.py decode_benchmark's entry
     "acceptance_length": 2.0,
     "acceptance_length_specforge": 2.25,
     "per_position_acceptance": [0.6, 0.5, 0.4],

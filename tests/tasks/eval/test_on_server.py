@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.eval_prompts import EvalPrompt
+from models.eval.prompts import EvalPrompt
 from tasks.engines.client import ServerLimits
 from tasks.engines.sglang import SGLangClient, context_length, speculative_settings
 from tasks.engines.vllm import VLLMClient

@@ -7,8 +7,8 @@ import shlex
 
 import pytest
 
-from models.eval_job import merge_results
-from models.speculative_decoding import SpecEvalResult
+from models.eval.job import merge_results
+from models.eval.speculative_decoding import SpecEvalResult
 from tasks.eval.tasks import estimates, eval_rows, sglang_command, ttt_estimate
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from models.file_errors import WriteFailed
+from models.common.file_errors import WriteFailed
 from tasks.checkpoints import PartSummary, done_ids
 from tasks.datasets import DatasetError, load_dataset, stable_id
 from tasks.generate.legacy_import import ImportReport, import_jsonl

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from emulators.sim import SimConfig, SimServer, simulate_output
-from models.jobs import GenerateJob
+from models.common.jobs import GenerateJob
 from tasks.checkpoints import done_ids, live_parts, summarize
 from tasks.datasets import PromptRow
 from tasks.engines.client import RetryPolicy
@@ -395,7 +395,7 @@ def test_replies_with_impossible_counts_are_never_recorded(server, tmp_path, tok
 def test_a_failed_checkpoint_write_stops_the_run_at_once_and_a_rerun_finishes(server, tmp_path, tokenizer, monkeypatch):
     import errno
 
-    from models.file_errors import WriteFailed
+    from models.common.file_errors import WriteFailed
     from tasks import checkpoints
 
     rows = prompts(60)

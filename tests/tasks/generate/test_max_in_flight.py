@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from emulators.sim import SimServer, simulate_output
-from models.jobs import GenerateJob
+from models.common.jobs import GenerateJob
 from tasks.datasets import PromptRow
 from tasks.engines.client import RetryPolicy
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from emulators.sim import SimServer
-from models.jobs import GenerateJob
+from models.common.jobs import GenerateJob
 from tasks.datasets import DatasetError, load_dataset
 from tasks.engines.client import RetryPolicy
 from tasks.generate.prompts import request_sampling_params

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from emulators.sim import SimServer
-from models.jobs import GenerateJob
+from models.common.jobs import GenerateJob
 from tasks.datasets import PromptRow
 from tasks.engines.client import RetryPolicy
 from tasks.generate.conversations import conversation

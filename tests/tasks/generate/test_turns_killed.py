@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from models.jobs import GenerateJob, RecordsJob
+from models.common.jobs import GenerateJob, RecordsJob
 from tasks.checkpoints import live_parts
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
 from tasks.launch_servers import launched_servers

@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from models.file_errors import WriteFailed
-from models.jobs import RecordsJob
-from models.run_layout import RunLayout
+from models.common.file_errors import WriteFailed
+from models.common.jobs import RecordsJob
+from models.common.run_layout import RunLayout
 from tasks.checkpoints import compact, responses_table, write_part
 from tasks.generate.passthrough import PASSTHROUGH_SCHEMA, copy_passthrough
 from tasks.generate.prompts import chat_prompt_ids

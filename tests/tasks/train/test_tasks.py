@@ -7,9 +7,9 @@ import pickle
 
 from prefect.states import Failed
 
-from models.file_errors import WriteFailed
-from models.rank_protocol import error_report
-from models.train_checkpoint import RESUME, CheckpointMismatch
+from models.common.file_errors import WriteFailed
+from models.common.rank_protocol import error_report
+from models.train.checkpoint import RESUME, CheckpointMismatch
 from tasks.launch_ranks import RankFailure
 from tasks.train.tasks import TrainFailed, error_line, job_failure, retry_train_job
 

@@ -1,0 +1,18 @@
+"""The names an exported draft is written with, shared by every module that writes, checks or converts one.
+
+Our export (models/export/sglang.py) is SGLang's and vLLM's `LlamaForCausalLMEagle3` directory; the speculators
+format (models/export/speculators.py) holds the same tensors under other names. Torch-free.
+"""
+
+from __future__ import annotations
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's class name; vLLM's registry maps it to Eagle3LlamaForCausalLM
+VLLM_AUX_KEY = "eagle_aux_hidden_state_layer_ids"  # top level for vLLM, inside eagle_config for SGLang
+EMBED = "embed_tokens.weight"
+INPUT_NORM = "input_norm.weight"  # Eagle3Config.norm_before_fc's RMSNorm over all aux features, as both engines name it
+
+
+def vllm_aux_ids(aux_layers: list[int]) -> list[int]:
+    """vLLM's ids for our aux layers: capture index = the state entering layer a + 1 (models/export/sglang.py)."""
+    return [a + 1 for a in aux_layers]

@@ -1,0 +1,1 @@
+"""The training stage's ranks: the draft trained on captured hidden states (`python -m models.train`)."""
