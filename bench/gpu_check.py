@@ -11,7 +11,7 @@ pipeline's own code, the way the stage tasks run it, without Prefect:
             deepspeed launcher on 1 GPU and followed with tasks.launch_ranks.follow_job;
 4. train    `models.train` (DeepSpeed ZeRO-2, bf16, NCCL) likewise, a few hundred steps, a checkpoint
             and the export at the end;
-5. export   the export in draft/final/ validated (SGLang and vLLM) and loaded back (models.export.sglang);
+5. export   the export in draft/final/ validated (SGLang and vLLM) and loaded back (models.export.eagle3);
 6. eval     `models.eval`: chain speculative decoding, trained and untrained draft.
 
 Each phase runs under its own time limit, cut to what is left of the whole run's `--budget-s`; a
@@ -633,10 +633,11 @@ def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
 
 
 def check_export(p: Params, work: Path) -> dict[str, Any]:
-    """The export in draft/final/: validated for SGLang and vLLM and loaded back (models.export.sglang), its size."""
+    """The export in draft/final/: validated for SGLang and vLLM and loaded back (models.export.eagle3), its size."""
     import torch
 
-    from models.export.sglang import load_exported_draft, validate_export
+    from models.export.eagle3 import load_exported_draft
+    from models.export.sglang import validate_export
     from models.export.vllm import validate_export_vllm
 
     final = RunLayout(work).final

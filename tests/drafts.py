@@ -7,7 +7,7 @@ import torch
 
 from models.draft.eagle3 import DRAFT_VARIANTS, Eagle3Config, Eagle3Draft, default_aux_layers
 from models.draft.vocab import draft_vocab
-from models.export.sglang import export_draft
+from models.export.eagle3 import export_draft
 
 
 def random_draft(
@@ -30,7 +30,7 @@ def random_draft(
 
 def export_random_draft(model, out_dir, *, draft_vocab_size: int, variant: str = "eagle3"):
     """A random draft (seed 0; `variant` of DRAFT_VARIANTS) over `model`'s embedding, exported in float32
-    (models/export/sglang.py) to out_dir."""
+    (models/export/eagle3.py) to out_dir."""
     cfg = Eagle3Config.from_target_config(
         model.config,
         draft_vocab_size=draft_vocab_size,

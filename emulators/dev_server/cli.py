@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m emulators.dev_ser
     ap.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--speculative-algorithm", default=None, help="EAGLE3 (the only one; implied by a draft path)")
-    ap.add_argument("--speculative-draft-model-path", default=None, help="an EAGLE-3 export (models/export/sglang.py)")
+    ap.add_argument("--speculative-draft-model-path", default=None, help="an EAGLE-3 export (models/export/eagle3.py)")
     ap.add_argument("--speculative-num-steps", type=int, default=None, help="draft tokens proposed per round")
     ap.add_argument("--speculative-eagle-topk", type=int, default=None, help="must be 1 (chain)")
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="must be num-steps + 1")

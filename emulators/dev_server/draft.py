@@ -21,7 +21,8 @@ def load_served_draft(draft_dir: str | Path, target, version: SGLangVersion = V0
     reads the speculators format (no `speculators_config` in sglang 0.5.23) or `norm_before_residual`
     (srt/models/llama_eagle3.py `LlamaDecoderLayer.forward` keeps the raw hidden state as the residual).
     """
-    from models.export.sglang import load_exported_draft, read_export_config
+    from models.export.eagle3 import load_exported_draft
+    from models.export.rules import read_export_config
 
     if read_export_config(Path(draft_dir))[1]:
         raise ValueError(

@@ -2,7 +2,7 @@
 
 Speculative decoding (``--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR
 --speculative-num-steps S [--speculative-eagle-topk 1] [--speculative-num-draft-tokens S+1]``,
-SGLang's flags): the server loads an EAGLE-3 draft exported by ``models/export/sglang.py`` (draft.py) and
+SGLang's flags): the server loads an EAGLE-3 draft exported by ``models/export/eagle3.py`` (draft.py) and
 decodes every request with chain (top-1) speculative decoding -- the very function the in-process
 eval uses, ``models.eval.speculative_decoding.speculative_decode`` (greedy target, top-1 draft; batcher.py).
 ``meta_info`` then
@@ -78,7 +78,7 @@ class Speculative:
         path = Path(draft_model_path)
         if not (path / "config.json").is_file():
             raise ValueError(
-                f"--speculative-draft-model-path {path}: no config.json (an EAGLE-3 export, models/export/sglang.py)"
+                f"--speculative-draft-model-path {path}: no config.json (an EAGLE-3 export, models/export/eagle3.py)"
             )
         return cls(draft_model_path=str(path), num_steps=int(num_steps))
 

@@ -282,7 +282,7 @@ def _vllm_target(
 
 def _vllm_server(config: RunConfig, aux: list[int] | None, *, draft: bool, export: bool, engine: bool) -> VllmServer:
     """The server section's vLLM: with our draft's aux ids and the export's when the engine eval serves a draft."""
-    from models.export.sglang import vllm_aux_ids
+    from models.export.format import vllm_aux_ids
     from tasks.doctor.vllm_target import VllmServer, export_aux_ids
 
     s = config.server

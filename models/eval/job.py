@@ -31,7 +31,7 @@ from models.draft.eagle3 import Eagle3Draft
 from models.eval.estimates import replay_acceptance
 from models.eval.prompts import EvalPrompt, benchmark_prompts, eval_prompts
 from models.eval.speculative_decoding import SpecEvalResult, evaluate_acceptance
-from models.export.sglang import has_embedding, load_exported_draft
+from models.export.eagle3 import has_embedding, load_exported_draft
 from models.ranks.harness import say, serve
 from models.target.loader import load_language_model
 

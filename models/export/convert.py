@@ -1,6 +1,6 @@
 """`eagle3 export`: a draft written in another format, the tensors unchanged.
 
-Formats: `sglang`, our export (models/export/sglang.py: what SGLang and vLLM load with their speculative flags), and
+Formats: `sglang`, our export (models/export/eagle3.py: what SGLang and vLLM load with their speculative flags), and
 `speculators` (models/export/speculators.py: what `vllm serve DIR` serves alone, and the speculators library
 reads). Either is read; the result is checked the way its readers read it (`validate_export` for sglang,
 `validate_export_vllm` and `load_problems` for speculators) and renamed into place only when complete.
@@ -13,7 +13,10 @@ from typing import Literal
 
 from safetensors import safe_open
 
-from models.export.sglang import CONFIG_FILE, WEIGHTS_FILE, load_problems, read_export, validate_export, write_checked
+from models.export.eagle3 import write_checked
+from models.export.format import CONFIG_FILE, WEIGHTS_FILE
+from models.export.rules import read_export
+from models.export.sglang import load_problems, validate_export
 from models.export.speculators import to_speculators_config, to_speculators_name
 from models.export.vllm import validate_export_vllm
 

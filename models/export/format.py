@@ -1,6 +1,6 @@
 """The names an exported draft is written with, shared by every module that writes, checks or converts one.
 
-Our export (models/export/sglang.py) is SGLang's and vLLM's `LlamaForCausalLMEagle3` directory; the speculators
+Our export (models/export/eagle3.py) is SGLang's and vLLM's `LlamaForCausalLMEagle3` directory; the speculators
 format (models/export/speculators.py) holds the same tensors under other names. Torch-free.
 """
 

@@ -1,4 +1,4 @@
-"""Export an `Eagle3Draft` as the directory SGLang serves with `--speculative-algorithm EAGLE3`.
+"""What SGLang does with an export (models/export/eagle3.py), mirrored: `validate_export`.
 
 The directory holds `config.json` and `model.safetensors`. What SGLang does with them (read in
 sgl-project/sglang python/sglang/srt/models/llama_eagle3.py, sglang/srt/models/llama.py,
@@ -65,267 +65,30 @@ id a = the OUTPUT of 0-based decoder layer a = transformers' `hidden_states[a + 
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
-from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
-from models.common.atomic import replace_dir
-from models.draft.eagle3 import AUX_FEATURES, Eagle3Config, Eagle3Draft
-from models.export.format import ARCHITECTURE, CONFIG_FILE, EMBED, INPUT_NORM, VLLM_AUX_KEY, WEIGHTS_FILE, vllm_aux_ids  # noqa: F401  (names other modules import from here)
-from models.export.speculators import (
-    from_speculators_config,
-    from_speculators_name,
-    is_speculators,
-    to_speculators_name,
+from models.draft.eagle3 import AUX_FEATURES
+from models.export.format import ARCHITECTURE, CONFIG_FILE, EMBED, INPUT_NORM, WEIGHTS_FILE
+from models.export.rules import (
+    FC_NORM_WEIGHTS,
+    INT_KEYS,
+    OTHER_TRAINERS_KEYS,
+    SGLANG_REQUIRED_WEIGHTS,
+    ST_DTYPES,
+    VARIANT_KEYS,
+    VOCAB_MAP,
+    Shape,
+    export_dtype,
+    export_name,
+    norm_before_fc,
+    read_export,
+    read_export_config,
 )
 
-VLLM_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # registry -> Eagle3LlamaForCausalLM
-
-_Shape = Callable[[Mapping], tuple[int, ...]]
-# name -> expected shape from the exported config.json (H hidden, Ht target hidden, hd head_dim).
-SGLANG_REQUIRED_WEIGHTS: dict[str, _Shape] = {
-    "fc.weight": lambda c: (c["hidden_size"], 3 * c["target_hidden_size"]),
-    "midlayer.self_attn.q_proj.weight": lambda c: (c["num_attention_heads"] * c["head_dim"], 2 * c["hidden_size"]),
-    "midlayer.self_attn.k_proj.weight": lambda c: (c["num_key_value_heads"] * c["head_dim"], 2 * c["hidden_size"]),
-    "midlayer.self_attn.v_proj.weight": lambda c: (c["num_key_value_heads"] * c["head_dim"], 2 * c["hidden_size"]),
-    "midlayer.self_attn.o_proj.weight": lambda c: (c["hidden_size"], c["num_attention_heads"] * c["head_dim"]),
-    "midlayer.mlp.gate_proj.weight": lambda c: (c["intermediate_size"], c["hidden_size"]),
-    "midlayer.mlp.up_proj.weight": lambda c: (c["intermediate_size"], c["hidden_size"]),
-    "midlayer.mlp.down_proj.weight": lambda c: (c["hidden_size"], c["intermediate_size"]),
-    "midlayer.hidden_norm.weight": lambda c: (c["hidden_size"],),
-    "midlayer.input_layernorm.weight": lambda c: (c["hidden_size"],),
-    "midlayer.post_attention_layernorm.weight": lambda c: (c["hidden_size"],),
-    "norm.weight": lambda c: (c["hidden_size"],),
-    "lm_head.weight": lambda c: (c["draft_vocab_size"], c["hidden_size"]),
-    "d2t": lambda c: (c["draft_vocab_size"],),
-    "t2d": lambda c: (c["vocab_size"],),
-}
-# Only when draft_vocab_size < vocab_size: at D == V the map is the identity, which both engines
-# assume without them, and vLLM refuses a d2t (module docstring).
-VOCAB_MAP = ("d2t", "t2d")
-# Only with config fc_norm: true (EAGLE-3.1): one RMSNorm per aux feature, [target_hidden_size] each.
-FC_NORM_WEIGHTS: dict[str, _Shape] = {
-    f"fc_norm.{i}.weight": lambda c: (c["target_hidden_size"],) for i in range(AUX_FEATURES)
-}
-VARIANT_KEYS = ("fc_norm", "norm_output")  # Eagle3Config fields = config.json keys both engines read
-OTHER_TRAINERS_KEYS = ("norm_before_fc", "norm_before_residual")  # Eagle3Config fields we read, never train
-_EMBED_SHAPE: _Shape = lambda c: (c["vocab_size"], c["hidden_size"])  # noqa: E731
-_INT_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-    "vocab_size",
-    "draft_vocab_size",
-    "target_hidden_size",
-)
-_ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}  # torch_dtype -> safetensors dtype
-
-
-def export_dtype(cfg: Mapping) -> str | None:
-    """The weights' dtype a config.json states: `torch_dtype` (ours, transformers 4), else `dtype` (the key
-    transformers 5 writes, e.g. in a SpecForge export); both engines read either through transformers' config."""
-    found = cfg.get("torch_dtype") or cfg.get("dtype")
-    return found if isinstance(found, str) else None
-
-
-def _text_config(target_config) -> dict:
-    cfg = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
-    return dict(cfg.get("text_config") or cfg)  # multimodal targets (Kimi-K2.5) nest the LM config
-
-
-def sglang_config(config: Eagle3Config, target_config, dtype: torch.dtype) -> dict:
-    """The config.json of the export (see the module docstring for each key)."""
-    target = _text_config(target_config)
-    check_aux_layers(config.aux_layers, target.get("num_hidden_layers"))
-    for key, ours in (("vocab_size", config.vocab_size), ("hidden_size", config.target_hidden_size)):
-        if key in target and int(target[key]) != ours:
-            raise ValueError(f"target {key} {target[key]} != the draft's {ours}")
-    if "max_position_embeddings" not in target:
-        raise ValueError("target_config has no max_position_embeddings")
-    out = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "num_hidden_layers": 1,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None,
-        "max_position_embeddings": int(target["max_position_embeddings"]),
-        "vocab_size": config.vocab_size,
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.target_hidden_size,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "norm_before_residual": config.norm_before_residual,
-        "norm_before_fc": config.norm_before_fc,
-        "fc_norm": config.fc_norm,
-        "norm_output": config.norm_output,
-        "eagle_config": {VLLM_AUX_KEY: list(config.aux_layers), "use_aux_hidden_state": True},  # SGLang
-        VLLM_AUX_KEY: vllm_aux_ids(config.aux_layers),
-    }
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if target.get(key) is not None:
-            out[key] = target[key]
-    return out
-
-
-def check_aux_layers(aux_layers: list[int], target_layers: int | None = None) -> None:
-    """Raise ValueError unless `aux_layers` (ours: outputs of 0-based layers) mean the same in
-    every engine: first id 1, increasing, and not the target's last layer (module docstring)."""
-    aux = list(aux_layers)
-    if not aux or aux[0] != 1:
-        raise ValueError(
-            f"aux_layers {aux}: the first aux layer must be 1. SGLang versions disagree on "
-            "eagle_config.eagle_aux_hidden_state_layer_ids whose first id is not 1 (older ones add 1 "
-            "to every id, newer ones only when the first id is 1), so the exported draft would be "
-            "served with other hidden states than it was trained on; use default_aux_layers"
-        )
-    if any(b <= a for a, b in zip(aux, aux[1:])):
-        raise ValueError(
-            f"aux_layers {aux} must be increasing: SGLang and vLLM capture and "
-            "concatenate the aux hidden states in layer order"
-        )
-    if target_layers is not None and aux[-1] >= int(target_layers) - 1:
-        raise ValueError(
-            f"aux_layers {aux}: layer {aux[-1]} is the last of the target's {target_layers} "
-            "layers (or beyond); SGLang (and vLLM before PR #36063) captures only layer inputs, "
-            "never the last output"
-        )
-
-
-def export_draft(
-    draft: Eagle3Draft, out_dir: str | Path, *, target_config, dtype: torch.dtype = torch.bfloat16
-) -> Path:
-    """Write `out_dir/{config.json, model.safetensors}` for SGLang, validated, atomically; return out_dir.
-
-    `target_config`: the target's HF config (dict or PretrainedConfig) for max_position_embeddings
-    and the vocab/hidden-size cross-checks. The files are assembled in a sibling temp dir, checked
-    with `validate_export` (ValueError listing every problem) and renamed into place; an existing
-    export at `out_dir` is replaced only once the new one is complete. A non-empty `out_dir` that
-    is not an EAGLE-3 export is never replaced.
-    """
-    if str(dtype).removeprefix("torch.") not in _ST_DTYPES:
-        raise ValueError(f"dtype must be one of torch.{'/'.join(_ST_DTYPES)}, got {dtype}")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not _is_export(out_dir):
-        raise FileExistsError(f"{out_dir} exists, is not empty and is not an EAGLE-3 export; refusing to replace it")
-    config = sglang_config(draft.config, target_config, dtype)
-    full_vocab = draft.config.draft_vocab_size == draft.config.vocab_size
-    if full_vocab and torch.any(draft.d2t != 0):  # V strictly increasing ids in [0, V) are arange(V)
-        raise ValueError("draft_vocab_size == vocab_size but d2t is not the identity (all zeros)")
-    tensors = {}
-    for name, t in draft.state_dict().items():
-        if full_vocab and name in VOCAB_MAP:
-            # vLLM 0.32 (vllm/model_executor/models/llama_eagle3.py) has no draft_id_to_target_id
-            # at D == V and fails on a d2t; SGLang 0.5.23 (sglang/srt/models/llama_eagle3.py)
-            # skips t2d always and, without d2t, uses draft ids as target ids (the identity).
-            continue
-        t = t.detach().to("cpu")
-        tensors[name] = (
-            t.to(torch.int64) if name == "d2t" else t.bool() if name == "t2d" else t.to(dtype)
-        ).contiguous()
-
-    from models.export.vllm import validate_export_vllm  # here: that module imports this one's names
-
-    checks: tuple[tuple[str, Check], ...] = (("SGLang", validate_export), ("vLLM", validate_export_vllm))
-    if draft.config.norm_before_residual:  # SGLang 0.5.23 cannot serve it (validate_export says why): vLLM only
-        checks = checks[1:]
-    return write_checked(out_dir, config, tensors, checks, failure="EAGLE-3 export is not loadable by")
-
-
-Check = Callable[[Path], list[str]]
-
-
-def write_checked(
-    out_dir: Path, config: dict, tensors: dict[str, torch.Tensor], checks: tuple[tuple[str, Check], ...], failure: str
-) -> Path:
-    """config.json + model.safetensors assembled in a sibling temp dir, checked by each (reader, check), renamed into
-    place; ValueError `failure READER:` + the problems of the first check that finds any (nothing replaced then)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        for reader, check in checks:
-            problems = check(tmp)
-            if problems:
-                raise ValueError(f"{failure} {reader}:\n  " + "\n  ".join(problems))
-        tmp.chmod(0o755)  # mkdtemp makes 0700
-        for p in tmp.iterdir():
-            p.chmod(0o644)
-        replace_dir(tmp, out_dir)  # files fsynced, then renamed: a reader sees the old export or the new one
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
-
-
-def _is_export(path: Path) -> bool:
-    try:
-        return json.loads((path / CONFIG_FILE).read_text()).get("architectures") == [ARCHITECTURE]
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-class ExportFiles(NamedTuple):
-    """An export read for checking: its config in our form, its tensors under our names, where they are."""
-
-    cfg: dict
-    speculators: bool  # the files are in the speculators format (models/export/speculators.py)
-    meta: dict[str, tuple[tuple[int, ...], str]]  # our name -> (shape, safetensors dtype such as "BF16")
-    names: dict[str, str]  # our name -> the name in the file
-
-
-def read_export(out_dir: str | Path) -> ExportFiles:
-    """config.json and the safetensors header of an export, ours or speculators' (renamed to ours).
-
-    Raises ValueError naming the file for what cannot be read at all.
-    """
-    out_dir = Path(out_dir)
-    cfg, speculators = read_export_config(out_dir)
-    rename = from_speculators_name if speculators else (lambda n: n)
-    try:
-        with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:
-            names = {rename(n): n for n in f.keys()}
-            meta = {ours: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for ours, n in names.items()}
-    except Exception as e:  # safetensors raises its own error types for a bad file
-        raise ValueError(f"{WEIGHTS_FILE}: cannot read: {e}") from e
-    if speculators and export_dtype(cfg) is None and "fc.weight" in meta:  # no dtype stated: the weights' own
-        cfg["torch_dtype"] = {v: k for k, v in _ST_DTYPES.items()}.get(meta["fc.weight"][1])
-    return ExportFiles(cfg, speculators, meta, names)
-
-
-def read_export_config(out_dir: Path) -> tuple[dict, bool]:
-    """(config.json in our form, whether the file is in the speculators format); ValueError naming what is wrong."""
-    try:
-        cfg = json.loads((out_dir / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{CONFIG_FILE}: cannot read: {e}") from e
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{CONFIG_FILE}: not a JSON object")
-    if not is_speculators(cfg):
-        return cfg, False
-    try:
-        return from_speculators_config(cfg), True
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{CONFIG_FILE} (speculators format): {e}") from e
+_EMBED_SHAPE: Shape = lambda c: (c["vocab_size"], c["hidden_size"])  # noqa: E731
 
 
 def validate_export(out_dir: str | Path) -> list[str]:
@@ -377,7 +140,7 @@ def _problems(out_dir: str | Path, *, sglang: bool) -> list[str]:
         problems.append(
             f"missing {EMBED}: SGLang shares the target's embedding only when hidden_size == target_hidden_size"
         )
-    float_dtype = _ST_DTYPES[str(export_dtype(cfg))]
+    float_dtype = ST_DTYPES[str(export_dtype(cfg))]
     optional = {EMBED, *VOCAB_MAP} if cfg["draft_vocab_size"] == cfg["vocab_size"] else {EMBED}
     for name, rule in rules.items():
         if name not in names:
@@ -407,26 +170,13 @@ def _problems(out_dir: str | Path, *, sglang: bool) -> list[str]:
     return problems
 
 
-def export_name(export: ExportFiles, name: str) -> str:
-    """The file's name of our tensor `name` (a missing one: the name the format would give it)."""
-    return export.names.get(name) or (to_speculators_name(name) if export.speculators else name)
-
-
-def norm_before_fc(cfg: Mapping) -> bool:
-    """Whether a config asks for one RMSNorm over all aux features before fc: `eagle_config.norm_before_fc`, else the
-    top-level key (both engines read it so: SGLang 0.5.23 and vLLM 0.32 llama_eagle3.py `LlamaModel.__init__`)."""
-    eagle = cfg.get("eagle_config")
-    nested = eagle.get("norm_before_fc") if isinstance(eagle, dict) else None
-    return bool(nested if nested is not None else cfg.get("norm_before_fc", False))
-
-
 def _config_problems(cfg: dict, *, sglang: bool = True) -> list[str]:
     p = []
     if cfg.get("architectures") != [ARCHITECTURE]:
         p.append(f"architectures {cfg.get('architectures')!r} != [{ARCHITECTURE!r}]")
     if cfg.get("model_type") != "llama":
         p.append(f"model_type {cfg.get('model_type')!r} != 'llama'")
-    for key in _INT_KEYS:
+    for key in INT_KEYS:
         v = cfg.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             p.append(f"config {key} must be a positive int, got {v!r}")
@@ -443,9 +193,9 @@ def _config_problems(cfg: dict, *, sglang: bool = True) -> list[str]:
     for key in ("rms_norm_eps", "rope_theta"):
         if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
             p.append(f"config {key} must be a positive number, got {cfg.get(key)!r}")
-    if export_dtype(cfg) not in _ST_DTYPES:
+    if export_dtype(cfg) not in ST_DTYPES:
         stated = cfg.get("torch_dtype") or cfg.get("dtype")
-        p.append(f"torch_dtype (or dtype) {stated!r} not one of {sorted(_ST_DTYPES)}")
+        p.append(f"torch_dtype (or dtype) {stated!r} not one of {sorted(ST_DTYPES)}")
     eagle = cfg.get("eagle_config")
     ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
     if not (
@@ -475,45 +225,3 @@ def _config_problems(cfg: dict, *, sglang: bool = True) -> list[str]:
             "un-normalized hidden state as the residual, so it would serve this draft wrong; serve it with vLLM"
         )
     return p
-
-
-def has_embedding(out_dir: str | Path) -> bool:
-    """Whether an export holds its own embed_tokens (ours always do; another trainer's may not)."""
-    with safe_open(str(Path(out_dir) / WEIGHTS_FILE), framework="pt") as f:
-        return EMBED in f.keys()
-
-
-def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Eagle3Draft:
-    """The `Eagle3Draft` of an export, ours or speculators' (`load_problems` first), in `dtype` (default: the
-    file's torch_dtype or dtype).
-
-    An export without embed_tokens (allowed when hidden_size == target_hidden_size) leaves the
-    embedding uninitialized: call `load_target_embedding` with the target's. An export without
-    d2t/t2d (written so when draft_vocab_size == vocab_size) keeps `Eagle3Draft`'s identity vocab.
-    """
-    out_dir = Path(out_dir)
-    problems = load_problems(out_dir)
-    if problems:
-        raise ValueError(f"{out_dir} is not a valid EAGLE-3 draft:\n  " + "\n  ".join(problems))
-    export = read_export(out_dir)
-    cfg = export.cfg
-    config = Eagle3Config(
-        **{k: cfg[k] for k in _INT_KEYS},
-        rms_norm_eps=float(cfg["rms_norm_eps"]),
-        rope_theta=float(cfg["rope_theta"]),
-        aux_layers=list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
-        hidden_act=cfg["hidden_act"],
-        **{key: bool(cfg.get(key, False)) for key in VARIANT_KEYS},
-        norm_before_fc=norm_before_fc(cfg),
-        norm_before_residual=bool(cfg.get("norm_before_residual", False)),
-    )
-    draft = Eagle3Draft(config).to(dtype or getattr(torch, str(export_dtype(cfg))))
-    with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:
-        state = {ours: f.get_tensor(name) for ours, name in export.names.items()}
-    missing, _ = draft.load_state_dict(state, strict=False)  # unknown names were rejected by load_problems
-    # load_problems let d2t/t2d be absent only at D == V, where Eagle3Draft.__init__'s buffers
-    # (d2t zeros, t2d all true) are the identity map the engines assume too.
-    optional = {EMBED, *VOCAB_MAP} if config.draft_vocab_size == config.vocab_size else {EMBED}
-    if set(missing) - optional:
-        raise ValueError(f"{out_dir}: missing tensors {sorted(set(missing) - optional)}")
-    return draft

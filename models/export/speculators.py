@@ -71,7 +71,7 @@ def to_speculators_name(name: str) -> str:
 
 
 def from_speculators_config(cfg: Mapping) -> dict[str, Any]:
-    """Our export's config.json (models/export/sglang.py `sglang_config`'s keys) of a speculators config.json.
+    """Our export's config.json (models/export/eagle3.py `sglang_config`'s keys) of a speculators config.json.
 
     Raises ValueError, saying what to do, for what our draft cannot be: another algorithm, a non-Llama layer, no
     aux layer ids. The result is checked like any export (validate_export, validate_export_vllm).

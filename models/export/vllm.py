@@ -1,4 +1,4 @@
-"""What vLLM's loader does with an export of models/export/sglang.py, mirrored: `validate_export_vllm`.
+"""What vLLM's loader does with an export of models/export/eagle3.py, mirrored: `validate_export_vllm`.
 
 The same directory is what vLLM serves with `--speculative-config '{"method": "eagle3", "model": DIR}'`
 (read in vllm-project/vllm vllm/model_executor/models/llama_eagle3.py, vllm/model_executor/models/llama.py,
@@ -35,15 +35,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from models.export.sglang import (
-    EMBED,
+from models.export.format import EMBED, INPUT_NORM, VLLM_AUX_KEY, WEIGHTS_FILE
+from models.export.rules import (
     FC_NORM_WEIGHTS,
-    INPUT_NORM,
     OTHER_TRAINERS_KEYS,
     VARIANT_KEYS,
     VLLM_ARCHITECTURES,
-    VLLM_AUX_KEY,
-    WEIGHTS_FILE,
     norm_before_fc,
     read_export,
 )

@@ -16,7 +16,7 @@ models/train/metrics.py. Files under `out_dir` (RUN_DIR/draft):
     checkpoints/latest           tag of the newest COMPLETE checkpoint (written atomically, last)
     metrics.jsonl                one line per log interval ("train") and per eval ("eval")
     tensorboard/                 the same scalars as TensorBoard events
-    final/                       config.json + model.safetensors for SGLang (models/export/sglang.py): the last step
+    final/                       config.json + model.safetensors for SGLang (models/export/eagle3.py): the last step
     best/                        the same export of the best held-out eval's draft, + best.json (models/train/best.py)
     train_summary.json           the final eval, the best one, and where each draft is
 
@@ -66,7 +66,7 @@ from models.common.run_layout import CHECKPOINTS, DS_CONFIG, FINAL, TRAIN_SUMMAR
 from models.draft.eagle3 import DRAFT_VARIANTS, STEP_DECAY, Eagle3Config, Eagle3Draft, default_aux_layers
 from models.draft.target_head import TargetHead
 from models.draft.vocab import draft_to_target_ids, draft_vocab, draft_vocab_coverage, load_token_counts
-from models.export.sglang import export_draft
+from models.export.eagle3 import export_draft
 from models.ranks.harness import Dist, check_shared_dir, init_process_group, log, say, serve
 from models.target.loader import load_language_model
 from models.target.weights import load_target_tensors

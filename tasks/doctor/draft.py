@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from models.common.findings import Finding
-from models.export.sglang import CONFIG_FILE, VLLM_AUX_KEY, read_export_config, validate_export
+from models.export.format import CONFIG_FILE, VLLM_AUX_KEY
+from models.export.rules import read_export_config
+from models.export.sglang import validate_export
 from models.export.vllm import validate_export_vllm
 
 NORM_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual")  # models/draft/eagle3.py reads each

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from models.common.findings import Finding
-from models.export.sglang import CONFIG_FILE, VLLM_AUX_KEY
+from models.export.format import CONFIG_FILE, VLLM_AUX_KEY
 
 # The architectures vLLM runs with deepseek_v2.py's DeepseekV2Model (model_executor/models/registry.py; the kimi_k25
 # wrapper builds its language model as DeepseekV2ForCausalLM, kimi_k25.py).
@@ -214,7 +214,7 @@ def _aux_ids_finding(whose: str, ids: list[int], num_layers: int, arch: str, ver
             "FAIL",
             f"{seen}: " + "; ".join(wrong),
             f"use ids 1..{num_layers} (our aux layer a, the output of 0-based layer a, is vLLM id a + 1: "
-            "models/export/sglang.py vllm_aux_ids); fix capture.aux_layers, or export again",
+            "models/export/format.py vllm_aux_ids); fix capture.aux_layers, or export again",
         )
     if not deepseek or num_layers not in ids:
         return Finding(name, "PASS", seen)

@@ -22,7 +22,7 @@ from models.common.rank_protocol import EVAL, Message
 from models.common.run_layout import TRAIN_SUMMARY
 from models.eval.estimates import chain_acceptance_length, estimates_block
 from models.eval.prompts import benchmark_prompts, eval_prompts
-from models.export.sglang import read_export_config
+from models.export.rules import read_export_config
 from tasks.artifacts import artifact_key, progress_artifact
 from tasks.engines.client import RetryPolicy, auth_hint
 from tasks.engines.sglang import SGLangClient

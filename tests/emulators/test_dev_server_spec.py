@@ -18,7 +18,7 @@ from emulators.dev_server.speculative import Speculative
 from models.draft.eagle3 import DraftStep, Eagle3Draft
 from models.draft.vocab import draft_vocab
 from models.eval.speculative_decoding import evaluate_acceptance, greedy_generate, speculative_decode
-from models.export.sglang import load_exported_draft
+from models.export.eagle3 import load_exported_draft
 from tests import drafts
 
 CONTEXT = 512
@@ -48,7 +48,7 @@ def folded_avg(kept: list[int], interval: int = 40) -> float | None:
 
 @pytest.fixture(scope="module")
 def draft_dir(target, tmp_path_factory):
-    """A random draft over the target's embedding, exported in float32 (models/export/sglang.py)."""
+    """A random draft over the target's embedding, exported in float32 (models/export/eagle3.py)."""
     model, _ = target
     return export_random_draft(model, tmp_path_factory.mktemp("draft") / "final")
 

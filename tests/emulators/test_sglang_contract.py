@@ -610,7 +610,7 @@ def test_avg_spec_accept_length_is_folded_every_40_decode_batches(emu, small_tar
     absent until the first fold; a /flush_cache on an idle server resets it (scheduler.py `flush_cache` ->
     `reset_metrics`)."""
     from models.eval.speculative_decoding import speculative_decode
-    from models.export.sglang import load_exported_draft
+    from models.export.eagle3 import load_exported_draft
     from tests.emulators.test_dev_server_spec import folded_avg
 
     s = emu(draft=True)

@@ -220,7 +220,7 @@ def test_two_node_training_equals_one_node_with_the_same_world_size(tiny_target_
     for a, b in zip(got, want):
         assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=1e-6), (a, b)
         assert a["per_step_loss"] == pytest.approx(b["per_step_loss"], rel=0, abs=1e-6)
-    from models.export.sglang import load_exported_draft
+    from models.export.eagle3 import load_exported_draft
 
     a = load_exported_draft(two / "draft" / "final", dtype=torch.float32).state_dict()
     b = load_exported_draft(single / "draft" / "final", dtype=torch.float32).state_dict()

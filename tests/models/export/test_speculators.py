@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from models.draft.eagle3 import DRAFT_VARIANTS, Eagle3Config, default_aux_layers
 from models.export.convert import convert_draft
-from models.export.sglang import export_draft, load_exported_draft, load_problems, validate_export
+from models.export.eagle3 import export_draft, load_exported_draft
+from models.export.sglang import load_problems, validate_export
 from models.export.vllm import validate_export_vllm
 from tests.drafts import random_draft
 

@@ -22,7 +22,8 @@ import torch
 
 from models.capture.job import run as run_capture
 from models.common.jobs import CaptureJob, DatasetRecords, TrainJob, TrainSettings
-from models.export.sglang import load_exported_draft, validate_export
+from models.export.eagle3 import load_exported_draft
+from models.export.sglang import validate_export
 from models.ranks.harness import Dist
 from models.target.tiny import SAMPLES_DIR
 from models.target.weights import find_tensor_name, load_target_tensors

@@ -519,7 +519,7 @@ def test_specforge_s_benchmark_client_counts_the_demo_draft_as_our_eval_does(
     from emulators.dev_server.app import create_app
     from emulators.dev_server.speculative import Speculative
     from models.eval.speculative_decoding import evaluate_acceptance
-    from models.export.sglang import load_exported_draft
+    from models.export.eagle3 import load_exported_draft
 
     try:
         import specforge.benchmarks.sglang as specforge_bench

@@ -11,11 +11,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import models.export.sglang as ex
+import models.export.eagle3 as ex
 from models.draft.caches import KVCache
 from models.draft.eagle3 import DRAFT_VARIANTS, Eagle3Config, Eagle3Draft, default_aux_layers
 from models.draft.vocab import draft_vocab
-from models.export.sglang import export_draft, load_exported_draft, validate_export
+from models.export.eagle3 import export_draft, has_embedding, load_exported_draft
+from models.export.rules import ST_DTYPES
+from models.export.sglang import validate_export
 from models.export.vllm import validate_export_vllm, vllm_load_problems, vllm_param_name
 from tests.drafts import random_draft
 
@@ -194,7 +196,7 @@ def test_an_export_whose_config_says_dtype_as_transformers_5_writes_it_validates
 
     cfg.pop("dtype")  # neither key: a clear error naming both
     (respelled / "config.json").write_text(json.dumps(cfg))
-    assert validate_export(respelled) == [f"torch_dtype (or dtype) None not one of {sorted(ex._ST_DTYPES)}"]
+    assert validate_export(respelled) == [f"torch_dtype (or dtype) None not one of {sorted(ST_DTYPES)}"]
 
 
 def test_an_export_without_embed_tokens_is_evaluated_with_the_target_s_embedding(
@@ -209,7 +211,7 @@ def test_an_export_without_embed_tokens_is_evaluated_with_the_target_s_embedding
 
     good = export_draft(draft, tmp_path / "good", target_config=target, dtype=torch.float32)
     bare = _rewrite(good, tmp_path / "bare", lambda t: {k: v for k, v in t.items() if k != "embed_tokens.weight"})
-    assert validate_export(bare) == [] and not ex.has_embedding(bare) and ex.has_embedding(good)
+    assert validate_export(bare) == [] and not has_embedding(bare) and has_embedding(good)
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32)
     theirs = model.get_input_embeddings().weight  # read by transformers, not by our loader
     left_out = load_exported_draft(bare)  # what the eval measured before: not the target's embedding
