@@ -73,7 +73,7 @@ from models.capture.shards import INDEX_NAME, list_shards, read_sample, shard_me
 from models.common.jobs import CaptureJob, CaptureSettings, DatasetRecords  # noqa: E402
 from models.common.rank_protocol import CAPTURE_PROGRESS  # noqa: E402
 from models.common.run_layout import RunLayout  # noqa: E402
-from models.draft.eagle3 import default_aux_layers  # noqa: E402
+from models.draft.config import default_aux_layers  # noqa: E402
 
 FIRST_ID = 8  # record ids are drawn from [FIRST_ID, vocab): clear of the special tokens 0..7
 DATASET = "bench"

@@ -20,7 +20,8 @@ from bench import harness
 from flows.config.schema import TrainConfig
 from models.capture.shards import METADATA_NAME
 from models.common.jobs import TrainJob
-from models.draft.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, default_aux_layers
+from models.draft.config import STEP_DECAY, Eagle3Config, default_aux_layers
+from models.draft.eagle3 import Eagle3Draft
 from models.draft.target_head import TargetHead
 from models.draft.vocab import draft_vocab, load_token_counts
 from models.ranks.harness import Dist

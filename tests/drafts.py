@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from models.draft.eagle3 import DRAFT_VARIANTS, Eagle3Config, Eagle3Draft, default_aux_layers
+from models.draft.config import DRAFT_VARIANTS, Eagle3Config, default_aux_layers
+from models.draft.eagle3 import Eagle3Draft
 from models.draft.vocab import draft_vocab
 from models.export.eagle3 import export_draft
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,20 @@ def test_no_file_of_the_layers_is_over_600_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+# models/common/ is what flows/ and tasks/ import from models/ without paying for torch: its modules, and the models
+# modules they import, import no torch, transformers or deepspeed (nested imports included, as a fresh process sees).
+TORCH_FREE = "models.common"
+HEAVY = ("torch", "transformers", "deepspeed")
+
+
+def test_models_common_imports_no_torch():
+    names = sorted(f"{TORCH_FREE}.{p.stem}" for p in (REPO / "models" / "common").glob("*.py") if p.stem != "__init__")
+    script = (
+        "import importlib, sys\n"
+        f"for name in {names!r}: importlib.import_module(name)\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -55,7 +55,7 @@ from models.capture.shards import ShardWriter, captured_with, clean_temps, list_
 from models.common.file_errors import DamagedFile
 from models.common.jobs import CaptureJob, DatasetRecords
 from models.common.rank_protocol import CAPTURE, CAPTURE_PROGRESS
-from models.draft.eagle3 import default_aux_layers
+from models.draft.config import default_aux_layers
 from models.ranks.harness import Dist, check_shared_dir, init_process_group, log, say, serve
 from models.target.loader import load_language_model
 

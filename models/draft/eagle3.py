@@ -53,9 +53,7 @@ predicted token's own mask, [t+k+2], as in any causal-LM loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,244 +61,10 @@ from torch import nn
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.draft.caches import KVCache, TTTCache, at_least_fp32
+from models.draft.config import AUX_FEATURES, STEP_DECAY, Eagle3Config, resolved_size
+from models.draft.layers import Eagle3DecoderLayer, RMSNorm, RotaryEmbedding
 from models.draft.target_head import TargetLogits
 from models.draft.vocab import draft_to_target_ids
-
-STEP_DECAY = 0.8  # weight of step k's loss is STEP_DECAY**k (EAGLE-3); the default of train.ttt_step_weight
-AUX_FEATURES = 3  # target hidden states fused by fc (the engines' num_aux_hidden_states)
-# `train.draft_variant` -> the Eagle3Config flags (and config.json keys) that both engines read
-DRAFT_VARIANTS: dict[str, dict[str, bool]] = {
-    "eagle3": {"fc_norm": False, "norm_output": False},
-    "eagle3.1": {"fc_norm": True, "norm_output": True},
-}
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3 aux layers: outputs of 0-based decoder layers [1, L//2-1, L-4] (Kimi, L=61: [1, 29, 57])."""
-    if num_layers < 8:
-        raise ValueError(f"EAGLE-3 needs at least 8 target layers for distinct aux layers, got {num_layers}")
-    layers = [1, num_layers // 2 - 1, num_layers - 4]
-    if len(set(layers)) != 3:  # unreachable for L >= 8; kept as the invariant callers rely on
-        raise ValueError(f"aux layers {layers} for {num_layers} layers are not distinct")
-    return layers
-
-
-@dataclass(kw_only=True)
-class Eagle3Config:
-    """Shape of the draft; `vocab_size` is the target's, `draft_vocab_size` the draft lm_head's."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads (resolved on init)
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096  # the target's: SGLang sizes the draft's RoPE cache from it
-    vocab_size: int
-    draft_vocab_size: int
-    target_hidden_size: int | None = None  # None: hidden_size; fc input is 3 * this
-    aux_layers: list[int] = field(default_factory=list)  # 0-based target layers fused by fc
-    hidden_act: str = "silu"
-    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm(target_hidden_size) per aux feature before fc
-    norm_output: bool = False  # EAGLE-3.1: the next draft step reads norm(h_out), not h_out
-    # Two options other trainers use (speculators' training defaults), never set by our trainer: we read them to
-    # evaluate such drafts. norm_before_fc: one RMSNorm over all 3*Ht aux features before fc (`input_norm`);
-    # norm_before_residual: the layer's residual is hidden_norm(h), not h. vLLM 0.32 serves both; SGLang 0.5.23
-    # only the first (models/export/sglang.py).
-    norm_before_fc: bool = False
-    norm_before_residual: bool = False
-
-    def __post_init__(self) -> None:
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ValueError(
-                    f"hidden_size {self.hidden_size} is not divisible by "
-                    f"num_attention_heads {self.num_attention_heads}; set head_dim"
-                )
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.target_hidden_size is None:
-            self.target_hidden_size = self.hidden_size
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_key_value_heads}"
-            )
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
-        if len(self.aux_layers) != AUX_FEATURES or len(set(self.aux_layers)) != AUX_FEATURES:
-            raise ValueError(f"aux_layers must be {AUX_FEATURES} distinct layer ids, got {self.aux_layers}")
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_act {self.hidden_act!r} not one of {sorted(_ACTIVATIONS)}")
-        if self.fc_norm and self.norm_before_fc:
-            raise ValueError("fc_norm and norm_before_fc are exclusive: one RMSNorm per aux feature, or one over all")
-        self.aux_layers = [int(i) for i in self.aux_layers]
-
-    @property
-    def variant(self) -> str:
-        """The `DRAFT_VARIANTS` name of the two flags (`train.draft_variant`)."""
-        flags = {"fc_norm": self.fc_norm, "norm_output": self.norm_output}
-        for name, want in DRAFT_VARIANTS.items():
-            if flags == want:
-                return name
-        return f"fc_norm={self.fc_norm}, norm_output={self.norm_output}"
-
-    @classmethod
-    def from_target_config(cls, hf_config, draft_vocab_size: int, aux_layers: list[int], **overrides) -> Eagle3Config:
-        """The usual draft for a target: its hidden size, heads, MLP width, RoPE base and context.
-
-        Reads a transformers config (a multimodal one through its text config). For attention
-        that is not Llama-like (MLA: Kimi/DeepSeek) the target's head_dim is ignored and
-        hidden_size // heads is used; pass `overrides` (e.g. head_dim=128, rope_theta=1e6) to choose.
-        """
-        cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        heads = int(cfg.num_attention_heads)
-        head_dim = getattr(cfg, "head_dim", None)
-        if not isinstance(head_dim, int) or hasattr(cfg, "kv_lora_rank"):
-            head_dim = None
-        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-        rope_theta = getattr(cfg, "rope_theta", None) or rope.get("rope_theta") or 10000.0
-        layers = getattr(cfg, "num_hidden_layers", None)
-        if layers is not None and any(not 0 <= i < layers for i in aux_layers):
-            raise ValueError(f"aux_layers {aux_layers} outside the target's {layers} layers")
-        values: dict[str, Any] = dict(
-            hidden_size=int(cfg.hidden_size),
-            intermediate_size=int(cfg.intermediate_size),
-            num_attention_heads=heads,
-            num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=int(cfg.max_position_embeddings),
-            vocab_size=int(cfg.vocab_size),
-            draft_vocab_size=int(draft_vocab_size),
-            target_hidden_size=int(cfg.hidden_size),
-            aux_layers=list(aux_layers),
-            hidden_act=str(getattr(cfg, "hidden_act", "silu")),
-        )
-        values.update(overrides)
-        return cls(**values)
-
-
-def _resolved(size: int | None, name: str) -> int:
-    """A size Eagle3Config.__post_init__ resolves from None (head_dim, target_hidden_size)."""
-    if size is None:
-        raise ValueError(f"Eagle3Config.{name} is None: __post_init__ resolves it, so it was set to None afterwards")
-    return size
-
-
-# ----------------------------------------------------------------------------- building blocks
-
-
-class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalized in fp32 (fp64 stays fp64), scaled in the input dtype."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = at_least_fp32(x)
-        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * wide.to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Llama RoPE (no scaling): dims i and i + head_dim/2 rotate together by pos * theta^(-2i/head_dim).
-
-    The frequencies are recomputed per call (head_dim/2 numbers), not kept in a buffer that
-    `model.to(torch.bfloat16)` would round; angles are fp32 like HF's, fp64 for an fp64 model.
-    """
-
-    def __init__(self, head_dim: int, theta: float):
-        super().__init__()
-        self.head_dim = head_dim
-        self.theta = float(theta)
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        work = torch.float64 if dtype == torch.float64 else torch.float32
-        exponent = torch.arange(0, self.head_dim, 2, device=position_ids.device, dtype=work) / self.head_dim
-        inv_freq = 1.0 / self.theta**exponent  # [hd/2]
-        freqs = position_ids.to(work)[..., None] * inv_freq  # [B, S, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [B, S, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, S, hd] rotated by cos/sin [B, S, hd]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
-
-
-class Eagle3Attention(nn.Module):
-    """Llama attention over the 2H-wide [embedding; hidden] input; the cache decides who sees whom."""
-
-    def __init__(self, config: Eagle3Config):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = _resolved(config.head_dim, "head_dim")
-        width = 2 * config.hidden_size
-        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, S, hd]
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, S, hd]
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, S, hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = cache.attend(q, k, v, self.num_heads // self.num_kv_heads)  # [B, h, S, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
-
-
-class Eagle3MLP(nn.Module):
-    def __init__(self, config: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = _ACTIVATIONS[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Eagle3DecoderLayer(nn.Module):
-    """`midlayer`: a Llama layer whose attention reads cat(input_layernorm(embeds), hidden_norm(hidden))."""
-
-    def __init__(self, config: Eagle3Config):
-        super().__init__()
-        self.self_attn = Eagle3Attention(config)
-        self.mlp = Eagle3MLP(config)
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.norm_before_residual = config.norm_before_residual
-
-    def forward(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache
-    ) -> torch.Tensor:
-        normed = self.hidden_norm(hidden)
-        residual = normed if self.norm_before_residual else hidden  # [B, S, H]
-        x = torch.cat([self.input_layernorm(embeds), normed], -1)  # [B, S, 2H]
-        hidden = residual + self.self_attn(x, cos, sin, cache)  # [B, S, H]
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))  # [B, S, H]
-
-
-# ----------------------------------------------------------------------------- the draft
 
 
 @dataclass
@@ -363,7 +127,7 @@ class Eagle3Draft(nn.Module):
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen: see load_target_embedding
-        target_hidden = _resolved(config.target_hidden_size, "target_hidden_size")
+        target_hidden = resolved_size(config.target_hidden_size, "target_hidden_size")
         self.fc = nn.Linear(AUX_FEATURES * target_hidden, h, bias=False)
         self.fc_norm = (  # EAGLE-3.1 only: `fc_norm.{i}.weight` in the export, as both engines name it
             nn.ModuleList([RMSNorm(target_hidden, config.rms_norm_eps) for _ in range(AUX_FEATURES)])
@@ -375,7 +139,7 @@ class Eagle3Draft(nn.Module):
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(_resolved(config.head_dim, "head_dim"), config.rope_theta)
+        self.rotary = RotaryEmbedding(resolved_size(config.head_dim, "head_dim"), config.rope_theta)
         # Identity vocab until set_draft_vocab: draft index i is target id i.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
@@ -461,7 +225,7 @@ class Eagle3Draft(nn.Module):
             position_ids = (len(cache) + torch.arange(s, device=input_ids.device)).expand(b, s)
         embeds = self.embed_tokens(input_ids)  # [B, S, H]
         if (
-            hidden.shape[-1] == AUX_FEATURES * _resolved(self.config.target_hidden_size, "target_hidden_size")
+            hidden.shape[-1] == AUX_FEATURES * resolved_size(self.config.target_hidden_size, "target_hidden_size")
             and hidden.shape[-1] != self.config.hidden_size
         ):
             hidden = self.fuse(hidden)  # [B, S, H]

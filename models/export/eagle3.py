@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.common.atomic import replace_dir
-from models.draft.eagle3 import Eagle3Config, Eagle3Draft
+from models.draft.config import Eagle3Config
+from models.draft.eagle3 import Eagle3Draft
 from models.export.format import ARCHITECTURE, CONFIG_FILE, EMBED, VLLM_AUX_KEY, WEIGHTS_FILE, vllm_aux_ids
 from models.export.rules import INT_KEYS, ST_DTYPES, VARIANT_KEYS, VOCAB_MAP, export_dtype, norm_before_fc, read_export
 from models.export.sglang import load_problems, validate_export

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from safetensors import safe_open
 
-from models.draft.eagle3 import AUX_FEATURES
+from models.draft.config import AUX_FEATURES
 from models.export.format import CONFIG_FILE, WEIGHTS_FILE
 from models.export.speculators import (
     from_speculators_config,

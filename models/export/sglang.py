@@ -70,7 +70,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from models.draft.eagle3 import AUX_FEATURES
+from models.draft.config import AUX_FEATURES
 from models.export.format import ARCHITECTURE, CONFIG_FILE, EMBED, INPUT_NORM, WEIGHTS_FILE
 from models.export.rules import (
     FC_NORM_WEIGHTS,

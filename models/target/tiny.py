@@ -43,7 +43,7 @@ from transformers.utils import logging as hf_logging
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.common.atomic import replace_dir
-from models.draft.eagle3 import default_aux_layers
+from models.draft.config import default_aux_layers
 from models.target.tiny_kimi import KIMI_FIXED, MEDIA_PAD, kimi_text_config, save_kimi_k25
 
 SAMPLES_DIR = Path(__file__).resolve().parents[2] / "data" / "samples"

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from models.capture.shards import DTYPE_BYTES, NATIVE, bytes_per_token
-from models.draft.eagle3 import default_aux_layers
+from models.draft.config import default_aux_layers
 from tasks.records.build import summarize_records
 
 

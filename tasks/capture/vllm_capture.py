@@ -45,7 +45,7 @@ from models.capture.vllm_hidden import (
     wait_for_file,
 )
 from models.common.jobs import CaptureJob, VllmCaptureSettings
-from models.draft.eagle3 import default_aux_layers
+from models.draft.config import default_aux_layers
 from tasks.capture.plan import capture_dtype, target_shape
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import BadRequest

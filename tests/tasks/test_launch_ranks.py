@@ -308,7 +308,7 @@ def test_the_deepspeed_launcher_runs_two_cpu_ranks_of_a_capture(tmp_path, monkey
 
     from models.capture.shards import iter_shard_index, list_shards, read_sample
     from models.common.rank_protocol import CAPTURE_PROGRESS, RANK_MEMORY
-    from models.draft.eagle3 import default_aux_layers
+    from models.draft.config import default_aux_layers
     from models.target.tiny import build_tiny_target
     from tasks.records.build import RECORD_SCHEMA
 

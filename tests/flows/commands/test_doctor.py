@@ -88,7 +88,7 @@ def test_shards_captured_with_other_settings_fail_before_the_capture_refuses_the
     import torch
 
     from models.capture.shards import ShardWriter
-    from models.draft.eagle3 import default_aux_layers
+    from models.draft.config import default_aux_layers
 
     target = json.loads((tiny_target_dir / "config.json").read_text())
     h, layers = target["hidden_size"], default_aux_layers(target["num_hidden_layers"])

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from models.draft.caches import KVCache
-from models.draft.eagle3 import STEP_DECAY, Eagle3Config, Eagle3Draft, RotaryEmbedding, apply_rope, default_aux_layers
+from models.draft.config import STEP_DECAY, Eagle3Config, default_aux_layers
+from models.draft.eagle3 import Eagle3Draft
+from models.draft.layers import RotaryEmbedding, apply_rope
 from models.draft.target_head import TargetHead
 from models.draft.vocab import draft_to_target_ids, draft_vocab, draft_vocab_coverage, load_token_counts
 from tests.kimi_k25 import kimi_k25_config

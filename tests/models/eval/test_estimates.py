@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.draft.eagle3 import Eagle3Config, Eagle3Draft, default_aux_layers
+from models.draft.config import Eagle3Config, default_aux_layers
+from models.draft.eagle3 import Eagle3Draft
 from models.draft.target_head import TargetLogits
 from models.draft.vocab import draft_vocab
 from models.eval.estimates import (

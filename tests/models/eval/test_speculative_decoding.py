@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from models.draft.caches import KVCache
-from models.draft.eagle3 import DraftStep, Eagle3Config, Eagle3Draft, default_aux_layers
+from models.draft.config import Eagle3Config, default_aux_layers
+from models.draft.eagle3 import DraftStep, Eagle3Draft
 from models.eval.speculative_decoding import (
     SpecEvalResult,
     evaluate_acceptance,

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 import models.export.eagle3 as ex
 from models.draft.caches import KVCache
-from models.draft.eagle3 import DRAFT_VARIANTS, Eagle3Config, Eagle3Draft, default_aux_layers
+from models.draft.config import DRAFT_VARIANTS, Eagle3Config, default_aux_layers
+from models.draft.eagle3 import Eagle3Draft
 from models.draft.vocab import draft_vocab
 from models.export.eagle3 import export_draft, has_embedding, load_exported_draft
 from models.export.rules import ST_DTYPES

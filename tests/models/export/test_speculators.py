@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from models.draft.eagle3 import DRAFT_VARIANTS, Eagle3Config, default_aux_layers
+from models.draft.config import DRAFT_VARIANTS, Eagle3Config, default_aux_layers
 from models.export.convert import convert_draft
 from models.export.eagle3 import export_draft, load_exported_draft
 from models.export.sglang import load_problems, validate_export

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.draft.eagle3 import default_aux_layers
+from models.draft.config import default_aux_layers
 from models.target.tiny import CHAT_TEMPLATE, SAMPLES_DIR, SPECIAL_TOKENS, build_tiny_target
 
 EXPECTED_IDS = {

@@ -596,7 +596,7 @@ def test_speculators_recipe_trains_muon_updates_and_exports_its_norms(tiny_targe
 
 
 def _fingerprint(rows=(("D", "a", 5), ("D", "b", 7)), d2t=(0, 0, 1), **over):
-    from models.draft.eagle3 import Eagle3Config
+    from models.draft.config import Eagle3Config
     from models.train.checkpoint import run_fingerprint
     from models.train.data import data_fingerprint
 

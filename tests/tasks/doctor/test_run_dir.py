@@ -84,7 +84,7 @@ def _trained(ckpt_dir, variant: str) -> dict:
     import torch
 
     from models.common.jobs import TrainJob
-    from models.draft.eagle3 import DRAFT_VARIANTS, Eagle3Config
+    from models.draft.config import DRAFT_VARIANTS, Eagle3Config
     from models.train.checkpoint import COMPLETE, FINGERPRINT, run_fingerprint
 
     job = TrainJob(target_path="t", out_dir="o", token_counts="tc", hidden_dir="h", device="cpu", draft_variant=variant)

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from models.capture.shards import iter_shard_index, read_sample
-from models.draft.eagle3 import default_aux_layers
+from models.draft.config import default_aux_layers
 from models.export.format import vllm_aux_ids
 from models.target.weights import load_final_norm
 from tasks.engines.vllm import shape_words
