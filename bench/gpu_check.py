@@ -575,7 +575,7 @@ def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
 
 def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     """`models.train` (ZeRO-2) on 1 rank: steps/s and tokens/s between metrics lines, losses, the held-out estimate."""
-    from models.common.jobs import TrainJob
+    from models.common.draft_jobs import TrainJob
     from models.common.rank_protocol import TRAIN, TRAIN_PROGRESS
     from tasks.launch_ranks import write_job
 
@@ -663,7 +663,7 @@ def evaluate(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     go into the JSON as they come, with the acceptance length so far (`partial_eval`): an eval
     killed at its limit leaves them, the trained draft's first (models/eval/job.py runs it first).
     """
-    from models.common.jobs import EvalJob
+    from models.common.draft_jobs import EvalJob
     from models.common.rank_protocol import EVAL
     from tasks.launch_ranks import write_job
 

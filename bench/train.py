@@ -81,7 +81,8 @@ import models  # noqa: E402,F401  (flushes CPU denormals in this process, as in 
 from bench import train_baselines, train_report  # noqa: E402
 from flows.config.schema import TrainConfig  # noqa: E402
 from models.capture.job import run as run_capture  # noqa: E402
-from models.common.jobs import CaptureJob, TrainJob  # noqa: E402
+from models.common.draft_jobs import TrainJob
+from models.common.jobs import CaptureJob  # noqa: E402
 from models.common.rank_protocol import TRAIN_PROGRESS  # noqa: E402
 from models.common.run_layout import RunLayout  # noqa: E402
 from models.ranks.harness import Dist  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 from bench import harness
 from flows.config.schema import TrainConfig
 from models.capture.shards import METADATA_NAME
-from models.common.jobs import TrainJob
+from models.common.draft_jobs import TrainJob
 from models.draft.config import STEP_DECAY, Eagle3Config, default_aux_layers
 from models.draft.eagle3 import Eagle3Draft
 from models.draft.target_head import TargetHead

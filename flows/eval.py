@@ -9,7 +9,8 @@ from prefect import flow, get_run_logger
 
 from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
-from models.common.jobs import EvalJob, EvalSettings, HeldOut, ServerSettings
+from models.common.draft_jobs import EvalJob, EvalSettings, HeldOut
+from models.common.jobs import ServerSettings
 from models.common.run_layout import RUN_DRAFTS
 from tasks.eval.benchmarks import benchmark_rows, benchmark_table_text, resolve_benchmarks
 from tasks.eval.on_server import EvalServer

@@ -8,7 +8,7 @@ from prefect import flow
 
 from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
-from models.common.jobs import TrainJob, TrainSettings
+from models.common.draft_jobs import TrainJob, TrainSettings
 from tasks.train.tasks import report_training, retry_train_job, run_train_job
 
 

@@ -15,18 +15,15 @@ from urllib.parse import urlsplit
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
+from models.common.draft_jobs import BenchmarkSpec, EvalSettings, ServedEvalSettings, TrainSettings
 from models.common.jobs import (
-    BenchmarkSpec,
     CaptureSettings,
     DatasetGenerateSettings,
     DatasetRecords,
-    EvalSettings,
     GenerateSettings,
     RecordSettings,
-    ServedEvalSettings,
     ServerSettings,
     TargetSpec,
-    TrainSettings,
     VllmCaptureSettings,
 )
 from models.common.nodes import Nodes

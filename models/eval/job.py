@@ -25,7 +25,7 @@ import torch
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.common.atomic import write_atomic
-from models.common.jobs import BenchmarkSpec, EvalJob
+from models.common.draft_jobs import BenchmarkSpec, EvalJob
 from models.common.rank_protocol import EVAL, EVAL_PROGRESS
 from models.draft.eagle3 import Eagle3Draft
 from models.eval.estimates import replay_acceptance

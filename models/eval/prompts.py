@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from models.common.jobs import EvalJob
+from models.common.draft_jobs import EvalJob
 from models.eval.benchmarks import read_benchmark
 from models.train.data import held_out_prompts
 

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from models.common.atomic import fsync_tree, write_atomic
+from models.common.draft_jobs import TrainJob
 from models.common.file_errors import WriteFailed, existing_parent, is_write_error
-from models.common.jobs import TrainJob
 from models.draft.config import DRAFT_VARIANTS, STEP_DECAY, Eagle3Config
 from models.ranks.harness import Dist, log
 

@@ -60,7 +60,7 @@ from models import numerics  # noqa: F401  (CPU denormals flushed before any mat
 from models.capture.job import capture_batch, load_records
 from models.capture.shards import METADATA_NAME
 from models.common.atomic import write_atomic
-from models.common.jobs import TrainJob, TrainSettings
+from models.common.draft_jobs import TrainJob, TrainSettings
 from models.common.rank_protocol import TRAIN, TRAIN_BEST, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
 from models.common.run_layout import CHECKPOINTS, DS_CONFIG, FINAL, TRAIN_SUMMARY
 from models.draft.config import DRAFT_VARIANTS, STEP_DECAY, Eagle3Config, default_aux_layers

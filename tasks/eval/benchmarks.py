@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from models.common.atomic import write_atomic
-from models.common.jobs import BenchmarkSpec, EvalJob
+from models.common.draft_jobs import BenchmarkSpec, EvalJob
 from models.eval.benchmarks import read_benchmark
 from tasks.datasets.hub import HubDataset, hub_repo_id, is_hub_path, read_hub
 

@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from models.common.atomic import write_atomic
-from models.common.jobs import EvalJob, ServedEvalSettings
+from models.common.draft_jobs import EvalJob, ServedEvalSettings
 from models.common.rank_protocol import EVAL, Message
 from models.common.run_layout import TRAIN_SUMMARY
 from models.eval.estimates import chain_acceptance_length, estimates_block

@@ -17,7 +17,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from models.common.jobs import TrainJob
+from models.common.draft_jobs import TrainJob
 from models.common.nodes import Nodes
 from models.common.rank_protocol import TRAIN, TRAIN_BEST, TRAIN_EVAL, Message, most_telling
 from models.common.run_layout import CHECKPOINTS, EVAL_REPORT, FINAL, METRICS, TRAIN_SUMMARY, TRAINING_PLOT

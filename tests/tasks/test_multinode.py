@@ -28,7 +28,8 @@ import yaml
 from safetensors import safe_open
 
 from models.capture.shards import iter_shard_index, list_shards, read_sample, shard_metadata
-from models.common.jobs import CaptureJob, TrainJob
+from models.common.draft_jobs import TrainJob
+from models.common.jobs import CaptureJob
 from models.common.nodes import Nodes
 from tasks.launch_ranks import rank_command, write_job
 from tasks.ports import free_port

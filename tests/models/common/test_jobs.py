@@ -20,15 +20,14 @@ from flows.config.schema import (
     TargetConfig,
     TrainConfig,
 )
+from models.common.draft_jobs import EvalJob, TrainJob
 from models.common.jobs import (
     CaptureJob,
     CaptureSettings,
-    EvalJob,
     GenerateJob,
     RecordsJob,
     ServerSettings,
     TargetSpec,
-    TrainJob,
     VllmCaptureSettings,
 )
 from models.common.nodes import Nodes

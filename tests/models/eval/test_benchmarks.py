@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from models.common.jobs import BenchmarkSpec, EvalSettings
+from models.common.draft_jobs import BenchmarkSpec, EvalSettings
 from models.eval.benchmarks import read_benchmark
 
 REPO = Path(__file__).resolve().parents[3]

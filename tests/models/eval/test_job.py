@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoTokenizer
 
-from models.common.jobs import EvalJob
+from models.common.draft_jobs import EvalJob
 from models.eval.job import draft_for_target, run
 from models.eval.speculative_decoding import evaluate_acceptance
 from tests.drafts import export_random_draft, load_target

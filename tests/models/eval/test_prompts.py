@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from models.common.jobs import EvalJob
+from models.common.draft_jobs import EvalJob
 from models.eval.prompts import eval_prompts, read_prompt_file
 from models.train.data import held_out
 

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from models.capture.job import run as run_capture
-from models.common.jobs import CaptureJob, DatasetRecords, TrainJob, TrainSettings
+from models.common.draft_jobs import TrainJob, TrainSettings
+from models.common.jobs import CaptureJob, DatasetRecords
 from models.export.eagle3 import load_exported_draft
 from models.export.sglang import validate_export
 from models.ranks.harness import Dist

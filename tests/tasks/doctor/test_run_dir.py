@@ -83,7 +83,7 @@ def _trained(ckpt_dir, variant: str) -> dict:
     """A checkpoint whose fingerprint the train stage wrote (run_fingerprint) for a `variant` draft; its job."""
     import torch
 
-    from models.common.jobs import TrainJob
+    from models.common.draft_jobs import TrainJob
     from models.draft.config import DRAFT_VARIANTS, Eagle3Config
     from models.train.checkpoint import COMPLETE, FINGERPRINT, run_fingerprint
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from models.common.jobs import BenchmarkSpec, EvalJob
+from models.common.draft_jobs import BenchmarkSpec, EvalJob
 from tasks.datasets import DatasetNotFoundError
 from tasks.eval import tasks as eval_tasks
 from tasks.eval.benchmarks import (
