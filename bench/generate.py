@@ -63,7 +63,8 @@ from tasks.checkpoints import RESPONSE_SCHEMA, compact, done_ids, summarize, wri
 from tasks.datasets import PromptRow  # noqa: E402
 from tasks.engines.client import RetryPolicy  # noqa: E402
 from tasks.engines.sglang import SGLangClient  # noqa: E402
-from tasks.generate.loop import GenerateReport, generate_dataset  # noqa: E402
+from tasks.generate.loop import generate_dataset  # noqa: E402
+from tasks.generate.report import GenerateReport  # noqa: E402
 from tasks.server_pool import ServerPool  # noqa: E402
 from tasks.stats import collect_stats, nearest_rank, stats_rows  # noqa: E402
 

@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from models.common.run_layout import RunLayout
 from tasks.parquet_io import (
     DamagedPart,
     clean_stale_temps,
@@ -297,3 +298,15 @@ class ResponseWriter:
             if cancelled:
                 raise asyncio.CancelledError
             return path
+
+
+def quarantine_advice(part: Path, responses_dir: Path) -> str:
+    """What to do about a damaged part of `responses_dir` or of its rejects: move it aside
+    (never deleted for the user), run again."""
+    where = RunLayout.of_dataset_dir(responses_dir).quarantine(part.parent)
+    held = "responses" if part.parent == Path(responses_dir) else "rejects"
+    return (
+        f"Nothing was sent. Parts are written whole (temp file, fsync, rename), so this one was damaged later "
+        f"(a disk fault, a partial copy, an edit). Move it aside: mkdir -p {where} && mv {part} {where}/ "
+        f"-- then run again: the prompts whose {held} it held are generated (or checked) again, exactly once"
+    )

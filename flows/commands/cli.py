@@ -286,8 +286,8 @@ def import_jsonl(
     """
     from typing import NoReturn
 
+    from flows.config.dataset import DATASET_NAME
     from flows.config.file import ConfigError, load_config
-    from flows.config.schema import DATASET_NAME
     from models.common.run_layout import RunLayout
     from tasks.generate.legacy_import_run import ImportFailed, import_legacy_file
 

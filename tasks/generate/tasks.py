@@ -16,9 +16,10 @@ from tasks.artifacts import artifact_key
 from tasks.datasets import HubDataset, OnBadRow, RowFormat, load_dataset
 from tasks.engines.client import RetryPolicy, auth_hint
 from tasks.engines.errors import ServerOutage
-from tasks.generate.loop import GenerateReport, Progress, generate_dataset
+from tasks.generate.loop import generate_dataset
 from tasks.generate.passthrough import PassthroughReport, copy_passthrough
 from tasks.generate.prompts import default_stop_ids
+from tasks.generate.report import GenerateReport, Progress
 from tasks.rejects import replace_stage_rejects
 from tasks.server_pool import ServerPool
 

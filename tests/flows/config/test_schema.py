@@ -51,7 +51,7 @@ def test_every_field_is_documented():
                 assert field.description, f"{model.__name__}.{name} has no description"
 
     walk(RunConfig)
-    from flows.config.schema import DatasetConfig
+    from flows.config.dataset import DatasetConfig
 
     walk(DatasetConfig)
 
@@ -250,7 +250,7 @@ def _number_fields():
     import types
     import typing
 
-    from flows.config.schema import DatasetConfig
+    from flows.config.dataset import DatasetConfig
 
     def numeric(annotation):
         members = (
