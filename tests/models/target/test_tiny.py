@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from models.draft.config import default_aux_layers
-from models.target.tiny import CHAT_TEMPLATE, SAMPLES_DIR, SPECIAL_TOKENS, build_tiny_target
+from models.target.tiny import SAMPLES_DIR, build_tiny_target
+from models.target.tiny_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 EXPECTED_IDS = {
     "<|pad|>": 0,

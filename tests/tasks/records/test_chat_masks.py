@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from models.target.tiny import CHAT_TEMPLATE, IM_END
+from models.target.tiny_tokenizer import CHAT_TEMPLATE, IM_END
 from tasks.records.chat_masks import MaskError, TokenizedTurns, conversation_records
 
 SAMPLE = Path(__file__).resolve().parents[3] / "data" / "samples" / "passthrough_chat.jsonl"
