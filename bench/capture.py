@@ -8,7 +8,7 @@ RECORD_SCHEMA), one run measures:
    (tasks.launch_ranks.rank_command + run_job: torchrun, DS_ACCELERATOR=cpu, gloo, OMP_NUM_THREADS per
    rank), for (a) 1 rank replicate, (b) 2 ranks replicate, (c) 2 ranks ZeRO-3, against baselines
    measured in the same run, each a fresh Python process like a rank:
-   - bare: a forward loop over the same batches (the 1-rank deal, models.capture.job.make_batches),
+   - bare: a forward loop over the same batches (the 1-rank deal, models.capture.records.make_batches),
      the same model, dtype and call kwargs (`output_hidden_states=True, use_cache=False,
      logits_to_keep=1`), nothing kept or written; at the ranks' thread count, before and after (a);
    - in-process: models.capture.job.capture_batch + ShardWriter in a plain process (our per-batch code
@@ -60,15 +60,8 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 from bench import capture_report, harness  # noqa: E402  (harness first: the offline env ranks and baselines inherit)
-from models.capture.job import (  # noqa: E402
-    capture_batch,
-    deal,
-    forward_kwargs,
-    load_records,
-    make_batches,
-    padded_batch,
-    write_sample,
-)
+from models.capture.job import capture_batch, forward_kwargs, padded_batch, write_sample  # noqa: E402
+from models.capture.records import deal, load_records, make_batches  # noqa: E402
 from models.capture.shards import INDEX_NAME, list_shards, read_sample, shard_metadata  # noqa: E402
 from models.common.jobs import CaptureJob, CaptureSettings, DatasetRecords  # noqa: E402
 from models.common.rank_protocol import CAPTURE_PROGRESS  # noqa: E402

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
-from models.capture.job import make_batches
+from models.capture.records import make_batches
 from models.capture.shards import METADATA_NAME, iter_shard_index, read_sample, storage_of
 
 # of hidden/metadata.json (`storage` only in an fp8 capture's: absent, a native one's fingerprint is as before)
@@ -190,12 +190,12 @@ def held_out_prompts(
 ) -> list[tuple[str, str, list[int]]]:
     """(dataset, id, prompt ids) of up to `limit` held-out records: the tokens before the first loss token.
 
-    `datasets` are `models.capture.job.DatasetRecords`. The order is the held-out hash order, so the
+    `datasets` are `models.common.jobs.DatasetRecords`. The order is the held-out hash order, so the
     same prompts come back on every call.
     """
     import numpy as np
 
-    from models.capture.job import load_records
+    from models.capture.records import load_records
 
     samples, parts, _ = load_records(datasets, vocab_size)
     held = [s for s in samples if held_out(s.dataset, s.id, fraction)]

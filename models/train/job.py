@@ -57,7 +57,8 @@ import numpy as np
 import torch
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
-from models.capture.job import capture_batch, load_records
+from models.capture.job import capture_batch
+from models.capture.records import load_records
 from models.capture.shards import METADATA_NAME
 from models.common.atomic import write_atomic
 from models.common.draft_jobs import TrainJob, TrainSettings
@@ -477,7 +478,7 @@ class OnlineSource:
 
     @torch.no_grad()
     def batch(self, samples: list[TrainSample], device: torch.device) -> Batch:
-        from models.capture.job import Sample
+        from models.capture.records import Sample
 
         as_capture = [Sample(s.dataset, s.id, s.ref[0], s.ref[1], s.length) for s in samples]
         rows = []

@@ -32,7 +32,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from models.capture.job import DTYPES, check_compatible, load_records, within_token_cap
+from models.capture.job import DTYPES, check_compatible
+from models.capture.records import load_records, within_token_cap
 from models.capture.shards import ShardWriter, clean_temps, list_shards, shard_metadata, write_index
 from models.capture.vllm_hidden import (
     LOCK_SUFFIX,

@@ -22,17 +22,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from models.capture.job import (
-    Sample,
-    deal,
-    ds_inference_config,
-    load_records,
-    main,
-    make_batches,
-    moe_leaf_classes,
-    trimmed_length,
-    within_token_cap,
-)
+from models.capture.job import ds_inference_config, main, moe_leaf_classes
+from models.capture.records import Sample, deal, load_records, make_batches, trimmed_length, within_token_cap
 from models.capture.shards import (
     MixedShards,
     ShardWriter,

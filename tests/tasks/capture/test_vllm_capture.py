@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from emulators.dev_server.app import create_app
 from emulators.vllm_extract import Extraction
 from models.capture.job import main as capture_main
-from models.capture.job import trimmed_length
+from models.capture.records import trimmed_length
 from models.capture.shards import done_sample_keys, iter_shard_index, list_shards, read_sample, shard_metadata
 from models.capture.vllm_hidden import ExtractionFailed, FinalNorm, engine_layer_ids, extraction_config
 from models.common.file_errors import WriteFailed
