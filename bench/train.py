@@ -21,7 +21,7 @@ training throughput (real tokens per second) of:
   (a child in a new session, the N loops its children), so that both sides share the cores with
   other load on the same terms (Linux schedules each session as one group).
 - in-process, interleaved (once per run, 1 rank): one process holding both a plain draft and the
-  job's DeepSpeed engine (models.train.job.wrap_in_deepspeed) alternates their steps on the same batch tensors,
+  job's DeepSpeed engine (models.train.optimizer.wrap_in_deepspeed) alternates their steps on the same batch tensors,
   timing forward, backward and the rest of each step: other load hits both alike, so this isolates
   the engine's per-step cost from everything else (launcher, job loop, process, machine).
 
@@ -275,7 +275,7 @@ def job_dict(p: Params, target: Path, data: Path, out_dir: Path, ranks: int) -> 
         "weight_decay": p.weight_decay,
         "grad_clip": p.grad_clip,
         "precision": "fp32",
-        "zero_stage": p.zero_stage,  # each rank derives its DeepSpeed config from these (models/train/job.py)
+        "zero_stage": p.zero_stage,  # each rank derives its DeepSpeed config from these (models/train/optimizer.py)
     }
     TrainJob.model_validate(job)  # the job's own spec accepts every key and value
     return job

@@ -27,8 +27,8 @@ from models.draft.vocab import draft_vocab, load_token_counts
 from models.ranks.harness import Dist
 from models.target.weights import load_target_tensors
 from models.train.data import HiddenSource, epoch_batches, rank_micro_batches, split_samples, steps_per_epoch
-from models.train.job import lr_lambda
 from models.train.metrics import Metrics
+from models.train.optimizer import lr_lambda
 
 RUN_CONFIG = TrainConfig()  # the run config's train section as declared: the AdamW betas and eps the job gets
 BETAS, EPS = RUN_CONFIG.adam_betas, RUN_CONFIG.adam_eps
@@ -165,10 +165,10 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     """One process (1 rank): the plain step and the job's DeepSpeed step in alternation, on the same batch tensors.
 
     Both drafts start from the same seed and see the same batches; each step runs the plain loop's
-    step and the job's (models.train.job.wrap_in_deepspeed / train_forward, engine.backward / step, the per-step token
-    all-reduce), alternating which goes first. Whatever else runs on the machine hits both alike, so
-    the difference is the engine's per-step cost. Phases: forward (TargetHead + forward_ttt, through
-    the engine for ours), backward (engine.backward: autograd + ZeRO-2 gradient hooks), the rest
+    step and the job's (models.train.optimizer.wrap_in_deepspeed / models.train.job.train_forward,
+    engine.backward / step, the per-step token all-reduce), alternating which goes first. Whatever else runs on
+    the machine hits both alike, so the difference is the engine's per-step cost. Phases: forward (TargetHead +
+    forward_ttt, through the engine for ours), backward (engine.backward: autograd + ZeRO-2 gradient hooks), the rest
     (plain: clip + AdamW + LambdaLR + zero_grad; ours: engine.step: ZeRO-2 reduction, norm, clip,
     AdamW on the flat partition, copy back, scheduler; + train(), the token all-reduce and, every
     `log_every` steps, the job's metrics line: Metrics all-reduce, grad norm, metrics.jsonl and
@@ -187,8 +187,9 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(cfg["threads"])
     import deepspeed
 
-    from models.train.job import ds_train_config, grad_norm, sum_over_ranks, train_forward, wrap_in_deepspeed
+    from models.train.job import grad_norm, sum_over_ranks, train_forward
     from models.train.metrics import MetricsWriter
+    from models.train.optimizer import ds_train_config, wrap_in_deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
     dist = Dist(group=True)

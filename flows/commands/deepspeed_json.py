@@ -2,7 +2,7 @@
 declared defaults.
 
 Nothing reads these files: each train rank derives its config from the train settings in its job
-(models/train/job.py `ds_train_config`), each ZeRO-3 capture rank from its capture job
+(models/train/optimizer.py `ds_train_config`), each ZeRO-3 capture rank from its capture job
 (models/capture/job.py `ds_inference_config`). They are for reading, and tests/deploy/test_deepspeed_json.py
 fails when they and the code part ways: then run this command instead of editing them.
 """
@@ -24,7 +24,7 @@ def templates() -> dict[str, dict]:
 
     from flows.config.schema import TrainConfig
     from models.capture.job import ds_inference_config
-    from models.train.job import ds_train_config
+    from models.train.optimizer import ds_train_config
 
     return {
         "train-zero2-bf16.json": ds_train_config(TrainConfig(), world_size=TRAIN_WORLD_SIZE, bf16=True),

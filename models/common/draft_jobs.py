@@ -65,7 +65,7 @@ class TrainSettings(HeldOut):
     """Optimizer steps between evaluations on the held-out split (also one at the end)."""
     log_every: int = Field(default=10, ge=1)
     """Optimizer steps per metrics.jsonl / TensorBoard line."""
-    # the optimizer and DeepSpeed: each rank derives its DeepSpeed config from these (models/train/job.py
+    # the optimizer and DeepSpeed: each rank derives its DeepSpeed config from these (models/train/optimizer.py
     # ds_train_config)
     optimizer: Literal["adamw", "muon"] = "adamw"
     """adamw: AdamW on every trained weight. muon: DeepSpeed's Muon on the draft layer's and fc's matrices (learning

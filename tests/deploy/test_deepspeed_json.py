@@ -10,7 +10,7 @@ import torch
 
 from flows.config.schema import TrainConfig
 from models.capture.job import ds_inference_config
-from models.train.job import ds_train_config
+from models.train.optimizer import ds_train_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
 

@@ -662,7 +662,7 @@ def test_the_optimizer_settings_reach_the_deepspeed_config(tmp_path):
         "run_dir": str(tmp_path / "run"),
         "train": {"adam_betas": [0.8, 0.99], "adam_eps": 1e-6, "torch_adam": False, "weight_decay": 0.1},
     }
-    from models.train.job import ds_train_config
+    from models.train.optimizer import ds_train_config
 
     params = ds_train_config(train_job(parse_config(data, base=tmp_path)), world_size=1, bf16=False)["optimizer"][
         "params"

@@ -38,8 +38,8 @@ from models.train.data import (
     split_samples,
     steps_per_epoch,
 )
-from models.train.job import ds_train_config, lr_lambda
 from models.train.metrics import MetricsWriter
+from models.train.optimizer import ds_train_config, lr_lambda
 from tests.models.torchrun import cpu_env, launch_cmd
 
 REPO = Path(__file__).resolve().parents[3]
