@@ -27,7 +27,7 @@ One concept per file:
 - speculative.py: `Speculative`, a draft to serve with, from SGLang's ``--speculative-*`` flags (greedy chain
   speculative decoding, ``spec_verify_ct``, the reserved tokens).
 - sequence.py: `BatchSequence`, one request inside the batcher, and its KV cache.
-- batcher.py: `Engine`, the continuous batcher: one worker thread owns the model; SGLang's speculative metrics
+- batcher.py: `Batcher`, the continuous batcher: one worker thread owns the model; SGLang's speculative metrics
   (``avg_spec_accept_length``).
 - sampling.py: `sample`, one token from the logits (greedy, or temperature + top-k + top-p).
 - draft.py: `load_served_draft`, an EAGLE-3 export as SGLang serves it.

@@ -1,4 +1,4 @@
-"""The batcher: `Engine`, continuous batching over per-sequence KV caches, run by one worker thread.
+"""The batcher: `Batcher`, continuous batching over per-sequence KV caches, run by one worker thread.
 
 Concurrency: the event loop never runs the model. One worker thread owns the model and does
 iteration-level batching: up to ``max_batch_size`` active sequences, each with its own KV cache;
