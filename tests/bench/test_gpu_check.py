@@ -69,7 +69,7 @@ def test_cpu_smoke_runs_every_phase_and_reports_its_figures(tmp_path):
 # `python -m models.eval` through tasks.launch_ranks.follow_job, which Check.launch imports when it launches.
 HELD_EVAL = """
 import sys, threading
-from models import eval_job
+from models.eval import job as eval_job
 from models.common.rank_protocol import EVAL_PROGRESS
 say = eval_job.say
 def held(line):
