@@ -38,7 +38,7 @@ def draft_findings(export_dir: Path, *, trained_layers: list[int], vocab_size: i
         _aux_finding(cfg, trained_layers),
         _shape_finding(cfg, vocab_size, hidden_size),
         _norm_finding(cfg),
-        *_loader_findings(export_dir),
+        *_loader_findings(export_dir, vllm_only=bool(cfg.get("norm_before_residual"))),
     ]
 
 
@@ -110,10 +110,14 @@ def _norm_finding(cfg: dict[str, Any]) -> Finding:
     return Finding("draft: norm flags", "PASS", seen + "; each applied by both engines and the in-process eval")
 
 
-def _loader_findings(export_dir: Path) -> list[Finding]:
+def _loader_findings(export_dir: Path, *, vllm_only: bool) -> list[Finding]:
+    """Each engine's loader on the export; `vllm_only` (a norm_before_residual draft, which SGLang 0.5.23 cannot
+    serve and the config refuses to serve with it): SGLang's problems are a WARN, the draft is vLLM's."""
     out = []
     for engine, problems in (("SGLang", validate_export(export_dir)), ("vLLM", validate_export_vllm(export_dir))):
-        if problems:
+        if problems and vllm_only and engine == "SGLang":
+            out.append(Finding("draft: SGLang loader", "WARN", "; ".join(problems)[:600], "serve this draft with vLLM"))
+        elif problems:
             out.append(
                 Finding(
                     f"draft: {engine} loader",

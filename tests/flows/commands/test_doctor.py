@@ -164,6 +164,26 @@ def test_a_draft_whose_vllm_aux_ids_are_off_by_one_fails(tmp_path, tiny_target_d
     assert found["draft: vLLM loader"].status == "FAIL" and found["draft: SGLang loader"].status == "PASS"
 
 
+def test_a_norm_before_residual_draft_is_vllm_s_a_warning_for_sglang_not_a_failure(tmp_path, tiny_target_dir):
+    """SGLang 0.5.23 cannot serve it (its layer keeps the raw residual), vLLM can: the preflight of an eval served by
+    vLLM must not stop on SGLang's loader."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.drafts import export_random_draft
+
+    config = load_config(write_demo_config(tmp_path, tiny_target_dir))
+    export = config.layout.draft_dir / "final"
+    export_random_draft(AutoModelForCausalLM.from_pretrained(tiny_target_dir), export, draft_vocab_size=1024)
+    cfg = json.loads((export / "config.json").read_text())
+    (export / "config.json").write_text(json.dumps({**cfg, "norm_before_residual": True}))
+    found = by_name(doctor_findings(config, ["eval"]))
+    sglang = found["draft: SGLang loader"]
+    assert (sglang.status, sglang.advice) == ("WARN", "serve this draft with vLLM")
+    assert sglang.detail.startswith("norm_before_residual: SGLang 0.5.23")
+    assert found["draft: vLLM loader"].status == "PASS" and found["draft: norm flags"].status == "WARN"
+    assert "FAIL" not in {f.status for g, f in doctor_findings(config, ["eval"]) if g == "draft"}
+
+
 def test_a_dev_server_serving_another_model_fails(tmp_path, tiny_target_dir, serve_app):
     from emulators.dev_server.app import create_app
     from models.target.tiny import build_tiny_target
