@@ -1,7 +1,8 @@
-"""The draft's optimisation under DeepSpeed: the config (ZeRO-2, AdamW or Muon, clipping), the schedule, the engine.
+"""The draft's optimisation under DeepSpeed: the config (ZeRO-2, AdamW or Muon, clipping), the schedule, the
+wrapped draft.
 
 `ds_train_config` derives a rank's DeepSpeed config from the train settings; `lr_lambda` is the warmup + cosine
-schedule; `wrap_in_deepspeed` makes the engine models/train/job.py steps, with the training-time test as its forward.
+schedule; `wrap_in_deepspeed` wraps the draft that models/train/job.py steps, the training-time test as its forward.
 """
 
 from __future__ import annotations
