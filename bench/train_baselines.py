@@ -19,8 +19,8 @@ import torch
 from bench import harness
 from flows.config.schema import TrainConfig
 from models.capture.shards import METADATA_NAME
-from models.common.draft_jobs import TrainJob
-from models.draft.config import STEP_DECAY, Eagle3Config, default_aux_layers
+from models.common.draft_jobs import STEP_DECAY, TrainJob
+from models.draft.config import Eagle3Config, default_aux_layers
 from models.draft.eagle3 import Eagle3Draft
 from models.draft.target_head import TargetHead
 from models.draft.vocab import draft_vocab, load_token_counts

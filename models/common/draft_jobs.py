@@ -25,6 +25,9 @@ DRAFT_OVERRIDES = (
 )
 
 
+STEP_DECAY = 0.8  # EAGLE-3's weight of TTT step k's loss, STEP_DECAY**k: train.ttt_step_weight's default
+
+
 class HeldOut(StrictModel):
     """The held-out split and the seed: training never sees the split, eval decodes its prompts."""
 
@@ -92,7 +95,7 @@ class TrainSettings(HeldOut):
     zero_stage: Literal[0, 1, 2] = 2
     """DeepSpeed ZeRO stage of the optimizer states and gradients: 2 partitions both over the ranks; 0 or 1 only to take
     ZeRO-2 apart (bench/train.py)."""
-    ttt_step_weight: float = Field(default=0.8, gt=0, le=1)
+    ttt_step_weight: float = Field(default=STEP_DECAY, gt=0, le=1)
     """The loss of training-time-test step k weighs this to the k-th power: 0.8 as EAGLE-3 and SpecForge, 1.0 (every
     step alike) as vLLM's speculators."""
     norm_before_fc: bool = False

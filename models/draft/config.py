@@ -9,7 +9,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-STEP_DECAY = 0.8  # weight of step k's loss is STEP_DECAY**k (EAGLE-3); the default of train.ttt_step_weight
 AUX_FEATURES = 3  # target hidden states fused by fc (the engines' num_aux_hidden_states)
 # `train.draft_variant` -> the Eagle3Config flags (and config.json keys) that both engines read
 DRAFT_VARIANTS: dict[str, dict[str, bool]] = {

@@ -60,8 +60,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
+from models.common.draft_jobs import STEP_DECAY
 from models.draft.caches import KVCache, TTTCache, at_least_fp32
-from models.draft.config import AUX_FEATURES, STEP_DECAY, Eagle3Config, resolved_size
+from models.draft.config import AUX_FEATURES, Eagle3Config, resolved_size
 from models.draft.layers import Eagle3DecoderLayer, RMSNorm, RotaryEmbedding
 from models.draft.target_head import TargetLogits
 from models.draft.vocab import draft_to_target_ids

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from models.common.atomic import fsync_tree, write_atomic
-from models.common.draft_jobs import TrainJob
+from models.common.draft_jobs import STEP_DECAY, TrainJob
 from models.common.file_errors import WriteFailed, existing_parent, is_write_error
-from models.draft.config import DRAFT_VARIANTS, STEP_DECAY, Eagle3Config
+from models.draft.config import DRAFT_VARIANTS, Eagle3Config
 from models.ranks.harness import Dist, log
 
 COMPLETE = "COMPLETE"

@@ -62,10 +62,10 @@ from models.capture.job import capture_batch
 from models.capture.records import load_records
 from models.capture.shards import METADATA_NAME
 from models.common.atomic import write_atomic
-from models.common.draft_jobs import TrainJob
+from models.common.draft_jobs import STEP_DECAY, TrainJob
 from models.common.rank_protocol import TRAIN, TRAIN_BEST, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
 from models.common.run_layout import CHECKPOINTS, DS_CONFIG, FINAL, TRAIN_SUMMARY
-from models.draft.config import DRAFT_VARIANTS, STEP_DECAY, Eagle3Config, default_aux_layers
+from models.draft.config import DRAFT_VARIANTS, Eagle3Config, default_aux_layers
 from models.draft.eagle3 import Eagle3Draft
 from models.draft.target_head import TargetHead
 from models.draft.vocab import draft_to_target_ids, draft_vocab, draft_vocab_coverage, load_token_counts

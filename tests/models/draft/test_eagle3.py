@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from models.common.draft_jobs import STEP_DECAY
 from models.draft.caches import KVCache
-from models.draft.config import STEP_DECAY, Eagle3Config, default_aux_layers
+from models.draft.config import Eagle3Config, default_aux_layers
 from models.draft.eagle3 import Eagle3Draft
 from models.draft.layers import RotaryEmbedding, apply_rope
 from models.draft.target_head import TargetHead
