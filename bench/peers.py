@@ -5,7 +5,8 @@ trained three more times on its training split, its captured hidden states and i
 the same settings (bench/peer_trainers/__init__.py `PeerJob`: 20 epochs, lr 0.002, 7 TTT steps, 512-token packs per
 optimizer step on one process):
 
-- `ours`: `eagle3 run --stages train` on one rank (`train.num_gpus: 1`, `max_batch_tokens: 512`);
+- `ours`: `eagle3 run --stages train` on one rank (`train.num_gpus: 1`, `max_batch_tokens: 512`), and again with
+  speculators' draft layer (`ours + speculators' norms`: `train.norm_before_fc`, `norm_before_residual`);
 - `speculators 0.9.0` and `SpecForge 0.2.0`: each its own training command, in a venv of its own made by the bench
   (bench/peer_trainers/<peer>.py; their small CPU patches under bench/peer_trainers/patches/, each saying why),
   with its own recipe otherwise (optimizer, initialisation, norms: each module's docstring lists them).
@@ -49,6 +50,8 @@ from models.common.run_layout import RunLayout  # noqa: E402
 VENVS = REPO / "runs" / "peers"  # the peers' venvs, kept between runs
 PEERS = {"speculators 0.9.0": speculators, "SpecForge 0.2.0": specforge}
 OURS, DEMO = "ours", "ours, the demo's (2 ranks)"
+OURS_NORMS = "ours + speculators' norms"
+NORMS = {"norm_before_fc": True, "norm_before_residual": True}  # speculators' draft layer (docs/benchmarks.md)
 
 
 @dataclass
@@ -80,15 +83,18 @@ def run_config(run_dir: Path, name: str, train: dict[str, Any]) -> Path:
     return path
 
 
-def train_ours(run_dir: Path, job: PeerJob) -> tuple[Path, PeerRun]:
-    """Ours on the job's settings, one rank: the config it ran with and what it cost."""
+def train_ours(
+    run_dir: Path, job: PeerJob, name: str = OURS, extra: dict[str, Any] | None = None
+) -> tuple[Path, PeerRun]:
+    """Ours on the job's settings (and `extra` train settings), one rank: the config it ran with and what it cost."""
     train = {"num_gpus": 1, "max_batch_tokens": job.max_batch_tokens, "epochs": job.epochs, "seed": job.seed}
-    train.update({"lr": job.lr, "ttt_steps": job.ttt_steps})  # one layer: our draft's only shape
-    config = run_config(run_dir, f"ours-{job.epochs}-epochs", train)
+    train.update({"lr": job.lr, "ttt_steps": job.ttt_steps, **(extra or {})})  # one layer: our draft's only shape
+    slug = "ours" if name == OURS else "ours-norms"
+    config = run_config(run_dir, f"{slug}-{job.epochs}-epochs", train)
     train_s = eagle3("run", str(config), "--stages", "train")
     layout = load_config(config).layout
     summary = json.loads(layout.train_summary.read_text())
-    run = PeerRun(OURS, layout.final, summary["steps"], summary["tokens"], round(train_s, 1), 0.0)
+    run = PeerRun(name, layout.final, summary["steps"], summary["tokens"], round(train_s, 1), 0.0)
     return config, run
 
 
@@ -128,6 +134,9 @@ def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
     runs = [demo_run(run_dir)]
     eval_config, ours = train_ours(run_dir, job)
     runs.append(ours)
+    runs.append(
+        train_ours(run_dir, job, OURS_NORMS, NORMS)[1]
+    )  # evaluated with the plain one's config: vLLM serves both
     for name, peer in PEERS.items():
         started = time.monotonic()
         python = peer.ensure_venv(VENVS)
