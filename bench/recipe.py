@@ -5,7 +5,9 @@ hidden states, draft vocabulary and eval prompts, the draft trained again per re
 the draft's initial weights and the data order) and evaluated in-process (eval.backend: hf, the demo's prompts,
 3 draft tokens per round). The recipes (issue 36: what the peers do differently):
 
-- `demo`: the demo's settings (configs/demo.yaml; 512-token batches since round 1 of docs/benchmarks.md);
+- `demo`: the demo's settings (configs/demo.yaml; 512-token batches since round 1 of docs/benchmarks.md,
+  `norm_before_fc` since round 2);
+- `no norm_before_fc`: the demo before round 2 adopted `norm_before_fc` (round 2's baseline);
 - `target lm_head`: `train.lm_head_init: target` (the draft head starts at the target's rows, as speculators does);
 - `betas 0.999, clip 1.0`: AdamW betas (0.9, 0.999) and gradient clipping 1.0 (speculators' and SpecForge's);
 - `equal TTT weights`: `train.ttt_step_weight: 1.0` (every TTT step's loss weighs alike, as speculators');
@@ -47,6 +49,7 @@ from models.common.run_layout import RunLayout  # noqa: E402
 # recipe -> the train settings it changes from the demo's (configs/demo.yaml: max_batch_tokens 512 since round 1)
 RECIPES: dict[str, dict[str, Any]] = {
     "demo": {},
+    "no norm_before_fc": {"norm_before_fc": False},  # round 2's baseline: the demo before it adopted the norm
     # round 1 (docs/benchmarks.md): the head's start and the peers' AdamW settings
     "target lm_head": {"lm_head_init": "target"},
     "betas 0.999, clip 1.0": {"adam_betas": [0.9, 0.999], "grad_clip": 1.0},
