@@ -1,12 +1,14 @@
 """Our trainer against the reference trainers, vLLM's speculators and SGLang's SpecForge, on identical data.
 
 One demo run (`eagle3 demo`'s `run_demo`: generate, records, capture, train, eval), then the same 1-layer EAGLE-3 draft
-trained three more times on its training split, its captured hidden states and its draft vocabulary (d2t/t2d), with
+trained again by each trainer on its training split, its captured hidden states and its draft vocabulary (d2t/t2d), with
 the same settings (bench/peer_trainers/__init__.py `PeerJob`: 20 epochs, lr 0.002, 7 TTT steps, 512-token packs per
 optimizer step on one process):
 
-- `ours`: `eagle3 run --stages train` on one rank (`train.num_gpus: 1`, `max_batch_tokens: 512`), and again with
-  speculators' draft layer (`ours + speculators' norms`: `train.norm_before_fc`, `norm_before_residual`);
+- `ours`: `eagle3 run --stages train` on one rank (`train.num_gpus: 1`, `max_batch_tokens: 512`; the demo's recipe
+  otherwise, `norm_before_fc` included), and again with speculators' whole draft layer (`ours + speculators' norms`:
+  `norm_before_residual` too, which SGLang 0.5.23 does not serve); both at `--ours-seeds` seeds (default 3: the
+  spread), the peers at the first seed only;
 - `speculators 0.9.0` and `SpecForge 0.2.0`: each its own training command, in a venv of its own made by the bench
   (bench/peer_trainers/<peer>.py; their small CPU patches under bench/peer_trainers/patches/, each saying why),
   with its own recipe otherwise (optimizer, initialisation, norms: each module's docstring lists them).
@@ -19,7 +21,7 @@ A comparison of quality and training speed, not a wall-clock target (bench/READM
 trained tokens over the wall time of its whole training command (start-up included), on the same machine in the same
 run. Printed as the markdown table of docs/benchmarks.md ("Against the reference trainers"):
 
-    .venv/bin/python bench/peers.py [--quick] [--keep DIR] [--json FILE]
+    .venv/bin/python bench/peers.py [--quick] [--ours-seeds N] [--epochs N] [--keep DIR] [--json FILE]
 
 The peers' venvs are kept in runs/peers/ (made once, ~4 and ~2.5 minutes). On 2 otherwise idle cores each
 training takes a few minutes and each eval about 2 (its vLLM server included); speculators slows down twenty-fold
@@ -30,6 +32,7 @@ docs/benchmarks.md; --quick trains 4 epochs: a smoke run of the bench, not its f
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -60,11 +63,16 @@ class Params:
 
     quick: bool = False
     epochs: int = 20
-    seed: int = 0
+    seed: int = 0  # every trainer's first seed; the peers train this one only
+    ours_seeds: int = 3  # ours, with and without speculators' norms, trained at seed, seed + 1, ...: their spread
 
     @classmethod
     def quick_preset(cls) -> Params:
-        return cls(quick=True, epochs=4)
+        return cls(quick=True, epochs=4, ours_seeds=1)
+
+    def validate(self) -> None:
+        if self.epochs < 1 or self.ours_seeds < 1:
+            raise SystemExit(f"--epochs and --ours-seeds must be at least 1 (got {self.epochs}, {self.ours_seeds})")
 
 
 def run_config(run_dir: Path, name: str, train: dict[str, Any]) -> Path:
@@ -87,15 +95,19 @@ def train_ours(
     run_dir: Path, job: PeerJob, name: str = OURS, extra: dict[str, Any] | None = None
 ) -> tuple[Path, PeerRun]:
     """Ours on the job's settings (and `extra` train settings), one rank: the config it ran with and what it cost."""
-    train = {"num_gpus": 1, "max_batch_tokens": job.max_batch_tokens, "epochs": job.epochs, "seed": job.seed}
-    train.update({"lr": job.lr, "ttt_steps": job.ttt_steps, **(extra or {})})  # one layer: our draft's only shape
+    train: dict[str, Any] = {"num_gpus": 1, "max_batch_tokens": job.max_batch_tokens, "epochs": job.epochs}
+    train.update({"seed": job.seed, "lr": job.lr, "ttt_steps": job.ttt_steps, **(extra or {})})  # one layer
     slug = "ours" if name == OURS else "ours-norms"
-    config = run_config(run_dir, f"{slug}-{job.epochs}-epochs", train)
+    config = run_config(run_dir, f"{slug}-{job.epochs}-epochs-seed-{job.seed}", train)
     train_s = eagle3("run", str(config), "--stages", "train")
     layout = load_config(config).layout
     summary = json.loads(layout.train_summary.read_text())
-    run = PeerRun(name, layout.final, summary["steps"], summary["tokens"], round(train_s, 1), 0.0)
+    run = PeerRun(seeded(name, job.seed), layout.final, summary["steps"], summary["tokens"], round(train_s, 1), 0.0)
     return config, run
+
+
+def seeded(name: str, seed: int) -> str:
+    return f"{name} (seed {seed})"
 
 
 def demo_run(run_dir: Path) -> PeerRun:
@@ -132,17 +144,19 @@ def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
     out["wall_s"] = {"demo": round(time.monotonic() - started, 1)}
     job = PeerJob(run_dir=run_dir, target=Path(config.target.path), epochs=p.epochs, seed=p.seed)
     runs = [demo_run(run_dir)]
-    eval_config, ours = train_ours(run_dir, job)
-    runs.append(ours)
-    runs.append(
-        train_ours(run_dir, job, OURS_NORMS, NORMS)[1]
-    )  # evaluated with the plain one's config: vLLM serves both
+    eval_config = None  # the first one's config evaluates every draft: vLLM serves them all
+    for seed in range(p.seed, p.seed + p.ours_seeds):
+        seed_job = replace(job, seed=seed)
+        ours_config, ours = train_ours(run_dir, seed_job)
+        eval_config = eval_config or ours_config
+        runs += [ours, train_ours(run_dir, seed_job, OURS_NORMS, NORMS)[1]]
     for name, peer in PEERS.items():
         started = time.monotonic()
         python = peer.ensure_venv(VENVS)
         out["wall_s"][f"{name} venv"] = round(time.monotonic() - started, 1)
         runs.append(peer.train(python, job, scratch / name.split()[0]))
         print(f"{name}: {runs[-1].optimizer_steps} steps in {runs[-1].train_s:.0f} s", flush=True)
+    assert eval_config is not None
     results = {}
     for run in runs:
         results[run.trainer] = {**json_safe(run), **evaluate(eval_config, run)}
@@ -185,8 +199,21 @@ def table(results: dict[str, dict[str, Any]]) -> None:
     harness.markdown_table(head, rows, align="lrrllrrrr")
 
 
+def seed_means(results: dict[str, dict[str, Any]]) -> None:
+    """Per trainer trained at several seeds: the mean acceptance and the spread (max - min) over its seeds."""
+    by_trainer: dict[str, list[float]] = {}
+    for name, r in results.items():
+        by_trainer.setdefault(name.split(" (seed ")[0], []).append(r["acceptance"])
+    for name, values in by_trainer.items():
+        if len(values) > 1:
+            mean, spread = statistics.mean(values), max(values) - min(values)
+            print(f"{name}: mean {mean:.3f} over {len(values)} seeds, spread {spread:.3f}")
+
+
 def report(out: dict[str, Any]) -> None:
     table(out["results"])
+    print()
+    seed_means(out["results"])
     print("\nwall seconds: " + json.dumps(out["wall_s"]))
 
 
