@@ -87,6 +87,8 @@ def variant_config(run_dir: Path, name: str, epochs: int) -> Path:
         data["capture"].update({"out_dir": str(run_dir / hidden), "dtype": dtype, "storage": storage})
     slug = name.replace(", ", "-").replace(".", "")
     data["train"].update({"draft_variant": draft_variant, "out_dir": str(run_dir / f"draft-{slug}")})
+    if draft_variant == "eagle3.1":  # EAGLE-3.1's norm per aux feature replaces the demo's one over all of them
+        data["train"]["norm_before_fc"] = False
     data["eval"]["backend"] = "hf"
     path = run_dir / f"variant-{slug}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
