@@ -104,6 +104,14 @@ class TrainSettings(HeldOut):
     norm_before_residual: bool = False
     """The draft layer's residual is hidden_norm(h) instead of h, as vLLM's speculators trains; served by vLLM 0.32
     only (SGLang 0.5.23's LlamaDecoderLayer always keeps h)."""
+    draft_arch: Literal["llama", "mla"] = "llama"
+    """The draft layer's attention. llama: Llama attention with plain RoPE (every engine's EAGLE-3 draft). mla:
+    DeepSeek's multi-head latent attention with the target's MLA widths (an MLA target only: Kimi-K2.x, DeepSeek-V3),
+    as the published Kimi-K2.5 MLA draft; served by vLLM 0.32 (Eagle3DeepseekV2ForCausalLM) and SGLang 0.5.23
+    (srt/models/kimi_k25_eagle3.py). Exclusive with norm_before_fc (neither engine's MLA draft has it)."""
+    draft_rope: Literal["target", "plain"] = "target"
+    """draft_arch mla: the draft's rope scaling. target: the target's (YaRN for Kimi: factor 64 over a 4k original
+    context); plain: no scaling, the target's rope base. (draft_arch llama: always plain.)"""
     draft_variant: Literal["eagle3", "eagle3.1"] = "eagle3"
     """eagle3.1: EAGLE 3.1's two changes (an RMSNorm per aux feature before fc, and each draft step reading the previous
     one's post-norm output), written as fc_norm/norm_output in the export's config.json; served by vLLM 0.32 and
@@ -136,6 +144,16 @@ class TrainSettings(HeldOut):
             raise ValueError(
                 "norm_before_fc and draft_variant eagle3.1 are exclusive: one RMSNorm over all aux features, or "
                 "EAGLE-3.1's one per feature; set one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _mla_without_input_norm(self) -> TrainSettings:
+        if self.draft_arch == "mla" and self.norm_before_fc:
+            raise ValueError(
+                "draft_arch mla and norm_before_fc are exclusive: neither vLLM 0.32 "
+                "(model_executor/models/deepseek_eagle3.py) nor SGLang 0.5.23 (srt/models/kimi_k25_eagle3.py) has an "
+                "input_norm in its MLA draft; remove norm_before_fc"
             )
         return self
 

@@ -10,6 +10,10 @@ import torch
 import torch.nn.functional as F
 
 AUX_FEATURES = 3  # target hidden states fused by fc (the engines' num_aux_hidden_states)
+# `train.draft_arch`: the draft layer's attention. llama: Llama attention (q/k/v/o_proj, RoPE); mla: DeepSeek's
+# multi-head latent attention with the target's MLA widths and rope (models/draft/mla.py)
+DRAFT_ARCHS = ("llama", "mla")
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # the target's
 # `train.draft_variant` -> the Eagle3Config flags (and config.json keys) that both engines read
 DRAFT_VARIANTS: dict[str, dict[str, bool]] = {
     "eagle3": {"fc_norm": False, "norm_output": False},
@@ -58,8 +62,23 @@ class Eagle3Config:
     # only the first (models/export/sglang.py).
     norm_before_fc: bool = False
     norm_before_residual: bool = False
+    # draft_arch "mla": DeepSeek-V3's attention (models/draft/mla.py), its widths the target's. rope_scaling: the
+    # target's (YaRN for Kimi), or None for plain RoPE; read by the MLA rope only.
+    draft_arch: str = "llama"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_scaling: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.draft_arch not in DRAFT_ARCHS:
+            raise ValueError(f"draft_arch {self.draft_arch!r} not one of {list(DRAFT_ARCHS)}")
+        if self.draft_arch == "mla":
+            self._check_mla()
+        if self.head_dim is None and self.draft_arch == "mla":
+            self.head_dim = int(self.qk_nope_head_dim or 0) + int(self.qk_rope_head_dim or 0)  # MLA's q/k width
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -86,6 +105,28 @@ class Eagle3Config:
             raise ValueError("fc_norm and norm_before_fc are exclusive: one RMSNorm per aux feature, or one over all")
         self.aux_layers = [int(i) for i in self.aux_layers]
 
+    def _check_mla(self) -> None:
+        missing = [key for key in MLA_KEYS if not isinstance(getattr(self, key), int)]
+        if missing:  # q_lora_rank too: both engines fuse q_a_proj with kv_a_proj_with_mqa (no plain q_proj)
+            raise ValueError(
+                f"draft_arch mla needs the target's MLA widths, q_lora_rank included (SGLang 0.5.23 "
+                f"kimi_k25_eagle3.py and vLLM 0.32 deepseek_eagle3.py fuse q_a_proj into the latent projection); "
+                f"missing {missing}"
+            )
+        if int(self.qk_rope_head_dim or 0) % 2:
+            raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError("draft_arch mla: num_key_value_heads must equal num_attention_heads (MLA has no groups)")
+        if self.norm_before_fc:
+            raise ValueError(
+                "draft_arch mla and norm_before_fc are exclusive: neither vLLM 0.32 "
+                "(model_executor/models/deepseek_eagle3.py) nor SGLang 0.5.23 (srt/models/kimi_k25_eagle3.py) has an "
+                "input_norm in its MLA draft"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type") or (self.rope_scaling or {}).get("type") or "default"
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(f"draft_arch mla: rope_scaling type {rope_type!r} is not supported (default or yarn)")
+
     @property
     def variant(self) -> str:
         """The `DRAFT_VARIANTS` name of the two flags (`train.draft_variant`)."""
@@ -96,12 +137,22 @@ class Eagle3Config:
         return f"fc_norm={self.fc_norm}, norm_output={self.norm_output}"
 
     @classmethod
-    def from_target_config(cls, hf_config, draft_vocab_size: int, aux_layers: list[int], **overrides) -> Eagle3Config:
+    def from_target_config(
+        cls,
+        hf_config,
+        draft_vocab_size: int,
+        aux_layers: list[int],
+        *,
+        draft_arch: str = "llama",
+        target_rope: bool = True,
+        **overrides,
+    ) -> Eagle3Config:
         """The usual draft for a target: its hidden size, heads, MLP width, RoPE base and context.
 
-        Reads a transformers config (a multimodal one through its text config). For attention
-        that is not Llama-like (MLA: Kimi/DeepSeek) the target's head_dim is ignored and
-        hidden_size // heads is used; pass `overrides` (e.g. head_dim=128, rope_theta=1e6) to choose.
+        Reads a transformers config (a multimodal one through its text config). draft_arch llama: for attention
+        that is not Llama-like (MLA: Kimi/DeepSeek) the target's head_dim is ignored and hidden_size // heads is
+        used; pass `overrides` (e.g. head_dim=128, rope_theta=1e6) to choose. draft_arch mla: the target's MLA
+        widths, and its rope scaling (YaRN for Kimi) unless `target_rope` is false (plain rope, the same base).
         """
         cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         heads = int(cfg.num_attention_heads)
@@ -128,8 +179,26 @@ class Eagle3Config:
             aux_layers=list(aux_layers),
             hidden_act=str(getattr(cfg, "hidden_act", "silu")),
         )
+        if draft_arch == "mla":
+            if not isinstance(getattr(cfg, "kv_lora_rank", None), int):
+                raise ValueError(
+                    f"draft_arch mla needs an MLA target (DeepSeek-V3, Kimi-K2.x: kv_lora_rank in its config); "
+                    f"this target is {getattr(cfg, 'model_type', 'unknown')!r}: use draft_arch llama"
+                )
+            values.update({key: getattr(cfg, key, None) for key in MLA_KEYS}, num_key_value_heads=heads, head_dim=None)
+            values.update(draft_arch="mla", rope_scaling=target_rope_scaling(rope) if target_rope else None)
         values.update(overrides)
         return cls(**values)
+
+
+def target_rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+    """A target's rope scaling as a draft config.json writes it (`rope_scaling`, the target's keys, rope_type named
+    `type` too as the target's own config.json does), or None when the target has none."""
+    scaling = {k: v for k, v in dict(rope).items() if k not in ("rope_theta", "partial_rotary_factor")}
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return None
+    return {**scaling, "type": kind, "rope_type": kind}
 
 
 def resolved_size(size: int | None, name: str) -> int:

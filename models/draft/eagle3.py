@@ -63,7 +63,9 @@ from models import numerics  # noqa: F401  (CPU denormals flushed before any mat
 from models.common.draft_jobs import STEP_DECAY
 from models.draft.caches import KVCache, TTTCache, at_least_fp32
 from models.draft.config import AUX_FEATURES, Eagle3Config, resolved_size
-from models.draft.layers import Eagle3DecoderLayer, RMSNorm, RotaryEmbedding
+from models.draft.layers import Eagle3DecoderLayer, RotaryEmbedding
+from models.draft.mla import MLARotary
+from models.draft.norm import RMSNorm
 from models.draft.target_head import TargetLogits
 from models.draft.vocab import draft_to_target_ids
 
@@ -140,7 +142,11 @@ class Eagle3Draft(nn.Module):
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(resolved_size(config.head_dim, "head_dim"), config.rope_theta)
+        self.rotary: nn.Module = (  # (position_ids, dtype) -> (cos, sin) for the attention's rope
+            MLARotary(config)
+            if config.draft_arch == "mla"
+            else RotaryEmbedding(resolved_size(config.head_dim, "head_dim"), config.rope_theta)
+        )
         # Identity vocab until set_draft_vocab: draft index i is target id i.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)

@@ -1,4 +1,5 @@
-"""The draft's building blocks: Llama's RMSNorm, RoPE, attention, MLP and the `midlayer` decoder layer."""
+"""The draft's building blocks: Llama's RoPE, attention, MLP and the `midlayer` decoder layer (its attention Llama's
+or, with `draft_arch: mla`, DeepSeek's: models/draft/mla.py)."""
 
 from __future__ import annotations
 
@@ -6,22 +7,9 @@ import torch
 from torch import nn
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
-from models.draft.caches import at_least_fp32
 from models.draft.config import ACTIVATIONS, Eagle3Config, resolved_size
-
-
-class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalized in fp32 (fp64 stays fp64), scaled in the input dtype."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = at_least_fp32(x)
-        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * wide.to(x.dtype)
+from models.draft.mla import MLAAttention
+from models.draft.norm import RMSNorm
 
 
 class RotaryEmbedding(nn.Module):
@@ -93,7 +81,7 @@ class Eagle3DecoderLayer(nn.Module):
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = MLAAttention(config) if config.draft_arch == "mla" else Eagle3Attention(config)
         self.mlp = Eagle3MLP(config)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -36,8 +36,14 @@ LATEST = "latest"
 
 
 FINGERPRINT = "fingerprint.json"
-# Eagle3Config fields added after fingerprint version 1 (train.draft_variant, train.norm_before_fc/_residual)
-LATER_DRAFT_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual")
+# Eagle3Config fields added after fingerprint version 1 (train.draft_variant, train.norm_before_fc/_residual,
+# train.draft_arch and the MLA widths and rope scaling it takes from the target), each with the old draft's value
+LATER_DRAFT_FIELDS: dict[str, Any] = {
+    **dict.fromkeys(("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual"), False),
+    "draft_arch": "llama",
+    **dict.fromkeys(("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), None),
+    "rope_scaling": None,
+}
 
 
 RESUME = (
@@ -164,9 +170,9 @@ def run_fingerprint(
     schedule is laid out over it, so extending a run would change the learning rate of every step left.
     """
     draft = asdict(config)
-    for flag in LATER_DRAFT_FLAGS:  # absent from the fingerprints written before them: absent means off
-        if not draft[flag]:
-            del draft[flag]
+    for field, old in LATER_DRAFT_FIELDS.items():  # absent from the fingerprints written before them
+        if draft[field] == old:
+            del draft[field]
     settings = {
         **optimisation_settings(job, world_size),
         "total_steps": total_steps,
@@ -180,17 +186,18 @@ def run_fingerprint(
 def variant_settings(job: TrainJob) -> dict[str, bool]:
     """The fingerprint's draft flags that train.draft_variant and train.norm_before_* set, the ones off too: what
     `eagle3 doctor` compares with a checkpoint's (`checkpoint_settings`) besides `optimisation_settings`."""
-    flags = {
+    flags: dict[str, Any] = {
         **DRAFT_VARIANTS[job.draft_variant],
         "norm_before_fc": job.norm_before_fc,
         "norm_before_residual": job.norm_before_residual,
+        "draft_arch": job.draft_arch,
     }
     return {f"draft.{flag}": on for flag, on in flags.items()}
 
 
 def checkpoint_settings(fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """A fingerprint's settings with its later draft flags filled in: absent means off (`run_fingerprint`)."""
-    return {f"draft.{flag}": False for flag in LATER_DRAFT_FLAGS} | fingerprint.get("settings", {})
+    """A fingerprint's settings with its later draft fields filled in: absent means the old draft's value."""
+    return {f"draft.{field}": old for field, old in LATER_DRAFT_FIELDS.items()} | fingerprint.get("settings", {})
 
 
 def optimisation_settings(job: TrainJob, world_size: int) -> dict[str, Any]:

@@ -128,6 +128,8 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
         **DRAFT_VARIANTS[job.draft_variant],
         norm_before_fc=job.norm_before_fc,
         norm_before_residual=job.norm_before_residual,
+        draft_arch=job.draft_arch,
+        target_rope=job.draft_rope == "target",
         **job.draft_overrides,
     )
     draft = Eagle3Draft(config)

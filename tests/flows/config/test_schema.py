@@ -123,6 +123,12 @@ def test_missing_required_keys():
             "norm_before_fc and draft_variant eagle3.1 are exclusive",
         ),
         (
+            lambda d: d.update(train={"norm_before_fc": True, "draft_arch": "mla"}),
+            "draft_arch mla and norm_before_fc are exclusive",
+        ),
+        (lambda d: d.update(train={"draft_arch": "gqa"}), "train.draft_arch: Input should be 'llama' or 'mla'"),
+        (lambda d: d.update(train={"draft_rope": "yarn"}), "train.draft_rope: Input should be 'target' or 'plain'"),
+        (
             lambda d: d.update(train={"norm_before_residual": True}, server={"url": "http://h:1", "engine": "sglang"}),
             "train.norm_before_residual: SGLang 0.5.23 (srt/models/llama_eagle3.py LlamaDecoderLayer) always keeps",
         ),

@@ -45,11 +45,20 @@ def _config(num_kv_heads: int = 1, **kw) -> Eagle3Config:
 VARIANTS = {"eagle3": (False, False), "eagle3.1": (True, True)}
 
 
-def _setup(seed: int, num_kv_heads: int = 1, B: int = 2, T: int = 9, padding: bool = True, variant: str = "eagle3"):
-    """A random fp64 draft (random norm weights too), a random target head and a random batch."""
+def random_batch(
+    seed: int,
+    num_kv_heads: int = 1,
+    B: int = 2,
+    T: int = 9,
+    padding: bool = True,
+    variant: str = "eagle3",
+    cfg: Eagle3Config | None = None,
+):
+    """A random fp64 draft (random norm weights too), a random target head and a random batch; `cfg` instead of
+    the Llama-style test config of `num_kv_heads` and `variant` (tests/models/draft/test_mla.py)."""
     g = torch.Generator().manual_seed(seed)
     fc_norm, norm_output = VARIANTS[variant]
-    cfg = _config(num_kv_heads, fc_norm=fc_norm, norm_output=norm_output)
+    cfg = cfg or _config(num_kv_heads, fc_norm=fc_norm, norm_output=norm_output)
     model = Eagle3Draft(cfg).double()
     with torch.no_grad():
         for p in model.parameters():
@@ -77,7 +86,7 @@ def _setup(seed: int, num_kv_heads: int = 1, B: int = 2, T: int = 9, padding: bo
 # ----------------------------------------------------------------------------- loop reference
 
 
-def _rms(x, w, eps):
+def rms_reference(x, w, eps):
     return w * x / math.sqrt(float((x * x).mean()) + eps)
 
 
@@ -99,21 +108,43 @@ def _softmax(xs):
     return [x / sum(e) for x in e]
 
 
+def llama_qkv(P: dict, cfg: Eagle3Config, x: torch.Tensor, pos: int):
+    """Llama attention's query [nh, hd], key and value [nkv, hd] of one 2H input at `pos`, and the score scale."""
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = (P["midlayer.self_attn.q_proj.weight"] @ x).view(nh, hd)
+    kk = (P["midlayer.self_attn.k_proj.weight"] @ x).view(nkv, hd)
+    q = torch.stack([_rope(q[h], pos, cfg.rope_theta) for h in range(nh)])
+    kk = torch.stack([_rope(kk[h], pos, cfg.rope_theta) for h in range(nkv)])
+    return q, kk, (P["midlayer.self_attn.v_proj.weight"] @ x).view(nkv, hd), 1 / math.sqrt(hd)
+
+
 def reference_ttt(
-    model, ids, aux, full_target_logits, loss_mask, attention_mask, position_ids, K, fc_norm=False, norm_output=False
+    model,
+    ids,
+    aux,
+    full_target_logits,
+    loss_mask,
+    attention_mask,
+    position_ids,
+    K,
+    fc_norm=False,
+    norm_output=False,
+    qkv=llama_qkv,
 ):
     """Training-time test written out position by position, from the spec, with Python loops.
 
     full_target_logits[b, j] is the target's [V] logits at position j (predicting token j+1).
     EAGLE-3.1 (`fc_norm`, `norm_output`): each of the three aux features goes through its own RMSNorm
     before fc, and the next step reads the post-norm output instead of the pre-norm one.
+    `qkv(params, config, x, position)`: one input's query, key, value per head and the score scale (Llama's here;
+    MLA's in tests/models/draft/test_mla.py).
     """
     cfg = model.config
     P = {name: p.detach() for name, p in model.named_parameters()}
     emb = model.embed_tokens.weight.detach()
     t2d = model.t2d.tolist()
     draft_ids = [j for j in range(cfg.vocab_size) if t2d[j]]
-    nh, nkv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    nh, nkv, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
     B, T = ids.shape
     loss_sum, valid, tokens, correct = [0.0] * K, [0] * K, [0] * K, [0] * K
     reached, accepted = [0] * K, [0] * K
@@ -122,12 +153,14 @@ def reference_ttt(
             H = cfg.hidden_size
             hidden = [
                 P["fc.weight"]
-                @ torch.cat([_rms(aux[b, t, i * H : (i + 1) * H], P[f"fc_norm.{i}.weight"], eps) for i in range(3)])
+                @ torch.cat(
+                    [rms_reference(aux[b, t, i * H : (i + 1) * H], P[f"fc_norm.{i}.weight"], eps) for i in range(3)]
+                )
                 for t in range(T)
             ]
         else:
             hidden = [P["fc.weight"] @ aux[b, t] for t in range(T)]
-        keys, values = {}, {}  # (step, position) -> [nkv, hd]
+        keys, values, scale = {}, {}, 0.0  # (step, position) -> [nkv, hd]
         hit = [[False] * K for _ in range(T)]
         counted = [[False] * K for _ in range(T)]
         for k in range(K):
@@ -136,16 +169,13 @@ def reference_ttt(
                 tok = int(ids[b, t + k + 1]) if t + k + 1 < T else 0
                 x = torch.cat(
                     [
-                        _rms(emb[tok], P["midlayer.input_layernorm.weight"], eps),
-                        _rms(hidden[t], P["midlayer.hidden_norm.weight"], eps),
+                        rms_reference(emb[tok], P["midlayer.input_layernorm.weight"], eps),
+                        rms_reference(hidden[t], P["midlayer.hidden_norm.weight"], eps),
                     ]
                 )
                 pos = int(position_ids[b, t]) + k
-                q = (P["midlayer.self_attn.q_proj.weight"] @ x).view(nh, hd)
-                kk = (P["midlayer.self_attn.k_proj.weight"] @ x).view(nkv, hd)
-                queries.append(torch.stack([_rope(q[h], pos, cfg.rope_theta) for h in range(nh)]))
-                keys[(k, t)] = torch.stack([_rope(kk[h], pos, cfg.rope_theta) for h in range(nkv)])
-                values[(k, t)] = (P["midlayer.self_attn.v_proj.weight"] @ x).view(nkv, hd)
+                q, keys[(k, t)], values[(k, t)], scale = qkv(P, cfg, x, pos)
+                queries.append(q)
             new_hidden = []
             for t in range(T):
                 # The keys query (k, t) may see: step 0 causally (no padding but itself), then its own chain.
@@ -154,11 +184,11 @@ def reference_ttt(
                 heads = []
                 for h in range(nh):
                     g = h // (nh // nkv)
-                    scores = [float(queries[t][h] @ keys[s][g]) / math.sqrt(hd) for s in visible]
+                    scores = [float(queries[t][h] @ keys[s][g]) * scale for s in visible]
                     w = _softmax(scores)
                     heads.append(sum(wi * values[s][g] for wi, s in zip(w, visible)))
                 h1 = hidden[t] + P["midlayer.self_attn.o_proj.weight"] @ torch.cat(heads)
-                y = _rms(h1, P["midlayer.post_attention_layernorm.weight"], eps)
+                y = rms_reference(h1, P["midlayer.post_attention_layernorm.weight"], eps)
                 gate = P["midlayer.mlp.gate_proj.weight"] @ y
                 up = P["midlayer.mlp.up_proj.weight"] @ y
                 new_hidden.append(h1 + P["midlayer.mlp.down_proj.weight"] @ (gate * torch.sigmoid(gate) * up))
@@ -170,7 +200,7 @@ def reference_ttt(
                     continue
                 counted[t][k] = True
                 tokens[k] += 1
-                logits = P["lm_head.weight"] @ _rms(step_out[t], P["norm.weight"], eps)  # [D]
+                logits = P["lm_head.weight"] @ rms_reference(step_out[t], P["norm.weight"], eps)  # [D]
                 z = full_target_logits[b, j - 1]  # [V]
                 top = int(torch.argmax(z))
                 if not t2d[top]:
@@ -183,7 +213,7 @@ def reference_ttt(
                     correct[k] += 1
                     hit[t][k] = True
             if norm_output:  # the next step reads norm(h_out)
-                hidden = [_rms(h, P["norm.weight"], eps) for h in step_out]
+                hidden = [rms_reference(h, P["norm.weight"], eps) for h in step_out]
         for t in range(T):  # greedy chains rooted at t
             for k in range(K):
                 if not all(counted[t][: k + 1]):
@@ -215,7 +245,7 @@ def reference_ttt(
     [(0, 1, "eagle3"), (1, 2, "eagle3"), (2, 1, "eagle3"), (3, 2, "eagle3"), (4, 1, "eagle3.1"), (5, 2, "eagle3.1")],
 )
 def test_ttt_matches_loop_reference(seed, num_kv_heads, variant, impl):
-    setup = _setup(seed, num_kv_heads, variant=variant)
+    setup = random_batch(seed, num_kv_heads, variant=variant)
     model, ids, aux, last, lm_head, loss_mask, attention_mask, position_ids = setup
     assert model.config.variant == variant
     K = 3
@@ -247,7 +277,7 @@ def test_reference_cases_exercise_every_branch():
     """The seeds above see in-draft and out-of-draft targets, hits and misses, and accepted chains."""
     totals = np.zeros(5, dtype=int)
     for seed, kv in [(0, 1), (1, 2), (2, 1), (3, 2)]:
-        model, ids, aux, last, lm_head, loss_mask, attention_mask, position_ids = _setup(seed, kv)
+        model, ids, aux, last, lm_head, loss_mask, attention_mask, position_ids = random_batch(seed, kv)
         out = model.forward_ttt(
             ids, aux, TargetHead(lm_head, model.d2t)(last), loss_mask, attention_mask, position_ids, ttt_steps=3
         )
@@ -260,7 +290,7 @@ def test_reference_cases_exercise_every_branch():
 
 
 def test_ttt_without_padding_and_longer_unroll_than_sequence():
-    model, ids, aux, last, lm_head, loss_mask, _, _ = _setup(5, padding=False, T=5)
+    model, ids, aux, last, lm_head, loss_mask, _, _ = random_batch(5, padding=False, T=5)
     target = TargetHead(lm_head, model.d2t)(last)
     K = 6  # steps past the end of the sequence have nothing to score and add nothing
     out = model.forward_ttt(ids, aux, target, loss_mask, ttt_steps=K)
@@ -373,7 +403,7 @@ def test_set_draft_vocab_rejects_inconsistent_maps():
 
 
 def test_gradients_reach_trainable_weights_but_not_the_embedding():
-    model, ids, aux, last, lm_head, loss_mask, attention_mask, position_ids = _setup(0)
+    model, ids, aux, last, lm_head, loss_mask, attention_mask, position_ids = random_batch(0)
     out = model.forward_ttt(
         ids, aux, TargetHead(lm_head, model.d2t)(last), loss_mask, attention_mask, position_ids, ttt_steps=3
     )
@@ -458,7 +488,7 @@ def test_default_aux_layers():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_inference_steps_equal_ttt_steps(variant):
-    model, ids, aux, last, lm_head, loss_mask, _, _ = _setup(7, num_kv_heads=1, padding=False, variant=variant)
+    model, ids, aux, last, lm_head, loss_mask, _, _ = random_batch(7, num_kv_heads=1, padding=False, variant=variant)
     T, K = ids.shape[1], 4
     out = model.forward_ttt(ids, aux, TargetHead(lm_head, model.d2t)(last), loss_mask, ttt_steps=K, return_steps=True)
     # Step 0 over the whole sequence: the token after each position, the target's features.
@@ -480,7 +510,7 @@ def test_inference_steps_equal_ttt_steps(variant):
 
 
 def test_kv_cache_crop_rolls_back():
-    model, ids, aux, *_ = _setup(8, padding=False)
+    model, ids, aux, *_ = random_batch(8, padding=False)
     base = model(ids[:, 1:5], aux[:, :4])
     h = base.hidden[:, -1:]
     first = model(ids[:, 5:6], h, cache=base.cache)
@@ -499,7 +529,7 @@ def test_kv_cache_crop_rolls_back():
 
 def test_a_few_steps_of_training_fit_a_batch():
     torch.manual_seed(0)
-    model, ids, aux, last, lm_head, loss_mask, _, _ = _setup(9, padding=False, B=2, T=12)
+    model, ids, aux, last, lm_head, loss_mask, _, _ = random_batch(9, padding=False, B=2, T=12)
     model = model.float()
     for name, p in model.named_parameters():  # restart from a sane init
         if not name.startswith("embed_tokens"):
