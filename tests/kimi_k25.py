@@ -1,6 +1,7 @@
 """Kimi-K2.5's config.json (tests/kimi_k25_config.json), for code that reads a target's shape from it.
 
-Only the fields that code reads, with the values of docs/kimi-k25.md and REFERENCE.md: a text config in the
+Only the fields that code reads, with the values of docs/kimi-k25.md and REFERENCE.md (the MLA widths and YaRN are
+DeepSeek-V3's, which Kimi-K2 keeps: moonshotai/Kimi-K2-Instruct-0905 config.json): a text config in the
 DeepSeek-V3 style (MLA: kv_lora_rank), nested under `text_config` as the multimodal checkpoint has it. The target
 itself is too large to build here; this is what our readers see of it.
 """

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,10 +20,29 @@ from safetensors.torch import save_file
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.common.atomic import replace_dir
-from models.draft.config import Eagle3Config
+from models.draft.config import MLA_KEYS, Eagle3Config
 from models.draft.eagle3 import Eagle3Draft
-from models.export.format import ARCHITECTURE, CONFIG_FILE, EMBED, VLLM_AUX_KEY, WEIGHTS_FILE, vllm_aux_ids
-from models.export.rules import INT_KEYS, ST_DTYPES, VARIANT_KEYS, VOCAB_MAP, export_dtype, norm_before_fc, read_export
+from models.export.format import (
+    ARCHITECTURE,
+    CONFIG_FILE,
+    EMBED,
+    MLA_ARCHITECTURE,
+    MLA_MODEL_TYPE,
+    VLLM_AUX_KEY,
+    WEIGHTS_FILE,
+    vllm_aux_ids,
+)
+from models.export.rules import (
+    INT_KEYS,
+    MLA_INT_KEYS,
+    ST_DTYPES,
+    VARIANT_KEYS,
+    VOCAB_MAP,
+    export_dtype,
+    is_mla,
+    norm_before_fc,
+    read_export,
+)
 from models.export.sglang import load_problems, validate_export
 from models.export.vllm import validate_export_vllm
 
@@ -69,6 +89,14 @@ def sglang_config(config: Eagle3Config, target_config, dtype: torch.dtype) -> di
         "eagle_config": {VLLM_AUX_KEY: list(config.aux_layers), "use_aux_hidden_state": True},  # SGLang
         VLLM_AUX_KEY: vllm_aux_ids(config.aux_layers),
     }
+    if config.draft_arch == "mla":  # what SGLang's kimi_k25_eagle3.py and vLLM's deepseek_eagle3.py read instead
+        del out["head_dim"], out["attention_bias"], out["mlp_bias"]
+        out.update(
+            architectures=[MLA_ARCHITECTURE],
+            model_type=MLA_MODEL_TYPE,
+            rope_scaling=config.rope_scaling,  # the target's (YaRN) as trained, or null: train.draft_rope plain
+            **{key: getattr(config, key) for key in MLA_KEYS},
+        )
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if target.get(key) is not None:
             out[key] = target[key]
@@ -165,7 +193,7 @@ def write_checked(
 
 def _is_export(path: Path) -> bool:
     try:
-        return json.loads((path / CONFIG_FILE).read_text()).get("architectures") == [ARCHITECTURE]
+        return json.loads((path / CONFIG_FILE).read_text()).get("architectures") in ([ARCHITECTURE], [MLA_ARCHITECTURE])
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -190,13 +218,23 @@ def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None
         raise ValueError(f"{out_dir} is not a valid EAGLE-3 draft:\n  " + "\n  ".join(problems))
     export = read_export(out_dir)
     cfg = export.cfg
+    mla = is_mla(cfg)
+    mla_fields: dict[str, Any] = {}  # MLA: no head_dim or key/value heads in the file (DeepseekV2Config derives them)
+    if mla:
+        mla_fields = {
+            "draft_arch": "mla",
+            "rope_scaling": cfg.get("rope_scaling"),
+            "num_key_value_heads": cfg["num_attention_heads"],
+        }
+    variant: dict[str, Any] = {key: bool(cfg.get(key, False)) for key in VARIANT_KEYS}
     config = Eagle3Config(
-        **{k: cfg[k] for k in INT_KEYS},
+        **{k: cfg[k] for k in (MLA_INT_KEYS if mla else INT_KEYS)},
+        **mla_fields,
         rms_norm_eps=float(cfg["rms_norm_eps"]),
         rope_theta=float(cfg["rope_theta"]),
         aux_layers=list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
         hidden_act=cfg["hidden_act"],
-        **{key: bool(cfg.get(key, False)) for key in VARIANT_KEYS},
+        **variant,
         norm_before_fc=norm_before_fc(cfg),
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
     )

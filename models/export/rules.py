@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from safetensors import safe_open
 
-from models.draft.config import AUX_FEATURES
+from models.draft.config import AUX_FEATURES, MLA_KEYS
 from models.export.format import CONFIG_FILE, WEIGHTS_FILE
 from models.export.speculators import (
     from_speculators_config,
@@ -23,15 +23,39 @@ from models.export.speculators import (
 )
 
 VLLM_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # registry -> Eagle3LlamaForCausalLM
+MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")  # vLLM's two names of its MLA draft
 
 Shape = Callable[[Mapping], tuple[int, ...]]
-# name -> expected shape from the exported config.json (H hidden, Ht target hidden, hd head_dim).
-SGLANG_REQUIRED_WEIGHTS: dict[str, Shape] = {
-    "fc.weight": lambda c: (c["hidden_size"], 3 * c["target_hidden_size"]),
+# name -> expected shape from the exported config.json (H hidden, Ht target hidden, hd head_dim): the Llama-style
+# draft's attention, ...
+LLAMA_ATTENTION_WEIGHTS: dict[str, Shape] = {
     "midlayer.self_attn.q_proj.weight": lambda c: (c["num_attention_heads"] * c["head_dim"], 2 * c["hidden_size"]),
     "midlayer.self_attn.k_proj.weight": lambda c: (c["num_key_value_heads"] * c["head_dim"], 2 * c["hidden_size"]),
     "midlayer.self_attn.v_proj.weight": lambda c: (c["num_key_value_heads"] * c["head_dim"], 2 * c["hidden_size"]),
     "midlayer.self_attn.o_proj.weight": lambda c: (c["hidden_size"], c["num_attention_heads"] * c["head_dim"]),
+}
+# ... the MLA draft's (models/draft/mla.py: q_lora_rank, kv_lora_rank, qk_nope/qk_rope/v head dims; 2H input) ...
+MLA_ATTENTION_WEIGHTS: dict[str, Shape] = {
+    "midlayer.self_attn.q_a_proj.weight": lambda c: (c["q_lora_rank"], 2 * c["hidden_size"]),
+    "midlayer.self_attn.q_a_layernorm.weight": lambda c: (c["q_lora_rank"],),
+    "midlayer.self_attn.q_b_proj.weight": lambda c: (
+        c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"]),
+        c["q_lora_rank"],
+    ),
+    "midlayer.self_attn.kv_a_proj_with_mqa.weight": lambda c: (
+        c["kv_lora_rank"] + c["qk_rope_head_dim"],
+        2 * c["hidden_size"],
+    ),
+    "midlayer.self_attn.kv_a_layernorm.weight": lambda c: (c["kv_lora_rank"],),
+    "midlayer.self_attn.kv_b_proj.weight": lambda c: (
+        c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["v_head_dim"]),
+        c["kv_lora_rank"],
+    ),
+    "midlayer.self_attn.o_proj.weight": lambda c: (c["hidden_size"], c["num_attention_heads"] * c["v_head_dim"]),
+}
+# ... and what both share.
+SHARED_WEIGHTS: dict[str, Shape] = {
+    "fc.weight": lambda c: (c["hidden_size"], 3 * c["target_hidden_size"]),
     "midlayer.mlp.gate_proj.weight": lambda c: (c["intermediate_size"], c["hidden_size"]),
     "midlayer.mlp.up_proj.weight": lambda c: (c["intermediate_size"], c["hidden_size"]),
     "midlayer.mlp.down_proj.weight": lambda c: (c["hidden_size"], c["intermediate_size"]),
@@ -46,6 +70,18 @@ SGLANG_REQUIRED_WEIGHTS: dict[str, Shape] = {
 # Only when draft_vocab_size < vocab_size: at D == V the map is the identity, which both engines
 # assume without them, and vLLM refuses a d2t (module docstring).
 VOCAB_MAP = ("d2t", "t2d")
+
+
+def is_mla(cfg: Mapping) -> bool:
+    """Whether an export's config.json is an MLA draft's (architecture Eagle3DeepseekV2/V3ForCausalLM)."""
+    return any(a in MLA_ARCHITECTURES for a in cfg.get("architectures") or ())
+
+
+def required_weights(cfg: Mapping) -> dict[str, Shape]:
+    """Every tensor an export of this config must hold (our names; embed_tokens, fc_norm and input_norm apart)."""
+    return {**(MLA_ATTENTION_WEIGHTS if is_mla(cfg) else LLAMA_ATTENTION_WEIGHTS), **SHARED_WEIGHTS}
+
+
 # Only with config fc_norm: true (EAGLE-3.1): one RMSNorm per aux feature, [target_hidden_size] each.
 FC_NORM_WEIGHTS: dict[str, Shape] = {
     f"fc_norm.{i}.weight": lambda c: (c["target_hidden_size"],) for i in range(AUX_FEATURES)
@@ -63,6 +99,8 @@ INT_KEYS = (
     "draft_vocab_size",
     "target_hidden_size",
 )
+# An MLA draft's config.json: its MLA widths instead of head_dim and num_key_value_heads (DeepseekV2Config derives both)
+MLA_INT_KEYS = (*(k for k in INT_KEYS if k not in ("head_dim", "num_key_value_heads")), *MLA_KEYS)
 ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}  # torch_dtype -> safetensors dtype
 
 

@@ -37,7 +37,15 @@ sglang/srt/speculative/eagle_worker.py, sglang/srt/model_executor/model_runner.p
   and `norm_before_residual` (the layer's residual is hidden_norm(h)): vLLM reads it, SGLang 0.5.23's
   layer ignores it, so `validate_export` refuses it and `load_problems` (what our eval loads) does not.
   Other trainers' drafts in the speculators format are read through models/export/speculators.py.
-- RoPE: `Eagle3Draft` trains with unscaled RoPE at `config.rope_theta`, so `rope_scaling` is null
+- The MLA draft (`Eagle3Config.draft_arch: mla`, models/draft/mla.py): `architectures
+  ["Eagle3DeepseekV2ForCausalLM"]`, SGLang 0.5.23's srt/models/kimi_k25_eagle3.py (its `EntryClass`), `model_type
+  deepseek_v2`, the target's MLA widths (q_lora_rank required: the class raises without it), no head_dim; weights
+  `midlayer.self_attn.{q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}`
+  (its load_weights fuses q_a_proj with kv_a_proj_with_mqa, maps `layers.0.` to `midlayer.`, skips unknown names
+  with a warning); `fc_norm`/`norm_output` read, `norm_before_residual` and `norm_before_fc` not (its
+  Eagle3MLADecoderLayer keeps the raw residual and has no input_norm); `rope_scaling` is the rope it was trained
+  with: the target's YaRN, or null.
+- RoPE: the Llama-style `Eagle3Draft` trains with unscaled RoPE at `config.rope_theta`, so `rope_scaling` is null
   and rope_theta is the draft's own, never the target's (copying Kimi's YaRN scaling would rotate
   differently from training). max_position_embeddings is the target's, so long contexts fit.
 
@@ -71,21 +79,31 @@ import torch
 from safetensors import safe_open
 
 from models.draft.config import AUX_FEATURES
-from models.export.format import ARCHITECTURE, CONFIG_FILE, EMBED, INPUT_NORM, WEIGHTS_FILE
+from models.export.format import (
+    ARCHITECTURE,
+    CONFIG_FILE,
+    EMBED,
+    INPUT_NORM,
+    MLA_ARCHITECTURE,
+    MLA_MODEL_TYPE,
+    WEIGHTS_FILE,
+)
 from models.export.rules import (
     FC_NORM_WEIGHTS,
     INT_KEYS,
+    MLA_INT_KEYS,
     OTHER_TRAINERS_KEYS,
-    SGLANG_REQUIRED_WEIGHTS,
     ST_DTYPES,
     VARIANT_KEYS,
     VOCAB_MAP,
     Shape,
     export_dtype,
     export_name,
+    is_mla,
     norm_before_fc,
     read_export,
     read_export_config,
+    required_weights,
 )
 
 _EMBED_SHAPE: Shape = lambda c: (c["vocab_size"], c["hidden_size"])  # noqa: E731
@@ -132,7 +150,7 @@ def _problems(out_dir: str | Path, *, sglang: bool) -> list[str]:
         return [str(e)]
     cfg, names, meta = export.cfg, set(export.meta), export.meta
 
-    rules = {**SGLANG_REQUIRED_WEIGHTS, **(FC_NORM_WEIGHTS if cfg.get("fc_norm") else {})}
+    rules = {**required_weights(cfg), **(FC_NORM_WEIGHTS if cfg.get("fc_norm") else {})}
     if norm_before_fc(cfg):
         rules[INPUT_NORM] = lambda c: (AUX_FEATURES * c["target_hidden_size"],)
     rules[EMBED] = _EMBED_SHAPE
@@ -172,11 +190,16 @@ def _problems(out_dir: str | Path, *, sglang: bool) -> list[str]:
 
 def _config_problems(cfg: dict, *, sglang: bool = True) -> list[str]:
     p = []
-    if cfg.get("architectures") != [ARCHITECTURE]:
-        p.append(f"architectures {cfg.get('architectures')!r} != [{ARCHITECTURE!r}]")
-    if cfg.get("model_type") != "llama":
-        p.append(f"model_type {cfg.get('model_type')!r} != 'llama'")
-    for key in INT_KEYS:
+    mla = is_mla(cfg)
+    if cfg.get("architectures") not in ([ARCHITECTURE], [MLA_ARCHITECTURE]):
+        p.append(
+            f"architectures {cfg.get('architectures')!r}: neither [{ARCHITECTURE!r}] (the Llama-style draft) nor "
+            f"[{MLA_ARCHITECTURE!r}] (the MLA draft)"
+        )
+    model_type = MLA_MODEL_TYPE if mla else "llama"
+    if cfg.get("model_type") != model_type:
+        p.append(f"model_type {cfg.get('model_type')!r} != {model_type!r}")
+    for key in MLA_INT_KEYS if mla else INT_KEYS:
         v = cfg.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             p.append(f"config {key} must be a positive int, got {v!r}")
@@ -188,8 +211,15 @@ def _config_problems(cfg: dict, *, sglang: bool = True) -> list[str]:
         p.append("tie_word_embeddings must be false (true makes SGLang use embed_tokens as lm_head)")
     if cfg.get("hidden_act") != "silu":
         p.append(f"hidden_act {cfg.get('hidden_act')!r}: SGLang's LlamaMLP supports only 'silu'")
-    if cfg.get("rope_scaling") is not None:
+    if cfg.get("rope_scaling") is not None and not mla:
         p.append("rope_scaling must be null: the draft is trained with unscaled RoPE")
+    if mla:
+        p += _mla_rope_problems(cfg.get("rope_scaling"))
+        if norm_before_fc(cfg):
+            p.append(
+                "norm_before_fc: neither engine's MLA draft has an input_norm (SGLang 0.5.23 kimi_k25_eagle3.py, "
+                "vLLM 0.32 deepseek_eagle3.py)"
+            )
     for key in ("rms_norm_eps", "rope_theta"):
         if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
             p.append(f"config {key} must be a positive number, got {cfg.get(key)!r}")
@@ -220,8 +250,24 @@ def _config_problems(cfg: dict, *, sglang: bool = True) -> list[str]:
     if norm_before_fc(cfg) and cfg.get("fc_norm"):
         p.append("norm_before_fc and fc_norm are both set: one RMSNorm over all aux features, or one per feature")
     if sglang and cfg.get("norm_before_residual"):
+        layer = "kimi_k25_eagle3.py Eagle3MLADecoderLayer" if mla else "llama_eagle3.py LlamaDecoderLayer"
         p.append(
-            "norm_before_residual: SGLang 0.5.23 (srt/models/llama_eagle3.py LlamaDecoderLayer) always keeps the "
+            f"norm_before_residual: SGLang 0.5.23 (srt/models/{layer}) always keeps the "
             "un-normalized hidden state as the residual, so it would serve this draft wrong; serve it with vLLM"
         )
     return p
+
+
+def _mla_rope_problems(scaling: object) -> list[str]:
+    """An MLA draft's rope_scaling: null (plain rope) or YaRN with the keys both engines' DeepSeek rope reads."""
+    if scaling is None:
+        return []
+    if not isinstance(scaling, dict):
+        return [f"rope_scaling must be null or an object, got {scaling!r}"]
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind != "yarn":
+        return [f"rope_scaling type {kind!r}: the MLA draft trains plain rope (null) or the target's yarn only"]
+    missing = [
+        k for k in ("factor", "original_max_position_embeddings") if not isinstance(scaling.get(k), (int, float))
+    ]
+    return [f"rope_scaling (yarn) lacks {missing}"] if missing else []

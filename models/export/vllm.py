@@ -35,12 +35,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from models.export.format import EMBED, INPUT_NORM, VLLM_AUX_KEY, WEIGHTS_FILE
+from models.draft.config import MLA_KEYS
+from models.export.format import EMBED, INPUT_NORM, MLA_MODEL_TYPE, VLLM_AUX_KEY, WEIGHTS_FILE
 from models.export.rules import (
     FC_NORM_WEIGHTS,
+    MLA_ARCHITECTURES,
+    MLA_ATTENTION_WEIGHTS,
     OTHER_TRAINERS_KEYS,
     VARIANT_KEYS,
     VLLM_ARCHITECTURES,
+    is_mla,
     norm_before_fc,
     read_export,
 )
@@ -52,6 +56,9 @@ _VLLM_STACKED = (
     (".v_proj", ".qkv_proj", "v"),
     (".gate_proj", ".gate_up_proj", 0),
     (".up_proj", ".gate_up_proj", 1),
+    # the MLA draft (deepseek_eagle3.py `hf_to_vllm_mapper`): q_a_proj and kv_a_proj_with_mqa fused
+    (".q_a_proj", ".fused_qkv_a_proj", 0),
+    (".kv_a_proj_with_mqa", ".fused_qkv_a_proj", 1),
 )
 _VShard = tuple[str, str | int | None]
 
@@ -90,12 +97,17 @@ def _vllm_expected(cfg: Mapping) -> dict[_VShard, tuple[str, tuple[int, ...]]]:
     hd = cfg.get("head_dim") or H // heads
     D = cfg.get("draft_vocab_size") or V
     Ht = cfg.get("target_hidden_size") or H
-    shapes = {
-        "fc.weight": (H, 3 * Ht),
+    attention: dict[str, tuple[int, ...]] = {
         "midlayer.self_attn.q_proj.weight": (heads * hd, 2 * H),
         "midlayer.self_attn.k_proj.weight": (kv * hd, 2 * H),
         "midlayer.self_attn.v_proj.weight": (kv * hd, 2 * H),
         "midlayer.self_attn.o_proj.weight": (H, heads * hd),
+    }
+    if is_mla(cfg):  # DeepseekV2MLAAttention with input_size 2 * hidden_size (deepseek_eagle3.py)
+        attention = {name: rule(cfg) for name, rule in MLA_ATTENTION_WEIGHTS.items()}
+    shapes = {
+        "fc.weight": (H, 3 * Ht),
+        **attention,
         "midlayer.mlp.gate_proj.weight": (F, H),
         "midlayer.mlp.up_proj.weight": (F, H),
         "midlayer.mlp.down_proj.weight": (H, F),
@@ -110,7 +122,7 @@ def _vllm_expected(cfg: Mapping) -> dict[_VShard, tuple[str, tuple[int, ...]]]:
         shapes["d2t"] = (D,)
     if cfg.get("fc_norm"):  # LlamaModel.__init__: nn.ModuleList of RMSNorm(target_hidden_size), one per aux state
         shapes.update({name: rule(cfg) for name, rule in FC_NORM_WEIGHTS.items()})
-    if norm_before_fc(cfg):  # LlamaModel.__init__: one RMSNorm(3 * target_hidden_size) as input_norm
+    if norm_before_fc(cfg) and not is_mla(cfg):  # LlamaModel.__init__: one RMSNorm(3 * target_hidden_size)
         shapes[INPUT_NORM] = (3 * Ht,)
     return {_vllm_loaded_name(n): (n, shape) for n, shape in shapes.items()}
 
@@ -132,11 +144,19 @@ def vllm_load_problems(
     distinct target ids), plus the top-level aux layer ids of `_get_eagle3_aux_layers_from_config`.
     """
     p = []
-    if not any(a in VLLM_ARCHITECTURES for a in cfg.get("architectures") or ()):
+    mla = is_mla(cfg)
+    if not any(a in (*VLLM_ARCHITECTURES, *MLA_ARCHITECTURES) for a in cfg.get("architectures") or ()):
         p.append(
-            f"architectures {cfg.get('architectures')!r}: none of {list(VLLM_ARCHITECTURES)} "
-            "(vLLM's registry names of Eagle3LlamaForCausalLM)"
+            f"architectures {cfg.get('architectures')!r}: none of {list(VLLM_ARCHITECTURES)} (vLLM's registry names "
+            f"of Eagle3LlamaForCausalLM) or {list(MLA_ARCHITECTURES)} (of Eagle3DeepseekV2ForCausalLM)"
         )
+    if mla and cfg.get("model_type") != MLA_MODEL_TYPE:
+        p.append(
+            f"model_type {cfg.get('model_type')!r} != {MLA_MODEL_TYPE!r}: vLLM 0.32 reads the MLA draft's config as "
+            "DeepseekV2Config, and rewrites a deepseek_v3 one into its MTP draft (config/speculative.py)"
+        )
+    if mla and norm_before_fc(cfg):
+        p.append("norm_before_fc: vLLM 0.32's MLA draft (deepseek_eagle3.py) has no input_norm")
     for config_key in (
         "hidden_size",
         "intermediate_size",
@@ -144,6 +164,7 @@ def vllm_load_problems(
         "vocab_size",
         "draft_vocab_size",
         "target_hidden_size",
+        *(MLA_KEYS if mla else ()),
     ):
         v = cfg.get(config_key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -158,7 +179,8 @@ def vllm_load_problems(
             "and midlayer.* loads only layers.0"
         )
     if cfg.get("hidden_act") != "silu":
-        p.append(f"hidden_act {cfg.get('hidden_act')!r}: vLLM's LlamaMLP supports only 'silu'")
+        mlp = "DeepseekV2MLP" if mla else "LlamaMLP"
+        p.append(f"hidden_act {cfg.get('hidden_act')!r}: vLLM's {mlp} supports only 'silu'")
     for flag in VARIANT_KEYS:  # getattr(self.config, flag, False): any truthy value turns it on
         if not isinstance(cfg.get(flag, False), bool):
             p.append(f"config {flag} must be true or false, got {cfg[flag]!r}")
