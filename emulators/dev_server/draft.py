@@ -1,7 +1,9 @@
 """The served draft: `load_served_draft`, an EAGLE-3 export loaded as SGLang 0.5.23 (or 0.4.x) serves it.
 
 srt/models/llama_eagle3.py: fc_norm and norm_output read by 0.5.23 only, ``norm_before_residual`` by
-neither, and the target's input embedding taken when the hidden sizes match (SGLang's EAGLEWorker).
+neither, and the target's input embedding taken when the hidden sizes match (SGLang's EAGLEWorker). An MLA draft
+(Eagle3DeepseekV2ForCausalLM) is 0.5.23's srt/models/kimi_k25_eagle3.py, with the same three rules; whether 0.4.x
+has that class was not checked.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def demo_server(config: RunConfig, engine: str, url: str):
     real vLLM from .venv-vllm, each started by the pipeline."""
     server = {**config.server.model_dump(), "url": url, "launch": "dev"}
     if engine == "vllm":
-        command = vllm.cpu_command(str(vllm_python()), config.target.path)
+        command = vllm.cpu_command(str(vllm_python()), config.target.path, mla_draft=config.train.draft_arch == "mla")
         server.update(engine="vllm", launch="command", command=command)
     if engine == "sglang":
         command = sglang.cpu_command(str(sglang_python()), config.target.path)

@@ -292,7 +292,10 @@ def _vllm_server(config: RunConfig, aux: list[int] | None, *, draft: bool, expor
     if draft and export and (found := export_aux_ids(config.layout.final)) is not None:
         ids.append(("export", found))
     version = _vllm_version(s, s.endpoints) if engine and s.launch == "none" else None
-    return VllmServer("server", draft, tuple(ids), s.command if s.launch == "command" else None, version)
+    command = s.command if s.launch == "command" else None
+    return VllmServer(
+        "server", draft, tuple(ids), command, version, mla_draft=draft and config.train.draft_arch == "mla"
+    )
 
 
 def _vllm_capture_server(config: RunConfig, aux: list[int] | None, layers: int, *, engine: bool) -> VllmServer:

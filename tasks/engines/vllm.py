@@ -63,7 +63,7 @@ API_SERVER = (
 )
 
 
-def cpu_command(python: str, target: str, *, max_model_len: int = 2048) -> list[str]:
+def cpu_command(python: str, target: str, *, max_model_len: int = 2048, mla_draft: bool = False) -> list[str]:
     """The command that serves `target` with the CPU build of vLLM (REFERENCE.md), with {host}/{port} to fill.
 
     Chunked prefill is off: on CPU a seeded request (`seed`, our sampling.seed) whose prompt is prefilled in
@@ -73,9 +73,10 @@ def cpu_command(python: str, target: str, *, max_model_len: int = 2048) -> list[
     request in flight answered 500. Eight seeded 700-token prompts at once were enough here. CUDA generators
     have offsets, so a GPU vLLM should not need the flag (not tried: no GPU here).
 
-    A Kimi-K2.5-shaped target (`shape_words`) adds what its shape needs on CPU.
+    A Kimi-K2.5-shaped target (`shape_words`) adds what its shape needs on CPU, and what its draft needs
+    (`mla_draft`: the draft is an MLA one, `train.draft_arch: mla`).
     """
-    env, flags = shape_words(target)
+    env, flags = shape_words(target, mla_draft=mla_draft)
     return [
         "env",
         "VLLM_CPU_KVCACHE_SPACE=1",
@@ -99,7 +100,7 @@ def cpu_command(python: str, target: str, *, max_model_len: int = 2048) -> list[
     ]
 
 
-def shape_words(target: str) -> tuple[list[str], list[str]]:
+def shape_words(target: str, *, mla_draft: bool = False) -> tuple[list[str], list[str]]:
     """(environment words, flags) that vLLM 0.32 on CPU needs for the shape of `target`'s config.json.
 
     - Kimi-K2.5's wrapper (`model_type: kimi_k25`): every modality limited to 0, so vLLM serves the text model
@@ -110,7 +111,10 @@ def shape_words(target: str) -> tuple[list[str], list[str]]:
       size for 16", vllm/v1/worker/utils.py); with MLA disabled the target runs MLA as plain attention over
       the decompressed keys and values (greedy output still equal to transformers'). One recipe for the
       servers with and without the draft, so the engine eval's two passes run the same target. On a GPU the
-      MLA backends take the draft's block size: do not set it there.
+      MLA backends take the draft's block size: do not set it there. An MLA draft (`mla_draft`, deepseek_eagle3.py)
+      runs on CPU_MLA like the target, so it needs MLA ON: with VLLM_MLA_DISABLE=1 the target moves to CPU_ATTN and
+      vLLM refuses the pair ("No common block size for 128 (CPU_ATTN: [MultipleOf(32)]; CPU_MLA: [16])", measured
+      with vllm-cpu 0.32.0); the variable is then left out.
     A target that is not a local directory (a Hub id) adds nothing.
     """
     try:
@@ -118,7 +122,7 @@ def shape_words(target: str) -> tuple[list[str], list[str]]:
     except (OSError, ValueError):
         return [], []
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    env = ["VLLM_MLA_DISABLE=1"] if text.get("kv_lora_rank") else []
+    env = ["VLLM_MLA_DISABLE=1"] if text.get("kv_lora_rank") and not mla_draft else []
     flags = []
     if config.get("model_type") == "kimi_k25":  # its modalities (kimi_k25.py KimiK25ProcessingInfo)
         flags = ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0, "vision_chunk": 0})]

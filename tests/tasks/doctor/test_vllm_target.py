@@ -189,6 +189,27 @@ def test_mla_sizes_other_than_512_64_fail_on_cpu_unless_mla_is_disabled(kimi, tm
     assert cpu["vllm target: server: MLA on CPU"].status == "FAIL"
 
 
+def test_an_mla_draft_on_cpu_needs_mla_on_and_cpu_command_leaves_it_on(kimi):
+    """The reverse of the Llama-style draft's rule: an MLA draft runs on CPU_MLA like the target; with
+    VLLM_MLA_DISABLE=1 only the target leaves it and vLLM refuses the pair (measured: "No common block size for 128
+    (CPU_ATTN: [MultipleOf(32)]; CPU_MLA: [16])")."""
+    mla_on = cpu_command("python", str(kimi), mla_draft=True)
+    assert "VLLM_MLA_DISABLE=1" not in mla_on and "VLLM_MLA_DISABLE=1" in cpu_command("python", str(kimi))
+    name = "vllm target: server: MLA draft on CPU"
+
+    def found(command: list[str], environ: dict[str, str]) -> Finding:
+        server = VllmServer("server", draft=True, aux_ids=(("draft", [2, 4, 5]),), command=command, mla_draft=True)
+        found = by_name(vllm_target_findings(str(kimi), [server], cuda=True, environ=environ))
+        assert "vllm target: server: draft on MLA (CPU)" not in found  # the Llama-style draft's rule does not apply
+        return found[name]
+
+    assert found(mla_on, {}).status == "PASS"
+    for command, environ in ((cpu_command("python", str(kimi)), {}), (mla_on, {"VLLM_MLA_DISABLE": "1"})):
+        f = found(command, environ)
+        assert f.status == "FAIL" and "No common block size" in f.detail
+        assert f.advice.startswith("remove VLLM_MLA_DISABLE from server.command")
+
+
 def test_a_draft_on_an_mla_target_on_cpu_fails_without_mla_disabled(kimi):
     command = [w for w in cpu_command("python", str(kimi)) if w != "VLLM_MLA_DISABLE=1"]
     found = by_name(vllm_target_findings(str(kimi), [draft_server([2, 4, 5], command=command)], cuda=True, environ={}))
