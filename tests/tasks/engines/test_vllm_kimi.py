@@ -199,3 +199,44 @@ def test_the_kimi_demo_through_vllm_measures_what_the_in_process_eval_measures_p
     said = " ".join(printed.split())  # the console wraps long lines at 200 columns
     assert "engine and HF EQUAL on the same 24 prompts (24 with the same verify rounds)" in said
     assert "trained, measured by the engine (vLLM + draft)" in said
+
+
+def test_an_mla_draft_is_served_by_vllm_with_the_in_process_eval_s_rounds(kimi_demo, tmp_path, harness_api_url):
+    """`train.draft_arch: mla` on the demo's capture: the draft vLLM 0.32 serves as Eagle3DeepseekV2ForCausalLM
+    (deepseek_eagle3.py: the target's MLA attention over [embedding; hidden], its YaRN rope, MLA kept ON so the draft
+    and the target share the CPU MLA kernel) counts the in-process eval's tokens and verify rounds prompt by prompt."""
+    import yaml
+
+    from flows.commands.demo import demo_server
+    from flows.config.file import load_config
+    from tests.tasks.engines.test_vllm_real import eagle3
+
+    config, _ = kimi_demo
+    data = yaml.safe_load(config.layout.demo_config.read_text())
+    out = tmp_path / "mla-draft"
+    # EAGLE-3 with a draft vocabulary smaller than the target's: the d2t path of the MLA class (the demo's draft above
+    # is EAGLE-3.1 over the whole vocabulary)
+    data["train"].update(
+        {"draft_arch": "mla", "draft_variant": "eagle3", "draft_vocab_size": 1024, "out_dir": str(out), "epochs": 8}
+    )
+    data["eval"].update({"compare_untrained": False, "benchmarks": [], "baseline": False})
+    path = tmp_path / "mla.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    data["server"] = demo_server(load_config(path), "vllm", data["server"]["url"]).model_dump(
+        mode="json", exclude_none=True
+    )
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    mla = load_config(path)
+    assert "VLLM_MLA_DISABLE" not in " ".join(mla.server.command or [])  # the MLA draft needs MLA on (shape_words)
+
+    for args in (("run", str(path), "--stages", "train"), ("eval", str(path), "--draft", str(out / "final"))):
+        done = eagle3(*args, api_url=harness_api_url)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    exported = json.loads((out / "final" / "config.json").read_text())
+    assert exported["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and exported["model_type"] == "deepseek_v2"
+    assert exported["rope_scaling"]["factor"] == 64.0  # the target's YaRN, as trained (train.draft_rope: target)
+    assert exported["kv_lora_rank"] == 512 and exported["qk_rope_head_dim"] == 64
+    _, report_path, _ = mla.layout.eval_of(str(out / "final"))
+    report = json.loads(report_path.read_text())
+    engine_equals_in_process(report, 24)
+    print(f"MLA draft: acceptance {report['trained']['acceptance_length']:.3f} in-process and through vLLM")
