@@ -110,8 +110,9 @@ class TrainSettings(HeldOut):
     as the published Kimi-K2.5 MLA draft; served by vLLM 0.32 (Eagle3DeepseekV2ForCausalLM) and SGLang 0.5.23
     (srt/models/kimi_k25_eagle3.py). Exclusive with norm_before_fc (neither engine's MLA draft has it)."""
     draft_rope: Literal["target", "plain"] = "target"
-    """draft_arch mla: the draft's rope scaling. target: the target's (YaRN for Kimi: factor 64 over a 4k original
-    context); plain: no scaling, the target's rope base. (draft_arch llama: always plain.)"""
+    """The draft's rope scaling. target: the target's when it is YaRN (Kimi: factor 64 over a 4k original context),
+    applied as each engine applies it to that draft shape; plain: no scaling, at the target's rope base. A target
+    scaling other than YaRN (Llama 3.1's llama3): plain for draft_arch llama, refused for mla."""
     draft_variant: Literal["eagle3", "eagle3.1"] = "eagle3"
     """eagle3.1: EAGLE 3.1's two changes (an RMSNorm per aux feature before fc, and each draft step reading the previous
     one's post-norm output), written as fc_norm/norm_output in the export's config.json; served by vLLM 0.32 and

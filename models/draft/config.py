@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from models.draft.rope import rope_scaling_problems, rope_type
+
 AUX_FEATURES = 3  # target hidden states fused by fc (the engines' num_aux_hidden_states)
 # `train.draft_arch`: the draft layer's attention. llama: Llama attention (q/k/v/o_proj, RoPE); mla: DeepSeek's
 # multi-head latent attention with the target's MLA widths and rope (models/draft/mla.py)
@@ -63,7 +65,7 @@ class Eagle3Config:
     norm_before_fc: bool = False
     norm_before_residual: bool = False
     # draft_arch "mla": DeepSeek-V3's attention (models/draft/mla.py), its widths the target's. rope_scaling: the
-    # target's (YaRN for Kimi), or None for plain RoPE; read by the MLA rope only.
+    # target's YaRN (Kimi), or None for plain RoPE; each shape applies it as its engines do (models/draft/rope.py).
     draft_arch: str = "llama"
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
@@ -77,6 +79,9 @@ class Eagle3Config:
             raise ValueError(f"draft_arch {self.draft_arch!r} not one of {list(DRAFT_ARCHS)}")
         if self.draft_arch == "mla":
             self._check_mla()
+        problems = rope_scaling_problems(self.rope_scaling)
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.head_dim is None and self.draft_arch == "mla":
             self.head_dim = int(self.qk_nope_head_dim or 0) + int(self.qk_rope_head_dim or 0)  # MLA's q/k width
         if self.head_dim is None:
@@ -123,9 +128,6 @@ class Eagle3Config:
                 "(model_executor/models/deepseek_eagle3.py) nor SGLang 0.5.23 (srt/models/kimi_k25_eagle3.py) has an "
                 "input_norm in its MLA draft"
             )
-        rope_type = (self.rope_scaling or {}).get("rope_type") or (self.rope_scaling or {}).get("type") or "default"
-        if rope_type not in ("default", "yarn"):
-            raise ValueError(f"draft_arch mla: rope_scaling type {rope_type!r} is not supported (default or yarn)")
 
     @property
     def variant(self) -> str:
@@ -152,7 +154,8 @@ class Eagle3Config:
         Reads a transformers config (a multimodal one through its text config). draft_arch llama: for attention
         that is not Llama-like (MLA: Kimi/DeepSeek) the target's head_dim is ignored and hidden_size // heads is
         used; pass `overrides` (e.g. head_dim=128, rope_theta=1e6) to choose. draft_arch mla: the target's MLA
-        widths, and its rope scaling (YaRN for Kimi) unless `target_rope` is false (plain rope, the same base).
+        widths. The rope: the target's scaling when it is YaRN (Kimi), for both shapes, unless `target_rope` is false
+        (plain rope at the same base); another scaling type is refused for mla and left out (plain) for llama.
         """
         cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         heads = int(cfg.num_attention_heads)
@@ -187,6 +190,8 @@ class Eagle3Config:
                 )
             values.update({key: getattr(cfg, key, None) for key in MLA_KEYS}, num_key_value_heads=heads, head_dim=None)
             values.update(draft_arch="mla", rope_scaling=target_rope_scaling(rope) if target_rope else None)
+        elif target_rope and rope_type(target_rope_scaling(rope)) == "yarn":  # Llama-style: YaRN only (else plain)
+            values.update(rope_scaling=target_rope_scaling(rope))
         values.update(overrides)
         return cls(**values)
 

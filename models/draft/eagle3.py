@@ -145,7 +145,7 @@ class Eagle3Draft(nn.Module):
         self.rotary: nn.Module = (  # (position_ids, dtype) -> (cos, sin) for the attention's rope
             MLARotary(config)
             if config.draft_arch == "mla"
-            else RotaryEmbedding(resolved_size(config.head_dim, "head_dim"), config.rope_theta)
+            else RotaryEmbedding(resolved_size(config.head_dim, "head_dim"), config.rope_theta, config.rope_scaling)
         )
         # Identity vocab until set_draft_vocab: draft index i is target id i.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))

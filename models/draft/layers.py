@@ -3,6 +3,8 @@ or, with `draft_arch: mla`, DeepSeek's: models/draft/mla.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -10,27 +12,30 @@ from models import numerics  # noqa: F401  (CPU denormals flushed before any mat
 from models.draft.config import ACTIVATIONS, Eagle3Config, resolved_size
 from models.draft.mla import MLAAttention
 from models.draft.norm import RMSNorm
+from models.draft.rope import inv_freq, llama_cos_sin_factor
 
 
 class RotaryEmbedding(nn.Module):
-    """Llama RoPE (no scaling): dims i and i + head_dim/2 rotate together by pos * theta^(-2i/head_dim).
+    """Llama RoPE: dims i and i + head_dim/2 rotate together by pos * inv_freq[i], inv_freq = theta^(-2i/head_dim), or
+    YaRN's frequencies and cos/sin factor with `rope_scaling` (as Llama attention serves it: models/draft/rope.py).
 
     The frequencies are recomputed per call (head_dim/2 numbers), not kept in a buffer that
     `model.to(torch.bfloat16)` would round; angles are fp32 like HF's, fp64 for an fp64 model.
     """
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, rope_scaling: dict[str, Any] | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.theta = float(theta)
+        self.scaling = dict(rope_scaling) if rope_scaling else None
+        self.mscale = llama_cos_sin_factor(self.scaling)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        exponent = torch.arange(0, self.head_dim, 2, device=position_ids.device, dtype=work) / self.head_dim
-        inv_freq = 1.0 / self.theta**exponent  # [hd/2]
-        freqs = position_ids.to(work)[..., None] * inv_freq  # [B, S, hd/2]
+        angles = inv_freq(self.head_dim, self.theta, self.scaling, work, position_ids.device)  # [hd/2]
+        freqs = position_ids.to(work)[..., None] * angles  # [B, S, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [B, S, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -29,81 +29,31 @@ step-k query and key sits at position + k like the whole head's does there; the 
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import torch
 from torch import nn
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.draft.config import Eagle3Config
 from models.draft.norm import RMSNorm
-
-# DeepseekScalingRotaryEmbedding's defaults (vLLM 0.32 layers/rotary_embedding/deepseek_scaling_rope.py)
-YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
-
-
-def rope_type(rope_scaling: dict[str, Any] | None) -> str:
-    """`yarn` or `default` (no scaling): the rope_scaling dict's `rope_type`, or its older `type` key."""
-    scaling = rope_scaling or {}
-    return str(scaling.get("rope_type") or scaling.get("type") or "default")
-
-
-def yarn_get_mscale(scale: float, mscale: float) -> float:
-    """vLLM 0.32 layers/rotary_embedding/common.py `yarn_get_mscale`."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_correction_range(beta_fast: float, beta_slow: float, dim: int, base: float, original: int) -> tuple[int, int]:
-    """vLLM's `yarn_find_correction_range` (truncated): the rotary dims between the two rotation counts."""
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = math.floor(correction_dim(beta_fast)), math.ceil(correction_dim(beta_slow))
-    return max(low, 0), min(high, dim - 1)
+from models.draft.rope import deepseek_cos_sin_factor, deepseek_score_factor, inv_freq
 
 
 class MLARotary(nn.Module):
-    """The MLA draft's rope over the qk_rope_head_dim part: (cos, sin) [B, S, r/2], one angle per rotated pair, with
-    YaRN's mscale applied (vLLM's `DeepseekScalingRotaryEmbedding._compute_cos_sin_cache`)."""
+    """The MLA draft's rope over the qk_rope_head_dim part: (cos, sin) [B, S, r/2], one angle per rotated pair,
+    with YaRN's cos/sin factor (vLLM's `DeepseekScalingRotaryEmbedding._compute_cos_sin_cache`; models/draft/rope.py).
+    """
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.dim = int(config.qk_rope_head_dim or 0)
         self.base = float(config.rope_theta)
-        self.scaling = dict(config.rope_scaling or {})
-        self.yarn = rope_type(self.scaling) == "yarn"
-        self.mscale = 1.0
-        if self.yarn:
-            y = {**YARN_DEFAULTS, **self.scaling}
-            factor = float(y["factor"])
-            self.mscale = yarn_get_mscale(factor, float(y["mscale"])) / yarn_get_mscale(
-                factor, float(y["mscale_all_dim"])
-            )
-
-    def inv_freq(self, work: torch.dtype, device: torch.device) -> torch.Tensor:
-        """[r/2] the angle per position of each rotated pair; computed in fp32 as vLLM does (fp64 for fp64)."""
-        pos_freqs = self.base ** (torch.arange(0, self.dim, 2, dtype=work, device=device) / self.dim)
-        if not self.yarn:
-            return 1.0 / pos_freqs
-        y = {**YARN_DEFAULTS, **self.scaling}
-        factor = float(y["factor"])
-        low, high = yarn_correction_range(
-            float(y["beta_fast"]),
-            float(y["beta_slow"]),
-            self.dim,
-            self.base,
-            int(y["original_max_position_embeddings"]),
-        )
-        span = (high - low) or 0.001  # vLLM's yarn_linear_ramp_mask: high += 0.001 when they meet
-        ramp = ((torch.arange(self.dim // 2, dtype=work, device=device) - low) / span).clamp(0, 1)
-        extrapolate = 1 - ramp  # 1: the pair keeps base^(-2j/r); 0: interpolated by the factor
-        return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+        self.scaling = dict(config.rope_scaling) if config.rope_scaling else None
+        self.mscale = deepseek_cos_sin_factor(self.scaling)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        freqs = position_ids.to(work)[..., None] * self.inv_freq(work, position_ids.device)  # [B, S, r/2]
+        angles = inv_freq(self.dim, self.base, self.scaling, work, position_ids.device)
+        freqs = position_ids.to(work)[..., None] * angles  # [B, S, r/2]
         return (freqs.cos() * self.mscale).to(dtype), (freqs.sin() * self.mscale).to(dtype)
 
 
@@ -112,16 +62,6 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     even, odd = x[..., 0::2], x[..., 1::2]
     c, s = cos[:, None], sin[:, None]
     return torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
-
-
-def softmax_scale_factor(config: Eagle3Config) -> float:
-    """What the MLA score's (n + r)^-0.5 is multiplied by: mscale(factor, mscale_all_dim)^2 under YaRN, else 1
-    (vLLM 0.32 deepseek_v2.py `DeepseekV2MLAAttention.__init__`: `self.scaling * mscale * mscale`)."""
-    if rope_type(config.rope_scaling) != "yarn":
-        return 1.0
-    y = {**YARN_DEFAULTS, **(config.rope_scaling or {})}
-    mscale = yarn_get_mscale(float(y["factor"]), float(y["mscale_all_dim"]))
-    return mscale * mscale
 
 
 class MLAAttention(nn.Module):
@@ -143,7 +83,7 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, config.hidden_size, bias=False)
-        self.score_factor = softmax_scale_factor(config)
+        self.score_factor = deepseek_score_factor(config.rope_scaling)  # vLLM: self.scaling * mscale * mscale
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
         b, s, _ = x.shape

@@ -73,7 +73,7 @@ def sglang_config(config: Eagle3Config, target_config, dtype: torch.dtype) -> di
         "hidden_act": config.hidden_act,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": config.rope_scaling,  # as trained: null (plain) or the target's YaRN
         "max_position_embeddings": int(target["max_position_embeddings"]),
         "vocab_size": config.vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
@@ -94,7 +94,6 @@ def sglang_config(config: Eagle3Config, target_config, dtype: torch.dtype) -> di
         out.update(
             architectures=[MLA_ARCHITECTURE],
             model_type=MLA_MODEL_TYPE,
-            rope_scaling=config.rope_scaling,  # the target's (YaRN) as trained, or null: train.draft_rope plain
             **{key: getattr(config, key) for key in MLA_KEYS},
         )
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -223,13 +222,13 @@ def load_exported_draft(out_dir: str | Path, *, dtype: torch.dtype | None = None
     if mla:
         mla_fields = {
             "draft_arch": "mla",
-            "rope_scaling": cfg.get("rope_scaling"),
             "num_key_value_heads": cfg["num_attention_heads"],
         }
     variant: dict[str, Any] = {key: bool(cfg.get(key, False)) for key in VARIANT_KEYS}
     config = Eagle3Config(
         **{k: cfg[k] for k in (MLA_INT_KEYS if mla else INT_KEYS)},
         **mla_fields,
+        rope_scaling=cfg.get("rope_scaling"),
         rms_norm_eps=float(cfg["rms_norm_eps"]),
         rope_theta=float(cfg["rope_theta"]),
         aux_layers=list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),

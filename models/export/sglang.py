@@ -45,9 +45,11 @@ sglang/srt/speculative/eagle_worker.py, sglang/srt/model_executor/model_runner.p
   with a warning); `fc_norm`/`norm_output` read, `norm_before_residual` and `norm_before_fc` not (its
   Eagle3MLADecoderLayer keeps the raw residual and has no input_norm); `rope_scaling` is the rope it was trained
   with: the target's YaRN, or null.
-- RoPE: the Llama-style `Eagle3Draft` trains with unscaled RoPE at `config.rope_theta`, so `rope_scaling` is null
-  and rope_theta is the draft's own, never the target's (copying Kimi's YaRN scaling would rotate
-  differently from training). max_position_embeddings is the target's, so long contexts fit.
+- RoPE: `rope_scaling` is the rope the draft was trained with: null (plain RoPE at `rope_theta`), or the target's
+  YaRN (`train.draft_rope: target` on a YaRN target such as Kimi). SGLang 0.5.23's LlamaDecoderLayer (llama.py)
+  and vLLM 0.32's (llama.py) build it with get_rope, i.e. `YaRNScalingRotaryEmbedding`; models/draft/rope.py
+  applies it the same way, and a rope_scaling whose keys the two engines read differently is refused.
+  max_position_embeddings is the target's, so long contexts fit.
 
 The same directory is what vLLM serves: models/export/vllm.py mirrors its loader (`validate_export_vllm`).
 
@@ -79,6 +81,7 @@ import torch
 from safetensors import safe_open
 
 from models.draft.config import AUX_FEATURES
+from models.draft.rope import rope_scaling_problems
 from models.export.format import (
     ARCHITECTURE,
     CONFIG_FILE,
@@ -211,10 +214,8 @@ def _config_problems(cfg: dict, *, sglang: bool = True) -> list[str]:
         p.append("tie_word_embeddings must be false (true makes SGLang use embed_tokens as lm_head)")
     if cfg.get("hidden_act") != "silu":
         p.append(f"hidden_act {cfg.get('hidden_act')!r}: SGLang's LlamaMLP supports only 'silu'")
-    if cfg.get("rope_scaling") is not None and not mla:
-        p.append("rope_scaling must be null: the draft is trained with unscaled RoPE")
+    p += _rope_problems(cfg.get("rope_scaling"))
     if mla:
-        p += _mla_rope_problems(cfg.get("rope_scaling"))
         if norm_before_fc(cfg):
             p.append(
                 "norm_before_fc: neither engine's MLA draft has an input_norm (SGLang 0.5.23 kimi_k25_eagle3.py, "
@@ -258,16 +259,8 @@ def _config_problems(cfg: dict, *, sglang: bool = True) -> list[str]:
     return p
 
 
-def _mla_rope_problems(scaling: object) -> list[str]:
-    """An MLA draft's rope_scaling: null (plain rope) or YaRN with the keys both engines' DeepSeek rope reads."""
-    if scaling is None:
-        return []
-    if not isinstance(scaling, dict):
+def _rope_problems(scaling: object) -> list[str]:
+    """rope_scaling: null (plain rope) or YaRN with keys both engines read alike (models/draft/rope.py)."""
+    if scaling is not None and not isinstance(scaling, dict):
         return [f"rope_scaling must be null or an object, got {scaling!r}"]
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind != "yarn":
-        return [f"rope_scaling type {kind!r}: the MLA draft trains plain rope (null) or the target's yarn only"]
-    missing = [
-        k for k in ("factor", "original_max_position_embeddings") if not isinstance(scaling.get(k), (int, float))
-    ]
-    return [f"rope_scaling (yarn) lacks {missing}"] if missing else []
+    return rope_scaling_problems(scaling)

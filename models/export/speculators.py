@@ -122,7 +122,14 @@ def from_speculators_config(cfg: Mapping) -> dict[str, Any]:
 
 def to_speculators_config(export: Mapping, *, verifier: str, verifier_architectures: list[str], num_steps: int) -> dict:
     """The speculators config.json of one of our exports' config.json: `vllm serve DIR` serves `verifier` with it,
-    `num_steps` draft tokens per round (greedy proposals, as our eval decodes)."""
+    `num_steps` draft tokens per round (greedy proposals, as our eval decodes). An MLA draft has no speculators form
+    (speculators 0.9.0 builds Llama and Qwen3 layers only): ValueError."""
+    if export.get("architectures") != [ARCHITECTURE]:
+        raise ValueError(
+            f"architectures {export.get('architectures')}: the speculators format holds Llama-layer drafts only; "
+            'serve this draft from its own export (vLLM: --speculative-config \'{"method": "eagle3", '
+            '"model": DIR}\')'
+        )
     layer = {key: export[key] for key in _LAYER_KEYS if export.get(key) is not None}
     layer.update(
         model_type="llama",

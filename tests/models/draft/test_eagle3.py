@@ -302,17 +302,37 @@ def test_ttt_without_padding_and_longer_unroll_than_sequence():
     assert out.per_step_loss[3:].tolist() == [0.0, 0.0, 0.0]
 
 
-def test_rope_matches_transformers_llama():
+KIMI_YARN = {  # Kimi-K2.5's (tests/kimi_k25_config.json): mscale == mscale_all_dim, so cos/sin keep their size
+    "type": "yarn",
+    "factor": 64.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 1.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+PLAIN_YARN = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}  # cos/sin times 0.1 ln 8 + 1
+
+
+@pytest.mark.parametrize("scaling", [None, KIMI_YARN, PLAIN_YARN], ids=["plain", "kimi-yarn", "yarn-no-mscale"])
+def test_rope_matches_transformers_llama(scaling):
+    """Llama attention's rope, YaRN included, against transformers' LlamaRotaryEmbedding (its YaRN frequencies and
+    attention factor: modeling_rope_utils.py `_compute_yarn_parameters`), the rope vLLM's and SGLang's Llama layer
+    build from the same rope_scaling (YaRNScalingRotaryEmbedding)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=500000.0)
-    pos = torch.tensor([[0, 1, 7, 300, 4095]])
-    q = torch.randn(1, 4, 5, 16)
+    params = {"rope_theta": 500000.0, **({**scaling, "rope_type": "yarn"} if scaling else {"rope_type": "default"})}
+    params.pop("type", None)
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=262144, rope_parameters=params)
+    pos = torch.tensor([[0, 1, 7, 300, 4095, 70000]])
+    q = torch.randn(1, 4, 6, 16)
     hf_cos, hf_sin = LlamaRotaryEmbedding(hf)(q, pos)
     want, _ = apply_rotary_pos_emb(q, q, hf_cos, hf_sin)
-    cos, sin = RotaryEmbedding(16, 500000.0)(pos, torch.float32)
-    torch.testing.assert_close(apply_rope(q, cos, sin), want)
+    cos, sin = RotaryEmbedding(16, 500000.0, scaling)(pos, torch.float32)
+    torch.testing.assert_close(apply_rope(q, cos, sin), want, rtol=1e-5, atol=2e-5)  # fp32 angles at 70,000
+    if scaling is PLAIN_YARN:
+        assert cos.abs().max() == pytest.approx(0.1 * math.log(8) + 1, rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- target head

@@ -183,3 +183,12 @@ def test_kimi_k25_mla_draft_takes_the_target_s_widths_and_yarn():
     with pytest.raises(ValueError, match="MLA target"):
         llama = types.SimpleNamespace(**{k: v for k, v in text.items() if k != "kv_lora_rank"})
         Eagle3Config.from_target_config(llama, 32000, [1, 29, 57], draft_arch="mla")
+
+
+def test_the_speculators_format_refuses_an_mla_draft(exported):
+    from models.export.speculators import to_speculators_config
+
+    with pytest.raises(ValueError, match="Llama-layer drafts only"):
+        to_speculators_config(
+            json.loads((exported / "config.json").read_text()), verifier="t", verifier_architectures=[], num_steps=3
+        )

@@ -185,7 +185,8 @@ def test_the_kimi_demo_through_vllm_measures_what_the_in_process_eval_measures_p
     assert validate_export(final) == [] and validate_export_vllm(final) == []
     exported = json.loads((final / "config.json").read_text())
     assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM's ids for ours [1, 3, 4]
-    assert exported["rope_scaling"] is None  # the Llama-style draft keeps plain RoPE (the target's is YaRN)
+    # the target's YaRN, applied as vLLM's Llama layer applies it (YaRNScalingRotaryEmbedding: models/draft/rope.py)
+    assert exported["rope_scaling"]["type"] == "yarn" and exported["rope_scaling"]["factor"] == 64.0
     assert exported["fc_norm"] is True and exported["norm_output"] is True  # EAGLE-3.1
     assert exported["draft_vocab_size"] == exported["vocab_size"]
     with safe_open(str(final / "model.safetensors"), framework="pt") as f:
