@@ -218,9 +218,10 @@ def test_an_mla_draft_is_served_by_vllm_with_the_in_process_eval_s_rounds(kimi_d
     # EAGLE-3 with a draft vocabulary smaller than the target's: the d2t path of the MLA class (the demo's draft above
     # is EAGLE-3.1 over the whole vocabulary)
     data["train"].update(
-        {"draft_arch": "mla", "draft_variant": "eagle3", "draft_vocab_size": 1024, "out_dir": str(out), "epochs": 8}
+        {"draft_arch": "mla", "draft_variant": "eagle3", "draft_vocab_size": 1024, "out_dir": str(out), "epochs": 4}
     )
-    data["eval"].update({"compare_untrained": False, "benchmarks": [], "baseline": False})
+    # 4 epochs and 12 prompts: the equality needs a draft that gets some tokens right, not a good one (CI's time)
+    data["eval"].update({"prompts": 12, "compare_untrained": False, "benchmarks": [], "baseline": False})
     path = tmp_path / "mla.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     data["server"] = demo_server(load_config(path), "vllm", data["server"]["url"]).model_dump(
@@ -239,5 +240,5 @@ def test_an_mla_draft_is_served_by_vllm_with_the_in_process_eval_s_rounds(kimi_d
     assert exported["kv_lora_rank"] == 512 and exported["qk_rope_head_dim"] == 64
     _, report_path, _ = mla.layout.eval_of(str(out / "final"))
     report = json.loads(report_path.read_text())
-    engine_equals_in_process(report, 24)
+    engine_equals_in_process(report, 12)
     print(f"MLA draft: acceptance {report['trained']['acceptance_length']:.3f} in-process and through vLLM")
