@@ -1,0 +1,185 @@
+"""Draft shapes for Kimi on the Kimi-K2.5-shaped demo: Llama-style against MLA, plain against YaRN rope, EAGLE-3
+against 3.1, each measured in the real vLLM 0.32 on the same prompts.
+
+One `eagle3 demo --target kimi` run (`run_demo`: generate through the real vLLM, records, the capture under ZeRO-3,
+its own Llama-style EAGLE-3 draft, the eval), then on the same records, hidden states and draft vocabulary, one draft
+per row (`train.draft_arch`, `train.draft_rope`, `train.draft_variant`; 1 layer, the demo's 20 epochs and settings):
+
+- `llama, eagle3, YaRN`: the Llama-style draft with the target's YaRN (`draft_rope: target`, the default);
+- `llama, eagle3, plain`: the same with plain RoPE at the target's base (`draft_rope: plain`);
+- `llama, eagle3.1, YaRN`: the Llama-style draft with EAGLE-3.1's two changes;
+- `mla, eagle3, YaRN`: the MLA draft (models/draft/mla.py) with the target's rope, YaRN x64 (`draft_rope: target`);
+- `mla, eagle3, plain`: the MLA draft with plain rope at the target's base (`draft_rope: plain`);
+- `mla, eagle3.1, YaRN`: the MLA draft with EAGLE-3.1's changes.
+
+Each draft is measured by `eagle3 eval CONFIG --draft DIR` with `eval.backend: both` on the demo's prompts: in-process
+and in the real vLLM (.venv-vllm, `make vllm`) serving the target with that draft (MLA kept on for an MLA draft:
+tasks/engines/vllm.py `shape_words`), the two counts compared prompt by prompt. The table: acceptance, vLLM's count,
+per position, the draft's parameters (its own tensors: no embedding, no vocabulary map), optimizer steps and
+training tokens/s (trained tokens over the wall time of `eagle3 run --stages train`, its Prefect server included).
+
+A comparison of quality, not a wall-clock target (bench/README.md). Printed as the markdown table of
+docs/variants.md ("Draft shapes for Kimi"):
+
+    .venv/bin/python bench/kimi_drafts.py [--quick] [--epochs N] [--keep DIR] [--json FILE]
+
+--quick trains 4 epochs: a smoke run of the bench, not its figures. Run nothing else meanwhile (the tokens/s).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from safetensors import safe_open
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench import harness  # noqa: E402
+from bench.variants import eagle3  # noqa: E402
+from flows.config.file import load_config  # noqa: E402
+from models.common.run_layout import RunLayout  # noqa: E402
+from models.export.format import EMBED, WEIGHTS_FILE  # noqa: E402
+
+# row -> the train settings it sets over the Kimi demo's (configs/demo-kimi.yaml)
+ROWS: dict[str, dict[str, str]] = {
+    "llama, eagle3, YaRN": {"draft_arch": "llama", "draft_variant": "eagle3", "draft_rope": "target"},
+    "llama, eagle3, plain": {"draft_arch": "llama", "draft_variant": "eagle3", "draft_rope": "plain"},
+    "llama, eagle3.1, YaRN": {"draft_arch": "llama", "draft_variant": "eagle3.1", "draft_rope": "target"},
+    "mla, eagle3, YaRN": {"draft_arch": "mla", "draft_variant": "eagle3", "draft_rope": "target"},
+    "mla, eagle3, plain": {"draft_arch": "mla", "draft_variant": "eagle3", "draft_rope": "plain"},
+    "mla, eagle3.1, YaRN": {"draft_arch": "mla", "draft_variant": "eagle3.1", "draft_rope": "target"},
+}
+
+
+@dataclass
+class Params:
+    """The knobs of one run: the training length of every draft (configs/demo-kimi.yaml: 20 epochs)."""
+
+    quick: bool = False
+    epochs: int = 20
+
+    @classmethod
+    def quick_preset(cls) -> Params:
+        return cls(quick=True, epochs=4)
+
+
+def row_config(run_dir: Path, name: str, epochs: int) -> Path:
+    """The demo's resolved config with this row's draft settings and directory, its server the real vLLM as the
+    demo starts it for this draft, and the eval in-process AND in vLLM on the demo's prompts only."""
+    from flows.commands.demo import demo_server
+
+    slug = name.replace(", ", "-").replace(".", "").lower()
+    data = yaml.safe_load(RunLayout(run_dir).demo_config.read_text())
+    data["train"].update({**ROWS[name], "epochs": epochs, "out_dir": str(run_dir / f"draft-{slug}")})
+    data["eval"].update({"backend": "both", "compare_untrained": False, "benchmarks": [], "baseline": False})
+    path = run_dir / f"kimi-{slug}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    server = demo_server(load_config(path), "vllm", data["server"]["url"])  # MLA on or off for this draft
+    data["server"] = server.model_dump(mode="json", exclude_none=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def draft_parameters(draft_dir: Path) -> int:
+    """The export's own weights: every tensor but the target's embedding and the vocabulary map."""
+    with safe_open(str(draft_dir / WEIGHTS_FILE), framework="pt") as f:
+        total = 0
+        for name in f.keys():
+            if name in (EMBED, "d2t", "t2d"):
+                continue
+            count = 1
+            for size in f.get_slice(name).get_shape():
+                count *= size
+            total += count
+    return total
+
+
+def measure_row(config: Path) -> dict[str, Any]:
+    """Train the row's draft, evaluate it in-process and in vLLM; its figures."""
+    train_s = eagle3("run", str(config), "--stages", "train")
+    layout = load_config(config).layout
+    summary = json.loads(layout.train_summary.read_text())
+    final = layout.draft_dir / "final"
+    eval_s = eagle3("eval", str(config), "--draft", str(final))
+    _, report_path, _ = layout.eval_of(str(final))
+    report = json.loads(report_path.read_text())
+    hf, engine = report["trained"], report["engine"]["overall"]
+    return {
+        "acceptance": hf["acceptance_length"],
+        "per_position": hf["per_position_acceptance"],
+        "vllm_per_round": engine["per_round"],
+        "vllm_equal": report["engine_vs_hf"]["equal"],
+        "prompts": report["engine_vs_hf"]["prompts_compared"],
+        "parameters": draft_parameters(final),
+        "steps": summary["steps"],
+        "tokens": summary["tokens"],
+        "train_s": round(train_s, 1),
+        "eval_s": round(eval_s, 1),
+    }
+
+
+def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    from flows.commands.demo import run_demo
+
+    run_dir = scratch / "run"
+    started = time.monotonic()
+    overrides = {"train": {"epochs": p.epochs}}
+    run_demo(run_dir=run_dir, console=Console(quiet=True), overrides=overrides, engine="vllm", target="kimi")
+    out["wall_s"] = {"demo": round(time.monotonic() - started, 1)}
+    out["results"] = {}
+    for name in ROWS:
+        out["results"][name] = measure_row(row_config(run_dir, name, p.epochs))
+        print(f"{name}: acceptance {out['results'][name]['acceptance']:.3f}", flush=True)
+
+
+def report(out: dict[str, Any]) -> None:
+    head = [
+        "draft",
+        "acceptance (in-process)",
+        "vLLM 0.32, per round",
+        "same as vLLM",
+        "per position",
+        "draft parameters",
+        "optimizer steps",
+        "training tokens/s",
+    ]
+    rows = [
+        [
+            name,
+            f"{r['acceptance']:.3f}",
+            f"{r['vllm_per_round']:.3f}",
+            f"{'yes' if r['vllm_equal'] else 'NO'} ({r['prompts']} prompts)",
+            " / ".join(f"{a:.2f}" for a in r["per_position"]),
+            f"{r['parameters']:,}",
+            r["steps"],
+            f"{r['tokens'] / r['train_s']:,.0f}",
+        ]
+        for name, r in out["results"].items()
+    ]
+    harness.markdown_table(head, rows, align="lrrllrrr")
+    print("\nwall seconds: " + json.dumps(out["wall_s"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    kept = "the Kimi demo run, each row's config, draft and eval report"
+    ap = harness.arguments(__doc__, Params(), keep=kept, quick="4 epochs per draft: a smoke run")
+    args = ap.parse_args(argv)
+    p = harness.params_from(args, Params)
+    import torch
+
+    return harness.run_bench(
+        "kimi-drafts", args, asdict(p), {"torch": torch.__version__}, lambda d, o: measure(p, d, o), report, kept=kept
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
