@@ -80,8 +80,8 @@ class Eagle3Config:
         if self.draft_arch == "mla":
             self._check_mla()
         problems = rope_scaling_problems(self.rope_scaling)
-        if problems:
-            raise ValueError("; ".join(problems))
+        if problems:  # train.draft_rope: plain leaves the target's scaling out
+            raise ValueError("; ".join(problems) + " (train.draft_rope: plain trains plain rope at the target's base)")
         if self.head_dim is None and self.draft_arch == "mla":
             self.head_dim = int(self.qk_nope_head_dim or 0) + int(self.qk_rope_head_dim or 0)  # MLA's q/k width
         if self.head_dim is None:
