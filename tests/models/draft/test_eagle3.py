@@ -17,6 +17,7 @@ from models.draft.eagle3 import Eagle3Draft
 from models.draft.layers import RotaryEmbedding, apply_rope
 from models.draft.target_head import TargetHead
 from models.draft.vocab import draft_to_target_ids, draft_vocab, draft_vocab_coverage, load_token_counts
+from models.target.tiny_kimi import KIMI_FIXED
 from tests.kimi_k25 import kimi_k25_config
 
 V, D = 12, 5  # small vocabs: some target argmaxes fall outside the draft vocab, some draft guesses hit
@@ -302,15 +303,7 @@ def test_ttt_without_padding_and_longer_unroll_than_sequence():
     assert out.per_step_loss[3:].tolist() == [0.0, 0.0, 0.0]
 
 
-KIMI_YARN = {  # Kimi-K2.5's (tests/kimi_k25_config.json): mscale == mscale_all_dim, so cos/sin keep their size
-    "type": "yarn",
-    "factor": 64.0,
-    "original_max_position_embeddings": 4096,
-    "beta_fast": 1.0,
-    "beta_slow": 1.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
+KIMI_YARN = dict(KIMI_FIXED["rope_scaling"])  # Kimi-K2.5's: mscale == mscale_all_dim, so cos/sin keep their size
 PLAIN_YARN = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}  # cos/sin times 0.1 ln 8 + 1
 
 

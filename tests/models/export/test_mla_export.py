@@ -17,6 +17,7 @@ from models.draft.vocab import draft_vocab
 from models.export.eagle3 import export_draft, load_exported_draft
 from models.export.sglang import load_problems, validate_export
 from models.export.vllm import validate_export_vllm, vllm_param_name
+from models.target.tiny_kimi import KIMI_FIXED
 from tests.kimi_k25 import kimi_k25_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread_in_module")
@@ -36,15 +37,7 @@ TARGET = {  # the target's text config as export_draft reads it (a tiny DeepSeek
     "qk_rope_head_dim": 16,
     "v_head_dim": 12,
     "rope_theta": 50000.0,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 64.0,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 1.0,
-        "beta_slow": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
+    "rope_scaling": dict(KIMI_FIXED["rope_scaling"]),  # Kimi-K2.5's YaRN
     "max_position_embeddings": 262144,
     "rms_norm_eps": 1e-6,
     "hidden_act": "silu",
