@@ -106,7 +106,7 @@ def measure_row(config: Path) -> dict[str, Any]:
     train_s = eagle3("run", str(config), "--stages", "train")
     layout = load_config(config).layout
     summary = json.loads(layout.train_summary.read_text())
-    final = layout.draft_dir / "final"
+    final = layout.final
     eval_s = eagle3("eval", str(config), "--draft", str(final))
     _, report_path, _ = layout.eval_of(str(final))
     report = json.loads(report_path.read_text())
