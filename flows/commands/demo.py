@@ -17,7 +17,7 @@ from models.target.tiny import build_target
 from tasks.checkpoints import live_parts
 from tasks.engines import sglang, vllm
 from tasks.eval.benchmarks import benchmark_rows
-from tasks.eval.tasks import engine_rows
+from tasks.eval.tasks import context_rows, engine_rows
 from tasks.launch_servers import SERVER_LOG
 from tasks.ports import free_port
 from tasks.stats import collect_stats, render_rows_table, render_stats_table
@@ -235,14 +235,34 @@ def render_engine(engine: dict) -> Table:
 
 def render_eval(eval_report: Path) -> RenderableType:
     """The eval stage's result (draft/eval.json, RunLayout.eval_report): acceptance length per draft, the TTT
-    estimate, where the draft is; then the benchmarks beside their published anchors, when the eval ran some."""
+    estimate, where the draft is; by context position (in-process); then the benchmarks beside their published
+    anchors, when the eval ran some."""
     report = json.loads(eval_report.read_text())
-    table = render_eval_table(report)
-    return (
-        Group(table, render_benchmarks(report["benchmarks"], report["num_steps"]))
-        if report.get("benchmarks")
-        else table
+    parts: list[RenderableType] = [render_eval_table(report)]
+    if context_rows(report):
+        parts.append(render_context(context_rows(report)))
+    if report.get("benchmarks"):
+        parts.append(render_benchmarks(report["benchmarks"], report["num_steps"]))
+    return Group(*parts)
+
+
+def render_context(rows: list[dict]) -> Table:
+    """The acceptance length by context position (tasks/eval/tasks.py context_rows): a row per bucket, a column per
+    in-process source."""
+    table = Table(
+        title="acceptance length by context position (tokens before a round's first draft token), in-process",
+        caption="rounds: the trained draft's on the eval prompts; other columns: the trained draft on each benchmark",
     )
+    for column in rows[0]:
+        table.add_column(column, justify="left" if column == "context" else "right")
+    for row in rows:
+        table.add_row(
+            *[
+                "" if v is None else f"{v:.3f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else v
+                for v in row.values()
+            ]
+        )
+    return table
 
 
 def render_benchmarks(section: dict, num_steps: int) -> Table:

@@ -193,7 +193,7 @@ class TrainJob(TrainSettings, AuxLayers, RecordsRef, RankJob):
 
 # --- eval -------------------------------------------------------------------------------------
 
-BENCHMARK_FORMATS = ("mt_bench", "gsm8k", "humaneval")
+BENCHMARK_FORMATS = ("mt_bench", "gsm8k", "humaneval", "chat")
 BENCHMARK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -207,9 +207,10 @@ class BenchmarkSpec(StrictModel):
     """The benchmark's rows as published: a local JSONL (.jsonl, .jsonl.gz) or Parquet file (relative paths resolve like
     the datasets'), or `hf:ORG/NAME`, a Hub dataset read from the local Hugging Face cache only, never downloaded (`hf
     download --repo-type dataset ORG/NAME` beforehand), with `split` and `config`."""
-    format: Literal["mt_bench", "gsm8k", "humaneval"] | None = None
-    """mt_bench (FastChat's question.jsonl: question_id, category, turns), gsm8k (openai/gsm8k: question, answer) or
-    humaneval (openai/openai_humaneval: task_id, prompt, ...). Omitted: told from the first row's keys."""
+    format: Literal["mt_bench", "gsm8k", "humaneval", "chat"] | None = None
+    """mt_bench (FastChat's question.jsonl: question_id, category, turns), gsm8k (openai/gsm8k: question, answer),
+    humaneval (openai/openai_humaneval: task_id, prompt, ...) or chat (a set of one's own: id, messages, each
+    conversation asked as it is, e.g. data/eval/long_context.jsonl). Omitted: told from the first row's keys."""
     limit: int | None = Field(default=80, ge=1)
     """Questions decoded, the first ones in file order (MT-bench has 80); null: all of them."""
     max_new_tokens: int | None = Field(default=None, ge=1)
@@ -260,6 +261,20 @@ class EvalSettings(StrictModel):
     """Published benchmarks (MT-bench, GSM8K, HumanEval) decoded with the trained draft after the eval prompts, each
     reported on its own in eval.json and a table, beside the published acceptance length for the target where one is
     known (docs/acceptance.md, Benchmarks and published anchors)."""
+    context_buckets: list[int] = Field(default_factory=lambda: [512, 1024, 2048, 4096, 8192, 16384, 32768])
+    """Edges of the context-position buckets the in-process eval reports acceptance in (models/eval/context.py): a
+    verify round falls in [0, e1), [e1, e2), ... or [e_last, inf) by the tokens before its first draft token (prompt
+    and answer so far). Ascending positive token counts; [] reports one bucket."""
+
+    @field_validator("context_buckets")
+    @classmethod
+    def _ascending_edges(cls, value: list[int]) -> list[int]:
+        if any(e < 1 for e in value) or any(b <= a for a, b in zip(value, value[1:])):
+            raise ValueError(
+                f"{value}: context_buckets are the buckets' edges in tokens, ascending and positive, e.g. [512, 1024, "
+                "2048]"
+            )
+        return value
 
     @field_validator("benchmarks")
     @classmethod

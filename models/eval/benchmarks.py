@@ -4,6 +4,9 @@
     gsm8k      openai/gsm8k (main, test split; grade-school-math's test.jsonl): {"question", "answer"}
     humaneval  openai/openai_humaneval (test split; HumanEval.jsonl.gz): {"task_id", "prompt", "canonical_solution",
                "test", "entry_point"}
+    chat       a conversation a row, {"id", "messages": [{role, content}, ...]} ending with a user turn, asked as it is:
+               a set of one's own, e.g. data/eval/long_context.jsonl (long conversations, for acceptance by context
+               position)
 
 Each row becomes the messages SpecForge's benchmark scripts send for it (sgl-project/SpecForge
 benchmarks/benchmarker/{mtbench,gsm8k,humaneval}.py and utils.py, main at a6b6b0230009, unchanged there since
@@ -48,11 +51,13 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "mt_bench": ("question_id", "turns"),
     "gsm8k": ("question", "answer"),
     "humaneval": ("task_id", "prompt"),
+    "chat": ("id", "messages"),
 }
 PUBLISHED = {
     "mt_bench": '{"question_id", "category", "turns": [..]} (FastChat mt_bench question.jsonl)',
     "gsm8k": '{"question", "answer"} (openai/gsm8k, main)',
     "humaneval": '{"task_id", "prompt", "canonical_solution", "test", "entry_point"} (openai/openai_humaneval)',
+    "chat": '{"id", "messages": [{"role", "content"}, ...]} (a conversation ending with the user\'s turn)',
 }
 
 
@@ -152,6 +157,16 @@ def check_row(fmt: str, where: str, row: Any) -> None:
         for key in ("question", "answer"):
             if not isinstance(row[key], str) or not row[key].strip():
                 raise ValueError(f"{where}: `{key}` must be a non-empty string")
+    elif fmt == "chat":
+        _id(row["id"], "id", where)
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"{where}: `messages` must be a non-empty list of {{role, content}}")
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"{where}: messages[{i}] must be an object with string `role` and `content`")
+        if messages[-1]["role"] == "assistant":
+            raise ValueError(f"{where}: the last message is the assistant's: a prompt ends with the user's turn")
     else:
         _id(row["task_id"], "task_id", where)
         if not isinstance(row["prompt"], str) or not row["prompt"].strip():
@@ -201,8 +216,17 @@ def humaneval_prompts(rows: list[tuple[str, Any]], label: str) -> list[Benchmark
     ]
 
 
+def chat_prompts(rows: list[tuple[str, Any]], label: str) -> list[BenchmarkPrompt]:
+    """Each conversation as it is (role and content of each message)."""
+    return [
+        BenchmarkPrompt(where, str(row["id"]), [{"role": m["role"], "content": m["content"]} for m in row["messages"]])
+        for where, row in rows
+    ]
+
+
 BUILDERS: dict[str, Callable[[list[tuple[str, Any]], str], list[BenchmarkPrompt]]] = {
     "mt_bench": mt_bench_prompts,
     "gsm8k": gsm8k_prompts,
     "humaneval": humaneval_prompts,
+    "chat": chat_prompts,
 }

@@ -28,6 +28,7 @@ from models.common.atomic import write_atomic
 from models.common.draft_jobs import BenchmarkSpec, EvalJob
 from models.common.rank_protocol import EVAL, EVAL_PROGRESS
 from models.draft.eagle3 import Eagle3Draft
+from models.eval.context import by_context, context_text
 from models.eval.estimates import replay_acceptance
 from models.eval.prompts import EvalPrompt, benchmark_prompts, eval_prompts
 from models.eval.speculative_decoding import SpecEvalResult, evaluate_acceptance
@@ -88,7 +89,13 @@ def run(job: EvalJob) -> dict[str, Any]:
         parts = []
         for i, prompt in enumerate(prompts):
             part = evaluate_acceptance(
-                target, draft, [prompt], num_steps=job.num_steps, max_new_tokens=job.max_new_tokens, eos_token_ids=eos
+                target,
+                draft,
+                [prompt],
+                num_steps=job.num_steps,
+                max_new_tokens=job.max_new_tokens,
+                eos_token_ids=eos,
+                context_edges=job.context_buckets,
             )
             parts.append(part)
             say(
@@ -122,7 +129,8 @@ def run(job: EvalJob) -> dict[str, Any]:
         }
         print(
             f"eval: {name} draft: acceptance length {result[name]['acceptance_length']:.3f} over "
-            f"{result[name]['rounds']} rounds; per position {result[name]['per_position_acceptance']}",
+            f"{result[name]['rounds']} rounds; per position {result[name]['per_position_acceptance']}; by context "
+            f"position {context_text(result[name]['by_context'])}",
             flush=True,
         )
     if job.benchmarks:
@@ -147,7 +155,13 @@ def decode_benchmark(
     parts = []
     for i, prompt in enumerate(prompts):
         part = evaluate_acceptance(
-            target, draft, [prompt.input_ids], num_steps=job.num_steps, max_new_tokens=max_new_tokens, eos_token_ids=eos
+            target,
+            draft,
+            [prompt.input_ids],
+            num_steps=job.num_steps,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos,
+            context_edges=job.context_buckets,
         )
         parts.append(part)
         say(
@@ -169,15 +183,19 @@ def decode_benchmark(
     ]
     print(
         f"eval: benchmark {spec.name}: acceptance length {merged['acceptance_length']:.3f} per verify round "
-        f"({merged['acceptance_length_specforge']} as SpecForge counts) over {len(prompts)} questions",
+        f"({merged['acceptance_length_specforge']} as SpecForge counts) over {len(prompts)} questions; by context "
+        f"position {context_text(merged['by_context'])}",
         flush=True,
     )
     return merged
 
 
 def merge_results(parts: list[SpecEvalResult]) -> dict[str, Any]:
-    """One summary from SpecEvalResults over disjoint prompts (same num_steps)."""
+    """One summary from SpecEvalResults over disjoint prompts (same num_steps and context edges); "by_context": the
+    rounds by context position (models/eval/context.py)."""
     k = parts[0].num_steps
+    edges = parts[0].context_edges
+    buckets = range(len(edges) + 1)
     reached = [sum(p.per_position_reached[i] for p in parts) for i in range(k)]
     accepted = [sum(p.per_position_accepted[i] for p in parts) for i in range(k)]
     rounds = sum(p.rounds for p in parts)
@@ -189,6 +207,11 @@ def merge_results(parts: list[SpecEvalResult]) -> dict[str, Any]:
         "rounds": rounds,
         "new_tokens": sum(p.new_tokens for p in parts),
         "prompts": sum(p.prompts for p in parts),
+        "by_context": by_context(
+            [sum(p.context_rounds[i] for p in parts) for i in buckets],
+            [sum(p.context_tokens[i] for p in parts) for i in buckets],
+            edges,
+        ),
     }
 
 

@@ -41,6 +41,7 @@ config) eos id(s); an empty set disables eos. acceptance_length is 0.0 when no r
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -48,6 +49,7 @@ import torch
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.draft.caches import KVCache
 from models.draft.eagle3 import Eagle3Draft
+from models.eval.context import bucket_of
 
 
 @dataclass
@@ -63,6 +65,9 @@ class SpecEvalResult:
     prompts: int
     num_steps: int  # K
     outputs: list[list[int]]  # generated ids per prompt (excluding the prompt)
+    context_edges: list[int]  # the context buckets' edges (models/eval/context.py)
+    context_rounds: list[int]  # [len(context_edges) + 1] rounds that started in each bucket
+    context_tokens: list[int]  # [len(context_edges) + 1] tokens those rounds added (kept)
 
     def as_dict(self) -> dict:
         """JSON-able summary, without the outputs."""
@@ -79,6 +84,7 @@ class _Round:
     verified: list[int]  # [K+1] target argmax at [t_last, d1..dK]
     accepted: int  # a: draft tokens accepted by the target (before any cut)
     kept: int  # tokens of this round kept in the output (a + 1 unless the end cut it)
+    start: int  # tokens before d1: the prompt's and those generated before the round (its context position)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -243,8 +249,9 @@ def speculative_decode(
             a += 1
         gained = drafted[:a] + [greedy[a]]
         kept, done = _cut(gained, max_new_tokens - len(out), eos)
+        start = len(ids) + len(out)
         out.extend(kept)
-        rounds.append(_Round(drafted=drafted, verified=greedy, accepted=a, kept=len(kept)))
+        rounds.append(_Round(drafted=drafted, verified=greedy, accepted=a, kept=len(kept), start=start))
         if done:
             return out, rounds
         # Verified now: positions prefix .. prefix + a (tokens last, d1..da); the bonus is not yet in.
@@ -290,11 +297,18 @@ def evaluate_acceptance(
     num_steps: int = 3,
     max_new_tokens: int = 64,
     eos_token_ids: set[int] | None = None,
+    context_edges: Sequence[int] = (),
 ) -> SpecEvalResult:
-    """Speculative greedy decoding of every prompt; acceptance length and per-position acceptance over all rounds."""
+    """Speculative greedy decoding of every prompt; acceptance length and per-position acceptance over all rounds,
+    and the rounds and their tokens by context position (`context_edges`: the buckets' ascending edges; none: one
+    bucket)."""
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    edges = list(context_edges)
+    if any(b <= a for a, b in zip(edges, edges[1:])) or any(e < 1 for e in edges):
+        raise ValueError(f"context_edges must be ascending positive positions, got {edges}")
     reached, accepted = [0] * num_steps, [0] * num_steps
+    in_bucket, tokens_in_bucket = [0] * (len(edges) + 1), [0] * (len(edges) + 1)
     outputs: list[list[int]] = []
     lengths: list[int] = []
     for prompt in prompts:
@@ -304,6 +318,9 @@ def evaluate_acceptance(
         outputs.append(out)
         for r in rounds:
             lengths.append(r.kept)
+            bucket = bucket_of(r.start, edges)
+            in_bucket[bucket] += 1
+            tokens_in_bucket[bucket] += r.kept
             if r.kept <= r.accepted:  # cut inside the accepted drafts: d1..d_kept verified and kept
                 n_reached = n_accepted = r.kept
             else:
@@ -322,4 +339,7 @@ def evaluate_acceptance(
         prompts=len(prompts),
         num_steps=num_steps,
         outputs=outputs,
+        context_edges=edges,
+        context_rounds=in_bucket,
+        context_tokens=tokens_in_bucket,
     )

@@ -283,6 +283,15 @@ def publish_eval(
             "for this target (data/benchmarks/anchors.json, or the entry's anchor). Comparable only for the same "
             "target, prompts and generation length (docs/acceptance.md, Benchmarks and published anchors)",
         )
+    if context_rows(report):
+        create_table_artifact(
+            table=context_rows(report),
+            key=artifact_key("eval-context", config_name),
+            description="Acceptance length by context position (models/eval/context.py): each verify round of the "
+            "in-process eval in the bucket of the tokens before its first draft token (prompt and answer so far), "
+            f"edges {job.context_buckets}; per draft on the eval prompts, and the trained draft on each benchmark. "
+            "A serving engine reports a request's rounds, not where each was: these are the in-process eval's",
+        )
     if engine is not None:
         create_table_artifact(
             table=engine_rows(engine),
@@ -396,6 +405,27 @@ def eval_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "tokens": None,
             }
         )
+    return rows
+
+
+def context_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The eval-context table: one row per context-position bucket that holds rounds, the acceptance length of each
+    in-process source in it (the eval prompts per draft, then each benchmark with the trained draft) and the trained
+    draft's rounds on the eval prompts. [] without an in-process eval."""
+    sources = {n: report[n]["by_context"] for n in ("trained", "untrained") if "by_context" in report.get(n, {})}
+    for name, b in (report.get("benchmarks") or {}).items():
+        if "by_context" in b.get("hf", {}):
+            sources[name] = b["hf"]["by_context"]
+    buckets = sorted({(c["from"], c["label"]) for cs in sources.values() for c in cs})
+    rows = []
+    for start, label in buckets:
+        row: dict[str, Any] = {"context": label}
+        for name, cs in sources.items():
+            found = next((c for c in cs if c["from"] == start), None)
+            if name == "trained":
+                row["rounds"] = found["rounds"] if found else 0
+            row[name] = found["acceptance_length"] if found else None
+        rows.append(row)
     return rows
 
 

@@ -606,7 +606,7 @@ def test_benchmark_paths_resolve_like_the_datasets_and_hub_ones_stay(tmp_path):
         ),
         (
             {"name": "g", "path": "q.jsonl", "format": "mmlu"},
-            "eval.benchmarks[0].format: Input should be 'mt_bench', 'gsm8k' or 'humaneval'",
+            "eval.benchmarks[0].format: Input should be 'mt_bench', 'gsm8k', 'humaneval' or 'chat'",
         ),
         ({"name": "g", "path": "q.jsonl", "config": "main"}, "config: for hf: benchmarks only"),
         ({"path": "q.jsonl"}, "eval.benchmarks[0].name: required key is missing"),

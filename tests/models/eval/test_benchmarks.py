@@ -122,6 +122,14 @@ def test_gzip_and_parquet_files_read_as_the_jsonl(tmp_path):
         (['{"question": "q?", "answer": "a"}'] * 4, "gsm8k", "4 rows; gsm8k needs at least 5"),
         (['{"question": "q?", "answer": "a"}'] * 5 + ['{"question": "", "answer": "a"}'], None, "6: `question` must"),
         (['{"task_id": "t", "prompt": "p"}', "[1]"], None, "2: a humaneval row must be a JSON object"),
+        (['{"id": "a", "messages": []}'], None, "1: `messages` must be a non-empty list"),
+        (['{"id": "a", "messages": [{"role": "user"}]}'], "chat", "1: messages[0] must be an object with string"),
+        (
+            ['{"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}'],
+            None,
+            "1: the last message is the assistant's",
+        ),
+        (['{"messages": [{"role": "user", "content": "q"}]}'], "chat", "1: a chat row needs id"),
     ],
 )
 def test_a_bad_row_names_its_file_and_line(tmp_path, lines, fmt, problem):
@@ -156,3 +164,23 @@ def test_benchmark_settings_are_checked():
             BenchmarkSpec(**bad)
     with pytest.raises(ValidationError, match=r"benchmark name\(s\) \['a'\] given more than once"):
         EvalSettings(benchmarks=[{"name": "a", "path": "x.jsonl"}, {"name": "a", "path": "y.jsonl"}])
+
+
+def test_a_chat_set_asks_each_conversation_as_it_is():
+    """data/eval/long_context.jsonl, the long-context set (bench/long_context_set.py): told from its keys, every turn
+    kept in order, the last one the user's."""
+    path = REPO / "data" / "eval" / "long_context.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    got = read_benchmark(spec(path, limit=None))
+    assert got.format == "chat" and len(got.prompts) == len(rows) == 24
+    assert [p.id for p in got.prompts] == [r["id"] for r in rows]
+    assert got.prompts[-1].messages == rows[-1]["messages"] and got.prompts[-1].messages[-1]["role"] == "user"
+    assert got.prompts[0].where == f"{path}:1"
+
+
+def test_context_buckets_are_ascending_positive_edges():
+    assert EvalSettings().context_buckets == [512, 1024, 2048, 4096, 8192, 16384, 32768]
+    assert EvalSettings(context_buckets=[]).context_buckets == []  # one bucket
+    for bad in ([1024, 512], [512, 512], [0, 512]):
+        with pytest.raises(ValidationError, match="ascending and positive"):
+            EvalSettings(context_buckets=bad)

@@ -11,6 +11,7 @@ import torch
 from models.draft.caches import KVCache
 from models.draft.config import Eagle3Config, default_aux_layers
 from models.draft.eagle3 import DraftStep, Eagle3Draft
+from models.eval.job import merge_results
 from models.eval.speculative_decoding import (
     SpecEvalResult,
     evaluate_acceptance,
@@ -294,6 +295,38 @@ def test_round_cut_by_max_new_tokens_counts_kept_tokens(target, prompts, greedy)
     assert res.acceptance_length == 3.0 and res.rounds == 2 and res.new_tokens == 7
     # The cut round reached and accepted d1, d2 (kept); d3 was neither rejected nor kept.
     assert res.per_position_reached == [2, 2, 1] and res.per_position_accepted == [2, 2, 1]
+
+
+def test_rounds_are_counted_in_the_bucket_of_where_they_start(target, prompts, greedy):
+    """Each round in the bucket of its first draft token's position (prompt + tokens before it), from the scripted
+    rounds: the first round's d1 follows the prompt and the prefill's token, each later one the kept tokens before."""
+    k, edges = 3, [8, 16, 24]
+    draft = _scripted_draft(target, prompts, greedy, _mixed)
+    res = evaluate_acceptance(
+        target, draft, prompts, num_steps=k, max_new_tokens=MAX_NEW, eos_token_ids=set(), context_edges=edges
+    )
+    rounds_in, tokens_in = [0] * 4, [0] * 4
+    for p in prompts:
+        start = len(p) + 1
+        for _, kept in _expected_rounds(len(p), k, MAX_NEW, _mixed):
+            i = sum(start >= e for e in edges)
+            rounds_in[i] += 1
+            tokens_in[i] += kept
+            start += kept
+    assert all(rounds_in)  # every bucket holds rounds: a shifted position would move some
+    assert res.context_edges == edges and res.context_rounds == rounds_in and res.context_tokens == tokens_in
+    merged = merge_results([res])["by_context"]
+    assert [(b["label"], b["rounds"]) for b in merged] == list(zip(["0-8", "8-16", "16-24", "24+"], rounds_in))
+    assert [b["acceptance_length"] for b in merged] == [round(t / r, 4) for t, r in zip(tokens_in, rounds_in)]
+    # the overall figure is the round-weighted mean of the buckets'
+    assert res.acceptance_length == pytest.approx(sum(tokens_in) / sum(rounds_in))
+
+
+def test_context_edges_must_ascend(target, prompts):
+    draft = _random_draft(target)
+    for bad in ([16, 8], [8, 8], [0, 8]):
+        with pytest.raises(ValueError, match="ascending positive"):
+            evaluate_acceptance(target, draft, prompts[:1], num_steps=2, max_new_tokens=4, context_edges=bad)
 
 
 # ----------------------------------------------------------------------------- stopping

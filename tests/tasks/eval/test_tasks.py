@@ -23,6 +23,9 @@ def _result(rounds: int, accepted_total: int, reached: list[int], accepted: list
         prompts=prompts,
         num_steps=len(reached),
         outputs=[],
+        context_edges=[512],
+        context_rounds=[rounds, 0],
+        context_tokens=[accepted_total + rounds, 0],
     )
 
 
@@ -33,6 +36,9 @@ def test_merged_chunks_equal_one_pass_over_all_rounds():
     assert merged["rounds"] == 40 and merged["prompts"] == 5
     assert merged["acceptance_length"] == pytest.approx((12 + 6 + 40) / 40, abs=1e-4)
     assert merged["per_position_acceptance"] == [round(11 / 40, 4), round(5 / 11, 4), round(2 / 5, 4)]
+    assert merged["by_context"] == [
+        {"from": 0, "to": 512, "label": "0-512", "rounds": 40, "tokens": 58, "acceptance_length": 1.45}
+    ]
 
 
 def test_ttt_estimate_uses_the_first_num_steps_conditional_rates(tmp_path):
