@@ -18,10 +18,19 @@ tasks/engines/vllm.py `shape_words`), the two counts compared prompt by prompt. 
 per position, the draft's parameters (its own tensors: no embedding, no vocabulary map), optimizer steps and
 training tokens/s (trained tokens over the wall time of `eagle3 run --stages train`, its Prefect server included).
 
+The same eval also decodes the long-context set (data/eval/long_context.jsonl, bench/long_context_set.py: 24
+conversations of 280-2,754 tokens, 64 new tokens each) as the benchmark `long_context`, in-process and in vLLM
+(started with --max-model-len 4096 for it). The second table: each draft's acceptance length per verify round on it,
+vLLM's beside it, and the in-process rounds by context position (models/eval/context.py, the eval's default buckets).
+The drafts were trained on records of at most ~400 tokens.
+
+`--reuse DIR` evaluates the drafts of a run this bench kept (`--keep`: DIR is its `run` directory) again, without the
+demo and the training: both tables, with no training tokens/s (the training did not run).
+
 A comparison of quality, not a wall-clock target (bench/README.md). Printed as the markdown table of
 docs/variants.md ("Draft shapes for Kimi"):
 
-    .venv/bin/python bench/kimi_drafts.py [--quick] [--epochs N] [--keep DIR] [--json FILE]
+    .venv/bin/python bench/kimi_drafts.py [--quick] [--epochs N] [--keep DIR] [--json FILE] [--reuse DIR]
 
 --quick trains 4 epochs: a smoke run of the bench, not its figures. Run nothing else meanwhile (the tokens/s).
 """
@@ -58,12 +67,24 @@ ROWS: dict[str, dict[str, str]] = {
 }
 
 
+# the long-context set as the eval's benchmark: every row, 64 new tokens after up to 2,754 prompt tokens
+LONG_CONTEXT = {
+    "name": "long_context",
+    "path": str(REPO / "data" / "eval" / "long_context.jsonl"),
+    "format": "chat",
+    "limit": None,
+    "max_new_tokens": 64,
+}
+MAX_MODEL_LEN = 4096
+
+
 @dataclass
 class Params:
     """The knobs of one run: the training length of every draft (configs/demo-kimi.yaml: 20 epochs)."""
 
     quick: bool = False
     epochs: int = 20
+    reuse: str = ""  # a kept run directory (RUN of --keep): evaluate its drafts again, no demo, no training
 
     @classmethod
     def quick_preset(cls) -> Params:
@@ -72,17 +93,28 @@ class Params:
 
 def row_config(run_dir: Path, name: str, epochs: int) -> Path:
     """The demo's resolved config with this row's draft settings and directory, its server the real vLLM as the
-    demo starts it for this draft, and the eval in-process AND in vLLM on the demo's prompts only."""
+    demo starts it for this draft (--max-model-len MAX_MODEL_LEN), and the eval in-process AND in vLLM on the demo's
+    prompts and the long-context set."""
     from flows.commands.demo import demo_server
 
     slug = name.replace(", ", "-").replace(".", "").lower()
     data = yaml.safe_load(RunLayout(run_dir).demo_config.read_text())
     data["train"].update({**ROWS[name], "epochs": epochs, "out_dir": str(run_dir / f"draft-{slug}")})
-    data["eval"].update({"backend": "both", "compare_untrained": False, "benchmarks": [], "baseline": False})
+    data["eval"].update(
+        {
+            "backend": "both",
+            "compare_untrained": False,
+            "benchmarks": [LONG_CONTEXT],
+            "baseline": False,
+            "prompt_files": [str(REPO / "data" / "eval" / "prompts.jsonl")],  # this checkout's (for --reuse)
+        }
+    )
     path = run_dir / f"kimi-{slug}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     server = demo_server(load_config(path), "vllm", data["server"]["url"])  # MLA on or off for this draft
     data["server"] = server.model_dump(mode="json", exclude_none=True)
+    command = data["server"]["command"]  # vLLM's CPU command (tasks/engines/vllm.py cpu_command): room for the set
+    command[command.index("--max-model-len") + 1] = str(MAX_MODEL_LEN)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -101,9 +133,9 @@ def draft_parameters(draft_dir: Path) -> int:
     return total
 
 
-def measure_row(config: Path) -> dict[str, Any]:
-    """Train the row's draft, evaluate it in-process and in vLLM; its figures."""
-    train_s = eagle3("run", str(config), "--stages", "train")
+def measure_row(config: Path, train: bool = True) -> dict[str, Any]:
+    """Train the row's draft (unless `train` is False: it is there), evaluate it in-process and in vLLM; its figures."""
+    train_s = eagle3("run", str(config), "--stages", "train") if train else None
     layout = load_config(config).layout
     summary = json.loads(layout.train_summary.read_text())
     final = layout.final
@@ -120,8 +152,22 @@ def measure_row(config: Path) -> dict[str, Any]:
         "parameters": draft_parameters(final),
         "steps": summary["steps"],
         "tokens": summary["tokens"],
-        "train_s": round(train_s, 1),
+        "train_s": round(train_s, 1) if train_s is not None else None,
         "eval_s": round(eval_s, 1),
+        "long_context": long_context(report),
+    }
+
+
+def long_context(report: dict[str, Any]) -> dict[str, Any]:
+    """The long-context set's figures in an eval report: per verify round in-process and in vLLM, the in-process
+    rounds by context position."""
+    b = report["benchmarks"][LONG_CONTEXT["name"]]
+    return {
+        "per_round": b["hf"]["acceptance_length"],
+        "vllm_per_round": b["engine"]["per_round"],
+        "vllm_prompts": b["engine"]["prompts"],
+        "prompts": b["hf"]["prompts"],
+        "by_context": b["hf"]["by_context"],
     }
 
 
@@ -130,14 +176,15 @@ def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
 
     from flows.commands.demo import run_demo
 
-    run_dir = scratch / "run"
+    run_dir = Path(p.reuse) if p.reuse else scratch / "run"
     started = time.monotonic()
-    overrides = {"train": {"epochs": p.epochs}}
-    run_demo(run_dir=run_dir, console=Console(quiet=True), overrides=overrides, engine="vllm", target="kimi")
+    if not p.reuse:
+        overrides = {"train": {"epochs": p.epochs}}
+        run_demo(run_dir=run_dir, console=Console(quiet=True), overrides=overrides, engine="vllm", target="kimi")
     out["wall_s"] = {"demo": round(time.monotonic() - started, 1)}
     out["results"] = {}
     for name in ROWS:
-        out["results"][name] = measure_row(row_config(run_dir, name, p.epochs))
+        out["results"][name] = measure_row(row_config(run_dir, name, p.epochs), train=not p.reuse)
         print(f"{name}: acceptance {out['results'][name]['acceptance']:.3f}", flush=True)
 
 
@@ -161,11 +208,32 @@ def report(out: dict[str, Any]) -> None:
             " / ".join(f"{a:.2f}" for a in r["per_position"]),
             f"{r['parameters']:,}",
             r["steps"],
-            f"{r['tokens'] / r['train_s']:,.0f}",
+            f"{r['tokens'] / r['train_s']:,.0f}" if r["train_s"] else "-",
         ]
         for name, r in out["results"].items()
     ]
     harness.markdown_table(head, rows, align="lrrllrrr")
+    buckets = sorted(
+        {(b["from"], b["label"]) for r in out["results"].values() for b in r["long_context"]["by_context"]}
+    )
+    head = ["draft", "long context, per round", "vLLM 0.32, per round", *[f"{label} tokens" for _, label in buckets]]
+    rows = []
+    for name, r in out["results"].items():
+        lc = r["long_context"]
+        found = {b["from"]: b for b in lc["by_context"]}
+        rows.append(
+            [
+                name,
+                f"{lc['per_round']:.3f}",
+                f"{lc['vllm_per_round']:.3f} ({lc['vllm_prompts']} prompts)",
+                *[
+                    f"{found[f]['acceptance_length']:.3f} ({found[f]['rounds']})" if f in found else "-"
+                    for f, _ in buckets
+                ],
+            ]
+        )
+    print()
+    harness.markdown_table(head, rows, align="lrr" + "r" * len(buckets))
     print("\nwall seconds: " + json.dumps(out["wall_s"]))
 
 
