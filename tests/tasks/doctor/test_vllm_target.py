@@ -195,6 +195,9 @@ def test_an_mla_draft_on_cpu_needs_mla_on_and_cpu_command_leaves_it_on(kimi):
     (CPU_ATTN: [MultipleOf(32)]; CPU_MLA: [16])")."""
     mla_on = cpu_command("python", str(kimi), mla_draft=True)
     assert "VLLM_MLA_DISABLE=1" not in mla_on and "VLLM_MLA_DISABLE=1" in cpu_command("python", str(kimi))
+    # and with MLA on, vLLM's own rotary code instead of its CPU kernel (tests/tasks/engines/test_vllm_rope.py)
+    assert mla_on[mla_on.index("--compilation-config") + 1] == '{"custom_ops": ["-rotary_embedding"]}'
+    assert "--compilation-config" not in cpu_command("python", str(kimi))
     name = "vllm target: server: MLA draft on CPU"
 
     def found(command: list[str], environ: dict[str, str]) -> Finding:
