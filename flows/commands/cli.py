@@ -107,7 +107,7 @@ def eval_(
         None,
         "--draft",
         help="final, best, or the directory of any EAGLE-3 draft for this target (ours, SGLang-style, speculators "
-        "format); default eval.draft. Another draft's report: RUN_DIR/evals/<name>/eval.json.",
+        "format); default eval.draft. Another draft's report: RUN_DIR/evals/<name>-<hash of its path>/eval.json.",
     ),
     skip_checks: bool = typer.Option(False, "--skip-checks", help=SKIP_CHECKS_HELP),
 ) -> None:
@@ -206,7 +206,9 @@ def _run_stages(
     if "eval" in stages:
         from flows.commands.demo import render_eval
 
-        console.print(render_eval(cfg.layout.eval_of(eval_draft or cfg.eval.draft)[1]))
+        report = cfg.layout.eval_of(eval_draft or cfg.eval.draft)[1]
+        console.print(render_eval(report))
+        console.print(f"eval report: {escape(str(report))}", highlight=False)
 
 
 @app.command()

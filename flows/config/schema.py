@@ -289,7 +289,8 @@ class EvalConfig(EvalSettings, ServedEvalSettings, Section):
     """The draft measured: `final` (the train stage's last export, RUN_DIR/draft/final), `best` (its export at the
     best held-out eval, RUN_DIR/draft/best), or the directory of any EAGLE-3 draft for this target: ours, an
     SGLang-style export (SpecForge's, either dtype key) or the speculators format; its report is then
-    RUN_DIR/evals/<directory name>/eval.json. `eagle3 eval CONFIG --draft DIR` sets it for one run."""
+    RUN_DIR/evals/<directory name>-<8 hex digits of its path>/eval.json. `eagle3 eval CONFIG --draft DIR` sets it
+    for one run."""
 
     @field_validator("benchmarks")
     @classmethod

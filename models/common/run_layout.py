@@ -25,6 +25,7 @@ Plain Python, no torch: flows and tasks use it too.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Literal, overload
@@ -197,10 +198,13 @@ class RunLayout:
     def eval_of(self, draft: str) -> tuple[Path, Path, Path]:
         """(the draft, its eval.json, the HF eval job's raw result) for eval.draft `draft`: `final` and `best` are
         the train stage's exports, reported in draft/eval.json; any other value is a draft directory, reported in
-        RUN_DIR/evals/<its name>/."""
+        RUN_DIR/evals/<its name>-<8 hex digits of its resolved path>/, so that two drafts of the same name (two
+        trainers' `final`) keep a report each."""
         if draft in RUN_DRAFTS:
             return self.draft_dir / draft, self.eval_report, self.eval_raw
-        folder = self.run_dir / "evals" / Path(draft).name
+        where = Path(draft).resolve()
+        tag = hashlib.sha256(str(where).encode("utf-8", "surrogateescape")).hexdigest()[:8]
+        folder = self.run_dir / "evals" / f"{where.name}-{tag}"
         return Path(draft), folder / EVAL_REPORT, folder / EVAL_RAW
 
     def benchmark_rows(self) -> Path:

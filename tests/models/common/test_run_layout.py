@@ -208,3 +208,17 @@ def test_no_path_of_the_run_directory_is_spelled_outside_the_layout():
                     found.append(f"{rel}:{line}: {value!r} (ask models/common/run_layout.py's RunLayout for the path)")
     assert found == []
     assert allowed_seen == set(ALLOWED), "an allow-list entry no longer matches anything: remove it"
+
+
+def test_drafts_of_the_same_name_elsewhere_keep_a_report_each(tmp_path):
+    """eval --draft DIR: the report folder is the draft's name and a digest of its resolved path, so two trainers'
+    `final` do not overwrite each other's eval.json; the same draft, however written, is the same folder."""
+    layout = RunLayout(tmp_path / "run")
+    (tmp_path / "a" / "final").mkdir(parents=True)
+    (tmp_path / "b" / "final").mkdir(parents=True)
+    a, b = layout.eval_of(str(tmp_path / "a" / "final")), layout.eval_of(str(tmp_path / "b" / "final"))
+    assert a[0] == tmp_path / "a" / "final"
+    assert a[1].parent != b[1].parent and a[1].parent.parent == b[1].parent.parent == tmp_path / "run" / "evals"
+    assert a[1].parent.name.startswith("final-") and len(a[1].parent.name) == len("final-") + 8
+    assert layout.eval_of(str(tmp_path / "b" / ".." / "a" / "final"))[1] == a[1]
+    assert layout.eval_of("final")[1] == layout.eval_report  # the run's own drafts keep draft/eval.json

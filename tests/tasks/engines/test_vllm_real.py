@@ -496,7 +496,11 @@ def test_a_speculators_export_is_served_by_vllm_serve_alone_and_counted_as_the_i
     finally:
         server.stop()
     assert served in (str(spec), str(tiny_target_dir))
-    report = json.loads((config.layout.run_dir / "evals" / "speculators" / "eval.json").read_text())
+    report_path = config.layout.eval_of(str(spec))[1]
+    assert report_path.parent.parent == config.layout.run_dir / "evals" and report_path.parent.name.startswith(
+        "speculators-"
+    )
+    report = json.loads(report_path.read_text())
     assert report["draft"] == str(spec)
     engine, hf = report["engine"], report["trained"]
     rounds = {(p["source"], p["id"]): (p["completion_tokens"], p["spec_verify_ct"]) for p in engine["per_prompt"]}
