@@ -25,6 +25,7 @@ from typing import Any
 
 from models.common.findings import Finding
 from models.export.format import CONFIG_FILE, VLLM_AUX_KEY
+from tasks.engines.vllm import NATIVE_ROPE
 
 # The architectures vLLM runs with deepseek_v2.py's DeepseekV2Model (model_executor/models/registry.py; the kimi_k25
 # wrapper builds its language model as DeepseekV2ForCausalLM, kimi_k25.py).
@@ -355,4 +356,28 @@ def _mla_draft_findings(server: VllmServer, seen: str, disabled: bool, sizes: tu
                 "serve it on a GPU, or train draft_arch: llama",
             )
         ]
-    return [Finding(name, "PASS", f"{seen} with an MLA draft: both on the CPU MLA kernel (block size 16)")]
+    out = [Finding(name, "PASS", f"{seen} with an MLA draft: both on the CPU MLA kernel (block size 16)")]
+    if not native_rope(server.command or []):
+        out.append(
+            Finding(
+                f"vllm target: {server.setting}: MLA rope on CPU",
+                "WARN",
+                f"{seen} with an MLA draft, and vLLM's rotary custom op on: with --enforce-eager its CPU kernel "
+                "rotates the MLA layer's strided views wrong (tasks/engines/vllm.py shape_words), so a draft or target whose "
+                "rope has no scaling (draft_rope: plain) is served wrong; DeepSeek's YaRN is torch code and unharmed",
+                f"add --compilation-config '{json.dumps(NATIVE_ROPE)}' to {server.setting}.command, as "
+                "tasks/engines/vllm.py cpu_command writes it",
+            )
+        )
+    return out
+
+
+def native_rope(command: list[str]) -> bool:
+    """Whether `command` turns vLLM's rotary custom op off (--compilation-config with -rotary_embedding)."""
+    for i, word in enumerate(command):
+        value = command[i + 1] if word == "--compilation-config" and i + 1 < len(command) else None
+        if word.startswith("--compilation-config="):
+            value = word.split("=", 1)[1]
+        if value is not None and "-rotary_embedding" in value:
+            return True
+    return False

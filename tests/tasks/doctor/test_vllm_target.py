@@ -207,6 +207,14 @@ def test_an_mla_draft_on_cpu_needs_mla_on_and_cpu_command_leaves_it_on(kimi):
         return found[name]
 
     assert found(mla_on, {}).status == "PASS"
+    rope = "vllm target: server: MLA rope on CPU"  # vLLM's CPU rotary kernel on MLA's strided views
+    server = VllmServer("server", draft=True, aux_ids=(("draft", [2, 4, 5]),), command=mla_on, mla_draft=True)
+    assert rope not in by_name(vllm_target_findings(str(kimi), [server], cuda=True, environ={}))
+    at = mla_on.index("--compilation-config")
+    kernel_on = mla_on[:at] + mla_on[at + 2 :]
+    server = VllmServer("server", draft=True, aux_ids=(("draft", [2, 4, 5]),), command=kernel_on, mla_draft=True)
+    warned = by_name(vllm_target_findings(str(kimi), [server], cuda=True, environ={}))[rope]
+    assert warned.status == "WARN" and "--compilation-config" in warned.advice
     for command, environ in ((cpu_command("python", str(kimi)), {}), (mla_on, {"VLLM_MLA_DISABLE": "1"})):
         f = found(command, environ)
         assert f.status == "FAIL" and "No common block size" in f.detail
