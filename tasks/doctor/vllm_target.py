@@ -363,8 +363,8 @@ def _mla_draft_findings(server: VllmServer, seen: str, disabled: bool, sizes: tu
                 f"vllm target: {server.setting}: MLA rope on CPU",
                 "WARN",
                 f"{seen} with an MLA draft, and vLLM's rotary custom op on: with --enforce-eager its CPU kernel "
-                "rotates the MLA layer's strided views wrong (tasks/engines/vllm.py shape_words), so a draft or target whose "
-                "rope has no scaling (draft_rope: plain) is served wrong; DeepSeek's YaRN is torch code and unharmed",
+                "rotates the MLA layer's strided views wrong (tasks/engines/vllm.py shape_words), so a draft or target "
+                "whose rope has no scaling (draft_rope: plain) is served wrong; DeepSeek's YaRN is torch code",
                 f"add --compilation-config '{json.dumps(NATIVE_ROPE)}' to {server.setting}.command, as "
                 "tasks/engines/vllm.py cpu_command writes it",
             )
