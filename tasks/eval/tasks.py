@@ -283,6 +283,12 @@ def publish_eval(
             "for this target (data/benchmarks/anchors.json, or the entry's anchor). Comparable only for the same "
             "target, prompts and generation length (docs/acceptance.md, Benchmarks and published anchors)",
         )
+    if hf is None:
+        get_run_logger().info(
+            "acceptance by context position: not measured (the serving engine reports a request's verify rounds, not "
+            "where each one was); eval.backend hf or both measures it in-process (docs/run-a-pipeline.md, Acceptance "
+            "by context position)"
+        )
     if context_rows(report):
         create_table_artifact(
             table=context_rows(report),

@@ -9,7 +9,7 @@ import pytest
 
 from models.eval.job import merge_results
 from models.eval.speculative_decoding import SpecEvalResult
-from tasks.eval.tasks import estimates, eval_rows, sglang_command, ttt_estimate
+from tasks.eval.tasks import context_rows, estimates, eval_rows, sglang_command, ttt_estimate
 
 
 def _result(rounds: int, accepted_total: int, reached: list[int], accepted: list[int], prompts: int) -> SpecEvalResult:
@@ -103,3 +103,34 @@ def test_sglang_command_serves_the_draft_with_chain_settings():
     )
     assert args["--speculative-num-steps"] == "3" and args["--speculative-eagle-topk"] == "1"
     assert args["--speculative-num-draft-tokens"] == "4"
+
+
+def test_context_rows_put_each_source_s_buckets_side_by_side():
+    """eval-context: a row per bucket any in-process source reached, in position order, the trained draft's rounds,
+    and an empty cell where a source has no round in that bucket."""
+
+    def bucket(lo, hi, rounds, tokens):
+        label = f"{lo}+" if hi is None else f"{lo}-{hi}"
+        return {
+            "from": lo,
+            "to": hi,
+            "label": label,
+            "rounds": rounds,
+            "tokens": tokens,
+            "acceptance_length": tokens / rounds,
+        }
+
+    report = {
+        "trained": {"by_context": [bucket(0, 512, 10, 20)]},
+        "untrained": {"by_context": [bucket(0, 512, 20, 20)]},
+        "benchmarks": {
+            "long": {"hf": {"by_context": [bucket(512, 1024, 4, 10), bucket(32768, None, 2, 3)]}},
+            "engine_only": {"engine": {"per_round": 1.5}},
+        },
+    }
+    assert context_rows(report) == [
+        {"context": "0-512", "rounds": 10, "trained": 2.0, "untrained": 1.0, "long": None},
+        {"context": "512-1024", "rounds": 0, "trained": None, "untrained": None, "long": 2.5},
+        {"context": "32768+", "rounds": 0, "trained": None, "untrained": None, "long": 1.5},
+    ]
+    assert context_rows({"engine": {}}) == []  # no in-process eval: no table
