@@ -90,6 +90,13 @@ class Params:
     def quick_preset(cls) -> Params:
         return cls(quick=True, epochs=4)
 
+    def validate(self) -> None:
+        if self.reuse and not RunLayout(Path(self.reuse)).demo_config.is_file():
+            raise SystemExit(
+                f"--reuse {self.reuse}: no demo config there; give the `run` directory of a run this bench kept "
+                "(--keep DIR writes DIR/bench-kimi-drafts-*/run)"
+            )
+
 
 def row_config(run_dir: Path, name: str, epochs: int) -> Path:
     """The demo's resolved config with this row's draft settings and directory, its server the real vLLM as the
