@@ -121,9 +121,9 @@ def shape_words(target: str, *, mla_draft: bool = False) -> tuple[list[str], lis
     - MLA on CPU (with `mla_draft`): the rotary custom op is turned off (`--compilation-config` NATIVE_ROPE), so
       vLLM rotates with its torch code (`RotaryEmbedding.forward_native`). With --enforce-eager vLLM 0.32 runs its
       custom ops, and its CPU rotary kernel (`forward_cpu`, `_C.rotary_embedding`) rotates the MLA layer's strided
-      views wrong: model_executor/layers/mla.py passes `q[..., qk_nope_head_dim:]` (heads 192 apart, not 64) and the
-      rope part of the latent projection. Measured against the GPT-J formula: off by up to 5.8 on unit-normal
-      inputs, forward_native by 1e-5 (tests/tasks/engines/test_vllm_rope.py). Rope without scaling
+      views wrong: model_executor/layers/mla.py passes `q[..., qk_nope_head_dim:]` (heads 192 apart in Kimi-K2.5,
+      not 64) and the rope part of the latent projection. Measured against the GPT-J formula: off by up to 5.8 on
+      unit-normal inputs, forward_native by 1e-5 (tests/tasks/engines/test_vllm_rope.py). Rope without scaling
       (`train.draft_rope: plain`) takes that path; DeepSeek's YaRN (`DeepseekScalingRotaryEmbedding`) is torch code
       only. It made vLLM count a plain-rope MLA draft 1.863 per round where the in-process eval counted 1.892.
     A target that is not a local directory (a Hub id) adds nothing.
