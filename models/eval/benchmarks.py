@@ -159,18 +159,23 @@ def check_row(fmt: str, where: str, row: Any) -> None:
                 raise ValueError(f"{where}: `{key}` must be a non-empty string")
     elif fmt == "chat":
         _id(row["id"], "id", where)
-        messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{where}: `messages` must be a non-empty list of {{role, content}}")
-        for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise ValueError(f"{where}: messages[{i}] must be an object with string `role` and `content`")
-        if messages[-1]["role"] == "assistant":
-            raise ValueError(f"{where}: the last message is the assistant's: a prompt ends with the user's turn")
+        check_messages(row["messages"], where)
     else:
         _id(row["task_id"], "task_id", where)
         if not isinstance(row["prompt"], str) or not row["prompt"].strip():
             raise ValueError(f"{where}: `prompt` must be a non-empty string (the signature and docstring)")
+
+
+def check_messages(messages: Any, where: str) -> None:
+    """ValueError naming `where` unless `messages` is a non-empty list of {role, content} strings ending with a turn
+    that is not the assistant's (a prompt: the chat benchmark's rows, the eval prompt files' rows)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: `messages` must be a non-empty list of {{role, content}}")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: messages[{i}] must be an object with string `role` and `content`")
+    if messages[-1]["role"] == "assistant":
+        raise ValueError(f"{where}: the last message is the assistant's: a prompt ends with the user's turn")
 
 
 def _id(value: Any, key: str, where: str) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from models.common.draft_jobs import EvalJob
-from models.eval.benchmarks import read_benchmark
+from models.eval.benchmarks import check_messages, read_benchmark
 from models.train.data import held_out_prompts
 
 
@@ -111,13 +111,7 @@ def _messages(row: Any, where: str) -> list[dict[str, str]]:
         raise ValueError(f"{where}: a row must be a JSON object with `messages` or `prompt`")
     if "messages" in row:
         messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{where}: `messages` must be a non-empty list of {{role, content}}")
-        for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise ValueError(f"{where}: messages[{i}] must be an object with string `role` and `content`")
-        if messages[-1]["role"] == "assistant":
-            raise ValueError(f"{where}: the last message is the assistant's: an eval prompt ends with the user's turn")
+        check_messages(messages, where)
         return [{"role": m["role"], "content": m["content"]} for m in messages]
     if isinstance(row.get("prompt"), str):
         return [{"role": "user", "content": row["prompt"]}]
