@@ -21,7 +21,9 @@ training tokens/s (trained tokens over the wall time of `eagle3 run --stages tra
 The same eval also decodes the long-context set (data/eval/long_context.jsonl, bench/long_context_set.py: 24
 conversations of 280-2,754 tokens, 64 new tokens each) as the benchmark `long_context`, in-process and in vLLM
 (started with --max-model-len 4096 for it). The second table: each draft's acceptance length per verify round on it,
-vLLM's beside it, and the in-process rounds by context position (models/eval/context.py, the eval's default buckets).
+vLLM's beside it, the in-process rounds by context position (models/eval/context.py, the eval's default buckets),
+and whether vLLM's rounds, placed from its per-round counts (`--per-request-spec-decode-metrics detailed`), fall in
+the same buckets with the same tokens.
 The drafts were trained on records of at most ~400 tokens.
 
 `--reuse DIR` evaluates the drafts of a run this bench kept (`--keep`: DIR is its `run` directory) again, without the
@@ -166,8 +168,8 @@ def measure_row(config: Path, train: bool = True) -> dict[str, Any]:
 
 
 def long_context(report: dict[str, Any]) -> dict[str, Any]:
-    """The long-context set's figures in an eval report: per verify round in-process and in vLLM, the in-process
-    rounds by context position."""
+    """The long-context set's figures in an eval report: per verify round in-process and in vLLM, the rounds by
+    context position in-process and as vLLM placed them (its per-round counts)."""
     b = report["benchmarks"][LONG_CONTEXT["name"]]
     return {
         "per_round": b["hf"]["acceptance_length"],
@@ -175,6 +177,8 @@ def long_context(report: dict[str, Any]) -> dict[str, Any]:
         "vllm_prompts": b["engine"]["prompts"],
         "prompts": b["hf"]["prompts"],
         "by_context": b["hf"]["by_context"],
+        "vllm_by_context": b["engine"].get("by_context"),
+        "vllm_unplaced": len(b["engine"].get("unplaced") or {}),
     }
 
 
@@ -223,7 +227,13 @@ def report(out: dict[str, Any]) -> None:
     buckets = sorted(
         {(b["from"], b["label"]) for r in out["results"].values() for b in r["long_context"]["by_context"]}
     )
-    head = ["draft", "long context, per round", "vLLM 0.32, per round", *[f"{label} tokens" for _, label in buckets]]
+    head = [
+        "draft",
+        "long context, per round",
+        "vLLM 0.32, per round",
+        *[f"{label} tokens" for _, label in buckets],
+        "vLLM's buckets",
+    ]
     rows = []
     for name, r in out["results"].items():
         lc = r["long_context"]
@@ -237,11 +247,24 @@ def report(out: dict[str, Any]) -> None:
                     f"{found[f]['acceptance_length']:.3f} ({found[f]['rounds']})" if f in found else "-"
                     for f, _ in buckets
                 ],
+                vllm_buckets(lc),
             ]
         )
     print()
-    harness.markdown_table(head, rows, align="lrr" + "r" * len(buckets))
+    harness.markdown_table(head, rows, align="lrr" + "r" * len(buckets) + "l")
     print("\nwall seconds: " + json.dumps(out["wall_s"]))
+
+
+def vllm_buckets(lc: dict[str, Any]) -> str:
+    """`same` when vLLM's rounds by context position (placed from its per-round counts) are the in-process ones in
+    every bucket, else vLLM's own; `-` from a run without them."""
+    theirs = lc.get("vllm_by_context")
+    if theirs is None:
+        return "-"
+    unplaced = f", {lc['vllm_unplaced']} prompts unplaced" if lc.get("vllm_unplaced") else ""
+    if theirs == lc["by_context"]:
+        return f"same in all {len(theirs)}{unplaced}"
+    return " / ".join(f"{b['acceptance_length']:.3f} ({b['rounds']})" for b in theirs) + unplaced
 
 
 def main(argv: list[str] | None = None) -> int:

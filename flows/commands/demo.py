@@ -235,8 +235,8 @@ def render_engine(engine: dict) -> Table:
 
 def render_eval(eval_report: Path) -> RenderableType:
     """The eval stage's result (draft/eval.json, RunLayout.eval_report): acceptance length per draft, the TTT
-    estimate, where the draft is; by context position (in-process); then the benchmarks beside their published
-    anchors, when the eval ran some."""
+    estimate, where the draft is; by context position (in-process and vLLM's); then the benchmarks beside their
+    published anchors, when the eval ran some."""
     report = json.loads(eval_report.read_text())
     parts: list[RenderableType] = [render_eval_table(report)]
     if context_rows(report):
@@ -248,10 +248,11 @@ def render_eval(eval_report: Path) -> RenderableType:
 
 def render_context(rows: list[dict]) -> Table:
     """The acceptance length by context position (tasks/eval/tasks.py context_rows): a row per bucket, a column per
-    in-process source."""
+    source."""
     table = Table(
-        title="acceptance length by context position (tokens before a round's first draft token), in-process",
-        caption="rounds: the trained draft's on the eval prompts; other columns: the trained draft on each benchmark",
+        title="acceptance length by context position (tokens before a round's first draft token)",
+        caption="rounds: the trained draft's on the eval prompts; other columns: the trained draft on each benchmark; "
+        "(vllm): the rounds as the serving engine counted them, the rest in-process",
     )
     for column in rows[0]:
         table.add_column(column, justify="left" if column == "context" else "right")

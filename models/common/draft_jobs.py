@@ -262,9 +262,9 @@ class EvalSettings(StrictModel):
     reported on its own in eval.json and a table, beside the published acceptance length for the target where one is
     known (docs/acceptance.md, Benchmarks and published anchors)."""
     context_buckets: list[int] = Field(default_factory=lambda: [512, 1024, 2048, 4096, 8192, 16384, 32768])
-    """Edges of the context-position buckets the in-process eval reports acceptance in (models/eval/context.py): a
-    verify round falls in [0, e1), [e1, e2), ... or [e_last, inf) by the tokens before its first draft token (prompt
-    and answer so far). Ascending positive token counts; [] reports one bucket."""
+    """Edges of the context-position buckets the eval reports acceptance in (models/eval/context.py), in-process and
+    in the engine: a verify round falls in [0, e1), [e1, e2), ... or [e_last, inf) by the tokens before its first draft
+    token (prompt and answer so far). Ascending positive token counts; [] reports one bucket."""
 
     @field_validator("context_buckets")
     @classmethod

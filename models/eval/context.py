@@ -7,14 +7,20 @@ is the mean over its rounds of the tokens each round added (accepted + 1; a roun
 what it kept), as the overall figure counts: the overall acceptance length is the round-weighted mean of the buckets'.
 
 Why: published drafts lose acceptance with context (speculators PR #684: a Qwen3-8B EAGLE-3 draft from 2.30 at 2k
-tokens to 1.08 at 20k), and Kimi-K2.5's answers are 1,400-3,800 tokens long. Measured by the in-process eval only: a
-serving engine reports a request's verify rounds, not where each one was.
+tokens to 1.08 at 20k), and Kimi-K2.5's answers are 1,400-3,800 tokens long.
+
+Who measures them: the in-process eval, from its own decoding; and vLLM, whose replies carry the accepted draft
+tokens of each verify round in order (`--per-request-spec-decode-metrics detailed`:
+metrics.speculative_decoding.per_step_accepted, vllm/v1/metrics/stats.py RequestSpecDecodeMetrics, 0.32.0).
+`rounds_from_steps` places those rounds. SGLang 0.5.23 reports a request's totals only (meta_info.spec_verify_ct):
+a request is placed whole where all its rounds start in one bucket (`request_bucket`), which a long prompt with a
+short answer does (data/eval/long_context.jsonl); one whose answer crosses an edge is not placed, and said.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
@@ -49,6 +55,59 @@ def by_context(rounds: Sequence[int], tokens: Sequence[int], edges: Sequence[int
                 }
             )
     return out
+
+
+def rounds_from_steps(prompt_tokens: int, completion_tokens: int, accepted: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, kept) of each verify round of one greedy request, from the draft tokens each round accepted, in order.
+
+    The prefill's forward gives the first token, so round i starts after the prompt, that token and the rounds before
+    it: start_i = prompt_tokens + 1 + sum(accepted_j + 1 for j < i). A round adds its accepted tokens and the target's
+    own, except that the end (a stop token or max_tokens) may cut the last one: vLLM counts a round's accepted drafts
+    before the stop check trims the output (v1/core/sched/scheduler.py `update_from_output`, 0.32.0), as the in-process
+    eval's `_Round.accepted` does, so the last round keeps what is left of `completion_tokens`.
+
+    ValueError when the rounds cannot be placed: a negative count, a round that would start after the answer ended, or
+    rounds that leave answer tokens unmade. vLLM makes the last one itself: a step that schedules no draft tokens for a
+    request (its token budget cut them, scheduler.py `schedule`) decodes one token and is no verify step, so the
+    rounds after it start later than their counts say.
+    """
+    if any(type(a) is not int or a < 0 for a in accepted):
+        raise ValueError(f"accepted draft tokens per round must be non-negative ints, got {list(accepted)[:20]}")
+    rounds, made = [], 1  # the prefill's token
+    for i, a in enumerate(accepted):
+        if made >= completion_tokens:
+            raise ValueError(
+                f"round {i + 1} of {len(accepted)} starts after the answer's {completion_tokens} tokens were made"
+            )
+        kept = min(a + 1, completion_tokens - made)
+        rounds.append((prompt_tokens + made, kept))
+        made += kept
+    if made < completion_tokens:
+        raise ValueError(f"{len(accepted)} rounds make {made} of the answer's {completion_tokens} tokens")
+    return rounds
+
+
+def request_bucket(prompt_tokens: int, completion_tokens: int, edges: Sequence[int]) -> int | None:
+    """The bucket every verify round of a request starts in, when they all start in one; else None.
+
+    For an engine that reports a request's totals only (SGLang's spec_verify_ct): whatever the rounds' sizes, they start
+    after the prompt and the prefill's token and before the last answer token, at prompt_tokens + 1 ..
+    prompt_tokens + completion_tokens - 1. When both ends fall in one bucket the request's rounds and their tokens
+    (completion_tokens - 1) are that bucket's, exactly.
+    """
+    first, last = prompt_tokens + 1, prompt_tokens + max(completion_tokens - 1, 1)
+    b = bucket_of(first, edges)
+    return b if bucket_of(last, edges) == b else None
+
+
+def count_rounds(rounds: Iterable[tuple[int, int]], edges: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Rounds and their tokens per bucket (len(edges) + 1 each) of (start, kept) rounds, for `by_context`."""
+    in_bucket, tokens = [0] * (len(edges) + 1), [0] * (len(edges) + 1)
+    for start, kept in rounds:
+        b = bucket_of(start, edges)
+        in_bucket[b] += 1
+        tokens[b] += kept
+    return in_bucket, tokens
 
 
 def context_text(buckets: list[dict[str, Any]]) -> str:

@@ -41,8 +41,8 @@ def run(job: EvalJob) -> dict[str, Any]:
     """Decode the held-out prompts with each draft, then the benchmarks with the trained one; return {"prompts",
     "device", "untrained"?, "trained", "benchmarks"?}.
 
-    Each draft's entry is `merge_results` plus "per_prompt" (new tokens and verify rounds of each prompt) and
-    "replay": the round-weighted replay of its own greedy outputs and the chain formula over every root of
+    Each draft's entry is `merge_results` plus "per_prompt" (new tokens, verify rounds and each round's tokens of each
+    prompt) and "replay": the round-weighted replay of its own greedy outputs and the chain formula over every root of
     them (models/eval/estimates.py `replay_acceptance`). "benchmarks": `decode_benchmark`'s entry per benchmark.
     """
     from transformers import AutoTokenizer
@@ -111,7 +111,13 @@ def run(job: EvalJob) -> dict[str, Any]:
         result[name] = merge_results(parts)
         # per prompt, to set beside the engine backend's replies (tasks/eval/on_server.py compare_with_hf)
         result[name]["per_prompt"] = [
-            {"source": p.source, "id": p.id, "new_tokens": r.new_tokens, "rounds": r.rounds}
+            {
+                "source": p.source,
+                "id": p.id,
+                "new_tokens": r.new_tokens,
+                "rounds": r.rounds,
+                "round_tokens": r.round_tokens,
+            }
             for p, r in zip(selected, parts)
         ]
         # The draft teacher-forced on these greedy outputs, rounds simulated (models/eval/estimates.py): the

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -68,11 +68,13 @@ class SpecEvalResult:
     context_edges: list[int]  # the context buckets' edges (models/eval/context.py)
     context_rounds: list[int]  # [len(context_edges) + 1] rounds that started in each bucket
     context_tokens: list[int]  # [len(context_edges) + 1] tokens those rounds added (kept)
+    round_tokens: list[int] = field(default_factory=list)  # the tokens each round added (kept), in decode order
 
     def as_dict(self) -> dict:
-        """JSON-able summary, without the outputs."""
+        """JSON-able summary, without the outputs and the rounds one by one."""
         out = asdict(self)
         out.pop("outputs")
+        out.pop("round_tokens")
         return out
 
 
@@ -342,4 +344,5 @@ def evaluate_acceptance(
         context_edges=edges,
         context_rounds=in_bucket,
         context_tokens=tokens_in_bucket,
+        round_tokens=lengths,
     )

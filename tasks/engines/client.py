@@ -92,6 +92,8 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "abort"
     finish_detail: dict[str, Any] = field(default_factory=dict)  # "matched": the stop id that ended it, when one did
     spec_verify_ct: int | None = None  # verify rounds, from a server that decodes with a draft; None without one
+    # the draft tokens each verify round accepted, in order (vLLM's per_step_accepted); None from a server without them
+    spec_accepted: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

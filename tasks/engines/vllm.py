@@ -25,7 +25,11 @@ against that real server in tests/tasks/engines/test_vllm_real.py:
 - With a draft (`--speculative-config`) and `--per-request-spec-decode-metrics summary`, each reply
   carries `metrics.speculative_decoding.num_spec_steps`, the verify rounds of that request
   (entrypoints/generate/base/protocol.py PerRequestMetrics). vLLM reports its draft nowhere else
-  over HTTP, so a server without it is known by replies without these metrics.
+  over HTTP, so a server without it is known by replies without these metrics. With `detailed`
+  (what the eval starts) it also carries `per_step_accepted`, the draft tokens each verify round
+  accepted, in order, one per step counted in num_spec_steps (v1/metrics/stats.py
+  RequestSpecDecodeMetrics.observe appends both): the eval places each round in its context
+  position from it (models/eval/context.py `rounds_from_steps`).
 - Hidden-state extraction for the capture (`extract`): the reply's `kv_transfer_params
   .hidden_states_path` names the file ExampleHiddenStatesConnector wrote (tasks/capture/vllm_capture.py).
 """
@@ -57,7 +61,8 @@ SAMPLING_FIELDS = {
 }
 DROPPED_FIELDS = {"no_stop_trim"}  # vLLM keeps the stop id in token_ids anyway
 SPEC_METHOD = "eagle3"
-SPEC_METRICS_FLAGS = ["--per-request-spec-decode-metrics", "summary"]
+# detailed: summary's counts and the ordered per-step accepted counts (config/observability.py)
+SPEC_METRICS_FLAGS = ["--per-request-spec-decode-metrics", "detailed"]
 # vLLM's rotary custom op off (CompilationConfig.custom_ops "-<op>"; rotary_embedding/base.py registers
 # "rotary_embedding"): its torch code instead, which MLA's strided views need on CPU (shape_words)
 NATIVE_ROPE = {"custom_ops": ["-rotary_embedding"]}
@@ -186,6 +191,7 @@ def parse_completion(data: Any) -> Completion:
     metrics = data.get("metrics") if isinstance(data.get("metrics"), dict) else {}
     spec = metrics.get("speculative_decoding") if isinstance(metrics.get("speculative_decoding"), dict) else None
     stop_reason = choice.get("stop_reason")
+    steps = 0 if spec is None else count(spec, "num_spec_steps", required=True, where="metrics.speculative_decoding.")
     return Completion(
         rid=str(data.get("id", "")),
         text=text,
@@ -199,10 +205,23 @@ def parse_completion(data: Any) -> Completion:
         e2e_latency=0.0,
         finish_reason=finish,
         finish_detail={"type": finish, **({"matched": stop_reason} if type(stop_reason) is int else {})},
-        spec_verify_ct=None
-        if spec is None
-        else count(spec, "num_spec_steps", required=True, where="metrics.speculative_decoding."),
+        spec_verify_ct=None if spec is None else steps,
+        spec_accepted=None if spec is None else per_step_accepted(spec, steps),
     )
+
+
+def per_step_accepted(spec: dict[str, Any], steps: int) -> tuple[int, ...] | None:
+    """metrics.speculative_decoding.per_step_accepted (`detailed` only; None without it): one non-negative count per
+    verify step, so as many as num_spec_steps (both are appended by RequestSpecDecodeMetrics.observe)."""
+    found = spec.get("per_step_accepted")
+    if found is None:
+        return None
+    where = "metrics.speculative_decoding.per_step_accepted"
+    if not isinstance(found, list) or not all(type(a) is int and a >= 0 for a in found):
+        raise InvalidReply("per_step_accepted", f"{where} must be a list of non-negative ints, got {str(found)[:200]}")
+    if len(found) != steps:
+        raise InvalidReply("per_step_accepted", f"{where} has {len(found)} steps but num_spec_steps is {steps}")
+    return tuple(found)
 
 
 class VLLMClient(EngineClient):

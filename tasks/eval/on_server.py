@@ -13,7 +13,12 @@ metrics.speculative_decoding.num_spec_steps with --per-request-spec-decode-metri
   On the same prompts, target and draft, it equals the HF backend's acceptance length exactly.
 
 Both per dataset (the prompt's source) and overall, with the per-request distribution, and the
-decode speed in completion tokens/s of each phase. Every figure comes from the requests' own
+decode speed in completion tokens/s of each phase. The rounds by context position
+(models/eval/context.py): where the engine sends each verify round's accepted draft tokens in
+order (vLLM with --per-request-spec-decode-metrics detailed), each round where it starts, and
+each prompt's rounds one by one, which the HF backend's are compared with round by round
+(`compare_with_hf`); where it sends a request's totals only (SGLang 0.5.23), whole requests
+whose rounds all start in one bucket. Every figure comes from the requests' own
 counts. SGLang's `internal_states[0].avg_spec_accept_length` is reported beside them, labelled
 for what it is in SGLang 0.5.23 (managers/scheduler_components/metrics_reporter.py): folded in only
 every 40 decode batches, reset by /flush_cache, over all the traffic the server has seen (warm-up,
@@ -33,14 +38,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from models.common.jobs import ServerSettings
+from models.eval.context import by_context, count_rounds, request_bucket, rounds_from_steps
 from models.eval.prompts import EvalPrompt
 from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy, ServerLimits
@@ -105,6 +112,16 @@ class Served:
     spec_verify_ct: int | None
     seconds: float  # from sending the request to its reply, measured here
     output_ids: tuple[int, ...]
+    prompt_tokens: int  # the prompt's ids sent
+    # the draft tokens each verify round accepted, in order (vLLM detailed metrics); None when the engine has no list
+    accepted: tuple[int, ...] | None = None
+
+    def rounds(self) -> list[tuple[int, int]] | None:
+        """(start, kept) of each verify round (models/eval/context.py `rounds_from_steps`); None when the engine sent
+        no per-round counts. ValueError when they cannot be placed."""
+        if self.accepted is None:
+            return None
+        return rounds_from_steps(self.prompt_tokens, self.completion_tokens, self.accepted)
 
 
 @dataclass(frozen=True)
@@ -191,7 +208,14 @@ async def decode_prompts(
             if reply is None:
                 return None
             return Served(
-                p.source, p.id, reply.completion_tokens, reply.spec_verify_ct, seconds, tuple(reply.output_ids)
+                p.source,
+                p.id,
+                reply.completion_tokens,
+                reply.spec_verify_ct,
+                seconds,
+                tuple(reply.output_ids),
+                len(p.input_ids),
+                reply.spec_accepted,
             )
 
         skipped: dict[str, str] = {}
@@ -202,7 +226,17 @@ async def decode_prompts(
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         wall_s = time.perf_counter() - started
         limits = await client.limits()
-    return Phase([r for r in results if r is not None], refused, wall_s, limits, skipped)
+    return Phase(no_rounds_listed(r for r in results if r is not None), refused, wall_s, limits, skipped)
+
+
+def no_rounds_listed(served: Iterable[Served]) -> list[Served]:
+    """`served`, where some replies list their rounds, with an empty list for each reply of no verify round: vLLM
+    leaves per_step_accepted out when it has no entry (v1/metrics/stats.py `to_dict`), so a request that ended on the
+    prefill's token carries none even from a server that lists them."""
+    served = list(served)
+    if not any(s.accepted is not None for s in served):
+        return served
+    return [dataclasses.replace(s, accepted=()) if s.accepted is None and s.spec_verify_ct == 0 else s for s in served]
 
 
 def check_command(command: list[str] | None) -> None:
@@ -230,6 +264,49 @@ def acceptance(served: list[Served]) -> dict[str, Any]:
         "per_round": round((tokens - len(served)) / verify, 4) if verify else None,
         "per_request": spread(per_request),
     }
+
+
+def context_of(served: list[Served], edges: Sequence[int]) -> dict[str, Any]:
+    """The rounds of `served` by context position (models/eval/context.py): {"by_context", "placed_by": "round" (each
+    round from the engine's per-round counts) | "request" (whole requests whose rounds all start in one bucket: an
+    engine that sends totals only) | "round and request", "unplaced": prompt id -> why its rounds are not in the
+    buckets (only when some are not)}; {} without replies that carry verify rounds."""
+    counted = [s for s in served if s.spec_verify_ct is not None]
+    if not counted:
+        return {}
+    rounds_in, tokens_in = [0] * (len(edges) + 1), [0] * (len(edges) + 1)
+    unplaced: dict[str, str] = {}
+    by: set[str] = set()
+    for s in counted:
+        if not s.spec_verify_ct:  # no verify round (ended on the prefill's token): nothing to place
+            continue
+        try:
+            rounds = s.rounds()
+        except ValueError as e:
+            unplaced[s.id] = f"its per-round counts cannot be placed: {e}"
+            continue
+        if rounds is not None:
+            r, t = count_rounds(rounds, edges)
+            by.add("round")
+        elif (b := request_bucket(s.prompt_tokens, s.completion_tokens, edges)) is not None:
+            r, t = [0] * len(rounds_in), [0] * len(rounds_in)
+            r[b], t[b] = s.spec_verify_ct or 0, s.completion_tokens - 1
+            by.add("request")
+        else:
+            unplaced[s.id] = (
+                f"its rounds start at {s.prompt_tokens + 1}-{s.prompt_tokens + s.completion_tokens - 1} tokens, across "
+                "a bucket edge, and the engine sent the request's totals only"
+            )
+            continue
+        rounds_in = [a + b for a, b in zip(rounds_in, r)]
+        tokens_in = [a + b for a, b in zip(tokens_in, t)]
+    out: dict[str, Any] = {
+        "by_context": by_context(rounds_in, tokens_in, edges),
+        "placed_by": " and ".join(sorted(by, reverse=True)) or None,
+    }
+    if unplaced:
+        out["unplaced"] = unplaced
+    return out
 
 
 def spread(values: list[float]) -> dict[str, float] | None:
@@ -262,15 +339,25 @@ def speed(served: list[Served], wall_s: float) -> dict[str, Any]:
 
 
 def engine_report(
-    with_draft: Phase, without: Phase | None, num_steps: int, concurrency: int, engine: str = "sglang"
+    with_draft: Phase,
+    without: Phase | None,
+    num_steps: int,
+    concurrency: int,
+    engine: str = "sglang",
+    context_edges: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """eval.json's `engine` block: acceptance and speed per dataset and overall, the speedup over no draft."""
+    """eval.json's `engine` block: acceptance and speed per dataset and overall, the speedup over no draft, and the
+    rounds by context position (`context_edges`) where the engine sent each round's counts."""
     sources = sorted({s.source for s in with_draft.served})
     by_source = {src: [s for s in with_draft.served if s.source == src] for src in sources}
     base_by_source = {src: [s for s in without.served if s.source == src] for src in sources} if without else {}
     datasets = {}
     for src, served in by_source.items():
-        row = {**acceptance(served), "with_draft": speed(served, sum(s.seconds for s in served))}
+        row = {
+            **acceptance(served),
+            **context_of(served, context_edges),
+            "with_draft": speed(served, sum(s.seconds for s in served)),
+        }
         if without is not None:
             base = base_by_source[src]
             row["without_draft"] = speed(base, sum(s.seconds for s in base))
@@ -287,7 +374,11 @@ def engine_report(
         "engine": engine,
         "num_steps": num_steps,
         "concurrency": concurrency,
-        "overall": {**acceptance(with_draft.served), "with_draft": speed(with_draft.served, with_draft.wall_s)},
+        "overall": {
+            **acceptance(with_draft.served),
+            **context_of(with_draft.served, context_edges),
+            "with_draft": speed(with_draft.served, with_draft.wall_s),
+        },
         "datasets": datasets,
         "server": {
             "speculative_draft_model_path": with_draft.limits.speculative.get("path"),
@@ -299,15 +390,7 @@ def engine_report(
         },
         "refused": with_draft.refused,
         "skipped": with_draft.skipped,
-        "per_prompt": [
-            {
-                "source": s.source,
-                "id": s.id,
-                "completion_tokens": s.completion_tokens,
-                "spec_verify_ct": s.spec_verify_ct,
-            }
-            for s in with_draft.served
-        ],
+        "per_prompt": [per_prompt(s) for s in with_draft.served],
     }
     if without is not None:
         report["overall"]["without_draft"] = speed(without.served, without.wall_s)
@@ -323,13 +406,28 @@ def engine_report(
     return report
 
 
+def per_prompt(s: Served) -> dict[str, Any]:
+    """One reply's counts for eval.json; "round_tokens": the tokens each verify round added, in order, where the engine
+    sent per-round counts that place them."""
+    row: dict[str, Any] = {
+        "source": s.source,
+        "id": s.id,
+        "completion_tokens": s.completion_tokens,
+        "spec_verify_ct": s.spec_verify_ct,
+    }
+    with contextlib.suppress(ValueError):
+        if (rounds := s.rounds()) is not None:
+            row["round_tokens"] = [kept for _, kept in rounds]
+    return row
+
+
 def compare_with_hf(engine: dict[str, Any], hf_trained: dict[str, Any]) -> dict[str, Any]:
     """The engine's per-round acceptance against the HF backend's on the same prompts, per prompt and overall."""
     hf_rows = {(row["source"], row["id"]): row for row in hf_trained.get("per_prompt", [])}
     same = [(hf_rows[(p["source"], p["id"])], p) for p in engine["per_prompt"] if (p["source"], p["id"]) in hf_rows]
     equal_tokens = sum(hf["new_tokens"] == p["completion_tokens"] for hf, p in same)
     equal_rounds = sum(hf["rounds"] == (p["spec_verify_ct"] or 0) for hf, p in same)
-    return {
+    out: dict[str, Any] = {
         "prompts_compared": len(same),
         "same_completion_tokens": equal_tokens,
         "same_verify_rounds": equal_rounds,
@@ -339,6 +437,13 @@ def compare_with_hf(engine: dict[str, Any], hf_trained: dict[str, Any]) -> dict[
         and equal_tokens == equal_rounds == len(same)
         and engine["overall"]["per_round"] == hf_trained["acceptance_length"],
     }
+    ordered = [(hf, p) for hf, p in same if "round_tokens" in p and "round_tokens" in hf]
+    if ordered:  # the engine sent each round's counts: the same rounds in the same order, and so the same buckets
+        out["prompts_compared_round_by_round"] = len(ordered)
+        out["same_rounds_in_order"] = sum(hf["round_tokens"] == p["round_tokens"] for hf, p in ordered)
+        out["same_by_context"] = engine["overall"].get("by_context") == hf_trained.get("by_context")
+        out["equal"] = out["equal"] and out["same_rounds_in_order"] == len(ordered) and out["same_by_context"]
+    return out
 
 
 def speedup(with_draft: list[Served], with_s: float, without: list[Served], without_s: float) -> float | None:

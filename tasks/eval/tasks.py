@@ -20,6 +20,7 @@ from models.common.atomic import write_atomic
 from models.common.draft_jobs import EvalJob, ServedEvalSettings
 from models.common.rank_protocol import EVAL, Message
 from models.common.run_layout import TRAIN_SUMMARY
+from models.eval.context import context_text
 from models.eval.estimates import chain_acceptance_length, estimates_block
 from models.eval.prompts import benchmark_prompts, eval_prompts
 from models.export.rules import read_export_config
@@ -34,6 +35,7 @@ from tasks.eval.on_server import (
     acceptance,
     check_command,
     compare_with_hf,
+    context_of,
     decode_prompts,
     engine_report,
     fit_draft_context,
@@ -185,7 +187,7 @@ def evaluate_on_server(
         raise ValueError(
             f"{server.settings.url} sent replies without their verify rounds: it is not decoding with the draft "
             + (
-                "(vLLM: started without --speculative-config, or without --per-request-spec-decode-metrics summary)"
+                "(vLLM: started without --speculative-config, or without --per-request-spec-decode-metrics)"
                 if server.engine == "vllm"
                 else "(or is an SGLang too old to send meta_info.spec_verify_ct)"
             )
@@ -200,10 +202,17 @@ def evaluate_on_server(
                 phases - 1,
                 "without the draft",
             )
-    report = engine_report(with_draft, without, job.num_steps, engine.concurrency, server.engine)
+    report = engine_report(
+        with_draft, without, job.num_steps, engine.concurrency, server.engine, context_edges=job.context_buckets
+    )
     if on_benchmarks:  # completion tokens / verify rounds per benchmark, as SpecForge's bench_eagle3 counts
         report["benchmarks"] = {
-            name: {**acceptance(phase.served), "refused": phase.refused, "skipped": phase.skipped}
+            name: {
+                **acceptance(phase.served),
+                **context_of(phase.served, job.context_buckets),
+                "refused": phase.refused,
+                "skipped": phase.skipped,
+            }
             for name, phase in on_benchmarks.items()
         }
     overall = report["overall"]
@@ -217,6 +226,21 @@ def evaluate_on_server(
         overall["prompts"],
         speedup,
     )
+    if "by_context" in overall:
+        logger.info(
+            "engine eval (%s): acceptance length by context position (each verify round where it starts, placed by "
+            "%s: docs/run-a-pipeline.md, Acceptance by context position): %s",
+            server.engine,
+            overall["placed_by"] or "-",
+            context_text(overall["by_context"]),
+        )
+        if overall.get("unplaced"):
+            logger.info(
+                "engine eval: the rounds of %d of %d prompt(s) are not in the buckets (first: %s)",
+                len(overall["unplaced"]),
+                overall["prompts"],
+                next(iter(overall["unplaced"].items())),
+            )
     update_progress_artifact(
         artifact, progress=100.0, description=f"engine eval: acceptance length {overall['acceptance_length']}{speedup}"
     )
@@ -283,20 +307,16 @@ def publish_eval(
             "for this target (data/benchmarks/anchors.json, or the entry's anchor). Comparable only for the same "
             "target, prompts and generation length (docs/acceptance.md, Benchmarks and published anchors)",
         )
-    if hf is None:
-        get_run_logger().info(
-            "acceptance by context position: not measured (the serving engine reports a request's verify rounds, not "
-            "where each one was); eval.backend hf or both measures it in-process (docs/run-a-pipeline.md, Acceptance "
-            "by context position)"
-        )
     if context_rows(report):
         create_table_artifact(
             table=context_rows(report),
             key=artifact_key("eval-context", config_name),
-            description="Acceptance length by context position (models/eval/context.py): each verify round of the "
-            "in-process eval in the bucket of the tokens before its first draft token (prompt and answer so far), "
-            f"edges {job.context_buckets}; per draft on the eval prompts, and the trained draft on each benchmark. "
-            "A serving engine reports a request's rounds, not where each was: these are the in-process eval's",
+            description="Acceptance length by context position (models/eval/context.py): each verify round in the "
+            "bucket of the tokens before its first draft token (prompt and answer so far), "
+            f"edges {job.context_buckets}; per draft on the eval prompts, and the trained draft on each benchmark, "
+            "measured in-process, and the trained draft's rounds as the serving engine counted them (named "
+            "'<source> (<engine>)': each round from vLLM's per-round counts; from SGLang, which sends a request's "
+            "totals, the requests whose rounds all start in one bucket)",
         )
     if engine is not None:
         create_table_artifact(
@@ -416,19 +436,25 @@ def eval_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def context_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The eval-context table: one row per context-position bucket that holds rounds, the acceptance length of each
-    in-process source in it (the eval prompts per draft, then each benchmark with the trained draft) and the trained
-    draft's rounds on the eval prompts. [] without an in-process eval."""
+    source in it (in-process: the eval prompts per draft, then each benchmark with the trained draft; the engine's
+    where it sent per-round counts, named `<source> (<engine>)`) and the trained draft's rounds on the eval prompts
+    (the engine's without an in-process eval). [] when nothing measured them."""
     sources = {n: report[n]["by_context"] for n in ("trained", "untrained") if "by_context" in report.get(n, {})}
+    engine = report.get("engine") or {}
+    if "by_context" in engine.get("overall", {}):
+        sources[f"trained ({engine['engine']})"] = engine["overall"]["by_context"]
     for name, b in (report.get("benchmarks") or {}).items():
         if "by_context" in b.get("hf", {}):
             sources[name] = b["hf"]["by_context"]
+        if "by_context" in b.get("engine", {}):
+            sources[f"{name} ({engine.get('engine', 'engine')})"] = b["engine"]["by_context"]
     buckets = sorted({(c["from"], c["label"]) for cs in sources.values() for c in cs})
     rows = []
     for start, label in buckets:
         row: dict[str, Any] = {"context": label}
         for name, cs in sources.items():
             found = next((c for c in cs if c["from"] == start), None)
-            if name == "trained":
+            if name == "trained" or (name.startswith("trained (") and "trained" not in sources):
                 row["rounds"] = found["rounds"] if found else 0
             row[name] = found["acceptance_length"] if found else None
         rows.append(row)

@@ -11,6 +11,7 @@ import torch
 from models.draft.caches import KVCache
 from models.draft.config import Eagle3Config, default_aux_layers
 from models.draft.eagle3 import DraftStep, Eagle3Draft
+from models.eval.context import rounds_from_steps
 from models.eval.job import merge_results
 from models.eval.speculative_decoding import (
     SpecEvalResult,
@@ -320,6 +321,27 @@ def test_rounds_are_counted_in_the_bucket_of_where_they_start(target, prompts, g
     assert [b["acceptance_length"] for b in merged] == [round(t / r, 4) for t, r in zip(tokens_in, rounds_in)]
     # the overall figure is the round-weighted mean of the buckets'
     assert res.acceptance_length == pytest.approx(sum(tokens_in) / sum(rounds_in))
+
+
+@pytest.mark.parametrize("end", ["max_new_tokens", "eos"])
+def test_an_engine_s_per_round_counts_place_the_rounds_where_the_decoding_had_them(target, prompts, greedy, end):
+    """models/eval/context.py `rounds_from_steps`, given only what vLLM sends (the prompt's length, the answer's and
+    each round's accepted drafts before any cut), finds where the decoding loop itself started each round and what it
+    kept, the last round cut by the end."""
+    k, cut = 3, 0
+    draft = _scripted_draft(target, prompts, greedy, lambda p: True)  # oracle: rounds of 4, so the end cuts one
+    mixed = _scripted_draft(target, prompts, greedy, _mixed)
+    for prompt, want in zip(prompts, greedy):
+        eos = {want[MAX_NEW - 3]} if end == "eos" else set()
+        for d in (draft, mixed):
+            out, rounds = speculative_decode(
+                target, d, prompt, num_steps=k, max_new_tokens=MAX_NEW - 1, eos_token_ids=eos
+            )
+            assert len(rounds) >= 3
+            placed = rounds_from_steps(len(prompt), len(out), [r.accepted for r in rounds])
+            assert placed == [(r.start, r.kept) for r in rounds]
+            cut += rounds[-1].kept < rounds[-1].accepted + 1
+    assert cut  # some last round was cut by the end
 
 
 def test_context_edges_must_ascend(target, prompts):

@@ -154,7 +154,29 @@ def test_the_spec_decode_counts_of_a_reply_are_its_verify_rounds():
         }
     }
     done = run(Server((200, reply(metrics=metrics))), lambda c: c.attempt(PROMPT, PARAMS, "r"))
-    assert done.spec_verify_ct == 2
+    assert done.spec_verify_ct == 2 and done.spec_accepted is None  # summary: no per-step list
+
+
+def test_detailed_spec_decode_counts_are_the_accepted_drafts_of_each_verify_round_in_order():
+    # vLLM 0.32 RequestSpecDecodeMetrics.to_dict at `detailed`: summary's keys plus per_step_accepted/per_step_drafted,
+    # one entry per observed step (v1/metrics/stats.py)
+    spec = {
+        "num_spec_steps": 2,
+        "num_accepted_draft_tokens": 1,
+        "num_draft_tokens": 6,
+        "num_spec_tokens": 3,
+        "mean_acceptance_length": 1.5,
+        "draft_acceptance_rate": 1 / 6,
+        "acceptance_histogram": [1, 1, 0, 0],
+        "per_step_accepted": [1, 0],
+        "per_step_drafted": [3, 3],
+    }
+    done = run(Server((200, reply(metrics={"speculative_decoding": spec}))), lambda c: c.attempt(PROMPT, PARAMS, "r"))
+    assert (done.spec_verify_ct, done.spec_accepted) == (2, (1, 0))
+    for bad, said in (([1], "has 1 steps but num_spec_steps is 2"), ([1, -1], "non-negative ints"), ("10", "list")):
+        lying = {"speculative_decoding": {**spec, "per_step_accepted": bad}}
+        with pytest.raises(InvalidReply, match=said):
+            run(Server((200, reply(metrics=lying))), lambda c: c.attempt(PROMPT, PARAMS, "r"))
 
 
 def test_max_new_tokens_above_the_context_stops_the_run_before_anything_is_sent():

@@ -6,9 +6,9 @@
   API with its CPU MLA kernels (tests/tasks/engines/vllm_aux_states.py); vLLM's end-layer id L is the state
   BEFORE the final norm, ours after it: the final norm of vLLM's state is ours.
 - The demo on that target through vLLM: generate, capture, train, and the engine eval with the draft, whose
-  verify rounds equal the in-process eval's prompt by prompt. Its draft is the EAGLE-3.1 variant with the target's
-  whole vocabulary (no d2t): the other loader paths vLLM has, beside test_vllm_real.py's EAGLE-3 draft with a
-  smaller draft vocabulary on the Llama target. The layer-id test reads this demo's capture.
+  verify rounds equal the in-process eval's prompt by prompt and round by round. Its draft is the EAGLE-3.1 variant
+  with the target's whole vocabulary (no d2t): the other loader paths vLLM has, beside test_vllm_real.py's EAGLE-3
+  draft with a smaller draft vocabulary on the Llama target. The layer-id test reads this demo's capture.
 
 Without .venv-vllm every test here skips, saying so.
 """
@@ -30,6 +30,7 @@ from models.export.format import vllm_aux_ids
 from models.target.weights import load_final_norm
 from tasks.engines.vllm import shape_words
 from tests.models.torchrun import cpu_env
+from tests.tasks.engines.test_vllm_real import engine_equals_in_process
 
 # The module's first test builds the target (~3.5 min, unless tests/targets.py built it before) and the demo fixture
 # runs every stage (~6 min on idle cores): on a busy machine they may pass pyproject's 600 s per test, so this module
@@ -149,18 +150,6 @@ def test_our_aux_states_are_the_ones_vllm_selects_with_the_ids_we_export(
         assert rel(first[1], f.get_tensor("p0.id4")) < RTOL  # ours 3 == vLLM 4
         assert rel(first[2], f.get_tensor("p0.id4")) > 0.01  # ours 4 != vLLM 4
     print(f"aux states: ours vs vLLM ids {ids} (+ end layer {NUM_LAYERS}): max relative diff {worst:.2e}")
-
-
-def engine_equals_in_process(report: dict, prompts: int) -> None:
-    """The engine eval counted the in-process eval's tokens and verify rounds, prompt by prompt."""
-    engine, hf = report["engine"], report["trained"]
-    assert engine["engine"] == "vllm"
-    rounds = {(p["source"], p["id"]): (p["completion_tokens"], p["spec_verify_ct"]) for p in engine["per_prompt"]}
-    in_process = {(p["source"], p["id"]): (p["new_tokens"], p["rounds"]) for p in hf["per_prompt"]}
-    assert len(rounds) == len(in_process) == report["prompts"] == prompts
-    assert rounds == in_process
-    assert engine["overall"]["per_round"] == hf["acceptance_length"] > 1.0
-    assert report["engine_vs_hf"]["equal"] and engine.get("outputs_differ_without_draft", 0) == 0
 
 
 def test_the_kimi_demo_through_vllm_measures_what_the_in_process_eval_measures_prompt_by_prompt(kimi_demo):

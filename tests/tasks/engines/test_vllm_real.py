@@ -460,15 +460,28 @@ def test_eval_through_vllm_counts_the_verify_rounds_of_the_in_process_eval_promp
     finally:
         server.stop()
     report = json.loads((config.layout.draft_dir / "eval.json").read_text())
+    engine_equals_in_process(report, config.eval.prompts)
+    assert "outputs_differ_without_draft" in report["engine"] and report["engine"]["overall"]["speedup"] is not None
+
+
+def engine_equals_in_process(report: dict, prompts: int) -> None:
+    """The engine eval counted the in-process eval's tokens and verify rounds, prompt by prompt, and (from vLLM's
+    per-step counts) the same rounds in the same order, so the same acceptance by context position."""
     engine, hf = report["engine"], report["trained"]
     assert engine["engine"] == "vllm"
     rounds = {(p["source"], p["id"]): (p["completion_tokens"], p["spec_verify_ct"]) for p in engine["per_prompt"]}
     in_process = {(p["source"], p["id"]): (p["new_tokens"], p["rounds"]) for p in hf["per_prompt"]}
-    assert len(rounds) == len(in_process) == report["prompts"] == config.eval.prompts
-    assert rounds == in_process  # prompt by prompt: the same tokens in the same verify rounds
+    assert len(rounds) == len(in_process) == report["prompts"] == prompts
+    assert rounds == in_process  # prompt by prompt: the same tokens in the same number of verify rounds
     assert engine["overall"]["per_round"] == hf["acceptance_length"] > 1.0
-    assert report["engine_vs_hf"]["equal"] and engine["outputs_differ_without_draft"] == 0
-    assert engine["overall"]["speedup"] is not None
+    # round by round: what each verify round added, in order, as vLLM's per_step_accepted places it
+    ordered = {(p["source"], p["id"]): p["round_tokens"] for p in engine["per_prompt"]}
+    assert ordered == {(p["source"], p["id"]): p["round_tokens"] for p in hf["per_prompt"]}
+    assert any(len(set(r)) > 1 for r in ordered.values())  # rounds that differ: their order is what is compared
+    assert engine["overall"]["by_context"] == hf["by_context"] and "unplaced" not in engine["overall"]
+    same = report["engine_vs_hf"]
+    assert same["equal"] and same["same_rounds_in_order"] == prompts and same["same_by_context"]
+    assert engine.get("outputs_differ_without_draft", 0) == 0
 
 
 def test_a_speculators_export_is_served_by_vllm_serve_alone_and_counted_as_the_in_process_eval(
@@ -502,12 +515,7 @@ def test_a_speculators_export_is_served_by_vllm_serve_alone_and_counted_as_the_i
     )
     report = json.loads(report_path.read_text())
     assert report["draft"] == str(spec)
-    engine, hf = report["engine"], report["trained"]
-    rounds = {(p["source"], p["id"]): (p["completion_tokens"], p["spec_verify_ct"]) for p in engine["per_prompt"]}
-    in_process = {(p["source"], p["id"]): (p["new_tokens"], p["rounds"]) for p in hf["per_prompt"]}
-    assert len(rounds) == len(in_process) == config.eval.prompts
-    assert rounds == in_process
-    assert engine["overall"]["per_round"] == hf["acceptance_length"] > 1.0
+    engine_equals_in_process(report, config.eval.prompts)
 
 
 def test_specforge_s_benchmark_client_counts_the_demo_draft_as_our_eval_does(

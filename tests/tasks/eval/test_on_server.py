@@ -16,6 +16,7 @@ from tasks.eval.on_server import (
     compare_with_hf,
     engine_report,
     fit_draft_context,
+    no_rounds_listed,
     spread,
 )
 
@@ -33,8 +34,8 @@ def reserved_tokens(info):
     return lim(info).reserved_tokens
 
 
-def served(source, id, tokens, verify, seconds=1.0, out=None):
-    return Served(source, id, tokens, verify, seconds, tuple(out or range(tokens)))
+def served(source, id, tokens, verify, seconds=1.0, out=None, prompt=20):
+    return Served(source, id, tokens, verify, seconds, tuple(out or range(tokens)), prompt)
 
 
 WITH = [served("A", "a1", 10, 4, 1.0), served("A", "a2", 1, 0, 0.1), served("B", "b1", 9, 2, 0.5)]
@@ -152,11 +153,75 @@ def test_prompts_are_chosen_with_the_draft_s_reserved_tokens():
 
 
 def test_vllm_is_launched_with_its_speculative_config_and_per_request_counts():
-    # vLLM 0.32: --speculative-config JSON (method eagle3), --per-request-spec-decode-metrics summary adds
-    # metrics.speculative_decoding to each reply (entrypoints/generate/base/protocol.py)
+    # vLLM 0.32: --speculative-config JSON (method eagle3), --per-request-spec-decode-metrics adds
+    # metrics.speculative_decoding to each reply (entrypoints/generate/base/protocol.py); detailed: with each verify
+    # step's accepted drafts in order (config/observability.py)
     import json
 
     args = VLLMClient.speculative_args("/d", 3)
     assert json.loads(args[1]) == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}
-    assert args[0] == "--speculative-config" and args[2:] == ["--per-request-spec-decode-metrics", "summary"]
+    assert args[0] == "--speculative-config" and args[2:] == ["--per-request-spec-decode-metrics", "detailed"]
     assert ServerLimits(context_length=2048).reserved_tokens == 0  # vLLM reports no draft: nothing is reserved
+
+
+def test_the_engine_s_rounds_are_placed_by_context_position_and_compared_with_hf_round_by_round():
+    """vLLM's per-step counts: each round where it starts (prompt + the tokens before it), the last one cut by the
+    end; the buckets and the per-prompt rounds set beside the HF backend's."""
+    # a1: prompt 6, 10 tokens: the prefill's, then rounds of 4 (starts 7), 1 (11), 4 (12; 3 + 1) -> 10 made.
+    # b1: prompt 14, 5 tokens: rounds of 2 (15), 2 (17; accepted 3, cut by the end to what was left).
+    a1 = Served("A", "a1", 10, 3, 1.0, tuple(range(10)), 6, (3, 0, 3))
+    b1 = Served("B", "b1", 5, 2, 1.0, tuple(range(5)), 14, (1, 3))
+    empty = Served("A", "a2", 1, 0, 0.1, (7,), 9, None)  # ended on the prefill's token: vLLM sends no list
+    r = engine_report(
+        Phase(no_rounds_listed([a1, b1, empty]), {}, 1.0, lim({})), None, 3, 1, "vllm", context_edges=[8, 16]
+    )
+    assert [row.get("round_tokens") for row in r["per_prompt"]] == [[4, 1, 4], [2, 2], []]
+    # by hand: 0-8: a1's round at 7 (4 tokens); 8-16: a1 at 11, 12 (1 + 4), b1 at 15 (2); 16+: b1 at 17 (2)
+    assert [(c["label"], c["rounds"], c["tokens"]) for c in r["overall"]["by_context"]] == [
+        ("0-8", 1, 4),
+        ("8-16", 3, 7),
+        ("16+", 1, 2),
+    ]
+    assert [c["rounds"] for c in r["datasets"]["B"]["by_context"]] == [1, 1] and "unplaced" not in r["overall"]
+    hf = {
+        "acceptance_length": r["overall"]["per_round"],
+        "by_context": r["overall"]["by_context"],
+        "per_prompt": [
+            {"source": "A", "id": "a1", "new_tokens": 10, "rounds": 3, "round_tokens": [4, 1, 4]},
+            {"source": "B", "id": "b1", "new_tokens": 5, "rounds": 2, "round_tokens": [2, 2]},
+            {"source": "A", "id": "a2", "new_tokens": 1, "rounds": 0, "round_tokens": []},
+        ],
+    }
+    same = compare_with_hf(r, hf)
+    assert same["equal"] and same["same_rounds_in_order"] == same["prompts_compared_round_by_round"] == 3
+    # the same totals in another order: equal per prompt, not round by round
+    hf["per_prompt"][0]["round_tokens"] = [1, 4, 4]
+    other = compare_with_hf(r, hf)
+    assert other["same_verify_rounds"] == 3 and other["same_rounds_in_order"] == 2 and not other["equal"]
+
+
+def test_rounds_that_cannot_be_placed_are_named_and_left_out_of_the_buckets():
+    # 3 rounds of 1 token make 4 of the 6 tokens: a step without drafts decoded the rest (vLLM's token budget)
+    short = Served("A", "s", 6, 3, 1.0, tuple(range(6)), 4, (0, 0, 0))
+    fine = Served("A", "f", 3, 1, 1.0, tuple(range(3)), 4, (1,))
+    r = engine_report(Phase([short, fine], {}, 1.0, lim({})), None, 3, 1, "vllm", context_edges=[8])
+    said = "its per-round counts cannot be placed: 3 rounds make 4 of the answer's 6 tokens"
+    assert r["overall"]["unplaced"] == {"s": said}
+    assert [(c["rounds"], c["tokens"]) for c in r["overall"]["by_context"]] == [(1, 2)]
+    assert "round_tokens" not in r["per_prompt"][0] and r["per_prompt"][1]["round_tokens"] == [2]
+
+
+def test_an_engine_that_sends_totals_places_whole_requests_whose_rounds_all_start_in_one_bucket():
+    """SGLang's spec_verify_ct: a request's rounds start between prompt + 1 and prompt + tokens - 1, so a request
+    inside one bucket is that bucket's, exactly; one across an edge is named, not guessed."""
+    inside = served("L", "long", 9, 3, prompt=600)  # rounds start at 601..608: all in 512-1024
+    across = served("L", "edge", 9, 4, prompt=508)  # 509..516: across 512
+    short = served("S", "s", 5, 2, prompt=20)  # 21..24
+    one = served("S", "one", 1, 0, prompt=30)  # ended on the prefill's token: no round
+    r = engine_report(Phase([inside, across, short, one], {}, 1.0, lim({})), None, 3, 1, context_edges=[512, 1024])
+    o = r["overall"]
+    assert [(c["label"], c["rounds"], c["tokens"]) for c in o["by_context"]] == [("0-512", 2, 4), ("512-1024", 3, 8)]
+    assert o["placed_by"] == "request" and list(o["unplaced"]) == ["edge"] and "509-516" in o["unplaced"]["edge"]
+    assert not any("round_tokens" in p for p in r["per_prompt"])  # no per-round counts: none made up
+    assert no_rounds_listed([one]) == [one]  # from a server that lists no rounds, none is listed for it either
+    assert "same_rounds_in_order" not in compare_with_hf(r, {"acceptance_length": 1.0, "per_prompt": []})
