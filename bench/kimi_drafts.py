@@ -204,7 +204,7 @@ def report(out: dict[str, Any]) -> None:
         "draft",
         "acceptance (in-process)",
         "vLLM 0.32, per round",
-        "same as vLLM",
+        "same as vLLM, round by round",
         "per position",
         "draft parameters",
         "optimizer steps",

@@ -12,7 +12,7 @@ from flows.stage_run import stage_run
 from models.common.draft_jobs import EvalJob, EvalSettings, HeldOut
 from models.common.jobs import ServerSettings
 from models.common.run_layout import RUN_DRAFTS
-from tasks.eval.benchmarks import benchmark_rows, benchmark_table_text, resolve_benchmarks
+from tasks.eval.benchmarks import benchmark_rows, benchmark_table_text, probe_benchmark, resolve_benchmarks
 from tasks.eval.on_server import EvalServer
 from tasks.eval.tasks import evaluate_draft, evaluate_on_server, publish_eval
 from tasks.train.tasks import report_training
@@ -65,6 +65,15 @@ def eval_job(config: RunConfig, draft_dir: Path, raw_path: Path) -> EvalJob:
     layout = config.layout
     settings = config.eval.pick(EvalSettings)
     settings["benchmarks"] = resolve_benchmarks(config.eval.benchmarks, layout.benchmark_rows())
+    if config.eval.context_probes:
+        settings["benchmarks"] += probe_benchmark(
+            config.dataset_records(),
+            config.train.eval_fraction,
+            config.eval.context_buckets,
+            config.eval.context_probes,
+            config.eval.context_probe_tokens,
+            layout.benchmark_rows(),
+        )
     return EvalJob(
         **settings,
         **config.train.pick(HeldOut),

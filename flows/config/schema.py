@@ -17,7 +17,7 @@ from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from flows.config.dataset import DatasetConfig
 from flows.config.section import Section
-from models.common.draft_jobs import BenchmarkSpec, EvalSettings, ServedEvalSettings, TrainSettings
+from models.common.draft_jobs import PROBES, BenchmarkSpec, EvalSettings, ServedEvalSettings, TrainSettings
 from models.common.jobs import (
     CaptureSettings,
     DatasetRecords,
@@ -291,6 +291,13 @@ class EvalConfig(EvalSettings, ServedEvalSettings, Section):
     SGLang-style export (SpecForge's, either dtype key) or the speculators format; its report is then
     RUN_DIR/evals/<directory name>-<8 hex digits of its path>/eval.json. `eagle3 eval CONFIG --draft DIR` sets it
     for one run."""
+
+    @field_validator("benchmarks")
+    @classmethod
+    def _probes_name_is_the_eval_s(cls, value: list[BenchmarkSpec]) -> list[BenchmarkSpec]:
+        if any(b.name == PROBES for b in value):
+            raise ValueError(f"{PROBES!r} names the eval's context probes (eval.context_probes): name it otherwise")
+        return value
 
     @field_validator("benchmarks")
     @classmethod

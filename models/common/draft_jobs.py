@@ -193,7 +193,8 @@ class TrainJob(TrainSettings, AuxLayers, RecordsRef, RankJob):
 
 # --- eval -------------------------------------------------------------------------------------
 
-BENCHMARK_FORMATS = ("mt_bench", "gsm8k", "humaneval", "chat")
+PROBES = "context_probes"  # the benchmark the context probes are decoded as (models/eval/probes.py)
+BENCHMARK_FORMATS = ("mt_bench", "gsm8k", "humaneval", "chat", "ids")
 BENCHMARK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -207,10 +208,11 @@ class BenchmarkSpec(StrictModel):
     """The benchmark's rows as published: a local JSONL (.jsonl, .jsonl.gz) or Parquet file (relative paths resolve like
     the datasets'), or `hf:ORG/NAME`, a Hub dataset read from the local Hugging Face cache only, never downloaded (`hf
     download --repo-type dataset ORG/NAME` beforehand), with `split` and `config`."""
-    format: Literal["mt_bench", "gsm8k", "humaneval", "chat"] | None = None
+    format: Literal["mt_bench", "gsm8k", "humaneval", "chat", "ids"] | None = None
     """mt_bench (FastChat's question.jsonl: question_id, category, turns), gsm8k (openai/gsm8k: question, answer),
-    humaneval (openai/openai_humaneval: task_id, prompt, ...) or chat (a set of one's own: id, messages, each
-    conversation asked as it is, e.g. data/eval/long_context.jsonl). Omitted: told from the first row's keys."""
+    humaneval (openai/openai_humaneval: task_id, prompt, ...), chat (a set of one's own: id, messages, each
+    conversation asked as it is, e.g. data/eval/long_context.jsonl) or ids (id, input_ids: token ids sent as they are,
+    no chat template). Omitted: told from the first row's keys."""
     limit: int | None = Field(default=80, ge=1)
     """Questions decoded, the first ones in file order (MT-bench has 80); null: all of them."""
     max_new_tokens: int | None = Field(default=None, ge=1)
@@ -265,6 +267,15 @@ class EvalSettings(StrictModel):
     """Edges of the context-position buckets the eval reports acceptance in (models/eval/context.py), in-process and
     in the engine: a verify round falls in [0, e1), [e1, e2), ... or [e_last, inf) by the tokens before its first draft
     token (prompt and answer so far). Ascending positive token counts; [] reports one bucket."""
+
+    context_probes: int = Field(default=0, ge=0)
+    """Context probes (models/eval/probes.py): up to this many held-out records cut at each edge of context_buckets,
+    inside the target's answer (its own recorded text up to exactly that many tokens), each continued for
+    context_probe_tokens and reported as the benchmark `context_probes`. Every engine places a probe's rounds in the
+    bucket it starts (SGLang too, which reports a request's totals only). 0: none."""
+    context_probe_tokens: int = Field(default=64, ge=2)
+    """Tokens each context probe generates. Fewer than the narrowest bucket is wide (512 with the default edges) keeps
+    each probe's rounds in one bucket."""
 
     @field_validator("context_buckets")
     @classmethod

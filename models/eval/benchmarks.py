@@ -7,6 +7,8 @@
     chat       a conversation a row, {"id", "messages": [{role, content}, ...]} ending with a user turn, asked as it is:
                a set of one's own, e.g. data/eval/long_context.jsonl (long conversations, for acceptance by context
                position)
+    ids        token ids a row, {"id", "input_ids": [..]}, sent as they are (no chat template): e.g. the context
+               probes the eval cuts from held-out records (models/eval/probes.py, `eval.context_probes`)
 
 Each row becomes the messages SpecForge's benchmark scripts send for it (sgl-project/SpecForge
 benchmarks/benchmarker/{mtbench,gsm8k,humaneval}.py and utils.py, main at a6b6b0230009, unchanged there since
@@ -52,12 +54,14 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "gsm8k": ("question", "answer"),
     "humaneval": ("task_id", "prompt"),
     "chat": ("id", "messages"),
+    "ids": ("id", "input_ids"),
 }
 PUBLISHED = {
     "mt_bench": '{"question_id", "category", "turns": [..]} (FastChat mt_bench question.jsonl)',
     "gsm8k": '{"question", "answer"} (openai/gsm8k, main)',
     "humaneval": '{"task_id", "prompt", "canonical_solution", "test", "entry_point"} (openai/openai_humaneval)',
     "chat": '{"id", "messages": [{"role", "content"}, ...]} (a conversation ending with the user\'s turn)',
+    "ids": '{"id", "input_ids": [token ids]} (a prompt already tokenized for the target, sent as it is)',
 }
 
 
@@ -66,7 +70,8 @@ class BenchmarkPrompt(NamedTuple):
 
     where: str  # FILE:LINE (or FILE row N) of its row
     id: str  # the row's id (question_id, task_id; gsm8k: the 0-based row number)
-    messages: list[dict[str, str]]
+    messages: list[dict[str, str]]  # [] for an ids row
+    input_ids: list[int] | None = None  # an ids row's tokens, sent as they are; None: render `messages`
 
 
 class Benchmark(NamedTuple):
@@ -160,6 +165,11 @@ def check_row(fmt: str, where: str, row: Any) -> None:
     elif fmt == "chat":
         _id(row["id"], "id", where)
         check_messages(row["messages"], where)
+    elif fmt == "ids":
+        _id(row["id"], "id", where)
+        ids = row["input_ids"]
+        if not (isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids)):
+            raise ValueError(f"{where}: `input_ids` must be a non-empty list of non-negative integers (token ids)")
     else:
         _id(row["task_id"], "task_id", where)
         if not isinstance(row["prompt"], str) or not row["prompt"].strip():
@@ -229,9 +239,15 @@ def chat_prompts(rows: list[tuple[str, Any]], label: str) -> list[BenchmarkPromp
     ]
 
 
+def ids_prompts(rows: list[tuple[str, Any]], label: str) -> list[BenchmarkPrompt]:
+    """Each row's token ids as they are."""
+    return [BenchmarkPrompt(where, str(row["id"]), [], list(row["input_ids"])) for where, row in rows]
+
+
 BUILDERS: dict[str, Callable[[list[tuple[str, Any]], str], list[BenchmarkPrompt]]] = {
     "mt_bench": mt_bench_prompts,
     "gsm8k": gsm8k_prompts,
     "humaneval": humaneval_prompts,
     "chat": chat_prompts,
+    "ids": ids_prompts,
 }

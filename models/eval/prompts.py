@@ -58,7 +58,7 @@ def benchmark_prompts(job: EvalJob, vocab_size: int | None = None) -> dict[str, 
     for name, benchmark in read.items():
         out[name] = []
         for p in benchmark.prompts:
-            ids = _render(tokenizer, p.messages)
+            ids = p.input_ids if p.input_ids is not None else _render(tokenizer, p.messages)
             if vocab_size is not None and any(i >= vocab_size for i in ids):
                 raise ValueError(
                     f"{p.where}: question {p.id!r} renders to token ids outside the model's vocabulary ({vocab_size})"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,6 +193,22 @@ def held_out_prompts(
     `datasets` are `models.common.jobs.DatasetRecords`. The order is the held-out hash order, so the
     same prompts come back on every call.
     """
+    out = []
+    for dataset, sid, ids, mask in held_out_records(datasets, fraction, vocab_size):
+        first = mask.index(True)
+        if first == 0:
+            continue  # nothing to condition on
+        out.append((dataset, sid, ids[:first]))
+        if len(out) == limit:
+            break
+    return out
+
+
+def held_out_records(
+    datasets: list, fraction: float, vocab_size: int | None = None
+) -> Iterator[tuple[str, str, list[int], list[bool]]]:
+    """(dataset, id, token ids, loss mask) of each held-out record (each has a loss token), in the held-out hash order
+    (`held_out_prompts`' order), read one at a time."""
     import numpy as np
 
     from models.capture.records import load_records
@@ -200,13 +216,7 @@ def held_out_prompts(
     samples, parts, _ = load_records(datasets, vocab_size)
     held = [s for s in samples if held_out(s.dataset, s.id, fraction)]
     held.sort(key=lambda s: hashlib.sha256(f"{s.dataset}\0{s.id}".encode()).digest())
-    out = []
     for s in held:
         mask = parts[s.part].loss_mask[s.start : s.start + s.length]
-        first = int(np.flatnonzero(mask)[0])
-        if first == 0:
-            continue  # nothing to condition on
-        out.append((s.dataset, s.id, parts[s.part].input_ids[s.start : s.start + first].astype(np.int64).tolist()))
-        if len(out) == limit:
-            break
-    return out
+        ids = parts[s.part].input_ids[s.start : s.start + s.length].astype(np.int64).tolist()
+        yield s.dataset, s.id, ids, mask.astype(bool).tolist()

@@ -3,8 +3,9 @@ before the job starts, the published anchors, eval.json's `benchmarks` section a
 
 The eval job (models/eval/job.py) reads only local files: a `hf:ORG/NAME` benchmark is read here from the local
 Hugging Face cache (tasks/datasets/hub.py, cache only: never a download) and written, one row a line, to
-RUN_DIR/jobs/benchmarks/<name>.jsonl beside the job that names it. Every benchmark is read here once (its format told,
-every row checked), so a bad row stops the stage before the target is loaded.
+RUN_DIR/jobs/benchmarks/<name>.jsonl beside the job that names it, and so are the context probes cut from the
+held-out records (`eval.context_probes`, models/eval/probes.py: the `ids` benchmark context_probes). Every benchmark is
+read here once (its format told, every row checked), so a bad row stops the stage before the target is loaded.
 
 Anchors: data/benchmarks/anchors.json, per target (matched on the last part of target.path) and benchmark format, the
 acceptance lengths published for EAGLE-3 drafts at 3 steps, top-k 1, 4 draft tokens, counted as SpecForge's
@@ -14,12 +15,16 @@ bench_eagle3 counts them: completion tokens / verify rounds. An entry's own `anc
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from prefect import get_run_logger
+
 from models.common.atomic import write_atomic
-from models.common.draft_jobs import BenchmarkSpec, EvalJob
+from models.common.draft_jobs import PROBES, BenchmarkSpec, EvalJob
 from models.eval.benchmarks import read_benchmark
+from models.eval.probes import probe_rows
 from tasks.datasets.hub import HubDataset, hub_repo_id, is_hub_path, read_hub
 
 ANCHORS = Path(__file__).resolve().parents[2] / "data/benchmarks/anchors.json"  # in the repository
@@ -42,6 +47,35 @@ def resolve_benchmarks(benchmarks: list[BenchmarkSpec], rows_dir: Path) -> list[
             fmt = read_benchmark(spec).format
         out.append(local.model_copy(update={"format": fmt}))
     return out
+
+
+def probe_benchmark(
+    datasets: list, eval_fraction: float, edges: list[int], per_edge: int, new_tokens: int, rows_dir: Path
+) -> list[BenchmarkSpec]:
+    """`eval.context_probes` (models/eval/probes.py): the held-out records cut at each edge, written to
+    rows_dir/context_probes.jsonl, as the `ids` benchmark that decodes them; [] (said in the log) when no held-out
+    record's answer reaches an edge."""
+    from models.train.data import held_out_records  # torch: only where probes are asked for
+
+    rows = probe_rows(held_out_records(datasets, eval_fraction), edges, per_edge)
+    logger = get_run_logger()
+    if not rows:
+        logger.warning(
+            "eval.context_probes: no held-out record's answer reaches a context bucket edge (%s): no probes", edges
+        )
+        return []
+    out = rows_dir / f"{PROBES}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, "".join(json.dumps(r) + "\n" for r in rows))
+    at = Counter(len(r["input_ids"]) for r in rows)
+    logger.info(
+        "context probes: %d held-out records cut inside an answer (%s), each continued for %d tokens (%s)",
+        len(rows),
+        ", ".join(f"{n} at {edge} tokens" for edge, n in sorted(at.items())),
+        new_tokens,
+        out,
+    )
+    return [BenchmarkSpec(name=PROBES, path=str(out), format="ids", limit=None, max_new_tokens=new_tokens)]
 
 
 def hub_rows(spec: BenchmarkSpec, split: str, rows_dir: Path) -> Path:

@@ -52,7 +52,12 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
             ("humaneval", "humaneval.jsonl"),
         )
     ]
-    short = {"train": {"epochs": 8}, "eval": {"prompts": 24, "max_new_tokens": 32, "benchmarks": benchmarks}}
+    # and context probes at 64 and 128 tokens (models/eval/probes.py), 2 at each edge, 16 tokens each
+    probes = {"context_buckets": [64, 128], "context_probes": 2, "context_probe_tokens": 16}
+    short = {
+        "train": {"epochs": 8},
+        "eval": {"prompts": 24, "max_new_tokens": 32, "benchmarks": benchmarks, **probes},
+    }
     config = run_demo(
         run_dir=tmp_path / "run", console=Console(file=out, width=200), target_dir=tiny_target_dir, overrides=short
     )
@@ -146,7 +151,15 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     assert report["engine"]["outputs_differ_without_draft"] == 0
     assert "engine and HF EQUAL" in printed
     # the published benchmark formats, each apart, in both backends alike, beside no anchor (none for a tiny target)
-    assert list(report["benchmarks"]) == ["mt_bench", "gsm8k", "humaneval"]
+    assert list(report["benchmarks"]) == ["mt_bench", "gsm8k", "humaneval", "context_probes"]
+    # the probes: held-out records cut inside an answer at 64 and 128 tokens, continued for 16. The dev server (SGLang's
+    # API: a request's totals only) places each whole probe in the bucket where it starts; the in-process eval places
+    # each round where it starts; both find the same rounds and tokens in each bucket
+    probes = report["benchmarks"].pop("context_probes")
+    assert probes["format"] == "ids" and probes["max_new_tokens"] == 16 and probes["prompts"] == 4
+    assert probes["engine"]["placed_by"] == "request" and "unplaced" not in probes["engine"]
+    assert [b["from"] for b in probes["hf"]["by_context"]] == [64, 128]
+    assert probes["engine"]["by_context"] == probes["hf"]["by_context"]
     for name, b in report["benchmarks"].items():
         assert b["prompts"] == b["engine"]["prompts"] == 2 and b["num_steps"] == 3, name
         assert b["acceptance_length"] == b["hf"]["acceptance_length_specforge"] == b["engine"]["acceptance_length"]

@@ -606,8 +606,9 @@ def test_benchmark_paths_resolve_like_the_datasets_and_hub_ones_stay(tmp_path):
         ),
         (
             {"name": "g", "path": "q.jsonl", "format": "mmlu"},
-            "eval.benchmarks[0].format: Input should be 'mt_bench', 'gsm8k', 'humaneval' or 'chat'",
+            "eval.benchmarks[0].format: Input should be 'mt_bench', 'gsm8k', 'humaneval', 'chat' or 'ids'",
         ),
+        ({"name": "context_probes", "path": "q.jsonl"}, "'context_probes' names the eval's context probes"),
         ({"name": "g", "path": "q.jsonl", "config": "main"}, "config: for hf: benchmarks only"),
         ({"path": "q.jsonl"}, "eval.benchmarks[0].name: required key is missing"),
     ],

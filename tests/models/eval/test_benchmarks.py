@@ -130,6 +130,10 @@ def test_gzip_and_parquet_files_read_as_the_jsonl(tmp_path):
             "1: the last message is the assistant's",
         ),
         (['{"messages": [{"role": "user", "content": "q"}]}'], "chat", "1: a chat row needs id"),
+        (['{"id": "a", "input_ids": [1, 2]}', '{"id": "b", "input_ids": []}'], None, "2: `input_ids` must be a non"),
+        (['{"id": "a", "input_ids": [1, -2]}'], "ids", "1: `input_ids` must be a non-empty list of non-negative"),
+        (['{"id": "a", "input_ids": "1 2"}'], "ids", "1: `input_ids` must be"),
+        (['{"id": "a", "messages": [{"role": "user", "content": "q"}]}'], "ids", "1: a ids row needs input_ids"),
     ],
 )
 def test_a_bad_row_names_its_file_and_line(tmp_path, lines, fmt, problem):
@@ -176,6 +180,17 @@ def test_a_chat_set_asks_each_conversation_as_it_is():
     assert [p.id for p in got.prompts] == [r["id"] for r in rows]
     assert got.prompts[-1].messages == rows[-1]["messages"] and got.prompts[-1].messages[-1]["role"] == "user"
     assert got.prompts[0].where == f"{path}:1"
+
+
+def test_an_ids_set_is_sent_as_its_token_ids(tmp_path):
+    path = tmp_path / "probes.jsonl"
+    path.write_text('{"id": "r@8", "input_ids": [5, 6, 7, 8, 9, 10, 11, 12]}\n{"id": 3, "input_ids": [4]}\n')
+    got = read_benchmark(spec(path, limit=None))
+    assert got.format == "ids"  # told from its keys
+    assert [(p.id, p.input_ids, p.messages) for p in got.prompts] == [
+        ("r@8", [5, 6, 7, 8, 9, 10, 11, 12], []),
+        ("3", [4], []),
+    ]
 
 
 def test_context_buckets_are_ascending_positive_edges():
