@@ -287,19 +287,18 @@ def context_of(served: list[Served], edges: Sequence[int]) -> dict[str, Any]:
             continue
         if rounds is not None:
             r, t = count_rounds(rounds, edges)
+            rounds_in = [a + b for a, b in zip(rounds_in, r)]
+            tokens_in = [a + b for a, b in zip(tokens_in, t)]
             by.add("round")
         elif (b := request_bucket(s.prompt_tokens, s.completion_tokens, edges)) is not None:
-            r, t = [0] * len(rounds_in), [0] * len(rounds_in)
-            r[b], t[b] = s.spec_verify_ct or 0, s.completion_tokens - 1
+            rounds_in[b] += s.spec_verify_ct
+            tokens_in[b] += s.completion_tokens - 1
             by.add("request")
         else:
             unplaced[s.id] = (
                 f"its rounds start at {s.prompt_tokens + 1}-{s.prompt_tokens + s.completion_tokens - 1} tokens, across "
                 "a bucket edge, and the engine sent the request's totals only"
             )
-            continue
-        rounds_in = [a + b for a, b in zip(rounds_in, r)]
-        tokens_in = [a + b for a, b in zip(tokens_in, t)]
     out: dict[str, Any] = {
         "by_context": by_context(rounds_in, tokens_in, edges),
         "placed_by": " and ".join(sorted(by, reverse=True)) or None,
