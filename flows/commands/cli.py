@@ -37,21 +37,26 @@ def demo(
         help="dev: generate and the engine eval through the dev server, which emulates SGLang; sglang: generate "
         "through a real SGLang 0.5.23 (`make sglang` installs it for CPU in .venv-sglang; the eval is then "
         "in-process only); vllm: generate and the engine eval through a real vLLM (`make vllm` installs its CPU "
-        "build in .venv-vllm). Default: dev for the llama target, vllm for the kimi one.",
+        "build in .venv-vllm). Default: dev for the llama target, vllm for the kimi ones.",
     ),
     target: str = typer.Option(
         "llama",
         "--target",
-        metavar="llama|kimi",
+        metavar="llama|kimi|kimi-long",
         help="kimi: the Kimi-K2.5-shaped tiny target (a kimi_k25 checkpoint: MLA, MoE, YaRN; configs/demo-kimi.yaml) "
-        "instead of the tiny Llama (configs/demo.yaml).",
+        "instead of the tiny Llama (configs/demo.yaml); kimi-long: the same target trained on a book, which answers "
+        "at length (100 to ~2,100 tokens), and the eval by context position on its answers "
+        "(configs/demo-kimi-long.yaml; its target takes ~17 min to build).",
     ),
 ) -> None:
     """Run the pipeline on the embedded default: tiny target, dev server (or a real SGLang or vLLM), sample data."""
     from flows.commands.demo import DEMO_TARGETS, check_demo_engine, run_demo
 
     if target not in DEMO_TARGETS:
-        err.print(f"[red]error:[/red] --target must be llama or kimi, got {escape(target)!r}", highlight=False)
+        err.print(
+            f"[red]error:[/red] --target must be one of {', '.join(DEMO_TARGETS)}, got {escape(target)!r}",
+            highlight=False,
+        )
         raise typer.Exit(2)
     engine = engine or DEMO_TARGETS[target].engine
 
@@ -423,9 +428,10 @@ def tiny_target(
     shape: str = typer.Option(
         "llama",
         "--shape",
-        metavar="llama|kimi",
+        metavar="llama|kimi|kimi-long",
         help="llama: a tiny Llama; kimi: Kimi-K2.5's shape, a tiny DeepSeek-V3 (MLA, MoE, YaRN) saved as a "
-        "kimi_k25 checkpoint.",
+        "kimi_k25 checkpoint; kimi-long: the kimi target trained further on a book, so that it answers at length "
+        "(models/target/book.py).",
     ),
     seed: int = typer.Option(0, help="Seed of the initial weights and of the training's data order."),
     num_layers: int = typer.Option(8, help="Decoder layers (at least 8, so the EAGLE-3 aux layers are distinct)."),
@@ -438,7 +444,9 @@ def tiny_target(
     from models.target.tiny import SHAPES, build_target
 
     if shape not in SHAPES:
-        err.print(f"[red]error:[/red] --shape must be llama or kimi, got {escape(shape)!r}", highlight=False)
+        err.print(
+            f"[red]error:[/red] --shape must be one of {', '.join(SHAPES)}, got {escape(shape)!r}", highlight=False
+        )
         raise typer.Exit(2)
     given = {"hidden_size": hidden_size, "train_steps": train_steps}
     try:

@@ -38,9 +38,10 @@ class TargetConfig(TargetSpec, Section):
 
     build_tiny_target: bool = False
     """Build the deterministic tiny demo target at `path` if it is not there yet (demo and tests only)."""
-    tiny_shape: Literal["llama", "kimi"] = "llama"
-    """The tiny target's shape, with build_tiny_target: `llama` (a tiny Llama), or `kimi` (Kimi-K2.5's: a tiny
-    DeepSeek-V3 with MLA, MoE and YaRN in the kimi_k25 checkpoint layout, models/target/tiny_kimi.py)."""
+    tiny_shape: Literal["llama", "kimi", "kimi-long"] = "llama"
+    """The tiny target's shape, with build_tiny_target: `llama` (a tiny Llama), `kimi` (Kimi-K2.5's: a tiny
+    DeepSeek-V3 with MLA, MoE and YaRN in the kimi_k25 checkpoint layout, models/target/tiny_kimi.py), or `kimi-long`
+    (the kimi target trained further on a book, so that it answers at length: models/target/book.py)."""
 
 
 def command_words(value: Any) -> Any:

@@ -15,7 +15,9 @@ and its samples vary around them, like a (very small) real model.
 
 `build_kimi_target` makes the same target in Kimi-K2.5's own shape instead (a tiny DeepSeek-V3 with MLA, MoE and
 YaRN, saved as a kimi_k25 checkpoint: models/target/tiny_kimi.py), for what depends on the model's shape and checkpoint
-layout (loaders, layer ids, the engines' MLA paths); `build_target` picks one by name.
+layout (loaders, layer ids, the engines' MLA paths); `build_target` picks one by name. Its `long_answers` build
+(shape `kimi-long`) is then trained on a book (models/target/book.py), so that it writes answers of hundreds to
+thousands of tokens, as Kimi-K2.5 does.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import json
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,6 +46,7 @@ from transformers.utils import logging as hf_logging
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.common.atomic import replace_dir
 from models.draft.config import default_aux_layers
+from models.target import book
 from models.target.tiny_kimi import KIMI_FIXED, MEDIA_PAD, kimi_text_config, save_kimi_k25
 from models.target.tiny_tokenizer import CHAT_TEMPLATE, IM_END, PAD, build_tokenizer, save_tokenizer
 
@@ -70,8 +73,8 @@ TRAIN_THREADS = 1
 # rate still looped after 180 steps).
 LM_HEAD_INIT_STD = 0.3
 
-TargetShape = Literal["llama", "kimi"]
-SHAPES: tuple[TargetShape, ...] = ("llama", "kimi")
+TargetShape = Literal["llama", "kimi", "kimi-long"]
+SHAPES: tuple[TargetShape, ...] = ("llama", "kimi", "kimi-long")
 # The Kimi-shaped build (build_kimi_target): its sizes beside hidden/layers/heads (models/target/tiny_kimi.py keeps what
 # stays Kimi's own). MoE: 8 routed experts of width 128, top-2, plus the shared one; the first layer dense (704).
 KIMI_SIZES = {
@@ -89,6 +92,20 @@ KIMI_SIZES = {
 KIMI_TRAIN_STEPS = 200
 KIMI_TRAIN_LR = 3e-3
 KIMI_TRAIN_BATCH = 4
+# The long-answer build (`long_answers`, shape kimi-long): the Kimi build's training, then BOOK_RECIPE's book_steps
+# more on the book's chapter conversations (models/target/book.py, its order from the build's seed), packed as the
+# corpus is, book_batch x TRAIN_SEQ_LEN tokens a step, on two threads (most of the build's time), the rate decaying
+# linearly from book_lr to 0 after the warmup. Measured (bench/long_answers.py, docs/variants.md "Long answers"):
+# ~17 min for the whole build on 2 cores; greedy answers of 100 to 2,103 tokens, each chapter begun on its first
+# sentence, none looping (all 8-grams distinct), every one ending its turn. 600 steps at a constant 2e-3 answered
+# 242-1,136 tokens and began 3 chapters of 10 on another chapter's sentence.
+BOOK_RECIPE: dict[str, Any] = {
+    "book_steps": 900,
+    "book_lr": 2e-3,
+    "book_decay": "linear",
+    "book_batch": 8,
+    "book_threads": 2,
+}
 # The tokenizer's model_max_length: the Llama build's context (the config's 262,144 is YaRN's stretched one).
 KIMI_TOKENIZER_MAX_LENGTH = 4096
 
@@ -151,12 +168,15 @@ def build_kimi_target(
     num_layers: int = 8,
     num_heads: int = 4,
     train_steps: int = KIMI_TRAIN_STEPS,
+    long_answers: bool = False,
 ) -> Path:
     """Build (or reuse) the Kimi-K2.5-shaped tiny target in `out_dir` (models/target/tiny_kimi.py); return its path.
 
     A tiny DeepSeek-V3 (MLA, 8 routed experts top-2 + 1 shared, the first layer dense, YaRN x64) saved as a
     kimi_k25 checkpoint; the tokenizer is the Llama build's plus Kimi's `<|media_pad|>`. Built, trained and
     reused like `build_tiny_target`'s target, byte-for-byte from `seed`.
+    `long_answers`: then trained on the book (BOOK_RECIPE, models/target/book.py): asked for a chapter, it writes
+    it, an answer of up to ~2,100 tokens (bench/long_answers.py).
     """
     files = _corpus_files(corpus_files)
     params = _build_params(
@@ -174,14 +194,18 @@ def build_kimi_target(
         train_lr=KIMI_TRAIN_LR,
         train_batch=KIMI_TRAIN_BATCH,
     )
+    if long_answers:
+        params.update(BOOK_RECIPE)
     return _build(Path(out_dir), params, files, "cpu")
 
 
 def build_target(out_dir: str | Path, shape: TargetShape = "llama", **kwargs: Any) -> Path:
-    """`build_tiny_target` or `build_kimi_target`, by `shape`."""
+    """`build_tiny_target` or `build_kimi_target` (with `long_answers` for `kimi-long`), by `shape`."""
     if shape not in SHAPES:
         raise ValueError(f"tiny target shape must be one of {', '.join(SHAPES)}, got {shape!r}")
-    return (build_kimi_target if shape == "kimi" else build_tiny_target)(out_dir, **kwargs)
+    if shape == "llama":
+        return build_tiny_target(out_dir, **kwargs)
+    return build_kimi_target(out_dir, long_answers=shape == "kimi-long", **kwargs)
 
 
 def _build_params(files: list[Path], **shape: Any) -> dict[str, Any]:
@@ -238,6 +262,18 @@ def _build(out_dir: Path, params: dict[str, Any], files: list[Path], device: str
             batch_size=params["train_batch"],
             lr=params["train_lr"],
         )
+        if params.get("book_steps"):
+            _train(
+                model,
+                _book_sequences(tokenizer, files, params["seed"]),
+                params["book_steps"],
+                params["seed"],
+                torch.device(device),
+                batch_size=params["book_batch"],
+                lr=params["book_lr"],
+                threads=params["book_threads"],
+                decay=params["book_decay"] == "linear",
+            )
         if shape == "kimi":
             save_kimi_k25(model, tokenizer, tmp)
         else:
@@ -329,13 +365,24 @@ def _corpus_conversations(files: Sequence[Path]) -> Iterator[list[dict[str, str]
 
 def _training_sequences(tokenizer: PreTrainedTokenizerFast, files: Sequence[Path]) -> list[list[int]]:
     """The corpus conversations rendered with the chat template, as token ids (one list per row)."""
+    return _rendered(tokenizer, _corpus_conversations(files))
+
+
+def _rendered(tokenizer: PreTrainedTokenizerFast, conversations: Iterable[list[dict[str, str]]]) -> list[list[int]]:
+    """Each conversation rendered with the chat template, as token ids."""
     out = []
-    for messages in _corpus_conversations(files):
+    for messages in conversations:
         encoded = tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, return_dict=True)
         if not isinstance(encoded, Mapping):  # return_dict=True: a BatchEncoding
             raise TypeError(f"apply_chat_template(return_dict=True) returned a {type(encoded).__name__}")
         out.append(list(encoded["input_ids"]))
     return out
+
+
+def _book_sequences(tokenizer: PreTrainedTokenizerFast, files: Sequence[Path], seed: int) -> list[list[int]]:
+    """The book's chapter conversations (models/target/book.py) rendered with the chat template, as token ids."""
+    texts = book.chapters(files, seed)
+    return _rendered(tokenizer, (book.conversation(n, text) for n, text in enumerate(texts, 1)))
 
 
 def _train(
@@ -347,8 +394,11 @@ def _train(
     *,
     batch_size: int = TRAIN_BATCH,
     lr: float = TRAIN_LR,
+    threads: int = TRAIN_THREADS,
+    decay: bool = False,
 ) -> None:
     """Train `model` in place for `steps` AdamW steps on `sequences`, packed; deterministic from `seed`.
+    The rate warms up linearly over TRAIN_WARMUP steps to `lr`, then stays there, or (`decay`) falls linearly to 0.
 
     Each step reads batch_size x TRAIN_SEQ_LEN tokens from a stream of the sequences in shuffled
     order (a new order each pass, drawn from a private generator), every position a target.
@@ -367,14 +417,14 @@ def _train(
         chunk, stream = stream[:tokens_per_step], stream[tokens_per_step:]
         return torch.tensor(chunk, dtype=torch.long).view(batch_size, TRAIN_SEQ_LEN)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(TRAIN_THREADS)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     model.to(device).train()  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
     try:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
         for step in range(steps):
             for group in optimizer.param_groups:
-                group["lr"] = lr * min(1.0, (step + 1) / TRAIN_WARMUP)
+                group["lr"] = lr * min(1.0, (step + 1) / TRAIN_WARMUP) * ((1 - step / steps) if decay else 1.0)
             x = batch().to(device)
             loss = model(input_ids=x, labels=x).loss
             loss.backward()
@@ -382,7 +432,7 @@ def _train(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
         model.to("cpu").eval()  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
 
 

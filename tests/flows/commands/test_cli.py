@@ -104,10 +104,10 @@ def test_validate_kimi_demo_preset_is_valid():
 
 def test_an_unknown_shape_or_demo_target_is_refused_before_anything_is_built(tmp_path):
     result = eagle3("tiny-target", str(tmp_path / "t"), "--shape", "qwen")
-    assert result.returncode == 2 and "--shape must be llama or kimi, got 'qwen'" in result.stderr
+    assert result.returncode == 2 and "--shape must be one of llama, kimi, kimi-long, got 'qwen'" in result.stderr
     assert not (tmp_path / "t").exists()
     result = eagle3("demo", "--target", "qwen", "--run-dir", str(tmp_path / "run"))
-    assert result.returncode == 2 and "--target must be llama or kimi, got 'qwen'" in result.stderr
+    assert result.returncode == 2 and "--target must be one of llama, kimi, kimi-long, got 'qwen'" in result.stderr
     assert not (tmp_path / "run").exists()
     result = eagle3("demo", "--engine", "tgi", "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "--engine must be dev, sglang, vllm, got 'tgi'" in result.stderr
@@ -426,3 +426,9 @@ def test_import_jsonl_write_failure_is_one_clean_message(tmp_path, tiny_target_d
     again = eagle3("import-jsonl", str(run_dir), "B1", str(legacy), "--target", str(tiny_target_dir))
     assert again.returncode == 0, again.stderr
     assert sorted(_imported_ids(run_dir)) == [f"big{i}" for i in range(4)]
+
+
+def test_validate_kimi_long_demo_preset_is_valid():
+    result = eagle3("validate", "configs/demo-kimi-long.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "is valid" in result.stdout and "B1_chapters" in result.stdout
