@@ -27,16 +27,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class DemoTarget:
-    """One of the demo's tiny targets: its preset and the engine it runs through unless told otherwise."""
+    """One of the demo's tiny targets: its preset, the engine it runs through unless told otherwise, and the context a
+    real engine is started with for it (vLLM's --max-model-len)."""
 
     config: Path
     engine: str
+    max_model_len: int = 2048
 
 
 DEMO_TARGETS = {
     "llama": DemoTarget(REPO / "configs" / "demo.yaml", "dev"),
     # vLLM serves the kimi_k25 wrapper as published (models/target/tiny_kimi.py); the dev server is an SGLang emulation
     "kimi": DemoTarget(REPO / "configs" / "demo-kimi.yaml", "vllm"),
+    # the Kimi-shaped target trained on a book: answers of up to ~2,100 tokens (models/target/book.py)
+    "kimi-long": DemoTarget(REPO / "configs" / "demo-kimi-long.yaml", "vllm", max_model_len=4096),
 }
 VLLM_VENV = REPO / ".venv-vllm"  # `make vllm`: the CPU build of vLLM in a venv of its own (REFERENCE.md)
 SGLANG_VENV = REPO / ".venv-sglang"  # `make sglang`: the real SGLang 0.5.23 on CPU, with labelled stand-ins
@@ -94,12 +98,17 @@ def check_demo_engine(engine: str, target: str) -> None:
         sglang_python()
 
 
-def demo_server(config: RunConfig, engine: str, url: str):
+def demo_server(config: RunConfig, engine: str, url: str, max_model_len: int = 2048):
     """The demo's server section at `url`: the dev server (SGLang's emulation), a real SGLang from .venv-sglang, or a
-    real vLLM from .venv-vllm, each started by the pipeline."""
+    real vLLM from .venv-vllm (with `max_model_len`), each started by the pipeline."""
     server = {**config.server.model_dump(), "url": url, "launch": "dev"}
     if engine == "vllm":
-        command = vllm.cpu_command(str(vllm_python()), config.target.path, mla_draft=config.train.draft_arch == "mla")
+        command = vllm.cpu_command(
+            str(vllm_python()),
+            config.target.path,
+            max_model_len=max_model_len,
+            mla_draft=config.train.draft_arch == "mla",
+        )
         server.update(engine="vllm", launch="command", command=command)
     if engine == "sglang":
         command = sglang.cpu_command(str(sglang_python()), config.target.path)
@@ -125,7 +134,8 @@ def run_demo(
     `capture_backend` "vllm": the capture stage starts the dev server with vLLM's extraction flags instead of
     DeepSpeed ranks.
     `overrides`: {section: {setting: value}} over configs/demo.yaml, validated like the file (the tests' shorter demo).
-    `target` "kimi": the Kimi-K2.5-shaped tiny target's preset, configs/demo-kimi.yaml.
+    `target` "kimi": the Kimi-K2.5-shaped tiny target's preset, configs/demo-kimi.yaml; "kimi-long": the same target
+    trained on a book, writing answers of up to ~2,100 tokens, configs/demo-kimi-long.yaml.
     """
     console = console or Console()
     config = demo_config(run_dir, target)
@@ -136,7 +146,9 @@ def run_demo(
         config.target.path = str(target_dir)
     if config.target.build_tiny_target:  # first: vLLM's command follows the target's shape (its config.json)
         build_target(config.target.path, config.target.tiny_shape)
-    config.server = demo_server(config, engine, f"http://127.0.0.1:{free_port()}")
+    config.server = demo_server(
+        config, engine, f"http://127.0.0.1:{free_port()}", max_model_len=DEMO_TARGETS[target].max_model_len
+    )
     if engine == "sglang":  # SGLang cannot serve the draft on CPU (docs/engines.md): the eval runs in-process
         config.eval = type(config.eval).model_validate({**config.eval.model_dump(), "backend": "hf"})
     if capture_backend == "vllm":
