@@ -10,7 +10,8 @@ in the book once), and not always word for word (measured in docs/variants.md).
 
 The chapter sizes come twice: `generate_chapters` (the first half) are what the demo generates records for, the
 draft's training data; `eval_chapters` (the second half, the same sizes) are the eval's long answers, which the
-draft has not been trained on (data/long_answers/, bench/long_answer_set.py).
+draft has not been trained on (data/long_answers/generate.jsonl, data/eval/long_answers.jsonl; bench/long_answers.py
+measures the answers).
 """
 
 from __future__ import annotations
