@@ -32,7 +32,7 @@ class DemoTarget:
 
     config: Path
     engine: str
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # None: vLLM's CPU command's own (tasks/engines/vllm.py cpu_command)
 
 
 DEMO_TARGETS = {
@@ -98,16 +98,14 @@ def check_demo_engine(engine: str, target: str) -> None:
         sglang_python()
 
 
-def demo_server(config: RunConfig, engine: str, url: str, max_model_len: int = 2048):
+def demo_server(config: RunConfig, engine: str, url: str, max_model_len: int | None = None):
     """The demo's server section at `url`: the dev server (SGLang's emulation), a real SGLang from .venv-sglang, or a
-    real vLLM from .venv-vllm (with `max_model_len`), each started by the pipeline."""
+    real vLLM from .venv-vllm (with `max_model_len`, else its CPU command's default), each started by the pipeline."""
     server = {**config.server.model_dump(), "url": url, "launch": "dev"}
     if engine == "vllm":
+        context = {} if max_model_len is None else {"max_model_len": max_model_len}
         command = vllm.cpu_command(
-            str(vllm_python()),
-            config.target.path,
-            max_model_len=max_model_len,
-            mla_draft=config.train.draft_arch == "mla",
+            str(vllm_python()), config.target.path, mla_draft=config.train.draft_arch == "mla", **context
         )
         server.update(engine="vllm", launch="command", command=command)
     if engine == "sglang":

@@ -97,8 +97,8 @@ KIMI_TRAIN_BATCH = 4
 # corpus is, book_batch x TRAIN_SEQ_LEN tokens a step, on two threads (most of the build's time), the rate decaying
 # linearly from book_lr to 0 after the warmup. Measured (bench/long_answers.py, docs/variants.md "Long answers"):
 # ~17 min for the whole build on 2 cores; greedy answers of 100 to 2,103 tokens, each chapter begun on its first
-# sentence, none looping (all 8-grams distinct), every one ending its turn. 600 steps at a constant 2e-3 answered
-# 242-1,136 tokens and began 3 chapters of 10 on another chapter's sentence.
+# sentence, none looping (all 8-grams distinct), every one ending its turn. A constant rate (tried by hand, not kept)
+# began some chapters on another chapter's sentence.
 BOOK_RECIPE: dict[str, Any] = {
     "book_steps": 900,
     "book_lr": 2e-3,
