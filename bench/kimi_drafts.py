@@ -26,15 +26,24 @@ and whether vLLM's rounds, placed from its per-round counts (`--per-request-spec
 the same buckets with the same tokens.
 The drafts were trained on records of at most ~400 tokens.
 
+`--target kimi-long` does the same on the demo of long answers (`eagle3 demo --target kimi-long`,
+configs/demo-kimi-long.yaml: the Kimi-shaped target trained on a book, its records cut to their first 1,024 tokens,
+10 epochs), and its second table is the demo's own benchmark: chapters 6-10 of the book (data/eval/long_answers.jsonl),
+answers of 112-1,942 tokens decoded to their end, by context position in-process and as vLLM placed each round.
+
 `--reuse DIR` evaluates the drafts of a run this bench kept (`--keep`: DIR is its `run` directory) again, without the
-demo and the training: both tables, with no training tokens/s (the training did not run).
+demo and the training: both tables, with no training tokens/s (the training did not run). `--demo DIR` trains and
+evaluates the rows on a run directory of `eagle3 demo --target T` made beforehand (the same demo the bench would
+run), instead of running the demo again; the rows' configs and drafts are written into it.
 
 A comparison of quality, not a wall-clock target (bench/README.md). Printed as the markdown table of
 docs/variants.md ("Draft shapes for Kimi"):
 
-    .venv/bin/python bench/kimi_drafts.py [--quick] [--epochs N] [--keep DIR] [--json FILE] [--reuse DIR]
+    .venv/bin/python bench/kimi_drafts.py [--target kimi|kimi-long] [--quick] [--epochs N] [--keep DIR] [--json FILE]
+                                          [--reuse DIR | --demo DIR]
 
---quick trains 4 epochs: a smoke run of the bench, not its figures. Run nothing else meanwhile (the tokens/s).
+--epochs defaults to the demo's (kimi 20, kimi-long 10). --quick trains 4 epochs: a smoke run of the bench, not
+its figures. Run nothing else meanwhile (the tokens/s).
 """
 
 from __future__ import annotations
@@ -79,45 +88,74 @@ LONG_CONTEXT = {
 }
 MAX_MODEL_LEN = 4096
 
+# target -> the benchmark of the second table: the long-context set added to the Kimi demo's eval, or (None) the
+# demo's own (kimi-long: its long answers, configs/demo-kimi-long.yaml)
+TARGETS: dict[str, dict[str, Any] | None] = {"kimi": LONG_CONTEXT, "kimi-long": None}
+
 
 @dataclass
 class Params:
-    """The knobs of one run: the training length of every draft (configs/demo-kimi.yaml: 20 epochs)."""
+    """The knobs of one run: the demo and the training length of every draft (0: the demo's, configs/demo-kimi.yaml
+    20 epochs, configs/demo-kimi-long.yaml 10)."""
 
     quick: bool = False
-    epochs: int = 20
+    target: str = "kimi"
+    epochs: int = 0
     reuse: str = ""  # a kept run directory (RUN of --keep): evaluate its drafts again, no demo, no training
+    demo: str = ""  # a run directory of `eagle3 demo --target TARGET`: train and evaluate the rows on it
 
     @classmethod
     def quick_preset(cls) -> Params:
         return cls(quick=True, epochs=4)
 
     def validate(self) -> None:
-        if self.reuse and not RunLayout(Path(self.reuse)).demo_config.is_file():
-            raise SystemExit(
-                f"--reuse {self.reuse}: no demo config there; give the `run` directory of a run this bench kept "
-                "(--keep DIR writes DIR/bench-kimi-drafts-*/run)"
-            )
+        if self.target not in TARGETS:
+            raise SystemExit(f"--target {self.target}: must be one of {', '.join(TARGETS)}")
+        if self.epochs < 0:
+            raise SystemExit(f"--epochs {self.epochs}: must be a positive number (0: the demo's)")
+        if self.reuse and self.demo:
+            raise SystemExit("--reuse and --demo: give one (--reuse evaluates kept drafts, --demo trains them)")
+        for flag, given, what in (
+            (
+                "--reuse",
+                self.reuse,
+                "the `run` directory of a run this bench kept (--keep DIR writes DIR/bench-kimi-drafts-*/run)",
+            ),
+            ("--demo", self.demo, f"the run directory of `eagle3 demo --target {self.target} --run-dir DIR`"),
+        ):
+            if not given:
+                continue
+            config = RunLayout(Path(given)).demo_config
+            if not config.is_file():
+                raise SystemExit(f"{flag} {given}: no demo config there; give {what}")
+            shape = yaml.safe_load(config.read_text())["target"].get("tiny_shape")
+            if shape != self.target:
+                raise SystemExit(
+                    f"{flag} {given}: a demo of the {shape} target, not {self.target}; give --target {shape}"
+                )
 
 
-def row_config(run_dir: Path, name: str, epochs: int) -> Path:
-    """The demo's resolved config with this row's draft settings and directory, its server the real vLLM as the
-    demo starts it for this draft (--max-model-len MAX_MODEL_LEN), and the eval in-process AND in vLLM on the demo's
-    prompts and the long-context set."""
+def row_config(run_dir: Path, name: str, epochs: int, target: str = "kimi") -> Path:
+    """The demo's resolved config with this row's draft settings and directory (`epochs` 0: the demo's), its server
+    the real vLLM as the demo starts it for this draft (--max-model-len MAX_MODEL_LEN), and the eval in-process AND
+    in vLLM on the demo's prompts and the target's benchmark (TARGETS)."""
     from flows.commands.demo import demo_server
 
     slug = name.replace(", ", "-").replace(".", "").lower()
     data = yaml.safe_load(RunLayout(run_dir).demo_config.read_text())
-    data["train"].update({**ROWS[name], "epochs": epochs, "out_dir": str(run_dir / f"draft-{slug}")})
+    data["train"].update({**ROWS[name], "out_dir": str(run_dir / f"draft-{slug}")})
+    if epochs:
+        data["train"]["epochs"] = epochs
     data["eval"].update(
         {
             "backend": "both",
             "compare_untrained": False,
-            "benchmarks": [LONG_CONTEXT],
             "baseline": False,
             "prompt_files": [str(REPO / "data" / "eval" / "prompts.jsonl")],  # this checkout's (for --reuse)
         }
     )
+    if TARGETS[target] is not None:
+        data["eval"]["benchmarks"] = [TARGETS[target]]
     path = run_dir / f"kimi-{slug}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     server = demo_server(load_config(path), "vllm", data["server"]["url"])  # MLA on or off for this draft
@@ -142,7 +180,7 @@ def draft_parameters(draft_dir: Path) -> int:
     return total
 
 
-def measure_row(config: Path, train: bool = True) -> dict[str, Any]:
+def measure_row(config: Path, benchmark: str, train: bool = True) -> dict[str, Any]:
     """Train the row's draft (unless `train` is False: it is there), evaluate it in-process and in vLLM; its figures."""
     train_s = eagle3("run", str(config), "--stages", "train") if train else None
     layout = load_config(config).layout
@@ -163,14 +201,15 @@ def measure_row(config: Path, train: bool = True) -> dict[str, Any]:
         "tokens": summary["tokens"],
         "train_s": round(train_s, 1) if train_s is not None else None,
         "eval_s": round(eval_s, 1),
-        "long_context": long_context(report),
+        "long_context": long_context(report, benchmark),
     }
 
 
-def long_context(report: dict[str, Any]) -> dict[str, Any]:
-    """The long-context set's figures in an eval report: per verify round in-process and in vLLM, the rounds by
-    context position in-process and as vLLM placed them (its per-round counts)."""
-    b = report["benchmarks"][LONG_CONTEXT["name"]]
+def long_context(report: dict[str, Any], benchmark: str) -> dict[str, Any]:
+    """The long benchmark's figures in an eval report (the long-context set, or kimi-long's long answers): per verify
+    round in-process and in vLLM, the rounds by context position in-process and as vLLM placed them (its per-round
+    counts)."""
+    b = report["benchmarks"][benchmark]
     return {
         "per_round": b["hf"]["acceptance_length"],
         "vllm_per_round": b["engine"]["per_round"],
@@ -187,16 +226,26 @@ def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
 
     from flows.commands.demo import run_demo
 
-    run_dir = Path(p.reuse) if p.reuse else scratch / "run"
+    run_dir = Path(p.reuse or p.demo) if p.reuse or p.demo else scratch / "run"
     started = time.monotonic()
-    if not p.reuse:
-        overrides = {"train": {"epochs": p.epochs}}
-        run_demo(run_dir=run_dir, console=Console(quiet=True), overrides=overrides, engine="vllm", target="kimi")
+    if not (p.reuse or p.demo):
+        overrides = {"train": {"epochs": p.epochs}} if p.epochs else None
+        run_demo(run_dir=run_dir, console=Console(quiet=True), overrides=overrides, engine="vllm", target=p.target)
     out["wall_s"] = {"demo": round(time.monotonic() - started, 1)}
+    out["benchmark"] = benchmark_name(p.target, run_dir)
     out["results"] = {}
     for name in ROWS:
-        out["results"][name] = measure_row(row_config(run_dir, name, p.epochs), train=not p.reuse)
+        config = row_config(run_dir, name, p.epochs, p.target)
+        out["results"][name] = measure_row(config, out["benchmark"], train=not p.reuse)
         print(f"{name}: acceptance {out['results'][name]['acceptance']:.3f}", flush=True)
+
+
+def benchmark_name(target: str, run_dir: Path) -> str:
+    """The second table's benchmark: TARGETS' one, or the demo's own (its config's first)."""
+    chosen = TARGETS[target]
+    if chosen is not None:
+        return str(chosen["name"])
+    return str(yaml.safe_load(RunLayout(run_dir).demo_config.read_text())["eval"]["benchmarks"][0]["name"])
 
 
 def report(out: dict[str, Any]) -> None:
@@ -229,7 +278,7 @@ def report(out: dict[str, Any]) -> None:
     )
     head = [
         "draft",
-        "long context, per round",
+        f"{out.get('benchmark', 'long_context').replace('_', ' ')}, per round",
         "vLLM 0.32, per round",
         *[f"{label} tokens" for _, label in buckets],
         "vLLM's buckets",
