@@ -293,7 +293,7 @@ def report(out: dict[str, Any]) -> None:
                 f"{lc['per_round']:.3f}",
                 f"{lc['vllm_per_round']:.3f} ({lc['vllm_prompts']} prompts)",
                 *[
-                    f"{found[f]['acceptance_length']:.3f} ({found[f]['rounds']})" if f in found else "-"
+                    f"{found[f]['acceptance_length']:.3f} ({found[f]['rounds']:,})" if f in found else "-"
                     for f, _ in buckets
                 ],
                 vllm_buckets(lc),
@@ -313,7 +313,7 @@ def vllm_buckets(lc: dict[str, Any]) -> str:
     unplaced = f", {lc['vllm_unplaced']} prompts unplaced" if lc.get("vllm_unplaced") else ""
     if theirs == lc["by_context"]:
         return f"same in all {len(theirs)}{unplaced}"
-    return " / ".join(f"{b['acceptance_length']:.3f} ({b['rounds']})" for b in theirs) + unplaced
+    return " / ".join(f"{b['acceptance_length']:.3f} ({b['rounds']:,})" for b in theirs) + unplaced
 
 
 def main(argv: list[str] | None = None) -> int:
