@@ -112,7 +112,7 @@ class Params:
         if self.target not in TARGETS:
             raise SystemExit(f"--target {self.target}: must be one of {', '.join(TARGETS)}")
         if self.epochs < 0:
-            raise SystemExit(f"--epochs {self.epochs}: must be a positive number (0: the demo's)")
+            raise SystemExit(f"--epochs {self.epochs}: must be 0 (the demo's) or more")
         if self.reuse and self.demo:
             raise SystemExit("--reuse and --demo: give one (--reuse evaluates kept drafts, --demo trains them)")
         for flag, given, what in (
@@ -133,6 +133,22 @@ class Params:
                 raise SystemExit(
                     f"{flag} {given}: a demo of the {shape} target, not {self.target}; give --target {shape}"
                 )
+        trained = [row_dir(Path(self.demo), name) for name in ROWS if self.demo]
+        if any(d.exists() for d in trained):
+            raise SystemExit(
+                f"--demo {self.demo}: {next(d for d in trained if d.exists())} is there from an earlier run, and its "
+                "training would resume instead of being timed; delete the draft-* directories there, or evaluate "
+                f"them again with --reuse {self.demo}"
+            )
+
+
+def row_dir(run_dir: Path, name: str) -> Path:
+    """Where a row's draft trains in the demo's run directory: draft-<row, as a slug>."""
+    return run_dir / f"draft-{row_slug(name)}"
+
+
+def row_slug(name: str) -> str:
+    return name.replace(", ", "-").replace(".", "").lower()
 
 
 def row_config(run_dir: Path, name: str, epochs: int, target: str = "kimi") -> Path:
@@ -141,9 +157,8 @@ def row_config(run_dir: Path, name: str, epochs: int, target: str = "kimi") -> P
     in vLLM on the demo's prompts and the target's benchmark (TARGETS)."""
     from flows.commands.demo import demo_server
 
-    slug = name.replace(", ", "-").replace(".", "").lower()
     data = yaml.safe_load(RunLayout(run_dir).demo_config.read_text())
-    data["train"].update({**ROWS[name], "out_dir": str(run_dir / f"draft-{slug}")})
+    data["train"].update({**ROWS[name], "out_dir": str(row_dir(run_dir, name))})
     if epochs:
         data["train"]["epochs"] = epochs
     data["eval"].update(
@@ -156,7 +171,7 @@ def row_config(run_dir: Path, name: str, epochs: int, target: str = "kimi") -> P
     )
     if TARGETS[target] is not None:
         data["eval"]["benchmarks"] = [TARGETS[target]]
-    path = run_dir / f"kimi-{slug}.yaml"
+    path = run_dir / f"kimi-{row_slug(name)}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     server = demo_server(load_config(path), "vllm", data["server"]["url"])  # MLA on or off for this draft
     data["server"] = server.model_dump(mode="json", exclude_none=True)

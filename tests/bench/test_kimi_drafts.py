@@ -33,11 +33,19 @@ def test_a_demo_of_another_target_is_refused_naming_the_target_to_give(tmp_path:
     Params(target="kimi-long", demo=str(long_run)).validate()  # the matching target: accepted
 
 
+def test_a_demo_holding_a_rows_draft_is_refused_for_training_and_taken_for_reuse(tmp_path: Path) -> None:
+    run = demo_run(tmp_path, "kimi-long", ["long_answers"])
+    (run / "draft-mla-eagle31-yarn").mkdir()  # the row "mla, eagle3.1, YaRN", trained before
+    with pytest.raises(SystemExit, match="draft-mla-eagle31-yarn is there from an earlier run.*--reuse"):
+        Params(target="kimi-long", demo=str(run)).validate()
+    Params(target="kimi-long", reuse=str(run)).validate()
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [
         (Params(target="llama"), "--target llama: must be one of kimi, kimi-long"),
-        (Params(epochs=-1), "--epochs -1: must be a positive number"),
+        (Params(epochs=-1), "--epochs -1: must be 0 \\(the demo's\\) or more"),
         (Params(reuse="/a", demo="/b"), "--reuse and --demo: give one"),
         (Params(target="kimi-long", demo="/nowhere"), "--demo /nowhere: no demo config there"),
     ],
