@@ -38,6 +38,7 @@ from tasks.engines.errors import BadRequest, ServerRefused
 from tasks.engines.vllm import SPEC_METRICS_FLAGS, VLLMClient, cpu_command
 from tasks.launch_servers import ServerProcess, fill_placeholders
 from tasks.ports import free_port
+from tests.gate import Gate
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess]
 
@@ -324,26 +325,25 @@ def test_generate_through_vllm_killed_and_resumed_is_exactly_once_and_vllm_s_own
         {"name": "B1_code", "kind": "generate", "path": str(files["B1_code"]), "token_budget": budget},
         {"name": "B2_math", "kind": "generate", "path": str(files["B2_math"])},
     ]
-    # 1 in flight: answers arrive one at a time (the first part after 4, or after 1 s), so B2_math cannot finish
-    # between the first part and the kill even when this machine starves the test (loaded runs once wrote all 50
-    # before the kill at 8 in flight, and once at 2, after the CLI stopped starting a Prefect server of its own)
-    path, run_dir = generate_config(tmp_path, plain, tiny_target_dir, datasets, max_concurrency=1)
-
-    first = eagle3("generate", str(path), api_url=harness_api_url, wait=False)
-    try:
-        wait_for(
-            lambda: first.poll() is not None or any(rows_of(run_dir, d) for d in ("B1_code", "B2_math")),
-            "the first checkpoint part",
-            timeout_s=300,
-        )
-        assert first.poll() is None, "generate ended before it could be killed"
-        os.killpg(first.pid, signal.SIGKILL)  # the flow process, mid-run
-        first.wait()
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-    killed_at = {d: len(rows_of(run_dir, d)) for d in ("B1_code", "B2_math")}
-    second = eagle3("generate", str(path), api_url=harness_api_url)
+    # The generate talks to vLLM through a gate that answers 16 of its requests and holds the 17th: killed while it
+    # waits there, the run is mid-run whatever the machine's speed (racing it, a starved test once saw all 50 of
+    # B2_math written before its kill). Then the gate opens and the same command resumes.
+    with Gate(plain, "/v1/completions", passes=16) as gate:
+        path, run_dir = generate_config(tmp_path, gate.url, tiny_target_dir, datasets, max_concurrency=4)
+        first = eagle3("generate", str(path), api_url=harness_api_url, wait=False)
+        try:
+            assert gate.wait_until_holding(timeout_s=300), "no request reached the gate's 17th"
+            wait_for(lambda: any(rows_of(run_dir, d) for d in files), "the first checkpoint part")
+            assert first.poll() is None, "generate ended before it could be killed"
+            os.killpg(first.pid, signal.SIGKILL)  # the flow process, mid-run
+            first.wait()
+        finally:
+            if first.poll() is None:
+                os.killpg(first.pid, signal.SIGKILL)
+        gate.open()
+        killed_at = {d: len(rows_of(run_dir, d)) for d in ("B1_code", "B2_math")}
+        assert sum(killed_at.values()) <= gate.passes  # what the gate let through, at most
+        second = eagle3("generate", str(path), api_url=harness_api_url)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
 
     from tasks.datasets import load_dataset
