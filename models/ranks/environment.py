@@ -18,8 +18,9 @@ from importlib import metadata
 from models.common.findings import Finding, failed
 
 # The major.minor versions the project's tests passed with (another is a WARN, not a FAIL): this machine's .venv
-# first, then the GPU machine's (Python 3.12, torch 2.11, transformers 5.17, numpy 2.5: the fast, multiprocess and
-# GPU-check smoke tests, run once in a venv of those versions; docs/gpu-check.md).
+# first, as deploy/constraints.txt pins it (`make venv` installs within that lock; tests/deploy/test_constraints.py),
+# then the GPU machine's (Python 3.12, torch 2.11, transformers 5.17, numpy 2.5: the fast, multiprocess and GPU-check
+# smoke tests, run once in a venv of those versions; docs/gpu-check.md).
 TESTED = {
     "python": ("3.11", "3.12"),
     "torch": ("2.13", "2.11"),
