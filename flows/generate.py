@@ -4,15 +4,20 @@ serving engine (SGLang or vLLM)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from pathlib import Path
+from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import Task, flow, get_run_logger
+from prefect.client.schemas.objects import TaskRun
+from prefect.states import State
 
 from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
 from models.common.jobs import DatasetGenerateSettings, GenerateJob, GenerateSettings
 from tasks.generate.prompts import request_sampling_params
 from tasks.generate.tasks import (
+    check_generated_by,
     copy_passthrough_task,
     generate_responses,
     publish_generate_summary,
@@ -27,6 +32,15 @@ async def generate(config_path: str, retry_rejects: bool = False) -> list[dict]:
     """Stage 1: fan out one task per dataset, all sharing one pool of servers and its per-server limits."""
     with stage_run(config_path, "generate") as config:
         async with server_pool(config.server, get_run_logger()) as pool:  # shared by every dataset
+            if any(d.kind == "generate" for d in config.datasets):  # made by another engine or target: refused
+                await check_generated_by(
+                    layout=config.layout,
+                    pool=pool,
+                    engine=config.server.engine,
+                    launch=config.server.launch,
+                    command=config.server.command,
+                    target_path=config.target.path,
+                )
             calls = (dataset_task(config, i, pool, retry_rejects) for i in range(len(config.datasets)))
             results = await asyncio.gather(*calls, return_exceptions=True)
             if pool.started_at is not None:
@@ -72,12 +86,7 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
         sampling_seed=config.sampling.seed,
         retry_rejects=retry_rejects,
     )
-    task = generate_responses.with_options(
-        retries=gen.retries,
-        retry_delay_seconds=[gen.retry_delay_s * 2**i for i in range(gen.retries)],
-        # Prefect types with_options' retry_jitter_factor float | NotSet, but takes None as Task() does (no jitter)
-        retry_jitter_factor=0.5 if gen.retries else None,  # type: ignore[arg-type]
-    )
+    task = generate_responses.with_options(**doubling_retries(gen.retries, gen.retry_delay_s, generate_responses))
     return task(
         name=dataset.name,
         source=dataset.source(config.layout),
@@ -89,3 +98,33 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
         pool=pool,
         row_format=dataset.row_format,
     )
+
+
+def doubling_retries(retries: int, first_delay_s: float, task: Task) -> dict[str, Any]:
+    """with_options for `task`: `retries` retries after `first_delay_s` x 1, 2, 4, ... with jitter; one delay shown.
+
+    A list of delays (what prefect's own `exponential_backoff` returns) is stored as the task run's
+    `empirical_policy.retry_delay`, and the Prefect UI shows a list as "NaNs" (its task-run details format the field as
+    seconds: prefect/server/ui, 3.9.1) or "None" (ui-v2: `typeof retry_delay == "number"`). So the task is given the
+    first delay, which the UI shows, and its retry condition sets the next one before the engine reads it
+    (prefect/task_engine.py `handle_retry`: the condition runs, then `task.retry_delay_seconds` is read).
+    """
+    condition = task.retry_condition_fn
+
+    async def retry_and_double(task: Task, task_run: TaskRun, state: State) -> bool:
+        retry = condition is None or await _maybe_await(condition(task, task_run, state))
+        if retry:  # run_count: the attempts so far (1 after the first failure): the next waits first_delay_s x 2**(n-1)
+            task.retry_delay_seconds = first_delay_s * 2 ** max(task_run.run_count - 1, 0)
+        return retry
+
+    return {
+        "retries": retries,
+        "retry_delay_seconds": first_delay_s,
+        "retry_condition_fn": retry_and_double,
+        # Prefect types with_options' retry_jitter_factor float | NotSet, but takes None as Task() does (no jitter)
+        "retry_jitter_factor": 0.5 if retries else None,
+    }
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
