@@ -17,6 +17,7 @@ from flows.generate import generate
 from flows.records import records
 from flows.train import train
 from models.target.tiny import build_target
+from tasks.artifacts import publish_pipeline_summary, stage_headline
 from tasks.launch_servers import launched_servers
 from tasks.run_lock import run_lock
 
@@ -84,20 +85,36 @@ def run_stages(
     else:
         preflight(config, chosen, log)
     results: dict = {}
-    if "generate" in chosen:
-        with serving(config):
-            if config.server.launch != "none" and not skip_checks:  # the servers just launched: are they right?
-                report([("engine", f) for f in engine_checks(config)], log, title="engine checks")
-            results["generate"] = run_coro_as_sync(generate(config_path, retry_rejects))
-    if "records" in chosen:
-        results["records"] = records(config_path)
-    if "capture" in chosen:
-        results["capture"] = capture(config_path)
-    if "train" in chosen:
-        results["train"] = train(config_path)
-    if "eval" in chosen:
-        results["eval"] = evaluate(config_path, eval_draft)
+    try:  # after each stage, and when one fails: the pipeline run's own summary artifact
+        if "generate" in chosen:
+            with serving(config):
+                if config.server.launch != "none" and not skip_checks:  # the servers just launched: are they right?
+                    report([("engine", f) for f in engine_checks(config)], log, title="engine checks")
+                results["generate"] = run_coro_as_sync(generate(config_path, retry_rejects))
+            summarize(config_path, chosen, results)
+        if "records" in chosen:
+            results["records"] = records(config_path)
+            summarize(config_path, chosen, results)
+        if "capture" in chosen:
+            results["capture"] = capture(config_path)
+            summarize(config_path, chosen, results)
+        if "train" in chosen:
+            results["train"] = train(config_path)
+            summarize(config_path, chosen, results)
+        if "eval" in chosen:
+            results["eval"] = evaluate(config_path, eval_draft)
+            summarize(config_path, chosen, results)
+    except Exception:  # a stage failed: its row says so (not on Ctrl-C or SIGTERM, which stop at once)
+        summarize(config_path, chosen, results)
+        raise
     return results
+
+
+def summarize(config_path: str, chosen: list[str], results: dict) -> None:
+    """The pipeline-summary artifact on this flow run: each stage's subflow run, its state, what it made and its
+    artifacts' keys (those are on the subflow runs, not here)."""
+    headlines = {stage: stage_headline(stage, result) for stage, result in results.items()}
+    publish_pipeline_summary(Path(config_path).stem, chosen, headlines)
 
 
 def serving(config: RunConfig):
