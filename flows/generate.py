@@ -17,6 +17,7 @@ from flows.stage_run import stage_run
 from models.common.jobs import DatasetGenerateSettings, GenerateJob, GenerateSettings
 from tasks.generate.prompts import request_sampling_params
 from tasks.generate.tasks import (
+    check_generated_by,
     copy_passthrough_task,
     generate_responses,
     publish_generate_summary,
@@ -31,6 +32,15 @@ async def generate(config_path: str, retry_rejects: bool = False) -> list[dict]:
     """Stage 1: fan out one task per dataset, all sharing one pool of servers and its per-server limits."""
     with stage_run(config_path, "generate") as config:
         async with server_pool(config.server, get_run_logger()) as pool:  # shared by every dataset
+            if any(d.kind == "generate" for d in config.datasets):  # made by another engine or target: refused
+                await check_generated_by(
+                    layout=config.layout,
+                    pool=pool,
+                    engine=config.server.engine,
+                    launch=config.server.launch,
+                    command=config.server.command,
+                    target_path=config.target.path,
+                )
             calls = (dataset_task(config, i, pool, retry_rejects) for i in range(len(config.datasets)))
             results = await asyncio.gather(*calls, return_exceptions=True)
             if pool.started_at is not None:

@@ -2,6 +2,7 @@
 
     RUN_DIR/config.yaml                     the resolved config, as run
     RUN_DIR/.lock                           held by the one process writing the run dir (tasks/run_lock.py)
+    RUN_DIR/generated-by.json               the engine and target that made the responses (tasks/generate/provenance.py)
     RUN_DIR/responses/<dataset>/            generation checkpoints (part-*.parquet)
     RUN_DIR/rejects/<dataset>/              prompts and rows that cannot succeed, with the reason
     RUN_DIR/passthrough/<dataset>/          passthrough rows, validated and copied in
@@ -105,6 +106,12 @@ class RunLayout:
         "RUN_DIR/demo-config.yaml: the resolved demo config, the input of `eagle3 demo`'s pipeline flow.",
     )
     lock = _Entry("run_dir", LOCK_NAME, "RUN_DIR/.lock: held by the one process writing the run directory.")
+    generated_by = _Entry(
+        "run_dir",
+        "generated-by.json",
+        "RUN_DIR/generated-by.json: the engine and target that made the responses, written by the first generate and "
+        "checked by every later one (tasks/generate/provenance.py).",
+    )
     responses_root = _Entry(
         "run_dir", "responses", "RUN_DIR/responses: a directory per dataset of generation checkpoints."
     )

@@ -19,6 +19,7 @@ from tasks.engines.errors import ServerOutage
 from tasks.generate.loop import generate_dataset
 from tasks.generate.passthrough import PassthroughReport, copy_passthrough
 from tasks.generate.prompts import default_stop_ids
+from tasks.generate.provenance import Provenance, declared_engine, reported_engine, settle, target_fingerprint
 from tasks.generate.report import GenerateReport, Progress
 from tasks.rejects import replace_stage_rejects
 from tasks.server_pool import ServerPool
@@ -128,6 +129,24 @@ def server_pool(server: ServerSettings, logger: Any, *, max_concurrency: int | N
         logger=logger,
         engine=server.engine,
     )
+
+
+@task(name="generated-by", cache_policy=NO_CACHE)
+async def check_generated_by(
+    layout: RunLayout, pool: ServerPool, *, engine: str, launch: str, command: list[str] | None, target_path: str
+) -> Provenance:
+    """Refuse to continue a run made by another engine or target (tasks/generate/provenance.py OtherEngine), and
+    record this one's where the run has no record yet (adopting a run written before records, with a log line)."""
+    logger = get_run_logger()
+    client = pool.servers[0].client
+    said = await reported_engine(client, engine)
+    if said is None and launch == "none":  # a server this run did not start may still be loading: wait as datasets do
+        await pool.start()
+        said = await reported_engine(client, engine)
+    kind, version, served = said or (declared_engine(launch, engine, command) or engine, None, None)
+    fingerprint = await asyncio.to_thread(target_fingerprint, target_path)
+    current = Provenance(kind, target_path, fingerprint, version, served, launch)
+    return await asyncio.to_thread(settle, layout, current, logger)
 
 
 @task(name="copy-passthrough", task_run_name="passthrough {name}", cache_policy=NO_CACHE)

@@ -149,3 +149,34 @@ def test_a_bad_dataset_fails_the_flow_but_not_the_others(tmp_path, tiny_target_d
     assert "B3_bad" in message and "re-run the same command to resume" in message
     assert "line 2" in repr(info.value.__cause__)
     assert len(live_parts(tmp_path / "run/responses/B2_math")) >= 1  # the good datasets finished
+
+
+def test_a_run_records_its_engine_adopts_an_older_run_and_refuses_another_engine(tmp_path, tiny_target_dir):
+    """RUN_DIR/generated-by.json (tasks/generate/provenance.py): written by the first generate with what the server
+    says it is; a run without one (from before it) is adopted; one made by another engine is refused, unchanged."""
+    from models.common.run_layout import RunLayout
+    from tasks.generate.provenance import OtherEngine
+
+    layout = RunLayout(tmp_path / "run")
+    with SimServer(max_running=4, decode_s_per_token=0.0005, mean_len=12, vocab_size=2048) as srv:
+        config = str(write_config(tmp_path, srv.url, tiny_target_dir))
+        asyncio.run(generate(config))
+        first = json.loads(layout.generated_by.read_text())
+        assert (first["engine"], first["engine_version"], first["adopted"]) == ("sim", "0.1.0-eagle3-sim", False)
+        assert first["target_path"] == str(tiny_target_dir) and len(first["target_fingerprint"]) == 64
+
+        layout.generated_by.unlink()  # as a run directory written before the record
+        asyncio.run(generate(config))
+        adopted = json.loads(layout.generated_by.read_text())
+        assert adopted["adopted"] is True and adopted["engine"] == "sim"
+
+        parts = {d.name: live_parts(d) for d in layout.responses_root.iterdir()}
+        layout.generated_by.write_text(json.dumps({**first, "engine": "vllm", "engine_version": "0.11.0"}))
+        with pytest.raises(OtherEngine) as refused:
+            asyncio.run(generate(config))
+    message = str(refused.value)
+    assert "holds responses made by a real vLLM 0.11.0" in message
+    assert "this run asks for the simulated server (emulators/sim)" in message
+    assert "give a new run_dir" in message and "run it with a real vLLM (server.engine: vllm" in message
+    assert {d.name: live_parts(d) for d in layout.responses_root.iterdir()} == parts  # nothing written
+    assert json.loads(layout.generated_by.read_text())["engine"] == "vllm"
