@@ -25,6 +25,7 @@ from models.common.file_errors import WriteFailed, is_write_error
 from models.common.nodes import Nodes
 from models.common.rank_protocol import Message, Protocol, most_telling, reported_error
 from models.common.strict import StrictModel
+from tasks import torch_extensions
 from tasks.ports import free_port
 
 
@@ -167,7 +168,7 @@ def rank_command(
             *args,
         ]
         # No CUDA: DeepSpeed's CPU accelerator, said rather than left to its detection (which also tries XPU, NPU, ...)
-        return command, ({} if cuda_available() else cpu_rank_env())
+        return command, (torch_extensions.prepare(cpu=False) if cuda_available() else cpu_rank_env())
     where = (
         [
             "--nnodes",
@@ -199,8 +200,15 @@ def rank_command(
 
 
 def cpu_rank_env() -> dict[str, str]:
-    """CPU ranks: DeepSpeed's CPU accelerator with gloo; one thread per rank, so ranks don't fight for cores."""
-    return {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    """CPU ranks: DeepSpeed's CPU accelerator with gloo; one thread per rank, so ranks don't fight for cores.
+
+    And the pipeline's own torch extensions directory, its CPU comm op built (tasks/torch_extensions.py).
+    """
+    return {
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        **torch_extensions.prepare(cpu=True),
+    }
 
 
 def local_devices(num_ranks: int) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from models.common.nodes import Nodes
 from models.common.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
 from tasks import launch_ranks
 from tasks.launch_ranks import RankFailure, RankRefused, follow_job, rank_error, write_job
+from tasks.torch_extensions import COMM_OP
 from tests.rank_failures import shard_write_failed
 
 
@@ -104,7 +106,17 @@ def test_a_job_file_that_cannot_be_written_is_a_write_failure(tmp_path, monkeypa
 # --- launch commands: one node, several ------------------------------------------------------------
 
 
-def test_one_node_commands_pick_a_free_port(monkeypatch):
+@pytest.fixture
+def extensions(tmp_path, monkeypatch) -> Path:
+    """A TORCH_EXTENSIONS_DIR of the test's own, the CPU comm op in it (a stand-in library): nothing gets built."""
+    directory = tmp_path / "torch_extensions"
+    (directory / COMM_OP).mkdir(parents=True)
+    (directory / COMM_OP / f"{COMM_OP}.so").touch()  # newer than DeepSpeed's sources of it: built
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(directory))
+    return directory
+
+
+def test_one_node_commands_pick_a_free_port(monkeypatch, extensions):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     command, env = launch_ranks.rank_command("models.train", ["--job", "J"], num_ranks=2, launcher="torchrun")
@@ -113,7 +125,7 @@ def test_one_node_commands_pick_a_free_port(monkeypatch):
         command[1:]
         == f"-m torch.distributed.run --nproc_per_node 2 --master_port {port} -m models.train --job J".split()
     )
-    assert env == {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    assert env == {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(extensions)}
     command, env = launch_ranks.rank_command("models.train", ["--job", "J"], num_ranks=8, launcher="deepspeed")
     port = command[6]
     assert (
@@ -123,12 +135,14 @@ def test_one_node_commands_pick_a_free_port(monkeypatch):
     assert env == {
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
+        "TORCH_EXTENSIONS_DIR": str(extensions),
     }  # no CUDA here: the CPU accelerator, a thread a rank
     monkeypatch.setattr(launch_ranks, "cuda_available", lambda: True)
-    assert launch_ranks.rank_command("models.train", [], num_ranks=8, launcher="deepspeed")[1] == {}
+    env = launch_ranks.rank_command("models.train", [], num_ranks=8, launcher="deepspeed")[1]
+    assert env == {"TORCH_EXTENSIONS_DIR": str(extensions)}
 
 
-def test_the_deepspeed_launcher_keeps_the_gpus_cuda_visible_devices_picks(monkeypatch):
+def test_the_deepspeed_launcher_keeps_the_gpus_cuda_visible_devices_picks(monkeypatch, extensions):
     # Given --num_gpus the runner drops CUDA_VISIBLE_DEVICES and hands out GPUs 0..N-1; --include keeps the chosen ones.
     monkeypatch.setattr(launch_ranks, "cuda_available", lambda: True)
     for visible, ranks, flags in (
@@ -154,7 +168,7 @@ def test_the_deepspeed_launcher_keeps_the_gpus_cuda_visible_devices_picks(monkey
     ]
 
 
-def test_torchrun_over_nodes_is_a_static_rendezvous_at_node_0():
+def test_torchrun_over_nodes_is_a_static_rendezvous_at_node_0(extensions):
     nodes = Nodes(nnodes=2, master_addr="10.0.0.5", master_port=29400, join_timeout_s=300)
     command, _ = launch_ranks.rank_command(
         "models.capture", ["--job", "J"], num_ranks=8, launcher="torchrun", nodes=nodes, node_rank=1
@@ -185,7 +199,7 @@ def test_torchrun_over_nodes_is_a_static_rendezvous_at_node_0():
         launch_ranks.rank_command("models.capture", [], num_ranks=8, launcher="torchrun", nodes=Nodes(nnodes=2))
 
 
-def test_deepspeed_over_nodes_starts_every_node_from_the_hostfile(tmp_path, monkeypatch):
+def test_deepspeed_over_nodes_starts_every_node_from_the_hostfile(tmp_path, monkeypatch, extensions):
     monkeypatch.setattr(
         launch_ranks, "cuda_available", lambda: True
     )  # GPU nodes: DeepSpeed's CUDA accelerator, detected
@@ -211,7 +225,7 @@ def test_deepspeed_over_nodes_starts_every_node_from_the_hostfile(tmp_path, monk
         "--job",
         "J",
     ]
-    assert env == {}
+    assert env == {"TORCH_EXTENSIONS_DIR": str(extensions)}
     with_addr = nodes.model_copy(update={"master_addr": "10.0.0.5"})
     command, _ = launch_ranks.rank_command("models.train", [], num_ranks=8, launcher="deepspeed", nodes=with_addr)
     assert command[command.index("--master_addr") + 1] == "10.0.0.5"
