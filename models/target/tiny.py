@@ -26,7 +26,9 @@ import hashlib
 import json
 import re
 import shutil
+import sys
 import tempfile
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -108,6 +110,9 @@ BOOK_RECIPE: dict[str, Any] = {
 }
 # The tokenizer's model_max_length: the Llama build's context (the config's 262,144 is YaRN's stretched one).
 KIMI_TOKENIZER_MAX_LENGTH = 4096
+# A build says what it does at least this often (stderr, `tiny target: ...`): a build takes a minute (the Llama) to
+# ~17 min (kimi-long), and the demo and `eagle3 build-target` print nothing else meanwhile.
+PROGRESS_EVERY_S = 10.0
 
 
 def build_tiny_target(
@@ -244,6 +249,14 @@ def _build(out_dir: Path, params: dict[str, Any], files: list[Path], device: str
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    started = time.monotonic()
+    book_steps = params.get("book_steps", 0)
+    _say(
+        f"building the {'kimi-long' if book_steps else shape} target in {out_dir} (once; reused while its "
+        f"settings stay): a tokenizer, then {params['train_steps']:,}"
+        + (f" + {book_steps:,} (the book)" if book_steps else "")
+        + " training steps on the sample data"
+    )
     try:
         tokenizer = build_tokenizer(
             files,
@@ -253,6 +266,7 @@ def _build(out_dir: Path, params: dict[str, Any], files: list[Path], device: str
         )
         save_tokenizer(tokenizer, tmp)
         model = _build_model(tokenizer, params)
+        _say(f"tokenizer of {len(tokenizer):,} tokens, model of {model.num_parameters():,} parameters")
         _train(
             model,
             _training_sequences(tokenizer, files),
@@ -273,6 +287,7 @@ def _build(out_dir: Path, params: dict[str, Any], files: list[Path], device: str
                 lr=params["book_lr"],
                 threads=params["book_threads"],
                 decay=params["book_decay"] == "linear",
+                what="training on the book",
             )
         if shape == "kimi":
             save_kimi_k25(model, tokenizer, tmp)
@@ -284,7 +299,13 @@ def _build(out_dir: Path, params: dict[str, Any], files: list[Path], device: str
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    _say(f"built in {out_dir} ({time.monotonic() - started:.0f} s)")
     return out_dir
+
+
+def _say(line: str) -> None:
+    """A build's progress line, on stderr: stdout stays the command's own output."""
+    print(f"tiny target: {line}", file=sys.stderr, flush=True)
 
 
 def _corpus_digest(files: Sequence[Path]) -> str:
@@ -396,9 +417,11 @@ def _train(
     lr: float = TRAIN_LR,
     threads: int = TRAIN_THREADS,
     decay: bool = False,
+    what: str = "training",
 ) -> None:
     """Train `model` in place for `steps` AdamW steps on `sequences`, packed; deterministic from `seed`.
     The rate warms up linearly over TRAIN_WARMUP steps to `lr`, then stays there, or (`decay`) falls linearly to 0.
+    Says `what` it does, the step and the loss, every PROGRESS_EVERY_S and at the end.
 
     Each step reads batch_size x TRAIN_SEQ_LEN tokens from a stream of the sequences in shuffled
     order (a new order each pass, drawn from a private generator), every position a target.
@@ -422,6 +445,7 @@ def _train(
     model.to(device).train()  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
     try:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        started = said = time.monotonic()
         for step in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr * min(1.0, (step + 1) / TRAIN_WARMUP) * ((1 - step / steps) if decay else 1.0)
@@ -431,6 +455,11 @@ def _train(
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            now = time.monotonic()
+            if now - said >= PROGRESS_EVERY_S or step + 1 == steps:
+                said, done, spent = now, step + 1, now - started
+                left = f", about {spent / done * (steps - done):.0f} s to go" if done < steps else ""
+                _say(f"{what}: step {done:,}/{steps:,}, loss {loss.item():.2f}, {spent:.0f} s{left}")
     finally:
         torch.set_num_threads(before)
         model.to("cpu").eval()  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound

@@ -135,6 +135,31 @@ def test_complete_build_is_reused_and_leaves_no_temp_dirs(tiny_target_dir):
     assert sorted(p.name for p in tiny_target_dir.parent.iterdir()) == [tiny_target_dir.name]
 
 
+def test_a_build_says_each_phase_and_its_steps_and_a_reuse_says_nothing(tmp_path, monkeypatch, capsys):
+    import re
+
+    from models.target import tiny
+
+    monkeypatch.setattr(tiny, "PROGRESS_EVERY_S", 0.0)  # a line every step (10 s apart in a real build)
+    out = tmp_path / "t"
+    build_tiny_target(out, train_steps=3, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == (
+        f"tiny target: building the llama target in {out} (once; reused while its settings stay): a tokenizer, "
+        "then 3 training steps on the sample data"
+    )
+    assert re.fullmatch(r"tiny target: tokenizer of [\d,]+ tokens, model of [\d,]+ parameters", lines[1]), lines[1]
+    steps = [
+        re.fullmatch(r"tiny target: training: step (\d)/3, loss \d+\.\d\d, \d+ s(, about \d+ s to go)?", x)
+        for x in lines[2:5]
+    ]
+    assert all(steps), lines[2:5]
+    assert [(m[1], m[2] is not None) for m in steps if m] == [("1", True), ("2", True), ("3", False)]
+    assert re.fullmatch(rf"tiny target: built in {re.escape(str(out))} \(\d+ s\)", lines[5]) and len(lines) == 6, lines
+    build_tiny_target(out, train_steps=3, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    assert capsys.readouterr().err == ""  # reused: nothing to say
+
+
 def test_refuses_to_replace_a_foreign_directory(tmp_path):
     foreign = tmp_path / "mine"
     foreign.mkdir()
