@@ -39,6 +39,7 @@ from pathlib import Path
 COMM_OP = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME: its build directory's and its library's name
 BUILD_TIME = "about 1-2 minutes on first use"  # measured: 1 min 10 s to 2 min 06 s on 2 busy cores
 HEARTBEAT_S = 10.0  # a line at least this often while a build runs or a launch waits for one
+DEAD_AFTER_S = 0.5  # a lock seen with no holder this long (the same file) was left by a killed process
 # A killed build's compiler, still writing objects in the build directory (torch runs ninja there): busy, not dead.
 COMPILERS = frozenset(
     {"ninja", "c++", "g++", "gcc", "cc", "cc1plus", "cc1", "as", "ld", "collect2", "clang", "clang++"}
@@ -89,6 +90,7 @@ def clear_dead_locks(directory: Path, say: Say) -> None:
     for lock in sorted(directory.glob("*/lock")):
         waited_since: float | None = None
         last_said = 0.0
+        unheld: tuple[tuple[int, int], float] | None = None  # (the file, since when) while seen with no holder
         while True:
             try:
                 before = lock.stat()
@@ -101,14 +103,23 @@ def clear_dead_locks(directory: Path, say: Say) -> None:
                     f"and every rank would wait on it forever: remove it (rm {lock}) and launch again"
                 )
             holders = lock_holders(lock)
-            if not holders:
-                if _same_file(lock, before) and _unlink(lock):  # not released and taken again meanwhile
-                    say(
-                        f"removed {lock}: a build lock left by a killed build (no process holds it); "
-                        "the extension is loaded, or built again, as usual"
-                    )
-                break
             now = time.monotonic()
+            if not holders:
+                # Twice, DEAD_AFTER_S apart, the same file: FileBaton.release closes it before it removes it, and
+                # os.open creates it before the fd is the holder's; a lock seen in either moment is not dead.
+                seen = (before.st_ino, before.st_ctime_ns)
+                if unheld is None or unheld[0] != seen:
+                    unheld = (seen, now)
+                elif now - unheld[1] >= DEAD_AFTER_S:
+                    if _same_file(lock, before) and _unlink(lock):  # not released and taken again meanwhile
+                        say(
+                            f"removed {lock}: a build lock left by a killed build (no process holds it); "
+                            "the extension is loaded, or built again, as usual"
+                        )
+                    break
+                time.sleep(0.1)
+                continue
+            unheld = None
             if waited_since is None:
                 waited_since = now
             if now - last_said >= HEARTBEAT_S:

@@ -75,6 +75,25 @@ def test_a_lock_whose_holder_was_killed_is_removed_within_seconds(tmp_path):
     ]
 
 
+def test_a_lock_seen_unheld_while_its_holder_releases_it_is_left_to_the_holder(tmp_path, monkeypatch):
+    # FileBaton.release closes the file, then removes it: a look in between sees a lock that no process holds.
+    lock = tmp_path / COMM_OP / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    looks: list[int] = []
+
+    def in_the_release(path: Path) -> list[int]:
+        looks.append(1)
+        if len(looks) == 2:
+            path.unlink()  # the holder's os.remove, just after our first look
+        return []
+
+    monkeypatch.setattr(torch_extensions, "lock_holders", in_the_release)
+    said: list[str] = []
+    clear_dead_locks(tmp_path, said.append)
+    assert said == [] and len(looks) == 2  # not removed, not said: the holder removed it
+
+
 @pytest.mark.multiprocess
 def test_a_live_holder_is_waited_for_and_named(tmp_path, monkeypatch):
     monkeypatch.setattr(torch_extensions, "HEARTBEAT_S", 0.0)  # a line at every look
