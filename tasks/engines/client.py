@@ -23,7 +23,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -207,7 +207,9 @@ class EngineClient:
 
     `auth_hint` finishes the message of an AuthError (e.g. which setting holds the key);
     `vocab_size` lets replies be checked against the target's vocabulary; `logger` gets one
-    warning per kind of invalid reply (then they are only counted, in `invalid_replies`).
+    warning per kind of invalid reply (then they are only counted, in `invalid_replies`);
+    `on_failure(client, exc)` is awaited after each failed try of `generate` and may raise to end the retries (a
+    server the caller launched and knows to be dead: tasks/eval/server_watch.py).
     """
 
     name = "the engine"  # in messages: "SGLang", "vLLM"
@@ -228,8 +230,10 @@ class EngineClient:
         vocab_size: int | None = None,
         max_reply_bytes: int = MAX_REPLY_BYTES,
         logger: logging.Logger | logging.LoggerAdapter = log,
+        on_failure: Callable[[EngineClient, ServerUnavailable], Awaitable[None]] | None = None,
     ):
         self.base_url = base_url.rstrip("/")
+        self.on_failure = on_failure
         self.retry = retry or RetryPolicy()
         self.auth_hint = auth_hint
         self.vocab_size = vocab_size
@@ -396,6 +400,8 @@ class EngineClient:
                 return parse(data) if parse is not None else data
             except ServerUnavailable as exc:
                 await self._after_failure(exc, path, self._rid_of(kw.get("json")))
+                if self.on_failure is not None:
+                    await self.on_failure(self, exc)
                 elapsed = time.monotonic() - started
                 if elapsed >= self.retry.outage_window_s:
                     raise ServerOutage(
@@ -455,7 +461,7 @@ class EngineClient:
                 raise InvalidReply("json", f"unparseable 200 body: {body[:200]!r}") from exc
         message = body_message(body, reason)
         if status in RETRYABLE_STATUS or status >= 500:
-            raise ServerUnavailable(f"HTTP {status}: {message}")
+            raise ServerUnavailable(f"HTTP {status}: {message}", status)
         self._raise_refused(status, message, path)
         raise self._bad_request(status, message)
 

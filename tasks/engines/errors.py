@@ -10,6 +10,7 @@ A status code means what it says, on every endpoint of every engine:
   checks (`InvalidReply`: a server that answers 200 with impossible content is faulty, not the
   prompt); retried with backoff until the outage has lasted `RetryPolicy.outage_window_s`, then
   `ServerOutage` is raised so the caller can fail cleanly (resumably) instead of spinning forever.
+- `EngineDied`: a server the pipeline launched itself is gone (tasks/eval/server_watch.py); nothing to wait for.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class WrongEndpoint(ServerRefused):
 class ServerUnavailable(EngineError):
     """One attempt failed in a way that may succeed later (connection, timeout, 429, 5xx)."""
 
+    def __init__(self, message: str, status: int | None = None):
+        self.status = status  # the HTTP status that said so (None: no answer, or an impossible 200)
+        super().__init__(message)
+
 
 class InvalidReply(ServerUnavailable):
     """A 200 whose content cannot be true (counts, ids, finish reason, size): a server fault, retried."""
@@ -76,3 +81,9 @@ class DuplicateRequestId(ServerUnavailable):
 
 class ServerOutage(EngineError):
     """The server stayed unavailable for longer than the configured outage window."""
+
+
+class EngineDied(EngineError):
+    """A server the pipeline launched is gone for good: its process exited, or its engine answers 500 and fails its
+    health check (vLLM 0.32 after its worker crashed). Nobody restarts it, so waiting out the outage window is
+    pointless: the stage stops at once, quoting the server log's last errors."""

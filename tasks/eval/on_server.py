@@ -52,7 +52,8 @@ from models.eval.prompts import EvalPrompt
 from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy, ServerLimits
 from tasks.engines.errors import BadRequest
-from tasks.launch_servers import SERVER_LOG, launched_servers
+from tasks.eval.server_watch import ServerWatch
+from tasks.launch_servers import SERVER_LOG, ServerProcess, launched_servers
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,12 @@ class EvalServer:
             extra_args=extra_args,
             engine=self.engine,
         )
+
+    def watch(self, launched: list[ServerProcess] | None) -> ServerWatch | None:
+        """What ends a phase at once when the server it launched (`launched`, what `serving` yielded) dies; None
+        for launch: none (a server someone else runs may come back within the outage window)."""
+        name = "dev server" if self.launch == "dev" else f"{self.engine} server"
+        return ServerWatch.of(launched, self.settings.outage_window_s, name)
 
 
 @dataclass(frozen=True)
@@ -171,11 +178,13 @@ async def decode_prompts(
     on_done: Callable[[int, int], Awaitable[None]] | None = None,
     select: Callable[[ServerLimits, Any], tuple[list[EvalPrompt], dict[str, str]]] | None = None,
     logger: Any = None,
+    watch: ServerWatch | None = None,
 ) -> Phase:
     """Every prompt through the engine at `url`, `concurrency` at a time, each retried within the outage window.
 
     `select(limits, client)` gets what the server says of itself before anything is sent and returns the prompts
-    to send and why the others are not (it raises to send nothing).
+    to send and why the others are not (it raises to send nothing). `watch`: the server the eval launched, whose
+    death ends the phase at once with EngineDied (tasks/eval/server_watch.py) instead of the outage window's retries.
     """
     gate = asyncio.Semaphore(concurrency)
     done = 0
@@ -189,6 +198,7 @@ async def decode_prompts(
         auth_hint=auth_hint,
         vocab_size=vocab_size,
         max_connections=max(concurrency, 1),
+        on_failure=watch.after_failure if watch is not None else None,
         **kw,
     ) as client:
 
@@ -218,15 +228,19 @@ async def decode_prompts(
                 reply.spec_accepted,
             )
 
-        skipped: dict[str, str] = {}
-        limits = await client.limits()
-        if select is not None:
-            prompts, skipped = select(limits, client)
-        started = time.perf_counter()
-        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        wall_s = time.perf_counter() - started
-        limits = await client.limits()
-    return Phase(no_rounds_listed(r for r in results if r is not None), refused, wall_s, limits, skipped)
+        async def phase() -> Phase:
+            nonlocal prompts  # `one` counts its progress against the prompts sent
+            skipped: dict[str, str] = {}
+            limits = await client.limits()
+            if select is not None:
+                prompts, skipped = select(limits, client)
+            started = time.perf_counter()
+            results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+            wall_s = time.perf_counter() - started
+            limits = await client.limits()
+            return Phase(no_rounds_listed(r for r in results if r is not None), refused, wall_s, limits, skipped)
+
+        return await (watch.guard(phase()) if watch is not None else phase())
 
 
 def no_rounds_listed(served: Iterable[Served]) -> list[Served]:

@@ -40,6 +40,7 @@ from tasks.eval.on_server import (
     engine_report,
     fit_draft_context,
 )
+from tasks.eval.server_watch import ServerWatch
 from tasks.generate.prompts import default_stop_ids, request_sampling_params
 from tasks.launch_ranks import follow_job, write_job
 
@@ -128,6 +129,7 @@ def evaluate_on_server(
         what: str,
         select: Callable[..., Any] | None = None,
         sampling: dict[str, Any] | None = None,
+        watch: ServerWatch | None = None,
     ) -> Phase:
         async def on_done(done: int, total: int) -> None:
             await aupdate_progress_artifact(
@@ -152,6 +154,7 @@ def evaluate_on_server(
                 on_done=on_done,
                 select=select,
                 logger=logger,
+                watch=watch,
             )
         )
 
@@ -160,8 +163,9 @@ def evaluate_on_server(
         return fit_draft_context(prompts, limits, job.max_new_tokens)
 
     spec = server.speculative_args(str(final), job.num_steps)
-    with server.serving(spec, "eval-with-draft", logger):
-        with_draft = measure(server.settings.url, prompts, 0, "with the draft", select=draft_prompts)
+    with server.serving(spec, "eval-with-draft", logger) as launched:
+        watch = server.watch(launched)  # a launched server that dies ends the eval at once, quoting its log
+        with_draft = measure(server.settings.url, prompts, 0, "with the draft", select=draft_prompts, watch=watch)
         on_benchmarks = {}
         for i, b in enumerate(job.benchmarks):  # each with its own generation length, left out like the eval prompts
             n = b.max_new_tokens or job.max_new_tokens
@@ -175,6 +179,7 @@ def evaluate_on_server(
                 sampling=request_sampling_params(
                     {"max_new_tokens": n, "temperature": 0.0}, default_stop_ids(tokenizer)
                 ),
+                watch=watch,
             )
     if with_draft.skipped:
         logger.warning(
@@ -195,12 +200,13 @@ def evaluate_on_server(
     without = None
     if baseline:  # the same prompts as the draft phase served, so that the speedup compares like with like
         served = {(r.source, r.id) for r in with_draft.served}
-        with server.serving([], "eval-without-draft", logger):
+        with server.serving([], "eval-without-draft", logger) as launched:
             without = measure(
                 engine.baseline_url or server.settings.url,
                 [p for p in prompts if (p.source, p.id) in served],
                 phases - 1,
                 "without the draft",
+                watch=server.watch(launched),
             )
     report = engine_report(
         with_draft, without, job.num_steps, engine.concurrency, server.engine, context_edges=job.context_buckets
