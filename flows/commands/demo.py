@@ -18,6 +18,7 @@ from tasks.checkpoints import live_parts
 from tasks.engines import sglang, vllm
 from tasks.eval.benchmarks import benchmark_rows
 from tasks.eval.tasks import context_rows, engine_rows
+from tasks.generate.provenance import Provenance, check_record, last_run_provenance, target_fingerprint
 from tasks.launch_servers import SERVER_LOG
 from tasks.ports import free_port
 from tasks.stats import collect_stats, render_rows_table, render_stats_table
@@ -54,13 +55,22 @@ SHOWN_PER_DATASET = 2
 TEXT_COLUMNS = ("benchmark", "format", "anchor_draft")  # the benchmark table's left-aligned columns
 
 
-def demo_config(run_dir: Path | None = None, target: str = "llama") -> RunConfig:
+def demo_config(run_dir: Path | None = None, target: str = "llama", engine: str | None = None) -> RunConfig:
     """The demo preset of `target` (configs/demo.yaml, configs/demo-kimi.yaml) with paths resolved against the
-    repository root."""
+    repository root, in `run_dir`, else in the demo's own run directory for `target` and `engine` (`demo_run_dir`)."""
     config = load_config(DEMO_TARGETS[target].config, base=REPO)
-    if run_dir is not None:
-        config.run_dir = run_dir.resolve()
+    config.run_dir = run_dir.resolve() if run_dir is not None else demo_run_dir(config.run_dir, target, engine)
     return config
+
+
+def demo_run_dir(preset: Path, target: str, engine: str | None) -> Path:
+    """One run directory per target and engine, so that a demo never resumes another engine's responses (a run
+    directory records what made them and refuses another: tasks/generate/provenance.py): the preset's run_dir
+    (runs/demo, runs/demo-kimi, runs/demo-kimi-long) through the target's own engine, with `-<engine>` added
+    through another (runs/demo-vllm, runs/demo-sglang, runs/demo-kimi-dev)."""
+    if engine is None or engine == DEMO_TARGETS[target].engine:
+        return preset
+    return preset.with_name(f"{preset.name}-{engine}")
 
 
 def engine_python(venv: Path, engine: str, install: str) -> Path:
@@ -125,6 +135,9 @@ def run_demo(
 ) -> RunConfig:
     """Run the whole pipeline as one Prefect flow run on the sample data (dev server on a free port), print the results.
 
+    `run_dir`: by default one per target and engine (`demo_run_dir`: runs/demo, runs/demo-vllm, runs/demo-kimi, ...);
+    a run directory made with another engine or target is refused before anything starts (OtherEngine).
+
     `engine` "vllm": generate and the engine eval go through a real vLLM (.venv-vllm's CPU build) started by the
     pipeline, instead of the dev server's SGLang emulation. "sglang": generate goes through a real SGLang
     (.venv-sglang); the eval is in-process only, since SGLang's EAGLE-3 needs a kernel op that has no CPU build
@@ -136,12 +149,14 @@ def run_demo(
     trained on a book, writing answers of up to ~2,100 tokens, configs/demo-kimi-long.yaml.
     """
     console = console or Console()
-    config = demo_config(run_dir, target)
+    config = demo_config(run_dir, target, engine)
     for section, values in (overrides or {}).items():
         current = getattr(config, section)
         setattr(config, section, type(current).model_validate({**current.model_dump(), **values}))
     if target_dir is not None:
         config.target.path = str(target_dir)
+    # another engine's or target's run directory: refused in seconds, before a target is built or a server started
+    check_record(config.layout, demo_provenance(config, engine), fallback=last_run_provenance(config.layout))
     if config.target.build_tiny_target:  # first: vLLM's command follows the target's shape (its config.json)
         build_target(config.target.path, config.target.tiny_shape)
     config.server = demo_server(
@@ -196,6 +211,13 @@ def run_demo(
     console.print(f"run directory: {config.run_dir}   (`eagle3 stats {config.run_dir}` prints the tables again)")
     console.print(eval_summary_line(report) + f"; exported draft: {layout.final}")
     return config
+
+
+def demo_provenance(config: RunConfig, engine: str) -> Provenance:
+    """What this demo will generate with, as `--engine` names it (DEMO_ENGINES' names are the engine kinds of
+    tasks/generate/provenance.py); the generate stage asks the server itself."""
+    launch = "dev" if engine == "dev" else "command"
+    return Provenance(engine, config.target.path, target_fingerprint(config.target.path), launch=launch)
 
 
 def eval_summary_line(report: dict) -> str:
