@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +25,9 @@ from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import ServerOutage
 from tasks.ports import free_port
 
-SERVER_LOG = "server.log"  # a lone server's log in the log_dir it is given (RUN_DIR/logs: models/common/run_layout.py)
+# A lone server's log in the log_dir it is given (RUN_DIR/logs: models/common/run_layout.py). Every log is appended to,
+# each launch after a header line naming its time and command: a second launch (another engine) keeps the first's.
+SERVER_LOG = "server.log"
 
 
 class ServerProcess:
@@ -49,6 +53,7 @@ class ServerProcess:
             engine  # whose health path is polled (tasks/engines/): sglang (also the dev server, a router) or vllm
         )
         self.process: subprocess.Popen[bytes] | None = None
+        self.log_start = 0  # where this launch's part of the appended log begins (its header)
 
     def __enter__(self) -> ServerProcess:
         self.start()
@@ -62,6 +67,9 @@ class ServerProcess:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(self.log_path, "ab")
+            self.log_start = log.tell()
+            log.write(launch_header(self.command, self.engine).encode())
+            log.flush()
         try:
             self.process = subprocess.Popen(
                 self.command,
@@ -110,11 +118,32 @@ class ServerProcess:
             pass
 
     def log_tail(self, lines: int = 30) -> str:
+        """The last `lines` lines this launch wrote (not an earlier launch's, in the same appended log)."""
         if self.log_path is None or not self.log_path.exists():
             return "(no log)"
         with open(self.log_path, "rb") as f:
+            f.seek(self.log_start)
             tail = deque(f, maxlen=lines)
         return b"".join(tail).decode("utf-8", "replace")
+
+
+def launch_header(command: list[str], engine: str) -> str:
+    """The line that opens a launch's part of an appended server log: when, which engine's API, what command (a
+    key's or a password's value in it hidden)."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    shown: list[str] = []
+    for word in command:
+        flag, eq, _ = word.partition("=")
+        if shown and _secret_flag(shown[-1]) and not eq:
+            shown.append("***")
+        else:
+            shown.append(f"{flag}=***" if eq and _secret_flag(flag) else word)
+    return f"===== {when}: launching ({engine} API, from pid {os.getpid()}): {shlex.join(shown)}\n"
+
+
+def _secret_flag(word: str) -> bool:
+    word = word.lower()
+    return word.startswith("--") and (any(s in word for s in ("key", "secret", "password")) or word.endswith("-token"))
 
 
 def dev_server(

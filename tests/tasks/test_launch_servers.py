@@ -115,3 +115,28 @@ def test_a_replica_that_dies_at_start_stops_the_others(tmp_path):
         ):
             pytest.fail("a dead replica was taken as healthy")
     assert not _up(f"http://127.0.0.1:{base}")
+
+
+@pytest.mark.multiprocess
+def test_a_second_launch_keeps_the_first_s_log_and_reports_only_its_own(tmp_path):
+    """Two engines launched into one log directory (the dev server, then vLLM): both outputs stay, each after a
+    header naming its command, and the second's failure quotes its own output, not the first's."""
+    import sys
+
+    from tasks.launch_servers import SERVER_LOG
+
+    url = f"http://127.0.0.1:{free_port()}"
+    errors = []
+    for words, engine, code in (("dev server says hello", "sglang", 3), ("vllm says hello", "vllm", 4)):
+        command = [sys.executable, "-c", f"import sys; print({words!r}, flush=True); sys.exit({code})"]
+        with pytest.raises(RuntimeError) as caught:
+            with launched_servers("command", url, command=command, log_dir=tmp_path, engine=engine):
+                pytest.fail("a dead server was taken as healthy")
+        errors.append(str(caught.value))
+    log = (tmp_path / SERVER_LOG).read_text()
+    headers = [line for line in log.splitlines() if line.startswith("===== ")]
+    assert [("(sglang API" in h, "(vllm API" in h) for h in headers] == [(True, False), (False, True)]
+    assert log.index(headers[0]) < log.index("dev server says hello") < log.index(headers[1])
+    assert log.index(headers[1]) < log.index("vllm says hello")
+    assert "dev server says hello" in errors[0] and "code 3" in errors[0]
+    assert "vllm says hello" in errors[1] and "dev server says hello" not in errors[1]
