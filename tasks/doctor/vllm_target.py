@@ -25,6 +25,7 @@ from typing import Any
 
 from models.common.findings import Finding
 from models.export.format import CONFIG_FILE, VLLM_AUX_KEY
+from models.export.rules import is_mla
 from tasks.engines.vllm import NATIVE_ROPE
 
 # The architectures vLLM runs with deepseek_v2.py's DeepseekV2Model (model_executor/models/registry.py; the kimi_k25
@@ -44,6 +45,9 @@ END_LAYER_FIX = (0, 25, 0)
 CPU_MLA_SIZES = (512, 64)  # kv_lora_rank, qk_rope_head_dim: head size 576, the CPU MLA kernel's only one
 CPU_ENV = "VLLM_CPU_KVCACHE_SPACE"  # read by vLLM's CPU build alone (tasks/engines/vllm.py cpu_command sets it)
 MLA_OFF = "VLLM_MLA_DISABLE"
+# Whose aux ids come from this run's settings (capture.aux_layers): the draft the train stage writes, its existing
+# export, the vLLM capture's.
+OUR_IDS = ("draft", "export", "capture")
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,8 @@ class VllmServer:
     draft: bool = False
     """It serves an EAGLE-3 draft (the engine eval's server)."""
     aux_ids: tuple[tuple[str, list[int]], ...] = ()
-    """(whose, ids): each eagle_aux_hidden_state_layer_ids list it will be given, e.g. ("draft", [2, 4, 5])."""
+    """(whose, ids): each eagle_aux_hidden_state_layer_ids list it will be given, e.g. ("draft", [2, 4, 5]); whose is
+    one of OUR_IDS, or the setting that chose another trainer's draft (`eval.draft`, `--draft`)."""
     command: list[str] | None = None
     """Its command, when the pipeline launches it (launch: command); None: started by someone else."""
     version: str | None = None
@@ -129,6 +134,15 @@ def export_aux_ids(export_dir: Path) -> list[int] | None:
     except (OSError, ValueError, AttributeError):
         return None
     return ids if isinstance(ids, list) and all(type(i) is int for i in ids) else None
+
+
+def export_is_mla(export_dir: Path) -> bool:
+    """Whether the draft in `export_dir` is an MLA one (models/export/rules.py `is_mla`); False when unreadable."""
+    try:
+        cfg = json.loads((export_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and is_mla(cfg)
 
 
 def served_version(urls: list[str], api_key: str | None, timeout_s: float = 10.0) -> str | None:
@@ -218,7 +232,12 @@ def _aux_ids_finding(whose: str, ids: list[int], num_layers: int, arch: str, ver
             "FAIL",
             f"{seen}: " + "; ".join(wrong),
             f"use ids 1..{num_layers} (our aux layer a, the output of 0-based layer a, is vLLM id a + 1: "
-            "models/export/format.py vllm_aux_ids); fix capture.aux_layers, or export again",
+            "models/export/format.py vllm_aux_ids); "
+            + (
+                "fix capture.aux_layers, or export again"
+                if whose in OUR_IDS
+                else "write them at the top level of the draft's config.json, or measure another draft"
+            ),
         )
     if not deepseek or num_layers not in ids:
         return Finding(name, "PASS", seen)

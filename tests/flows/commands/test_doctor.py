@@ -164,6 +164,26 @@ def test_a_draft_whose_vllm_aux_ids_are_off_by_one_fails(tmp_path, tiny_target_d
     assert found["draft: vLLM loader"].status == "FAIL" and found["draft: SGLang loader"].status == "PASS"
 
 
+def test_eagle3_eval_with_draft_checks_that_draft_before_the_eval_starts(tmp_path, tiny_target_dir):
+    """`eagle3 eval CONFIG --draft DIR` (the pipeline's eval_draft): DIR is checked against the rules of the engine the
+    eval serves it through (vLLM here: aux id 0, tasks/doctor/test_draft.py has the Kimi case), before anything runs."""
+    from transformers import AutoModelForCausalLM
+
+    from flows.pipeline import pipeline
+    from tasks.engines.vllm import cpu_command
+    from tests.drafts import export_random_draft
+
+    theirs = tmp_path / "elsewhere" / "draft"
+    export_random_draft(AutoModelForCausalLM.from_pretrained(tiny_target_dir), theirs, draft_vocab_size=1024)
+    cfg = json.loads((theirs / "config.json").read_text())
+    (theirs / "config.json").write_text(json.dumps({**cfg, "eagle_aux_hidden_state_layer_ids": [0, 4, 5]}))
+    server = {"engine": "vllm", "launch": "command", "command": cpu_command("python", str(tiny_target_dir))}
+    config = write_demo_config(tmp_path, tiny_target_dir, server=server, eval={"backend": "engine"})
+    with pytest.raises(PreflightFailed, match=rf"draft: vLLM loader: --draft {theirs}: top-level eagle_aux_hidden"):
+        pipeline(str(config), "eval", eval_draft=str(theirs))
+    assert not (tmp_path / "run" / "logs").exists()  # no server was started
+
+
 def test_a_norm_before_residual_draft_is_vllm_s_a_warning_for_sglang_not_a_failure(tmp_path, tiny_target_dir):
     """SGLang 0.5.23 cannot serve it (its layer keeps the raw residual), vLLM can: the preflight of an eval served by
     vLLM must not stop on SGLang's loader."""
