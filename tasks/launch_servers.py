@@ -138,7 +138,8 @@ def launch_header(command: list[str], engine: str) -> str:
             shown.append("***")
         else:
             shown.append(f"{flag}=***" if eq and _secret_flag(flag) else word)
-    return f"===== {when}: launching ({engine} API, from pid {os.getpid()}): {shlex.join(shown)}\n"
+    one_line = shlex.join(shown).replace("\n", "\\n")  # a script given with -c stays on the header's line
+    return f"===== {when}: launching ({engine} API, from pid {os.getpid()}): {one_line}\n"
 
 
 def _secret_flag(word: str) -> bool:

@@ -92,8 +92,13 @@ def test_command_replicas_each_get_their_port_and_gpus_and_all_are_stopped(tmp_p
         assert urls == [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
         assert [_up(u) for u in urls] == [True, True]
     assert [_up(u) for u in urls] == [False, False]  # both stopped
-    logs = [(tmp_path / f"server-{i}.log").read_text().splitlines()[0] for i in (0, 1)]
-    assert logs == [f"replica 0 port {base} gpus 0,1,2,3", f"replica 1 port {base + 1} gpus 4,5,6,7"]
+    logs = [(tmp_path / f"server-{i}.log").read_text().splitlines()[:2] for i in (0, 1)]  # the launch's header first
+    assert [header.startswith("===== ") and f"{i} {base + i}" in header for i, (header, _) in enumerate(logs)] == [
+        True,
+        True,
+    ]
+    said = [line for _, line in logs]
+    assert said == [f"replica 0 port {base} gpus 0,1,2,3", f"replica 1 port {base + 1} gpus 4,5,6,7"]
 
 
 @pytest.mark.multiprocess
