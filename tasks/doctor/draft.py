@@ -44,8 +44,8 @@ class ServedDraft:
     ours: bool
     """The train stage's export (final, best): held to both engines' rules. Else another trainer's draft."""
     engine: str | None
-    """What the engine eval serves it through: sglang, dev (the dev server: SGLang's rules, but its draft model reads
-    norm_before_residual), vllm; None: in-process only."""
+    """What the engine eval serves it through: sglang, dev (the dev server, which loads a draft as SGLang does:
+    SGLang's rules), vllm; None: in-process only."""
     in_process: bool = False
     """The in-process (HF) eval loads it too (eval.backend hf or both)."""
     required: bool = False
@@ -174,8 +174,8 @@ def _loader_findings(served: ServedDraft, *, vllm_only: bool) -> list[Finding]:
 
     A problem of the engine that serves it is a FAIL. Of the other engine: a FAIL for the train stage's export (it
     promises both), a WARN for another trainer's draft. `vllm_only` (a norm_before_residual draft, which SGLang 0.5.23
-    cannot serve and the config refuses to serve with it): SGLang's problems are a WARN unless a real SGLang serves
-    it, the draft is vLLM's (and the dev server's).
+    cannot serve and the config refuses to serve with it unless through the dev server, which serves it as SGLang
+    does): SGLang's problems are a WARN unless a real SGLang serves it, the draft is vLLM's.
     """
     serves = ENGINE_NAMES.get(served.engine or "")
     out = []

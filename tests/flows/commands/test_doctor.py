@@ -166,7 +166,8 @@ def test_a_draft_whose_vllm_aux_ids_are_off_by_one_fails(tmp_path, tiny_target_d
 
 def test_eagle3_eval_with_draft_checks_that_draft_before_the_eval_starts(tmp_path, tiny_target_dir):
     """`eagle3 eval CONFIG --draft DIR` (the pipeline's eval_draft): DIR is checked against the rules of the engine the
-    eval serves it through (vLLM here: aux id 0, tasks/doctor/test_draft.py has the Kimi case), before anything runs."""
+    eval serves it through (vLLM here: aux id 0; the Kimi case: tests/tasks/doctor/test_draft.py), before anything
+    runs."""
     from transformers import AutoModelForCausalLM
 
     from flows.pipeline import pipeline
