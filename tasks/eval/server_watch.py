@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import re
 import signal
+import weakref
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -72,7 +73,10 @@ class ServerWatch:
     probe_gap_s: float = 1.0
     probe_timeout_s: float = 30.0  # SGLang's /health_generate gives up on its own probe after 20 s
     died: EngineDied | None = field(default=None, init=False)
-    _probing: asyncio.Lock | None = field(default=None, init=False, repr=False)
+    # one lock per event loop: each phase of the eval runs in its own (run_coro_as_sync), and a lock is bound to one
+    _probing: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False
+    )
 
     @classmethod
     def of(cls, launched: Sequence[ServerProcess] | None, outage_window_s: float, name: str) -> ServerWatch | None:
@@ -115,9 +119,8 @@ class ServerWatch:
         self.check()
         if exc.status != 500:
             return
-        if self._probing is None:
-            self._probing = asyncio.Lock()
-        async with self._probing:  # one probe at a time: the requests that failed together share its verdict
+        lock = self._probing.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+        async with lock:  # one probe at a time: the requests that failed together share its verdict
             self.check()
             for attempt in range(self.probes):
                 if await client.healthy(timeout_s=self.probe_timeout_s):
