@@ -272,19 +272,18 @@ def render_eval(eval_report: Path) -> RenderableType:
     report = json.loads(eval_report.read_text())
     parts: list[RenderableType] = [render_eval_table(report)]
     if context_rows(report):
-        parts.append(render_context(context_rows(report)))
+        parts.append(render_context(context_rows(report), report))
     if report.get("benchmarks"):
         parts.append(render_benchmarks(report["benchmarks"], report["num_steps"]))
     return Group(*parts)
 
 
-def render_context(rows: list[dict]) -> Table:
+def render_context(rows: list[dict], report: dict) -> Table:
     """The acceptance length by context position (tasks/eval/tasks.py context_rows): a row per bucket, a column per
     source."""
     table = Table(
         title="acceptance length by context position (tokens before a round's first draft token)",
-        caption="rounds: the trained draft's on the eval prompts; other columns: the trained draft on each benchmark; "
-        "(vllm): the rounds as the serving engine counted them, the rest in-process",
+        caption=context_caption(list(rows[0]), report),
     )
     for column in rows[0]:
         table.add_column(column, justify="left" if column == "context" else "right")
@@ -296,6 +295,32 @@ def render_context(rows: list[dict]) -> Table:
             ]
         )
     return table
+
+
+def context_caption(columns: list[str], report: dict) -> str:
+    """What each column of the context table holds, for the columns it has (context_rows names them)."""
+    engine = (report.get("engine") or {}).get("engine")
+    by_engine = [c for c in columns if engine and c.endswith(f"({engine})")]
+    benchmarks = [c for c in columns if c not in ("context", "rounds", "trained", "untrained", *by_engine)]
+    said = []
+    if "rounds" in columns:
+        whose = "in-process" if "trained" in columns else f"as {engine} counted them"
+        said.append(f"rounds: the trained draft's verify rounds on the eval prompts ({whose})")
+    if benchmarks:
+        said.append(f"{', '.join(benchmarks)}: the trained draft on that benchmark")
+    if by_engine:
+        placed = {report["engine"]["overall"].get("placed_by")} | {
+            b.get("engine", {}).get("placed_by") for b in (report.get("benchmarks") or {}).values()
+        }
+        how = (
+            "each verify round where it starts"
+            if placed & {"round", "round and request"}
+            else "each whole request in the bucket where its rounds start (the engine sends a request's totals only)"
+        )
+        said.append(f"({engine}): as the serving engine counted them, {how}; the rest in-process")
+    else:
+        said.append("all in-process")
+    return "; ".join(said)
 
 
 def render_benchmarks(section: dict, num_steps: int) -> Table:
