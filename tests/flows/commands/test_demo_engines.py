@@ -62,6 +62,12 @@ def test_the_vllm_demo_refuses_the_dev_demo_s_run_dir_before_anything_starts(tmp
     assert "this run asks for a real vLLM" in message
     assert "give a new run_dir" in message and "run it with server.launch: dev (the demo: --engine dev)" in message
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # no server log, no demo config: nothing ran
+    # what run_demo checks with --engine dev on the same run directory: it goes on
+    from flows.commands.demo import demo_provenance
+    from tasks.generate.provenance import check_record, last_run_provenance
+
+    same = check_record(layout, demo_provenance(dev, "dev"), fallback=last_run_provenance(layout))
+    assert (same is not None) == recorded  # the record; or none yet, and its next generate adopts the run
 
 
 @pytest.mark.vllm
