@@ -92,7 +92,7 @@ def doctor_findings(
         out += [("vllm target", f) for f in _vllm_target(config, target, stages, engine=engine, served=served)]
     if target and ({"generate", "records", "capture"} & set(stages)):
         out += [("disk", f) for f in _disk(config)]
-    out += [("run directory", f) for f in _run_dir(config, capture="capture" in stages)]
+    out += [("run directory", f) for f in _run_dir(config, capture="capture" in stages, generate="generate" in stages)]
     return out
 
 
@@ -366,13 +366,25 @@ def _disk(config: RunConfig) -> list[Finding]:
     return disk_findings(plan, budget_tokens=budgets, run_dir=config.run_dir)
 
 
-def _run_dir(config: RunConfig, *, capture: bool) -> list[Finding]:
-    """The run directory's checks; `capture`: the capture stage runs, so its shards are checked too."""
+def _run_dir(config: RunConfig, *, capture: bool, generate: bool) -> list[Finding]:
+    """The run directory's checks; `capture`: the capture stage runs, so its shards are checked too; `generate`: the
+    generate stage runs, so the engine and target its responses were made with are compared with the config's."""
     from tasks.doctor.run_dir import run_dir_findings, shards_finding
+    from tasks.generate.provenance import Provenance, declared_engine, target_fingerprint
 
     job = train_job(config)
     settings = optimisation_settings(job, config.world_size(config.train)) | variant_settings(job)
-    found = run_dir_findings(config.run_dir, checkpoint_dir=config.layout.checkpoints, settings=settings)
+    s, path = config.server, config.target.path
+    # as the config declares it (a running server, launch none, says what it is only to the generate stage)
+    current = Provenance(
+        declared_engine(s.launch, s.engine, s.command), path, target_fingerprint(path), launch=s.launch
+    )
+    found = run_dir_findings(
+        config.run_dir,
+        checkpoint_dir=config.layout.checkpoints,
+        settings=settings,
+        generated_by=current if generate else None,
+    )
     if not capture:
         return found
     c = config.capture
