@@ -101,7 +101,7 @@ def run_one(name: str, run_dir: Path) -> tuple[dict[str, Any], str]:
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "loadavg_before": load_before},
         "wall_s": round(wall, 1),
         "preset": preset(name),
-        "generate": {"responses": responses(run_dir)},
+        "generate": generated(run_dir),
         **printed_sizes(transcript),
         "eval": slim(report),
         "summary": summary_line(transcript),
@@ -126,12 +126,14 @@ def kept_transcript(stdout: str) -> str:
     return "\n".join(line.rstrip() for line in lines[first:]) + "\n"
 
 
-def responses(run_dir: Path) -> dict[str, int]:
-    """Responses per generated dataset and their total, from the checkpoints' footers (`eagle3 stats`)."""
-    from tasks.stats import collect_stats
+def generated(run_dir: Path) -> dict[str, Any]:
+    """Responses per generated dataset and in all, and the median answer's completion tokens, from the checkpoints'
+    footers (`eagle3 stats`)."""
+    from tasks.stats import collect_stats, total_stats
 
-    counts = {s.dataset: s.responses for s in collect_stats(run_dir)}
-    return {**counts, "total": sum(counts.values())}
+    stats = collect_stats(run_dir)
+    counts = {s.dataset: s.responses for s in stats}
+    return {"responses": {**counts, "total": sum(counts.values())}, "p50_length": total_stats(stats).p50_length}
 
 
 def printed_sizes(transcript: str) -> dict[str, Any]:
