@@ -41,7 +41,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy, ServerLimits
 from tasks.engines.errors import BadRequest
 from tasks.eval.server_watch import ServerWatch
+from tasks.heartbeat import Heartbeat
 from tasks.launch_servers import SERVER_LOG, ServerProcess, launched_servers
 
 
@@ -77,20 +78,26 @@ class EvalServer:
         """The engine's launch flags that serve `draft_dir` as a chain draft of num_steps tokens per round."""
         return client_class(self.engine).speculative_args(draft_dir, num_steps)
 
-    def serving(self, extra_args: list[str], name: str, logger: Any) -> contextlib.AbstractContextManager:
+    def serving(
+        self, extra_args: list[str], name: str, logger: Any, beat: Heartbeat | None = None
+    ) -> contextlib.AbstractContextManager:
         """The server with `extra_args` (the draft's flags, or none) for one phase;
-        nothing to start with launch: none."""
+        nothing to start with launch: none.
+
+        With `beat`, the wait for its health check and its stop are the heartbeat's steps (a line every ~10 s while
+        a server loads for minutes), and a line says when it answered."""
         if self.launch == "none":
             return contextlib.nullcontext()
+        log_path = self.log_dir / name / SERVER_LOG
         logger.info(
             "engine eval: starting the %s server (%s) at %s %s(log: %s)",
             self.launch,
             self.engine,
             self.settings.url,
             "with the draft " if extra_args else "without a draft ",
-            self.log_dir / name / SERVER_LOG,
+            log_path,
         )
-        return launched_servers(
+        servers = launched_servers(
             self.launch,
             self.settings.url,
             gpus_per_replica=self.gpus_per_replica,
@@ -101,12 +108,37 @@ class EvalServer:
             extra_args=extra_args,
             engine=self.engine,
         )
+        if beat is None:
+            return servers
+        what = (
+            f"the {self.launch} server {'with the draft' if extra_args else 'without a draft'} at {self.settings.url}"
+        )
+        return announced(servers, beat, what, log_path)
 
     def watch(self, launched: list[ServerProcess] | None) -> ServerWatch | None:
         """What ends a phase at once when the server it launched (`launched`, what `serving` yielded) dies; None
         for launch: none (a server someone else runs may come back within the outage window)."""
         name = "dev server" if self.launch == "dev" else f"{self.engine} server"
         return ServerWatch.of(launched, self.settings.outage_window_s, name)
+
+
+@contextlib.contextmanager
+def announced(servers: contextlib.AbstractContextManager, beat: Heartbeat, what: str, log_path: Path) -> Iterator[Any]:
+    """`servers` (a `launched_servers` context) with its start and stop as the heartbeat's steps: "waiting for WHAT to
+    answer its health check (log ...): N s so far" every ~10 s while it loads, a line once it answers, "stopping WHAT"
+    while it stops."""
+    started = beat.clock()
+    beat.doing(f"engine eval: waiting for {what} to answer its health check (log: {log_path})")
+    try:
+        with servers as launched:
+            beat.log(f"engine eval: {what} answers its health check after {beat.clock() - started:.0f} s")
+            beat.doing(None)  # the phase's own steps say what they do
+            try:
+                yield launched
+            finally:
+                beat.doing(f"engine eval: stopping {what}")
+    finally:
+        beat.doing(None)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -42,6 +43,7 @@ from tasks.eval.on_server import (
 )
 from tasks.eval.server_watch import ServerWatch
 from tasks.generate.prompts import default_stop_ids, request_sampling_params
+from tasks.heartbeat import Heartbeat
 from tasks.launch_ranks import follow_job, write_job
 
 
@@ -61,30 +63,23 @@ def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, 
     )
     artifact = progress_artifact(progress=0.0, key=artifact_key("eval", config_name), description="eval: starting")
     drafts = (2 if job.compare_untrained else 1) + len(job.benchmarks)  # each draft, then each benchmark (trained)
-    seen: list[str] = []
 
-    def on_progress(message: Message) -> None:
-        name, done, total = (message.values[k] for k in ("draft", "done", "total"))
-        if name not in seen:
-            seen.append(name)
-        progress = 100.0 * (len(seen) - 1 + done / total) / drafts
-        what = f"benchmark {name.split(':', 1)[1]}" if ":" in name else f"{name} draft"
-        update_progress_artifact(
-            artifact, progress=round(progress, 1), description=f"eval: {what}, {done}/{total} prompts"
-        )
+    def show(progress: float, description: str) -> None:
+        update_progress_artifact(artifact, progress=progress, description=description)
 
     raw_path = Path(job.out)
     raw_path.parent.mkdir(parents=True, exist_ok=True)  # RUN_DIR/evals/<draft>/ for a draft from elsewhere
     raw_path.unlink(missing_ok=True)
     # Batch-1 decoding is many tiny ops: one CPU thread beats two that spin-wait for each other
     # (measured 20x on 2 busy cores); on GPUs it does not matter.
-    follow_job(
-        [sys.executable, "-m", "models.eval", "--job", str(job_path)],
-        protocol=EVAL,
-        log=logger.info,
-        on_message=on_progress,
-        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-    )
+    with Heartbeat(logger.info) as beat:
+        follow_job(
+            [sys.executable, "-m", "models.eval", "--job", str(job_path)],
+            protocol=EVAL,
+            log=beat.log,
+            on_message=SpecEvalProgress(beat, drafts, show).on_message,
+            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+        )
     results = json.loads(raw_path.read_text())
     raw_path.unlink()
     update_progress_artifact(
@@ -93,15 +88,58 @@ def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, 
     return results
 
 
+class SpecEvalProgress:
+    """The spec-eval's progress from its EVAL_PROGRESS lines: the progress artifact after each prompt, and the
+    heartbeat's status, logged when the eval was silent ~10 s ("spec-eval: trained draft, 40/100 prompts, 1,234
+    rounds, 12 s"): a count per prompt, a line every ~10 s at most, none of the eval's figures touched."""
+
+    def __init__(self, beat: Heartbeat, drafts: int, show: Callable[[float, str], None]):
+        self.beat = beat
+        self.drafts = drafts  # each draft's pass over its prompts, then each benchmark's
+        self.show = show  # (percent, description) to the progress artifact
+        self.seen: list[str] = []
+        self.done = self.total = self.rounds = 0
+        beat.doing("spec-eval: starting the eval process (importing torch, loading the target and the draft)")
+
+    def on_message(self, message: Message) -> None:
+        name, done, total = (message.values[k] for k in ("draft", "done", "total"))
+        if name not in self.seen:  # a new pass: its own counts and seconds
+            self.seen.append(name)
+            self.rounds = 0
+            self.beat.doing(functools.partial(self.status, self.what(name)))
+        self.done, self.total = done, total
+        self.rounds += message.values.get("rounds", 0)
+        progress = 100.0 * (len(self.seen) - 1 + done / total) / self.drafts
+        self.show(round(progress, 1), f"eval: {self.what(name)}, {done}/{total} prompts")
+
+    @staticmethod
+    def what(name: str) -> str:
+        return f"benchmark {name.split(':', 1)[1]}" if ":" in name else f"{name} draft"
+
+    def status(self, what: str, seconds: float) -> str:
+        line = f"spec-eval: {what}, {self.done}/{self.total} prompts, {self.rounds:,} rounds, {seconds:.0f} s"
+        if self.done == self.total and not what.startswith("benchmark"):
+            line += " (decoded; now replaying its outputs through the draft)"
+        return line
+
+
 @task(name="engine-eval", cache_policy=NO_CACHE)
 def evaluate_on_server(
     job: EvalJob, engine: ServedEvalSettings, server: EvalServer, config_name: str
 ) -> dict[str, Any]:
     """Engine backend (tasks/eval/on_server.py): the eval prompts through the serving engine with the draft served, then
     without."""
+    logger = get_run_logger()
+    with Heartbeat(logger.info) as beat:  # a line every ~10 s while a server loads or a phase decodes in silence
+        return engine_eval(job, engine, server, config_name, logger, beat)
+
+
+def engine_eval(
+    job: EvalJob, engine: ServedEvalSettings, server: EvalServer, config_name: str, logger: Any, beat: Heartbeat
+) -> dict[str, Any]:
+    """`evaluate_on_server`'s work, `beat` told each step (a server's start and stop, each phase's prompts)."""
     from transformers import AutoTokenizer
 
-    logger = get_run_logger()
     final = _exported(job)
     if server.launch == "command":
         check_command(server.command)
@@ -131,7 +169,10 @@ def evaluate_on_server(
         sampling: dict[str, Any] | None = None,
         watch: ServerWatch | None = None,
     ) -> Phase:
+        count = {"done": 0, "total": len(chosen)}  # `select` may send fewer: on_done says how many
+
         async def on_done(done: int, total: int) -> None:
+            count.update(done=done, total=total)
             await aupdate_progress_artifact(
                 artifact,
                 progress=round(100.0 * (phase + done / total) / phases, 1),
@@ -139,6 +180,7 @@ def evaluate_on_server(
             )
 
         s = server.settings
+        beat.doing(lambda seconds: f"engine eval: {what}, {count['done']}/{count['total']} prompts, {seconds:.0f} s")
         return run_coro_as_sync(
             decode_prompts(
                 url,
@@ -163,7 +205,7 @@ def evaluate_on_server(
         return fit_draft_context(prompts, limits, job.max_new_tokens)
 
     spec = server.speculative_args(str(final), job.num_steps)
-    with server.serving(spec, "eval-with-draft", logger) as launched:
+    with server.serving(spec, "eval-with-draft", logger, beat) as launched:
         watch = server.watch(launched)  # a launched server that dies ends the eval at once, quoting its log
         with_draft = measure(server.settings.url, prompts, 0, "with the draft", select=draft_prompts, watch=watch)
         on_benchmarks = {}
@@ -200,7 +242,7 @@ def evaluate_on_server(
     without = None
     if baseline:  # the same prompts as the draft phase served, so that the speedup compares like with like
         served = {(r.source, r.id) for r in with_draft.served}
-        with server.serving([], "eval-without-draft", logger) as launched:
+        with server.serving([], "eval-without-draft", logger, beat) as launched:
             without = measure(
                 engine.baseline_url or server.settings.url,
                 [p for p in prompts if (p.source, p.id) in served],

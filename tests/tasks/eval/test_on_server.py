@@ -225,3 +225,51 @@ def test_an_engine_that_sends_totals_places_whole_requests_whose_rounds_all_star
     assert not any("round_tokens" in p for p in r["per_prompt"])  # no per-round counts: none made up
     assert no_rounds_listed([one]) == [one]  # from a server that lists no rounds, none is listed for it either
     assert "same_rounds_in_order" not in compare_with_hf(r, {"acceptance_length": 1.0, "per_prompt": []})
+
+
+def test_the_wait_for_a_server_s_health_check_says_how_long_every_10_s(monkeypatch, tmp_path):
+    import contextlib
+    from pathlib import Path
+
+    from models.common.jobs import ServerSettings
+    from tasks.eval import on_server
+    from tasks.heartbeat import Heartbeat
+
+    now = [0.0]
+    logged: list[str] = []
+    beat = Heartbeat(logged.append, clock=lambda: now[0])
+    due: list[str | None] = []
+
+    @contextlib.contextmanager
+    def loading(*args, **kwargs):  # the server loads for 24 s, answers, then stops in 12 s
+        for step in (9.0, 1.0, 10.0, 4.0):
+            now[0] += step
+            due.append(beat.due())
+        yield ["the server"]
+        now[0] += 12.0
+        due.append(beat.due())
+
+    monkeypatch.setattr(on_server, "launched_servers", loading)
+    server = on_server.EvalServer(
+        settings=ServerSettings(url="http://127.0.0.1:8000"), launch="dev", target="t", log_dir=tmp_path
+    )
+    with server.serving(["--speculative-algorithm", "EAGLE3"], "eval-with-draft", _Quiet(), beat) as launched:
+        assert launched == ["the server"]
+        now[0] += 30.0
+        due.append(beat.due())  # the phase's own steps say what they do: nothing from the server's step
+    log = Path(tmp_path / "eval-with-draft" / "server.log")
+    what = "the dev server with the draft at http://127.0.0.1:8000"
+    assert due == [
+        None,
+        f"engine eval: waiting for {what} to answer its health check (log: {log}): 10 s so far",
+        f"engine eval: waiting for {what} to answer its health check (log: {log}): 20 s so far",
+        None,
+        None,
+        f"engine eval: stopping {what}: 12 s so far",
+    ]
+    assert logged == [f"engine eval: {what} answers its health check after 24 s"]
+
+
+class _Quiet:
+    def info(self, *args) -> None:
+        pass

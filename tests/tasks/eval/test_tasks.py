@@ -134,3 +134,43 @@ def test_context_rows_put_each_source_s_buckets_side_by_side():
         {"context": "32768+", "rounds": 0, "trained": None, "untrained": None, "long": 1.5},
     ]
     assert context_rows({"engine": {}}) == []  # no in-process eval: no table
+
+
+def test_spec_eval_progress_says_the_prompts_and_rounds_at_each_10_s_of_silence():
+    from models.common.rank_protocol import EVAL, EVAL_PROGRESS
+    from tasks.eval.tasks import SpecEvalProgress
+    from tasks.heartbeat import Heartbeat
+
+    now = [0.0]
+    beat = Heartbeat(lambda line: None, clock=lambda: now[0])
+    shown: list[tuple[float, str]] = []
+    progress = SpecEvalProgress(beat, drafts=2, show=lambda percent, text: shown.append((percent, text)))
+
+    def prompts(draft: str, done: range, total: int, rounds: int) -> None:
+        for i in done:
+            line = EVAL_PROGRESS.format(draft=draft, done=i, total=total, new_tokens=9, rounds=rounds, accepted=3)
+            progress.on_message(EVAL.parse(line))
+
+    now[0] = 10.0  # the eval process still loading: no prompt yet
+    assert beat.due() == (
+        "spec-eval: starting the eval process (importing torch, loading the target and the draft): 10 s so far"
+    )
+    now[0] = 12.0
+    prompts("trained", range(1, 21), 100, 31)
+    prompts("trained", range(21, 41), 100, 30)
+    now[0] = 19.9
+    assert beat.due() is None  # the last line at 10 s: the next at 20 s
+    now[0] = 20.0
+    assert beat.due() == "spec-eval: trained draft, 40/100 prompts, 1,220 rounds, 8 s"
+    prompts("trained", range(41, 101), 100, 10)
+    now[0] = 30.0
+    assert beat.due() == (
+        "spec-eval: trained draft, 100/100 prompts, 1,820 rounds, 18 s (decoded; now replaying its outputs through "
+        "the draft)"
+    )
+    now[0] = 31.0
+    prompts("untrained", range(1, 2), 100, 50)  # a new pass: its own rounds and seconds
+    now[0] = 40.0
+    assert beat.due() == "spec-eval: untrained draft, 1/100 prompts, 50 rounds, 9 s"
+    assert shown[39] == (20.0, "eval: trained draft, 40/100 prompts")
+    assert shown[-1] == (50.5, "eval: untrained draft, 1/100 prompts")
