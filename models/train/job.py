@@ -108,6 +108,8 @@ def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
     out_dir = Path(job.out_dir)
     ckpt_dir = out_dir / CHECKPOINTS
     device = dist.device(job.device)
+    if dist.rank == 0:  # the first line of a job whose ranks take a while to start (torch, then deepspeed, imported)
+        log(f"train: rank 0 of {dist.world_size} started; importing deepspeed and joining the process group")
     init_process_group(dist, job.device, deepspeed=True)  # DeepSpeed even for one process
     check_shared_dir(dist, out_dir)  # ranks on several nodes: one checkpoint directory for all
 

@@ -24,6 +24,7 @@ from models.common.run_layout import CHECKPOINTS, EVAL_REPORT, FINAL, METRICS, T
 from models.train.best import describe
 from models.train.checkpoint import RESUME, CheckpointMismatch, kept_checkpoint
 from tasks.artifacts import artifact_key, progress_artifact
+from tasks.heartbeat import Heartbeat
 from tasks.launch_ranks import RankFailure, follow_job, rank_command, rank_error, run_job, write_job
 from tasks.train.report import eval_table, load_metrics, plot_training, report_markdown
 
@@ -69,6 +70,16 @@ def job_failure(reports: list[dict[str, Any]], failure: RankFailure) -> Exceptio
     )
 
 
+def starting_ranks(seconds: float) -> str:
+    """The heartbeat's line before the ranks' first (models/ranks/harness.py: each imports torch, then deepspeed)."""
+    return f"train: starting the ranks, {seconds:.0f} s since the launch (each imports torch and deepspeed first)"
+
+
+def ranks_silent(seconds: float) -> str:
+    """The heartbeat's line when the running ranks have said nothing for a while."""
+    return f"train: the ranks are working, no line from them for {seconds:.0f} s"
+
+
 @task(name="train-job", cache_policy=NO_CACHE)
 def run_train_job(
     job: TrainJob, job_path: Path, num_ranks: int, launcher: str, config_name: str, nodes: Nodes | None = None
@@ -84,6 +95,8 @@ def run_train_job(
     )
     write_job(job, job_path, kept=lambda: kept_checkpoint(Path(job.out_dir) / CHECKPOINTS), resume=RESUME)
     logger.info("launching %d rank(s) on %d node(s): %s", num_ranks * nodes.nnodes, nodes.nnodes, " ".join(command))
+    beat = Heartbeat(logger.info)  # a line every ~10 s of silence: the ranks' start-up, a long checkpoint or eval
+    beat.doing(starting_ranks)
     artifact = progress_artifact(progress=0.0, key=artifact_key("train", config_name), description="train: starting")
     first: tuple[int, int, float] | None = (
         None  # steps, tokens and time at the start of this launch (a resume starts past 0)
@@ -94,6 +107,7 @@ def run_train_job(
 
     def on_message(message: Message) -> None:
         nonlocal first, last, held_out, best
+        beat.doing(ranks_silent)
         if message.kind is TRAIN_EVAL:
             held_out = message.values["acceptance_length"]
             return
@@ -119,12 +133,15 @@ def run_train_job(
             + (f" (best {best['acceptance_length']:.2f} at step {best['step']:,})" if best is not None else "")
         )
         update_progress_artifact(artifact, progress=round(100.0 * step / max(1, total), 2), description=text)
-        logger.info(text)
+        beat.log(text)
+
+    def log(line: str) -> None:  # a line of the ranks': their next silence counts from here
+        beat.doing(ranks_silent)
+        beat.log(line)
 
     # run=run_job: this module's, the seam where tests/flows/test_train_flow.py scripts the ranks
-    follow_job(
-        command, protocol=TRAIN, env=env, log=logger.info, on_message=on_message, failure=job_failure, run=run_job
-    )
+    with beat:
+        follow_job(command, protocol=TRAIN, env=env, log=log, on_message=on_message, failure=job_failure, run=run_job)
     summary = json.loads((Path(job.out_dir) / TRAIN_SUMMARY).read_text())
     done = f"train: done, {summary['steps']:,} steps; the last step's draft in {summary['final']}"
     if "best" in summary:  # models/train/best.py: the best held-out eval and its draft in best/
