@@ -25,7 +25,7 @@ from models.common.file_errors import WriteFailed, is_write_error
 from models.common.nodes import Nodes
 from models.common.rank_protocol import Message, Protocol, most_telling, reported_error
 from models.common.strict import StrictModel
-from tasks import torch_extensions
+from tasks import stopping, torch_extensions
 from tasks.ports import free_port
 
 
@@ -243,8 +243,10 @@ def run_job(
     """Run `command`, passing each output line (stdout and stderr merged) to `on_line` as it comes.
 
     A nonzero exit raises RankFailure with the last lines of output (where the failing rank's
-    traceback is). On KeyboardInterrupt or cancellation the whole process group is killed, and so
-    it is once `timeout_s` have passed (then JobTimedOut, a RankFailure, says so).
+    traceback is). On KeyboardInterrupt (SIGTERM too, in the CLI: tasks/stopping.py) or cancellation
+    the job is killed: the launcher's process group and every rank, each in a session of its own;
+    and so it is once `timeout_s` have passed (then JobTimedOut, a RankFailure, says so). While it
+    runs, the command's stop watchdog knows it.
     """
     tail: deque[str] = deque(maxlen=tail_lines)
     process = subprocess.Popen(
@@ -254,6 +256,7 @@ def run_job(
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         start_new_session=True,
     )
+    stopping.track(process, f"the rank job {' '.join(command[:4])} ... (pid {process.pid})")
     timed_out = threading.Event()
 
     def time_up() -> None:
@@ -277,6 +280,7 @@ def run_job(
     finally:
         if timer is not None:
             timer.cancel()
+        stopping.untrack(process)
     if timed_out.is_set():
         raise JobTimedOut(
             f"job killed after its time limit of {timeout_s:g} s: {' '.join(command[:6])} ...\n"
@@ -414,6 +418,11 @@ def _kill_group(process: subprocess.Popen) -> None:
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    """`sig` to the job's process group; SIGKILL also to every rank (torchrun starts each in a session of its own, so
+    the launcher's group does not hold them: killed with it alone, they would run on without a parent)."""
+    if sig == signal.SIGKILL:
+        stopping.kill_tree(process.pid)
+        return
     try:
         os.killpg(process.pid, sig)
     except ProcessLookupError:

@@ -20,6 +20,7 @@ import httpx
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from models.common.server_access import replica_url
+from tasks import stopping
 from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import ServerOutage
@@ -78,6 +79,7 @@ class ServerProcess:
                 env={**os.environ, **(self.env or {})},
                 start_new_session=True,  # its own process group: stop() reaches its children too
             )
+            stopping.track(self.process, f"the {self.engine} server at {self.url} (pid {self.process.pid})")
         finally:
             if log is not None:
                 log.close()
@@ -106,16 +108,24 @@ class ServerProcess:
             raise RuntimeError(f"{e}\n{self.log_tail()}") from None
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM to the server's process group; after `grace_s` (less once SIGTERM or SIGINT came to this process:
+        tasks/stopping.py) SIGKILL. Whatever is left then, of its group or of its descendants (one that left the group
+        too), is killed: nothing the server started outlives its stop."""
+        if self.process is None:
             return
+        process = self.process
+        family = stopping.descendants(process.pid)  # read now: once their parent is gone they are init's children
         try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        except ProcessLookupError:
-            pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=stopping.grace_s(grace_s))
+            except subprocess.TimeoutExpired:
+                stopping.kill_tree(process.pid)
+                process.wait()
+        finally:
+            stopping.kill_group_and(process.pid, family)
+            stopping.untrack(process)
 
     def log_tail(self, lines: int = 30) -> str:
         """The last `lines` lines this launch wrote (not an earlier launch's, in the same appended log)."""
@@ -297,7 +307,9 @@ def serving(servers: list[ServerProcess], health_timeout_s: float) -> Iterator[l
     """Start `servers`, wait until each is healthy, yield them;
     stop them all on exit (SIGTERM raises here, so they are)."""
     previous = None
-    if threading.current_thread() is threading.main_thread():
+    # The CLI's own handler (tasks/stopping.py) already turns SIGTERM into an exception that stops them, and one that
+    # also cancels the generate loop: keep it.
+    if threading.current_thread() is threading.main_thread() and not stopping.installed():
 
         def on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
             raise SystemExit(f"terminated (signal {signum}) while the server was running")
