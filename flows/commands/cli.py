@@ -2,14 +2,47 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-app = typer.Typer(
+
+class Eagle3(typer.Typer):
+    """The `eagle3` app. Called as a program (the console script calls `app()`; `main`), it flushes its output line by
+    line (a log file shows each line when it is printed), and SIGTERM or SIGINT stop every child of a command, then
+    the command, within seconds (tasks/stopping.py). Tests that invoke it in-process (CliRunner) get neither."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from tasks import stopping
+
+        _flush_per_line()
+        try:
+            with stopping.stop_on_signals():
+                if _runs_a_demo(sys.argv[1:]):  # run, generate and eval enter it once their run directory is locked
+                    from tasks.prefect_api import prefect_api
+
+                    with prefect_api(say=_say):
+                        return super().__call__(*args, **kwargs)
+                return super().__call__(*args, **kwargs)
+        except (SystemExit, KeyboardInterrupt):
+            stopped = stopping.signalled()
+            if stopped is None:
+                raise
+            signum, after_s = stopped
+            _say(
+                f"eagle3: stopped by {signal.Signals(signum).name} in {after_s:.1f} s: the servers, rank jobs and "
+                "Prefect server it started are stopped; what was checkpointed is kept: run the same command again "
+                "to resume"
+            )
+            stopping.exit_now(128 + signum)
+
+
+app = Eagle3(
     name="eagle3",
     help="Turn prompt datasets into a trained EAGLE-3 draft for a target served by SGLang or vLLM.",
     no_args_is_help=True,
@@ -191,15 +224,20 @@ def _run_stages(
         if not (Path(eval_draft) / "config.json").is_file():
             err.print(f"[red]error:[/red] --draft {escape(eval_draft)}: no config.json there (not a draft)")
             raise typer.Exit(2)
-    from flows.pipeline import pipeline
+    from tasks.prefect_api import prefect_api
     from tasks.run_lock import RunDirLocked, run_lock
 
     try:
         # Taken here too (re-entrant: the flow takes it again): a second writer is refused before
         # a Prefect server starts, and no flow run is created for it.
-        with run_lock(
-            cfg.run_dir, f"eagle3 {','.join(stages)}", also=cfg.written_dirs(stages), reads=cfg.read_dirs(stages)
+        with (
+            run_lock(
+                cfg.run_dir, f"eagle3 {','.join(stages)}", also=cfg.written_dirs(stages), reads=cfg.read_dirs(stages)
+            ),
+            prefect_api(say=_say),
         ):
+            from flows.pipeline import pipeline
+
             pipeline(str(config), ",".join(stages), retry_rejects, skip_checks, eval_draft)
     except RunDirLocked as exc:
         err.print(f"[red]refused:[/red] {escape(str(exc))}", highlight=False)
@@ -487,6 +525,23 @@ def _config_or_exit(path: Path):
 
 def main() -> None:
     app()
+
+
+def _runs_a_demo(args: list[str]) -> bool:
+    """`eagle3 demo ...`, not its --help: it runs the pipeline on Prefect's API (tasks/prefect_api.py)."""
+    return args[:1] == ["demo"] and not {"--help", "-h"} & set(args)
+
+
+def _flush_per_line() -> None:
+    """Line-buffered stdout and stderr, also into a file or a pipe (Python buffers whole blocks there)."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)  # a replaced stream (a test's capture) may lack it
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
+
+
+def _say(line: str) -> None:
+    err.print(escape(line), highlight=False, soft_wrap=True)
 
 
 if __name__ == "__main__":
