@@ -29,7 +29,7 @@ from typing import NoReturn
 
 STOP_DEADLINE_S = 8.0  # from the first signal to the watchdog's kill: the command is gone well within 10 s
 KILL_RESERVE_S = 3.0  # of that deadline, what a graceful stop leaves for the rest (crash report, Prefect's server)
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal or the ssh session went away
 
 _children: dict[int, str] = {}  # pid of a process group leader this process started -> what it is
 _lock = threading.Lock()
@@ -131,7 +131,7 @@ def kill_all() -> list[str]:
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """Within: SIGTERM and SIGINT stop the command (see the module's docstring).
+    """Within: SIGTERM and SIGINT stop the command (see the module's docstring), and SIGHUP unless it is ignored.
 
     On the way out, a child still tracked is killed: nothing this process started outlives it, whatever the
     signal interrupted (even a `finally` on its way to stop that child).
@@ -140,7 +140,9 @@ def stop_on_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers are the main thread's
         return
-    previous = {s: signal.signal(s, _on_signal) for s in SIGNALS}
+    # a SIGHUP ignored on entry (`nohup eagle3 ...`) stays ignored
+    handled = [s for s in SIGNALS if s != signal.SIGHUP or signal.getsignal(s) == signal.SIG_DFL]
+    previous = {s: signal.signal(s, _on_signal) for s in handled}
     _installed = True
     try:
         yield
