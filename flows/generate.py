@@ -32,17 +32,20 @@ async def generate(config_path: str, retry_rejects: bool = False) -> list[dict]:
     """Stage 1: fan out one task per dataset, all sharing one pool of servers and its per-server limits."""
     with stage_run(config_path, "generate") as config:
         async with server_pool(config.server, get_run_logger()) as pool:  # shared by every dataset
-            if any(d.kind == "generate" for d in config.datasets):  # made by another engine or target: refused
-                await check_generated_by(
-                    layout=config.layout,
-                    pool=pool,
-                    engine=config.server.engine,
-                    launch=config.server.launch,
-                    command=config.server.command,
-                    target_path=config.target.path,
-                )
+            # responses made by another engine or target are refused before the first request (after the datasets
+            # are read, and once the server answers: it says what it is), so a run with nothing left to send runs on
+            pool.before_first_request = lambda: check_generated_by(
+                layout=config.layout,
+                pool=pool,
+                engine=config.server.engine,
+                launch=config.server.launch,
+                command=config.server.command,
+                target_path=config.target.path,
+            )
             calls = (dataset_task(config, i, pool, retry_rejects) for i in range(len(config.datasets)))
             results = await asyncio.gather(*calls, return_exceptions=True)
+            if pool.refused_start is not None:  # every dataset that had work was refused the same way: say it once
+                raise pool.refused_start
             if pool.started_at is not None:
                 await publish_server_table(rows=pool.rows(), config_name=Path(config_path).stem)
         rows = await publish_generate_summary(run_dir=config.run_dir, config_name=Path(config_path).stem)

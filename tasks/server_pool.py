@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -106,6 +107,10 @@ class ServerPool:
         self.all_down_since: float | None = None
         self.started_at: float | None = None
         self._start_lock = asyncio.Lock()
+        # Awaited once, by the first `start` that finds a server healthy, before any request goes out (the generate
+        # stage's check of the engine that made a run's responses); what it raises refuses every later `start` too.
+        self.before_first_request: Callable[[], Awaitable[object]] | None = None
+        self.refused_start: Exception | None = None  # what before_first_request raised: the run's, not one dataset's
         self._closed = False
 
     @property
@@ -149,6 +154,8 @@ class ServerPool:
         Idempotent: every dataset calls it, the first one waits, the others find the pool started.
         """
         async with self._start_lock:
+            if self.refused_start is not None:
+                raise self.refused_start
             if self.started_at is not None:
                 down = self.all_down_since
                 if down is not None and time.monotonic() - down >= self.retry.outage_window_s:
@@ -179,6 +186,12 @@ class ServerPool:
                         f"is the {self.servers[0].client.name} server running and done loading?"
                     )
                 await self._wait(left)
+            if self.before_first_request is not None:
+                try:
+                    await self.before_first_request()
+                except Exception as exc:
+                    self.refused_start = exc
+                    raise
             self.started_at = time.monotonic()
 
     async def _monitor(self, s: Server, *, first: bool = False) -> None:

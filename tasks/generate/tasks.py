@@ -136,13 +136,10 @@ async def check_generated_by(
     layout: RunLayout, pool: ServerPool, *, engine: str, launch: str, command: list[str] | None, target_path: str
 ) -> Provenance:
     """Refuse to continue a run made by another engine or target (tasks/generate/provenance.py OtherEngine), and
-    record this one's where the run has no record yet (adopting a run written before records, with a log line)."""
+    record this one's where the run has no record yet (adopting a run written before records, with a log line).
+    Run by the pool before its first request (ServerPool.before_first_request): the server answers by then."""
     logger = get_run_logger()
-    client = pool.servers[0].client
-    said = await reported_engine(client, engine)
-    if said is None and launch == "none":  # a server this run did not start may still be loading: wait as datasets do
-        await pool.start()
-        said = await reported_engine(client, engine)
+    said = await reported_engine(pool.servers[0].client, engine)
     kind, version, served = said or (declared_engine(launch, engine, command) or engine, None, None)
     fingerprint = await asyncio.to_thread(target_fingerprint, target_path)
     current = Provenance(kind, target_path, fingerprint, version, served, launch)

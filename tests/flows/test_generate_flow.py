@@ -160,18 +160,30 @@ def test_a_run_records_its_engine_adopts_an_older_run_and_refuses_another_engine
     layout = RunLayout(tmp_path / "run")
     with SimServer(max_running=4, decode_s_per_token=0.0005, mean_len=12, vocab_size=2048) as srv:
         config = str(write_config(tmp_path, srv.url, tiny_target_dir))
+        data = yaml.safe_load(Path(config).read_text())
+        data["datasets"][2]["max_prompts"] = 10  # B2_math: 10 of its 50 prompts
+        Path(config).write_text(yaml.safe_dump(data))
         asyncio.run(generate(config))
         first = json.loads(layout.generated_by.read_text())
         assert (first["engine"], first["engine_version"], first["adopted"]) == ("sim", "0.1.0-eagle3-sim", False)
         assert first["target_path"] == str(tiny_target_dir) and len(first["target_fingerprint"]) == 64
 
+        def more_prompts() -> None:  # work left for the next generate: the check runs before its first request
+            data = yaml.safe_load(Path(config).read_text())
+            data["datasets"][2]["max_prompts"] += 5
+            Path(config).write_text(yaml.safe_dump(data))
+
         layout.generated_by.unlink()  # as a run directory written before the record
+        asyncio.run(generate(config))  # nothing left to send: no request, so nothing checked nor recorded
+        assert not layout.generated_by.exists()
+        more_prompts()
         asyncio.run(generate(config))
         adopted = json.loads(layout.generated_by.read_text())
         assert adopted["adopted"] is True and adopted["engine"] == "sim"
 
         parts = {d.name: live_parts(d) for d in layout.responses_root.iterdir()}
         layout.generated_by.write_text(json.dumps({**first, "engine": "vllm", "engine_version": "0.11.0"}))
+        more_prompts()
         with pytest.raises(OtherEngine) as refused:
             asyncio.run(generate(config))
     message = str(refused.value)

@@ -1,14 +1,12 @@
 """`eagle3 demo --engine E --target T`: a run directory of its own per engine and target, and a run directory made by
-another engine (the dev demo's, given as --run-dir) refused with the reason, before anything starts and again by the
-generate stage once the real server says what it is."""
+another engine (the dev demo's, given as --run-dir) refused with the reason, before anything starts (and by the
+generate stage once the real server says what it is: tests/tasks/engines/test_vllm_real.py, against a real vLLM)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from flows.commands.demo import DEMO_TARGETS, demo_config, run_demo
 from flows.config.file import dump_config
@@ -17,7 +15,6 @@ from tasks.generate.provenance import OtherEngine
 from tests.tasks.generate.test_provenance import add_response, fake_target
 
 REPO = Path(__file__).resolve().parents[3]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
 def test_each_target_and_engine_has_a_run_directory_of_its_own():
@@ -70,59 +67,22 @@ def test_the_vllm_demo_refuses_the_dev_demo_s_run_dir_before_anything_starts(tmp
     assert (same is not None) == recorded  # the record; or none yet, and its next generate adopts the run
 
 
-@pytest.mark.vllm
-@pytest.mark.multiprocess
-def test_after_the_dev_demo_vllm_generates_in_its_own_run_dir_and_is_refused_in_the_dev_one(tmp_path, tiny_target_dir):
-    """The demo's generate stage (2 prompts a dataset) through the dev server into runs/demo, as `make demo` runs it;
-    then through a real vLLM: refused in runs/demo by the generate stage itself (after asking vLLM what it is), and
-    generated in runs/demo-vllm, whose record says vLLM and its version."""
-    if not VLLM_PYTHON.is_file():
-        pytest.skip(f"no real vLLM: {VLLM_PYTHON} is missing (`make vllm` installs it; CI does)")
-    from flows.commands.demo import demo_server
-    from flows.pipeline import pipeline
-    from tasks.engines import vllm
-    from tasks.launch_servers import ServerProcess, fill_placeholders
-    from tasks.ports import free_port
+def test_the_command_says_refused_and_exits_1_naming_the_engine_that_made_the_run(tmp_path):
+    """`eagle3 demo --run-dir DIR` (the dev server) on a run directory a real vLLM made: `refused:`, the reason, exit 1,
+    no traceback."""
+    from typer.testing import CliRunner
 
-    def generate(run_dir: Path, engine: str, url: str) -> None:
-        config = demo_config(run_dir)
-        config.target.path, config.target.build_tiny_target = str(tiny_target_dir), False
-        config.server = demo_server(config, "dev", url)
-        if engine == "vllm":  # the server below: started once for both runs
-            server = {**config.server.model_dump(), "engine": "vllm", "launch": "none", "command": None}
-            config.server = type(config.server).model_validate(server)
-        for dataset in config.datasets:
-            dataset.max_prompts = 2 if dataset.kind == "generate" else None
-        path = tmp_path / f"{run_dir.name}.yaml"
-        path.write_text(dump_config(config))
-        pipeline(str(path), stages="generate", skip_checks=True)
+    from flows.commands.cli import app
+    from tasks.generate.provenance import Provenance, settle, target_fingerprint
+    from tests.tasks.generate.test_provenance import log
 
-    def made_by(run_dir: Path) -> dict:
-        return json.loads(RunLayout(run_dir).generated_by.read_text())
-
-    demo, demo_vllm = tmp_path / "runs" / "demo", tmp_path / "runs" / "demo-vllm"
-    generate(demo, "dev", f"http://127.0.0.1:{free_port()}")
-    assert made_by(demo)["engine"] == "dev" and made_by(demo)["engine_version"].endswith("-eagle3-dev")
-    responses = sorted(RunLayout(demo).responses_root.rglob("part-*.parquet"))
-    assert responses
-
-    port = free_port()
-    words = [
-        fill_placeholders(w, {"host": "127.0.0.1", "port": str(port)})
-        for w in vllm.cpu_command(str(VLLM_PYTHON), str(tiny_target_dir))
-    ]
-    with ServerProcess(words, f"http://127.0.0.1:{port}", log_path=tmp_path / "vllm.log", engine="vllm") as server:
-        server.wait_healthy(timeout_s=600)
-        with pytest.raises(OtherEngine) as refused:
-            generate(demo, "vllm", server.url)
-        generate(demo_vllm, "vllm", server.url)
-    message = str(refused.value)
-    assert "holds responses made by the dev server (an SGLang emulation)" in message
-    assert "this run asks for a real vLLM 0." in message  # its version, from its /version
-    assert sorted(RunLayout(demo).responses_root.rglob("part-*.parquet")) == responses  # the dev demo's, unchanged
-    assert made_by(demo)["engine"] == "dev"
-    record = made_by(demo_vllm)
-    assert record["engine"] == "vllm" and record["engine_version"] and record["served_model"] == str(tiny_target_dir)
-    assert record["target_fingerprint"] == made_by(demo)["target_fingerprint"]  # the same target, another engine
-    assert list(RunLayout(demo_vllm).responses_root.rglob("part-*.parquet"))
-    assert yaml.safe_load(RunLayout(demo_vllm).config.read_text())["server"]["engine"] == "vllm"
+    run = tmp_path / "runs" / "demo-vllm"
+    path = demo_config(run).target.path  # the demo's own tiny target, as the command will use it
+    layout = RunLayout(run)
+    add_response(layout)
+    settle(layout, Provenance("vllm", path, target_fingerprint(path), "0.32.0", launch="command"), log)
+    result = CliRunner().invoke(app, ["demo", "--run-dir", str(run)])
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.output.split())
+    assert said.startswith("refused: ") and "holds responses made by a real vLLM 0.32.0" in said, said
+    assert "Traceback" not in result.output

@@ -613,3 +613,54 @@ def test_the_doctor_reads_the_real_vllm_s_version_model_and_context(plain, tiny_
         longest_prompts={},
     )
     assert [f.status for f in other if f.name.endswith(": model")] == ["FAIL"]
+
+
+# --- the run directory's engine (tasks/generate/provenance.py) ---------------------------------
+
+
+def test_after_the_dev_demo_vllm_is_refused_in_its_run_dir_and_generates_in_its_own(plain, tmp_path, tiny_target_dir):
+    """The demo's generate stage (2 prompts a dataset) through the dev server into runs/demo, as `make demo` runs it;
+    then through the real vLLM with a prompt more a dataset: refused in runs/demo by the generate stage itself (after
+    asking vLLM what it is, before its first request), and generated in runs/demo-vllm, whose record says vLLM and its
+    version."""
+    from flows.commands.demo import demo_config, demo_server
+    from flows.config.file import dump_config
+    from flows.pipeline import pipeline
+    from models.common.run_layout import RunLayout
+    from tasks.generate.provenance import OtherEngine
+
+    def generate(run_dir: Path, url: str, prompts: int) -> None:
+        config = demo_config(run_dir)
+        config.target.path, config.target.build_tiny_target = str(tiny_target_dir), False
+        config.server = demo_server(config, "dev", url)
+        if url == plain:  # the module's real vLLM, already running
+            server = {**config.server.model_dump(), "engine": "vllm", "launch": "none", "command": None}
+            config.server = type(config.server).model_validate(server)
+        for dataset in config.datasets:
+            dataset.max_prompts = prompts if dataset.kind == "generate" else None
+        path = tmp_path / f"{run_dir.name}.yaml"
+        path.write_text(dump_config(config))
+        pipeline(str(path), stages="generate", skip_checks=True)
+
+    def made_by(run_dir: Path) -> dict:
+        return json.loads(RunLayout(run_dir).generated_by.read_text())
+
+    demo, demo_vllm = tmp_path / "runs" / "demo", tmp_path / "runs" / "demo-vllm"
+    generate(demo, f"http://127.0.0.1:{free_port()}", prompts=2)
+    assert made_by(demo)["engine"] == "dev" and made_by(demo)["engine_version"].endswith("-eagle3-dev")
+    responses = sorted(RunLayout(demo).responses_root.rglob("part-*.parquet"))
+    assert responses
+
+    with pytest.raises(OtherEngine) as refused:
+        generate(demo, plain, prompts=3)
+    generate(demo_vllm, plain, prompts=2)
+    message = str(refused.value)
+    assert "holds responses made by the dev server (an SGLang emulation)" in message
+    assert "this run asks for a real vLLM 0." in message  # its version, from its /version
+    assert sorted(RunLayout(demo).responses_root.rglob("part-*.parquet")) == responses  # the dev demo's, unchanged
+    assert made_by(demo)["engine"] == "dev"
+    record = made_by(demo_vllm)
+    assert record["engine"] == "vllm" and record["engine_version"] and record["served_model"] == str(tiny_target_dir)
+    assert record["target_fingerprint"] == made_by(demo)["target_fingerprint"]  # the same target, another engine
+    assert list(RunLayout(demo_vllm).responses_root.rglob("part-*.parquet"))
+    assert yaml.safe_load(RunLayout(demo_vllm).config.read_text())["server"]["engine"] == "vllm"
