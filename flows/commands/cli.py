@@ -56,7 +56,12 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 @app.command()
 def demo(
-    run_dir: Path | None = typer.Option(None, help="Where the demo run goes (default: runs/demo in the repository)."),
+    run_dir: Path | None = typer.Option(
+        None,
+        help="Where the demo run goes (default: one per target and engine in the repository's runs/: runs/demo for the "
+        "llama target through the dev server, else runs/demo[-TARGET][-ENGINE], e.g. runs/demo-vllm, runs/demo-kimi; "
+        "a run directory another engine or target made is refused).",
+    ),
     capture_backend: str = typer.Option(
         "deepspeed",
         "--capture-backend",
@@ -104,7 +109,13 @@ def demo(
     except (ValueError, FileNotFoundError) as e:
         err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
-    run_demo(run_dir=run_dir, console=console, capture_backend=capture_backend, engine=engine, target=target)
+    from tasks.generate.provenance import OtherEngine
+
+    try:
+        run_demo(run_dir=run_dir, console=console, capture_backend=capture_backend, engine=engine, target=target)
+    except OtherEngine as exc:  # the run directory's responses are another engine's or target's
+        err.print(f"[red]refused:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(1) from None
 
 
 @app.command()
