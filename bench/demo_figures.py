@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.harness import cpu_model, loadavg  # noqa: E402
+from models.common.run_layout import RunLayout  # noqa: E402
 
 FIGURES = REPO / "docs" / "figures"
 # name -> the demo's arguments besides --run-dir (what a user types after `eagle3 demo`)
@@ -91,7 +92,7 @@ def run_one(name: str, run_dir: Path) -> tuple[dict[str, Any], str]:
         sys.stderr.write(out.stdout[-5000:])
         raise SystemExit(f"{name}: `{' '.join(command)}` exited {out.returncode}")
     transcript = kept_transcript(out.stdout)
-    report = json.loads((run_dir / "draft" / "eval.json").read_text())
+    report = json.loads(RunLayout(run_dir).eval_report.read_text())
     figures = {
         "demo": name,
         "command": " ".join(["eagle3", *command[1:]]),
