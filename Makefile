@@ -36,12 +36,14 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	# CPU machines: take the local CPU build of torch first, so the wide torch range
 	# in pyproject.toml is already satisfied and no multi-GB CUDA build is pulled.
 	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
-		$(BIN)/pip install -q torch==2.13.0; fi
+		deploy/with-heartbeat.sh "installing torch 2.13.0 (the CPU build)" $(BIN)/pip install -q torch==2.13.0; fi
 	# The lock is resolved for Python 3.11 (some pins need it); another Python installs the open ranges, and doctor
 	# says which versions differ from the tested ones.
 	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then \
-		$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev]'; \
-	else echo "note: $(CONSTRAINTS) is for Python 3.11; installing without it"; $(BIN)/pip install -q -e '.[dev]'; fi
+		deploy/with-heartbeat.sh "installing the project within $(CONSTRAINTS)" $(BIN)/pip install -q -c $(CONSTRAINTS) \
+			-e '.[dev]'; \
+	else echo "note: $(CONSTRAINTS) is for Python 3.11; installing without it"; \
+		deploy/with-heartbeat.sh "installing the project" $(BIN)/pip install -q -e '.[dev]'; fi
 	# SpecForge's benchmark client (specforge/benchmarks/sglang.py: requests + a tokenizer), an independent count of
 	# the acceptance length in a test; --no-deps: the rest of SpecForge pins its own torch, transformers and SGLang.
 	$(BIN)/pip install -q --no-deps specforge==0.2.0
