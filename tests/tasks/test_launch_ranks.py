@@ -15,6 +15,7 @@ from models.common.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_
 from tasks import launch_ranks
 from tasks.launch_ranks import RankFailure, RankRefused, follow_job, rank_error, write_job
 from tasks.torch_extensions import COMM_OP
+from tests.capture_jobs import small_capture_job
 from tests.rank_failures import shard_write_failed
 
 
@@ -313,9 +314,6 @@ def test_the_deepspeed_launcher_runs_two_cpu_ranks_of_a_capture(tmp_path, monkey
 
     Two gloo ranks of a real capture.
     """
-    import random
-
-    import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
     from transformers import AutoModelForCausalLM
@@ -323,48 +321,14 @@ def test_the_deepspeed_launcher_runs_two_cpu_ranks_of_a_capture(tmp_path, monkey
     from models.capture.shards import iter_shard_index, list_shards, read_sample
     from models.common.rank_protocol import CAPTURE_PROGRESS, RANK_MEMORY
     from models.draft.config import default_aux_layers
-    from models.target.tiny import build_tiny_target
-    from tasks.records.build import RECORD_SCHEMA
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    target = build_tiny_target(
-        tmp_path / "target",
-        train_steps=0,
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        vocab_size=512,
-    )  # random weights: seconds to build
-    rng = random.Random(0)
-    rows = []
-    for i in range(8):
-        n, prompt = rng.randint(12, 40), rng.randint(2, 8)
-        rows.append(
-            {
-                "id": f"r{i}",
-                "input_ids": [rng.randrange(8, 400) for _ in range(n)],
-                "loss_mask": [0] * prompt + [1] * (n - prompt),
-                "num_tokens": n,
-                "num_loss_tokens": n - prompt,
-                "truncated": False,
-            }
-        )
-    (tmp_path / "records").mkdir()
-    pq.write_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), tmp_path / "records" / "part-000000.parquet")
+    target, job_path = small_capture_job(tmp_path)  # random weights: seconds to build
+    rows = pq.read_table(tmp_path / "records" / "part-000000.parquet").to_pylist()
     out = tmp_path / "hidden"
-    job = CaptureJob(
-        target_path=str(target),
-        datasets=[{"name": "d", "records_dir": str(tmp_path / "records")}],
-        out_dir=str(out),
-        device="cpu",
-        mode="replicate",
-        launch_tokens=None,
-    )
-    write_job(job, tmp_path / "capture.json", kept=lambda: "nothing", resume="rerun")
 
     command, env = launch_ranks.rank_command(
-        "models.capture", ["--job", str(tmp_path / "capture.json")], num_ranks=2, launcher="deepspeed"
+        "models.capture", ["--job", str(job_path)], num_ranks=2, launcher="deepspeed"
     )
     assert command[1:3] == ["-m", "deepspeed.launcher.runner"]
     logged, messages = [], []

@@ -7,7 +7,6 @@ processes killed with SIGKILL; the slow test kills a real build of DeepSpeed's C
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
 import socket
@@ -21,6 +20,7 @@ import pytest
 
 from tasks import torch_extensions
 from tasks.torch_extensions import COMM_OP, LockUnknown, clear_dead_locks, extensions_dir, lock_holders
+from tests.capture_jobs import small_capture_job
 
 REPO = Path(__file__).resolve().parents[2]
 # Takes an extension's build lock as torch's _jit_compile does, says so, holds it until its stdin closes.
@@ -235,7 +235,7 @@ def test_a_build_killed_mid_way_then_two_launches_then_a_capture(tmp_path, monke
 
     # 3. A rank killed while it held the built op's lock; the next capture launch finishes within 30 s.
     _killed_holder(lock)
-    job = _capture_job(tmp_path)
+    job = small_capture_job(tmp_path)[1]
     from models.common.rank_protocol import CAPTURE
     from tasks.launch_ranks import follow_job, rank_command, run_job
 
@@ -273,51 +273,3 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def _capture_job(tmp_path: Path) -> Path:
-    """A capture job of 8 short records on a random-weight tiny target (seconds to build)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from models.common.jobs import CaptureJob, DatasetRecords
-    from models.target.tiny import build_tiny_target
-    from tasks.launch_ranks import write_job
-    from tasks.records.build import RECORD_SCHEMA
-
-    target = build_tiny_target(
-        tmp_path / "target",
-        train_steps=0,
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        vocab_size=512,
-    )
-    rng = random.Random(0)
-    rows = []
-    for i in range(8):
-        n, prompt = rng.randint(12, 40), rng.randint(2, 8)
-        rows.append(
-            {
-                "id": f"r{i}",
-                "input_ids": [rng.randrange(8, 400) for _ in range(n)],
-                "loss_mask": [0] * prompt + [1] * (n - prompt),
-                "num_tokens": n,
-                "num_loss_tokens": n - prompt,
-                "truncated": False,
-            }
-        )
-    (tmp_path / "records").mkdir()
-    pq.write_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), tmp_path / "records" / "part-000000.parquet")
-    job = CaptureJob(
-        target_path=str(target),
-        datasets=[DatasetRecords(name="d", records_dir=str(tmp_path / "records"))],
-        out_dir=str(tmp_path / "hidden"),
-        device="cpu",
-        mode="replicate",
-        launch_tokens=None,
-    )
-    path = tmp_path / "capture.json"
-    write_job(job, path, kept=lambda: "nothing", resume="rerun")
-    return path
