@@ -1,8 +1,9 @@
 """`eagle3 doctor`, and the pipeline's preflight: the checks that find in seconds what would fail hours in.
 
-Seven groups, each in its own module: the environment (models/ranks/environment.py), the serving engine,
+Eight groups, each in its own module: the environment (models/ranks/environment.py), the serving engine,
 the chat template on a sample of each dataset, an exported draft, what vLLM needs of the target (when
-vLLM serves it or extracts its hidden states), the disk, and the run directory (tasks/doctor/). Each
+vLLM serves it or extracts its hidden states), the disk, the capture's memory per GPU and node, and the run
+directory (tasks/doctor/). Each
 finding is PASS, WARN or FAIL with one line of what to do; any FAIL makes `eagle3 doctor` exit 1
 and stops the pipeline before its first stage (`--skip-checks` skips them, said in the log). What
 a group needs that is not there yet (no server launched, no records, no export) is a PASS saying
@@ -19,14 +20,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flows.commands.plan import capture_plan
+from flows.commands.plan import capture_plan, memory_plans
 from flows.config.schema import RunConfig
 from flows.train import train_job
 from models.common.findings import Finding, failed
 from models.common.run_layout import RUN_DRAFTS
 from models.ranks.environment import environment_checks
 from models.train.checkpoint import optimisation_settings, variant_settings
-from tasks.capture.plan import capture_dtype, capture_layers, target_shape
+from tasks.capture.plan import TargetConfigMissing, capture_dtype, capture_layers, read_target_config, target_shape
 from tasks.datasets.hub import is_hub_path
 
 if TYPE_CHECKING:
@@ -92,6 +93,8 @@ def doctor_findings(
         out += [("vllm target", f) for f in _vllm_target(config, target, stages, engine=engine, served=served)]
     if target and ({"generate", "records", "capture"} & set(stages)):
         out += [("disk", f) for f in _disk(config)]
+    if "capture" in stages:  # from config.json alone: a checkpoint without its tokenizer is enough
+        out += [("memory", f) for f in _memory(config)]
     out += [("run directory", f) for f in _run_dir(config, capture="capture" in stages, generate="generate" in stages)]
     return out
 
@@ -366,6 +369,18 @@ def _disk(config: RunConfig) -> list[Finding]:
     return disk_findings(plan, budget_tokens=budgets, run_dir=config.run_dir)
 
 
+def _memory(config: RunConfig) -> list[Finding]:
+    """The configured capture setup's memory per GPU and node (`eagle3 plan` prints every setup's)."""
+    from tasks.doctor.memory import memory_finding
+
+    try:
+        setups = memory_plans(config, read_target_config(config.target.path, download=False))
+    except (TargetConfigMissing, ValueError) as exc:  # unreadable: said by the target check; or not countable
+        return [Finding("memory: capture", "WARN", f"no plan: {exc}"[:300], "point target.path at a local checkpoint")]
+    chosen = next(s for s in setups if s.configured)
+    return [memory_finding(chosen.plan, enforced=chosen.enforced)]
+
+
 def _run_dir(config: RunConfig, *, capture: bool, generate: bool) -> list[Finding]:
     """The run directory's checks; `capture`: the capture stage runs, so its shards are checked too; `generate`: the
     generate stage runs, so the engine and target its responses were made with are compared with the config's."""
@@ -389,7 +404,7 @@ def _run_dir(config: RunConfig, *, capture: bool, generate: bool) -> list[Findin
         return found
     c = config.capture
     try:
-        shape = target_shape(config.target.path, config.target.trust_remote_code)
+        shape = target_shape(config.target.path, download=False)
         layers = capture_layers(shape.num_layers, c.aux_layers)
     except Exception:  # noqa: BLE001 - the target's config or capture.aux_layers: said by the target and draft checks
         return found

@@ -42,6 +42,9 @@ class TargetConfig(TargetSpec, Section):
     """The tiny target's shape, with build_tiny_target: `llama` (a tiny Llama), `kimi` (Kimi-K2.5's: a tiny
     DeepSeek-V3 with MLA, MoE and YaRN in the kimi_k25 checkpoint layout, models/target/tiny_kimi.py), or `kimi-long`
     (the kimi target trained further on a book, so that it answers at length: models/target/book.py)."""
+    tiny_quantize: Literal["int4"] | None = None
+    """With build_tiny_target and a kimi shape: `int4` writes the target as Kimi-K2.5 is published, its routed experts
+    INT4 (compressed-tensors pack-quantized, group size 32: models/target/int4.py), the rest as built."""
 
 
 def command_words(value: Any) -> Any:
@@ -227,14 +230,24 @@ class DistributedConfig(Nodes, Section):
     `eagle3 node CONFIG --node-rank R` (docs/scale-out.md). deepspeed: node 0 starts them all from the hostfile.
     """
 
+    gpu_memory_gib: float = Field(default=140.0, gt=0)
+    """Memory of one GPU of a node, in GiB (default: the reference box's H200, 141 GB). `eagle3 plan` and `eagle3
+    doctor` refuse a capture that needs more per GPU (tasks/capture/memory.py); vLLM's share is this x its
+    --gpu-memory-utilization."""
+    host_memory_gib: float = Field(default=2048.0, gt=0)
+    """RAM of one node, in GiB (default: the reference box's 2 TiB). What the node's capture ranks keep in it (ZeRO-3
+    partitions with capture.offload: cpu, swap buffers with nvme) must fit: the plan and doctor refuse it otherwise."""
+
 
 class EngineConfig(VllmCaptureSettings, Section):
     """capture.backend: vllm: the vLLM server that extracts hidden states, and who runs it (docs/kimi-k25.md)."""
 
     launch: Literal["none", "dev", "command"] = "none"
     """Who runs the vLLM server during the capture stage. `none`: it is already running at `url`, started with the
-    extraction config the capture logs (and docs/kimi-k25.md shows). `dev`: the built-in dev server emulates it on
-    the target (demo, tests). `command`: the pipeline starts `command`, waits for /health, and stops it after."""
+    extraction config the capture logs (and docs/kimi-k25.md shows), deploy/vllm-plugins on its PYTHONPATH. `dev`:
+    the built-in dev server emulates it on the target (tests). `command`: each attempt of the capture starts
+    `command` (PYTHONPATH set for our connector), waits for /health, and stops it after; one that dies is restarted
+    by the next attempt (capture.retries)."""
     command: CommandWords = None
     """launch: command: the vLLM command as a list of arguments; its log goes to RUN_DIR/logs/capture-server.log.
     Placeholders: {host}, {port} (from url), {speculative_config} and {kv_transfer_config} (the extraction config as

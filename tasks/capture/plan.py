@@ -74,16 +74,51 @@ class CapturePlan:
         return {**asdict(self), "fits": self.fits}
 
 
-def target_shape(target_path: str, trust_remote_code: bool = False) -> TargetShape:
-    """Hidden size, layer count and dtype of the target from its config (text config of multimodal ones)."""
+class TargetConfigMissing(RuntimeError):
+    """The target's config.json is neither in its directory nor in the Hugging Face cache (and is not downloaded)."""
+
+
+def read_target_config(target_path: str, *, download: bool = True) -> dict:
+    """The target's config.json as a dict: from its directory, else from the Hugging Face cache, else downloaded
+    (`download`, and HF_HUB_OFFLINE not set); TargetConfigMissing at once otherwise, with how to provide it."""
     config_file = Path(target_path) / "config.json"
     if config_file.is_file():
-        data = json.loads(config_file.read_text())
-    else:
-        from transformers import AutoConfig
+        return json.loads(config_file.read_text())
+    if Path(target_path).exists():
+        raise TargetConfigMissing(f"{target_path} has no config.json: point target.path at the checkpoint's directory")
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
 
-        data = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code).to_dict()
-    text = data.get("text_config") or data  # Kimi-K2.5 nests the DeepSeek-V3 text config
+    try:
+        cached = try_to_load_from_cache(target_path, "config.json")
+    except ValueError:  # not a Hub id either (HFValidationError): a local path that does not exist
+        raise TargetConfigMissing(f"{target_path}: no such directory (target.path)") from None
+    if isinstance(cached, str):
+        return json.loads(Path(cached).read_text())
+    if not download or constants.HF_HUB_OFFLINE:
+        raise TargetConfigMissing(
+            f"{target_path} is not a local directory and its config.json is not in the Hugging Face cache "
+            "(nothing is downloaded here). Point target.path at a local copy of the checkpoint (config.json is all "
+            "the plan needs), or fetch that one file into the cache: "
+            f"huggingface-cli download {target_path} config.json"
+        )
+    return json.loads(Path(hf_hub_download(target_path, "config.json")).read_text())
+
+
+def text_config(data: dict) -> dict:
+    """The text model's config of a config.json (Kimi-K2.5 nests the DeepSeek-V3 text config)."""
+    return data.get("text_config") or data
+
+
+def target_shape(target_path: str, trust_remote_code: bool = False, *, download: bool = True) -> TargetShape:
+    """Hidden size, layer count and dtype of the target from its config.json (text config of multimodal ones);
+    `download`: fetch config.json from the Hub when neither the path nor the cache has it (`read_target_config`).
+    `trust_remote_code` is not needed to read the file (kept for the callers)."""
+    return shape_of(read_target_config(target_path, download=download))
+
+
+def shape_of(data: dict) -> TargetShape:
+    """The TargetShape of a config.json's contents."""
+    text = text_config(data)
     dtype = text.get("dtype") or text.get("torch_dtype") or data.get("dtype") or data.get("torch_dtype") or "float32"
     return TargetShape(int(text["hidden_size"]), int(text["num_hidden_layers"]), str(dtype).removeprefix("torch."))
 
@@ -127,7 +162,7 @@ def plan_capture(
     total = sum(r.tokens for r in reports)
     todo = max(0, (min(total, max_tokens) if max_tokens else total) - tokens_done)
     per_token = bytes_per_token(shape.hidden_size, dtype, storage)
-    out_fs = _existing_parent(out_dir)
+    out_fs = existing_parent(out_dir)
     free = shutil.disk_usage(out_fs).free
     needed, temp_bytes, temp_usable = todo * per_token, 0, None
     if engine is not None and todo:
@@ -135,7 +170,7 @@ def plan_capture(
         window = engine.shard_tokens + sum(longest[: engine.max_concurrency]) + (longest[0] if longest else 0)
         # the server's activations: the checkpoint's dtype (bf16 for Kimi), float32 when it says none
         temp_bytes = min(window, todo) * (4 * shape.hidden_size * DTYPE_BYTES.get(shape.dtype, 4) + 8)
-        temp_fs = _existing_parent(engine.shared_dir)
+        temp_fs = existing_parent(engine.shared_dir)
         if os.stat(temp_fs).st_dev == os.stat(out_fs).st_dev:
             needed += temp_bytes
         else:
@@ -189,7 +224,8 @@ def human_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _existing_parent(path: Path) -> Path:
+def existing_parent(path: Path) -> Path:
+    """`path`, or its nearest existing parent (whose filesystem it will be on)."""
     path = Path(path)
     while not path.exists():
         path = path.parent
