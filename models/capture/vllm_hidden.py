@@ -1,9 +1,11 @@
 """Hidden states extracted by a vLLM server, turned into the capture's shard rows (capture.backend: vllm).
 
-vLLM (>= 0.17) extracts hidden states with the speculative method `extract_hidden_states` and the
-`ExampleHiddenStatesConnector` (vllm/distributed/kv_transfer/kv_connector/v1/
-example_hidden_states_connector.py; docs/kimi-k25.md has the verified contract). Per request it
-writes `{shared_storage_path}/{request_id}.safetensors`:
+vLLM (>= 0.17) extracts hidden states with the speculative method `extract_hidden_states` and a KV connector that
+writes what the extraction cached. The capture starts vLLM with ours, `Eagle3HiddenStatesConnector`
+(deploy/vllm-plugins/eagle3_hidden_states.py, loaded through `kv_connector_module_path`: it runs on CPU and GPU),
+which writes the file vLLM's own `ExampleHiddenStatesConnector` (vllm/distributed/kv_transfer/kv_connector/v1/
+example_hidden_states_connector.py, CUDA only) writes, so either one's files are read here. Per request:
+`{shared_storage_path}/{request_id}.safetensors`:
 
     token_ids      int64        [n]            the prompt's ids
     hidden_states  model dtype  [n, k, H]      one slice per id in eagle_aux_hidden_state_layer_ids
@@ -37,6 +39,10 @@ from models import numerics  # noqa: F401  (CPU denormals flushed before any mat
 
 LOCK_SUFFIX = ".lock"
 LOCK_POLL_S = 0.01
+CONNECTOR = "Eagle3HiddenStatesConnector"
+CONNECTOR_MODULE = "eagle3_hidden_states"
+# the directory vLLM must have on its PYTHONPATH to load the connector (the repository's deploy/vllm-plugins)
+CONNECTOR_DIR = Path(__file__).resolve().parents[2] / "deploy" / "vllm-plugins"
 
 
 class ExtractionFailed(ValueError):
@@ -70,15 +76,23 @@ def extraction_config(
         },
     }
     kv_transfer = {
-        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(shared_dir)},
     }
     return speculative, kv_transfer
 
 
+def connector_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment vLLM needs to import the connector: PYTHONPATH with CONNECTOR_DIR first."""
+    rest = (environ if environ is not None else os.environ).get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join([str(CONNECTOR_DIR), *([rest] if rest else [])])}
+
+
 def server_flags(aux_layers: list[int], num_layers: int, shared_dir: str | Path) -> list[str]:
-    """The `vllm serve` flags of `extraction_config` (chunked prefill off: the feature requires it)."""
+    """The `vllm serve` flags of `extraction_config` (chunked prefill off: the feature requires it); vLLM also needs
+    `connector_env`'s PYTHONPATH."""
     speculative, kv_transfer = extraction_config(aux_layers, num_layers, shared_dir)
     return [
         "--speculative-config",
@@ -140,7 +154,7 @@ def read_connector_file(path: str | Path, token_ids: list[int], num_ids: int, hi
         raise ExtractionFailed(
             path,
             f"no {', '.join(sorted(missing))} tensor (has {sorted(data)})",
-            "The server is not vLLM's ExampleHiddenStatesConnector",
+            f"The server does not run {CONNECTOR} (or vLLM's ExampleHiddenStatesConnector)",
         )
     ids, hidden = data["token_ids"], data["hidden_states"]
     if ids.ndim != 1 or ids.tolist() != list(token_ids):

@@ -314,10 +314,11 @@ class CaptureJob(CaptureSettings, RecordsRef, RankJob):
 class VllmCaptureSettings(KeyFromEnv, StrictModel):
     """How the capture reaches a vLLM server that extracts hidden states (capture.backend: vllm; docs/kimi-k25.md).
 
-    The server runs the target with `speculative_config.method = extract_hidden_states` and the
-    `ExampleHiddenStatesConnector`, which writes one safetensors file per request into
-    `shared_dir`; the capture sends each record's token ids to /v1/completions with max_tokens 1,
-    reads the file the reply names, and deletes it once the shard holding the record is on disk.
+    The server runs the target with `speculative_config.method = extract_hidden_states` and our connector
+    (deploy/vllm-plugins/eagle3_hidden_states.py; vLLM's ExampleHiddenStatesConnector writes the same files), which
+    writes one safetensors file per request into `shared_dir`; the capture sends each record's token ids to
+    /v1/completions with max_tokens 1, reads the file the reply names, and deletes it once the shard holding the
+    record is on disk.
     """
 
     url: ServerUrl = "http://127.0.0.1:8000"

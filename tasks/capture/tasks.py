@@ -26,8 +26,10 @@ from models.common.rank_protocol import CAPTURE, Message
 from tasks import launch_ranks
 from tasks.artifacts import artifact_key, progress_artifact
 from tasks.capture.plan import CapturePlan, ExtractionWindow, TargetShape, check_fits, human_bytes, plan_capture
-from tasks.engines.errors import ServerOutage
+from tasks.capture.vllm_server import CaptureServer, launched_capture_server
+from tasks.engines.errors import EngineDied, ServerOutage
 from tasks.launch_ranks import RankFailure, RankRefused, follow_job, rank_command, run_job, write_job
+from tasks.server_watch import ServerWatch
 
 
 class CaptureRefused(RankRefused):
@@ -86,10 +88,11 @@ def capture_retryable(task: Any, task_run: Any, state: Any) -> bool:
     A failed write, a damaged file or a refused job (CaptureRefused) fails the same way again, so
     they fail at once; a rank that died (OOM kill, NCCL error, lost node) may well succeed, and the
     retry resumes: complete shards are skipped. Likewise a vLLM server that stayed unreachable for
-    its outage window (ServerOutage); a refused record or an unusable reply file is not retried.
+    its outage window (ServerOutage), or a server the capture launched that died (EngineDied: the retry starts a
+    new one); a refused record or an unusable reply file is not retried.
     """
     error = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
-    return isinstance(error, (RankFailure, ServerOutage))
+    return isinstance(error, (RankFailure, ServerOutage, EngineDied))
 
 
 @task(name="plan-capture", cache_policy=NO_CACHE)
@@ -220,11 +223,20 @@ def progress_line(done: int, total: int, tokens: int, seconds: float, where: str
 
 @task(name="capture-engine", cache_policy=NO_CACHE)
 def run_vllm_capture(
-    job: CaptureJob, engine: VllmCaptureSettings, shared_dir: Path, config_name: str, token_cap: int | None = None
+    job: CaptureJob,
+    engine: VllmCaptureSettings,
+    server: CaptureServer,
+    config_name: str,
+    token_cap: int | None = None,
+    log_dir: Path | None = None,
+    health_timeout_s: float = 3600.0,
 ) -> float:
     """Capture through the vLLM server (tasks/capture/vllm_capture.py), tracking progress like the DeepSpeed job;
     return tokens/s.
 
+    Each attempt starts the server itself (capture.engine.launch: dev | command) and stops it at the end, so a retry
+    gets a fresh one; while it runs, a launched server that exits (or whose engine dies) ends the attempt at once
+    with EngineDied (tasks/server_watch.py), which the retry condition retries, instead of the outage window's wait.
     `token_cap` caps the whole capture as for the job: each attempt gets what is left after the complete shards.
     """
     from prefect.utilities.asyncutils import run_coro_as_sync
@@ -250,9 +262,27 @@ def run_vllm_capture(
             )
             logger.info(line)
 
-    result: dict[str, int] = run_coro_as_sync(
-        capture_with_vllm(job, engine, shared_dir, on_progress=on_progress, logger=logger)
-    )
+    if server.launch != "none":
+        logger.info("capture: starting the vLLM server at %s (log: %s)", server.url, log_dir)
+    with launched_capture_server(server, log_dir=log_dir, health_timeout_s=health_timeout_s, logger=logger) as launched:
+        watch = ServerWatch.of(
+            launched,
+            engine.outage_window_s,
+            "vLLM server",
+            stage="capture",
+            next_step="this attempt stops now instead of waiting out capture.engine.outage_window_s "
+            f"({engine.outage_window_s:.0f} s); a retry (capture.retries) starts a new server and resumes after the "
+            "complete shards",
+        )
+        work = capture_with_vllm(
+            job,
+            engine,
+            server.shared_dir,
+            on_progress=on_progress,
+            logger=logger,
+            on_failure=watch.after_failure if watch is not None else None,
+        )
+        result: dict[str, int] = run_coro_as_sync(watch.guard(work) if watch is not None else work)
     update_progress_artifact(
         artifact, progress=100.0, description=f"capture: done, {result['tokens']:,} tokens this run"
     )

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -39,6 +40,7 @@ from models.capture.vllm_hidden import (
     LOCK_SUFFIX,
     ExtractionFailed,
     FinalNorm,
+    connector_env,
     engine_layer_ids,
     read_connector_file,
     sample_rows,
@@ -108,7 +110,7 @@ def clean_connector_files(shared_dir: Path) -> int:
         return 0
     n = 0
     for p in shared_dir.iterdir():
-        if p.name.endswith((".safetensors", ".safetensors" + LOCK_SUFFIX)) and p.is_file():
+        if p.name.endswith((".safetensors", ".safetensors" + LOCK_SUFFIX, ".safetensors.tmp")) and p.is_file():
             p.unlink(missing_ok=True)
             n += 1
     return n
@@ -122,10 +124,12 @@ async def capture_with_vllm(
     on_progress: Callable[[int, int, int], None] = lambda done, total, tokens: None,
     transport: httpx.AsyncBaseTransport | None = None,
     logger: logging.Logger | logging.LoggerAdapter = log,
+    on_failure: Callable[[Any, Any], Awaitable[None]] | None = None,
 ) -> dict[str, int]:
     """Capture every pending record of `job` through the vLLM server; {"samples", "tokens"} captured by this call.
 
-    `on_progress(done, total, tokens)` after every sample (samples and tokens of this call).
+    `on_progress(done, total, tokens)` after every sample (samples and tokens of this call); `on_failure`: the
+    client's (tasks/engines/client.py), e.g. the watch of a server the capture launched (tasks/server_watch.py).
     """
     out_dir = Path(job.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -145,7 +149,7 @@ async def capture_with_vllm(
     stale = clean_connector_files(shared_dir)
     logger.info(
         "capture (vllm %s): %d records with loss tokens (%d without, skipped), %d already captured, %d pending; "
-        "aux_layers=%s dtype=%s; the server must run with: %s%s",
+        "aux_layers=%s dtype=%s; the server must run with: PYTHONPATH=%s ... %s%s",
         engine.url,
         len(samples),
         no_loss,
@@ -153,6 +157,7 @@ async def capture_with_vllm(
         len(pending),
         aux_layers,
         str(dtype).removeprefix("torch."),
+        connector_env({})["PYTHONPATH"],
         " ".join(f"'{w}'" if w.startswith("{") else w for w in server_flags(aux_layers, shape.num_layers, shared_dir)),
         f"; deleted {stale} connector file(s) a killed capture left" if stale else "",
     )
@@ -213,6 +218,7 @@ async def capture_with_vllm(
         max_connections=engine.max_concurrency,
         transport=transport,
         logger=logger,
+        on_failure=on_failure,
         auth_hint="set capture.engine.api_key_env to the variable holding vLLM's --api-key.",
         url_hint="capture.engine.url must be the base URL of the vLLM server (e.g. http://host:8000, no "
         "path) and capture.engine.model its served model name.",

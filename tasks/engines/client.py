@@ -209,7 +209,7 @@ class EngineClient:
     `vocab_size` lets replies be checked against the target's vocabulary; `logger` gets one
     warning per kind of invalid reply (then they are only counted, in `invalid_replies`);
     `on_failure(client, exc)` is awaited after each failed try of `generate` and may raise to end the retries (a
-    server the caller launched and knows to be dead: tasks/eval/server_watch.py).
+    server the caller launched and knows to be dead: tasks/server_watch.py).
     """
 
     name = "the engine"  # in messages: "SGLang", "vLLM"

@@ -10,7 +10,7 @@ A status code means what it says, on every endpoint of every engine:
   checks (`InvalidReply`: a server that answers 200 with impossible content is faulty, not the
   prompt); retried with backoff until the outage has lasted `RetryPolicy.outage_window_s`, then
   `ServerOutage` is raised so the caller can fail cleanly (resumably) instead of spinning forever.
-- `EngineDied`: a server the pipeline launched itself is gone (tasks/eval/server_watch.py); nothing to wait for.
+- `EngineDied`: a server the pipeline launched itself is gone (tasks/server_watch.py); nothing to wait for.
 """
 
 from __future__ import annotations

@@ -71,7 +71,9 @@ API_SERVER = (
 )
 
 
-def cpu_command(python: str, target: str, *, max_model_len: int = 2048, mla_draft: bool = False) -> list[str]:
+def cpu_command(
+    python: str, target: str, *, max_model_len: int = 2048, mla_draft: bool = False, dtype: str = "float32"
+) -> list[str]:
     """The command that serves `target` with the CPU build of vLLM (REFERENCE.md), with {host}/{port} to fill.
 
     Chunked prefill is off: on CPU a seeded request (`seed`, our sampling.seed) whose prompt is prefilled in
@@ -101,10 +103,27 @@ def cpu_command(python: str, target: str, *, max_model_len: int = 2048, mla_draf
         "--max-model-len",
         str(max_model_len),
         "--dtype",
-        "float32",
+        dtype,
         "--enforce-eager",
         "--no-enable-chunked-prefill",
         *flags,
+    ]
+
+
+def capture_cpu_command(python: str, target: str, *, max_model_len: int = 2048, dtype: str = "float32") -> list[str]:
+    """The command that serves `target` for the capture (capture.backend: vllm, launch: command) with the CPU build of
+    vLLM, with {host}, {port}, {speculative_config} and {kv_transfer_config} to fill (tasks/capture/vllm_server.py).
+
+    `cpu_command` with the extraction flags, and no draft: an MLA target keeps vLLM's MLA kernels (CPU_MLA, as for an
+    MLA draft: `shape_words`), so the capture reads the states of the target as vLLM serves it. Chunked prefill stays
+    off: extract_hidden_states needs a request's prompt in one step.
+    """
+    return [
+        *cpu_command(python, target, max_model_len=max_model_len, mla_draft=True, dtype=dtype),
+        "--speculative-config",
+        "{speculative_config}",
+        "--kv-transfer-config",
+        "{kv_transfer_config}",
     ]
 
 

@@ -52,9 +52,9 @@ from models.eval.prompts import EvalPrompt
 from tasks.engines import client_class
 from tasks.engines.client import RetryPolicy, ServerLimits
 from tasks.engines.errors import BadRequest
-from tasks.eval.server_watch import ServerWatch
 from tasks.heartbeat import Heartbeat
 from tasks.launch_servers import SERVER_LOG, ServerProcess, launched_servers
+from tasks.server_watch import ServerWatch
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ async def decode_prompts(
 
     `select(limits, client)` gets what the server says of itself before anything is sent and returns the prompts
     to send and why the others are not (it raises to send nothing). `watch`: the server the eval launched, whose
-    death ends the phase at once with EngineDied (tasks/eval/server_watch.py) instead of the outage window's retries.
+    death ends the phase at once with EngineDied (tasks/server_watch.py) instead of the outage window's retries.
     """
     gate = asyncio.Semaphore(concurrency)
     done = 0

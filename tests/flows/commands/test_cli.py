@@ -107,7 +107,8 @@ def test_an_unknown_shape_or_demo_target_is_refused_before_anything_is_built(tmp
     assert result.returncode == 2 and "--shape must be one of llama, kimi, kimi-long, got 'qwen'" in result.stderr
     assert not (tmp_path / "t").exists()
     result = eagle3("demo", "--target", "qwen", "--run-dir", str(tmp_path / "run"))
-    assert result.returncode == 2 and "--target must be one of llama, kimi, kimi-long, got 'qwen'" in result.stderr
+    said = "--target must be one of llama, kimi, kimi-long, kimi-int4, got 'qwen'"
+    assert result.returncode == 2 and said in result.stderr
     assert not (tmp_path / "run").exists()
     result = eagle3("demo", "--engine", "tgi", "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "--engine must be dev, sglang, vllm, got 'tgi'" in result.stderr

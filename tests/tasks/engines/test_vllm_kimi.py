@@ -31,6 +31,7 @@ from models.target.weights import load_final_norm
 from tasks.engines.vllm import shape_words
 from tests.models.torchrun import cpu_env
 from tests.tasks.engines.test_vllm_real import engine_equals_in_process
+from tests.tasks.engines.vllm_capture_runs import compare_captures, recapture_with_vllm
 
 # The module's first test builds the target (~3.5 min, unless tests/targets.py built it before) and the demo fixture
 # runs every stage (~6 min on idle cores): on a busy machine they may pass pyproject's 600 s per test, so this module
@@ -89,26 +90,19 @@ def kimi_demo(vllm_python, kimi_target_dir, tmp_path_factory, prefect_harness):
     return config, out.getvalue()
 
 
-def test_our_aux_states_are_the_ones_vllm_selects_with_the_ids_we_export(
-    vllm_python, kimi_target_dir, kimi_demo, tmp_path
-):
-    config, _ = kimi_demo
-    captured = config.layout.hidden_dir  # the pipeline's default aux layers, 2 ranks under ZeRO-3 with the MoE
-    assert (
-        config.capture.mode == "zero3" and config.capture.num_gpus == 2
-    )  # blocks as leaf modules (models/capture/job.py)
-    aux = default_aux_layers(NUM_LAYERS)
-    ids = vllm_aux_ids(aux)
-    assert ids == [2, 4, 5]
-    index = sorted(iter_shard_index(captured), key=lambda r: (r["length"], r["dataset"], r["id"]))[:6]
-    samples = [read_sample(captured / r["shard"], r["offset"], r["length"]) for r in index]
-    assert len(samples) == 6 and all(len(s["input_ids"]) > 8 for s in samples)
-    request = tmp_path / "request.json"
-    _, flags = shape_words(str(kimi_target_dir))
+def vllm_own_states(vllm_python: Path, target: Path, hidden: Path, ids: list[int], out: Path) -> tuple[list, Path]:
+    """The 6 shortest samples (of more than 8 tokens) of the capture in `hidden`, and the file of the states vLLM's own
+    model selects for them with layer ids `ids` + the end layer, read through vLLM's offline API with its CPU MLA
+    kernels (tests/tasks/engines/vllm_aux_states.py): `p{i}.id{k}`."""
+    index = sorted(iter_shard_index(hidden), key=lambda r: (r["length"], r["dataset"], r["id"]))
+    samples = [read_sample(hidden / r["shard"], r["offset"], r["length"]) for r in index if r["length"] > 8][:6]
+    assert len(samples) == 6
+    request = out.with_suffix(".json")
+    _, flags = shape_words(str(target))
     request.write_text(
         json.dumps(
             {
-                "target": str(kimi_target_dir),
+                "target": str(target),
                 "layer_ids": [*ids, NUM_LAYERS],
                 "prompts": [s["input_ids"].tolist() for s in samples],
                 "max_model_len": 1024,
@@ -116,7 +110,6 @@ def test_our_aux_states_are_the_ones_vllm_selects_with_the_ids_we_export(
             }
         )
     )
-    out = tmp_path / "vllm_aux.safetensors"
     proc = subprocess.run(
         [str(vllm_python), str(AUX_SCRIPT), str(request), str(out)],
         capture_output=True,
@@ -127,29 +120,79 @@ def test_our_aux_states_are_the_ones_vllm_selects_with_the_ids_we_export(
     assert proc.returncode == 0, f"vLLM aux script failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "vllm text model: ['DeepseekV2ForCausalLM']" in proc.stdout  # vLLM's DeepSeek class (deepseek_v2.py)
     assert "Using CPU_MLA backend" in proc.stdout + proc.stderr  # vLLM ran its MLA kernels, not plain attention
+    return samples, out
 
-    cfg = json.loads((kimi_target_dir / "config.json").read_text())["text_config"]
-    norm_w = load_final_norm(kimi_target_dir).to(torch.float32)
+
+def check_against_vllm_own(samples: list, own: Path, target: Path, ids: list[int], rtol: float) -> float:
+    """Each sample's aux states equal vLLM's own for `ids`; the final norm of vLLM's end-layer state (the state BEFORE
+    the final norm) equals our stored last state; the largest relative difference."""
+    cfg = json.loads((target / "config.json").read_text())["text_config"]
+    norm_w = load_final_norm(target).to(torch.float32)
     worst = 0.0
-    with safe_open(str(out), framework="pt") as f:
+    with safe_open(str(own), framework="pt") as f:
         for i, s in enumerate(samples):
             ours = s["aux_hidden"].to(torch.float32).split(cfg["hidden_size"], dim=-1)
             for k, mine in zip(ids, ours):
                 theirs = f.get_tensor(f"p{i}.id{k}")
                 assert theirs.shape == mine.shape
-                assert rel(mine, theirs) < RTOL, (i, k, rel(mine, theirs))
+                assert rel(mine, theirs) < rtol, (i, k, rel(mine, theirs))
                 worst = max(worst, rel(mine, theirs))
-            # the end layer: vLLM's state is the pre-norm one; its final norm is our stored (post-norm) state
             end = f.get_tensor(f"p{i}.id{NUM_LAYERS}")
             last = s["last_hidden"].to(torch.float32)
             normed = end * torch.rsqrt(end.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"]) * norm_w
-            assert rel(normed, last) < RTOL, (i, rel(normed, last))
+            assert rel(normed, last) < rtol, (i, rel(normed, last))
+            worst = max(worst, rel(normed, last))
             assert rel(end, last) > 0.1  # not the same state: the conventions differ
         # a wrong rule (ours a -> vLLM a) selects other states: the check can fail
         first = samples[0]["aux_hidden"].to(torch.float32).split(cfg["hidden_size"], dim=-1)
-        assert rel(first[1], f.get_tensor("p0.id4")) < RTOL  # ours 3 == vLLM 4
-        assert rel(first[2], f.get_tensor("p0.id4")) > 0.01  # ours 4 != vLLM 4
+        assert rel(first[1], f.get_tensor(f"p0.id{ids[1]}")) < rtol  # ours 3 == vLLM 4
+        assert rel(first[2], f.get_tensor(f"p0.id{ids[1]}")) > 0.01  # ours 4 != vLLM 4
+    return worst
+
+
+@pytest.fixture(scope="module")
+def kimi_vllm_own(vllm_python, kimi_target_dir, kimi_demo, tmp_path_factory):
+    """(samples of the demo's DeepSpeed capture, vLLM's own states for them)."""
+    config, _ = kimi_demo
+    ids = vllm_aux_ids(default_aux_layers(NUM_LAYERS))
+    out = tmp_path_factory.mktemp("vllm-own") / "vllm_aux.safetensors"
+    return vllm_own_states(vllm_python, kimi_target_dir, config.layout.hidden_dir, ids, out)
+
+
+def test_our_aux_states_are_the_ones_vllm_selects_with_the_ids_we_export(kimi_target_dir, kimi_demo, kimi_vllm_own):
+    config, _ = kimi_demo
+    # the default aux layers, 2 ranks under ZeRO-3 with the MoE blocks as leaf modules (models/capture/job.py)
+    assert config.capture.mode == "zero3" and config.capture.num_gpus == 2
+    ids = vllm_aux_ids(default_aux_layers(NUM_LAYERS))
+    assert ids == [2, 4, 5]
+    samples, own = kimi_vllm_own
+    worst = check_against_vllm_own(samples, own, kimi_target_dir, ids, RTOL)
     print(f"aux states: ours vs vLLM ids {ids} (+ end layer {NUM_LAYERS}): max relative diff {worst:.2e}")
+
+
+def test_the_capture_through_the_real_vllm_equals_the_deepspeed_capture_and_vllm_s_own_states(
+    kimi_target_dir, kimi_demo, kimi_vllm_own, tmp_path, prefect_harness
+):
+    """capture.backend: vllm on the Kimi shape: the real vLLM (its CPU MLA kernels, its MoE) with our connector, over
+    the demo's records, gives for every record the states the demo's DeepSpeed capture stored (ZeRO-3, 2 ranks), and,
+    on the samples read through vLLM's offline API, the states vLLM's own model selects."""
+    config, _ = kimi_demo
+    hidden = recapture_with_vllm(config, tmp_path / "run")
+    assert "Using CPU_MLA backend" in (tmp_path / "run" / "logs" / "capture-server.log").read_text()
+    compared, worst_ds = compare_captures(hidden, config.layout.hidden_dir, 256, RTOL)
+    assert compared > 40
+    samples, own = kimi_vllm_own
+    by_ids = {}
+    for r in iter_shard_index(hidden):
+        sample = read_sample(hidden / r["shard"], r["offset"], r["length"])
+        by_ids[tuple(sample["input_ids"].tolist())] = sample
+    ours = [by_ids[tuple(s["input_ids"].tolist())] for s in samples]  # the same records, captured through vLLM
+    assert len(ours) == len(samples)
+    worst_own = check_against_vllm_own(ours, own, kimi_target_dir, vllm_aux_ids(default_aux_layers(NUM_LAYERS)), RTOL)
+    print(
+        f"Kimi shape, vLLM capture: vs DeepSpeed capture ({compared} samples) max relative diff {worst_ds:.2e}; "
+        f"vs vLLM's own states {worst_own:.2e}"
+    )
 
 
 def test_the_kimi_demo_through_vllm_measures_what_the_in_process_eval_measures_prompt_by_prompt(kimi_demo):
