@@ -45,6 +45,11 @@ NUM_LAYERS = 8
 # Relative to the largest value of the state: float32 through two implementations (vLLM's CPU MLA kernels,
 # transformers under ZeRO-3), residual streams in the hundreds. Measured against a plain forward: up to 5e-6.
 RTOL = 5e-5
+# The last state is the final norm of the residual stream, whose largest values (~700 on this target) are far above
+# its RMS: the norm turns the residual's float32 differences (<= ~2e-5 of 700) into up to ~2e-4 of the normed state's
+# largest value (~4). Measured over the 160 records of the demo, vLLM's capture against DeepSpeed's: aux 2.0e-5,
+# last 2.1e-4 (one 397-token record; most below 1e-5). A wrong layer id or a missing norm differs by more than 1e-2.
+RTOL_LAST = 1e-3
 
 
 def rel(mine: torch.Tensor, theirs: torch.Tensor) -> float:
@@ -179,7 +184,7 @@ def test_the_capture_through_the_real_vllm_equals_the_deepspeed_capture_and_vllm
     config, _ = kimi_demo
     hidden = recapture_with_vllm(config, tmp_path / "run")
     assert "Using CPU_MLA backend" in (tmp_path / "run" / "logs" / "capture-server.log").read_text()
-    compared, worst_ds = compare_captures(hidden, config.layout.hidden_dir, 256, RTOL)
+    compared, worst_ds = compare_captures(hidden, config.layout.hidden_dir, RTOL, RTOL_LAST)
     assert compared > 40
     samples, own = kimi_vllm_own
     by_ids = {}
@@ -190,8 +195,8 @@ def test_the_capture_through_the_real_vllm_equals_the_deepspeed_capture_and_vllm
     assert len(ours) == len(samples)
     worst_own = check_against_vllm_own(ours, own, kimi_target_dir, vllm_aux_ids(default_aux_layers(NUM_LAYERS)), RTOL)
     print(
-        f"Kimi shape, vLLM capture: vs DeepSpeed capture ({compared} samples) max relative diff {worst_ds:.2e}; "
-        f"vs vLLM's own states {worst_own:.2e}"
+        f"Kimi shape, vLLM capture vs DeepSpeed capture ({compared} samples): max relative diff aux "
+        f"{worst_ds['aux_hidden']:.2e}, last {worst_ds['last_hidden']:.2e}; vs vLLM's own states {worst_own:.2e}"
     )
 
 
