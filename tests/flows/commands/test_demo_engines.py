@@ -28,6 +28,12 @@ def test_each_target_and_engine_has_a_run_directory_of_its_own():
     assert dirs[("llama", "vllm")] == runs / "demo-vllm" and dirs[("llama", "sglang")] == runs / "demo-sglang"
     assert dirs[("kimi", "vllm")] == runs / "demo-kimi" and dirs[("kimi", "dev")] == runs / "demo-kimi-dev"
     assert dirs[("kimi-long", "vllm")] == runs / "demo-kimi-long"
+    assert dirs[("kimi-int4", "dev")] == runs / "demo-kimi-int4" and dirs[("kimi-int4", "vllm")] == runs / (
+        "demo-kimi-int4-vllm"
+    )
+    int4 = demo_config(None, "kimi-int4")  # Kimi-K2.5's published format, from the kimi build
+    assert int4.target.tiny_shape == "kimi" and int4.target.tiny_quantize == "int4"
+    assert int4.target.path == str(runs / "tiny-kimi-int4") and DEMO_TARGETS["kimi-int4"].base == runs / "tiny-kimi"
     assert len(set(dirs.values())) == len(dirs)
     assert demo_config(None, "kimi").run_dir == runs / "demo-kimi"  # no engine: the target's own
     assert demo_config(Path("elsewhere"), "kimi", "dev").run_dir == Path("elsewhere").resolve()  # --run-dir wins
