@@ -265,6 +265,7 @@ def run_vllm_capture(
     if server.launch != "none":
         logger.info("capture: starting the vLLM server at %s (log: %s)", server.url, log_dir)
     with launched_capture_server(server, log_dir=log_dir, health_timeout_s=health_timeout_s, logger=logger) as launched:
+        started = time.monotonic()  # tokens/s of the capture, not of the server's start (minutes for a 1 T target)
         watch = ServerWatch.of(
             launched,
             engine.outage_window_s,
