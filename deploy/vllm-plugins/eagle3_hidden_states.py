@@ -26,7 +26,8 @@ What differs, and why:
   itself is the copy (advanced indexing makes a new tensor), done before `get_finished` returns.
 - the file is written to `{file}.tmp` and renamed: a server killed mid-write leaves no partial file under the
   name a reader opens (vLLM's writes in place, and its lock dies with the process).
-- a request whose write failed is logged with its file; its lock is released, so a reader finds no file.
+- a request whose write failed (a full disk: seen with a 64 KiB tmpfs, "No space left on device") is logged with
+  its file and its partial `.tmp` removed; its lock is released, so a reader finds no file and says why it may be.
 - no `allow_custom_save_path` (a client cannot choose where the server writes).
 
 Load it with (PYTHONPATH holding this directory):
@@ -40,6 +41,7 @@ writes both). This file imports only vLLM, torch and safetensors: it runs in vLL
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -98,12 +100,16 @@ def gather_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def write_file(tensors: dict[str, torch.Tensor], filename: str, ready: Any, lock_fd: int | None) -> None:
     """Writer thread: wait for the copy, write `{filename}.tmp`, rename it into place, release the lock."""
+    tmp = f"{filename}.tmp"
     try:
         if ready is not None:
             ready.synchronize()
-        tmp = f"{filename}.tmp"
         save_file(tensors, tmp)
         os.replace(tmp, filename)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # a full disk: free what the partial write took
+        raise
     finally:
         if lock_fd is not None:
             os.close(lock_fd)  # releases LOCK_EX: a reader sleeping on LOCK_SH wakes

@@ -137,7 +137,9 @@ def read_connector_file(path: str | Path, token_ids: list[int], num_ids: int, hi
         raise ExtractionFailed(
             path,
             "the server names this file but it does not exist here",
-            "capture.engine.shared_dir must be this machine's view of the server's shared_storage_path",
+            "Either the server could not write it (a full shared_dir? its log names the file: our connector logs "
+            "each failed write) or capture.engine.shared_dir is not this machine's view of the server's "
+            "shared_storage_path",
         ) from None
     except (SafetensorError, OSError) as e:
         try:
