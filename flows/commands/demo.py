@@ -117,9 +117,11 @@ def demo_server(config: RunConfig, engine: str, url: str, max_model_len: int | N
     real vLLM from .venv-vllm (with `max_model_len`, else its CPU command's default), each started by the pipeline."""
     server = {**config.server.model_dump(), "url": url, "launch": "dev"}
     if engine == "vllm":
-        context = {} if max_model_len is None else {"max_model_len": max_model_len}
         command = vllm.cpu_command(
-            str(vllm_python()), config.target.path, mla_draft=config.train.draft_arch == "mla", **context
+            str(vllm_python()),
+            config.target.path,
+            mla_draft=config.train.draft_arch == "mla",
+            max_model_len=max_model_len or vllm.DEFAULT_MAX_MODEL_LEN,
         )
         server.update(engine="vllm", launch="command", command=command)
     if engine == "sglang":
@@ -224,7 +226,7 @@ def capture_engine(config: RunConfig, max_model_len: int | None):
     """The capture section through a real vLLM the capture stage starts (launch: command, a free port): the CPU build's
     command (tasks/engines/vllm.py capture_cpu_command), with a context one token longer than generate's, since a
     record is a prompt and its whole answer and the extraction asks for one token more."""
-    context = (max_model_len or 2048) + 1
+    context = (max_model_len or vllm.DEFAULT_MAX_MODEL_LEN) + 1
     command = vllm.capture_cpu_command(str(vllm_python()), config.target.path, max_model_len=context)
     engine = {
         **config.capture.engine.model_dump(),

@@ -71,8 +71,16 @@ API_SERVER = (
 )
 
 
+DEFAULT_MAX_MODEL_LEN = 2048  # the CPU commands' context unless told
+
+
 def cpu_command(
-    python: str, target: str, *, max_model_len: int = 2048, mla_draft: bool = False, dtype: str = "float32"
+    python: str,
+    target: str,
+    *,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    mla_draft: bool = False,
+    dtype: str = "float32",
 ) -> list[str]:
     """The command that serves `target` with the CPU build of vLLM (REFERENCE.md), with {host}/{port} to fill.
 
@@ -110,7 +118,9 @@ def cpu_command(
     ]
 
 
-def capture_cpu_command(python: str, target: str, *, max_model_len: int = 2048, dtype: str = "float32") -> list[str]:
+def capture_cpu_command(
+    python: str, target: str, *, max_model_len: int = DEFAULT_MAX_MODEL_LEN, dtype: str = "float32"
+) -> list[str]:
     """The command that serves `target` for the capture (capture.backend: vllm, launch: command) with the CPU build of
     vLLM, with {host}, {port}, {speculative_config} and {kv_transfer_config} to fill (tasks/capture/vllm_server.py).
 
