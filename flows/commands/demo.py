@@ -44,7 +44,7 @@ DEMO_TARGETS = {
     # the Kimi-shaped target trained on a book: answers of up to ~2,100 tokens (models/target/book.py)
     "kimi-long": DemoTarget(REPO / "configs" / "demo-kimi-long.yaml", "vllm", max_model_len=4096),
     # the kimi target as Kimi-K2.5 is published, its routed experts INT4 (models/target/int4.py): the dev server serves
-    # it (vLLM 0.32's CPU INT4 MoE kernel needs AMX, which this CPU lacks: docs/kimi-k25.md), DeepSpeed captures it
+    # it (vLLM 0.32 has no CPU kernel for an INT4 MoE with DeepSeek-V3 routing: docs/kimi-k25.md), DeepSpeed captures it
     "kimi-int4": DemoTarget(REPO / "configs" / "demo-kimi-int4.yaml", "dev", base=REPO / "runs" / "tiny-kimi"),
 }
 VLLM_VENV = REPO / ".venv-vllm"  # `make vllm`: the CPU build of vLLM in a venv of its own (REFERENCE.md)
