@@ -2,8 +2,10 @@
 # A real SGLang 0.5.23 server for a CPU, in a venv of its own: `deploy/sglang-cpu/install.sh VENV` (`make sglang`
 # runs it for .venv-sglang). What is real: the unmodified sglang 0.5.23 package (HTTP server, tokenizer manager,
 # scheduler, radix cache, model code). What is a STAND-IN, labelled wherever it appears:
-#   - sgl_kernel: the sglang-kernel 0.4.10 wheel's Python files, its CUDA .so files left out, and an empty
-#     common_ops (sgl_kernel_common_ops.py says why): no SGLang kernel op exists; a call to one fails loudly.
+#   - sgl_kernel: the sglang-kernel 0.4.10 wheel's Python files, its CUDA .so files left out, and a common_ops of
+#     our own (sgl_kernel_common_ops.py says why) that registers our torch implementations of SGLang's CPU
+#     speculative-decoding and KV-cache ops (sgl_kernel_speculative_ops.py, sgl_kernel_kvcache_ops.py); no other
+#     SGLang kernel op exists, and a call to one fails loudly.
 #   - torchvision 0.28.0 without its C++ ops, plus two op schemas it needs at import (torchvision_ops.py).
 # A GPU machine installs SGLang its own way (`pip install sglang==0.5.23`, docs/engines.md), not with this.
 # Times on this project's 2-core CI machine: about 2 minutes, 3.3 GB.
@@ -24,7 +26,7 @@ pip=("$venv/bin/pip" install -q --no-warn-conflicts)
 "${pip[@]}" -c "$here/constraints.txt" -r "$here/requirements.txt"
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 
-# Stand-in 1: sgl_kernel = the wheel's .py files + our empty common_ops (no .so is extracted).
+# Stand-in 1: sgl_kernel = the wheel's .py files + our common_ops and the op files it loads (no .so is extracted).
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 "$venv/bin/pip" download -q --no-deps "$KERNEL" -d "$work"
@@ -39,12 +41,13 @@ print(f"sgl_kernel: {len(names)} Python files from {wheel.rsplit('/', 1)[-1]}, n
 PY
 mkdir -p "$site/sgl_kernel/sm100"
 cp "$here/sgl_kernel_common_ops.py" "$site/sgl_kernel/sm100/common_ops.py"
+cp "$here/sgl_kernel_speculative_ops.py" "$here/sgl_kernel_kvcache_ops.py" "$site/sgl_kernel/sm100/"
 
 # Stand-in 2: torchvision's Python without its CUDA-built ops, and the two schemas its import needs.
 "${pip[@]}" --no-deps "$TORCHVISION"
 cp "$here/torchvision_ops.py" "$site/eagle3_torchvision_ops.py"
 echo "import eagle3_torchvision_ops; eagle3_torchvision_ops.install()" > "$site/eagle3_torchvision_ops.pth"
 
-# The import the server makes first, then the version, as a check that the venv works.
+# The import the server makes first, one of our ops, then the version, as a check that the venv works.
 SGLANG_USE_CPU_ENGINE=1 "$venv/bin/python" -c \
-  "import sglang.launch_server, sgl_kernel, torch; print('sglang', __import__('sglang').__version__, 'torch', torch.__version__, 'in $venv')"
+  "import sglang.launch_server, sgl_kernel, torch; torch.ops.sgl_kernel.copy_all_layer_kv_cache_cpu; print('sglang', __import__('sglang').__version__, 'torch', torch.__version__, 'in $venv')"

@@ -1,16 +1,35 @@
-"""STAND-IN (eagle3-pipeline, not SGLang): an empty ``sgl_kernel`` ops library for SGLang 0.5.23 on a CPU.
+"""STAND-IN (eagle3-pipeline, not SGLang): the ``sgl_kernel`` ops library for SGLang 0.5.23 on a CPU, ours.
 
 Installed into .venv-sglang as ``sgl_kernel/sm100/common_ops.py`` by deploy/sglang-cpu/install.sh, beside the
-unmodified Python files of the ``sglang-kernel`` 0.4.10 wheel (the version sglang 0.5.23 pins). Why: that
-wheel's ``common_ops`` (and its other .so files) are CUDA builds, and SGLang's CPU kernels (sgl-kernel's
-csrc/cpu, built from source with ``-march=native``) ship in no registry package. ``sgl_kernel/__init__.py``
-loads the first ``sm100/common_ops.*`` it finds (sgl_kernel/load_utils.py ``_load_architecture_specific_ops``),
-which is this module: it registers nothing, so every ``torch.ops.sgl_kernel.*`` stays undefined and any call to
-one fails loudly (AttributeError / "no such operator"), never silently.
+unmodified Python files of the ``sglang-kernel`` 0.4.10 wheel (the version sglang 0.5.23 pins) and beside our two
+op files, which install.sh copies into the same folder. Why: that wheel's ``common_ops`` (and its other .so files)
+are CUDA builds, and SGLang's CPU kernels (sgl-kernel's csrc/cpu, built from source with ``-march=native``) ship in
+no registry package. ``sgl_kernel/__init__.py`` loads the first ``sm100/common_ops.*`` it finds
+(sgl_kernel/load_utils.py ``_load_architecture_specific_ops``), which is this module.
 
-What runs without it: on a CPU without AMX (``cpu_has_amx_support()`` in sglang/srt/utils/common.py is
+What it registers: our plain-torch implementations of SGLang's CPU speculative-decoding ops
+(sgl_kernel_speculative_ops.py: ``verify_tree_greedy_cpu``, ``build_tree_kernel_efficient_cpu``, ...) and KV-cache
+ops (sgl_kernel_kvcache_ops.py: ``store_cache_cpu``, ``copy_all_layer_kv_cache_cpu``), under the same
+``torch.ops.sgl_kernel`` names and schemas, following the C++ semantics (each op cites its file). Nothing else: every
+other ``torch.ops.sgl_kernel.*`` op stays undefined and a call to one fails loudly (AttributeError / "no such
+operator"), never silently.
+
+What runs without a kernel op: on a CPU without AMX (``cpu_has_amx_support()`` in sglang/srt/utils/common.py is
 False), SGLang's norms, activations, rotary embedding, linear layers and KV-cache stores take their plain-torch
 paths, and ``--attention-backend torch_native`` attends in torch, so a dense Llama target calls no kernel op.
-What does not: anything that calls a ``torch.ops.sgl_kernel`` op on CPU (the speculative decoding helpers in
-sgl_kernel/speculative.py, MoE, quantized GEMMs, the AMX paths).
+What does not: the attention ops of the ``intel_amx`` backend (``decode_attention_cpu``, ``extend_attention_cpu``,
+which SGLang's EAGLE path on CPU needs), MoE, quantized GEMMs, the AMX paths.
 """
+
+import importlib.util
+import sys
+from pathlib import Path
+
+for _name in ("sgl_kernel_speculative_ops", "sgl_kernel_kvcache_ops"):
+    # loaded by path: this file is itself loaded by path (load_utils), not as part of a package
+    _spec = importlib.util.spec_from_file_location(f"eagle3_{_name}", Path(__file__).with_name(f"{_name}.py"))
+    assert _spec is not None and _spec.loader is not None
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = _module  # kept alive: its torch.library.Library holds the registrations
+    _spec.loader.exec_module(_module)
+    _module.register()

@@ -50,8 +50,8 @@ def cpu_command(
     - `SGLANG_USE_CPU_ENGINE=1`: SGLang's CPU platform is opt-in (sglang/srt/platforms/__init__.py); `--device
       cpu` alone is not enough.
     - `--attention-backend torch_native`: attention in plain torch. The CPU kernel library (sgl_kernel) is a
-      stand-in with no ops in .venv-sglang (deploy/sglang-cpu/sgl_kernel_common_ops.py), and a dense Llama on a
-      CPU without AMX then calls none.
+      stand-in in .venv-sglang with our torch versions of the speculative-decoding and KV-cache ops only
+      (deploy/sglang-cpu/sgl_kernel_common_ops.py), and a dense Llama on a CPU without AMX calls none of them.
     - `--skip-tokenizer-init`: the pipeline sends and reads token ids only, as it does against a GPU server.
     - `--mem-fraction-static 0.5` with `--max-total-tokens` (KV_CACHE_TOKENS, or the context length when that is
       larger): on CPU SGLang sizes the KV cache from the machine's free memory before and after loading the
