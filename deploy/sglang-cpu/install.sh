@@ -4,7 +4,8 @@
 # scheduler, radix cache, model code). What is a STAND-IN, labelled wherever it appears:
 #   - sgl_kernel: the sglang-kernel 0.4.10 wheel's Python files, its CUDA .so files left out, and a common_ops of
 #     our own (sgl_kernel_common_ops.py says why) that registers our torch implementations of SGLang's CPU
-#     speculative-decoding and KV-cache ops (sgl_kernel_speculative_ops.py, sgl_kernel_kvcache_ops.py); no other
+#     speculative-decoding, KV-cache and intel_amx attention ops (sgl_kernel_speculative_ops.py,
+#     sgl_kernel_kvcache_ops.py, sgl_kernel_attention_ops.py); no other
 #     SGLang kernel op exists, and a call to one fails loudly.
 #   - torchvision 0.28.0 without its C++ ops, plus two op schemas it needs at import (torchvision_ops.py).
 # A GPU machine installs SGLang its own way (`pip install sglang==0.5.23`, docs/engines.md), not with this.
@@ -41,7 +42,8 @@ print(f"sgl_kernel: {len(names)} Python files from {wheel.rsplit('/', 1)[-1]}, n
 PY
 mkdir -p "$site/sgl_kernel/sm100"
 cp "$here/sgl_kernel_common_ops.py" "$site/sgl_kernel/sm100/common_ops.py"
-cp "$here/sgl_kernel_speculative_ops.py" "$here/sgl_kernel_kvcache_ops.py" "$site/sgl_kernel/sm100/"
+cp "$here/sgl_kernel_speculative_ops.py" "$here/sgl_kernel_kvcache_ops.py" "$here/sgl_kernel_attention_ops.py" \
+  "$site/sgl_kernel/sm100/"
 
 # Stand-in 2: torchvision's Python without its CUDA-built ops, and the two schemas its import needs.
 "${pip[@]}" --no-deps "$TORCHVISION"

@@ -9,23 +9,25 @@ no registry package. ``sgl_kernel/__init__.py`` loads the first ``sm100/common_o
 
 What it registers: our plain-torch implementations of SGLang's CPU speculative-decoding ops
 (sgl_kernel_speculative_ops.py: ``verify_tree_greedy_cpu``, ``build_tree_kernel_efficient_cpu``, ...) and KV-cache
-ops (sgl_kernel_kvcache_ops.py: ``store_cache_cpu``, ``copy_all_layer_kv_cache_cpu``), under the same
-``torch.ops.sgl_kernel`` names and schemas, following the C++ semantics (each op cites its file). Nothing else: every
-other ``torch.ops.sgl_kernel.*`` op stays undefined and a call to one fails loudly (AttributeError / "no such
-operator"), never silently.
+ops (sgl_kernel_kvcache_ops.py: ``store_cache_cpu``, ``copy_all_layer_kv_cache_cpu``) and the two attention ops of
+the ``intel_amx`` backend (sgl_kernel_attention_ops.py: ``decode_attention_cpu``, ``extend_attention_cpu``), under the
+same ``torch.ops.sgl_kernel`` names and schemas, following the C++ semantics (each op cites its file). Nothing
+else: every other ``torch.ops.sgl_kernel.*`` op stays undefined and a call to one fails loudly (AttributeError / "no
+such operator"), never silently.
 
 What runs without a kernel op: on a CPU without AMX (``cpu_has_amx_support()`` in sglang/srt/utils/common.py is
 False), SGLang's norms, activations, rotary embedding, linear layers and KV-cache stores take their plain-torch
 paths, and ``--attention-backend torch_native`` attends in torch, so a dense Llama target calls no kernel op.
-What does not: the attention ops of the ``intel_amx`` backend (``decode_attention_cpu``, ``extend_attention_cpu``,
-which SGLang's EAGLE path on CPU needs), MoE, quantized GEMMs, the AMX paths.
+The ``intel_amx`` attention backend (which SGLang's EAGLE path on CPU needs) calls the two attention ops and
+``build_draft_decode_metadata_cpu`` (intel_amx_backend.py), all here. What does not run: MoE, quantized GEMMs, the
+AMX norm / GEMM / rope kernels.
 """
 
 import importlib.util
 import sys
 from pathlib import Path
 
-for _name in ("sgl_kernel_speculative_ops", "sgl_kernel_kvcache_ops"):
+for _name in ("sgl_kernel_speculative_ops", "sgl_kernel_kvcache_ops", "sgl_kernel_attention_ops"):
     # loaded by path: this file is itself loaded by path (load_utils), not as part of a package
     _spec = importlib.util.spec_from_file_location(f"eagle3_{_name}", Path(__file__).with_name(f"{_name}.py"))
     assert _spec is not None and _spec.loader is not None

@@ -1,5 +1,8 @@
 """The stand-in sgl_kernel CPU ops (deploy/sglang-cpu/sgl_kernel_speculative_ops.py, sgl_kernel_kvcache_ops.py).
 
+The attention ops (sgl_kernel_attention_ops.py) are tested in test_sglang_cpu_attention.py; the last test here loads
+all three files as common_ops does.
+
 Each op is called as SGLang calls it, through ``torch.ops.sgl_kernel``, and compared with a plain loop written from
 the C++ it follows (sgl-kernel's csrc/cpu/spec.cpp and csrc/cpu/kvcache.cpp in the sgl-project/sglang repository):
 flat pointer arithmetic, one element at a time. The pipeline's draft shape (num_steps 3, topk 1, 4 draft tokens) is
@@ -557,9 +560,10 @@ def test_a_wrong_dtype_fails_loudly():
 def test_common_ops_registers_them_all_as_sgl_kernel_loads_it(tmp_path):
     # install.sh's layout: common_ops and the op files side by side, common_ops loaded by path (load_utils.py)
     shutil.copy(OPS_DIR / "sgl_kernel_common_ops.py", tmp_path / "common_ops.py")
-    for name in ("sgl_kernel_speculative_ops.py", "sgl_kernel_kvcache_ops.py"):
-        shutil.copy(OPS_DIR / name, tmp_path / name)
-    names = sorted(_load("sgl_kernel_speculative_ops").SCHEMAS) + sorted(_load("sgl_kernel_kvcache_ops").SCHEMAS)
+    modules = ("sgl_kernel_speculative_ops", "sgl_kernel_kvcache_ops", "sgl_kernel_attention_ops")
+    for name in modules:
+        shutil.copy(OPS_DIR / f"{name}.py", tmp_path / f"{name}.py")
+    names = [op for name in modules for op in sorted(_load(name).SCHEMAS)]
     script = (
         "import importlib.util, sys, torch\n"
         "spec = importlib.util.spec_from_file_location('common_ops', sys.argv[1])\n"
@@ -574,5 +578,6 @@ def test_common_ops_registers_them_all_as_sgl_kernel_loads_it(tmp_path):
         timeout=120,
     )
     assert run.returncode == 0, run.stderr
-    assert len(run.stdout.splitlines()) == 12
+    assert len(run.stdout.splitlines()) == 14
     assert "sgl_kernel::verify_tree_greedy_cpu(Tensor(a!) predicts" in run.stdout
+    assert "sgl_kernel::extend_attention_cpu(Tensor q_extend, Tensor? k_extend" in run.stdout
