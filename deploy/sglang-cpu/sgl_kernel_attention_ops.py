@@ -20,8 +20,8 @@ float32 accumulation, the output in the query's dtype. Queries in bf16 or fp16 o
 (AT_DISPATCH_REDUCED_FLOATING_TYPES): a float32 query fails loudly. Scratch the C++ uses is not written:
 ``attn_logits`` is checked for its shape and dtype only (SGLang never reads it back).
 
-Installed and registered as sgl_kernel_speculative_ops.py is (beside common_ops, which calls ``register()``: it
-defines the ops not yet defined). tests/deploy/test_sglang_cpu_attention.py checks each against plain loops of the
+Installed and registered as sgl_kernel_speculative_ops.py is (beside common_ops, which registers its
+``SCHEMAS`` with their ``IMPLS``). tests/deploy/test_sglang_cpu_attention.py checks each against plain loops of the
 C++ semantics.
 """
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 
-NAMESPACE = "sgl_kernel"
 # decode writes key / value into k_cache / v_cache at loc without an alias annotation, as upstream declares it
 SCHEMAS = {
     "decode_attention_cpu": (
@@ -48,7 +47,6 @@ SCHEMAS = {
 }
 QUERY_DTYPES = (torch.bfloat16, torch.float16)
 FP8 = torch.float8_e4m3fn
-_LIBRARY: list = []  # the torch.library.Library must outlive register(), or its definitions are dropped
 
 
 def _check(ok: bool, message: str) -> None:
@@ -337,24 +335,3 @@ def extend_attention_cpu(
 
 
 IMPLS = {"decode_attention_cpu": decode_attention_cpu, "extend_attention_cpu": extend_attention_cpu}
-
-
-def defined(name: str) -> bool:
-    """Whether ``torch.ops.sgl_kernel.<name>`` exists already (ours, or a real kernel library's)."""
-    try:
-        getattr(getattr(torch.ops, NAMESPACE), name)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-def register() -> list[str]:
-    """Define each op not yet defined under ``torch.ops.sgl_kernel`` with its CPU implementation; the names defined."""
-    missing = [name for name in SCHEMAS if not defined(name)]
-    if missing:
-        library = torch.library.Library(NAMESPACE, "FRAGMENT")
-        for name in missing:
-            library.define(SCHEMAS[name])
-            library.impl(name, IMPLS[name], "CPU")
-        _LIBRARY.append(library)
-    return missing

@@ -27,11 +27,40 @@ import importlib.util
 import sys
 from pathlib import Path
 
-for _name in ("sgl_kernel_speculative_ops", "sgl_kernel_kvcache_ops", "sgl_kernel_attention_ops"):
+import torch
+
+NAMESPACE = "sgl_kernel"
+OP_FILES = ("sgl_kernel_speculative_ops", "sgl_kernel_kvcache_ops", "sgl_kernel_attention_ops")
+
+
+def defined(name: str) -> bool:
+    """Whether ``torch.ops.sgl_kernel.<name>`` exists already (ours, or a real kernel library's)."""
+    try:
+        getattr(getattr(torch.ops, NAMESPACE), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def register(schemas: dict, impls: dict) -> torch.library.Library | None:
+    """Define each op of `schemas` not yet defined under ``torch.ops.sgl_kernel``, with its CPU implementation from
+    `impls`; the library holding them (None: none was missing), which must be kept alive, or its definitions are
+    dropped."""
+    missing = [name for name in schemas if not defined(name)]
+    if not missing:
+        return None
+    library = torch.library.Library(NAMESPACE, "FRAGMENT")
+    for name in missing:
+        library.define(schemas[name])
+        library.impl(name, impls[name], "CPU")
+    return library
+
+
+for _name in OP_FILES:
     # loaded by path: this file is itself loaded by path (load_utils), not as part of a package
     _spec = importlib.util.spec_from_file_location(f"eagle3_{_name}", Path(__file__).with_name(f"{_name}.py"))
     assert _spec is not None and _spec.loader is not None
     _module = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = _module  # kept alive: its torch.library.Library holds the registrations
+    sys.modules[_spec.name] = _module  # kept alive, and with it the library that holds its ops
     _spec.loader.exec_module(_module)
-    _module.register()
+    _module.LIBRARY = register(_module.SCHEMAS, _module.IMPLS)

@@ -7,8 +7,8 @@ the sgl-project/sglang repository, read at commit 0e71686f) ships in no registry
 semantics and are registered under the same ``torch.ops.sgl_kernel`` names with the schemas of that repository's
 csrc/cpu/torch_extension_cpu.cpp. tests/deploy/test_sglang_cpu_ops.py checks each against a plain loop of that C++.
 
-Installed and registered as sgl_kernel_speculative_ops.py is (beside common_ops, which calls ``register()``: it
-defines the ops not yet defined).
+Installed and registered as sgl_kernel_speculative_ops.py is (beside common_ops, which registers its
+``SCHEMAS`` with their ``IMPLS``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import ctypes
 
 import torch
 
-NAMESPACE = "sgl_kernel"
 SCHEMAS = {
     "store_cache_cpu": (
         "store_cache_cpu(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(a!) v_cache, Tensor indices, "
@@ -30,7 +29,6 @@ SCHEMAS = {
 }
 # the C++ dispatches on bf16, fp16 and uint8 (fp8 KV stored as bytes) only
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.uint8)
-_LIBRARY: list = []  # the torch.library.Library must outlive register(), or its definitions are dropped
 
 
 def _check(ok: bool, message: str) -> None:
@@ -96,24 +94,3 @@ def copy_all_layer_kv_cache_cpu(
 
 
 IMPLS = {"store_cache_cpu": store_cache_cpu, "copy_all_layer_kv_cache_cpu": copy_all_layer_kv_cache_cpu}
-
-
-def defined(name: str) -> bool:
-    """Whether ``torch.ops.sgl_kernel.<name>`` exists already (ours, or a real kernel library's)."""
-    try:
-        getattr(getattr(torch.ops, NAMESPACE), name)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-def register() -> list[str]:
-    """Define each op not yet defined under ``torch.ops.sgl_kernel`` with its CPU implementation; the names defined."""
-    missing = [name for name in SCHEMAS if not defined(name)]
-    if missing:
-        library = torch.library.Library(NAMESPACE, "FRAGMENT")
-        for name in missing:
-            library.define(SCHEMAS[name])
-            library.impl(name, IMPLS[name], "CPU")
-        _LIBRARY.append(library)
-    return missing

@@ -15,8 +15,8 @@ in place where the schema marks them ``Tensor(a!)``, as the C++ does. A wrong dt
 checks the same things).
 
 deploy/sglang-cpu/install.sh copies this file into .venv-sglang beside ``sgl_kernel/sm100/common_ops.py``
-(sgl_kernel_common_ops.py), which loads it and calls ``register()``: that defines the ops not yet defined. The
-kv-cache ops are in sgl_kernel_kvcache_ops.py.
+(sgl_kernel_common_ops.py), which loads it and registers its ``SCHEMAS`` with their ``IMPLS`` (the ops not yet
+defined). The kv-cache ops are in sgl_kernel_kvcache_ops.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import warnings
 
 import torch
 
-NAMESPACE = "sgl_kernel"
 # The schemas as sglang's csrc/cpu/torch_extension_cpu.cpp declares them (the Tensor(a!) outputs included).
 SCHEMAS = {
     "verify_tree_greedy_cpu": (
@@ -73,7 +72,6 @@ SCHEMAS = {
     ),
 }
 INDEX_DTYPES = (torch.int32, torch.int64)
-_LIBRARY: list = []  # the torch.library.Library must outlive register(), or its definitions are dropped
 
 
 def _check(ok: bool, message: str) -> None:
@@ -483,24 +481,3 @@ IMPLS = {
     "assign_extend_cache_locs_cpu": assign_extend_cache_locs_cpu,
     "rotate_input_ids_cpu": rotate_input_ids_cpu,
 }
-
-
-def defined(name: str) -> bool:
-    """Whether ``torch.ops.sgl_kernel.<name>`` exists already (ours, or a real kernel library's)."""
-    try:
-        getattr(getattr(torch.ops, NAMESPACE), name)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-def register() -> list[str]:
-    """Define each op not yet defined under ``torch.ops.sgl_kernel`` with its CPU implementation; the names defined."""
-    missing = [name for name in SCHEMAS if not defined(name)]
-    if missing:
-        library = torch.library.Library(NAMESPACE, "FRAGMENT")
-        for name in missing:
-            library.define(SCHEMAS[name])
-            library.impl(name, IMPLS[name], "CPU")
-        _LIBRARY.append(library)
-    return missing

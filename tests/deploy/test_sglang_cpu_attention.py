@@ -26,11 +26,10 @@ DTYPES = [torch.float16, torch.bfloat16]
 
 @pytest.fixture(scope="module", autouse=True)
 def registered():
-    spec = importlib.util.spec_from_file_location("sgl_kernel_attention_ops", OPS_DIR / "sgl_kernel_attention_ops.py")
+    # common_ops registers every op file beside it, as sgl_kernel loads it
+    spec = importlib.util.spec_from_file_location("sgl_kernel_common_ops", OPS_DIR / "sgl_kernel_common_ops.py")
     assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.register()
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
 def assert_matches(out: torch.Tensor, expected: list) -> float:

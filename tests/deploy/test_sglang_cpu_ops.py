@@ -37,8 +37,7 @@ def _load(name: str):
 
 @pytest.fixture(scope="module", autouse=True)
 def registered():
-    for name in ("sgl_kernel_speculative_ops", "sgl_kernel_kvcache_ops"):
-        _load(name).register()
+    _load("sgl_kernel_common_ops")  # registers every op file beside it, as sgl_kernel loads it
 
 
 def _i32(values) -> torch.Tensor:
