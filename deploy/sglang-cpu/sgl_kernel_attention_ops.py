@@ -16,8 +16,10 @@ KV head h // (heads / kv_heads)); logits ``sm_scale * q.k``, then (decode only: 
 uses it) ``logit_cap * tanh(logits / logit_cap)`` when logit_cap > 0; a sliding window of ``sliding_window_size``
 keys when > 0 (SGLang passes the layer's window + 1; 0 turns it off); attention sinks (one logit per head in the
 softmax's denominator, no value); float8_e4m3fn caches dequantized by the scales (a bf16 / fp16 cache ignores them);
-float32 accumulation, the output in the query's dtype. Queries in bf16 or fp16 only, as the C++ dispatches
-(AT_DISPATCH_REDUCED_FLOATING_TYPES): a float32 query fails loudly. Scratch the C++ uses is not written:
+float32 accumulation, the output in the query's dtype. Queries in bf16 or fp16, as the C++ dispatches
+(AT_DISPATCH_REDUCED_FLOATING_TYPES), and (OUR EXTENSION, which the C++ refuses) float32: the CPU tests serve the
+target in float32 so that SGLang's greedy tokens and verify rounds can be compared with float32 references token by
+token; any other dtype fails loudly. Scratch the C++ uses is not written:
 ``attn_logits`` is checked for its shape and dtype only (SGLang never reads it back).
 
 Installed and registered as sgl_kernel_speculative_ops.py is (beside common_ops, which registers its
@@ -45,7 +47,7 @@ SCHEMAS = {
         "Tensor? encoder_lens, Tensor? sinks, Tensor? tree_mask=None, bool is_causal=True) -> ()"
     ),
 }
-QUERY_DTYPES = (torch.bfloat16, torch.float16)
+QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float32: ours only (docstring)
 FP8 = torch.float8_e4m3fn
 
 
@@ -74,7 +76,7 @@ def _check_common(
 ) -> None:
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
         _last_dim_contiguous(name, t)
-    _check(query.dtype in QUERY_DTYPES, f"{op} not implemented for {query.dtype} (bf16 or fp16 only)")
+    _check(query.dtype in QUERY_DTYPES, f"{op} not implemented for {query.dtype} (bf16, fp16, or float32 in this stand-in)")
     _check(k_cache.dtype == v_cache.dtype, "k_buffer and v_buffer should have the same dtype")
     _check(k_cache.dtype in (query.dtype, FP8), f"{op}: a {k_cache.dtype} cache for a {query.dtype} query")
     if k_cache.dtype == FP8:

@@ -17,8 +17,8 @@ such operator"), never silently.
 
 What runs without a kernel op: on a CPU without AMX (``cpu_has_amx_support()`` in sglang/srt/utils/common.py is
 False), SGLang's norms, activations, rotary embedding, linear layers and KV-cache stores take their plain-torch
-paths, and ``--attention-backend torch_native`` attends in torch, so a dense Llama target calls no kernel op.
-The ``intel_amx`` attention backend (which SGLang's EAGLE path on CPU needs) calls the two attention ops and
+paths. The ``intel_amx`` attention backend (the one SGLang's EAGLE path runs on a CPU; our plugin,
+sglang_plugin_intel_amx_attention.py, keeps it without AMX) calls the two attention ops and
 ``build_draft_decode_metadata_cpu`` (intel_amx_backend.py), all here. What does not run: MoE, quantized GEMMs, the
 AMX norm / GEMM / rope kernels.
 """

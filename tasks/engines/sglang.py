@@ -49,9 +49,11 @@ def cpu_command(
 
     - `SGLANG_USE_CPU_ENGINE=1`: SGLang's CPU platform is opt-in (sglang/srt/platforms/__init__.py); `--device
       cpu` alone is not enough.
-    - `--attention-backend torch_native`: attention in plain torch. The CPU kernel library (sgl_kernel) is a
-      stand-in in .venv-sglang with our torch versions of the speculative-decoding and KV-cache ops only
-      (deploy/sglang-cpu/sgl_kernel_common_ops.py), and a dense Llama on a CPU without AMX calls none of them.
+    - `--attention-backend intel_amx`: SGLang's CPU attention backend, the only one its EAGLE-3 worker runs on
+      a CPU (speculative/draft_utils.py), so the server with a draft and the one without attend the same way.
+      Its two kernel ops, like the speculative-decoding and KV-cache ops, are our torch versions in
+      .venv-sglang's stand-in sgl_kernel, and a plugin there keeps the backend on a CPU without AMX
+      (deploy/sglang-cpu/, each file says why).
     - `--skip-tokenizer-init`: the pipeline sends and reads token ids only, as it does against a GPU server.
     - `--mem-fraction-static 0.5` with `--max-total-tokens` (KV_CACHE_TOKENS, or the context length when that is
       larger): on CPU SGLang sizes the KV cache from the machine's free memory before and after loading the
@@ -82,7 +84,7 @@ def cpu_command(
         "cpu",
         "--skip-tokenizer-init",
         "--attention-backend",
-        "torch_native",
+        "intel_amx",
         "--dtype",
         "float32",
         "--mem-fraction-static",

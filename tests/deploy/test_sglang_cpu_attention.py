@@ -21,7 +21,7 @@ OPS_DIR = Path(__file__).resolve().parents[2] / "deploy" / "sglang-cpu"
 ops = torch.ops.sgl_kernel
 HEADS, KV_HEADS = 4, 2  # GQA: query heads 0, 1 read KV head 0, heads 2, 3 read KV head 1
 SLOTS, MAX_REQS, MAX_CONTEXT = 64, 6, 24
-DTYPES = [torch.float16, torch.bfloat16]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -311,8 +311,8 @@ def test_extend_on_an_empty_batch():
 def test_what_the_cpp_refuses_fails_loudly():
     batch = extend_batch([1], [2], torch.float16)
     q, k_new, v_new, k_cache, v_cache, req_to_token, rows, seq_lens = batch
-    with pytest.raises(RuntimeError, match="bf16 or fp16"):
-        extend(q.float(), k_new.float(), v_new.float(), k_cache.float(), v_cache.float(), *batch[5:], [2])
+    with pytest.raises(RuntimeError, match="not implemented for torch.float64"):
+        extend(q.double(), k_new.double(), v_new.double(), k_cache.double(), v_cache.double(), *batch[5:], [2])
     with pytest.raises(RuntimeError, match="invalid head_size"):
         extend(q[..., :16], k_new[..., :16], v_new, k_cache[..., :16], v_cache, *batch[5:], [2])
     with pytest.raises(RuntimeError, match="tree_mask numel"):

@@ -633,7 +633,7 @@ def test_the_demo_server_section_for_each_engine_validates(tmp_path, monkeypatch
     assert (sglang.engine, sglang.launch) == ("sglang", "command")
     assert sglang.command[:3] == ["env", "SGLANG_USE_CPU_ENGINE=1", str(tmp_path / "no-sglang" / "bin" / "python")]
     assert sglang.command[sglang.command.index("--model-path") + 1] == config.target.path
-    assert "--skip-tokenizer-init" in sglang.command and "torch_native" in sglang.command
+    assert "--skip-tokenizer-init" in sglang.command and "intel_amx" in sglang.command
     monkeypatch.setattr(demo, "VLLM_VENV", tmp_path / "no-venv")
     with pytest.raises(FileNotFoundError, match="make vllm"):
         demo.demo_server(config, "vllm", "http://127.0.0.1:30011")
