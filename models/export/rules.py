@@ -148,11 +148,24 @@ def read_export_config(out_dir: Path) -> tuple[dict, bool]:
     if not isinstance(cfg, dict):
         raise ValueError(f"{CONFIG_FILE}: not a JSON object")
     if not is_speculators(cfg):
-        return cfg, False
+        return with_rope_theta(cfg), False
     try:
         return from_speculators_config(cfg), True
     except (ValueError, TypeError) as e:
         raise ValueError(f"{CONFIG_FILE} (speculators format): {e}") from e
+
+
+def with_rope_theta(cfg: dict) -> dict:
+    """A config with transformers 5's `rope_parameters` ({"rope_theta", "rope_type", ...}: what `save_pretrained`
+    writes, e.g. SpecForge's draft class) and no `rope_theta`, in our form: `rope_theta`, and `rope_scaling` null for
+    plain rope (rope_type "default"), else the rest of rope_parameters. SGLang 0.5.23 reads rope_parameters first
+    (srt/models/llama.py, llama_eagle3.py), vLLM through transformers' config: both serve such a draft."""
+    rope = cfg.get("rope_parameters")
+    if "rope_theta" in cfg or not isinstance(rope, dict):
+        return cfg
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    plain = set(scaling) <= {"rope_type"} and scaling.get("rope_type", "default") == "default"
+    return {**cfg, "rope_theta": rope.get("rope_theta"), "rope_scaling": None if plain else scaling}
 
 
 def export_name(export: ExportFiles, name: str) -> str:

@@ -200,6 +200,31 @@ def test_an_export_whose_config_says_dtype_as_transformers_5_writes_it_validates
     assert validate_export(respelled) == [f"torch_dtype (or dtype) None not one of {sorted(ST_DTYPES)}"]
 
 
+def test_an_export_whose_rope_is_written_as_transformers_5_rope_parameters_validates_and_loads(draft, target, tmp_path):
+    """transformers 5's save_pretrained writes `rope_parameters` and no `rope_theta` (SpecForge's draft class does:
+    tests/tasks/engines/test_sglang_eagle3_real.py serves one); SGLang 0.5.23 reads it (srt/models/llama.py), so our
+    checks read it too, plain or YaRN. Before: "config rope_theta must be a positive number, got None"."""
+    good = export_draft(draft, tmp_path / "good", target_config=target, dtype=torch.float32)
+    cfg = json.loads((good / "config.json").read_text())
+    theta = cfg.pop("rope_theta")
+    cfg.pop("rope_scaling")
+    cfg["rope_parameters"] = {"rope_theta": theta * 2, "rope_type": "default"}
+    written = _rewrite(good, tmp_path / "written", lambda t: t)
+    (written / "config.json").write_text(json.dumps(cfg))
+    assert validate_export(written) == [] and validate_export_vllm(written) == []
+    loaded = load_exported_draft(written)
+    assert (loaded.config.rope_theta, loaded.config.rope_scaling) == (theta * 2, None)
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    cfg["rope_parameters"] = {"rope_theta": theta, **yarn}
+    (written / "config.json").write_text(json.dumps(cfg))
+    assert validate_export(written) == []
+    assert load_exported_draft(written).config.rope_scaling == yarn
+    cfg["rope_parameters"] = {"rope_type": "default"}  # no theta anywhere: still refused, by the key SGLang reads
+    (written / "config.json").write_text(json.dumps(cfg))
+    assert validate_export(written) == ["config rope_theta must be a positive number, got None"]
+
+
 def test_an_export_without_embed_tokens_is_evaluated_with_the_target_s_embedding(
     draft, target, tiny_target_dir, tmp_path
 ):
