@@ -73,10 +73,10 @@ def demo(
         None,
         "--engine",
         metavar="dev|sglang|vllm",
-        help="dev: generate and the engine eval through the dev server, which emulates SGLang; sglang: generate "
-        "through a real SGLang 0.5.23 (`make sglang` installs it for CPU in .venv-sglang; the eval is then "
-        "in-process only); vllm: generate and the engine eval through a real vLLM (`make vllm` installs its CPU "
-        "build in .venv-vllm). Default: dev for the llama target, vllm for the kimi ones.",
+        help="dev: generate and the engine eval through the dev server, which emulates SGLang; sglang: the same "
+        "through a real SGLang 0.5.23, its own EAGLE-3 worker serving the draft (`make sglang` installs it for CPU "
+        "in .venv-sglang, with labelled kernel stand-ins); vllm: the same through a real vLLM (`make vllm` installs "
+        "its CPU build in .venv-vllm). Default: dev for the llama target, vllm for the kimi ones.",
     ),
     target: str = typer.Option(
         "llama",

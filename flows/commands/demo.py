@@ -145,9 +145,9 @@ def run_demo(
     a run directory made with another engine or target is refused before anything starts (OtherEngine).
 
     `engine` "vllm": generate and the engine eval go through a real vLLM (.venv-vllm's CPU build) started by the
-    pipeline, instead of the dev server's SGLang emulation. "sglang": generate goes through a real SGLang
-    (.venv-sglang); the eval is in-process only, since SGLang's EAGLE-3 needs a kernel op that has no CPU build
-    here (docs/engines.md).
+    pipeline, instead of the dev server's SGLang emulation. "sglang": the same through a real SGLang 0.5.23
+    (.venv-sglang, whose CPU kernel ops are our labelled stand-ins: docs/engines.md), its own EAGLE-3 worker serving
+    the draft in the engine eval.
     `capture_backend` "vllm": the capture stage starts a real vLLM (.venv-vllm) with the extraction config and our
     connector (deploy/vllm-plugins) instead of DeepSpeed ranks (`capture_engine`).
     `overrides`: {section: {setting: value}} over configs/demo.yaml, validated like the file (the tests' shorter demo).
@@ -173,8 +173,6 @@ def run_demo(
     config.server = demo_server(
         config, engine, f"http://127.0.0.1:{free_port()}", max_model_len=DEMO_TARGETS[target].max_model_len
     )
-    if engine == "sglang":  # SGLang cannot serve the draft on CPU (docs/engines.md): the eval runs in-process
-        config.eval = type(config.eval).model_validate({**config.eval.model_dump(), "backend": "hf"})
     if capture_backend == "vllm":
         config.capture = capture_engine(config, DEMO_TARGETS[target].max_model_len)
     layout = config.layout
@@ -183,11 +181,6 @@ def run_demo(
     config_path.write_text(dump_config(config))
     console.rule("eagle3 demo: flow `pipeline` (generate -> records -> capture -> train -> eval)")
     server = DEMO_ENGINES[engine]
-    if engine == "sglang":
-        console.print(
-            "the real SGLang serves generate; the eval is in-process only: SGLang's EAGLE-3 needs the kernel op "
-            "copy_all_layer_kv_cache_cpu, which has no CPU build here (docs/engines.md)"
-        )
     console.print(
         f"config: {config_path}; {server} runs at {config.server.url} during generate (log: {layout.logs / SERVER_LOG})"
     )
@@ -244,6 +237,15 @@ def demo_provenance(config: RunConfig, engine: str) -> Provenance:
     return Provenance(engine, config.target.path, target_fingerprint(config.target.path), launch=launch)
 
 
+def served_by(engine: dict) -> str:
+    """Who served an engine eval report: a real vLLM, the dev server (its /server_info version ends -eagle3-dev,
+    emulators/dev_server), or a real SGLang."""
+    if engine.get("engine") == "vllm":
+        return "a real vLLM"
+    version = (engine.get("server") or {}).get("version") or ""
+    return "a real SGLang" if version and not version.endswith("-eagle3-dev") else "the dev server"
+
+
 def eval_summary_line(report: dict) -> str:
     """The demo's last word: the measured acceptance length of each backend that ran, and whether they agree."""
     k = report["num_steps"]
@@ -254,7 +256,7 @@ def eval_summary_line(report: dict) -> str:
     if report.get("engine"):
         o = report["engine"]["overall"]
         speedup = f", {o['speedup']:.2f}x the tokens/s without the draft" if o.get("speedup") else ""
-        where = "a real vLLM" if report["engine"].get("engine") == "vllm" else "the dev server"
+        where = served_by(report["engine"])
         said.append(
             f"{o['per_round']:.3f} per verify round through {where} with the draft (SGLang's count, with the "
             f"prefill token: {o['acceptance_length']:.3f}{speedup})"
@@ -272,7 +274,7 @@ def eval_summary_line(report: dict) -> str:
 def render_engine(engine: dict) -> Table:
     """The engine eval per dataset (tasks/eval/tasks.py engine_rows): acceptance, its spread, tokens/s, speedup."""
     rows = engine_rows(engine)
-    where = "a real vLLM" if engine.get("engine") == "vllm" else "the dev server"
+    where = served_by(engine)
     table = Table(
         title=f"engine eval: {where} with the draft, then without; {engine['concurrency']} request(s) at once",
         caption="acceptance length: SGLang's completion tokens / verify rounds; per round: without the prefill token",
@@ -377,7 +379,7 @@ def render_eval_table(report: dict) -> Table:
     rows = [(f"{name}, measured", report[name]) for name in ("untrained", "trained") if name in report]
     if report.get("engine"):  # per verify round, as the HF rows count; per position is not in SGLang's replies
         o = report["engine"]["overall"]
-        where = "vLLM" if report["engine"].get("engine") == "vllm" else "dev server"
+        where = served_by(report["engine"]).removeprefix("a real ").removeprefix("the ")
         rows.append(
             (
                 f"trained, measured by the engine ({where} + draft)",

@@ -426,6 +426,7 @@ def engine_report(
         },
         "datasets": datasets,
         "server": {
+            "version": info.get("version") if isinstance(info, dict) else None,  # the dev server's ends -eagle3-dev
             "speculative_draft_model_path": with_draft.limits.speculative.get("path"),
             "avg_spec_accept_length": server_avg,
             "note": "server-wide, not this eval's: SGLang folds it in every 40 decode batches, resets it on "

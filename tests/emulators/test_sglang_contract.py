@@ -31,6 +31,7 @@ import torch
 from emulators.dev_server.app import create_app
 from emulators.dev_server.speculative import Speculative
 from emulators.sim import SimServer
+from tasks.engines.sglang import SGLangClient
 from tests.emulators.sglang_shapes import FINISHED_META
 from tests.sglang_real import start_sglang
 
@@ -175,8 +176,6 @@ def servers(small_target_dir, small_draft_dir, serve_app, tmp_path_factory):
             if kind == "real":  # the real SGLang 0.5.23 (tests/sglang_real.py): one start per distinct settings
                 if version != "0.5":
                     pytest.skip("the real server is SGLang 0.5.23; 0.4.x is emulated only")
-                if settings.get("draft"):
-                    pytest.skip("no EAGLE-3 draft on the real server on CPU (docs/engines.md)")
                 # its disconnect poll is SGLANG_REQUEST_STATE_WAIT_TIMEOUT, whole seconds (srt/environ.py EnvInt)
                 key = (kind, tuple(sorted((k, v) for k, v in settings.items() if k != "poll")))
                 if key in started:
@@ -184,6 +183,8 @@ def servers(small_target_dir, small_draft_dir, serve_app, tmp_path_factory):
                 extra = [
                     w for k in ("api_key", "admin_api_key") if keys[k] for w in (f"--{k.replace('_', '-')}", keys[k])
                 ]
+                if settings.get("draft"):  # SGLang's own EAGLE-3 worker (docs/engines.md, "A real SGLang on CPU")
+                    extra += SGLangClient.speculative_args(str(small_draft_dir), NUM_STEPS)
                 log = real_logs / f"sglang-{len(started)}.log"
                 server = start_sglang(
                     small_target_dir,
@@ -584,8 +585,8 @@ def test_an_eagle_draft_reserves_tokens_in_the_length_checks(emu):
     """With an EAGLE draft the tokenizer manager adds compute_num_reserved_tokens() = max(topk * num_steps,
     num_draft_tokens) to the prompt in both of its length checks (managers/tokenizer_manager.py
     `_validate_one_request`; managers/utils.py `compute_num_reserved_tokens`), so a prompt near the limit is
-    refused only by the server with the draft. The dev server serves a real draft; the sim reserves the same
-    tokens (SimConfig.reserved_tokens)."""
+    refused only by the server with the draft. The dev server and the real SGLang serve a real draft; the sim
+    reserves the same tokens (SimConfig.reserved_tokens)."""
     plain, eagle = emu(), emu(draft=True)
     n, new = CONTEXT - 10, 10  # n + new == CONTEXT: allowed; with the reserve it is not
     body = {"input_ids": [7] * n, "sampling_params": {"max_new_tokens": new, "temperature": 0}}
@@ -601,7 +602,9 @@ def test_an_eagle_draft_reserves_tokens_in_the_length_checks(emu):
     assert eagle.generate(ok).status_code == 200
 
 
-@pytest.mark.parametrize("emu", ["dev"], indirect=True)  # the sim decodes no draft: it has no such figure
+@pytest.mark.parametrize(  # the sim decodes no draft: it has no such figure
+    "emu", ["dev", pytest.param("real", marks=[pytest.mark.sglang, pytest.mark.multiprocess])], indirect=True
+)
 def test_avg_spec_accept_length_is_folded_every_40_decode_batches(emu, small_target, small_draft_dir):
     """internal_states[0].avg_spec_accept_length in /server_info is lifetime accept tokens / lifetime forward count,
     where the per-interval counters (tokens per verify round, forward count += batch size) are folded into the
