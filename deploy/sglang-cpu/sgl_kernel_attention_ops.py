@@ -76,7 +76,9 @@ def _check_common(
 ) -> None:
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
         _last_dim_contiguous(name, t)
-    _check(query.dtype in QUERY_DTYPES, f"{op} not implemented for {query.dtype} (bf16, fp16, or float32 in this stand-in)")
+    _check(
+        query.dtype in QUERY_DTYPES, f"{op} not implemented for {query.dtype} (bf16, fp16, or float32 in this stand-in)"
+    )
     _check(k_cache.dtype == v_cache.dtype, "k_buffer and v_buffer should have the same dtype")
     _check(k_cache.dtype in (query.dtype, FP8), f"{op}: a {k_cache.dtype} cache for a {query.dtype} query")
     if k_cache.dtype == FP8:
@@ -314,8 +316,11 @@ def extend_attention_cpu(
             cached = prefix + n if kv_from_cache else prefix
         slots = req_to_token[row, offsets[b] : offsets[b] + cached].long()
         _check(bool((slots < k_buffer.shape[0]).all()), "token index out of scope!")
-        k = _dequant(k_buffer[slots], k_buf_scale)  # [cached, Hkv, D]
-        v = _dequant(v_buffer[slots], v_buf_scale)
+        if is_prefix_skipped:  # prefix 0 (checked above): the cache's rows are MLA's latent, never these heads'
+            k, v = k_ext[:0].float(), v_ext[:0].float()
+        else:
+            k = _dequant(k_buffer[slots], k_buf_scale)  # [cached, Hkv, D]
+            v = _dequant(v_buffer[slots], v_buf_scale)
         allowed = torch.ones(n, cached, dtype=torch.bool)
         if kv_from_cache:
             allowed = torch.arange(cached).view(1, -1) <= query_pos.view(-1, 1)

@@ -289,6 +289,34 @@ def test_extend_not_causal_sees_every_new_token():
     assert_matches(out, expected_extend(batch, [3, 2], starts, is_causal=False))
 
 
+def test_an_mla_prefill_as_mha_reads_nothing_from_the_latent_cache():
+    """SGLang prefills an MLA layer as plain multi-head attention (deepseek_v2.py, MHA for a fresh prefill): k and v
+    with heads of their own, the cache one latent head wide, which extend.cpp then does not read (is_prefix_skipped,
+    prefix 0). Before: the empty latent rows were concatenated with the new keys ("Sizes of tensors must match")."""
+    gen = torch.Generator().manual_seed(8)
+    ext_lens, rows = [3, 2], [2, 5]
+    starts, tokens = [0, 3], sum(ext_lens)
+    q, k_new = (torch.randn(tokens, HEADS, 64, generator=gen) for _ in range(2))
+    v_new = torch.randn(tokens, HEADS, 32, generator=gen)
+    latent = torch.randn(SLOTS, 1, 96, generator=gen)  # kv_lora_rank + rope dims, one head
+    req_to_token = torch.arange(MAX_REQS * MAX_CONTEXT, dtype=torch.int32).view(MAX_REQS, MAX_CONTEXT) % SLOTS
+    o = torch.empty(tokens, HEADS, 32)
+    ops.extend_attention_cpu(
+        *(q, k_new, v_new, o, latent, latent[..., :64], 1.0, 1.0, req_to_token, torch.tensor(rows)),
+        *(torch.tensor(ext_lens), torch.tensor(ext_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)),
+        *(3, 0.125, 0.0, False, 0, None, None, None, True),
+    )
+    # no prefix: the loop reads only the new keys (the "cache" it is given has their heads but is never read)
+    floats = [t.tolist() for t in (q, k_new, v_new, k_new, v_new)]
+    assert_matches(o, ref_extend(*floats, req_to_token.tolist(), rows, ext_lens, ext_lens, starts, 0.125))
+    with pytest.raises(RuntimeError, match="expect seq_len_prefix to be 0, got 1"):  # a prefix there: refused
+        ops.extend_attention_cpu(
+            *(q[:2], k_new[:2], v_new[:2], o[:2], latent, latent[..., :64], 1.0, 1.0, req_to_token),
+            *(torch.tensor([2]), torch.tensor([3]), torch.tensor([2], dtype=torch.int32)),
+            *(torch.tensor([0], dtype=torch.int32), 2, 0.125, 0.0, False, 0, None, None, None, True),
+        )
+
+
 def test_extend_without_new_kv_reads_them_from_the_cache():
     # a KV-shared layer: k_extend / v_extend None, the new tokens' K/V already in the cache at prefix + i
     prefixes, ext_lens = [3, 0], [2, 4]
