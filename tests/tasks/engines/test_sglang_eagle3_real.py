@@ -202,14 +202,14 @@ def shifted_ids(cfg: dict) -> dict:
     return cfg
 
 
-# name: (tensor edit, config edit, what the mirror says, what SGLang does: "refused: <its words>", or "serves ..." with
-# fewer tokens per round than the draft as trained, or other rounds)
+# name: (tensor edit, config edit, what the mirror says, what SGLang does: "refused: <its words>", "serves fewer tokens
+# per round" than the draft as trained, or "serves")
 CASES = {
-    # llama_eagle3.py load_weights skips a name it does not know: gate_proj keeps its initial values
+    # llama_eagle3.py load_weights skips a name it does not know: fc keeps its random initial values
     "a tensor under a wrong name": (
-        lambda t: {k.replace("gate_proj", "gate"): v for k, v in t.items()},
+        lambda t: {k.replace("fc.", "fc_proj."): v for k, v in t.items()},
         lambda c: c,
-        "unknown tensor midlayer.mlp.gate.weight: SGLang would silently skip it",
+        "unknown tensor fc_proj.weight: SGLang would silently skip it",
         "serves fewer tokens per round",
     ),
     "no d2t with D < V": (
@@ -218,9 +218,10 @@ CASES = {
         "missing tensor d2t",
         "serves fewer tokens per round",  # hot_token_id stays None: the draft's ids are taken as the target's
     ),
-    # the draft sees other layers' states; on this tiny target that moves its rounds by about 1% (134 against 135 on
-    # these prompts), on Kimi-K2.5 the same mistake cost ~0.10 of acceptance length (SGLang PR #25454)
-    "aux ids shifted by one": (lambda t: t, shifted_ids, "first id must be 1", "serves other rounds"),
+    # the draft sees the next layers' states: on this tiny target's near-alike layers that moved its rounds by 1 of
+    # 135 or not at all (two trainings), too little to test; on Kimi-K2.5 the same mistake cost ~0.10 of acceptance
+    # length (SGLang PR #25454)
+    "aux ids shifted by one": (lambda t: t, shifted_ids, "first id must be 1", "serves"),
     "hidden_act gelu": (
         lambda t: t,
         lambda c: {**c, "hidden_act": "gelu"},
@@ -270,8 +271,8 @@ def sglang_rounds(url: str, ids: list[list[int]], eos: int) -> tuple[list[list[i
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_export_check_refuses_what_sglang_refuses_or_serves_wrong(case, sglang_demo, in_process_rounds, tmp_path):
     """Each case: the mirror refuses it with its reason; the real SGLang either refuses it too, in words the
-    mirror's match, or serves it silently, its draft misread: fewer tokens per round than the draft as trained, or
-    other rounds (the greedy output stays the target's, so only the rounds show it: why the mirror refuses). The
+    mirror's match, or serves it silently, its draft misread, fewer tokens per round than the draft as trained where
+    that shows (the greedy output stays the target's, so only the rounds show it: why the mirror refuses). The
     draft as trained is served with the in-process eval's rounds (the first test); D == V without d2t passes both
     (the EAGLE-3.1 test)."""
     from models.export.sglang import validate_export
@@ -299,5 +300,3 @@ def test_the_export_check_refuses_what_sglang_refuses_or_serves_wrong(case, sgla
     print(f"{case}: {rounds} verify rounds in SGLang, {good.rounds} for the draft as trained")
     if sglang_does == "serves fewer tokens per round":
         assert rounds > good.rounds
-    else:
-        assert rounds != good.rounds
