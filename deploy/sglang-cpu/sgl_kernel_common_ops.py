@@ -19,8 +19,10 @@ What runs without a kernel op: on a CPU without AMX (``cpu_has_amx_support()`` i
 False), SGLang's norms, activations, rotary embedding, linear layers and KV-cache stores take their plain-torch
 paths. The ``intel_amx`` attention backend (the one SGLang's EAGLE path runs on a CPU; our plugin,
 sglang_plugin_intel_amx_attention.py, keeps it without AMX) calls the two attention ops and
-``build_draft_decode_metadata_cpu`` (intel_amx_backend.py), all here. What does not run: MoE, quantized GEMMs, the
-AMX norm / GEMM / rope kernels.
+``build_draft_decode_metadata_cpu`` (intel_amx_backend.py), all here; so do MLA layers (prefilled as multi-head
+attention, decoded over the latent cache), while the MoE with DeepSeek-V3 routing stays plain torch. What does not
+run: quantized GEMMs and MoE, and the AMX kernels (norm, GEMM, rope, MoE), which ``convert_weight_packed`` would
+switch on together (it stays undefined).
 """
 
 import importlib.util
