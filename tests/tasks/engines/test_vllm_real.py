@@ -240,8 +240,10 @@ def test_closing_the_connection_aborts_the_request(plain):
     # leaves room) would add 32,000 generated tokens if vLLM kept generating for them; closed, they add fewer.
     # Before the close, /metrics must show all 16 prompts prefilled (their prompt tokens counted): a request closed
     # while still in the API process's queue was never admitted, and saves tokens without showing an abort.
-    # On a loaded 2-core machine (CI, the other test worker busy) the long requests can all finish before that
-    # shows, which proves nothing either way: such a trial is tried again, up to 3 times.
+    # On a loaded 2-core machine (CI, the other test worker busy) the first requests can finish before the last is
+    # admitted: those are not closed, and they generate their 2,000 tokens, so they count in neither direction. The
+    # proof needs only that every request was admitted and at least one request's worth was not generated. A trial
+    # where all of them finished before the close proves nothing and is tried again, up to 3 times.
     n, each = 16, 2000  # 32,000 tokens of work: the longer they run, the likelier the close comes first
     model = served_model(plain)
     body = {"model": model, "prompt": [5, 17, 33], "max_tokens": each, "temperature": 0, "ignore_eos": True}
@@ -271,12 +273,13 @@ def test_closing_the_connection_aborts_the_request(plain):
         trials.append(
             {"admitted": admitted, "finished_before_the_close": finished_first, "tokens_not_generated": saved}
         )
-        if finished_first == 0:
+        if finished_first < n:
             break
     last = trials[-1]
-    assert last["finished_before_the_close"] == 0, f"the machine was too busy to close them in time: {trials}"
-    # all admitted, and at least one request's worth not generated (measured with 8 requests, the module alone:
-    # 15,991 of 16,001)
+    assert last["finished_before_the_close"] < n, f"the machine was too busy to close any in time: {trials}"
+    # every request generates exactly `each` tokens unless closed (ignore_eos), so the counter without the abort is
+    # n * each exactly: all admitted, and at least one request's worth not generated (measured with 8 requests, the
+    # module alone: 15,991 of 16,001; a loaded CI run where 1-2 finished first: 4,606-17,325 of 32,000)
     assert last["admitted"] and last["tokens_not_generated"] >= each, trials
 
 
