@@ -57,7 +57,7 @@ def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
     import json
 
     import torch
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     from models.target import book
     from models.target.loader import load_language_model
@@ -70,7 +70,7 @@ def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
     info = json.loads((target / "tiny_target.json").read_text())
     if not info.get("book_steps"):
         raise SystemExit(f"{target}: not a kimi-long build (its tiny_target.json has no book_steps)")
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(target))
+    tokenizer = AutoTokenizer.from_pretrained(str(target), trust_remote_code=True)  # Kimi's remote code: ours
     model = load_language_model(str(target), dtype=torch.float32).eval()
     eos = tokenizer.convert_tokens_to_ids(IM_END)
     texts = book.chapters(sorted(SAMPLES_DIR.glob("*.jsonl")), info["seed"])

@@ -50,7 +50,8 @@ from models import numerics  # noqa: F401  (CPU denormals flushed before any mat
 from models.common.atomic import replace_dir
 from models.draft.config import default_aux_layers
 from models.target import book, int4
-from models.target.tiny_kimi import KIMI_FIXED, MEDIA_PAD, kimi_text_config, save_kimi_k25
+from models.target.kimi_tokenizer import KIMI_CHAT_TEMPLATE, save_kimi_tokenizer
+from models.target.tiny_kimi import KIMI_CHECKPOINT_VERSION, KIMI_FIXED, MEDIA_PAD, kimi_text_config, save_kimi_k25
 from models.target.tiny_tokenizer import CHAT_TEMPLATE, IM_END, PAD, build_tokenizer, save_tokenizer
 
 SAMPLES_DIR = Path(__file__).resolve().parents[2] / "data" / "samples"
@@ -287,6 +288,7 @@ def _kimi_params(
         train_steps=train_steps,
         train_lr=KIMI_TRAIN_LR,
         train_batch=KIMI_TRAIN_BATCH,
+        kimi_checkpoint_version=KIMI_CHECKPOINT_VERSION,
     )
     if long_answers:
         params.update(BOOK_RECIPE)
@@ -370,6 +372,7 @@ def _build(out_dir: Path, params: dict[str, Any], files: list[Path], device: str
             )
         if shape == "kimi":
             save_kimi_k25(model, tokenizer, tmp)
+            save_kimi_tokenizer(tokenizer, tmp, KIMI_CHAT_TEMPLATE)  # as Kimi-K2.5 publishes it: tiktoken, remote code
         else:
             _save_model(model, tmp)
         (tmp / _BUILD_INFO).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")

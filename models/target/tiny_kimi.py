@@ -12,6 +12,12 @@ transformers_utils/processors/kimi_k25_vision_fused.py, v1/spec_decode/llm_base_
   `DeepseekV2ForCausalLM` (deepseek_v2.py: MLA, MoE, YaRN);
 - preprocessor_config.json with a `media_proc_cfg` (its processor reads merge_kernel_size, image_mean, ... at
   start, KeyError without them), even with every modality limited to 0;
+And of SGLang 0.5.23 (srt/models/kimi_k25.py, deepseek_v2.py, multimodal/processors/kimi_k25.py), which builds the
+published checkpoint unmodified with `--trust-remote-code`:
+- the processor as remote code (kimi_k25_processor.py and its image processor: models/target/kimi_k25_remote/),
+  found through preprocessor_config.json's `auto_map`: SGLang builds its Kimi processor from its `media_processor`
+  even for a text-only server;
+- the published config's vision keys (`vt_*`) and the text config's `moe_layer_freq`;
 - `media_placeholder_token_id` at the top level: an EAGLE draft on a Kimi target reads it
   (`llm_base_proposer.py`, AttributeError without it);
 - a `<|media_pad|>` token in the tokenizer: vLLM resolves the media token from it (kimi_k25.py
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,6 +40,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import DeepseekV3Config, GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
 
+# What a kimi build writes beside its weights, versioned: a change rebuilds every kimi target (2: the processor's
+# remote code and the published config keys SGLang reads; 3: the tokenizer as tiktoken remote code,
+# models/target/kimi_tokenizer.py).
+KIMI_CHECKPOINT_VERSION = 3
 MEDIA_PAD = "<|media_pad|>"  # Kimi's media placeholder token (163605 in Kimi-K2.5)
 WRAPPER_PREFIX = "language_model."  # the text model's weights in a kimi_k25 checkpoint
 WRAPPER_ARCHITECTURE = "KimiK25ForConditionalGeneration"  # vLLM's registry name for the wrapper
@@ -67,7 +78,10 @@ KIMI_FIXED: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
-# A tiny vision tower's config: the wrapper's config class requires one; no weights are written for it.
+# A tiny vision tower's config: the wrapper's config class requires one; no weights are written for it. Each size
+# twice: under transformers' names (its kimi_k25/configuration_kimi_k25.py, which vLLM 0.32 loads) and under the
+# published config's (`vt_*`, `init_pos_emb_*`, `text_hidden_size`, `mm_hidden_size`), which SGLang 0.5.23 reads
+# (srt/configs/kimi_k25.py, srt/models/kimi_k25.py K2VLMultiModalProjector).
 TINY_VISION = {
     "patch_size": 14,
     "pos_emb_height": 8,
@@ -78,7 +92,18 @@ TINY_VISION = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "merge_kernel_size": [2, 2],
+    "vt_hidden_size": 64,
+    "vt_intermediate_size": 128,
+    "vt_num_attention_heads": 2,
+    "vt_num_hidden_layers": 1,
+    "init_pos_emb_height": 8,
+    "init_pos_emb_width": 8,
+    "init_pos_emb_time": 4,
+    "mm_hidden_size": 64,
 }
+# The published text config's keys that transformers' DeepseekV3Config does not write and SGLang reads:
+# `moe_layer_freq` (srt/models/deepseek_v2.py `_is_layer_sparse`: every layer past first_k_dense_replace is MoE).
+PUBLISHED_TEXT_KEYS: dict[str, Any] = {"moe_layer_freq": 1}
 # Kimi-K2.5's preprocessor_config.json, as vLLM's fused processor reads it.
 MEDIA_PROC_CFG = {
     "in_patch_limit": 16384,
@@ -92,6 +117,15 @@ MEDIA_PROC_CFG = {
     "max_num_frames_each_video": None,
     "temporal_merge_kernel_size": 4,
     "timestamp_mode": "hh:mm:ss.fff",
+}
+# The remote code the checkpoint ships (models/target/kimi_k25_remote/, ours, to the published interface), and the
+# auto_map in preprocessor_config.json through which transformers' AutoProcessor finds it under trust_remote_code
+# (transformers, its auto/processing_auto.py).
+REMOTE_CODE_DIR = Path(__file__).parent / "kimi_k25_remote"
+PROCESSOR_FILES = ("kimi_k25_processor.py", "kimi_k25_vision_processing.py", "media_utils.py")
+PROCESSOR_AUTO_MAP = {
+    "AutoProcessor": "kimi_k25_processor.KimiK25Processor",
+    "AutoImageProcessor": "kimi_k25_vision_processing.KimiK25VisionProcessor",
 }
 
 
@@ -114,7 +148,8 @@ def kimi_text_config(params: dict, sizes: dict[str, Any]) -> DeepseekV3Config:
 
 def save_kimi_k25(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
     """Write `model` as a kimi_k25 checkpoint in `out_dir`: wrapper config.json, `language_model.*` weights,
-    preprocessor_config.json, generation_config.json (the tokenizer is saved by the caller)."""
+    preprocessor_config.json with the processor's remote code, generation_config.json (the tokenizer is saved by the
+    caller)."""
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)  # the text model's names as transformers writes them
         text = json.loads((Path(tmp) / "config.json").read_text())
@@ -122,7 +157,10 @@ def save_kimi_k25(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ou
             tensors = {WRAPPER_PREFIX + name: f.get_tensor(name) for name in f.keys()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(wrapper_config(text, tokenizer), indent=2, sort_keys=True) + "\n")
-    (out_dir / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}, indent=2) + "\n")
+    preprocessor = {"auto_map": PROCESSOR_AUTO_MAP, "media_proc_cfg": MEDIA_PROC_CFG}
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+    for name in PROCESSOR_FILES:
+        shutil.copyfile(REMOTE_CODE_DIR / name, out_dir / name)
     eos = int(text["eos_token_id"])
     generation = GenerationConfig(bos_token_id=None, eos_token_id=eos, pad_token_id=text["pad_token_id"])
     generation.save_pretrained(out_dir)
@@ -136,6 +174,7 @@ def wrapper_config(text: dict, tokenizer: PreTrainedTokenizerFast) -> dict:
         architectures=["DeepseekV3ForCausalLM"],
         model_type="deepseek_v3",
         torch_dtype="float32",
+        **PUBLISHED_TEXT_KEYS,
         **copy.deepcopy({k: KIMI_FIXED[k] for k in ("topk_method", "scoring_func", "rope_theta", "rope_scaling")}),
     )
     return {

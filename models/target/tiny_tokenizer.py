@@ -53,7 +53,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _corpus_texts(files: Sequence[Path]) -> Iterator[str]:
+def corpus_texts(files: Sequence[Path]) -> Iterator[str]:
     """Text fields of each row, in file order, then row order, then message order."""
     for path in files:
         with open(path, encoding="utf-8") as f:
@@ -88,7 +88,7 @@ def build_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus_texts(files), trainer=trainer)
+    tok.train_from_iterator(corpus_texts(files), trainer=trainer)
     for i, t in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
     tok.add_special_tokens(list(extra))  # after training: the BPE's ids stay those of a build without them

@@ -48,9 +48,14 @@ def test_the_checkpoint_is_a_kimi_k25_wrapper_as_published(kimi_random):
     assert "language_model.lm_head.weight" in names
     from transformers import AutoTokenizer
 
-    media = AutoTokenizer.from_pretrained(kimi_random).convert_tokens_to_ids(MEDIA_PAD)
+    tokenizer = AutoTokenizer.from_pretrained(kimi_random, trust_remote_code=True)  # Kimi's own code, as published
+    assert type(tokenizer).__name__ == "TikTokenTokenizer" and not (kimi_random / "tokenizer.json").exists()
+    media = tokenizer.convert_tokens_to_ids(MEDIA_PAD)
     assert cfg["media_placeholder_token_id"] == media == text["vocab_size"] - 1
-    assert "merge_kernel_size" in json.loads((kimi_random / "preprocessor_config.json").read_text())["media_proc_cfg"]
+    preprocessor = json.loads((kimi_random / "preprocessor_config.json").read_text())
+    assert "merge_kernel_size" in preprocessor["media_proc_cfg"]
+    assert preprocessor["auto_map"]["AutoProcessor"] == "kimi_k25_processor.KimiK25Processor"
+    assert (kimi_random / "kimi_k25_processor.py").is_file() and text["moe_layer_freq"] == 1
 
 
 def test_transformers_causal_lm_class_refuses_it(kimi_random):

@@ -44,11 +44,9 @@ def llama(tmp_path_factory) -> Path:
 
 
 def copy_target(src: Path, dst: Path, *, top: dict | None = None, text: dict | None = None, drop=()) -> Path:
-    """`src`'s config.json and tokenizer files in `dst`, config.json edited: `top` and `text` (its text config)
-    merged in, the top-level keys in `drop` removed."""
-    dst.mkdir(parents=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / name, dst / name)
+    """`src` without its weights in `dst` (config, tokenizer and its remote code), config.json edited: `top` and `text`
+    (its text config) merged in, the top-level keys in `drop` removed."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
     config = json.loads((src / "config.json").read_text())
     config.update(top or {})
     config["text_config"].update(text or {})
