@@ -58,6 +58,7 @@ def capture(config_path: str) -> dict:
                 num_layers=shape.num_layers,
                 shared_dir=layout.engine_dir,
                 command=e.command,
+                trust_remote_code=config.target.trust_remote_code,
             )
             speed = run_vllm_capture.with_options(**retried)(
                 job=capture_job(config, aux_layers),

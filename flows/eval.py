@@ -96,4 +96,5 @@ def eval_server(config: RunConfig) -> EvalServer:
         log_dir=config.layout.logs,
         command=s.command,
         gpus_per_replica=s.gpus_per_replica,
+        trust_remote_code=config.target.trust_remote_code,
     )

@@ -136,4 +136,5 @@ def serving(config: RunConfig):
         log_dir=config.layout.logs,
         health_timeout_s=s.health_timeout_s,
         engine=s.engine,
+        trust_remote_code=config.target.trust_remote_code,
     )

@@ -170,9 +170,11 @@ def dev_server(
     log_path: Path | None = None,
     host: str = "127.0.0.1",
     extra_args: list[str] | None = None,
+    trust_remote_code: bool = False,
 ) -> ServerProcess:
     """The SGLang-compatible dev server over `model_dir`, as a child process (not yet started); `extra_args` are its
-    further flags (e.g. SGLang's --speculative-* ones)."""
+    further flags (e.g. SGLang's --speculative-* ones); `trust_remote_code` adds SGLang's --trust-remote-code (a
+    target whose tokenizer is remote code, as Kimi-K2.5's)."""
     port = port or free_port(host)
     command = [
         sys.executable,
@@ -184,6 +186,7 @@ def dev_server(
         host,
         "--port",
         str(port),
+        *(["--trust-remote-code"] if trust_remote_code else []),
         *(extra_args or []),
     ]
     return ServerProcess(command, f"http://{host}:{port}", log_path=log_path)
@@ -203,6 +206,7 @@ def launched_servers(
     health_timeout_s: float = 600.0,
     extra_args: list[str] | None = None,
     engine: str = "sglang",
+    trust_remote_code: bool = False,
 ) -> contextlib.AbstractContextManager:
     """A context that runs the servers of the generate stage (launch `dev` or `command`), or nothing (`none`).
 
@@ -211,7 +215,8 @@ def launched_servers(
     (a replica that dies at start is reported with its log). All are stopped when the context exits,
     whether generation finished, failed or was cancelled (SIGTERM, as Prefect sends to a cancelled
     flow run, is turned into an exception so the stop runs). Logs: log_dir/server.log for a lone
-    server, server-N.log for replica N, router.log.
+    server, server-N.log for replica N, router.log. `trust_remote_code`: the dev server loads the target's remote
+    code (a `command` carries its engine's flag itself).
     """
     if launch == "none":
         return contextlib.nullcontext()
@@ -235,7 +240,16 @@ def launched_servers(
             else ",".join(str(g) for g in range(i * gpus_per_replica, (i + 1) * gpus_per_replica))
         )
         if launch == "dev" and target is not None:  # checked above: dev has a target, command a command
-            servers.append(dev_server(target, port=port, host=host, log_path=log_path, extra_args=extra_args))
+            servers.append(
+                dev_server(
+                    target,
+                    port=port,
+                    host=host,
+                    log_path=log_path,
+                    extra_args=extra_args,
+                    trust_remote_code=trust_remote_code,
+                )
+            )
         elif command:
             fill = {"host": host, "port": str(port), "replica": str(i), "gpus": gpus or ""}
             words = [fill_placeholders(word, fill) for word in command] + list(extra_args or [])

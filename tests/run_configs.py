@@ -18,11 +18,15 @@ def write_run_config(path: Path, run_dir: Path, target: Path, datasets: list[dic
 REPO = Path(__file__).resolve().parents[1]
 
 
-def write_demo_config(tmp_path: Path, target: Path, **sections: Any) -> Path:
-    """configs/demo.yaml for a run in tmp_path on `target` (already built), with `sections` merged over it."""
+def write_demo_config(tmp_path: Path, target: Path, trust_remote_code: bool | None = None, **sections: Any) -> Path:
+    """configs/demo.yaml for a run in tmp_path on `target` (already built), with `sections` merged over it.
+    `trust_remote_code`: target.trust_remote_code; by default set when the target ships its tokenizer as code (the kimi
+    build, as Kimi-K2.5 publishes it), as a config for such a target must."""
     data = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     data["run_dir"] = str(tmp_path / "run")
-    data["target"] = {"path": str(target)}
+    if trust_remote_code is None:
+        trust_remote_code = (Path(target) / "tokenization_kimi.py").is_file()
+    data["target"] = {"path": str(target), "trust_remote_code": trust_remote_code}
     for d in data["datasets"]:
         d["path"] = str(REPO / d["path"])
     data["eval"]["prompt_files"] = [str(REPO / p) for p in data["eval"]["prompt_files"]]
@@ -31,3 +35,19 @@ def write_demo_config(tmp_path: Path, target: Path, **sections: Any) -> Path:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def short_demo(run_dir: Path, target_dir: Path, overrides: dict, **demo: Any) -> tuple[Any, str]:
+    """`eagle3 demo` in `run_dir` on `target_dir`, its preset's sections updated with `overrides` (a shorter training
+    and eval), `demo` the rest of run_demo's arguments (engine, target): (its config, what it printed)."""
+    import io
+
+    from rich.console import Console
+
+    from flows.commands.demo import run_demo
+
+    out = io.StringIO()
+    config = run_demo(
+        run_dir=run_dir, console=Console(file=out, width=200), target_dir=target_dir, overrides=overrides, **demo
+    )
+    return config, out.getvalue()

@@ -31,6 +31,7 @@ from emulators.sglang_protocol.info import DECODE_LOG_INTERVAL
 from emulators.sglang_protocol.limits import ModelLimits
 from emulators.sglang_protocol.versions import SGLangVersion
 from models.target.loader import load_language_model
+from models.target.tokenizer import load_tokenizer
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -59,6 +60,7 @@ def create_app(
     disconnect_poll_s: float = DISCONNECT_POLL_S,
     sglang_version: str = "0.5",
     decode_log_interval: int = DECODE_LOG_INTERVAL,
+    trust_remote_code: bool = False,
 ) -> FastAPI:
     """Load the tokenizer and model (float32, eval) and build the FastAPI app.
 
@@ -74,17 +76,18 @@ def create_app(
 
     `extraction`: also serve vLLM's hidden-state extraction (emulators/vllm_extract.py).
 
+    `trust_remote_code`: SGLang's ``--trust-remote-code``; the target's tokenizer may be its own code (Kimi-K2.5's
+    tiktoken tokenizer: models/target/kimi_tokenizer.py).
+
     `num_threads` sets torch's process-wide intra-op threads; None leaves them as they are
     (`serve` picks a value for a dedicated process).
     """
-    from transformers import AutoTokenizer
-
     version = SGLangVersion.of(sglang_version)
     auth = Auth(api_key=api_key, admin_api_key=admin_api_key, version=version)  # checked before any loading
     model_dir = Path(model_dir)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(str(model_dir), trust_remote_code)
     model = load_language_model(str(model_dir), dtype=torch.float32).eval()  # a kimi_k25 wrapper's text model too
     max_positions = int(model.config.max_position_embeddings)
     context_len = int(context_length or max_positions)

@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m emulators.dev_ser
     ap.add_argument("--model-name", default=None, help="served model name (default: the model path)")
     ap.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--log-level", default="info")
+    ap.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="SGLang's flag: run the target's own tokenizer code (Kimi-K2.5's is tiktoken remote code)",
+    )
     ap.add_argument("--speculative-algorithm", default=None, help="EAGLE3 (the only one; implied by a draft path)")
     ap.add_argument("--speculative-draft-model-path", default=None, help="an EAGLE-3 export (models/export/eagle3.py)")
     ap.add_argument("--speculative-num-steps", type=int, default=None, help="draft tokens proposed per round")

@@ -210,6 +210,8 @@ def _target(config: RunConfig) -> tuple[dict[str, Any], Any, Finding | None]:
     """The target's text config (as a dict) and its tokenizer; else ({}, None, the finding that says why)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from models.target.tokenizer import RemoteTokenizerNotTrusted, check_tokenizer_trust
+
     path, trust = config.target.path, config.target.trust_remote_code
     if config.target.build_tiny_target and not (Path(path) / "config.json").is_file():
         return (
@@ -223,6 +225,10 @@ def _target(config: RunConfig) -> tuple[dict[str, Any], Any, Finding | None]:
             ),
         )
     local = Path(path).is_dir()  # else a Hub id: read from the local cache only, in seconds, never downloaded here
+    try:
+        check_tokenizer_trust(path, trust)
+    except RemoteTokenizerNotTrusted as exc:
+        return {}, None, Finding("target", "FAIL", str(exc).split(". ", 1)[0], "set target.trust_remote_code: true")
     try:
         loaded = AutoConfig.from_pretrained(path, trust_remote_code=trust, local_files_only=not local)
         text = loaded.get_text_config() if hasattr(loaded, "get_text_config") else loaded

@@ -45,7 +45,7 @@ def run(job: EvalJob) -> dict[str, Any]:
     prompt) and "replay": the round-weighted replay of its own greedy outputs and the chain formula over every root of
     them (models/eval/estimates.py `replay_acceptance`). "benchmarks": `decode_benchmark`'s entry per benchmark.
     """
-    from transformers import AutoTokenizer
+    from models.target.tokenizer import load_tokenizer
 
     final = Path(job.draft_dir)
     if not (final / "config.json").is_file():
@@ -60,7 +60,7 @@ def run(job: EvalJob) -> dict[str, Any]:
     spread = {"device_map": "auto"} if device.type == "cuda" else {}
     target = load_language_model(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code, **spread)
     target = target.eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
+    tokenizer = load_tokenizer(job.target_path, job.trust_remote_code)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     first_device = next(target.parameters()).device
     trained = draft_for_target(final, target, dtype).to(first_device).eval()

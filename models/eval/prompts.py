@@ -119,9 +119,9 @@ def _messages(row: Any, where: str) -> list[dict[str, str]]:
 
 
 def _tokenizer(job: EvalJob) -> Any:
-    from transformers import AutoTokenizer
+    from models.target.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
+    return load_tokenizer(job.target_path, job.trust_remote_code)
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

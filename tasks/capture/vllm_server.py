@@ -36,6 +36,7 @@ class CaptureServer:
     num_layers: int
     shared_dir: Path
     command: list[str] | None = None  # launch: command
+    trust_remote_code: bool = False  # the dev server's (a command carries its engine's flag itself)
 
 
 def capture_server_command(server: CaptureServer) -> list[str]:
@@ -59,6 +60,7 @@ def capture_server_command(server: CaptureServer) -> list[str]:
             json.dumps(speculative),
             "--kv-transfer-config",
             json.dumps(kv_transfer),
+            *(["--trust-remote-code"] if server.trust_remote_code else []),
         ]
     if not server.command:
         raise ValueError("capture.engine.launch: command needs capture.engine.command")

@@ -81,8 +81,10 @@ def cpu_command(
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     mla_draft: bool = False,
     dtype: str = "float32",
+    trust_remote_code: bool = False,
 ) -> list[str]:
-    """The command that serves `target` with the CPU build of vLLM (REFERENCE.md), with {host}/{port} to fill.
+    """The command that serves `target` with the CPU build of vLLM (REFERENCE.md), with {host}/{port} to fill;
+    `trust_remote_code` adds --trust-remote-code (Kimi-K2.5's tokenizer is remote code).
 
     Chunked prefill is off: on CPU a seeded request (`seed`, our sampling.seed) whose prompt is prefilled in
     chunks kills the engine -- the sampled token of a partial chunk is discarded by rewinding the request's
@@ -115,11 +117,17 @@ def cpu_command(
         "--enforce-eager",
         "--no-enable-chunked-prefill",
         *flags,
+        *(["--trust-remote-code"] if trust_remote_code else []),
     ]
 
 
 def capture_cpu_command(
-    python: str, target: str, *, max_model_len: int = DEFAULT_MAX_MODEL_LEN, dtype: str = "float32"
+    python: str,
+    target: str,
+    *,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
 ) -> list[str]:
     """The command that serves `target` for the capture (capture.backend: vllm, launch: command) with the CPU build of
     vLLM, with {host}, {port}, {speculative_config} and {kv_transfer_config} to fill (tasks/capture/vllm_server.py).
@@ -129,7 +137,14 @@ def capture_cpu_command(
     off: extract_hidden_states needs a request's prompt in one step.
     """
     return [
-        *cpu_command(python, target, max_model_len=max_model_len, mla_draft=True, dtype=dtype),
+        *cpu_command(
+            python,
+            target,
+            max_model_len=max_model_len,
+            mla_draft=True,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+        ),
         "--speculative-config",
         "{speculative_config}",
         "--kv-transfer-config",

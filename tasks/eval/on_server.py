@@ -69,6 +69,7 @@ class EvalServer:
     log_dir: Path
     command: list[str] | None = None
     gpus_per_replica: int | None = None
+    trust_remote_code: bool = False  # the dev server's: the target's tokenizer is remote code (Kimi-K2.5's)
 
     @property
     def engine(self) -> str:
@@ -107,6 +108,7 @@ class EvalServer:
             health_timeout_s=self.settings.health_timeout_s,
             extra_args=extra_args,
             engine=self.engine,
+            trust_remote_code=self.trust_remote_code,
         )
         if beat is None:
             return servers

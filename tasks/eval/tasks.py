@@ -138,12 +138,12 @@ def engine_eval(
     job: EvalJob, engine: ServedEvalSettings, server: EvalServer, config_name: str, logger: Any, beat: Heartbeat
 ) -> dict[str, Any]:
     """`evaluate_on_server`'s work, `beat` told each step (a server's start and stop, each phase's prompts)."""
-    from transformers import AutoTokenizer
+    from models.target.tokenizer import load_tokenizer
 
     final = _exported(job)
     if server.launch == "command":
         check_command(server.command)
-    tokenizer = AutoTokenizer.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
+    tokenizer = load_tokenizer(job.target_path, job.trust_remote_code)
     vocab_size = int(read_export_config(final)[0]["vocab_size"])  # either format (models/export/speculators.py)
     prompts = eval_prompts(job, vocab_size)
     if not prompts:

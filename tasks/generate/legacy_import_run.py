@@ -46,10 +46,10 @@ def import_legacy_file(
             raise ImportFailed(str(exc), 1, "refused") from None
         except OSError as exc:
             raise ImportFailed(str(WriteFailed(layout.lock, exc, kept="nothing was imported")), 1) from None
-        from transformers import AutoTokenizer
+        from models.target.tokenizer import load_tokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+            tokenizer = load_tokenizer(target, trust_remote_code)
         except Exception as exc:  # a wrong path, a Hub id while offline, a broken tokenizer.json
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ImportFailed(

@@ -61,9 +61,9 @@ async def generate_responses(
     if loaded.rejects:
         logger.warning("%s: %d bad row(s) sent to %s", name, len(loaded.rejects), layout.rejects(name))
 
-    from transformers import AutoTokenizer
+    from models.target.tokenizer import load_tokenizer
 
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, target_path, trust_remote_code=trust_remote_code)
+    tokenizer = await asyncio.to_thread(load_tokenizer, target_path, trust_remote_code)
     if not settings.sampling_params.get("stop_token_ids"):
         stop = default_stop_ids(tokenizer)
         settings = settings.model_copy(update={"sampling_params": {**settings.sampling_params, "stop_token_ids": stop}})

@@ -19,9 +19,9 @@ from tasks.records.build import RecordsReport, build_records, count_tokens, cove
 def target_vocab(target_path: str, trust_remote_code: bool, stop_token_ids: list[int] | None) -> tuple[int, list[int]]:
     """The target tokenizer's vocabulary size (what every token id must be below) and the stop ids generate sent
     (`stop_token_ids`, else the tokenizer's eos, as the generate stage chooses them)."""
-    from transformers import AutoTokenizer
+    from models.target.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(target_path, trust_remote_code)
     return len(tokenizer), list(stop_token_ids or default_stop_ids(tokenizer))
 
 
@@ -37,9 +37,9 @@ def build_dataset_records(
     """Bring one dataset's records up to date with its responses or passthrough rows."""
     tokenizer = None
     if kind == "passthrough":  # only conversations need the chat template
-        from transformers import AutoTokenizer
+        from models.target.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+        tokenizer = load_tokenizer(target_path, trust_remote_code)
     source = layout.responses(dataset) if kind == "generate" else layout.passthrough(dataset)
     report = build_records(dataset, kind, source, layout.records(dataset), layout.rejects(dataset), settings, tokenizer)
     dropped = ", ".join(f"{k}={v}" for k, v in sorted(report.dropped.items())) or "none"

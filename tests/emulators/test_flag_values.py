@@ -23,7 +23,7 @@ def test_the_dev_server_command_line_reaches_serve_and_the_draft(tmp_path):
     argv = [
         *("--model", str(tmp_path), "--port", "9", "--num-threads", "2", "--context-length", "64"),
         *("--max-batch-size", "3", "--model-name", "tiny", "--api-key", "k", "--admin-api-key", "a"),
-        *("--disconnect-poll-s", "0.5", "--decode-log-interval", "7", "--log-level", "debug"),
+        *("--disconnect-poll-s", "0.5", "--decode-log-interval", "7", "--log-level", "debug", "--trust-remote-code"),
         *("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d"),
         *("--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"),
     ]
@@ -39,7 +39,7 @@ def test_the_dev_server_command_line_reaches_serve_and_the_draft(tmp_path):
         "model_dir": str(tmp_path), "host": "127.0.0.1", "port": 9, "log_level": "debug", "num_threads": 2,
         "context_length": 64, "max_batch_size": 3, "model_name": "tiny", "speculative": "the draft",
         "extraction": None, "api_key": "k", "admin_api_key": "a", "disconnect_poll_s": 0.5, "sglang_version": "0.5",
-        "decode_log_interval": 7,
+        "decode_log_interval": 7, "trust_remote_code": True,
     }  # fmt: skip
 
 

@@ -135,6 +135,20 @@ def maskless_target(tmp_path, tiny_target_dir) -> Path:
     return target
 
 
+def test_a_kimi_target_without_trust_remote_code_fails_naming_the_setting(tmp_path, kimi_target_dir):
+    """The kimi checkpoint's tokenizer is its own code (Kimi-K2.5's tiktoken tokenizer): without trust_remote_code
+    transformers would load another tokenizer silently (models/target/tokenizer.py), so the target check FAILs saying
+    what to set; with it, the target and each dataset's template pass."""
+    untrusted = write_demo_config(tmp_path, kimi_target_dir, trust_remote_code=False)
+    refused = by_name(doctor_findings(load_config(untrusted)))["target"]
+    assert refused.status == "FAIL" and "tokenization_kimi.TikTokenTokenizer" in refused.detail
+    assert refused.advice == "set target.trust_remote_code: true"
+    trusted = write_demo_config(tmp_path, kimi_target_dir, trust_remote_code=True)
+    findings = by_name(doctor_findings(load_config(trusted)))
+    assert "target" not in findings or findings["target"].status == "PASS"
+    assert findings["chat template: A1_chat"].status == "PASS"
+
+
 def test_a_template_that_masks_nothing_fails_naming_the_dataset(tmp_path, maskless_target):
     config = write_demo_config(tmp_path, maskless_target)
     result = CliRunner().invoke(app, ["doctor", str(config)])
