@@ -28,8 +28,15 @@ def sglang_python() -> Path:
 
 
 def sglang_command(target: Path, *, context_length: int, max_running: int | None = None, extra=()) -> list[str]:
-    """cpu_command for the test venv, {host} filled, {port} left to fill."""
-    words = cpu_command(str(sglang_python()), str(target), context_length=context_length, max_running=max_running)
+    """cpu_command for the test venv, {host} filled, {port} left to fill; a kimi_k25 target's remote code trusted."""
+    kimi = '"kimi_k25"' in (target / "config.json").read_text()
+    words = cpu_command(
+        str(sglang_python()),
+        str(target),
+        context_length=context_length,
+        max_running=max_running,
+        trust_remote_code=kimi,
+    )
     return [fill_placeholders(w, {"host": "127.0.0.1"}) for w in words] + list(extra)
 
 

@@ -9,7 +9,9 @@
 #     SGLang kernel op exists, and a call to one fails loudly.
 #   - torchvision 0.28.0 without its C++ ops, plus two op schemas it needs at import (torchvision_ops.py).
 #   - an SGLang plugin (SGLang's own entry-point mechanism) that keeps `--attention-backend intel_amx` on a CPU
-#     without AMX, whose two attention ops are ours (sglang_plugin_intel_amx_attention.py says why and what else).
+#     without AMX, whose two attention ops are ours (sglang_plugin_intel_amx_attention.py says why and what else);
+#   - one that answers torch.cuda.synchronize on a CPU build of torch, which SGLang's MLA EAGLE-3 draft calls
+#     (sglang_plugin_cpu_device_sync.py).
 # A GPU machine installs SGLang its own way (`pip install sglang==0.5.23`, docs/engines.md), not with this.
 # Times on this project's 2-core CI machine: about 2 minutes, 3.3 GB.
 set -euo pipefail
@@ -52,15 +54,19 @@ cp "$here/sgl_kernel_speculative_ops.py" "$here/sgl_kernel_kvcache_ops.py" "$her
 cp "$here/torchvision_ops.py" "$site/eagle3_torchvision_ops.py"
 echo "import eagle3_torchvision_ops; eagle3_torchvision_ops.install()" > "$site/eagle3_torchvision_ops.pth"
 
-# Stand-in 3: the plugin, as an installed distribution with an entry point in SGLang's plugin group.
+# Stand-in 3: the plugins, as an installed distribution with entry points in SGLang's plugin group.
 cp "$here/sglang_plugin_intel_amx_attention.py" "$site/eagle3_sglang_plugin_intel_amx_attention.py"
+cp "$here/sglang_plugin_cpu_device_sync.py" "$site/eagle3_sglang_plugin_cpu_device_sync.py"
 dist="$site/eagle3_sglang_cpu-0.1.dist-info"
 rm -rf "$site"/eagle3_sglang_cpu-*.dist-info && mkdir -p "$dist"
 printf 'Metadata-Version: 2.1\nName: eagle3-sglang-cpu\nVersion: 0.1\n' > "$dist/METADATA"
-printf '[sglang.srt.plugins]\neagle3_intel_amx_attention = eagle3_sglang_plugin_intel_amx_attention:register\n' \
-  > "$dist/entry_points.txt"
-printf 'eagle3_sglang_plugin_intel_amx_attention.py,,\n' > "$dist/RECORD"
+{
+  printf '[sglang.srt.plugins]\n'
+  printf 'eagle3_intel_amx_attention = eagle3_sglang_plugin_intel_amx_attention:register\n'
+  printf 'eagle3_cpu_device_sync = eagle3_sglang_plugin_cpu_device_sync:register\n'
+} > "$dist/entry_points.txt"
+printf 'eagle3_sglang_plugin_intel_amx_attention.py,,\neagle3_sglang_plugin_cpu_device_sync.py,,\n' > "$dist/RECORD"
 
 # The import the server makes first, one of our ops, then the version, as a check that the venv works.
 SGLANG_USE_CPU_ENGINE=1 "$venv/bin/python" -c \
-  "import sglang.launch_server, sgl_kernel, torch; torch.ops.sgl_kernel.copy_all_layer_kv_cache_cpu; from sglang.srt.plugins import load_plugins; from sglang.srt.runtime_context import get_platform; load_plugins(); assert get_platform().has_amx, 'plugin not loaded'; print('sglang', __import__('sglang').__version__, 'torch', torch.__version__, 'in $venv')"
+  "import sglang.launch_server, sgl_kernel, torch; torch.ops.sgl_kernel.copy_all_layer_kv_cache_cpu; from sglang.srt.plugins import load_plugins; from sglang.srt.runtime_context import get_platform; load_plugins(); assert get_platform().has_amx, 'plugin not loaded'; torch.cuda.synchronize(); print('sglang', __import__('sglang').__version__, 'torch', torch.__version__, 'in $venv')"

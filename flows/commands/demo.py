@@ -100,11 +100,12 @@ def check_demo_engine(engine: str, target: str) -> None:
     """ValueError/FileNotFoundError if `engine` cannot run the demo of `target` here, saying what to do."""
     if engine not in DEMO_ENGINES:
         raise ValueError(f"--engine must be {', '.join(DEMO_ENGINES)}, got {engine!r}")
-    if engine == "sglang" and target != "llama":
+    if engine == "sglang" and target == "kimi-int4":
         raise ValueError(
-            "the real SGLang here serves the tiny Llama target only: SGLang 0.5.23 stops at start on the tiny "
-            "kimi_k25 checkpoint, in Kimi's multimodal processor (sglang/srt/multimodal/processors/kimi_k25.py "
-            "reads the published remote code's media_processor), docs/engines.md; use --engine vllm or dev"
+            "the real SGLang here does not serve the INT4 target: SGLang 0.5.23's compressed-tensors INT4 MoE "
+            "repacks the experts for its Marlin kernels (srt/layers/quantization/compressed_tensors/schemes/"
+            "compressed_tensors_wNa16_moe.py), which have no CPU build; use --engine dev, or --target kimi for "
+            "Kimi's shape unquantized"
         )
     if engine == "vllm":
         vllm_python()
@@ -122,10 +123,13 @@ def demo_server(config: RunConfig, engine: str, url: str, max_model_len: int | N
             config.target.path,
             mla_draft=config.train.draft_arch == "mla",
             max_model_len=max_model_len or vllm.DEFAULT_MAX_MODEL_LEN,
+            trust_remote_code=config.target.trust_remote_code,
         )
         server.update(engine="vllm", launch="command", command=command)
     if engine == "sglang":
-        command = sglang.cpu_command(str(sglang_python()), config.target.path)
+        command = sglang.cpu_command(
+            str(sglang_python()), config.target.path, trust_remote_code=config.target.trust_remote_code
+        )
         server.update(engine="sglang", launch="command", command=command)
     return type(config.server).model_validate(server)
 
@@ -220,7 +224,9 @@ def capture_engine(config: RunConfig, max_model_len: int | None):
     command (tasks/engines/vllm.py capture_cpu_command), with a context one token longer than generate's, since a
     record is a prompt and its whole answer and the extraction asks for one token more."""
     context = (max_model_len or vllm.DEFAULT_MAX_MODEL_LEN) + 1
-    command = vllm.capture_cpu_command(str(vllm_python()), config.target.path, max_model_len=context)
+    command = vllm.capture_cpu_command(
+        str(vllm_python()), config.target.path, max_model_len=context, trust_remote_code=config.target.trust_remote_code
+    )
     engine = {
         **config.capture.engine.model_dump(),
         "launch": "command",

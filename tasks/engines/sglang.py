@@ -42,7 +42,12 @@ KV_CACHE_TOKENS = 65536  # cpu_command's KV cache, in tokens
 
 
 def cpu_command(
-    python: str, target: str, *, context_length: int | None = None, max_running: int | None = None
+    python: str,
+    target: str,
+    *,
+    context_length: int | None = None,
+    max_running: int | None = None,
+    trust_remote_code: bool = False,
 ) -> list[str]:
     """The command that serves `target` with the real SGLang 0.5.23 on a CPU (.venv-sglang, `make sglang`), with
     {host}/{port} to fill.
@@ -66,6 +71,8 @@ def cpu_command(
     - float32: the dtype HF transformers computes the references in, so greedy outputs can be compared.
     - `--context-length N` (when given; else the model's max_position_embeddings).
     - `--max-running-requests N` (when given): N requests decode at once, the rest queue at the server.
+    - `--trust-remote-code` (when asked): a kimi_k25 checkpoint's processor is remote code, which SGLang builds
+      even for a text-only server (models/target/tiny_kimi.py).
     A GPU server takes none of these; docs/engines.md has its launch.
     """
     return [
@@ -94,6 +101,7 @@ def cpu_command(
         "--sleep-on-idle",
         *(["--context-length", str(context_length)] if context_length else []),
         *(["--max-running-requests", str(max_running)] if max_running else []),
+        *(["--trust-remote-code"] if trust_remote_code else []),
     ]
 
 

@@ -21,13 +21,13 @@ Without .venv-sglang every test here skips, saying so.
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.run_configs import short_demo
 from tests.sglang_real import sglang_python
 from tests.tasks.engines.test_vllm_real import eagle3
 
@@ -40,21 +40,9 @@ VARIANT_PROMPTS = 12  # each further draft's: the equality needs a draft that ge
 @pytest.fixture(scope="module")
 def sglang_demo(tiny_target_dir, tmp_path_factory, prefect_harness):
     """`eagle3 demo --engine sglang`, shorter: (config, what it printed)."""
-    from rich.console import Console
-
-    from flows.commands.demo import run_demo
-
     sglang_python()
-    out = io.StringIO()
     short = {"train": {"epochs": 8}, "eval": {"prompts": PROMPTS, "max_new_tokens": 32}}
-    config = run_demo(
-        run_dir=tmp_path_factory.mktemp("sglang-demo") / "run",
-        console=Console(file=out, width=200),
-        target_dir=tiny_target_dir,
-        overrides=short,
-        engine="sglang",
-    )
-    return config, out.getvalue()
+    return short_demo(tmp_path_factory.mktemp("sglang-demo") / "run", tiny_target_dir, short, engine="sglang")
 
 
 def sglang_equals_in_process(report: dict, prompts: int) -> None:

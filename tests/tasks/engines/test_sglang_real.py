@@ -246,29 +246,6 @@ def test_the_real_router_over_two_real_servers_one_killed_answers_every_prompt_o
     assert '"POST /generate HTTP/1.1" 200' in (tmp_path / "second.log").read_text()
 
 
-def with_published_keys(kimi: Path, out: Path) -> Path:
-    """A copy of the tiny kimi_k25 checkpoint with what SGLang 0.5.23 reads and the tiny build does not write yet
-    (issue 52 item 3): the published text config's `moe_layer_freq` (srt/models/deepseek_v2.py `_is_layer_sparse`),
-    the vision config's `vt_*` names at the tiny sizes (srt/models/kimi_k25.py K2VLMultiModalProjector), and
-    `language_model_only`, which SGLang honours in a checkpoint so that it builds no multimodal processor
-    (utils/hf_transformers/processor.py): the remote-code processor SGLang's kimi_k25.py wants is not shipped yet."""
-    import json
-    import shutil
-
-    shutil.copytree(kimi, out)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["text_config"]["moe_layer_freq"] = 1
-    vision = cfg["vision_config"]
-    vision.update(
-        {f"vt_{k}": vision[k] for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")}
-    )
-    vision.update({f"init_pos_emb_{k}": vision[f"pos_emb_{k}"] for k in ("height", "width", "time")})
-    vision.update({"text_hidden_size": cfg["text_config"]["hidden_size"], "mm_hidden_size": vision["hidden_size"]})
-    cfg["language_model_only"] = True
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
-
-
 def test_the_kimi_shape_is_served_as_transformers_computes_it(kimi_target_dir, tmp_path):
     """MLA (prefilled as multi-head attention, decoded over the latent cache, both through our attention stand-ins),
     the MoE with DeepSeek-V3 routing and YaRN, on SGLang's CPU path: its greedy tokens equal transformers' on prompts
@@ -281,7 +258,7 @@ def test_the_kimi_shape_is_served_as_transformers_computes_it(kimi_target_dir, t
     from models.target.loader import load_language_model
 
     sglang_python()
-    target = with_published_keys(kimi_target_dir, tmp_path / "kimi")
+    target = kimi_target_dir  # as built: SGLang 0.5.23 builds its processor from the checkpoint's remote code
     random.seed(0)
     prompts = [[random.randrange(3, 2000) for _ in range(random.randrange(5, 200))] for _ in range(6)]
     server = start_sglang(target, tmp_path / "sglang.log", context_length=CONTEXT)
