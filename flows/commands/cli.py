@@ -89,6 +89,13 @@ def demo(
         "is published, its routed experts INT4 (configs/demo-kimi-int4.yaml: the dev server serves it, DeepSpeed "
         "captures it without a dense copy).",
     ),
+    draft_arch: str = typer.Option(
+        "llama",
+        "--draft-arch",
+        metavar="llama|mla",
+        help="llama: the preset's Llama-style draft; mla: the MLA draft (train.draft_arch: mla, a kimi target only), "
+        "in a run directory of its own (runs/demo-kimi-mla, runs/demo-kimi-sglang-mla).",
+    ),
 ) -> None:
     """Run the pipeline on the embedded default: tiny target, dev server (or a real SGLang or vLLM), sample data."""
     from flows.commands.demo import DEMO_TARGETS, check_demo_engine, run_demo
@@ -108,7 +115,7 @@ def demo(
         )
         raise typer.Exit(2)
     try:
-        check_demo_engine(engine, target)
+        check_demo_engine(engine, target, draft_arch)
         if capture_backend == "vllm":
             check_demo_engine("vllm", target)
     except (ValueError, FileNotFoundError) as e:
@@ -117,7 +124,14 @@ def demo(
     from tasks.generate.provenance import OtherEngine
 
     try:
-        run_demo(run_dir=run_dir, console=console, capture_backend=capture_backend, engine=engine, target=target)
+        run_demo(
+            run_dir=run_dir,
+            console=console,
+            capture_backend=capture_backend,
+            engine=engine,
+            target=target,
+            draft_arch=draft_arch,
+        )
     except OtherEngine as exc:  # the run directory's responses are another engine's or target's
         err.print(f"[red]refused:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(1) from None

@@ -59,22 +59,29 @@ SHOWN_PER_DATASET = 2
 TEXT_COLUMNS = ("benchmark", "format", "anchor_draft")  # the benchmark table's left-aligned columns
 
 
-def demo_config(run_dir: Path | None = None, target: str = "llama", engine: str | None = None) -> RunConfig:
+def demo_config(
+    run_dir: Path | None = None, target: str = "llama", engine: str | None = None, draft_arch: str = "llama"
+) -> RunConfig:
     """The demo preset of `target` (configs/demo.yaml, configs/demo-kimi.yaml) with paths resolved against the
-    repository root, in `run_dir`, else in the demo's own run directory for `target` and `engine` (`demo_run_dir`)."""
+    repository root, in `run_dir`, else in the demo's own run directory for `target`, `engine` and `draft_arch`
+    (`demo_run_dir`); `draft_arch` mla trains the MLA draft (train.draft_arch)."""
     config = load_config(DEMO_TARGETS[target].config, base=REPO)
-    config.run_dir = run_dir.resolve() if run_dir is not None else demo_run_dir(config.run_dir, target, engine)
+    config.run_dir = (
+        run_dir.resolve() if run_dir is not None else demo_run_dir(config.run_dir, target, engine, draft_arch)
+    )
+    if draft_arch != config.train.draft_arch:
+        config.train = type(config.train).model_validate({**config.train.model_dump(), "draft_arch": draft_arch})
     return config
 
 
-def demo_run_dir(preset: Path, target: str, engine: str | None) -> Path:
-    """One run directory per target and engine, so that a demo never resumes another engine's responses (a run
-    directory records what made them and refuses another: tasks/generate/provenance.py): the preset's run_dir
-    (runs/demo, runs/demo-kimi, runs/demo-kimi-long) through the target's own engine, with `-<engine>` added
-    through another (runs/demo-vllm, runs/demo-sglang, runs/demo-kimi-dev)."""
-    if engine is None or engine == DEMO_TARGETS[target].engine:
-        return preset
-    return preset.with_name(f"{preset.name}-{engine}")
+def demo_run_dir(preset: Path, target: str, engine: str | None, draft_arch: str = "llama") -> Path:
+    """One run directory per target, engine and draft shape, so that a demo never resumes another engine's responses
+    (a run directory records what made them and refuses another: tasks/generate/provenance.py) or another shape's
+    draft: the preset's run_dir (runs/demo, runs/demo-kimi, runs/demo-kimi-long) through the target's own engine,
+    with `-<engine>` added through another (runs/demo-vllm, runs/demo-sglang, runs/demo-kimi-dev), and `-mla` for
+    the MLA draft (runs/demo-kimi-mla, runs/demo-kimi-sglang-mla)."""
+    name = preset.name if engine is None or engine == DEMO_TARGETS[target].engine else f"{preset.name}-{engine}"
+    return preset.with_name(name + ("-mla" if draft_arch == "mla" else ""))
 
 
 def engine_python(venv: Path, engine: str, install: str) -> Path:
@@ -96,10 +103,18 @@ def sglang_python() -> Path:
     return engine_python(SGLANG_VENV, "sglang", "SGLang 0.5.23 for CPU (about 3 minutes)")
 
 
-def check_demo_engine(engine: str, target: str) -> None:
-    """ValueError/FileNotFoundError if `engine` cannot run the demo of `target` here, saying what to do."""
+def check_demo_engine(engine: str, target: str, draft_arch: str = "llama") -> None:
+    """ValueError/FileNotFoundError if `engine` cannot run the demo of `target` with a `draft_arch` draft here, saying
+    what to do."""
     if engine not in DEMO_ENGINES:
         raise ValueError(f"--engine must be {', '.join(DEMO_ENGINES)}, got {engine!r}")
+    if draft_arch not in ("llama", "mla"):
+        raise ValueError(f"--draft-arch must be llama or mla, got {draft_arch!r}")
+    if draft_arch == "mla" and not target.startswith("kimi"):
+        raise ValueError(
+            "--draft-arch mla: the MLA draft takes the target's latent-attention widths, which the llama target has "
+            "none of; use --target kimi"
+        )
     if engine == "sglang" and target == "kimi-int4":
         raise ValueError(
             "the real SGLang here does not serve the INT4 target: SGLang 0.5.23's compressed-tensors INT4 MoE "
@@ -142,6 +157,7 @@ def run_demo(
     overrides: dict[str, dict] | None = None,
     engine: str = "dev",
     target: str = "llama",
+    draft_arch: str = "llama",
 ) -> RunConfig:
     """Run the whole pipeline as one Prefect flow run on the sample data (dev server on a free port), print the results.
 
@@ -157,9 +173,11 @@ def run_demo(
     `overrides`: {section: {setting: value}} over configs/demo.yaml, validated like the file (the tests' shorter demo).
     `target` "kimi": the Kimi-K2.5-shaped tiny target's preset, configs/demo-kimi.yaml; "kimi-long": the same target
     trained on a book, writing answers of up to ~2,100 tokens, configs/demo-kimi-long.yaml.
+    `draft_arch` "mla": the MLA draft (train.draft_arch: mla) instead of the preset's Llama-style one, in a run
+    directory of its own (`demo_run_dir`).
     """
     console = console or Console()
-    config = demo_config(run_dir, target, engine)
+    config = demo_config(run_dir, target, engine, draft_arch)
     for section, values in (overrides or {}).items():
         current = getattr(config, section)
         setattr(config, section, type(current).model_validate({**current.model_dump(), **values}))

@@ -112,6 +112,8 @@ def test_an_unknown_shape_or_demo_target_is_refused_before_anything_is_built(tmp
     assert not (tmp_path / "run").exists()
     result = eagle3("demo", "--engine", "tgi", "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "--engine must be dev, sglang, vllm, got 'tgi'" in result.stderr
+    result = eagle3("demo", "--draft-arch", "mla", "--run-dir", str(tmp_path / "run"))  # the llama target
+    assert result.returncode == 2 and "--draft-arch mla: the MLA draft takes the target's" in result.stderr
     result = eagle3("demo", "--target", "kimi-int4", "--engine", "sglang", "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "the real SGLang here does not serve the INT4 target" in result.stderr
     assert "--target kimi" in result.stderr.replace("\n", "")

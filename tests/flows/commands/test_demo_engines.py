@@ -37,6 +37,11 @@ def test_each_target_and_engine_has_a_run_directory_of_its_own():
     assert len(set(dirs.values())) == len(dirs)
     assert demo_config(None, "kimi").run_dir == runs / "demo-kimi"  # no engine: the target's own
     assert demo_config(Path("elsewhere"), "kimi", "dev").run_dir == Path("elsewhere").resolve()  # --run-dir wins
+    # the MLA draft (--draft-arch mla): a run directory of its own, train.draft_arch set, the preset's otherwise
+    mla = demo_config(None, "kimi", "sglang", "mla")
+    assert mla.run_dir == runs / "demo-kimi-sglang-mla" and mla.train.draft_arch == "mla"
+    assert demo_config(None, "kimi", None, "mla").run_dir == runs / "demo-kimi-mla"
+    assert demo_config(None, "kimi", "sglang").train.draft_arch == "llama"
 
 
 @pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "from-before-the-record"])
