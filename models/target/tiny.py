@@ -51,7 +51,14 @@ from models.common.atomic import replace_dir
 from models.draft.config import default_aux_layers
 from models.target import book, int4
 from models.target.kimi_tokenizer import KIMI_CHAT_TEMPLATE, save_kimi_tokenizer
-from models.target.tiny_kimi import KIMI_CHECKPOINT_VERSION, KIMI_FIXED, MEDIA_PAD, kimi_text_config, save_kimi_k25
+from models.target.tiny_kimi import (
+    KIMI_CHECKPOINT_VERSION,
+    KIMI_FIXED,
+    MEDIA_PAD,
+    kimi_text_config,
+    remote_code_digest,
+    save_kimi_k25,
+)
 from models.target.tiny_tokenizer import CHAT_TEMPLATE, IM_END, PAD, build_tokenizer, save_tokenizer
 
 SAMPLES_DIR = Path(__file__).resolve().parents[2] / "data" / "samples"
@@ -289,6 +296,7 @@ def _kimi_params(
         train_lr=KIMI_TRAIN_LR,
         train_batch=KIMI_TRAIN_BATCH,
         kimi_checkpoint_version=KIMI_CHECKPOINT_VERSION,
+        kimi_remote_code_sha256=remote_code_digest(),
     )
     if long_answers:
         params.update(BOOK_RECIPE)

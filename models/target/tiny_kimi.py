@@ -30,6 +30,7 @@ kv_lora_rank 512 with qk_rope_head_dim 64, vllm/v1/attention/backends/mla/cpu_ml
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import shutil
 import tempfile
@@ -127,6 +128,16 @@ PROCESSOR_AUTO_MAP = {
     "AutoProcessor": "kimi_k25_processor.KimiK25Processor",
     "AutoImageProcessor": "kimi_k25_vision_processing.KimiK25VisionProcessor",
 }
+
+
+def remote_code_digest() -> str:
+    """sha256 over the remote code a kimi build copies (every .py of kimi_k25_remote/ but the package's __init__):
+    part of the build info, so an edit to it rebuilds the targets that ship a copy."""
+    digest = hashlib.sha256()
+    for path in sorted(REMOTE_CODE_DIR.glob("*.py")):
+        if path.name != "__init__.py":
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def kimi_text_config(params: dict, sizes: dict[str, Any]) -> DeepseekV3Config:

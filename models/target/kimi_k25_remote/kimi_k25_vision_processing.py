@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from PIL import Image
 from transformers import BaseImageProcessor, BatchFeature
 
 from .media_utils import navit_resize, to_pil
@@ -53,8 +54,9 @@ class KimiK25VisionProcessor(BaseImageProcessor):
         return int(self.get_resize_config(media)["num_tokens"])
 
     def preprocess(self, medias: Any, return_tensors: Any = None, **kwargs: Any) -> BatchFeature:
-        """Each image resized, padded with black, normalized and cut into patch_size x patch_size patches (row-major
-        over the patch grid): pixel_values (patches, 3, p, p) and grid_thws (images, 3) of (1, rows, columns)."""
+        """Each image resized (bicubic, the engines' filter), padded with black, normalized and cut into
+        patch_size x patch_size patches (row-major over the patch grid): pixel_values (patches, 3, p, p) and grid_thws
+        (images, 3) of (1, rows, columns)."""
         medias = medias if isinstance(medias, list) else [medias]
         if not medias:
             return BatchFeature(data={}, tensor_type=return_tensors)
@@ -64,7 +66,7 @@ class KimiK25VisionProcessor(BaseImageProcessor):
         patches, grids = [], []
         for media in medias:
             size = self.get_resize_config(media)
-            image = to_pil(media["image"]).resize((size["new_width"], size["new_height"]), Image_BICUBIC)
+            image = to_pil(media["image"]).resize((size["new_width"], size["new_height"]), Image.Resampling.BICUBIC)
             padding = ((0, size["pad_height"]), (0, size["pad_width"]), (0, 0))
             pixels = (np.pad(np.asarray(image, dtype=np.float32), padding) / 255.0 - mean) / std  # padded with black
             rows, cols = pixels.shape[0] // p, pixels.shape[1] // p
@@ -88,6 +90,3 @@ class KimiK25VisionProcessor(BaseImageProcessor):
         config.pop("auto_map", None)
         config.pop("image_processor_type", None)
         return cls(media_proc_cfg=media_proc_cfg, **{**config, **kwargs})
-
-
-Image_BICUBIC = 3  # PIL.Image.Resampling.BICUBIC's value, the engines' resize filter

@@ -113,3 +113,19 @@ def test_a_config_missing_a_key_and_a_video_are_refused_saying_what():
     processor = KimiK25VisionProcessor.from_dict({"media_proc_cfg": MEDIA_PROC_CFG})
     with pytest.raises(ValueError, match="images only, not 'video_chunk'"):
         processor.media_tokens_calculator({"type": "video_chunk", "video_chunk": []})
+
+
+def test_an_edit_to_the_remote_code_changes_the_kimi_build_info(tmp_path, monkeypatch):
+    """The build info holds a digest of the remote code a kimi build copies, so a checkpoint built before an edit is
+    rebuilt rather than shipping the old copy; the package's own __init__ is not copied and does not count."""
+    from models.target import tiny_kimi
+
+    before = tiny_kimi.remote_code_digest()
+    copy = tmp_path / "remote"
+    shutil.copytree(REMOTE_CODE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(tiny_kimi, "REMOTE_CODE_DIR", copy)
+    assert tiny_kimi.remote_code_digest() == before
+    (copy / "__init__.py").write_text('"""edited"""\n')
+    assert tiny_kimi.remote_code_digest() == before
+    (copy / "media_utils.py").write_text((copy / "media_utils.py").read_text() + "\n# edited\n")
+    assert tiny_kimi.remote_code_digest() != before
