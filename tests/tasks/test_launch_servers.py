@@ -60,6 +60,26 @@ def test_a_server_that_dies_at_start_is_reported_at_once_with_its_log(tmp_path):
     assert "CUDA out of memory while loading" in str(caught.value)
 
 
+@pytest.mark.multiprocess
+def test_the_dev_server_on_kimi_s_remote_tokenizer_starts_with_trust_and_says_why_without(kimi_target_dir, tmp_path):
+    """The kimi checkpoint's tokenizer is its own code: the dev server the pipeline launches loads it with
+    target.trust_remote_code (SGLang's --trust-remote-code), and without it exits at start naming the setting."""
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RuntimeError) as caught:
+        with launched_servers("dev", url, target=kimi_target_dir, log_dir=tmp_path / "untrusted", health_timeout_s=300):
+            pytest.fail("the dev server loaded a remote tokenizer without trust_remote_code")
+    said = " ".join(str(caught.value).split())
+    assert "before becoming healthy" in said and "set target.trust_remote_code: true" in said
+    launch = launched_servers(
+        "dev", url, target=kimi_target_dir, log_dir=tmp_path / "trusted", health_timeout_s=300, trust_remote_code=True
+    )
+    with launch as servers:
+        [server] = servers
+        assert "--trust-remote-code" in server.command
+        info = httpx.get(url + "/server_info", timeout=10).json()
+        assert info["model_path"] == str(kimi_target_dir)
+
+
 # A stand-in server: answers 200 to every GET, prints its replica, port and GPUs first.
 STANDIN = (
     "import http.server, os, sys\n"
