@@ -2,19 +2,21 @@
 
 The CLI, in the foreground: ``python -m emulators.sim --port N [--max-running ..] [--decode-ms ..] [--mean-len ..]
 [--seed ..] [--api-key ..] [--admin-api-key ..] [--sglang-version 0.5|0.4] [--disconnect-poll-s ..]
-[--reserved-tokens ..]`` (the package docstring says what it serves).
+[--reserved-tokens ..] [--length-rules FILE.json]`` (the package docstring says what it serves).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
+from pathlib import Path
 
 from emulators.flag_values import flag_values
 from emulators.sglang_protocol.flags import add_server_flags
-from emulators.sim.config import SimConfig
+from emulators.sim.config import LengthRule, SimConfig
 from emulators.sim.server import SimServer
 
 
@@ -43,11 +45,17 @@ def main(argv: list[str] | None = None) -> None:
         default=d.reserved_tokens,
         help="tokens reserved per request in the length checks, as an EAGLE server does",
     )
+    ap.add_argument(
+        "--length-rules",
+        type=Path,
+        help='per-dataset answer lengths, a JSON file {"<dataset>": {"length_dist": .., "mean_len": .., "sigma": ..}}',
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     try:
         per_token = {"decode_s_per_token": args.decode_ms / 1e3, "prefill_s_per_token": args.prefill_ms / 1e3}
-        config = SimConfig(**flag_values(args, SimConfig, eos_token_id=args.eos_id, **per_token))
+        rules = length_rules(args.length_rules) if args.length_rules else ()
+        config = SimConfig(**flag_values(args, SimConfig, eos_token_id=args.eos_id, length_rules=rules, **per_token))
         server = SimServer(**flag_values(args, SimServer, config=config))
     except ValueError as exc:
         ap.error(str(exc))
@@ -55,6 +63,23 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(server.serve_forever())
     except KeyboardInterrupt:
         pass
+
+
+def length_rules(path: Path) -> tuple[LengthRule, ...]:
+    """The rules of a ``--length-rules`` file; ValueError naming the file and the entry that is wrong."""
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--length-rules {path}: {exc}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"--length-rules {path}: want an object of datasets, got {type(spec).__name__}")
+    rules = []
+    for name, fields in spec.items():
+        try:
+            rules.append(LengthRule(name, **fields))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--length-rules {path}: {name!r}: {exc}") from None
+    return tuple(rules)
 
 
 if __name__ == "__main__":

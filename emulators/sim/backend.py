@@ -90,7 +90,7 @@ class SimBackend:
                     if isinstance(verdict, str)
                     else "The prompt was rejected by the sim server's reject_if rule."
                 )
-        out = simulate_output(ids, params, srv.config)
+        out = simulate_output(ids, params, srv.config, rid)
         doomed = srv._abort_if is not None and bool(srv._abort_if(ids))
         held = srv._hold_if is not None and bool(srv._hold_if(ids))
         return Seq(rid, len(ids), out, arrived, srv._batch_loop().create_future(), doomed, held)

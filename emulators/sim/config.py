@@ -14,6 +14,31 @@ from emulators.sglang_protocol.limits import ModelLimits
 from emulators.sglang_protocol.versions import SGLangVersion
 
 FIRST_ID = 10  # output ids are drawn from [10, vocab_size): clear of the usual special ids
+LENGTH_DISTS = ("lognormal", "exponential", "fixed")
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthRule:
+    """The answer lengths of one dataset: requests whose rid holds ``"<dataset>:"`` (the generate stage's rids are
+    ``<nonce>-<dataset>:<row id>``: tasks/engines/client.py `request_id`) draw from this distribution instead of the
+    server's default one. A simulated mixture of datasets, as a real target answers code longer than chat."""
+
+    dataset: str
+    length_dist: str = "lognormal"
+    mean_len: float = 200.0
+    sigma: float = 1.0
+
+    def __post_init__(self):
+        if not self.dataset or ":" in self.dataset:
+            raise ValueError(f"a length rule needs a dataset name without ':', got {self.dataset!r}")
+        _check_length(self.length_dist, self.mean_len, self.sigma, f"length rule {self.dataset!r}: ")
+
+
+def _check_length(dist: str, mean_len: float, sigma: float, where: str = "") -> None:
+    if dist not in LENGTH_DISTS:
+        raise ValueError(f"{where}length_dist must be lognormal, exponential or fixed, got {dist!r}")
+    if mean_len < 1 or sigma < 0:
+        raise ValueError(f"{where}need mean_len >= 1 and sigma >= 0, got {mean_len}, {sigma}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,14 +60,15 @@ class SimConfig:
     disconnect_poll_s: float = DISCONNECT_POLL_S
     sglang_version: str = "0.5"  # "0.5" (SGLang 0.5.23) | "0.4" (0.4.x where they differ)
     reserved_tokens: int = 0  # per-request tokens an EAGLE server reserves in its length checks (0: no draft)
+    length_rules: tuple[LengthRule, ...] = ()  # per-dataset lengths, by rid; the fields above for any other rid
 
     def __post_init__(self):
-        if self.length_dist not in ("lognormal", "exponential", "fixed"):
-            raise ValueError(f"length_dist must be lognormal, exponential or fixed, got {self.length_dist!r}")
+        _check_length(self.length_dist, self.mean_len, self.sigma)
         if self.vocab_size <= FIRST_ID + 1:
             raise ValueError(f"vocab_size must exceed {FIRST_ID + 1}, got {self.vocab_size}")
-        if self.mean_len < 1 or self.sigma < 0:
-            raise ValueError(f"need mean_len >= 1 and sigma >= 0, got {self.mean_len}, {self.sigma}")
+        names = [rule.dataset for rule in self.length_rules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"length_rules name a dataset twice: {sorted(names)}")
         if self.context_length < 8:
             raise ValueError(f"context_length must be at least 8, got {self.context_length}")
         if self.max_running < 1:
@@ -52,6 +78,15 @@ class SimConfig:
         SGLangVersion.of(self.sglang_version)  # validates
         if self.reserved_tokens < 0:
             raise ValueError(f"reserved_tokens must be >= 0, got {self.reserved_tokens}")
+
+    def length_for(self, rid: str | None) -> LengthRule:
+        """The length distribution of the request `rid`: the rule whose ``"<dataset>:"`` the rid holds, else the
+        server's default."""
+        if rid is not None:
+            for rule in self.length_rules:
+                if f"{rule.dataset}:" in rid:
+                    return rule
+        return LengthRule("default", self.length_dist, self.mean_len, self.sigma)
 
     @property
     def version(self) -> SGLangVersion:

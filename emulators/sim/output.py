@@ -21,10 +21,12 @@ import struct
 from array import array
 from typing import Any
 
+import numpy as np
+
 from emulators.sglang_protocol.errors import MalformedRequest
 from emulators.sglang_protocol.results import finish_reason, text_token_ids
 from emulators.sglang_protocol.sampling import parse_sampling_params
-from emulators.sim.config import FIRST_ID, SimConfig
+from emulators.sim.config import FIRST_ID, LengthRule, SimConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,24 +60,27 @@ def _id_array(prompt_ids: Any) -> array:
         raise MalformedRequest("input_ids must be a list of ints or a list of lists of ints") from None
 
 
-def _natural_length(rng: random.Random, cfg: SimConfig) -> int:
-    if cfg.length_dist == "fixed":
-        x = cfg.mean_len
-    elif cfg.length_dist == "exponential":
-        x = rng.expovariate(1.0 / cfg.mean_len)
+def _natural_length(rng: random.Random, rule: LengthRule) -> int:
+    if rule.length_dist == "fixed":
+        x = rule.mean_len
+    elif rule.length_dist == "exponential":
+        x = rng.expovariate(1.0 / rule.mean_len)
     else:  # lognormal with the requested mean: E[X] = exp(mu + sigma^2 / 2)
-        mu = math.log(cfg.mean_len) - cfg.sigma**2 / 2
-        x = rng.lognormvariate(mu, cfg.sigma)
+        mu = math.log(rule.mean_len) - rule.sigma**2 / 2
+        x = rng.lognormvariate(mu, rule.sigma)
     return max(1, int(round(min(x, 1e9))))
 
 
-def simulate_output(prompt_ids: Any, params: Any = None, config: SimConfig | None = None) -> SimOutput:
+def simulate_output(
+    prompt_ids: Any, params: Any = None, config: SimConfig | None = None, rid: str | None = None
+) -> SimOutput:
     """The simulated model's answer: a pure function of (prompt ids, sampling params, config).
 
     `params` is a request's raw ``sampling_params`` dict (or None, or a `SamplingParams`). The
     random stream is seeded from a sha256 of config.seed, the prompt ids and the parameters that
     change a real model's sampling (temperature, top_p, top_k, sampling_seed; none of them when
-    greedy). max_new_tokens, ignore_eos and the stop ids only decide where the stream is cut.
+    greedy). max_new_tokens, ignore_eos and the stop ids only decide where the stream is cut. The request id `rid`
+    only picks the length distribution (`SimConfig.length_for`: a dataset's rule, else the default).
     """
     cfg = config or SimConfig()
     p = parse_sampling_params(params)
@@ -95,7 +100,7 @@ def simulate_output(prompt_ids: Any, params: Any = None, config: SimConfig | Non
     h.update(ids.tobytes())
     rng = random.Random(int.from_bytes(h.digest(), "big"))
 
-    natural = _natural_length(rng, cfg)  # drawn first: the ids below never depend on the cut
+    natural = _natural_length(rng, cfg.length_for(rid))  # drawn first: the ids below never depend on the cut
     if p.ignore_eos:
         length, stop = limit, False  # ignore_eos also disables stop_token_ids, as in SGLang
     elif natural <= limit:
@@ -104,15 +109,16 @@ def simulate_output(prompt_ids: Any, params: Any = None, config: SimConfig | Non
         length, stop = limit, False
     n_content = length - 1 if stop else length
 
-    # 4 random bytes per token; randbytes(k) is a prefix of randbytes(k + m) for one seed.
+    # 4 random bytes per token (little-endian uint32); randbytes(k) is a prefix of randbytes(k + m) for one seed.
+    # In bulk (numpy), so that a server answering millions of tokens is not the bottleneck of a benchmark.
     span = cfg.vocab_size - FIRST_ID
-    raw = array("I")
-    raw.frombytes(rng.randbytes(4 * n_content))
-    out = [FIRST_ID + v % span for v in raw]
+    content = np.frombuffer(rng.randbytes(4 * n_content), dtype="<u4").astype(np.int64) % span + FIRST_ID
     stop_id = p.stop_token_ids[0] if p.stop_token_ids else cfg.eos_token_id
-    stops = {cfg.eos_token_id, *p.stop_token_ids}
-    if any(FIRST_ID <= s < cfg.vocab_size for s in stops):  # keep stop ids out of the content
-        out = [_avoid(t, stops, span) for t in out]
+    stops = sorted({cfg.eos_token_id, *p.stop_token_ids})
+    inside = [s for s in stops if FIRST_ID <= s < cfg.vocab_size]
+    while inside and (hit := np.isin(content, inside)).any():  # keep stop ids out of the content: the next id up
+        content[hit] = FIRST_ID + (content[hit] - FIRST_ID + 1) % span
+    out: list[int] = content.tolist()
     if stop:
         out.append(stop_id)
     # The finish of those ids as SGLang labels it (sglang_protocol.results.finish_reason): a natural end AT the cap is
@@ -120,9 +126,3 @@ def simulate_output(prompt_ids: Any, params: Any = None, config: SimConfig | Non
     finish = finish_reason(out, limit, () if p.ignore_eos else (stop_id,), cfg.version)
     assert finish is not None  # the ids end at the stop token or at the cap
     return SimOutput(out, finish, natural, p.no_stop_trim)
-
-
-def _avoid(t: int, stops: set[int], span: int) -> int:
-    while t in stops:
-        t = FIRST_ID + (t - FIRST_ID + 1) % span
-    return t

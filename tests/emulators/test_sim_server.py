@@ -13,6 +13,8 @@ import httpx
 import pytest
 
 from emulators.sim import SimConfig, SimServer, simulate_output
+from emulators.sim.__main__ import length_rules
+from emulators.sim.config import LengthRule
 from tests.emulators.sglang_shapes import FINISHED_META
 
 PROMPT = [101, 102, 103, 104]
@@ -70,6 +72,58 @@ def test_length_distribution_has_the_configured_mean_and_a_long_tail():
 
     fixed = SimConfig(length_dist="fixed", mean_len=37)
     assert {len(simulate_output([i], {"max_new_tokens": 100}, fixed).output_ids) for i in range(20)} == {37}
+
+
+def test_the_ids_are_the_pinned_stream_of_the_seed():
+    """The ids are drawn in bulk (numpy) from 4 little-endian bytes per token; these values were written by the
+    per-token loop that came before, so a resumed benchmark sees the same answers as before the change."""
+    greedy = {"max_new_tokens": 8, "temperature": 0}
+    assert simulate_output(PROMPT, greedy, SimConfig()).output_ids == [
+        25065,
+        31925,
+        20911,
+        24654,
+        14288,
+        27663,
+        25162,
+        30284,
+    ]
+    # A stop id inside the id range is kept out of the content (the next id up), and ends the answer.
+    tiny = SimConfig(vocab_size=14, length_dist="fixed", mean_len=30)
+    with_stop = simulate_output(PROMPT, {"max_new_tokens": 40, "temperature": 0, "stop_token_ids": [12]}, tiny)
+    plain = simulate_output(PROMPT, {"max_new_tokens": 40, "temperature": 0}, tiny)
+    assert plain.output_ids[:12] == [10, 12, 13, 11, 11, 11, 11, 10, 10, 11, 10, 12] and plain.output_ids[-1] == 1
+    assert with_stop.output_ids[:12] == [10, 13, 13, 11, 11, 11, 11, 10, 10, 11, 10, 13]
+    assert 12 not in with_stop.output_ids[:-1] and with_stop.output_ids[-1] == 12
+
+
+def test_a_length_rule_gives_a_datasets_requests_their_own_lengths():
+    rules = (LengthRule("B2_code", "lognormal", 3000, 0.5), LengthRule("B7_math", "fixed", 40))
+    cfg = SimConfig(mean_len=200, sigma=1.0, context_length=1_000_000, length_rules=rules)
+    params = {"max_new_tokens": 100_000}
+
+    def mean(rid):
+        return statistics.fmean(len(simulate_output([i, 7], params, cfg, rid).output_ids) for i in range(2000))
+
+    assert 2910 <= mean("x1-B2_code:17") <= 3090
+    assert {len(simulate_output([i], params, cfg, f"n-B7_math:{i}").output_ids) for i in range(20)} == {40}
+    assert 190 <= mean("x1-B3_other:17") <= 210 and 190 <= mean(None) <= 210  # no rule: the default
+    with pytest.raises(ValueError, match="name a dataset twice"):
+        SimConfig(length_rules=(LengthRule("B1"), LengthRule("B1")))
+    with pytest.raises(ValueError, match="length rule 'B1': length_dist must be"):
+        LengthRule("B1", "uniform")
+
+
+def test_the_length_rules_file_is_read_or_refused_naming_the_entry(tmp_path):
+    path = tmp_path / "rules.json"
+    path.write_text('{"B1_glaive": {"mean_len": 1577, "sigma": 0.9}, "B8": {"length_dist": "fixed", "mean_len": 9}}')
+    assert length_rules(path) == (LengthRule("B1_glaive", mean_len=1577, sigma=0.9), LengthRule("B8", "fixed", 9))
+    path.write_text('{"B1_glaive": {"mean": 1577}}')
+    with pytest.raises(ValueError, match=r"rules.json: 'B1_glaive': .*unexpected keyword argument 'mean'"):
+        length_rules(path)
+    path.write_text("[1]")
+    with pytest.raises(ValueError, match="want an object of datasets, got list"):
+        length_rules(path)
 
 
 def test_stop_and_length_semantics():
@@ -137,6 +191,17 @@ def test_generate_single_and_batch_match_the_pure_function(make_server):
     s = srv.snapshot()
     assert s.requests == 3 and s.sequences == 5 and s.completed == 5
     assert s.served_tokens == len(expected.output_ids) * 2 + sum(len(b["output_ids"]) for b in batch)
+
+
+def test_the_server_picks_the_length_rule_by_the_requests_rid(make_server):
+    srv = make_server(vocab_size=1000, mean_len=20, length_rules=(LengthRule("B9_long", "fixed", 77),))
+    params = {"max_new_tokens": 500, "temperature": 0.6}
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        ruled = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": params, "rid": "ab-B9_long:3"})
+        plain = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": params, "rid": "ab-B1:3"})
+    assert ruled.json()["output_ids"] == simulate_output(PROMPT, params, srv.config, "ab-B9_long:3").output_ids
+    assert len(ruled.json()["output_ids"]) == 77
+    assert plain.json()["output_ids"] == simulate_output(PROMPT, params, srv.config).output_ids
 
 
 def test_bad_input_gets_sglang_error_bodies(make_server):
