@@ -249,10 +249,26 @@ def _dataset_stats(layout: RunLayout, name: str) -> DatasetStats:
         return empty
 
 
+# How often a dataset's parts are listed again when one of them vanished between the listing and its read.
+RELIST_TRIES = 5
+
+
+def _footers(directory: Path) -> dict[Path, dict[str, str]]:
+    """Every part's footer. A running generate's compaction deletes the parts it merged once the merged part is
+    durable (tasks/checkpoints.py `compact`), so a part listed a moment ago may be gone: that listing is stale, and
+    the parts are listed again (the merged part then holds those rows)."""
+    for _ in range(RELIST_TRIES - 1):
+        try:
+            return {part: _footer(part) for part in list_parts(directory)}
+        except FileNotFoundError:
+            continue
+    return {part: _footer(part) for part in list_parts(directory)}
+
+
 def _read_dataset_stats(layout: RunLayout, name: str) -> DatasetStats:
     # One footer read per part: the `replaces` lists and the summaries come from the same read
     # (checkpoints.summarize would read every footer twice).
-    footers = {part: _footer(part) for part in list_parts(layout.responses(name))}
+    footers = _footers(layout.responses(name))
     replaced: set[str] = set()
     for meta in footers.values():
         listed = meta.get(f"{META}replaces")

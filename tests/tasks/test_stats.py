@@ -210,6 +210,38 @@ def test_rejects_are_counted_by_cause(tmp_path):
     assert stats_rows([s], total=True)[-1]["reject_causes"] == {"bad_row": 1, "refused": 1, "too_long": 1}
 
 
+def test_a_compaction_between_the_listing_and_the_reads_is_counted_once_not_a_crash(tmp_path, monkeypatch):
+    """`eagle3 stats` while generate runs: the writer's compaction (tasks/checkpoints.py `compact`, the real one)
+    merges the parts just listed and deletes them before their footers are read. The parts are listed again, and
+    the figures are the compacted directory's, as checkpoints.summarize reads them."""
+    import tasks.stats as stats_module
+    from tasks.checkpoints import compact, summarize
+
+    b1 = tmp_path / "run" / "responses" / "B1"
+    for i in range(4):
+        write_part(b1, responses_table([_row(2 * i, 10 + i), _row(2 * i + 1, 20 + i, "length")]))
+    listing = stats_module.list_parts
+    compactions: list[Path | None] = []
+
+    def listed_then_compacted(directory, *args, **kwargs):
+        parts = listing(directory, *args, **kwargs)
+        if not compactions:  # the first listing only: then the writer merges those parts and deletes them
+            compactions.append(compact(directory, min_parts=4))
+        return parts
+
+    monkeypatch.setattr(stats_module, "list_parts", listed_then_compacted)
+    [b1_stats] = collect_stats(tmp_path / "run")
+    assert compactions[0] is not None and len(listing(b1)) == 1  # the race happened: one merged part is left
+    expected = summarize(b1)
+    assert (b1_stats.responses, b1_stats.completion_tokens, b1_stats.parts) == (
+        expected.rows,
+        expected.completion_tokens,
+        1,
+    )
+    assert (b1_stats.responses, b1_stats.completion_tokens) == (8, sum(10 + i + 20 + i for i in range(4)))
+    assert b1_stats.damaged is None
+
+
 def test_stats_rows_are_json_ready(run_dir):
     stats = collect_stats(run_dir)
     rows = stats_rows(stats)
