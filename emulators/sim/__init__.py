@@ -26,7 +26,7 @@ One concept per file:
 - stats.py: the counters, `SimStats`.
 - server.py: `SimServer` and its lifecycle, uvicorn in a background thread or in the foreground.
 - __main__.py: the CLI, ``python -m emulators.sim --port N [--max-running ..] [--decode-ms ..] [--mean-len ..]
-  [--seed ..] [--api-key ..] [--admin-api-key ..] [--sglang-version 0.5|0.4] [--disconnect-poll-s ..]
+  [--seed ..] [--model-path ..] [--api-key ..] [--admin-api-key ..] [--sglang-version 0.5|0.4] [--disconnect-poll-s ..]
   [--reserved-tokens ..] [--length-rules FILE.json]``.
 
 Run it in-process: ``with SimServer(max_running=4) as srv: srv.url``.

@@ -1,7 +1,7 @@
 """Simulated SGLang server: SGLang's native HTTP protocol with deterministic fake outputs, no model.
 
 The CLI, in the foreground: ``python -m emulators.sim --port N [--max-running ..] [--decode-ms ..] [--mean-len ..]
-[--seed ..] [--api-key ..] [--admin-api-key ..] [--sglang-version 0.5|0.4] [--disconnect-poll-s ..]
+[--seed ..] [--model-path ..] [--api-key ..] [--admin-api-key ..] [--sglang-version 0.5|0.4] [--disconnect-poll-s ..]
 [--reserved-tokens ..] [--length-rules FILE.json]`` (the package docstring says what it serves).
 """
 
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eos-id", type=int, default=d.eos_token_id)
     ap.add_argument("--context-length", type=int, default=d.context_length)
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--model-path", default=d.model_path, help="the model path /model_info and /server_info report")
     ap.add_argument("--starting", action="store_true", help="start with /health_generate answering 503")
     ap.add_argument("--log-level", default="warning")
     add_server_flags(ap, sglang_version=d.sglang_version, disconnect_poll_s=d.disconnect_poll_s)
