@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
-from models.capture.records import RecordPart, Sample, deal, load_records, make_batches, within_token_cap
+from models.capture.records import RecordPart, Sample, deal, held, load_records, make_batches, within_token_cap
 from models.capture.shards import ShardWriter, captured_with, clean_temps, list_shards, shard_metadata, write_index
 from models.common.jobs import CaptureJob
 from models.common.rank_protocol import CAPTURE, CAPTURE_PROGRESS
@@ -158,9 +158,9 @@ def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
     existing = [shard_metadata(p) for p in list_shards(out_dir)]
     check_compatible(existing, out_dir, hidden_size, aux_layers, dtype, job.storage)
     done = {(s["dataset"], s["id"]) for m in existing for s in m["samples"]}
-    samples, parts, no_loss = load_records(job.datasets, vocab_size)
+    samples, parts, no_loss = load_records(job.datasets, vocab_size, keep_tokens=False)
     pending = within_token_cap([s for s in samples if (s.dataset, s.id) not in done], job.launch_tokens)
-    mine = deal(pending, dist.world_size)[dist.rank]
+    mine, parts = held(deal(pending, dist.world_size)[dist.rank], parts)  # this rank's tokens only
     batches = make_batches(mine, job.max_batch_tokens)
     if dist.rank == 0:
         clean_temps(out_dir)  # leftovers of killed writers; nobody writes before the barrier

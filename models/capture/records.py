@@ -48,9 +48,13 @@ def trimmed_length(loss_mask: np.ndarray) -> int:
 
 
 def load_records(
-    datasets: list[DatasetRecords], vocab_size: int | None = None
+    datasets: list[DatasetRecords], vocab_size: int | None = None, *, keep_tokens: bool = True
 ) -> tuple[list[Sample], list[RecordPart], int]:
-    """Every record with at least one loss token, trimmed; also the parts and how many had none."""
+    """Every record with at least one loss token, trimmed; also the parts and how many had none.
+
+    keep_tokens=False: every part is read and checked as before, one at a time, but its token arrays are not kept
+    (empty): the plan needs only the samples, and `held` then reads the tokens of the samples a rank captures. A
+    rank then holds its share of the records, not all of them (92M tokens are ~460 MB per rank)."""
     samples: list[Sample] = []
     parts: list[RecordPart] = []
     seen: dict[tuple[str, str], Path] = {}
@@ -77,7 +81,10 @@ def load_records(
                     f"outside the target vocab [0, {vocab_size})"
                 )
             part = len(parts)
-            parts.append(RecordPart(path, input_ids, loss_mask))
+            if keep_tokens:
+                parts.append(RecordPart(path, input_ids, loss_mask))
+            else:
+                parts.append(RecordPart(path, _NO_TOKENS.astype(np.int32), _NO_TOKENS))
             for row, sample_id in enumerate(ids):
                 if sample_id is None:
                     raise ValueError(f"{path}: row {row}: id is null")
@@ -94,6 +101,36 @@ def load_records(
                     continue
                 samples.append(Sample(ds.name, sample_id, part, start, n))
     return samples, parts, no_loss
+
+
+_NO_TOKENS = np.empty(0, np.uint8)
+
+
+def held(samples: list[Sample], parts: list[RecordPart]) -> tuple[list[Sample], list[RecordPart]]:
+    """`samples` (in their order) with their tokens: each part they come from is read again and only their rows are
+    kept, packed one after the other; the samples point into the new parts. Memory: the samples' tokens, plus one
+    part while it is read."""
+    by_part: dict[int, list[int]] = {}
+    for k, s in enumerate(samples):
+        by_part.setdefault(s.part, []).append(k)
+    out: list[Sample | None] = [None] * len(samples)
+    kept: list[RecordPart] = []
+    for index in sorted(by_part):
+        path = parts[index].path
+        table = _read_records_part(path)
+        input_ids, _ = _flat_lists(table.column("input_ids"), path, "input_ids")
+        loss_mask, _ = _flat_lists(table.column("loss_mask"), path, "loss_mask")
+        del table
+        ranges = [(samples[k].start, samples[k].start + samples[k].length) for k in by_part[index]]
+        take = np.concatenate([np.arange(a, b) for a, b in ranges]) if ranges else np.empty(0, np.int64)
+        new = len(kept)
+        kept.append(RecordPart(path, input_ids[take].astype(np.int32), (loss_mask[take] != 0).astype(np.uint8)))
+        start = 0
+        for k in by_part[index]:
+            s = samples[k]
+            out[k] = Sample(s.dataset, s.id, new, start, s.length)
+            start += s.length
+    return [s for s in out if s is not None], kept
 
 
 def _read_records_part(path: Path) -> Any:

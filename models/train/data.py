@@ -211,12 +211,13 @@ def held_out_records(
     (`held_out_prompts`' order), read one at a time."""
     import numpy as np
 
-    from models.capture.records import load_records
+    from models.capture.records import held, load_records
 
-    samples, parts, _ = load_records(datasets, vocab_size)
-    held = [s for s in samples if held_out(s.dataset, s.id, fraction)]
-    held.sort(key=lambda s: hashlib.sha256(f"{s.dataset}\0{s.id}".encode()).digest())
-    for s in held:
+    samples, parts, _ = load_records(datasets, vocab_size, keep_tokens=False)
+    chosen = [s for s in samples if held_out(s.dataset, s.id, fraction)]
+    chosen.sort(key=lambda s: hashlib.sha256(f"{s.dataset}\0{s.id}".encode()).digest())
+    chosen, parts = held(chosen, parts)  # the held-out records' tokens only
+    for s in chosen:
         mask = parts[s.part].loss_mask[s.start : s.start + s.length]
         ids = parts[s.part].input_ids[s.start : s.start + s.length].astype(np.int64).tolist()
         yield s.dataset, s.id, ids, mask.astype(bool).tolist()

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from models.capture.job import ds_inference_config, main, moe_leaf_classes
-from models.capture.records import Sample, deal, load_records, make_batches, trimmed_length, within_token_cap
+from models.capture.records import Sample, deal, held, load_records, make_batches, trimmed_length, within_token_cap
 from models.capture.shards import (
     MixedShards,
     ShardWriter,
@@ -436,6 +436,30 @@ def test_load_records_trims_and_skips(records):
         n = trimmed_length(np.array(row["loss_mask"]))
         assert s.length == n
         assert parts[s.part].input_ids[s.start : s.start + n].tolist() == row["input_ids"][:n]
+
+
+def test_a_rank_holds_the_tokens_of_its_own_share_only(records):
+    """The capture plans from every record but keeps only its share's tokens (load_records(keep_tokens=False), then
+    `held`): the held arrays are exactly the share's trimmed tokens, each sample's slice the row written."""
+    datasets = [DatasetRecords(name=ds, records_dir=str(d)) for ds, d in records["dirs"].items()]
+    samples, parts, _ = load_records(datasets, 2048, keep_tokens=False)
+    assert samples and all(p.input_ids.size == 0 and p.loss_mask.size == 0 for p in parts)  # the plan holds no tokens
+    shares = deal(samples, 3)
+    seen = 0
+    for share in shares:
+        mine, kept = held(share, parts)
+        assert [(s.dataset, s.id, s.length) for s in mine] == [(s.dataset, s.id, s.length) for s in share]
+        assert (
+            sum(p.input_ids.size for p in kept) == sum(p.loss_mask.size for p in kept) == sum(s.length for s in share)
+        )
+        for s in mine:
+            row = records["rows"][(s.dataset, s.id)]
+            assert kept[s.part].input_ids[s.start : s.start + s.length].tolist() == row["input_ids"][: s.length]
+            assert kept[s.part].loss_mask[s.start : s.start + s.length].tolist() == [
+                int(bool(x)) for x in row["loss_mask"][: s.length]
+            ]
+        seen += len(mine)
+    assert seen == len(samples)
 
 
 def test_load_records_errors_name_file_and_row(tmp_path):
