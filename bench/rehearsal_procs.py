@@ -198,42 +198,49 @@ class StatsLoop:
             self.calls.append(self.call())
 
     def call(self) -> dict[str, Any]:
-        """One call, reaped with wait4: its own CPU and peak RSS, exactly."""
-        import tempfile
-
+        """One call, under `REAPER`: its own CPU and peak RSS, exactly."""
         started = time.monotonic()
-        with tempfile.TemporaryFile() as err:
-            process = subprocess.Popen(
-                [EAGLE3, "stats", str(self.run_dir), "--json"],
-                cwd=harness.REPO,
-                env=child_env("stats-call", **self.env),
-                stdout=subprocess.PIPE,
-                stderr=err,
-            )
-            assert process.stdout is not None
-            out = process.stdout.read()  # to its end: the process has closed it
-            _, status, usage = os.wait4(process.pid, 0)
-            process.returncode = rc = os.waitstatus_to_exitcode(status)
-            err.seek(0)
-            error = err.read().decode(errors="replace")[-600:] if rc else ""
+        done = subprocess.run(
+            [sys.executable, "-c", REAPER, EAGLE3, "stats", str(self.run_dir), "--json"],
+            cwd=harness.REPO,
+            env=child_env("stats-call", **self.env),
+            capture_output=True,
+        )
         wall = time.monotonic() - started
+        *_, last = done.stderr.decode(errors="replace").rstrip().splitlines() or [""]
+        rc, cpu_s, peak_kb = json.loads(last.removeprefix("RUSAGE ")) if last.startswith("RUSAGE ") else (-1, 0, 0)
         rows = parts = None
         try:
-            table = json.loads(out)["responses"]
+            table = json.loads(done.stdout)["responses"]
             rows = sum(int(d["responses"]) for d in table)
             parts = sum(int(d["parts"]) for d in table)
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, KeyError):
             pass
         return {
             "at_s": round(started, 2),
             "wall_s": round(wall, 3),
-            "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
-            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+            "cpu_s": round(cpu_s, 3),
+            "peak_rss_mb": round(peak_kb / 1024, 1),
             "rc": rc,
             "rows": rows,
             "parts": parts,
-            "error": error,
+            "error": done.stderr.decode(errors="replace")[-600:] if rc else "",
         }
+
+
+# The rusage of a command, from a small process that forks it and reaps it with wait4. Reaped by the bench itself, a
+# child's peak RSS would include the bench's own pages, which a fork maps before the exec (Linux keeps the larger of
+# the two across exec); forked from this small process, the peak is the command's own.
+REAPER = """
+import json, os, sys
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+code = os.waitstatus_to_exitcode(status)
+print("RUSAGE " + json.dumps([code, usage.ru_utime + usage.ru_stime, usage.ru_maxrss]), file=sys.stderr)
+sys.exit(code if code >= 0 else 1)
+"""
 
 
 @dataclass
