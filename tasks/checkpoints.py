@@ -187,16 +187,39 @@ def is_whole(output_ids: list[int], finish_reason: str, stop_ids: Iterable[int])
     return finish_reason == "length" and bool(output_ids) and output_ids[-1] in set(stop_ids)
 
 
-def turn_outputs(directory: Path) -> dict[str, tuple[list[int], str]]:
-    """(output_ids, finish_reason) of every response on disk whose id names a conversation's turn
-    (tasks.generate.conversations), for a `turns: all` dataset to continue its conversations."""
-    out: dict[str, tuple[list[int], str]] = {}
+def turn_finishes(directory: Path) -> dict[str, tuple[int | None, str]]:
+    """(last output id, finish_reason) of every response on disk whose id names a conversation's turn
+    (tasks.generate.conversations): what a `turns: all` dataset needs to know where each conversation stands
+    (`is_whole`). The answers' tokens are not read (`turn_answers` reads those a resume continues from)."""
+    import pyarrow.compute as pc
+
+    out: dict[str, tuple[int | None, str]] = {}
     for part in live_parts(directory):
         with reading(part):
             table = pq.read_table(part, columns=["id", "output_ids", "finish_reason"])
-        for rid, ids, reason in zip(*(table.column(c).to_pylist() for c in ("id", "output_ids", "finish_reason"))):
+        lengths = pc.list_value_length(table["output_ids"]).to_numpy(zero_copy_only=False)
+        flat = pc.list_flatten(table["output_ids"]).to_numpy(zero_copy_only=False)
+        ends = lengths.cumsum()
+        reasons = table["finish_reason"].to_pylist()
+        for row, rid in enumerate(table["id"].to_pylist()):
             if split_turn_id(rid) is not None:
-                out[rid] = (ids, reason)
+                out[rid] = (int(flat[ends[row] - 1]) if lengths[row] else None, reasons[row])
+    return out
+
+
+def turn_answers(directory: Path, ids: set[str]) -> dict[str, list[int]]:
+    """The output_ids of the responses named in `ids`, read only for those rows."""
+    import pyarrow.compute as pc
+
+    out: dict[str, list[int]] = {}
+    if not ids:
+        return out
+    wanted = pa.array(sorted(ids), pa.string())
+    for part in live_parts(directory):
+        with reading(part):
+            table = pq.read_table(part, columns=["id", "output_ids"])
+        table = table.filter(pc.is_in(table["id"], value_set=wanted))
+        out.update(zip(table["id"].to_pylist(), table["output_ids"].to_pylist()))
     return out
 
 

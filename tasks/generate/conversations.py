@@ -23,7 +23,7 @@ tool's result for its own call, which no one runs here).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,19 +98,25 @@ class Resumed:
 
 def resume(
     rows: list[PromptRow],
-    recorded: dict[str, tuple[list[int], str]],
+    recorded: dict[str, tuple[int | None, str]],
     standing: set[str],
     tokenizer: Any,
     stop_ids: list[int],
+    answers: Callable[[set[str]], dict[str, list[int]]],
 ) -> Resumed:
-    """Each conversation continued from its turns on disk: `recorded` maps turn ids to (output_ids, finish_reason),
-    `standing` holds the ids of rejects that stand, `stop_ids` are the stop tokens generate sends."""
+    """Each conversation continued from its turns on disk: `recorded` maps turn ids to (last output id,
+    finish_reason) (tasks.checkpoints.turn_finishes), `standing` holds the ids of rejects that stand, `stop_ids` are
+    the stop tokens generate sends, `answers` reads the output_ids of the turn ids it is given.
+
+    Only the conversations that go on need their answers (the next turn's history): those are read and decoded, the
+    answers of conversations that ended or are complete are not (a rerun late in a run would decode all of them)."""
     out = Resumed([], {}, 0, 0, [], [])
     last_on_disk: dict[str, int] = {}
     for key in recorded:
         split = split_turn_id(key)
         if split is not None:
             last_on_disk[split[0]] = max(split[1], last_on_disk.get(split[0], -1))
+    going_on: list[tuple[Conversation, list[str]]] = []
     for row in rows:
         conv = conversation(row)
         if not conv.users:
@@ -118,22 +124,29 @@ def resume(
                 out.empty.append(row)
             continue
         out.turns += len(conv.users)
-        while not conv.finished:
-            key = turn_id(conv.id, conv.next_turn)
+        answered: list[str] = []
+        while len(answered) < len(conv.users):
+            k = len(answered)
+            key = turn_id(conv.id, k)
             if key in standing:
                 out.ended += 1
                 break
-            if key not in recorded and last_on_disk.get(conv.id, -1) > conv.next_turn:
+            if key not in recorded and last_on_disk.get(conv.id, -1) > k:
                 out.holes.append(key)
                 out.ended += 1
                 break
             if key not in recorded:
-                out.conversations[key] = conv
-                out.queue.append(conv.prompt())
+                going_on.append((conv, answered))
                 break
-            output_ids, finish_reason = recorded[key]
-            if not is_whole(output_ids, finish_reason, stop_ids):
-                out.ended += conv.next_turn + 1 < len(conv.users)
+            last, finish_reason = recorded[key]
+            if not is_whole([] if last is None else [last], finish_reason, stop_ids):
+                out.ended += k + 1 < len(conv.users)
                 break
-            conv.answers.append(answer_text(tokenizer, output_ids, stop_ids))
+            answered.append(key)
+    read = answers({key for _, keys in going_on for key in keys})
+    for conv, keys in going_on:
+        conv.answers.extend(answer_text(tokenizer, read[key], stop_ids) for key in keys)
+        key = turn_id(conv.id, conv.next_turn)
+        out.conversations[key] = conv
+        out.queue.append(conv.prompt())
     return out

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from models.common.jobs import GenerateJob
-from tasks.checkpoints import PartSummary, turn_outputs
+from tasks.checkpoints import PartSummary, turn_answers, turn_finishes
 from tasks.datasets import PromptRow
 from tasks.generate.conversations import Conversation, resume
 from tasks.turn_ids import split_turn_id
@@ -58,7 +58,14 @@ def plan_work(
         queue = deque(p for p in prompts if p.id not in responded and p.id not in standing)
         return Work(queue, len(prompts), sum(1 for p in prompts if p.id in standing))
     stop_ids = list(settings.sampling_params.get("stop_token_ids") or [])
-    resumed = resume(prompts, turn_outputs(responses_dir), standing, tokenizer, stop_ids)
+    resumed = resume(
+        prompts,
+        turn_finishes(responses_dir),
+        standing,
+        tokenizer,
+        stop_ids,
+        lambda ids: turn_answers(responses_dir, ids),
+    )
     ours = {p.id for p in prompts}
     rejected = sum(1 for i in standing if (split_turn_id(i) or (i, 0))[0] in ours)
     return Work(

@@ -199,3 +199,50 @@ def test_a_refused_turn_is_a_named_reject_and_ends_its_conversation(tmp_path, to
     rejects = read_rejects(tmp_path / "rejects/C1")
     assert [(r["id"], r["cause"]) for r in rejects] == [("c5#t1", "refused")]
     assert report.ended_conversations >= 1 and again.new_responses == 0  # the reject stands: nothing sent again
+
+
+def test_a_resume_reads_and_decodes_only_the_answers_of_conversations_that_go_on(tmp_path, tokenizer, monkeypatch):
+    """A rerun late in a run: most conversations are complete or ended. plan_work finds where each stands from the
+    last id and finish reason of its turns, and reads and decodes only the answers of those it continues (before, it
+    decoded every answer on disk at every rerun)."""
+    import tasks.checkpoints as checkpoints
+    import tasks.generate.work as work
+    from tasks.checkpoints import responses_table, write_part
+
+    def answer(rid: str, ids: list[int], reason: str = "stop") -> dict:
+        return {
+            "id": rid,
+            "prompt_ids": [5, 6],
+            "output_ids": ids,
+            "prompt_tokens": 2,
+            "completion_tokens": len(ids),
+            "finish_reason": reason,
+            "text": "",
+            "latency": 0.1,
+            "cached_tokens": 0,
+            "reasoning_tokens": 0,
+            "finished_at": 1.0,
+        }
+
+    rows = [
+        PromptRow(id="done", messages=[user("a"), assistant("x"), user("b")]),  # both turns answered: complete
+        PromptRow(id="going", messages=[user("c"), assistant("y"), user("d"), assistant("z"), user("e")]),
+        PromptRow(id="cut", messages=[user("f"), assistant("w"), user("g")]),  # its first answer cut by length
+    ]
+    going_t0 = [300, 301, 302, EOS]
+    directory = tmp_path / "responses" / "C1"
+    write_part(directory, responses_table([answer("done#t0", [200, EOS]), answer("going#t0", going_t0)]))
+    write_part(directory, responses_table([answer("done#t1", [201, 202, EOS]), answer("cut#t0", [7] * 5, "length")]))
+    decoded: list[list[int]] = []
+    asked: list[set[str]] = []
+    decode = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **kw: decoded.append(list(ids)) or decode(ids, **kw))
+    real_answers = checkpoints.turn_answers
+    monkeypatch.setattr(work, "turn_answers", lambda d, ids: asked.append(set(ids)) or real_answers(d, ids))
+
+    job = GenerateJob(dataset="C1", sampling_params=sampling(), turns="all")
+    planned = work.plan_work(rows, job, directory, set(), set(), tokenizer)
+    assert asked == [{"going#t0"}] and decoded == [going_t0[:-1]]  # the one answer the continued turn needs
+    [queued] = planned.queue
+    assert queued.id == turn_id("going", 1)
+    assert queued.messages == [user("c"), assistant(decode(going_t0[:-1], skip_special_tokens=False)), user("d")]
