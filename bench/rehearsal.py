@@ -60,7 +60,7 @@ class Params:
 
     @classmethod
     def quick_preset(cls) -> Params:
-        return cls(size=0.01, flush_interval_s=3.0, train_steps=60, checkpoint_every=20, stats_every_s=3.0, quick=True)
+        return cls(size=0.01, flush_interval_s=3.0, train_steps=30, checkpoint_every=10, stats_every_s=3.0, quick=True)
 
     def validate(self) -> None:
         if not 0 < self.size <= 1:
