@@ -18,6 +18,7 @@ from flows.records import records
 from flows.train import train
 from models.target.tiny import build_target
 from tasks.artifacts import publish_pipeline_summary, stage_headline
+from tasks.dead_runs import end_dead_runs
 from tasks.launch_servers import launched_servers
 from tasks.run_lock import run_lock
 
@@ -77,6 +78,7 @@ def run_stages(
     if config.target.build_tiny_target:  # demo and tests: the deterministic tiny target, built once
         build_target(config.target.path, config.target.tiny_shape, quantize=config.target.tiny_quantize)
     log = get_run_logger()
+    end_dead_runs(config.run_dir, log)  # a killed run's flow runs, still Running in the UI
     if skip_checks:
         log.warning(
             "preflight checks skipped (skip_checks / --skip-checks): a problem they find shows up later, "

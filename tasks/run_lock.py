@@ -35,6 +35,9 @@ from models.common.run_layout import LOCK_NAME
 
 _held: dict[Path, list[Any]] = {}  # resolved run dir -> [fd, depth]
 _guard = threading.Lock()
+# What a writer found in `.lock` when it took the lock: a holder that never released it (a release empties the file),
+# i.e. a process killed while it wrote. Its flow runs still say Running in Prefect (tasks/dead_runs.py ends them).
+_dead: dict[Path, dict[str, Any]] = {}
 
 
 class RunDirLocked(RuntimeError):
@@ -145,6 +148,8 @@ def _locked(key: Path, purpose: str, setting: str | None, *, exclusive: bool) ->
                     f"{key} is locked for reading in this process; lock it for writing in the outer block"
                 )
             entry[1] += 1
+            if exclusive:
+                _note_flow_run(entry[0])  # a flow run of this process writes under the lock from now on
         else:
             _held[key] = [_acquire(key, purpose, setting, exclusive), 1, exclusive]
     try:
@@ -169,8 +174,55 @@ def _acquire(run_dir: Path, purpose: str, setting: str | None, exclusive: bool) 
     except BaseException:
         os.close(fd)
         raise
+    if exclusive:
+        left = _read_fd(fd)
+        if left and not left.get("reads"):  # readers leave their names on purpose; a writer empties the file
+            _dead[run_dir] = left
     _write_holder(fd, purpose, exclusive)
     return fd
+
+
+def dead_holder(run_dir: Path | str) -> dict[str, Any] | None:
+    """The holder this process found in RUN_DIR/.lock when it took the lock, one that had never released it (killed,
+    or its machine stopped); None if the lock was left cleanly. Given once: the next call says None."""
+    with _guard:
+        return _dead.pop(Path(run_dir).resolve(), None)
+
+
+def _read_fd(fd: int) -> dict[str, Any]:
+    try:
+        text = os.pread(fd, 1 << 16, 0).decode("utf-8")
+        return json.loads(text) if text.strip() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _note_flow_run(fd: int) -> None:
+    """Add the current flow run to the holder's `flow_run_ids` (a stage's subflow under the pipeline's lock)."""
+    run_id = _current_flow_run()
+    if run_id is None:
+        return
+    info = _read_fd(fd)
+    if run_id in info.get("flow_run_ids", []):
+        return
+    info["flow_run_ids"] = [*info.get("flow_run_ids", []), run_id]
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+    except OSError:  # a full disk: only the note is lost
+        pass
+
+
+def _current_flow_run() -> str | None:
+    """The id of the Prefect flow run this thread is in, or None."""
+    if "prefect" not in sys.modules:  # not in a flow run (and importing Prefect only to learn that is slow)
+        return None
+    try:
+        from prefect.runtime import flow_run
+
+        return str(flow_run.id) if flow_run.id else None
+    except Exception:  # no Prefect context
+        return None
 
 
 def _write_holder(fd: int, purpose: str, exclusive: bool) -> None:
@@ -202,13 +254,11 @@ def _holder_info(purpose: str, *, reads: bool = False) -> dict[str, Any]:
     }
     if reads:
         info["reads"] = True
-    if "prefect" not in sys.modules:  # not in a flow run (and importing Prefect only to learn that is slow)
-        return info
-    try:  # inside a Prefect flow run: name it, that is what the UI shows
+    run_id = _current_flow_run()
+    if run_id is not None:  # inside a Prefect flow run: name it, that is what the UI shows
         from prefect.runtime import flow_run
 
-        if flow_run.id:
-            info["flow_run"] = f"'{flow_run.name}' (id {flow_run.id})"
-    except Exception:  # no Prefect context: the command says enough
-        pass
+        info["flow_run"] = f"'{flow_run.name}' (id {run_id})"
+        if not reads:
+            info["flow_run_ids"] = [run_id]
     return info

@@ -70,6 +70,13 @@ def test_prefect_holds_a_flow_run_per_command_and_the_costs_are_measured(rehears
     runs = sum(len(rehearsal[stage]["runs"]) for stage in ("generate", "records", "capture", "train"))
     assert rehearsal["prefect"]["rows"]["flow_run"] >= runs
     assert rehearsal["prefect"]["rows"]["log"] > 0 and rehearsal["prefect"]["db_mb"] > 0
+    # The killed commands' flow runs (the pipeline's and its stage's) are ended as Crashed by the next writer, not
+    # left Running; the others completed.
+    states = rehearsal["prefect"]["flow_run_states"]
+    killed = sum(
+        1 for stage in ("generate", "capture", "train") for run in rehearsal[stage]["runs"] if run["killed_at"]
+    )
+    assert set(states) == {"COMPLETED", "CRASHED"} and killed <= states["CRASHED"] <= 2 * killed, states
     for role in ("generate", "records", "capture", "train", "sim"):
         assert rehearsal["processes"][role]["cpu_s"] > 0, role
     assert "rank" in rehearsal["processes"]["capture"]["peak_rss_mb"]

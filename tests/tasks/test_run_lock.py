@@ -211,3 +211,58 @@ def test_a_directory_read_in_this_process_cannot_be_written_by_an_inner_block(tm
         with pytest.raises(RuntimeError, match="locked for reading in this process"):
             with run_lock(tmp_path / "run", "capture", also=[("capture.out_dir", shared)]):
                 pytest.fail("a shared lock was taken for writing")
+
+
+KILLED_FLOW = (
+    "import sys\n"
+    "from prefect import flow\n"
+    "from tasks.run_lock import run_lock\n"
+    "@flow(name='killed-writer')\n"
+    "def writer(run_dir: str) -> None:\n"
+    "    with run_lock(run_dir, 'generate'):\n"  # as the pipeline flow re-enters the CLI's lock
+    "        print('held', flush=True)\n"
+    "        sys.stdin.read()\n"
+    "with run_lock(sys.argv[1], 'eagle3 generate'):\n"  # the CLI's lock, taken before the flow run starts
+    "    writer(sys.argv[1])\n"
+)
+
+
+def test_the_flow_runs_of_a_killed_writer_are_ended_as_crashed_by_the_next_writer(tmp_path, prefect_harness):
+    """A writer killed with SIGKILL reports nothing: its flow run stays Running in Prefect. The next writer to take the
+    run directory finds it in `.lock` (a clean release empties the file) and sets it to Crashed, naming the process;
+    Prefect's own record says so."""
+    from uuid import UUID
+
+    from prefect import flow, get_run_logger
+    from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
+
+    from tasks.dead_runs import end_dead_runs
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PREFECT_API_URL": str(get_current_settings().api.url)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_FLOW, str(run_dir)],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout.readline().strip() == "held"
+    [killed_run] = read_holder(run_dir)["flow_run_ids"]
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(UUID(killed_run)).state.type.value == "RUNNING"  # what the UI showed
+
+    @flow(name="next-writer")
+    def next_writer() -> list[str]:
+        with run_lock(run_dir, "generate"):
+            return end_dead_runs(run_dir, get_run_logger())
+
+    assert next_writer() == [killed_run]
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(UUID(killed_run)).state
+    assert state.type.value == "CRASHED" and f"pid {child.pid} on {socket.gethostname()}" in state.message
+    assert next_writer() == []  # released cleanly this time: nothing left to end
