@@ -26,7 +26,7 @@ SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_RECIPE := $(wildcard deploy/sglang-cpu/*)
 
-.PHONY: demo test test-fast lint format venv vllm sglang clean up down deepspeed-json config-keys lock
+.PHONY: demo test test-fast lint format venv vllm sglang clean up down deepspeed-json config-keys lock rehearsal-browser
 
 venv: $(STAMP)
 
@@ -97,6 +97,12 @@ deepspeed-json: $(STAMP)
 # docs/config-keys.md, every config key from the schema (tests/flows/config/test_keys.py checks it is current)
 config-keys: $(STAMP)
 	$(BIN)/python -m flows.config.keys
+
+# What bench/rehearsal.py --browser needs to time Prefect's UI: Debian's Chromium (root, apt-get) and Playwright's
+# Python driver (no browser download: it drives /usr/bin/chromium).
+rehearsal-browser: $(STAMP)
+	test -x /usr/bin/chromium || DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+	$(BIN)/pip install -q playwright
 
 # pip-tools in a venv of its own (.venv-lock), so the project's venv holds only what the lock names.
 lock:

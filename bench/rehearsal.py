@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import random
-import sqlite3
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness  # noqa: E402
 from bench import rehearsal_data as data  # noqa: E402
+from bench import rehearsal_prefect as prefect_side  # noqa: E402
 from bench import rehearsal_procs as procs  # noqa: E402
 from bench.rehearsal_report import print_report  # noqa: E402
 
@@ -56,6 +56,7 @@ class Params:
     train_steps: int = 300
     checkpoint_every: int = 50
     ranks: int = 2  # capture and train ranks (CPU, gloo)
+    browser: bool = False  # time two pages of Prefect's UI in headless Chromium (make rehearsal-browser)
     quick: bool = False
 
     @classmethod
@@ -246,18 +247,6 @@ def train_kill(metrics: Path, step: int):
     return kill
 
 
-def prefect_figures(home: Path) -> dict[str, Any]:
-    """Rows of Prefect's own tables (read-only), flow runs by state, and the database's bytes."""
-    db = home / "prefect.db"
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
-        tables = [r[0] for r in con.execute("select name from sqlite_master where type='table'")]
-        rows = {t: con.execute(f'select count(*) from "{t}"').fetchone()[0] for t in tables}
-        states = dict(con.execute("select state_type, count(*) from flow_run group by state_type").fetchall())
-    keep = ("flow_run", "task_run", "log", "artifact", "artifact_collection", "events", "event_resources")
-    size = sum(f.stat().st_size for f in home.glob("prefect.db*"))
-    return {"rows": {t: rows[t] for t in keep if t in rows}, "flow_run_states": states, "db_mb": round(size / 2**20, 2)}
-
-
 def measure(scratch: Path, out: dict[str, Any], p: Params) -> None:
     from models.common.run_layout import RunLayout
 
@@ -294,11 +283,17 @@ def measure(scratch: Path, out: dict[str, Any], p: Params) -> None:
             step = max(p.checkpoint_every + 1, round(rng.uniform(0.3, 0.8) * p.train_steps))
             out["train"] = {"runs": killed_and_resumed("train", cfg, env, logs, train_kill(layout.metrics, step))}
             out["checks"] = later_checks(layout, tokens)
+            busiest = prefect_side.figures(Path(prefect.extra["home"]))["busiest_flow_run"]
+            if busiest is not None:
+                out["prefect_api_s"] = prefect_side.api_times(prefect.url, busiest["id"])
+                if p.browser:
+                    print("  Prefect's UI in headless Chromium", flush=True)
+                    out["prefect_pages"] = prefect_side.page_loads(prefect.url, busiest["id"])
         finally:
             sim.stop()
             prefect.stop()
         watch.scan()
-        out["prefect"] = prefect_figures(Path(prefect.extra["home"]))
+        out["prefect"] = prefect_side.figures(Path(prefect.extra["home"]))
         out["processes"] = {
             role: watch.summary(role)
             for role in ("generate", "stats-call", "records", "plan", "capture", "train", "sim", "prefect")

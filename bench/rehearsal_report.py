@@ -110,6 +110,7 @@ def print_report(out: dict[str, Any]) -> None:
     print(f"\nlater stages: {out['checks']}")
     print(f"disk: {out['disk']}")
     print(f"Prefect: {out['prefect']}")
+    print(f"Prefect's API (s): {out.get('prefect_api_s')}; its UI in headless Chromium: {out.get('prefect_pages')}")
 
 
 def slope(y1: float, y2: float, t1: float, t2: float) -> float | None:
