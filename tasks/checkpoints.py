@@ -236,13 +236,17 @@ def compact(directory: Path, *, min_parts: int = 16, max_rows: int = 50_000) -> 
     """Merge the leading run of small parts into one part; None if fewer than `min_parts` qualify.
 
     Only parts below `max_rows` rows are merged and the merged part stays below it, so the work
-    per compaction is bounded and large parts are never rewritten.
+    per compaction is bounded and large parts are never rewritten. A part that is itself a merge is
+    never merged again: the writer compacts every `min_parts` flushes, and a merged part taken into
+    the next merge would be rewritten each time, all of a dataset's rows again and again over a long
+    run whose parts trickle in by time (a part per flush_interval_s), bytes in the square of the rows.
     """
     chosen: list[Path] = []
     rows = 0
     for part in live_parts(directory):
-        n = int(read_metadata(part).get(f"{META}rows", "0"))
-        if n >= max_rows or rows + n > max_rows:
+        meta = read_metadata(part)
+        n = int(meta.get(f"{META}rows", "0"))
+        if n >= max_rows or rows + n > max_rows or f"{META}replaces" in meta:
             if len(chosen) >= min_parts:
                 break
             chosen, rows = [], 0

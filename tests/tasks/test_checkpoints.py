@@ -74,6 +74,21 @@ def test_compaction_merges_without_double_counting(tmp_path):
     assert compact(tmp_path, min_parts=4) is None  # one part left: nothing to merge
 
 
+def test_a_merged_part_is_not_merged_again_so_each_row_is_rewritten_once(tmp_path):
+    """The writer compacts every min_parts flushes. Were the last merge taken into the next one, every compaction
+    would rewrite all earlier rows (bytes in the square of the rows over a long run); each row is merged once."""
+    merges = []
+    for k in range(12):
+        write_part(tmp_path, responses_table([row(10 * k + j) for j in range(2)]))
+        if (k + 1) % 4 == 0:
+            merges.append(compact(tmp_path, min_parts=4))
+    assert all(m is not None for m in merges)
+    assert live_parts(tmp_path) == merges  # the first merge is still on disk, untouched, beside the later ones
+    rows = [int(read_metadata(m)[f"{META}rows"]) for m in merges]
+    assert rows == [8, 8, 8] and summarize(tmp_path).rows == 24
+    assert sorted(done_ids(tmp_path)) == sorted(f"p{10 * k + j}" for k in range(12) for j in range(2))
+
+
 def test_crash_between_merge_and_delete_is_invisible_and_finished(tmp_path, monkeypatch):
     for k in range(4):
         write_part(tmp_path, responses_table([row(10 * k + j) for j in range(3)]))
