@@ -39,6 +39,7 @@ from bench import rehearsal_data as data  # noqa: E402
 from bench import rehearsal_prefect as prefect_side  # noqa: E402
 from bench import rehearsal_procs as procs  # noqa: E402
 from bench.rehearsal_report import print_report  # noqa: E402
+from models.common.run_layout import RunLayout  # noqa: E402
 
 BENCH = "rehearsal"
 SITE = Path(__file__).resolve().parent / "rehearsal_site"  # the synthetic target forward of the capture ranks
@@ -136,7 +137,7 @@ def generate(p: Params, cfg: Path, run_dir: Path, sim: procs.Server, env: dict, 
     planned = planned_tokens(p.size, answers)
     rng = random.Random(p.seed)
     points = sorted(rng.uniform(0.15, 0.85) for _ in range(p.kills))
-    layout_responses = run_dir / "responses"
+    layout_responses = RunLayout(run_dir).responses_root
 
     def on_disk() -> int:
         return (
@@ -192,9 +193,9 @@ def generate_checks(p: Params, run_dir: Path, answers: dict[str, int]) -> dict[s
     for d in data.DATASETS:
         if not d.name.startswith("B"):
             continue
-        directory = run_dir / "responses" / d.name
+        directory = RunLayout(run_dir).responses(d.name)
         ids = [i for part in live_parts(directory) for i in pq.read_table(part, columns=["id"])["id"].to_pylist()]
-        rejects = sum(reject_counts(run_dir / "rejects" / d.name).values())
+        rejects = sum(reject_counts(RunLayout(run_dir).rejects(d.name)).values())
         spent = summarize(directory).completion_tokens
         complete = len(ids) + rejects >= answers[d.name]
         ok = len(ids) == len(set(ids)) and spent <= budget + slack and (complete or spent >= budget - slack)
@@ -248,15 +249,13 @@ def train_kill(metrics: Path, step: int):
 
 
 def measure(scratch: Path, out: dict[str, Any], p: Params) -> None:
-    from models.common.run_layout import RunLayout
-
     target_dir, vocab, eos = target(p)
     t0 = time.monotonic()
     out["data"] = data.write_data(
         harness.REPO / "runs" / BENCH / f"data-s{p.size:g}-seed{p.seed}", p.size, p.seed, vocab
     )
     out["data_s"] = round(time.monotonic() - t0, 2)
-    logs = scratch / "logs"
+    logs = scratch / "cli-logs"  # what each command printed
     logs.mkdir(parents=True)
     run_dir = scratch / "run"
     layout = RunLayout(run_dir)
@@ -266,7 +265,7 @@ def measure(scratch: Path, out: dict[str, Any], p: Params) -> None:
         try:
             env = {"PREFECT_API_URL": prefect.url + "/api", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
             cfg = data.write_config(
-                scratch / "config.yaml", run_dir, target_dir, out["data"], p.size, sim.url, sections(p)
+                scratch / "rehearsal.yaml", run_dir, target_dir, out["data"], p.size, sim.url, sections(p)
             )
             generate(p, cfg, run_dir, sim, env, logs, out)
             out["records"] = {"runs": [stage("records", ["run"], cfg, env, logs)]}
@@ -316,7 +315,7 @@ def record_tokens(run_dir: Path) -> dict[str, int]:
     import pyarrow.parquet as pq
 
     records = tokens = loss = 0
-    for part in sorted((run_dir / "records").glob("*/part-*.parquet")):
+    for part in sorted(RunLayout(run_dir).records_root.glob("*/part-*.parquet")):
         table = pq.read_table(part, columns=["input_ids", "loss_mask"])
         records += table.num_rows
         tokens += pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0
