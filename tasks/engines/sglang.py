@@ -54,6 +54,12 @@ def cpu_command(
 
     - `SGLANG_USE_CPU_ENGINE=1`: SGLang's CPU platform is opt-in (sglang/srt/platforms/__init__.py); `--device
       cpu` alone is not enough.
+    - `OMP_NUM_THREADS=1`: without AMX, SGLang binds no OpenMP threads of its own (srt/distributed/bootstrap.py
+      `_init_cpu_threads_env` runs only with AMX or on arm64), so torch takes one spin-waiting thread per core, and
+      every op of a decode step waits for all of them. Measured here on the tiny target (2 cores, 16 requests of 96
+      tokens, 8 at once): 408 tok/s with the default threads, 4.5 tok/s with the default threads and one other
+      busy process (CI's second test worker), 744 and 653 tok/s with one thread. A tiny target gains nothing from
+      a second thread. (vLLM's CPU build binds its own: tasks/engines/vllm.py.)
     - `--attention-backend intel_amx`: SGLang's CPU attention backend, the only one its EAGLE-3 worker runs on
       a CPU (speculative/draft_utils.py), so the server with a draft and the one without attend the same way.
       Its two kernel ops, like the speculative-decoding and KV-cache ops, are our torch versions in
@@ -78,6 +84,7 @@ def cpu_command(
     return [
         "env",
         "SGLANG_USE_CPU_ENGINE=1",
+        "OMP_NUM_THREADS=1",
         python,
         "-m",
         LAUNCH_SERVER,
