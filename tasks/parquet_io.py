@@ -53,6 +53,40 @@ def write_parquet_atomic(
     return path
 
 
+class StreamedPart:
+    """A Parquet file being written one row group at a time (`parquet_atomic_writer`); `metadata` set before the
+    block ends goes into the footer."""
+
+    def __init__(self, writer: pq.ParquetWriter) -> None:
+        self.writer = writer
+        self.metadata: dict[str, Any] = {}
+        self.rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        """One row group (nothing for an empty table)."""
+        if table.num_rows:
+            self.writer.write_table(table)
+            self.rows += table.num_rows
+
+
+@contextmanager
+def parquet_atomic_writer(path: Path, schema: pa.Schema) -> Iterator[StreamedPart]:
+    """`write_parquet_atomic` for a file written in row groups, so that the writer holds one group, not the file.
+
+    Readers see the whole file or nothing; on an error in the block the temp file goes and `path` is untouched. The
+    metadata is stored as the footer's key-value metadata, where `read_metadata` finds it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path, "wb") as f:
+        part = StreamedPart(pq.ParquetWriter(f, schema))
+        try:
+            yield part
+            if part.metadata:
+                part.writer.add_key_value_metadata({str(k): str(v) for k, v in part.metadata.items()})
+        finally:
+            part.writer.close()  # on an error too: the temp file it ends is then removed
+
+
 def next_part_path(directory: Path, prefix: str = "part") -> Path:
     """The next free part name in `directory`: one past the highest existing number."""
     numbers = [n for n, _ in _numbered_parts(Path(directory), prefix)]
@@ -88,9 +122,12 @@ def reading(path: Path) -> Iterator[None]:
 
 
 def read_metadata(path: Path) -> dict[str, str]:
-    """The schema metadata of a Parquet file, read from the footer only (no row data); DamagedPart if unreadable."""
+    """The metadata of a Parquet file, read from the footer only (no row data); DamagedPart if unreadable.
+
+    The footer's key-value metadata: the schema metadata `write_parquet_atomic` stores is there too (pyarrow writes
+    it as both), and so is what `parquet_atomic_writer` adds once its rows are written."""
     with reading(path):
-        raw = pq.read_schema(path).metadata or {}
+        raw = pq.read_metadata(path).metadata or {}
     return {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items() if k != b"ARROW:schema"}
 
 

@@ -62,7 +62,7 @@ own fields: 'conversations[2].value' is missing) and what is expected; with `on_
 from tasks.datasets.errors import DatasetError, DatasetNotFoundError, EmptyDatasetError
 from tasks.datasets.formats import ROLE_ALIASES, RowFormat, Shape
 from tasks.datasets.hub import HubDataset
-from tasks.datasets.loader import OnBadRow, iter_rows, load_dataset
+from tasks.datasets.loader import DatasetStream, OnBadRow, iter_rows, load_dataset, stream_dataset
 from tasks.datasets.rows import (
     GENERATE_ROLES,
     PASSTHROUGH_ROLES,
@@ -87,6 +87,7 @@ __all__ = [
     "BadRow",
     "DatasetError",
     "DatasetNotFoundError",
+    "DatasetStream",
     "EmptyDatasetError",
     "HubDataset",
     "Kind",
@@ -102,4 +103,5 @@ __all__ = [
     "iter_rows",
     "load_dataset",
     "stable_id",
+    "stream_dataset",
 ]

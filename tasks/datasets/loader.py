@@ -3,9 +3,11 @@ bad rows raised or rejected."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -76,86 +78,132 @@ def load_dataset(
     on_bad_row="fail" raises DatasetError on the first bad row; "skip" records a Reject and goes
     on. A repeated id is a bad row unless the repeat has the same content (and the id the same
     type): such duplicates are dropped, counted, and reported in one warning on `eagle3.datasets`.
-    Raises EmptyDatasetError when no usable row is left.
+    Raises EmptyDatasetError when no usable row is left. All rows are held: `stream_dataset` reads the same rows
+    one at a time.
     """
+    stream = stream_dataset(path, kind, row_format=row_format, on_bad_row=on_bad_row)
+    rows = list(stream)
+    return LoadedDataset(
+        rows=rows, rejects=stream.rejects, duplicates=stream.duplicates, path=stream.path, shape=stream.shape
+    )
+
+
+def stream_dataset(
+    path: DatasetSource, kind: Kind, *, row_format: RowFormat | None = None, on_bad_row: OnBadRow = "fail"
+) -> DatasetStream:
+    """`load_dataset`'s rows one at a time, for a dataset too large to hold (a passthrough set of long records).
+
+    Settings, format and existence are checked here; rows, bad rows and repeats as the iteration reaches them."""
     _check_kind(kind)
     if on_bad_row not in ("fail", "skip"):
         raise ValueError(f"on_bad_row must be 'fail' or 'skip', got {on_bad_row!r}")
-    source = path
-    path = source.path if isinstance(source, HubDataset) else Path(source)
-    build = BUILDERS[kind]
     resolver = Resolver(kind, row_format or RowFormat())
-    id_field = resolver.fmt.id_field
-    rows: list = []
-    rejects: list[Reject] = []
-    # id -> (index in rows, source, row number, whether the id was given as an int): enough to
-    # compare a repeat with its first occurrence and to name both.
-    seen: dict[str, tuple[int, Path, int, bool]] = {}
-    duplicates = 0
-    first_duplicate: tuple[str, Path, int] | None = None
+    return DatasetStream(path, kind, resolver, on_bad_row, _open_rows(path, resolver))
 
-    for raw in _open_rows(source, resolver):
-        try:
-            if raw.error is not None:
-                raise BadRow(raw.error, raw.expected)
-            data = resolver.canonical(raw.data)
-            row = build(data)
-        except BadRow as bad:
+
+class DatasetStream:
+    """The valid rows of a dataset (the first occurrence of each id), yielded as they are read.
+
+    Once the iteration has ended, `rejects`, `duplicates` and `shape` are final, the warnings are logged, and a
+    dataset without a usable row has raised EmptyDatasetError. No row is kept here: a repeated id is compared with
+    a digest of its first occurrence's content."""
+
+    def __init__(
+        self, source: DatasetSource, kind: Kind, resolver: Resolver, on_bad_row: OnBadRow, raws: Iterator[Raw]
+    ) -> None:
+        self.source = source
+        self.path = source.path if isinstance(source, HubDataset) else Path(source)
+        self.kind = kind
+        self.resolver = resolver
+        self.on_bad_row = on_bad_row
+        self.raws = raws
+        self.rejects: list[Reject] = []
+        self.duplicates = 0
+
+    @property
+    def shape(self) -> Any:
+        return self.resolver.shape
+
+    def __iter__(self) -> Iterator[Any]:
+        resolver, on_bad_row, rejects = self.resolver, self.on_bad_row, self.rejects
+        build = BUILDERS[self.kind]
+        id_field = resolver.fmt.id_field
+        # id -> (content digest, source, row number, whether the id was given as an int): enough to compare a
+        # repeat with its first occurrence and to name both.
+        seen: dict[str, tuple[bytes, Path, int, bool]] = {}
+        first_duplicate: tuple[str, Path, int] | None = None
+        kept = 0
+        for raw in self.raws:
+            try:
+                if raw.error is not None:
+                    raise BadRow(raw.error, raw.expected)
+                data = resolver.canonical(raw.data)
+                row = build(data)
+            except BadRow as bad:
+                if on_bad_row == "fail":
+                    raise DatasetError(
+                        raw.source, raw.row, bad.reason, expected=bad.expected or resolver.expected(), unit=raw.unit
+                    ) from None
+                rejects.append(Reject(raw.source, raw.row, loose_id(raw.data, id_field), bad.reason, raw.text()))
+                continue
+            int_id = type(data.get("id")) is int
+            first = seen.get(row.id)
+            if first is None:
+                seen[row.id] = (_content_digest(row), raw.source, raw.row, int_id)
+                kept += 1
+                yield row
+                continue
+            conflict = _repeat_conflict(row, int_id, first, raw.source)
+            if conflict is None:
+                self.duplicates += 1
+                if first_duplicate is None:
+                    first_duplicate = (row.id, raw.source, raw.row)
+                continue
             if on_bad_row == "fail":
-                raise DatasetError(
-                    raw.source, raw.row, bad.reason, expected=bad.expected or resolver.expected(), unit=raw.unit
-                ) from None
-            rejects.append(Reject(raw.source, raw.row, loose_id(raw.data, id_field), bad.reason, raw.text()))
-            continue
-        int_id = type(data.get("id")) is int
-        first = seen.get(row.id)
-        if first is None:
-            seen[row.id] = (len(rows), raw.source, raw.row, int_id)
-            rows.append(row)
-            continue
-        conflict = _repeat_conflict(row, int_id, rows[first[0]], first, raw.source)
-        if conflict is None:
-            duplicates += 1
-            if first_duplicate is None:
-                first_duplicate = (row.id, raw.source, raw.row)
-            continue
-        if on_bad_row == "fail":
-            raise DatasetError(raw.source, raw.row, conflict, expected=REPEATED_ID_FIX, unit=raw.unit)
-        rejects.append(Reject(raw.source, raw.row, utf8(row.id), conflict, raw.text()))
+                raise DatasetError(raw.source, raw.row, conflict, expected=REPEATED_ID_FIX, unit=raw.unit)
+            rejects.append(Reject(raw.source, raw.row, utf8(row.id), conflict, raw.text()))
+        self._finish(kept, first_duplicate)
 
-    if not rows:  # before the warnings: the error says it all
-        raise _empty_dataset(path, rejects, resolver)
-    if first_duplicate is not None:  # set with the first of the duplicates
-        dup_id, dup_source, dup_row = first_duplicate
-        log.warning(
-            "%s: dropped %d row(s) that repeat an earlier row's id and content (the first occurrence is kept);"
-            " first repeat: id %r at %s %s %d",
-            path,
-            duplicates,
-            dup_id,
-            dup_source,
-            "line" if _is_jsonl(dup_source) else "row",
-            dup_row,
-        )
-    if rejects:
-        first_reject = rejects[0]
-        log.warning(
-            "%s: skipped %d bad row(s) (on_bad_row=skip); first: %s %s %d: %s",
-            path,
-            len(rejects),
-            first_reject.path,
-            "line" if _is_jsonl(first_reject.path) else "row",
-            first_reject.row,
-            first_reject.reason,
-        )
-    return LoadedDataset(rows=rows, rejects=rejects, duplicates=duplicates, path=path, shape=resolver.shape)
+    def _finish(self, kept: int, first_duplicate: tuple[str, Path, int] | None) -> None:
+        path, rejects = self.path, self.rejects
+        if not kept:  # before the warnings: the error says it all
+            raise _empty_dataset(path, rejects, self.resolver)
+        if first_duplicate is not None:  # set with the first of the duplicates
+            dup_id, dup_source, dup_row = first_duplicate
+            log.warning(
+                "%s: dropped %d row(s) that repeat an earlier row's id and content (the first occurrence is kept);"
+                " first repeat: id %r at %s %s %d",
+                path,
+                self.duplicates,
+                dup_id,
+                dup_source,
+                "line" if _is_jsonl(dup_source) else "row",
+                dup_row,
+            )
+        if rejects:
+            first_reject = rejects[0]
+            log.warning(
+                "%s: skipped %d bad row(s) (on_bad_row=skip); first: %s %s %d: %s",
+                path,
+                len(rejects),
+                first_reject.path,
+                "line" if _is_jsonl(first_reject.path) else "row",
+                first_reject.row,
+                first_reject.reason,
+            )
+
+
+def _content_digest(row: PromptRow | PassthroughRow) -> bytes:
+    """A digest of a row's content, equal for rows that compare equal (dict keys in any order)."""
+    content = json.dumps([getattr(row, f.name) for f in fields(row)], sort_keys=True, ensure_ascii=False, default=repr)
+    return hashlib.blake2b(content.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def _repeat_conflict(
-    row: PromptRow | PassthroughRow, int_id: bool, first_row: Any, first: tuple[int, Path, int, bool], source: Path
+    row: PromptRow | PassthroughRow, int_id: bool, first: tuple[bytes, Path, int, bool], source: Path
 ) -> str | None:
     """Why a row whose id was seen before is bad, or None when it is a plain duplicate."""
-    _, first_source, first_number, first_int = first
+    first_digest, first_source, first_number, first_int = first
     where = f"{'line' if _is_jsonl(first_source) else 'row'} {first_number}"
     if first_source != source:
         where = f"{first_source} {where}"
@@ -167,7 +215,7 @@ def _repeat_conflict(
             f"id {utf8(shown)} collides with id {utf8(first_shown)} at {where}: ids are compared as"
             " strings, so an int id and the same digits as a string are the same id"
         )
-    if row != first_row:  # same id, so this compares the content
+    if _content_digest(row) != first_digest:  # same id, so this compares the content
         return f"id {utf8(row.id)!r} repeats {where} with different content"
     return None
 

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from tasks.datasets.errors import DatasetError
 from tasks.datasets.raw import ACCEPTED_FORMATS, Raw, SelectColumns
 
-_BATCH_ROWS = 1024
+_BATCH_ROWS = 256  # rows parsed at a time: a reader holds one batch of Python rows (long records: ~70 B per token)
 
 
 def read_parquet(path: Path, select: SelectColumns) -> Iterator[Raw]:

@@ -21,7 +21,7 @@ moved to RUN_DIR/quarantine/ and its prompts are generated again).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +36,14 @@ from models.common.jobs import RecordsJob
 from models.common.run_layout import RunLayout
 from tasks.checkpoints import is_whole, live_parts
 from tasks.datasets import Reject
-from tasks.parquet_io import DamagedPart, list_parts, read_metadata, reading, write_parquet_atomic
+from tasks.parquet_io import (
+    DamagedPart,
+    list_parts,
+    parquet_atomic_writer,
+    read_metadata,
+    reading,
+    write_parquet_atomic,
+)
 from tasks.records.chat_masks import MaskError, conversation_records
 from tasks.rejects import write_rejects
 from tasks.stats import nearest_rank
@@ -162,25 +169,29 @@ def build_records(
     for name, source in sorted(sources.items()):
         if name in done:
             continue
-        if kind == "generate":
-            rows, report = _from_responses(_table(source, source_advice(kind, source)), settings)
-        else:
-            rows, report, bad = _from_passthrough(
-                _table(source, source_advice(kind, source)), settings, tokenizer, source
-            )
-            # before the records part: a part on disk means its rejects are too (a rerun skips the part)
-            _write_rejects(bad, rejects_dir, kept=f"{len(done) + built} complete records parts in {records_dir}")
-        table = pa.Table.from_pylist(rows, schema=RECORD_SCHEMA)
-        meta = {f"{META}settings": digest, f"{META}source": name, **report.to_metadata()}
+        kept = f"{len(done) + built} complete records parts in {records_dir}"
+        report = PartReport()
+        bad: list[Reject] = []
         try:
-            write_parquet_atomic(table, records_dir / name, meta)
+            # a row group at a time: a part of long records (a passthrough set's) held whole as Python rows took
+            # ~70 B per token
+            with parquet_atomic_writer(records_dir / name, RECORD_SCHEMA) as out:
+                for first_row, group in _row_groups(source, source_advice(kind, source)):
+                    if kind == "generate":
+                        rows, part_report = _from_responses(group, settings)
+                    else:
+                        rows, part_report, group_bad = _from_passthrough(group, settings, tokenizer, source, first_row)
+                        bad += group_bad
+                    report.add(part_report)
+                    out.write(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA))
+                if kind == "passthrough":
+                    # before the records part: a part on disk means its rejects are too (a rerun skips the part)
+                    _write_rejects(bad, rejects_dir, kept=kept)
+                out.metadata = {f"{META}settings": digest, f"{META}source": name, **report.to_metadata()}
+        except _ReadFailed as e:  # the source, not the write (a missing part: the OS's own error names it)
+            raise e.error from None
         except OSError as e:
-            raise WriteFailed(
-                records_dir / name,
-                e,
-                kept=f"{len(done) + built} complete records parts in {records_dir}",
-                resume=RESUME,
-            ) from None
+            raise WriteFailed(records_dir / name, e, kept=kept, resume=RESUME) from None
         built += 1
     records = dataset_report(dataset, records_dir)
     records.parts_built = built
@@ -217,6 +228,33 @@ def summarize_records(records_dir: Path) -> PartReport:
     return total
 
 
+GROUP_ROWS = 256  # rows read, converted and written at a time
+
+
+class _ReadFailed(Exception):
+    """The OS refused to read a source part: its error, told apart from a failed write of the records part."""
+
+    def __init__(self, error: OSError) -> None:
+        self.error = error
+
+
+def _row_groups(path: Path, advice: str) -> Iterator[tuple[int, pa.Table]]:
+    """(number of the first row, counted from 1; GROUP_ROWS rows) of a source part; DamagedPart, with `advice`, when
+    it cannot be read."""
+    try:
+        with reading(path):
+            batches = pq.ParquetFile(path).iter_batches(batch_size=GROUP_ROWS)
+            first = 1
+            while (batch := next(batches, None)) is not None:
+                table = pa.Table.from_batches([batch])
+                first += batch.num_rows
+                yield first - batch.num_rows, table
+    except DamagedPart as e:
+        raise e.with_advice(advice) from None
+    except OSError as e:
+        raise _ReadFailed(e) from None
+
+
 def _from_responses(table: pa.Table, settings: RecordsJob) -> tuple[list[dict], PartReport]:
     report = PartReport()
     rows: list[dict] = []
@@ -232,12 +270,12 @@ def _from_responses(table: pa.Table, settings: RecordsJob) -> tuple[list[dict], 
 
 
 def _from_passthrough(
-    table: pa.Table, settings: RecordsJob, tokenizer: Any, source: Path
+    table: pa.Table, settings: RecordsJob, tokenizer: Any, source: Path, first_row: int = 1
 ) -> tuple[list[dict], PartReport, list[Reject]]:
     report = PartReport()
     rows: list[dict] = []
     rejects: list[Reject] = []
-    for n, r in enumerate(table.to_pylist(), 1):
+    for n, r in enumerate(table.to_pylist(), first_row):
         if r["messages"] is None:  # pre-tokenized: validate, take as is
             problem = _check_tokenized(r["input_ids"], r["loss_mask"], settings.vocab_size)
             if problem:
