@@ -124,8 +124,11 @@ class Command:
                     todo.append(child)
             with self._changed:
                 for pid in found:
-                    if pid not in self.seen:
-                        self.seen[pid] = cmdline(pid)
+                    # read again while it lives: a child seen between its fork and its exec still shows its parent's
+                    # command line (a CI run missed the temporary Prefect server so, and waited for the command's end)
+                    line = cmdline(pid)
+                    if line or pid not in self.seen:
+                        self.seen[pid] = line
                 self._changed.notify_all()
             time.sleep(0.05)  # /proc has no event to wait on
 
