@@ -161,22 +161,14 @@ def measure(p: Params, tmp: Path, out: dict[str, Any]) -> None:
         raise SystemExit(f"--engine must be {' or '.join(VENVS)}, got {p.engine!r}")
     if not url:
         from tasks.engines import sglang, vllm
-        from tasks.launch_servers import ServerProcess, fill_placeholders
-        from tasks.ports import free_port
 
         python = REPO / VENVS[p.engine] / "bin" / "python"
         if not python.is_file():
             raise SystemExit(f"{python} is missing: `make {p.engine}` installs it (or pass --url)")
         target, _ = harness.TargetParams().build_target("generate-real")
         command = (sglang if p.engine == "sglang" else vllm).cpu_command(str(python), str(target))
-        port = free_port()
-        words = [fill_placeholders(w, {"host": "127.0.0.1", "port": str(port)}) for w in command]
-        url = f"http://127.0.0.1:{port}"
-        log = tmp / f"{p.engine}.log"
-        server = ServerProcess(words, url, log_path=log, engine=p.engine)
-        server.start()
-        print(f"starting {p.engine} at {url} (log {log})", flush=True)
-        server.wait_healthy(timeout_s=600)
+        server = harness.start_server(command, p.engine, tmp / f"{p.engine}.log")
+        url = server.url
     try:
         model = served_model(p.engine, url)
         tokenizer = AutoTokenizer.from_pretrained(target or model)

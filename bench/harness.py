@@ -9,6 +9,7 @@ from here how a run is set up, started, timed and written down:
   machine, the load average at start and end) and the figures written as JSON;
 - `TargetParams`: the tiny Llama target's shape, its cache directory and its build;
 - `record_row`, `write_records`, `length_summary`: synthetic records in the records stage's format;
+- `start_server`: an engine's CPU command started and healthy;
 - `launch`: a rank job started as the stage tasks start it (`tasks.launch_ranks.rank_command` + `run_job`),
   its lines time-stamped into a log; `spawn`: baselines in fresh processes, like ranks;
   `descendants_cpu_s` / `process_cpu_s` / `extension_builds`: what those processes cost;
@@ -289,6 +290,25 @@ class Launched:
     started_at: float  # time.time() at launch (to line up with wall-clock stamps the job writes)
     wall_s: float  # launch -> launcher exit
     ops_built: list[str] = field(default_factory=list)  # torch extensions (re)built during the launch
+
+
+def start_server(command: list[str], engine: str, log: Path) -> Any:
+    """A serving engine's `cpu_command` (tasks/engines/) started on a free loopback port, as the pipeline starts it,
+    and healthy: its ServerProcess (`.url`; `.stop()` it when done)."""
+    from tasks.launch_servers import ServerProcess, fill_placeholders
+    from tasks.ports import free_port
+
+    port = free_port()
+    words = [fill_placeholders(w, {"host": "127.0.0.1", "port": str(port)}) for w in command]
+    server = ServerProcess(words, f"http://127.0.0.1:{port}", log_path=log, engine=engine)
+    server.start()
+    print(f"  starting {engine} at {server.url} (log {log})", flush=True)
+    try:
+        server.wait_healthy(timeout_s=600)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def launch(

@@ -80,22 +80,14 @@ def serve_pass(url: str, p: Params) -> tuple[int, float]:
 def measure_server(threads: str, target: Path, p: Params, scratch: Path) -> dict[str, Any]:
     """tok/s alone and beside a spinning process, with `threads` "one" (the command as written) or "default"."""
     from tasks.engines.sglang import cpu_command
-    from tasks.launch_servers import ServerProcess, fill_placeholders
-    from tasks.ports import free_port
 
-    port = free_port()
     words = cpu_command(str(SGLANG_PYTHON), str(target), context_length=2048)
     assert ONE_THREAD in words, "cpu_command no longer sets OMP_NUM_THREADS=1: this bench compares against that"
     if threads == "default":
         words = [w for w in words if w != ONE_THREAD]
-    words = [fill_placeholders(w, {"host": "127.0.0.1", "port": str(port)}) for w in words]
-    server = ServerProcess(
-        words, f"http://127.0.0.1:{port}", log_path=scratch / f"sglang-{threads}.log", engine="sglang"
-    )
     started = time.monotonic()
-    server.start()
+    server = harness.start_server(words, "sglang", scratch / f"sglang-{threads}.log")
     try:
-        server.wait_healthy(timeout_s=600)
         print(f"  {threads} threads: healthy after {time.monotonic() - started:.0f} s", flush=True)
         serve_pass(server.url, Params(requests=2, new_tokens=4))  # warm-up
         out: dict[str, Any] = {}

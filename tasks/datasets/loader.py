@@ -111,7 +111,6 @@ class DatasetStream:
     def __init__(
         self, source: DatasetSource, kind: Kind, resolver: Resolver, on_bad_row: OnBadRow, raws: Iterator[Raw]
     ) -> None:
-        self.source = source
         self.path = source.path if isinstance(source, HubDataset) else Path(source)
         self.kind = kind
         self.resolver = resolver
