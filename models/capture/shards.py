@@ -47,7 +47,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
-from models.common.atomic import atomic_file, atomic_path
+from models.common.atomic import atomic_file, atomic_path, is_safetensors_temp
 from models.common.file_errors import DamagedShard, WriteFailed
 
 FORMAT = "eagle3-hidden-v1"
@@ -65,9 +65,6 @@ METADATA_NAME = (
 )
 _SHARD_RE = re.compile(r"^shard-(\d{3,})-(\d{6,})\.safetensors$")
 _TMP_PREFIX = ".shard-"
-# safetensors' save_file writes `.tmpXXXXXX` (Rust's tempfile crate) beside the target, then renames it to our
-# temp name: a kill -9 mid-write leaves one of those too
-_SAFETENSORS_TMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust I/O errors carry the errno
 RESUME = (
     "make room there (or give capture.out_dir a bigger disk), then run the capture stage again: "
@@ -225,7 +222,7 @@ def clean_temps(out_dir: str | Path, rank: int | None = None) -> int:
     prefix = _TMP_PREFIX if rank is None else f"{_TMP_PREFIX}{rank:03d}-"
     n = 0
     for p in out_dir.iterdir():
-        if p.name.startswith(prefix) or _SAFETENSORS_TMP.match(p.name):
+        if p.name.startswith(prefix) or is_safetensors_temp(p.name):
             p.unlink(missing_ok=True)
             n += 1
     return n

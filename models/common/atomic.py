@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -22,6 +23,14 @@ from pathlib import Path
 from typing import IO
 
 TMP_SUFFIX = ".tmp"
+# safetensors' save_file (0.8.0's Rust serialize_file, through the tempfile crate) writes `.tmpXXXXXX` beside the
+# target and renames it into place: a kill -9 mid-write leaves one behind, in whatever directory it wrote to
+_SAFETENSORS_TMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
+
+
+def is_safetensors_temp(name: str) -> bool:
+    """True for the name of a temp file safetensors' save_file leaves when killed mid-write."""
+    return bool(_SAFETENSORS_TMP.match(name))
 
 
 def temp_path(path: str | Path) -> Path:

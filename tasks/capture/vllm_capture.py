@@ -47,6 +47,7 @@ from models.capture.vllm_hidden import (
     server_flags,
     wait_for_file,
 )
+from models.common.atomic import is_safetensors_temp
 from models.common.jobs import CaptureJob, VllmCaptureSettings
 from models.draft.config import default_aux_layers
 from tasks.capture.plan import capture_dtype, target_shape
@@ -105,12 +106,16 @@ def check_in_shared_dir(path: str, shared_dir: Path) -> None:
 
 
 def clean_connector_files(shared_dir: Path) -> int:
-    """Delete the connector files a killed capture left in `shared_dir` (its records are sent again); how many."""
+    """Delete the connector files a killed capture left in `shared_dir` (its records are sent again); how many.
+
+    A server killed mid-write also leaves safetensors' own `.tmpXXXXXX` (models/common/atomic.py).
+    """
     if not shared_dir.is_dir():
         return 0
     n = 0
     for p in shared_dir.iterdir():
-        if p.name.endswith((".safetensors", ".safetensors" + LOCK_SUFFIX, ".safetensors.tmp")) and p.is_file():
+        connector = p.name.endswith((".safetensors", ".safetensors" + LOCK_SUFFIX, ".safetensors.tmp"))
+        if (connector or is_safetensors_temp(p.name)) and p.is_file():
             p.unlink(missing_ok=True)
             n += 1
     return n

@@ -37,7 +37,7 @@ from models.capture.vllm_hidden import ExtractionFailed, FinalNorm, engine_layer
 from models.common.file_errors import WriteFailed
 from models.common.jobs import CaptureJob, DatasetRecords, VllmCaptureSettings
 from models.target.tiny import SAMPLES_DIR
-from tasks.capture.vllm_capture import RecordsRefused, capture_with_vllm
+from tasks.capture.vllm_capture import RecordsRefused, capture_with_vllm, clean_connector_files
 from tasks.engines.errors import AuthError, ServerOutage
 
 REPO = Path(__file__).resolve().parents[3]
@@ -405,6 +405,27 @@ def test_full_disk_stops_at_once_and_resumes(tiny_target_dir, records, app, shar
 
 
 @pytest.mark.multiprocess
+def test_a_server_killed_inside_safetensors_save_file_leaves_a_temp_the_cleanup_removes(tmp_path):
+    """safetensors itself (not our emulation) makes the temp name: a child killed mid-write by SIGXFSZ leaves it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    script = (
+        "import resource, signal, sys, torch\n"
+        "from safetensors.torch import save_file\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"  # Python ignores it; the default kills, like kill -9
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "save_file({'hidden_states': torch.zeros(100_000)}, sys.argv[1])\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", script, str(shared / "cmpl-0-0.safetensors")], check=False)
+    assert killed.returncode == -signal.SIGXFSZ
+    (left,) = [p.name for p in shared.iterdir()]
+    assert left.startswith(".tmp") and len(left) == 10, left  # Rust's tempfile crate: ".tmp" + 6 characters
+    (shared / "notes.txt").write_text("not the connector's")
+    (shared / ".tmp-mine").write_text("not safetensors' name either")
+    assert clean_connector_files(shared) == 1
+    assert sorted(p.name for p in shared.iterdir()) == [".tmp-mine", "notes.txt"]
+
+
 def test_killed_capture_resumes_exactly_once(tiny_target_dir, records, app, shared, tmp_path, procs):
     out = tmp_path / "hidden"
     capture_job = job(tiny_target_dir, records, out, shard_tokens=120)
