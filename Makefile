@@ -26,7 +26,7 @@ SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_RECIPE := $(wildcard deploy/sglang-cpu/*)
 
-.PHONY: demo test test-fast lint format venv vllm sglang clean up down deepspeed-json config-keys lock rehearsal-browser
+.PHONY: demo test test-fast lint format venv vllm sglang clean up down deepspeed-json commands-doc config-keys lock rehearsal-browser
 
 venv: $(STAMP)
 
@@ -80,7 +80,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadscope tests -m "not slow and not e2e and not multiprocess"
 
-LINTED := flows tasks models emulators bench tests
+LINTED := cli flows tasks models emulators bench tools tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
@@ -92,7 +92,11 @@ format: $(STAMP)
 	$(BIN)/ruff format $(LINTED)
 
 deepspeed-json: $(STAMP)
-	$(BIN)/python -m flows.commands.deepspeed_json
+	$(BIN)/python -m cli.deepspeed_json
+
+# docs/commands.md, every command and option from the CLI's own help (tests/cli/test_commands_doc.py checks it is current)
+commands-doc: $(STAMP)
+	$(BIN)/python -m cli.commands_doc
 
 # docs/config-keys.md, every config key from the schema (tests/flows/config/test_keys.py checks it is current)
 config-keys: $(STAMP)

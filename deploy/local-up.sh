@@ -7,7 +7,7 @@
 #
 # Environment: PREFECT_PORT (4200), EAGLE3_HOME (this repository), EAGLE3_STATE (.prefect-local:
 # PREFECT_HOME with the SQLite database, logs and pid files). For PostgreSQL set
-# PREFECT_SERVER_DATABASE_CONNECTION_URL before starting (see docs/prefect-team.md, 'PostgreSQL for the local server').
+# PREFECT_SERVER_DATABASE_CONNECTION_URL before starting (see docs/prefect.md, 'A server for a team').
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

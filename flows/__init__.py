@@ -1,4 +1,4 @@
-"""Prefect flows, the typed run config and the `eagle3` CLI."""
+"""Prefect flows: the pipeline and one flow per stage, the typed run config, the preflight and the plan."""
 
 import os
 

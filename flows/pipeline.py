@@ -9,30 +9,20 @@ from prefect.runtime import flow_run
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from flows.capture import capture
-from flows.commands.doctor import engine_checks, preflight, report
-from flows.config.file import load_config
 from flows.config.schema import RunConfig
 from flows.eval import evaluate
 from flows.generate import generate
+from flows.preflight import engine_checks, preflight, report
 from flows.records import records
+from flows.stage_run import held_run
 from flows.train import train
+from models.common.stages import STAGES, Stage, parse_stages
 from models.target.tiny import build_target
 from tasks.artifacts import publish_pipeline_summary, stage_headline
 from tasks.dead_runs import end_dead_runs
 from tasks.launch_servers import launched_servers
-from tasks.run_lock import run_lock
 
-STAGES = ("generate", "records", "capture", "train", "eval")  # in pipeline order
 ALL_STAGES = ",".join(STAGES)
-
-
-def parse_stages(stages: str) -> list[str]:
-    """The chosen stages in pipeline order; ValueError naming unknown ones."""
-    chosen = [s.strip() for s in stages.split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in STAGES]
-    if unknown or not chosen:
-        raise ValueError(f"unknown stage(s) {', '.join(unknown) or '(none given)'}; available: {ALL_STAGES}")
-    return [s for s in STAGES if s in chosen]
 
 
 def _run_name() -> str:
@@ -51,25 +41,19 @@ def pipeline(
     """The whole run, or the chosen stages; every stage resumes where it stopped.
 
     `retry_rejects`: also send again the prompts the server refused (HTTP 400) in earlier runs.
-    `skip_checks`: do not run the preflight checks (flows/commands/doctor.py) before the first stage.
+    `skip_checks`: do not run the preflight checks (flows/preflight.py) before the first stage.
     `eval_draft`: the draft the eval stage measures instead of eval.draft (final, best or a draft directory).
     """
-    config = load_config(config_path)
     chosen = parse_stages(stages)
-    # one writer per run dir and per output dir outside it, for every stage
-    with run_lock(
-        config.run_dir,
-        f"pipeline [{','.join(chosen)}]",
-        also=config.written_dirs(chosen),
-        reads=config.read_dirs(chosen),
-    ):
+    # one writer per run dir and per output dir outside it, for every stage: held by `eagle3 run` already, or taken here
+    with held_run(config_path, chosen, f"pipeline [{','.join(chosen)}]") as config:
         return run_stages(config_path, config, chosen, retry_rejects, skip_checks, eval_draft)
 
 
 def run_stages(
     config_path: str,
     config: RunConfig,
-    chosen: list[str],
+    chosen: list[Stage],
     retry_rejects: bool,
     skip_checks: bool = False,
     eval_draft: str | None = None,
@@ -112,7 +96,7 @@ def run_stages(
     return results
 
 
-def summarize(config_path: str, chosen: list[str], results: dict) -> None:
+def summarize(config_path: str, chosen: list[Stage], results: dict) -> None:
     """The pipeline-summary artifact on this flow run: each stage's subflow run, its state, what it made and its
     artifacts' keys (those are on the subflow runs, not here)."""
     headlines = {stage: stage_headline(stage, result) for stage, result in results.items()}

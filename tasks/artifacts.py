@@ -4,6 +4,7 @@ the pipeline run's own summary of its stages."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
@@ -107,7 +108,9 @@ def stage_runs(pipeline_run_id: UUID) -> list[StageRun]:
     return [StageRun(flows.get(r.flow_id, "?"), r.id, r.name, r.state_name or "?", keys.get(r.id, [])) for r in runs]
 
 
-def pipeline_summary_markdown(title: str, stages: list[str], runs: list[StageRun], headlines: dict[str, str]) -> str:
+def pipeline_summary_markdown(
+    title: str, stages: Sequence[str], runs: list[StageRun], headlines: dict[str, str]
+) -> str:
     """The pipeline run's own report: a row per chosen stage with its subflow run (a link where the UI's address is
     known), its state, what it made, and its artifacts' keys (they are on the subflow run's Artifacts tab)."""
     by_stage = {r.stage: r for r in runs}
@@ -132,7 +135,7 @@ def pipeline_summary_markdown(title: str, stages: list[str], runs: list[StageRun
 
 
 @task(name="pipeline-summary", cache_policy=NO_CACHE)
-def publish_pipeline_summary(config_name: str, stages: list[str], headlines: dict[str, str]) -> None:
+def publish_pipeline_summary(config_name: str, stages: Sequence[str], headlines: dict[str, str]) -> None:
     """The pipeline-summary markdown artifact on the pipeline's own flow run (the stages' artifacts are on their
     subflow runs), a new version after each stage; a failure to write it is logged, never fatal to the run."""
     pipeline_run_id = UUID(flow_run.get_id())

@@ -197,6 +197,16 @@ def _read_fd(fd: int) -> dict[str, Any]:
         return {}
 
 
+def note_flow_run(run_dir: Path | str) -> None:
+    """Name the current flow run in RUN_DIR/.lock, which this process holds (a stage flow run under the lock the
+    command or the pipeline took: tasks/dead_runs.py ends it if the holder is killed)."""
+    with _guard:
+        entry = _held.get(Path(run_dir).resolve())
+        if entry is None or not entry[2]:
+            raise RuntimeError(f"{run_dir} is not locked for writing by this process")
+        _note_flow_run(entry[0])
+
+
 def _note_flow_run(fd: int) -> None:
     """Add the current flow run to the holder's `flow_run_ids` (a stage's subflow under the pipeline's lock)."""
     run_id = _current_flow_run()

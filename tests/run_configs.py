@@ -44,7 +44,7 @@ def short_demo(run_dir: Path, target_dir: Path, overrides: dict, **demo: Any) ->
 
     from rich.console import Console
 
-    from flows.commands.demo import run_demo
+    from cli.demo import run_demo
 
     out = io.StringIO()
     config = run_demo(

@@ -30,6 +30,7 @@ from models.common.jobs import (
 from models.common.nodes import Nodes
 from models.common.run_layout import RUN_DRAFTS, RunLayout
 from models.common.server_access import replica_url
+from models.common.stages import Stage
 from tasks.datasets.hub import hub_repo_id, is_hub_path
 
 
@@ -417,7 +418,7 @@ class RunConfig(Section):
             draft_dir=self.train.out_dir,
         )
 
-    def written_dirs(self, stages: list[str]) -> list[tuple[str, Path]]:
+    def written_dirs(self, stages: list[Stage]) -> list[tuple[str, Path]]:
         """(setting, directory) for each directory `stages` write besides RUN_DIR (locked with it: tasks/run_lock.py).
 
         Only what a stage writes: train only reads capture.out_dir (`read_dirs`: a shared lock), so several
@@ -432,7 +433,7 @@ class RunConfig(Section):
             dirs.append(("train.out_dir", layout.draft_dir))
         return dirs
 
-    def read_dirs(self, stages: list[str]) -> list[tuple[str, Path]]:
+    def read_dirs(self, stages: list[Stage]) -> list[tuple[str, Path]]:
         """(setting, directory) that `stages` only read, locked shared: no capture may write them meanwhile."""
         return (
             [("capture.out_dir", self.layout.hidden_dir)] if "train" in stages and self.train.mode == "offline" else []

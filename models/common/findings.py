@@ -1,6 +1,6 @@
 """A check's finding: PASS, WARN (works, but not as tested or not as meant) or FAIL (a later step would fail).
 
-`eagle3 doctor` (flows/commands/doctor.py), the pipeline's preflight and bench/gpu_check.py all report in
+`eagle3 doctor` (flows/preflight.py), the pipeline's preflight and tools/gpu_check.py all report in
 findings: one line of what was seen and, unless it passed, one line of what to do.
 """
 

@@ -1,7 +1,7 @@
 """GPU and host memory per rank for the capture, by backend: refuse a config that cannot fit before it starts.
 
 Every figure comes from the target's config.json, counted here once; `eagle3 plan` prints them and
-`eagle3 doctor` checks the configured backend's (flows/commands/plan.py `memory_plans`). They are arithmetic,
+`eagle3 doctor` checks the configured backend's (flows/plan.py `memory_plans`). They are arithmetic,
 not measurements: what a forward allocates besides (attention scores, allocator slack, the CUDA context)
 is not counted, so a plan that fits by a few GiB may still not fit.
 

@@ -1,4 +1,4 @@
-"""A team's Prefect: the server on a real PostgreSQL, one GPU pool, one worker per box (docs/prefect-team.md).
+"""A team's Prefect (docs/prefect.md): the server on a real PostgreSQL, one GPU pool, one worker per box.
 
 PostgreSQL runs from Debian's `postgresql` package (.ci/run installs it where it can), in a temporary
 directory, as the `postgres` user when the tests run as root (PostgreSQL refuses to run as root). The
@@ -189,7 +189,7 @@ def test_a_team_server_on_postgresql_runs_a_deployment_on_the_box_its_queue_name
             model_path=str(tiny_target_dir),
         ) as sim,
     ):
-        # docs/prefect-team.md, 'Setting it up': the pool's limit is the number of boxes, a queue per box, one worker
+        # docs/prefect.md, 'Setting it up': the pool's limit is the number of boxes, a queue per box, one worker
         # per box polling only its queue and running one flow run at a time
         boxes = ("box-a", "box-b")
         server.create_pools_and_deploy(

@@ -240,7 +240,7 @@ def test_module_cli_refuses_bad_speculative_flags(tiny_target_dir, draft_dir, ca
 def test_eagle3_serve_dev_refuses_bad_speculative_flags(tiny_target_dir, draft_dir):
     from typer.testing import CliRunner
 
-    from flows.commands.cli import app
+    from cli.app import app
 
     flags = draft_flags(tiny_target_dir, draft_dir, "--speculative-num-draft-tokens", "3")
     result = CliRunner().invoke(app, ["serve-dev", *flags])

@@ -160,7 +160,7 @@ def test_the_vllm_backend_runs_the_flow_plan_and_artifact_like_the_deepspeed_one
 
     from rich.console import Console
 
-    from flows.commands.plan import print_plan
+    from cli.plan import print_plan
     from flows.config.file import load_config
     from models.capture.shards import done_sample_keys
     from tasks.ports import free_port

@@ -150,7 +150,7 @@ def _two_nodes(
     assert command[command.index("--nnodes") + 1] == "2" and command[command.index("--node_rank") + 1] == "0"
     node0 = _start(command, env, job.with_suffix(".node0.log"))
     other, other_env = node1 or (
-        [sys.executable, "-m", "flows.commands.cli", "node", str(config), "--node-rank", "1", "--stages", stage],
+        [sys.executable, "-m", "cli.app", "node", str(config), "--node-rank", "1", "--stages", stage],
         {},
     )
     return node0, _start(other, other_env, job.with_suffix(".node1.log"))

@@ -619,7 +619,7 @@ def test_bad_benchmarks_are_named(benchmark, expected):
 
 
 def test_the_demo_server_section_for_each_engine_validates(tmp_path, monkeypatch):
-    import flows.commands.demo as demo
+    import cli.demo as demo
 
     config = demo.demo_config(tmp_path / "run")
     dev = demo.demo_server(config, "dev", "http://127.0.0.1:30011")

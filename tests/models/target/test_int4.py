@@ -103,7 +103,7 @@ def test_packing_round_trips_like_compressed_tensors_decompressor(builds):
 def test_the_int4_build_is_reproducible_byte_for_byte(builds, tmp_path):
     from typer.testing import CliRunner
 
-    from flows.commands.cli import app
+    from cli.app import app
 
     base, quantized = builds
     again = tmp_path / "again"

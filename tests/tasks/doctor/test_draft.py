@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.commands.cli import app
-from flows.commands.doctor import PreflightFailed, doctor_findings, preflight
+from cli.app import app
 from flows.config.file import load_config
+from flows.preflight import PreflightFailed, doctor_findings, preflight
 from models.common.findings import Finding
 from tasks.engines.vllm import cpu_command
 from tests.run_configs import write_demo_config

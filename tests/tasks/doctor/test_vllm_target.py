@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.commands.doctor import doctor_findings
 from flows.config.file import load_config
+from flows.preflight import doctor_findings
 from models.common.findings import Finding
 from tasks.doctor.vllm_target import (
     VllmServer,

@@ -75,7 +75,7 @@ def test_the_sglang_demo_serves_its_draft_in_sglang_s_own_eagle3_worker_with_the
 def variant_config(config, tmp_path: Path, name: str, train: dict) -> Path:
     """The demo's config, training `train` into tmp_path/name on the demo's capture, its eval on VARIANT_PROMPTS
     prompts with no pass without the draft (the demo's test compares those), served by SGLang on a free port."""
-    from flows.commands.demo import demo_server
+    from cli.demo import demo_server
     from flows.config.file import load_config
     from tasks.ports import free_port
 

@@ -74,7 +74,7 @@ def kimi_demo(vllm_python, kimi_target_dir, tmp_path_factory, prefect_harness):
 
     from rich.console import Console
 
-    from flows.commands.demo import run_demo
+    from cli.demo import run_demo
 
     out = io.StringIO()
     # no pass without the draft (eval.baseline): its speedup says nothing on CPU, and greedy with and without the
@@ -245,7 +245,7 @@ def test_an_mla_draft_is_served_by_vllm_with_the_in_process_eval_s_rounds(kimi_d
     and the target share the CPU MLA kernel) counts the in-process eval's tokens and verify rounds prompt by prompt."""
     import yaml
 
-    from flows.commands.demo import demo_server
+    from cli.demo import demo_server
     from flows.config.file import load_config
     from tests.tasks.engines.test_vllm_real import eagle3
 

@@ -414,9 +414,9 @@ def test_turns_all_through_vllm_answers_each_turn_after_vllm_s_own_earlier_answe
 def trained(plain, tiny_target_dir, tmp_path_factory, harness_api_url):
     """The demo's stages generate..train with generate through the plain vLLM.
 
-    A shorter training, as in tests/flows/commands/test_demo.py.
+    A shorter training, as in tests/cli/test_demo.py.
     """
-    from flows.commands.demo import demo_config
+    from cli.demo import demo_config
     from flows.config.file import dump_config
 
     base = tmp_path_factory.mktemp("vllm-demo")
@@ -626,7 +626,7 @@ def test_after_the_dev_demo_vllm_is_refused_in_its_run_dir_and_generates_in_its_
     then through the real vLLM with a prompt more a dataset: refused in runs/demo by the generate stage itself (after
     asking vLLM what it is, before its first request), and generated in runs/demo-vllm, whose record says vLLM and its
     version."""
-    from flows.commands.demo import demo_config, demo_server
+    from cli.demo import demo_config, demo_server
     from flows.config.file import dump_config
     from flows.pipeline import pipeline
     from models.common.run_layout import RunLayout

@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from models.common.stages import NODE_STAGES, STAGES, Stage, UnknownStage, parse_stages
+
 
 class Eagle3(typer.Typer):
     """The `eagle3` app. Called as a program (the console script calls `app()`; `main`), it flushes its output line by
@@ -98,7 +100,7 @@ def demo(
     ),
 ) -> None:
     """Run the pipeline on the embedded default: tiny target, dev server (or a real SGLang or vLLM), sample data."""
-    from flows.commands.demo import DEMO_TARGETS, check_demo_engine, run_demo
+    from cli.demo import DEMO_TARGETS, check_demo_engine, run_demo
 
     if target not in DEMO_TARGETS:
         err.print(
@@ -140,14 +142,11 @@ def demo(
 @app.command()
 def validate(config: Path = typer.Argument(..., help="The YAML run config to check.")) -> None:
     """Check a run config and every dataset file it names; print a table of the datasets."""
-    from flows.commands.validate import validate_datasets
+    from cli.validate import validate_datasets
 
     cfg = _config_or_exit(config)
     ok = validate_datasets(cfg, config_path=config, console=console)
     raise typer.Exit(0 if ok else 1)
-
-
-STAGES = ("generate", "records", "capture", "train", "eval")  # in pipeline order (flows/pipeline.py)
 
 
 SKIP_CHECKS_HELP = "Do not run the preflight checks (`eagle3 doctor`'s) before the first stage; said in the log."
@@ -192,7 +191,7 @@ def export(
 ) -> None:
     """Write a draft in another format, the tensors unchanged: `speculators` (`vllm serve OUT` serves the target with
     it, no other flag) or `sglang` (our export: SGLang's and vLLM's --speculative-* flags). Reads either format."""
-    from flows.commands.export import export_draft_as
+    from cli.export import export_draft_as
 
     cfg = _config_or_exit(config)
     try:
@@ -212,7 +211,7 @@ def doctor(config: Path = typer.Argument(..., help="The YAML run config to check
     A table of checks, each PASS, WARN or FAIL with what to do. Exit status: 0 no FAIL; 1 a check failed; 2 bad config.
     The pipeline runs the same checks before its first stage (--skip-checks skips them).
     """
-    from flows.commands.doctor import print_doctor
+    from cli.doctor import print_doctor
 
     cfg = _config_or_exit(config)
     raise typer.Exit(0 if print_doctor(cfg, config, console) else 1)
@@ -226,21 +225,17 @@ def run(
     skip_checks: bool = typer.Option(False, "--skip-checks", help=SKIP_CHECKS_HELP),
 ) -> None:
     """Run the pipeline's stages on a config (each stage resumes where it stopped; the preflight checks first)."""
-    chosen = [s.strip() for s in stages.split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in STAGES]
-    if unknown or not chosen:
-        err.print(
-            f"[red]error:[/red] unknown stage(s) {', '.join(unknown) or '(none given)'}; "
-            f"available: {', '.join(STAGES)}",
-            highlight=False,
-        )
-        raise typer.Exit(2)
+    try:
+        chosen = parse_stages(stages)
+    except UnknownStage as exc:
+        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
     _run_stages(config, chosen, retry_rejects=retry_rejects, skip_checks=skip_checks)
 
 
 def _run_stages(
     config: Path,
-    stages: list[str],
+    stages: list[Stage],
     *,
     retry_rejects: bool = False,
     skip_checks: bool = False,
@@ -254,16 +249,15 @@ def _run_stages(
         if not (Path(eval_draft) / "config.json").is_file():
             err.print(f"[red]error:[/red] --draft {escape(eval_draft)}: no config.json there (not a draft)")
             raise typer.Exit(2)
+    from flows.stage_run import held_run
     from tasks.prefect_api import prefect_api
-    from tasks.run_lock import RunDirLocked, run_lock
+    from tasks.run_lock import RunDirLocked
 
     try:
-        # Taken here too (re-entrant: the flow takes it again): a second writer is refused before
-        # a Prefect server starts, and no flow run is created for it.
+        # Taken here, once: a second writer is refused before a Prefect server starts, and no flow run is created
+        # for it; the pipeline and its stage flows find the config loaded and the lock held (flows/stage_run.py).
         with (
-            run_lock(
-                cfg.run_dir, f"eagle3 {','.join(stages)}", also=cfg.written_dirs(stages), reads=cfg.read_dirs(stages)
-            ),
+            held_run(config, stages, f"eagle3 {','.join(stages)}", config=cfg),
             prefect_api(say=_say),
         ):
             from flows.pipeline import pipeline
@@ -277,7 +271,7 @@ def _run_stages(
         raise typer.Exit(1) from None
     _print_stats(cfg.run_dir, as_json=False)
     if "eval" in stages:
-        from flows.commands.demo import render_eval
+        from cli.demo import render_eval
 
         report = cfg.layout.eval_of(eval_draft or cfg.eval.draft)[1]
         console.print(render_eval(report))
@@ -287,7 +281,7 @@ def _run_stages(
 @app.command()
 def plan(config: Path = typer.Argument(..., help="The YAML run config.")) -> None:
     """What every stage still has to do: tokens, disk bytes against free space, time when known."""
-    from flows.commands.plan import print_plan
+    from cli.plan import print_plan
 
     raise typer.Exit(0 if print_plan(_config_or_exit(config), console) else 1)
 
@@ -423,9 +417,6 @@ def import_jsonl(
         console.print(f"created the run directory {escape(str(run_dir))}", highlight=False)
 
 
-NODE_STAGES = ("capture", "train")  # the stages whose jobs span nodes
-
-
 @app.command()
 def node(
     config: Path = typer.Argument(
@@ -443,11 +434,14 @@ def node(
     from tasks.launch_ranks import resolve_launcher, run_node
 
     cfg = _config_or_exit(config)
-    chosen = [s.strip() for s in stages.split(",") if s.strip()]
+    try:
+        chosen = parse_stages(stages, NODE_STAGES)
+    except UnknownStage:
+        chosen = []
     problem = None
     if not cfg.distributed.multinode:
         problem = f"{config}: distributed.nnodes is 1: capture and train run on the pipeline's node alone"
-    elif not chosen or [s for s in chosen if s not in NODE_STAGES]:
+    elif not chosen:
         problem = f"--stages {stages!r}: give capture, train or both"
     elif not 1 <= node_rank < cfg.distributed.nnodes:
         problem = (

@@ -13,7 +13,7 @@ import yaml
 
 from tests.run_locks import lock_held_elsewhere
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 EAGLE3 = Path(sys.executable).parent / "eagle3"
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes of its own

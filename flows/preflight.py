@@ -1,4 +1,5 @@
-"""`eagle3 doctor`, and the pipeline's preflight: the checks that find in seconds what would fail hours in.
+"""The preflight: the checks that find in seconds what would fail hours in, run by the pipeline before its first
+stage and shown whole by `eagle3 doctor` (cli/doctor.py).
 
 Eight groups, each in its own module: the environment (models/ranks/environment.py), the serving engine,
 the chat template on a sample of each dataset, an exported draft, what vLLM needs of the target (when
@@ -16,15 +17,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
-from flows.commands.plan import capture_plan, memory_plans
 from flows.config.schema import RunConfig
+from flows.plan import capture_plan, memory_plans
 from flows.train import train_job
 from models.common.findings import Finding, failed
 from models.common.run_layout import RUN_DRAFTS
+from models.common.stages import STAGES, Stage
 from models.ranks.environment import environment_checks
 from models.train.checkpoint import optimisation_settings, variant_settings
 from tasks.capture.plan import TargetConfigMissing, capture_dtype, capture_layers, read_target_config, target_shape
@@ -34,16 +32,13 @@ if TYPE_CHECKING:
     from tasks.doctor.draft import ServedDraft
     from tasks.doctor.vllm_target import VllmServer
 
-ALL_STAGES = ("generate", "records", "capture", "train", "eval")
-STATUS_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
-
 
 class PreflightFailed(RuntimeError):
     """A check failed before the first stage: nothing was started."""
 
 
 def doctor_findings(
-    config: RunConfig, stages: list[str] | None = None, *, engine: bool = True, eval_draft: str | None = None
+    config: RunConfig, stages: list[Stage] | None = None, *, engine: bool = True, eval_draft: str | None = None
 ) -> list[tuple[str, Finding]]:
     """(group, finding) for every check that matters to `stages` (None: every check, `eagle3 doctor`'s);
     `engine`: reach a running server too; `eval_draft`: the draft the eval measures instead of eval.draft
@@ -53,7 +48,7 @@ def doctor_findings(
     stage runs first and replaces it.
     """
     standalone = stages is None
-    stages = list(ALL_STAGES) if stages is None else stages
+    stages = list(STAGES) if stages is None else stages
     served = served_draft(config, stages, eval_draft, standalone=standalone)
     out: list[tuple[str, Finding]] = []
     out += [("environment", f) for f in _environment(config, stages)]
@@ -119,7 +114,7 @@ def engine_checks(
     )
 
 
-def preflight(config: RunConfig, stages: list[str], log: Any, eval_draft: str | None = None) -> None:
+def preflight(config: RunConfig, stages: list[Stage], log: Any, eval_draft: str | None = None) -> None:
     """The checks for `stages` before the first one (the engine's only when it is already running), with the draft
     `eval_draft` (`--draft`) for the eval's when given: the table goes to `log`; PreflightFailed naming each FAIL."""
     started = time.monotonic()
@@ -130,7 +125,7 @@ def preflight(config: RunConfig, stages: list[str], log: Any, eval_draft: str | 
 def report(findings: list[tuple[str, Finding]], log: Any, *, title: str) -> None:
     """Log each finding (`log.info`/`warning`/`error`), then raise PreflightFailed if one is a FAIL."""
     for group, f in findings:
-        line = f"{f.status} {group}: {_short_name(group, f)}: {f.detail}" + (f" -> {f.advice}" if f.advice else "")
+        line = f"{f.status} {group}: {short_name(group, f)}: {f.detail}" + (f" -> {f.advice}" if f.advice else "")
         {"PASS": log.info, "WARN": log.warning, "FAIL": log.error}[f.status]("%s", line)
     bad = failed([f for _, f in findings])
     if bad:
@@ -147,40 +142,15 @@ def report(findings: list[tuple[str, Finding]], log: Any, *, title: str) -> None
     )
 
 
-def render(findings: list[tuple[str, Finding]], title: str) -> Table:
-    table = Table(title=title, title_justify="left")
-    for column in ("group", "check", "status", "seen", "what to do"):
-        table.add_column(column, overflow="fold")
-    for group, f in findings:
-        table.add_row(
-            escape(group),
-            escape(_short_name(group, f)),
-            f"[{STATUS_STYLE[f.status]}]{f.status}[/]",
-            escape(f.detail),
-            escape(f.advice),
-        )
-    return table
-
-
-def _short_name(group: str, f: Finding) -> str:
+def short_name(group: str, f: Finding) -> str:
     """The check's name without its group's (`chat template: B1` in group `chat template` is `B1`)."""
     return f.name.removeprefix(f"{group}: ") if f.name != group else f.name
-
-
-def print_doctor(config: RunConfig, config_path: Path, console: Console) -> bool:
-    """`eagle3 doctor`: every check, as a table; False when one FAILs."""
-    started = time.monotonic()
-    findings = doctor_findings(config)
-    console.print(render(findings, f"{config_path}: checks ({time.monotonic() - started:.1f} s)"))
-    counts = {s: sum(f.status == s for _, f in findings) for s in STATUS_STYLE}
-    console.print(f"{counts['PASS']} passed, {counts['WARN']} warnings, {counts['FAIL']} failed", highlight=False)
-    return not counts["FAIL"]
 
 
 # --- the groups ------------------------------------------------------------------------------
 
 
-def _environment(config: RunConfig, stages: list[str]) -> list[Finding]:
+def _environment(config: RunConfig, stages: list[Stage]) -> list[Finding]:
     ranks = [s for s in ("capture", "train") if s in stages]
     device = "cuda" if any(getattr(config, s).device == "cuda" for s in ranks) else "cpu"
     c = config.capture
@@ -261,7 +231,7 @@ def _template(config: RunConfig, tokenizer: Any):
 
 
 def served_draft(
-    config: RunConfig, stages: list[str], eval_draft: str | None = None, *, standalone: bool = False
+    config: RunConfig, stages: list[Stage], eval_draft: str | None = None, *, standalone: bool = False
 ) -> ServedDraft | None:
     """The draft the eval stage of `stages` will serve (`eval_draft`, else eval.draft), and what serves it; None when
     no stage serves one now (no eval, or the train stage runs first and writes the export the eval measures).
@@ -301,7 +271,7 @@ def _draft(config: RunConfig, target: dict[str, Any], served: ServedDraft) -> li
 
 
 def _vllm_target(
-    config: RunConfig, target: dict[str, Any], stages: list[str], *, engine: bool, served: ServedDraft | None
+    config: RunConfig, target: dict[str, Any], stages: list[Stage], *, engine: bool, served: ServedDraft | None
 ) -> list[Finding]:
     """What vLLM needs of the target, for the vLLM servers `stages` use; `engine`: ask a running one its version;
     `served`: the draft the engine eval serves, when it exists already (`served_draft`)."""

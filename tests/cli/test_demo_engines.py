@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from flows.commands.demo import DEMO_TARGETS, demo_config, run_demo
+from cli.demo import DEMO_TARGETS, demo_config, run_demo
 from flows.config.file import dump_config
 from models.common.run_layout import RunLayout
 from tasks.generate.provenance import OtherEngine
 from tests.tasks.generate.test_provenance import add_response, fake_target
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_each_target_and_engine_has_a_run_directory_of_its_own():
@@ -71,7 +71,7 @@ def test_the_vllm_demo_refuses_the_dev_demo_s_run_dir_before_anything_starts(tmp
     assert "give a new run_dir" in message and "run it with server.launch: dev (the demo: --engine dev)" in message
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # no server log, no demo config: nothing ran
     # what run_demo checks with --engine dev on the same run directory: it goes on
-    from flows.commands.demo import demo_provenance
+    from cli.demo import demo_provenance
     from tasks.generate.provenance import check_record, last_run_provenance
 
     same = check_record(layout, demo_provenance(dev, "dev"), fallback=last_run_provenance(layout))
@@ -83,7 +83,7 @@ def test_the_command_says_refused_and_exits_1_naming_the_engine_that_made_the_ru
     no traceback."""
     from typer.testing import CliRunner
 
-    from flows.commands.cli import app
+    from cli.app import app
     from tasks.generate.provenance import Provenance, settle, target_fingerprint
     from tests.tasks.generate.test_provenance import log
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from flows.commands.doctor import doctor_findings
-from flows.commands.plan import print_plan
+from cli.plan import print_plan
 from flows.config.file import load_config
+from flows.preflight import doctor_findings
 from tests.hub_cache import offline_hub_cache
 from tests.kimi_k25 import CONFIG_JSON
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def kimi_config(tmp_path: Path, target: str, **distributed) -> Path:

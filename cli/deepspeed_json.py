@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
+TEMPLATES = Path(__file__).resolve().parents[1] / "deploy" / "deepspeed"
 TRAIN_WORLD_SIZE = 8  # the reference box: one rank per GPU
 
 

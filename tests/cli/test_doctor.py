@@ -12,14 +12,14 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from flows.commands.cli import app
-from flows.commands.doctor import PreflightFailed, doctor_findings, engine_checks
+from cli.app import app
 from flows.config.file import load_config
+from flows.preflight import PreflightFailed, doctor_findings, engine_checks
 from models.common.findings import Finding
 from models.ranks import environment
 from tests.run_configs import write_demo_config
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 # A template that renders the user's turns and drops every assistant turn's text: nothing to put loss on.
 NO_ANSWERS = (
     "{% for m in messages %}{% if m['role'] != 'assistant' %}<|{{ m['role'] }}|>{{ m['content'] }}"

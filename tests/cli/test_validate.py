@@ -1,4 +1,4 @@
-"""flows/commands/validate.py: `eagle3 validate` prints each dataset's row format, detected or configured."""
+"""cli/validate.py: `eagle3 validate` prints each dataset's row format, detected or configured."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from flows.commands.validate import validate_datasets
+from cli.validate import validate_datasets
 from flows.config.file import parse_config
 from tasks.datasets import load_dataset
 
-SAMPLES = Path(__file__).resolve().parents[3] / "data" / "formats"  # not data/samples: the tiny target trains on those
+SAMPLES = Path(__file__).resolve().parents[2] / "data" / "formats"  # not data/samples: the tiny target trains on those
 
 
 def test_validate_prints_the_format_of_every_dataset(tmp_path):
@@ -56,7 +56,7 @@ def test_validate_prints_the_format_of_every_dataset(tmp_path):
     ) in out
 
 
-KIMI = Path(__file__).resolve().parents[3] / "configs" / "kimi-k25.yaml"
+KIMI = Path(__file__).resolve().parents[2] / "configs" / "kimi-k25.yaml"
 KIMI_FORMATS = {  # the line `eagle3 validate configs/kimi-k25.yaml` prints per dataset, and the rows of its sample
     "A1_deepswekimi": ("messages (configured)", 3),
     "A2_kimik25": ("messages (configured)", 3),

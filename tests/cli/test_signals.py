@@ -31,7 +31,7 @@ import yaml
 from tasks.checkpoints import live_parts
 from tasks.ports import free_port
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 EAGLE3 = Path(sys.executable).parent / "eagle3"
 MARK = "EAGLE3_TEST_STOP_MARK"  # in the environment of every process a command starts, and of theirs
 STOP_WITHIN_S = 10.0
@@ -379,7 +379,7 @@ def test_output_reaches_a_pipe_line_by_line(tmp_path):
     gate = tmp_path / "go"
     script = (
         "import sys, time, pathlib\n"
-        "from flows.commands.cli import Eagle3\n"
+        "from cli.app import Eagle3\n"
         "app = Eagle3()\n"
         "@app.command()\n"
         "def hello() -> None:\n"

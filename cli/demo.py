@@ -23,7 +23,7 @@ from tasks.launch_servers import SERVER_LOG
 from tasks.ports import free_port
 from tasks.stats import collect_stats, render_rows_table, render_stats_table
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flows.commands.demo import context_caption
+from cli.demo import context_caption
 from tasks.eval.tasks import context_rows
 
 

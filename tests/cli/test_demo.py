@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 from transformers import AutoTokenizer
 
-from flows.commands.demo import run_demo
+from cli.demo import run_demo
 from models.export.sglang import validate_export
 from models.export.vllm import validate_export_vllm
 from tasks.checkpoints import live_parts
@@ -19,7 +19,7 @@ from tasks.datasets import PromptRow, load_dataset
 from tasks.generate.prompts import chat_prompt_ids
 from tasks.turn_ids import split_turn_id, turn_id
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes of its own
 
