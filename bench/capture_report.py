@@ -5,12 +5,10 @@ bench/capture.py measures and calls `print_report`; the tables go through bench/
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bench import harness
-
-if TYPE_CHECKING:
-    from bench.capture import Params
+from bench.capture_params import Params
 
 
 def projected_overhead_pct(s: dict[str, Any], hidden: int, dtype_bytes: int, mean_len: float | None = None) -> float:

@@ -46,7 +46,7 @@ DEMOS: dict[str, list[str]] = {
     "llama-vllm": ["--engine", "vllm"],
     "kimi": ["--target", "kimi"],
 }
-PRESETS = {  # name -> the preset the demo runs (flows/commands/demo.py DEMO_TARGETS)
+PRESETS = {  # name -> the preset the demo runs (cli/demo.py DEMO_TARGETS)
     "llama-dev": REPO / "configs" / "demo.yaml",
     "llama-vllm": REPO / "configs" / "demo.yaml",
     "kimi": REPO / "configs" / "demo-kimi.yaml",
@@ -151,7 +151,7 @@ def printed_sizes(transcript: str) -> dict[str, Any]:
 
 
 def summary_line(transcript: str) -> str:
-    """The demo's last word (flows/commands/demo.py eval_summary_line), as one line."""
+    """The demo's last word (cli/demo.py eval_summary_line), as one line."""
     text = " ".join(transcript.split())
     start = text.rfind("acceptance length ")
     return text[start:]

@@ -14,7 +14,7 @@ ids to `--prompts`) go through
 Greedy (temperature 0), so both decode the same tokens. The two alternate, `--repeats` times each,
 after one warm-up pass of each; the figure is output tokens per second over the wall time of a pass, and
 the target is median(a) / median(b) >= 0.95. Nothing is asserted: the report prints PASS or FAIL.
-Results and their reading: docs/bench-generate.md ("Against a real vLLM", "Against a real SGLang"). Usage::
+Results and their reading: docs/benchmarks.md ("Generate"). Usage::
 
     make vllm && .venv/bin/python bench/generate_real.py [--quick] [--json out.json] [--url URL] [--PARAM VALUE ...]
     make sglang && .venv/bin/python bench/generate_real.py --engine sglang [--quick] ...

@@ -5,12 +5,10 @@ bench/generate.py measures and calls `print_report`; the tables go through bench
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bench import harness
-
-if TYPE_CHECKING:
-    from bench.generate import Params
+from bench.generate_params import Params
 
 
 def targets(out: dict[str, Any]) -> list[dict[str, Any]]:

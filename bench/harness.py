@@ -7,6 +7,7 @@ from here how a run is set up, started, timed and written down:
   the bench's `Params` dataclass;
 - `run_bench`: one run in a scratch directory, timed, then the report, the closing line (the
   machine, the load average at start and end) and the figures written as JSON;
+- `bench_main`: a bench's `main` of both: its flags, its Params, `run_bench`;
 - `TargetParams`: the tiny Llama target's shape, its cache directory and its build;
 - `record_row`, `write_records`, `length_summary`: synthetic records in the records stage's format;
 - `start_server`: an engine's CPU command started and healthy;
@@ -36,7 +37,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,6 +48,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 T = TypeVar("T")
+P = TypeVar("P")  # a bench's Params dataclass
 
 # ---------------------------------------------------------------------------------------------
 # Flags
@@ -167,6 +169,28 @@ def run_bench(
         args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
         print(f"figures written to {args.json}")
     return 0
+
+
+def bench_main(
+    stage: str,
+    doc: str,
+    cls: type[P],
+    measure: Callable[[P, Path, dict[str, Any]], None],
+    report: Callable[[dict[str, Any]], None],
+    argv: list[str] | None,
+    *,
+    kept: str,
+    quick: str,
+) -> int:
+    """A bench's `main`: its flags (`arguments` of `cls`, its Params), its Params (`params_from`), then `run_bench`
+    with `measure(params, scratch dir, out)` and `report(out)`, torch's version among the machine's facts."""
+    args = arguments(doc, cls(), keep=kept, quick=quick).parse_args(argv)
+    p = params_from(args, cls)
+    import torch
+
+    return run_bench(
+        stage, args, asdict(p), {"torch": torch.__version__}, lambda d, o: measure(p, d, o), report, kept=kept
+    )
 
 
 # ---------------------------------------------------------------------------------------------

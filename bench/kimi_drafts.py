@@ -18,7 +18,7 @@ tasks/engines/vllm.py `shape_words`), the two counts compared prompt by prompt. 
 per position, the draft's parameters (its own tensors: no embedding, no vocabulary map), optimizer steps and
 training tokens/s (trained tokens over the wall time of `eagle3 run --stages train`, its Prefect server included).
 
-The same eval also decodes the long-context set (data/eval/long_context.jsonl, bench/long_context_set.py: 24
+The same eval also decodes the long-context set (data/eval/long_context.jsonl, tools/long_context_set.py: 24
 conversations of 280-2,754 tokens, 64 new tokens each) as the benchmark `long_context`, in-process and in vLLM
 (started with --max-model-len 4096 for it). The second table: each draft's acceptance length per verify round on it,
 vLLM's beside it, the in-process rounds by context position (models/eval/context.py, the eval's default buckets),
@@ -50,8 +50,7 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import harness  # noqa: E402
-from bench.variants import eagle3  # noqa: E402
+from bench.demo_drafts import eagle3, eval_cells, evaluate_draft, print_walls, run_demo_timed  # noqa: E402
 from flows.config.file import load_config  # noqa: E402
 from models.common.run_layout import RunLayout  # noqa: E402
 from models.export.format import EMBED, WEIGHTS_FILE  # noqa: E402
@@ -142,6 +141,10 @@ class Params:
             )
 
 
+KEPT = "the Kimi demo run, each row's config, draft and eval report"  # what --keep DIR keeps
+QUICK = "4 epochs per draft: a smoke run"  # what --quick runs
+
+
 def row_dir(run_dir: Path, name: str) -> Path:
     """Where a row's draft trains in the demo's run directory: draft-<row, as a slug>."""
     return run_dir / f"draft-{row_slug(name)}"
@@ -155,7 +158,7 @@ def row_config(run_dir: Path, name: str, epochs: int, target: str = "kimi") -> P
     """The demo's resolved config with this row's draft settings and directory (`epochs` 0: the demo's), its server
     the real vLLM as the demo starts it for this draft (--max-model-len MAX_MODEL_LEN), and the eval in-process AND
     in vLLM on the demo's prompts and the target's benchmark (TARGETS)."""
-    from flows.commands.demo import demo_server
+    from cli.demo import demo_server
 
     data = yaml.safe_load(RunLayout(run_dir).demo_config.read_text())
     data["train"].update({**ROWS[name], "out_dir": str(row_dir(run_dir, name))})
@@ -201,16 +204,9 @@ def measure_row(config: Path, benchmark: str, train: bool = True) -> dict[str, A
     layout = load_config(config).layout
     summary = json.loads(layout.train_summary.read_text())
     final = layout.final
-    eval_s = eagle3("eval", str(config), "--draft", str(final))
-    _, report_path, _ = layout.eval_of(str(final))
-    report = json.loads(report_path.read_text())
-    hf, engine = report["trained"], report["engine"]["overall"]
+    figures, eval_s, report = evaluate_draft(config, final)
     return {
-        "acceptance": hf["acceptance_length"],
-        "per_position": hf["per_position_acceptance"],
-        "vllm_per_round": engine["per_round"],
-        "vllm_equal": report["engine_vs_hf"]["equal"],
-        "prompts": report["engine_vs_hf"]["prompts_compared"],
+        **figures,
         "parameters": draft_parameters(final),
         "steps": summary["steps"],
         "tokens": summary["tokens"],
@@ -237,16 +233,12 @@ def long_context(report: dict[str, Any], benchmark: str) -> dict[str, Any]:
 
 
 def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
-    from rich.console import Console
-
-    from flows.commands.demo import run_demo
-
     run_dir = Path(p.reuse or p.demo) if p.reuse or p.demo else scratch / "run"
-    started = time.monotonic()
+    demo_s = 0.0
     if not (p.reuse or p.demo):
         overrides = {"train": {"epochs": p.epochs}} if p.epochs else None
-        run_demo(run_dir=run_dir, console=Console(quiet=True), overrides=overrides, engine="vllm", target=p.target)
-    out["wall_s"] = {"demo": round(time.monotonic() - started, 1)}
+        _, demo_s = run_demo_timed(run_dir, overrides, engine="vllm", target=p.target)
+    out["wall_s"] = {"demo": round(demo_s, 1)}
     out["benchmark"] = benchmark_name(p.target, run_dir)
     out["results"] = {}
     for name in ROWS:
@@ -277,10 +269,7 @@ def report(out: dict[str, Any]) -> None:
     rows = [
         [
             name,
-            f"{r['acceptance']:.3f}",
-            f"{r['vllm_per_round']:.3f}",
-            f"{'yes' if r['vllm_equal'] else 'NO'} ({r['prompts']} prompts)",
-            " / ".join(f"{a:.2f}" for a in r["per_position"]),
+            *eval_cells(r),
             f"{r['parameters']:,}",
             r["steps"],
             f"{r['tokens'] / r['train_s']:,.0f}" if r["train_s"] else "-",
@@ -316,7 +305,7 @@ def report(out: dict[str, Any]) -> None:
         )
     print()
     harness.markdown_table(head, rows, align="lrr" + "r" * len(buckets) + "l")
-    print("\nwall seconds: " + json.dumps(out["wall_s"]))
+    print_walls(out["wall_s"])
 
 
 def vllm_buckets(lc: dict[str, Any]) -> str:
@@ -332,15 +321,7 @@ def vllm_buckets(lc: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    kept = "the Kimi demo run, each row's config, draft and eval report"
-    ap = harness.arguments(__doc__, Params(), keep=kept, quick="4 epochs per draft: a smoke run")
-    args = ap.parse_args(argv)
-    p = harness.params_from(args, Params)
-    import torch
-
-    return harness.run_bench(
-        "kimi-drafts", args, asdict(p), {"torch": torch.__version__}, lambda d, o: measure(p, d, o), report, kept=kept
-    )
+    return harness.bench_main("kimi-drafts", __doc__, Params, measure, report, argv, kept=KEPT, quick=QUICK)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,10 @@ class Params:
     @classmethod
     def quick_preset(cls) -> Params:
         return cls(quick=True, max_new_tokens=256)
+
+
+KEPT = "nothing (the target stays where it was built)"  # what --keep DIR keeps
+QUICK = "256 new tokens per chapter: a smoke run"  # what --quick runs
 
 
 def distinct_share(ids: list[int], n: int = 8) -> float:
@@ -128,15 +132,7 @@ def report(out: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    kept = "nothing (the target stays where it was built)"
-    ap = harness.arguments(__doc__, Params(), keep=kept, quick="256 new tokens per chapter: a smoke run")
-    args = ap.parse_args(argv)
-    p = harness.params_from(args, Params)
-    import torch
-
-    return harness.run_bench(
-        "long-answers", args, asdict(p), {"torch": torch.__version__}, lambda d, o: measure(p, d, o), report, kept=kept
-    )
+    return harness.bench_main("long-answers", __doc__, Params, measure, report, argv, kept=KEPT, quick=QUICK)
 
 
 if __name__ == "__main__":

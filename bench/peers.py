@@ -45,8 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import harness  # noqa: E402
+from bench.demo_drafts import eagle3, eval_cells, evaluate_draft, print_walls, run_demo_timed  # noqa: E402
 from bench.peer_trainers import PeerJob, PeerRun, specforge, speculators  # noqa: E402
-from bench.variants import eagle3  # noqa: E402
 from flows.config.file import load_config  # noqa: E402
 from models.common.run_layout import RunLayout  # noqa: E402
 
@@ -75,10 +75,14 @@ class Params:
             raise SystemExit(f"--epochs and --ours-seeds must be at least 1 (got {self.epochs}, {self.ours_seeds})")
 
 
+KEPT = "the demo run, each trainer's data, logs and draft, the eval reports"  # what --keep DIR keeps
+QUICK = "4 epochs per trainer: a smoke run"  # what --quick runs
+
+
 def run_config(run_dir: Path, name: str, train: dict[str, Any]) -> Path:
     """The demo's resolved config with these train settings and its own draft directory, and the eval in-process AND
     in the real vLLM (started by the eval with each draft) on the demo's prompts only."""
-    from flows.commands.demo import demo_server
+    from cli.demo import demo_server
 
     layout = RunLayout(run_dir)
     data = yaml.safe_load(layout.demo_config.read_text())
@@ -119,29 +123,14 @@ def demo_run(run_dir: Path) -> PeerRun:
 
 def evaluate(config: Path, run: PeerRun) -> dict[str, Any]:
     """`eagle3 eval CONFIG --draft DIR` (both backends); the figures of its report."""
-    wall_s = eagle3("eval", str(config), "--draft", str(run.draft_dir))
-    _, report_path, _ = load_config(config).layout.eval_of(str(run.draft_dir))
-    report = json.loads(report_path.read_text())
-    hf, engine = report["trained"], report["engine"]["overall"]
-    return {
-        "acceptance": hf["acceptance_length"],
-        "per_position": hf["per_position_acceptance"],
-        "vllm_per_round": engine["per_round"],
-        "vllm_equal": report["engine_vs_hf"]["equal"],
-        "prompts": report["engine_vs_hf"]["prompts_compared"],
-        "eval_s": round(wall_s, 1),
-    }
+    figures, wall_s, _ = evaluate_draft(config, run.draft_dir)
+    return {**figures, "eval_s": round(wall_s, 1)}
 
 
 def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
-    from rich.console import Console
-
-    from flows.commands.demo import run_demo
-
     run_dir = scratch / "run"
-    started = time.monotonic()
-    config = run_demo(run_dir=run_dir, console=Console(quiet=True), overrides={"train": {"epochs": p.epochs}})
-    out["wall_s"] = {"demo": round(time.monotonic() - started, 1)}
+    config, demo_s = run_demo_timed(run_dir, {"train": {"epochs": p.epochs}})
+    out["wall_s"] = {"demo": round(demo_s, 1)}
     job = PeerJob(run_dir=run_dir, target=Path(config.target.path), epochs=p.epochs, seed=p.seed)
     runs = [demo_run(run_dir)]
     eval_config = None  # the first one's config evaluates every draft: vLLM serves them all
@@ -186,10 +175,7 @@ def table(results: dict[str, dict[str, Any]]) -> None:
         rows.append(
             [
                 name,
-                f"{r['acceptance']:.3f}",
-                f"{r['vllm_per_round']:.3f}",
-                f"{'yes' if r['vllm_equal'] else 'NO'} ({r['prompts']} prompts)",
-                " / ".join(f"{a:.2f}" for a in r["per_position"]),
+                *eval_cells(r),
                 r["optimizer_steps"],
                 f"{r['trained_tokens']:,}",
                 f"{r['trained_tokens'] / r['train_s']:,.0f}" if r["train_s"] else "—",
@@ -214,19 +200,11 @@ def report(out: dict[str, Any]) -> None:
     table(out["results"])
     print()
     seed_means(out["results"])
-    print("\nwall seconds: " + json.dumps(out["wall_s"]))
+    print_walls(out["wall_s"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    kept = "the demo run, each trainer's data, logs and draft, the eval reports"
-    ap = harness.arguments(__doc__, Params(), keep=kept, quick="4 epochs per trainer: a smoke run")
-    args = ap.parse_args(argv)
-    p = harness.params_from(args, Params)
-    import torch
-
-    return harness.run_bench(
-        "peers", args, asdict(p), {"torch": torch.__version__}, lambda d, o: measure(p, d, o), report, kept=kept
-    )
+    return harness.bench_main("peers", __doc__, Params, measure, report, argv, kept=KEPT, quick=QUICK)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import harness  # noqa: E402
-from bench.variants import eagle3  # noqa: E402
+from bench.demo_drafts import COMMAND_WALLS, eagle3, print_walls, run_demo_timed  # noqa: E402
 from flows.config.file import load_config  # noqa: E402
 from models.common.run_layout import RunLayout  # noqa: E402
 
@@ -86,6 +85,10 @@ class Params:
         return cls(quick=True, seeds=1, epochs=4)
 
 
+KEPT = "the demo run, the recipes' configs and drafts"  # what --keep DIR keeps
+QUICK = "1 seed of 4 epochs per recipe: a smoke run"  # what --quick runs
+
+
 def recipe_config(run_dir: Path, recipe: str, seed: int, epochs: int) -> Path:
     """The demo's resolved config with this recipe's train settings and seed, its own draft directory, the eval
     in-process on the demo's prompts (no untrained baseline, no benchmarks: the same prompts for every draft)."""
@@ -111,14 +114,9 @@ def figures(config: Path) -> dict[str, Any]:
 
 
 def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
-    from rich.console import Console
-
-    from flows.commands.demo import run_demo
-
     run_dir = scratch / "run"
-    started = time.monotonic()
-    run_demo(run_dir=run_dir, console=Console(quiet=True), overrides={"train": {"epochs": p.epochs}})
-    out["wall_s"] = {"demo": round(time.monotonic() - started, 1)}
+    _, demo_s = run_demo_timed(run_dir, {"train": {"epochs": p.epochs}})
+    out["wall_s"] = {"demo": round(demo_s, 1)}
     results: dict[str, list[dict[str, Any]]] = {}
     for recipe in [r for r in chosen(p.only) if not (p.skip_demo and r == "demo")]:
         for seed in range(p.seeds):
@@ -160,19 +158,11 @@ def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
 
 def report(out: dict[str, Any]) -> None:
     print_table(out["results"])
-    print("\nwall seconds of each `eagle3` command (its Prefect server included): " + json.dumps(out["wall_s"]))
+    print_walls(out["wall_s"], COMMAND_WALLS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    kept = "the demo run, the recipes' configs and drafts"
-    ap = harness.arguments(__doc__, Params(), keep=kept, quick="1 seed of 4 epochs per recipe: a smoke run")
-    args = ap.parse_args(argv)
-    p = harness.params_from(args, Params)
-    import torch
-
-    return harness.run_bench(
-        "recipe", args, asdict(p), {"torch": torch.__version__}, lambda d, o: measure(p, d, o), report, kept=kept
-    )
+    return harness.bench_main("recipe", __doc__, Params, measure, report, argv, kept=KEPT, quick=QUICK)
 
 
 if __name__ == "__main__":

@@ -46,15 +46,15 @@ sizes: one pass of 8 steps (2 skipped), continuations of at most 32 tokens (a da
 Each ratio pairs a run with its baseline from the same pass; `--repeats N` runs the sequence N
 times (every other pass in reverse order) and reports the median of the per-pass ratios. The
 target, records and captured hidden states are cached in runs/bench-train/ (gitignored; the first
-run generates the continuations: several minutes on 2 cores). The scaffolding (flags, launches,
+run generates the continuations: several minutes on 2 cores). `Params` is in bench/train_params.py,
+the data in bench/train_data.py, the report in bench/train_report.py. The scaffolding (flags, launches,
 spawned baselines, passes, tables, JSON) is bench/harness.py. Results and their reading:
-docs/bench-train.md.
+docs/benchmarks.md ("Train").
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -62,8 +62,7 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -79,168 +78,12 @@ import torch  # noqa: E402
 
 import models  # noqa: E402,F401  (flushes CPU denormals in this process, as in every rank)
 from bench import train_baselines, train_report  # noqa: E402
-from flows.config.schema import TrainConfig  # noqa: E402
-from models.capture.job import run as run_capture  # noqa: E402
+from bench.train_data import prepare_data  # noqa: E402
+from bench.train_params import Params  # noqa: E402
 from models.common.draft_jobs import TrainJob
-from models.common.jobs import CaptureJob  # noqa: E402
 from models.common.rank_protocol import TRAIN_PROGRESS  # noqa: E402
 from models.common.run_layout import RunLayout  # noqa: E402
-from models.ranks.harness import Dist  # noqa: E402
-from models.target.tiny import SAMPLES_DIR  # noqa: E402
 from models.train.data import HiddenSource, epoch_batches, rank_micro_batches, split_samples, steps_per_epoch  # noqa: E402
-from tasks.records.build import count_tokens  # noqa: E402
-
-DATASET = "bench"
-RUN_CONFIG = TrainConfig()  # the run config's train section as declared: its defaults (ttt_steps, grad_accum, ...)
-
-
-# ---------------------------------------------------------------------------------------------
-# Parameters
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Params(harness.TargetParams):
-    """Every knob of one bench run (printed and saved with the figures); the target: harness.TargetParams."""
-
-    quick: bool = False
-    # records: every sample conversation, cut to max_prompt_tokens, + its greedy continuation
-    max_prompt_tokens: int = 768
-    max_new_tokens: int = 96
-    # the training job (the demo config's draft vocab and lr; the run config's defaults elsewhere)
-    draft_vocab_size: int = 1024
-    ttt_steps: int = RUN_CONFIG.ttt_steps
-    max_batch_tokens: int = 1024  # padded tokens per micro batch per rank (the demo config's)
-    grad_accum: int = RUN_CONFIG.grad_accum
-    lr: float = 2e-3
-    weight_decay: float = RUN_CONFIG.weight_decay
-    grad_clip: float = RUN_CONFIG.grad_clip
-    warmup_ratio: float = 0.05  # lr warmup (schedule), not the measurement's skip
-    zero_stage: int = RUN_CONFIG.zero_stage  # train.zero_stage: 2 as the flow runs it; 0 or 1 to take ZeRO-2 apart
-    eval_fraction: float = RUN_CONFIG.eval_fraction
-    steps: int = 30  # optimizer steps per run (max_steps)
-    skip: int = 5  # steps left out of the measurement at the start (a multiple of log_every)
-    log_every: int = 1  # the job's metrics line interval: per-step times for the paired ratio (run config default: 10)
-    threads: int = 1  # OMP_NUM_THREADS per rank (what rank_command gives CPU ranks) and per baseline process
-    ranks: str = "1,2"  # comma-separated rank counts, each a row
-    repeats: int = 3  # passes over the whole sequence (odd passes in reverse order); ratios: median over passes
-    baseline_here: bool = False  # the 1-process baseline in this process instead of a fresh spawned one
-    in_process_steps: int = 30  # the interleaved in-process comparison (1 rank; once per run); 0: skip it
-    timeout_s: float = 900.0  # per launch or baseline
-
-    @classmethod
-    def quick_preset(cls) -> Params:
-        return cls(quick=True, max_new_tokens=32, steps=8, skip=2, repeats=1, in_process_steps=8)
-
-    def rank_list(self) -> list[int]:
-        return [int(x) for x in self.ranks.split(",") if x.strip()]
-
-    def validate(self) -> None:
-        if not 0 < self.skip < self.steps:
-            raise SystemExit(f"--skip must be in [1, --steps), got {self.skip} with --steps {self.steps}")
-        if self.skip % self.log_every:
-            raise SystemExit(f"--skip ({self.skip}) must be a multiple of --log-every ({self.log_every})")
-        if not self.rank_list() or min(self.rank_list()) < 1:
-            raise SystemExit(f"--ranks: comma-separated positive rank counts, got {self.ranks!r}")
-
-
-def data_dir_for(p: Params, target: Path) -> Path:
-    key = json.dumps(
-        {
-            "target": target.name,
-            "prompt": p.max_prompt_tokens,
-            "new": p.max_new_tokens,
-            "samples": sorted(f.name for f in SAMPLES_DIR.glob("*.jsonl")),
-        },
-        sort_keys=True,
-    )
-    return harness.REPO / "runs" / "bench-train" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Data: records of the target's greedy continuations, captured hidden states, token counts
-# ---------------------------------------------------------------------------------------------
-
-
-def conversations() -> list[list[dict[str, str]]]:
-    """Every sample conversation (a bare prompt as one user turn; a trailing assistant turn dropped)."""
-    out = []
-    for f in sorted(SAMPLES_DIR.glob("*.jsonl")):
-        for line in f.read_text(encoding="utf-8").splitlines():
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-            if len(messages) > 1 and messages[-1]["role"] == "assistant":
-                messages = messages[:-1]
-            out.append(messages)
-    return out
-
-
-def prepare_data(p: Params, target: Path) -> dict[str, Any]:
-    """Records, token_counts.parquet and the captured hidden states, built once into runs/bench-train/."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    root = data_dir_for(p, target)
-    done = root / "DONE.json"
-    if done.is_file():
-        return {**json.loads(done.read_text()), "root": str(root), "reused": True}
-    shutil.rmtree(root, ignore_errors=True)
-    layout = RunLayout(root)  # laid out as a run directory: records/, hidden/
-    records = layout.records(DATASET)
-    records.mkdir(parents=True)
-    hf_logging.set_verbosity_error()
-    saved = torch.get_num_threads()
-    # One thread: this tiny model's single-token decode steps are too small to share; with two threads on a
-    # busy 2-core machine every step waits for a descheduled thread (10-20x slower here).
-    torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    t0 = time.perf_counter()
-    rows = []
-    for i, messages in enumerate(conversations()):
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt = tok(text)["input_ids"][: p.max_prompt_tokens]
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=p.max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )[0].tolist()
-        rows.append(harness.record_row(f"c{i:04d}", out, len(prompt)))
-    generate_s = time.perf_counter() - t0
-    del model
-    harness.write_records(rows, records, len(rows))
-    count_tokens([records], layout.token_counts, len(tok))  # the records stage's counts
-    t0 = time.perf_counter()
-    run_capture(
-        CaptureJob(
-            target_path=str(target),
-            datasets=[{"name": DATASET, "records_dir": str(records)}],
-            out_dir=str(layout.hidden_dir),
-            device="cpu",
-            dtype="float32",
-            shard_tokens=16384,
-            launch_tokens=None,
-        ),
-        Dist(),
-    )
-    torch.set_num_threads(saved)
-    lengths = [r["num_tokens"] for r in rows]
-    info = {
-        "records": len(rows),
-        "tokens": sum(lengths),
-        "loss_tokens": sum(r["num_loss_tokens"] for r in rows),
-        **harness.length_summary(lengths),
-        "generate_s": generate_s,
-        "capture_s": time.perf_counter() - t0,
-    }
-    done.write_text(json.dumps(info, indent=2))
-    return {**info, "root": str(root), "reused": False}
-
 
 # ---------------------------------------------------------------------------------------------
 # Ours: the real job under torchrun

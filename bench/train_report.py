@@ -5,13 +5,11 @@ bench/train.py measures and calls `print_report`; the tables go through bench/ha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bench import harness
 from bench.train_baselines import BETAS
-
-if TYPE_CHECKING:
-    from bench.train import Params
+from bench.train_params import Params
 
 
 def print_report(p: Params, out: dict[str, Any]) -> None:

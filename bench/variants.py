@@ -20,11 +20,8 @@ as the markdown table of docs/variants.md:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import harness  # noqa: E402
+from bench.demo_drafts import COMMAND_WALLS, eagle3, print_walls, run_demo_timed  # noqa: E402
 from flows.config.file import load_config  # noqa: E402
 from models.capture.shards import METADATA_NAME, list_shards  # noqa: E402
 from models.common.run_layout import RunLayout  # noqa: E402
@@ -49,19 +47,6 @@ VARIANTS = {
 }
 
 
-def eagle3(*args: str) -> float:
-    """Run the CLI (its own temporary Prefect server); the wall seconds. Raises with its output's tail on failure."""
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)
-    started = time.monotonic()
-    done = subprocess.run(
-        [str(Path(sys.executable).parent / "eagle3"), *args], capture_output=True, text=True, env=env, cwd=REPO
-    )
-    if done.returncode:
-        raise RuntimeError(f"eagle3 {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return time.monotonic() - started
-
-
 @dataclass
 class Params:
     """The knobs of one run: the demo's training length for every draft (configs/demo.yaml: 20 epochs)."""
@@ -72,6 +57,10 @@ class Params:
     @classmethod
     def quick_preset(cls) -> Params:
         return cls(quick=True, epochs=4)
+
+
+KEPT = "the demo run, the variants' configs, captures and drafts"  # what --keep DIR keeps
+QUICK = "4 epochs per draft instead of 20: a smoke run"  # what --quick runs
 
 
 def variant_config(run_dir: Path, name: str, epochs: int) -> Path:
@@ -151,14 +140,9 @@ def print_table(results: dict[str, dict]) -> None:
 
 
 def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
-    from rich.console import Console
-
-    from flows.commands.demo import run_demo
-
     run_dir = scratch / "run"
-    started = time.monotonic()  # `eagle3 demo`, in this process (its Prefect server too), with the epochs
-    run_demo(run_dir=run_dir, console=Console(quiet=True), overrides={"train": {"epochs": p.epochs}})
-    walls = {"demo": time.monotonic() - started}
+    _, demo_s = run_demo_timed(run_dir, {"train": {"epochs": p.epochs}})  # `eagle3 demo` with the epochs
+    walls = {"demo": demo_s}
     configs = {}
     for name, (hidden, _, _, draft_variant) in VARIANTS.items():
         configs[name] = variant_config(run_dir, name, p.epochs)
@@ -173,19 +157,11 @@ def measure(p: Params, scratch: Path, out: dict[str, Any]) -> None:
 
 def report(out: dict[str, Any]) -> None:
     print_table(out["results"])
-    print("\nwall seconds of each `eagle3` command (its Prefect server included): " + json.dumps(out["wall_s"]))
+    print_walls(out["wall_s"], COMMAND_WALLS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    kept = "the demo run, the variants' configs, captures and drafts"
-    ap = harness.arguments(__doc__, Params(), keep=kept, quick="4 epochs per draft instead of 20: a smoke run")
-    args = ap.parse_args(argv)
-    p = harness.params_from(args, Params)
-    import torch
-
-    return harness.run_bench(
-        "variants", args, asdict(p), {"torch": torch.__version__}, lambda d, o: measure(p, d, o), report, kept=kept
-    )
+    return harness.bench_main("variants", __doc__, Params, measure, report, argv, kept=KEPT, quick=QUICK)
 
 
 if __name__ == "__main__":

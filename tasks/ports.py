@@ -1,7 +1,7 @@
 """A free TCP port: for a server the pipeline starts and for a rank launch's master port.
 
 Its own module, torch-, prefect- and httpx-free, so that launching ranks (tasks/launch_ranks.py) needs
-neither the server machinery (tasks/launch_servers.py) nor Prefect: the GPU check (bench/gpu_check.py)
+neither the server machinery (tasks/launch_servers.py) nor Prefect: the GPU check (tools/gpu_check.py)
 launches ranks on a machine that has no Prefect.
 """
 

@@ -318,7 +318,7 @@ def _run_saying(command: list[str], env: dict[str, str], say: Say, still: Callab
 
 def _say(line: str) -> None:
     """The Prefect run's log when there is one (a stage task), else stderr (also where Prefect is not installed: the
-    GPU check's machine, bench/gpu_check.py, launches ranks through rank_command without it)."""
+    GPU check's machine, tools/gpu_check.py, launches ranks through rank_command without it)."""
     try:
         from prefect.exceptions import MissingContextError
         from prefect.logging import get_run_logger

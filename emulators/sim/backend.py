@@ -8,7 +8,9 @@ freeing the batch's rids; /flush_cache only when idle (scheduler.py ``flush_cach
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+import random
+from collections.abc import Callable, MutableMapping
+from typing import Any, Protocol
 
 from fastapi import Request
 
@@ -16,19 +18,47 @@ from emulators.sglang_protocol.disconnect import results_or_abort
 from emulators.sglang_protocol.errors import BadRequest, ContractError, MalformedRequest
 from emulators.sglang_protocol.info import loads, model_info, server_info
 from emulators.sglang_protocol.request import parse_generate
+from emulators.sglang_protocol.rids import HeldRids
+from emulators.sglang_protocol.versions import SGLangVersion
+from emulators.sim.config import SimConfig
 from emulators.sim.output import simulate_output
 from emulators.sim.scheduler import Seq
-
-if TYPE_CHECKING:
-    from emulators.sim.server import SimServer
+from emulators.sim.stats import SimStats
 
 VERSION = "0.1.0-eagle3-sim"
+
+
+class SimEngine(Protocol):
+    """What the backend uses of the server it answers for: server.py's `SimServer`, its engine (Scheduler,
+    scheduler.py) and its faults (FaultInjection, faults.py)."""
+
+    config: SimConfig
+    version: SGLangVersion
+    stats: SimStats
+    _held: HeldRids
+    _running: set[Seq]
+    _live: set[Seq]
+    _starting: bool
+    _drop_fraction: float
+    _drop_after_s: float
+    _drop_rng: random.Random
+    _reject: Callable[[list[int]], Any] | None
+    _abort_if: Callable[[list[int]], Any] | None
+    _hold_if: Callable[[list[int]], Any] | None
+
+    def _batch_loop(self) -> asyncio.AbstractEventLoop: ...
+
+    def _admit(self, seqs: list[Seq]) -> None: ...
+
+    def _abort(self, rid: str, abort_all: bool = False, cause: str = "request") -> int: ...
+
+    def _cut_later(self, scope: MutableMapping[str, Any], after_s: float, seqs: list[Seq]) -> None: ...
 
 
 class SimBackend:
     """The simulated engine behind the SGLang endpoints (see sglang_protocol.app.SGLangBackend)."""
 
-    def __init__(self, server: SimServer):
+    def __init__(self, server: SimEngine):
         self.server = server
 
     async def generate(self, request: Request) -> Any:

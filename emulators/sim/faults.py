@@ -16,16 +16,12 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from emulators.sglang_protocol.errors import error_response
-from emulators.sim.connections import peer
+from emulators.sim.connections import Connections, peer
 from emulators.sim.scheduler import Seq
-
-if TYPE_CHECKING:
-    from emulators.sim.connections import Connections
-    from emulators.sim.server import SimServer
-    from emulators.sim.stats import SimStats
+from emulators.sim.stats import SimStats
 
 ADMIN_PATHS = ("/_fault", "/_stats")
 
@@ -289,7 +285,7 @@ class FaultMiddleware:
     without an answer. The request body is read first, as a server that got the request would.
     """
 
-    def __init__(self, app: Callable, server: SimServer):
+    def __init__(self, app: Callable, server: FaultInjection):
         self.app, self.server = app, server
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:

@@ -183,7 +183,7 @@ EVAL = Protocol("eval", ErrorLine("EVAL_ERROR"), EVAL_PROGRESS)
 
 # Printed by every rank of every entry point as it exits (models/ranks/harness.py `serve`): the peak resident
 # memory of the process and, where it used CUDA, the allocator's peaks on its busiest GPU. Not part of
-# a stage's protocol: the pipeline logs it as an ordinary line; the GPU check (bench/gpu_check.py) reads it.
+# a stage's protocol: the pipeline logs it as an ordinary line; the GPU check (tools/gpu_check.py) reads it.
 RANK_MEMORY = Line(
     "RANK_MEMORY",
     (

@@ -2,7 +2,7 @@
 
 `environment_checks` imports what the ranks and the check process import, reads the versions, and
 looks at the device: each finding is PASS, WARN (works, but not as tested) or FAIL (the run would
-fail later, after minutes or hours of GPU time), with one line of what to do. bench/gpu_check.py
+fail later, after minutes or hours of GPU time), with one line of what to do. tools/gpu_check.py
 runs it first and stops before its first phase on a FAIL: a GPU slot is too short to find a
 missing package in its third minute.
 """
@@ -56,7 +56,7 @@ def environment_checks(
     pipeline: bool = False,
     ops: tuple[str, ...] = (),
     allreduce: bool = False,
-    install_hint: str = "pip install it (or bash bench/gpu_check.sh, which installs the carried wheels)",
+    install_hint: str = "pip install it (or bash tools/gpu_check.sh, which installs the carried wheels)",
 ) -> list[Finding]:
     """The findings for running on `device` ("cuda" or "cpu").
 

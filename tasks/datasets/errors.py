@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from tasks.datasets.rows import Reject
-
-if TYPE_CHECKING:
-    from tasks.datasets.formats import Shape
+from tasks.datasets.rows import Reject, RowShape
 
 
 class DatasetError(ValueError):
@@ -54,11 +50,11 @@ class EmptyDatasetError(DatasetError):
     """A dataset with no usable row: no rows at all, or every row bad (under on_bad_row="skip").
 
     `rejects` holds the bad rows, so that `eagle3 validate` can list them, and `shape` the row format the rows were
-    read in (formats.Shape; None if none was detected); both are lost in pickling.
+    read in (formats.Shape, as rows.RowShape; None if none was detected); both are lost in pickling.
     """
 
     rejects: tuple[Reject, ...] = ()
-    shape: Shape | None = None
+    shape: RowShape | None = None
 
 
 def _rebuild_error(cls, path, row, reason, expected, unit):

@@ -11,10 +11,7 @@ import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
-
-if TYPE_CHECKING:
-    from tasks.datasets.formats import Shape
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 Kind = Literal["generate", "passthrough"]
 
@@ -59,6 +56,13 @@ class Reject:
         return f"{self.path} {unit} {self.row}"
 
 
+class RowShape(Protocol):
+    """A dataset's row format as a loaded dataset and its errors carry it (formats.Shape, configured or detected):
+    what they give of it is its one line for `eagle3 validate`."""
+
+    def describe(self) -> str: ...
+
+
 RowT = TypeVar("RowT", PromptRow, PassthroughRow)
 
 
@@ -70,7 +74,7 @@ class LoadedDataset(Generic[RowT]):
     rejects: list[Reject]
     duplicates: int
     path: Path
-    shape: Shape | None = None  # the dataset's row format, configured or detected; None: no row was read
+    shape: RowShape | None = None  # the dataset's row format, configured or detected; None: no row was read
 
 
 def stable_id(content: Mapping[str, Any]) -> str:

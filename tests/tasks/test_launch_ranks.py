@@ -273,7 +273,7 @@ def test_a_job_past_its_time_limit_is_killed_and_says_so():
 
 
 def test_launching_ranks_needs_neither_prefect_nor_httpx():
-    # The GPU check (bench/gpu_check.py) launches ranks through this module on a machine without them.
+    # The GPU check (tools/gpu_check.py) launches ranks through this module on a machine without them.
     import ast
     from pathlib import Path
 

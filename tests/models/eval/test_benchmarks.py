@@ -171,7 +171,7 @@ def test_benchmark_settings_are_checked():
 
 
 def test_a_chat_set_asks_each_conversation_as_it_is():
-    """data/eval/long_context.jsonl, the long-context set (bench/long_context_set.py): told from its keys, every turn
+    """data/eval/long_context.jsonl, the long-context set (tools/long_context_set.py): told from its keys, every turn
     kept in order, the last one the user's."""
     path = REPO / "data" / "eval" / "long_context.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]

@@ -13,8 +13,8 @@ answer. Its turns are text the draft was trained on (the passthrough dataset's) 
 changes with the bucket is the position, not the text. Kimi-K2.5's own long context is its answer (1,400-3,800
 tokens of reasoning); the eval buckets each verify round by where it starts either way (models/eval/context.py).
 
-    .venv/bin/python bench/long_context_set.py            # (re)write the file
-    .venv/bin/python bench/long_context_set.py --check    # exit 1 if the committed file is not this script's output
+    .venv/bin/python tools/long_context_set.py            # (re)write the file
+    .venv/bin/python tools/long_context_set.py --check    # exit 1 if the committed file is not this script's output
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(build_rows())
     if args.check:
         same = OUT.is_file() and OUT.read_text(encoding="utf-8") == text
-        print(f"{OUT}: {'up to date' if same else 'differs from bench/long_context_set.py output: rerun it'}")
+        print(f"{OUT}: {'up to date' if same else 'differs from tools/long_context_set.py output: rerun it'}")
         return 0 if same else 1
     OUT.write_text(text, encoding="utf-8")
     print(f"wrote {OUT} ({len(text.splitlines())} rows)")

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py: its --cpu-smoke run takes the GPU check's path end to end and reports every figure."""
+"""tools/gpu_check.py: its --cpu-smoke run takes the GPU check's path end to end and reports every figure."""
 
 from __future__ import annotations
 
@@ -22,15 +22,15 @@ class Refuse(importlib.abc.MetaPathFinder):
         if name.split(".")[0] == "prefect":
             raise ImportError(f"{name} is not on the GPU machine")
 sys.meta_path.insert(0, Refuse())
-OURS = {"__main__", "bench", "deploy", "emulators", "flows", "models", "tasks"}
+OURS = {"__main__", "bench", "deploy", "emulators", "flows", "models", "tasks", "tools"}
 real_import = builtins.__import__
 def ours_without_httpx(name, globals=None, locals=None, fromlist=(), level=0):
     if level == 0 and name.split(".")[0] == "httpx" and (globals or {}).get("__name__", "").split(".")[0] in OURS:
         raise ImportError(f"{name}: the check's own modules must not need it on the GPU machine")
     return real_import(name, globals, locals, fromlist, level)
 builtins.__import__ = ours_without_httpx
-sys.argv = ["bench/gpu_check.py", *sys.argv[1:]]
-runpy.run_path("bench/gpu_check.py", run_name="__main__")
+sys.argv = ["tools/gpu_check.py", *sys.argv[1:]]
+runpy.run_path("tools/gpu_check.py", run_name="__main__")
 """
 
 

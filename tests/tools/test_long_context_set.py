@@ -1,8 +1,8 @@
-"""The committed long-context eval set is bench/long_context_set.py's output, and its rows reach their buckets."""
+"""The committed long-context eval set is tools/long_context_set.py's output, and its rows reach their buckets."""
 
 from __future__ import annotations
 
-from bench import long_context_set
+from tools import long_context_set
 
 
 def test_the_committed_set_is_the_builder_s_output():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wheels the GPU machine lacks for bench/gpu_check.py, into .whl/ (gitignored), at the versions of
+# The wheels the GPU machine lacks for tools/gpu_check.py, into .whl/ (gitignored), at the versions of
 # this checkout's .venv (what the CPU tests ran). Run here, on a machine with pip access; the GPU machine
 # has no registry. docs/gpu-check.md says how they travel (run's `carry`) and why these and no others.
 #
@@ -13,9 +13,9 @@
 #   annotated-types, typing-inspection
 #   typing-extensions              pydantic needs a recent one; the machine's version is unknown
 # Prefect, httpx, fastapi... are not needed: the check launches the ranks through tasks/launch_ranks.py, which
-# imports none of them (tests/tasks/test_launch_ranks.py, tests/bench/test_gpu_check.py).
+# imports none of them (tests/tasks/test_launch_ranks.py, tests/tools/test_gpu_check.py).
 #
-#   bench/gpu_wheels.sh            # PY=.venv/bin/python by default
+#   tools/gpu_wheels.sh            # PY=.venv/bin/python by default
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
