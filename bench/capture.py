@@ -5,7 +5,7 @@ a synthetic records set (lognormal lengths, loss on the second half, written as 
 RECORD_SCHEMA), one run measures:
 
 1. Capture throughput (tokens/s) of `models.capture` launched as the pipeline launches it
-   (tasks.launch_ranks.rank_command + run_job: torchrun, DS_ACCELERATOR=cpu, gloo, OMP_NUM_THREADS per
+   (tasks.runtime.launch_ranks.rank_command + run_job: torchrun, DS_ACCELERATOR=cpu, gloo, OMP_NUM_THREADS per
    rank), for (a) 1 rank replicate, (b) 2 ranks replicate, (c) 2 ranks ZeRO-3, against baselines
    measured in the same run, each a fresh Python process like a rank:
    - bare: a forward loop over the same batches (the 1-rank deal, models.capture.records.make_batches),

@@ -130,7 +130,7 @@ def kept_transcript(stdout: str) -> str:
 def generated(run_dir: Path) -> dict[str, Any]:
     """Responses per generated dataset and in all, and the median answer's completion tokens, from the checkpoints'
     footers (`eagle3 stats`)."""
-    from tasks.stats import collect_stats, total_stats
+    from tasks.responses.stats import collect_stats, total_stats
 
     stats = collect_stats(run_dir)
     counts = {s.dataset: s.responses for s in stats}

@@ -18,8 +18,8 @@ and server do not share a GIL) and on checkpoints written in a temporary directo
 3. Resume start-up over N checkpointed responses: what generate_dataset does before sending
    (done_ids + summarize of the checkpoints) vs reading the same responses as a JSONL file to find
    the done ids and re-sum the tokens (the old scripts' resume).
-4. ``eagle3 stats`` (``tasks.stats.collect_stats``) vs parsing the same responses as JSONL.
-5. Several servers (``tasks.server_pool``): generate_dataset through a pool of 1, 2 and 4 simulated
+4. ``eagle3 stats`` (``tasks.responses.stats.collect_stats``) vs parsing the same responses as JSONL.
+5. Several servers (``tasks.serving.pool``): generate_dataset through a pool of 1, 2 and 4 simulated
    servers (each its own process, `max_concurrency` = slots each): served tokens as a share of the
    servers' summed capacity; then 3 servers of which one is killed (SIGKILL) a third of the way in:
    every prompt must still be recorded exactly once.
@@ -57,14 +57,14 @@ from bench.generate_prompts import IdsTokenizer, expected_lengths, make_prompts,
 from bench.generate_sim import Poller, SimProcess  # noqa: E402
 from models.common.jobs import GenerateJob  # noqa: E402
 from models.common.run_layout import RunLayout  # noqa: E402
-from tasks.checkpoints import done_ids, summarize  # noqa: E402
 from tasks.datasets import PromptRow  # noqa: E402
-from tasks.engines.client import RetryPolicy  # noqa: E402
-from tasks.engines.sglang import SGLangClient  # noqa: E402
 from tasks.generate.loop import generate_dataset  # noqa: E402
 from tasks.generate.report import GenerateReport  # noqa: E402
-from tasks.server_pool import ServerPool  # noqa: E402
-from tasks.stats import nearest_rank  # noqa: E402
+from tasks.responses.checkpoints import done_ids, summarize  # noqa: E402
+from tasks.responses.stats import nearest_rank  # noqa: E402
+from tasks.serving.client import RetryPolicy  # noqa: E402
+from tasks.serving.pool import ServerPool  # noqa: E402
+from tasks.serving.sglang import SGLangClient  # noqa: E402
 
 
 @dataclass

@@ -25,12 +25,12 @@ from bench.generate_params import Params
 from bench.generate_prompts import FIRST_ID, IdsTokenizer
 from models.common.jobs import GenerateJob
 from models.common.run_layout import RunLayout
-from tasks.checkpoints import RESPONSE_SCHEMA, compact, done_ids, summarize, write_part
 from tasks.datasets import PromptRow
 from tasks.generate.loop import generate_dataset
 from tasks.generate.report import GenerateReport
-from tasks.server_pool import ServerPool
-from tasks.stats import collect_stats, nearest_rank, stats_rows
+from tasks.responses.checkpoints import RESPONSE_SCHEMA, compact, done_ids, summarize, write_part
+from tasks.responses.stats import collect_stats, nearest_rank, stats_rows
+from tasks.serving.pool import ServerPool
 
 
 def make_responses(p: Params, n: int) -> pa.Table:

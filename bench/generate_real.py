@@ -72,9 +72,9 @@ async def run_ours(
 ) -> dict[str, Any]:
     from models.common.jobs import GenerateJob
     from models.common.run_layout import RunLayout
-    from tasks.engines.client import RetryPolicy
     from tasks.generate.loop import generate_dataset
-    from tasks.server_pool import ServerPool
+    from tasks.serving.client import RetryPolicy
+    from tasks.serving.pool import ServerPool
 
     settings = GenerateJob(
         dataset="bench", sampling_params=params, flush_every=64, flush_interval_s=5.0, log_interval_s=3600.0
@@ -118,7 +118,7 @@ def plain_request(engine: str, model: str, ids: list[int], params: dict[str, Any
     """The path and body the baseline posts: the engine's own request, as our client builds it."""
     if engine == "sglang":
         return "/generate", {"input_ids": ids, "sampling_params": params, "rid": rid}
-    from tasks.engines.vllm import completion_body
+    from tasks.serving.vllm import completion_body
 
     return "/v1/completions", completion_body(model, ids, params, rid)
 
@@ -160,7 +160,7 @@ def measure(p: Params, tmp: Path, out: dict[str, Any]) -> None:
     if p.engine not in VENVS:
         raise SystemExit(f"--engine must be {' or '.join(VENVS)}, got {p.engine!r}")
     if not url:
-        from tasks.engines import sglang, vllm
+        from tasks.serving import sglang, vllm
 
         python = REPO / VENVS[p.engine] / "bin" / "python"
         if not python.is_file():

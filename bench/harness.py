@@ -11,7 +11,7 @@ from here how a run is set up, started, timed and written down:
 - `TargetParams`: the tiny Llama target's shape, its cache directory and its build;
 - `record_row`, `write_records`, `length_summary`: synthetic records in the records stage's format;
 - `start_server`: an engine's CPU command started and healthy;
-- `launch`: a rank job started as the stage tasks start it (`tasks.launch_ranks.rank_command` + `run_job`),
+- `launch`: a rank job started as the stage tasks start it (`tasks.runtime.launch_ranks.rank_command` + `run_job`),
   its lines time-stamped into a log; `spawn`: baselines in fresh processes, like ranks;
   `descendants_cpu_s` / `process_cpu_s` / `extension_builds`: what those processes cost;
 - `passes`, `median_of`, `range_of`, `best_of`: repeats and their summaries;
@@ -278,8 +278,8 @@ def write_records(rows: list[dict[str, Any]], records_dir: Path, rows_per_part: 
     """`rows` as records parts of `rows_per_part` rows, written as the records stage writes one; returns the parts."""
     import pyarrow as pa
 
-    from tasks.parquet_io import write_parquet_atomic
     from tasks.records.build import RECORD_SCHEMA
+    from tasks.responses.parquet_io import write_parquet_atomic
 
     parts = 0
     for k in range(0, len(rows), rows_per_part):
@@ -317,10 +317,10 @@ class Launched:
 
 
 def start_server(command: list[str], engine: str, log: Path) -> Any:
-    """A serving engine's `cpu_command` (tasks/engines/) started on a free loopback port, as the pipeline starts it,
+    """A serving engine's `cpu_command` (tasks/serving/) started on a free loopback port, as the pipeline starts it,
     and healthy: its ServerProcess (`.url`; `.stop()` it when done)."""
-    from tasks.launch_servers import ServerProcess, fill_placeholders
-    from tasks.ports import free_port
+    from tasks.runtime.ports import free_port
+    from tasks.serving.launch import ServerProcess, fill_placeholders
 
     port = free_port()
     words = [fill_placeholders(w, {"host": "127.0.0.1", "port": str(port)}) for w in command]
@@ -348,12 +348,12 @@ def launch(
 ) -> Launched:
     """Run `python -m module --job JOB` on `ranks` ranks as the stage tasks launch it; the job written to `job_path`.
 
-    tasks.launch_ranks.rank_command (torchrun: DS_ACCELERATOR=cpu, gloo) + run_job, OMP_NUM_THREADS=threads
+    tasks.runtime.launch_ranks.rank_command (torchrun: DS_ACCELERATOR=cpu, gloo) + run_job, OMP_NUM_THREADS=threads
     per rank. Each output line is time-stamped (seconds since launch, as it reaches this process)
     into `log_path`, echoed with `verbose`, and passed to `on_line(line, seconds)`. A failing job
     is reported in the result, not raised.
     """
-    from tasks.launch_ranks import RankFailure, rank_command, run_job
+    from tasks.runtime.launch_ranks import RankFailure, rank_command, run_job
 
     job_path.write_text(json.dumps(job, indent=2))
     command, env = rank_command(module, ["--job", str(job_path)], num_ranks=ranks, launcher="torchrun")

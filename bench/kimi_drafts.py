@@ -14,7 +14,7 @@ per row (`train.draft_arch`, `train.draft_rope`, `train.draft_variant`; 1 layer,
 
 Each draft is measured by `eagle3 eval CONFIG --draft DIR` with `eval.backend: both` on the demo's prompts: in-process
 and in the real vLLM (.venv-vllm, `make vllm`) serving the target with that draft (MLA kept on for an MLA draft:
-tasks/engines/vllm.py `shape_words`), the two counts compared prompt by prompt. The table: acceptance, vLLM's count,
+tasks/serving/vllm.py `shape_words`), the two counts compared prompt by prompt. The table: acceptance, vLLM's count,
 per position, the draft's parameters (its own tensors: no embedding, no vocabulary map), optimizer steps and
 training tokens/s (trained tokens over the wall time of `eagle3 run --stages train`, its Prefect server included).
 
@@ -178,7 +178,7 @@ def row_config(run_dir: Path, name: str, epochs: int, target: str = "kimi") -> P
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     server = demo_server(load_config(path), "vllm", data["server"]["url"])  # MLA on or off for this draft
     data["server"] = server.model_dump(mode="json", exclude_none=True)
-    command = data["server"]["command"]  # vLLM's CPU command (tasks/engines/vllm.py cpu_command): room for the set
+    command = data["server"]["command"]  # vLLM's CPU command (tasks/serving/vllm.py cpu_command): room for the set
     command[command.index("--max-model-len") + 1] = str(MAX_MODEL_LEN)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path

@@ -131,7 +131,7 @@ def tree_size(path: Path) -> dict[str, Any]:
 
 
 def generate(p: Params, cfg: Path, run_dir: Path, sim: procs.Server, env: dict, logs: Path, out: dict) -> None:
-    from tasks.checkpoints import summarize
+    from tasks.responses.checkpoints import summarize
 
     answers = data.answers(out["data"])
     planned = planned_tokens(p.size, answers)
@@ -184,8 +184,8 @@ def generate_checks(p: Params, run_dir: Path, answers: dict[str, int]) -> dict[s
     its budget within 2 x max_new_tokens."""
     import pyarrow.parquet as pq
 
-    from tasks.checkpoints import live_parts, summarize
-    from tasks.rejects import reject_counts
+    from tasks.responses.checkpoints import live_parts, summarize
+    from tasks.responses.rejects import reject_counts
 
     budget = round(data.REFERENCE_BUDGET * p.size)
     slack = 2 * data.MAX_NEW_TOKENS

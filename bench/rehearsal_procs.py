@@ -278,7 +278,7 @@ def _wait_healthy(server: Server, path: str, timeout_s: float) -> None:
 
 def start_sim(scratch: Path, rules: Path, model: Path, vocab: int, eos: int, seed: int) -> Server:
     """The simulated SGLang engine: no decode time (the client, not the server, is what is measured), 256 slots."""
-    from tasks.ports import free_port
+    from tasks.runtime.ports import free_port
 
     port = free_port()
     log = scratch / "sim.log"
@@ -318,7 +318,7 @@ def sim_stats(url: str) -> dict[str, Any]:
 
 def start_prefect(scratch: Path) -> Server:
     """`prefect server start` with a home of its own (its database: home/prefect.db), the UI on."""
-    from tasks.ports import free_port
+    from tasks.runtime.ports import free_port
 
     port = free_port()
     home = scratch / "prefect-home"

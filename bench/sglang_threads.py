@@ -1,6 +1,6 @@
 """The real SGLang on a CPU: one OpenMP thread against torch's default, alone and beside a busy process.
 
-Why `tasks/engines/sglang.py` `cpu_command` sets `OMP_NUM_THREADS=1`: on a CPU without AMX, SGLang 0.5.23 binds no
+Why `tasks/serving/sglang.py` `cpu_command` sets `OMP_NUM_THREADS=1`: on a CPU without AMX, SGLang 0.5.23 binds no
 OpenMP threads of its own, so torch runs one spin-waiting thread per core, and each op of a decode step waits for
 all of them. When another process holds a core (CI's second test worker, a user's build), a step waits for the
 scheduler's time slices.
@@ -79,7 +79,7 @@ def serve_pass(url: str, p: Params) -> tuple[int, float]:
 
 def measure_server(threads: str, target: Path, p: Params, scratch: Path) -> dict[str, Any]:
     """tok/s alone and beside a spinning process, with `threads` "one" (the command as written) or "default"."""
-    from tasks.engines.sglang import cpu_command
+    from tasks.serving.sglang import cpu_command
 
     words = cpu_command(str(SGLANG_PYTHON), str(target), context_length=2048)
     assert ONE_THREAD in words, "cpu_command no longer sets OMP_NUM_THREADS=1: this bench compares against that"

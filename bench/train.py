@@ -5,7 +5,7 @@ greedy continuations of the sample conversations (data/samples/*.jsonl; loss on 
 whose hidden states are captured in-process with `models.capture.job.run`, one run measures the draft's
 training throughput (real tokens per second) of:
 
-- ours: `models.train` launched as the train flow launches it (tasks.launch_ranks.rank_command + run_job:
+- ours: `models.train` launched as the train flow launches it (tasks.runtime.launch_ranks.rank_command + run_job:
   torchrun, DS_ACCELERATOR=cpu, gloo, OMP_NUM_THREADS per rank) with `--ranks` ranks (default: 1,
   then 2), a fixed `max_steps`, and checkpoint/eval intervals past `max_steps` (the job still
   evaluates, checkpoints and exports once at the end: outside the measured window);
@@ -239,7 +239,7 @@ def baseline(p: Params, processes: int, target: Path, data: Path, tmp: Path, her
     """The plain loop: a fresh process (N: side by side, each over its rank's share), or this process (`here`).
 
     The fresh processes are started like a job's ranks: a child in a new session (with
-    `start_new_session`, as tasks.launch_ranks.run_job starts torchrun; with N > 1 it spawns the N loops and
+    `start_new_session`, as tasks.runtime.launch_ranks.run_job starts torchrun; with N > 1 it spawns the N loops and
     waits, like the torchrun agent), OMP_NUM_THREADS set. A new session is a new scheduler autogroup
     on Linux: under other load, both sides then compete for the cores on the same terms.
     """

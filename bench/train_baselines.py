@@ -174,7 +174,7 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     `log_every` steps, the job's metrics line: Metrics all-reduce, grad norm, metrics.jsonl and
     TensorBoard, as rank 0 writes it).
     """
-    from tasks.ports import free_port
+    from tasks.runtime.ports import free_port
 
     os.environ.update(
         DS_ACCELERATOR="cpu",

@@ -17,16 +17,16 @@ from models.common.stages import NODE_STAGES, STAGES, Stage, UnknownStage, parse
 class Eagle3(typer.Typer):
     """The `eagle3` app. Called as a program (the console script calls `app()`; `main`), it flushes its output line by
     line (a log file shows each line when it is printed), and SIGTERM or SIGINT stop every child of a command, then
-    the command, within seconds (tasks/stopping.py). Tests that invoke it in-process (CliRunner) get neither."""
+    the command, within seconds (tasks/runtime/stopping.py). Tests that invoke it in-process (CliRunner) get neither."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from tasks import stopping
+        from tasks.runtime import stopping
 
         _flush_per_line()
         try:
             with stopping.stop_on_signals():
                 if _runs_a_demo(sys.argv[1:]):  # run, generate and eval enter it once their run directory is locked
-                    from tasks.prefect_api import prefect_api
+                    from tasks.runtime.prefect_api import prefect_api
 
                     with prefect_api(say=_say):
                         return super().__call__(*args, **kwargs)
@@ -250,8 +250,8 @@ def _run_stages(
             err.print(f"[red]error:[/red] --draft {escape(eval_draft)}: no config.json there (not a draft)")
             raise typer.Exit(2)
     from flows.stage_run import held_run
-    from tasks.prefect_api import prefect_api
-    from tasks.run_lock import RunDirLocked
+    from tasks.runtime.prefect_api import prefect_api
+    from tasks.runtime.run_lock import RunDirLocked
 
     try:
         # Taken here, once: a second writer is refused before a Prefect server starts, and no flow run is created
@@ -306,7 +306,7 @@ def _print_stats(run_dir: Path, *, as_json: bool) -> bool:
     import json
 
     from tasks.records.build import record_stats
-    from tasks.stats import collect_stats, render_rows_table, render_stats_table, stats_rows
+    from tasks.responses.stats import collect_stats, render_rows_table, render_stats_table, stats_rows
 
     collected = collect_stats(run_dir)
     damaged_records: list[str] = []
@@ -431,7 +431,7 @@ def node(
 ) -> None:
     """On a node other than 0: run its ranks of node 0's capture and train jobs (torchrun, distributed.nnodes > 1)."""
     from models.common.rank_protocol import CAPTURE, TRAIN
-    from tasks.launch_ranks import resolve_launcher, run_node
+    from tasks.runtime.launch_ranks import resolve_launcher, run_node
 
     cfg = _config_or_exit(config)
     try:
@@ -570,7 +570,7 @@ def main() -> None:
 
 
 def _runs_a_demo(args: list[str]) -> bool:
-    """`eagle3 demo ...`, not its --help: it runs the pipeline on Prefect's API (tasks/prefect_api.py)."""
+    """`eagle3 demo ...`, not its --help: it runs the pipeline on Prefect's API (tasks/runtime/prefect_api.py)."""
     return args[:1] == ["demo"] and not {"--help", "-h"} & set(args)
 
 

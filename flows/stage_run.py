@@ -18,8 +18,8 @@ from prefect import get_run_logger
 from flows.config.file import load_config, save_run_config
 from flows.config.schema import RunConfig
 from models.common.stages import Stage
-from tasks.dead_runs import end_dead_runs
-from tasks.run_lock import note_flow_run, run_lock
+from tasks.runtime.dead_runs import end_dead_runs
+from tasks.runtime.run_lock import note_flow_run, run_lock
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def held_run(
     with _guard:
         hold = _holds.get(key)
     if hold is not None and set(chosen) <= hold.stages:
-        note_flow_run(hold.config.run_dir)  # tasks/dead_runs.py ends this flow run if the holder is killed
+        note_flow_run(hold.config.run_dir)  # tasks/runtime/dead_runs.py ends this flow run if the holder is killed
         yield hold.config
         return
     config = load_config(config_path) if config is None else config

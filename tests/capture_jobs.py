@@ -14,8 +14,8 @@ def small_capture_job(tmp_path: Path) -> tuple[Path, Path]:
 
     from models.common.jobs import CaptureJob, DatasetRecords
     from models.target.tiny import build_tiny_target
-    from tasks.launch_ranks import write_job
     from tasks.records.build import RECORD_SCHEMA
+    from tasks.runtime.launch_ranks import write_job
 
     target = build_tiny_target(
         tmp_path / "target",

@@ -21,7 +21,7 @@ def main(argv: list[str]) -> None:
     from models.common.run_layout import RunLayout
     from tasks.datasets import PromptRow
     from tasks.generate.loop import generate_dataset
-    from tasks.server_pool import ServerPool
+    from tasks.serving.pool import ServerPool
 
     url, tokenizer_dir, run_dir, prompts_file, job, concurrency = argv
     settings = GenerateJob.model_validate_json(job)

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 
 from models.common.jobs import GenerateJob
 from models.common.run_layout import RunLayout
-from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow
 from tasks.generate.loop import generate_dataset
+from tasks.responses.checkpoints import live_parts
 
 
 def prompt_rows(

@@ -18,7 +18,7 @@ def lock_held_elsewhere(run: Path, stage: str) -> Iterator[subprocess.Popen]:
         [
             sys.executable,
             "-c",
-            "import sys; from tasks.run_lock import run_lock\n"
+            "import sys; from tasks.runtime.run_lock import run_lock\n"
             f"with run_lock({str(run)!r}, {stage!r}):\n    print('held', flush=True); sys.stdin.read()",
         ],
         stdin=subprocess.PIPE,

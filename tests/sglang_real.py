@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.engines.sglang import cpu_command
-from tasks.launch_servers import ServerProcess, fill_placeholders
-from tasks.ports import free_port
+from tasks.runtime.ports import free_port
+from tasks.serving.launch import ServerProcess, fill_placeholders
+from tasks.serving.sglang import cpu_command
 
 REPO = Path(__file__).resolve().parents[1]
 SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"

@@ -112,3 +112,9 @@ def test_models_common_imports_no_torch():
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_tasks_holds_one_package_per_concern_and_no_loose_module():
+    """tasks/: the stage packages, serving/ (the engines' client side), responses/ and runtime/; nothing loose."""
+    loose = sorted(p.name for p in (REPO / "tasks").glob("*.py") if p.name != "__init__.py")
+    assert loose == []

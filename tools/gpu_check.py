@@ -7,15 +7,15 @@ pipeline's own code, the way the stage tasks run it, without Prefect:
 1. target   models.target.tiny.build_tiny_target, widened (default hidden 1024, 16 layers);
 2. records  the target's own greedy continuations of random prompts (in this process, on the GPU),
             written as the records stage writes them (tasks/records/build.py: parts + token counts);
-3. capture  `models.capture` (replicate, bf16) launched by tasks.launch_ranks.rank_command with the
-            deepspeed launcher on 1 GPU and followed with tasks.launch_ranks.follow_job;
+3. capture  `models.capture` (replicate, bf16) launched by tasks.runtime.launch_ranks.rank_command with the
+            deepspeed launcher on 1 GPU and followed with tasks.runtime.launch_ranks.follow_job;
 4. train    `models.train` (DeepSpeed ZeRO-2, bf16, NCCL) likewise, a few hundred steps, a checkpoint
             and the export at the end;
 5. export   the export in draft/final/ validated (SGLang and vLLM) and loaded back (models.export.eagle3);
 6. eval     `models.eval`: chain speculative decoding, trained and untrained draft.
 
 Each phase runs under its own time limit, cut to what is left of the whole run's `--budget-s`; a
-launched job past its limit is killed (tasks.launch_ranks.run_job), an in-process phase interrupted. A
+launched job past its limit is killed (tasks.runtime.launch_ranks.run_job), an in-process phase interrupted. A
 phase that fails is reported with its error and the phases that need it are skipped; the figures
 of every phase that ran are kept. The JSON (`--json`, default $OUT/gpu_check.json where $OUT is
 set, else runs/gpu-check/gpu_check.json) is rewritten after every phase, and the eval's after
@@ -126,8 +126,8 @@ def preflight(p: Params, json_path: Path) -> list[Any] | None:
 def terminate_with_exit(signum, frame):  # noqa: ARG001 - signal handler signature
     """SIGTERM (the device runner's timeout, a user's kill) as SystemExit: the rank launch then kills its process group.
 
-    The ranks run in a session of their own (tasks/launch_ranks.py `run_job`), so Python's default SIGTERM, which ends
-    this process at once, left them running and holding the GPU; raised as an exception it passes through
+    The ranks run in a session of their own (tasks/runtime/launch_ranks.py `run_job`), so Python's default SIGTERM,
+    which ends this process at once, left them running and holding the GPU; raised as an exception it passes through
     run_job's cleanup (killpg) and the figures are still written.
     """
     raise SystemExit(f"terminated (signal {signum})")

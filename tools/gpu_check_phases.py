@@ -119,7 +119,7 @@ def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     from models.capture.shards import list_shards
     from models.common.jobs import CaptureJob
     from models.common.rank_protocol import CAPTURE
-    from tasks.launch_ranks import write_job
+    from tasks.runtime.launch_ranks import write_job
 
     p, layout = check.p, RunLayout(check.work)
     job = CaptureJob(
@@ -159,7 +159,7 @@ def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     """`models.train` (ZeRO-2) on 1 rank: steps/s and tokens/s between metrics lines, losses, the held-out estimate."""
     from models.common.draft_jobs import TrainJob
     from models.common.rank_protocol import TRAIN, TRAIN_PROGRESS
-    from tasks.launch_ranks import write_job
+    from tasks.runtime.launch_ranks import write_job
 
     p, layout = check.p, RunLayout(check.work)
     job = TrainJob(
@@ -247,7 +247,7 @@ def evaluate(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     """
     from models.common.draft_jobs import EvalJob
     from models.common.rank_protocol import EVAL
-    from tasks.launch_ranks import write_job
+    from tasks.runtime.launch_ranks import write_job
 
     p, layout = check.p, RunLayout(check.work)
     raw = layout.eval_raw

@@ -118,7 +118,7 @@ class Check:
             self.save()
             raise
         except Exception as e:  # noqa: BLE001 - every failure is a figure of the check; the next phases still report
-            from tasks.launch_ranks import JobTimedOut
+            from tasks.runtime.launch_ranks import JobTimedOut
 
             result = {
                 "ok": False,
@@ -171,13 +171,13 @@ class Check:
     ) -> dict[str, Any]:
         """Launch `python -m module --job JOB` as the stage tasks do; its protocol lines, their times, its memory.
 
-        One rank (`single_process` False; one GPU): tasks.launch_ranks.rank_command with this check's launcher; the eval
-        job runs as one process, as tasks/eval/tasks.py starts it. The output is followed with
-        tasks.launch_ranks.follow_job, so a failing rank raises its own exception; the launch is killed
+        One rank (`single_process` False; one GPU): tasks.runtime.launch_ranks.rank_command with this check's launcher;
+        the eval job runs as one process, as tasks/eval/tasks.py starts it. The output is followed with
+        tasks.runtime.launch_ranks.follow_job, so a failing rank raises its own exception; the launch is killed
         at `limit_s` (JobTimedOut). `on_progress` gets each progress message as it comes.
         """
         from models.common.rank_protocol import RANK_MEMORY
-        from tasks.launch_ranks import follow_job, rank_command, run_job
+        from tasks.runtime.launch_ranks import follow_job, rank_command, run_job
 
         if single_process:
             command, env = [sys.executable, "-m", module, "--job", str(job_path)], {"OMP_NUM_THREADS": "1"}
@@ -244,7 +244,7 @@ def machine(p: Params) -> dict[str, Any]:
         },
         "cuda_available": torch.cuda.is_available(),
         "loadavg_start": harness.loadavg(),
-        # the deepspeed launcher maps it to its ranks' GPUs (tasks/launch_ranks.py `local_devices`)
+        # the deepspeed launcher maps it to its ranks' GPUs (tasks/runtime/launch_ranks.py `local_devices`)
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
     if torch.cuda.is_available():

@@ -12,7 +12,7 @@
 #   pydantic, pydantic-core,       models/common/jobs.py and deepspeed; pydantic-core is compiled (cp312, manylinux)
 #   annotated-types, typing-inspection
 #   typing-extensions              pydantic needs a recent one; the machine's version is unknown
-# Prefect, httpx, fastapi... are not needed: the check launches the ranks through tasks/launch_ranks.py, which
+# Prefect, httpx, fastapi... are not needed: the check launches the ranks through tasks/runtime/launch_ranks.py, which
 # imports none of them (tests/tasks/test_launch_ranks.py, tests/tools/test_gpu_check.py).
 #
 #   tools/gpu_wheels.sh            # PY=.venv/bin/python by default

@@ -20,7 +20,7 @@ LENGTH_DISTS = ("lognormal", "exponential", "fixed")
 @dataclasses.dataclass(frozen=True)
 class LengthRule:
     """The answer lengths of one dataset: requests whose rid holds ``"<dataset>:"`` (the generate stage's rids are
-    ``<nonce>-<dataset>:<row id>``: tasks/engines/client.py `request_id`) draw from this distribution instead of the
+    ``<nonce>-<dataset>:<row id>``: tasks/serving/client.py `request_id`) draw from this distribution instead of the
     server's default one. A simulated mixture of datasets, as a real target answers code longer than chat."""
 
     dataset: str

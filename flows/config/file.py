@@ -164,7 +164,7 @@ def _node_problems(config: RunConfig) -> list[str]:
     """One line per stage whose launch cannot span distributed.nnodes nodes (a missing master_addr or hostfile, ...)."""
     if not config.distributed.multinode:
         return []
-    from tasks.launch_ranks import node_problems, resolve_launcher
+    from tasks.runtime.launch_ranks import node_problems, resolve_launcher
 
     found: dict[str, list[str]] = {}  # problem -> the stages that have it
     for name, stage in (("capture", config.capture), ("train", config.train)):

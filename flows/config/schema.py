@@ -218,7 +218,7 @@ class LaunchConfig(Section):
     @property
     def device(self) -> Literal["cpu", "cuda"]:
         """Where the ranks run: cuda under the deepspeed launcher (or auto on a CUDA machine), cpu otherwise."""
-        from tasks.launch_ranks import cuda_available
+        from tasks.runtime.launch_ranks import cuda_available
 
         return "cuda" if self.launcher == "deepspeed" or (self.launcher == "auto" and cuda_available()) else "cpu"
 
@@ -419,7 +419,8 @@ class RunConfig(Section):
         )
 
     def written_dirs(self, stages: list[Stage]) -> list[tuple[str, Path]]:
-        """(setting, directory) for each directory `stages` write besides RUN_DIR (locked with it: tasks/run_lock.py).
+        """(setting, directory) for each directory `stages` write besides RUN_DIR (locked with it:
+        tasks/runtime/run_lock.py).
 
         Only what a stage writes: train only reads capture.out_dir (`read_dirs`: a shared lock), so several
         runs may train drafts from one capture at once.

@@ -122,7 +122,7 @@ class ServerSettings(KeyFromEnv, StrictModel):
     """How to reach the serving engine's servers (the API key is read from `api_key_env` at use, never stored)."""
 
     engine: Literal["sglang", "vllm"] = "sglang"
-    """The serving engine of generate and the engine eval (tasks/engines/): sglang (its native /generate) or vllm (its
+    """The serving engine of generate and the engine eval (tasks/serving/): sglang (its native /generate) or vllm (its
     OpenAI-compatible /v1/completions with token ids; `make vllm` installs the CPU build). The dev server emulates
     SGLang only."""
     url: ServerUrl = "http://127.0.0.1:30000"

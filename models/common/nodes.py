@@ -1,6 +1,6 @@
 """The nodes a capture or train job spans: the run config's `distributed` section, read by the rank launchers.
 
-Pydantic only: the run config (flows/config/schema.py `DistributedConfig`) and tasks/launch_ranks.py use it.
+Pydantic only: the run config (flows/config/schema.py `DistributedConfig`) and tasks/runtime/launch_ranks.py use it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The run directory's layout: every path under RUN_DIR, and the output directories settings may move out of it.
 
     RUN_DIR/config.yaml                     the resolved config, as run
-    RUN_DIR/.lock                           held by the one process writing the run dir (tasks/run_lock.py)
+    RUN_DIR/.lock                           held by the one process writing the run dir (tasks/runtime/run_lock.py)
     RUN_DIR/generated-by.json               the engine and target that made the responses (tasks/generate/provenance.py)
     RUN_DIR/responses/<dataset>/            generation checkpoints (part-*.parquet)
     RUN_DIR/rejects/<dataset>/              prompts and rows that cannot succeed, with the reason
@@ -31,7 +31,7 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Literal, overload
 
-LOCK_NAME = ".lock"  # the write lock, in RUN_DIR and in each output directory outside it (tasks/run_lock.py)
+LOCK_NAME = ".lock"  # the write lock, in RUN_DIR and in each output directory outside it (tasks/runtime/run_lock.py)
 
 # Entries of the draft directory, which the train ranks write into their job's out_dir.
 CHECKPOINTS = "checkpoints"
@@ -129,7 +129,7 @@ class RunLayout:
     logs = _Entry(
         "run_dir",
         "logs",
-        "RUN_DIR/logs: the output of the servers the stages launch (names: tasks/launch_servers.py and the launchers).",
+        "RUN_DIR/logs: the output of the servers the stages launch (names: tasks/serving/launch.py and the launchers).",
     )
     # entries of the draft directory
     checkpoints = _Entry(
@@ -174,7 +174,8 @@ class RunLayout:
         return self.responses_root / dataset
 
     def rejects(self, dataset: str) -> Path:
-        """RUN_DIR/rejects/<dataset>: its rejected prompts and rows, each with the reason (tasks/rejects.py)."""
+        """RUN_DIR/rejects/<dataset>: its rejected prompts and rows, each with the reason
+        (tasks/responses/rejects.py)."""
         return self.rejects_root / dataset
 
     def passthrough(self, dataset: str) -> Path:

@@ -1,6 +1,6 @@
 """How a server is reached: its base URL (checked), a launched replica's URL, the API key from the environment.
 
-Plain Python: the run config's server sections (models/common/jobs.py) and the launchers (tasks/launch_servers.py) use
+Plain Python: the run config's server sections (models/common/jobs.py) and the launchers (tasks/serving/launch.py) use
 it.
 """
 

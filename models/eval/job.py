@@ -109,7 +109,7 @@ def run(job: EvalJob) -> dict[str, Any]:
                 )
             )
         result[name] = merge_results(parts)
-        # per prompt, to set beside the engine backend's replies (tasks/eval/on_server.py compare_with_hf)
+        # per prompt, to set beside the engine backend's replies (tasks/eval/engine_report.py compare_with_hf)
         result[name]["per_prompt"] = [
             {
                 "source": p.source,

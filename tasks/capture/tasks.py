@@ -23,13 +23,13 @@ from models.common.file_errors import DamagedFile, WriteFailed
 from models.common.jobs import CaptureJob, VllmCaptureSettings
 from models.common.nodes import Nodes
 from models.common.rank_protocol import CAPTURE, Message
-from tasks import launch_ranks
-from tasks.artifacts import artifact_key, progress_artifact
 from tasks.capture.plan import CapturePlan, ExtractionWindow, TargetShape, check_fits, human_bytes, plan_capture
-from tasks.capture.vllm_server import CaptureServer, launched_capture_server
-from tasks.engines.errors import EngineDied, ServerOutage
-from tasks.launch_ranks import RankFailure, RankRefused, follow_job, rank_command, run_job, write_job
-from tasks.server_watch import ServerWatch
+from tasks.runtime import launch_ranks
+from tasks.runtime.artifacts import artifact_key, progress_artifact
+from tasks.runtime.launch_ranks import RankFailure, RankRefused, follow_job, rank_command, run_job, write_job
+from tasks.serving.capture_server import CaptureServer, launched_capture_server
+from tasks.serving.errors import EngineDied, ServerOutage
+from tasks.serving.watch import ServerWatch
 
 
 class CaptureRefused(RankRefused):
@@ -236,7 +236,7 @@ def run_vllm_capture(
 
     Each attempt starts the server itself (capture.engine.launch: dev | command) and stops it at the end, so a retry
     gets a fresh one; while it runs, a launched server that exits (or whose engine dies) ends the attempt at once
-    with EngineDied (tasks/server_watch.py), which the retry condition retries, instead of the outage window's wait.
+    with EngineDied (tasks/serving/watch.py), which the retry condition retries, instead of the outage window's wait.
     `token_cap` caps the whole capture as for the job: each attempt gets what is left after the complete shards.
     """
     from prefect.utilities.asyncutils import run_coro_as_sync

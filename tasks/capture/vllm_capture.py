@@ -14,7 +14,7 @@ once the shard that holds their record is durable, so at any time shared_dir hol
 writer's window plus the requests in flight (tasks/capture/plan.py counts them); what a killed
 capture left there is deleted at the next start (shared_dir is this capture's alone).
 
-A status means what it says (tasks/engines/errors.py): 400/413/422 refuse that record (the others
+A status means what it says (tasks/serving/errors.py): 400/413/422 refuse that record (the others
 are captured, then the stage fails naming the refused ones), 401/403/404 stop at once, connection
 errors, 408, 429 and 5xx are retried until `outage_window_s` (then `ServerOutage`, which a Prefect
 retry resumes). A reply that names no file, or a file that is missing, incomplete or of the wrong
@@ -51,10 +51,10 @@ from models.common.atomic import is_safetensors_temp
 from models.common.jobs import CaptureJob, VllmCaptureSettings
 from models.draft.config import default_aux_layers
 from tasks.capture.plan import capture_dtype, target_shape
-from tasks.engines.client import RetryPolicy
-from tasks.engines.errors import BadRequest
-from tasks.engines.vllm import VLLMClient
-from tasks.threads import run_to_the_end
+from tasks.runtime.threads import run_to_the_end
+from tasks.serving.client import RetryPolicy
+from tasks.serving.errors import BadRequest
+from tasks.serving.vllm import VLLMClient
 
 CAPTURE_RANK = 0  # the shard names' rank: one writer, in the pipeline's process
 log = logging.getLogger("eagle3.capture.engine")
@@ -134,7 +134,7 @@ async def capture_with_vllm(
     """Capture every pending record of `job` through the vLLM server; {"samples", "tokens"} captured by this call.
 
     `on_progress(done, total, tokens)` after every sample (samples and tokens of this call); `on_failure`: the
-    client's (tasks/engines/client.py), e.g. the watch of a server the capture launched (tasks/server_watch.py).
+    client's (tasks/serving/client.py), e.g. the watch of a server the capture launched (tasks/serving/watch.py).
     """
     out_dir = Path(job.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

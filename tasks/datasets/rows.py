@@ -47,7 +47,7 @@ class Reject:
     id: str | None
     reason: str
     raw: str
-    cause: str | None = None  # tasks.rejects.CAUSES; None: derived from the stage and reason
+    cause: str | None = None  # tasks.responses.rejects.CAUSES; None: derived from the stage and reason
 
     @property
     def location(self) -> str:

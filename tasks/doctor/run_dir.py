@@ -14,8 +14,8 @@ from models.common.run_layout import RunLayout
 from models.train.checkpoint import FINGERPRINT, checkpoint_settings, complete_checkpoints, settings_differences
 from tasks.generate.provenance import OtherEngine, Provenance, check_record, has_responses
 from tasks.records.build import record_stats
-from tasks.run_lock import describe_holder, lock_holder
-from tasks.stats import collect_stats
+from tasks.responses.stats import collect_stats
+from tasks.runtime.run_lock import describe_holder, lock_holder
 
 
 def run_dir_findings(

@@ -26,7 +26,7 @@ from typing import Any
 from models.common.findings import Finding
 from models.export.format import CONFIG_FILE, VLLM_AUX_KEY
 from models.export.rules import is_mla
-from tasks.engines.vllm import NATIVE_ROPE
+from tasks.serving.vllm import NATIVE_ROPE
 
 # The architectures vLLM runs with deepseek_v2.py's DeepseekV2Model (model_executor/models/registry.py; the kimi_k25
 # wrapper builds its language model as DeepseekV2ForCausalLM, kimi_k25.py).
@@ -43,7 +43,7 @@ KIMI_K25_MEDIA_PAD_ID = 163605
 # deepseek_v2.py lacks `if self.end_layer in self.aux_hidden_state_layers`, 0.25.0's (and every later one's) has it.
 END_LAYER_FIX = (0, 25, 0)
 CPU_MLA_SIZES = (512, 64)  # kv_lora_rank, qk_rope_head_dim: head size 576, the CPU MLA kernel's only one
-CPU_ENV = "VLLM_CPU_KVCACHE_SPACE"  # read by vLLM's CPU build alone (tasks/engines/vllm.py cpu_command sets it)
+CPU_ENV = "VLLM_CPU_KVCACHE_SPACE"  # read by vLLM's CPU build alone (tasks/serving/vllm.py cpu_command sets it)
 MLA_OFF = "VLLM_MLA_DISABLE"
 # Whose aux ids come from this run's settings (capture.aux_layers): the draft the train stage writes, its existing
 # export, the vLLM capture's.
@@ -148,7 +148,7 @@ def export_is_mla(export_dir: Path) -> bool:
 def served_version(urls: list[str], api_key: str | None, timeout_s: float = 10.0) -> str | None:
     """The oldest vLLM version the servers at `urls` say (/version); None when one does not answer (the engine
     group says why)."""
-    from tasks.engines import client_class
+    from tasks.serving import client_class
 
     async def one(url: str) -> str | None:
         async with client_class("vllm")(url, request_timeout_s=timeout_s, api_key=api_key) as client:
@@ -165,7 +165,7 @@ def served_version(urls: list[str], api_key: str | None, timeout_s: float = 10.0
 
 def runs_on_cpu(command: list[str], *, cuda: bool) -> bool:
     """Whether a launched vLLM command runs vLLM's CPU build: one of its words sets VLLM_CPU_KVCACHE_SPACE (read by
-    the CPU build alone; tasks/engines/vllm.py `cpu_command` writes `env VLLM_CPU_KVCACHE_SPACE=1 ...`), or this
+    the CPU build alone; tasks/serving/vllm.py `cpu_command` writes `env VLLM_CPU_KVCACHE_SPACE=1 ...`), or this
     machine, where the pipeline starts it, has no CUDA (`cuda` False: no other build of vLLM runs here)."""
     return not cuda or any(re.search(rf"\b{CPU_ENV}=", word) for word in command)
 
@@ -294,7 +294,7 @@ def _cpu_mla_findings(server: VllmServer, text: dict[str, Any], environ: Mapping
         return [Finding(name, "PASS", f"{seen} with {MLA_OFF}=1: MLA runs as plain attention")]
     fix = (
         f"add {MLA_OFF}=1 to {server.setting}.command (`env VLLM_CPU_KVCACHE_SPACE=1 {MLA_OFF}=1 python -m "
-        "vllm.entrypoints.openai.api_server ...`, as tasks/engines/vllm.py cpu_command writes it)"
+        "vllm.entrypoints.openai.api_server ...`, as tasks/serving/vllm.py cpu_command writes it)"
     )
     out = []
     if sizes != CPU_MLA_SIZES:
@@ -382,10 +382,10 @@ def _mla_draft_findings(server: VllmServer, seen: str, disabled: bool, sizes: tu
                 f"vllm target: {server.setting}: MLA rope on CPU",
                 "WARN",
                 f"{seen} with an MLA draft, and vLLM's rotary custom op on: with --enforce-eager its CPU kernel "
-                "rotates the MLA layer's strided views wrong (tasks/engines/vllm.py shape_words), so a draft or target "
+                "rotates the MLA layer's strided views wrong (tasks/serving/vllm.py shape_words), so a draft or target "
                 "whose rope has no scaling (draft_rope: plain) is served wrong; DeepSeek's YaRN is torch code",
                 f"add --compilation-config '{json.dumps(NATIVE_ROPE)}' to {server.setting}.command, as "
-                "tasks/engines/vllm.py cpu_command writes it",
+                "tasks/serving/vllm.py cpu_command writes it",
             )
         )
     return out

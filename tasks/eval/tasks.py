@@ -1,5 +1,5 @@
 """Prefect tasks of the eval stage: speculative decoding with the target and the exported draft, measured in-process
-(HF backend) and/or through the serving engine (tasks/eval/on_server.py), then eval.json and the artifacts."""
+(HF backend) and/or through the serving engine (tasks/serving/eval_server.py), then eval.json and the artifacts."""
 
 from __future__ import annotations
 
@@ -25,26 +25,17 @@ from models.eval.context import context_text
 from models.eval.estimates import chain_acceptance_length, estimates_block
 from models.eval.prompts import benchmark_prompts, eval_prompts
 from models.export.rules import read_export_config
-from tasks.artifacts import artifact_key, progress_artifact
-from tasks.engines.client import RetryPolicy, auth_hint
-from tasks.engines.sglang import SGLangClient
-from tasks.engines.vllm import VLLMClient
 from tasks.eval.benchmarks import benchmark_rows, benchmark_section
-from tasks.eval.on_server import (
-    EvalServer,
-    Phase,
-    acceptance,
-    check_command,
-    compare_with_hf,
-    context_of,
-    decode_prompts,
-    engine_report,
-    fit_draft_context,
-)
+from tasks.eval.engine_report import acceptance, compare_with_hf, context_of, engine_report
 from tasks.generate.prompts import default_stop_ids, request_sampling_params
-from tasks.heartbeat import Heartbeat
-from tasks.launch_ranks import follow_job, write_job
-from tasks.server_watch import ServerWatch
+from tasks.runtime.artifacts import artifact_key, progress_artifact
+from tasks.runtime.heartbeat import Heartbeat
+from tasks.runtime.launch_ranks import follow_job, write_job
+from tasks.serving.client import RetryPolicy, auth_hint
+from tasks.serving.eval_server import EvalServer, Phase, check_command, decode_prompts, fit_draft_context
+from tasks.serving.sglang import SGLangClient
+from tasks.serving.vllm import VLLMClient
+from tasks.serving.watch import ServerWatch
 
 
 @task(name="spec-eval", cache_policy=NO_CACHE)
@@ -127,8 +118,8 @@ class SpecEvalProgress:
 def evaluate_on_server(
     job: EvalJob, engine: ServedEvalSettings, server: EvalServer, config_name: str
 ) -> dict[str, Any]:
-    """Engine backend (tasks/eval/on_server.py): the eval prompts through the serving engine with the draft served, then
-    without."""
+    """Engine backend (tasks/serving/eval_server.py, tasks/eval/engine_report.py): the eval prompts through the serving
+    engine with the draft served, then without."""
     logger = get_run_logger()
     with Heartbeat(logger.info) as beat:  # a line every ~10 s while a server loads or a phase decodes in silence
         return engine_eval(job, engine, server, config_name, logger, beat)
@@ -539,7 +530,7 @@ def sglang_command(target_path: str, draft_dir: Path, num_steps: int, trust_remo
 
 def vllm_command(target_path: str, draft_dir: Path, num_steps: int, trust_remote_code: bool, tp: int = 8) -> str:
     """The vLLM launch that serves the target with this draft, with per-request verify counts
-    (tasks/engines/vllm.py)."""
+    (tasks/serving/vllm.py)."""
     launch = ["vllm", "serve", target_path, "--tensor-parallel-size", str(tp)]
     return _with_draft(launch, VLLMClient.speculative_args(str(draft_dir), num_steps), trust_remote_code)
 

@@ -1,12 +1,12 @@
 """Multi-turn regeneration (`turns: all`): each user turn of a conversation answered by the target, in order.
 
-A conversation's turn k is one request and one response, id `<conversation id>#t<k>` (k from 0, tasks/turn_ids.py):
-its prompt is the chat template applied to the conversation's leading system turns, its user turns 0..k and the
-target's own answers to user turns 0..k-1 (the dataset's assistant turns are not used). So every turn is a response like
-any other: exactly once by id, counted by the budget, one record (its prompt ids + its output ids, the loss on the
-output ids only). One record per turn is the honest shape: a template may render an earlier answer differently
-from the ids the target produced (Kimi-K2.5's drops the reasoning of earlier turns), so a single record of the
-whole conversation would train on re-rendered text.
+A conversation's turn k is one request and one response, id `<conversation id>#t<k>` (k from 0,
+tasks/responses/turn_ids.py): its prompt is the chat template applied to the conversation's leading system turns, its
+user turns 0..k and the target's own answers to user turns 0..k-1 (the dataset's assistant turns are not used). So
+every turn is a response like any other: exactly once by id, counted by the budget, one record (its prompt ids + its
+output ids, the loss on the output ids only). One record per turn is the honest shape: a template may render an earlier
+answer differently from the ids the target produced (Kimi-K2.5's drops the reasoning of earlier turns), so a single
+record of the whole conversation would train on re-rendered text.
 
 Turn k + 1 is sent only after turn k is recorded whole (finish_reason `stop`, or ending with a stop token). A turn
 cut by the length limit is recorded and ends the conversation there (its answer is unfinished, so nothing follows
@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.checkpoints import is_whole
 from tasks.datasets import PromptRow
-from tasks.turn_ids import split_turn_id, turn_id
+from tasks.responses.checkpoints import is_whole
+from tasks.responses.turn_ids import split_turn_id, turn_id
 
 
 @dataclass
@@ -105,8 +105,8 @@ def resume(
     answers: Callable[[set[str]], dict[str, list[int]]],
 ) -> Resumed:
     """Each conversation continued from its turns on disk: `recorded` maps turn ids to (last output id,
-    finish_reason) (tasks.checkpoints.turn_finishes), `standing` holds the ids of rejects that stand, `stop_ids` are
-    the stop tokens generate sends, `answers` reads the output_ids of the turn ids it is given.
+    finish_reason) (tasks.responses.checkpoints.turn_finishes), `standing` holds the ids of rejects that stand,
+    `stop_ids` are the stop tokens generate sends, `answers` reads the output_ids of the turn ids it is given.
 
     Only the conversations that go on need their answers (the next turn's history): those are read and decoded, the
     answers of conversations that ended or are complete are not (a rerun late in a run would decode all of them)."""

@@ -1,7 +1,7 @@
 """Adopt a legacy `raw_responses.jsonl` (one response of the old inference loop per line) as checkpoints.
 
 The old loop wrote two formats over its life; every line may be either, and both become rows of
-`tasks.checkpoints.RESPONSE_SCHEMA` in RUN_DIR/responses/<dataset>/, written with `write_part`.
+`tasks.responses.checkpoints.RESPONSE_SCHEMA` in RUN_DIR/responses/<dataset>/, written with `write_part`.
 
 The line formats and their field mapping: tasks/generate/legacy_lines.py.
 
@@ -26,9 +26,9 @@ prompt + output ids, whichever comes first. Renames need no extra disk space.
 
 Failures: a write that the storage refuses (disk full, read-only, quota) raises
 models.common.file_errors.WriteFailed naming the path, what was kept and how to resume. A part already
-in RUN_DIR/responses/<dataset>/ that cannot be read raises tasks.parquet_io.DamagedPart naming it
+in RUN_DIR/responses/<dataset>/ that cannot be read raises tasks.responses.parquet_io.DamagedPart naming it
 and where to move it; nothing is imported until it is moved. The import holds the run
-directory's write lock (tasks.run_lock) for its whole run: a second writer gets RunDirLocked.
+directory's write lock (tasks.runtime.run_lock) for its whole run: a second writer gets RunDirLocked.
 
 Exactly once: ids already in RUN_DIR/responses/<dataset>/ are skipped, a repeated id inside the
 file keeps its first line, so importing the same file again adds nothing.
@@ -50,10 +50,10 @@ import pyarrow.parquet as pq
 from models.common.atomic import TMP_SUFFIX, fsync_dir
 from models.common.file_errors import WriteFailed
 from models.common.run_layout import RunLayout
-from tasks.checkpoints import PartSummary, done_ids, finish_compaction, live_parts, responses_table
 from tasks.datasets import DatasetError, Reject
 from tasks.generate.legacy_lines import BadLine, LegacyLine, legacy_id_or_none, parse_line, read_lines
-from tasks.parquet_io import (
+from tasks.responses.checkpoints import PartSummary, done_ids, finish_compaction, live_parts, responses_table
+from tasks.responses.parquet_io import (
     DamagedPart,
     clean_stale_temps,
     next_part_path,
@@ -61,8 +61,8 @@ from tasks.parquet_io import (
     reading,
     write_parquet_atomic,
 )
-from tasks.rejects import write_rejects
-from tasks.run_lock import run_lock
+from tasks.responses.rejects import write_rejects
+from tasks.runtime.run_lock import run_lock
 
 log = logging.getLogger("eagle3.legacy_import")
 

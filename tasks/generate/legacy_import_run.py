@@ -11,8 +11,8 @@ from models.common.file_errors import WriteFailed
 from models.common.run_layout import RunLayout
 from tasks.datasets import DatasetError
 from tasks.generate.legacy_import import ImportReport, import_jsonl
-from tasks.parquet_io import DamagedPart
-from tasks.run_lock import RunDirLocked, run_lock
+from tasks.responses.parquet_io import DamagedPart
+from tasks.runtime.run_lock import RunDirLocked, run_lock
 
 
 class ImportFailed(Exception):

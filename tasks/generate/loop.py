@@ -1,13 +1,13 @@
-"""The generate stage for one dataset: prompts -> the serving engine (tasks/engines/) -> checkpointed responses.
+"""The generate stage for one dataset: prompts -> the serving engine (tasks/serving/) -> checkpointed responses.
 
 Exactly once: a prompt is skipped when its id is in the dataset's responses or among the rejects
-that still stand (tasks.rejects: a prompt rejected as too long is checked again on every run); a
+that still stand (tasks.responses.rejects: a prompt rejected as too long is checked again on every run); a
 response is recorded once, when it arrives complete and checked. Requests aborted (by the budget
 gate or by the server) are not recorded, so resume sends them again. One the server aborts on its
 own is sent again in the same run up to `max_requeues` times, then becomes a reject with cause
 `aborted`, checked again on the next run: no prompt ends neither recorded nor named.
 
-Requests go through a pool of servers (tasks.server_pool): one server, several, or a router;
+Requests go through a pool of servers (tasks.serving.pool): one server, several, or a router;
 a server that fails is left for the others and its requests are sent again there.
 
 Stops at once, keeping every part already written, when a checkpoint cannot be written (disk
@@ -29,19 +29,19 @@ from typing import Any
 from models.common.file_errors import WriteFailed
 from models.common.jobs import GenerateJob
 from models.common.run_layout import RunLayout
-from tasks.checkpoints import ResponseWriter, done_ids, is_whole, quarantine_advice, summarize
 from tasks.datasets import PromptRow, Reject
-from tasks.engines.client import Completion
-from tasks.engines.errors import BadRequest, ServerOutage
 from tasks.generate.budget import TokenBudget
 from tasks.generate.conversations import Conversation, answer_text
 from tasks.generate.prompts import chat_prompt_ids, prompt_sampling_seed
 from tasks.generate.report import GenerateReport, Progress, ProgressHook
 from tasks.generate.work import plan_work
-from tasks.parquet_io import DamagedPart
-from tasks.pooled_server import Lease
-from tasks.rejects import reject_counts, settle_generate_rejects, write_rejects
-from tasks.server_pool import ServerPool
+from tasks.responses.checkpoints import ResponseWriter, done_ids, is_whole, quarantine_advice, summarize
+from tasks.responses.parquet_io import DamagedPart
+from tasks.responses.rejects import reject_counts, settle_generate_rejects, write_rejects
+from tasks.serving.client import Completion
+from tasks.serving.errors import BadRequest, ServerOutage
+from tasks.serving.pool import ServerPool
+from tasks.serving.pooled_server import Lease
 
 log = logging.getLogger("eagle3.generate")
 
@@ -292,7 +292,7 @@ class _Run:
     def server_aborted(self, row: PromptRow, done: Completion, queue: deque[PromptRow]) -> None:
         """Send a prompt the server aborted again later, at most max_requeues times; then it is a named reject.
 
-        The reject's cause, `aborted`, is checked again on the next run (tasks.rejects): the prompt
+        The reject's cause, `aborted`, is checked again on the next run (tasks.responses.rejects): the prompt
         is never dropped without a trace.
         """
         n = self.requeues.get(row.id, 0)

@@ -36,7 +36,7 @@ import yaml
 from models.common.atomic import write_atomic
 from models.common.file_errors import DamagedFile
 from models.common.run_layout import RunLayout
-from tasks.parquet_io import list_parts
+from tasks.responses.parquet_io import list_parts
 
 # What each engine kind is called in messages, and how a config asks for it.
 ENGINE_KINDS = {

@@ -60,7 +60,7 @@ class GenerateReport:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     reject_causes: dict[str, int] = field(
         default_factory=dict
-    )  # the dataset's standing rejects by cause (tasks.rejects)
+    )  # the dataset's standing rejects by cause (tasks.responses.rejects)
     conversations: int | None = None  # turns: all: conversations with a turn on disk (`responses` counts turns)
     ended_conversations: int = 0  # turns: all: ended before their last user turn (a turn cut by length, a reject)
 

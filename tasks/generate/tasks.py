@@ -12,17 +12,17 @@ from prefect.cache_policies import NO_CACHE
 
 from models.common.jobs import GenerateJob, ServerSettings
 from models.common.run_layout import RunLayout
-from tasks.artifacts import artifact_key
 from tasks.datasets import HubDataset, OnBadRow, RowFormat, load_dataset
-from tasks.engines.client import RetryPolicy, auth_hint
-from tasks.engines.errors import ServerOutage
 from tasks.generate.loop import generate_dataset
 from tasks.generate.passthrough import PassthroughReport, copy_passthrough
 from tasks.generate.prompts import default_stop_ids
 from tasks.generate.provenance import Provenance, declared_engine, reported_engine, settle, target_fingerprint
 from tasks.generate.report import GenerateReport, Progress
-from tasks.rejects import replace_stage_rejects
-from tasks.server_pool import ServerPool
+from tasks.responses.rejects import replace_stage_rejects
+from tasks.runtime.artifacts import artifact_key
+from tasks.serving.client import RetryPolicy, auth_hint
+from tasks.serving.errors import ServerOutage
+from tasks.serving.pool import ServerPool
 
 
 async def _retry_on_outage(task: Any, task_run: Any, state: Any) -> bool:
@@ -177,7 +177,7 @@ async def publish_server_table(rows: list[dict[str, Any]], config_name: str) -> 
 @task(name="generate-summary", cache_policy=NO_CACHE)
 async def publish_generate_summary(run_dir: Path, config_name: str) -> list[dict[str, Any]]:
     """The per-dataset table of the whole run as a Prefect table artifact (same figures as `eagle3 stats`)."""
-    from tasks.stats import collect_stats, stats_rows
+    from tasks.responses.stats import collect_stats, stats_rows
 
     rows = stats_rows(await asyncio.to_thread(collect_stats, run_dir))
     await acreate_table_artifact(

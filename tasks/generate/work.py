@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from models.common.jobs import GenerateJob
-from tasks.checkpoints import PartSummary, turn_answers, turn_finishes
 from tasks.datasets import PromptRow
 from tasks.generate.conversations import Conversation, resume
-from tasks.turn_ids import split_turn_id
+from tasks.responses.checkpoints import PartSummary, turn_answers, turn_finishes
+from tasks.responses.turn_ids import split_turn_id
 
 
 @dataclass

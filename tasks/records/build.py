@@ -34,9 +34,10 @@ import pyarrow.parquet as pq
 from models.common.file_errors import WriteFailed
 from models.common.jobs import RecordsJob
 from models.common.run_layout import RunLayout
-from tasks.checkpoints import is_whole, live_parts
 from tasks.datasets import Reject
-from tasks.parquet_io import (
+from tasks.records.chat_masks import MaskError, conversation_records
+from tasks.responses.checkpoints import is_whole, live_parts
+from tasks.responses.parquet_io import (
     DamagedPart,
     list_parts,
     parquet_atomic_writer,
@@ -44,10 +45,9 @@ from tasks.parquet_io import (
     reading,
     write_parquet_atomic,
 )
-from tasks.records.chat_masks import MaskError, conversation_records
-from tasks.rejects import write_rejects
-from tasks.stats import nearest_rank
-from tasks.tallies import add_counts
+from tasks.responses.rejects import write_rejects
+from tasks.responses.stats import nearest_rank
+from tasks.responses.tallies import add_counts
 
 RECORD_SCHEMA = pa.schema(
     {

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import jinja2
 
-from tasks.turn_ids import turn_id
+from tasks.responses.turn_ids import turn_id
 
 OnRewrite = Literal["split", "reject"]
 

@@ -10,9 +10,9 @@ from prefect.cache_policies import NO_CACHE
 
 from models.common.jobs import RecordsJob
 from models.common.run_layout import RunLayout
-from tasks.artifacts import artifact_key
 from tasks.generate.prompts import default_stop_ids
 from tasks.records.build import RecordsReport, build_records, count_tokens, coverage
+from tasks.runtime.artifacts import artifact_key
 
 
 @task(name="target-vocab", cache_policy=NO_CACHE)

@@ -23,9 +23,9 @@ from models.common.rank_protocol import TRAIN, TRAIN_BEST, TRAIN_EVAL, Message, 
 from models.common.run_layout import CHECKPOINTS, EVAL_REPORT, FINAL, METRICS, TRAIN_SUMMARY, TRAINING_PLOT
 from models.train.best import describe
 from models.train.checkpoint import RESUME, CheckpointMismatch, kept_checkpoint
-from tasks.artifacts import artifact_key, progress_artifact
-from tasks.heartbeat import Heartbeat
-from tasks.launch_ranks import RankFailure, follow_job, rank_command, rank_error, run_job, write_job
+from tasks.runtime.artifacts import artifact_key, progress_artifact
+from tasks.runtime.heartbeat import Heartbeat
+from tasks.runtime.launch_ranks import RankFailure, follow_job, rank_command, rank_error, run_job, write_job
 from tasks.train.report import eval_table, load_metrics, plot_training, report_markdown
 
 

@@ -14,10 +14,10 @@ from transformers import AutoTokenizer
 from cli.demo import run_demo
 from models.export.sglang import validate_export
 from models.export.vllm import validate_export_vllm
-from tasks.checkpoints import live_parts
 from tasks.datasets import PromptRow, load_dataset
 from tasks.generate.prompts import chat_prompt_ids
-from tasks.turn_ids import split_turn_id, turn_id
+from tasks.responses.checkpoints import live_parts
+from tasks.responses.turn_ids import split_turn_id, turn_id
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 """`eagle3 demo --engine E --target T`: a run directory of its own per engine and target, and a run directory made by
 another engine (the dev demo's, given as --run-dir) refused with the reason, before anything starts (and by the
-generate stage once the real server says what it is: tests/tasks/engines/test_vllm_real.py, against a real vLLM)."""
+generate stage once the real server says what it is: tests/tasks/serving/test_vllm_real.py, against a real vLLM)."""
 
 from __future__ import annotations
 

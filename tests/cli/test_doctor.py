@@ -207,7 +207,7 @@ def test_eagle3_eval_with_draft_checks_that_draft_before_the_eval_starts(tmp_pat
     from transformers import AutoModelForCausalLM
 
     from flows.pipeline import pipeline
-    from tasks.engines.vllm import cpu_command
+    from tasks.serving.vllm import cpu_command
     from tests.drafts import export_random_draft
 
     theirs = tmp_path / "elsewhere" / "draft"
@@ -274,7 +274,7 @@ def test_the_engine_serving_the_target_passes_with_its_figures(tmp_path, tiny_ta
 
 
 def test_an_unreachable_server_fails_with_what_to_do(tmp_path, tiny_target_dir):
-    from tasks.ports import free_port
+    from tasks.runtime.ports import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     config = load_config(write_demo_config(tmp_path, tiny_target_dir, server={"url": url, "launch": "none"}))

@@ -18,7 +18,7 @@ import flows.generate
 import flows.pipeline  # noqa: F401  (imported before counting: its references are replaced too)
 import flows.stage_run  # noqa: F401
 from flows.config import file as config_file
-from tasks import run_lock as run_lock_module
+from tasks.runtime import run_lock as run_lock_module
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT to `eagle3 generate`, `run` and `eval`, at several moments of a run (tasks/stopping.py).
+"""SIGTERM and SIGINT to `eagle3 generate`, `run` and `eval`, at several moments of a run (tasks/runtime/stopping.py).
 
 Each command is started as a user starts it (the console script, stdout a pipe, in a session of its own), watched
 until a gate -- a line it prints, a process it starts -- says the moment has come, then signalled. Every test asserts
@@ -28,8 +28,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tasks.checkpoints import live_parts
-from tasks.ports import free_port
+from tasks.responses.checkpoints import live_parts
+from tasks.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EAGLE3 = Path(sys.executable).parent / "eagle3"

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tasks.ports import free_port
+from tasks.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).parent / "prefect")

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tasks.ports import free_port
+from tasks.runtime.ports import free_port
 from tests.run_configs import write_run_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -160,8 +160,8 @@ asyncio.run(main(sys.argv[1]))
 @pytest.mark.e2e
 def test_a_killed_worker_leaves_nothing_a_rerun_does_not_finish_exactly_once(prefect_server, tmp_path, tiny_target_dir):
     from emulators.sim import SimServer
-    from tasks.checkpoints import live_parts
-    from tasks.run_lock import read_holder
+    from tasks.responses.checkpoints import live_parts
+    from tasks.runtime.run_lock import read_holder
 
     server = prefect_server
     prompts = tmp_path / "prompts.jsonl"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.ports import free_port
+from tasks.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "deploy" / "local-up.sh"

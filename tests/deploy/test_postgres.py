@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.ports import free_port
+from tasks.runtime.ports import free_port
 from tests.run_configs import write_run_config
 
 RUN_ON_QUEUE = r"""
@@ -172,7 +172,7 @@ def test_a_team_server_on_postgresql_runs_a_deployment_on_the_box_its_queue_name
     postgres, launch_prefect, tmp_path, tiny_target_dir
 ):
     from emulators.sim import SimServer
-    from tasks.checkpoints import live_parts
+    from tasks.responses.checkpoints import live_parts
 
     n = 24
     prompts = tmp_path / "prompts.jsonl"

@@ -4,7 +4,7 @@
   extract_hidden_states.py: slot s at [s // block_size, :, s % block_size]), blocks in any order, the last block
   partly filled;
 - a write that fails (the disk full) leaves neither the file nor its .tmp, and releases the lock.
-The connector inside a running vLLM: tests/tasks/engines/test_vllm_capture_real.py. Without .venv-vllm these skip.
+The connector inside a running vLLM: tests/tasks/serving/test_vllm_capture_real.py. Without .venv-vllm these skip.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from emulators.dev_server.app import create_app
 from models.common.jobs import GenerateJob
 from tasks.datasets import PromptRow
 from tasks.generate.prompts import prompt_sampling_seed, request_sampling_params
-from tasks.server_pool import ServerPool
+from tasks.serving.pool import ServerPool
 from tests.generate_runs import generate_into, responses
 
 EOS = 1

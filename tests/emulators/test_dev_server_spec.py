@@ -326,8 +326,8 @@ def test_server_process_with_draft_flags(entry, tiny_target_dir, draft_dir, targ
     import sys
     from pathlib import Path
 
-    from tasks.launch_servers import ServerProcess
-    from tasks.ports import free_port
+    from tasks.runtime.ports import free_port
+    from tasks.serving.launch import ServerProcess
 
     model, tok = target
     port = free_port()
@@ -373,11 +373,11 @@ def test_server_process_with_draft_flags(entry, tiny_target_dir, draft_dir, targ
 
 
 def engine_decode(url, chosen, params, vocab_size: int, select=None):
-    """tasks/eval/on_server.py's decode of `chosen` at `url`: 2 at once, no key, a 30 s outage window."""
+    """tasks/serving/eval_server.py's decode of `chosen` at `url`: 2 at once, no key, a 30 s outage window."""
     import asyncio
 
-    from tasks.engines.client import RetryPolicy
-    from tasks.eval.on_server import decode_prompts
+    from tasks.serving.client import RetryPolicy
+    from tasks.serving.eval_server import decode_prompts
 
     return asyncio.run(
         decode_prompts(
@@ -398,12 +398,13 @@ def engine_decode(url, chosen, params, vocab_size: int, select=None):
 def test_engine_eval_through_the_dev_server_equals_the_in_process_eval(
     serve_app, spec_server, tiny_target_dir, target, draft_dir, prompts
 ):
-    """tasks/eval/on_server.py end to end at real servers: with the draft, then without.
+    """tasks/serving/eval_server.py and tasks/eval/engine_report.py end to end at real servers: with the draft, then
+    without.
 
     Both counts: SGLang's and the per-round one.
     """
     from models.eval.prompts import EvalPrompt
-    from tasks.eval.on_server import compare_with_hf, engine_report
+    from tasks.eval.engine_report import compare_with_hf, engine_report
 
     model, tok = target
     eval_prompts = [EvalPrompt("A" if i % 2 else "B", f"p{i}", p) for i, p in enumerate(prompts)]
@@ -459,7 +460,7 @@ def test_the_engine_eval_leaves_out_of_both_phases_a_prompt_only_the_draft_serve
     `_validate_one_request`): a prompt that fits the server without the draft is refused by the one with it.
     The eval chooses its prompts with the reserve, so both phases decode the same prompts."""
     from models.eval.prompts import EvalPrompt
-    from tasks.eval.on_server import fit_draft_context
+    from tasks.serving.eval_server import fit_draft_context
 
     model, tok = target
     near = [5] * (

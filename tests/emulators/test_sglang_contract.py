@@ -31,7 +31,7 @@ import torch
 from emulators.dev_server.app import create_app
 from emulators.dev_server.speculative import Speculative
 from emulators.sim import SimServer
-from tasks.engines.sglang import SGLangClient
+from tasks.serving.sglang import SGLangClient
 from tests.emulators.sglang_shapes import FINISHED_META
 from tests.sglang_real import start_sglang
 

@@ -27,9 +27,9 @@ from models.common.rank_protocol import error_report
 from tasks.capture import tasks as capture_tasks
 from tasks.capture.plan import DiskTooSmall
 from tasks.capture.tasks import CaptureRefused, capture_retryable, rank_error
-from tasks.checkpoints import responses_table, write_part
-from tasks.launch_ranks import RankFailure
 from tasks.records.build import build_records
+from tasks.responses.checkpoints import responses_table, write_part
+from tasks.runtime.launch_ranks import RankFailure
 from tests.generate_runs import response_row
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,7 +163,7 @@ def test_the_vllm_backend_runs_the_flow_plan_and_artifact_like_the_deepspeed_one
     from cli.plan import print_plan
     from flows.config.file import load_config
     from models.capture.shards import done_sample_keys
-    from tasks.ports import free_port
+    from tasks.runtime.ports import free_port
     from tests.flows.test_generate_flow import artifacts_by_key
 
     since = datetime.now(timezone.utc)

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from emulators.sim import SimServer
-from tasks.checkpoints import live_parts
+from tasks.responses.checkpoints import live_parts
 from tests.run_configs import write_run_config
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes of its own

@@ -20,7 +20,7 @@ from flows.records import records
 from models.capture.shards import read_sample
 from tasks.capture import plan as capture_plan
 from tasks.capture.plan import DiskTooSmall
-from tasks.checkpoints import live_parts
+from tasks.responses.checkpoints import live_parts
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
-"""The pipeline run's own summary artifact (flows/pipeline.py, tasks/artifacts.py): the stages' subflow runs, their
-states and artifacts, on the pipeline's flow run, whose Artifacts tab was empty before (issue 50)."""
+"""The pipeline run's own summary artifact (flows/pipeline.py, tasks/runtime/artifacts.py): the stages' subflow runs,
+their states and artifacts, on the pipeline's flow run, whose Artifacts tab was empty before (issue 50)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.sorting import ArtifactSort
 
 import flows.pipeline as pipeline_module
-from tasks.artifacts import artifact_key, stage_headline
+from tasks.runtime.artifacts import artifact_key, stage_headline
 from tests.run_configs import write_run_config
 
 RESULTS = {

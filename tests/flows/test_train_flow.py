@@ -19,7 +19,7 @@ from models.common.file_errors import WriteFailed
 from models.common.rank_protocol import error_report
 from models.train.checkpoint import RESUME
 from models.train.job import ERROR_MARK
-from tasks.launch_ranks import RankFailure
+from tasks.runtime.launch_ranks import RankFailure
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ def _config(tmp_path: Path, **train) -> Path:
 
 
 class Ranks:
-    """Stand-in for tasks.launch_ranks.run_job: each launch plays the next scripted outcome."""
+    """Stand-in for tasks.runtime.launch_ranks.run_job: each launch plays the next scripted outcome."""
 
     def __init__(self, draft_dir: Path, outcomes: list[str]):
         self.draft_dir, self.outcomes, self.launches = draft_dir, outcomes, []

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from tasks.ports import free_port
+from tasks.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from tasks.generate.prompts import chat_prompt_ids
-from tasks.server_pool import ServerPool
+from tasks.serving.pool import ServerPool
 
 
 def prompts_from(tokenizer, rows, start: int):

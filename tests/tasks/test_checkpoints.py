@@ -8,8 +8,8 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from tasks import checkpoints
-from tasks.checkpoints import (
+from tasks.responses import checkpoints
+from tasks.responses.checkpoints import (
     META,
     PartSummary,
     ResponseWriter,
@@ -21,7 +21,7 @@ from tasks.checkpoints import (
     summarize,
     write_part,
 )
-from tasks.parquet_io import list_parts, read_metadata
+from tasks.responses.parquet_io import list_parts, read_metadata
 
 
 def row(i: int, n: int = 3, reason: str = "stop") -> dict:

@@ -18,7 +18,7 @@ from tasks.datasets import (
     load_dataset,
     stable_id,
 )
-from tasks.rejects import write_rejects
+from tasks.responses.rejects import write_rejects
 
 GENERATE_EXPECTED = "each row needs 'messages' [{role, content}] or 'prompt' (string)"
 

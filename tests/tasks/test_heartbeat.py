@@ -1,10 +1,10 @@
-"""The heartbeat (tasks/heartbeat.py): a status line after each ~10 s of silence, on a fake clock."""
+"""The heartbeat (tasks/runtime/heartbeat.py): a status line after each ~10 s of silence, on a fake clock."""
 
 from __future__ import annotations
 
 import threading
 
-from tasks.heartbeat import Heartbeat
+from tasks.runtime.heartbeat import Heartbeat
 
 
 class Clock:

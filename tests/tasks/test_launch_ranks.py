@@ -12,9 +12,9 @@ from models.common.file_errors import DamagedShard, WriteFailed
 from models.common.jobs import CaptureJob
 from models.common.nodes import Nodes
 from models.common.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
-from tasks import launch_ranks
-from tasks.launch_ranks import RankFailure, RankRefused, follow_job, rank_error, write_job
-from tasks.torch_extensions import COMM_OP
+from tasks.runtime import launch_ranks
+from tasks.runtime.launch_ranks import RankFailure, RankRefused, follow_job, rank_error, write_job
+from tasks.runtime.torch_extensions import COMM_OP
 from tests.capture_jobs import small_capture_job
 from tests.rank_failures import shard_write_failed
 
@@ -278,7 +278,7 @@ def test_launching_ranks_needs_neither_prefect_nor_httpx():
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    seen, todo, found = set(), ["tasks.launch_ranks"], []
+    seen, todo, found = set(), ["tasks.runtime.launch_ranks"], []
     while todo:
         module = todo.pop()
         if module in seen:

@@ -7,8 +7,8 @@ import contextlib
 import httpx
 import pytest
 
-from tasks.launch_servers import launched_servers
-from tasks.ports import free_port, free_ports
+from tasks.runtime.ports import free_port, free_ports
+from tasks.serving.launch import launched_servers
 
 
 def _up(url: str) -> bool:
@@ -148,7 +148,7 @@ def test_a_second_launch_keeps_the_first_s_log_and_reports_only_its_own(tmp_path
     header naming its command, and the second's failure quotes its own output, not the first's."""
     import sys
 
-    from tasks.launch_servers import SERVER_LOG
+    from tasks.serving.launch import SERVER_LOG
 
     url = f"http://127.0.0.1:{free_port()}"
     errors = []

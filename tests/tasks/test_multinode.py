@@ -31,8 +31,8 @@ from models.capture.shards import iter_shard_index, list_shards, read_sample, sh
 from models.common.draft_jobs import TrainJob
 from models.common.jobs import CaptureJob
 from models.common.nodes import Nodes
-from tasks.launch_ranks import rank_command, write_job
-from tasks.ports import free_port
+from tasks.runtime.launch_ranks import rank_command, write_job
+from tasks.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240

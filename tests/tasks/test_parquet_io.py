@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.parquet_io import (
+from tasks.responses.parquet_io import (
     clean_stale_temps,
     list_parts,
     next_part_path,

@@ -6,10 +6,16 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from tasks.checkpoints import live_parts
 from tasks.datasets import Reject
-from tasks.parquet_io import next_part_path, write_parquet_atomic
-from tasks.rejects import read_rejects, reject_counts, replace_stage_rejects, settle_generate_rejects, write_rejects
+from tasks.responses.checkpoints import live_parts
+from tasks.responses.parquet_io import next_part_path, write_parquet_atomic
+from tasks.responses.rejects import (
+    read_rejects,
+    reject_counts,
+    replace_stage_rejects,
+    settle_generate_rejects,
+    write_rejects,
+)
 
 
 def rejects(*ids: str, cause: str | None = None, reason: str = "bad") -> list[Reject]:

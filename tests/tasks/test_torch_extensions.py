@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks import torch_extensions
-from tasks.torch_extensions import COMM_OP, LockUnknown, clear_dead_locks, extensions_dir, lock_holders
+from tasks.runtime import torch_extensions
+from tasks.runtime.torch_extensions import COMM_OP, LockUnknown, clear_dead_locks, extensions_dir, lock_holders
 from tests.capture_jobs import small_capture_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +33,9 @@ HOLD = (
     "sys.stdin.read()\n"
     "baton.release()\n"
 )
-PREPARE = "from tasks.torch_extensions import prepare\nprepare(cpu=True)\n"  # what rank_command runs before the ranks
+PREPARE = (
+    "from tasks.runtime.torch_extensions import prepare\nprepare(cpu=True)\n"  # what rank_command runs before the ranks
+)
 
 
 def _holder(lock: Path) -> subprocess.Popen:
@@ -237,7 +239,7 @@ def test_a_build_killed_mid_way_then_two_launches_then_a_capture(tmp_path, monke
     _killed_holder(lock)
     job = small_capture_job(tmp_path)[1]
     from models.common.rank_protocol import CAPTURE
-    from tasks.launch_ranks import follow_job, rank_command, run_job
+    from tasks.runtime.launch_ranks import follow_job, rank_command, run_job
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     capsys.readouterr()

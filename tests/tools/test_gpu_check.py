@@ -66,7 +66,7 @@ def test_cpu_smoke_runs_every_phase_and_reports_its_figures(tmp_path):
 
 # The eval job as the check launches it, but held for good after its 2nd prompt's line: the check's eval limit
 # (--eval-s) is then certainly what ends it, with exactly 2 prompts measured. The check process swaps it in for
-# `python -m models.eval` through tasks.launch_ranks.follow_job, which Check.launch imports when it launches.
+# `python -m models.eval` through tasks.runtime.launch_ranks.follow_job, which Check.launch imports when it launches.
 HELD_EVAL = """
 import sys, threading
 from models.eval import job as eval_job
@@ -82,14 +82,14 @@ sys.exit(eval_job.main())
 WITH_HELD_EVAL = WITHOUT_PREFECT.replace(
     "sys.argv = ",
     f"""
-import tasks.launch_ranks
-follow_job = tasks.launch_ranks.follow_job
+import tasks.runtime.launch_ranks
+follow_job = tasks.runtime.launch_ranks.follow_job
 def held_eval(command, **kw):
     if "models.eval" in command:
         at = command.index("models.eval")
         command = [*command[:at - 1], "-c", {HELD_EVAL!r}, *command[at + 1:]]
     return follow_job(command, **kw)
-tasks.launch_ranks.follow_job = held_eval
+tasks.runtime.launch_ranks.follow_job = held_eval
 sys.argv = """,
     1,
 )

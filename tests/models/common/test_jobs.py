@@ -32,7 +32,7 @@ from models.common.jobs import (
 )
 from models.common.nodes import Nodes
 from models.common.strict import StrictModel, load_job
-from tasks.launch_ranks import write_job
+from tasks.runtime.launch_ranks import write_job
 
 # (run config section, the spec the pipeline builds from it, the settings they share: None = all in common)
 PAIRS = [

@@ -202,7 +202,7 @@ def test_an_export_whose_config_says_dtype_as_transformers_5_writes_it_validates
 
 def test_an_export_whose_rope_is_written_as_transformers_5_rope_parameters_validates_and_loads(draft, target, tmp_path):
     """transformers 5's save_pretrained writes `rope_parameters` and no `rope_theta` (SpecForge's draft class does:
-    tests/tasks/engines/test_sglang_eagle3_real.py serves one); SGLang 0.5.23 reads it (srt/models/llama.py), so our
+    tests/tasks/serving/test_sglang_eagle3_real.py serves one); SGLang 0.5.23 reads it (srt/models/llama.py), so our
     checks read it too, plain or YaRN. Before: "config rope_theta must be a positive number, got None"."""
     good = export_draft(draft, tmp_path / "good", target_config=target, dtype=torch.float32)
     cfg = json.loads((good / "config.json").read_text())

@@ -179,8 +179,8 @@ def _capture_job(target: Path, tmp_path: Path, mode: str) -> tuple[Path, Path]:
     import pyarrow.parquet as pq
 
     from models.common.jobs import CaptureJob, DatasetRecords
-    from tasks.launch_ranks import write_job
     from tasks.records.build import RECORD_SCHEMA
+    from tasks.runtime.launch_ranks import write_job
 
     records = tmp_path / "records"
     if not records.exists():

@@ -10,9 +10,9 @@ import pytest
 from models.common.jobs import RecordsJob
 from tasks.capture import plan as capture_plan
 from tasks.capture.plan import DiskTooSmall, TargetShape, capture_layers, check_fits, plan_capture, target_shape
-from tasks.checkpoints import responses_table, write_part
-from tasks.parquet_io import DamagedPart
 from tasks.records.build import build_records
+from tasks.responses.checkpoints import responses_table, write_part
+from tasks.responses.parquet_io import DamagedPart
 from tests.generate_runs import response_row
 from tests.kimi_k25 import CONFIG_JSON
 

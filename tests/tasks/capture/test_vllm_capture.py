@@ -38,7 +38,7 @@ from models.common.file_errors import WriteFailed
 from models.common.jobs import CaptureJob, DatasetRecords, VllmCaptureSettings
 from models.target.tiny import SAMPLES_DIR
 from tasks.capture.vllm_capture import RecordsRefused, capture_with_vllm, clean_connector_files
-from tasks.engines.errors import AuthError, ServerOutage
+from tasks.serving.errors import AuthError, ServerOutage
 
 REPO = Path(__file__).resolve().parents[3]
 AUX_LAYERS = [1, 3, 4]  # default_aux_layers(8) of the tiny target

@@ -20,7 +20,7 @@ from cli.app import app
 from flows.config.file import load_config
 from flows.preflight import PreflightFailed, doctor_findings, preflight
 from models.common.findings import Finding
-from tasks.engines.vllm import cpu_command
+from tasks.serving.vllm import cpu_command
 from tests.run_configs import write_demo_config
 
 

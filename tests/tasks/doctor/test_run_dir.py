@@ -32,7 +32,7 @@ def test_a_lock_held_by_another_process_fails_naming_it(tmp_path):
 
 
 def test_the_lock_this_process_holds_is_not_a_fail(tmp_path):
-    from tasks.run_lock import run_lock
+    from tasks.runtime.run_lock import run_lock
 
     with run_lock(tmp_path / "run", "pipeline"):
         f = by_name(run_dir_findings(tmp_path / "run", checkpoint_dir=tmp_path / "c", settings=SETTINGS))[

@@ -20,7 +20,7 @@ from tasks.doctor.vllm_target import (
     served_version,
     vllm_target_findings,
 )
-from tasks.engines.vllm import cpu_command
+from tasks.serving.vllm import cpu_command
 from tests.run_configs import write_demo_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -193,7 +193,7 @@ def test_an_mla_draft_on_cpu_needs_mla_on_and_cpu_command_leaves_it_on(kimi):
     (CPU_ATTN: [MultipleOf(32)]; CPU_MLA: [16])")."""
     mla_on = cpu_command("python", str(kimi), mla_draft=True)
     assert "VLLM_MLA_DISABLE=1" not in mla_on and "VLLM_MLA_DISABLE=1" in cpu_command("python", str(kimi))
-    # and with MLA on, vLLM's own rotary code instead of its CPU kernel (tests/tasks/engines/test_vllm_rope.py)
+    # and with MLA on, vLLM's own rotary code instead of its CPU kernel (tests/tasks/serving/test_vllm_rope.py)
     assert mla_on[mla_on.index("--compilation-config") + 1] == '{"custom_ops": ["-rotary_embedding"]}'
     assert "--compilation-config" not in cpu_command("python", str(kimi))
     name = "vllm target: server: MLA draft on CPU"

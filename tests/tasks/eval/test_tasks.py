@@ -139,7 +139,7 @@ def test_context_rows_put_each_source_s_buckets_side_by_side():
 def test_spec_eval_progress_says_the_prompts_and_rounds_at_each_10_s_of_silence():
     from models.common.rank_protocol import EVAL, EVAL_PROGRESS
     from tasks.eval.tasks import SpecEvalProgress
-    from tasks.heartbeat import Heartbeat
+    from tasks.runtime.heartbeat import Heartbeat
 
     now = [0.0]
     beat = Heartbeat(lambda line: None, clock=lambda: now[0])

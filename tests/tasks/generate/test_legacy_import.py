@@ -9,13 +9,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from models.common.file_errors import WriteFailed
-from tasks.checkpoints import PartSummary, done_ids
 from tasks.datasets import DatasetError, load_dataset, stable_id
 from tasks.generate.legacy_import import ImportReport, import_jsonl
 from tasks.generate.prompts import chat_prompt_ids
-from tasks.parquet_io import DamagedPart, list_parts, read_metadata
-from tasks.run_lock import RunDirLocked
-from tasks.stats import collect_stats
+from tasks.responses.checkpoints import PartSummary, done_ids
+from tasks.responses.parquet_io import DamagedPart, list_parts, read_metadata
+from tasks.responses.stats import collect_stats
+from tasks.runtime.run_lock import RunDirLocked
 from tests.run_locks import lock_held_elsewhere
 
 

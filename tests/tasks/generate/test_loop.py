@@ -17,12 +17,12 @@ import pytest
 
 from emulators.sim import SimConfig, SimServer, simulate_output
 from models.common.jobs import GenerateJob
-from tasks.checkpoints import done_ids, live_parts, summarize
 from tasks.datasets import PromptRow
-from tasks.engines.client import RetryPolicy
-from tasks.engines.errors import ServerOutage
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
-from tasks.server_pool import ServerPool
+from tasks.responses.checkpoints import done_ids, live_parts, summarize
+from tasks.serving.client import RetryPolicy
+from tasks.serving.errors import ServerOutage
+from tasks.serving.pool import ServerPool
 from tests.generate_runs import generate_into, generate_job, prompt_rows, responses
 
 REPO = Path(__file__).resolve().parents[3]
@@ -332,7 +332,7 @@ def test_cancellation_aborts_in_flight_requests_and_keeps_what_finished(tmp_path
 
 
 def test_a_401_mid_run_stops_without_rejecting_anything_and_a_rerun_finishes(server, tmp_path, tokenizer):
-    from tasks.engines.errors import AuthError
+    from tasks.serving.errors import AuthError
 
     rows = prompts(30)
 
@@ -396,7 +396,7 @@ def test_a_failed_checkpoint_write_stops_the_run_at_once_and_a_rerun_finishes(se
     import errno
 
     from models.common.file_errors import WriteFailed
-    from tasks import checkpoints
+    from tasks.responses import checkpoints
 
     rows = prompts(60)
     real_write = checkpoints.write_part
@@ -426,7 +426,7 @@ def test_a_failed_checkpoint_write_stops_the_run_at_once_and_a_rerun_finishes(se
 
 
 def test_a_damaged_part_stops_generate_before_sending_and_names_the_file(server, tmp_path, tokenizer):
-    from tasks.parquet_io import DamagedPart
+    from tasks.responses.parquet_io import DamagedPart
 
     rows = prompts(20)
     run(server, rows[:10], tmp_path, tokenizer=tokenizer, flush_every=5)

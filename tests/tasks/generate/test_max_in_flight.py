@@ -13,9 +13,9 @@ from transformers import AutoTokenizer
 from emulators.sim import SimServer, simulate_output
 from models.common.jobs import GenerateJob
 from tasks.datasets import PromptRow
-from tasks.engines.client import RetryPolicy
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
-from tasks.server_pool import ServerPool
+from tasks.serving.client import RetryPolicy
+from tasks.serving.pool import ServerPool
 from tests.generate_runs import generate_into, responses
 
 EOS = 1

@@ -13,7 +13,6 @@ import pytest
 
 from models.common.file_errors import DamagedFile
 from models.common.run_layout import RunLayout
-from tasks.checkpoints import responses_table, write_part
 from tasks.generate.provenance import (
     OtherEngine,
     Provenance,
@@ -26,6 +25,7 @@ from tasks.generate.provenance import (
     settle,
     target_fingerprint,
 )
+from tasks.responses.checkpoints import responses_table, write_part
 
 log = logging.getLogger("test.provenance")
 
@@ -197,7 +197,7 @@ def test_what_a_server_says_decides_the_engine():
 
 def test_the_simulated_server_says_what_it_is():
     from emulators.sim import SimServer
-    from tasks.engines.sglang import SGLangClient
+    from tasks.serving.sglang import SGLangClient
 
     async def ask(url: str):
         async with SGLangClient(url) as client:

@@ -12,10 +12,10 @@ from collections import Counter
 from pathlib import Path
 
 from emulators.sim import SimServer, simulate_output
-from tasks.engines.client import RetryPolicy
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
-from tasks.rejects import read_rejects
-from tasks.server_pool import ServerPool
+from tasks.responses.rejects import read_rejects
+from tasks.serving.client import RetryPolicy
+from tasks.serving.pool import ServerPool
 from tests.generate_runs import generate_into, generate_job, responses
 from tests.generate_runs import prompt_rows as prompts
 from tests.tasks.budget_runs import budget_run_after_short_answers, prompts_from

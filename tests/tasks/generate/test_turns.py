@@ -11,12 +11,12 @@ from transformers import AutoTokenizer
 from emulators.sim import SimServer
 from models.common.jobs import GenerateJob
 from tasks.datasets import PromptRow
-from tasks.engines.client import RetryPolicy
 from tasks.generate.conversations import conversation
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
-from tasks.rejects import read_rejects
-from tasks.server_pool import ServerPool
-from tasks.turn_ids import is_later_turn, split_turn_id, turn_id
+from tasks.responses.rejects import read_rejects
+from tasks.responses.turn_ids import is_later_turn, split_turn_id, turn_id
+from tasks.serving.client import RetryPolicy
+from tasks.serving.pool import ServerPool
 from tests.generate_runs import generate_into
 from tests.generate_runs import responses as dataset_responses
 
@@ -205,9 +205,9 @@ def test_a_resume_reads_and_decodes_only_the_answers_of_conversations_that_go_on
     """A rerun late in a run: most conversations are complete or ended. plan_work finds where each stands from the
     last id and finish reason of its turns, and reads and decodes only the answers of those it continues (before, it
     decoded every answer on disk at every rerun)."""
-    import tasks.checkpoints as checkpoints
     import tasks.generate.work as work
-    from tasks.checkpoints import responses_table, write_part
+    import tasks.responses.checkpoints as checkpoints
+    from tasks.responses.checkpoints import responses_table, write_part
 
     def answer(rid: str, ids: list[int], reason: str = "stop") -> dict:
         return {

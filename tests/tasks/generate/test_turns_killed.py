@@ -18,12 +18,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from models.common.jobs import GenerateJob, RecordsJob
-from tasks.checkpoints import live_parts
 from tasks.generate.prompts import chat_prompt_ids, request_sampling_params
-from tasks.launch_servers import launched_servers
-from tasks.ports import free_ports
 from tasks.records.build import build_records
-from tasks.turn_ids import split_turn_id, turn_id
+from tasks.responses.checkpoints import live_parts
+from tasks.responses.turn_ids import split_turn_id, turn_id
+from tasks.runtime.ports import free_ports
+from tasks.serving.launch import launched_servers
 
 pytestmark = pytest.mark.multiprocess
 

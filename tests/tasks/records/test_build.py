@@ -16,10 +16,8 @@ from transformers import AutoTokenizer
 from models.common.file_errors import WriteFailed
 from models.common.jobs import RecordsJob
 from models.common.run_layout import RunLayout
-from tasks.checkpoints import compact, responses_table, write_part
 from tasks.generate.passthrough import PASSTHROUGH_SCHEMA, copy_passthrough
 from tasks.generate.prompts import chat_prompt_ids
-from tasks.parquet_io import DamagedPart, list_parts
 from tasks.records import build as records_module
 from tasks.records.build import (
     build_records,
@@ -28,6 +26,8 @@ from tasks.records.build import (
     record_stats,
     summarize_records,
 )
+from tasks.responses.checkpoints import compact, responses_table, write_part
+from tasks.responses.parquet_io import DamagedPart, list_parts
 
 REPO = Path(__file__).resolve().parents[3]
 

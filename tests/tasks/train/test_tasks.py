@@ -10,7 +10,7 @@ from prefect.states import Failed
 from models.common.file_errors import WriteFailed
 from models.common.rank_protocol import error_report
 from models.train.checkpoint import RESUME, CheckpointMismatch
-from tasks.launch_ranks import RankFailure
+from tasks.runtime.launch_ranks import RankFailure
 from tasks.train.tasks import TrainFailed, error_line, job_failure, retry_train_job
 
 KILLED = RankFailure("job exited with code 1: python -m torch.distributed.run ...\n--- last output ---\nTraceback ...")
