@@ -80,7 +80,7 @@ import models  # noqa: E402,F401  (flushes CPU denormals in this process, as in 
 from bench import train_baselines, train_report  # noqa: E402
 from bench.train_data import prepare_data  # noqa: E402
 from bench.train_params import Params  # noqa: E402
-from models.common.draft_jobs import TrainJob
+from models.common.job_files import TrainJobFile
 from models.common.rank_protocol import TRAIN_PROGRESS  # noqa: E402
 from models.common.run_layout import RunLayout  # noqa: E402
 from models.train.data import HiddenSource, epoch_batches, rank_micro_batches, split_samples, steps_per_epoch  # noqa: E402
@@ -120,7 +120,7 @@ def job_dict(p: Params, target: Path, data: Path, out_dir: Path, ranks: int) -> 
         "precision": "fp32",
         "zero_stage": p.zero_stage,  # each rank derives its DeepSpeed config from these (models/train/optimizer.py)
     }
-    TrainJob.model_validate(job)  # the job's own spec accepts every key and value
+    TrainJobFile.model_validate(job)  # the job's own spec accepts every key and value
     return job
 
 

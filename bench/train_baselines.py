@@ -19,7 +19,8 @@ import torch
 from bench import harness
 from flows.config.schema import TrainConfig
 from models.capture.shards import METADATA_NAME
-from models.common.draft_jobs import STEP_DECAY, TrainJob
+from models.common.draft_jobs import STEP_DECAY
+from models.common.job_files import TrainJobFile
 from models.draft.config import Eagle3Config, default_aux_layers
 from models.draft.eagle3 import Eagle3Draft
 from models.draft.target_head import TargetHead
@@ -196,7 +197,7 @@ def interleaved(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     a, b = setup(cfg, 1), setup(cfg, 1)  # the same seed: the same initial weights
     device, source, train_samples, per_epoch = a["device"], a["source"], a["train_samples"], a["per_epoch"]
     params, optimizer, scheduler = plain_optimizer(cfg, a["draft"], a["warmup"])
-    train_job = TrainJob.model_validate(job)
+    train_job = TrainJobFile.model_validate(job)
     ds_config = ds_train_config(
         train_job, world_size=dist.world_size, bf16=train_job.bf16
     )  # as models/train/job.py does

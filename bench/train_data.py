@@ -15,7 +15,7 @@ import torch
 from bench import harness
 from bench.train_params import DATASET, Params
 from models.capture.job import run as run_capture
-from models.common.jobs import CaptureJob
+from models.common.job_files import CaptureJobFile
 from models.common.run_layout import RunLayout
 from models.ranks.harness import Dist
 from models.target.tiny import SAMPLES_DIR
@@ -95,7 +95,7 @@ def prepare_data(p: Params, target: Path) -> dict[str, Any]:
     count_tokens([records], layout.token_counts, len(tok))  # the records stage's counts
     t0 = time.perf_counter()
     run_capture(
-        CaptureJob(
+        CaptureJobFile(
             target_path=str(target),
             datasets=[{"name": DATASET, "records_dir": str(records)}],
             out_dir=str(layout.hidden_dir),

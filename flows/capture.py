@@ -10,7 +10,8 @@ from prefect import flow
 from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
 from models.capture.shards import NATIVE
-from models.common.jobs import CaptureJob, CaptureSettings, VllmCaptureSettings
+from models.common.job_files import CaptureJobFile
+from models.common.jobs import CaptureSettings, VllmCaptureSettings
 from tasks.capture.plan import ExtractionWindow, capture_layers, target_shape
 from tasks.capture.tasks import (
     capture_retryable,
@@ -94,11 +95,11 @@ def capture(config_path: str) -> dict:
         )
 
 
-def capture_job(config: RunConfig, aux_layers: list[int]) -> CaptureJob:
+def capture_job(config: RunConfig, aux_layers: list[int]) -> CaptureJobFile:
     """The job every rank reads (models/capture/job.py), and the vLLM capture's; the job task states its
     launch_tokens per attempt."""
     c = config.capture
-    return CaptureJob(
+    return CaptureJobFile(
         **{**c.pick(CaptureSettings), "aux_layers": aux_layers},
         target_path=config.target.path,
         trust_remote_code=config.target.trust_remote_code,

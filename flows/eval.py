@@ -9,7 +9,8 @@ from prefect import flow, get_run_logger
 
 from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
-from models.common.draft_jobs import EvalJob, EvalSettings, HeldOut
+from models.common.draft_jobs import EvalSettings, HeldOut
+from models.common.job_files import EvalJobFile
 from models.common.jobs import ServerSettings
 from models.common.run_layout import RUN_DRAFTS
 from tasks.eval.benchmarks import benchmark_rows, benchmark_table_text, probe_benchmark, resolve_benchmarks
@@ -59,7 +60,7 @@ def evaluate(config_path: str, draft: str | None = None) -> dict:
     return report
 
 
-def eval_job(config: RunConfig, draft_dir: Path, raw_path: Path) -> EvalJob:
+def eval_job(config: RunConfig, draft_dir: Path, raw_path: Path) -> EvalJobFile:
     """The eval job of this run: the `eval` section, the held-out split of `train`, the exported draft; each benchmark
     read and checked, a Hub one's rows written beside the job (tasks/eval/benchmarks.py)."""
     layout = config.layout
@@ -74,7 +75,7 @@ def eval_job(config: RunConfig, draft_dir: Path, raw_path: Path) -> EvalJob:
             config.eval.context_probe_tokens,
             layout.benchmark_rows(),
         )
-    return EvalJob(
+    return EvalJobFile(
         **settings,
         **config.train.pick(HeldOut),
         target_path=config.target.path,

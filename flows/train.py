@@ -8,7 +8,8 @@ from prefect import flow
 
 from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
-from models.common.draft_jobs import TrainJob, TrainSettings
+from models.common.draft_jobs import TrainSettings
+from models.common.job_files import TrainJobFile
 from tasks.train.tasks import report_training, retry_train_job, run_train_job
 
 
@@ -34,11 +35,11 @@ def train(config_path: str) -> dict:
         return {**summary, "plot": report["plot"]}
 
 
-def train_job(config: RunConfig) -> TrainJob:
+def train_job(config: RunConfig) -> TrainJobFile:
     """The job every rank reads (models/train/job.py); each rank derives its DeepSpeed config from the settings in
     it."""
     t, layout = config.train, config.layout
-    return TrainJob(
+    return TrainJobFile(
         **t.pick(TrainSettings),
         target_path=config.target.path,
         trust_remote_code=config.target.trust_remote_code,

@@ -12,7 +12,8 @@ def small_capture_job(tmp_path: Path) -> tuple[Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from models.common.jobs import CaptureJob, DatasetRecords
+    from models.common.job_files import CaptureJobFile
+    from models.common.jobs import DatasetRecords
     from models.target.tiny import build_tiny_target
     from tasks.records.build import RECORD_SCHEMA
     from tasks.runtime.launch_ranks import write_job
@@ -42,7 +43,7 @@ def small_capture_job(tmp_path: Path) -> tuple[Path, Path]:
         )
     (tmp_path / "records").mkdir()
     pq.write_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), tmp_path / "records" / "part-000000.parquet")
-    job = CaptureJob(
+    job = CaptureJobFile(
         target_path=str(target),
         datasets=[DatasetRecords(name="d", records_dir=str(tmp_path / "records"))],
         out_dir=str(tmp_path / "hidden"),

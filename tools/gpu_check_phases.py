@@ -117,12 +117,12 @@ def make_records(p: Params, work: Path, target: Path) -> dict[str, Any]:
 def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     """`models.capture` on 1 rank (replicate): tokens/s of the forward phase and of the whole launch, stored bytes."""
     from models.capture.shards import list_shards
-    from models.common.jobs import CaptureJob
+    from models.common.job_files import CaptureJobFile
     from models.common.rank_protocol import CAPTURE
     from tasks.runtime.launch_ranks import write_job
 
     p, layout = check.p, RunLayout(check.work)
-    job = CaptureJob(
+    job = CaptureJobFile(
         target_path=str(target),
         datasets=[{"name": DATASET, "records_dir": str(layout.records(DATASET))}],
         out_dir=str(layout.hidden_dir),
@@ -157,12 +157,12 @@ def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
 
 def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     """`models.train` (ZeRO-2) on 1 rank: steps/s and tokens/s between metrics lines, losses, the held-out estimate."""
-    from models.common.draft_jobs import TrainJob
+    from models.common.job_files import TrainJobFile
     from models.common.rank_protocol import TRAIN, TRAIN_PROGRESS
     from tasks.runtime.launch_ranks import write_job
 
     p, layout = check.p, RunLayout(check.work)
-    job = TrainJob(
+    job = TrainJobFile(
         target_path=str(target),
         out_dir=str(layout.draft_dir),
         token_counts=str(layout.token_counts),
@@ -245,13 +245,13 @@ def evaluate(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
     go into the JSON as they come, with the acceptance length so far (`partial_eval`): an eval
     killed at its limit leaves them, the trained draft's first (models/eval/job.py runs it first).
     """
-    from models.common.draft_jobs import EvalJob
+    from models.common.job_files import EvalJobFile
     from models.common.rank_protocol import EVAL
     from tasks.runtime.launch_ranks import write_job
 
     p, layout = check.p, RunLayout(check.work)
     raw = layout.eval_raw
-    job = EvalJob(
+    job = EvalJobFile(
         prompts=p.eval_prompts,
         max_new_tokens=p.eval_new_tokens,
         num_steps=p.eval_num_steps,

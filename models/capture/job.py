@@ -50,7 +50,7 @@ import torch
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.capture.records import RecordPart, Sample, deal, held, load_records, make_batches, within_token_cap
 from models.capture.shards import ShardWriter, captured_with, clean_temps, list_shards, shard_metadata, write_index
-from models.common.jobs import CaptureJob
+from models.common.job_files import CaptureJobFile
 from models.common.rank_protocol import CAPTURE, CAPTURE_PROGRESS
 from models.draft.config import default_aux_layers
 from models.ranks.harness import Dist, check_shared_dir, init_process_group, log, say, serve
@@ -127,7 +127,7 @@ def num_decoder_layers(config: Any) -> int:
 # --- the rank ------------------------------------------------------------------------------------------
 
 
-def run(job: CaptureJob, dist: Dist) -> dict[str, int]:
+def run(job: CaptureJobFile, dist: Dist) -> dict[str, int]:
     """Capture this rank's share of the pending samples; return {"samples", "tokens"} captured here."""
     from transformers import AutoConfig
 
@@ -279,7 +279,7 @@ def capture_batch(
 
 
 def _load_target(
-    job: CaptureJob, dist: Dist, dtype: torch.dtype, device: torch.device
+    job: CaptureJobFile, dist: Dist, dtype: torch.dtype, device: torch.device
 ) -> tuple[Callable[..., Any], torch.nn.Module]:
     """(forward, model): the model itself (replicate) or its DeepSpeed engine (zero3), and the HF model."""
     if job.mode == "replicate":
@@ -339,7 +339,9 @@ def check_compatible(
 
 def main(argv: list[str] | None = None) -> int:
     """The capture rank's entry point (models/ranks/harness.py): run the job, report a failure; the exit status."""
-    return serve(argv, "models.capture", __doc__, CAPTURE, lambda job_path, dist: run(CaptureJob.load(job_path), dist))
+    return serve(
+        argv, "models.capture", __doc__, CAPTURE, lambda job_path, dist: run(CaptureJobFile.load(job_path), dist)
+    )
 
 
 if __name__ == "__main__":

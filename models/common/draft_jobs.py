@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from models.common.jobs import AuxLayers, RankJob, RecordsRef, ServerUrl, TargetRef
+from models.common.jobs import ServerUrl
 from models.common.strict import StrictModel
 
 # --- train ------------------------------------------------------------------------------------
@@ -167,30 +167,6 @@ class TrainSettings(HeldOut):
         return value
 
 
-class TrainJob(TrainSettings, AuxLayers, RecordsRef, RankJob):
-    """The JOB.json a training launch reads (written by the train task)."""
-
-    out_dir: str
-    """RUN_DIR/draft: checkpoints, metrics, the export."""
-    token_counts: str
-    """RUN_DIR/records/token_counts.parquet (the draft vocabulary)."""
-    hidden_dir: str | None = None
-    """offline: the capture shards (online: `datasets`, the records)."""
-
-    @model_validator(mode="after")
-    def _data_for_the_mode(self) -> TrainJob:
-        if self.mode == "offline" and not self.hidden_dir:
-            raise ValueError("mode offline needs hidden_dir")
-        if self.mode == "online" and not self.datasets:
-            raise ValueError("mode online needs datasets")
-        return self
-
-    @property
-    def bf16(self) -> bool:
-        """Whether the draft trains in bf16: `precision`, with auto meaning bf16 on GPUs."""
-        return self.precision == "bf16" or (self.precision == "auto" and self.device == "cuda")
-
-
 # --- eval -------------------------------------------------------------------------------------
 
 PROBES = "context_probes"  # the benchmark the context probes are decoded as (models/eval/probes.py)
@@ -313,12 +289,3 @@ class ServedEvalSettings(StrictModel):
     baseline_url: ServerUrl | None = None
     """engine with server.launch: none: a running server of the same target WITHOUT the draft, for the speedup
     (server.url must then serve the draft). Unset: no speedup is measured with launch: none."""
-
-
-class EvalJob(EvalSettings, HeldOut, RecordsRef, TargetRef):
-    """The JOB.json of an eval launch (written by the eval task): held-out prompts come from `datasets`."""
-
-    draft_dir: str
-    """The export: config.json + model.safetensors."""
-    out: str
-    """Where the result JSON goes."""

@@ -2,10 +2,12 @@
 
 Each stage has a `*Settings` class holding what a user chooses for it. The run config's section
 (flows/config/schema.py) extends it with what only the pipeline needs (ranks, launcher, retries, where
-outputs go); the stage's `*Job` extends it with what the pipeline fills in (the target, paths, the
-device). A flow builds a job from the run config in one call (`StrictModel.pick`); a rank process reads
-its JSON job through the same class (`load_job`, models/common/strict.py), so an unknown key or a bad value in a job
-file fails with its name, and no default can drift between the config and the job.
+outputs go); what the pipeline fills in (the target, paths, the device) extends it too: `GenerateJob` and
+`RecordsJob` here, handed to the stage's tasks in the pipeline's process, and the job files a launched process
+reads, `CaptureJobFile`, `TrainJobFile` and `EvalJobFile` (models/common/job_files.py). A flow builds a job from the
+run config in one call (`StrictModel.pick`); a rank process reads its JSON job through the same class (`load_job`,
+models/common/strict.py), so an unknown key or a bad value in a job file fails with its name, and no default can
+drift between the config and the job.
 
 This module is the bottom layer: pydantic only (no torch, prefect or httpx), importable by
 flows/, tasks/ and models/ alike.
@@ -292,23 +294,6 @@ class TargetRef(TargetCode):
 
     target_path: str
     """The target's checkpoint directory or hub id (target.path)."""
-
-
-class RankJob(TargetRef):
-    """What every DeepSpeed rank job names: the target, and the device its ranks run on."""
-
-    device: Literal["cpu", "cuda"] = "cuda"
-    """cuda under the deepspeed launcher, cpu (gloo) otherwise."""
-
-
-class CaptureJob(CaptureSettings, RecordsRef, RankJob):
-    """The JOB.json a capture launch reads (written by the capture task)."""
-
-    out_dir: str
-    """Shards + index.parquet go here (RUN_DIR/hidden)."""
-    launch_tokens: int | None = Field(ge=0)
-    """Most tokens THIS launch captures: capture.max_tokens less what complete shards hold (null: no cap). Always stated
-    by the task: no default."""
 
 
 class VllmCaptureSettings(KeyFromEnv, StrictModel):

@@ -25,7 +25,8 @@ import torch
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.common.atomic import write_atomic
-from models.common.draft_jobs import BenchmarkSpec, EvalJob
+from models.common.draft_jobs import BenchmarkSpec
+from models.common.job_files import EvalJobFile
 from models.common.rank_protocol import EVAL, EVAL_PROGRESS
 from models.draft.eagle3 import Eagle3Draft
 from models.eval.context import by_context, context_text
@@ -37,7 +38,7 @@ from models.ranks.harness import say, serve
 from models.target.loader import load_language_model
 
 
-def run(job: EvalJob) -> dict[str, Any]:
+def run(job: EvalJobFile) -> dict[str, Any]:
     """Decode the held-out prompts with each draft, then the benchmarks with the trained one; return {"prompts",
     "device", "untrained"?, "trained", "benchmarks"?}.
 
@@ -151,7 +152,7 @@ def run(job: EvalJob) -> dict[str, Any]:
 
 
 def decode_benchmark(
-    target: Any, draft: Eagle3Draft, spec: BenchmarkSpec, prompts: list[EvalPrompt], job: EvalJob, eos: set[int]
+    target: Any, draft: Eagle3Draft, spec: BenchmarkSpec, prompts: list[EvalPrompt], job: EvalJobFile, eos: set[int]
 ) -> dict[str, Any]:
     """One benchmark's questions decoded with `draft`: `merge_results` over them, "max_new_tokens", "per_prompt", and
     "acceptance_length_specforge": completion tokens / verify rounds (the prefill's token counted), as SpecForge's
@@ -252,7 +253,7 @@ def untrained_like(trained: Eagle3Draft, seed: int) -> Eagle3Draft:
 
 def main(argv: list[str] | None = None) -> int:
     """The eval process's entry point (models/ranks/harness.py): run the job, report a failure; the exit status."""
-    return serve(argv, "models.eval", __doc__, EVAL, lambda job_path, dist: run(EvalJob.load(job_path)))
+    return serve(argv, "models.eval", __doc__, EVAL, lambda job_path, dist: run(EvalJobFile.load(job_path)))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from models.common.draft_jobs import EvalJob
+from models.common.job_files import EvalJobFile
 from models.eval.benchmarks import check_messages, read_benchmark
 from models.train.data import held_out_prompts
 
@@ -24,7 +24,7 @@ class EvalPrompt(NamedTuple):
     input_ids: list[int]
 
 
-def eval_prompts(job: EvalJob, vocab_size: int | None = None) -> list[EvalPrompt]:
+def eval_prompts(job: EvalJobFile, vocab_size: int | None = None) -> list[EvalPrompt]:
     """Up to `job.prompts` prompts: held-out records' tokens before their first loss token (held-out hash order),
     then the prompt files'.
     """
@@ -47,7 +47,7 @@ def eval_prompts(job: EvalJob, vocab_size: int | None = None) -> list[EvalPrompt
     return out
 
 
-def benchmark_prompts(job: EvalJob, vocab_size: int | None = None) -> dict[str, list[EvalPrompt]]:
+def benchmark_prompts(job: EvalJobFile, vocab_size: int | None = None) -> dict[str, list[EvalPrompt]]:
     """Each benchmark's prompts (source: its name), in file order, rendered like the prompt files' prompts; every
     benchmark is read (and checked) before the tokenizer is loaded."""
     read = {spec.name: read_benchmark(spec) for spec in job.benchmarks}
@@ -118,7 +118,7 @@ def _messages(row: Any, where: str) -> list[dict[str, str]]:
     raise ValueError(f"{where}: a row needs `messages` ([{{role, content}}]) or `prompt` (a string)")
 
 
-def _tokenizer(job: EvalJob) -> Any:
+def _tokenizer(job: EvalJobFile) -> Any:
     from models.target.tokenizer import load_tokenizer
 
     return load_tokenizer(job.target_path, job.trust_remote_code)

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from models.common.atomic import fsync_tree, write_atomic
-from models.common.draft_jobs import STEP_DECAY, TrainJob
+from models.common.draft_jobs import STEP_DECAY
 from models.common.file_errors import WriteFailed, existing_parent, is_write_error
+from models.common.job_files import TrainJobFile
 from models.draft.config import DRAFT_VARIANTS, Eagle3Config
 from models.ranks.harness import Dist, log
 
@@ -161,7 +162,7 @@ def _probe_write(path: Path, size: int = 1 << 20) -> OSError | None:
 
 
 def run_fingerprint(
-    job: TrainJob, data: dict[str, Any], d2t: torch.Tensor, config: Eagle3Config, world_size: int, total_steps: int
+    job: TrainJobFile, data: dict[str, Any], d2t: torch.Tensor, config: Eagle3Config, world_size: int, total_steps: int
 ) -> dict[str, Any]:
     """What makes a checkpoint this run's: data, draft vocabulary and the settings that shape the optimisation.
 
@@ -183,7 +184,7 @@ def run_fingerprint(
     return {"version": 1, "data": data, "vocab": vocab, "settings": settings}
 
 
-def variant_settings(job: TrainJob) -> dict[str, bool]:
+def variant_settings(job: TrainJobFile) -> dict[str, bool]:
     """The fingerprint's draft flags that train.draft_variant and train.norm_before_* set, the ones off too: what
     `eagle3 doctor` compares with a checkpoint's (`checkpoint_settings`) besides `optimisation_settings`."""
     flags: dict[str, Any] = {
@@ -200,7 +201,7 @@ def checkpoint_settings(fingerprint: dict[str, Any]) -> dict[str, Any]:
     return {f"draft.{field}": old for field, old in LATER_DRAFT_FIELDS.items()} | fingerprint.get("settings", {})
 
 
-def optimisation_settings(job: TrainJob, world_size: int) -> dict[str, Any]:
+def optimisation_settings(job: TrainJobFile, world_size: int) -> dict[str, Any]:
     """The fingerprint's settings that the job alone decides (no data, target or schedule length): what
     `eagle3 doctor` compares with a checkpoint before anything is launched."""
     return {

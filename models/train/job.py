@@ -62,7 +62,8 @@ from models.capture.job import capture_batch
 from models.capture.records import load_records
 from models.capture.shards import METADATA_NAME
 from models.common.atomic import write_atomic
-from models.common.draft_jobs import STEP_DECAY, TrainJob
+from models.common.draft_jobs import STEP_DECAY
+from models.common.job_files import TrainJobFile
 from models.common.rank_protocol import TRAIN, TRAIN_BEST, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
 from models.common.run_layout import CHECKPOINTS, DS_CONFIG, FINAL, TRAIN_SUMMARY
 from models.draft.config import DRAFT_VARIANTS, Eagle3Config, default_aux_layers
@@ -101,7 +102,7 @@ ERROR_MARK = TRAIN.error.mark
 PROGRESS_EVERY_S = 2.0
 
 
-def run(job: TrainJob, dist: Dist) -> dict[str, Any]:
+def run(job: TrainJobFile, dist: Dist) -> dict[str, Any]:
     """Train (or resume) on this rank; rank 0 exports the draft at the end. Returns the final eval."""
     from transformers import AutoConfig
 
@@ -290,7 +291,7 @@ def _evaluate(
     source,
     eval_batches: list[list[TrainSample]],
     target_head: TargetHead,
-    job: TrainJob,
+    job: TrainJobFile,
     dist: Dist,
     device: torch.device,
 ) -> dict[str, Any]:
@@ -332,10 +333,10 @@ def sum_over_ranks(value: int, dist: Dist, device: torch.device) -> int:
 # --- data sources -----------------------------------------------------------------------------------
 
 
-def _data_source(job: TrainJob, text_config, device: torch.device):
+def _data_source(job: TrainJobFile, text_config, device: torch.device):
     """(source, aux_layers): captured shards (offline) or the target itself over the records (online)."""
     if job.mode == "offline":
-        if job.hidden_dir is None:  # TrainJob refuses an offline job without one: not reached
+        if job.hidden_dir is None:  # TrainJobFile refuses an offline job without one: not reached
             raise ValueError("train.mode offline needs the job's hidden_dir (the capture shards)")
         meta_path = Path(job.hidden_dir) / METADATA_NAME
         captured = json.loads(meta_path.read_text()).get("aux_layers") if meta_path.is_file() else None
@@ -350,7 +351,7 @@ def _data_source(job: TrainJob, text_config, device: torch.device):
 class OnlineSource:
     """Samples from the records; hidden states computed by the target on this rank, per batch."""
 
-    def __init__(self, job: TrainJob, aux_layers: list[int], vocab_size: int, device: torch.device):
+    def __init__(self, job: TrainJobFile, aux_layers: list[int], vocab_size: int, device: torch.device):
         from models.capture.job import resolve_dtype
 
         records, self.parts, _ = load_records(job.datasets, vocab_size)
@@ -412,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Every rank reads the same checkpoint and data: one refusal is enough, from rank 0.
     def run_job(job_path: str, dist: Dist) -> None:
-        run(TrainJob.load(job_path), dist)
+        run(TrainJobFile.load(job_path), dist)
 
     return serve(argv, "models.train", __doc__, TRAIN, run_job, told=(CheckpointMismatch,), once=(CheckpointMismatch,))
 

@@ -20,7 +20,8 @@ from prefect.cache_policies import NO_CACHE
 from models.capture.shards import METADATA_NAME, RESUME, iter_shard_index, list_shards, write_index
 from models.common.atomic import write_atomic
 from models.common.file_errors import DamagedFile, WriteFailed
-from models.common.jobs import CaptureJob, VllmCaptureSettings
+from models.common.job_files import CaptureJobFile
+from models.common.jobs import VllmCaptureSettings
 from models.common.nodes import Nodes
 from models.common.rank_protocol import CAPTURE, Message
 from tasks.capture.plan import CapturePlan, ExtractionWindow, TargetShape, check_fits, human_bytes, plan_capture
@@ -150,7 +151,7 @@ def plan_capture_task(
 
 @task(name="capture-job", cache_policy=NO_CACHE)
 def run_capture_job(
-    job: CaptureJob,
+    job: CaptureJobFile,
     job_path: Path,
     num_ranks: int,
     launcher: str,
@@ -223,7 +224,7 @@ def progress_line(done: int, total: int, tokens: int, seconds: float, where: str
 
 @task(name="capture-engine", cache_policy=NO_CACHE)
 def run_vllm_capture(
-    job: CaptureJob,
+    job: CaptureJobFile,
     engine: VllmCaptureSettings,
     server: CaptureServer,
     config_name: str,

@@ -48,7 +48,8 @@ from models.capture.vllm_hidden import (
     wait_for_file,
 )
 from models.common.atomic import is_safetensors_temp
-from models.common.jobs import CaptureJob, VllmCaptureSettings
+from models.common.job_files import CaptureJobFile
+from models.common.jobs import VllmCaptureSettings
 from models.draft.config import default_aux_layers
 from tasks.capture.plan import capture_dtype, target_shape
 from tasks.runtime.threads import run_to_the_end
@@ -122,7 +123,7 @@ def clean_connector_files(shared_dir: Path) -> int:
 
 
 async def capture_with_vllm(
-    job: CaptureJob,
+    job: CaptureJobFile,
     engine: VllmCaptureSettings,
     shared_dir: Path,
     *,

@@ -22,7 +22,8 @@ from typing import Any
 from prefect import get_run_logger
 
 from models.common.atomic import write_atomic
-from models.common.draft_jobs import PROBES, BenchmarkSpec, EvalJob
+from models.common.draft_jobs import PROBES, BenchmarkSpec
+from models.common.job_files import EvalJobFile
 from models.eval.benchmarks import read_benchmark
 from models.eval.probes import probe_rows
 from tasks.datasets.hub import HubDataset, hub_repo_id, is_hub_path, read_hub
@@ -111,7 +112,7 @@ def published_anchors(target_path: str, fmt: str, anchors: Path = ANCHORS) -> li
 
 
 def benchmark_section(
-    job: EvalJob, hf: dict[str, Any] | None, engine: dict[str, Any] | None, anchors: Path = ANCHORS
+    job: EvalJobFile, hf: dict[str, Any] | None, engine: dict[str, Any] | None, anchors: Path = ANCHORS
 ) -> dict[str, Any]:
     """eval.json's `benchmarks`: per benchmark its format, file, questions, each backend's figures, and the anchor.
 

@@ -18,7 +18,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from models.common.atomic import write_atomic
-from models.common.draft_jobs import EvalJob, ServedEvalSettings
+from models.common.draft_jobs import ServedEvalSettings
+from models.common.job_files import EvalJobFile
 from models.common.rank_protocol import EVAL, Message
 from models.common.run_layout import TRAIN_SUMMARY
 from models.eval.context import context_text
@@ -39,7 +40,7 @@ from tasks.serving.watch import ServerWatch
 
 
 @task(name="spec-eval", cache_policy=NO_CACHE)
-def evaluate_draft(job: EvalJob, job_path: Path, config_name: str) -> dict[str, Any]:
+def evaluate_draft(job: EvalJobFile, job_path: Path, config_name: str) -> dict[str, Any]:
     """HF backend: chain speculative decoding (greedy target, top-1 draft) in-process on the eval prompts.
 
     Returns {"prompts", "device", "untrained"?, "trained"} (models/eval/job.py); eval.json is written by `publish_eval`.
@@ -116,7 +117,7 @@ class SpecEvalProgress:
 
 @task(name="engine-eval", cache_policy=NO_CACHE)
 def evaluate_on_server(
-    job: EvalJob, engine: ServedEvalSettings, server: EvalServer, config_name: str
+    job: EvalJobFile, engine: ServedEvalSettings, server: EvalServer, config_name: str
 ) -> dict[str, Any]:
     """Engine backend (tasks/serving/eval_server.py, tasks/eval/engine_report.py): the eval prompts through the serving
     engine with the draft served, then without."""
@@ -126,7 +127,7 @@ def evaluate_on_server(
 
 
 def engine_eval(
-    job: EvalJob, engine: ServedEvalSettings, server: EvalServer, config_name: str, logger: Any, beat: Heartbeat
+    job: EvalJobFile, engine: ServedEvalSettings, server: EvalServer, config_name: str, logger: Any, beat: Heartbeat
 ) -> dict[str, Any]:
     """`evaluate_on_server`'s work, `beat` told each step (a server's start and stop, each phase's prompts)."""
     from models.target.tokenizer import load_tokenizer
@@ -288,7 +289,7 @@ def engine_eval(
 
 @task(name="eval-report", cache_policy=NO_CACHE)
 def publish_eval(
-    job: EvalJob,
+    job: EvalJobFile,
     hf: dict[str, Any] | None,
     engine: dict[str, Any] | None,
     config_name: str,
@@ -376,7 +377,7 @@ def measured_value(report: dict[str, Any]) -> float | None:
     return engine["overall"]["per_round"] if engine else None
 
 
-def _exported(job: EvalJob) -> Path:
+def _exported(job: EvalJobFile) -> Path:
     final = Path(job.draft_dir)
     if not (final / "config.json").is_file():
         raise FileNotFoundError(

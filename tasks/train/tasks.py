@@ -17,7 +17,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from models.common.draft_jobs import TrainJob
+from models.common.job_files import TrainJobFile
 from models.common.nodes import Nodes
 from models.common.rank_protocol import TRAIN, TRAIN_BEST, TRAIN_EVAL, Message, most_telling
 from models.common.run_layout import CHECKPOINTS, EVAL_REPORT, FINAL, METRICS, TRAIN_SUMMARY, TRAINING_PLOT
@@ -82,7 +82,7 @@ def ranks_silent(seconds: float) -> str:
 
 @task(name="train-job", cache_policy=NO_CACHE)
 def run_train_job(
-    job: TrainJob, job_path: Path, num_ranks: int, launcher: str, config_name: str, nodes: Nodes | None = None
+    job: TrainJobFile, job_path: Path, num_ranks: int, launcher: str, config_name: str, nodes: Nodes | None = None
 ) -> dict[str, Any]:
     """Launch the ranks (resuming from the latest checkpoint), stream their output, track progress; return the summary.
 

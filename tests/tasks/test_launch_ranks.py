@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from models.common.file_errors import DamagedShard, WriteFailed
-from models.common.jobs import CaptureJob
+from models.common.job_files import CaptureJobFile
 from models.common.nodes import Nodes
 from models.common.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
 from tasks.runtime import launch_ranks
@@ -92,9 +92,9 @@ def test_a_stage_decides_what_refused_and_unexplained_failures_are(tmp_path):
 
 def test_a_job_file_that_cannot_be_written_is_a_write_failure(tmp_path, monkeypatch):
     path = tmp_path / "jobs" / "capture.json"
-    job = CaptureJob(target_path="t", out_dir=str(tmp_path), mode="zero3", launch_tokens=None)
+    job = CaptureJobFile(target_path="t", out_dir=str(tmp_path), mode="zero3", launch_tokens=None)
     write_job(job, path, kept=lambda: "nothing", resume="rerun")
-    assert CaptureJob.load(path) == job
+    assert CaptureJobFile.load(path) == job
 
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))

@@ -124,7 +124,8 @@ def test_a_killed_dev_server_ends_the_engine_eval_within_30_s_quoting_its_log(
     from prefect import flow
 
     import tasks.eval.tasks as eval_tasks
-    from models.common.draft_jobs import EvalJob, ServedEvalSettings
+    from models.common.draft_jobs import ServedEvalSettings
+    from models.common.job_files import EvalJobFile
     from models.common.jobs import ServerSettings
     from tasks.runtime.ports import free_port
     from tasks.serving.eval_server import EvalServer
@@ -133,7 +134,7 @@ def test_a_killed_dev_server_ends_the_engine_eval_within_30_s_quoting_its_log(
     REPO = Path(__file__).resolve().parents[2]
     draft = tmp_path / "draft"
     export_random_draft(load_target(tiny_target_dir), draft, draft_vocab_size=1024)
-    job = EvalJob(
+    job = EvalJobFile(
         target_path=str(tiny_target_dir),
         draft_dir=str(draft),
         out=str(tmp_path / "raw.json"),

@@ -39,7 +39,8 @@ from models.capture.shards import (
     write_index,
 )
 from models.common.file_errors import DamagedShard, WriteFailed
-from models.common.jobs import CaptureJob, DatasetRecords
+from models.common.job_files import CaptureJobFile
+from models.common.jobs import DatasetRecords
 from models.target.tiny import SAMPLES_DIR
 from tests.models.torchrun import cpu_env, launch_cmd
 
@@ -487,9 +488,9 @@ def test_load_records_errors_name_file_and_row(tmp_path):
 
 def test_job_validation(tmp_path):
     base = {"target_path": "t", "datasets": [{"name": "a", "records_dir": "r"}], "out_dir": "o", "launch_tokens": None}
-    job = CaptureJob.model_validate(base)
+    job = CaptureJobFile.model_validate(base)
     assert (job.mode, job.dtype, job.aux_layers, job.offload) == ("replicate", "auto", None, "none")
-    assert CaptureJob.model_validate_json(job.model_dump_json()) == job
+    assert CaptureJobFile.model_validate_json(job.model_dump_json()) == job
     for bad, match in (
         ({"bogus": 1}, "bogus"),
         ({"mode": "zero2"}, "mode"),
@@ -500,7 +501,7 @@ def test_job_validation(tmp_path):
         ({"datasets": [{"name": "a", "records_dir": "r"}] * 2}, "duplicate dataset names"),
     ):
         with pytest.raises(ValueError, match=match):
-            CaptureJob.model_validate({**base, **bad})
+            CaptureJobFile.model_validate({**base, **bad})
 
 
 def test_ds_config_and_moe_leaves():

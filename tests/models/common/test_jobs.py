@@ -20,16 +20,8 @@ from flows.config.schema import (
     TargetConfig,
     TrainConfig,
 )
-from models.common.draft_jobs import EvalJob, TrainJob
-from models.common.jobs import (
-    CaptureJob,
-    CaptureSettings,
-    GenerateJob,
-    RecordsJob,
-    ServerSettings,
-    TargetSpec,
-    VllmCaptureSettings,
-)
+from models.common.job_files import CaptureJobFile, EvalJobFile, TrainJobFile
+from models.common.jobs import CaptureSettings, GenerateJob, RecordsJob, ServerSettings, TargetSpec, VllmCaptureSettings
 from models.common.nodes import Nodes
 from models.common.strict import StrictModel, load_job
 from tasks.runtime.launch_ranks import write_job
@@ -40,15 +32,15 @@ PAIRS = [
     (EngineConfig, VllmCaptureSettings, None),  # capture.engine: the vLLM server of capture.backend vllm
     (GenerateConfig, GenerateJob, None),
     (RecordsConfig, RecordsJob, None),
-    (CaptureConfig, CaptureJob, None),
-    (TrainConfig, TrainJob, None),
-    (EvalConfig, EvalJob, None),
+    (CaptureConfig, CaptureJobFile, None),
+    (TrainConfig, TrainJobFile, None),
+    (EvalConfig, EvalJobFile, None),
     (TargetConfig, TargetSpec, None),
     (DistributedConfig, Nodes, None),  # what the launcher of a capture or train job reads
     # the optimizer and DeepSpeed settings travel in the train job; each rank derives its DeepSpeed config from them
     (
         TrainConfig,
-        TrainJob,
+        TrainJobFile,
         {
             "precision",
             "grad_accum",
@@ -64,8 +56,8 @@ PAIRS = [
         },
     ),
     # across stages only what is the same setting (capture's max_batch_tokens is not train's)
-    (CaptureConfig, TrainJob, {"aux_layers"}),  # captured, then trained for
-    (TrainConfig, EvalJob, {"eval_fraction", "seed"}),  # the held-out split and the untrained draft
+    (CaptureConfig, TrainJobFile, {"aux_layers"}),  # captured, then trained for
+    (TrainConfig, EvalJobFile, {"eval_fraction", "seed"}),  # the held-out split and the untrained draft
     (CaptureConfig, TrainConfig, {"num_gpus", "launcher", "retries", "retry_delay_s"}),  # launching a job
 ]
 
@@ -111,7 +103,9 @@ def test_no_setting_has_two_defaults(section, spec, names):
 def test_a_section_and_its_job_share_the_declarations_not_copies():
     # the values a flow hands over are exactly the section's, by field name
     capture = CaptureConfig(max_batch_tokens=4096, shard_tokens=999, aux_layers=[1, 2, 3])
-    job = CaptureJob(**capture.pick(CaptureSettings), target_path="t", out_dir="h", device="cpu", launch_tokens=None)
+    job = CaptureJobFile(
+        **capture.pick(CaptureSettings), target_path="t", out_dir="h", device="cpu", launch_tokens=None
+    )
     assert (job.max_batch_tokens, job.shard_tokens, job.aux_layers, job.mode) == (4096, 999, [1, 2, 3], "replicate")
 
 
@@ -135,30 +129,30 @@ def test_aux_layers_the_export_would_refuse_are_refused_at_config_time(aux):
 
 
 def test_a_job_file_round_trips_and_bad_keys_or_values_are_named(tmp_path):
-    job = CaptureJob(
+    job = CaptureJobFile(
         target_path="t", out_dir="h", device="cpu", launch_tokens=None, datasets=[{"name": "A", "records_dir": "r"}]
     )
     path = tmp_path / "jobs" / "capture.json"
     write_job(job, path, kept=lambda: "nothing", resume="rerun")
-    assert load_job(CaptureJob, path) == job
+    assert load_job(CaptureJobFile, path) == job
     raw = json.loads(path.read_text())
     path.write_text(json.dumps({**raw, "shard_tokenz": 5, "max_batch_tokens": True, "mode": "zero4"}))
     with pytest.raises(ValueError) as caught:
-        load_job(CaptureJob, path)
+        load_job(CaptureJobFile, path)
     text = str(caught.value)
-    assert text.startswith(f"{path}: not a valid CaptureJob: ")
+    assert text.startswith(f"{path}: not a valid CaptureJobFile: ")
     assert "shard_tokenz: Extra inputs are not permitted" in text
     assert "max_batch_tokens: Value error, must be a whole number, not true/false" in text
     assert "mode: Input should be 'replicate' or 'zero3'" in text
     path.write_text("{not json")
-    with pytest.raises(ValueError, match="cannot read the CaptureJob"):
-        load_job(CaptureJob, path)
+    with pytest.raises(ValueError, match="cannot read the CaptureJobFile"):
+        load_job(CaptureJobFile, path)
 
 
 def test_train_job_needs_the_data_of_its_mode():
     base = dict(target_path="t", out_dir="d", token_counts="c", device="cpu")
     with pytest.raises(ValueError, match="mode offline needs hidden_dir"):
-        TrainJob(**base)
+        TrainJobFile(**base)
     with pytest.raises(ValueError, match="mode online needs datasets"):
-        TrainJob(**base, mode="online")
-    assert TrainJob(**base, hidden_dir="h").grad_accum == 1
+        TrainJobFile(**base, mode="online")
+    assert TrainJobFile(**base, hidden_dir="h").grad_accum == 1

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoTokenizer
 
-from models.common.draft_jobs import EvalJob
+from models.common.job_files import EvalJobFile
 from models.eval.job import draft_for_target, run
 from models.eval.speculative_decoding import evaluate_acceptance
 from tests.drafts import export_random_draft, load_target
@@ -28,7 +28,7 @@ def test_benchmarks_are_measured_apart_with_the_trained_draft(tmp_path, tiny_tar
     records.mkdir(parents=True)
     rows = [{"id": f"r{i}", "input_ids": [10 + i, 11, 12, 13, 14], "loss_mask": [0, 0, 0, 1, 1]} for i in range(12)]
     pq.write_table(pa.Table.from_pylist(rows), records / "part-00000.parquet")
-    job = EvalJob(
+    job = EvalJobFile(
         prompts=2,
         max_new_tokens=6,
         compare_untrained=False,

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from models.common.draft_jobs import EvalJob
+from models.common.job_files import EvalJobFile
 from models.eval.prompts import eval_prompts, read_prompt_file
 from models.train.data import held_out
 
@@ -26,9 +26,9 @@ def records(tmp_path: Path, n: int = 12) -> tuple[Path, list[str]]:
     return out, [r["id"] for r in rows if held_out("G1", r["id"], FRACTION)]
 
 
-def job(tmp_path: Path, target: Path, prompts: int, files: list[Path]) -> EvalJob:
+def job(tmp_path: Path, target: Path, prompts: int, files: list[Path]) -> EvalJobFile:
     records_dir, _ = records(tmp_path) if not (tmp_path / "records").exists() else (tmp_path / "records/G1", None)
-    return EvalJob(
+    return EvalJobFile(
         prompts=prompts,
         prompt_files=files,
         eval_fraction=FRACTION,

@@ -178,7 +178,8 @@ def _capture_job(target: Path, tmp_path: Path, mode: str) -> tuple[Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from models.common.jobs import CaptureJob, DatasetRecords
+    from models.common.job_files import CaptureJobFile
+    from models.common.jobs import DatasetRecords
     from tasks.records.build import RECORD_SCHEMA
     from tasks.runtime.launch_ranks import write_job
 
@@ -202,7 +203,7 @@ def _capture_job(target: Path, tmp_path: Path, mode: str) -> tuple[Path, Path]:
         records.mkdir()
         pq.write_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), records / "part-000000.parquet")
     out = tmp_path / f"hidden-{mode}"
-    job = CaptureJob(
+    job = CaptureJobFile(
         target_path=str(target),
         datasets=[DatasetRecords(name="d", records_dir=str(records))],
         out_dir=str(out),

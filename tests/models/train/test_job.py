@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from models.capture.job import run as run_capture
-from models.common.draft_jobs import TrainJob, TrainSettings
-from models.common.jobs import CaptureJob, DatasetRecords
+from models.common.draft_jobs import TrainSettings
+from models.common.job_files import CaptureJobFile, TrainJobFile
+from models.common.jobs import DatasetRecords
 from models.export.eagle3 import load_exported_draft
 from models.export.sglang import validate_export
 from models.ranks.harness import Dist
@@ -81,7 +82,7 @@ def train_data(tiny_target_dir, tmp_path_factory) -> dict:
     )
     hidden = root / "hidden"
     run_capture(
-        CaptureJob(
+        CaptureJobFile(
             target_path=str(tiny_target_dir),
             datasets=[{"name": "G1", "records_dir": str(records)}],
             out_dir=str(hidden),
@@ -277,8 +278,8 @@ def test_train_job_rejects_unknown_keys(tmp_path):
     path.write_text(
         json.dumps({"target_path": "x", "out_dir": "y", "token_counts": "z", "hidden_dir": "h", "bogus": 1})
     )
-    with pytest.raises(ValueError, match=f"{path}: not a valid TrainJob: bogus: Extra inputs are not permitted"):
-        TrainJob.load(path)
+    with pytest.raises(ValueError, match=f"{path}: not a valid TrainJobFile: bogus: Extra inputs are not permitted"):
+        TrainJobFile.load(path)
 
 
 # --- real launches ------------------------------------------------------------------------------
@@ -612,7 +613,7 @@ def _fingerprint(rows=(("D", "a", 5), ("D", "b", 7)), d2t=(0, 0, 1), **over):
     }
     total_steps = over.pop("total_steps", 6)
     world_size = over.pop("world_size", 2)
-    job = TrainJob(**{**fields, **over})
+    job = TrainJobFile(**{**fields, **over})
     layer = dict(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1)
     config = Eagle3Config(**layer, vocab_size=10, draft_vocab_size=3, aux_layers=[0, 1, 2])
     data = data_fingerprint(rows, {"mode": "offline", "aux_layers": [0, 1, 2]})
@@ -873,9 +874,9 @@ def test_a_full_disk_under_metrics_or_torch_save_is_a_write_failure_naming_the_f
 
 def test_the_deepspeed_config_is_derived_on_the_rank_for_the_launch_s_world_size():
     # the job holds settings, not a DeepSpeed config for some world size: a launch of any size is consistent
-    assert "ds_config" not in TrainJob.model_fields
-    job = TrainJob(target_path="t", out_dir="o", token_counts="c", hidden_dir="h", device="cpu", grad_accum=3)
+    assert "ds_config" not in TrainJobFile.model_fields
+    job = TrainJobFile(target_path="t", out_dir="o", token_counts="c", hidden_dir="h", device="cpu", grad_accum=3)
     assert ds_train_config(job, world_size=2, bf16=job.bf16)["train_batch_size"] == 6
     assert ds_train_config(job, world_size=4, bf16=job.bf16)["train_batch_size"] == 12
-    assert not job.bf16 and TrainJob(**{**job.model_dump(), "device": "cuda"}).bf16  # precision auto: bf16 on GPUs
-    assert not TrainJob(**{**job.model_dump(), "device": "cuda", "precision": "fp32"}).bf16
+    assert not job.bf16 and TrainJobFile(**{**job.model_dump(), "device": "cuda"}).bf16  # precision auto: bf16 on GPUs
+    assert not TrainJobFile(**{**job.model_dump(), "device": "cuda", "precision": "fp32"}).bf16

@@ -35,7 +35,8 @@ from models.capture.records import trimmed_length
 from models.capture.shards import done_sample_keys, iter_shard_index, list_shards, read_sample, shard_metadata
 from models.capture.vllm_hidden import ExtractionFailed, FinalNorm, engine_layer_ids, extraction_config
 from models.common.file_errors import WriteFailed
-from models.common.jobs import CaptureJob, DatasetRecords, VllmCaptureSettings
+from models.common.job_files import CaptureJobFile
+from models.common.jobs import DatasetRecords, VllmCaptureSettings
 from models.target.tiny import SAMPLES_DIR
 from tasks.capture.vllm_capture import RecordsRefused, capture_with_vllm, clean_connector_files
 from tasks.serving.errors import AuthError, ServerOutage
@@ -96,8 +97,8 @@ def app(tiny_target_dir, shared):
     return create_app(tiny_target_dir, extraction=Extraction.from_flags(json.dumps(speculative), json.dumps(kv)))
 
 
-def job(target: Path, records: dict, out: Path, **over) -> CaptureJob:
-    return CaptureJob(
+def job(target: Path, records: dict, out: Path, **over) -> CaptureJobFile:
+    return CaptureJobFile(
         **{
             "target_path": str(target),
             "datasets": records["datasets"],
@@ -117,7 +118,7 @@ def engine(**over) -> VllmCaptureSettings:
     )
 
 
-def run(capture_job: CaptureJob, settings: VllmCaptureSettings, shared_dir: Path, transport, **kw) -> dict:
+def run(capture_job: CaptureJobFile, settings: VllmCaptureSettings, shared_dir: Path, transport, **kw) -> dict:
     return asyncio.run(capture_with_vllm(capture_job, settings, shared_dir, transport=transport, **kw))
 
 

@@ -20,13 +20,14 @@ import httpx
 from emulators.dev_server.app import create_app
 from emulators.vllm_extract import Extraction
 from models.capture.vllm_hidden import extraction_config
-from models.common.jobs import CaptureJob, VllmCaptureSettings
+from models.common.job_files import CaptureJobFile
+from models.common.jobs import VllmCaptureSettings
 from tasks.capture.vllm_capture import capture_with_vllm
 from tests.models.capture.capture_held import hold_after_first_shard
 
 
 def main(job_path: str, shared: str) -> None:
-    job = CaptureJob.load(job_path)
+    job = CaptureJobFile.load(job_path)
     speculative, kv = extraction_config([1, 3, 4], 8, shared)
     app = create_app(job.target_path, extraction=Extraction.from_flags(json.dumps(speculative), json.dumps(kv)))
     hold_after_first_shard()

@@ -83,11 +83,13 @@ def _trained(ckpt_dir, variant: str) -> dict:
     """A checkpoint whose fingerprint the train stage wrote (run_fingerprint) for a `variant` draft; its job."""
     import torch
 
-    from models.common.draft_jobs import TrainJob
+    from models.common.job_files import TrainJobFile
     from models.draft.config import DRAFT_VARIANTS, Eagle3Config
     from models.train.checkpoint import COMPLETE, FINGERPRINT, run_fingerprint
 
-    job = TrainJob(target_path="t", out_dir="o", token_counts="tc", hidden_dir="h", device="cpu", draft_variant=variant)
+    job = TrainJobFile(
+        target_path="t", out_dir="o", token_counts="tc", hidden_dir="h", device="cpu", draft_variant=variant
+    )
     shape = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1}
     config = Eagle3Config(**shape, vocab_size=10, draft_vocab_size=3, aux_layers=[0, 1, 2], **DRAFT_VARIANTS[variant])
     tag = ckpt_dir / "step-10"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from models.common.draft_jobs import BenchmarkSpec, EvalJob
+from models.common.draft_jobs import BenchmarkSpec
+from models.common.job_files import EvalJobFile
 from tasks.datasets import DatasetNotFoundError
 from tasks.eval import tasks as eval_tasks
 from tasks.eval.benchmarks import (
@@ -65,10 +66,10 @@ def test_the_published_anchors_are_found_by_the_target_s_name():
     assert published_anchors("/runs/tiny-target", "mt_bench") == []
 
 
-def job(tmp_path: Path, target: str, benchmarks: list[dict]) -> EvalJob:
+def job(tmp_path: Path, target: str, benchmarks: list[dict]) -> EvalJobFile:
     final = tmp_path / "draft" / "final"
     final.mkdir(parents=True, exist_ok=True)
-    return EvalJob(
+    return EvalJobFile(
         target_path=target,
         draft_dir=str(final),
         out=str(tmp_path / "raw.json"),

@@ -1,0 +1,66 @@
+"""The job files: what a stage writes as JOB.json for the process it launches, which reads it back (`load_job`).
+
+A capture launch (DeepSpeed ranks), a training launch (DeepSpeed ranks) and an eval launch (one process) each read
+one. Each extends its stage's settings (models/common/jobs.py, draft_jobs.py) with what the pipeline fills in: the
+target, paths, the device. The generate and records stages run in the pipeline's process and write no job file:
+their settings go to their tasks as `GenerateJob`/`RecordsJob` objects. Pydantic only: no torch, prefect or httpx.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from models.common.draft_jobs import EvalSettings, HeldOut, TrainSettings
+from models.common.jobs import AuxLayers, CaptureSettings, RecordsRef, TargetRef
+
+
+class RankJob(TargetRef):
+    """What every DeepSpeed rank job names: the target, and the device its ranks run on."""
+
+    device: Literal["cpu", "cuda"] = "cuda"
+    """cuda under the deepspeed launcher, cpu (gloo) otherwise."""
+
+
+class CaptureJobFile(CaptureSettings, RecordsRef, RankJob):
+    """The JOB.json a capture launch reads (written by the capture task)."""
+
+    out_dir: str
+    """Shards + index.parquet go here (RUN_DIR/hidden)."""
+    launch_tokens: int | None = Field(ge=0)
+    """Most tokens THIS launch captures: capture.max_tokens less what complete shards hold (null: no cap). Always stated
+    by the task: no default."""
+
+
+class TrainJobFile(TrainSettings, AuxLayers, RecordsRef, RankJob):
+    """The JOB.json a training launch reads (written by the train task)."""
+
+    out_dir: str
+    """RUN_DIR/draft: checkpoints, metrics, the export."""
+    token_counts: str
+    """RUN_DIR/records/token_counts.parquet (the draft vocabulary)."""
+    hidden_dir: str | None = None
+    """offline: the capture shards (online: `datasets`, the records)."""
+
+    @model_validator(mode="after")
+    def _data_for_the_mode(self) -> TrainJobFile:
+        if self.mode == "offline" and not self.hidden_dir:
+            raise ValueError("mode offline needs hidden_dir")
+        if self.mode == "online" and not self.datasets:
+            raise ValueError("mode online needs datasets")
+        return self
+
+    @property
+    def bf16(self) -> bool:
+        """Whether the draft trains in bf16: `precision`, with auto meaning bf16 on GPUs."""
+        return self.precision == "bf16" or (self.precision == "auto" and self.device == "cuda")
+
+
+class EvalJobFile(EvalSettings, HeldOut, RecordsRef, TargetRef):
+    """The JOB.json of an eval launch (written by the eval task): held-out prompts come from `datasets`."""
+
+    draft_dir: str
+    """The export: config.json + model.safetensors."""
+    out: str
+    """Where the result JSON goes."""
