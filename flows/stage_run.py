@@ -64,12 +64,10 @@ def held_run(
 
 @contextmanager
 def stage_run(config_path: str, stage: Stage) -> Iterator[RunConfig]:
-    """The prologue every stage flow shares: its config while `stage` holds the run (`held_run`), the config as run
-    saved in RUN_DIR/config.yaml first, and a killed run's flow runs ended when the stage runs on its own."""
-    with _guard:
-        held = Path(config_path).resolve() in _holds
+    """The prologue every stage flow shares: its config while `stage` holds the run (`held_run`), a killed run's flow
+    runs ended (a no-op under the pipeline, which ended them: the lock reports a dead holder once), and the config as
+    run saved in RUN_DIR/config.yaml first."""
     with held_run(config_path, [stage], stage) as config:
-        if not held:  # a stage deployment started on its own (else: the pipeline ended them)
-            end_dead_runs(config.run_dir, get_run_logger())
+        end_dead_runs(config.run_dir, get_run_logger())
         save_run_config(config)
         yield config
