@@ -80,7 +80,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadscope tests -m "not slow and not e2e and not multiprocess"
 
-LINTED := cli flows tasks models emulators bench tools tests
+LINTED := cli flows tasks models settings emulators bench tools tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)

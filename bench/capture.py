@@ -69,8 +69,8 @@ from models.capture.shards import INDEX_NAME, list_shards, read_sample, shard_me
 from models.common.job_files import CaptureJobFile
 from models.common.jobs import DatasetRecords  # noqa: E402
 from models.common.rank_protocol import CAPTURE_PROGRESS  # noqa: E402
-from models.common.run_layout import RunLayout  # noqa: E402
 from models.draft.config import default_aux_layers  # noqa: E402
+from settings.layout import RunLayout  # noqa: E402
 
 FIRST_ID = 8  # record ids are drawn from [FIRST_ID, vocab): clear of the special tokens 0..7
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

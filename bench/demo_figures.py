@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.harness import cpu_model, loadavg  # noqa: E402
-from models.common.run_layout import RunLayout  # noqa: E402
+from settings.layout import RunLayout  # noqa: E402
 
 FIGURES = REPO / "docs" / "figures"
 # name -> the demo's arguments besides --run-dir (what a user types after `eagle3 demo`)

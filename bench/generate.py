@@ -56,7 +56,7 @@ from bench.generate_params import Params  # noqa: E402
 from bench.generate_prompts import IdsTokenizer, expected_lengths, make_prompts, prompt_ids  # noqa: E402
 from bench.generate_sim import Poller, SimProcess  # noqa: E402
 from models.common.jobs import GenerateJob  # noqa: E402
-from models.common.run_layout import RunLayout  # noqa: E402
+from settings.layout import RunLayout  # noqa: E402
 from tasks.datasets import PromptRow  # noqa: E402
 from tasks.generate.loop import generate_dataset  # noqa: E402
 from tasks.generate.report import GenerateReport  # noqa: E402

@@ -24,7 +24,7 @@ from bench import harness
 from bench.generate_params import Params
 from bench.generate_prompts import FIRST_ID, IdsTokenizer
 from models.common.jobs import GenerateJob
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.datasets import PromptRow
 from tasks.generate.loop import generate_dataset
 from tasks.generate.report import GenerateReport

@@ -71,7 +71,7 @@ async def run_ours(
     p: Params, url: str, rows: list[Any], tokenizer: Any, root: Path, params: dict[str, Any]
 ) -> dict[str, Any]:
     from models.common.jobs import GenerateJob
-    from models.common.run_layout import RunLayout
+    from settings.layout import RunLayout
     from tasks.generate.loop import generate_dataset
     from tasks.serving.client import RetryPolicy
     from tasks.serving.pool import ServerPool

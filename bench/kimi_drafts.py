@@ -63,8 +63,8 @@ sys.path.insert(0, str(REPO))
 from bench import harness  # noqa: E402
 from bench.demo_drafts import eagle3, eval_cells, evaluate_draft, print_walls, run_demo_timed  # noqa: E402
 from flows.config.file import load_config  # noqa: E402
-from models.common.run_layout import RunLayout  # noqa: E402
 from models.export.format import EMBED, WEIGHTS_FILE  # noqa: E402
+from settings.layout import RunLayout  # noqa: E402
 
 # row -> the train settings it sets over the Kimi demo's (configs/demo-kimi.yaml)
 ROWS: dict[str, dict[str, str]] = {

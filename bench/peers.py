@@ -48,7 +48,7 @@ from bench import harness  # noqa: E402
 from bench.demo_drafts import eagle3, eval_cells, evaluate_draft, print_walls, run_demo_timed  # noqa: E402
 from bench.peer_trainers import PeerJob, PeerRun, specforge, speculators  # noqa: E402
 from flows.config.file import load_config  # noqa: E402
-from models.common.run_layout import RunLayout  # noqa: E402
+from settings.layout import RunLayout  # noqa: E402
 
 VENVS = REPO / "runs" / "peers"  # the peers' venvs, kept between runs
 PEERS = {"speculators 0.9.0": speculators, "SpecForge 0.2.0": specforge}

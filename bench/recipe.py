@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from bench import harness  # noqa: E402
 from bench.demo_drafts import COMMAND_WALLS, eagle3, print_walls, run_demo_timed  # noqa: E402
 from flows.config.file import load_config  # noqa: E402
-from models.common.run_layout import RunLayout  # noqa: E402
+from settings.layout import RunLayout  # noqa: E402
 
 # recipe -> the train settings it changes from the demo's (configs/demo.yaml: max_batch_tokens 512 since round 1)
 RECIPES: dict[str, dict[str, Any]] = {

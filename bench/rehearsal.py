@@ -39,7 +39,7 @@ from bench import rehearsal_data as data  # noqa: E402
 from bench import rehearsal_prefect as prefect_side  # noqa: E402
 from bench import rehearsal_procs as procs  # noqa: E402
 from bench.rehearsal_report import print_report  # noqa: E402
-from models.common.run_layout import RunLayout  # noqa: E402
+from settings.layout import RunLayout  # noqa: E402
 
 BENCH = "rehearsal"
 SITE = Path(__file__).resolve().parent / "rehearsal_site"  # the synthetic target forward of the capture ranks

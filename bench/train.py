@@ -82,8 +82,8 @@ from bench.train_data import prepare_data  # noqa: E402
 from bench.train_params import Params  # noqa: E402
 from models.common.job_files import TrainJobFile
 from models.common.rank_protocol import TRAIN_PROGRESS  # noqa: E402
-from models.common.run_layout import RunLayout  # noqa: E402
 from models.train.data import HiddenSource, epoch_batches, rank_micro_batches, split_samples, steps_per_epoch  # noqa: E402
+from settings.layout import RunLayout  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Ours: the real job under torchrun

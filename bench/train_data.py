@@ -16,9 +16,9 @@ from bench import harness
 from bench.train_params import DATASET, Params
 from models.capture.job import run as run_capture
 from models.common.job_files import CaptureJobFile
-from models.common.run_layout import RunLayout
 from models.ranks.harness import Dist
 from models.target.tiny import SAMPLES_DIR
+from settings.layout import RunLayout
 from tasks.records.build import count_tokens
 
 

@@ -34,7 +34,7 @@ from bench import harness  # noqa: E402
 from bench.demo_drafts import COMMAND_WALLS, eagle3, print_walls, run_demo_timed  # noqa: E402
 from flows.config.file import load_config  # noqa: E402
 from models.capture.shards import METADATA_NAME, list_shards  # noqa: E402
-from models.common.run_layout import RunLayout  # noqa: E402
+from settings.layout import RunLayout  # noqa: E402
 
 # name -> (capture.out_dir under RUN_DIR, or None for the demo's own; capture.dtype; capture.storage;
 # train.draft_variant)

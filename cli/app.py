@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from models.common.stages import NODE_STAGES, STAGES, Stage, UnknownStage, parse_stages
+from settings.stages import NODE_STAGES, STAGES, Stage, UnknownStage, parse_stages
 
 
 class Eagle3(typer.Typer):
@@ -241,7 +241,7 @@ def _run_stages(
     skip_checks: bool = False,
     eval_draft: str | None = None,
 ) -> None:
-    from models.common.run_layout import RUN_DRAFTS
+    from settings.layout import RUN_DRAFTS
 
     cfg = _config_or_exit(config)  # fail on a bad config before Prefect starts
     if eval_draft is not None and eval_draft not in RUN_DRAFTS:
@@ -357,7 +357,7 @@ def import_jsonl(
 
     from flows.config.dataset import DATASET_NAME
     from flows.config.file import ConfigError, load_config
-    from models.common.run_layout import RunLayout
+    from settings.layout import RunLayout
     from tasks.generate.legacy_import_run import ImportFailed, import_legacy_file
 
     def fail(message: str, code: int, label: str = "error") -> NoReturn:

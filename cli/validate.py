@@ -9,8 +9,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from flows.config.schema import RunConfig
+from settings.hub_paths import is_hub_path
 from tasks.datasets import DatasetError, EmptyDatasetError, LoadedDataset, PromptRow, load_dataset
-from tasks.datasets.hub import is_hub_path
 from tasks.generate.conversations import conversation
 
 

@@ -12,7 +12,7 @@ from flows.stage_run import stage_run
 from models.common.draft_jobs import EvalSettings, HeldOut
 from models.common.job_files import EvalJobFile
 from models.common.jobs import ServerSettings
-from models.common.run_layout import RUN_DRAFTS
+from settings.layout import RUN_DRAFTS
 from tasks.eval.benchmarks import benchmark_rows, benchmark_table_text, probe_benchmark, resolve_benchmarks
 from tasks.eval.tasks import evaluate_draft, evaluate_on_server, publish_eval
 from tasks.serving.eval_server import EvalServer

@@ -16,8 +16,8 @@ from flows.preflight import engine_checks, preflight, report
 from flows.records import records
 from flows.stage_run import held_run
 from flows.train import train
-from models.common.stages import STAGES, Stage, parse_stages
 from models.target.tiny import build_target
+from settings.stages import STAGES, Stage, parse_stages
 from tasks.runtime.artifacts import publish_pipeline_summary, stage_headline
 from tasks.runtime.dead_runs import end_dead_runs
 from tasks.serving.launch import launched_servers

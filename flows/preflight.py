@@ -21,12 +21,12 @@ from flows.config.schema import RunConfig
 from flows.plan import capture_plan, memory_plans
 from flows.train import train_job
 from models.common.findings import Finding, failed
-from models.common.run_layout import RUN_DRAFTS
-from models.common.stages import STAGES, Stage
 from models.ranks.environment import environment_checks
 from models.train.checkpoint import optimisation_settings, variant_settings
+from settings.hub_paths import is_hub_path
+from settings.layout import RUN_DRAFTS
+from settings.stages import STAGES, Stage
 from tasks.capture.plan import TargetConfigMissing, capture_dtype, capture_layers, read_target_config, target_shape
-from tasks.datasets.hub import is_hub_path
 
 if TYPE_CHECKING:
     from tasks.doctor.draft import ServedDraft

@@ -18,7 +18,7 @@ def main(argv: list[str]) -> None:
     from transformers import AutoTokenizer
 
     from models.common.jobs import GenerateJob
-    from models.common.run_layout import RunLayout
+    from settings.layout import RunLayout
     from tasks.datasets import PromptRow
     from tasks.generate.loop import generate_dataset
     from tasks.serving.pool import ServerPool

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from models.common.jobs import GenerateJob
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.datasets import PromptRow
 from tasks.generate.loop import generate_dataset
 from tasks.responses.checkpoints import live_parts

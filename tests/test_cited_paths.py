@@ -17,7 +17,20 @@ import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TOP = ("flows", "tasks", "models", "emulators", "bench", "tests", "docs", "deploy", "configs", "data", ".ci")
+TOP = (
+    "flows",
+    "tasks",
+    "models",
+    "settings",
+    "emulators",
+    "bench",
+    "tests",
+    "docs",
+    "deploy",
+    "configs",
+    "data",
+    ".ci",
+)
 ROOTS = "|".join(re.escape(t) for t in TOP)
 CITED = re.compile(rf"(?<![\w./-])((?:{ROOTS})/[\w.*{{}}<>-]+(?:/[\w.*{{}}<>-]+)*/?)")
 PROSE = (".md", ".yaml", ".yml", ".sh", ".toml")

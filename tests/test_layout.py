@@ -1,4 +1,5 @@
-"""The layout rules the code relies on: imports point cli -> flows -> tasks -> models; no private name crosses files."""
+"""The layout rules the code relies on: imports point cli -> flows -> tasks -> models -> settings; no private name
+crosses files."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("cli", "flows", "tasks", "models", "emulators", "bench", "tools", "tests")
-LAYER = {"cli": 3, "flows": 2, "tasks": 1, "models": 0}
+PACKAGES = ("cli", "flows", "tasks", "models", "settings", "emulators", "bench", "tools", "tests")
+LAYER = {"cli": 4, "flows": 3, "tasks": 2, "models": 1, "settings": 0}
 # emulators/ (the engines emulated, for the demo and the tests) stand beside the layers: they use models/ (the tiny
-# target's decoding) and no layer above it; of the layers only the CLI's `serve-dev` imports them (the demo
-# and the stages start the dev server as a process and reach every engine over HTTP).
-EMULATORS_MAY_IMPORT = {"models", "emulators"}
+# target's decoding) and settings/, and no layer above them; of the layers only the CLI's `serve-dev` imports them (the
+# demo and the stages start the dev server as a process and reach every engine over HTTP).
+EMULATORS_MAY_IMPORT = {"models", "settings", "emulators"}
 IMPORTS_EMULATORS = {"cli/app.py"}
 
 
@@ -55,8 +56,8 @@ def test_no_module_imports_a_private_name_of_another():
     assert found == []
 
 
-@pytest.mark.parametrize("package", ["cli", "flows", "tasks", "models"])
-def test_imports_point_cli_to_flows_to_tasks_to_models(package):
+@pytest.mark.parametrize("package", list(LAYER))
+def test_imports_point_cli_to_flows_to_tasks_to_models_to_settings(package):
     upward = imports_in(package, lambda top: top in LAYER and LAYER[top] > LAYER[package])
     assert upward == []
 
@@ -66,7 +67,7 @@ def test_models_import_no_prefect_or_httpx():
     assert found == []
 
 
-def test_emulators_import_models_only():
+def test_emulators_import_models_and_settings_only():
     found = imports_in("emulators", lambda top: top in PACKAGES and top not in EMULATORS_MAY_IMPORT)
     assert found == []
 
@@ -109,6 +110,32 @@ def test_models_common_imports_no_torch():
         "import importlib, sys\n"
         f"for name in {names!r}: importlib.import_module(name)\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+# settings/ is every setting, declared once, under every layer: the standard library and pydantic only, so that the
+# CLI, a flow, a task and a rank process all read one declaration without paying for torch, Prefect or an HTTP client.
+SETTINGS_MAY_IMPORT = {"pydantic", "pydantic_core", "settings", "__future__"}
+NOT_IN_SETTINGS = ("torch", "transformers", "deepspeed", "prefect", "httpx", "pyarrow", "yaml")
+
+
+def test_settings_import_the_standard_library_and_pydantic_only():
+    found = imports_in("settings", lambda top: top not in SETTINGS_MAY_IMPORT and top not in sys.stdlib_module_names)
+    assert found == []
+
+
+def test_importing_every_settings_module_loads_no_torch_prefect_httpx_or_pyarrow():
+    names = sorted(
+        "settings." + ".".join(p.relative_to(REPO / "settings").with_suffix("").parts)
+        for p in (REPO / "settings").rglob("*.py")
+        if p.stem != "__init__"
+    )
+    script = (
+        "import importlib, sys\n"
+        f"for name in {names!r}: importlib.import_module(name)\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(NOT_IN_SETTINGS)!r}))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
-from models.common.run_layout import RunLayout  # plain Python: `work` is laid out as a run directory
+from settings.layout import RunLayout  # plain Python: `work` is laid out as a run directory
 from tools.gpu_check_params import Params
 from tools.gpu_check_run import Check
 

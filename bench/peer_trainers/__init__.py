@@ -26,7 +26,7 @@ from pathlib import Path
 class PeerJob:
     """One draft to train: the same data and settings for every trainer.
 
-    `run_dir` is a finished demo run (models/common/run_layout.py RunLayout): its resolved config (RUN_DIR/config.yaml),
+    `run_dir` is a finished demo run (settings/layout.py RunLayout): its resolved config (RUN_DIR/config.yaml),
     its records, its captured hidden states (RUN_DIR/hidden, models/capture/shards.py) and its trained draft
     (RUN_DIR/draft/final: config.json, model.safetensors with `d2t` and `t2d`, the draft vocabulary every trainer
     uses). Training samples are the run's training split (models/train/data.py `split_samples` with the config's

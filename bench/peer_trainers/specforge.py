@@ -161,7 +161,7 @@ def ensure_venv(root: Path) -> Path:
 def _run_config(run_dir: Path):
     """The run's resolved config (RUN_DIR/config.yaml, else the demo's demo-config.yaml)."""
     from flows.config.file import load_config
-    from models.common.run_layout import RunLayout
+    from settings.layout import RunLayout
 
     layout = RunLayout(run_dir)
     for path in (layout.config, layout.demo_config):
@@ -210,7 +210,7 @@ def _write_features(samples: list, out: Path) -> None:
 
 def _draft_vocab(run_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t [D] int64 offsets, t2d [V] bool) of the run's trained draft: the vocabulary every trainer uses."""
-    from models.common.run_layout import RunLayout
+    from settings.layout import RunLayout
 
     path = RunLayout(run_dir).final / "model.safetensors"
     if not path.is_file():
@@ -246,7 +246,7 @@ def _draft_config(job: PeerJob, draft_vocab_size: int) -> dict:
     The aux layers come from our draft's config.json (both SGLang's `eagle_config` and vLLM's top-level ids), so a
     server feeds this draft the layers its data was captured from; SpecForge's norm and fc options stay unset.
     """
-    from models.common.run_layout import RunLayout
+    from settings.layout import RunLayout
 
     target = json.loads((job.target / "config.json").read_text())
     target = target.get("text_config", target)

@@ -154,9 +154,9 @@ class Prepared:
 def prepare_data(job: PeerJob, out: Path) -> Prepared:
     """Write the run's training split, then its held-out split, in speculators' offline format under `out`."""
     from flows.config.file import load_config
-    from models.common.run_layout import RunLayout
     from models.export.format import vllm_aux_ids
     from models.train.data import HiddenSource, split_samples
+    from settings.layout import RunLayout
 
     layout = RunLayout(job.run_dir)
     config = load_config(layout.config)

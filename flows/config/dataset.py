@@ -8,11 +8,12 @@ from typing import Any, Literal
 
 from pydantic import field_validator, model_validator
 
-from flows.config.section import Section
 from models.common.jobs import DatasetGenerateSettings
-from models.common.run_layout import RunLayout
+from settings.base import Section
+from settings.hub_paths import hub_repo_id, is_hub_path
+from settings.layout import RunLayout
 from tasks.datasets.formats import RowFormat
-from tasks.datasets.hub import HubDataset, hub_repo_id, is_hub_path
+from tasks.datasets.hub import HubDataset
 
 DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

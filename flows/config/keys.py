@@ -2,7 +2,7 @@
 
 Section by section (flows/config/schema.py `RunConfig` and the sections it nests: `capture.engine`, `datasets[]`,
 `eval.benchmarks[]`, ...), each key with its type, its default (or "required") and its description, which is the
-docstring under the field (models/common/strict.py: pydantic's use_attribute_docstrings). A key's settings may be
+docstring under the field (settings/base.py: pydantic's use_attribute_docstrings). A key's settings may be
 declared across several classes (a section and the job settings it shares with the rank jobs): the page shows them in
 one place. Nothing reads the page; tests/flows/config/test_keys.py fails when it and the schema part ways: then run this
 command instead of editing it.

@@ -16,7 +16,6 @@ from urllib.parse import urlsplit
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from flows.config.dataset import DatasetConfig
-from flows.config.section import Section
 from models.common.draft_jobs import PROBES, BenchmarkSpec, EvalSettings, ServedEvalSettings, TrainSettings
 from models.common.jobs import (
     CaptureSettings,
@@ -28,10 +27,11 @@ from models.common.jobs import (
     VllmCaptureSettings,
 )
 from models.common.nodes import Nodes
-from models.common.run_layout import RUN_DRAFTS, RunLayout
 from models.common.server_access import replica_url
-from models.common.stages import Stage
-from tasks.datasets.hub import hub_repo_id, is_hub_path
+from settings.base import Section
+from settings.hub_paths import hub_repo_id, is_hub_path
+from settings.layout import RUN_DRAFTS, RunLayout
+from settings.stages import Stage
 
 
 class TargetConfig(TargetSpec, Section):

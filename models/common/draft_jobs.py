@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from models.common.jobs import ServerUrl
-from models.common.strict import StrictModel
+from settings.base import StrictModel
 
 # --- train ------------------------------------------------------------------------------------
 

@@ -8,15 +8,42 @@ their settings go to their tasks as `GenerateJob`/`RecordsJob` objects. Pydantic
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from pathlib import Path
+from typing import Literal, TypeVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from models.common.draft_jobs import EvalSettings, HeldOut, TrainSettings
 from models.common.jobs import AuxLayers, CaptureSettings, RecordsRef, TargetRef
+from settings.base import StrictModel
+
+J = TypeVar("J", bound="JobFile")
 
 
-class RankJob(TargetRef):
+def load_job(cls: type[J], path: str | Path) -> J:
+    """A JSON job file read through its spec; ValueError naming the file and every bad key."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read the {cls.__name__}: {e}") from e
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<top level>'}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"{path}: not a valid {cls.__name__}: {problems}") from None
+
+
+class JobFile(StrictModel):
+    """Base of every job file: what the pipeline writes for a process it launches, read back with `load`."""
+
+    @classmethod
+    def load(cls: type[J], path: str | Path) -> J:
+        """This job file read from its JSON (`load_job`)."""
+        return load_job(cls, path)
+
+
+class RankJob(TargetRef, JobFile):
     """What every DeepSpeed rank job names: the target, and the device its ranks run on."""
 
     device: Literal["cpu", "cuda"] = "cuda"
@@ -57,7 +84,7 @@ class TrainJobFile(TrainSettings, AuxLayers, RecordsRef, RankJob):
         return self.precision == "bf16" or (self.precision == "auto" and self.device == "cuda")
 
 
-class EvalJobFile(EvalSettings, HeldOut, RecordsRef, TargetRef):
+class EvalJobFile(EvalSettings, HeldOut, RecordsRef, TargetRef, JobFile):
     """The JOB.json of an eval launch (written by the eval task): held-out prompts come from `datasets`."""
 
     draft_dir: str

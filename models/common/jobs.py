@@ -6,7 +6,7 @@ outputs go); what the pipeline fills in (the target, paths, the device) extends 
 `RecordsJob` here, handed to the stage's tasks in the pipeline's process, and the job files a launched process
 reads, `CaptureJobFile`, `TrainJobFile` and `EvalJobFile` (models/common/job_files.py). A flow builds a job from the
 run config in one call (`StrictModel.pick`); a rank process reads its JSON job through the same class (`load_job`,
-models/common/strict.py), so an unknown key or a bad value in a job file fails with its name, and no default can
+models/common/job_files.py), so an unknown key or a bad value in a job file fails with its name, and no default can
 drift between the config and the job.
 
 This module is the bottom layer: pydantic only (no torch, prefect or httpx), importable by
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from models.common.server_access import api_key_from_env, server_url
-from models.common.strict import StrictModel
+from settings.base import StrictModel
 
 # A server's base URL (server.url, capture.engine.url, eval.baseline_url), checked and without a trailing slash.
 ServerUrl = Annotated[str, AfterValidator(server_url)]

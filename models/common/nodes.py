@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from models.common.strict import StrictModel
+from settings.base import StrictModel
 
 
 class Nodes(StrictModel):

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from models.common.atomic import write_atomic
-from models.common.run_layout import BEST, BEST_MARKER, CHECKPOINTS, METRICS
 from models.ranks.harness import Dist, log
 from models.train.checkpoint import writing
 from models.train.metrics import read_evals
+from settings.layout import BEST, BEST_MARKER, CHECKPOINTS, METRICS
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 from models.common.atomic import write_atomic
-from models.common.run_layout import CHECKPOINTS, METRICS, TENSORBOARD
 from models.draft.eagle3 import acceptance_length
 from models.ranks.harness import Dist, log
 from models.train.checkpoint import writing
+from settings.layout import CHECKPOINTS, METRICS, TENSORBOARD
 
 
 class Metrics:

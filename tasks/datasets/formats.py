@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal
 import pyarrow as pa
 from pydantic import Field, StringConstraints, model_validator
 
-from models.common.strict import StrictModel
+from settings.base import StrictModel
 from tasks.datasets.errors import DatasetError
 from tasks.datasets.raw import COLUMNS, EXPECTED
 from tasks.datasets.rows import (

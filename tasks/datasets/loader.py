@@ -11,11 +11,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal, overload
 
+from settings.hub_paths import hub_repo_id, is_hub_path
 from tasks.datasets.detect import Resolver
 from tasks.datasets.errors import DatasetError, DatasetNotFoundError, EmptyDatasetError
 from tasks.datasets.formats import RowFormat
 from tasks.datasets.hf_saved import read_hf_saved, train_split
-from tasks.datasets.hub import HubDataset, hub_repo_id, is_hub_path, read_hub
+from tasks.datasets.hub import HubDataset, read_hub
 from tasks.datasets.jsonl import read_jsonl
 from tasks.datasets.parquet import read_parquet
 from tasks.datasets.raw import ACCEPTED_FORMATS, COLUMNS, Raw

@@ -10,8 +10,8 @@ from typing import Any
 from models.capture.shards import captured_with, list_shards, shard_metadata
 from models.common.file_errors import DamagedFile, DamagedShard
 from models.common.findings import Finding
-from models.common.run_layout import RunLayout
 from models.train.checkpoint import FINGERPRINT, checkpoint_settings, complete_checkpoints, settings_differences
+from settings.layout import RunLayout
 from tasks.generate.provenance import OtherEngine, Provenance, check_record, has_responses
 from tasks.records.build import record_stats
 from tasks.responses.stats import collect_stats

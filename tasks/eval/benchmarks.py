@@ -26,7 +26,8 @@ from models.common.draft_jobs import PROBES, BenchmarkSpec
 from models.common.job_files import EvalJobFile
 from models.eval.benchmarks import read_benchmark
 from models.eval.probes import probe_rows
-from tasks.datasets.hub import HubDataset, hub_repo_id, is_hub_path, read_hub
+from settings.hub_paths import hub_repo_id, is_hub_path
+from tasks.datasets.hub import HubDataset, read_hub
 
 ANCHORS = Path(__file__).resolve().parents[2] / "data/benchmarks/anchors.json"  # in the repository
 

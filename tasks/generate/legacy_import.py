@@ -49,7 +49,7 @@ import pyarrow.parquet as pq
 
 from models.common.atomic import TMP_SUFFIX, fsync_dir
 from models.common.file_errors import WriteFailed
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.datasets import DatasetError, Reject
 from tasks.generate.legacy_lines import BadLine, LegacyLine, legacy_id_or_none, parse_line, read_lines
 from tasks.responses.checkpoints import PartSummary, done_ids, finish_compaction, live_parts, responses_table

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from models.common.file_errors import WriteFailed
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.datasets import DatasetError
 from tasks.generate.legacy_import import ImportReport, import_jsonl
 from tasks.responses.parquet_io import DamagedPart

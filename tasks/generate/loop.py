@@ -28,7 +28,7 @@ from typing import Any
 
 from models.common.file_errors import WriteFailed
 from models.common.jobs import GenerateJob
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.datasets import PromptRow, Reject
 from tasks.generate.budget import TokenBudget
 from tasks.generate.conversations import Conversation, answer_text

@@ -3,7 +3,7 @@
 A run directory's responses are one engine's outputs of one model. Resuming it through another engine (the dev
 server's SGLang emulation, a real SGLang, a real vLLM) or another target would mix two distributions in one training
 set, and the run would then say it was made by the last one. So the first generate writes RUN_DIR/generated-by.json
-(models/common/run_layout.py `RunLayout.generated_by`), and every later generate, and the demo before it starts
+(settings/layout.py `RunLayout.generated_by`), and every later generate, and the demo before it starts
 anything, compares what it is about to use with it and refuses a difference with the reason and what to do.
 
 What identifies them:
@@ -35,7 +35,7 @@ import yaml
 
 from models.common.atomic import write_atomic
 from models.common.file_errors import DamagedFile
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.responses.parquet_io import list_parts
 
 # What each engine kind is called in messages, and how a config asks for it.

@@ -11,7 +11,7 @@ from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact,
 from prefect.cache_policies import NO_CACHE
 
 from models.common.jobs import GenerateJob, ServerSettings
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.datasets import HubDataset, OnBadRow, RowFormat, load_dataset
 from tasks.generate.loop import generate_dataset
 from tasks.generate.passthrough import PassthroughReport, copy_passthrough

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from models.common.file_errors import WriteFailed
 from models.common.jobs import RecordsJob
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.datasets import Reject
 from tasks.records.chat_masks import MaskError, conversation_records
 from tasks.responses.checkpoints import is_whole, live_parts

@@ -9,7 +9,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from models.common.jobs import RecordsJob
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.generate.prompts import default_stop_ids
 from tasks.records.build import RecordsReport, build_records, count_tokens, coverage
 from tasks.runtime.artifacts import artifact_key

@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.responses.parquet_io import (
     DamagedPart,
     clean_stale_temps,

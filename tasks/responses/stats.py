@@ -35,7 +35,7 @@ from rich.console import JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.responses.checkpoints import META, PartSummary
 from tasks.responses.parquet_io import DamagedPart, list_parts, reading
 from tasks.responses.rejects import reject_counts

@@ -24,7 +24,7 @@ from models.common.atomic import write_atomic
 from models.common.file_errors import WriteFailed, is_write_error
 from models.common.nodes import Nodes
 from models.common.rank_protocol import Message, Protocol, most_telling, reported_error
-from models.common.strict import StrictModel
+from settings.base import StrictModel
 from tasks.runtime import stopping, torch_extensions
 from tasks.runtime.ports import free_port
 

@@ -31,7 +31,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from models.common.run_layout import LOCK_NAME
+from settings.layout import LOCK_NAME
 
 _held: dict[Path, list[Any]] = {}  # resolved run dir -> [fd, depth]
 _guard = threading.Lock()

@@ -26,7 +26,7 @@ from tasks.serving import client_class
 from tasks.serving.client import RetryPolicy
 from tasks.serving.errors import ServerOutage
 
-# A lone server's log in the log_dir it is given (RUN_DIR/logs: models/common/run_layout.py). Every log is appended to,
+# A lone server's log in the log_dir it is given (RUN_DIR/logs: settings/layout.py). Every log is appended to,
 # each launch after a header line naming its time and command: a second launch (another engine) keeps the first's.
 SERVER_LOG = "server.log"
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from bench.kimi_drafts import LONG_CONTEXT, Params, benchmark_name, vllm_buckets
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 
 
 def demo_run(tmp_path: Path, shape: str, benchmarks: list[str]) -> Path:

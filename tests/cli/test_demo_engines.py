@@ -10,7 +10,7 @@ import pytest
 
 from cli.demo import DEMO_TARGETS, demo_config, run_demo
 from flows.config.file import dump_config
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.generate.provenance import OtherEngine
 from tests.tasks.generate.test_provenance import add_response, fake_target
 

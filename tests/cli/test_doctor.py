@@ -107,7 +107,7 @@ def test_shards_captured_with_other_settings_fail_before_the_capture_refuses_the
 def test_a_run_made_by_another_engine_fails_before_generate_starts(tmp_path, tiny_target_dir):
     """A run directory whose responses a real vLLM made, and a config that generates through the dev server: the
     generate stage would refuse it (tasks/generate/provenance.py), so the doctor says so in seconds, naming both."""
-    from models.common.run_layout import RunLayout
+    from settings.layout import RunLayout
     from tasks.generate.provenance import Provenance, target_fingerprint, write_record
     from tests.tasks.generate.test_provenance import add_response
 

@@ -154,7 +154,7 @@ def test_a_bad_dataset_fails_the_flow_but_not_the_others(tmp_path, tiny_target_d
 def test_a_run_records_its_engine_adopts_an_older_run_and_refuses_another_engine(tmp_path, tiny_target_dir):
     """RUN_DIR/generated-by.json (tasks/generate/provenance.py): written by the first generate with what the server
     says it is; a run without one (from before it) is adopted; one made by another engine is refused, unchanged."""
-    from models.common.run_layout import RunLayout
+    from settings.layout import RunLayout
     from tasks.generate.provenance import OtherEngine
 
     layout = RunLayout(tmp_path / "run")

@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.config.dataset import DatasetConfig
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.datasets import DatasetError, DatasetNotFoundError, HubDataset, RowFormat, iter_rows, load_dataset
 from tests.hub_cache import offline_hub_cache, publish
 

@@ -20,10 +20,10 @@ from flows.config.schema import (
     TargetConfig,
     TrainConfig,
 )
-from models.common.job_files import CaptureJobFile, EvalJobFile, TrainJobFile
+from models.common.job_files import CaptureJobFile, EvalJobFile, TrainJobFile, load_job
 from models.common.jobs import CaptureSettings, GenerateJob, RecordsJob, ServerSettings, TargetSpec, VllmCaptureSettings
 from models.common.nodes import Nodes
-from models.common.strict import StrictModel, load_job
+from settings.base import StrictModel
 from tasks.runtime.launch_ranks import write_job
 
 # (run config section, the spec the pipeline builds from it, the settings they share: None = all in common)

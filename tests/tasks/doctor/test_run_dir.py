@@ -147,7 +147,7 @@ def test_a_capture_directory_that_cannot_be_listed_fails(tmp_path, monkeypatch):
 def test_responses_of_another_engine_fail_in_seconds_and_the_same_engine_passes(tmp_path):
     """The generate stage would refuse the run (tasks/generate/provenance.py): the doctor says so before any server
     starts, and warns of responses with no record, which the next generate adopts."""
-    from models.common.run_layout import RunLayout
+    from settings.layout import RunLayout
     from tasks.generate.provenance import Provenance, settle
     from tests.tasks.generate.test_provenance import add_response, fake_target, log
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from models.common.file_errors import DamagedFile
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.generate.provenance import (
     OtherEngine,
     Provenance,

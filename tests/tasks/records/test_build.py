@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from models.common.file_errors import WriteFailed
 from models.common.jobs import RecordsJob
-from models.common.run_layout import RunLayout
+from settings.layout import RunLayout
 from tasks.generate.passthrough import PASSTHROUGH_SCHEMA, copy_passthrough
 from tasks.generate.prompts import chat_prompt_ids
 from tasks.records import build as records_module

@@ -629,7 +629,7 @@ def test_after_the_dev_demo_vllm_is_refused_in_its_run_dir_and_generates_in_its_
     from cli.demo import demo_config, demo_server
     from flows.config.file import dump_config
     from flows.pipeline import pipeline
-    from models.common.run_layout import RunLayout
+    from settings.layout import RunLayout
     from tasks.generate.provenance import OtherEngine
 
     def generate(run_dir: Path, url: str, prompts: int) -> None:

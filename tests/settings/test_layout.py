@@ -1,5 +1,5 @@
 """The run directory's layout: each path where the docs say, the output directories settings move, and no
-path of it spelled anywhere but models/common/run_layout.py."""
+path of it spelled anywhere but settings/layout.py."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from models.common.run_layout import LOCK_NAME, RunLayout
+from settings.layout import LOCK_NAME, RunLayout
 
-REPO = Path(__file__).resolve().parents[3]
-LAYOUT_FILE = REPO / "models" / "common" / "run_layout.py"
-SCANNED = ("flows", "tasks", "models", "emulators", "bench")
+REPO = Path(__file__).resolve().parents[2]
+LAYOUT_FILE = REPO / "settings" / "layout.py"
+SCANNED = ("settings", "flows", "tasks", "models", "emulators", "bench")
 
 # (file, literal) -> why that literal there is not a path of the run directory.
 ALLOWED = {
@@ -103,11 +103,11 @@ def test_a_damaged_part_is_moved_to_the_same_place_under_quarantine():
     )
 
 
-# --- no path of the layout spelled outside models/common/run_layout.py ----------------------------------------------
+# --- no path of the layout spelled outside settings/layout.py -------------------------------------------------------
 
 
 def layout_names() -> set[str]:
-    """The names models/common/run_layout.py joins into paths: the str operands of its `/`, the names of its `_Entry`s
+    """The names settings/layout.py joins into paths: the str operands of its `/`, the names of its `_Entry`s
     and its module-level str constants."""
     tree = ast.parse(LAYOUT_FILE.read_text())
     names = {
@@ -205,7 +205,7 @@ def test_no_path_of_the_run_directory_is_spelled_outside_the_layout():
                 if (rel, value) in ALLOWED:
                     allowed_seen.add((rel, value))
                 else:
-                    found.append(f"{rel}:{line}: {value!r} (ask models/common/run_layout.py's RunLayout for the path)")
+                    found.append(f"{rel}:{line}: {value!r} (ask settings/layout.py's RunLayout for the path)")
     assert found == []
     assert allowed_seen == set(ALLOWED), "an allow-list entry no longer matches anything: remove it"
 

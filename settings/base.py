@@ -1,21 +1,17 @@
-"""The strict pydantic base of every job spec and config section, and job files read through it.
+"""The strict pydantic base of every setting: `StrictModel` (job specs and config sections) and `Section`.
 
 `StrictModel` rejects unknown keys, validates on assignment and refuses true/false for a number; a field's
-description is the docstring under it (pydantic's use_attribute_docstrings). `load_job`
-reads a rank's JSON job through its spec, naming the file and every bad key. Pydantic only (no torch,
-prefect or httpx): the bottom layer.
+description is the docstring under it (pydantic's use_attribute_docstrings), which docs/config-keys.md shows
+(settings/keys.py). A launched process reads its JSON job file through the same classes (models/common/job_files.py
+`load_job`).
 """
 
 from __future__ import annotations
 
-import json
 import types
-from pathlib import Path
-from typing import Any, TypeVar, Union, get_args, get_origin
+from typing import Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
-
-S = TypeVar("S", bound="StrictModel")
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 
 class StrictModel(BaseModel):
@@ -35,27 +31,13 @@ class StrictModel(BaseModel):
             raise ValueError(problem)
         return value
 
-    @classmethod
-    def load(cls: type[S], path: str | Path) -> S:
-        """This spec read from a JSON job file (`load_job`)."""
-        return load_job(cls, path)
-
     def pick(self, spec: type[StrictModel]) -> dict[str, Any]:
         """The values of the fields `spec` declares (self is a subclass of it): a job's share of a config section."""
         return {name: getattr(self, name) for name in spec.model_fields}
 
 
-def load_job(cls: type[S], path: str | Path) -> S:
-    """A JSON job file read through its spec; ValueError naming the file and every bad key."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read the {cls.__name__}: {e}") from e
-    try:
-        return cls.model_validate(raw)
-    except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<top level>'}: {err['msg']}" for err in e.errors())
-        raise ValueError(f"{path}: not a valid {cls.__name__}: {problems}") from None
+class Section(StrictModel):
+    """Base of every config section: unknown keys are errors, no bool for a number (`StrictModel`)."""
 
 
 def _union_members(annotation: Any) -> tuple[Any, ...]:

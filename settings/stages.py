@@ -2,7 +2,7 @@
 
 One type for the CLI (`eagle3 run --stages`, `eagle3 node --stages`), the pipeline flow (its `stages` parameter),
 the preflight (the checks that matter to the chosen stages) and the run lock (what the chosen stages write).
-Plain Python, no torch: the flows and the CLI import it.
+Plain Python: the run config, the flows and the CLI import it.
 """
 
 from __future__ import annotations

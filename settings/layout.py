@@ -21,7 +21,7 @@ job's out_dir, so they join the names of the draft directory's entries (CHECKPOI
 File names inside a stage's own format (shard names, index.parquet, part-*.parquet, the export's files,
 the launchers' log names) stay with the module that writes that format.
 
-Plain Python, no torch: flows and tasks use it too.
+Plain Python: the run config (`RunConfig.layout`), flows, tasks and the rank processes use it.
 """
 
 from __future__ import annotations
