@@ -98,9 +98,9 @@ deepspeed-json: $(STAMP)
 commands-doc: $(STAMP)
 	$(BIN)/python -m cli.commands_doc
 
-# docs/config-keys.md, every config key from the schema (tests/flows/config/test_keys.py checks it is current)
+# docs/config-keys.md, every config key from the schema (tests/settings/test_keys.py checks it is current)
 config-keys: $(STAMP)
-	$(BIN)/python -m flows.config.keys
+	$(BIN)/python -m settings.keys
 
 # What bench/rehearsal.py --browser needs to time Prefect's UI: Debian's Chromium (root, apt-get) and Playwright's
 # Python driver (no browser download: it drives /usr/bin/chromium).

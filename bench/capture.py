@@ -66,8 +66,10 @@ from bench.capture_baseline import Bare, baseline  # noqa: E402
 from bench.capture_params import DATASET, Params  # noqa: E402
 from models.capture.records import deal, load_records, make_batches  # noqa: E402
 from models.capture.shards import INDEX_NAME, list_shards, read_sample, shard_metadata  # noqa: E402
-from models.common.job_files import CaptureJobFile
-from models.common.jobs import DatasetRecords  # noqa: E402
+from models.common.job_files import (
+    CaptureJobFile,
+    DatasetRecords,  # noqa: E402
+)
 from models.common.rank_protocol import CAPTURE_PROGRESS  # noqa: E402
 from models.draft.config import default_aux_layers  # noqa: E402
 from settings.layout import RunLayout  # noqa: E402

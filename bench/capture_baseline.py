@@ -14,7 +14,7 @@ from bench import harness  # first: the offline environment the spawned baseline
 from bench.capture_params import DATASET, Params
 from models.capture.job import capture_batch, forward_kwargs, padded_batch, write_sample
 from models.capture.records import deal, load_records, make_batches
-from models.common.jobs import DatasetRecords
+from models.common.job_files import DatasetRecords
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bench import harness
-from models.common.jobs import CaptureSettings
+from settings.capture import CaptureSettings
 
 DATASET = "bench"
 RUN_CONFIG = CaptureSettings()  # the run config's capture section as declared: its defaults

@@ -17,9 +17,7 @@ from typing import Any
 import torch
 
 from bench import harness
-from flows.config.schema import TrainConfig
 from models.capture.shards import METADATA_NAME
-from models.common.draft_jobs import STEP_DECAY
 from models.common.job_files import TrainJobFile
 from models.draft.config import Eagle3Config, default_aux_layers
 from models.draft.eagle3 import Eagle3Draft
@@ -30,6 +28,7 @@ from models.target.weights import load_target_tensors
 from models.train.data import HiddenSource, epoch_batches, rank_micro_batches, split_samples, steps_per_epoch
 from models.train.metrics import Metrics
 from models.train.optimizer import lr_lambda
+from settings.train import STEP_DECAY, TrainConfig
 
 RUN_CONFIG = TrainConfig()  # the run config's train section as declared: the AdamW betas and eps the job gets
 BETAS, EPS = RUN_CONFIG.adam_betas, RUN_CONFIG.adam_eps

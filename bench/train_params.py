@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bench import harness
-from flows.config.schema import TrainConfig
+from settings.train import TrainConfig
 
 DATASET = "bench"
 RUN_CONFIG = TrainConfig()  # the run config's train section as declared: its defaults (ttt_steps, grad_accum, ...)

@@ -355,8 +355,8 @@ def import_jsonl(
     """
     from typing import NoReturn
 
-    from flows.config.dataset import DATASET_NAME
     from flows.config.file import ConfigError, load_config
+    from settings.dataset import DATASET_NAME
     from settings.layout import RunLayout
     from tasks.generate.legacy_import_run import ImportFailed, import_legacy_file
 

@@ -22,9 +22,9 @@ def templates() -> dict[str, dict]:
     a bf16 ZeRO-3 capture with its parameters offloaded to CPU."""
     import torch
 
-    from flows.config.schema import TrainConfig
     from models.capture.job import ds_inference_config
     from models.train.optimizer import ds_train_config
+    from settings.train import TrainConfig
 
     return {
         "train-zero2-bf16.json": ds_train_config(TrainConfig(), world_size=TRAIN_WORLD_SIZE, bf16=True),

@@ -11,9 +11,9 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 
 from flows.config.file import dump_config, load_config
-from flows.config.schema import RunConfig
 from flows.pipeline import pipeline
 from models.target.tiny import build_target
+from settings.run import RunConfig
 from tasks.eval.benchmarks import benchmark_rows
 from tasks.eval.tasks import context_rows, engine_rows
 from tasks.generate.provenance import Provenance, check_record, last_run_provenance, target_fingerprint

@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flows.config.schema import RunConfig
 from flows.preflight import doctor_findings, short_name
 from models.common.findings import Finding
+from settings.run import RunConfig
 
 STATUS_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flows.config.schema import RunConfig
 from models.export.convert import FORMATS, convert_draft
 from settings.layout import RUN_DRAFTS
+from settings.run import RunConfig
 
 
 def export_draft_as(config: RunConfig, draft: str, to: str, out: Path | None = None) -> Path:

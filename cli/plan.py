@@ -6,8 +6,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flows.config.schema import RunConfig
 from flows.plan import capture_plan, memory_plans
+from settings.run import RunConfig
 from tasks.capture.memory import MemoryTooSmall, check_memory, gib
 from tasks.capture.plan import DiskTooSmall, TargetConfigMissing, check_fits, human_bytes, read_target_config
 from tasks.records.build import summarize_records

@@ -8,9 +8,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flows.config.schema import RunConfig
 from settings.hub_paths import is_hub_path
+from settings.run import RunConfig
 from tasks.datasets import DatasetError, EmptyDatasetError, LoadedDataset, PromptRow, load_dataset
+from tasks.datasets.hub import dataset_source
 from tasks.generate.conversations import conversation
 
 
@@ -39,7 +40,7 @@ def validate_datasets(config: RunConfig, *, config_path: Path, console: Console)
         empty: EmptyDatasetError | None = None
         try:
             loaded = load_dataset(
-                dataset.source(config.layout), dataset.kind, row_format=dataset.row_format, on_bad_row="skip"
+                dataset_source(dataset, config.layout), dataset.kind, row_format=dataset.row_format, on_bad_row="skip"
             )
         except EmptyDatasetError as exc:  # no rows, or none left after the bad ones: still list those
             empty = exc

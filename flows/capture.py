@@ -7,11 +7,11 @@ from typing import Any
 
 from prefect import flow
 
-from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
 from models.capture.shards import NATIVE
-from models.common.job_files import CaptureJobFile
-from models.common.jobs import CaptureSettings, VllmCaptureSettings
+from models.common.job_files import CaptureJobFile, dataset_records
+from settings.capture import CaptureSettings, VllmCaptureSettings
+from settings.run import RunConfig
 from tasks.capture.plan import ExtractionWindow, capture_layers, target_shape
 from tasks.capture.tasks import (
     capture_retryable,
@@ -20,6 +20,7 @@ from tasks.capture.tasks import (
     run_capture_job,
     run_vllm_capture,
 )
+from tasks.runtime.launch_ranks import rank_device
 from tasks.serving.capture_server import CaptureServer
 
 
@@ -103,8 +104,8 @@ def capture_job(config: RunConfig, aux_layers: list[int]) -> CaptureJobFile:
         **{**c.pick(CaptureSettings), "aux_layers": aux_layers},
         target_path=config.target.path,
         trust_remote_code=config.target.trust_remote_code,
-        datasets=config.dataset_records(),
+        datasets=dataset_records(config),
         out_dir=str(config.layout.hidden_dir),
         launch_tokens=None,
-        device=c.device,
+        device=rank_device(c.launcher),
     )

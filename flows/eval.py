@@ -7,12 +7,13 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
-from models.common.draft_jobs import EvalSettings, HeldOut
-from models.common.job_files import EvalJobFile
-from models.common.jobs import ServerSettings
+from models.common.job_files import EvalJobFile, dataset_records
+from settings.eval import EvalSettings
 from settings.layout import RUN_DRAFTS
+from settings.run import RunConfig
+from settings.server import ServerSettings
+from settings.train import HeldOut
 from tasks.eval.benchmarks import benchmark_rows, benchmark_table_text, probe_benchmark, resolve_benchmarks
 from tasks.eval.tasks import evaluate_draft, evaluate_on_server, publish_eval
 from tasks.serving.eval_server import EvalServer
@@ -68,7 +69,7 @@ def eval_job(config: RunConfig, draft_dir: Path, raw_path: Path) -> EvalJobFile:
     settings["benchmarks"] = resolve_benchmarks(config.eval.benchmarks, layout.benchmark_rows())
     if config.eval.context_probes:
         settings["benchmarks"] += probe_benchmark(
-            config.dataset_records(),
+            dataset_records(config),
             config.train.eval_fraction,
             config.eval.context_buckets,
             config.eval.context_probes,
@@ -82,7 +83,7 @@ def eval_job(config: RunConfig, draft_dir: Path, raw_path: Path) -> EvalJobFile:
         trust_remote_code=config.target.trust_remote_code,
         draft_dir=str(draft_dir),
         out=str(raw_path),
-        datasets=config.dataset_records(),
+        datasets=dataset_records(config),
     )
 
 

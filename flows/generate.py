@@ -12,9 +12,12 @@ from prefect import Task, flow, get_run_logger
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
-from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
-from models.common.jobs import DatasetGenerateSettings, GenerateJob, GenerateSettings
+from models.common.jobs import GenerateJob
+from settings.dataset import DatasetGenerateSettings
+from settings.generate import GenerateSettings
+from settings.run import RunConfig
+from tasks.datasets.hub import dataset_source
 from tasks.generate.prompts import request_sampling_params
 from tasks.generate.tasks import (
     check_generated_by,
@@ -75,7 +78,7 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
         return asyncio.to_thread(
             copy_passthrough_task,
             name=dataset.name,
-            source=dataset.source(config.layout),
+            source=dataset_source(dataset, config.layout),
             on_bad_row=dataset.on_bad_row,
             layout=config.layout,
             row_format=dataset.row_format,
@@ -92,7 +95,7 @@ def dataset_task(config: RunConfig, index: int, pool: ServerPool, retry_rejects:
     task = generate_responses.with_options(**doubling_retries(gen.retries, gen.retry_delay_s, generate_responses))
     return task(
         name=dataset.name,
-        source=dataset.source(config.layout),
+        source=dataset_source(dataset, config.layout),
         on_bad_row=dataset.on_bad_row,
         target_path=config.target.path,
         trust_remote_code=config.target.trust_remote_code,

@@ -9,7 +9,6 @@ from prefect.runtime import flow_run
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from flows.capture import capture
-from flows.config.schema import RunConfig
 from flows.eval import evaluate
 from flows.generate import generate
 from flows.preflight import engine_checks, preflight, report
@@ -17,6 +16,7 @@ from flows.records import records
 from flows.stage_run import held_run
 from flows.train import train
 from models.target.tiny import build_target
+from settings.run import RunConfig
 from settings.stages import STAGES, Stage, parse_stages
 from tasks.runtime.artifacts import publish_pipeline_summary, stage_headline
 from tasks.runtime.dead_runs import end_dead_runs

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 
-from flows.config.schema import RunConfig
+from settings.run import RunConfig
 from tasks.capture.memory import (
     GIB,
     VLLM_MEMORY_UTILIZATION,

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flows.config.schema import RunConfig
 from flows.plan import capture_plan, memory_plans
 from flows.train import train_job
 from models.common.findings import Finding, failed
@@ -25,8 +24,11 @@ from models.ranks.environment import environment_checks
 from models.train.checkpoint import optimisation_settings, variant_settings
 from settings.hub_paths import is_hub_path
 from settings.layout import RUN_DRAFTS
+from settings.run import RunConfig
 from settings.stages import STAGES, Stage
 from tasks.capture.plan import TargetConfigMissing, capture_dtype, capture_layers, read_target_config, target_shape
+from tasks.datasets.hub import dataset_source
+from tasks.runtime.launch_ranks import rank_device
 
 if TYPE_CHECKING:
     from tasks.doctor.draft import ServedDraft
@@ -152,7 +154,7 @@ def short_name(group: str, f: Finding) -> str:
 
 def _environment(config: RunConfig, stages: list[Stage]) -> list[Finding]:
     ranks = [s for s in ("capture", "train") if s in stages]
-    device = "cuda" if any(getattr(config, s).device == "cuda" for s in ranks) else "cpu"
+    device = "cuda" if any(rank_device(getattr(config, s).launcher) == "cuda" for s in ranks) else "cpu"
     c = config.capture
     ops = ("async_io",) if "capture" in stages and c.mode == "zero3" and c.offload == "nvme" else ()
     several = any(getattr(config, s).num_gpus > 1 for s in ranks)
@@ -224,7 +226,9 @@ def _template(config: RunConfig, tokenizer: Any):
 
     # a missing file is `eagle3 validate`'s to name; a Hub dataset is sampled from the local cache
     present = [
-        (d.name, d.source(config.layout), d.kind) for d in config.datasets if d.path.exists() or is_hub_path(d.path)
+        (d.name, dataset_source(d, config.layout), d.kind)
+        for d in config.datasets
+        if d.path.exists() or is_hub_path(d.path)
     ]
     formats = {d.name: d.row_format for d in config.datasets}
     return template_findings(tokenizer, present, on_rewrite=config.records.on_rewrite, formats=formats)

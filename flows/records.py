@@ -6,9 +6,10 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
-from models.common.jobs import RecordSettings, RecordsJob
+from models.common.jobs import RecordsJob
+from settings.records import RecordSettings
+from settings.run import RunConfig
 from tasks.records.tasks import build_dataset_records, count_record_tokens, publish_records_report, target_vocab
 
 

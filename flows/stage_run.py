@@ -16,7 +16,7 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from flows.config.file import load_config, save_run_config
-from flows.config.schema import RunConfig
+from settings.run import RunConfig
 from settings.stages import Stage
 from tasks.runtime.dead_runs import end_dead_runs
 from tasks.runtime.run_lock import note_flow_run, run_lock

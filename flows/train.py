@@ -6,10 +6,11 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.config.schema import RunConfig
 from flows.stage_run import stage_run
-from models.common.draft_jobs import TrainSettings
-from models.common.job_files import TrainJobFile
+from models.common.job_files import TrainJobFile, dataset_records
+from settings.run import RunConfig
+from settings.train import TrainSettings
+from tasks.runtime.launch_ranks import rank_device
 from tasks.train.tasks import report_training, retry_train_job, run_train_job
 
 
@@ -43,10 +44,10 @@ def train_job(config: RunConfig) -> TrainJobFile:
         **t.pick(TrainSettings),
         target_path=config.target.path,
         trust_remote_code=config.target.trust_remote_code,
-        device=t.device,
+        device=rank_device(t.launcher),
         out_dir=str(layout.draft_dir),
         token_counts=str(layout.token_counts),
         hidden_dir=str(layout.hidden_dir),
-        datasets=config.dataset_records(),
+        datasets=dataset_records(config),
         aux_layers=config.capture.aux_layers,
     )

@@ -12,8 +12,7 @@ def small_capture_job(tmp_path: Path) -> tuple[Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from models.common.job_files import CaptureJobFile
-    from models.common.jobs import DatasetRecords
+    from models.common.job_files import CaptureJobFile, DatasetRecords
     from models.target.tiny import build_tiny_target
     from tasks.records.build import RECORD_SCHEMA
     from tasks.runtime.launch_ranks import write_job

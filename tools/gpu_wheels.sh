@@ -9,7 +9,7 @@
 #   deepspeed                      the launcher and ZeRO; PyPI has only its sdist: built here into a
 #                                  pure-Python wheel (no compiled ops: the check uses torch's AdamW)
 #   hjson                          deepspeed's
-#   pydantic, pydantic-core,       models/common/jobs.py and deepspeed; pydantic-core is compiled (cp312, manylinux)
+#   pydantic, pydantic-core,       settings/, the job files and deepspeed; pydantic-core is compiled (cp312, manylinux)
 #   annotated-types, typing-inspection
 #   typing-extensions              pydantic needs a recent one; the machine's version is unknown
 # Prefect, httpx, fastapi... are not needed: the check launches the ranks through tasks/runtime/launch_ranks.py, which

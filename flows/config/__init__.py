@@ -1,2 +1,2 @@
-"""The run config: its schema (schema.py: `RunConfig` and its sections), its file (file.py: read, checked, saved as
-run, secrets kept out) and the page of every key generated from the schema (keys.py, `make config-keys`)."""
+"""The run config as a file (file.py): YAML read and checked with every problem named, saved as run, secrets kept out.
+The schema itself is settings/ (settings/run.py `RunConfig`)."""

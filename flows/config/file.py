@@ -2,7 +2,7 @@
 
 `load_config` turns every problem into a `ConfigError` whose lines name the file, the key path
 (`datasets[2].token_budget`) and what is expected, with "did you mean" for a misspelled key; the
-schema itself is flows/config/schema.py.
+schema itself is settings/run.py `RunConfig`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from flows.config.schema import RunConfig
+from settings.run import RunConfig
 
 
 class ConfigError(ValueError):

@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from models.common.file_errors import DamagedFile
-from models.common.jobs import DatasetRecords
+from models.common.job_files import DatasetRecords
 
 RECORDS_ADVICE = "Delete it and run the records stage again (it is rebuilt from its responses), then capture"
 

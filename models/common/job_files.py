@@ -1,22 +1,28 @@
 """The job files: what a stage writes as JOB.json for the process it launches, which reads it back (`load_job`).
 
 A capture launch (DeepSpeed ranks), a training launch (DeepSpeed ranks) and an eval launch (one process) each read
-one. Each extends its stage's settings (models/common/jobs.py, draft_jobs.py) with what the pipeline fills in: the
-target, paths, the device. The generate and records stages run in the pipeline's process and write no job file:
-their settings go to their tasks as `GenerateJob`/`RecordsJob` objects. Pydantic only: no torch, prefect or httpx.
+one. Each extends its stage's settings (settings/capture.py, settings/train.py, settings/eval.py) with what the
+pipeline fills in: the target, paths, the device. The generate and records stages run in the pipeline's process and
+write no job file: their settings go to their tasks as `GenerateJob`/`RecordsJob` objects (models/common/jobs.py).
+Pydantic only: no torch, prefect or httpx.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from models.common.draft_jobs import EvalSettings, HeldOut, TrainSettings
-from models.common.jobs import AuxLayers, CaptureSettings, RecordsRef, TargetRef
 from settings.base import StrictModel
+from settings.capture import AuxLayers, CaptureSettings
+from settings.eval import EvalSettings
+from settings.target import TargetCode
+from settings.train import HeldOut, TrainSettings
+
+if TYPE_CHECKING:  # a rank process reads its job file without the whole run config
+    from settings.run import RunConfig
 
 J = TypeVar("J", bound="JobFile")
 
@@ -32,6 +38,40 @@ def load_job(cls: type[J], path: str | Path) -> J:
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<top level>'}: {err['msg']}" for err in e.errors())
         raise ValueError(f"{path}: not a valid {cls.__name__}: {problems}") from None
+
+
+class DatasetRecords(StrictModel):
+    """One dataset's training records: RUN_DIR/records/<name>/part-*.parquet."""
+
+    name: str
+    records_dir: str
+
+
+class RecordsRef(StrictModel):
+    """The records a job reads, per dataset."""
+
+    datasets: list[DatasetRecords] = Field(default_factory=list)
+    """Each dataset's records directory."""
+
+    @field_validator("datasets")
+    @classmethod
+    def _unique_names(cls, value: list[DatasetRecords]) -> list[DatasetRecords]:
+        names = [d.name for d in value]
+        if len(names) != len(set(names)):
+            raise ValueError(f"duplicate dataset names in {names}")
+        return value
+
+
+def dataset_records(config: RunConfig) -> list[DatasetRecords]:
+    """Every dataset's records directory (RUN_DIR/records/<name>), as the capture, train and eval jobs name them."""
+    return [DatasetRecords(name=d.name, records_dir=str(config.layout.records(d.name))) for d in config.datasets]
+
+
+class TargetRef(TargetCode):
+    """The target a job loads (the run config's `target`)."""
+
+    target_path: str
+    """The target's checkpoint directory or hub id (target.path)."""
 
 
 class JobFile(StrictModel):

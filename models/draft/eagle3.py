@@ -60,7 +60,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
-from models.common.draft_jobs import STEP_DECAY
 from models.draft.caches import KVCache, TTTCache, at_least_fp32
 from models.draft.config import AUX_FEATURES, Eagle3Config, resolved_size
 from models.draft.layers import Eagle3DecoderLayer, RotaryEmbedding
@@ -68,6 +67,7 @@ from models.draft.mla import MLARotary
 from models.draft.norm import RMSNorm
 from models.draft.target_head import TargetLogits
 from models.draft.vocab import draft_to_target_ids
+from settings.train import STEP_DECAY
 
 
 @dataclass

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from models.common.draft_jobs import BENCHMARK_FORMATS, BenchmarkSpec
+from settings.eval import BENCHMARK_FORMATS, BenchmarkSpec
 
 # SpecForge benchmarks/benchmarker/mtbench.py SYSTEM_PROMPT (main at a6b6b0230009), two spaces after "safe." included.
 MT_BENCH_SYSTEM = (

@@ -25,7 +25,6 @@ import torch
 
 from models import numerics  # noqa: F401  (CPU denormals flushed before any math)
 from models.common.atomic import write_atomic
-from models.common.draft_jobs import BenchmarkSpec
 from models.common.job_files import EvalJobFile
 from models.common.rank_protocol import EVAL, EVAL_PROGRESS
 from models.draft.eagle3 import Eagle3Draft
@@ -36,6 +35,7 @@ from models.eval.speculative_decoding import SpecEvalResult, evaluate_acceptance
 from models.export.eagle3 import has_embedding, load_exported_draft
 from models.ranks.harness import say, serve
 from models.target.loader import load_language_model
+from settings.eval import BenchmarkSpec
 
 
 def run(job: EvalJobFile) -> dict[str, Any]:

@@ -42,7 +42,7 @@ NEEDED = {
     "pyarrow": "pyarrow",
     "numpy": "numpy",
     "pydantic": "pydantic",
-}  # pydantic: the jobs (models/common/jobs.py)
+}  # pydantic: the job files and the settings they carry (models/common/job_files.py, settings/)
 # What the pipeline process imports besides (the GPU check's machine has no Prefect).
 PIPELINE = {"prefect": "prefect", "httpx": "httpx"}
 # DeepSpeed ops a setting needs built or buildable, by op builder: ZeRO-3 offload to NVMe needs async I/O.

@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from models.common.atomic import fsync_tree, write_atomic
-from models.common.draft_jobs import STEP_DECAY
 from models.common.file_errors import WriteFailed, existing_parent, is_write_error
 from models.common.job_files import TrainJobFile
 from models.draft.config import DRAFT_VARIANTS, Eagle3Config
 from models.ranks.harness import Dist, log
+from settings.train import STEP_DECAY
 
 COMPLETE = "COMPLETE"
 

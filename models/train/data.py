@@ -190,7 +190,7 @@ def held_out_prompts(
 ) -> list[tuple[str, str, list[int]]]:
     """(dataset, id, prompt ids) of up to `limit` held-out records: the tokens before the first loss token.
 
-    `datasets` are `models.common.jobs.DatasetRecords`. The order is the held-out hash order, so the
+    `datasets` are `models.common.job_files.DatasetRecords`. The order is the held-out hash order, so the
     same prompts come back on every call.
     """
     out = []

@@ -62,7 +62,6 @@ from models.capture.job import capture_batch
 from models.capture.records import load_records
 from models.capture.shards import METADATA_NAME
 from models.common.atomic import write_atomic
-from models.common.draft_jobs import STEP_DECAY
 from models.common.job_files import TrainJobFile
 from models.common.rank_protocol import TRAIN, TRAIN_BEST, TRAIN_CHECKPOINT, TRAIN_DONE, TRAIN_EVAL, TRAIN_PROGRESS
 from models.draft.config import DRAFT_VARIANTS, Eagle3Config, default_aux_layers
@@ -97,6 +96,7 @@ from models.train.data import (
 from models.train.metrics import Metrics, MetricsWriter, read_last_eval
 from models.train.optimizer import ds_train_config, wrap_in_deepspeed
 from settings.layout import CHECKPOINTS, DS_CONFIG, FINAL, TRAIN_SUMMARY
+from settings.train import STEP_DECAY
 
 ERROR_MARK = TRAIN.error.mark
 PROGRESS_EVERY_S = 2.0

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from models.common.draft_jobs import TrainSettings
 from models.draft.eagle3 import Eagle3Draft
+from settings.train import TrainSettings
 
 
 def ds_train_config(

@@ -21,9 +21,9 @@ from models.capture.shards import METADATA_NAME, RESUME, iter_shard_index, list_
 from models.common.atomic import write_atomic
 from models.common.file_errors import DamagedFile, WriteFailed
 from models.common.job_files import CaptureJobFile
-from models.common.jobs import VllmCaptureSettings
-from models.common.nodes import Nodes
 from models.common.rank_protocol import CAPTURE, Message
+from settings.capture import VllmCaptureSettings
+from settings.distributed import Nodes
 from tasks.capture.plan import CapturePlan, ExtractionWindow, TargetShape, check_fits, human_bytes, plan_capture
 from tasks.runtime import launch_ranks
 from tasks.runtime.artifacts import artifact_key, progress_artifact

@@ -49,8 +49,8 @@ from models.capture.vllm_hidden import (
 )
 from models.common.atomic import is_safetensors_temp
 from models.common.job_files import CaptureJobFile
-from models.common.jobs import VllmCaptureSettings
 from models.draft.config import default_aux_layers
+from settings.capture import VllmCaptureSettings
 from tasks.capture.plan import capture_dtype, target_shape
 from tasks.runtime.threads import run_to_the_end
 from tasks.serving.client import RetryPolicy

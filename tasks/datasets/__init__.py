@@ -60,7 +60,7 @@ own fields: 'conversations[2].value' is missing) and what is expected; with `on_
 """
 
 from tasks.datasets.errors import DatasetError, DatasetNotFoundError, EmptyDatasetError
-from tasks.datasets.formats import ROLE_ALIASES, RowFormat, Shape
+from tasks.datasets.formats import ROLE_ALIASES, Shape
 from tasks.datasets.hub import HubDataset
 from tasks.datasets.loader import DatasetStream, OnBadRow, iter_rows, load_dataset, stream_dataset
 from tasks.datasets.rows import (
@@ -96,7 +96,6 @@ __all__ = [
     "PassthroughRow",
     "PromptRow",
     "Reject",
-    "RowFormat",
     "Shape",
     "build_passthrough",
     "build_prompt",

@@ -21,8 +21,9 @@ from typing import Any
 
 import pyarrow as pa
 
+from settings.dataset import RowFormat
 from tasks.datasets.errors import DatasetError
-from tasks.datasets.formats import RowFormat, Shape
+from tasks.datasets.formats import Shape
 from tasks.datasets.raw import EXPECTED
 from tasks.datasets.rows import BadRow, Kind
 

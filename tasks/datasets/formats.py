@@ -1,6 +1,7 @@
 """Row formats: the shapes public datasets come in, each read into the canonical row that rows.py checks.
 
-A dataset's `format` (the RowFormat spec, composed into each dataset of the run config) names one of:
+A dataset's `format` (settings/dataset.py `RowFormat`, the row format keys of each dataset of the run config) names
+one of:
 
 - `messages`: today's canonical row, `messages` [{role, content}] (or `prompt`; passthrough also `input_ids` +
   `loss_mask`); roles other than system/user/assistant/tool are renamed through ROLE_ALIASES and `roles:`.
@@ -27,12 +28,11 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import pyarrow as pa
-from pydantic import Field, StringConstraints, model_validator
 
-from settings.base import StrictModel
+from settings.dataset import RowFormat
 from tasks.datasets.errors import DatasetError
 from tasks.datasets.raw import COLUMNS, EXPECTED
 from tasks.datasets.rows import (
@@ -45,9 +45,6 @@ from tasks.datasets.rows import (
     prompt_length,
     type_name,
 )
-
-FormatName = Literal["auto", "messages", "sharegpt", "alpaca", "columns", "ultrachat", "glaive"]
-Role = Literal["system", "user", "assistant", "tool"]
 
 # Role names public sets use for the four roles: ShareGPT's `from` (human, gpt; chatgpt, bing, bard in
 # ShareGPT_Vicuna), Gemini's `model`. A dataset's `roles:` adds to these and wins over them.
@@ -63,44 +60,6 @@ ROLE_ALIASES: dict[str, str] = {
     "bard": "assistant",
     "model": "assistant",
 }
-
-
-FieldName = Annotated[str, StringConstraints(min_length=1)]  # a row's field or a table's column, by name
-
-
-class RowFormat(StrictModel):
-    """How a dataset's rows spell a conversation; every loader of a dataset reads its rows through it."""
-
-    format: FormatName = "auto"
-    """The rows' shape: `messages` (`messages` [{role, content}] or `prompt`; passthrough also `input_ids` +
-    `loss_mask`), `sharegpt` (`conversations` [{from, value}]), `alpaca` (`instruction`, `input`, `output`),
-    `columns` (prompt_field, response_field, system_field), `ultrachat` (`data` [user, assistant, ...]), `glaive`
-    (`system` + `chat`, one string of USER:/ASSISTANT:/FUNCTION RESPONSE: turns). `auto`: detected from the columns
-    (Parquet, Arrow) or the first row (JSONL), one format per dataset; an unknown or ambiguous shape is an error that
-    says what to set."""
-    roles: dict[str, Role] = Field(default_factory=dict)
-    """Role names of the rows (`messages` role, ShareGPT `from`) mapped to system, user, assistant or tool, e.g. {bot:
-    assistant}; on top of the built-in ones (human -> user; gpt, chatgpt, bing, bard, model -> assistant)."""
-    id_field: FieldName = "id"
-    """The field holding each row's id (string or int, kept as given); a row without one gets a hash of its messages."""
-    prompt_field: FieldName | None = None
-    """format: columns: the column holding the user turn (e.g. `problem`)."""
-    response_field: FieldName | None = None
-    """format: columns: the column holding the assistant turn (e.g. `solution`); needed for passthrough, cut for
-    generate (the target answers instead)."""
-    system_field: FieldName | None = None
-    """format: columns: a column holding a system prompt; null or empty in a row: no system turn."""
-
-    @model_validator(mode="after")
-    def _columns_fields_with_format_columns(self) -> RowFormat:
-        named = [k for k in ("prompt_field", "response_field", "system_field") if getattr(self, k) is not None]
-        if self.format != "columns" and named:
-            raise ValueError(
-                f"{', '.join(named)} apply to format: columns only (this dataset has format: {self.format})"
-            )
-        if self.format == "columns" and self.prompt_field is None:
-            raise ValueError("format: columns needs prompt_field (the column holding the user turn)")
-        return self
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from settings.hub_paths import HUB_PREFIX
+from settings.dataset import DatasetConfig
+from settings.hub_paths import HUB_PREFIX, hub_repo_id, is_hub_path
+from settings.layout import RunLayout
 from tasks.datasets.errors import DatasetError, DatasetNotFoundError
 from tasks.datasets.raw import Raw, SelectColumns
 
@@ -48,6 +50,20 @@ class HubDataset:
         nothing: what `eagle3 doctor` samples. DatasetError for a record that cannot be read."""
         revision, _ = _revision_to_read(self)
         return replace(self, revision=revision, record=None, cache_only=True)
+
+
+def dataset_source(dataset: DatasetConfig, layout: RunLayout) -> Path | HubDataset:
+    """What the loader reads for a dataset of the run config: its path, or for `hf:` the Hub dataset with its settings
+    and the run's record."""
+    if not is_hub_path(dataset.path):
+        return dataset.path
+    return HubDataset(
+        hub_repo_id(dataset.path),
+        split=dataset.split or "train",
+        config=dataset.config,
+        revision=dataset.revision,
+        record=layout.hub_record(dataset.name),
+    )
 
 
 def read_hub(source: HubDataset, select: SelectColumns) -> Iterator[Raw]:

@@ -11,10 +11,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal, overload
 
+from settings.dataset import RowFormat
 from settings.hub_paths import hub_repo_id, is_hub_path
 from tasks.datasets.detect import Resolver
 from tasks.datasets.errors import DatasetError, DatasetNotFoundError, EmptyDatasetError
-from tasks.datasets.formats import RowFormat
 from tasks.datasets.hf_saved import read_hf_saved, train_split
 from tasks.datasets.hub import HubDataset, read_hub
 from tasks.datasets.jsonl import read_jsonl

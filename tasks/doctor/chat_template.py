@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from models.common.findings import Finding
-from tasks.datasets import BadRow, DatasetError, DatasetNotFoundError, HubDataset, Kind, RowFormat, iter_rows
+from settings.dataset import RowFormat
+from tasks.datasets import BadRow, DatasetError, DatasetNotFoundError, HubDataset, Kind, iter_rows
 from tasks.datasets.hub import hub_offline
 from tasks.generate.prompts import chat_prompt_ids
 from tasks.records.chat_masks import MaskError, OnRewrite, conversation_records

@@ -22,10 +22,10 @@ from typing import Any
 from prefect import get_run_logger
 
 from models.common.atomic import write_atomic
-from models.common.draft_jobs import PROBES, BenchmarkSpec
 from models.common.job_files import EvalJobFile
 from models.eval.benchmarks import read_benchmark
 from models.eval.probes import probe_rows
+from settings.eval import PROBES, BenchmarkSpec
 from settings.hub_paths import hub_repo_id, is_hub_path
 from tasks.datasets.hub import HubDataset, read_hub
 

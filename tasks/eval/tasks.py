@@ -18,13 +18,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from models.common.atomic import write_atomic
-from models.common.draft_jobs import ServedEvalSettings
 from models.common.job_files import EvalJobFile
 from models.common.rank_protocol import EVAL, Message
 from models.eval.context import context_text
 from models.eval.estimates import chain_acceptance_length, estimates_block
 from models.eval.prompts import benchmark_prompts, eval_prompts
 from models.export.rules import read_export_config
+from settings.eval import ServedEvalSettings
 from settings.layout import TRAIN_SUMMARY
 from tasks.eval.benchmarks import benchmark_rows, benchmark_section
 from tasks.eval.engine_report import acceptance, compare_with_hf, context_of, engine_report

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from tasks.datasets import HubDataset, OnBadRow, RowFormat, stream_dataset
+from settings.dataset import RowFormat
+from tasks.datasets import HubDataset, OnBadRow, stream_dataset
 from tasks.responses.parquet_io import list_parts, parquet_atomic_writer, read_metadata
 from tasks.responses.rejects import replace_stage_rejects
 

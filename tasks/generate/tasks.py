@@ -10,9 +10,11 @@ from prefect import get_run_logger, task
 from prefect.artifacts import acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from models.common.jobs import GenerateJob, ServerSettings
+from models.common.jobs import GenerateJob
+from settings.dataset import RowFormat
 from settings.layout import RunLayout
-from tasks.datasets import HubDataset, OnBadRow, RowFormat, load_dataset
+from settings.server import ServerSettings
+from tasks.datasets import HubDataset, OnBadRow, load_dataset
 from tasks.generate.loop import generate_dataset
 from tasks.generate.passthrough import PassthroughReport, copy_passthrough
 from tasks.generate.prompts import default_stop_ids

@@ -18,13 +18,13 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from models.common.atomic import write_atomic
 from models.common.file_errors import WriteFailed, is_write_error
-from models.common.nodes import Nodes
 from models.common.rank_protocol import Message, Protocol, most_telling, reported_error
 from settings.base import StrictModel
+from settings.distributed import Nodes
 from tasks.runtime import stopping, torch_extensions
 from tasks.runtime.ports import free_port
 
@@ -55,6 +55,11 @@ def resolve_launcher(launcher: str) -> str:
     if launcher == "auto":
         return "deepspeed" if cuda_available() else "torchrun"
     return launcher
+
+
+def rank_device(launcher: str) -> Literal["cpu", "cuda"]:
+    """Where a job's ranks run: cuda under the deepspeed launcher (`auto` on a CUDA machine), cpu (gloo) otherwise."""
+    return "cuda" if resolve_launcher(launcher) == "deepspeed" else "cpu"
 
 
 def read_hostfile(path: Path) -> dict[str, int]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from models.common.jobs import ServerSettings
+from settings.server import ServerSettings
 from tasks.serving.errors import (
     AUTH_STATUS,
     ENDPOINT_STATUS,

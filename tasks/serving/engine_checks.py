@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from models.common.findings import Finding
-from models.common.jobs import ServerSettings
+from settings.server import ServerSettings
 from tasks.serving import client_class
 from tasks.serving.client import RetryPolicy, ServerLimits, auth_hint
 from tasks.serving.errors import AuthError, InvalidReply, ServerOutage, ServerRefused

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.common.jobs import ServerSettings
 from models.eval.context import rounds_from_steps
 from models.eval.prompts import EvalPrompt
+from settings.server import ServerSettings
 from tasks.runtime.heartbeat import Heartbeat
 from tasks.serving import client_class
 from tasks.serving.client import RetryPolicy, ServerLimits

@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import httpx
 from prefect.utilities.asyncutils import run_coro_as_sync
 
-from models.common.server_access import replica_url
+from settings.server import replica_url
 from tasks.runtime import stopping
 from tasks.runtime.ports import free_port
 from tasks.serving import client_class

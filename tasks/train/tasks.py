@@ -18,10 +18,10 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact, u
 from prefect.cache_policies import NO_CACHE
 
 from models.common.job_files import TrainJobFile
-from models.common.nodes import Nodes
 from models.common.rank_protocol import TRAIN, TRAIN_BEST, TRAIN_EVAL, Message, most_telling
 from models.train.best import describe
 from models.train.checkpoint import RESUME, CheckpointMismatch, kept_checkpoint
+from settings.distributed import Nodes
 from settings.layout import CHECKPOINTS, EVAL_REPORT, FINAL, METRICS, TRAIN_SUMMARY, TRAINING_PLOT
 from tasks.runtime.artifacts import artifact_key, progress_artifact
 from tasks.runtime.heartbeat import Heartbeat

@@ -9,6 +9,7 @@ from rich.console import Console
 from cli.validate import validate_datasets
 from flows.config.file import parse_config
 from tasks.datasets import load_dataset
+from tasks.datasets.hub import dataset_source
 
 SAMPLES = Path(__file__).resolve().parents[2] / "data" / "formats"  # not data/samples: the tiny target trains on those
 
@@ -100,7 +101,7 @@ def test_validate_reads_the_kimi_config_on_samples_of_each_real_format(tmp_path)
         assert f"\n{name}: format {described}{turns if name == 'B5_ultrachat' else ''}\n" in out
     assert f"{KIMI} is valid: 10 dataset(s) ready." in out
     for dataset in config.datasets:  # every row of every sample loads
-        loaded = load_dataset(dataset.source(config.layout), dataset.kind, row_format=dataset.row_format)
+        loaded = load_dataset(dataset_source(dataset, config.layout), dataset.kind, row_format=dataset.row_format)
         assert len(loaded.rows) == KIMI_FORMATS[dataset.name][1] and not loaded.rejects and not loaded.duplicates
     b5 = next(d for d in config.datasets if d.name == "B5_ultrachat")
     assert [r.id[:8] for r in load_dataset(b5.path, "generate", row_format=b5.row_format).rows] == [

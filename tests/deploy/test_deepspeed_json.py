@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from flows.config.schema import TrainConfig
 from models.capture.job import ds_inference_config
 from models.train.optimizer import ds_train_config
+from settings.train import TrainConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "deepspeed"
 

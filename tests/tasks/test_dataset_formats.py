@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from tasks.datasets import DatasetError, PromptRow, RowFormat, iter_rows, load_dataset
+from settings.dataset import RowFormat
+from tasks.datasets import DatasetError, PromptRow, iter_rows, load_dataset
 from tasks.datasets.detect import Resolver
 
 SAMPLES = Path(__file__).resolve().parents[2] / "data" / "formats"  # not data/samples: the tiny target trains on those

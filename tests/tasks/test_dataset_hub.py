@@ -12,9 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from flows.config.dataset import DatasetConfig
+from settings.dataset import DatasetConfig, RowFormat
 from settings.layout import RunLayout
-from tasks.datasets import DatasetError, DatasetNotFoundError, HubDataset, RowFormat, iter_rows, load_dataset
+from tasks.datasets import DatasetError, DatasetNotFoundError, HubDataset, iter_rows, load_dataset
+from tasks.datasets.hub import dataset_source
 from tests.hub_cache import offline_hub_cache, publish
 
 COMMIT = "1" * 40
@@ -136,12 +137,12 @@ def test_without_the_datasets_library_the_error_says_to_install_it(hub_cache, mo
 def test_the_config_keeps_hf_paths_and_hands_the_loader_a_hub_dataset(tmp_path):
     dataset = DatasetConfig(name="chats", kind="generate", path="hf:org/chats", split="test", config="en")
     layout = RunLayout(tmp_path / "run")
-    assert dataset.source(layout) == HubDataset(
+    assert dataset_source(dataset, layout) == HubDataset(
         "org/chats", split="test", config="en", record=tmp_path / "run" / "datasets" / "chats.json"
     )
     local = DatasetConfig(name="local", kind="generate", path="prompts.jsonl")
-    assert local.source(layout) == Path("prompts.jsonl")
-    assert DatasetConfig(name="x", kind="generate", path="hf:org/chats").source(layout).split == "train"
+    assert dataset_source(local, layout) == Path("prompts.jsonl")
+    assert dataset_source(DatasetConfig(name="x", kind="generate", path="hf:org/chats"), layout).split == "train"
 
 
 @pytest.mark.parametrize("path", ["hf:", "hf:chats", "hf:org/chats/extra", "hf:org//chats", "hf:org/chats@main"])
@@ -185,7 +186,7 @@ def test_a_config_file_keeps_the_hf_path_and_names_the_dataset_of_a_bad_one(tmp_
     config = parse_config(data, base=tmp_path)
     assert config.datasets[0].path == tmp_path / "b.jsonl"
     assert config.datasets[1].path == Path("hf:org/chats")  # not resolved against the config's directory
-    assert config.datasets[1].source(config.layout).record == tmp_path / "runs/x/datasets/chats.json"
+    assert dataset_source(config.datasets[1], config.layout).record == tmp_path / "runs/x/datasets/chats.json"
     data["datasets"][1]["path"] = "hf:org/chats:test"
     with pytest.raises(ConfigError) as caught:
         parse_config(data, base=tmp_path)

@@ -7,13 +7,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from settings.dataset import RowFormat
 from tasks.datasets import (
     DatasetError,
     EmptyDatasetError,
     PassthroughRow,
     PromptRow,
     Reject,
-    RowFormat,
     iter_rows,
     load_dataset,
     stable_id,

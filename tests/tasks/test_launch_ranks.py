@@ -10,8 +10,8 @@ import pytest
 
 from models.common.file_errors import DamagedShard, WriteFailed
 from models.common.job_files import CaptureJobFile
-from models.common.nodes import Nodes
 from models.common.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
+from settings.distributed import Nodes
 from tasks.runtime import launch_ranks
 from tasks.runtime.launch_ranks import RankFailure, RankRefused, follow_job, rank_error, write_job
 from tasks.runtime.torch_extensions import COMM_OP

@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from models.capture.shards import iter_shard_index, list_shards, read_sample, shard_metadata
 from models.common.job_files import CaptureJobFile, TrainJobFile
-from models.common.nodes import Nodes
+from settings.distributed import Nodes
 from tasks.runtime.launch_ranks import rank_command, write_job
 from tasks.runtime.ports import free_port
 

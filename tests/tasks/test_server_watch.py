@@ -124,9 +124,9 @@ def test_a_killed_dev_server_ends_the_engine_eval_within_30_s_quoting_its_log(
     from prefect import flow
 
     import tasks.eval.tasks as eval_tasks
-    from models.common.draft_jobs import ServedEvalSettings
     from models.common.job_files import EvalJobFile
-    from models.common.jobs import ServerSettings
+    from settings.eval import ServedEvalSettings
+    from settings.server import ServerSettings
     from tasks.runtime.ports import free_port
     from tasks.serving.eval_server import EvalServer
     from tests.drafts import export_random_draft, load_target

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from flows.config.file import ConfigError, dump_config, load_config, parse_config
-from flows.config.schema import RunConfig
+from models.common.job_files import dataset_records
+from settings.run import RunConfig
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -51,7 +52,7 @@ def test_every_field_is_documented():
                 assert field.description, f"{model.__name__}.{name} has no description"
 
     walk(RunConfig)
-    from flows.config.dataset import DatasetConfig
+    from settings.dataset import DatasetConfig
 
     walk(DatasetConfig)
 
@@ -179,7 +180,7 @@ def test_the_layout_puts_the_output_directories_where_the_settings_say(tmp_path)
         tmp_path / "runs/x/engine",
         tmp_path / "runs/x/draft",
     )
-    assert config.dataset_records()[1].records_dir == str(tmp_path / "runs/x/records/B1")
+    assert dataset_records(config)[1].records_dir == str(tmp_path / "runs/x/records/B1")
     data = {
         **copy.deepcopy(MINIMAL),
         "capture": {"out_dir": "big/hidden", "backend": "vllm", "engine": {"shared_dir": "/dev/shm/c"}},
@@ -256,7 +257,7 @@ def _number_fields():
     import types
     import typing
 
-    from flows.config.dataset import DatasetConfig
+    from settings.dataset import DatasetConfig
 
     def numeric(annotation):
         members = (

@@ -39,8 +39,7 @@ from models.capture.shards import (
     write_index,
 )
 from models.common.file_errors import DamagedShard, WriteFailed
-from models.common.job_files import CaptureJobFile
-from models.common.jobs import DatasetRecords
+from models.common.job_files import CaptureJobFile, DatasetRecords
 from models.target.tiny import SAMPLES_DIR
 from tests.models.torchrun import cpu_env, launch_cmd
 

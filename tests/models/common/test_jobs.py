@@ -6,24 +6,20 @@ import json
 
 import pytest
 
-from flows.config.schema import (
-    CaptureConfig,
-    DatasetConfig,
-    DistributedConfig,
-    EngineConfig,
-    EvalConfig,
-    GenerateConfig,
-    RecordsConfig,
-    RunConfig,
-    SamplingConfig,
-    ServerConfig,
-    TargetConfig,
-    TrainConfig,
-)
 from models.common.job_files import CaptureJobFile, EvalJobFile, TrainJobFile, load_job
-from models.common.jobs import CaptureSettings, GenerateJob, RecordsJob, ServerSettings, TargetSpec, VllmCaptureSettings
-from models.common.nodes import Nodes
+from models.common.jobs import GenerateJob, RecordsJob
 from settings.base import StrictModel
+from settings.capture import CaptureConfig, CaptureSettings, EngineConfig, VllmCaptureSettings
+from settings.dataset import DatasetConfig
+from settings.distributed import DistributedConfig, Nodes
+from settings.eval import EvalConfig
+from settings.generate import GenerateConfig
+from settings.records import RecordsConfig
+from settings.run import RunConfig
+from settings.sampling import SamplingConfig
+from settings.server import ServerConfig, ServerSettings
+from settings.target import TargetConfig, TargetSpec
+from settings.train import TrainConfig
 from tasks.runtime.launch_ranks import write_job
 
 # (run config section, the spec the pipeline builds from it, the settings they share: None = all in common)

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from models.common.draft_jobs import STEP_DECAY
 from models.draft.caches import KVCache
 from models.draft.config import Eagle3Config, default_aux_layers
 from models.draft.eagle3 import Eagle3Draft
@@ -18,6 +17,7 @@ from models.draft.layers import RotaryEmbedding, apply_rope
 from models.draft.target_head import TargetHead
 from models.draft.vocab import draft_to_target_ids, draft_vocab, draft_vocab_coverage, load_token_counts
 from models.target.tiny_kimi import KIMI_FIXED
+from settings.train import STEP_DECAY
 from tests.kimi_k25 import kimi_k25_config
 
 V, D = 12, 5  # small vocabs: some target argmaxes fall outside the draft vocab, some draft guesses hit

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from models.common.draft_jobs import BenchmarkSpec, EvalSettings
 from models.eval.benchmarks import read_benchmark
+from settings.eval import BenchmarkSpec, EvalSettings
 
 REPO = Path(__file__).resolve().parents[3]
 SAMPLES = REPO / "data" / "benchmarks"

@@ -178,8 +178,7 @@ def _capture_job(target: Path, tmp_path: Path, mode: str) -> tuple[Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from models.common.job_files import CaptureJobFile
-    from models.common.jobs import DatasetRecords
+    from models.common.job_files import CaptureJobFile, DatasetRecords
     from tasks.records.build import RECORD_SCHEMA
     from tasks.runtime.launch_ranks import write_job
 

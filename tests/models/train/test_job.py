@@ -21,9 +21,7 @@ import pytest
 import torch
 
 from models.capture.job import run as run_capture
-from models.common.draft_jobs import TrainSettings
-from models.common.job_files import CaptureJobFile, TrainJobFile
-from models.common.jobs import DatasetRecords
+from models.common.job_files import CaptureJobFile, DatasetRecords, TrainJobFile
 from models.export.eagle3 import load_exported_draft
 from models.export.sglang import validate_export
 from models.ranks.harness import Dist
@@ -41,6 +39,7 @@ from models.train.data import (
 )
 from models.train.metrics import MetricsWriter
 from models.train.optimizer import ds_train_config, lr_lambda
+from settings.train import TrainSettings
 from tests.models.torchrun import cpu_env, launch_cmd
 
 REPO = Path(__file__).resolve().parents[3]

@@ -35,9 +35,9 @@ from models.capture.records import trimmed_length
 from models.capture.shards import done_sample_keys, iter_shard_index, list_shards, read_sample, shard_metadata
 from models.capture.vllm_hidden import ExtractionFailed, FinalNorm, engine_layer_ids, extraction_config
 from models.common.file_errors import WriteFailed
-from models.common.job_files import CaptureJobFile
-from models.common.jobs import DatasetRecords, VllmCaptureSettings
+from models.common.job_files import CaptureJobFile, DatasetRecords
 from models.target.tiny import SAMPLES_DIR
+from settings.capture import VllmCaptureSettings
 from tasks.capture.vllm_capture import RecordsRefused, capture_with_vllm, clean_connector_files
 from tasks.serving.errors import AuthError, ServerOutage
 

@@ -21,7 +21,7 @@ from emulators.dev_server.app import create_app
 from emulators.vllm_extract import Extraction
 from models.capture.vllm_hidden import extraction_config
 from models.common.job_files import CaptureJobFile
-from models.common.jobs import VllmCaptureSettings
+from settings.capture import VllmCaptureSettings
 from tasks.capture.vllm_capture import capture_with_vllm
 from tests.models.capture.capture_held import hold_after_first_shard
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from models.common.draft_jobs import BenchmarkSpec
 from models.common.job_files import EvalJobFile
+from settings.eval import BenchmarkSpec
 from tasks.datasets import DatasetNotFoundError
 from tasks.eval import tasks as eval_tasks
 from tasks.eval.benchmarks import (

@@ -223,7 +223,7 @@ def test_the_wait_for_a_server_s_health_check_says_how_long_every_10_s(monkeypat
     import contextlib
     from pathlib import Path
 
-    from models.common.jobs import ServerSettings
+    from settings.server import ServerSettings
     from tasks.runtime.heartbeat import Heartbeat
     from tasks.serving import eval_server
 

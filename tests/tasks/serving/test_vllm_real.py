@@ -590,7 +590,7 @@ def test_specforge_s_benchmark_client_counts_the_demo_draft_as_our_eval_does(
 
 def test_the_doctor_reads_the_real_vllm_s_version_model_and_context(plain, tiny_target_dir):
     # tasks/serving/engine_checks.py against vLLM 0.32.0 itself: /version, /v1/models (root = --model, max_model_len)
-    from models.common.jobs import ServerSettings
+    from settings.server import ServerSettings
     from tasks.serving.engine_checks import engine_findings
 
     found = {

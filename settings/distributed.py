@@ -1,6 +1,7 @@
-"""The nodes a capture or train job spans: the run config's `distributed` section, read by the rank launchers.
+"""The `distributed:` section: the nodes a capture or train job spans, each key once.
 
-Pydantic only: the run config (flows/config/schema.py `DistributedConfig`) and tasks/runtime/launch_ranks.py use it.
+`Nodes` is what the rank launchers read (tasks/runtime/launch_ranks.py); `DistributedConfig`, the section, adds the
+machine's memory that the plan and doctor check a capture against.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from settings.base import StrictModel
+from settings.base import Section, StrictModel
 
 
 class Nodes(StrictModel):
@@ -47,3 +48,20 @@ class Nodes(StrictModel):
     @property
     def multinode(self) -> bool:
         return self.nnodes > 1
+
+
+class DistributedConfig(Nodes, Section):
+    """The nodes the capture and train jobs span (settings/distributed.py `Nodes`); each node runs the stage's num_gpus
+    ranks.
+
+    torchrun: the pipeline runs on node 0 and starts its ranks; every other node runs
+    `eagle3 node CONFIG --node-rank R` (docs/scale-out.md). deepspeed: node 0 starts them all from the hostfile.
+    """
+
+    gpu_memory_gib: float = Field(default=140.0, gt=0)
+    """Memory of one GPU of a node, in GiB (default: the reference box's H200, 141 GB). `eagle3 plan` and `eagle3
+    doctor` refuse a capture that needs more per GPU (tasks/capture/memory.py); vLLM's share is this x its
+    --gpu-memory-utilization."""
+    host_memory_gib: float = Field(default=2048.0, gt=0)
+    """RAM of one node, in GiB (default: the reference box's 2 TiB). What the node's capture ranks keep in it (ZeRO-3
+    partitions with capture.offload: cpu, swap buffers with nvme) must fit: the plan and doctor refuse it otherwise."""

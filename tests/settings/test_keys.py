@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.config.keys import PAGE, page
+from settings.keys import PAGE, page
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_page_is_current():
@@ -55,7 +55,7 @@ def test_every_key_a_preset_uses_is_on_the_page(preset):
 
 
 def test_a_row_says_type_bounds_default_and_description():
-    # values written by hand from flows/config/schema.py and models/common/jobs.py, not read from the schema
+    # values written by hand from settings/train.py and settings/target.py, not read from the schema
     lr = rows(PAGE.read_text())["train"]["lr"]
     want = "Peak learning rate (AdamW's; Muon's is derived from it, see optimizer)."
     assert lr == f"| `lr` | float (> 0) | `0.0001` | {want} |"

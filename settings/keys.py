@@ -1,10 +1,10 @@
 """`make config-keys`: write docs/config-keys.md, every key a run config takes, from the schema itself.
 
-Section by section (flows/config/schema.py `RunConfig` and the sections it nests: `capture.engine`, `datasets[]`,
+Section by section (settings/run.py `RunConfig` and the sections it nests: `capture.engine`, `datasets[]`,
 `eval.benchmarks[]`, ...), each key with its type, its default (or "required") and its description, which is the
-docstring under the field (settings/base.py: pydantic's use_attribute_docstrings). A key's settings may be
-declared across several classes (a section and the job settings it shares with the rank jobs): the page shows them in
-one place. Nothing reads the page; tests/flows/config/test_keys.py fails when it and the schema part ways: then run this
+docstring under the field (settings/base.py: pydantic's use_attribute_docstrings). A section's keys may be declared
+across several classes of its module (the section and the job settings it shares with the jobs): the page shows them in
+one place. Nothing reads the page; tests/settings/test_keys.py fails when it and the schema part ways: then run this
 command instead of editing it.
 """
 
@@ -21,11 +21,13 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "config-keys.md"
+from settings.run import RunConfig
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "config-keys.md"
 HEADER = """# Every config key
 
-Generated from the schema (flows/config/schema.py `RunConfig`) by `make config-keys`; do not edit by hand
-(tests/flows/config/test_keys.py checks it is current). How a run config is put together, with examples:
+Generated from the schema (settings/run.py `RunConfig`) by `make config-keys`; do not edit by hand
+(tests/settings/test_keys.py checks it is current). How a run config is put together, with examples:
 [run-a-pipeline.md](run-a-pipeline.md). A key not listed here is an error, named with its file and line.
 """
 
@@ -122,8 +124,6 @@ def section_table(key: str, model: type[BaseModel]) -> str:
 
 def page() -> str:
     """The whole page, as `make config-keys` writes it."""
-    from flows.config.schema import RunConfig
-
     parts = [HEADER]
     seen: set[tuple[str, type]] = set()
     for key, model in sections(RunConfig, ""):
