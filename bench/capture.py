@@ -73,6 +73,7 @@ from models.common.job_files import (
 from models.common.rank_protocol import CAPTURE_PROGRESS  # noqa: E402
 from models.draft.config import default_aux_layers  # noqa: E402
 from settings.layout import RunLayout  # noqa: E402
+from settings.target import Target
 
 FIRST_ID = 8  # record ids are drawn from [FIRST_ID, vocab): clear of the special tokens 0..7
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -142,7 +143,7 @@ def launch(
     verbose: bool,
 ) -> Launch:
     job = CaptureJobFile(
-        target_path=str(target),
+        target=Target(path=str(target)),
         datasets=[DatasetRecords(name=DATASET, records_dir=str(records_dir))],
         out_dir=str(out_dir),
         mode=mode,

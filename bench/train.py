@@ -94,7 +94,7 @@ def job_dict(p: Params, target: Path, data: Path, out_dir: Path, ranks: int) -> 
     """The JOB.json, as flows/train.py writes it, with intervals that keep checkpoints and evals at the end."""
     far, layout = p.steps + 10**6, RunLayout(data)
     job = {
-        "target_path": str(target),
+        "target": {"path": str(target)},
         "out_dir": str(out_dir),
         "token_counts": str(layout.token_counts),
         "mode": "offline",

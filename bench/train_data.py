@@ -19,6 +19,7 @@ from models.common.job_files import CaptureJobFile
 from models.ranks.harness import Dist
 from models.target.tiny import SAMPLES_DIR
 from settings.layout import RunLayout
+from settings.target import Target
 from tasks.records.build import count_tokens
 
 
@@ -96,7 +97,7 @@ def prepare_data(p: Params, target: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     run_capture(
         CaptureJobFile(
-            target_path=str(target),
+            target=Target(path=str(target)),
             datasets=[{"name": DATASET, "records_dir": str(records)}],
             out_dir=str(layout.hidden_dir),
             device="cpu",

@@ -102,8 +102,7 @@ def capture_job(config: RunConfig, aux_layers: list[int]) -> CaptureJobFile:
     c = config.capture
     return CaptureJobFile(
         **{**c.pick(CaptureSettings), "aux_layers": aux_layers},
-        target_path=config.target.path,
-        trust_remote_code=config.target.trust_remote_code,
+        target=config.target,
         datasets=dataset_records(config),
         out_dir=str(config.layout.hidden_dir),
         launch_tokens=None,

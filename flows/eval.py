@@ -79,8 +79,7 @@ def eval_job(config: RunConfig, draft_dir: Path, raw_path: Path) -> EvalJobFile:
     return EvalJobFile(
         **settings,
         **config.train.pick(HeldOut),
-        target_path=config.target.path,
-        trust_remote_code=config.target.trust_remote_code,
+        target=config.target,
         draft_dir=str(draft_dir),
         out=str(raw_path),
         datasets=dataset_records(config),

@@ -42,8 +42,7 @@ def train_job(config: RunConfig) -> TrainJobFile:
     t, layout = config.train, config.layout
     return TrainJobFile(
         **t.pick(TrainSettings),
-        target_path=config.target.path,
-        trust_remote_code=config.target.trust_remote_code,
+        target=config.target,
         device=rank_device(t.launcher),
         out_dir=str(layout.draft_dir),
         token_counts=str(layout.token_counts),

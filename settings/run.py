@@ -1,7 +1,7 @@
 """The whole run config, `RunConfig`: run_dir and the sections, each declared in its own module of settings/.
 
     run_dir        here
-    target         settings/target.py       Target
+    target         settings/target.py       Target (also carried whole by every job file)
     server         settings/server.py       ServerConfig (ServerSettings)
     sampling       settings/sampling.py     SamplingConfig
     generate       settings/generate.py     GenerateConfig (GenerateSettings)
@@ -39,7 +39,7 @@ from settings.records import RecordsConfig
 from settings.sampling import SamplingConfig
 from settings.server import ServerConfig
 from settings.stages import Stage
-from settings.target import TargetConfig
+from settings.target import Target
 from settings.train import TrainConfig
 
 
@@ -49,7 +49,7 @@ class RunConfig(Section):
     run_dir: Path
     """Directory of this run (config, responses, records, hidden states, draft). Relative paths resolve against the
     config's base directory."""
-    target: TargetConfig
+    target: Target
     server: ServerConfig = Field(default_factory=ServerConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     generate: GenerateConfig = Field(default_factory=GenerateConfig)

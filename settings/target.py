@@ -1,30 +1,24 @@
-"""The `target:` section: the target model, each key once."""
+"""The `target:` section: the target model, one class for the run config and for every job that loads the target.
+
+The job files a launched process reads carry it whole as their `target` (models/common/job_files.py), so a rank
+reads `job.target.path` and `job.target.trust_remote_code`.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from settings.base import Section, StrictModel
+from settings.base import Section
 
 
-class TargetCode(StrictModel):
-    """Whether the target's own modelling code may run."""
+class Target(Section):
+    """The target model whose responses and hidden states the draft learns from."""
 
     trust_remote_code: bool = False
     """Pass trust_remote_code=True to transformers (Kimi-K2.5's tokenizer needs it)."""
-
-
-class TargetSpec(TargetCode):
-    """The target model whose responses and hidden states the draft learns from."""
-
     path: str
     """Hugging Face repo id or local directory of the target: its tokenizer and chat template build the prompts; its
     weights are loaded by the capture stage."""
-
-
-class TargetConfig(TargetSpec, Section):
-    """The target model whose responses and hidden states the draft learns from."""
-
     build_tiny_target: bool = False
     """Build the deterministic tiny demo target at `path` if it is not there yet (demo and tests only)."""
     tiny_shape: Literal["llama", "kimi", "kimi-long"] = "llama"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from settings.target import Target
+
 
 def small_capture_job(tmp_path: Path) -> tuple[Path, Path]:
     """(the target, the capture job's JSON) in `tmp_path`: a random-weight tiny Llama (seconds to build) and 8 records
@@ -43,7 +45,7 @@ def small_capture_job(tmp_path: Path) -> tuple[Path, Path]:
     (tmp_path / "records").mkdir()
     pq.write_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), tmp_path / "records" / "part-000000.parquet")
     job = CaptureJobFile(
-        target_path=str(target),
+        target=Target(path=str(target)),
         datasets=[DatasetRecords(name="d", records_dir=str(tmp_path / "records"))],
         out_dir=str(tmp_path / "hidden"),
         device="cpu",

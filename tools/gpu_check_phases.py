@@ -14,6 +14,7 @@ from typing import Any
 
 from bench import harness
 from settings.layout import RunLayout  # plain Python: `work` is laid out as a run directory
+from settings.target import Target
 from tools.gpu_check_params import Params
 from tools.gpu_check_run import Check
 
@@ -123,7 +124,7 @@ def capture(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
 
     p, layout = check.p, RunLayout(check.work)
     job = CaptureJobFile(
-        target_path=str(target),
+        target=Target(path=str(target)),
         datasets=[{"name": DATASET, "records_dir": str(layout.records(DATASET))}],
         out_dir=str(layout.hidden_dir),
         device=p.device,
@@ -163,7 +164,7 @@ def train(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
 
     p, layout = check.p, RunLayout(check.work)
     job = TrainJobFile(
-        target_path=str(target),
+        target=Target(path=str(target)),
         out_dir=str(layout.draft_dir),
         token_counts=str(layout.token_counts),
         mode="offline",
@@ -259,7 +260,7 @@ def evaluate(check: Check, limit_s: float, target: Path) -> dict[str, Any]:
         compare_untrained=True,
         eval_fraction=p.eval_fraction,
         seed=p.seed,
-        target_path=str(target),
+        target=Target(path=str(target)),
         datasets=[{"name": DATASET, "records_dir": str(layout.records(DATASET))}],
         draft_dir=str(layout.final),
         out=str(raw),

@@ -135,10 +135,10 @@ def run(job: CaptureJobFile, dist: Dist) -> dict[str, int]:
     out_dir.mkdir(parents=True, exist_ok=True)
     device = dist.device(job.device)
 
-    config = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
+    config = AutoConfig.from_pretrained(job.target.path, trust_remote_code=job.target.trust_remote_code)
     if getattr(config, "tie_last_hidden_states", True) is False:
         raise ValueError(
-            f"{job.target_path}: config.tie_last_hidden_states=False: hidden_states[-1] "
+            f"{job.target.path}: config.tie_last_hidden_states=False: hidden_states[-1] "
             "would be the pre-norm state; the capture needs the post-norm one"
         )
     dtype = resolve_dtype(job.dtype, config)
@@ -283,7 +283,7 @@ def _load_target(
 ) -> tuple[Callable[..., Any], torch.nn.Module]:
     """(forward, model): the model itself (replicate) or its DeepSpeed engine (zero3), and the HF model."""
     if job.mode == "replicate":
-        model = load_language_model(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code)
+        model = load_language_model(job.target.path, dtype=dtype, trust_remote_code=job.target.trust_remote_code)
         model = model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
         return model, model
 
@@ -292,7 +292,7 @@ def _load_target(
     from transformers import AutoConfig
     from transformers.integrations import HfDeepSpeedConfig
 
-    config = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
+    config = AutoConfig.from_pretrained(job.target.path, trust_remote_code=job.target.trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     largest = int(getattr(text, "vocab_size", 0) or 0) * int(getattr(text, "hidden_size", 0) or 0)
     nvme = str(job.nvme_path) if job.nvme_path is not None else None
@@ -300,7 +300,9 @@ def _load_target(
     # Must exist (and stay referenced: transformers keeps only a weak reference) BEFORE
     # from_pretrained, so the weights are created partitioned (zero.Init) instead of whole on every rank.
     hf_ds_config = HfDeepSpeedConfig(ds_config)
-    model = load_language_model(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code, config=config)
+    model = load_language_model(
+        job.target.path, dtype=dtype, trust_remote_code=job.target.trust_remote_code, config=config
+    )
     leaves = moe_leaf_classes(model)
     if leaves:
         set_z3_leaf_modules(model, leaves)

@@ -18,7 +18,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from settings.base import StrictModel
 from settings.capture import AuxLayers, CaptureSettings
 from settings.eval import EvalSettings
-from settings.target import TargetCode
+from settings.target import Target
 from settings.train import HeldOut, TrainSettings
 
 if TYPE_CHECKING:  # a rank process reads its job file without the whole run config
@@ -67,15 +67,12 @@ def dataset_records(config: RunConfig) -> list[DatasetRecords]:
     return [DatasetRecords(name=d.name, records_dir=str(config.layout.records(d.name))) for d in config.datasets]
 
 
-class TargetRef(TargetCode):
-    """The target a job loads (the run config's `target`)."""
-
-    target_path: str
-    """The target's checkpoint directory or hub id (target.path)."""
-
-
 class JobFile(StrictModel):
     """Base of every job file: what the pipeline writes for a process it launches, read back with `load`."""
+
+    target: Target
+    """The run config's `target` section, whole: the process loads job.target.path, trusting its code as
+    job.target.trust_remote_code says."""
 
     @classmethod
     def load(cls: type[J], path: str | Path) -> J:
@@ -83,7 +80,7 @@ class JobFile(StrictModel):
         return load_job(cls, path)
 
 
-class RankJob(TargetRef, JobFile):
+class RankJob(JobFile):
     """What every DeepSpeed rank job names: the target, and the device its ranks run on."""
 
     device: Literal["cpu", "cuda"] = "cuda"
@@ -124,7 +121,7 @@ class TrainJobFile(TrainSettings, AuxLayers, RecordsRef, RankJob):
         return self.precision == "bf16" or (self.precision == "auto" and self.device == "cuda")
 
 
-class EvalJobFile(EvalSettings, HeldOut, RecordsRef, TargetRef, JobFile):
+class EvalJobFile(EvalSettings, HeldOut, RecordsRef, JobFile):
     """The JOB.json of an eval launch (written by the eval task): held-out prompts come from `datasets`."""
 
     draft_dir: str

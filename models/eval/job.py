@@ -59,9 +59,9 @@ def run(job: EvalJobFile) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # On GPUs: a target larger than one spread over all of them.
     spread = {"device_map": "auto"} if device.type == "cuda" else {}
-    target = load_language_model(job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code, **spread)
+    target = load_language_model(job.target.path, dtype=dtype, trust_remote_code=job.target.trust_remote_code, **spread)
     target = target.eval().requires_grad_(False)
-    tokenizer = load_tokenizer(job.target_path, job.trust_remote_code)
+    tokenizer = load_tokenizer(job.target.path, job.target.trust_remote_code)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     first_device = next(target.parameters()).device
     trained = draft_for_target(final, target, dtype).to(first_device).eval()

@@ -121,7 +121,7 @@ def _messages(row: Any, where: str) -> list[dict[str, str]]:
 def _tokenizer(job: EvalJobFile) -> Any:
     from models.target.tokenizer import load_tokenizer
 
-    return load_tokenizer(job.target_path, job.trust_remote_code)
+    return load_tokenizer(job.target.path, job.target.trust_remote_code)
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

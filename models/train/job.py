@@ -115,11 +115,11 @@ def run(job: TrainJobFile, dist: Dist) -> dict[str, Any]:
     check_shared_dir(dist, out_dir)  # ranks on several nodes: one checkpoint directory for all
 
     # --- the draft and its frozen target pieces
-    target_config = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
+    target_config = AutoConfig.from_pretrained(job.target.path, trust_remote_code=job.target.trust_remote_code)
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     source, aux_layers = _data_source(job, text, device)
     embed, head = load_target_tensors(
-        job.target_path, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False))
+        job.target.path, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False))
     )
     counts = load_token_counts(job.token_counts, int(text.vocab_size))
     d2t, t2d = draft_vocab(counts, int(text.vocab_size), job.draft_vocab_size)
@@ -361,14 +361,14 @@ class OnlineSource:
         if not self.samples:
             raise ValueError("no records with loss tokens to train on")
         self.fingerprint = data_fingerprint(
-            ((s.dataset, s.id, s.length) for s in records), {"mode": "online", "target": job.target_path}
+            ((s.dataset, s.id, s.length) for s in records), {"mode": "online", "target": job.target.path}
         )
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(job.target_path, trust_remote_code=job.trust_remote_code)
+        cfg = AutoConfig.from_pretrained(job.target.path, trust_remote_code=job.target.trust_remote_code)
         dtype = torch.bfloat16 if job.bf16 else resolve_dtype("auto", cfg)
         self.model = load_language_model(
-            job.target_path, dtype=dtype, trust_remote_code=job.trust_remote_code, config=cfg
+            job.target.path, dtype=dtype, trust_remote_code=job.target.trust_remote_code, config=cfg
         )
         self.model = self.model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]  # PreTrainedModel.to is @wraps(Module.to): typeshed's _Wrapped leaves self unbound
         self.num_layers = (

@@ -140,7 +140,7 @@ async def capture_with_vllm(
     out_dir = Path(job.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shared_dir.mkdir(parents=True, exist_ok=True)
-    shape = target_shape(job.target_path, job.trust_remote_code)
+    shape = target_shape(job.target.path, job.target.trust_remote_code)
     dtype = DTYPES.get(capture_dtype(shape, job.dtype), torch.float32)
     aux_layers = default_aux_layers(shape.num_layers) if job.aux_layers is None else list(job.aux_layers)
     ids_wanted = engine_layer_ids(aux_layers, shape.num_layers)
@@ -172,8 +172,8 @@ async def capture_with_vllm(
         on_progress(0, 0, 0)
         return {"samples": 0, "tokens": 0}
 
-    norm = FinalNorm.load(job.target_path)
-    model = engine.model or job.target_path
+    norm = FinalNorm.load(job.target.path)
+    model = engine.model or job.target.path
     total, done, tokens = len(pending), 0, 0
     refused: list[tuple[str, str, int, str]] = []
     window = _Window()

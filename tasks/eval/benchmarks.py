@@ -137,7 +137,7 @@ def benchmark_section(
             entry["hf"] = {k: v for k, v in h.items() if k != "max_new_tokens"}
         if e:
             entry["engine"] = e
-        published = published_anchors(job.target_path, spec.format or "", anchors)
+        published = published_anchors(job.target.path, spec.format or "", anchors)
         if spec.anchor is not None:
             entry["anchor"] = {
                 "acceptance_length": spec.anchor,

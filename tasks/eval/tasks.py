@@ -135,7 +135,7 @@ def engine_eval(
     final = _exported(job)
     if server.launch == "command":
         check_command(server.command)
-    tokenizer = load_tokenizer(job.target_path, job.trust_remote_code)
+    tokenizer = load_tokenizer(job.target.path, job.target.trust_remote_code)
     vocab_size = int(read_export_config(final)[0]["vocab_size"])  # either format (models/export/speculators.py)
     prompts = eval_prompts(job, vocab_size)
     if not prompts:
@@ -322,8 +322,8 @@ def publish_eval(
     )
     if job.benchmarks:
         report["benchmarks"] = benchmark_section(job, hf, engine)
-    report["sglang_command"] = sglang_command(job.target_path, final, job.num_steps, job.trust_remote_code)
-    report["vllm_command"] = vllm_command(job.target_path, final, job.num_steps, job.trust_remote_code)
+    report["sglang_command"] = sglang_command(job.target.path, final, job.num_steps, job.target.trust_remote_code)
+    report["vllm_command"] = vllm_command(job.target.path, final, job.num_steps, job.target.trust_remote_code)
     report_path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(report_path, json.dumps(report, indent=2))
     create_table_artifact(

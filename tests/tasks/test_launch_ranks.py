@@ -12,6 +12,7 @@ from models.common.file_errors import DamagedShard, WriteFailed
 from models.common.job_files import CaptureJobFile
 from models.common.rank_protocol import CAPTURE, TRAIN, TRAIN_CHECKPOINT, TRAIN_PROGRESS, error_report
 from settings.distributed import Nodes
+from settings.target import Target
 from tasks.runtime import launch_ranks
 from tasks.runtime.launch_ranks import RankFailure, RankRefused, follow_job, rank_error, write_job
 from tasks.runtime.torch_extensions import COMM_OP
@@ -92,7 +93,7 @@ def test_a_stage_decides_what_refused_and_unexplained_failures_are(tmp_path):
 
 def test_a_job_file_that_cannot_be_written_is_a_write_failure(tmp_path, monkeypatch):
     path = tmp_path / "jobs" / "capture.json"
-    job = CaptureJobFile(target_path="t", out_dir=str(tmp_path), mode="zero3", launch_tokens=None)
+    job = CaptureJobFile(target=Target(path="t"), out_dir=str(tmp_path), mode="zero3", launch_tokens=None)
     write_job(job, path, kept=lambda: "nothing", resume="rerun")
     assert CaptureJobFile.load(path) == job
 

@@ -30,6 +30,7 @@ from safetensors import safe_open
 from models.capture.shards import iter_shard_index, list_shards, read_sample, shard_metadata
 from models.common.job_files import CaptureJobFile, TrainJobFile
 from settings.distributed import Nodes
+from settings.target import Target
 from tasks.runtime.launch_ranks import rank_command, write_job
 from tasks.runtime.ports import free_port
 
@@ -80,7 +81,7 @@ def _config(tiny_target_dir: Path, data: dict, run_dir: Path, port: int) -> Path
 
 def _capture_job(tiny_target_dir: Path, data: dict, run_dir: Path, shard_tokens: int = 150) -> Path:
     job = CaptureJobFile(
-        target_path=str(tiny_target_dir),
+        target=Target(path=str(tiny_target_dir)),
         datasets=[{"name": "D1", "records_dir": str(data["records"])}],
         out_dir=str(run_dir / "hidden"),
         device="cpu",
@@ -94,7 +95,9 @@ def _capture_job(tiny_target_dir: Path, data: dict, run_dir: Path, shard_tokens:
 
 
 def _train_job(tiny_target_dir: Path, data: dict, run_dir: Path, hidden: Path) -> Path:
-    paths = dict(target_path=str(tiny_target_dir), token_counts=str(data["token_counts"]), hidden_dir=str(hidden))
+    paths = dict(
+        target=Target(path=str(tiny_target_dir)), token_counts=str(data["token_counts"]), hidden_dir=str(hidden)
+    )
     steps = dict(max_steps=4, checkpoint_every=100, eval_every=100, log_every=1)  # no checkpoint or eval on the way
     model = dict(draft_vocab_size=256, max_batch_tokens=128, eval_fraction=0.1, lr=2e-3, ttt_steps=2)
     job = TrainJobFile(out_dir=str(run_dir / "draft"), device="cpu", **paths, **steps, **model)

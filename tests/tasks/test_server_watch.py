@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from settings.target import Target
 from tasks.serving.client import RetryPolicy
 from tasks.serving.errors import EngineDied, ServerUnavailable
 from tasks.serving.sglang import SGLangClient
@@ -135,7 +136,7 @@ def test_a_killed_dev_server_ends_the_engine_eval_within_30_s_quoting_its_log(
     draft = tmp_path / "draft"
     export_random_draft(load_target(tiny_target_dir), draft, draft_vocab_size=1024)
     job = EvalJobFile(
-        target_path=str(tiny_target_dir),
+        target=Target(path=str(tiny_target_dir)),
         draft_dir=str(draft),
         out=str(tmp_path / "raw.json"),
         prompts=6,

@@ -145,8 +145,7 @@ def expected(model, records) -> dict:
 
 def _job(tiny_target_dir: Path, records: dict, out_dir: Path, mode: str, **over) -> Path:
     job = {
-        "target_path": str(tiny_target_dir),
-        "trust_remote_code": False,
+        "target": {"path": str(tiny_target_dir), "trust_remote_code": False},
         "datasets": [{"name": ds, "records_dir": str(d)} for ds, d in records["dirs"].items()],
         "out_dir": str(out_dir),
         "aux_layers": None,
@@ -486,7 +485,12 @@ def test_load_records_errors_name_file_and_row(tmp_path):
 
 
 def test_job_validation(tmp_path):
-    base = {"target_path": "t", "datasets": [{"name": "a", "records_dir": "r"}], "out_dir": "o", "launch_tokens": None}
+    base = {
+        "target": {"path": "t"},
+        "datasets": [{"name": "a", "records_dir": "r"}],
+        "out_dir": "o",
+        "launch_tokens": None,
+    }
     job = CaptureJobFile.model_validate(base)
     assert (job.mode, job.dtype, job.aux_layers, job.offload) == ("replicate", "auto", None, "none")
     assert CaptureJobFile.model_validate_json(job.model_dump_json()) == job

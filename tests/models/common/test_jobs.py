@@ -18,7 +18,7 @@ from settings.records import RecordsConfig
 from settings.run import RunConfig
 from settings.sampling import SamplingConfig
 from settings.server import ServerConfig, ServerSettings
-from settings.target import TargetConfig, TargetSpec
+from settings.target import Target
 from settings.train import TrainConfig
 from tasks.runtime.launch_ranks import write_job
 
@@ -31,7 +31,6 @@ PAIRS = [
     (CaptureConfig, CaptureJobFile, None),
     (TrainConfig, TrainJobFile, None),
     (EvalConfig, EvalJobFile, None),
-    (TargetConfig, TargetSpec, None),
     (DistributedConfig, Nodes, None),  # what the launcher of a capture or train job reads
     # the optimizer and DeepSpeed settings travel in the train job; each rank derives its DeepSpeed config from them
     (
@@ -58,6 +57,9 @@ PAIRS = [
 ]
 
 
+# sections every job file carries whole, as a field of its own (one class: nothing to drift)
+CARRIED = {Target: "every job file's `target` (models/common/job_files.py JobFile)"}
+
 # sections no job reads, and why: their values reach the stages in another form
 NO_JOB = {
     SamplingConfig: "sent with every request as the engine's sampling parameters (GenerateJob.sampling_params)",
@@ -69,9 +71,14 @@ def test_every_section_of_the_run_config_is_checked():
     sections = {field.annotation for field in RunConfig.model_fields.values() if isinstance(field.annotation, type)}
     sections.add(DatasetConfig)  # datasets: list[DatasetConfig]
     sections |= {EngineConfig}  # capture.engine
-    checked = {section for section, _, _ in PAIRS} | set(NO_JOB)
+    checked = {section for section, _, _ in PAIRS} | set(CARRIED) | set(NO_JOB)
     missing = sorted(s.__name__ for s in sections if issubclass(s, StrictModel) and s not in checked)
-    assert not missing, f"sections neither paired with their job in PAIRS nor listed in NO_JOB: {missing}"
+    assert not missing, f"sections neither paired with their job in PAIRS nor listed in CARRIED or NO_JOB: {missing}"
+
+
+@pytest.mark.parametrize("job", [CaptureJobFile, TrainJobFile, EvalJobFile])
+def test_every_job_file_carries_the_target_section_itself(job):
+    assert job.model_fields["target"].annotation is Target
 
 
 def owner(cls: type[StrictModel], name: str) -> type:
@@ -100,7 +107,7 @@ def test_a_section_and_its_job_share_the_declarations_not_copies():
     # the values a flow hands over are exactly the section's, by field name
     capture = CaptureConfig(max_batch_tokens=4096, shard_tokens=999, aux_layers=[1, 2, 3])
     job = CaptureJobFile(
-        **capture.pick(CaptureSettings), target_path="t", out_dir="h", device="cpu", launch_tokens=None
+        **capture.pick(CaptureSettings), target=Target(path="t"), out_dir="h", device="cpu", launch_tokens=None
     )
     assert (job.max_batch_tokens, job.shard_tokens, job.aux_layers, job.mode) == (4096, 999, [1, 2, 3], "replicate")
 
@@ -126,7 +133,11 @@ def test_aux_layers_the_export_would_refuse_are_refused_at_config_time(aux):
 
 def test_a_job_file_round_trips_and_bad_keys_or_values_are_named(tmp_path):
     job = CaptureJobFile(
-        target_path="t", out_dir="h", device="cpu", launch_tokens=None, datasets=[{"name": "A", "records_dir": "r"}]
+        target=Target(path="t"),
+        out_dir="h",
+        device="cpu",
+        launch_tokens=None,
+        datasets=[{"name": "A", "records_dir": "r"}],
     )
     path = tmp_path / "jobs" / "capture.json"
     write_job(job, path, kept=lambda: "nothing", resume="rerun")
@@ -146,7 +157,7 @@ def test_a_job_file_round_trips_and_bad_keys_or_values_are_named(tmp_path):
 
 
 def test_train_job_needs_the_data_of_its_mode():
-    base = dict(target_path="t", out_dir="d", token_counts="c", device="cpu")
+    base = dict(target=Target(path="t"), out_dir="d", token_counts="c", device="cpu")
     with pytest.raises(ValueError, match="mode offline needs hidden_dir"):
         TrainJobFile(**base)
     with pytest.raises(ValueError, match="mode online needs datasets"):

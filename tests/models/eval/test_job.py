@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from models.common.job_files import EvalJobFile
 from models.eval.job import draft_for_target, run
 from models.eval.speculative_decoding import evaluate_acceptance
+from settings.target import Target
 from tests.drafts import export_random_draft, load_target
 from tests.models.eval.test_benchmarks import LLAMA2_SYSTEM
 
@@ -33,7 +34,7 @@ def test_benchmarks_are_measured_apart_with_the_trained_draft(tmp_path, tiny_tar
         max_new_tokens=6,
         compare_untrained=False,
         eval_fraction=0.5,
-        target_path=str(tiny_target_dir),
+        target=Target(path=str(tiny_target_dir)),
         datasets=[{"name": "G1", "records_dir": str(records)}],
         draft_dir=str(final),
         out=str(tmp_path / "raw.json"),

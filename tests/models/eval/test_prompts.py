@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from models.common.job_files import EvalJobFile
 from models.eval.prompts import eval_prompts, read_prompt_file
 from models.train.data import held_out
+from settings.target import Target
 
 REPO = Path(__file__).resolve().parents[3]
 FRACTION = 0.5
@@ -32,7 +33,7 @@ def job(tmp_path: Path, target: Path, prompts: int, files: list[Path]) -> EvalJo
         prompts=prompts,
         prompt_files=files,
         eval_fraction=FRACTION,
-        target_path=str(target),
+        target=Target(path=str(target)),
         datasets=[{"name": "G1", "records_dir": str(records_dir)}],
         draft_dir=str(tmp_path),
         out=str(tmp_path / "e.json"),

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from models.target import int4
 from models.target.loader import load_language_model
 from models.target.tiny import build_int4_target, build_kimi_target
+from settings.target import Target
 from tests.models.torchrun import REPO, cpu_env, launch_cmd
 
 IDS = torch.tensor([[9, 300, 17, 1200, 5, 44, 801, 2, 66, 1500, 12, 3, 700, 31, 1999, 8]])
@@ -203,7 +204,7 @@ def _capture_job(target: Path, tmp_path: Path, mode: str) -> tuple[Path, Path]:
         pq.write_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), records / "part-000000.parquet")
     out = tmp_path / f"hidden-{mode}"
     job = CaptureJobFile(
-        target_path=str(target),
+        target=Target(path=str(target)),
         datasets=[DatasetRecords(name="d", records_dir=str(records))],
         out_dir=str(out),
         device="cpu",

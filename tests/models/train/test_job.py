@@ -39,6 +39,7 @@ from models.train.data import (
 )
 from models.train.metrics import MetricsWriter
 from models.train.optimizer import ds_train_config, lr_lambda
+from settings.target import Target
 from settings.train import TrainSettings
 from tests.models.torchrun import cpu_env, launch_cmd
 
@@ -82,7 +83,7 @@ def train_data(tiny_target_dir, tmp_path_factory) -> dict:
     hidden = root / "hidden"
     run_capture(
         CaptureJobFile(
-            target_path=str(tiny_target_dir),
+            target=Target(path=str(tiny_target_dir)),
             datasets=[{"name": "G1", "records_dir": str(records)}],
             out_dir=str(hidden),
             device="cpu",
@@ -96,7 +97,7 @@ def train_data(tiny_target_dir, tmp_path_factory) -> dict:
 
 def _job(tiny_target_dir: Path, data: dict, out_dir: Path, **over) -> Path:
     job = {
-        "target_path": str(tiny_target_dir),
+        "target": {"path": str(tiny_target_dir)},
         "out_dir": str(out_dir),
         "token_counts": str(data["root"] / "records" / "token_counts.parquet"),
         "hidden_dir": str(data["hidden"]),
@@ -275,7 +276,7 @@ def test_held_out_prompts_stop_before_the_first_loss_token(train_data):
 def test_train_job_rejects_unknown_keys(tmp_path):
     path = tmp_path / "job.json"
     path.write_text(
-        json.dumps({"target_path": "x", "out_dir": "y", "token_counts": "z", "hidden_dir": "h", "bogus": 1})
+        json.dumps({"target": {"path": "x"}, "out_dir": "y", "token_counts": "z", "hidden_dir": "h", "bogus": 1})
     )
     with pytest.raises(ValueError, match=f"{path}: not a valid TrainJobFile: bogus: Extra inputs are not permitted"):
         TrainJobFile.load(path)
@@ -602,7 +603,7 @@ def _fingerprint(rows=(("D", "a", 5), ("D", "b", 7)), d2t=(0, 0, 1), **over):
     from models.train.data import data_fingerprint
 
     fields = {
-        "target_path": "t",
+        "target": {"path": "t"},
         "out_dir": "o",
         "token_counts": "tc.parquet",
         "hidden_dir": "h",
@@ -874,7 +875,9 @@ def test_a_full_disk_under_metrics_or_torch_save_is_a_write_failure_naming_the_f
 def test_the_deepspeed_config_is_derived_on_the_rank_for_the_launch_s_world_size():
     # the job holds settings, not a DeepSpeed config for some world size: a launch of any size is consistent
     assert "ds_config" not in TrainJobFile.model_fields
-    job = TrainJobFile(target_path="t", out_dir="o", token_counts="c", hidden_dir="h", device="cpu", grad_accum=3)
+    job = TrainJobFile(
+        target=Target(path="t"), out_dir="o", token_counts="c", hidden_dir="h", device="cpu", grad_accum=3
+    )
     assert ds_train_config(job, world_size=2, bf16=job.bf16)["train_batch_size"] == 6
     assert ds_train_config(job, world_size=4, bf16=job.bf16)["train_batch_size"] == 12
     assert not job.bf16 and TrainJobFile(**{**job.model_dump(), "device": "cuda"}).bf16  # precision auto: bf16 on GPUs

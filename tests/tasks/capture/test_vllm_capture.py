@@ -38,6 +38,7 @@ from models.common.file_errors import WriteFailed
 from models.common.job_files import CaptureJobFile, DatasetRecords
 from models.target.tiny import SAMPLES_DIR
 from settings.capture import VllmCaptureSettings
+from settings.target import Target
 from tasks.capture.vllm_capture import RecordsRefused, capture_with_vllm, clean_connector_files
 from tasks.serving.errors import AuthError, ServerOutage
 
@@ -100,7 +101,7 @@ def app(tiny_target_dir, shared):
 def job(target: Path, records: dict, out: Path, **over) -> CaptureJobFile:
     return CaptureJobFile(
         **{
-            "target_path": str(target),
+            "target": Target(path=str(target)),
             "datasets": records["datasets"],
             "out_dir": str(out),
             "launch_tokens": None,

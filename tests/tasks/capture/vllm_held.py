@@ -29,7 +29,7 @@ from tests.models.capture.capture_held import hold_after_first_shard
 def main(job_path: str, shared: str) -> None:
     job = CaptureJobFile.load(job_path)
     speculative, kv = extraction_config([1, 3, 4], 8, shared)
-    app = create_app(job.target_path, extraction=Extraction.from_flags(json.dumps(speculative), json.dumps(kv)))
+    app = create_app(job.target.path, extraction=Extraction.from_flags(json.dumps(speculative), json.dumps(kv)))
     hold_after_first_shard()
     engine = VllmCaptureSettings(url="http://vllm.test", max_concurrency=4)
     asyncio.run(capture_with_vllm(job, engine, Path(shared), transport=httpx.ASGITransport(app=app)))

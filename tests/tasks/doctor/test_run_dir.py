@@ -86,9 +86,10 @@ def _trained(ckpt_dir, variant: str) -> dict:
     from models.common.job_files import TrainJobFile
     from models.draft.config import DRAFT_VARIANTS, Eagle3Config
     from models.train.checkpoint import COMPLETE, FINGERPRINT, run_fingerprint
+    from settings.target import Target
 
     job = TrainJobFile(
-        target_path="t", out_dir="o", token_counts="tc", hidden_dir="h", device="cpu", draft_variant=variant
+        target=Target(path="t"), out_dir="o", token_counts="tc", hidden_dir="h", device="cpu", draft_variant=variant
     )
     shape = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1}
     config = Eagle3Config(**shape, vocab_size=10, draft_vocab_size=3, aux_layers=[0, 1, 2], **DRAFT_VARIANTS[variant])

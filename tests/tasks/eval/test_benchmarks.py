@@ -10,6 +10,7 @@ import pytest
 
 from models.common.job_files import EvalJobFile
 from settings.eval import BenchmarkSpec
+from settings.target import Target
 from tasks.datasets import DatasetNotFoundError
 from tasks.eval import tasks as eval_tasks
 from tasks.eval.benchmarks import (
@@ -70,7 +71,7 @@ def job(tmp_path: Path, target: str, benchmarks: list[dict]) -> EvalJobFile:
     final = tmp_path / "draft" / "final"
     final.mkdir(parents=True, exist_ok=True)
     return EvalJobFile(
-        target_path=target,
+        target=Target(path=target),
         draft_dir=str(final),
         out=str(tmp_path / "raw.json"),
         num_steps=3,
