@@ -104,15 +104,25 @@ TORCH_FREE = "models.common"
 HEAVY = ("torch", "transformers", "deepspeed")
 
 
-def test_models_common_imports_no_torch():
-    names = sorted(f"{TORCH_FREE}.{p.stem}" for p in (REPO / "models" / "common").glob("*.py") if p.stem != "__init__")
+def loaded_by_importing(package: str, watched: tuple[str, ...]) -> list[str]:
+    """Which of the `watched` top-level packages a fresh process holds once it imported every module of `package`."""
+    root = REPO.joinpath(*package.split("."))
+    names = sorted(
+        ".".join((package, *p.relative_to(root).with_suffix("").parts))
+        for p in root.rglob("*.py")
+        if p.stem != "__init__"
+    )
     script = (
         "import importlib, sys\n"
         f"for name in {names!r}: importlib.import_module(name)\n"
-        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(watched)!r}))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "[]"
+    return ast.literal_eval(done.stdout.strip())
+
+
+def test_models_common_imports_no_torch():
+    assert loaded_by_importing(TORCH_FREE, HEAVY) == []
 
 
 # settings/ is every setting, declared once, under every layer: the standard library and pydantic only, so that the
@@ -127,18 +137,7 @@ def test_settings_import_the_standard_library_and_pydantic_only():
 
 
 def test_importing_every_settings_module_loads_no_torch_prefect_httpx_or_pyarrow():
-    names = sorted(
-        "settings." + ".".join(p.relative_to(REPO / "settings").with_suffix("").parts)
-        for p in (REPO / "settings").rglob("*.py")
-        if p.stem != "__init__"
-    )
-    script = (
-        "import importlib, sys\n"
-        f"for name in {names!r}: importlib.import_module(name)\n"
-        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(NOT_IN_SETTINGS)!r}))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "[]"
+    assert loaded_by_importing("settings", NOT_IN_SETTINGS) == []
 
 
 def test_tasks_holds_one_package_per_concern_and_no_loose_module():
