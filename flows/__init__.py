@@ -1,4 +1,4 @@
-"""Prefect flows: the pipeline and one flow per stage, the typed run config, the preflight and the plan."""
+"""Prefect flows: the pipeline and one flow per stage, the run config file (config/), the preflight and the plan."""
 
 import os
 
