@@ -7,9 +7,10 @@ real SGLang, capture, train, and the engine eval through a real SGLang started w
 served by SGLang through `eagle3 eval CONFIG --draft DIR`:
 - the demo's own draft (`norm_before_fc`, D < V: SGLang maps the draft's ids through d2t);
 - plain EAGLE-3 (no norm before fc, D < V);
-- EAGLE-3.1 (`fc_norm`, `norm_output`) over the whole vocabulary (D == V: no d2t);
 - the plain EAGLE-3 draft saved by SpecForge's own draft class (specforge 0.2.0 `LlamaForCausalLMEagle3`,
   `save_pretrained`: its config as transformers 5 writes it, its tensor names).
+EAGLE-3.1 over the whole vocabulary (`fc_norm`, `norm_output`, D == V: no d2t) is the Kimi demo's draft, served by
+SGLang in tests/tasks/serving/test_vllm_kimi.py (trained once there, for both engines).
 
 What each asserts, against independent sources: SGLang's own count of verify rounds per request (`spec_verify_ct`)
 and its completion tokens equal the in-process eval's (transformers' target, our draft code) on every prompt, and
@@ -119,26 +120,6 @@ def test_a_plain_eagle3_draft_is_served_with_the_in_process_rounds(plain_eagle3,
     exported = json.loads((final / "config.json").read_text())
     assert not exported["norm_before_fc"] and not exported["fc_norm"] and not exported["norm_output"]
     assert exported["draft_vocab_size"] < exported["vocab_size"]
-    sglang_equals_in_process(served(path, final, harness_api_url), VARIANT_PROMPTS)
-
-
-def test_an_eagle3_1_draft_over_the_whole_vocabulary_is_served_with_the_in_process_rounds(
-    sglang_demo, tmp_path, harness_api_url
-):
-    """fc_norm (an RMSNorm per aux feature) and norm_output, which SGLang 0.5.23's llama_eagle3.py reads; D == V, so
-    the export has no d2t and SGLang uses the draft's ids as they are."""
-    config, _ = sglang_demo
-    vocab = json.loads((Path(config.target.path) / "config.json").read_text())["vocab_size"]
-    path = variant_config(
-        config, tmp_path, "eagle3.1", {"norm_before_fc": False, "draft_variant": "eagle3.1", "draft_vocab_size": vocab}
-    )
-    final = trained(path, harness_api_url)
-    exported = json.loads((final / "config.json").read_text())
-    assert exported["fc_norm"] and exported["norm_output"] and exported["draft_vocab_size"] == vocab
-    from safetensors import safe_open
-
-    with safe_open(final / "model.safetensors", "pt") as f:
-        assert "d2t" not in f.keys() and any(k.startswith("fc_norm.") for k in f.keys())
     sglang_equals_in_process(served(path, final, harness_api_url), VARIANT_PROMPTS)
 
 
@@ -262,7 +243,7 @@ def test_the_export_check_refuses_what_sglang_refuses_or_serves_wrong(case, sgla
     mirror's match, or serves it silently, its draft misread, fewer tokens per round than the draft as trained where
     that shows (the greedy output stays the target's, so only the rounds show it: why the mirror refuses). The
     draft as trained is served with the in-process eval's rounds (the first test); D == V without d2t passes both
-    (the EAGLE-3.1 test)."""
+    (the EAGLE-3.1 test of test_vllm_kimi.py)."""
     from models.export.sglang import validate_export
     from tasks.serving.sglang import SGLangClient
     from tests.sglang_real import start_sglang

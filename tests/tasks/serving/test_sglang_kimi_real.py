@@ -11,9 +11,9 @@ Against independent sources:
   without it;
 - the aux hidden states SGLang's own DeepSeek model captures for EAGLE-3 (srt/models/deepseek_v2.py, read by a test
   plugin through SGLang's hook registry: tests/tasks/serving/sglang_aux_dump.py) equal, numerically, the states our
-  capture stored, at the ids our export writes (SGLang adds 1 to them: its rule for ids starting at 1);
-- the MLA draft (`train.draft_arch: mla`), which SGLang serves with its Kimi-K2.5 class (srt/models/
-  kimi_k25_eagle3.py `Eagle3DeepseekV2ForCausalLM`): its verify rounds equal the in-process eval's, prompt by prompt.
+  capture stored, at the ids our export writes (SGLang adds 1 to them: its rule for ids starting at 1).
+The MLA draft (`train.draft_arch: mla`), which SGLang serves with its Kimi-K2.5 class, is trained once for both
+engines and served by each in tests/tasks/serving/test_vllm_kimi.py.
 
 Without .venv-sglang every test here skips, saying so.
 """
@@ -26,7 +26,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import yaml
 from safetensors import safe_open
 
 from models.capture.shards import iter_shard_index, read_sample
@@ -37,13 +36,11 @@ from tests.sglang_real import sglang_python, start_sglang
 from tests.tasks.serving.sglang_aux_dump import ENV as AUX_DUMP_ENV
 from tests.tasks.serving.sglang_aux_dump import plugin_path
 from tests.tasks.serving.test_sglang_eagle3_real import sglang_equals_in_process
-from tests.tasks.serving.test_vllm_real import eagle3
 
 pytestmark = [pytest.mark.sglang, pytest.mark.multiprocess, pytest.mark.timeout(2400)]
 
 # The equality needs drafts that get some tokens right, not good ones: short trainings and evals (CI's time)
 PROMPTS = 16  # the demo's engine eval
-MLA_PROMPTS = 8  # the MLA draft's
 NUM_LAYERS = 8
 # Relative to the largest value of the state (as tests/tasks/serving/test_vllm_kimi.py): float32 through two
 # implementations (SGLang's MLA over our attention stand-ins, transformers under ZeRO-3).
@@ -128,30 +125,3 @@ def test_sglang_captures_for_eagle3_the_aux_states_our_capture_stored(kimi_sglan
     first, (aux, _) = samples[0], theirs[tuple(samples[0]["input_ids"].tolist())]
     assert rel(first["aux_hidden"].to(torch.float32)[:, 2 * hidden :], aux[:, hidden : 2 * hidden]) > 0.01
     print(f"aux states: ours vs SGLang's own (layers {layers}): max relative diff {worst:.2e}")
-
-
-def test_an_mla_draft_is_served_by_sglang_s_kimi_class_with_the_in_process_rounds(
-    kimi_sglang_demo, tmp_path, harness_api_url
-):
-    """`train.draft_arch: mla` on the demo's capture, D < V (the d2t path): SGLang builds it as its Kimi-K2.5 MLA draft
-    (kimi_k25_eagle3.py; its set_embed's CUDA synchronize answered by deploy/sglang-cpu's plugin on a CPU torch)."""
-    from flows.config.file import load_config
-
-    config, _ = kimi_sglang_demo
-    data = yaml.safe_load(config.layout.demo_config.read_text())
-    out = tmp_path / "mla-draft"
-    data["train"].update(
-        {"draft_arch": "mla", "draft_variant": "eagle3", "draft_vocab_size": 1024, "out_dir": str(out), "epochs": 4}
-    )
-    data["eval"].update({"prompts": MLA_PROMPTS, "compare_untrained": False, "benchmarks": [], "baseline": False})
-    path = tmp_path / "mla.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    for args in (("run", str(path), "--stages", "train"), ("eval", str(path), "--draft", str(out / "final"))):
-        done = eagle3(*args, api_url=harness_api_url)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    exported = json.loads((out / "final" / "config.json").read_text())
-    assert exported["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and exported["kv_lora_rank"] == 512
-    _, report_path, _ = load_config(path).layout.eval_of(str(out / "final"))
-    report = json.loads(report_path.read_text())
-    sglang_equals_in_process(report, MLA_PROMPTS)
-    print(f"MLA draft: acceptance {report['trained']['acceptance_length']:.3f} in-process and through SGLang")

@@ -9,8 +9,11 @@
   verify rounds equal the in-process eval's prompt by prompt and round by round. Its draft is the EAGLE-3.1 variant
   with the target's whole vocabulary (no d2t): the other loader paths vLLM has, beside test_vllm_real.py's EAGLE-3
   draft with a smaller draft vocabulary on the Llama target. The layer-id test reads this demo's capture.
+- An MLA draft (`train.draft_arch: mla`, D < V) trained once on the demo's capture and served by each engine's own
+  MLA draft class, vLLM's and (marked `sglang`) SGLang's, each counting the in-process eval's verify rounds; the
+  demo's EAGLE-3.1 draft served by SGLang too (its D == V path, which test_sglang_eagle3_real.py leaves to this one).
 
-Without .venv-vllm every test here skips, saying so.
+Without .venv-vllm every test here skips, saying so (and the SGLang one without .venv-sglang).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def vllm_python() -> Path:
 
 @pytest.fixture(scope="module")
 def kimi_demo(vllm_python, kimi_target_dir, tmp_path_factory, prefect_harness):
-    """`eagle3 demo --target kimi`, shorter (8 epochs, 24 prompts) and with an EAGLE-3.1 draft over the target's whole
+    """`eagle3 demo --target kimi`, shorter (4 epochs, 24 prompts) and with an EAGLE-3.1 draft over the target's whole
     vocabulary: generate and the engine eval through vLLM (MLA as plain attention, so the Llama-style draft runs on
     CPU: tasks/serving/vllm.py shape_words), capture under ZeRO-3, train, the in-process eval. (config, what it
     printed)."""
@@ -81,7 +84,7 @@ def kimi_demo(vllm_python, kimi_target_dir, tmp_path_factory, prefect_harness):
     # draft is compared on the Llama target (test_vllm_real.py); this saves a third vLLM start
     vocab = json.loads((kimi_target_dir / "config.json").read_text())["text_config"]["vocab_size"]
     short = {
-        "train": {"epochs": 8, "draft_variant": "eagle3.1", "draft_vocab_size": vocab},
+        "train": {"epochs": 4, "draft_variant": "eagle3.1", "draft_vocab_size": vocab},
         "eval": {"prompts": 24, "max_new_tokens": 32, "baseline": False},
     }
     config = run_demo(
@@ -239,43 +242,104 @@ def test_the_kimi_demo_through_vllm_measures_what_the_in_process_eval_measures_p
     assert "trained, measured by the engine (vLLM + draft)" in said
 
 
-def test_an_mla_draft_is_served_by_vllm_with_the_in_process_eval_s_rounds(kimi_demo, tmp_path, harness_api_url):
-    """`train.draft_arch: mla` on the demo's capture: the draft vLLM 0.32 serves as Eagle3DeepseekV2ForCausalLM
-    (deepseek_eagle3.py: the target's MLA attention over [embedding; hidden], its YaRN rope, MLA kept ON so the draft
-    and the target share the CPU MLA kernel) counts the in-process eval's tokens and verify rounds prompt by prompt."""
+MLA_PROMPTS = 8  # each further engine eval (the MLA draft's, SGLang's): the equality needs some tokens right
+
+
+@pytest.fixture(scope="module")
+def mla_draft(kimi_demo, tmp_path_factory, harness_api_url) -> tuple[dict, Path]:
+    """`train.draft_arch: mla` trained on the demo's capture, once for both engines: EAGLE-3 with a draft vocabulary
+    smaller than the target's (the d2t path of the MLA classes; the demo's draft above is EAGLE-3.1 over the whole
+    vocabulary), 4 epochs (the equality needs a draft that gets some tokens right, not a good one: CI's time). (the
+    config it was trained with, as data; the exported draft)."""
+    import yaml
+
+    from tests.tasks.serving.test_vllm_real import eagle3
+
+    config, _ = kimi_demo
+    data = yaml.safe_load(config.layout.demo_config.read_text())
+    out = tmp_path_factory.mktemp("mla") / "mla-draft"
+    data["train"].update(
+        {"draft_arch": "mla", "draft_variant": "eagle3", "draft_vocab_size": 1024, "out_dir": str(out), "epochs": 4}
+    )
+    data["eval"].update({"prompts": MLA_PROMPTS, "compare_untrained": False, "benchmarks": [], "baseline": False})
+    path = out.parent / "mla-train.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    done = eagle3("run", str(path), "--stages", "train", api_url=harness_api_url)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    exported = json.loads((out / "final" / "config.json").read_text())
+    assert exported["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and exported["model_type"] == "deepseek_v2"
+    assert exported["rope_scaling"]["factor"] == 64.0  # the target's YaRN, as trained (train.draft_rope: target)
+    assert exported["kv_lora_rank"] == 512 and exported["qk_rope_head_dim"] == 64
+    return data, out / "final"
+
+
+def served(data: dict, final: Path, engine: str, path: Path, harness_api_url: str) -> dict:
+    """`eagle3 eval CONFIG --draft FINAL` (CONFIG: `data` written to `path`), the engine eval through `engine`, which
+    the eval starts (the demo's server for that engine): its report."""
     import yaml
 
     from cli.demo import demo_server
     from flows.config.file import load_config
     from tests.tasks.serving.test_vllm_real import eagle3
 
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    server = demo_server(load_config(path), engine, data["server"]["url"])
+    data = {**data, "server": server.model_dump(mode="json", exclude_none=True)}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    config = load_config(path)
+    if engine == "vllm" and config.train.draft_arch == "mla":
+        assert "VLLM_MLA_DISABLE" not in " ".join(config.server.command or [])  # the MLA draft needs MLA on
+    done = eagle3("eval", str(path), "--draft", str(final), api_url=harness_api_url)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _, report_path, _ = config.layout.eval_of(str(final))
+    return json.loads(report_path.read_text())
+
+
+def test_an_mla_draft_is_served_by_vllm_with_the_in_process_eval_s_rounds(mla_draft, tmp_path, harness_api_url):
+    """The MLA draft vLLM 0.32 serves as Eagle3DeepseekV2ForCausalLM (deepseek_eagle3.py: the target's MLA attention
+    over [embedding; hidden], its YaRN rope, MLA kept ON so the draft and the target share the CPU MLA kernel) counts
+    the in-process eval's tokens and verify rounds prompt by prompt."""
+    data, final = mla_draft
+    report = served(data, final, "vllm", tmp_path / "mla-vllm.yaml", harness_api_url)
+    engine_equals_in_process(report, MLA_PROMPTS)
+    print(f"MLA draft: acceptance {report['trained']['acceptance_length']:.3f} in-process and through vLLM")
+
+
+@pytest.mark.sglang
+def test_the_same_mla_draft_is_served_by_sglang_s_kimi_class_with_the_in_process_rounds(
+    mla_draft, tmp_path, harness_api_url
+):
+    """The same draft in the real SGLang 0.5.23 (.venv-sglang), which builds it as its Kimi-K2.5 MLA draft
+    (srt/models/kimi_k25_eagle3.py `Eagle3DeepseekV2ForCausalLM`; its set_embed's CUDA synchronize answered by
+    deploy/sglang-cpu's plugin on a CPU torch): its own verify rounds (`spec_verify_ct`) and completion tokens equal the
+    in-process eval's, prompt by prompt. Trained here once for both engines (test_sglang_kimi_real.py serves the
+    Kimi demo's own draft through SGLang)."""
+    from tests.sglang_real import sglang_python
+    from tests.tasks.serving.test_sglang_eagle3_real import sglang_equals_in_process
+
+    sglang_python()
+    data, final = mla_draft
+    report = served(data, final, "sglang", tmp_path / "mla-sglang.yaml", harness_api_url)
+    sglang_equals_in_process(report, MLA_PROMPTS)
+    print(f"MLA draft: acceptance {report['trained']['acceptance_length']:.3f} in-process and through SGLang")
+
+
+@pytest.mark.sglang
+def test_sglang_serves_the_demo_s_eagle3_1_draft_over_the_whole_vocabulary_with_the_in_process_rounds(
+    kimi_demo, tmp_path, harness_api_url
+):
+    """The demo's draft (EAGLE-3.1: `fc_norm`, `norm_output`, which SGLang 0.5.23's llama_eagle3.py reads; D == V,
+    so no d2t and SGLang takes the draft's ids as they are) in the real SGLang (.venv-sglang): its own verify rounds
+    and completion tokens equal the in-process eval's, prompt by prompt."""
+    import yaml
+
+    from tests.sglang_real import sglang_python
+    from tests.tasks.serving.test_sglang_eagle3_real import sglang_equals_in_process
+
+    sglang_python()
     config, _ = kimi_demo
     data = yaml.safe_load(config.layout.demo_config.read_text())
-    out = tmp_path / "mla-draft"
-    # EAGLE-3 with a draft vocabulary smaller than the target's: the d2t path of the MLA class (the demo's draft above
-    # is EAGLE-3.1 over the whole vocabulary)
-    data["train"].update(
-        {"draft_arch": "mla", "draft_variant": "eagle3", "draft_vocab_size": 1024, "out_dir": str(out), "epochs": 4}
-    )
-    # 4 epochs and 12 prompts: the equality needs a draft that gets some tokens right, not a good one (CI's time)
-    data["eval"].update({"prompts": 12, "compare_untrained": False, "benchmarks": [], "baseline": False})
-    path = tmp_path / "mla.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    data["server"] = demo_server(load_config(path), "vllm", data["server"]["url"]).model_dump(
-        mode="json", exclude_none=True
-    )
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    mla = load_config(path)
-    assert "VLLM_MLA_DISABLE" not in " ".join(mla.server.command or [])  # the MLA draft needs MLA on (shape_words)
-
-    for args in (("run", str(path), "--stages", "train"), ("eval", str(path), "--draft", str(out / "final"))):
-        done = eagle3(*args, api_url=harness_api_url)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    exported = json.loads((out / "final" / "config.json").read_text())
-    assert exported["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and exported["model_type"] == "deepseek_v2"
-    assert exported["rope_scaling"]["factor"] == 64.0  # the target's YaRN, as trained (train.draft_rope: target)
-    assert exported["kv_lora_rank"] == 512 and exported["qk_rope_head_dim"] == 64
-    _, report_path, _ = mla.layout.eval_of(str(out / "final"))
-    report = json.loads(report_path.read_text())
-    engine_equals_in_process(report, 12)
-    print(f"MLA draft: acceptance {report['trained']['acceptance_length']:.3f} in-process and through vLLM")
+    data["eval"].update({"prompts": MLA_PROMPTS, "compare_untrained": False, "benchmarks": [], "baseline": False})
+    final = config.layout.draft_dir / "final"
+    report = served(data, final, "sglang", tmp_path / "eagle3.1-sglang.yaml", harness_api_url)
+    sglang_equals_in_process(report, MLA_PROMPTS)
