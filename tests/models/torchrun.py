@@ -28,7 +28,12 @@ def launch_cmd(job: Path, entry: list[str]) -> list[str]:
 
 
 def cpu_env() -> dict[str, str]:
-    """The launch's environment: DeepSpeed on CPU, one OpenMP thread a rank, the repository importable, hub offline."""
+    """The launch's environment: DeepSpeed on CPU, one OpenMP thread a rank, the repository importable, hub offline,
+    and the torch extensions directory the pipeline's own ranks get (`prepare`: DeepSpeed's CPU comm op built there
+    once, dead builds' locks cleared), so these ranks load the op CI built before the tests, not build it again in
+    ~/.cache."""
+    from tasks.runtime.torch_extensions import prepare
+
     return {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
@@ -36,4 +41,5 @@ def cpu_env() -> dict[str, str]:
         "PYTHONPATH": str(REPO),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
+        **prepare(cpu=True, say=lambda line: print(line, flush=True)),
     }
