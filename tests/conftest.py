@@ -19,6 +19,14 @@ from tests.targets import built, shared_root
 # Tests never touch the network: the hub client reads these once, at import time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# vLLM's CPU build binds its worker's one OpenMP thread to core 0 of this 2-core box and keeps core 1 for its
+# scheduler (VLLM_CPU_OMP_THREADS_BIND=auto: vllm/utils/ompmultiprocessing.py, 0.32.0), so the two test workers'
+# servers took turns on core 0 while core 1 could be free. Unbound, with the one thread it had bound (unbound, torch
+# would take one per core and spin-wait on them), each goes where the kernel finds room. Every process the tests
+# start inherits both; DeepSpeed's ranks and SGLang get one thread anyway (tasks/runtime/launch_ranks.py,
+# tasks/serving/sglang.py).
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # The order test files start in under `pytest -n 2 --dist loadscope --no-loadscope-reorder` (make test): the longest
