@@ -71,8 +71,11 @@ from bench import harness  # noqa: E402  (first: the offline environment the ran
 
 # DeepSpeed JIT-builds its CPU comm op into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions, shared by
 # every virtualenv: another checkout's build of the same op name forces a ~45 s rebuild at the next launch).
-# A directory of the bench's own keeps such rebuilds out of its start-up figures; inherited by every launch.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(harness.REPO / "runs" / "bench-train" / "torch_extensions"))
+# The pipeline's own directory, this virtualenv's (tasks/runtime/torch_extensions.py), keeps such rebuilds out of the
+# bench's start-up figures and shares the one build with the pipeline; inherited by every launch.
+from tasks.runtime.torch_extensions import extensions_dir  # noqa: E402
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
 
 import torch  # noqa: E402
 

@@ -144,8 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         # DeepSpeed JIT-builds its CPU comm op into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions, shared
         # by every checkout: another checkout's build of the same op forces a rebuild, minutes on 2 busy cores).
-        # A directory of this checkout's own: built once, then reused. The GPU path builds nothing.
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(harness.REPO / "runs" / "gpu-check" / "torch_extensions"))
+        # The pipeline's own directory, this virtualenv's: built once (CI builds it before the tests), then reused
+        # by the pipeline, the benches and this check alike. The GPU path builds nothing.
+        from tasks.runtime.torch_extensions import extensions_dir
+
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
     json_path = args.json or default_json()
     if p.device == "cuda":
         for name, value in SINGLE_VM_NCCL.items():  # overridable: a value already in the environment wins
