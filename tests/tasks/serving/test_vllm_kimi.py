@@ -33,6 +33,8 @@ from models.export.format import vllm_aux_ids
 from models.target.weights import load_final_norm
 from tasks.serving.vllm import shape_words
 from tests.models.torchrun import cpu_env
+from tests.sglang_real import sglang_python
+from tests.tasks.serving.test_sglang_eagle3_real import sglang_equals_in_process
 from tests.tasks.serving.test_vllm_real import engine_equals_in_process
 from tests.tasks.serving.vllm_capture_runs import compare_captures, recapture_with_vllm
 
@@ -282,6 +284,8 @@ def served(data: dict, final: Path, engine: str, path: Path, harness_api_url: st
     from flows.config.file import load_config
     from tests.tasks.serving.test_vllm_real import eagle3
 
+    if engine == "sglang":
+        sglang_python()  # a skip that says how to get it
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     server = demo_server(load_config(path), engine, data["server"]["url"])
     data = {**data, "server": server.model_dump(mode="json", exclude_none=True)}
@@ -314,10 +318,6 @@ def test_the_same_mla_draft_is_served_by_sglang_s_kimi_class_with_the_in_process
     deploy/sglang-cpu's plugin on a CPU torch): its own verify rounds (`spec_verify_ct`) and completion tokens equal the
     in-process eval's, prompt by prompt. Trained here once for both engines (test_sglang_kimi_real.py serves the
     Kimi demo's own draft through SGLang)."""
-    from tests.sglang_real import sglang_python
-    from tests.tasks.serving.test_sglang_eagle3_real import sglang_equals_in_process
-
-    sglang_python()
     data, final = mla_draft
     report = served(data, final, "sglang", tmp_path / "mla-sglang.yaml", harness_api_url)
     sglang_equals_in_process(report, MLA_PROMPTS)
@@ -333,10 +333,6 @@ def test_sglang_serves_the_demo_s_eagle3_1_draft_over_the_whole_vocabulary_with_
     and completion tokens equal the in-process eval's, prompt by prompt."""
     import yaml
 
-    from tests.sglang_real import sglang_python
-    from tests.tasks.serving.test_sglang_eagle3_real import sglang_equals_in_process
-
-    sglang_python()
     config, _ = kimi_demo
     data = yaml.safe_load(config.layout.demo_config.read_text())
     data["eval"].update({"prompts": MLA_PROMPTS, "compare_untrained": False, "benchmarks": [], "baseline": False})
