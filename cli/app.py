@@ -25,11 +25,6 @@ class Eagle3(typer.Typer):
         _flush_per_line()
         try:
             with stopping.stop_on_signals():
-                if _runs_a_demo(sys.argv[1:]):  # run, generate and eval enter it once their run directory is locked
-                    from tasks.runtime.prefect_api import prefect_api
-
-                    with prefect_api(say=_say):
-                        return super().__call__(*args, **kwargs)
                 return super().__call__(*args, **kwargs)
         except (SystemExit, KeyboardInterrupt):
             stopped = stopping.signalled()
@@ -100,7 +95,7 @@ def demo(
     ),
 ) -> None:
     """Run the pipeline on the embedded default: tiny target, dev server (or a real SGLang or vLLM), sample data."""
-    from cli.demo import DEMO_TARGETS, check_demo_engine, run_demo
+    from cli.demo_targets import DEMO_TARGETS, check_demo_engine
 
     if target not in DEMO_TARGETS:
         err.print(
@@ -123,17 +118,21 @@ def demo(
     except (ValueError, FileNotFoundError) as e:
         err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
+    from cli.demo import run_demo
     from tasks.generate.provenance import OtherEngine
+    from tasks.runtime.prefect_api import prefect_api
 
     try:
-        run_demo(
-            run_dir=run_dir,
-            console=console,
-            capture_backend=capture_backend,
-            engine=engine,
-            target=target,
-            draft_arch=draft_arch,
-        )
+        # Prefect's API once the arguments are checked (a refused one starts no server), as run, generate and eval
+        with prefect_api(say=_say):
+            run_demo(
+                run_dir=run_dir,
+                console=console,
+                capture_backend=capture_backend,
+                engine=engine,
+                target=target,
+                draft_arch=draft_arch,
+            )
     except OtherEngine as exc:  # the run directory's responses are another engine's or target's
         err.print(f"[red]refused:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(1) from None
@@ -567,11 +566,6 @@ def _config_or_exit(path: Path):
 
 def main() -> None:
     app()
-
-
-def _runs_a_demo(args: list[str]) -> bool:
-    """`eagle3 demo ...`, not its --help: it runs the pipeline on Prefect's API (tasks/runtime/prefect_api.py)."""
-    return args[:1] == ["demo"] and not {"--help", "-h"} & set(args)
 
 
 def _flush_per_line() -> None:

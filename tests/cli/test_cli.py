@@ -109,6 +109,7 @@ def test_an_unknown_shape_or_demo_target_is_refused_before_anything_is_built(tmp
     result = eagle3("demo", "--target", "qwen", "--run-dir", str(tmp_path / "run"))
     said = "--target must be one of llama, kimi, kimi-long, kimi-int4, got 'qwen'"
     assert result.returncode == 2 and said in result.stderr
+    assert "Prefect" not in result.stderr  # refused before a Prefect server is started for it
     assert not (tmp_path / "run").exists()
     result = eagle3("demo", "--engine", "tgi", "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "--engine must be dev, sglang, vllm, got 'tgi'" in result.stderr

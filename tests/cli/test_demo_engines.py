@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cli.demo import DEMO_TARGETS, demo_config, run_demo
+from cli.demo import demo_config, run_demo
+from cli.demo_targets import DEMO_TARGETS
 from flows.config.file import dump_config
 from settings.layout import RunLayout
 from tasks.generate.provenance import OtherEngine
