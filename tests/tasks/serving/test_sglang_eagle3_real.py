@@ -1,7 +1,7 @@
 """SGLang 0.5.23's own EAGLE-3 worker serving our drafts on CPU (.venv-sglang, `make sglang`; tests/sglang_real.py
 and docs/engines.md say what is real: SGLang unmodified, its CPU kernel ops our torch stand-ins).
 
-One demo for the module, `eagle3 demo --engine sglang` made shorter (8 epochs, 24 eval prompts): generate through a
+One demo for the module, `eagle3 demo --engine sglang` made shorter (4 epochs, 24 eval prompts): generate through a
 real SGLang, capture, train, and the engine eval through a real SGLang started with the trained draft
 (`--speculative-algorithm EAGLE3`, `--attention-backend intel_amx`). Then drafts trained on the demo's capture, each
 served by SGLang through `eagle3 eval CONFIG --draft DIR`:
@@ -42,7 +42,7 @@ VARIANT_PROMPTS = 12  # each further draft's: the equality needs a draft that ge
 def sglang_demo(tiny_target_dir, tmp_path_factory, prefect_harness):
     """`eagle3 demo --engine sglang`, shorter: (config, what it printed)."""
     sglang_python()
-    short = {"train": {"epochs": 8}, "eval": {"prompts": PROMPTS, "max_new_tokens": 32}}
+    short = {"train": {"epochs": 4}, "eval": {"prompts": PROMPTS, "max_new_tokens": 32}}
     return short_demo(tmp_path_factory.mktemp("sglang-demo") / "run", tiny_target_dir, short, engine="sglang")
 
 

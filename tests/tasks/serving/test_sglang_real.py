@@ -9,13 +9,15 @@ in flight, so requests queue at the server and the budget is reached while some 
   equal to SGLang's own greedy output for the same prompt ids (asked over plain HTTP, not through our client);
 - the real sglang-router in front of two real SGLang servers, one killed with SIGKILL mid-run: every prompt
   exactly once, each output SGLang's own greedy one;
-- the Kimi-shaped target (MLA, MoE, YaRN) on a server of its own: greedy tokens equal to transformers'.
+- the Kimi-shaped target (MLA, MoE, YaRN) through the Kimi demo's SGLang command: `eagle3 generate`'s greedy answers
+  equal to transformers'.
 
 Without .venv-sglang every test here skips, saying so.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -246,38 +248,48 @@ def test_the_real_router_over_two_real_servers_one_killed_answers_every_prompt_o
     assert '"POST /generate HTTP/1.1" 200' in (tmp_path / "second.log").read_text()
 
 
-def test_the_kimi_shape_is_served_as_transformers_computes_it(kimi_target_dir, tmp_path):
-    """MLA (prefilled as multi-head attention, decoded over the latent cache, both through our attention stand-ins),
-    the MoE with DeepSeek-V3 routing and YaRN, on SGLang's CPU path: its greedy tokens equal transformers' on prompts
-    of 5 to 200 tokens. (With the Kimi demo's EAGLE-3.1 draft the same server counted the in-process eval's verify
-    rounds on 16 of 16 prompts, by hand: docs/engines.md.)"""
-    import random
-
+def test_the_kimi_demo_s_sglang_generates_transformers_greedy_tokens(kimi_target_dir, tmp_path, harness_api_url):
+    """`eagle3 generate` on a few of the demo's prompts, greedy, with the server section `eagle3 demo --target kimi
+    --engine sglang` writes (the pipeline starts that SGLang and stops it; `--trust-remote-code`: SGLang builds the
+    kimi_k25 checkpoint's processor from its remote code, and the pipeline reads the prompts with its tiktoken
+    tokenizer, also remote code): each answer recorded equals transformers' greedy tokens for its prompt ids. MLA
+    (prefilled as multi-head attention, decoded over the latent cache, both through our attention stand-ins), the MoE
+    with DeepSeek-V3 routing and YaRN, on SGLang's CPU path. (SGLang serving the Kimi drafts, and its aux states
+    against our capture: tests/tasks/serving/test_vllm_kimi.py.)"""
     import torch
 
+    from cli.demo import demo_config, demo_server
+    from flows.config.file import dump_config
     from models.target.loader import load_language_model
+    from models.target.tokenizer import load_tokenizer
 
     sglang_python()
-    target = kimi_target_dir  # as built: SGLang 0.5.23 builds its processor from the checkpoint's remote code
-    random.seed(0)
-    prompts = [[random.randrange(3, 2000) for _ in range(random.randrange(5, 200))] for _ in range(6)]
-    server = start_sglang(target, tmp_path / "sglang.log", context_length=CONTEXT)
-    try:
-        theirs = [
-            httpx.post(
-                server.url + "/generate",
-                json={"input_ids": p, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}},
-                timeout=300,
-            ).json()["output_ids"]
-            for p in prompts
-        ]
-    finally:
-        server.stop()
+    config = demo_config(tmp_path / "run", target="kimi", engine="sglang")
+    config.target.path = str(kimi_target_dir)
+    config.server = demo_server(config, "sglang", f"http://127.0.0.1:{free_port()}")
+    assert config.target.trust_remote_code and "--trust-remote-code" in (config.server.command or [])
+    assert (kimi_target_dir / "tiktoken.model").is_file()  # the tokenizer as Kimi-K2.5 publishes it
+    tokenizer = load_tokenizer(str(kimi_target_dir), True)
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    config.sampling = type(config.sampling).model_validate(
+        {"max_new_tokens": MAX_NEW, "temperature": 0.0, "stop_token_ids": stop}
+    )
+    file = subset(tmp_path, "gen_code.jsonl", 6)
+    config.datasets = [
+        type(config.datasets[0]).model_validate({"name": "B1_code", "kind": "generate", "path": str(file)})
+    ]
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(config))
+    done = eagle3("generate", str(path), api_url=harness_api_url)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = rows_of(config.run_dir, "B1_code")
+    assert sorted(r["id"] for r in rows) == sorted(r.id for r in load_dataset(file, "generate").rows)
+    assert json.loads((config.run_dir / "generated-by.json").read_text())["engine"] == "sglang"
     model = load_language_model(str(kimi_target_dir), dtype=torch.float32).eval()
     with torch.no_grad():
-        ours = [
-            model.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, len(p) :]
-            for p in prompts
-        ]
-    ours = [o.tolist() for o in ours]
-    assert theirs == ours
+        for r in rows:
+            prompt = torch.tensor([r["prompt_ids"]])
+            ours = model.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=stop)[
+                0, prompt.shape[1] :
+            ]
+            assert r["output_ids"] == ours.tolist(), r["id"]

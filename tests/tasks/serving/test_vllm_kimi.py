@@ -12,8 +12,12 @@
 - An MLA draft (`train.draft_arch: mla`, D < V) trained once on the demo's capture and served by each engine's own
   MLA draft class, vLLM's and (marked `sglang`) SGLang's, each counting the in-process eval's verify rounds; the
   demo's EAGLE-3.1 draft served by SGLang too (its D == V path, which test_sglang_eagle3_real.py leaves to this one).
+- SGLang's own aux states (srt/models/deepseek_v2.py, read by a test plugin through SGLang's hook registry:
+  tests/tasks/serving/sglang_aux_dump.py) equal, numerically, the states the demo's capture stored, at the ids our
+  export writes; SGLang's greedy tokens with the demo's draft equal transformers'. (Its greedy tokens without a draft,
+  through the pipeline's generate: tests/tasks/serving/test_sglang_real.py.)
 
-Without .venv-vllm every test here skips, saying so (and the SGLang one without .venv-sglang).
+Without .venv-vllm every test here skips, saying so (and the SGLang ones without .venv-sglang).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import httpx
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -100,13 +105,19 @@ def kimi_demo(vllm_python, kimi_target_dir, tmp_path_factory, prefect_harness):
     return config, out.getvalue()
 
 
+def shortest_samples(hidden: Path, n: int = 6) -> list[dict]:
+    """The `n` shortest samples (of more than 8 tokens) of the capture in `hidden`."""
+    index = sorted(iter_shard_index(hidden), key=lambda r: (r["length"], r["dataset"], r["id"]))
+    samples = [read_sample(hidden / r["shard"], r["offset"], r["length"]) for r in index if r["length"] > 8][:n]
+    assert len(samples) == n
+    return samples
+
+
 def vllm_own_states(vllm_python: Path, target: Path, hidden: Path, ids: list[int], out: Path) -> tuple[list, Path]:
-    """The 6 shortest samples (of more than 8 tokens) of the capture in `hidden`, and the file of the states vLLM's own
+    """The 6 shortest samples of the capture in `hidden` (`shortest_samples`), and the file of the states vLLM's own
     model selects for them with layer ids `ids` + the end layer, read through vLLM's offline API with its CPU MLA
     kernels (tests/tasks/serving/vllm_aux_states.py): `p{i}.id{k}`."""
-    index = sorted(iter_shard_index(hidden), key=lambda r: (r["length"], r["dataset"], r["id"]))
-    samples = [read_sample(hidden / r["shard"], r["offset"], r["length"]) for r in index if r["length"] > 8][:6]
-    assert len(samples) == 6
+    samples = shortest_samples(hidden)
     request = out.with_suffix(".json")
     _, flags = shape_words(str(target))
     request.write_text(
@@ -316,8 +327,7 @@ def test_the_same_mla_draft_is_served_by_sglang_s_kimi_class_with_the_in_process
     """The same draft in the real SGLang 0.5.23 (.venv-sglang), which builds it as its Kimi-K2.5 MLA draft
     (srt/models/kimi_k25_eagle3.py `Eagle3DeepseekV2ForCausalLM`; its set_embed's CUDA synchronize answered by
     deploy/sglang-cpu's plugin on a CPU torch): its own verify rounds (`spec_verify_ct`) and completion tokens equal the
-    in-process eval's, prompt by prompt. Trained here once for both engines (test_sglang_kimi_real.py serves the
-    Kimi demo's own draft through SGLang)."""
+    in-process eval's, prompt by prompt. Trained here once for both engines."""
     data, final = mla_draft
     report = served(data, final, "sglang", tmp_path / "mla-sglang.yaml", harness_api_url)
     sglang_equals_in_process(report, MLA_PROMPTS)
@@ -339,3 +349,70 @@ def test_sglang_serves_the_demo_s_eagle3_1_draft_over_the_whole_vocabulary_with_
     final = config.layout.draft_dir / "final"
     report = served(data, final, "sglang", tmp_path / "eagle3.1-sglang.yaml", harness_api_url)
     sglang_equals_in_process(report, MLA_PROMPTS)
+
+
+AUX_NEW = 16  # tokens each sample is continued by in the aux test's server, greedy, against transformers'
+
+
+@pytest.mark.sglang
+def test_sglang_captures_for_eagle3_the_aux_states_our_capture_stored(kimi_demo, kimi_target_dir, tmp_path):
+    """SGLang serving the demo's draft, the dump plugin on its path (tests/tasks/serving/sglang_aux_dump.py: the aux
+    states SGLang's own DeepSeek model captures for EAGLE-3, srt/models/deepseek_v2.py, read through SGLang's hook
+    registry): each of 6 samples of the demo's capture sent as a prompt (radix cache off, so the prefill covers every
+    token), and the states SGLang captured for it equal, numerically, the states our capture stored, at the ids our
+    export writes (SGLang adds 1 to them: its rule for ids starting at 1). Its greedy continuation of each sample, the
+    draft speculating, equals transformers' greedy tokens."""
+    from models.target.loader import load_language_model
+    from tasks.serving.sglang import SGLangClient
+    from tests.sglang_real import start_sglang
+    from tests.tasks.serving.sglang_aux_dump import ENV as AUX_DUMP_ENV
+    from tests.tasks.serving.sglang_aux_dump import plugin_path
+
+    sglang_python()
+    config, _ = kimi_demo
+    samples = shortest_samples(config.layout.hidden_dir)
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    extra = [*SGLangClient.speculative_args(str(config.layout.draft_dir / "final"), 3), "--disable-radix-cache"]
+    env = {"PYTHONPATH": str(plugin_path(tmp_path / "plugin")), AUX_DUMP_ENV: str(dumps)}
+    server = start_sglang(kimi_target_dir, tmp_path / "sglang.log", context_length=1024, extra=extra, env=env)
+    params = {"max_new_tokens": AUX_NEW, "temperature": 0, "ignore_eos": True}
+    try:
+        outputs = []
+        for s in samples:
+            body = {"input_ids": s["input_ids"].tolist(), "sampling_params": params}
+            r = httpx.post(server.url + "/generate", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            outputs.append(r.json()["output_ids"])
+    finally:
+        server.stop()
+    theirs = {}
+    for path in sorted(dumps.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            theirs[tuple(f.get_tensor("input_ids").tolist())] = (f.get_tensor("aux"), f.get_tensor("layers").tolist())
+    hidden = json.loads((kimi_target_dir / "config.json").read_text())["text_config"]["hidden_size"]
+    ours_ids = default_aux_layers(NUM_LAYERS)
+    exported = json.loads((config.layout.draft_dir / "final" / "config.json").read_text())
+    # what our export writes for SGLang, which reads eagle_config first (speculative/eagle_utils.py)
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ours_ids == [1, 3, 4]
+    worst = 0.0
+    for s in samples:
+        aux, layers = theirs[tuple(s["input_ids"].tolist())]
+        assert layers == vllm_aux_ids(ours_ids) == [2, 4, 5]  # SGLang's +1 for ids starting at 1 (deepseek_v2.py)
+        mine = s["aux_hidden"].to(torch.float32)
+        assert aux.shape == mine.shape == (len(s["input_ids"]), 3 * hidden)
+        for k in range(3):
+            part = slice(k * hidden, (k + 1) * hidden)
+            assert rel(mine[:, part], aux[:, part]) < RTOL, (k, rel(mine[:, part], aux[:, part]))
+            worst = max(worst, rel(mine[:, part], aux[:, part]))
+    # a wrong rule (no +1) selects other states: the check can fail
+    first, (aux, _) = samples[0], theirs[tuple(samples[0]["input_ids"].tolist())]
+    assert rel(first["aux_hidden"].to(torch.float32)[:, 2 * hidden :], aux[:, hidden : 2 * hidden]) > 0.01
+    model = load_language_model(str(kimi_target_dir), dtype=torch.float32).eval()
+    with torch.no_grad():  # greedy, whole forwards, no stop token (SGLang's ignore_eos)
+        for s, output in zip(samples, outputs):
+            ids = s["input_ids"].long().tolist()
+            for _ in range(AUX_NEW):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            assert output == ids[len(s["input_ids"]) :]
+    print(f"aux states: ours vs SGLang's own (layers {layers}): max relative diff {worst:.2e}")
