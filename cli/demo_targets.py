@@ -56,7 +56,7 @@ def vllm_python() -> Path:
 
 
 def sglang_python() -> Path:
-    return engine_python(SGLANG_VENV, "sglang", "SGLang 0.5.23 for CPU (about 3 minutes)")
+    return engine_python(SGLANG_VENV, "sglang", "SGLang 0.5.23 for CPU (about a minute)")
 
 
 def check_demo_engine(engine: str, target: str, draft_arch: str = "llama") -> None:

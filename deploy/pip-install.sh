@@ -36,4 +36,7 @@ args=()
 for a in "$@"; do  # pip's flags uv does not take, and that change nothing uv does
   [[ "$a" == --no-warn-conflicts ]] || args+=("$a")
 done
-exec "$uv" pip install --python "$venv/bin/python" --index-strategy unsafe-best-match "${flags[@]}" "${args[@]}"
+# --compile-bytecode: the .pyc files pip writes as it installs. Without them, where PYTHONDONTWRITEBYTECODE is set (CI
+# machines), every process compiles every module it imports (torch, transformers, vLLM, SGLang) from source again.
+exec "$uv" pip install --python "$venv/bin/python" --index-strategy unsafe-best-match --compile-bytecode "${flags[@]}" \
+  "${args[@]}"

@@ -37,6 +37,13 @@ def write_demo_config(tmp_path: Path, target: Path, trust_remote_code: bool | No
     return path
 
 
+def demo_benchmarks(limit: int) -> list[dict]:
+    """configs/demo.yaml's published benchmark formats (data/benchmarks/), `limit` questions each, paths resolved: a
+    shorter demo's eval still decodes each format, in-process and through the engine."""
+    data = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    return [{**b, "path": str(REPO / b["path"]), "limit": limit} for b in data["eval"]["benchmarks"]]
+
+
 def short_demo(run_dir: Path, target_dir: Path, overrides: dict, **demo: Any) -> tuple[Any, str]:
     """`eagle3 demo` in `run_dir` on `target_dir`, its preset's sections updated with `overrides` (a shorter training
     and eval), `demo` the rest of run_demo's arguments (engine, target): (its config, what it printed)."""

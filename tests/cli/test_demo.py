@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -18,8 +17,7 @@ from tasks.datasets import PromptRow, load_dataset
 from tasks.generate.prompts import chat_prompt_ids
 from tasks.responses.checkpoints import live_parts
 from tasks.responses.turn_ids import split_turn_id, turn_id
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.run_configs import demo_benchmarks
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes of its own
 
@@ -44,14 +42,7 @@ def test_demo_runs_every_stage(tmp_path, tiny_target_dir):
     out = io.StringIO()
     # configs/demo.yaml with a shorter training and eval (the full one is `make demo`'s, ~5 minutes on 2 cores)
     # and 2 questions of each published benchmark format (data/benchmarks/) instead of 8
-    benchmarks = [
-        {"name": name, "path": str(REPO / "data" / "benchmarks" / file), "limit": 2}
-        for name, file in (
-            ("mt_bench", "mt_bench_question.jsonl"),
-            ("gsm8k", "gsm8k_test.jsonl"),
-            ("humaneval", "humaneval.jsonl"),
-        )
-    ]
+    benchmarks = demo_benchmarks(2)
     # and context probes at 64 and 128 tokens (models/eval/probes.py), 2 at each edge, 16 tokens each
     probes = {"context_buckets": [64, 128], "context_probes": 2, "context_probe_tokens": 16}
     short = {

@@ -1,10 +1,10 @@
 """SGLang 0.5.23's own EAGLE-3 worker serving our drafts on CPU (.venv-sglang, `make sglang`; tests/sglang_real.py
 and docs/engines.md say what is real: SGLang unmodified, its CPU kernel ops our torch stand-ins).
 
-One demo for the module, `eagle3 demo --engine sglang` made shorter (4 epochs, 24 eval prompts): generate through a
-real SGLang, capture, train, and the engine eval through a real SGLang started with the trained draft
-(`--speculative-algorithm EAGLE3`, `--attention-backend intel_amx`). Then drafts trained on the demo's capture, each
-served by SGLang through `eagle3 eval CONFIG --draft DIR`:
+One demo for the module, `eagle3 demo --engine sglang` made shorter (4 epochs, 24 eval prompts, 2 questions of each
+benchmark): generate through a real SGLang, capture, train, and the engine eval through a real SGLang started with
+the trained draft (`--speculative-algorithm EAGLE3`, `--attention-backend intel_amx`). Then drafts trained on the
+demo's capture, each served by SGLang through `eagle3 eval CONFIG --draft DIR`:
 - the demo's own draft (`norm_before_fc`, D < V: SGLang maps the draft's ids through d2t);
 - plain EAGLE-3 (no norm before fc, D < V);
 - the plain EAGLE-3 draft saved by SpecForge's own draft class (specforge 0.2.0 `LlamaForCausalLMEagle3`,
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.run_configs import short_demo
+from tests.run_configs import demo_benchmarks, short_demo
 from tests.sglang_real import sglang_python
 from tests.tasks.serving.test_vllm_real import eagle3
 
@@ -42,7 +42,10 @@ VARIANT_PROMPTS = 12  # each further draft's: the equality needs a draft that ge
 def sglang_demo(tiny_target_dir, tmp_path_factory, prefect_harness):
     """`eagle3 demo --engine sglang`, shorter: (config, what it printed)."""
     sglang_python()
-    short = {"train": {"epochs": 4}, "eval": {"prompts": PROMPTS, "max_new_tokens": 32}}
+    short = {
+        "train": {"epochs": 4},
+        "eval": {"prompts": PROMPTS, "max_new_tokens": 32, "benchmarks": demo_benchmarks(2)},
+    }
     return short_demo(tmp_path_factory.mktemp("sglang-demo") / "run", tiny_target_dir, short, engine="sglang")
 
 

@@ -39,6 +39,7 @@ from tasks.serving.errors import BadRequest, ServerRefused
 from tasks.serving.launch import ServerProcess, fill_placeholders
 from tasks.serving.vllm import SPEC_METRICS_FLAGS, VLLMClient, cpu_command
 from tests.gate import Gate
+from tests.run_configs import demo_benchmarks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess]
 
@@ -428,7 +429,8 @@ def trained(plain, tiny_target_dir, tmp_path_factory, harness_api_url):
     config.train = type(config.train).model_validate({**config.train.model_dump(), "epochs": 4})
     for dataset in config.datasets:  # the budgets' one-at-a-time order matters to the demo only: 8 in flight here
         dataset.max_in_flight = None
-    config.eval = type(config.eval).model_validate({**config.eval.model_dump(), "prompts": 12, "max_new_tokens": 32})
+    short_eval = {"prompts": 12, "max_new_tokens": 32, "benchmarks": demo_benchmarks(2)}
+    config.eval = type(config.eval).model_validate({**config.eval.model_dump(), **short_eval})
     path = base / "config.yaml"
     path.write_text(dump_config(config))
     done = eagle3("run", str(path), "--stages", "generate,records,capture,train", api_url=harness_api_url)
