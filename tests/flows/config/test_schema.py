@@ -621,11 +621,12 @@ def test_bad_benchmarks_are_named(benchmark, expected):
 
 def test_the_demo_server_section_for_each_engine_validates(tmp_path, monkeypatch):
     import cli.demo as demo
+    import cli.demo_targets as targets
 
     config = demo.demo_config(tmp_path / "run")
     dev = demo.demo_server(config, "dev", "http://127.0.0.1:30011")
     assert (dev.engine, dev.launch, dev.url) == ("sglang", "dev", "http://127.0.0.1:30011")
-    monkeypatch.setattr(demo, "SGLANG_VENV", tmp_path / "no-sglang")
+    monkeypatch.setattr(targets, "SGLANG_VENV", tmp_path / "no-sglang")
     with pytest.raises(FileNotFoundError, match="make sglang"):
         demo.demo_server(config, "sglang", "http://127.0.0.1:30011")
     (tmp_path / "no-sglang" / "bin").mkdir(parents=True)
@@ -637,7 +638,7 @@ def test_the_demo_server_section_for_each_engine_validates(tmp_path, monkeypatch
     assert sglang.command[:4] == ["env", "SGLANG_USE_CPU_ENGINE=1", "OMP_NUM_THREADS=1", python]
     assert sglang.command[sglang.command.index("--model-path") + 1] == config.target.path
     assert "--skip-tokenizer-init" in sglang.command and "intel_amx" in sglang.command
-    monkeypatch.setattr(demo, "VLLM_VENV", tmp_path / "no-venv")
+    monkeypatch.setattr(targets, "VLLM_VENV", tmp_path / "no-venv")
     with pytest.raises(FileNotFoundError, match="make vllm"):
         demo.demo_server(config, "vllm", "http://127.0.0.1:30011")
     (tmp_path / "no-venv" / "bin").mkdir(parents=True)
