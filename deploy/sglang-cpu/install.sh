@@ -13,7 +13,7 @@
 #   - one that answers torch.cuda.synchronize on a CPU build of torch, which SGLang's MLA EAGLE-3 draft calls
 #     (sglang_plugin_cpu_device_sync.py).
 # A GPU machine installs SGLang its own way (`pip install sglang==0.5.23`, docs/engines.md), not with this.
-# Times on this project's 2-core CI machine: under a minute with uv (deploy/pip-install.sh), 3.3 GB.
+# Times on this project's 2-core CI machine: 1-2 minutes with uv (deploy/pip-install.sh), 3.3 GB.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 venv="${1:?usage: install.sh VENV}"
