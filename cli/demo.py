@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 
-from cli.demo_targets import DEMO_ENGINES, DEMO_TARGETS, sglang_python, vllm_python
+from cli.demo_targets import DEMO_ENGINES, DEMO_TARGETS, REPO, sglang_python, vllm_python
 from flows.config.file import dump_config, load_config
 from flows.pipeline import pipeline
 from models.target.tiny import build_target
@@ -22,9 +22,6 @@ from tasks.responses.stats import collect_stats, render_rows_table, render_stats
 from tasks.runtime.ports import free_port
 from tasks.serving import sglang, vllm
 from tasks.serving.launch import SERVER_LOG
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 SHOWN_PER_DATASET = 2
 TEXT_COLUMNS = ("benchmark", "format", "anchor_draft")  # the benchmark table's left-aligned columns
