@@ -33,6 +33,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # first, so that the two workers end together. The real-vLLM file alone takes about 12 minutes on one worker (its
 # servers are module fixtures); started last, it was the suite's tail. Then the other heavy kinds, then the rest.
 FIRST = ("vllm", "sglang", "slow", "e2e", "multiprocess")
+# Before them all: the longest file (the Kimi demo and its servers, about 12 minutes of one worker in CI, its CPU
+# busy), and the files that mostly wait (on Prefect workers' polls, servers' starts), for the other worker to run
+# beside it. Started by marker, those waiting files ran side by side, and the two cores idled for minutes (a CI run:
+# 344 CPU-s idle, most of it then).
+LEAD = (
+    "tests/tasks/serving/test_vllm_kimi.py",
+    "tests/deploy/test_deployments.py",
+    "tests/deploy/test_postgres.py",
+    "tests/deploy/test_local_up.py",
+)
 
 
 def start_rank(item: pytest.Item) -> int:
@@ -41,10 +51,13 @@ def start_rank(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank: dict[str, int] = {}
+    rank: dict[str, float] = {}
     for item in items:
         file = item.nodeid.split("::")[0]
         rank[file] = min(rank.get(file, len(FIRST)), start_rank(item))
+    for i, file in enumerate(LEAD):
+        if file in rank:
+            rank[file] = -len(LEAD) + i
     items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: each file's own order is kept
 
 
