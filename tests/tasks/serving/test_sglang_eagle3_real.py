@@ -1,14 +1,13 @@
 """SGLang 0.5.23's own EAGLE-3 worker serving our drafts on CPU (.venv-sglang, `make sglang`; tests/sglang_real.py
 and docs/engines.md say what is real: SGLang unmodified, its CPU kernel ops our torch stand-ins).
 
-One demo for the module, `eagle3 demo --engine sglang` made shorter (4 epochs, 24 eval prompts, 2 questions of each
-benchmark): generate through a real SGLang, capture, train, and the engine eval through a real SGLang started with
-the trained draft (`--speculative-algorithm EAGLE3`, `--attention-backend intel_amx`). Then drafts trained on the
-demo's capture, each served by SGLang through `eagle3 eval CONFIG --draft DIR`:
+One demo for the module, `eagle3 demo --engine sglang` made shorter (4 epochs, 24 eval prompts, 1 question of each
+benchmark, no pass of the untrained draft): generate through a real SGLang, capture, train, and the engine eval
+through a real SGLang started with the trained draft (`--speculative-algorithm EAGLE3`, `--attention-backend
+intel_amx`). Then drafts trained on the demo's capture, each served by SGLang through `eagle3 eval CONFIG --draft DIR`:
 - the demo's own draft (`norm_before_fc`, D < V: SGLang maps the draft's ids through d2t);
-- plain EAGLE-3 (no norm before fc, D < V);
-- the plain EAGLE-3 draft saved by SpecForge's own draft class (specforge 0.2.0 `LlamaForCausalLMEagle3`,
-  `save_pretrained`: its config as transformers 5 writes it, its tensor names).
+- plain EAGLE-3 (no norm before fc, D < V), as SpecForge's own draft class saves it (specforge 0.2.0
+  `LlamaForCausalLMEagle3`, `save_pretrained`: its config as transformers 5 writes it, our tensor names).
 EAGLE-3.1 over the whole vocabulary (`fc_norm`, `norm_output`, D == V: no d2t) is the Kimi demo's draft, served by
 SGLang in tests/tasks/serving/test_vllm_kimi.py (trained once there, for both engines).
 
@@ -42,9 +41,16 @@ VARIANT_PROMPTS = 12  # each further draft's: the equality needs a draft that ge
 def sglang_demo(tiny_target_dir, tmp_path_factory, prefect_harness):
     """`eagle3 demo --engine sglang`, shorter: (config, what it printed)."""
     sglang_python()
+    # one question of each benchmark format, and no pass of the untrained draft (nothing here reads its figures): the
+    # proofs are the trained draft's rounds, with the baseline server's greedy tokens
     short = {
         "train": {"epochs": 4},
-        "eval": {"prompts": PROMPTS, "max_new_tokens": 32, "benchmarks": demo_benchmarks(2)},
+        "eval": {
+            "prompts": PROMPTS,
+            "max_new_tokens": 32,
+            "benchmarks": demo_benchmarks(1),
+            "compare_untrained": False,
+        },
     }
     return short_demo(tmp_path_factory.mktemp("sglang-demo") / "run", tiny_target_dir, short, engine="sglang")
 
@@ -118,20 +124,14 @@ def plain_eagle3(sglang_demo, tmp_path_factory, harness_api_url) -> tuple[Path, 
     return path, trained(path, harness_api_url)
 
 
-def test_a_plain_eagle3_draft_is_served_with_the_in_process_rounds(plain_eagle3, harness_api_url):
-    path, final = plain_eagle3
-    exported = json.loads((final / "config.json").read_text())
-    assert not exported["norm_before_fc"] and not exported["fc_norm"] and not exported["norm_output"]
-    assert exported["draft_vocab_size"] < exported["vocab_size"]
-    sglang_equals_in_process(served(path, final, harness_api_url), VARIANT_PROMPTS)
-
-
-def test_a_draft_saved_by_specforge_s_own_class_is_served_with_the_in_process_rounds(
+def test_a_plain_eagle3_draft_as_specforge_s_own_class_saves_it_is_served_with_the_in_process_rounds(
     plain_eagle3, tmp_path, harness_api_url
 ):
-    """The plain EAGLE-3 draft's tensors loaded into SpecForge 0.2.0's LlamaForCausalLMEagle3 and written by its
-    save_pretrained (transformers 5: `dtype`, and `rope_parameters` instead of `rope_theta`), read by `eagle3 eval
-    --draft` in-process and served by SGLang from that directory."""
+    """The plain EAGLE-3 draft (no norm before fc, D < V) as we export it, its tensors loaded into SpecForge 0.2.0's
+    LlamaForCausalLMEagle3 (strict: the same names) and written by its save_pretrained (transformers 5: `dtype`, and
+    `rope_parameters` instead of `rope_theta`), read by `eagle3 eval --draft` in-process and served by SGLang from
+    that directory: its plain draft class (llama_eagle3.py, no norm before fc) and SpecForge's config in one start.
+    Our own config's keys are served by SGLang in the demo's test (the same writer, norm_before_fc on)."""
     import torch
     from safetensors.torch import load_file
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
@@ -139,6 +139,8 @@ def test_a_draft_saved_by_specforge_s_own_class_is_served_with_the_in_process_ro
 
     path, final = plain_eagle3
     cfg = json.loads((final / "config.json").read_text())
+    assert not cfg["norm_before_fc"] and not cfg["fc_norm"] and not cfg["norm_output"]
+    assert cfg["draft_vocab_size"] < cfg["vocab_size"]
     ours = load_file(final / "model.safetensors")
     theirs = LlamaForCausalLMEagle3(LlamaConfig(**{k: v for k, v in cfg.items() if k != "torch_dtype"}))
     theirs.load_state_dict(ours, strict=True)  # the same tensor names, t2d and d2t included
@@ -147,6 +149,7 @@ def test_a_draft_saved_by_specforge_s_own_class_is_served_with_the_in_process_ro
     written = json.loads((spec / "config.json").read_text())
     assert written["architectures"] == ["LlamaForCausalLMEagle3"] and "dtype" in written  # as SpecForge writes it
     assert "rope_theta" not in written and written["rope_parameters"]["rope_theta"] == cfg["rope_theta"]
+    assert not written.get("norm_before_fc")  # the plain class, whether SGLang reads the key or its default
     report = served(path, spec, harness_api_url)
     assert report["draft"] == str(spec)
     sglang_equals_in_process(report, VARIANT_PROMPTS)

@@ -334,58 +334,83 @@ def test_the_same_mla_draft_is_served_by_sglang_s_kimi_class_with_the_in_process
     print(f"MLA draft: acceptance {report['trained']['acceptance_length']:.3f} in-process and through SGLang")
 
 
-@pytest.mark.sglang
-def test_sglang_serves_the_demo_s_eagle3_1_draft_over_the_whole_vocabulary_with_the_in_process_rounds(
-    kimi_demo, tmp_path, harness_api_url
-):
-    """The demo's draft (EAGLE-3.1: `fc_norm`, `norm_output`, which SGLang 0.5.23's llama_eagle3.py reads; D == V,
-    so no d2t and SGLang takes the draft's ids as they are) in the real SGLang (.venv-sglang): its own verify rounds
-    and completion tokens equal the in-process eval's, prompt by prompt."""
-    import yaml
-
-    config, _ = kimi_demo
-    data = yaml.safe_load(config.layout.demo_config.read_text())
-    data["eval"].update({"prompts": MLA_PROMPTS, "compare_untrained": False, "benchmarks": [], "baseline": False})
-    final = config.layout.draft_dir / "final"
-    report = served(data, final, "sglang", tmp_path / "eagle3.1-sglang.yaml", harness_api_url)
-    sglang_equals_in_process(report, MLA_PROMPTS)
-
-
 AUX_NEW = 16  # tokens each sample is continued by in the aux test's server, greedy, against transformers'
 
 
-@pytest.mark.sglang
-def test_sglang_captures_for_eagle3_the_aux_states_our_capture_stored(kimi_demo, kimi_target_dir, tmp_path):
-    """SGLang serving the demo's draft, the dump plugin on its path (tests/tasks/serving/sglang_aux_dump.py: the aux
-    states SGLang's own DeepSeek model captures for EAGLE-3, srt/models/deepseek_v2.py, read through SGLang's hook
-    registry): each of 6 samples of the demo's capture sent as a prompt (radix cache off, so the prefill covers every
-    token), and the states SGLang captured for it equal, numerically, the states our capture stored, at the ids our
-    export writes (SGLang adds 1 to them: its rule for ids starting at 1). Its greedy continuation of each sample, the
-    draft speculating, equals transformers' greedy tokens."""
-    from models.target.loader import load_language_model
+@pytest.fixture(scope="module")
+def sglang_with_the_demo_draft(kimi_demo, kimi_target_dir, tmp_path_factory):
+    """One real SGLang (.venv-sglang) for the two tests below: the Kimi target, the demo's EAGLE-3.1 draft speculating
+    3 tokens a round, the radix cache off (each prefill covers every token of its prompt), and the aux dump plugin on
+    its path (tests/tasks/serving/sglang_aux_dump.py: the aux states SGLang's own DeepSeek model captures for EAGLE-3,
+    srt/models/deepseek_v2.py, read through SGLang's hook registry, one file per request). (server, dump directory)."""
     from tasks.serving.sglang import SGLangClient
     from tests.sglang_real import start_sglang
     from tests.tasks.serving.sglang_aux_dump import ENV as AUX_DUMP_ENV
     from tests.tasks.serving.sglang_aux_dump import plugin_path
 
-    sglang_python()
+    sglang_python()  # a skip that says how to get it
     config, _ = kimi_demo
-    samples = shortest_samples(config.layout.hidden_dir)
-    dumps = tmp_path / "dumps"
+    tmp = tmp_path_factory.mktemp("sglang-eagle3.1")
+    dumps = tmp / "dumps"
     dumps.mkdir()
     extra = [*SGLangClient.speculative_args(str(config.layout.draft_dir / "final"), 3), "--disable-radix-cache"]
-    env = {"PYTHONPATH": str(plugin_path(tmp_path / "plugin")), AUX_DUMP_ENV: str(dumps)}
-    server = start_sglang(kimi_target_dir, tmp_path / "sglang.log", context_length=1024, extra=extra, env=env)
-    params = {"max_new_tokens": AUX_NEW, "temperature": 0, "ignore_eos": True}
+    env = {"PYTHONPATH": str(plugin_path(tmp / "plugin")), AUX_DUMP_ENV: str(dumps)}
+    server = start_sglang(kimi_target_dir, tmp / "sglang.log", context_length=1024, extra=extra, env=env)
     try:
-        outputs = []
-        for s in samples:
-            body = {"input_ids": s["input_ids"].tolist(), "sampling_params": params}
-            r = httpx.post(server.url + "/generate", json=body, timeout=300)
-            assert r.status_code == 200, r.text
-            outputs.append(r.json()["output_ids"])
+        yield server, dumps
     finally:
         server.stop()
+
+
+@pytest.mark.sglang
+def test_sglang_serves_the_demo_s_eagle3_1_draft_over_the_whole_vocabulary_with_the_in_process_rounds(
+    kimi_demo, sglang_with_the_demo_draft, tmp_path, harness_api_url
+):
+    """The demo's draft (EAGLE-3.1: `fc_norm`, `norm_output`, which SGLang 0.5.23's llama_eagle3.py reads; D == V,
+    so no d2t and SGLang takes the draft's ids as they are) in the real SGLang: its own verify rounds and completion
+    tokens equal the in-process eval's, prompt by prompt. `eagle3 eval` against that running server (server.launch:
+    none); the MLA test above has the eval start SGLang itself with a draft."""
+    import yaml
+
+    from flows.config.file import load_config
+    from tests.tasks.serving.test_vllm_real import eagle3
+
+    config, _ = kimi_demo
+    server, _ = sglang_with_the_demo_draft
+    data = yaml.safe_load(config.layout.demo_config.read_text())
+    data["eval"].update({"prompts": MLA_PROMPTS, "compare_untrained": False, "benchmarks": [], "baseline": False})
+    data["server"] = {**data["server"], "engine": "sglang", "url": server.url, "launch": "none", "command": None}
+    path = tmp_path / "eagle3.1-sglang.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    final = config.layout.draft_dir / "final"
+    done = eagle3("eval", str(path), "--draft", str(final), api_url=harness_api_url)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _, report_path, _ = load_config(path).layout.eval_of(str(final))
+    report = json.loads(report_path.read_text())
+    assert report["engine"]["server"]["speculative_draft_model_path"] == str(final)
+    sglang_equals_in_process(report, MLA_PROMPTS)
+
+
+@pytest.mark.sglang
+def test_sglang_captures_for_eagle3_the_aux_states_our_capture_stored(
+    kimi_demo, kimi_target_dir, sglang_with_the_demo_draft
+):
+    """SGLang serving the demo's draft with the dump plugin (`sglang_with_the_demo_draft`): each of 6 samples of the
+    demo's capture sent as a prompt, and the states SGLang captured for it equal, numerically, the states our capture
+    stored, at the ids our export writes (SGLang adds 1 to them: its rule for ids starting at 1). Its greedy
+    continuation of each sample, the draft speculating, equals transformers' greedy tokens."""
+    from models.target.loader import load_language_model
+
+    config, _ = kimi_demo
+    server, dumps = sglang_with_the_demo_draft
+    samples = shortest_samples(config.layout.hidden_dir)
+    params = {"max_new_tokens": AUX_NEW, "temperature": 0, "ignore_eos": True}
+    outputs = []
+    for s in samples:
+        body = {"input_ids": s["input_ids"].tolist(), "sampling_params": params}
+        r = httpx.post(server.url + "/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        outputs.append(r.json()["output_ids"])
     theirs = {}
     for path in sorted(dumps.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
