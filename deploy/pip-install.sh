@@ -41,7 +41,7 @@ done
 # .pyc files: Python writes one for each module a process imports, the first time, unless PYTHONDONTWRITEBYTECODE is
 # set; then it writes none, and every process would compile every module it imports (torch, transformers, vLLM,
 # SGLang) from source again. Only there are they compiled as pip compiles them, all at install (--compile-bytecode:
-# about 70 000 files over the three venvs, some 170 s of a core on 2 cores; the suite imports a fraction of them).
+# about 65,000 files over the three venvs, some 170 s of a core; a run of the suite imports a third of them).
 compile=()
 [[ -z "${PYTHONDONTWRITEBYTECODE:-}" ]] || compile=(--compile-bytecode)
 exec "$uv" pip install --python "$venv/bin/python" --index-strategy unsafe-best-match "${compile[@]}" "${flags[@]}" \

@@ -51,7 +51,7 @@ def start_rank(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank: dict[str, float] = {}
+    rank: dict[str, int] = {}
     for item in items:
         file = item.nodeid.split("::")[0]
         rank[file] = min(rank.get(file, len(FIRST)), start_rank(item))
