@@ -36,7 +36,7 @@ EAGLE3 = Path(sys.executable).parent / "eagle3"
 MARK = "EAGLE3_TEST_STOP_MARK"  # in the environment of every process a command starts, and of theirs
 STOP_WITHIN_S = 10.0
 GATE_S = 240.0  # how long a moment may take to come on a busy 2-core machine
-PROMPTS = 50  # data/samples/gen_math.jsonl
+PROMPTS = 20  # the first of data/samples/gen_math.jsonl's 50: a stop after the first part leaves 16 for the rerun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -223,7 +223,8 @@ def response_ids(run_dir: Path, dataset: str = "B1") -> list[str]:
 
 
 def write_config(tmp_path: Path, target: Path, run_dir: Path | None = None, **dataset: object) -> Path:
-    """A dev-server run of gen_math's 50 prompts, checkpointed every 4 responses; capture and eval on 1 CPU rank."""
+    """A dev-server run of gen_math's prompts (`dataset`'s max_prompts, else PROMPTS), checkpointed every 4 responses;
+    capture and eval on 1 CPU rank."""
     config = {
         "run_dir": str(run_dir or tmp_path / "run"),
         "target": {"path": str(target)},
@@ -240,7 +241,13 @@ def write_config(tmp_path: Path, target: Path, run_dir: Path | None = None, **da
             "compare_untrained": False,
         },
         "datasets": [
-            {"name": "B1", "kind": "generate", "path": str(REPO / "data" / "samples" / "gen_math.jsonl"), **dataset}
+            {
+                "name": "B1",
+                "kind": "generate",
+                "path": str(REPO / "data" / "samples" / "gen_math.jsonl"),
+                "max_prompts": PROMPTS,
+                **dataset,
+            }
         ],
     }
     path = tmp_path / "config.yaml"
