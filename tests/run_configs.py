@@ -17,6 +17,13 @@ def write_run_config(path: Path, run_dir: Path, target: Path, datasets: list[dic
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The training-time-test steps of the tests' trainings that feed an engine or an eval (train.ttt_steps; 7 by default):
+# the eval speculates 3 tokens a round (eval.num_steps), so 3 steps train every position it drafts, and the tests
+# compare the engine's rounds with the in-process eval's, for which a draft needs some tokens right, not a good one.
+# The training's compute is about linear in the steps: `eagle3 run --stages train` of the Kimi test demo's 2 epochs
+# took 95 CPU-s with 7 steps and 62 with 3 (the same held-out acceptance estimate, 1.48 and 1.47).
+TEST_TTT_STEPS = 3
+
 
 def write_demo_config(tmp_path: Path, target: Path, trust_remote_code: bool | None = None, **sections: Any) -> Path:
     """configs/demo.yaml for a run in tmp_path on `target` (already built), with `sections` merged over it.

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tasks.runtime.ports import free_port
-from tests.run_configs import write_run_config
+from tests.run_configs import TEST_TTT_STEPS, write_run_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,6 +62,7 @@ def _config(tmp_path: Path, tiny_target_dir: Path) -> Path:
             "draft_vocab_size": 1024,
             "max_batch_tokens": 1024,
             "epochs": 2,
+            "ttt_steps": TEST_TTT_STEPS,
             "lr": 0.002,
             "checkpoint_every": 10,
             "eval_every": 10,

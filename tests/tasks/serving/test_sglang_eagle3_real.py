@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.run_configs import demo_benchmarks, short_demo
+from tests.run_configs import TEST_TTT_STEPS, demo_benchmarks, short_demo
 from tests.sglang_real import sglang_python
 from tests.tasks.serving.test_vllm_real import eagle3
 
@@ -44,7 +44,7 @@ def sglang_demo(tiny_target_dir, tmp_path_factory, prefect_harness):
     # one question of each benchmark format, and no pass of the untrained draft (nothing here reads its figures): the
     # proofs are the trained draft's rounds, with the baseline server's greedy tokens
     short = {
-        "train": {"epochs": 4},
+        "train": {"epochs": 4, "ttt_steps": TEST_TTT_STEPS},
         "eval": {
             "prompts": PROMPTS,
             "max_new_tokens": 32,

@@ -38,6 +38,7 @@ from models.export.format import vllm_aux_ids
 from models.target.weights import load_final_norm
 from tasks.serving.vllm import shape_words
 from tests.models.torchrun import cpu_env
+from tests.run_configs import TEST_TTT_STEPS
 from tests.sglang_real import sglang_python
 from tests.tasks.serving.test_sglang_eagle3_real import sglang_equals_in_process
 from tests.tasks.serving.test_vllm_real import engine_equals_in_process
@@ -76,10 +77,10 @@ def vllm_python() -> Path:
 
 @pytest.fixture(scope="module")
 def kimi_demo(vllm_python, kimi_target_dir, tmp_path_factory, prefect_harness):
-    """`eagle3 demo --target kimi`, shorter (2 epochs: an acceptance of about 1.3 against 1.0 untrained, measured; 24
-    prompts) and with an EAGLE-3.1 draft over the target's whole vocabulary: generate and the engine eval through vLLM
-    (MLA as plain attention, so the Llama-style draft runs on CPU: tasks/serving/vllm.py shape_words), capture under
-    ZeRO-3, train, the in-process eval. (config, what it printed)."""
+    """`eagle3 demo --target kimi`, shorter (2 epochs of 3 TTT steps, TEST_TTT_STEPS: an acceptance of about 1.3
+    against 1.0 untrained, measured; 24 prompts) and with an EAGLE-3.1 draft over the target's whole vocabulary:
+    generate and the engine eval through vLLM (MLA as plain attention, so the Llama-style draft runs on CPU:
+    tasks/serving/vllm.py shape_words), capture under ZeRO-3, train, the in-process eval. (config, what it printed)."""
     import io
 
     from rich.console import Console
@@ -91,7 +92,7 @@ def kimi_demo(vllm_python, kimi_target_dir, tmp_path_factory, prefect_harness):
     # draft is compared on the Llama target (test_vllm_real.py); this saves a third vLLM start
     vocab = json.loads((kimi_target_dir / "config.json").read_text())["text_config"]["vocab_size"]
     short = {
-        "train": {"epochs": 2, "draft_variant": "eagle3.1", "draft_vocab_size": vocab},
+        "train": {"epochs": 2, "ttt_steps": TEST_TTT_STEPS, "draft_variant": "eagle3.1", "draft_vocab_size": vocab},
         "eval": {"prompts": 24, "max_new_tokens": 32, "baseline": False},
     }
     config = run_demo(
@@ -262,8 +263,8 @@ MLA_PROMPTS = 8  # each further engine eval (the MLA draft's, SGLang's): the equ
 def mla_draft(kimi_demo, tmp_path_factory, harness_api_url) -> tuple[dict, Path]:
     """`train.draft_arch: mla` trained on the demo's capture, once for both engines: EAGLE-3 with a draft vocabulary
     smaller than the target's (the d2t path of the MLA classes; the demo's draft above is EAGLE-3.1 over the whole
-    vocabulary), 2 epochs (the equality needs a draft that gets some tokens right, not a good one: CI's time). (the
-    config it was trained with, as data; the exported draft)."""
+    vocabulary), 2 epochs of the demo's 3 TTT steps (the equality needs a draft that gets some tokens right, not a
+    good one: CI's time). (the config it was trained with, as data; the exported draft)."""
     import yaml
 
     from tests.tasks.serving.test_vllm_real import eagle3
