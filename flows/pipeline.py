@@ -15,7 +15,6 @@ from flows.preflight import engine_checks, preflight, report
 from flows.records import records
 from flows.stage_run import held_run
 from flows.train import train
-from models.target.tiny import build_target
 from settings.run import RunConfig
 from settings.stages import STAGES, Stage, parse_stages
 from tasks.runtime.artifacts import publish_pipeline_summary, stage_headline
@@ -60,6 +59,10 @@ def run_stages(
 ) -> dict:
     """The chosen stages in order, each as a subflow, after the preflight checks."""
     if config.target.build_tiny_target:  # demo and tests: the deterministic tiny target, built once
+        # imported here: it imports transformers (~2 s), which a stage command's own process needs only for a
+        # tokenizer (generate, records), the ranks and servers importing their own
+        from models.target.tiny import build_target
+
         build_target(config.target.path, config.target.tiny_shape, quantize=config.target.tiny_quantize)
     log = get_run_logger()
     end_dead_runs(config.run_dir, log)  # a killed run's flow runs, still Running in the UI

@@ -23,6 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 # The training's compute is about linear in the steps: `eagle3 run --stages train` of the Kimi test demo's 2 epochs
 # took 95 CPU-s with 7 steps and 62 with 3 (the same held-out acceptance estimate, 1.48 and 1.47).
 TEST_TTT_STEPS = 3
+# The ranks of those tests' captures and trainings where the engine is the subject (capture.num_gpus, train.num_gpus;
+# the demo's 2): each rank is a process that spends ~9 CPU-s importing torch, transformers and DeepSpeed and joining
+# the group before its first batch. Two or more ranks are the subject of tests/models/, tests/tasks/test_multinode.py,
+# test_demo.py and the Kimi test's ZeRO-3 capture.
+TEST_RANKS = 1
 
 
 def write_demo_config(tmp_path: Path, target: Path, trust_remote_code: bool | None = None, **sections: Any) -> Path:

@@ -1,8 +1,8 @@
 """SGLang 0.5.23's own EAGLE-3 worker serving our drafts on CPU (.venv-sglang, `make sglang`; tests/sglang_real.py
 and docs/engines.md say what is real: SGLang unmodified, its CPU kernel ops our torch stand-ins).
 
-One demo for the module, `eagle3 demo --engine sglang` made shorter (4 epochs, 24 eval prompts, 1 question of each
-benchmark, no pass of the untrained draft): generate through a real SGLang, capture, train, and the engine eval
+One demo for the module, `eagle3 demo --engine sglang` made shorter (one rank, 4 epochs, 24 eval prompts, 1 question
+of each benchmark, no pass of the untrained draft): generate through a real SGLang, capture, train, and the engine eval
 through a real SGLang started with the trained draft (`--speculative-algorithm EAGLE3`, `--attention-backend
 intel_amx`). Then drafts trained on the demo's capture, each served by SGLang through `eagle3 eval CONFIG --draft DIR`:
 - the demo's own draft (`norm_before_fc`, D < V: SGLang maps the draft's ids through d2t);
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.run_configs import TEST_TTT_STEPS, demo_benchmarks, short_demo
+from tests.run_configs import TEST_RANKS, TEST_TTT_STEPS, demo_benchmarks, short_demo
 from tests.sglang_real import sglang_python
 from tests.tasks.serving.test_vllm_real import eagle3
 
@@ -44,7 +44,8 @@ def sglang_demo(tiny_target_dir, tmp_path_factory, prefect_harness):
     # one question of each benchmark format, and no pass of the untrained draft (nothing here reads its figures): the
     # proofs are the trained draft's rounds, with the baseline server's greedy tokens
     short = {
-        "train": {"epochs": 4, "ttt_steps": TEST_TTT_STEPS},
+        "capture": {"num_gpus": TEST_RANKS},
+        "train": {"epochs": 4, "ttt_steps": TEST_TTT_STEPS, "num_gpus": TEST_RANKS},
         "eval": {
             "prompts": PROMPTS,
             "max_new_tokens": 32,

@@ -38,7 +38,7 @@ from models.export.format import vllm_aux_ids
 from models.target.weights import load_final_norm
 from tasks.serving.vllm import shape_words
 from tests.models.torchrun import cpu_env
-from tests.run_configs import TEST_TTT_STEPS
+from tests.run_configs import TEST_RANKS, TEST_TTT_STEPS
 from tests.sglang_real import sglang_python
 from tests.tasks.serving.test_sglang_eagle3_real import sglang_equals_in_process
 from tests.tasks.serving.test_vllm_real import engine_equals_in_process
@@ -92,7 +92,13 @@ def kimi_demo(vllm_python, kimi_target_dir, tmp_path_factory, prefect_harness):
     # draft is compared on the Llama target (test_vllm_real.py); this saves a third vLLM start
     vocab = json.loads((kimi_target_dir / "config.json").read_text())["text_config"]["vocab_size"]
     short = {
-        "train": {"epochs": 2, "ttt_steps": TEST_TTT_STEPS, "draft_variant": "eagle3.1", "draft_vocab_size": vocab},
+        "train": {
+            "epochs": 2,
+            "ttt_steps": TEST_TTT_STEPS,
+            "num_gpus": TEST_RANKS,  # the capture keeps the demo's 2 ranks under ZeRO-3: the layer-id test's subject
+            "draft_variant": "eagle3.1",
+            "draft_vocab_size": vocab,
+        },
         "eval": {"prompts": 24, "max_new_tokens": 32, "baseline": False},
     }
     config = run_demo(

@@ -39,7 +39,7 @@ from tasks.serving.errors import BadRequest, ServerRefused
 from tasks.serving.launch import ServerProcess, fill_placeholders
 from tasks.serving.vllm import SPEC_METRICS_FLAGS, VLLMClient, cpu_command
 from tests.gate import Gate
-from tests.run_configs import TEST_TTT_STEPS, demo_benchmarks
+from tests.run_configs import TEST_RANKS, TEST_TTT_STEPS, demo_benchmarks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess]
 
@@ -415,8 +415,8 @@ def test_turns_all_through_vllm_answers_each_turn_after_vllm_s_own_earlier_answe
 def trained(plain, tiny_target_dir, tmp_path_factory, harness_api_url):
     """The demo's stages generate..train with generate through the plain vLLM.
 
-    A shorter training (4 epochs, TEST_TTT_STEPS): the equality needs a draft that gets some tokens right, not a good
-    one.
+    One rank (TEST_RANKS) and a shorter training (4 epochs, TEST_TTT_STEPS): the equality needs a draft that gets
+    some tokens right, not a good one.
     """
     from cli.demo import demo_config
     from flows.config.file import dump_config
@@ -427,8 +427,9 @@ def trained(plain, tiny_target_dir, tmp_path_factory, harness_api_url):
     config.server = type(config.server).model_validate(
         {**config.server.model_dump(), "engine": "vllm", "launch": "none", "url": plain}
     )
+    config.capture = type(config.capture).model_validate({**config.capture.model_dump(), "num_gpus": TEST_RANKS})
     config.train = type(config.train).model_validate(
-        {**config.train.model_dump(), "epochs": 4, "ttt_steps": TEST_TTT_STEPS}
+        {**config.train.model_dump(), "epochs": 4, "ttt_steps": TEST_TTT_STEPS, "num_gpus": TEST_RANKS}
     )
     for dataset in config.datasets:  # the budgets' one-at-a-time order matters to the demo only: 8 in flight here
         dataset.max_in_flight = None
