@@ -62,10 +62,11 @@ def cpu_command(
       a second thread. (vLLM's CPU build binds its own: tasks/serving/vllm.py.)
     - `TORCH_COMPILE_DISABLE=1`: SGLang compiles some helpers with `torch.compile` whatever the device (the MoE
       top-k of a DeepSeek-style model: srt/layers/moe/topk.py `@torch.compile(dynamic=True)`), which on a CPU
-      means inductor writing and compiling C++ at the first requests of every start that finds no cache. Eager
-      they give the same tokens. Measured here on the Kimi test target (2 cores, nothing else running): healthy
-      after 44 s and 46 CPU-s with an empty inductor cache, 30 s with a warm one, 22 s eager; the tiny Llama
-      target compiles nothing (22 s either way).
+      means inductor writing and compiling C++ before the server is healthy, at every start that finds no
+      inductor cache, and loading the compiled kernels at the others. Eager they give the same tokens.
+      Measured here on the Kimi test target (2 cores, nothing else running): healthy after 44 s and 46 CPU-s
+      with an empty inductor cache, 30 s with a warm one, 22 s eager; the tiny Llama target compiles nothing
+      (22 s either way).
     - `--attention-backend intel_amx`: SGLang's CPU attention backend, the only one its EAGLE-3 worker runs on
       a CPU (speculative/draft_utils.py), so the server with a draft and the one without attend the same way.
       Its two kernel ops, like the speculative-decoding and KV-cache ops, are our torch versions in
