@@ -7,14 +7,23 @@ and returns a tokenizer whose special tokens have other ids (on the tiny kimi bu
 124 of the 259 sample texts encoded differently). Every id the pipeline writes would be wrong, silently. So a target
 whose tokenizer_config.json maps AutoTokenizer to its own code is refused here unless `target.trust_remote_code` is
 set, with the setting to change.
+
+Loads are taken one at a time in a process (`_LOADING`). Loading a tokenizer that is code makes transformers parse
+that code (dynamic_module_utils.py `get_imports`, `ast.parse`), and CPython 3.11's AST constructor keeps its recursion
+depth in the interpreter, not the thread (python/cpython#106905): two threads parsing at once can fail with
+`SystemError: AST constructor recursion depth mismatch`. Generate loads the tokenizer in every dataset task, in threads
+beside one another; it failed so once in CI (the Kimi test demo's B4_chat).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 from models.target.weights import checkpoint_dir
+
+_LOADING = threading.Lock()
 
 
 class RemoteTokenizerNotTrusted(ValueError):
@@ -46,8 +55,10 @@ def check_tokenizer_trust(target_path: str, trust_remote_code: bool) -> None:
 
 
 def load_tokenizer(target_path: str, trust_remote_code: bool) -> Any:
-    """The target's tokenizer (transformers' AutoTokenizer), refused as `check_tokenizer_trust` says."""
+    """The target's tokenizer (transformers' AutoTokenizer), refused as `check_tokenizer_trust` says; one load at a
+    time in a process (the module's docstring says why)."""
     from transformers import AutoTokenizer
 
     check_tokenizer_trust(target_path, trust_remote_code)
-    return AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+    with _LOADING:
+        return AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)

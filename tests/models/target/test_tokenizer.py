@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,34 @@ def test_an_unreadable_tokenizer_config_is_left_to_transformers(tmp_path):
     assert remote_tokenizer_class(str(tmp_path)) is None
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": [None, "x.Fast"]}}))
     assert remote_tokenizer_class(str(tmp_path)) == "x.Fast"
+
+
+def test_tokenizers_load_one_at_a_time_in_a_process(tiny_target_dir, monkeypatch):
+    """Generate loads the tokenizer in each dataset task's thread; transformers parses a remote tokenizer's code with
+    `ast.parse`, which CPython 3.11 cannot run in two threads at once (python/cpython#106905: SystemError, AST
+    constructor recursion depth mismatch). So a second load waits for the first: the first holds on until a second
+    load enters or a second has passed, and no two are ever inside together."""
+    from transformers import AutoTokenizer
+
+    inside, most, second_entered = [0], [0], threading.Event()
+    first = threading.Event()
+
+    def from_pretrained(path, trust_remote_code):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        if first.is_set():
+            second_entered.set()
+        else:
+            first.set()
+            second_entered.wait(timeout=1.0)
+        inside[0] -= 1
+        return path
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_pretrained)
+    loads = [threading.Thread(target=load_tokenizer, args=(str(tiny_target_dir), False)) for _ in range(2)]
+    loads[0].start()
+    assert first.wait(timeout=30)
+    loads[1].start()
+    for load in loads:
+        load.join(timeout=30)
+    assert second_entered.is_set() and most[0] == 1
