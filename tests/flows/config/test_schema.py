@@ -652,10 +652,15 @@ def test_the_demo_server_section_for_each_engine_validates(tmp_path, monkeypatch
     (tmp_path / "no-venv" / "bin" / "python").write_text("")
     vllm = demo.demo_server(config, "vllm", "http://127.0.0.1:30011")
     assert (vllm.engine, vllm.launch) == ("vllm", "command")
-    assert (
-        vllm.command[2] == str(tmp_path / "no-venv" / "bin" / "python")
-        and "--no-enable-chunked-prefill" in vllm.command
-    )
+    # the model in the engine core's process: tasks/serving/vllm.py cpu_command says why (one process start fewer)
+    assert vllm.command[:4] == [
+        "env",
+        "VLLM_CPU_KVCACHE_SPACE=1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0",
+        str(tmp_path / "no-venv" / "bin" / "python"),
+    ]
+    assert "--no-enable-chunked-prefill" in vllm.command
+    assert vllm.command[vllm.command.index("--distributed-executor-backend") + 1] == "uni"
     assert vllm.command[vllm.command.index("--model") + 1] == config.target.path
 
 

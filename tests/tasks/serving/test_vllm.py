@@ -248,7 +248,13 @@ def test_the_cpu_command_follows_the_target_s_shape(tmp_path, tiny_target_dir):
     assert env == ["VLLM_MLA_DISABLE=1"]
     assert flags == ["--limit-mm-per-prompt", '{"image": 0, "video": 0, "vision_chunk": 0}']
     words = cpu_command("python", str(kimi))
-    assert words[:4] == ["env", "VLLM_CPU_KVCACHE_SPACE=1", "VLLM_MLA_DISABLE=1", "python"]
+    assert words[:5] == [
+        "env",
+        "VLLM_CPU_KVCACHE_SPACE=1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0",
+        "VLLM_MLA_DISABLE=1",
+        "python",
+    ]
     assert words[-2:] == flags
     assert shape_words(str(tiny_target_dir)) == ([], [])
     assert shape_words("moonshotai/Kimi-K2.5") == ([], [])
