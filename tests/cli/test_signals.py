@@ -4,7 +4,8 @@ Each command is started as a user starts it (the console script, stdout a pipe, 
 until a gate -- a line it prints, a process it starts -- says the moment has come, then signalled. Every test asserts
 that the command is gone within 10 s; that no process it started is left, whether found in its process tree while it
 ran or, later, by a mark in the environment it handed down (an orphan has no parent to be found by); that the port of
-Prefect's temporary server no longer answers and no second one was started; and no `--- Logging error ---`. Where
+Prefect's temporary server no longer answers and no second one was started (three of the generate moments start one;
+the other commands use the session's server); and no `--- Logging error ---`. Where
 the run had written checkpoints, a rerun finishes the work with every prompt answered exactly once.
 """
 
@@ -324,7 +325,7 @@ def test_run_stops_during_a_capture_rank_job_leaving_no_rank(tmp_path, records_r
     """torchrun starts each rank in a session of its own: killing the launcher's group alone left the rank running."""
     config = copy_run(records_run, tmp_path, tiny_target_dir)
     args = ["run", str(config), "--stages", "generate,records,capture", "--skip-checks"]
-    command = Command(args)
+    command = Command(args, api_url=harness_api_url)  # a temporary Prefect server's stop: the generate moments'
     rank = command.wait_process("models.capture", but_not="torch.distributed.run")
     assert os.getsid(rank) != os.getsid(command.process.pid)  # the case this test is for
     assert_stopped(command, command.stop())
@@ -360,7 +361,7 @@ def test_eval_stops_within_10s_leaving_nothing(
         data["eval"]["max_new_tokens"] = 256
         config.write_text(yaml.safe_dump(data, sort_keys=False))
     args = ["eval", str(config), "--draft", str(random_draft), "--skip-checks"]
-    command = Command(args)
+    command = Command(args, api_url=harness_api_url)  # a temporary Prefect server's stop: the generate moments'
     if moment == "rank-job":
         command.wait_process("models.eval", but_not="torch.distributed.run")
     else:  # the dev server with the draft answers: the eval decodes through it
